@@ -1,0 +1,47 @@
+"""What the engine needs from a backend. The engine knows nothing about tensors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable, Iterator, Optional, Protocol, Sequence
+
+from ..generation import ProgressFn, SamplingParams
+from ..heap import HeapConfig, HeapStats
+
+
+class Backend(Protocol):
+    name: str            # "mlx" | "torch"
+    model_name: str
+    tokenizer: Any       # Hugging Face tokenizer: encode/decode/apply_chat_template
+    eos_token_ids: set[int]
+    weights_bytes: int
+
+    def new_cache(self, cfg: HeapConfig) -> Any: ...
+
+    def generate(self, cache: Any, new_tokens: Sequence[int], params: SamplingParams,
+                 progress: Optional[ProgressFn] = None,
+                 cancelled: Optional[Callable[[], bool]] = None) -> Iterator[int]:
+        """Feed new_tokens (>= 1) into cache, then yield sampled ids, feeding each
+        yielded id before sampling the next (the last yielded id may be unfed)."""
+        ...
+
+    def prefill(self, cache: Any, tokens: Sequence[int], progress: Optional[ProgressFn] = None,
+                cancelled: Optional[Callable[[], bool]] = None) -> None: ...
+
+    def tokens_in_cache(self, cache: Any) -> int: ...
+
+    def stats(self, cache: Any) -> HeapStats: ...
+
+    def kv_bytes_per_token(self) -> int: ...
+
+    def heap_bytes(self, cfg: HeapConfig) -> int:
+        """Bytes one session's heap allocates (all layers, K and V, plus score arrays)."""
+        ...
+
+    def save_cache(self, cache: Any, path: Path) -> None: ...
+
+    def load_cache(self, cfg: HeapConfig, path: Path) -> Any: ...
+
+    def memory(self) -> dict:
+        """Allocator figures in bytes: active, peak, cache (whatever the backend knows)."""
+        ...

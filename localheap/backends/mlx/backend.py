@@ -1,0 +1,76 @@
+"""MLXBackend: an mlx-lm model plus its tokenizer, serving heaps to the engine."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable, Iterator, Optional, Sequence
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+
+from ...generation import ProgressFn, SamplingParams
+from ...heap import HeapConfig, HeapStats, kv_bytes_per_token
+from .generate import generate_tokens, prefill
+from .heapcache import HeapPromptCache, attention_module, kv_geometry, make_heap_cache
+from .persist import load_heap, save_heap
+
+
+class MLXBackend:
+    name = "mlx"
+
+    def __init__(self, model, tokenizer, model_name: str = "model"):
+        self.model = model
+        self.tokenizer = tokenizer   # mlx-lm TokenizerWrapper (HF tokenizer underneath)
+        self.model_name = model_name
+        self.eos_token_ids = set(getattr(tokenizer, "eos_token_ids", None) or [tokenizer.eos_token_id])
+        self.weights_bytes = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+
+    @classmethod
+    def load(cls, path: str | Path, model_name: Optional[str] = None) -> "MLXBackend":
+        from mlx_lm import load
+        model, tokenizer = load(str(path))
+        return cls(model, tokenizer, model_name or Path(str(path)).name)
+
+    def new_cache(self, cfg: HeapConfig) -> HeapPromptCache:
+        return make_heap_cache(self.model, cfg)
+
+    def prefill(self, cache, tokens: Sequence[int], progress: Optional[ProgressFn] = None,
+                cancelled: Optional[Callable[[], bool]] = None) -> None:
+        prefill(self.model, cache, tokens, cache.cfg.slack, progress, cancelled)
+
+    def generate(self, cache, new_tokens: Sequence[int], params: SamplingParams,
+                 progress: Optional[ProgressFn] = None,
+                 cancelled: Optional[Callable[[], bool]] = None) -> Iterator[int]:
+        return generate_tokens(self.model, cache, new_tokens, params, progress, cancelled)
+
+    def tokens_in_cache(self, cache) -> int:
+        return cache.tokens_seen
+
+    def stats(self, cache) -> HeapStats:
+        return cache.stats()
+
+    def _kv_layout(self) -> tuple[int, int, int]:
+        layers = list(self.model.layers)
+        n_kv, head_dim = kv_geometry(attention_module(layers[0]))
+        return len(layers), n_kv, head_dim
+
+    def kv_bytes_per_token(self) -> int:
+        n_layers, n_kv, head_dim = self._kv_layout()
+        dtype_bytes = next(v for _, v in tree_flatten(self.model.parameters())).dtype.size
+        return kv_bytes_per_token(n_layers, n_kv, head_dim, dtype_bytes)
+
+    def heap_bytes(self, cfg: HeapConfig) -> int:
+        n_layers, n_kv, _ = self._kv_layout()
+        slots = sum(cfg.layer_capacity(b) for b in cfg.layer_budgets(n_layers))
+        per_slot = self.kv_bytes_per_token() // n_layers
+        score_arrays = (cfg.policy == "h2o") + (cfg.policy == "snapkv") + cfg.h2o_normalize
+        return slots * (per_slot + 4 * n_kv * score_arrays)
+
+    def save_cache(self, cache, path: Path) -> None:
+        save_heap(cache, path)
+
+    def load_cache(self, cfg: HeapConfig, path: Path):
+        return load_heap(self.model, path)
+
+    def memory(self) -> dict:
+        return {"active": mx.get_active_memory(), "peak": mx.get_peak_memory(), "cache": mx.get_cache_memory()}

@@ -1,0 +1,176 @@
+"""HeapKVCache: one layer's managed heap, behind mlx-lm's cache protocol.
+
+mlx-lm's model code runs unchanged: it rotates q/k at `cache.offset`, calls
+`update_and_fetch`, then attention (patched in attention.py to also call `observe`).
+Buffers are allocated once at capacity; eviction is a gather to the front.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.models.cache import _BaseCache, create_attention_mask
+
+from ...heap import LayerHeap, RepackPlan, SlotView
+from .rope import RopeSpec
+
+
+class HeapKVCache(_BaseCache):
+    def __init__(self, heap: LayerHeap, rope: Optional[RopeSpec]):
+        self.heap = heap
+        self.rope = rope
+        self.keys: Optional[mx.array] = None    # [1, H_kv, capacity, D]
+        self.values: Optional[mx.array] = None  # [1, H_kv, capacity, Dv]
+        cap, H = heap.capacity, heap.n_kv_heads
+        cfg = heap.cfg
+        self.scores = mx.zeros((H, cap), mx.float32) if cfg.policy == "h2o" else None
+        self.window = mx.zeros((H, cap), mx.float32) if cfg.policy == "snapkv" else None
+        self.counts = mx.zeros((H, cap), mx.float32) if cfg.h2o_normalize and cfg.needs_attention else None
+        self.qsum: Optional[mx.array] = None    # [H_kv, D] pre-RoPE query sum (geometry)
+        self.qcount = 0
+
+    # -- mlx-lm protocol --------------------------------------------------------------
+    @property
+    def offset(self) -> int:
+        return self.heap.rope_offset()
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        # keys: [1, H_kv, L, D] already rotated at self.offset
+        B, H, L, D = keys.shape
+        assert B == 1, "the heap serves one sequence per cache"
+        if self.keys is None:
+            cap = self.heap.capacity
+            self.keys = mx.zeros((1, H, cap, D), keys.dtype)
+            self.values = mx.zeros((1, H, cap, values.shape[3]), values.dtype)
+        start, stop = self.heap.append(L)
+        self.keys[..., start:stop, :] = keys
+        self.values[..., start:stop, :] = values
+        return self.keys[..., :stop, :], self.values[..., :stop, :]
+
+    def make_mask(self, N: int, return_array: bool = False, window_size=None):
+        return create_attention_mask(N, self.heap.resident, return_array, window_size)
+
+    def size(self) -> int:
+        return self.heap.resident
+
+    def empty(self) -> bool:
+        return self.keys is None
+
+    def is_trimmable(self) -> bool:
+        return False
+
+    @property
+    def state(self):
+        if self.keys is None:
+            return []
+        n = self.heap.resident
+        arrays = [self.keys[..., :n, :], self.values[..., :n, :]]
+        arrays += [a[..., :n] for a in (self.scores, self.window, self.counts) if a is not None]
+        return arrays
+
+    @property
+    def nbytes(self) -> int:
+        arrays = [self.keys, self.values, self.scores, self.window, self.counts]
+        return sum(a.nbytes for a in arrays if a is not None)
+
+    @property
+    def kv_nbytes(self) -> int:
+        return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
+
+    # -- scores ---------------------------------------------------------------------
+    def observe(self, queries: mx.array, keys: mx.array, scale: float) -> None:
+        """Side pass after the fused attention: accumulate what the policy needs.
+
+        queries: [1, H_q, L, D] (rotated), keys: [1, H_kv, T, D] as fetched.
+        """
+        cfg = self.heap.cfg
+        if cfg.needs_query_stats:
+            self._observe_queries(queries)
+        if not cfg.needs_attention:
+            return
+        _, Hq, L, D = queries.shape
+        H, T = keys.shape[1], keys.shape[2]
+        G = Hq // H
+        w = L if L == 1 else min(L, max(1, cfg.obs_window))
+        q = queries[:, :, L - w:, :].astype(mx.float32).reshape(H, G * w, D)
+        k = keys[0].astype(mx.float32)                       # [H, T, D]
+        logits = (q * scale) @ k.swapaxes(-1, -2)             # [H, G*w, T]
+        if w > 1:
+            qpos = mx.arange(T - w, T)
+            visible = (mx.arange(T)[None, :] <= qpos[:, None])   # [w, T]
+            logits = logits.reshape(H, G, w, T)
+            logits = mx.where(visible, logits, -mx.inf).reshape(H, G * w, T)
+        probs = mx.softmax(logits, axis=-1, precise=True)
+        mass = probs.sum(axis=1)                               # [H, T]
+        if self.scores is not None:
+            self.scores[:, :T] = self.scores[:, :T] + mass
+        if self.counts is not None:
+            seen_by = mx.minimum(T - mx.arange(T), w).astype(mx.float32) * G
+            self.counts[:, :T] = self.counts[:, :T] + seen_by[None, :]
+        if self.window is not None:
+            if L > 1:
+                self.window[:, :T] = mass
+            else:
+                self.window[:, :T] = self.window[:, :T] + mass
+
+    def _observe_queries(self, queries: mx.array) -> None:
+        _, Hq, L, D = queries.shape
+        H = self.heap.n_kv_heads
+        q = queries[0].astype(mx.float32)                      # [Hq, L, D]
+        if self.rope is not None:
+            start = self.offset - L  # the queries were rotated before this step's append
+            pos = np.broadcast_to(np.arange(start, start + L), (Hq, L))
+            q = self.rope.rotate(q, -pos)                       # back to pre-RoPE
+        qs = q.reshape(H, (Hq // H) * L, D).sum(axis=1)
+        self.qsum = qs if self.qsum is None else self.qsum + qs
+        self.qcount += (Hq // H) * L
+
+    def _geometry_scores(self) -> mx.array:
+        """[H, n]: alignment of each pre-RoPE key with the mean pre-RoPE query; else -|k|."""
+        n = self.heap.resident
+        k = self.keys[0, :, :n, :].astype(mx.float32)
+        if self.qsum is None or self.rope is None:
+            return -mx.sqrt((k * k).sum(axis=-1))
+        rotated_at = np.broadcast_to(np.arange(n), (self.heap.n_kv_heads, n))
+        if self.heap.cfg.positions == "absolute":
+            rotated_at = self.heap.view_positions()
+        k_pre = self.rope.rotate(k, -rotated_at)
+        q_mean = self.qsum / self.qcount
+        return (k_pre * q_mean[:, None, :]).sum(axis=-1)
+
+    # -- eviction -------------------------------------------------------------------
+    def pending_view(self) -> dict:
+        """Device arrays for a SlotView (evaluate them together across layers)."""
+        n = self.heap.resident
+        out = {}
+        if self.scores is not None:
+            out["attention"] = self.scores[:, :n]
+        if self.counts is not None:
+            out["counts"] = self.counts[:, :n]
+        if self.window is not None:
+            out["window"] = self.window[:, :n]
+        if self.heap.cfg.needs_query_stats:
+            out["geometry"] = self._geometry_scores()
+        return out
+
+    def repack(self, plan: RepackPlan) -> None:
+        """Gather the kept slots to the front, re-rotating keys in compact mode."""
+        k = plan.keep
+        n = self.heap.resident
+        idx = mx.array(plan.keep_indices.astype(np.int32))   # [H, k]
+        keys = mx.take_along_axis(self.keys[0, :, :n, :], idx[..., None], axis=1)
+        values = mx.take_along_axis(self.values[0, :, :n, :], idx[..., None], axis=1)
+        if plan.deltas is not None and self.rope is not None and np.any(plan.deltas):
+            keys = self.rope.rotate(keys, plan.deltas).astype(self.keys.dtype)
+        self.keys[:, :, :k, :] = keys[None]
+        self.values[:, :, :k, :] = values[None]
+        for name in ("scores", "counts"):
+            arr = getattr(self, name)
+            if arr is not None:
+                kept = mx.take_along_axis(arr[:, :n], idx, axis=1)
+                setattr(self, name, mx.concatenate([kept, mx.zeros((arr.shape[0], arr.shape[1] - k), arr.dtype)], axis=1))
+        if self.window is not None:
+            self.window = mx.zeros_like(self.window)  # the next observation window starts now
+        self.heap.apply(plan)

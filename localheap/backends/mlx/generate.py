@@ -1,0 +1,69 @@
+"""The MLX generation loop over a heap: chunked prefill, pipelined decode.
+
+Mirrors mlx-lm's generate_step (all prompt tokens but the last are prefilled in
+chunks, the last one produces the first logits) so that with a budget at least as
+large as the context the tokens are exactly mlx-lm's. The heap makes room before
+every forward pass, so RoPE offsets are final before the model rotates anything.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator, Optional, Sequence
+
+import mlx.core as mx
+from mlx_lm.sample_utils import make_sampler
+
+from ...generation import ProgressFn, SamplingParams
+from .heapcache import HeapPromptCache
+
+
+def sampler_for(params: SamplingParams):
+    return make_sampler(temp=params.temperature, top_p=params.top_p, top_k=params.top_k)
+
+
+def prefill(model, cache: HeapPromptCache, tokens: Sequence[int], chunk: int,
+            progress: Optional[ProgressFn] = None, cancelled=None) -> None:
+    """Feed tokens into the cache in chunks (peak = sinks + budget + chunk)."""
+    total, done = len(tokens), 0
+    arr = mx.array(list(tokens), dtype=mx.uint32)
+    while done < total:
+        if cancelled is not None and cancelled():
+            raise InterruptedError("prefill cancelled")
+        n = min(chunk, total - done)
+        cache.make_room(n)
+        model(arr[done:done + n][None], cache=cache)
+        mx.eval([c.state for c in cache])
+        done += n
+        if progress is not None:
+            progress(done, total)
+
+
+def _step(model, cache: HeapPromptCache, tokens: mx.array, sampler):
+    cache.make_room(tokens.shape[0])
+    logits = model(tokens[None], cache=cache)[:, -1, :]
+    logprobs = logits - mx.logsumexp(logits, keepdims=True)
+    return sampler(logprobs), logprobs.squeeze(0)
+
+
+def generate_tokens(model, cache: HeapPromptCache, prompt: Sequence[int], params: SamplingParams,
+                    progress: Optional[ProgressFn] = None, cancelled=None) -> Iterator[int]:
+    """Yield generated token ids. `prompt` holds the tokens not yet in the cache (>= 1)."""
+    if len(prompt) == 0:
+        raise ValueError("generation needs at least one new prompt token")
+    if params.seed is not None:
+        mx.random.seed(params.seed)
+    sampler = sampler_for(params)
+    chunk = cache.cfg.slack
+    prompt = list(prompt)
+    prefill(model, cache, prompt[:-1], chunk, progress, cancelled)
+    if params.max_tokens == 0:
+        return
+    y, lp = _step(model, cache, mx.array(prompt[-1:], dtype=mx.uint32), sampler)
+    mx.async_eval(y, lp)
+    for n in range(params.max_tokens):
+        if n + 1 < params.max_tokens:
+            next_y, next_lp = _step(model, cache, y, sampler)
+            mx.async_eval(next_y, next_lp)
+        yield y.item()
+        if n + 1 < params.max_tokens:
+            y, lp = next_y, next_lp

@@ -1,0 +1,99 @@
+"""A model's heap: one HeapKVCache per full-attention layer, passed to mlx-lm as its cache list."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.models.cache import KVCache
+
+from ...heap import HeapConfig, HeapConfigError, LayerHeap, SlotView, combine
+from ...heap.stats import HeapStats, LayerStats
+from . import attention
+from .cache import HeapKVCache
+from .rope import RopeSpec
+
+
+def attention_module(layer):
+    for name in ("self_attn", "attention", "attn"):
+        mod = getattr(layer, name, None)
+        if mod is not None:
+            return mod
+    raise TypeError(f"cannot find the attention module of {type(layer).__name__}")
+
+
+def kv_geometry(attn) -> tuple[int, int]:
+    """(kv_heads, head_dim) of an mlx-lm attention module."""
+    n_kv = getattr(attn, "n_kv_heads", None) or getattr(attn, "num_key_value_heads", None)
+    head_dim = getattr(attn, "head_dim", None)
+    if head_dim is None:
+        head_dim = attn.k_proj.weight.shape[0] // n_kv
+    return int(n_kv), int(head_dim)
+
+
+class HeapPromptCache(list):
+    """List of per-layer caches (mlx-lm's prompt-cache shape) plus heap-wide operations."""
+
+    def __init__(self, caches, cfg: HeapConfig):
+        super().__init__(caches)
+        self.cfg = cfg
+        self.heap_layers = [c for c in caches if isinstance(c, HeapKVCache)]
+
+    def make_room(self, n_new: int) -> int:
+        """Evict where n_new more tokens would not fit; returns how many layers repacked."""
+        if n_new > self.cfg.slack:
+            raise HeapConfigError(f"{n_new} tokens at once exceed the slack ({self.cfg.slack}); chunk them")
+        todo = [c for c in self.heap_layers if c.heap.needs_repack(n_new)]
+        if not todo:
+            return 0
+        pending = [c.pending_view() for c in todo]
+        mx.eval(pending)
+        for cache, arrays in zip(todo, pending):
+            view = SlotView(positions=cache.heap.view_positions(),
+                            **{k: np.array(v) for k, v in arrays.items()})
+            cache.repack(cache.heap.plan(view))
+        mx.eval([c.state for c in todo])
+        return len(todo)
+
+    @property
+    def tokens_seen(self) -> int:
+        return self.heap_layers[0].heap.seen if self.heap_layers else 0
+
+    @property
+    def nbytes(self) -> int:
+        return sum(c.nbytes for c in self if not c.empty())
+
+    @property
+    def kv_nbytes(self) -> int:
+        return sum(c.kv_nbytes if isinstance(c, HeapKVCache) else c.nbytes for c in self if not c.empty())
+
+    def stats(self) -> HeapStats:
+        layers = []
+        for i, c in enumerate(self.heap_layers):
+            h = c.heap
+            recent = min(self.cfg.recent, max(0, h.resident - self.cfg.sinks))
+            layers.append(LayerStats(
+                layer=i, capacity=h.capacity, budget=h.budget, resident=h.resident, seen=h.seen,
+                evicted=h.evicted, evictions=h.evictions, sinks=min(self.cfg.sinks, h.resident), recent=recent,
+            ))
+        return combine(layers, self.kv_nbytes)
+
+
+def make_heap_cache(model, cfg: HeapConfig) -> HeapPromptCache:
+    """Build the heap for `model`: heap layers where mlx-lm would use a plain KVCache;
+    sliding-window layers keep mlx-lm's own (already bounded) rotating cache."""
+    attention.install()
+    layers = list(model.layers)
+    stock = model.make_cache() if hasattr(model, "make_cache") else [KVCache() for _ in layers]
+    heap_ids = [i for i, c in enumerate(stock) if type(c) is KVCache]
+    if not heap_ids:
+        raise HeapConfigError(f"{type(model).__module__} has no full-attention KV layers for a heap")
+    budgets = cfg.layer_budgets(len(heap_ids))
+    caches = list(stock)
+    for j, i in enumerate(heap_ids):
+        attn = attention_module(layers[i])
+        n_kv, _ = kv_geometry(attn)
+        rope = getattr(attn, "rope", None)
+        spec = RopeSpec.from_module(rope) if (rope is not None and cfg.positions == "compact"
+                                              or cfg.needs_query_stats and rope is not None) else None
+        caches[i] = HeapKVCache(LayerHeap(cfg, n_kv, budgets[j], layer=j), spec)
+    return HeapPromptCache(caches, cfg)

@@ -1,0 +1,78 @@
+"""Save and restore a heap bit for bit (safetensors + JSON metadata)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+from ...heap import HeapConfig
+from .cache import HeapKVCache
+from .heapcache import HeapPromptCache, make_heap_cache
+
+_OPTIONAL = ("scores", "window", "counts")
+
+
+def save_heap(cache: HeapPromptCache, path: Path) -> None:
+    """Write atomically: a crash mid-save never leaves a half file under `path`."""
+    arrays: dict[str, mx.array] = {}
+    meta: dict = {"config": cache.cfg.to_dict(), "layers": []}
+    for i, c in enumerate(cache):
+        if isinstance(c, HeapKVCache):
+            entry = {"kind": "heap", "qcount": c.qcount}
+            if c.keys is not None:
+                n = c.heap.resident
+                arrays[f"{i}.keys"] = c.keys[..., :n, :]
+                arrays[f"{i}.values"] = c.values[..., :n, :]
+                for name in _OPTIONAL:
+                    if getattr(c, name) is not None:
+                        arrays[f"{i}.{name}"] = getattr(c, name)[:, :n]
+                if c.qsum is not None:
+                    arrays[f"{i}.qsum"] = c.qsum
+            st = c.heap.state()
+            arrays[f"{i}.positions"] = mx.array(st["positions"])
+            arrays[f"{i}.counters"] = mx.array(st["counters"])
+        else:
+            entry = {"kind": "stock", "meta_state": list(c.meta_state) if not c.empty() else None}
+            if not c.empty():
+                for j, a in enumerate(c.state):
+                    arrays[f"{i}.state{j}"] = a
+        meta["layers"].append(entry)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp.safetensors")
+    mx.save_safetensors(str(tmp), arrays, metadata={"localheap": json.dumps(meta)})
+    os.replace(tmp, path)
+
+
+def load_heap(model, path: Path) -> HeapPromptCache:
+    arrays, metadata = mx.load(str(path), return_metadata=True)
+    meta = json.loads(metadata["localheap"])
+    cfg = HeapConfig(**meta["config"])
+    cache = make_heap_cache(model, cfg)
+    for i, (c, entry) in enumerate(zip(cache, meta["layers"])):
+        if entry["kind"] == "heap":
+            c.heap.load_state({"positions": np.array(arrays[f"{i}.positions"]),
+                               "counters": np.array(arrays[f"{i}.counters"])})
+            c.qcount = entry["qcount"]
+            if f"{i}.keys" in arrays:
+                k, v = arrays[f"{i}.keys"], arrays[f"{i}.values"]
+                n = k.shape[2]
+                cap = c.heap.capacity
+                c.keys = mx.zeros((1, k.shape[1], cap, k.shape[3]), k.dtype)
+                c.values = mx.zeros((1, v.shape[1], cap, v.shape[3]), v.dtype)
+                c.keys[..., :n, :] = k
+                c.values[..., :n, :] = v
+                for name in _OPTIONAL:
+                    if f"{i}.{name}" in arrays:
+                        getattr(c, name)[:, :n] = arrays[f"{i}.{name}"]
+                c.qsum = arrays.get(f"{i}.qsum")
+        elif entry["meta_state"] is not None:
+            n_state = sum(1 for key in arrays if key.startswith(f"{i}.state"))
+            c.state = tuple(arrays[f"{i}.state{j}"] for j in range(n_state))
+            c.meta_state = tuple(entry["meta_state"])
+    mx.eval([c.state for c in cache])
+    return cache

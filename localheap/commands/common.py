@@ -1,0 +1,40 @@
+"""Flags shared by commands: model selection and heap settings."""
+
+from __future__ import annotations
+
+import argparse
+
+from ..heap import POLICIES, POSITION_MODES, HeapConfig
+
+
+def add_model_args(p: argparse.ArgumentParser, required: bool = False) -> None:
+    p.add_argument("--model", default=None, required=required,
+                   help="alias from models.toml, local model directory, hub repo id, or random:FAMILY:SIZE")
+    p.add_argument("--random-model", default=None, metavar="FAMILY:SIZE",
+                   help="build a random-weight model of a real architecture locally (e.g. llama:tiny)")
+    p.add_argument("--backend", default="auto", choices=("auto", "mlx", "torch"))
+
+
+def model_spec(args) -> str | None:
+    if getattr(args, "random_model", None):
+        return "random:" + args.random_model
+    return args.model
+
+
+def add_heap_args(p: argparse.ArgumentParser) -> None:
+    d = HeapConfig()
+    p.add_argument("--budget", type=int, default=d.budget, help="scored KV tokens kept per layer")
+    p.add_argument("--sinks", type=int, default=d.sinks)
+    p.add_argument("--recent", type=int, default=d.recent, help="most recent tokens always kept")
+    p.add_argument("--slack", type=int, default=d.slack, help="append room = prefill chunk = decode eviction interval")
+    p.add_argument("--policy", default=d.policy, choices=POLICIES)
+    p.add_argument("--positions", default=d.positions, choices=POSITION_MODES)
+    p.add_argument("--profile", default=d.profile, choices=("uniform", "pyramid"))
+
+
+def heap_config(args, **overrides) -> HeapConfig:
+    recent = min(args.recent, args.budget)
+    fields = dict(budget=args.budget, sinks=args.sinks, recent=recent, slack=args.slack,
+                  policy=args.policy, positions=args.positions, profile=args.profile)
+    fields.update(overrides)
+    return HeapConfig(**fields)

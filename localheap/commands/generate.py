@@ -1,0 +1,77 @@
+"""`localheap generate`: one prompt through the heap, text and heap stats out."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+from ..generation import SamplingParams, StopMatcher
+from .common import add_heap_args, add_model_args, heap_config, model_spec
+from .progress import ProgressBar
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("generate", help="generate text from a prompt file through the heap")
+    add_model_args(p)
+    add_heap_args(p)
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt-file", type=Path)
+    src.add_argument("--prompt")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[], help="stop sequence (repeatable)")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from ..models import load_backend
+
+    text = args.prompt if args.prompt is not None else args.prompt_file.read_text()
+    cfg = heap_config(args)
+    backend = load_backend(model_spec(args), args.backend)
+    tok = backend.tokenizer
+    if args.chat:
+        tokens = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+    else:
+        tokens = tok.encode(text)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, seed=args.seed, stop=args.stop)
+    cache = backend.new_cache(cfg)
+    bar = ProgressBar("prefill", stream=sys.stderr) if len(tokens) > 4 * cfg.slack else None
+    t0 = time.perf_counter()
+    generated: list[int] = []
+    stops = StopMatcher(params.stop)
+    shown = ""
+    t_first = None
+    for token in backend.generate(cache, tokens, params, progress=bar.update if bar else None):
+        if t_first is None:
+            t_first = time.perf_counter()
+            if bar:
+                bar.close()
+        if token in backend.eos_token_ids:
+            break
+        generated.append(token)
+        full = tok.decode(generated)
+        out, stopped = stops.feed(full[len(shown):])
+        shown = full
+        sys.stdout.write(out)
+        sys.stdout.flush()
+        if stopped:
+            break
+    else:
+        sys.stdout.write(stops.flush())
+    t_end = time.perf_counter()
+    sys.stdout.write("\n")
+    stats = backend.stats(cache)
+    prefill_s = (t_first or t_end) - t0
+    decode_s = t_end - (t_first or t_end)
+    print(f"--- heap: {stats.summary()}", file=sys.stderr)
+    print(f"--- prompt {len(tokens):,} tokens in {prefill_s:.2f}s | generated {len(generated):,} tokens "
+          f"({len(generated) / decode_s if decode_s > 0 else 0:.1f} tok/s) | policy {cfg.policy}, "
+          f"positions {cfg.positions}, backend {backend.name}", file=sys.stderr)
+    return 0

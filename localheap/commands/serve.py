@@ -1,0 +1,10 @@
+"""`localheap serve` (placeholder until its issue lands)."""
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("serve", help="not available yet")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    raise ValueError("localheap serve is not implemented yet")

@@ -1,0 +1,71 @@
+"""Backend-agnostic generation pieces: sampling settings, stop sequences, results.
+
+Knows nothing about tensors or tokenizers' internals: text in, text out.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+ProgressFn = Callable[[int, int], None]   # (tokens done, tokens total)
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = 256
+    temperature: float = 0.0      # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0                # 0 = off
+    seed: Optional[int] = None
+    stop: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 0:
+            raise ValueError("max_tokens must be >= 0")
+        if self.temperature < 0:
+            raise ValueError("temperature must be >= 0")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError("top_p must be in (0, 1]")
+        if self.top_k < 0:
+            raise ValueError("top_k must be >= 0")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+class StopMatcher:
+    """Holds back text that could be the start of a stop sequence.
+
+    feed(new_text) -> (text safe to emit, stopped?). On a stop, the text before the
+    stop sequence is emitted and the rest dropped, as OpenAI does.
+    """
+
+    def __init__(self, stops: list[str]):
+        self.stops = [s for s in stops if s]
+        self.pending = ""
+
+    def feed(self, text: str) -> tuple[str, bool]:
+        self.pending += text
+        if not self.stops:
+            out, self.pending = self.pending, ""
+            return out, False
+        hits = [(self.pending.find(s), s) for s in self.stops if s in self.pending]
+        if hits:
+            cut = min(i for i, _ in hits)
+            out, self.pending = self.pending[:cut], ""
+            return out, True
+        hold = 0
+        for s in self.stops:
+            for k in range(min(len(s) - 1, len(self.pending)), 0, -1):
+                if self.pending.endswith(s[:k]):
+                    hold = max(hold, k)
+                    break
+        out = self.pending[: len(self.pending) - hold]
+        self.pending = self.pending[len(out):]
+        return out, False
+
+    def flush(self) -> str:
+        out, self.pending = self.pending, ""
+        return out

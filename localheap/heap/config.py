@@ -1,0 +1,97 @@
+"""Heap configuration: how many tokens a session keeps, and how it picks them.
+
+This module knows nothing about tensors: budgets are integers, profiles are lists.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, replace
+
+POLICIES = ("h2o", "snapkv", "geometry", "streaming", "random")
+POSITION_MODES = ("compact", "absolute")
+PROFILES = ("uniform", "pyramid")
+
+
+class HeapConfigError(ValueError):
+    """A heap setting that cannot work (user-facing)."""
+
+
+@dataclass(frozen=True)
+class HeapConfig:
+    """Per-session heap settings.
+
+    capacity (per layer) = sinks + layer budget + slack. Appends go into the slack;
+    when it is full the policy keeps sinks + budget tokens and frees the slack again.
+    """
+
+    budget: int = 4096           # scored tokens kept per layer (beyond the sinks)
+    sinks: int = 4               # first tokens of the stream, never evicted
+    recent: int = 256            # most recent tokens, never evicted
+    slack: int = 256             # append room; also the prefill chunk and the decode eviction interval
+    policy: str = "h2o"
+    positions: str = "compact"   # compact: RoPE positions follow slot order; absolute: original positions
+    profile: str = "uniform"     # per-layer budget profile
+    pyramid_ratio: float = 0.5   # pyramid: top layer gets (1 - ratio) x budget, bottom (1 + ratio) x
+    h2o_normalize: bool = False  # h2o: divide mass by how many queries could see the token
+    obs_window: int = 32         # queries of a prefill chunk whose attention is scored
+    pool_kernel: int = 7         # snapkv: 1-D pooling width over the token axis
+    noise: float = 0.0           # relative noise floor on scores (timing side channels); 0 = off
+    seed: int = 0                # random policy and noise
+    extra: dict = field(default_factory=dict, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise HeapConfigError(f"unknown policy {self.policy!r}; choose one of {', '.join(POLICIES)}")
+        if self.positions not in POSITION_MODES:
+            raise HeapConfigError(f"unknown position mode {self.positions!r}; choose compact or absolute")
+        if self.profile not in PROFILES:
+            raise HeapConfigError(f"unknown budget profile {self.profile!r}; choose uniform or pyramid")
+        for name in ("budget", "slack"):
+            if getattr(self, name) < 1:
+                raise HeapConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("sinks", "recent", "obs_window"):
+            if getattr(self, name) < 0:
+                raise HeapConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.recent > self.budget:
+            raise HeapConfigError(f"recent window ({self.recent}) cannot exceed the budget ({self.budget})")
+        if not 0.0 <= self.pyramid_ratio < 1.0:
+            raise HeapConfigError("pyramid_ratio must be in [0, 1)")
+        if self.noise < 0:
+            raise HeapConfigError("noise must be >= 0")
+        if self.pool_kernel < 1 or self.pool_kernel % 2 == 0:
+            raise HeapConfigError("pool_kernel must be a positive odd number")
+
+    def with_(self, **changes) -> "HeapConfig":
+        return replace(self, **changes)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d.pop("extra")
+        return d
+
+    @property
+    def needs_attention(self) -> bool:
+        """Whether the backend must run the attention side pass."""
+        return self.policy in ("h2o", "snapkv")
+
+    @property
+    def needs_query_stats(self) -> bool:
+        return self.policy == "geometry"
+
+    def layer_budgets(self, n_layers: int) -> list[int]:
+        """Budget of each layer. Pyramid keeps the same total, more in lower layers."""
+        if self.profile == "uniform" or n_layers == 1:
+            return [self.budget] * n_layers
+        total = self.budget * n_layers
+        hi, lo = 1.0 + self.pyramid_ratio, 1.0 - self.pyramid_ratio
+        weights = [hi + (lo - hi) * i / (n_layers - 1) for i in range(n_layers)]
+        budgets = [max(self.recent, 1, int(self.budget * w)) for w in weights]
+        # hand rounding leftovers to the lowest layers so the total is exact
+        i = 0
+        while sum(budgets) < total:
+            budgets[i % n_layers] += 1
+            i += 1
+        return budgets
+
+    def layer_capacity(self, layer_budget: int) -> int:
+        return self.sinks + layer_budget + self.slack

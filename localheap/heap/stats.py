@@ -1,0 +1,81 @@
+"""Heap statistics: what a session's cache holds, for the CLI, the API and the UI."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+def kv_bytes_per_token(n_layers: int, n_kv_heads: int, head_dim: int, dtype_bytes: int) -> int:
+    """K and V bytes one token costs across all layers."""
+    return 2 * n_layers * n_kv_heads * head_dim * dtype_bytes
+
+
+@dataclass
+class LayerStats:
+    layer: int
+    capacity: int
+    budget: int
+    resident: int
+    seen: int
+    evicted: int
+    evictions: int
+    sinks: int
+    recent: int
+
+    @property
+    def heavy_hitters(self) -> int:
+        """Resident slots kept for their score (neither sink nor recent window)."""
+        return max(0, self.resident - self.sinks - self.recent)
+
+    @property
+    def free(self) -> int:
+        return self.capacity - self.resident
+
+
+@dataclass
+class HeapStats:
+    """Totals over the heap layers of one session (seen/resident are per layer, like a context)."""
+
+    tokens_seen: int
+    resident: int          # max over layers
+    evicted: int           # tokens dropped by the busiest layer
+    capacity: int          # max over layers
+    kv_bytes: int          # allocated K/V bytes across all layers (does not grow)
+    evictions: int
+    layers: list[LayerStats] = field(default_factory=list)
+
+    def to_dict(self, per_layer: bool = True) -> dict:
+        d = asdict(self)
+        if per_layer:
+            for ld, ls in zip(d["layers"], self.layers):
+                ld["heavy_hitters"] = ls.heavy_hitters
+                ld["free"] = ls.free
+        else:
+            d.pop("layers")
+        return d
+
+    def summary(self) -> str:
+        return (
+            f"tokens seen {self.tokens_seen:,} | resident {self.resident:,}/{self.capacity:,} | "
+            f"evicted {self.evicted:,} | KV {format_bytes(self.kv_bytes)}"
+        )
+
+
+def combine(layer_stats: list[LayerStats], kv_bytes: int) -> HeapStats:
+    return HeapStats(
+        tokens_seen=max((s.seen for s in layer_stats), default=0),
+        resident=max((s.resident for s in layer_stats), default=0),
+        evicted=max((s.evicted for s in layer_stats), default=0),
+        capacity=max((s.capacity for s in layer_stats), default=0),
+        kv_bytes=kv_bytes,
+        evictions=max((s.evictions for s in layer_stats), default=0),
+        layers=layer_stats,
+    )
+
+
+def format_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"

@@ -1,0 +1,120 @@
+"""Where a model comes from: an alias in models.toml, a local path, a hub repo, or a
+random-weight model of a real architecture built here (`random:llama:tiny`).
+
+Knows nothing about tensors; returns directories.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Optional
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib  # type: ignore[no-redef]
+
+
+class ModelNotFound(LookupError):
+    """The model could not be found or fetched; the message says what to do."""
+
+
+@dataclass(frozen=True)
+class ModelPreset:
+    alias: str
+    repo: str
+    family: str
+    context: int
+
+
+def presets() -> dict[str, ModelPreset]:
+    text = resources.files("localheap").joinpath("models.toml").read_text()
+    data = tomllib.loads(text).get("models", {})
+    return {alias: ModelPreset(alias, e["repo"], e["family"], int(e.get("context", 8192))) for alias, e in data.items()}
+
+
+def demo_model_dir() -> Optional[Path]:
+    """The small model shipped inside the package, when it is there."""
+    path = Path(str(resources.files("localheap").joinpath("demo_model")))
+    return path if (path / "config.json").exists() else None
+
+
+def resolve_model(spec: Optional[str], progress: bool = True) -> tuple[Path, str]:
+    """(directory, display name) for a --model argument."""
+    if spec is None or spec == "demo":
+        path = demo_model_dir()
+        if path is None:
+            raise ModelNotFound(
+                "no bundled demo model in this installation yet; pass --model PATH "
+                "(a local mlx-lm/Hugging Face model directory) or --model random:llama:tiny "
+                "to try the server with random weights"
+            )
+        return path, "demo"
+    if spec.startswith("random:"):
+        from .randmodel import random_model_dir
+        return random_model_dir(spec[len("random:"):]), spec
+    local = Path(spec).expanduser()
+    if local.exists():
+        if not (local / "config.json").exists():
+            raise ModelNotFound(f"{local} has no config.json; is it a model directory?")
+        return local, local.name
+    preset = presets().get(spec)
+    repo = preset.repo if preset else spec
+    if preset is None and spec.count("/") != 1:
+        known = ", ".join(sorted(presets()))
+        raise ModelNotFound(f"unknown model {spec!r}: not a local path, an alias ({known}) or a hub repo id (org/name)")
+    return download(repo, progress=progress), spec
+
+
+def download(repo: str, progress: bool = True) -> Path:
+    """Fetch a hub repo (weights, config, tokenizer) with progress bars."""
+    try:
+        from huggingface_hub import snapshot_download
+    except ImportError as e:  # pragma: no cover - mlx-lm depends on it
+        raise ModelNotFound("huggingface_hub is not installed; pass a local path") from e
+    if not progress:
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    try:
+        path = snapshot_download(
+            repo, allow_patterns=["*.json", "*.safetensors", "*.py", "tokenizer.model", "*.tiktoken", "*.txt", "*.jinja"]
+        )
+    except Exception as e:  # network errors come in many types
+        raise ModelNotFound(
+            f"could not download {repo} ({type(e).__name__}: {e}). Without network, pass a local "
+            f"model directory: --model /path/to/model (an mlx-lm or Hugging Face checkpoint)"
+        ) from e
+    return Path(path)
+
+
+def detect_backend(preferred: str = "auto") -> str:
+    """auto: mlx on Apple Silicon, torch with CUDA, else torch on the CPU when installed
+    (measured faster than MLX's CPU backend, see README), else mlx."""
+    if preferred in ("mlx", "torch"):
+        return preferred
+    if preferred != "auto":
+        raise ValueError(f"unknown backend {preferred!r}; choose auto, mlx or torch")
+    if sys.platform == "darwin" and os.uname().machine == "arm64":
+        return "mlx"
+    try:
+        from .backends import torch as _  # noqa: F401  (imports torch and transformers)
+    except ImportError:
+        return "mlx"
+    return "torch"
+
+
+def load_backend(spec: Optional[str], backend: str = "auto"):
+    """Resolve a model spec and load it on the chosen backend."""
+    path, name = resolve_model(spec)
+    kind = detect_backend(backend)
+    if kind == "mlx":
+        from .backends.mlx import MLXBackend
+        return MLXBackend.load(path, model_name=name)
+    try:
+        from .backends.torch import TorchBackend
+    except ImportError as e:
+        raise ModelNotFound(f"the torch backend is unavailable ({e}); pip install 'localheap[torch]' or use --backend mlx") from e
+    return TorchBackend.load(path, model_name=name)
