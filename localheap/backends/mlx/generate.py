@@ -48,6 +48,13 @@ def _step(model, cache: HeapPromptCache, tokens: mx.array, sampler):
 def generate_tokens(model, cache: HeapPromptCache, prompt: Sequence[int], params: SamplingParams,
                     progress: Optional[ProgressFn] = None, cancelled=None) -> Iterator[int]:
     """Yield generated token ids. `prompt` holds the tokens not yet in the cache (>= 1)."""
+    for token, _ in generate_steps(model, cache, prompt, params, progress, cancelled):
+        yield token
+
+
+def generate_steps(model, cache: HeapPromptCache, prompt: Sequence[int], params: SamplingParams,
+                   progress: Optional[ProgressFn] = None, cancelled=None) -> Iterator[tuple[int, mx.array]]:
+    """Yield (token id, logprobs [vocab]) like mlx-lm's generate_step."""
     if len(prompt) == 0:
         raise ValueError("generation needs at least one new prompt token")
     if params.seed is not None:
@@ -64,6 +71,6 @@ def generate_tokens(model, cache: HeapPromptCache, prompt: Sequence[int], params
         if n + 1 < params.max_tokens:
             next_y, next_lp = _step(model, cache, y, sampler)
             mx.async_eval(next_y, next_lp)
-        yield y.item()
+        yield y.item(), lp
         if n + 1 < params.max_tokens:
             y, lp = next_y, next_lp
