@@ -1,10 +1,94 @@
-"""`localheap bench` (placeholder until its issue lands)."""
+"""`localheap bench speed|memory`: the heap against the stock caches, in one run."""
+
+from __future__ import annotations
+
+import sys
+
+from ..bench.report import emit, table
+from ..heap.stats import format_bytes
+from .common import add_heap_args, add_model_args, heap_config, model_spec
+from .progress import ProgressBar
+
+
+def _ints(text: str) -> list[int]:
+    out = []
+    for part in text.split(","):
+        part = part.strip().lower()
+        mult = 1_000_000 if part.endswith("m") else 1024 if part.endswith("k") else 1
+        out.append(int(float(part.rstrip("mk")) * mult))
+    return out
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("bench", help="not available yet")
-    p.set_defaults(func=run)
+    p = sub.add_parser("bench", help="benchmarks against the stock path, measured in the same run")
+    bsub = p.add_subparsers(dest="bench", required=True)
+    speed = bsub.add_parser("speed", help="prefill and decode tokens/s: heap vs stock caches")
+    add_model_args(speed)
+    add_heap_args(speed)
+    speed.add_argument("--contexts", type=_ints, default=[2048, 8192, 32768])
+    speed.add_argument("--decode-tokens", type=int, default=64)
+    speed.add_argument("--repeats", type=int, default=1, help="best of N per cell")
+    speed.set_defaults(func=run_speed)
+    mem = bsub.add_parser("memory", help="stream many tokens through one session; KV, allocator, RSS")
+    add_model_args(mem)
+    add_heap_args(mem)
+    mem.add_argument("--tokens", type=_ints, default=[1_000_000])
+    mem.add_argument("--checkpoints", type=_ints, default=[8192, 65536, 262144, 1_000_000])
+    mem.add_argument("--stock-tokens", type=_ints, default=[65536],
+                     help="stream the stock full cache this far (it grows without bound)")
+    mem.set_defaults(func=run_memory)
 
 
-def run(args) -> int:
-    raise ValueError("localheap bench is not implemented yet")
+def _bench_module(backend):
+    if backend.name == "mlx":
+        from ..backends.mlx import bench
+    else:
+        from ..backends.torch import bench
+    return bench
+
+
+def run_speed(args) -> int:
+    from ..models import load_backend
+
+    backend = load_backend(model_spec(args), args.backend)
+    cfg = heap_config(args)
+    rows = _bench_module(backend).run_speed(backend, args.contexts, cfg, args.decode_tokens,
+                                            log=lambda m: print(m, file=sys.stderr), repeats=args.repeats)
+    by = {(r["context"], r["path"]): r for r in rows}
+    for r in rows:
+        base = by.get((r["context"], rows[0]["path"]))
+        r["prefill_vs_stock"] = r["prefill_tok_s"] / base["prefill_tok_s"] if base else None
+        if base and r["decode_tok_s"] and base["decode_tok_s"]:
+            r["decode_vs_stock"] = r["decode_tok_s"] / base["decode_tok_s"]
+    cols = [("context", "context", ","), ("path", "path", ""), ("prefill_tok_s", "prefill tok/s", ",.0f"),
+            ("decode_tok_s", "decode tok/s", ",.1f"), ("prefill_vs_stock", "prefill x stock", ".2f"),
+            ("decode_vs_stock", "decode x stock", ".2f")]
+    text = (f"model {backend.model_name} | backend {backend.name} | budget {cfg.budget} | policy {cfg.policy} | "
+            f"positions {cfg.positions}\n" + table(rows, cols))
+    emit("speed", text, {"model": backend.model_name, "backend": backend.name, "heap": cfg.to_dict(), "rows": rows})
+    return 0
+
+
+def run_memory(args) -> int:
+    from ..models import load_backend
+
+    backend = load_backend(model_spec(args), args.backend)
+    cfg = heap_config(args)
+    total = args.tokens[0]
+    bar = ProgressBar("streaming")
+    rows = _bench_module(backend).run_memory(backend, total, args.checkpoints, cfg, args.stock_tokens[0],
+                                             progress=bar.update)
+    bar.close()
+    for r in rows:
+        for k in ("kv_bytes", "active_bytes", "peak_bytes", "rss_bytes"):
+            r[k.replace("_bytes", "")] = format_bytes(r[k])
+    cols = [("path", "path", ""), ("tokens", "tokens", ","), ("kv", "KV", ""), ("active", "allocator active", ""),
+            ("peak", "allocator peak", ""), ("rss", "process RSS", "")]
+    per_token = backend.kv_bytes_per_token()
+    text = (f"model {backend.model_name} | backend {backend.name} | heap capacity/layer "
+            f"{cfg.sinks + cfg.budget + cfg.slack} | stock KV grows {format_bytes(per_token)}/token "
+            f"(would be {format_bytes(per_token * total)} at {total:,})\n" + table(rows, cols))
+    emit("memory", text, {"model": backend.model_name, "backend": backend.name, "heap": cfg.to_dict(),
+                          "kv_bytes_per_token": per_token,
+                          "rows": [{k: v for k, v in r.items() if not isinstance(v, str) or k == "path"} for r in rows]})
+    return 0

@@ -66,11 +66,11 @@ def generate_steps(model, cache: HeapPromptCache, prompt: Sequence[int], params:
     if params.max_tokens == 0:
         return
     y, lp = _step(model, cache, mx.array(prompt[-1:], dtype=mx.uint32), sampler)
-    mx.async_eval(y, lp)
+    mx.async_eval(y, lp, *cache.score_arrays())
     for n in range(params.max_tokens):
         if n + 1 < params.max_tokens:
             next_y, next_lp = _step(model, cache, y, sampler)
-            mx.async_eval(next_y, next_lp)
+            mx.async_eval(next_y, next_lp, *cache.score_arrays())
         yield y.item(), lp
         if n + 1 < params.max_tokens:
             y, lp = next_y, next_lp

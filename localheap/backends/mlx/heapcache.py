@@ -54,6 +54,14 @@ class HeapPromptCache(list):
         mx.eval([c.state for c in todo])
         return len(todo)
 
+    def score_arrays(self) -> list:
+        """Arrays the side pass updated; evaluate them with each step's token, so the
+        lazy graph stays one step deep and the K/V buffers are updated in place."""
+        out = []
+        for c in self.heap_layers:
+            out += [a for a in (c.scores, c.window, c.counts, c.qsum) if a is not None]
+        return out
+
     @property
     def tokens_seen(self) -> int:
         return self.heap_layers[0].heap.seen if self.heap_layers else 0
