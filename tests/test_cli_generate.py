@@ -1,0 +1,41 @@
+"""`localheap generate` end to end on a random-weight model built locally."""
+
+import pytest
+
+from localheap.cli import main
+
+
+@pytest.fixture(scope="module")
+def model_path(model_dirs):
+    return str(model_dirs("llama"))
+
+
+def test_generate_prints_text_and_heap_stats(model_path, tmp_path, capsys):
+    prompt = tmp_path / "doc.txt"
+    prompt.write_text(" ".join(f"line {i} of a long document" for i in range(300)))
+    rc = main(["generate", "--model", model_path, "--backend", "mlx", "--prompt-file", str(prompt),
+               "--budget", "64", "--recent", "16", "--slack", "32", "--max-tokens", "20"])
+    out = capsys.readouterr()
+    assert rc == 0
+    assert out.out.strip(), "generated text on stdout"
+    assert "tokens seen" in out.err and "evicted" in out.err
+    evicted = int(out.err.split("evicted ")[1].split()[0].replace(",", ""))
+    assert evicted > 1000
+
+
+def test_generate_bad_policy_is_a_usage_error(model_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["generate", "--model", model_path, "--prompt", "x", "--policy", "lru"])
+    assert e.value.code == 2
+
+
+def test_generate_unknown_model_is_a_clear_error(capsys):
+    rc = main(["generate", "--model", "no-such-model", "--prompt", "x", "--backend", "mlx"])
+    assert rc == 2
+    assert "unknown model" in capsys.readouterr().err
+
+
+def test_generate_bad_heap_setting_is_a_clear_error(model_path, capsys):
+    rc = main(["generate", "--model", model_path, "--prompt", "x", "--budget", "0", "--backend", "mlx"])
+    assert rc == 2
+    assert "budget must be >= 1" in capsys.readouterr().err
