@@ -1,0 +1,8 @@
+"""RAM budget and thermal state -> decisions the engine applies (admit, spill, reject, slow down)."""
+
+from .budget import BudgetTooSmall, MemoryPlan, parse_size, runtime_overhead
+from .governor import Admission, Governor, MemoryReading, Sensors, SystemSensors, Throttle, backend_limits
+from .thermal import STATES, read_thermal_state
+
+__all__ = ["BudgetTooSmall", "MemoryPlan", "parse_size", "runtime_overhead", "Admission", "Governor",
+           "MemoryReading", "Sensors", "SystemSensors", "Throttle", "backend_limits", "STATES", "read_thermal_state"]

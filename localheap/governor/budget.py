@@ -1,0 +1,79 @@
+"""RAM budget arithmetic: sizes, and how many heaps fit next to the weights.
+
+Pure integers. Knows nothing about tensors, sessions or HTTP.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+_UNITS = {"": 1, "B": 1, "K": 1024, "M": 1024**2, "G": 1024**3, "T": 1024**4}
+
+
+def parse_size(text: str | int) -> int:
+    """'12G', '512M', '1.5GiB', '4096' -> bytes (binary units)."""
+    if isinstance(text, int):
+        return text
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([KMGT]?)(I?B)?\s*", str(text).upper())
+    if not m:
+        raise ValueError(f"cannot read size {text!r}; use e.g. 12G, 512M or a number of bytes")
+    value = float(m.group(1)) * _UNITS[m.group(2)]
+    if value <= 0:
+        raise ValueError(f"size must be positive, got {text!r}")
+    return int(value)
+
+
+class BudgetTooSmall(ValueError):
+    """Not even one session's heap fits next to the weights (user-facing)."""
+
+    def __init__(self, need: int, have: int, advice: str):
+        self.need, self.have, self.advice = need, have, advice
+        super().__init__(
+            f"the RAM budget {fmt(have)} is too small: the model and one session's heap need {fmt(need)}. {advice}"
+        )
+
+
+def fmt(n: float) -> str:
+    from ..heap.stats import format_bytes
+    return format_bytes(n)
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """What the budget buys: weights + runtime overhead + N resident heaps."""
+
+    budget: int
+    weights: int
+    heap: int              # bytes of one session's heap (all layers)
+    overhead: int          # runtime, activations, allocator slack, Python
+
+    @property
+    def free_for_heaps(self) -> int:
+        return self.budget - self.weights - self.overhead
+
+    @property
+    def max_resident(self) -> int:
+        return max(0, self.free_for_heaps // self.heap) if self.heap > 0 else 0
+
+    def check(self, heap_tokens: int, bytes_per_token: int) -> "MemoryPlan":
+        """Raise BudgetTooSmall with what would fit, else return self."""
+        if self.max_resident >= 1:
+            return self
+        need = self.weights + self.overhead + self.heap
+        room = self.free_for_heaps
+        if room > 0 and bytes_per_token > 0:
+            fits = room // bytes_per_token
+            advice = (f"A heap of about {max(0, fits - 300):,} tokens would fit (--budget); "
+                      f"or raise --ram-budget to at least {fmt(need)}.")
+        else:
+            advice = (f"The weights alone ({fmt(self.weights)}) plus runtime ({fmt(self.overhead)}) exceed it: "
+                      f"use a smaller or more quantized model, or raise --ram-budget above {fmt(need)}.")
+        raise BudgetTooSmall(need=need, have=self.budget, advice=advice)
+
+
+def runtime_overhead(weights: int, hidden_size: int, chunk: int, vocab: int) -> int:
+    """Estimated bytes beyond weights and heaps: interpreter + libraries (~400 MiB), prefill
+    activations (a chunk through the widest layer, fp32) and logits, plus 5% of weights."""
+    activations = 16 * chunk * hidden_size * 4 + chunk * vocab * 4
+    return 400 * 1024**2 + activations + weights // 20
