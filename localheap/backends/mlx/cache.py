@@ -80,10 +80,12 @@ class HeapKVCache(_BaseCache):
         return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
 
     # -- scores ---------------------------------------------------------------------
-    def observe(self, queries: mx.array, keys: mx.array, scale: float) -> None:
-        """Side pass after the fused attention: accumulate what the policy needs.
+    def observe(self, queries: mx.array, keys: mx.array, scale: float, probs: Optional[mx.array] = None) -> None:
+        """Accumulate what the policy needs from this step's attention.
 
-        queries: [1, H_q, L, D] (rotated), keys: [1, H_kv, T, D] as fetched.
+        queries: [1, H_q, L, D] (rotated), keys: [1, H_kv, T, D] as fetched;
+        probs: [1, H_kv, G, L, T] when the attention itself produced them, else
+        a side pass scores the last `obs_window` queries against the keys.
         """
         cfg = self.heap.cfg
         if cfg.needs_query_stats:
@@ -94,16 +96,11 @@ class HeapKVCache(_BaseCache):
         H, T = keys.shape[1], keys.shape[2]
         G = Hq // H
         w = L if L == 1 else min(L, max(1, cfg.obs_window))
-        q = queries[:, :, L - w:, :].astype(mx.float32).reshape(H, G * w, D)
-        k = keys[0].astype(mx.float32)                       # [H, T, D]
-        logits = (q * scale) @ k.swapaxes(-1, -2)             # [H, G*w, T]
-        if w > 1:
-            qpos = mx.arange(T - w, T)
-            visible = (mx.arange(T)[None, :] <= qpos[:, None])   # [w, T]
-            logits = logits.reshape(H, G, w, T)
-            logits = mx.where(visible, logits, -mx.inf).reshape(H, G * w, T)
-        probs = mx.softmax(logits, axis=-1, precise=True)
-        mass = probs.sum(axis=1)                               # [H, T]
+        if probs is None:
+            probs = self._side_pass(queries[:, :, L - w:, :], keys, scale, T, w).reshape(H, G * w, T)
+        else:
+            probs = probs[0, :, :, L - w:, :].reshape(H, G * w, T)
+        mass = probs.astype(mx.float32).sum(axis=1)                   # [H, T]
         if self.scores is not None:
             self.scores[:, :T] = self.scores[:, :T] + mass
         if self.counts is not None:
@@ -114,6 +111,18 @@ class HeapKVCache(_BaseCache):
                 self.window[:, :T] = mass
             else:
                 self.window[:, :T] = self.window[:, :T] + mass
+
+    @staticmethod
+    def _side_pass(q: mx.array, keys: mx.array, scale: float, T: int, w: int) -> mx.array:
+        """Softmax of the last w queries against all keys: [H, G, w, T] (float32)."""
+        _, Hq, _, D = q.shape
+        H = keys.shape[1]
+        q = q.astype(mx.float32).reshape(H, Hq // H, w, D)
+        logits = (q * scale) @ keys[0].astype(mx.float32)[:, None].swapaxes(-1, -2)   # [H, G, w, T]
+        if w > 1:
+            visible = mx.arange(T)[None, :] <= mx.arange(T - w, T)[:, None]      # [w, T]
+            logits = mx.where(visible, logits, -mx.inf)
+        return mx.softmax(logits, axis=-1, precise=True)
 
     def _observe_queries(self, queries: mx.array) -> None:
         _, Hq, L, D = queries.shape
