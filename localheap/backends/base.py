@@ -42,6 +42,10 @@ class Backend(Protocol):
 
     def load_cache(self, cfg: HeapConfig, path: Path) -> Any: ...
 
+    def synchronize(self) -> None:
+        """Block until queued device work is done (after a generation stopped early)."""
+        ...
+
     def memory(self) -> dict:
         """Allocator figures in bytes: active, peak, cache (whatever the backend knows)."""
         ...

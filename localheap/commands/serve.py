@@ -1,10 +1,72 @@
-"""`localheap serve` (placeholder until its issue lands)."""
+"""`localheap serve`: the OpenAI-compatible server with a managed KV heap per session."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+from .common import add_heap_args, add_model_args, heap_config, model_spec
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("serve", help="not available yet")
+    p = sub.add_parser("serve", help="serve an OpenAI-compatible API with a heap per session",
+                       description="Serve chat and completions over HTTP (OpenAI API) plus session, "
+                                   "heap-event and metrics routes.")
+    add_model_args(p)
+    add_heap_args(p)
+    p.add_argument("--ram-budget", default=None, metavar="SIZE",
+                   help="RAM budget for weights + heaps + runtime, e.g. 12G, 512M or bytes")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default: localhost only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=os.environ.get("LOCALHEAP_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1/* and /metrics (env LOCALHEAP_API_KEY)")
+    p.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
+                   help="allow browser requests from ORIGIN (repeatable; the server's own origin always is)")
+    p.add_argument("--max-body", default="64M", metavar="SIZE", help="largest request body (413 beyond)")
+    p.add_argument("--max-active", type=int, default=8, help="requests served round-robin at once")
+    p.add_argument("--max-queue", type=int, default=32, help="requests waiting beyond those (503 beyond)")
+    p.add_argument("--max-sessions", type=int, default=256)
+    p.add_argument("--max-resident-sessions", type=int, default=8, help="idle sessions beyond are spilled to disk")
+    p.add_argument("--sessions-dir", type=Path, default=None, help="spill directory (default: a temporary one)")
+    p.add_argument("--default-max-tokens", type=int, default=1024, help="chat reply limit when a request sets none")
+    p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     p.set_defaults(func=run)
 
 
+def settings_from_args(args):
+    from ..server import ServerSettings, parse_bytes
+
+    for name in ("max_active", "max_sessions", "max_resident_sessions", "default_max_tokens"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+    if args.max_queue < 0:
+        raise ValueError("--max-queue must be >= 0")
+    return ServerSettings(
+        host=args.host, port=args.port, api_key=args.api_key or None, cors_origins=list(args.cors_origin),
+        max_body_bytes=parse_bytes(args.max_body), max_active=args.max_active, max_queued=args.max_queue,
+        max_sessions=max(args.max_sessions, args.max_resident_sessions),
+        max_resident_sessions=args.max_resident_sessions, sessions_dir=args.sessions_dir,
+        ram_budget=parse_bytes(args.ram_budget) if args.ram_budget else None,
+        default_max_tokens=args.default_max_tokens, heap=heap_config(args),
+    )
+
+
 def run(args) -> int:
-    raise ValueError("localheap serve is not implemented yet")
+    import uvicorn
+
+    from ..heap import format_bytes
+    from ..models import load_backend
+    from ..server import create_app
+
+    settings = settings_from_args(args)   # bad flags fail before the model loads
+    backend = load_backend(model_spec(args), args.backend)
+    app = create_app(backend, settings)
+    heap = settings.heap
+    print(f"localheap: {backend.model_name} on {backend.name} | heap: {heap.sinks} sinks + {heap.budget} budget + "
+          f"{heap.slack} slack, policy {heap.policy} ({format_bytes(backend.heap_bytes(heap))} per session)",
+          file=sys.stderr)
+    print(f"localheap: serving http://{settings.host}:{settings.port}  (OpenAI base_url: "
+          f"http://{settings.host}:{settings.port}/v1)", file=sys.stderr)
+    uvicorn.run(app, host=settings.host, port=settings.port, log_level=args.log_level)
+    return 0

@@ -72,5 +72,9 @@ class MLXBackend:
     def load_cache(self, cfg: HeapConfig, path: Path):
         return load_heap(self.model, path)
 
+    def synchronize(self) -> None:
+        """Wait for work in flight (a pipelined step after a generation stopped early)."""
+        mx.synchronize()
+
     def memory(self) -> dict:
         return {"active": mx.get_active_memory(), "peak": mx.get_peak_memory(), "cache": mx.get_cache_memory()}

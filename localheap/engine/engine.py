@@ -1,0 +1,278 @@
+"""The engine: one worker thread owns the backend and every session.
+
+Requests come in on a queue; events go out through each request's emit callable. Active
+runs are served round-robin, one step each per round: a decode token or a prefill chunk,
+so a long document upload never stalls another session's chat for more than one chunk.
+The engine knows nothing about HTTP; it tokenizes nothing but the text it detokenizes.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from concurrent.futures import Future
+from typing import Any, Callable, Optional
+
+from ..sessions import Session, SessionNotFound, SessionStore, continue_session, match_session
+from .errors import EngineStopped, Overloaded
+from .events import Failed, Feed, Job, Started
+from .governor import AdmitAll, Governor
+from .runs import Run
+from .telemetry import Counters
+
+log = logging.getLogger("localheap.engine")
+
+
+class Engine:
+    def __init__(self, backend: Any, store: SessionStore, governor: Optional[Governor] = None,
+                 max_active: int = 8, max_queued: int = 32):
+        assert max_active >= 1 and max_queued >= 0
+        self.backend, self.store = backend, store
+        self.governor = governor or AdmitAll()
+        self.max_active, self.max_queued = max_active, max_queued
+        self.counters = Counters()
+        self._inbox: queue.Queue = queue.Queue()
+        self._waiting: deque[Job] = deque()
+        self._active: list[Run] = []
+        self._in_flight = 0
+        self._lock = threading.Lock()
+        self._thread: Optional[threading.Thread] = None
+        self._stopping = False
+
+    # --- any thread ---
+
+    def start(self) -> "Engine":
+        assert self._thread is None
+        self._thread = threading.Thread(target=self._loop, name="localheap-engine", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Cancel what runs, fail what waits, and end the thread."""
+        if self._thread is None:
+            return
+        with self._lock:
+            self._stopping = True
+            self._inbox.put(None)   # under the lock: no job can land behind the sentinel
+        self._thread.join(timeout)
+        self._thread = None
+
+    def submit(self, request) -> Job:
+        """Queue a Generate or Feed request; raises Overloaded when the queue is full."""
+        with self._lock:
+            limit = self.max_active + self.max_queued
+            if self._stopping:
+                raise EngineStopped()
+            if self._in_flight >= limit:
+                self.counters.rejected += 1
+                raise Overloaded(self._in_flight, limit)
+            self._in_flight += 1
+            self.counters.requests += 1
+            job = Job(request)
+            self._inbox.put(job)
+        return job
+
+    def call(self, fn: Callable[[], Any]) -> Future:
+        """Run fn on the engine thread between steps (it may touch sessions and the backend)."""
+        fut: Future = Future()
+        self._inbox.put((fn, fut))
+        return fut
+
+    @property
+    def in_flight(self) -> int:
+        return self._in_flight
+
+    @property
+    def active(self) -> int:
+        return len(self._active)
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting)
+
+    # --- engine thread ---
+
+    def _loop(self) -> None:
+        while True:
+            busy = bool(self._active or self._waiting)
+            if not self._drain(block=not busy):
+                break
+            self._admit()
+            for run in list(self._active):
+                self._step(run)
+        self._shutdown()
+
+    def _drain(self, block: bool) -> bool:
+        """Take everything in the inbox; False on the stop sentinel."""
+        try:
+            item = self._inbox.get() if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return True
+        while True:
+            if item is None:
+                return False
+            if isinstance(item, Job):
+                self._waiting.append(item)
+            else:
+                fn, fut = item
+                if fut.set_running_or_notify_cancel():
+                    try:
+                        fut.set_result(fn())
+                    except BaseException as e:  # handed to the caller
+                        fut.set_exception(e)
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return True
+
+    def _admit(self) -> None:
+        """Start waiting jobs in arrival order; a job for a busy session waits its turn."""
+        skipped: deque[Job] = deque()
+        while self._waiting and len(self._active) < self.max_active:
+            job = self._waiting.popleft()
+            if job.cancelled:
+                self._end(job, None, "cancelled")
+                continue
+            sid = job.request.session_id
+            if sid is not None and sid in self.store and self.store.get(sid).busy:
+                skipped.append(job)
+                continue
+            try:
+                self._start(job)
+            except Exception as e:
+                self._fail(job, e, None)
+        skipped.extend(self._waiting)
+        self._waiting = skipped
+
+    def _start(self, job: Job) -> None:
+        req, tok = job.request, self.backend.tokenizer
+        encode = lambda text: tok.encode(text, add_special_tokens=False)  # noqa: E731
+        created = False
+        if req.session_id is not None:
+            match = continue_session(self.store.get(req.session_id), req.prompt, encode, tok.decode)
+        else:
+            sessions = [] if isinstance(req, Feed) else self.store.sessions()
+            match = match_session(sessions, req.prompt, encode, tok.decode)
+            if match is None:
+                created = True
+                match = continue_session(self.store.create(), req.prompt, encode, tok.decode)
+        s = match.session
+        try:
+            if not match.new_tokens:
+                raise ValueError("the prompt is empty: nothing to feed")
+            self.store.enforce_limits(keep=s)
+            if s.cache is None:
+                self.governor.admit(self.store.heap_bytes(), self.store.resident_bytes())
+            self.store.make_resident(s)
+        except Exception:
+            if created:
+                self.store.delete(s.id)
+            raise
+        run = Run(job, s, match.new_tokens, match.cached, self.backend)
+        s.busy = True
+        self.store.touch(s)
+        s.refresh()
+        self._active.append(run)
+        self.counters.prompt_tokens += run.prompt_tokens
+        self.counters.cached_tokens += run.cached
+        self._emit(job, Started(s.id, run.prompt_tokens, run.cached))
+
+    def _step(self, run: Run) -> None:
+        if run.job.cancelled:
+            self._finish(run)
+            return
+        try:
+            done = run.step()
+        except Exception as e:
+            log.exception("run failed")
+            self._active.remove(run)
+            self._fail(run.job, e, run.session)
+            return
+        kind, n = run.last_step
+        if n:
+            (self.counters.decode if kind == "decode" else self.counters.prefill).add(n)
+            if kind == "prefill":
+                self.counters.prefill_tokens += n
+        if done:
+            self._finish(run)
+
+    def _finish(self, run: Run) -> None:
+        self._active.remove(run)
+        try:
+            run.close()
+        except Exception as e:
+            log.exception("closing a run failed")
+            self._fail(run.job, e, run.session)
+            return
+        s = run.session
+        s.busy = False
+        s.turns += 1
+        self.store.touch(s)
+        s.refresh()
+        self.counters.completion_tokens += len(run.completion)
+        self._end(run.job, run.finished_event(), "finished" if run.finish_reason else "cancelled")
+        self.store.enforce_limits()
+
+    def _fail(self, job: Job, error: Exception, session: Optional[Session]) -> None:
+        if session is not None:
+            # the cache may hold a half-fed chunk: the session cannot be trusted any more
+            session.busy = False
+            session.cache = None
+            self.store.delete(session.id)
+        self._end(job, Failed(error), "failed")
+
+    def _end(self, job: Job, event, outcome: str) -> None:
+        """Every job ends here exactly once: finished, cancelled or failed."""
+        if event is not None:
+            self._emit(job, event)
+        setattr(self.counters, outcome, getattr(self.counters, outcome) + 1)
+        job.done.set()
+        with self._lock:
+            self._in_flight -= 1
+
+    def _emit(self, job: Job, event) -> None:
+        try:
+            job.request.emit(event)
+        except Exception:  # a consumer that went away must not stop the engine
+            log.debug("emit failed; cancelling job %s", job.id, exc_info=True)
+            job.cancel()
+
+    def _shutdown(self) -> None:
+        for run in list(self._active):
+            run.job.cancel()
+            self._finish(run)
+        while self._waiting:
+            self._end(self._waiting.popleft(), Failed(EngineStopped()), "failed")
+        while True:
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(item, Job):
+                self._end(item, Failed(EngineStopped()), "failed")
+            elif item is not None:
+                item[1].set_exception(EngineStopped())
+
+    # --- session commands (engine thread, via call) ---
+
+    def delete_session(self, session_id: str) -> None:
+        """Cancel whatever runs on the session, then forget it."""
+        s = self.store.get(session_id)
+        for run in [r for r in self._active if r.session is s]:
+            run.job.cancel()
+            self._finish(run)
+        for job in [j for j in self._waiting if j.request.session_id == session_id]:
+            self._waiting.remove(job)
+            self._end(job, Failed(SessionNotFound(session_id)), "failed")
+        self.store.delete(session_id)
+
+
+def wait_idle(engine: Engine, timeout: float = 10.0) -> bool:
+    """Block until nothing is in flight (tests, shutdown)."""
+    deadline = time.monotonic() + timeout
+    while engine.in_flight and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return engine.in_flight == 0

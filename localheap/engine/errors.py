@@ -1,0 +1,24 @@
+"""Typed engine errors (mapped to HTTP once, in server/errors.py)."""
+
+from __future__ import annotations
+
+
+class Overloaded(RuntimeError):
+    """Too many requests in flight; retry later."""
+
+    def __init__(self, in_flight: int, limit: int, retry_after: float = 1.0):
+        super().__init__(f"server overloaded: {in_flight} requests in flight (limit {limit}); retry later")
+        self.retry_after = retry_after
+
+
+class OverBudget(RuntimeError):
+    """A session's heap does not fit the RAM budget right now."""
+
+    def __init__(self, need: int, have: int, retry_after: float = 5.0):
+        super().__init__(f"RAM budget exceeded: a session heap needs {need:,} bytes, {have:,} available")
+        self.need, self.have, self.retry_after = need, have, retry_after
+
+
+class EngineStopped(RuntimeError):
+    def __init__(self) -> None:
+        super().__init__("the engine is shutting down")

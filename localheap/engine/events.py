@@ -1,0 +1,100 @@
+"""Requests into the engine and the events it sends back, as plain data.
+
+Events go out through the request's `emit` callable, which is called on the engine
+thread and must not block (the server's emit hands events to the event loop).
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Union
+
+from ..generation import SamplingParams
+from ..sessions import Prompt
+
+
+@dataclass
+class Started:
+    session_id: str
+    prompt_tokens: int   # tokens the session holds once the prompt is fed
+    cached_tokens: int   # of those, reused from the session
+
+
+@dataclass
+class Progress:
+    done: int            # new prompt tokens fed so far
+    total: int
+
+
+@dataclass
+class Delta:
+    text: str
+    tokens: int          # completion tokens so far
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+@dataclass
+class Finished:
+    session_id: str
+    finish_reason: str   # "stop" | "length" | "cancelled" | "fed" (documents)
+    usage: Usage
+    session: dict        # the session's snapshot, heap stats included
+
+
+@dataclass
+class Failed:
+    error: Exception
+
+
+Event = Union[Started, Progress, Delta, Finished, Failed]
+Emit = Callable[[Event], None]
+
+
+@dataclass
+class Generate:
+    """Continue a session with `prompt` and sample a reply. session_id None: the session
+    whose history the prompt extends, else a new one."""
+    prompt: Prompt
+    params: SamplingParams
+    emit: Emit
+    session_id: Optional[str] = None
+
+
+@dataclass
+class Feed:
+    """Append `prompt` (a document) to a session without generating."""
+    prompt: Prompt
+    emit: Emit
+    session_id: Optional[str] = None
+
+
+_ids = itertools.count(1)
+
+
+@dataclass(eq=False)
+class Job:
+    """A submitted request. cancel() is safe from any thread; the engine stops it at its
+    next step (one decode token or one prefill chunk)."""
+    request: Union[Generate, Feed]
+    id: int = field(default_factory=lambda: next(_ids))
+    _cancelled: threading.Event = field(default_factory=threading.Event)
+    done: threading.Event = field(default_factory=threading.Event)
+
+    def cancel(self) -> None:
+        self._cancelled.set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled.is_set()

@@ -1,0 +1,112 @@
+"""A job once admitted: its session and the work left, done one step at a time.
+
+A step is one prefill chunk or one decode token; the engine round-robins steps between
+runs. The session's `fed` list always matches what the cache holds once a run ends.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Iterator, Optional
+
+from ..sessions import Session
+from .detok import TextStream
+from .events import Delta, Feed, Finished, Generate, Job, Progress, Usage
+
+STATS_INTERVAL_S = 0.1   # how often a busy session republishes its heap stats
+
+
+class Run:
+    """The work left on one admitted job; step() advances it by one unit."""
+
+    def __init__(self, job: Job, session: Session, new_tokens: list[int], cached: int, backend: Any):
+        assert new_tokens, "a run feeds at least one token"
+        self.job, self.session, self.backend = job, session, backend
+        self.cached = cached
+        self.prompt_tokens = cached + len(new_tokens)
+        self.chunk = session.cfg.slack                 # prefill chunk = heap append room
+        self.to_prefill = new_tokens if isinstance(job.request, Feed) else new_tokens[:-1]
+        self.last = None if isinstance(job.request, Feed) else new_tokens[-1]
+        self.prefilled = 0
+        self.gen: Optional[Iterator[int]] = None
+        self.completion: list[int] = []
+        self.stream: Optional[TextStream] = None
+        self.finish_reason: Optional[str] = None
+        self._stats_at = 0.0
+        self.last_step = ("prefill", 0)   # (kind, tokens) of the latest step, for throughput
+
+    @property
+    def request(self):
+        return self.job.request
+
+    def step(self) -> bool:
+        """Do one unit of work; True once the run is finished (finish_reason set)."""
+        if self.prefilled < len(self.to_prefill):
+            self._prefill_chunk()
+            if self.last is None and self.prefilled == len(self.to_prefill):
+                self.finish_reason = "fed"
+        else:
+            self._decode_one()
+        self._publish_stats(force=self.finish_reason is not None)
+        return self.finish_reason is not None
+
+    def _prefill_chunk(self) -> None:
+        chunk = self.to_prefill[self.prefilled:self.prefilled + self.chunk]
+        self.backend.prefill(self.session.cache, chunk)
+        self.session.extend(chunk)
+        self.prefilled += len(chunk)
+        self.last_step = ("prefill", len(chunk))
+        self.request.emit(Progress(self.prefilled, len(self.to_prefill)))
+
+    def _decode_one(self) -> None:
+        req: Generate = self.request
+        if self.gen is None:
+            self.gen = self.backend.generate(self.session.cache, [self.last], req.params)
+            self.stream = TextStream(self.backend.tokenizer.decode, req.params.stop)
+        token = next(self.gen, None)
+        if token is None:
+            self.finish_reason = "length"
+            return
+        self.completion.append(token)
+        self.last_step = ("decode", 1)
+        if token in self.backend.eos_token_ids:
+            self._finish_text("stop")
+            return
+        text, stopped = self.stream.add(token)
+        if text:
+            req.emit(Delta(text, len(self.completion)))
+        if stopped:
+            self.finish_reason = "stop"
+        elif len(self.completion) >= req.params.max_tokens:
+            self._finish_text("length")
+
+    def _finish_text(self, reason: str) -> None:
+        text, stopped = self.stream.flush()
+        if text:
+            self.request.emit(Delta(text, len(self.completion)))
+        self.finish_reason = "stop" if stopped else reason
+
+    def close(self) -> None:
+        """Stop generating and bring the session's history in line with its cache."""
+        if self.gen is not None:
+            self.gen.close()   # pipelined: the last yielded token may or may not be fed
+            sync = getattr(self.backend, "synchronize", None)
+            if sync is not None:
+                sync()         # let the step in flight land before the thread moves on
+            in_cache = self.backend.tokens_in_cache(self.session.cache)
+            fed_here = in_cache - len(self.session.fed)
+            candidates = [self.last] + self.completion
+            assert 0 <= fed_here <= len(candidates), (in_cache, len(self.session.fed), len(candidates))
+            self.session.extend(candidates[:fed_here])
+            self.gen = None
+        self._publish_stats(force=True)
+
+    def finished_event(self) -> Finished:
+        usage = Usage(self.prompt_tokens, len(self.completion), self.cached)
+        return Finished(self.session.id, self.finish_reason or "cancelled", usage, self.session.snapshot)
+
+    def _publish_stats(self, force: bool) -> None:
+        now = time.monotonic()
+        if force or now - self._stats_at >= STATS_INTERVAL_S:
+            self._stats_at = now
+            self.session.refresh(self.backend.stats(self.session.cache))

@@ -1,0 +1,62 @@
+"""App factory: routes, error mapping, middleware, and the engine's lifetime."""
+
+from __future__ import annotations
+
+from contextlib import asynccontextmanager
+from typing import Any, Optional
+
+from fastapi import FastAPI
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.staticfiles import StaticFiles
+
+from ..engine import Engine, Governor
+from ..sessions import SessionStore
+from . import errors
+from .middleware import LimitBody, RequireApiKey
+from .routes import observe, openai, sessions
+from .services import Services
+from .settings import ServerSettings
+
+
+def create_app(backend: Any, settings: Optional[ServerSettings] = None, governor: Optional[Governor] = None) -> FastAPI:
+    """The server for one loaded backend. The engine thread starts and stops with the app."""
+    settings = settings or ServerSettings()
+    store = SessionStore(backend, settings.heap, settings.sessions_dir,
+                         max_resident=settings.max_resident_sessions, max_sessions=settings.max_sessions)
+    engine = Engine(backend, store, governor, max_active=settings.max_active, max_queued=settings.max_queued)
+    svc = Services(settings, backend, engine, store)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        engine.start()
+        try:
+            yield
+        finally:
+            engine.stop()
+            store.close()
+
+    app = FastAPI(title="localheap", version="0.1.0", lifespan=lifespan, docs_url="/docs", redoc_url=None)
+    app.state.services = svc
+    errors.install(app)
+    for module in (openai, sessions, observe):
+        app.include_router(module.router)
+    app.add_middleware(LimitBody, max_bytes=settings.max_body_bytes)
+    if settings.api_key:
+        app.add_middleware(RequireApiKey, api_key=settings.api_key)
+    app.add_middleware(CORSMiddleware, allow_origins=settings.own_origins + list(settings.cors_origins),
+                       allow_methods=["GET", "POST", "DELETE", "OPTIONS"],
+                       allow_headers=["Authorization", "Content-Type", "X-Session-Id"],
+                       expose_headers=["X-Session-Id", "Retry-After"])
+    _mount_web(app, settings)
+    return app
+
+
+def _mount_web(app: FastAPI, settings: ServerSettings) -> None:
+    """The web UI at / when the package ships one (localheap/web/index.html)."""
+    if settings.web_dir is not None:
+        app.mount("/", StaticFiles(directory=settings.web_dir, html=True), name="web")
+        return
+
+    @app.get("/", include_in_schema=False)
+    async def index() -> dict:
+        return {"name": "localheap", "api": "/v1", "docs": "/docs", "heap_events": "/v1/heap/events"}

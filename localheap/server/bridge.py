@@ -1,0 +1,81 @@
+"""Between the event loop and the engine thread: submit jobs, await their events, cancel
+them when the client goes away. Nothing here blocks the event loop."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import AsyncIterator, Callable
+
+from fastapi import Request
+
+from ..engine import Delta, Emit, Engine, Event, Failed, Finished, Job, Started
+
+DISCONNECT_POLL_S = 0.2
+
+
+class JobEvents:
+    """One job's events, handed from the engine thread to the event loop."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self.queue: asyncio.Queue[Event] = asyncio.Queue()
+
+    def emit(self, event: Event) -> None:   # engine thread
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
+
+    async def get(self) -> Event:
+        return await self.queue.get()
+
+
+async def submit(engine: Engine, make: Callable[[Emit], object]) -> tuple[Job, JobEvents, Started]:
+    """Submit a request and wait until the engine admits it: returns its Started event, or
+    raises the error that stopped it (so the HTTP status can still say what went wrong)."""
+    events = JobEvents(asyncio.get_running_loop())
+    job = engine.submit(make(events.emit))
+    try:
+        first = await events.get()
+    except BaseException:   # client gone while queued
+        job.cancel()
+        raise
+    if isinstance(first, Failed):
+        raise first.error
+    assert isinstance(first, Started), first
+    return job, events, first
+
+
+async def follow(job: Job, events: JobEvents) -> AsyncIterator[Event]:
+    """The job's events up to Finished; the job is cancelled if the consumer stops early
+    (sse-starlette cancels the stream's generator when the client disconnects)."""
+    try:
+        while True:
+            event = await events.get()
+            if isinstance(event, Failed):
+                raise event.error
+            yield event
+            if isinstance(event, Finished):
+                return
+    finally:
+        job.cancel()
+
+
+async def collect(request: Request, job: Job, events: JobEvents) -> tuple[str, Finished]:
+    """Run a job to the end for a non-streamed response, cancelling it if the client leaves."""
+    watcher = asyncio.create_task(_watch_disconnect(request, job))
+    parts: list[str] = []
+    try:
+        async for event in follow(job, events):
+            if isinstance(event, Delta):
+                parts.append(event.text)
+            elif isinstance(event, Finished):
+                return "".join(parts), event
+        raise RuntimeError("job ended without a Finished event")
+    finally:
+        watcher.cancel()
+
+
+async def _watch_disconnect(request: Request, job: Job) -> None:
+    while not job.done.is_set():
+        if await request.is_disconnected():
+            job.cancel()
+            return
+        await asyncio.sleep(DISCONNECT_POLL_S)

@@ -1,0 +1,106 @@
+"""Every error a client can see, mapped once to an OpenAI-style body:
+{"error": {"message", "type", "param", "code"}} with its status code."""
+
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ..engine import EngineStopped, OverBudget, Overloaded
+from ..heap import HeapConfigError
+from ..sessions import SessionBusy, SessionNotFound
+
+log = logging.getLogger("localheap.server")
+
+
+class ApiError(Exception):
+    """An error raised by the server layer itself, already in OpenAI terms."""
+    status = 400
+    type = "invalid_request_error"
+    code: Optional[str] = None
+
+    def __init__(self, message: str, param: Optional[str] = None, code: Optional[str] = None):
+        super().__init__(message)
+        self.param = param
+        if code is not None:
+            self.code = code
+
+
+class BadRequest(ApiError):
+    pass
+
+
+class Unsupported(ApiError):
+    code = "unsupported_parameter"
+
+
+class Unauthorized(ApiError):
+    status, code = 401, "invalid_api_key"
+
+
+class UnknownModel(ApiError):
+    status, code = 404, "model_not_found"
+
+
+def error_body(message: str, type_: str, param: Optional[str] = None, code: Optional[str] = None) -> dict:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def error_response(status: int, message: str, type_: str, param=None, code=None, headers=None) -> JSONResponse:
+    return JSONResponse(error_body(message, type_, param, code), status_code=status, headers=headers)
+
+
+def to_response(exc: Exception) -> JSONResponse:
+    """The one place that turns an exception into a status code and body."""
+    if isinstance(exc, ApiError):
+        return error_response(exc.status, str(exc), exc.type, exc.param, exc.code)
+    if isinstance(exc, SessionNotFound):
+        return error_response(404, str(exc), "invalid_request_error", "session_id", "session_not_found")
+    if isinstance(exc, SessionBusy):
+        return error_response(409, str(exc), "invalid_request_error", "session_id", "session_busy")
+    if isinstance(exc, (Overloaded, OverBudget)):
+        code = "overloaded" if isinstance(exc, Overloaded) else "ram_budget_exceeded"
+        return error_response(503, str(exc), "server_error", None, code,
+                              headers={"Retry-After": str(max(1, round(exc.retry_after)))})
+    if isinstance(exc, EngineStopped):
+        return error_response(503, str(exc), "server_error", None, "shutting_down", headers={"Retry-After": "5"})
+    if isinstance(exc, RequestValidationError):
+        return _validation(exc)
+    if isinstance(exc, StarletteHTTPException):
+        type_ = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(exc.status_code)
+        headers = getattr(exc, "headers", None)
+        return error_response(exc.status_code, str(exc.detail), type_, None, code, headers=headers)
+    if isinstance(exc, (HeapConfigError, ValueError)):
+        return error_response(400, str(exc), "invalid_request_error")
+    log.error("unhandled error", exc_info=exc)
+    return error_response(500, f"internal error: {type(exc).__name__}: {exc}", "server_error")
+
+
+def _validation(exc: RequestValidationError) -> JSONResponse:
+    first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request", "type": ""}
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    param = ".".join(loc) or None
+    if first.get("type") == "json_invalid":
+        message, param = "the request body is not valid JSON", None
+    elif first.get("type") == "extra_forbidden":
+        message = f"unsupported parameter {param!r}: this server does not accept it"
+    elif first.get("type") == "missing":
+        message = f"missing required parameter {param!r}"
+    else:
+        message = f"invalid {param or 'request'}: {first.get('msg')}"
+    return error_response(400, message, "invalid_request_error", param, first.get("type"))
+
+
+def install(app: FastAPI) -> None:
+    async def handle(request: Request, exc: Exception) -> JSONResponse:
+        return to_response(exc)
+
+    for cls in (ApiError, SessionNotFound, SessionBusy, Overloaded, OverBudget, EngineStopped,
+                RequestValidationError, StarletteHTTPException, HeapConfigError, ValueError, Exception):
+        app.add_exception_handler(cls, handle)

@@ -1,0 +1,74 @@
+"""OpenAI response bodies and stream chunks, as dicts. Each carries a `localheap` extension
+field (session id and heap stats) that OpenAI SDKs keep as an extra attribute and ignore."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Optional
+
+from ..engine import Finished, Usage
+
+
+@dataclass
+class Reply:
+    """One response being built: chat ("chat.completion") or text ("text_completion")."""
+    kind: str                 # "chat" | "text"
+    model: str
+    id: str = ""
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def __post_init__(self) -> None:
+        self.id = self.id or ("chatcmpl-" if self.kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
+
+    @property
+    def chunk_object(self) -> str:
+        return "chat.completion.chunk" if self.kind == "chat" else "text_completion"
+
+    def _head(self, obj: str) -> dict:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "system_fingerprint": None}
+
+    def _choice(self, text: Optional[str], finish: Optional[str], stream: bool, first: bool = False) -> dict:
+        if self.kind == "text":
+            return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+        if stream:
+            delta = {"role": "assistant", "content": text or ""} if first else ({"content": text} if text else {})
+            return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        return {"index": 0, "message": {"role": "assistant", "content": text, "refusal": None},
+                "logprobs": None, "finish_reason": finish}
+
+    def chunk(self, text: Optional[str], finish: Optional[str] = None, first: bool = False,
+              extension: Optional[dict] = None, with_usage_field: bool = False) -> dict:
+        body = self._head(self.chunk_object)
+        body["choices"] = [self._choice(text, finish, stream=True, first=first)]
+        if with_usage_field:
+            body["usage"] = None
+        if extension is not None:
+            body["localheap"] = extension
+        return body
+
+    def usage_chunk(self, usage: Usage, extension: dict) -> dict:
+        body = self._head(self.chunk_object)
+        body.update(choices=[], usage=usage_dict(usage), localheap=extension)
+        return body
+
+    def full(self, text: str, done: Finished) -> dict:
+        body = self._head("chat.completion" if self.kind == "chat" else "text_completion")
+        body.update(choices=[self._choice(text, finish_reason(done), stream=False)],
+                    usage=usage_dict(done.usage), localheap=extension(done))
+        return body
+
+
+def finish_reason(done: Finished) -> str:
+    return done.finish_reason if done.finish_reason in ("stop", "length") else "stop"
+
+
+def usage_dict(u: Usage) -> dict:
+    return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
+            "total_tokens": u.total_tokens, "prompt_tokens_details": {"cached_tokens": u.cached_tokens}}
+
+
+def extension(done: Finished) -> dict:
+    return {"session_id": done.session_id, "session": {k: v for k, v in done.session.items() if k != "heap"},
+            "heap": done.session.get("heap")}

@@ -1,0 +1,109 @@
+"""OpenAI-compatible routes: /v1/chat/completions, /v1/completions, /v1/models."""
+
+from __future__ import annotations
+
+import json
+from typing import AsyncIterator, Optional
+
+from fastapi import APIRouter, Depends, Header, Request
+from fastapi.responses import JSONResponse
+from sse_starlette import EventSourceResponse
+from starlette.concurrency import run_in_threadpool
+
+from ...engine import Delta, Finished, Generate, Job, Started
+from ...generation import SamplingParams
+from ...sessions import Prompt
+from ..bridge import JobEvents, collect, follow, submit
+from ..errors import Unsupported, to_response
+from ..formats import Reply, extension, finish_reason
+from ..prompts import chat_prompt, completion_prompt
+from ..schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
+from ..services import Services, services
+
+router = APIRouter()
+SESSION_HEADER = "X-Session-Id"
+
+
+@router.get("/v1/models")
+async def list_models(svc: Services = Depends(services)) -> dict:
+    return {"object": "list", "data": [_model_card(svc)]}
+
+
+@router.get("/v1/models/{model:path}")
+async def get_model(model: str, svc: Services = Depends(services)) -> dict:
+    svc.check_model(model)
+    return _model_card(svc)
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(body: ChatCompletionRequest, request: Request, svc: Services = Depends(services),
+                           x_session_id: Optional[str] = Header(None)):
+    _check(body, svc)
+    prompt = await run_in_threadpool(chat_prompt, svc.tokenizer, body.messages)
+    return await _respond(Reply("chat", svc.model_id), body, prompt, body.limit(svc.settings.default_max_tokens),
+                          request, svc, x_session_id)
+
+
+@router.post("/v1/completions")
+async def completions(body: CompletionRequest, request: Request, svc: Services = Depends(services),
+                      x_session_id: Optional[str] = Header(None)):
+    _check(body, svc)
+    prompt = await run_in_threadpool(completion_prompt, svc.tokenizer, body)
+    return await _respond(Reply("text", svc.model_id), body, prompt, body.max_tokens, request, svc, x_session_id)
+
+
+def _check(body, svc: Services) -> None:
+    svc.check_model(body.model)
+    bad = body.unsupported()
+    if bad is not None:
+        raise Unsupported(bad[1], bad[0])
+
+
+def _params(body: SamplingFields, max_tokens: int) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
+                          top_k=body.top_k, seed=body.seed, stop=list(body.stop or []))
+
+
+async def _respond(reply: Reply, body: SamplingFields, prompt: Prompt, max_tokens: int, request: Request,
+                   svc: Services, session_id: Optional[str]):
+    if session_id is not None:
+        svc.store.info(session_id)   # unknown id: 404 before queueing
+    params = _params(body, max_tokens)
+    job, events, started = await submit(svc.engine, lambda emit: Generate(prompt, params, emit, session_id))
+    headers = {SESSION_HEADER: started.session_id}
+    if not body.stream:
+        text, done = await collect(request, job, events)
+        return JSONResponse(reply.full(text, done), headers=headers)
+    usage = bool(body.stream_options and body.stream_options.include_usage)
+    return EventSourceResponse(_stream(reply, job, events, started, usage), headers=headers, sep="\n")
+
+
+async def _stream(reply: Reply, job: Job, events: JobEvents, started: Started, usage: bool) -> AsyncIterator[dict]:
+    first_ext = {"session_id": started.session_id}
+    try:
+        if reply.kind == "chat":
+            yield _data(reply.chunk("", first=True, extension=first_ext, with_usage_field=usage))
+            first_ext = None
+        async for event in follow(job, events):
+            if isinstance(event, Delta):
+                yield _data(reply.chunk(event.text, extension=first_ext, with_usage_field=usage))
+                first_ext = None
+            elif isinstance(event, Finished):
+                yield _data(reply.chunk(None, finish_reason(event), extension=extension(event), with_usage_field=usage))
+                if usage:
+                    yield _data(reply.usage_chunk(event.usage, extension(event)))
+    except Exception as e:   # headers are gone: report in the stream, as OpenAI does
+        yield {"data": to_response(e).body.decode()}
+    yield {"data": "[DONE]"}
+
+
+def _data(body: dict) -> dict:
+    return {"data": json.dumps(body, separators=(",", ":"))}
+
+
+def _model_card(svc: Services) -> dict:
+    b = svc.backend
+    return {"id": svc.model_id, "object": "model", "created": int(svc.started), "owned_by": "localheap",
+            "localheap": {"backend": b.name, "weights_bytes": b.weights_bytes,
+                          "heap": svc.settings.heap.to_dict(),
+                          "heap_bytes_per_session": b.heap_bytes(svc.settings.heap)}}

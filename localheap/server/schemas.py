@@ -1,0 +1,131 @@
+"""Request bodies (pydantic). Unknown fields are refused, never silently ignored; fields
+we know but cannot honour are refused with a message saying so (see `unsupported`)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class TextPart(Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(Strict):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: Union[str, list[TextPart]]
+    name: Optional[str] = None
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class StreamOptions(Strict):
+    include_usage: bool = False
+    include_obfuscation: Optional[bool] = None   # the SDK may send it; nothing to obfuscate here
+
+
+class SamplingFields(Strict):
+    """Fields chat and completions share."""
+    model: str
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=0)                  # extension (OpenAI has none)
+    seed: Optional[int] = None
+    stop: Optional[Union[str, list[str]]] = None
+    n: int = 1
+    presence_penalty: Optional[float] = None
+    frequency_penalty: Optional[float] = None
+    logit_bias: Optional[dict[str, float]] = None
+    user: Optional[str] = None                   # accepted, unused (an end-user id for abuse tracking)
+    metadata: Optional[dict[str, str]] = None    # accepted, unused
+    store: Optional[bool] = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, v):
+        stops = [v] if isinstance(v, str) else (v or [])
+        if len(stops) > 16:
+            raise ValueError("at most 16 stop sequences")
+        return stops
+
+    def common_unsupported(self) -> Optional[tuple[str, str]]:
+        if self.n != 1:
+            return "n", "n must be 1: this server returns one choice per request"
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name):
+                return name, f"{name} is not supported"
+        if self.logit_bias:
+            return "logit_bias", "logit_bias is not supported"
+        if self.stream_options is not None and not self.stream:
+            return "stream_options", "stream_options is only allowed when stream is true"
+        return None
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: Optional[int] = Field(None, ge=1)
+    max_completion_tokens: Optional[int] = Field(None, ge=1)
+    logprobs: Optional[bool] = None
+    top_logprobs: Optional[int] = None
+    response_format: Optional[dict[str, Any]] = None
+    tools: Optional[list[Any]] = None
+    tool_choice: Optional[Any] = None
+    parallel_tool_calls: Optional[bool] = None
+    functions: Optional[list[Any]] = None
+    function_call: Optional[Any] = None
+
+    def unsupported(self) -> Optional[tuple[str, str]]:
+        """(param, message) for the first field set to something this server cannot do."""
+        if self.tools or self.functions:
+            name = "tools" if self.tools else "functions"
+            return name, "tool and function calling are not supported"
+        if self.tool_choice not in (None, "none") or self.function_call not in (None, "none"):
+            return "tool_choice", "tool and function calling are not supported"
+        if self.logprobs or self.top_logprobs is not None:
+            return "logprobs", "logprobs are not supported"
+        if self.response_format is not None and self.response_format.get("type") != "text":
+            return "response_format", "only response_format {'type': 'text'} is supported"
+        return self.common_unsupported()
+
+    def limit(self, default: int) -> int:
+        return self.max_completion_tokens or self.max_tokens or default
+
+
+class CompletionRequest(SamplingFields):
+    prompt: Union[str, list[str], list[int]]
+    max_tokens: int = Field(16, ge=1)
+    echo: bool = False
+    logprobs: Optional[int] = None
+    suffix: Optional[str] = None
+    best_of: Optional[int] = None
+
+    def unsupported(self) -> Optional[tuple[str, str]]:
+        if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], str) and len(self.prompt) != 1:
+            return "prompt", "one prompt per request: batches of prompts are not supported"
+        if self.echo:
+            return "echo", "echo is not supported"
+        if self.logprobs is not None:
+            return "logprobs", "logprobs are not supported"
+        if self.suffix:
+            return "suffix", "suffix (insertion) is not supported"
+        if self.best_of not in (None, 1):
+            return "best_of", "best_of must be 1"
+        return self.common_unsupported()
+
+
+class DocumentRequest(Strict):
+    """Append a document to a session. As a chat message by default (so a question asked
+    next reads it as context), or raw text with no template."""
+    text: str = Field(min_length=1)
+    role: Literal["system", "developer", "user", "assistant"] = "user"
+    raw: bool = False
+    stream: bool = True          # SSE progress events; false: one JSON answer when done

@@ -1,0 +1,40 @@
+"""Server settings: one dataclass, filled from the command line (or by tests)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Optional
+
+from ..governor.budget import parse_size as parse_bytes  # noqa: F401  (re-exported)
+from ..heap import HeapConfig
+
+def package_web_dir() -> Optional[Path]:
+    """localheap/web when it holds an index.html (the UI ships there)."""
+    path = Path(str(resources.files("localheap.web")))
+    return path if (path / "index.html").exists() else None
+
+
+@dataclass
+class ServerSettings:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: Optional[str] = None              # when set, /v1/* and /metrics need "Authorization: Bearer KEY"
+    cors_origins: list[str] = field(default_factory=list)   # beyond the server's own origin
+    max_body_bytes: int = 64 << 20
+    max_active: int = 8                        # requests served round-robin at once
+    max_queued: int = 32                       # waiting beyond those; more -> 503
+    max_sessions: int = 256
+    max_resident_sessions: int = 8             # more idle sessions are spilled to disk
+    sessions_dir: Optional[Path] = None        # spill directory (default: a temporary one)
+    ram_budget: Optional[int] = None           # bytes; enforced by the governor (later issue)
+    default_max_tokens: int = 1024             # chat replies when the request sets no limit
+    heap: HeapConfig = field(default_factory=HeapConfig)
+    web_dir: Optional[Path] = field(default_factory=package_web_dir)
+    heap_events_interval: float = 0.5          # seconds between /v1/heap/events messages
+
+    @property
+    def own_origins(self) -> list[str]:
+        hosts = {self.host, "127.0.0.1", "localhost"} if self.host in ("127.0.0.1", "localhost") else {self.host}
+        return sorted(f"http://{h}:{self.port}" for h in hosts)

@@ -1,0 +1,80 @@
+"""Live state for the web UI and /metrics: every session's heap, process memory against
+the RAM budget, throughput. Reads published snapshots only; never waits on the engine."""
+
+from __future__ import annotations
+
+import time
+
+import psutil
+
+from .services import Services
+
+_PROCESS = psutil.Process()
+
+
+def memory(svc: Services) -> dict:
+    infos = svc.store.infos()
+    kv = sum((s["heap"] or {}).get("kv_bytes", 0) for s in infos if s["state"] == "resident")
+    return {
+        "rss_bytes": _PROCESS.memory_info().rss,
+        "ram_budget_bytes": svc.settings.ram_budget,
+        "weights_bytes": svc.backend.weights_bytes,
+        "kv_bytes": kv,
+        "system_available_bytes": psutil.virtual_memory().available,
+    }
+
+
+def heap_snapshot(svc: Services) -> dict:
+    """One message of /v1/heap/events."""
+    c, eng = svc.engine.counters, svc.engine
+    return {
+        "time": round(time.time(), 3),
+        "model": svc.model_id,
+        "sessions": svc.store.infos(),
+        "memory": memory(svc),
+        "thermal": "unknown",
+        "throughput": {"decode_tokens_per_s": round(c.decode.rate(), 1),
+                       "prefill_tokens_per_s": round(c.prefill.rate(), 1)},
+        "engine": {"active": eng.active, "waiting": eng.waiting, "in_flight": eng.in_flight},
+    }
+
+
+def prometheus(svc: Services) -> str:
+    """/metrics in the Prometheus text exposition format."""
+    c, eng, mem = svc.engine.counters, svc.engine, memory(svc)
+    infos = svc.store.infos()
+    states = {"resident": 0, "spilled": 0, "empty": 0}
+    for s in infos:
+        states[s["state"]] = states.get(s["state"], 0) + 1
+    heaps = [s["heap"] for s in infos if s["heap"]]
+    rows = [
+        ("requests_total", "counter", "requests accepted by the engine", [("", c.requests)]),
+        ("requests_finished_total", "counter", "requests that ran to the end", [("", c.finished)]),
+        ("requests_cancelled_total", "counter", "requests cancelled (client gone)", [("", c.cancelled)]),
+        ("requests_failed_total", "counter", "requests that failed", [("", c.failed)]),
+        ("requests_rejected_total", "counter", "requests refused with 503 (queue full)", [("", c.rejected)]),
+        ("requests_active", "gauge", "requests being served round-robin", [("", eng.active)]),
+        ("requests_waiting", "gauge", "requests queued", [("", eng.waiting)]),
+        ("prompt_tokens_total", "counter", "prompt tokens of all requests", [("", c.prompt_tokens)]),
+        ("cached_tokens_total", "counter", "prompt tokens reused from sessions", [("", c.cached_tokens)]),
+        ("prefill_tokens_total", "counter", "tokens prefilled", [("", c.prefill_tokens)]),
+        ("completion_tokens_total", "counter", "tokens generated", [("", c.completion_tokens)]),
+        ("decode_tokens_per_second", "gauge", "decode throughput (5 s window)", [("", round(c.decode.rate(), 3))]),
+        ("prefill_tokens_per_second", "gauge", "prefill throughput (5 s window)", [("", round(c.prefill.rate(), 3))]),
+        ("sessions", "gauge", "sessions by state",
+         [(f'{{state="{k}"}}', v) for k, v in sorted(states.items())]),
+        ("session_spills_total", "counter", "heaps saved to disk", [("", svc.store.spills)]),
+        ("session_restores_total", "counter", "heaps loaded from disk", [("", svc.store.restores)]),
+        ("heap_tokens_seen", "gauge", "tokens fed into all heaps", [("", sum(h["tokens_seen"] for h in heaps))]),
+        ("heap_tokens_resident", "gauge", "tokens resident in all heaps", [("", sum(h["resident"] for h in heaps))]),
+        ("heap_tokens_evicted", "gauge", "tokens evicted from all heaps", [("", sum(h["evicted"] for h in heaps))]),
+        ("kv_bytes", "gauge", "KV bytes of resident heaps", [("", mem["kv_bytes"])]),
+        ("weights_bytes", "gauge", "model weight bytes", [("", mem["weights_bytes"])]),
+        ("process_rss_bytes", "gauge", "resident set size of the server process", [("", mem["rss_bytes"])]),
+        ("ram_budget_bytes", "gauge", "configured RAM budget (0 = none)", [("", mem["ram_budget_bytes"] or 0)]),
+    ]
+    lines = []
+    for name, kind, help_, samples in rows:
+        lines += [f"# HELP localheap_{name} {help_}", f"# TYPE localheap_{name} {kind}"]
+        lines += [f"localheap_{name}{labels} {value}" for labels, value in samples]
+    return "\n".join(lines) + "\n"

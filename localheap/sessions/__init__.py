@@ -1,0 +1,12 @@
+"""Sessions: the exact tokens fed to each heap cache, the caches, and a store with spill to disk.
+
+Knows nothing about HTTP, threads or tensors: the engine thread drives it, the backend owns the cache.
+"""
+
+from .errors import SessionBusy, SessionNotFound
+from .match import Match, Prompt, continue_session, match_session
+from .session import Session
+from .store import SessionStore
+
+__all__ = ["Match", "Prompt", "Session", "SessionBusy", "SessionNotFound", "SessionStore",
+           "continue_session", "match_session"]

@@ -1,0 +1,168 @@
+"""SessionStore: sessions by id, heaps allocated lazily, least recently used ones spilled to disk.
+
+Mutating methods run on the engine thread only (it owns the backend); `infos()` and `info()`
+read published snapshots and are safe from any thread.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any, Optional
+
+from ..heap import HeapConfig
+from .errors import SessionBusy, SessionNotFound
+from .session import Session, token_array
+
+
+class SessionStore:
+    def __init__(self, backend: Any, cfg: HeapConfig, spill_dir: Optional[Path] = None,
+                 max_resident: int = 8, max_sessions: int = 256):
+        assert max_resident >= 1 and max_sessions >= max_resident
+        self.backend = backend
+        self.cfg = cfg
+        self._own_dir = spill_dir is None
+        self.spill_dir = Path(spill_dir or tempfile.mkdtemp(prefix="localheap-sessions-"))
+        self.spill_dir.mkdir(parents=True, exist_ok=True)
+        self.max_resident = max_resident
+        self.max_sessions = max_sessions
+        self._sessions: dict[str, Session] = {}
+        self._lock = threading.Lock()   # guards the dict against readers on other threads
+        self.spills = 0
+        self.restores = 0
+
+    # --- lookup (engine thread) ---
+
+    def create(self, session_id: Optional[str] = None) -> Session:
+        s = Session(id=session_id or f"sess_{uuid.uuid4().hex[:20]}", cfg=self.cfg)
+        s.refresh()
+        with self._lock:
+            assert s.id not in self._sessions
+            self._sessions[s.id] = s
+        return s
+
+    def get(self, session_id: str) -> Session:
+        s = self._sessions.get(session_id)
+        if s is None:
+            raise SessionNotFound(session_id)
+        return s
+
+    def __contains__(self, session_id: str) -> bool:
+        return session_id in self._sessions
+
+    def __len__(self) -> int:
+        return len(self._sessions)
+
+    def sessions(self) -> list[Session]:
+        with self._lock:
+            return list(self._sessions.values())
+
+    def delete(self, session_id: str) -> None:
+        s = self.get(session_id)
+        if s.busy:
+            raise SessionBusy(session_id)
+        with self._lock:
+            del self._sessions[session_id]
+        s.cache = None
+        self._remove_files(s)
+
+    # --- heap residency (engine thread) ---
+
+    def heap_bytes(self) -> int:
+        """Bytes one more resident heap costs."""
+        return self.backend.heap_bytes(self.cfg)
+
+    def resident_bytes(self) -> int:
+        return sum(self.heap_bytes() for s in self.sessions() if s.cache is not None)
+
+    def make_resident(self, s: Session) -> None:
+        """Give the session a cache: restore it from disk, or allocate an empty heap."""
+        if s.cache is not None:
+            return
+        if s.spill_path is not None:
+            self.restore(s.id)
+        else:
+            assert not s.fed, "a session with history and no cache must have been spilled"
+            s.cache = self.backend.new_cache(s.cfg)
+            s.refresh(self.backend.stats(s.cache))
+
+    def spill(self, session_id: str) -> Path:
+        """Save the session's heap and token history to disk and free its heap."""
+        s = self.get(session_id)
+        if s.busy:
+            raise SessionBusy(session_id)
+        if s.cache is None:
+            return s.spill_path or self.spill_dir
+        path = self.spill_dir / f"{s.id}.safetensors"
+        self.backend.save_cache(s.cache, path)
+        with open(path.with_suffix(".tokens"), "wb") as f:
+            s.fed.tofile(f)
+        s.spill_path, s.cache = path, None
+        self.spills += 1
+        s.refresh()
+        return path
+
+    def restore(self, session_id: str) -> Session:
+        """Load a spilled session's heap back (bit-identical to when it was spilled)."""
+        s = self.get(session_id)
+        if s.cache is not None or s.spill_path is None:
+            return s
+        cache = self.backend.load_cache(s.cfg, s.spill_path)
+        tokens = token_array()
+        tokens.frombytes(s.spill_path.with_suffix(".tokens").read_bytes())
+        assert tokens == s.fed and self.backend.tokens_in_cache(cache) == len(s.fed)
+        s.cache = cache
+        self._remove_files(s)
+        s.spill_path = None
+        self.restores += 1
+        s.refresh(self.backend.stats(cache))
+        return s
+
+    def enforce_limits(self, keep: Optional[Session] = None) -> None:
+        """Spill idle least-recently-used heaps beyond max_resident; drop the oldest idle
+        sessions beyond max_sessions. `keep` is about to run and stays resident."""
+        idle = sorted((s for s in self.sessions() if not s.busy and s is not keep), key=lambda s: s.last_used)
+        resident = [s for s in self.sessions() if s.cache is not None or s is keep]
+        for s in idle:
+            if len(resident) <= self.max_resident:
+                break
+            if s.cache is not None:
+                self.spill(s.id)
+                resident.remove(s)
+        for s in idle:
+            if len(self) <= self.max_sessions:
+                break
+            self.delete(s.id)
+
+    def touch(self, s: Session) -> None:
+        s.last_used = time.time()
+
+    # --- snapshots (any thread) ---
+
+    def infos(self) -> list[dict]:
+        with self._lock:
+            sessions = list(self._sessions.values())
+        return [s.snapshot for s in sessions]
+
+    def info(self, session_id: str) -> dict:
+        s = self._sessions.get(session_id)
+        if s is None:
+            raise SessionNotFound(session_id)
+        return s.snapshot
+
+    def close(self) -> None:
+        """Forget every session; remove the spill directory when the store made it."""
+        with self._lock:
+            self._sessions.clear()
+        if self._own_dir:
+            shutil.rmtree(self.spill_dir, ignore_errors=True)
+
+    def _remove_files(self, s: Session) -> None:
+        if s.spill_path is not None:
+            s.spill_path.unlink(missing_ok=True)
+            s.spill_path.with_suffix(".tokens").unlink(missing_ok=True)
+

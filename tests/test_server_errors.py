@@ -1,0 +1,151 @@
+"""Every error the server can answer, in OpenAI's shape: 400, 401, 404, 413, 503."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import pytest
+
+pytest.importorskip("mlx.core")
+openai = pytest.importorskip("openai")
+
+from test_server_openai import HEAP, MODEL, load_mlx_backend  # noqa: E402
+
+from localheap.engine import OverBudget  # noqa: E402
+from localheap.server import ServerSettings, create_app  # noqa: E402
+from localheap.server.testing import ServerThread  # noqa: E402
+
+KEY = "sekret"
+MAX_BODY = 4096
+
+
+class SwitchableGovernor:
+    refuse = False
+
+    def admit(self, session_bytes, resident_bytes):
+        if self.refuse:
+            raise OverBudget(session_bytes, 0)
+
+
+GOVERNOR = SwitchableGovernor()
+
+
+@pytest.fixture(scope="module")
+def server():
+    settings = ServerSettings(heap=HEAP, web_dir=None, api_key=KEY, max_body_bytes=MAX_BODY,
+                              max_active=1, max_queued=0)
+    with ServerThread(create_app(load_mlx_backend(), settings, governor=GOVERNOR)) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {KEY}"}, timeout=30) as c:
+        yield c
+
+
+def chat(client, **kw):
+    kw.setdefault("messages", [{"role": "user", "content": "hi"}])
+    kw.setdefault("max_tokens", 4)
+    return client.chat.completions.create(model=kw.pop("model", MODEL), **kw)
+
+
+def assert_error(response: httpx.Response, status: int, param=None, code=None):
+    assert response.status_code == status, response.text
+    err = response.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    if param is not None:
+        assert err["param"] == param, err
+    if code is not None:
+        assert err["code"] == code, err
+    return err
+
+
+@pytest.mark.parametrize("fields,param", [
+    ({"n": 2}, "n"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
+    ({"logprobs": True}, "logprobs"),
+    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"presence_penalty": 0.5}, "presence_penalty"),
+    ({"stream_options": {"include_usage": True}}, "stream_options"),
+    ({"temperature": 5}, "temperature"),
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"messages": []}, "messages"),
+    ({"messages": [{"role": "tool", "content": "x"}]}, "messages.0.role"),
+    ({"frobnicate": True}, "frobnicate"),
+])
+def test_400_for_bad_or_unsupported_fields(http, fields, param):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, **fields}
+    err = assert_error(http.post("/v1/chat/completions", json=body), 400, param=param)
+    assert err["type"] == "invalid_request_error"
+
+
+def test_400_through_the_sdk_and_for_bad_json(client, http):
+    with pytest.raises(openai.BadRequestError) as e:
+        chat(client, n=3)
+    assert e.value.status_code == 400 and "n must be 1" in e.value.message
+    r = http.post("/v1/chat/completions", content=b"{not json", headers={"Content-Type": "application/json"})
+    assert_error(r, 400)
+    assert_error(http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "echo": True}), 400, "echo")
+
+
+def test_401_without_or_with_a_wrong_key(server):
+    bad = openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        chat(bad)
+    assert_error(httpx.get(server.url + "/v1/models"), 401, code="invalid_api_key")
+    assert_error(httpx.get(server.url + "/metrics"), 401)
+    assert httpx.get(server.url + "/health").status_code == 200   # health stays open
+
+
+def test_404_unknown_model_session_and_route(client, http):
+    with pytest.raises(openai.NotFoundError) as e:
+        chat(client, model="gpt-4o")
+    assert e.value.code == "model_not_found"
+    with pytest.raises(openai.NotFoundError) as e:
+        chat(client, extra_headers={"X-Session-Id": "sess_nope"})
+    assert e.value.code == "session_not_found"
+    assert_error(http.get("/v1/sessions/sess_nope"), 404, code="session_not_found")
+    assert_error(http.post("/v1/sessions/sess_nope/documents", json={"text": "x"}), 404)
+    assert_error(http.get("/v1/nothing-here"), 404)
+
+
+def test_413_body_too_large(client, http):
+    with pytest.raises(openai.APIStatusError) as e:
+        chat(client, messages=[{"role": "user", "content": "x" * (2 * MAX_BODY)}])
+    assert e.value.status_code == 413
+    chunks = (b'{"model": "m", "messages": [' + b" " * 1000 for _ in range(8))   # no Content-Length
+    assert_error(http.post("/v1/chat/completions", content=chunks), 413, code="request_too_large")
+
+
+def test_503_when_the_queue_is_full(client, http):
+    stream = chat(client, max_tokens=5000, temperature=0, stream=True)   # max_active=1, max_queued=0
+    try:
+        next(iter(stream))
+        r = http.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "x"}]})
+        assert_error(r, 503, code="overloaded")
+        assert int(r.headers["retry-after"]) >= 1
+    finally:
+        stream.close()
+
+
+def test_503_when_over_the_ram_budget(http):
+    GOVERNOR.refuse = True
+    try:
+        for _ in range(50):   # the cancelled stream above may still be finishing
+            r = http.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "y"}]})
+            if r.json()["error"]["code"] != "overloaded":
+                break
+            time.sleep(0.05)
+        assert_error(r, 503, code="ram_budget_exceeded")
+        assert "retry-after" in r.headers
+    finally:
+        GOVERNOR.refuse = False
+    assert http.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "y"}],
+                                                   "max_tokens": 2}).status_code == 200

@@ -1,0 +1,109 @@
+"""Sessions: prefix matching, the store's spill/restore and limits (fake backend), and a
+bit-identical spill/restore round trip on the MLX backend."""
+
+from __future__ import annotations
+
+import pytest
+from test_engine import CFG, FakeBackend
+
+from localheap.heap import HeapConfig
+from localheap.sessions import Prompt, SessionBusy, SessionNotFound, SessionStore, continue_session, match_session
+
+encode = lambda text: [ord(c) for c in text]  # noqa: E731
+decode = lambda ids: "".join(chr(i) for i in ids)  # noqa: E731
+
+
+def prompt(text, continuation=None):
+    return Prompt(encode(text), text, encode(continuation) if continuation is not None else None)
+
+
+def store_with(*histories):
+    store = SessionStore(FakeBackend(), CFG)
+    sessions = []
+    for h in histories:
+        s = store.create()
+        store.make_resident(s)
+        s.extend(encode(h))
+        s.cache.tokens = encode(h)
+        sessions.append(s)
+    return store, sessions
+
+
+def test_longest_token_prefix_wins_and_busy_or_empty_sessions_are_skipped():
+    store, (short, long, other) = store_with("abc", "abcdef", "xyz")
+    store.create()   # empty: never matched implicitly
+    m = match_session(store.sessions(), prompt("abcdefgh"), encode, decode)
+    assert m.session is long and m.new_tokens == encode("gh") and m.cached == 6
+    long.busy = True
+    assert match_session(store.sessions(), prompt("abcdefgh"), encode, decode).session is short
+    assert match_session(store.sessions(), prompt("abc"), encode, decode) is None   # nothing new to feed
+    assert match_session(store.sessions(), prompt("nope"), encode, decode) is None
+
+
+def test_text_prefix_matches_a_reply_tokenized_differently():
+    store, (s,) = store_with("hi")
+    s.fed.extend([ord("a") + 1000])   # a token whose text is not its re-encoding
+
+    def odd_decode(ids):
+        return "".join("ab" if i == ord("a") + 1000 else chr(i) for i in ids)
+
+    m = match_session(store.sessions(), Prompt(encode("hiabc"), "hiabc"), encode, odd_decode)
+    assert m.session is s and m.new_tokens == encode("c") and m.cached == 3
+
+
+def test_explicit_session_continues_with_rest_or_continuation():
+    store, (s,) = store_with("<s>user: hi")
+    assert continue_session(s, prompt("<s>user: hi assistant:"), encode, decode).new_tokens == encode(" assistant:")
+    m = continue_session(s, prompt("<s>user: more", continuation="user: more"), encode, decode)
+    assert m.new_tokens == encode("user: more") and m.cached == len("<s>user: hi")
+
+
+def test_spill_restore_round_trip_and_limits(tmp_path):
+    store = SessionStore(FakeBackend(), CFG, tmp_path, max_resident=2, max_sessions=3)
+    sessions = []
+    for i in range(3):
+        s = store.create()
+        store.make_resident(s)
+        s.extend(encode(f"session {i}"))
+        s.cache.tokens = encode(f"session {i}")
+        store.touch(s)
+        sessions.append(s)
+    store.enforce_limits()
+    assert [s.state for s in sessions] == ["spilled", "resident", "resident"]
+    assert store.info(sessions[0].id)["state"] == "spilled" and store.spills == 1
+    store.make_resident(sessions[0])
+    assert sessions[0].cache.tokens == encode("session 0") and not list(tmp_path.iterdir())
+    sessions[1].busy = True
+    with pytest.raises(SessionBusy):
+        store.spill(sessions[1].id)
+    store.create()
+    store.enforce_limits()
+    assert len(store) == 3   # the least recently used idle session was dropped
+    with pytest.raises(SessionNotFound):
+        store.get("sess_missing")
+
+
+def test_mlx_spill_restore_continues_bit_identically(tmp_path):
+    pytest.importorskip("mlx.core")
+    from localheap.generation import SamplingParams
+    from localheap.models import load_backend
+
+    backend = load_backend("random:llama:tiny", "mlx")
+    cfg = HeapConfig(budget=32, slack=16, recent=8)
+    store = SessionStore(backend, cfg, tmp_path)
+    ids = backend.tokenizer.encode("the quick brown fox jumps over the lazy dog " * 8)
+    greedy = SamplingParams(max_tokens=12)
+
+    def continue_(s):
+        return list(backend.generate(s.cache, ids[-3:], greedy))
+
+    a, b = store.create(), store.create()
+    for s in (a, b):
+        store.make_resident(s)
+        backend.prefill(s.cache, ids)
+        s.extend(ids)
+    store.spill(b.id)
+    assert b.cache is None and b.spill_path.exists()
+    store.restore(b.id)
+    assert b.snapshot["heap"]["evicted"] > 0 and backend.stats(b.cache).to_dict() == backend.stats(a.cache).to_dict()
+    assert continue_(a) == continue_(b)
