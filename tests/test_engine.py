@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from localheap.engine import (
+    AdmitAll,
     Delta,
     Engine,
     Failed,
@@ -25,6 +26,7 @@ from localheap.engine import (
 )
 from localheap.engine.detok import TextStream
 from localheap.generation import SamplingParams
+from localheap.governor import Admission
 from localheap.heap import HeapConfig, HeapStats
 from localheap.sessions import Prompt, SessionStore
 
@@ -89,6 +91,9 @@ class FakeBackend:
 
     def heap_bytes(self, cfg):
         return 1000
+
+    def kv_bytes_per_token(self):
+        return 4
 
     def save_cache(self, cache, path: Path):
         Path(path).write_text(json.dumps(cache.tokens))
@@ -228,9 +233,9 @@ def test_overloaded_and_waiting_for_busy_session():
 
 
 def test_governor_refusal_and_backend_failure():
-    class Refuse:
-        def admit(self, session_bytes, resident_bytes):
-            raise OverBudget(session_bytes, 0)
+    class Refuse(AdmitAll):
+        def admit(self, resident, idle_lru):
+            return Admission("reject", reason="over budget", retry_after_s=3)
 
     eng, _ = make_engine(governor=Refuse())
     try:

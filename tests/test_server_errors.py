@@ -12,7 +12,8 @@ openai = pytest.importorskip("openai")
 
 from test_server_openai import HEAP, MODEL, load_mlx_backend  # noqa: E402
 
-from localheap.engine import OverBudget  # noqa: E402
+from localheap.engine import AdmitAll  # noqa: E402
+from localheap.governor import Admission  # noqa: E402
 from localheap.server import ServerSettings, create_app  # noqa: E402
 from localheap.server.testing import ServerThread  # noqa: E402
 
@@ -20,12 +21,13 @@ KEY = "sekret"
 MAX_BODY = 4096
 
 
-class SwitchableGovernor:
+class SwitchableGovernor(AdmitAll):
     refuse = False
 
-    def admit(self, session_bytes, resident_bytes):
+    def admit(self, resident, idle_lru):
         if self.refuse:
-            raise OverBudget(session_bytes, 0)
+            return Admission("reject", reason="RAM budget exceeded: every resident heap is busy", retry_after_s=2)
+        return Admission("admit")
 
 
 GOVERNOR = SwitchableGovernor()

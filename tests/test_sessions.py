@@ -107,3 +107,24 @@ def test_mlx_spill_restore_continues_bit_identically(tmp_path):
     store.restore(b.id)
     assert b.snapshot["heap"]["evicted"] > 0 and backend.stats(b.cache).to_dict() == backend.stats(a.cache).to_dict()
     assert continue_(a) == continue_(b)
+
+
+def test_sessions_persist_across_store_instances(tmp_path):
+    from test_engine import CFG, FakeBackend
+
+    backend = FakeBackend()
+    store = SessionStore(backend, CFG, spill_dir=tmp_path)
+    fed = store.create()
+    store.make_resident(fed)
+    backend.prefill(fed.cache, [5, 6, 7])
+    fed.extend([5, 6, 7])
+    empty = store.create()
+    assert store.persist_all("fake-model") == 2
+    again = SessionStore(backend, CFG, spill_dir=tmp_path)
+    assert again.load_persisted("other-model") == 0, "another model's sessions are not loaded"
+    assert again.load_persisted("fake-model") == 2
+    restored = again.get(fed.id)
+    assert restored.state == "spilled" and restored.fed.tolist() == [5, 6, 7]
+    again.make_resident(restored)
+    assert backend.tokens_in_cache(restored.cache) == 3
+    assert again.get(empty.id).state == "empty"

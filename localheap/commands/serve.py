@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import logging
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -28,10 +30,19 @@ def add_parser(sub) -> None:
     p.add_argument("--max-queue", type=int, default=32, help="requests waiting beyond those (503 beyond)")
     p.add_argument("--max-sessions", type=int, default=256)
     p.add_argument("--max-resident-sessions", type=int, default=8, help="idle sessions beyond are spilled to disk")
-    p.add_argument("--sessions-dir", type=Path, default=None, help="spill directory (default: a temporary one)")
+    p.add_argument("--sessions-dir", type=Path, default=None,
+                   help="where sessions are spilled and saved (default: ~/.cache/localheap/sessions/MODEL)")
+    p.add_argument("--no-persist", dest="persist", action="store_false",
+                   help="do not save sessions at shutdown nor restore them at start")
     p.add_argument("--default-max-tokens", type=int, default=1024, help="chat reply limit when a request sets none")
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     p.set_defaults(func=run)
+
+
+def default_sessions_dir(model_name: str) -> Path:
+    slug = re.sub(r"[^A-Za-z0-9._-]+", "_", model_name).strip("_") or "model"
+    base = Path(os.environ.get("LOCALHEAP_CACHE", Path.home() / ".cache" / "localheap"))
+    return base / "sessions" / slug
 
 
 def settings_from_args(args):
@@ -46,7 +57,8 @@ def settings_from_args(args):
         host=args.host, port=args.port, api_key=args.api_key or None, cors_origins=list(args.cors_origin),
         max_body_bytes=parse_bytes(args.max_body), max_active=args.max_active, max_queued=args.max_queue,
         max_sessions=max(args.max_sessions, args.max_resident_sessions),
-        max_resident_sessions=args.max_resident_sessions, sessions_dir=args.sessions_dir,
+        max_resident_sessions=args.max_resident_sessions, persist_sessions=args.persist,
+        sessions_dir=args.sessions_dir,
         ram_budget=parse_bytes(args.ram_budget) if args.ram_budget else None,
         default_max_tokens=args.default_max_tokens, heap=heap_config(args),
     )
@@ -60,8 +72,15 @@ def run(args) -> int:
     from ..server import create_app
 
     settings = settings_from_args(args)   # bad flags fail before the model loads
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s:     %(name)s: %(message)s")
     backend = load_backend(model_spec(args), args.backend)
-    app = create_app(backend, settings)
+    if settings.persist_sessions and settings.sessions_dir is None:
+        settings.sessions_dir = default_sessions_dir(backend.model_name)
+    app = create_app(backend, settings)   # BudgetTooSmall here says what would fit
+    plan = app.state.services.governor.plan
+    print(f"localheap: RAM budget {format_bytes(plan.budget)} = weights {format_bytes(plan.weights)} + runtime "
+          f"{format_bytes(plan.overhead)} + room for {plan.max_resident} resident heap(s); "
+          f"thermal state {app.state.services.governor.sensors.thermal()}", file=sys.stderr)
     heap = settings.heap
     print(f"localheap: {backend.model_name} on {backend.name} | heap: {heap.sinks} sinks + {heap.budget} budget + "
           f"{heap.slack} slack, policy {heap.policy} ({format_bytes(backend.heap_bytes(heap))} per session)",

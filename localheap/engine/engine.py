@@ -17,7 +17,7 @@ from concurrent.futures import Future
 from typing import Any, Callable, Optional
 
 from ..sessions import Session, SessionNotFound, SessionStore, continue_session, match_session
-from .errors import EngineStopped, Overloaded
+from .errors import EngineStopped, OverBudget, Overloaded
 from .events import Failed, Feed, Job, Started
 from .governor import AdmitAll, Governor
 from .runs import Run
@@ -41,6 +41,7 @@ class Engine:
         self._lock = threading.Lock()
         self._thread: Optional[threading.Thread] = None
         self._stopping = False
+        self._thermal = "unknown"
 
     # --- any thread ---
 
@@ -165,7 +166,7 @@ class Engine:
                 raise ValueError("the prompt is empty: nothing to feed")
             self.store.enforce_limits(keep=s)
             if s.cache is None:
-                self.governor.admit(self.store.heap_bytes(), self.store.resident_bytes())
+                self._admit_heap(s)
             self.store.make_resident(s)
         except Exception:
             if created:
@@ -180,10 +181,34 @@ class Engine:
         self.counters.cached_tokens += run.cached
         self._emit(job, Started(s.id, run.prompt_tokens, run.cached))
 
+    def _admit_heap(self, s: Session) -> None:
+        """Ask the governor before one more heap becomes resident; spill what it names."""
+        resident = [x for x in self.store.sessions() if x.cache is not None]
+        idle = sorted((x for x in resident if not x.busy and x is not s), key=lambda x: x.last_used)
+        decision = self.governor.admit(len(resident), [x.id for x in idle])
+        if decision.action != "admit":
+            raise OverBudget(decision.reason, retry_after=decision.retry_after_s)
+        for sid in decision.spill:
+            log.info("RAM budget: spilling idle session %s to disk", sid)
+            self.store.spill(sid)
+
+    def _throttle(self, run: Run) -> float:
+        """Thermal pressure: smaller prefill chunks and a pause; returns the pause."""
+        t = self.governor.throttle(run.session.cfg.slack)
+        if t.state != self._thermal:
+            log.log(logging.WARNING if t.active else logging.INFO,
+                    "thermal state %s: prefill chunk %d, pause %.2fs", t.state, t.chunk, t.pause_s)
+            self._thermal = t.state
+        run.chunk = t.chunk
+        return t.pause_s
+
     def _step(self, run: Run) -> None:
         if run.job.cancelled:
             self._finish(run)
             return
+        pause = self._throttle(run)
+        if pause:
+            time.sleep(pause if run.prefilling else pause / 10)
         try:
             done = run.step()
         except Exception as e:

@@ -12,11 +12,11 @@ class Overloaded(RuntimeError):
 
 
 class OverBudget(RuntimeError):
-    """A session's heap does not fit the RAM budget right now."""
+    """A session's heap does not fit the RAM budget right now (every resident heap is busy)."""
 
-    def __init__(self, need: int, have: int, retry_after: float = 5.0):
-        super().__init__(f"RAM budget exceeded: a session heap needs {need:,} bytes, {have:,} available")
-        self.need, self.have, self.retry_after = need, have, retry_after
+    def __init__(self, reason: str, retry_after: float = 2.0):
+        super().__init__(reason)
+        self.retry_after = retry_after
 
 
 class EngineStopped(RuntimeError):

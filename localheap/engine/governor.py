@@ -1,18 +1,34 @@
-"""What the engine asks before a session heap becomes resident. The RAM-budget governor
-(localheap/governor) implements this; until then every heap is admitted."""
+"""What the engine asks the RAM/thermal governor (localheap/governor implements it).
+
+Before a heap becomes resident: admit (maybe after spilling idle heaps) or refuse.
+Before a prefill chunk: how big, and how long to pause (thermal pressure).
+"""
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Protocol, Sequence
+
+from ..governor import Admission, Throttle
 
 
 class Governor(Protocol):
-    def admit(self, session_bytes: int, resident_bytes: int) -> None:
-        """Called on the engine thread before a heap of session_bytes is allocated or
-        restored, with resident_bytes already held by other heaps. Raise OverBudget to refuse."""
+    def admit(self, resident: int, idle_lru: Sequence[str]) -> Admission:
+        """`resident` heaps are in RAM; `idle_lru` may be spilled (least recently used first)."""
         ...
+
+    def throttle(self, chunk: int) -> Throttle: ...
+
+    def snapshot(self) -> dict: ...
 
 
 class AdmitAll:
-    def admit(self, session_bytes: int, resident_bytes: int) -> None:
-        return None
+    """No budget: every heap is admitted, nothing is throttled."""
+
+    def admit(self, resident: int, idle_lru: Sequence[str]) -> Admission:
+        return Admission("admit")
+
+    def throttle(self, chunk: int) -> Throttle:
+        return Throttle("unknown", chunk, 0.0)
+
+    def snapshot(self) -> dict:
+        return {"thermal_state": "unknown"}

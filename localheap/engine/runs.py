@@ -36,6 +36,10 @@ class Run:
         self.last_step = ("prefill", 0)   # (kind, tokens) of the latest step, for throughput
 
     @property
+    def prefilling(self) -> bool:
+        return self.prefilled < len(self.to_prefill)
+
+    @property
     def request(self):
         return self.job.request
 

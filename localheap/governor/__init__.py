@@ -2,7 +2,9 @@
 
 from .budget import BudgetTooSmall, MemoryPlan, parse_size, runtime_overhead
 from .governor import Admission, Governor, MemoryReading, Sensors, SystemSensors, Throttle, backend_limits
+from .setup import default_budget, governor_for, plan_for
 from .thermal import STATES, read_thermal_state
 
 __all__ = ["BudgetTooSmall", "MemoryPlan", "parse_size", "runtime_overhead", "Admission", "Governor",
-           "MemoryReading", "Sensors", "SystemSensors", "Throttle", "backend_limits", "STATES", "read_thermal_state"]
+           "MemoryReading", "Sensors", "SystemSensors", "Throttle", "backend_limits", "STATES", "read_thermal_state",
+           "default_budget", "governor_for", "plan_for"]

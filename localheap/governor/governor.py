@@ -123,6 +123,7 @@ class Governor:
         return {"ram_budget_bytes": self.plan.budget, "rss_bytes": r.rss, "allocator_active_bytes": r.allocator_active,
                 "allocator_cache_bytes": r.allocator_cache, "system_available_bytes": r.available,
                 "swap_used_bytes": r.swap_used, "weights_bytes": self.plan.weights, "heap_bytes": self.plan.heap,
+                "runtime_bytes": self.plan.overhead,
                 "max_resident_heaps": self.plan.max_resident, "spilled_total": self.spilled_total,
                 "rejected_total": self.rejected_total, "thermal_state": self.sensors.thermal()}
 

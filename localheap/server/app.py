@@ -9,7 +9,10 @@ from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.staticfiles import StaticFiles
 
+import logging
+
 from ..engine import Engine, Governor
+from ..governor import governor_for, plan_for
 from ..sessions import SessionStore
 from . import errors
 from .middleware import LimitBody, RequireApiKey
@@ -18,21 +21,34 @@ from .services import Services
 from .settings import ServerSettings
 
 
+log = logging.getLogger("localheap.server")
+
+
 def create_app(backend: Any, settings: Optional[ServerSettings] = None, governor: Optional[Governor] = None) -> FastAPI:
     """The server for one loaded backend. The engine thread starts and stops with the app."""
     settings = settings or ServerSettings()
+    if governor is None:
+        plan = plan_for(backend, settings.heap, settings.ram_budget)   # BudgetTooSmall when nothing fits
+        governor = governor_for(backend, plan)
     store = SessionStore(backend, settings.heap, settings.sessions_dir,
                          max_resident=settings.max_resident_sessions, max_sessions=settings.max_sessions)
     engine = Engine(backend, store, governor, max_active=settings.max_active, max_queued=settings.max_queued)
-    svc = Services(settings, backend, engine, store)
+    svc = Services(settings, backend, engine, store, governor)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        if settings.persist_sessions:
+            n = store.load_persisted(backend.model_name)
+            if n:
+                log.info("restored %d saved session(s) from %s", n, store.spill_dir)
         engine.start()
         try:
             yield
         finally:
-            engine.stop()
+            engine.stop()   # cancels runs; the backend is this thread's from here on
+            if settings.persist_sessions:
+                n = store.persist_all(backend.model_name)
+                log.info("saved %d session(s) to %s", n, store.spill_dir)
             store.close()
 
     app = FastAPI(title="localheap", version="0.1.0", lifespan=lifespan, docs_url="/docs", redoc_url=None)

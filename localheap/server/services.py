@@ -20,6 +20,7 @@ class Services:
     backend: Any
     engine: Engine
     store: SessionStore
+    governor: Any = None
     started: float = field(default_factory=time.time)
 
     @property

@@ -28,7 +28,8 @@ class ServerSettings:
     max_sessions: int = 256
     max_resident_sessions: int = 8             # more idle sessions are spilled to disk
     sessions_dir: Optional[Path] = None        # spill directory (default: a temporary one)
-    ram_budget: Optional[int] = None           # bytes; enforced by the governor (later issue)
+    persist_sessions: bool = False             # save sessions at shutdown, load them at start
+    ram_budget: Optional[int] = None           # bytes (None: 75% of physical memory)
     default_max_tokens: int = 1024             # chat replies when the request sets no limit
     heap: HeapConfig = field(default_factory=HeapConfig)
     web_dir: Optional[Path] = field(default_factory=package_web_dir)

@@ -12,27 +12,39 @@ from .services import Services
 _PROCESS = psutil.Process()
 
 
-def memory(svc: Services) -> dict:
+def governor(svc: Services) -> dict:
+    return svc.governor.snapshot() if svc.governor is not None else {}
+
+
+def memory(svc: Services, gov: dict) -> dict:
     infos = svc.store.infos()
     kv = sum((s["heap"] or {}).get("kv_bytes", 0) for s in infos if s["state"] == "resident")
     return {
-        "rss_bytes": _PROCESS.memory_info().rss,
-        "ram_budget_bytes": svc.settings.ram_budget,
+        "rss_bytes": gov.get("rss_bytes", _PROCESS.memory_info().rss),
+        "ram_budget_bytes": gov.get("ram_budget_bytes", svc.settings.ram_budget),
         "weights_bytes": svc.backend.weights_bytes,
         "kv_bytes": kv,
-        "system_available_bytes": psutil.virtual_memory().available,
+        "system_available_bytes": gov.get("system_available_bytes", psutil.virtual_memory().available),
+        "swap_used_bytes": gov.get("swap_used_bytes", 0),
+        "allocator_active_bytes": gov.get("allocator_active_bytes", 0),
+        "allocator_cache_bytes": gov.get("allocator_cache_bytes", 0),
+        "heap_bytes": gov.get("heap_bytes"),
+        "runtime_bytes": gov.get("runtime_bytes"),
+        "max_resident_heaps": gov.get("max_resident_heaps"),
+        "spilled_total": gov.get("spilled_total", 0),
+        "rejected_total": gov.get("rejected_total", 0),
     }
 
 
 def heap_snapshot(svc: Services) -> dict:
     """One message of /v1/heap/events."""
-    c, eng = svc.engine.counters, svc.engine
+    c, eng, gov = svc.engine.counters, svc.engine, governor(svc)
     return {
         "time": round(time.time(), 3),
         "model": svc.model_id,
         "sessions": svc.store.infos(),
-        "memory": memory(svc),
-        "thermal": "unknown",
+        "memory": memory(svc, gov),
+        "thermal": gov.get("thermal_state", "unknown"),
         "throughput": {"decode_tokens_per_s": round(c.decode.rate(), 1),
                        "prefill_tokens_per_s": round(c.prefill.rate(), 1)},
         "engine": {"active": eng.active, "waiting": eng.waiting, "in_flight": eng.in_flight},
@@ -41,7 +53,9 @@ def heap_snapshot(svc: Services) -> dict:
 
 def prometheus(svc: Services) -> str:
     """/metrics in the Prometheus text exposition format."""
-    c, eng, mem = svc.engine.counters, svc.engine, memory(svc)
+    c, eng, gov = svc.engine.counters, svc.engine, governor(svc)
+    mem = memory(svc, gov)
+    thermal = gov.get("thermal_state", "unknown")
     infos = svc.store.infos()
     states = {"resident": 0, "spilled": 0, "empty": 0}
     for s in infos:
@@ -72,6 +86,17 @@ def prometheus(svc: Services) -> str:
         ("weights_bytes", "gauge", "model weight bytes", [("", mem["weights_bytes"])]),
         ("process_rss_bytes", "gauge", "resident set size of the server process", [("", mem["rss_bytes"])]),
         ("ram_budget_bytes", "gauge", "configured RAM budget (0 = none)", [("", mem["ram_budget_bytes"] or 0)]),
+        ("allocator_active_bytes", "gauge", "backend allocator: live tensors", [("", mem["allocator_active_bytes"])]),
+        ("allocator_cache_bytes", "gauge", "backend allocator: freed, held", [("", mem["allocator_cache_bytes"])]),
+        ("system_available_bytes", "gauge", "memory the system has available", [("", mem["system_available_bytes"])]),
+        ("swap_used_bytes", "gauge", "swap in use on the system", [("", mem["swap_used_bytes"])]),
+        ("heap_bytes", "gauge", "bytes one session heap allocates", [("", mem["heap_bytes"] or 0)]),
+        ("runtime_bytes", "gauge", "runtime share of the budget (measured at start)", [("", mem["runtime_bytes"] or 0)]),
+        ("max_resident_heaps", "gauge", "heaps the RAM budget holds at once", [("", mem["max_resident_heaps"] or 0)]),
+        ("budget_spills_total", "counter", "idle heaps spilled to stay in budget", [("", mem["spilled_total"])]),
+        ("budget_rejections_total", "counter", "requests refused with 503 (over budget)", [("", mem["rejected_total"])]),
+        ("thermal_state", "gauge", "thermal state (1 for the current one)",
+         [(f'{{state="{s}"}}', int(s == thermal)) for s in ("nominal", "fair", "serious", "critical", "unknown")]),
     ]
     lines = []
     for name, kind, help_, samples in rows:

@@ -6,6 +6,9 @@ read published snapshots and are safe from any thread.
 
 from __future__ import annotations
 
+import json
+import logging
+import os
 import shutil
 import tempfile
 import threading
@@ -17,6 +20,9 @@ from typing import Any, Optional
 from ..heap import HeapConfig
 from .errors import SessionBusy, SessionNotFound
 from .session import Session, token_array
+
+log = logging.getLogger("localheap.sessions")
+INDEX = "index.json"
 
 
 class SessionStore:
@@ -116,6 +122,7 @@ class SessionStore:
         tokens.frombytes(s.spill_path.with_suffix(".tokens").read_bytes())
         assert tokens == s.fed and self.backend.tokens_in_cache(cache) == len(s.fed)
         s.cache = cache
+        s.cfg = getattr(cache, "cfg", s.cfg)   # the heap as it was saved (settings may have changed)
         self._remove_files(s)
         s.spill_path = None
         self.restores += 1
@@ -140,6 +147,59 @@ class SessionStore:
 
     def touch(self, s: Session) -> None:
         s.last_used = time.time()
+
+    # --- persistence across restarts (engine stopped or not yet started) ---
+
+    def persist_all(self, model_id: str) -> int:
+        """Save every session to the spill directory with an index; returns how many."""
+        for s in self.sessions():
+            if s.cache is not None and not s.busy:
+                self.spill(s.id)
+        entries = [{"id": s.id, "created": s.created, "last_used": s.last_used, "turns": s.turns,
+                    "tokens": len(s.fed), "file": s.spill_path.name if s.spill_path is not None else None}
+                   for s in self.sessions() if s.spill_path is not None or not s.fed]
+        index = {"model": model_id, "sessions": entries}
+        tmp = self.spill_dir / (INDEX + ".tmp")
+        tmp.write_text(json.dumps(index, indent=1))
+        os.replace(tmp, self.spill_dir / INDEX)
+        return len(entries)
+
+    def load_persisted(self, model_id: str) -> int:
+        """Register the sessions a previous run saved here (heaps load lazily, on demand)."""
+        path = self.spill_dir / INDEX
+        if not path.exists():
+            return 0
+        try:
+            index = json.loads(path.read_text())
+        except (OSError, ValueError) as e:
+            log.warning("ignoring unreadable session index %s: %s", path, e)
+            return 0
+        if index.get("model") != model_id:
+            log.warning("sessions in %s belong to model %r, not %r: not loaded", self.spill_dir, index.get("model"), model_id)
+            return 0
+        loaded = 0
+        for e in index.get("sessions", []):
+            if e["id"] in self._sessions:
+                continue
+            heap_file, fed = None, token_array()
+            if e["file"] is not None:     # None: a session created but never fed
+                heap_file = self.spill_dir / e["file"]
+                tokens_file = heap_file.with_suffix(".tokens")
+                if not heap_file.exists() or not tokens_file.exists():
+                    log.warning("session %s: files missing in %s; skipped", e["id"], self.spill_dir)
+                    continue
+                fed.frombytes(tokens_file.read_bytes())
+            if len(fed) != e["tokens"]:
+                log.warning("session %s: token file does not match its index; skipped", e["id"])
+                continue
+            s = Session(id=e["id"], cfg=self.cfg, fed=fed, spill_path=heap_file, created=e["created"],
+                        last_used=e["last_used"], turns=e["turns"])
+            s.refresh()
+            with self._lock:
+                self._sessions[s.id] = s
+            loaded += 1
+        (self.spill_dir / INDEX).unlink()   # rewritten at the next shutdown
+        return loaded
 
     # --- snapshots (any thread) ---
 

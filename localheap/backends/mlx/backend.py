@@ -72,6 +72,16 @@ class MLXBackend:
     def load_cache(self, cfg: HeapConfig, path: Path):
         return load_heap(self.model, path)
 
+    def apply_limits(self, limits: dict) -> None:
+        """Cap MLX's allocator from the RAM budget (the wired limit only exists on Metal)."""
+        mx.set_memory_limit(int(limits["memory_limit"]))
+        mx.set_cache_limit(int(limits["cache_limit"]))
+        if mx.metal.is_available() and "wired_limit" in limits:
+            try:
+                mx.set_wired_limit(int(limits["wired_limit"]))
+            except (ValueError, RuntimeError):   # above what the OS allows: keep the default
+                pass
+
     def synchronize(self) -> None:
         """Wait for work in flight (a pipelined step after a generation stopped early)."""
         mx.synchronize()

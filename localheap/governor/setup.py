@@ -1,0 +1,44 @@
+"""From a loaded backend and a RAM budget to a checked plan and a running governor."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Optional
+
+import psutil
+
+from ..heap import HeapConfig
+from .budget import MemoryPlan
+from .governor import Governor, SystemSensors, backend_limits
+
+log = logging.getLogger("localheap.governor")
+
+DEFAULT_SHARE = 0.75          # no --ram-budget: promise at most 75% of physical memory
+ACTIVATION_MARGIN = 256 * 1024**2
+
+
+def default_budget() -> int:
+    return int(psutil.virtual_memory().total * DEFAULT_SHARE)
+
+
+def plan_for(backend: Any, cfg: HeapConfig, ram_budget: Optional[int]) -> MemoryPlan:
+    """Weights + one heap per resident session + runtime, against the budget.
+
+    Runtime is measured, not guessed: the process's RSS now (model loaded) minus the
+    weights, plus 10% of the weights and a margin for prefill activations.
+    Raises BudgetTooSmall (with what would fit) when not even one heap fits.
+    """
+    budget = ram_budget or default_budget()
+    weights = int(backend.weights_bytes)
+    rss = psutil.Process().memory_info().rss
+    overhead = max(0, rss - weights) + weights // 10 + ACTIVATION_MARGIN
+    plan = MemoryPlan(budget=budget, weights=weights, heap=int(backend.heap_bytes(cfg)), overhead=overhead)
+    return plan.check(heap_tokens=cfg.sinks + cfg.budget + cfg.slack, bytes_per_token=backend.kv_bytes_per_token())
+
+
+def governor_for(backend: Any, plan: MemoryPlan) -> Governor:
+    """A governor on this machine's sensors; the backend's allocator limits set from the plan."""
+    apply = getattr(backend, "apply_limits", None)
+    if apply is not None:
+        apply(backend_limits(plan))
+    return Governor(plan, SystemSensors(backend_memory=getattr(backend, "memory", dict)))
