@@ -1,0 +1,165 @@
+// Conversations = server sessions (the truth: tokens and heap) + what this browser
+// remembers about them (title and messages, in localStorage; documents by name only).
+
+import { el, int, shortId } from "./format.js";
+
+const STORE = "localheap.conversations.v1";
+const TITLE_CHARS = 48;
+
+export class Conversations {
+  constructor(list, { onSelect, onDelete, onGone }) {
+    this.list = list;
+    this.onSelect = onSelect;
+    this.onDelete = onDelete;
+    this.onGone = onGone;       // sessions the server no longer has (deleted elsewhere, restarted)
+    this.local = load();
+    this.server = new Map();   // id -> session info
+    this.current = null;
+    this.busy = new Set();     // ids with a reply or a document in flight
+    this.born = new Map();     // id -> when this page created it (a snapshot may predate it)
+  }
+
+  get(id) {
+    if (!this.local[id]) this.local[id] = { title: null, messages: [], updated: Date.now() };
+    return this.local[id];
+  }
+
+  title(id) {
+    return this.local[id]?.title || (id ? `Session ${shortId(id)}` : "New conversation");
+  }
+
+  /** Record a message; the first user message or document names the conversation. */
+  add(id, message) {
+    const conv = this.get(id);
+    conv.messages.push(message);
+    if (!conv.title && (message.role === "user" || message.role === "document")) {
+      const text = (message.role === "document" ? message.name : message.content).replace(/\s+/g, " ").trim();
+      conv.title = text.length > TITLE_CHARS ? `${text.slice(0, TITLE_CHARS - 1)}…` : text;
+      this.render();
+    }
+    this.touch(id);
+    return message;
+  }
+
+  touch(id) {
+    this.get(id).updated = Date.now();
+    this.save();
+  }
+
+  save() {
+    try {
+      localStorage.setItem(STORE, JSON.stringify(this.local));
+    } catch { /* storage full or disabled: history lives for this page only */ }
+  }
+
+  /** The server's session list; forget local history of sessions the server no longer has. */
+  setSessions(infos) {
+    this.server = new Map(infos.map((s) => [s.id, s]));
+    for (const id of Object.keys(this.local)) if (!this.server.has(id)) delete this.local[id];
+    this.save();
+    this.render();
+  }
+
+  /** Live session infos from a heap snapshot: new sessions appear, counts update. */
+  update(infos) {
+    const known = infos.every((s) => this.server.has(s.id)) && infos.length === this.server.size;
+    for (const s of infos) this.server.set(s.id, s);
+    if (!known) {
+      const live = new Set(infos.map((s) => s.id));
+      const fresh = (id) => this.busy.has(id) || Date.now() - (this.born.get(id) || 0) < 2000;
+      const gone = [...this.server.keys()].filter((id) => !live.has(id) && !fresh(id));
+      for (const id of gone) {
+        this.server.delete(id);
+        delete this.local[id];
+      }
+      if (gone.length) this.save();
+      this.render();
+      if (gone.length) this.onGone(gone);
+    } else {
+      for (const s of infos) this.renderCount(s);
+    }
+  }
+
+  upsert(info) {
+    if (!this.server.has(info.id)) this.born.set(info.id, Date.now());
+    this.server.set(info.id, info);
+    this.render();
+  }
+
+  remove(id) {
+    this.server.delete(id);
+    delete this.local[id];
+    this.save();
+    this.render();
+  }
+
+  ordered() {
+    const when = (id) => Math.max(this.local[id]?.updated || 0, (this.server.get(id)?.last_used || 0) * 1000);
+    return [...this.server.keys()].sort((a, b) => when(b) - when(a));
+  }
+
+  render() {
+    const ids = this.ordered();
+    this.list.replaceChildren(...ids.map((id) => this.item(id)));
+    document.getElementById("no-conversations").hidden = ids.length > 0;
+  }
+
+  item(id) {
+    const info = this.server.get(id);
+    const current = id === this.current;
+    const select = el("button", {
+      class: "conv-open", type: "button", "aria-current": current ? "page" : null,
+      onclick: () => this.onSelect(id),
+    },
+    el("span", { class: "conv-title", text: this.title(id) }),
+    el("span", { class: "conv-meta", "data-id": id, text: meta(info) }));
+    const remove = el("button", {
+      class: "conv-delete", type: "button", "aria-label": `Delete “${this.title(id)}”`, title: "Delete",
+      onclick: (e) => this.confirmDelete(e.currentTarget, id),
+    }, "×");
+    return el("li", { class: current ? "conv current" : "conv", "data-id": id }, select, remove);
+  }
+
+  renderCount(info) {
+    const node = this.list.querySelector(`.conv-meta[data-id="${CSS.escape(info.id)}"]`);
+    if (node) node.textContent = meta(info);
+  }
+
+  // First click arms the button, a second click within 3 s deletes (no modal dialog).
+  confirmDelete(button, id) {
+    if (button.dataset.armed) {
+      this.onDelete(id);
+      return;
+    }
+    button.dataset.armed = "1";
+    button.textContent = "Delete?";
+    button.setAttribute("aria-label", `Confirm: delete “${this.title(id)}”`);
+    setTimeout(() => {
+      if (!button.isConnected) return;
+      delete button.dataset.armed;
+      button.textContent = "×";
+      button.setAttribute("aria-label", `Delete “${this.title(id)}”`);
+    }, 3000);
+  }
+}
+
+function meta(info) {
+  if (!info) return "";
+  const parts = [`${int(tokens(info))} tokens`];
+  if (info.state === "spilled") parts.push("on disk");
+  if (info.busy) parts.push("busy");
+  return parts.join(" · ");
+}
+
+/** Tokens in a session: the heap's count runs ahead of the history while a request is running. */
+export function tokens(info) {
+  return Math.max(info?.tokens || 0, info?.heap?.tokens_seen || 0);
+}
+
+function load() {
+  try {
+    return JSON.parse(localStorage.getItem(STORE)) || {};
+  } catch {
+    return {};
+  }
+}
