@@ -14,6 +14,7 @@ import numpy as np
 from mlx_lm.models.cache import _BaseCache, create_attention_mask
 
 from ...heap import LayerHeap, RepackPlan, SlotView
+from ...kernels.decode_attention import mlx_ops as decode_kernel
 from .rope import RopeSpec
 
 
@@ -96,7 +97,11 @@ class HeapKVCache(_BaseCache):
         H, T = keys.shape[1], keys.shape[2]
         G = Hq // H
         w = L if L == 1 else min(L, max(1, cfg.obs_window))
-        if probs is None:
+        if probs is None and L == 1 and decode_kernel.kernel_available():
+            # Metal: one fused kernel scores the decode query (self-checked against its reference)
+            _, mass = decode_kernel.decode_attention(queries[0, :, 0, :], self.keys[0], self.values[0], scale, T)
+            probs = mass[:, None, :]                                   # [H, 1, T]
+        elif probs is None:
             probs = self._side_pass(queries[:, :, L - w:, :], keys, scale, T, w).reshape(H, G * w, T)
         else:
             probs = probs[0, :, :, L - w:, :].reshape(H, G * w, T)

@@ -1,0 +1,59 @@
+"""The one hook: an attention function registered in transformers' own AttentionInterface.
+
+Outputs come from transformers' stock sdpa function, bit for bit; a heap layer then
+scores the keys in a side pass over the same q/k. The model finds the heap through
+the `heap=` keyword the generation loop passes to forward (transformers forwards
+unknown keywords down to the attention function). Without it, this is stock sdpa.
+"""
+
+from __future__ import annotations
+
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from ...kernels.decode_attention.torch_ops import decode_attention
+from .layer import HeapLayer
+
+ATTN_IMPLEMENTATION = "localheap_sdpa"
+
+
+def heap_sdpa(module, query, key, value, attention_mask, heap=None, **kwargs):
+    """query: [1, H_q, L, D] rotated at the model-wide positions; key/value: [1, H_kv, T, D]
+    as the cache layer returned them. Returns (output [1, L, H_q, D], None) like stock sdpa."""
+    layer = heap.layers[module.layer_idx] if heap is not None else None
+    if layer is not None and layer.rope_delta:
+        query = layer.rope.rotate(query, layer.rope_delta)   # this layer's own position
+    if not isinstance(layer, HeapLayer):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    scale = kwargs.get("scaling") or query.shape[-1] ** -0.5
+    if heap.fused_decode and query.shape[2] == 1 and layer.heap.cfg.needs_attention:
+        return _fused_decode(layer, query, key, value, scale), None
+    attention_mask = _layer_mask(attention_mask, query.shape[2], key.shape[2], query.device)
+    out, weights = sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    layer.observe(query, key, scale)
+    return out, weights
+
+
+def _layer_mask(mask, L: int, T: int, device):
+    """The model sizes one mask by its first heap layer; with pyramid budgets other heap layers
+    hold other lengths, so theirs is rebuilt (causal in slot space) by transformers' own builder."""
+    if L == 1 or (mask.shape[-1] == T if mask is not None else T == L):
+        return mask
+    return sdpa_mask(batch_size=1, q_length=L, kv_length=T, q_offset=T - L, device=device)
+
+
+def _fused_decode(layer: HeapLayer, query, key, value, scale: float):
+    """One pass for output and scores (kernels/decode_attention); not bit-identical to stock sdpa."""
+    Hq, D = query.shape[1], query.shape[3]
+    out, mass = decode_attention(query[0, :, 0, :], key[0], value[0], scale)   # out: [H_q, D], mass: [H_kv, T]
+    layer.accumulate(mass, 1, Hq // key.shape[1], new_window=False)
+    return out.view(1, 1, Hq, D)
+
+
+def install(model) -> None:
+    """Register the function (and sdpa's mask builder under its name); point `model` at it."""
+    AttentionInterface.register(ATTN_IMPLEMENTATION, heap_sdpa)
+    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, sdpa_mask)
+    if model is not None and model.config._attn_implementation != ATTN_IMPLEMENTATION:
+        model.set_attn_implementation(ATTN_IMPLEMENTATION)

@@ -1,0 +1,116 @@
+"""TorchBackend: a transformers model plus its tokenizer, serving heaps to the engine."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Callable, Iterator, Optional, Sequence
+
+import torch
+
+from ...generation import ProgressFn, SamplingParams
+from ...heap import HeapConfig, HeapStats, kv_bytes_per_token
+from . import attention
+from .cache import HeapCache, kv_geometry, make_heap_cache
+from .generate import generate_tokens, prefill
+from .persist import load_heap, save_heap
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def default_dtype(device: torch.device) -> torch.dtype:
+    """float32 on the CPU (exact, and fast enough for small models); bf16 where CUDA has it, else fp16."""
+    if device.type != "cuda":
+        return torch.float32
+    return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+
+
+class TorchBackend:
+    name = "torch"
+
+    def __init__(self, model, tokenizer, model_name: str = "model", fused_decode: bool = False):
+        self.model = model.eval()
+        self.tokenizer = tokenizer   # Hugging Face tokenizer
+        self.model_name = model_name
+        self.fused_decode = fused_decode   # decode outputs from the fused kernel: not bit-identical to stock
+        self.device = next(model.parameters()).device
+        eos = model.generation_config.eos_token_id
+        eos = [eos] if isinstance(eos, int) else list(eos or [])
+        if tokenizer.eos_token_id is not None:
+            eos.append(tokenizer.eos_token_id)
+        self.eos_token_ids = set(eos)
+        self.weights_bytes = sum(p.nbytes for p in model.parameters())
+
+    @classmethod
+    def load(cls, path: str | Path, model_name: Optional[str] = None, device: Optional[str] = None,
+             dtype: Optional[torch.dtype] = None, fused_decode: bool = False) -> "TorchBackend":
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        dev = torch.device(device) if device else default_device()
+        attention.install(None)
+        model = AutoModelForCausalLM.from_pretrained(
+            str(path), dtype=dtype or default_dtype(dev), attn_implementation=attention.ATTN_IMPLEMENTATION,
+        ).to(dev)
+        tokenizer = AutoTokenizer.from_pretrained(str(path))
+        return cls(model, tokenizer, model_name or Path(str(path)).name, fused_decode=fused_decode)
+
+    def new_cache(self, cfg: HeapConfig) -> HeapCache:
+        cache = make_heap_cache(self.model, cfg)
+        cache.fused_decode = self.fused_decode
+        return cache
+
+    def prefill(self, cache: HeapCache, tokens: Sequence[int], progress: Optional[ProgressFn] = None,
+                cancelled: Optional[Callable[[], bool]] = None) -> None:
+        prefill(self.model, cache, tokens, progress, cancelled)
+
+    def generate(self, cache: HeapCache, new_tokens: Sequence[int], params: SamplingParams,
+                 progress: Optional[ProgressFn] = None,
+                 cancelled: Optional[Callable[[], bool]] = None) -> Iterator[int]:
+        return generate_tokens(self.model, cache, new_tokens, params, progress, cancelled)
+
+    def tokens_in_cache(self, cache: HeapCache) -> int:
+        return cache.tokens_seen
+
+    def stats(self, cache: HeapCache) -> HeapStats:
+        return cache.stats()
+
+    def kv_bytes_per_token(self) -> int:
+        n_kv, head_dim = kv_geometry(self.model)
+        dtype_bytes = next(self.model.parameters()).element_size()
+        return kv_bytes_per_token(self.model.config.get_text_config().num_hidden_layers, n_kv, head_dim, dtype_bytes)
+
+    def heap_bytes(self, cfg: HeapConfig) -> int:
+        """K/V and score buffers of the heap layers (sliding layers, if any, are not counted)."""
+        from transformers.cache_utils import get_layer_types_and_kwargs
+
+        n_kv, head_dim = kv_geometry(self.model)
+        layer_types, _ = get_layer_types_and_kwargs(self.model.config.get_text_config())
+        n_heap = sum(t == "full_attention" for t in layer_types)
+        slots = sum(cfg.layer_capacity(b) for b in cfg.layer_budgets(n_heap))
+        per_slot = 2 * n_kv * head_dim * next(self.model.parameters()).element_size()
+        score_arrays = (cfg.policy == "h2o") + (cfg.policy == "snapkv") + (cfg.h2o_normalize and cfg.needs_attention)
+        return slots * (per_slot + 4 * n_kv * score_arrays)
+
+    def save_cache(self, cache: HeapCache, path: Path) -> None:
+        save_heap(cache, path)
+
+    def load_cache(self, cfg: HeapConfig, path: Path) -> HeapCache:
+        cache = load_heap(self.model, path)
+        cache.fused_decode = self.fused_decode
+        return cache
+
+    def memory(self) -> dict:
+        """CUDA: torch's allocator. CPU: the process's resident set (psutil) and its peak."""
+        if self.device.type == "cuda":
+            return {"active": torch.cuda.memory_allocated(self.device),
+                    "peak": torch.cuda.max_memory_allocated(self.device),
+                    "cache": torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)}
+        import resource
+
+        import psutil
+
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss   # KiB on Linux, bytes on macOS
+        peak *= 1 if sys.platform == "darwin" else 1024
+        return {"active": psutil.Process().memory_info().rss, "peak": peak, "cache": 0}

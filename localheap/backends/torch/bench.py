@@ -1,0 +1,228 @@
+"""Torch timings for `localheap bench`: the heap against transformers' stock DynamicCache, same run.
+
+Both paths run the same loop (chunked prefill, then one forward per greedy token with
+the logits of the last position only); the stock rows use transformers' own sdpa
+attention function and DynamicCache, the heap rows the heap. Quote ratios, not tok/s.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from typing import Callable, Iterator, Optional
+
+import numpy as np
+import torch
+from transformers import DynamicCache
+
+from ...generation import SamplingParams
+from ...heap import HeapConfig
+from . import attention
+from .generate import generate_tokens
+
+STOCK_PREFILL_CHUNK = 2048   # transformers' generate feeds the prompt whole; chunk it to bound the peak
+
+
+def random_prompt(vocab_size: int, n: int, seed: int = 0) -> list[int]:
+    return np.random.default_rng(seed).integers(10, vocab_size, n).tolist()
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def stock_tokens(model, cache: DynamicCache, prompt: list[int], max_tokens: int) -> Iterator[int]:
+    """Greedy tokens through transformers' stock cache and attention (the loop generate runs)."""
+    device = next(model.parameters()).device
+
+    def step(ids: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():   # per call: a generator must not leak no_grad to its caller
+            return model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+
+    ids = torch.tensor([prompt], device=device)
+    for start in range(0, len(prompt), STOCK_PREFILL_CHUNK):
+        logits = step(ids[:, start:start + STOCK_PREFILL_CHUNK])
+    for n in range(max_tokens):
+        token = int(torch.argmax(logits[0, -1].float()))
+        yield token
+        if n + 1 < max_tokens:
+            logits = step(torch.tensor([[token]], device=device))
+
+
+def _stock_kv_bytes(cache: DynamicCache) -> int:
+    return sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers if layer.is_initialized)
+
+
+def _session(backend, path: str, prompt: list[int], max_tokens: int, cfg: HeapConfig):
+    """(token iterator, KV bytes function) for `stock-full` (DynamicCache), `heap`, or
+    `heap-fused` (decode outputs from the fused kernel)."""
+    if path == "stock-full":
+        cache = DynamicCache(config=backend.model.config)
+        return stock_tokens(backend.model, cache, prompt, max_tokens), lambda: _stock_kv_bytes(cache)
+    heap = backend.new_cache(cfg)
+    heap.fused_decode = path == "heap-fused"
+    tokens = generate_tokens(backend.model, heap, prompt, SamplingParams(max_tokens=max_tokens))
+    return tokens, lambda: heap.kv_nbytes
+
+
+def time_paths(backend, paths, prompt: list[int], n_decode: int, cfg: HeapConfig) -> list[dict]:
+    """One row per path. Prefills run one after the other; decode steps then alternate between
+    the paths, so that bursts of load from other processes hit every path alike."""
+    model, device = backend.model, backend.device
+
+    def use(path):   # stock rows run transformers' own sdpa function, switched outside the timers
+        impl = "sdpa" if path == "stock-full" else attention.ATTN_IMPLEMENTATION
+        if model.config._attn_implementation != impl:
+            model.set_attn_implementation(impl)
+
+    sessions, prefill_s, steps = {}, {}, {p: [] for p in paths}
+    try:
+        for path in paths:
+            use(path)
+            t0 = time.perf_counter()
+            sessions[path] = _session(backend, path, prompt, n_decode + 1, cfg)
+            next(sessions[path][0])   # the whole prompt, then the first token
+            _sync(device)
+            prefill_s[path] = time.perf_counter() - t0
+        for _ in range(n_decode):
+            for path in paths:
+                use(path)
+                t0 = time.perf_counter()
+                next(sessions[path][0])
+                _sync(device)
+                steps[path].append(time.perf_counter() - t0)
+    finally:
+        use("heap")
+    rows = [{"path": p, "context": len(prompt), "prefill_tok_s": len(prompt) / prefill_s[p],
+             # the median step resists load bursts; the mean includes eviction steps
+             "decode_tok_s": 1.0 / float(np.median(steps[p])), "decode_tok_s_mean": n_decode / sum(steps[p]),
+             "kv_bytes": sessions[p][1](), "peak_bytes": backend.memory()["peak"]} for p in paths]
+    del sessions
+    gc.collect()
+    return rows
+
+
+def run_speed(backend, contexts: list[int], cfg: HeapConfig, decode_tokens: int = 64,
+              paths=("stock-full", "heap"), log: Optional[Callable[[str], None]] = None,
+              repeats: int = 1, threads: Optional[int] = None) -> list[dict]:
+    """Rows per (context, path), best of `repeats`. Decode tokens/s = 1 / median step after the
+    first token, steps of all paths interleaved. `threads` sets torch's intra-op threads for the
+    run (1 is far steadier on a small, busy CPU)."""
+    previous = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        rows = []
+        vocab = backend.model.config.get_text_config().vocab_size
+        for ctx in contexts:
+            prompt = random_prompt(vocab, ctx, seed=ctx)
+            time_paths(backend, paths, prompt[: min(ctx, 256)], 4, cfg)   # warm-up
+            best: dict[str, dict] = {}
+            for i in range(repeats):
+                if log:
+                    log(f"context {ctx:,}: {', '.join(paths)} (run {i + 1}/{repeats}) ...")
+                for r in time_paths(backend, paths, prompt, decode_tokens, cfg):
+                    old = best.get(r["path"])
+                    if old is None or r["decode_tok_s"] > old["decode_tok_s"]:
+                        best[r["path"]] = {**r, "prefill_tok_s": max(r["prefill_tok_s"], old["prefill_tok_s"] if old else 0)}
+            rows.extend(best[p] for p in paths)
+        return rows
+    finally:
+        torch.set_num_threads(previous)
+
+
+def speed_ratios(rows: list[dict], baseline: str = "stock-full") -> list[dict]:
+    """Each row's decode and prefill tokens/s divided by the baseline's at the same context."""
+    base = {r["context"]: r for r in rows if r["path"] == baseline}
+    out = []
+    for r in rows:
+        b = base.get(r["context"])
+        out.append({**r, "decode_vs_stock": (r["decode_tok_s"] / b["decode_tok_s"]) if b else None,
+                    "prefill_vs_stock": (r["prefill_tok_s"] / b["prefill_tok_s"]) if b else None})
+    return out
+
+
+def run_memory(backend, total: int, checkpoints: list[int], cfg: HeapConfig, stock_limit: int,
+               progress: Optional[Callable[[int, int], None]] = None) -> list[dict]:
+    """Stream `total` tokens through one heap session (and the stock cache up to stock_limit);
+    a row per checkpoint with KV bytes, allocator active/peak (CUDA) and process RSS."""
+    import psutil
+
+    proc = psutil.Process()
+    model, device = backend.model, backend.device
+    vocab = model.config.get_text_config().vocab_size
+    points = sorted({c for c in checkpoints if c <= total} | {total})
+    rows: list[dict] = []
+
+    def record(path: str, done: int, kv_bytes: int) -> None:
+        mem = backend.memory()
+        rows.append({"path": path, "tokens": done, "kv_bytes": kv_bytes, "active_bytes": mem["active"],
+                     "peak_bytes": mem["peak"], "rss_bytes": proc.memory_info().rss})
+
+    def stream(path: str, step, kv_bytes, stops: list[int], chunk: int) -> None:
+        rng, done = np.random.default_rng(0), 0
+        for stop in stops:
+            while done < stop:
+                n = min(chunk, stop - done)
+                step(torch.as_tensor(rng.integers(10, vocab, n), device=device))
+                done += n
+                if progress:
+                    progress(done, total)
+            _sync(device)
+            record(path, done, kv_bytes())
+
+    from .generate import forward
+
+    heap = backend.new_cache(cfg)
+    stream("heap", lambda ids: forward(model, heap, ids), lambda: heap.kv_nbytes, points, cfg.slack)
+    del heap
+    gc.collect()
+    stock_points = [p for p in points if p <= stock_limit]
+    if stock_points:
+        model.set_attn_implementation("sdpa")
+        try:
+            stock = DynamicCache(config=model.config)
+
+            def stock_step(ids):
+                with torch.no_grad():
+                    model(input_ids=ids[None], past_key_values=stock, use_cache=True, logits_to_keep=1)
+
+            stream("stock-full", stock_step, lambda: _stock_kv_bytes(stock), stock_points, STOCK_PREFILL_CHUNK)
+        finally:
+            model.set_attn_implementation(attention.ATTN_IMPLEMENTATION)
+    return rows
+
+
+def main(argv=None) -> None:
+    """python -m localheap.backends.torch.bench: decode speed vs stock on a random-weight model."""
+    import argparse
+
+    from ...randmodel import random_model_dir
+    from .backend import TorchBackend
+
+    p = argparse.ArgumentParser(description=main.__doc__)
+    p.add_argument("--random-model", default="llama:small")
+    p.add_argument("--contexts", default="2048,8192")
+    p.add_argument("--budgets", default="1024,8448", help="one table per heap budget")
+    p.add_argument("--decode-tokens", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--paths", default="stock-full,heap,heap-fused")
+    args = p.parse_args(argv)
+    backend = TorchBackend.load(random_model_dir(args.random_model))
+    contexts = [int(c) for c in args.contexts.split(",")]
+    for budget in (int(b) for b in args.budgets.split(",")):
+        rows = speed_ratios(run_speed(backend, contexts, HeapConfig(budget=budget), args.decode_tokens,
+                                      tuple(args.paths.split(",")), repeats=args.repeats, threads=args.threads))
+        print(f"{args.random_model} | {backend.device} | threads {args.threads} | budget {budget} | "
+              f"decode tok/s = 1 / median step, paths interleaved step by step")
+        for r in rows:
+            print(f"  ctx {r['context']:>6,} {r['path']:<11} decode {r['decode_tok_s']:7.1f} tok/s "
+                  f"(x stock {r['decode_vs_stock']:.2f}, mean-based {r['decode_tok_s_mean']:.1f})  "
+                  f"prefill {r['prefill_tok_s']:7.0f} tok/s (x stock {r['prefill_vs_stock']:.2f})  "
+                  f"KV {r['kv_bytes'] / 2**20:.1f} MiB")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,129 @@
+"""HeapCache: a transformers `Cache` whose full-attention layers are heaps.
+
+Passed to the model as `past_key_values`. Sliding-window layers (gemma3) keep
+transformers' own, already bounded, sliding layer. The heap makes room before every
+forward pass and hands the model explicit position_ids, so RoPE positions are final
+before anything is rotated; layers whose position differs from the model-wide one
+(pyramid budgets, sliding layers in compact mode) rotate by the difference.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache, DynamicSlidingWindowLayer, get_layer_types_and_kwargs
+
+from ...heap import HeapConfig, HeapConfigError, LayerHeap, SlotView, combine
+from ...heap.stats import HeapStats, LayerStats
+from . import attention
+from .layer import HeapLayer
+from .rope import RopeSpec
+
+
+class SlidingLayer(DynamicSlidingWindowLayer):
+    """transformers' sliding-window layer, at absolute positions even when the heap compacts."""
+
+    def __init__(self, sliding_window: int, rope: RopeSpec | None):
+        super().__init__(sliding_window=sliding_window)
+        self.rope = rope
+        self.rope_delta = 0
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if self.rope_delta:
+            key_states = self.rope.rotate(key_states, self.rope_delta)
+        return super().update(key_states, value_states, *args, **kwargs)
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if not self.is_initialized else self.keys.nbytes + self.values.nbytes
+
+
+class HeapCache(Cache):
+    """One cache layer per model layer (heap or sliding) plus heap-wide operations."""
+
+    def __init__(self, layers: list, cfg: HeapConfig):
+        super().__init__(layers=layers)
+        self.cfg = cfg
+        self.heap_layers = [layer for layer in layers if isinstance(layer, HeapLayer)]
+        self.device = self.heap_layers[0].device
+        self.fused_decode = False   # decode outputs from kernels/decode_attention instead of stock sdpa
+
+    def make_room(self, n_new: int) -> int:
+        """Evict where n_new more tokens would not fit; returns how many layers repacked."""
+        if n_new > self.cfg.slack:
+            raise HeapConfigError(f"{n_new} tokens at once exceed the slack ({self.cfg.slack}); chunk them")
+        todo = [layer for layer in self.heap_layers if layer.heap.needs_repack(n_new)]
+        for layer in todo:
+            view = SlotView(positions=layer.heap.view_positions(),
+                            **{k: v.float().cpu().numpy() for k, v in layer.pending_view().items()})
+            layer.repack(layer.heap.plan(view))
+        return len(todo)
+
+    def position_ids(self, n_new: int) -> torch.Tensor:
+        """[1, n_new] positions for the next forward; sets each layer's offset from them."""
+        base = self.heap_layers[0].heap.rope_offset()
+        for layer in self.layers:
+            own = layer.heap.rope_offset() if isinstance(layer, HeapLayer) else layer.get_seq_length()
+            layer.rope_delta = own - base
+            assert not layer.rope_delta or layer.rope is not None, "a position shift needs the RoPE spec"
+        return torch.arange(base, base + n_new, device=self.device)[None]
+
+    @property
+    def tokens_seen(self) -> int:
+        return self.heap_layers[0].heap.seen
+
+    @property
+    def nbytes(self) -> int:
+        return sum(layer.nbytes for layer in self.layers)
+
+    @property
+    def kv_nbytes(self) -> int:
+        return sum(layer.kv_nbytes if isinstance(layer, HeapLayer) else layer.nbytes for layer in self.layers)
+
+    def stats(self) -> HeapStats:
+        layers = []
+        for i, layer in enumerate(self.heap_layers):
+            h = layer.heap
+            recent = min(self.cfg.recent, max(0, h.resident - self.cfg.sinks))
+            layers.append(LayerStats(
+                layer=i, capacity=h.capacity, budget=h.budget, resident=h.resident, seen=h.seen,
+                evicted=h.evicted, evictions=h.evictions, sinks=min(self.cfg.sinks, h.resident), recent=recent,
+            ))
+        return combine(layers, self.kv_nbytes)
+
+
+def decoder_layers(model) -> list:
+    return list(model.get_decoder().layers)
+
+
+def kv_geometry(model) -> tuple[int, int]:
+    """(kv_heads, head_dim) of the model's attention layers."""
+    attn = decoder_layers(model)[0].self_attn
+    head_dim = int(attn.head_dim)
+    return attn.k_proj.out_features // head_dim, head_dim
+
+
+def make_heap_cache(model, cfg: HeapConfig) -> HeapCache:
+    """Build the heap for `model`: heap layers where transformers would use a full-attention
+    layer; sliding-window layers keep transformers' own bounded cache layer."""
+    attention.install(model)
+    layer_types, layer_kwargs = get_layer_types_and_kwargs(model.config.get_text_config())
+    heap_ids = [i for i, t in enumerate(layer_types) if t == "full_attention"]
+    if not heap_ids:
+        raise HeapConfigError(f"{type(model).__name__} has no full-attention KV layers for a heap")
+    budgets = iter(cfg.layer_budgets(len(heap_ids)))
+    n_kv, head_dim = kv_geometry(model)
+    weight = decoder_layers(model)[0].self_attn.k_proj.weight
+    # compact positions shift keys (repacks, per-layer offsets); geometry un-rotates queries
+    wants_rope = cfg.positions == "compact" or cfg.needs_query_stats
+    ropes = {kind: RopeSpec.from_model(model, kind, head_dim) for kind in set(layer_types)} if wants_rope else {}
+    layers = []
+    for kind, kwargs in zip(layer_types, layer_kwargs):
+        if kind == "full_attention":
+            heap = LayerHeap(cfg, n_kv, next(budgets), layer=sum(isinstance(x, HeapLayer) for x in layers))
+            layers.append(HeapLayer(heap, head_dim, weight.dtype, weight.device, ropes.get(kind)))
+        elif kind == "sliding_attention":
+            layers.append(SlidingLayer(kwargs["sliding_window"], ropes.get(kind)))
+        else:
+            raise HeapConfigError(f"layer type {kind!r} ({type(model).__name__}) is not supported by the heap")
+    return HeapCache(layers, cfg)
+

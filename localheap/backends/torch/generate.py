@@ -1,0 +1,94 @@
+"""The torch generation loop over a heap: chunked prefill, one forward per decode step.
+
+Mirrors transformers' generate (prompt fed whole, or in `prefill_chunk_size` chunks
+from the start; logits of the last position only; fp32 logits; argmax when greedy,
+its temperature / top-k / top-p warpers and multinomial otherwise), so that with a
+budget at least as large as the context the tokens are exactly transformers'. The
+heap makes room before every forward pass, so RoPE positions are final first.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator, Optional, Sequence
+
+import torch
+from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+from ...generation import ProgressFn, SamplingParams
+from .cache import HeapCache
+
+
+def forward(model, cache: HeapCache, tokens: torch.Tensor) -> torch.Tensor:
+    """tokens: [L] ids on the model's device, L <= slack. Returns the last position's logits [vocab] fp32."""
+    n = tokens.shape[0]
+    cache.make_room(n)
+    with torch.no_grad():
+        out = model(input_ids=tokens[None], position_ids=cache.position_ids(n), past_key_values=cache,
+                    use_cache=True, logits_to_keep=1, heap=cache)
+    return out.logits[0, -1].to(dtype=torch.float32, copy=True)
+
+
+def prefill(model, cache: HeapCache, tokens: Sequence[int], progress: Optional[ProgressFn] = None,
+            cancelled=None) -> Optional[torch.Tensor]:
+    """Feed tokens in chunks of `slack` (peak = sinks + budget + slack); returns the last logits."""
+    ids = torch.as_tensor(list(tokens), dtype=torch.long, device=cache.device)
+    total, done, logits = ids.shape[0], 0, None
+    while done < total:
+        if cancelled is not None and cancelled():
+            raise InterruptedError("prefill cancelled")
+        n = min(cache.cfg.slack, total - done)
+        logits = forward(model, cache, ids[done:done + n])
+        done += n
+        if progress is not None:
+            progress(done, total)
+    return logits
+
+
+class Sampler:
+    """Next token from fp32 logits [vocab], as transformers' generate picks it."""
+
+    def __init__(self, params: SamplingParams, device: torch.device):
+        self.greedy = params.greedy
+        self.warpers = []
+        if not self.greedy:
+            if params.temperature != 1.0:
+                self.warpers.append(TemperatureLogitsWarper(params.temperature))
+            if params.top_k > 0:
+                self.warpers.append(TopKLogitsWarper(params.top_k))
+            if params.top_p < 1.0:
+                self.warpers.append(TopPLogitsWarper(params.top_p))
+        self.generator = None
+        if params.seed is not None:
+            self.generator = torch.Generator(device=device).manual_seed(params.seed)
+
+    def __call__(self, logits: torch.Tensor) -> int:
+        scores = logits[None]                          # [1, vocab]
+        if self.greedy:
+            return int(torch.argmax(scores, dim=-1))
+        for warp in self.warpers:
+            scores = warp(None, scores)
+        probs = torch.softmax(scores, dim=-1)
+        return int(torch.multinomial(probs, num_samples=1, generator=self.generator))
+
+
+def generate_steps(model, cache: HeapCache, prompt: Sequence[int], params: SamplingParams,
+                   progress: Optional[ProgressFn] = None, cancelled=None) -> Iterator[tuple[int, torch.Tensor]]:
+    """Yield (token id, logits [vocab] fp32 it was sampled from). `prompt`: tokens not yet in the cache (>= 1)."""
+    if len(prompt) == 0:
+        raise ValueError("generation needs at least one new prompt token")
+    sampler = Sampler(params, cache.device)
+    logits = prefill(model, cache, prompt, progress, cancelled)
+    for n in range(params.max_tokens):
+        token = sampler(logits)
+        yield token, logits
+        if n + 1 < params.max_tokens:
+            if cancelled is not None and cancelled():
+                return
+            logits = forward(model, cache, torch.tensor([token], device=cache.device))
+
+
+def generate_tokens(model, cache: HeapCache, prompt: Sequence[int], params: SamplingParams,
+                    progress: Optional[ProgressFn] = None, cancelled=None) -> Iterator[int]:
+    """Yield generated token ids; each is fed before the next is sampled (the last one is not fed)."""
+    for token, _ in generate_steps(model, cache, prompt, params, progress, cancelled):
+        yield token

@@ -1,0 +1,200 @@
+"""HeapLayer: one attention layer's managed heap, behind transformers' cache-layer protocol.
+
+transformers' model code runs unchanged: it rotates q/k at the position_ids we pass,
+calls `update`, then the attention function (registered in attention.py, which also
+calls `observe`). Buffers are allocated once at capacity and written by index;
+eviction is an order-preserving gather to the front. Bookkeeping is LayerHeap's.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+import torch
+from transformers.cache_utils import CacheLayerMixin
+
+from ...heap import LayerHeap, RepackPlan
+from .rope import RopeSpec
+
+_SCORE_ARRAYS = ("scores", "counts", "window")
+
+
+class HeapLayer(CacheLayerMixin):
+    is_sliding = False
+    is_compileable = False
+    is_croppable = False
+
+    def __init__(self, heap: LayerHeap, head_dim: int, dtype: torch.dtype, device: torch.device,
+                 rope: Optional[RopeSpec]):
+        super().__init__()
+        self.heap = heap
+        self.rope = rope
+        self.rope_delta = 0    # layer position minus the model-wide position_ids (set per forward)
+        self.dtype, self.device = dtype, torch.device(device)
+        H, cap = heap.n_kv_heads, heap.capacity
+        self.keys = torch.zeros(1, H, cap, head_dim, dtype=dtype, device=device)    # [1, H_kv, capacity, D]
+        self.values = torch.zeros(1, H, cap, head_dim, dtype=dtype, device=device)  # [1, H_kv, capacity, D]
+        self.is_initialized = True
+        cfg = heap.cfg
+
+        def score_array(wanted: bool) -> Optional[torch.Tensor]:
+            return torch.zeros(H, cap, dtype=torch.float32, device=device) if wanted else None   # [H_kv, capacity]
+
+        self.scores = score_array(cfg.policy == "h2o")
+        self.window = score_array(cfg.policy == "snapkv")
+        self.counts = score_array(cfg.h2o_normalize and cfg.needs_attention)
+        self.qsum: Optional[torch.Tensor] = None    # [H_kv, D] pre-RoPE query sum (geometry)
+        self.qcount = 0
+
+    # -- transformers' cache-layer protocol -------------------------------------------
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        raise AssertionError("heap buffers are allocated at construction")
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """key_states/value_states: [1, H_kv, L, D], keys rotated at the model-wide positions.
+        Returns the resident keys/values [1, H_kv, resident, D] (views into the buffers)."""
+        assert key_states.shape[0] == 1, "the heap serves one sequence per cache"
+        if self.rope_delta:
+            key_states = self.rope.rotate(key_states, self.rope_delta)
+        start, stop = self.heap.append(key_states.shape[2])
+        self.keys[:, :, start:stop] = key_states
+        self.values[:, :, start:stop] = value_states
+        return self.keys[:, :, :stop], self.values[:, :, :stop]
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        # slots are in token order, so the causal mask lives in slot space: kv_offset 0
+        return self.heap.resident + query_length, 0
+
+    def get_seq_length(self) -> int:
+        """Resident slots: transformers uses it as the query offset of the mask."""
+        return self.heap.resident
+
+    def get_max_length(self) -> int:
+        return self.heap.capacity
+
+    def reset(self) -> None:
+        cfg, h = self.heap.cfg, self.heap
+        self.heap = LayerHeap(cfg, h.n_kv_heads, h.budget, layer=h.layer)
+        self.keys.zero_()
+        self.values.zero_()
+        for name in _SCORE_ARRAYS:
+            if getattr(self, name) is not None:
+                getattr(self, name).zero_()
+        self.qsum, self.qcount = None, 0
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        raise NotImplementedError("the heap serves one sequence; beam search is not supported")
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise NotImplementedError("heap layers cannot be cropped")
+
+    # -- bytes ----------------------------------------------------------------------
+    @property
+    def kv_nbytes(self) -> int:
+        return self.keys.nbytes + self.values.nbytes
+
+    @property
+    def nbytes(self) -> int:
+        extra = sum(getattr(self, n).nbytes for n in _SCORE_ARRAYS if getattr(self, n) is not None)
+        return self.kv_nbytes + extra
+
+    # -- scores ---------------------------------------------------------------------
+    def observe(self, queries: torch.Tensor, keys: torch.Tensor, scale: float) -> None:
+        """Side pass after the stock attention: accumulate what the policy needs.
+
+        queries: [1, H_q, L, D] rotated at this layer's positions; keys: [1, H_kv, T, D] as `update` returned them.
+        """
+        cfg = self.heap.cfg
+        if cfg.needs_query_stats:
+            self._observe_queries(queries)
+        if not cfg.needs_attention:
+            return
+        _, Hq, L, D = queries.shape
+        H, T = keys.shape[1], keys.shape[2]
+        G = Hq // H
+        w = L if L == 1 else min(L, max(1, cfg.obs_window))
+        # query head h attends KV head h // G (transformers' repeat_kv layout)
+        q = queries[0, :, L - w:, :].float().reshape(H, G * w, D)
+        k = keys[0].float()                                          # [H, T, D]
+        logits = torch.matmul(q * scale, k.transpose(-1, -2))        # [H, G*w, T]
+        if w > 1:
+            qpos = torch.arange(T - w, T, device=k.device)
+            hidden = torch.arange(T, device=k.device)[None, :] > qpos[:, None]   # [w, T]
+            logits = logits.view(H, G, w, T).masked_fill(hidden, float("-inf")).view(H, G * w, T)
+        self.accumulate(torch.softmax(logits, dim=-1).sum(dim=1), w, G, new_window=L > 1)
+
+    def accumulate(self, mass: torch.Tensor, w: int, G: int, new_window: bool) -> None:
+        """mass: [H_kv, T] attention mass of the last w queries (G query heads each, summed per KV head)."""
+        T = mass.shape[1]
+        if self.scores is not None:
+            self.scores[:, :T] += mass
+        if self.counts is not None:
+            # query i of the window sees slots [0, T - w + i]: slot t is seen by min(T - t, w) of them
+            seen_by = torch.clamp(T - torch.arange(T, device=mass.device), max=w).float() * G
+            self.counts[:, :T] += seen_by[None, :]
+        if self.window is not None:
+            if new_window:
+                self.window[:, :T] = mass
+            else:
+                self.window[:, :T] += mass
+
+    def _observe_queries(self, queries: torch.Tensor) -> None:
+        _, Hq, L, D = queries.shape
+        H = self.heap.n_kv_heads
+        q = queries[0].float()                                       # [H_q, L, D]
+        if self.rope is not None:
+            start = self.heap.rope_offset() - L   # the queries were rotated before this step's append
+            q = self.rope.rotate(q, -torch.arange(start, start + L, device=q.device))   # back to pre-RoPE
+        qs = q.reshape(H, (Hq // H) * L, D).sum(dim=1)
+        self.qsum = qs if self.qsum is None else self.qsum + qs
+        self.qcount += (Hq // H) * L
+
+    def _geometry_scores(self) -> torch.Tensor:
+        """[H_kv, n]: alignment of each pre-RoPE key with the mean pre-RoPE query; else -|k|."""
+        n = self.heap.resident
+        k = self.keys[0, :, :n, :].float()
+        if self.qsum is None or self.rope is None:
+            return -k.norm(dim=-1)
+        rotated_at = np.broadcast_to(np.arange(n), (self.heap.n_kv_heads, n))
+        if self.heap.cfg.positions == "absolute":
+            rotated_at = self.heap.view_positions()
+        k_pre = self.rope.rotate(k, -rotated_at)
+        q_mean = self.qsum / self.qcount
+        return (k_pre * q_mean[:, None, :]).sum(dim=-1)
+
+    # -- eviction -------------------------------------------------------------------
+    def pending_view(self) -> dict[str, torch.Tensor]:
+        """Device tensors for a SlotView, each [H_kv, resident]."""
+        n = self.heap.resident
+        out = {}
+        if self.scores is not None:
+            out["attention"] = self.scores[:, :n]
+        if self.counts is not None:
+            out["counts"] = self.counts[:, :n]
+        if self.window is not None:
+            out["window"] = self.window[:, :n]
+        if self.heap.cfg.needs_query_stats:
+            out["geometry"] = self._geometry_scores()
+        return out
+
+    def repack(self, plan: RepackPlan) -> None:
+        """Gather the kept slots to the front, re-rotating keys in compact mode."""
+        k, n = plan.keep, self.heap.resident
+        D = self.keys.shape[-1]
+        idx = torch.as_tensor(plan.keep_indices, device=self.device)            # [H_kv, keep]
+        gather_idx = idx[..., None].expand(-1, -1, D)
+        keys = torch.gather(self.keys[0, :, :n], 1, gather_idx)                 # [H_kv, keep, D]
+        values = torch.gather(self.values[0, :, :n], 1, gather_idx)
+        if plan.deltas is not None and self.rope is not None and np.any(plan.deltas):
+            keys = self.rope.rotate(keys, plan.deltas)
+        self.keys[0, :, :k] = keys
+        self.values[0, :, :k] = values
+        for name in ("scores", "counts"):
+            arr = getattr(self, name)
+            if arr is not None:
+                arr[:, :k] = torch.gather(arr[:, :n], 1, idx)
+                arr[:, k:] = 0
+        if self.window is not None:
+            self.window.zero_()   # the next observation window starts now
+        self.heap.apply(plan)

@@ -1,0 +1,65 @@
+"""Re-rotation of cached keys and queries: move a vector from RoPE position p to p + delta.
+
+transformers rotates with `x * cos + rotate_half(x) * sin` (split halves) using the
+model's `inv_freq`. A rotation composes, R(p + d) = R(d) R(p), so rotating by the
+delta equals rotating the raw vector at the new position up to float rounding. The
+`attention_scaling` factor (yarn, longrope) is applied once at the original rotation
+and must not be applied again, so deltas use a pure rotation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Union
+
+import numpy as np
+import torch
+
+# inv_freq depends on the sequence length: a delta is not a fixed rotation
+_POSITION_DEPENDENT = ("dynamic", "longrope")
+
+
+class UnsupportedRope(ValueError):
+    """A RoPE variant whose rotation is not a pure function of the position delta (user-facing)."""
+
+
+@dataclass
+class RopeSpec:
+    inv_freq: torch.Tensor   # [D/2] float32
+
+    @classmethod
+    def from_model(cls, model, layer_type: str, head_dim: int) -> "RopeSpec":
+        """The rotation the model applies in layers of `layer_type` (gemma3 has one per type)."""
+        rotary = _rotary_module(model)
+        rope_type = getattr(rotary, "rope_type", "default")
+        if isinstance(rope_type, dict):
+            rope_type = rope_type.get(layer_type, "default")
+        if rope_type in _POSITION_DEPENDENT:
+            raise UnsupportedRope(f"{rope_type} RoPE depends on the sequence length; use positions='absolute'")
+        inv_freq = getattr(rotary, f"{layer_type}_inv_freq", None)
+        if inv_freq is None:
+            inv_freq = getattr(rotary, "inv_freq", None)
+        if inv_freq is None:
+            raise UnsupportedRope(f"cannot read the rotary frequencies of {type(rotary).__name__}")
+        if 2 * inv_freq.shape[0] != head_dim:
+            raise UnsupportedRope(f"partial rotary ({2 * inv_freq.shape[0]} of {head_dim} dims) is not supported")
+        return cls(inv_freq.detach().float().clone())
+
+    def rotate(self, x: torch.Tensor, deltas: Union[np.ndarray, torch.Tensor, int]) -> torch.Tensor:
+        """x: [..., n, D]; deltas: int, or per-token [..., n] (broadcast against x). Same dtype out."""
+        inv_freq = self.inv_freq.to(x.device)
+        d = torch.as_tensor(deltas, device=x.device)
+        angles = d.to(torch.float32)[..., None] * inv_freq        # [..., n, D/2]
+        emb = torch.cat((angles, angles), dim=-1)
+        xf = x.float()
+        half = xf.shape[-1] // 2
+        rotated_half = torch.cat((-xf[..., half:], xf[..., :half]), dim=-1)
+        return (xf * emb.cos() + rotated_half * emb.sin()).to(x.dtype)
+
+
+def _rotary_module(model):
+    for owner in (getattr(model, "model", None), model):
+        rotary = getattr(owner, "rotary_emb", None)
+        if rotary is not None:
+            return rotary
+    raise UnsupportedRope(f"cannot find the rotary embedding of {type(model).__name__}")

@@ -1,0 +1,45 @@
+"""The torch bench functions `localheap bench` calls: rows, ratios, and a model left as it was."""
+
+import pytest
+import torch
+
+from localheap.backends.torch import TorchBackend
+from localheap.backends.torch.bench import run_memory, run_speed, speed_ratios
+from localheap.heap import HeapConfig
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny models: one intra-op thread is faster and far steadier on a small shared CPU."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def test_run_speed_rows_and_ratios(model_dirs):
+    backend = TorchBackend.load(model_dirs("llama"))
+    cfg = HeapConfig(budget=64, sinks=4, recent=16, slack=32)
+    rows = speed_ratios(run_speed(backend, [300], cfg, decode_tokens=8, paths=("stock-full", "heap", "heap-fused"),
+                                  threads=1))
+    assert [r["path"] for r in rows] == ["stock-full", "heap", "heap-fused"]
+    by = {r["path"]: r for r in rows}
+    assert by["stock-full"]["decode_vs_stock"] == 1.0
+    assert all(r["decode_tok_s"] > 0 and r["prefill_tok_s"] > 0 and r["context"] == 300 for r in rows)
+    # the heap holds capacity slots; the stock cache holds every token seen
+    per_token = backend.kv_bytes_per_token()
+    assert by["heap"]["kv_bytes"] == per_token * (4 + 64 + 32)
+    assert by["stock-full"]["kv_bytes"] == per_token * (300 + 8)
+    assert backend.model.config._attn_implementation == "localheap_sdpa"
+    assert torch.is_grad_enabled(), "the stock loop must not leak no_grad"
+
+
+def test_run_memory_heap_stays_flat(model_dirs):
+    backend = TorchBackend.load(model_dirs("llama"))
+    cfg = HeapConfig(budget=64, sinks=4, recent=16, slack=32)
+    rows = run_memory(backend, 600, [200, 400], cfg, stock_limit=400)
+    heap = [r for r in rows if r["path"] == "heap"]
+    stock = [r for r in rows if r["path"] == "stock-full"]
+    assert [r["tokens"] for r in heap] == [200, 400, 600] and [r["tokens"] for r in stock] == [200, 400]
+    assert len({r["kv_bytes"] for r in heap}) == 1
+    assert stock[1]["kv_bytes"] == 2 * stock[0]["kv_bytes"]
