@@ -4,7 +4,6 @@ RSS stays under the budget, idle sessions spill and come back with the same toke
 
 from __future__ import annotations
 
-import os
 import re
 import signal
 import socket
@@ -108,7 +107,8 @@ def test_budget_spill_reject_and_restart(sizes, tmp_path):
         assert 1 <= fit <= 3, fit
         # more sessions than fit: twins a/a2 carry the same document
         a = srv.new_session(DOC)
-        others = [srv.new_session(DOC.replace("value", f"weight{i}")) for i in range(fit + 1)]
+        for i in range(fit + 1):
+            srv.new_session(DOC.replace("value", f"weight{i}"))
         a2 = srv.new_session(DOC)
         states = {sid: s["state"] for sid, s in srv.sessions().items()}
         assert states[a] == "spilled", states

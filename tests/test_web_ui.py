@@ -197,7 +197,7 @@ def test_a_reply_streams_in_and_enter_sends(open_page, server):
     assert len(set(lengths)) >= 3 and lengths == sorted(lengths), lengths   # painted token by token
     assert "tokens" in page.inner_text(".msg-assistant .msg-foot")
     sid = current_session(page)
-    page.wait_for_function(f"Number(document.getElementById('seen').dataset.value) > 0")
+    page.wait_for_function("Number(document.getElementById('seen').dataset.value) > 0")
     info = httpx.get(f"{server.url}/v1/sessions/{sid}").json()
     assert info["turns"] == 1 and info["tokens"] > 0
     assert page.inner_text(".conv.current .conv-title") == "first line second line"
@@ -245,7 +245,7 @@ def test_document_longer_than_the_heap_shows_progress_then_evictions(open_page, 
     assert page.get_attribute(".msg-document .progress", "aria-valuenow") == "100"
     assert "heap-notes.txt" in page.inner_text(".msg-document .doc-name")
 
-    page.wait_for_function(f"Number(document.getElementById('stat-evicted').dataset.value) > 0")
+    page.wait_for_function("Number(document.getElementById('stat-evicted').dataset.value) > 0")
     seen = number(page, "#seen")
     assert seen > CAPACITY and number(page, "#capacity") == CAPACITY
     assert number(page, "#stat-evicted") > 0

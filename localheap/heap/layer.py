@@ -14,6 +14,7 @@ import numpy as np
 from .config import HeapConfig
 from .policies import Policy, SlotView, make_policy
 from .selection import add_noise_floor, select_keep
+from .stats import LayerStats
 
 
 class HeapOverflow(RuntimeError):
@@ -103,6 +104,12 @@ class LayerHeap:
 
     def view_positions(self) -> np.ndarray:
         return self.positions[:, : self.resident].copy()
+
+    def stats(self) -> LayerStats:
+        sinks = min(self.cfg.sinks, self.resident)
+        return LayerStats(layer=self.layer, capacity=self.capacity, budget=self.budget, resident=self.resident,
+                          seen=self.seen, evicted=self.evicted, evictions=self.evictions, sinks=sinks,
+                          recent=min(self.cfg.recent, self.resident - sinks))
 
     # -- state ---------------------------------------------------------------------
     def state(self) -> dict:

@@ -14,7 +14,7 @@ from mlx_lm.sample_utils import make_sampler
 
 from ...generation import SamplingParams
 from ...heap import HeapConfig
-from .generate import generate_tokens, prefill
+from .generate import generate_tokens
 from .heapcache import make_heap_cache
 
 STOCK_PREFILL_STEP = 2048   # mlx-lm's default prefill_step_size

@@ -13,7 +13,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import _BaseCache, create_attention_mask
 
-from ...heap import LayerHeap, RepackPlan, SlotView
+from ...heap import LayerHeap, RepackPlan
 from ...kernels.decode_attention import mlx_ops as decode_kernel
 from .rope import RopeSpec
 

@@ -7,7 +7,7 @@ import numpy as np
 from mlx_lm.models.cache import KVCache
 
 from ...heap import HeapConfig, HeapConfigError, LayerHeap, SlotView, combine
-from ...heap.stats import HeapStats, LayerStats
+from ...heap.stats import HeapStats
 from . import attention
 from .cache import HeapKVCache
 from .rope import RopeSpec
@@ -75,15 +75,7 @@ class HeapPromptCache(list):
         return sum(c.kv_nbytes if isinstance(c, HeapKVCache) else c.nbytes for c in self if not c.empty())
 
     def stats(self) -> HeapStats:
-        layers = []
-        for i, c in enumerate(self.heap_layers):
-            h = c.heap
-            recent = min(self.cfg.recent, max(0, h.resident - self.cfg.sinks))
-            layers.append(LayerStats(
-                layer=i, capacity=h.capacity, budget=h.budget, resident=h.resident, seen=h.seen,
-                evicted=h.evicted, evictions=h.evictions, sinks=min(self.cfg.sinks, h.resident), recent=recent,
-            ))
-        return combine(layers, self.kv_nbytes)
+        return combine([c.heap.stats() for c in self.heap_layers], self.kv_nbytes)
 
 
 def make_heap_cache(model, cfg: HeapConfig) -> HeapPromptCache:

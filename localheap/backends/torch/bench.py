@@ -176,7 +176,7 @@ def run_memory(backend, total: int, checkpoints: list[int], cfg: HeapConfig, sto
 
     heap = backend.new_cache(cfg)
     stream("heap", lambda ids: forward(model, heap, ids), lambda: heap.kv_nbytes, points, cfg.slack)
-    del heap
+    heap = None   # free it before the stock run
     gc.collect()
     stock_points = [p for p in points if p <= stock_limit]
     if stock_points:

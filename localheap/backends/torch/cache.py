@@ -13,7 +13,7 @@ import torch
 from transformers.cache_utils import Cache, DynamicSlidingWindowLayer, get_layer_types_and_kwargs
 
 from ...heap import HeapConfig, HeapConfigError, LayerHeap, SlotView, combine
-from ...heap.stats import HeapStats, LayerStats
+from ...heap.stats import HeapStats
 from . import attention
 from .layer import HeapLayer
 from .rope import RopeSpec
@@ -80,15 +80,7 @@ class HeapCache(Cache):
         return sum(layer.kv_nbytes if isinstance(layer, HeapLayer) else layer.nbytes for layer in self.layers)
 
     def stats(self) -> HeapStats:
-        layers = []
-        for i, layer in enumerate(self.heap_layers):
-            h = layer.heap
-            recent = min(self.cfg.recent, max(0, h.resident - self.cfg.sinks))
-            layers.append(LayerStats(
-                layer=i, capacity=h.capacity, budget=h.budget, resident=h.resident, seen=h.seen,
-                evicted=h.evicted, evictions=h.evictions, sinks=min(self.cfg.sinks, h.resident), recent=recent,
-            ))
-        return combine(layers, self.kv_nbytes)
+        return combine([layer.heap.stats() for layer in self.heap_layers], self.kv_nbytes)
 
 
 def decoder_layers(model) -> list:
