@@ -36,7 +36,17 @@ def add_parser(sub) -> None:
     mem.add_argument("--checkpoints", type=_ints, default=[8192, 65536, 262144, 1_000_000])
     mem.add_argument("--stock-tokens", type=_ints, default=[65536],
                      help="stream the stock full cache this far (it grows without bound)")
+    mem.add_argument("--ram-budget", default=None, metavar="SIZE",
+                     help="hold the run to this budget as `serve` would (allocator limits) and check RSS against it")
     mem.set_defaults(func=run_memory)
+
+
+def peak_rss() -> int:
+    """The process's peak resident set since it started (ru_maxrss: KiB on Linux, bytes on macOS)."""
+    import resource
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024
 
 
 def _bench_module(backend):
@@ -75,20 +85,35 @@ def run_memory(args) -> int:
     backend = load_backend(model_spec(args), args.backend)
     cfg = heap_config(args)
     total = args.tokens[0]
+    budget = None
+    if args.ram_budget:
+        from ..governor import governor_for, parse_size, plan_for
+
+        plan = plan_for(backend, cfg, parse_size(args.ram_budget))   # BudgetTooSmall: says what fits
+        governor_for(backend, plan)                                   # the allocator limits serve sets
+        budget = plan.budget
     bar = ProgressBar("streaming")
     rows = _bench_module(backend).run_memory(backend, total, args.checkpoints, cfg, args.stock_tokens[0],
                                              progress=bar.update)
     bar.close()
+    max_rss = peak_rss()
     for r in rows:
         for k in ("kv_bytes", "active_bytes", "peak_bytes", "rss_bytes"):
             r[k.replace("_bytes", "")] = format_bytes(r[k])
+        if budget is not None:
+            r["within_budget"] = "yes" if r["rss_bytes"] <= budget else "NO"
     cols = [("path", "path", ""), ("tokens", "tokens", ","), ("kv", "KV", ""), ("active", "allocator active", ""),
             ("peak", "allocator peak", ""), ("rss", "process RSS", "")]
+    if budget is not None:
+        cols.append(("within_budget", f"RSS <= {format_bytes(budget)}", ""))
     per_token = backend.kv_bytes_per_token()
     text = (f"model {backend.model_name} | backend {backend.name} | heap capacity/layer "
             f"{cfg.sinks + cfg.budget + cfg.slack} | stock KV grows {format_bytes(per_token)}/token "
-            f"(would be {format_bytes(per_token * total)} at {total:,})\n" + table(rows, cols))
+            f"(would be {format_bytes(per_token * total)} at {total:,})\n" + table(rows, cols)
+            + f"\nprocess peak RSS over the whole run: {format_bytes(max_rss)}"
+            + ("" if budget is None else f" ({'within' if max_rss <= budget else 'OVER'} the {format_bytes(budget)} budget)"))
     emit("memory", text, {"model": backend.model_name, "backend": backend.name, "heap": cfg.to_dict(),
-                          "kv_bytes_per_token": per_token,
-                          "rows": [{k: v for k, v in r.items() if not isinstance(v, str) or k == "path"} for r in rows]})
+                          "kv_bytes_per_token": per_token, "ram_budget_bytes": budget, "peak_rss_bytes": max_rss,
+                          "rows": [{k: v for k, v in r.items() if not isinstance(v, str) or k in ("path", "within_budget")}
+                                   for r in rows]})
     return 0
