@@ -22,3 +22,15 @@ def model_dirs(tmp_path_factory):
         return cache[key]
 
     return get
+
+
+@pytest.fixture(scope="module")
+def torch_one_thread():
+    """Tiny torch models: one intra-op thread is faster and far steadier on a small shared CPU
+    (two threads contending with other processes made those tests 5x slower)."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

@@ -8,13 +8,7 @@ from localheap.backends.torch.bench import run_memory, run_speed, speed_ratios
 from localheap.heap import HeapConfig
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models: one intra-op thread is faster and far steadier on a small shared CPU."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("torch_one_thread")
 
 
 def test_run_speed_rows_and_ratios(model_dirs):

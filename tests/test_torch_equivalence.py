@@ -14,14 +14,7 @@ SLACK = 64
 NEW_TOKENS = 256
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models: one intra-op thread is faster and far steadier on a small shared CPU
-    (two threads contending with other processes made these tests 5x slower)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("torch_one_thread")
 
 
 def prompt_ids(tokenizer, n_tokens=300):

@@ -6,6 +6,8 @@ import torch
 from transformers.cache_utils import DynamicSlidingWindowLayer
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
+from heap_checks import assert_stream_invariants
+
 from localheap.backends.torch import HeapLayer, TorchBackend
 from localheap.backends.torch.generate import generate_steps, generate_tokens, prefill
 from localheap.backends.torch.rope import RopeSpec
@@ -21,14 +23,7 @@ ROPES = {
 }
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models: one intra-op thread is faster and far steadier on a small shared CPU
-    (two threads contending with other processes made these tests 5x slower)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("torch_one_thread")
 
 
 @pytest.fixture(scope="module")
@@ -84,17 +79,7 @@ def test_policies_stay_bounded_and_keep_sinks(llama, policy, positions):
     out = list(llama.generate(cache, long_prompt(llama.tokenizer, 400), SamplingParams(max_tokens=40)))
     assert len(out) == 40 and all(0 <= t < llama.model.config.vocab_size for t in out)
     assert llama.tokens_in_cache(cache) == 400 + 39
-    for layer in cache.heap_layers:
-        h = layer.heap
-        assert h.resident <= cfg.sinks + cfg.budget + cfg.slack
-        pos = h.view_positions()
-        assert (pos[:, :4] == np.arange(4)).all(), "sinks never evicted"
-        assert (np.diff(pos, axis=1) > 0).all(), "order preserved"
-        assert h.evicted + h.resident == h.seen
-        assert h.evictions > 10
-        if policy == "streaming":
-            expect = np.concatenate([np.arange(4), np.arange(h.seen - (h.resident - 4), h.seen)])
-            assert (pos == expect).all()
+    assert_stream_invariants(cache.heap_layers, cfg, min_evictions=10)
 
 
 @pytest.mark.parametrize("family,profile", [("llama", "pyramid"), ("gemma3_text", "uniform")])
