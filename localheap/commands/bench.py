@@ -28,6 +28,8 @@ def add_parser(sub) -> None:
     speed.add_argument("--contexts", type=_ints, default=[2048, 8192, 32768])
     speed.add_argument("--decode-tokens", type=int, default=64)
     speed.add_argument("--repeats", type=int, default=1, help="best of N per cell")
+    speed.add_argument("--threads", type=int, default=None,
+                       help="torch intra-op threads (1 is steadier on a small shared CPU)")
     speed.set_defaults(func=run_speed)
     mem = bsub.add_parser("memory", help="stream many tokens through one session; KV, allocator, RSS")
     add_model_args(mem)
@@ -62,8 +64,9 @@ def run_speed(args) -> int:
 
     backend = load_backend(model_spec(args), args.backend)
     cfg = heap_config(args)
+    extra = {"threads": args.threads} if backend.name == "torch" else {}
     rows = _bench_module(backend).run_speed(backend, args.contexts, cfg, args.decode_tokens,
-                                            log=lambda m: print(m, file=sys.stderr), repeats=args.repeats)
+                                            log=lambda m: print(m, file=sys.stderr), repeats=args.repeats, **extra)
     by = {(r["context"], r["path"]): r for r in rows}
     for r in rows:
         base = by.get((r["context"], rows[0]["path"]))
