@@ -41,6 +41,16 @@ def add_parser(sub) -> None:
     mem.add_argument("--ram-budget", default=None, metavar="SIZE",
                      help="hold the run to this budget as `serve` would (allocator limits) and check RSS against it")
     mem.set_defaults(func=run_memory)
+    needle = bsub.add_parser("needle", help="pass-key retrieval under eviction, per policy and pruning level")
+    add_model_args(needle)
+    add_heap_args(needle)
+    needle.add_argument("--context", type=int, default=4096)
+    needle.add_argument("--trials", type=int, default=100, help="episodes per cell at --context")
+    needle.add_argument("--long-contexts", type=_ints, default=[16384, 65536])
+    needle.add_argument("--long-trials", type=int, default=20)
+    needle.add_argument("--seed", type=int, default=0)
+    needle.add_argument("--plots", default="needle-plots", help="directory for the PNG plots (needs matplotlib)")
+    needle.set_defaults(func=run_needle_bench, model="demo")
 
 
 def peak_rss() -> int:
@@ -119,4 +129,16 @@ def run_memory(args) -> int:
                           "kv_bytes_per_token": per_token, "ram_budget_bytes": budget, "peak_rss_bytes": max_rss,
                           "rows": [{k: v for k, v in r.items() if not isinstance(v, str) or k in ("path", "within_budget")}
                                    for r in rows]})
+    return 0
+
+
+def run_needle_bench(args) -> int:
+    from ..bench.needle import plot, report, run_needle
+    from ..models import load_backend
+
+    backend = load_backend(model_spec(args), args.backend)
+    result = run_needle(backend, heap_config(args), context=args.context, trials=args.trials,
+                        long_contexts=args.long_contexts, long_trials=args.long_trials, seed=args.seed,
+                        log=lambda m: print(m, file=sys.stderr))
+    report(result, backend, plot(result, args.plots))
     return 0

@@ -1,0 +1,326 @@
+"""`localheap bench needle`: pass-key retrieval under eviction.
+
+A pass key (5 random digits) is planted at a random depth in filler text; the
+question comes at the end and the answer is read back greedily. The episode format
+here is also the one the shipped demo model was trained on (training/train_demo.py).
+Knows nothing about tensors: it drives any Backend through new_cache/generate.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Callable, Optional, Sequence
+
+import numpy as np
+
+NEEDLE = " The pass key is {key}. Remember it. {key} is the pass key."
+QUESTION = "What is the pass key?"
+ANSWER_PREFIX = "The pass key is"
+KEY_DIGITS = 5
+_SLOT = "\x00HAYSTACK\x00"
+
+
+def _hf(tokenizer):
+    """The Hugging Face tokenizer under mlx-lm's TokenizerWrapper (or the tokenizer itself)."""
+    return tokenizer._tokenizer if type(tokenizer).__name__ == "TokenizerWrapper" else tokenizer
+
+
+def encode(tokenizer, text: str) -> list[int]:
+    return list(_hf(tokenizer).encode(text, add_special_tokens=False))
+
+
+def make_key(rng: np.random.Generator) -> str:
+    """KEY_DIGITS distinct digits (30,240 keys): no digit repeats, so copying never has to guess."""
+    return "".join(str(d) for d in rng.permutation(10)[:KEY_DIGITS])
+
+
+@dataclass(frozen=True)
+class Frame:
+    """Token ids around the haystack: head + haystack + tail, tail ends with the answer prefix."""
+
+    head: tuple[int, ...]
+    tail: tuple[int, ...]
+
+
+def frame(tokenizer, question: str = QUESTION, answer_prefix: str = ANSWER_PREFIX) -> Frame:
+    """Chat-formatted when the tokenizer has a chat template, else plain text after BOS."""
+    hf = _hf(tokenizer)
+    if getattr(hf, "chat_template", None):
+        text = hf.apply_chat_template([{"role": "user", "content": f"{_SLOT}\n\n{question}"}],
+                                      tokenize=False, add_generation_prompt=True)
+        head, tail = text.split(_SLOT)
+        return Frame(tuple(encode(hf, head)), tuple(encode(hf, tail + answer_prefix)))
+    bos = [hf.bos_token_id] if hf.bos_token_id is not None else []
+    return Frame(tuple(bos), tuple(encode(hf, f"\n\n{question}\n{answer_prefix}")))
+
+
+@dataclass
+class Filler:
+    """A token stream of plain text and the positions after which a sentence ends."""
+
+    tokens: np.ndarray      # [N] int
+    boundaries: np.ndarray  # sorted indices i: a sentence ends with token i-1
+
+
+def filler_from_texts(tokenizer, texts: Sequence[str]) -> Filler:
+    """Digits are removed from the filler, so the pass key is the only number in the context."""
+    hf = _hf(tokenizer)
+    texts = [re.sub(r"[0-9]", "", t) for t in texts]
+    fast = getattr(hf, "backend_tokenizer", None)   # the Rust tokenizer: no max-length warnings
+    ids, bounds = [], []
+    for text in texts:
+        if fast is not None:
+            enc = fast.encode(text + "\n\n", add_special_tokens=False)
+            pairs = zip(enc.ids, enc.offsets)
+        else:
+            enc = hf(text + "\n\n", add_special_tokens=False, return_offsets_mapping=True)
+            pairs = zip(enc["input_ids"], enc["offset_mapping"])
+        for tid, (_, end) in pairs:
+            ids.append(tid)
+            if text[end - 1:end] in (".", "\n") or end >= len(text):
+                bounds.append(len(ids))
+    return Filler(np.asarray(ids, dtype=np.int64), np.asarray(sorted(set(bounds)), dtype=np.int64))
+
+
+@lru_cache(maxsize=4)
+def pydoc_filler(tokenizer) -> Filler:
+    """The bench's filler: the pydoc help topics, English text shipped with CPython (PSF licence)."""
+    from pydoc_data import topics
+
+    return filler_from_texts(tokenizer, [topics.topics[k] for k in sorted(topics.topics)])
+
+
+@dataclass
+class Episode:
+    tokens: list[int]    # the whole prompt: head + filler with needle + tail (answer prefix)
+    key: str
+    depth: float         # needle start as a fraction of the haystack
+    needle_start: int    # index of the needle's first token in `tokens`
+    needle_len: int
+
+
+def build_episode(tokenizer, filler: Filler, fr: Frame, context: int, depth: float, key: str,
+                  rng: np.random.Generator) -> Episode:
+    """`context` tokens in all. The filler window starts at a random offset; the needle goes
+    to the sentence boundary nearest to `depth` (fraction of the haystack)."""
+    needle = encode(tokenizer, NEEDLE.format(key=key))
+    n_fill = context - len(fr.head) - len(fr.tail) - len(needle)
+    if n_fill < 1:
+        raise ValueError(f"context {context} too short for the needle frame")
+    n = len(filler.tokens)
+    start = int(rng.integers(0, n))
+    idx = (start + np.arange(n_fill)) % n
+    window = filler.tokens[idx]
+    # sentence boundaries inside the window, as offsets into it
+    rel = (filler.boundaries - start) % n
+    rel = rel[(rel > 0) & (rel < n_fill)]
+    target = depth * n_fill
+    cut = int(rel[np.argmin(np.abs(rel - target))]) if len(rel) and abs(
+        rel[np.argmin(np.abs(rel - target))] - target) < 64 else int(round(target))
+    cut = min(max(cut, 0), n_fill)
+    tokens = [*fr.head, *window[:cut].tolist(), *needle, *window[cut:].tolist(), *fr.tail]
+    assert len(tokens) == context
+    return Episode(tokens, key, cut / n_fill, len(fr.head) + cut, len(needle))
+
+
+def read_key(text: str) -> str:
+    m = re.search(r"\d+", text)
+    return m.group(0)[:KEY_DIGITS] if m else ""
+
+
+# ---------------------------------------------------------------- the bench
+
+PRUNE = (0.1, 0.3, 0.5, 0.7, 0.9)
+LONG_CONTEXTS = (16384, 65536)
+DEPTH_BINS = 5
+MAX_ANSWER_TOKENS = 8
+
+
+def depths(trials: int, rng: np.random.Generator) -> np.ndarray:
+    """Stratified: one random depth in each of `trials` equal slices of [0, 1)."""
+    return (np.arange(trials) + rng.random(trials)) / trials
+
+
+def episodes(tokenizer, context: int, trials: int, seed: int) -> list[Episode]:
+    rng = np.random.default_rng([seed, context])
+    fill, fr = pydoc_filler(tokenizer), frame(tokenizer)
+    return [build_episode(tokenizer, fill, fr, context, float(d), make_key(rng), rng)
+            for d in depths(trials, rng)]
+
+
+def answer(backend, cfg, ep: Episode) -> str:
+    """Greedy answer of one episode through a fresh heap."""
+    from ..generation import SamplingParams
+
+    cache = backend.new_cache(cfg)
+    out = []
+    for tok in backend.generate(cache, ep.tokens, SamplingParams(max_tokens=MAX_ANSWER_TOKENS)):
+        if tok in backend.eos_token_ids:
+            break
+        out.append(tok)
+    return _hf(backend.tokenizer).decode(out)
+
+
+def budget_for(context: int, prune: float, sinks: int) -> int:
+    """Heap budget (scored slots beyond the sinks) that keeps (1 - prune) of the context."""
+    return max(1, int(round(context * (1.0 - prune))) - sinks)
+
+
+def cell(backend, base, eps: list[Episode], context: int, budget: int, policy: str, positions: str,
+         prune: Optional[float], log: Optional[Callable[[str], None]] = None) -> dict:
+    cfg = base.with_(budget=budget, policy=policy, positions=positions, recent=min(base.recent, budget // 2))
+    t0 = time.perf_counter()
+    hits = [read_key(answer(backend, cfg, ep)) == ep.key for ep in eps]
+    by_bin = []
+    for b in range(DEPTH_BINS):
+        sel = [h for h, ep in zip(hits, eps) if int(min(ep.depth, 0.999) * DEPTH_BINS) == b]
+        by_bin.append(round(float(np.mean(sel)), 4) if sel else None)
+    row = {"context": context, "budget": budget, "prune": prune, "policy": policy, "positions": positions,
+           "trials": len(hits), "accuracy": round(float(np.mean(hits)), 4), "by_depth": by_bin,
+           "hits": "".join("1" if h else "0" for h in hits), "seconds": round(time.perf_counter() - t0, 1)}
+    if log:
+        log(f"ctx {context:>6} budget {budget:>5} {policy:>9} {positions:>8}: {row['accuracy']:.0%} "
+            f"({row['seconds']:.0f}s)")
+    return row
+
+
+def run_needle(backend, base=None, context: int = 4096, prune: Sequence[float] = PRUNE,
+               policies: Optional[Sequence[str]] = None, positions: Sequence[str] = ("compact", "absolute"),
+               trials: int = 100, long_contexts: Sequence[int] = LONG_CONTEXTS, long_budget: Optional[int] = None,
+               long_trials: int = 20, seed: int = 0, log: Optional[Callable[[str], None]] = None) -> dict:
+    """The needle table. Returns {"rows": [...], "settings": {...}}; one row per cell:
+    full cache at `context`, every (prune, policy, positions) at `context`, then every
+    (long context, policy, positions) at `long_budget` (default: base.budget).
+    Episodes are seeded and shared by every cell of one context (paired comparison)."""
+    from ..heap import POLICIES, HeapConfig
+
+    base = base or HeapConfig()
+    policies = list(policies or POLICIES)
+    long_budget = long_budget or base.budget
+    rows = []
+    eps = episodes(backend.tokenizer, context, trials, seed)
+    full = base.budget if base.budget >= context else context
+    rows.append(cell(backend, base, eps, context, full, "streaming", "compact", None, log) | {"policy": "full"})
+    for p in prune:
+        for pol in policies:
+            for pos in positions:
+                rows.append(cell(backend, base, eps, context, budget_for(context, p, base.sinks), pol, pos, p, log))
+    for ctx in long_contexts:
+        eps = episodes(backend.tokenizer, ctx, long_trials, seed)
+        for pol in policies:
+            for pos in positions:
+                rows.append(cell(backend, base, eps, ctx, long_budget, pol, pos, None, log))
+    settings = {"context": context, "prune": list(prune), "policies": policies, "positions": list(positions),
+                "trials": trials, "long_contexts": list(long_contexts), "long_budget": long_budget,
+                "long_trials": long_trials, "seed": seed, "heap": base.to_dict(),
+                "needle": NEEDLE, "question": QUESTION, "answer_prefix": ANSWER_PREFIX}
+    return {"rows": rows, "settings": settings}
+
+
+def tables(result: dict) -> str:
+    """Accuracy per (policy, positions) x prune at the short context; then per long context."""
+    from .report import table
+
+    s, rows = result["settings"], result["rows"]
+    full = next(r for r in rows if r["policy"] == "full")
+    short = [r for r in rows if r["prune"] is not None]
+    out_rows = []
+    for pol in s["policies"]:
+        for pos in s["positions"]:
+            r = {"policy": pol, "positions": pos, "full": full["accuracy"]}
+            for x in short:
+                if x["policy"] == pol and x["positions"] == pos:
+                    r[f"p{x['prune']}"] = x["accuracy"]
+            out_rows.append(r)
+    cols = [("policy", "policy", ""), ("positions", "positions", ""), ("full", "full cache", ".0%")]
+    cols += [(f"p{p}", f"prune {p:.0%}", ".0%") for p in s["prune"]]
+    text = f"context {s['context']:,}, {s['trials']} trials per cell\n" + table(out_rows, cols)
+    long = [r for r in rows if r["prune"] is None and r["policy"] != "full"]
+    if long:
+        lrows = []
+        for pol in s["policies"]:
+            for pos in s["positions"]:
+                r = {"policy": pol, "positions": pos}
+                for x in long:
+                    if x["policy"] == pol and x["positions"] == pos:
+                        r[f"c{x['context']}"] = x["accuracy"]
+                lrows.append(r)
+        lcols = [("policy", "policy", ""), ("positions", "positions", "")]
+        lcols += [(f"c{c}", f"{c // 1024}K", ".0%") for c in s["long_contexts"]]
+        text += (f"\n\nbudget {s['long_budget']:,} + {s['heap']['sinks']} sinks, "
+                 f"{s['long_trials']} trials per cell\n" + table(lrows, lcols))
+    return text
+
+
+def plot(result: dict, out_dir) -> list[str]:
+    """needle_pruning.png (accuracy vs pruning per policy) and needle_depth.png (accuracy by
+    needle depth and context length). Returns the paths; [] without matplotlib."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return []
+    from pathlib import Path
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    s, rows = result["settings"], result["rows"]
+    full = next(r for r in rows if r["policy"] == "full")
+    fig, axes = plt.subplots(1, len(s["positions"]), figsize=(5.5 * len(s["positions"]), 4), squeeze=False)
+    for ax, pos in zip(axes[0], s["positions"]):
+        for pol in s["policies"]:
+            pts = sorted((r["prune"], r["accuracy"]) for r in rows
+                         if r["prune"] is not None and r["policy"] == pol and r["positions"] == pos)
+            ax.plot([100 * p for p, _ in pts], [100 * a for _, a in pts], marker="o", label=pol)
+        ax.axhline(100 * full["accuracy"], color="gray", ls="--", label="full cache")
+        ax.set(title=f"{pos} positions, context {s['context']:,}", xlabel="pruned (%)",
+               ylabel="pass-key accuracy (%)", ylim=(-3, 103))
+        ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=8)
+    fig.tight_layout()
+    paths = [str(out / "needle_pruning.png")]
+    fig.savefig(paths[0], dpi=110)
+    plt.close(fig)
+
+    # depth x context heatmaps, one per policy (first position mode), full cache as the first row
+    pos = s["positions"][0]
+    fig, axes = plt.subplots(1, len(s["policies"]), figsize=(3.2 * len(s["policies"]), 3.2), squeeze=False)
+    for ax, pol in zip(axes[0], s["policies"]):
+        grid, labels = [full["by_depth"]], [f"{s['context'] // 1024}K full"]
+        for p in s["prune"]:
+            r = next((r for r in rows if r["prune"] == p and r["policy"] == pol and r["positions"] == pos), None)
+            if r and p in (0.5, 0.9):
+                grid.append(r["by_depth"]), labels.append(f"{s['context'] // 1024}K -{p:.0%}")
+        for c in s["long_contexts"]:
+            r = next((r for r in rows if r["prune"] is None and r["context"] == c and r["policy"] == pol
+                      and r["positions"] == pos), None)
+            if r:
+                grid.append(r["by_depth"]), labels.append(f"{c // 1024}K")
+        data = np.array([[np.nan if v is None else 100 * v for v in g] for g in grid])
+        ax.imshow(data, vmin=0, vmax=100, cmap="viridis", aspect="auto")
+        ax.set_xticks(range(DEPTH_BINS), [f"{100 * i // DEPTH_BINS}" for i in range(DEPTH_BINS)])
+        ax.set_yticks(range(len(labels)), labels, fontsize=7)
+        ax.set(title=f"{pol} ({pos})", xlabel="needle depth (%)")
+        for (i, j), v in np.ndenumerate(data):
+            if not np.isnan(v):
+                ax.text(j, i, f"{v:.0f}", ha="center", va="center", fontsize=6, color="w" if v < 60 else "k")
+    fig.tight_layout()
+    paths.append(str(out / "needle_depth.png"))
+    fig.savefig(paths[1], dpi=110)
+    plt.close(fig)
+    return paths
+
+
+def report(result: dict, backend, plots: Sequence[str] = (), out=None) -> None:
+    """Print the tables and the JSON line (report.emit)."""
+    import sys
+
+    from .report import emit
+
+    emit("needle", f"model {backend.model_name} | backend {backend.name}\n" + tables(result),
+         {"model": backend.model_name, "backend": backend.name, **result, "plots": list(plots)},
+         out=out or sys.stdout)

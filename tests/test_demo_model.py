@@ -1,0 +1,57 @@
+"""The shipped demo model (localheap/demo_model, trained by training/train_demo.py): it loads
+through mlx-lm and transformers alike, chats through its template, and finds a pass key
+with a full cache."""
+
+import json
+
+import numpy as np
+import pytest
+
+from localheap.bench import needle
+from localheap.models import demo_model_dir
+
+DEMO = demo_model_dir()
+pytestmark = pytest.mark.skipif(DEMO is None, reason="no demo model in this checkout")
+CONTEXT, TRIALS = 512, 4
+
+
+def test_demo_files():
+    cfg = json.loads((DEMO / "config.json").read_text())
+    assert cfg["model_type"] == "llama" and "rope_theta" in cfg   # flat keys, read alike by both libraries
+    tcfg = json.loads((DEMO / "tokenizer_config.json").read_text())
+    assert "{{ bos_token }}" in tcfg["chat_template"]
+    assert sum(p.stat().st_size for p in DEMO.glob("*.safetensors")) < 8 * 2**20
+
+
+def test_demo_passkey_transformers():
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(DEMO)
+    model = AutoModelForCausalLM.from_pretrained(DEMO, dtype=torch.float32).eval()
+    for ep in needle.episodes(tok, CONTEXT, TRIALS, seed=7):
+        with torch.no_grad():
+            out = model.generate(torch.tensor([ep.tokens]), max_new_tokens=8, do_sample=False,
+                                 pad_token_id=tok.pad_token_id)
+        assert needle.read_key(tok.decode(out[0, CONTEXT:])) == ep.key
+
+
+def test_demo_passkey_mlx_matches_transformers():
+    import mlx.core as mx
+    import torch
+    from mlx_lm import load
+    from transformers import AutoModelForCausalLM
+
+    model, tok = load(str(DEMO))
+    hf = AutoModelForCausalLM.from_pretrained(DEMO, dtype=torch.float32).eval()
+    for ep in needle.episodes(tok, CONTEXT, TRIALS, seed=7):
+        ids, out = list(ep.tokens), []
+        for _ in range(needle.KEY_DIGITS + 2):   # greedy, no cache: a few steps at 512 tokens are cheap
+            nxt = int(mx.argmax(model(mx.array(ids)[None])[0, -1]).item())
+            ids.append(nxt)
+            out.append(nxt)
+        assert needle.read_key(tok.decode(out)) == ep.key
+    with torch.no_grad():
+        ref = hf(torch.tensor([ep.tokens])).logits[0, -1].numpy()
+    got = np.array(model(mx.array(ep.tokens)[None])[0, -1].astype(mx.float32))
+    assert np.argmax(got) == np.argmax(ref) and np.max(np.abs(got - ref)) < 0.05 * np.max(np.abs(ref))

@@ -1,0 +1,87 @@
+"""Needle bench plumbing on a tiny random model: episode format, table/JSON structure, plots.
+Accuracy is not checked here (random weights); tests/test_demo_model.py checks retrieval."""
+
+import io
+import json
+
+import numpy as np
+import pytest
+
+from localheap.bench import attention_mass, needle
+from localheap.heap import POLICIES, HeapConfig
+
+BACKENDS = ["mlx", "torch"]
+
+
+@pytest.fixture(scope="module", params=BACKENDS)
+def backend(request, model_dirs):
+    path = model_dirs("llama")
+    if request.param == "mlx":
+        from localheap.backends.mlx import MLXBackend
+        return MLXBackend.load(path, model_name="llama-tiny")
+    try:
+        from localheap.backends.torch import TorchBackend
+    except ImportError as e:
+        pytest.skip(f"torch backend unavailable: {e}")
+    return TorchBackend.load(path, model_name="llama-tiny")
+
+
+def test_episode_format(backend):
+    tok = backend.tokenizer
+    fr = needle.frame(tok)
+    rng = np.random.default_rng(0)
+    eps = needle.episodes(tok, 200, 5, seed=1)
+    assert eps == needle.episodes(tok, 200, 5, seed=1)  # seeded
+    for ep in eps:
+        assert len(ep.tokens) == 200
+        assert list(ep.tokens[-len(fr.tail):]) == list(fr.tail)
+        needle_ids = ep.tokens[ep.needle_start:ep.needle_start + ep.needle_len]
+        assert needle._hf(tok).decode(needle_ids) == needle.NEEDLE.format(key=ep.key)
+        assert len(ep.key) == needle.KEY_DIGITS and ep.key.isdigit()
+    depths = [ep.depth for ep in eps]  # stratified, then snapped to a sentence end
+    assert all(0.0 <= d <= 1.0 for d in depths) and max(depths) - min(depths) > 0.4
+    with pytest.raises(ValueError):
+        needle.build_episode(tok, needle.pydoc_filler(tok), fr, 20, 0.5, "12345", rng)
+    assert needle.read_key(" 12345.") == "12345" and needle.read_key(" none") == ""
+
+
+def test_needle_table_structure(backend, tmp_path):
+    base = HeapConfig(slack=64, recent=16)
+    prune, long_contexts = (0.5, 0.9), (512,)
+    result = needle.run_needle(backend, base, context=256, prune=prune, trials=2,
+                               long_contexts=long_contexts, long_budget=128, long_trials=1)
+    rows = result["rows"]
+    n_pol, n_pos = len(POLICIES), 2
+    assert len(rows) == 1 + len(prune) * n_pol * n_pos + len(long_contexts) * n_pol * n_pos
+    assert rows[0]["policy"] == "full" and rows[0]["budget"] >= 256
+    for r in rows:
+        assert 0.0 <= r["accuracy"] <= 1.0 and len(r["hits"]) == r["trials"]
+        assert len(r["by_depth"]) == needle.DEPTH_BINS
+    budgets = {r["prune"]: r["budget"] for r in rows if r["prune"] is not None}
+    assert budgets == {0.5: 128 - base.sinks, 0.9: 26 - base.sinks}
+    assert {r["context"] for r in rows} == {256, 512}
+
+    paths = needle.plot(result, tmp_path)
+    if paths:  # matplotlib installed
+        assert all((tmp_path / p.split("/")[-1]).stat().st_size > 1000 for p in paths)
+    buf = io.StringIO()
+    needle.report(result, backend, paths, out=buf)
+    text, line = buf.getvalue().rstrip("\n").rsplit("\n", 1)
+    assert "full cache" in text and "prune 90%" in text and "geometry" in text
+    payload = json.loads(line)
+    assert payload["bench"] == "needle" and len(payload["rows"]) == len(rows)
+    assert payload["settings"]["trials"] == 2
+
+
+def test_attention_mass_structure(backend):
+    base = HeapConfig(slack=64, recent=16)
+    result = attention_mass.run_attention_mass(backend, base, context=192, prune=(0.0, 0.5), trials=1)
+    by = {(r["policy"], r["prune"]): r for r in result["rows"]}
+    assert set(p for p, _ in by) == set(POLICIES) | {"oracle"}
+    for (pol, p), r in by.items():
+        assert len(r["per_layer"]) == 2 and all(0.0 <= v <= 1.0 + 1e-6 for v in r["per_layer"])
+        if p == 0.0:
+            assert r["mean"] == pytest.approx(1.0, abs=1e-4)  # nothing evicted: all mass kept
+        else:  # the oracle keeps the top-mass tokens: nothing does better
+            assert r["mean"] <= by[("oracle", p)]["mean"] + 1e-6
+    assert "oracle" in attention_mass.tables(result)
