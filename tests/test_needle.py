@@ -49,11 +49,13 @@ def test_needle_table_structure(backend, tmp_path):
     base = HeapConfig(slack=64, recent=16)
     prune, long_contexts = (0.5, 0.9), (512,)
     result = needle.run_needle(backend, base, context=256, prune=prune, trials=2,
-                               long_contexts=long_contexts, long_budget=128, long_trials=1)
+                               long_contexts=long_contexts, long_budget=128, long_trials=1, long_full=(512,))
     rows = result["rows"]
     n_pol, n_pos = len(POLICIES), 2
-    assert len(rows) == 1 + len(prune) * n_pol * n_pos + len(long_contexts) * n_pol * n_pos
+    assert len(rows) == 1 + len(prune) * n_pol * n_pos + len(long_contexts) * (1 + n_pol * n_pos)
     assert rows[0]["policy"] == "full" and rows[0]["budget"] >= 256
+    long_full = [r for r in rows if r["policy"] == "full" and r["context"] == 512]
+    assert len(long_full) == 1 and long_full[0]["budget"] == 512  # nothing evicted at 512
     for r in rows:
         assert 0.0 <= r["accuracy"] <= 1.0 and len(r["hits"]) == r["trials"]
         assert len(r["by_depth"]) == needle.DEPTH_BINS
@@ -61,9 +63,9 @@ def test_needle_table_structure(backend, tmp_path):
     assert budgets == {0.5: 128 - base.sinks, 0.9: 26 - base.sinks}
     assert {r["context"] for r in rows} == {256, 512}
 
-    paths = needle.plot(result, tmp_path)
-    if paths:  # matplotlib installed
-        assert all((tmp_path / p.split("/")[-1]).stat().st_size > 1000 for p in paths)
+    paths = needle.plot(result, tmp_path)  # matplotlib is in the test extra
+    assert [p.split("/")[-1] for p in paths] == ["needle_pruning.png", "needle_depth.png"]
+    assert all((tmp_path / p.split("/")[-1]).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in paths)
     buf = io.StringIO()
     needle.report(result, backend, paths, out=buf)
     text, line = buf.getvalue().rstrip("\n").rsplit("\n", 1)
@@ -71,6 +73,27 @@ def test_needle_table_structure(backend, tmp_path):
     payload = json.loads(line)
     assert payload["bench"] == "needle" and len(payload["rows"]) == len(rows)
     assert payload["settings"]["trials"] == 2
+    assert "full cache" in text.split("budget 128")[1]  # the long table has its full-cache row
+
+
+def test_merge_parts(backend):
+    """Parts measured in parallel merge into the table one process would have made."""
+    base = HeapConfig(slack=64, recent=16)
+    kw = dict(context=256, trials=2, long_budget=128, long_trials=1)
+    short = needle.run_needle(backend, base, prune=(0.5,), policies=["h2o", "snapkv"], long_contexts=(), **kw)
+    long_a = needle.run_needle(backend, base, prune=(), policies=["h2o"], long_contexts=(512,),
+                               long_full=(512,), **kw)
+    long_b = needle.run_needle(backend, base, prune=(), policies=["snapkv"], long_contexts=(384,), **kw)
+    merged = needle.merge([short, long_a, long_b])
+    whole = needle.run_needle(backend, base, prune=(0.5,), policies=["h2o", "snapkv"], long_contexts=(384, 512),
+                              long_full=(512,), **kw)
+    key = lambda r: (r["context"], r["policy"], r["positions"], r["prune"])  # noqa: E731
+    assert sorted(map(key, merged["rows"])) == sorted(
+        map(key, [r for r in whole["rows"] if (r["context"], r["policy"]) not in {(384, "h2o"), (512, "snapkv")}]))
+    assert {key(r): r["hits"] for r in merged["rows"]}.items() <= {key(r): r["hits"] for r in whole["rows"]}.items()
+    s = merged["settings"]
+    assert s["policies"] == ["h2o", "snapkv"] and s["prune"] == [0.5] and s["trials"] == 2
+    assert s["long_contexts"] == [384, 512] and s["long_full"] == [512]
 
 
 def test_attention_mass_structure(backend):

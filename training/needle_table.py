@@ -44,7 +44,8 @@ def part(args) -> None:
     result = needle.run_needle(backend, base, context=args.context, prune=_floats(args.prune),
                                policies=args.policies.split(",") if args.policies else None,
                                trials=args.trials, long_contexts=_ints(args.long_contexts),
-                               long_trials=args.long_trials, seed=args.seed, log=log)
+                               long_trials=args.long_trials, long_full=_ints(args.long_full), seed=args.seed,
+                               log=log)
     result["backend"], result["model"] = backend.name, backend.model_name
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result) + "\n")
@@ -52,21 +53,11 @@ def part(args) -> None:
 
 def merge(args) -> None:
     parts = [json.loads(Path(p).read_text()) for p in args.parts]
-    merged = {"rows": [], "settings": dict(parts[0]["settings"])}
-    seen = set()
-    for p in parts:
-        for r in p["rows"]:
-            key = (r["context"], r["budget"], r["policy"], r["positions"], r["prune"])
-            if key not in seen:
-                seen.add(key)
-                merged["rows"].append(r)
-        s = p["settings"]
-        if s["prune"]:
-            merged["settings"].update(prune=s["prune"], trials=s["trials"], context=s["context"])
-        if s["long_contexts"]:
-            merged["settings"].update(long_contexts=s["long_contexts"], long_trials=s["long_trials"],
-                                      long_budget=s["long_budget"])
+    merged = needle.merge(parts)
     paths = needle.plot(merged, args.plots) if args.plots else []
+    if args.out:
+        Path(args.out).write_text(json.dumps({"model": parts[0]["model"], "backend": parts[0]["backend"],
+                                              **merged, "plots": paths}) + "\n")
     needle.report(merged, _Named(parts[0]["model"], parts[0]["backend"]), paths)
 
 
@@ -83,6 +74,7 @@ def main(argv=None) -> None:
     a.add_argument("--trials", type=int, default=100)
     a.add_argument("--long-contexts", default="16384,65536")
     a.add_argument("--long-trials", type=int, default=20)
+    a.add_argument("--long-full", default="", help="long contexts that also get a full-cache cell")
     a.add_argument("--budget", type=int, default=4096)
     a.add_argument("--recent", type=int, default=64)
     a.add_argument("--slack", type=int, default=256)
@@ -92,6 +84,7 @@ def main(argv=None) -> None:
     m = sub.add_parser("merge")
     m.add_argument("parts", nargs="+")
     m.add_argument("--plots", default="")
+    m.add_argument("--out", default="", help="write the merged result (JSON) here")
     m.set_defaults(func=merge)
     args = p.parse_args(argv)
     args.func(args)

@@ -190,10 +190,12 @@ def cell(backend, base, eps: list[Episode], context: int, budget: int, policy: s
 def run_needle(backend, base=None, context: int = 4096, prune: Sequence[float] = PRUNE,
                policies: Optional[Sequence[str]] = None, positions: Sequence[str] = ("compact", "absolute"),
                trials: int = 100, long_contexts: Sequence[int] = LONG_CONTEXTS, long_budget: Optional[int] = None,
-               long_trials: int = 20, seed: int = 0, log: Optional[Callable[[str], None]] = None) -> dict:
+               long_trials: int = 20, long_full: Sequence[int] = (), seed: int = 0,
+               log: Optional[Callable[[str], None]] = None) -> dict:
     """The needle table. Returns {"rows": [...], "settings": {...}}; one row per cell:
     full cache at `context`, every (prune, policy, positions) at `context`, then every
-    (long context, policy, positions) at `long_budget` (default: base.budget).
+    (long context, policy, positions) at `long_budget` (default: base.budget), with a
+    full-cache cell first at the long contexts listed in `long_full`.
     Episodes are seeded and shared by every cell of one context (paired comparison)."""
     from ..heap import POLICIES, HeapConfig
 
@@ -210,13 +212,38 @@ def run_needle(backend, base=None, context: int = 4096, prune: Sequence[float] =
                 rows.append(cell(backend, base, eps, context, budget_for(context, p, base.sinks), pol, pos, p, log))
     for ctx in long_contexts:
         eps = episodes(backend.tokenizer, ctx, long_trials, seed)
+        if ctx in long_full:
+            rows.append(cell(backend, base, eps, ctx, ctx, "streaming", "compact", None, log) | {"policy": "full"})
         for pol in policies:
             for pos in positions:
                 rows.append(cell(backend, base, eps, ctx, long_budget, pol, pos, None, log))
     settings = {"context": context, "prune": list(prune), "policies": policies, "positions": list(positions),
                 "trials": trials, "long_contexts": list(long_contexts), "long_budget": long_budget,
-                "long_trials": long_trials, "seed": seed, "heap": base.to_dict(),
+                "long_trials": long_trials, "long_full": list(long_full), "seed": seed, "heap": base.to_dict(),
                 "needle": NEEDLE, "question": QUESTION, "answer_prefix": ANSWER_PREFIX}
+    return {"rows": rows, "settings": settings}
+
+
+def merge(parts: Sequence[dict]) -> dict:
+    """One result from several `run_needle` results (parts measured in parallel processes):
+    rows in order, the first of any repeated cell kept; settings joined (policies, long contexts)."""
+    settings = dict(parts[0]["settings"], policies=[], long_contexts=[], long_full=[], long_trials=0)
+    rows, seen = [], set()
+    for part in parts:
+        for r in part["rows"]:
+            key = (r["context"], r["budget"], r["policy"], r["positions"], r["prune"])
+            if key not in seen:
+                seen.add(key)
+                rows.append(r)
+        s = part["settings"]
+        settings["policies"] += [x for x in s["policies"] if x not in settings["policies"]]
+        if s["prune"] and not settings["prune"]:
+            settings.update(prune=s["prune"], trials=s["trials"], context=s["context"])
+        if s["long_contexts"]:
+            settings.update(long_contexts=sorted(set(settings["long_contexts"]) | set(s["long_contexts"])),
+                            long_full=sorted(set(settings["long_full"]) | set(s.get("long_full", []))),
+                            long_trials=max(settings["long_trials"], s["long_trials"]),
+                            long_budget=s["long_budget"])
     return {"rows": rows, "settings": settings}
 
 
@@ -225,7 +252,7 @@ def tables(result: dict) -> str:
     from .report import table
 
     s, rows = result["settings"], result["rows"]
-    full = next(r for r in rows if r["policy"] == "full")
+    full = next(r for r in rows if r["policy"] == "full" and r["context"] == s["context"])
     short = [r for r in rows if r["prune"] is not None]
     out_rows = []
     for pol in s["policies"]:
@@ -238,9 +265,12 @@ def tables(result: dict) -> str:
     cols = [("policy", "policy", ""), ("positions", "positions", ""), ("full", "full cache", ".0%")]
     cols += [(f"p{p}", f"prune {p:.0%}", ".0%") for p in s["prune"]]
     text = f"context {s['context']:,}, {s['trials']} trials per cell\n" + table(out_rows, cols)
-    long = [r for r in rows if r["prune"] is None and r["policy"] != "full"]
+    long = [r for r in rows if r["context"] != s["context"]]
     if long:
         lrows = []
+        fulls = {x["context"]: x["accuracy"] for x in long if x["policy"] == "full"}
+        if fulls:
+            lrows.append({"policy": "full cache", "positions": "", **{f"c{c}": a for c, a in fulls.items()}})
         for pol in s["policies"]:
             for pos in s["positions"]:
                 r = {"policy": pol, "positions": pos}
@@ -250,8 +280,10 @@ def tables(result: dict) -> str:
                 lrows.append(r)
         lcols = [("policy", "policy", ""), ("positions", "positions", "")]
         lcols += [(f"c{c}", f"{c // 1024}K", ".0%") for c in s["long_contexts"]]
-        text += (f"\n\nbudget {s['long_budget']:,} + {s['heap']['sinks']} sinks, "
-                 f"{s['long_trials']} trials per cell\n" + table(lrows, lcols))
+        trials = ", ".join(f"{c // 1024}K: {max(x['trials'] for x in long if x['context'] == c)}"
+                           for c in s["long_contexts"] if any(x["context"] == c for x in long))
+        text += (f"\n\nbudget {s['long_budget']:,} + {s['heap']['sinks']} sinks; trials per cell: {trials}\n"
+                 + table(lrows, lcols))
     return text
 
 
@@ -269,7 +301,7 @@ def plot(result: dict, out_dir) -> list[str]:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     s, rows = result["settings"], result["rows"]
-    full = next(r for r in rows if r["policy"] == "full")
+    full = next(r for r in rows if r["policy"] == "full" and r["context"] == s["context"])
     fig, axes = plt.subplots(1, len(s["positions"]), figsize=(5.5 * len(s["positions"]), 4), squeeze=False)
     for ax, pos in zip(axes[0], s["positions"]):
         for pol in s["policies"]:

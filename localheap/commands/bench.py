@@ -48,6 +48,8 @@ def add_parser(sub) -> None:
     needle.add_argument("--trials", type=int, default=100, help="episodes per cell at --context")
     needle.add_argument("--long-contexts", type=_ints, default=[16384, 65536])
     needle.add_argument("--long-trials", type=int, default=20)
+    needle.add_argument("--long-full", type=_ints, default=[],
+                        help="long contexts that also get a full-cache cell (slow: attention over the whole context)")
     needle.add_argument("--seed", type=int, default=0)
     needle.add_argument("--plots", default="needle-plots", help="directory for the PNG plots (needs matplotlib)")
     needle.set_defaults(func=run_needle_bench, model="demo")
@@ -138,7 +140,7 @@ def run_needle_bench(args) -> int:
 
     backend = load_backend(model_spec(args), args.backend)
     result = run_needle(backend, heap_config(args), context=args.context, trials=args.trials,
-                        long_contexts=args.long_contexts, long_trials=args.long_trials, seed=args.seed,
-                        log=lambda m: print(m, file=sys.stderr))
+                        long_contexts=args.long_contexts, long_trials=args.long_trials, long_full=args.long_full,
+                        seed=args.seed, log=lambda m: print(m, file=sys.stderr))
     report(result, backend, plot(result, args.plots))
     return 0
