@@ -108,3 +108,29 @@ def test_attention_mass_structure(backend):
         else:  # the oracle keeps the top-mass tokens: nothing does better
             assert r["mean"] <= by[("oracle", p)]["mean"] + 1e-6
     assert "oracle" in attention_mass.tables(result)
+
+
+def test_cli_needle_and_attention_mass(model_dirs, tmp_path, capsys):
+    """`localheap bench needle` and `bench attention-mass` end to end: tables, JSON line, plots."""
+    from localheap.cli import main
+
+    path = str(model_dirs("llama"))
+    rc = main(["bench", "needle", "--model", path, "--backend", "mlx", "--context", "192", "--trials", "1",
+               "--prune", "50%", "--long-contexts", "256", "--long-trials", "1", "--slack", "64", "--recent", "16",
+               "--budget", "96", "--plots", str(tmp_path)])
+    out = capsys.readouterr().out.rstrip("\n").split("\n")
+    assert rc == 0 and "prune 50%" in "\n".join(out)
+    payload = json.loads(out[-1])
+    assert payload["bench"] == "needle" and payload["settings"]["prune"] == [0.5]
+    assert {r["context"] for r in payload["rows"]} == {192, 256}
+    assert sorted(p.name for p in tmp_path.glob("*.png")) == ["needle_depth.png", "needle_pruning.png"]
+
+    rc = main(["bench", "attention-mass", "--model", path, "--backend", "mlx", "--context", "160", "--trials", "1",
+               "--prune", "0.5", "--slack", "64", "--recent", "16"])
+    out = capsys.readouterr().out.rstrip("\n").split("\n")
+    payload = json.loads(out[-1])
+    assert rc == 0 and payload["bench"] == "attention_mass"
+    assert {r["policy"] for r in payload["rows"]} == set(POLICIES) | {"oracle"}
+
+    with pytest.raises(SystemExit):
+        main(["bench", "needle", "--prune", "1.5"])

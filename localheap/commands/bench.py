@@ -1,7 +1,8 @@
-"""`localheap bench speed|memory`: the heap against the stock caches, in one run."""
+"""`localheap bench speed|memory|needle|attention-mass`: the heap against the stock path, in one run."""
 
 from __future__ import annotations
 
+import argparse
 import sys
 
 from ..bench.report import emit, table
@@ -16,6 +17,13 @@ def _ints(text: str) -> list[int]:
         part = part.strip().lower()
         mult = 1_000_000 if part.endswith("m") else 1024 if part.endswith("k") else 1
         out.append(int(float(part.rstrip("mk")) * mult))
+    return out
+
+
+def _fractions(text: str) -> list[float]:
+    out = [float(x.strip().rstrip("%")) / (100 if x.strip().endswith("%") else 1) for x in text.split(",") if x.strip()]
+    if any(not 0.0 <= x < 1.0 for x in out):
+        raise argparse.ArgumentTypeError(f"pruning levels must be fractions in [0, 1) or percentages: {text!r}")
     return out
 
 
@@ -45,6 +53,8 @@ def add_parser(sub) -> None:
     add_model_args(needle)
     add_heap_args(needle)
     needle.add_argument("--context", type=int, default=4096)
+    needle.add_argument("--prune", type=_fractions, default=[0.1, 0.3, 0.5, 0.7, 0.9],
+                        help="pruning levels at --context: 0.1,0.5 or 10%%,50%% (budget = the rest)")
     needle.add_argument("--trials", type=int, default=100, help="episodes per cell at --context")
     needle.add_argument("--long-contexts", type=_ints, default=[16384, 65536])
     needle.add_argument("--long-trials", type=int, default=20)
@@ -53,6 +63,15 @@ def add_parser(sub) -> None:
     needle.add_argument("--seed", type=int, default=0)
     needle.add_argument("--plots", default="needle-plots", help="directory for the PNG plots (needs matplotlib)")
     needle.set_defaults(func=run_needle_bench, model="demo")
+
+    mass = bsub.add_parser("attention-mass", help="share of the true attention mass each policy's kept set captures")
+    add_model_args(mass)
+    add_heap_args(mass)
+    mass.add_argument("--context", type=int, default=4096)
+    mass.add_argument("--prune", type=_fractions, default=[0.5, 0.9], help="pruning levels (budget = the rest)")
+    mass.add_argument("--trials", type=int, default=4, help="documents (needle episodes) averaged")
+    mass.add_argument("--seed", type=int, default=0)
+    mass.set_defaults(func=run_attention_mass_bench, model="demo")
 
 
 def peak_rss() -> int:
@@ -139,8 +158,22 @@ def run_needle_bench(args) -> int:
     from ..models import load_backend
 
     backend = load_backend(model_spec(args), args.backend)
-    result = run_needle(backend, heap_config(args), context=args.context, trials=args.trials,
+    result = run_needle(backend, heap_config(args), context=args.context, prune=args.prune, trials=args.trials,
                         long_contexts=args.long_contexts, long_trials=args.long_trials, long_full=args.long_full,
                         seed=args.seed, log=lambda m: print(m, file=sys.stderr))
-    report(result, backend, plot(result, args.plots))
+    paths = plot(result, args.plots)
+    if not paths:
+        print("plots skipped: matplotlib is not installed (pip install 'localheap[bench]')", file=sys.stderr)
+    report(result, backend, paths)
+    return 0
+
+
+def run_attention_mass_bench(args) -> int:
+    from ..bench.attention_mass import report, run_attention_mass
+    from ..models import load_backend
+
+    backend = load_backend(model_spec(args), args.backend)
+    result = run_attention_mass(backend, heap_config(args), context=args.context, prune=args.prune,
+                                trials=args.trials, seed=args.seed, log=lambda m: print(m, file=sys.stderr))
+    report(result, backend)
     return 0
