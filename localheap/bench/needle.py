@@ -312,31 +312,39 @@ def plot(result: dict, out_dir) -> list[str]:
         ax.set(title=f"{pos} positions, context {s['context']:,}", xlabel="pruned (%)",
                ylabel="pass-key accuracy (%)", ylim=(-3, 103))
         ax.grid(alpha=0.3)
-    axes[0][0].legend(fontsize=8)
-    fig.tight_layout()
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
     paths = [str(out / "needle_pruning.png")]
     fig.savefig(paths[0], dpi=110)
     plt.close(fig)
 
-    # depth x context heatmaps, one per policy (first position mode), full cache as the first row
+    # depth x context heatmaps, one per policy: the short context pruned (first position mode),
+    # then each long context in every position mode, each full-cache cell as a reference row
+    def find(**kw):
+        return next((r for r in rows if all(r[k] == v for k, v in kw.items())), None)
+
     pos = s["positions"][0]
-    fig, axes = plt.subplots(1, len(s["policies"]), figsize=(3.2 * len(s["policies"]), 3.2), squeeze=False)
+    fig, axes = plt.subplots(1, len(s["policies"]), figsize=(3.4 * len(s["policies"]), 4.2), squeeze=False)
     for ax, pol in zip(axes[0], s["policies"]):
-        grid, labels = [full["by_depth"]], [f"{s['context'] // 1024}K full"]
+        grid, labels = [full["by_depth"]], [f"{s['context'] // 1024}K full cache"]
         for p in s["prune"]:
-            r = next((r for r in rows if r["prune"] == p and r["policy"] == pol and r["positions"] == pos), None)
+            r = find(prune=p, policy=pol, positions=pos, context=s["context"])
             if r and p in (0.5, 0.9):
-                grid.append(r["by_depth"]), labels.append(f"{s['context'] // 1024}K -{p:.0%}")
+                grid.append(r["by_depth"]), labels.append(f"{s['context'] // 1024}K -{p:.0%} {pos}")
         for c in s["long_contexts"]:
-            r = next((r for r in rows if r["prune"] is None and r["context"] == c and r["policy"] == pol
-                      and r["positions"] == pos), None)
+            r = find(context=c, policy="full")
             if r:
-                grid.append(r["by_depth"]), labels.append(f"{c // 1024}K")
+                grid.append(r["by_depth"]), labels.append(f"{c // 1024}K full cache")
+            for mode in s["positions"]:
+                r = find(prune=None, context=c, policy=pol, positions=mode)
+                if r:
+                    grid.append(r["by_depth"]), labels.append(f"{c // 1024}K {mode}")
         data = np.array([[np.nan if v is None else 100 * v for v in g] for g in grid])
         ax.imshow(data, vmin=0, vmax=100, cmap="viridis", aspect="auto")
         ax.set_xticks(range(DEPTH_BINS), [f"{100 * i // DEPTH_BINS}" for i in range(DEPTH_BINS)])
         ax.set_yticks(range(len(labels)), labels, fontsize=7)
-        ax.set(title=f"{pol} ({pos})", xlabel="needle depth (%)")
+        ax.set(title=pol, xlabel="needle depth (%)")
         for (i, j), v in np.ndenumerate(data):
             if not np.isnan(v):
                 ax.text(j, i, f"{v:.0f}", ha="center", va="center", fontsize=6, color="w" if v < 60 else "k")
