@@ -41,11 +41,48 @@ def test_cors_allows_only_the_servers_own_origin_unless_configured():
         assert "access-control-allow-origin" not in preflight("http://evil.example").headers
 
 
-def test_serve_without_a_model_exits_2_with_a_message():
-    from localheap.models import demo_model_dir
+def test_serve_without_a_model_or_demo_exits_2_with_a_message(monkeypatch, capsys):
+    """An installation without the bundled demo model: `serve` says what to pass, no traceback."""
+    import localheap.models
+    from localheap.cli import main
 
-    if demo_model_dir() is not None:
-        pytest.skip("a demo model ships with this installation: serve would start")
-    r = subprocess.run([sys.executable, "-m", "localheap.cli", "serve"], capture_output=True, text=True, timeout=120)
-    assert r.returncode == 2 and "Traceback" not in r.stderr
-    assert "localheap: error:" in r.stderr and "--model" in r.stderr
+    monkeypatch.setattr(localheap.models, "demo_model_dir", lambda: None)
+    assert main(["serve"]) == 2
+    err = capsys.readouterr().err
+    assert "localheap: error:" in err and "--model" in err and "Traceback" not in err
+
+
+def test_serve_with_no_model_serves_the_bundled_demo(tmp_path):
+    """The README's serve command, after its install step: no --model -> the demo model answers."""
+    import socket
+    import time
+
+    import httpx
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    cmd = [sys.executable, "-m", "localheap.cli", "serve", "--port", str(port), "--no-persist",
+           "--sessions-dir", str(tmp_path), "--log-level", "warning"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            assert proc.poll() is None, proc.stdout.read()
+            assert time.monotonic() < deadline, "server did not start"
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.3)
+        assert [m["id"] for m in httpx.get(url + "/v1/models").json()["data"]] == ["demo"]
+        r = httpx.post(url + "/v1/chat/completions", timeout=120,
+                       json={"model": "demo", "max_tokens": 8, "temperature": 0,
+                             "messages": [{"role": "user", "content": "The pass key is 40213. What is the pass key?"}]})
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["choices"][0]["finish_reason"] in ("stop", "length") and body["usage"]["completion_tokens"] >= 1
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
