@@ -28,7 +28,7 @@ class HeapConfig:
     sinks: int = 4               # first tokens of the stream, never evicted
     recent: int = 256            # most recent tokens, never evicted
     slack: int = 256             # append room; also the prefill chunk and the decode eviction interval
-    policy: str = "h2o"
+    policy: str = "snapkv"       # the default keeps facts that h2o loses (docs/needle.md)
     positions: str = "compact"   # compact: RoPE positions follow slot order; absolute: original positions
     profile: str = "uniform"     # per-layer budget profile
     pyramid_ratio: float = 0.5   # pyramid: top layer gets (1 - ratio) x budget, bottom (1 + ratio) x
