@@ -12,7 +12,7 @@ def test_heap_imports_without_mlx_or_torch():
             sys.modules[name] = None   # any import of these now raises ImportError
         import localheap.heap as heap
         import numpy as np
-        cfg = heap.HeapConfig(budget=8, sinks=2, recent=2, slack=4)
+        cfg = heap.HeapConfig(budget=8, sinks=2, recent=2, slack=4, policy="h2o")
         layer = heap.LayerHeap(cfg, n_kv_heads=2, budget=8)
         layer.append(14)
         plan = layer.plan(heap.SlotView(positions=layer.view_positions(),

@@ -100,7 +100,7 @@ def test_policy_without_its_inputs_fails_loudly():
 
 def test_noise_floor_is_seeded_and_off_by_default():
     def kept(noise, seed):
-        cfg = HeapConfig(budget=8, sinks=0, recent=0, slack=8, noise=noise, seed=seed)
+        cfg = HeapConfig(budget=8, sinks=0, recent=0, slack=8, noise=noise, seed=seed, policy="h2o")
         heap = LayerHeap(cfg, 1, 8)
         heap.append(16)
         scores = np.linspace(0, 1, 16)[None]

@@ -120,7 +120,7 @@ def test_h2o_side_pass_sums_to_observed_queries(llama):
 
 
 def test_kv_memory_does_not_grow(llama):
-    cfg = HeapConfig(budget=64, sinks=4, recent=8, slack=32)
+    cfg = HeapConfig(budget=64, sinks=4, recent=8, slack=32, policy="h2o")   # h2o: a score buffer too
     cache = llama.new_cache(cfg)
     tokens = long_prompt(llama.tokenizer, 3000)
     prefill(llama.model, cache, tokens[:500])
