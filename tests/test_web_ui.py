@@ -153,7 +153,7 @@ def test_page_loads_offline_with_model_settings_and_labels(open_page, server):
     page.reload()
     page.wait_for_selector("#live[data-state=live]")
     chips = page.inner_text("#model-settings")
-    assert "budget 64" in chips and "policy snapkv" in chips and "slack 32" in chips
+    assert "budget 64" in chips and "policy h2o" in chips and "slack 32" in chips
     assert page.inner_text("#capacity") == f"{CAPACITY} slots"
     # Every control has an accessible name.
     unnamed = page.evaluate("""() => [...document.querySelectorAll('button, input, textarea')].filter(e => {
