@@ -14,11 +14,12 @@ import numpy as np
 from mlx_lm.models.cache import _BaseCache, create_attention_mask
 
 from ...heap import LayerHeap, RepackPlan
+from ..slots import PendingView
 from ...kernels.decode_attention import mlx_ops as decode_kernel
 from .rope import RopeSpec
 
 
-class HeapKVCache(_BaseCache):
+class HeapKVCache(PendingView, _BaseCache):
     def __init__(self, heap: LayerHeap, rope: Optional[RopeSpec]):
         self.heap = heap
         self.rope = rope
@@ -155,20 +156,6 @@ class HeapKVCache(_BaseCache):
         return (k_pre * q_mean[:, None, :]).sum(axis=-1)
 
     # -- eviction -------------------------------------------------------------------
-    def pending_view(self) -> dict:
-        """Device arrays for a SlotView (evaluate them together across layers)."""
-        n = self.heap.resident
-        out = {}
-        if self.scores is not None:
-            out["attention"] = self.scores[:, :n]
-        if self.counts is not None:
-            out["counts"] = self.counts[:, :n]
-        if self.window is not None:
-            out["window"] = self.window[:, :n]
-        if self.heap.cfg.needs_query_stats:
-            out["geometry"] = self._geometry_scores()
-        return out
-
     def repack(self, plan: RepackPlan) -> None:
         """Gather the kept slots to the front, re-rotating keys in compact mode."""
         k = plan.keep

@@ -15,12 +15,13 @@ import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from ...heap import LayerHeap, RepackPlan
+from ..slots import PendingView
 from .rope import RopeSpec
 
 _SCORE_ARRAYS = ("scores", "counts", "window")
 
 
-class HeapLayer(CacheLayerMixin):
+class HeapLayer(PendingView, CacheLayerMixin):
     is_sliding = False
     is_compileable = False
     is_croppable = False
@@ -164,20 +165,6 @@ class HeapLayer(CacheLayerMixin):
         return (k_pre * q_mean[:, None, :]).sum(dim=-1)
 
     # -- eviction -------------------------------------------------------------------
-    def pending_view(self) -> dict[str, torch.Tensor]:
-        """Device tensors for a SlotView, each [H_kv, resident]."""
-        n = self.heap.resident
-        out = {}
-        if self.scores is not None:
-            out["attention"] = self.scores[:, :n]
-        if self.counts is not None:
-            out["counts"] = self.counts[:, :n]
-        if self.window is not None:
-            out["window"] = self.window[:, :n]
-        if self.heap.cfg.needs_query_stats:
-            out["geometry"] = self._geometry_scores()
-        return out
-
     def repack(self, plan: RepackPlan) -> None:
         """Gather the kept slots to the front, re-rotating keys in compact mode."""
         k, n = plan.keep, self.heap.resident

@@ -1,0 +1,22 @@
+"""What both backends' heap layers share: handing their score buffers to a SlotView."""
+
+from __future__ import annotations
+
+
+class PendingView:
+    """Mixin for a heap layer with `heap` (LayerHeap), optional `scores` / `counts` / `window`
+    buffers [H_kv, capacity] and `_geometry_scores()`; works on mlx arrays and torch tensors alike."""
+
+    def pending_view(self) -> dict:
+        """Device arrays for a SlotView, each [H_kv, resident]."""
+        n = self.heap.resident
+        out = {}
+        if self.scores is not None:
+            out["attention"] = self.scores[:, :n]
+        if self.counts is not None:
+            out["counts"] = self.counts[:, :n]
+        if self.window is not None:
+            out["window"] = self.window[:, :n]
+        if self.heap.cfg.needs_query_stats:
+            out["geometry"] = self._geometry_scores()
+        return out
