@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from localheap.bench.needle import NEEDLE, Filler, build_episode, encode, filler_from_texts, frame, make_key  # noqa: E402
+from localheap.bench.needle import Filler, build_episode, encode, filler_from_texts, frame, make_key  # noqa: E402
 from localheap.randmodel import BOS, EOS, PAD, SPECIAL_TOKENS, _write_json, build_tokenizer  # noqa: E402
 
 MODEL = {   # HF LlamaConfig, flat keys (read identically by mlx-lm and transformers)
@@ -312,7 +312,7 @@ def train(args) -> None:
               "phases": phases, "seed": args.seed, "lr": args.lr, "init": args.init, "rope_theta": args.rope_theta, "seed_prev_token": args.seed_prev_token, "seed_copy": args.seed_copy, "model": MODEL})
     t0, end = time.time(), 0
     for T, B, n_steps, mix, gap in phases:
-        start, end = end, end + n_steps
+        end += n_steps
         while step < end:
             for g in opt.param_groups:
                 g["lr"] = lr_at(step, total, args.lr)

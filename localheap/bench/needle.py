@@ -118,8 +118,8 @@ def build_episode(tokenizer, filler: Filler, fr: Frame, context: int, depth: flo
     rel = (filler.boundaries - start) % n
     rel = rel[(rel > 0) & (rel < n_fill)]
     target = depth * n_fill
-    cut = int(rel[np.argmin(np.abs(rel - target))]) if len(rel) and abs(
-        rel[np.argmin(np.abs(rel - target))] - target) < 64 else int(round(target))
+    nearest = rel[np.argmin(np.abs(rel - target))] if len(rel) else None
+    cut = int(nearest) if nearest is not None and abs(nearest - target) < 64 else int(round(target))
     cut = min(max(cut, 0), n_fill)
     tokens = [*fr.head, *window[:cut].tolist(), *needle, *window[cut:].tolist(), *fr.tail]
     assert len(tokens) == context

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from ..bench.needle import LONG_CONTEXTS as NEEDLE_LONG_CONTEXTS
+from ..bench.needle import PRUNE as NEEDLE_PRUNE
 from ..bench.report import emit, table
 from ..heap.stats import format_bytes
 from .common import add_heap_args, add_model_args, heap_config, model_spec
@@ -53,10 +55,10 @@ def add_parser(sub) -> None:
     add_model_args(needle)
     add_heap_args(needle)
     needle.add_argument("--context", type=int, default=4096)
-    needle.add_argument("--prune", type=_fractions, default=[0.1, 0.3, 0.5, 0.7, 0.9],
+    needle.add_argument("--prune", type=_fractions, default=list(NEEDLE_PRUNE),
                         help="pruning levels at --context: 0.1,0.5 or 10%%,50%% (budget = the rest)")
     needle.add_argument("--trials", type=int, default=100, help="episodes per cell at --context")
-    needle.add_argument("--long-contexts", type=_ints, default=[16384, 65536])
+    needle.add_argument("--long-contexts", type=_ints, default=list(NEEDLE_LONG_CONTEXTS))
     needle.add_argument("--long-trials", type=int, default=20)
     needle.add_argument("--long-full", type=_ints, default=[],
                         help="long contexts that also get a full-cache cell (slow: attention over the whole context)")
