@@ -217,7 +217,7 @@ class Engine:
             if not match.new_tokens:
                 raise ValueError("the prompt is empty: nothing to feed")
             self._check_tokens(match.new_tokens)
-            self.store.enforce_limits(keep=s)   # SpillFailed: this request fails, every session stays
+            self._make_room(s)
             if s.cache is None:
                 self._admit_heap(s)
             self.store.make_resident(s)
@@ -226,6 +226,16 @@ class Engine:
                 self.store.delete(s.id)
             raise
         return match
+
+    def _make_room(self, s: Session) -> None:
+        """Spill beyond max_resident. A failed spill fails this request only when it needs the
+        room (its heap is not resident); every session stays as it was either way."""
+        try:
+            self.store.enforce_limits(keep=s)
+        except SpillFailed as e:
+            if s.cache is None:
+                raise
+            log.error("%s (sessions stay in memory)", e)
 
     def _check_tokens(self, *lists) -> None:
         """Ids outside the vocabulary are refused before they touch any session."""

@@ -81,6 +81,8 @@ class SessionDir:
         """write(tmp) fills a temp file beside `path`; then fsync, rename, fsync the directory."""
         tmp = path.with_name(f".{path.name}.{os.getpid()}{TMP_SUFFIX}")
         try:
+            if not self.root.is_dir():   # vanished, or a file in its place: say so, not "File exists"
+                raise NotADirectoryError(f"{self.root} is missing or not a directory")
             write(tmp)
             os.chmod(tmp, 0o600)
             fd = os.open(tmp, os.O_RDONLY)
