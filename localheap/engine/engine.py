@@ -319,7 +319,7 @@ class Engine:
         self._end(run.job, run.finished_event(), "finished" if run.finish_reason else "cancelled")
         try:
             self.store.enforce_limits()
-        except SpillFailed as e:   # the next request that needs the room reports it
+        except Exception as e:   # the request is answered; the next one that needs room reports it
             log.error("%s (sessions stay in memory)", e)
 
     def _save(self, s: Session) -> None:
@@ -327,7 +327,7 @@ class Engine:
         if self.store.durable and s.fed and s.cache is not None:
             try:
                 self.store.save(s)
-            except SpillFailed as e:
+            except Exception as e:
                 log.error("session %s: turn not saved: %s", s.id, e)
 
     def _fail(self, job: Job, error: Exception, run: Optional[Run] = None) -> None:

@@ -137,7 +137,7 @@ class SessionStore:
             s.spill_path, s.saved_gen, s.saved_tokens, s.dirty = old
             self._remove_gen(s.id, gen)
             raise
-        self.dir.remove(s.id, keep_gen=gen)
+        self._remove_files(s, keep_gen=gen)   # the old generation: no longer in force
 
     def restore(self, session_id: str) -> Session:
         """Load a spilled session's heap back (bit-identical to when it was saved). A copy that
@@ -266,9 +266,9 @@ class SessionStore:
         if self._own_dir:
             shutil.rmtree(self.spill_dir, ignore_errors=True)
 
-    def _remove_files(self, s: Session) -> None:
+    def _remove_files(self, s: Session, keep_gen: Optional[int] = None) -> None:
         try:
-            self.dir.remove(s.id)
+            self.dir.remove(s.id, keep_gen)
         except OSError as e:
             log.warning("session %s: files not removed: %s", s.id, e)
 
