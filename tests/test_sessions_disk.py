@@ -155,3 +155,22 @@ def test_directory_replaced_by_a_file(tmp_path):
     assert a.state == "resident"
     with pytest.raises(SpillFailed, match="not a directory"):
         SessionStore(FakeBackend(), CFG, root)   # checked at start
+
+
+def test_startup_survives_any_directory_content(tmp_path):
+    backend = FakeBackend()
+    store = durable(tmp_path, backend)
+    s = saved_session(store, [1, 2, 3])
+    (tmp_path / "index.json").unlink()
+    (tmp_path / "index.json").mkdir()                                      # a directory as the index
+    (tmp_path / "aside").write_text("a file where aside/ goes")           # moving aside fails: logged
+    target = tmp_path.parent / f"{tmp_path.name}-outside"
+    target.write_text("outside")
+    (tmp_path / "sess_link.0.tokens").symlink_to(target)                  # links are never followed
+    (tmp_path / "sess_link.0.safetensors").write_text("[]")
+    (tmp_path / "sess_bin.0.tokens").write_bytes(b"\xff" * 7)
+    (tmp_path / "sess_bin.0.safetensors").write_bytes(b"\x00")
+    (tmp_path / "notes.txt").write_text("not ours: left alone")
+    again = durable(tmp_path, backend)
+    assert again.load_persisted() == 1 and again.get(s.id).fed.tolist() == [1, 2, 3]
+    assert (tmp_path / "notes.txt").exists() and target.read_text() == "outside" and "sess_link" not in again
