@@ -139,3 +139,15 @@ def test_a_dead_engine_says_so_and_the_server_exits(backend, tmp_path):
     t0 = time.monotonic()
     thread.join(15)
     assert result == [1] and time.monotonic() - t0 < 10
+    time.sleep(0.5)   # the exit deadline is disarmed once the shutdown ended (or it would end pytest)
+    assert not [t for t in threading.enumerate() if isinstance(t, threading.Timer) and t.is_alive()]
+
+
+def test_the_sessions_dir_is_checked_at_start(backend, tmp_path):
+    from localheap.errors import UserError
+    from localheap.sessions import SpillFailed
+
+    (tmp_path / "sessions").write_text("a file")
+    with pytest.raises(SpillFailed, match="cannot save sessions to .*sessions") as e:
+        create_app(backend, settings(tmp_path, persist_sessions=True))
+    assert isinstance(e.value, UserError)   # the CLI prints it and exits 2, no traceback
