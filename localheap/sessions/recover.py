@@ -90,5 +90,7 @@ def _session(d: SessionDir, sid: str, cfg: HeapConfig, entry: dict, gen: Optiona
                 turns=int(number("turns", 0)))
     if gen is not None:
         s.fed, s.spill_path, s.saved_gen, s.saved_tokens = tokens, d.heap_path(sid, gen), gen, len(tokens)
+    if isinstance(entry.get("owner"), str) and hasattr(s, "owner"):   # where API keys own sessions
+        s.owner = entry["owner"]
     s.refresh()
     return s

@@ -224,7 +224,8 @@ class SessionStore:
     def _entries(self) -> list[dict]:
         return [{"id": s.id, "gen": s.saved_gen, "tokens": s.saved_tokens,
                  "crc": zlib.crc32(s.fed[:s.saved_tokens].tobytes()),
-                 "created": s.created, "last_used": s.last_used, "turns": s.turns}
+                 "created": s.created, "last_used": s.last_used, "turns": s.turns,
+                 "owner": getattr(s, "owner", None)}   # the API key that owns it, where keys own sessions
                 for s in self.sessions() if s.saved_gen is not None or not s.fed]
 
     def _commit(self, force: bool = False) -> None:
