@@ -19,7 +19,7 @@ from typing import Any, Optional
 
 from ..heap import HeapConfig
 from .errors import SessionBusy, SessionNotFound
-from .session import Session, token_array
+from .session import ORIGINS, Session, token_array
 
 log = logging.getLogger("localheap.sessions")
 INDEX = "index.json"
@@ -43,8 +43,9 @@ class SessionStore:
 
     # --- lookup (engine thread) ---
 
-    def create(self, session_id: Optional[str] = None) -> Session:
-        s = Session(id=session_id or f"sess_{uuid.uuid4().hex[:20]}", cfg=self.cfg)
+    def create(self, session_id: Optional[str] = None, origin: str = "api", title: Optional[str] = None) -> Session:
+        assert origin in ORIGINS, origin
+        s = Session(id=session_id or f"sess_{uuid.uuid4().hex[:20]}", cfg=self.cfg, origin=origin, title=title)
         s.refresh()
         with self._lock:
             assert s.id not in self._sessions
@@ -56,6 +57,13 @@ class SessionStore:
         if s is None:
             raise SessionNotFound(session_id)
         return s
+
+    def set_title(self, session_id: str, title: Optional[str], replace: bool = True) -> None:
+        """Name a session; replace=False names it only if it has no title yet."""
+        s = self.get(session_id)
+        if replace or s.title is None:
+            s.title = title
+            s.refresh()
 
     def __contains__(self, session_id: str) -> bool:
         return session_id in self._sessions
@@ -156,7 +164,7 @@ class SessionStore:
             if s.cache is not None and not s.busy:
                 self.spill(s.id)
         entries = [{"id": s.id, "created": s.created, "last_used": s.last_used, "turns": s.turns,
-                    "tokens": len(s.fed), "file": s.spill_path.name if s.spill_path is not None else None}
+                    "tokens": len(s.fed), "origin": s.origin, "title": s.title, "file": s.spill_path.name if s.spill_path is not None else None}
                    for s in self.sessions() if s.spill_path is not None or not s.fed]
         index = {"model": model_id, "sessions": entries}
         tmp = self.spill_dir / (INDEX + ".tmp")
@@ -192,8 +200,10 @@ class SessionStore:
             if len(fed) != e["tokens"]:
                 log.warning("session %s: token file does not match its index; skipped", e["id"])
                 continue
+            origin = e.get("origin") if e.get("origin") in ORIGINS else "api"   # older indexes have none
             s = Session(id=e["id"], cfg=self.cfg, fed=fed, spill_path=heap_file, created=e["created"],
-                        last_used=e["last_used"], turns=e["turns"])
+                        last_used=e["last_used"], turns=e["turns"], origin=origin,
+                        title=e["title"] if isinstance(e.get("title"), str) else None)
             s.refresh()
             with self._lock:
                 self._sessions[s.id] = s

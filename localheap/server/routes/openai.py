@@ -40,8 +40,9 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, svc: S
                            x_session_id: Optional[str] = Header(None)):
     _check(body, svc)
     prompt = await run_in_threadpool(chat_prompt, svc.tokenizer, body.messages)
+    first_user = next((m.text() for m in body.messages if m.role == "user"), None)
     return await _respond(Reply("chat", svc.model_id), body, prompt, body.limit(svc.settings.default_max_tokens),
-                          request, svc, x_session_id)
+                          request, svc, x_session_id, first_user)
 
 
 @router.post("/v1/completions")
@@ -49,7 +50,8 @@ async def completions(body: CompletionRequest, request: Request, svc: Services =
                       x_session_id: Optional[str] = Header(None)):
     _check(body, svc)
     prompt = await run_in_threadpool(completion_prompt, svc.tokenizer, body)
-    return await _respond(Reply("text", svc.model_id), body, prompt, body.max_tokens, request, svc, x_session_id)
+    text = body.prompt if isinstance(body.prompt, str) else None
+    return await _respond(Reply("text", svc.model_id), body, prompt, body.max_tokens, request, svc, x_session_id, text)
 
 
 def _check(body, svc: Services) -> None:
@@ -65,12 +67,13 @@ def _params(body: SamplingFields, max_tokens: int) -> SamplingParams:
 
 
 async def _respond(reply: Reply, body: SamplingFields, prompt: Prompt, max_tokens: int, request: Request,
-                   svc: Services, session_id: Optional[str]):
+                   svc: Services, session_id: Optional[str], title: Optional[str]):
     if session_id is not None:
         svc.store.info(session_id)   # unknown id: 404 before queueing
     params = _params(body, max_tokens)
     job, events, started = await submit(svc.engine, lambda emit: Generate(prompt, params, emit, session_id))
     headers = {SESSION_HEADER: started.session_id}
+    await svc.name_session(started.session_id, title)
     if not body.stream:
         text, done = await collect(request, job, events)
         return JSONResponse(reply.full(text, done), headers=headers)
