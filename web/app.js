@@ -15,7 +15,7 @@ const PARAMS_STORE = "localheap.params";
 
 const state = { model: null };
 const heapView = new HeapView();
-const convs = new Conversations($("conversations"), { onSelect: select, onDelete: remove, onGone: gone });
+const convs = new Conversations($("conversations"), $("api-sessions"), { onSelect: select, onDelete: remove, onGone: gone });
 const chat = new Chat({
   box: $("messages"), convs, heapView, ensureSession, onBusy: updateComposer,
   settings: () => ({ model: state.model, max_tokens: numberInput("max-tokens", 512), temperature: numberInput("temperature", 0.7) }),
@@ -32,6 +32,7 @@ function select(id) {
   heapView.show(id);
   updateComposer();
   renderChatMeta();
+  showPanel("");
 }
 
 async function ensureSession() {
@@ -124,7 +125,9 @@ $("prompt").addEventListener("keydown", (e) => {
 });
 $("prompt").addEventListener("input", (e) => autosize(e.target));
 document.addEventListener("keydown", (e) => {
-  if (e.key === "Escape" && chat.busy(convs.current) && !documents.open) chat.stop(convs.current);
+  if (e.key !== "Escape" || documents.open) return;
+  if (document.body.dataset.panel) showPanel("");
+  else if (chat.busy(convs.current)) chat.stop(convs.current);
 });
 $("stop").addEventListener("click", () => {
   chat.stop(convs.current);
@@ -138,6 +141,26 @@ for (const id of ["max-tokens", "temperature"]) {
   $(id).addEventListener("change", () => localStorage.setItem(PARAMS_STORE, JSON.stringify({
     max_tokens: $("max-tokens").value, temperature: $("temperature").value })));
 }
+
+// ---- narrow screens: the conversations and the heap are drawers over the chat ------------
+
+function showPanel(name) {
+  const before = document.body.dataset.panel || "";
+  document.body.dataset.panel = name;
+  $("scrim").hidden = !name;
+  $("show-conversations").setAttribute("aria-expanded", String(name === "sidebar"));
+  $("show-heap").setAttribute("aria-expanded", String(name === "heap"));
+  if (name === "heap" && matchMedia("(max-width: 900px)").matches) $("heap-panel").querySelector(".close-panel").focus();
+  else if (!name && before) $(before === "heap" ? "show-heap" : "show-conversations").focus({ preventScroll: true });
+}
+
+// Buttons with data-panel toggle that panel; the scrim (data-panel="") closes whichever is open.
+document.addEventListener("click", (e) => {
+  const target = e.target.closest("[data-panel]");
+  if (!target) return;
+  const name = target.dataset.panel;
+  showPanel(name && document.body.dataset.panel !== name ? name : "");
+});
 
 // ---- notices and the API key -----------------------------------------------------
 
@@ -272,6 +295,14 @@ function restoreParams() {
   } catch { /* unreadable: keep the defaults */ }
 }
 
+// The full hint does not fit a phone's message box: the short one there (the hint stays for screen readers).
+const PHONE = matchMedia("(max-width: 600px)");
+const placeholder = () => {
+  $("prompt").placeholder = PHONE.matches ? "Message the model" : "Message the model  (Enter sends, Shift+Enter adds a line)";
+};
+PHONE.addEventListener("change", placeholder);
+
+placeholder();
 restoreParams();
 applyTheme();
 updateComposer();

@@ -66,6 +66,7 @@ export class Chat {
       }
     });
     reply.seconds = ((performance.now() - (firstToken ?? started)) / 1000);
+    this.convs.touch(id);   // saved with its speed: the footer survives a reload
     this.paint(reply);
   }
 
@@ -74,7 +75,7 @@ export class Chat {
     const doc = this.append(id, { role: "document", name, chars: text.length, status: "reading", done: 0, total: 0 });
     await this.run(id, "document", doc, async (signal) => {
       const response = await request("POST", `/v1/sessions/${encodeURIComponent(id)}/documents`,
-        { signal, body: { text } });
+        { signal, body: { text, name } });
       for await (const { event, data } of events(response)) {
         const body = JSON.parse(data);
         if (event === "progress") {
@@ -167,7 +168,9 @@ function replyNode(m) {
   if (m.status === "streaming") body.append(el("span", { class: m.content ? "caret" : "typing", "aria-hidden": "true" }));
   const foot = [];
   if (m.tokens) foot.push(`${int(m.tokens)} tokens`);
-  if (m.seconds && m.tokens > 1) foot.push(`${rate(m.tokens / m.seconds)} tok/s`);
+  // This reply as the browser saw it stream (first token to last); the heap panel's figure is
+  // the engine's, over all requests and the last 5 s.
+  if (m.seconds && m.tokens > 1) foot.push(`this reply: ${rate((m.tokens - 1) / m.seconds)} tok/s`);   // timed from the first token
   if (m.status === "stopped") foot.push("stopped");
   else if (m.finish === "length") foot.push("hit the max-tokens limit");
   return el("article", { class: `msg msg-assistant ${m.status}`, "aria-label": "Model", "aria-busy": m.status === "streaming" ? "true" : null },
