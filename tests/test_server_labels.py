@@ -133,3 +133,21 @@ def test_sparkline_history_stays_bounded_and_keeps_both_ends():
     assert len(s.history) <= HISTORY_POINTS
     assert s.history[0] == (1, 1) and s.history[-1] == (5 * HISTORY_POINTS - 1, 100)
     assert list(s.history) == sorted(s.history)
+
+
+def test_a_streamed_reply_reports_its_decode_speed_timed_on_the_server(tmp_path):
+    backend = FakeBackend(step_s=0.01)   # at most 100 tokens a second
+    backend.tokenizer = TemplateTokenizer()
+    app = create_app(backend, ServerSettings(heap=HEAP, web_dir=None, sessions_dir=tmp_path))
+    with TestClient(app) as client:
+        body = {"model": "fake-model", "messages": [{"role": "user", "content": "go"}], "max_tokens": 11,
+                "stream": True, "stream_options": {"include_usage": True}}
+        with client.stream("POST", "/v1/chat/completions", json=body) as r:
+            chunks = [json.loads(line[5:]) for line in r.iter_lines()
+                      if line.startswith("data:") and line[5:].strip() != "[DONE]"]
+    final = chunks[-1]
+    speed = final["localheap"]["speed"]
+    assert final["usage"]["completion_tokens"] == 11
+    assert 10 * 0.01 <= speed["decode_seconds"] < 5
+    assert 0 < speed["decode_tokens_per_s"] <= 100 * 1.05
+    assert speed["decode_tokens_per_s"] == pytest.approx(10 / speed["decode_seconds"], rel=0.01)

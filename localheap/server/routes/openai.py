@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from typing import AsyncIterator, Optional
 
 from fastapi import APIRouter, Depends, Header, Request
@@ -83,18 +84,22 @@ async def _respond(reply: Reply, body: SamplingFields, prompt: Prompt, max_token
 
 async def _stream(reply: Reply, job: Job, events: JobEvents, started: Started, usage: bool) -> AsyncIterator[dict]:
     first_ext = {"session_id": started.session_id}
+    first_token_at: Optional[float] = None
     try:
         if reply.kind == "chat":
             yield _data(reply.chunk("", first=True, extension=first_ext, with_usage_field=usage))
             first_ext = None
         async for event in follow(job, events):
             if isinstance(event, Delta):
+                first_token_at = first_token_at or time.monotonic()
                 yield _data(reply.chunk(event.text, extension=first_ext, with_usage_field=usage))
                 first_ext = None
             elif isinstance(event, Finished):
-                yield _data(reply.chunk(None, finish_reason(event), extension=extension(event), with_usage_field=usage))
+                decode_s = time.monotonic() - first_token_at if first_token_at is not None else None
+                ext = extension(event, decode_s)
+                yield _data(reply.chunk(None, finish_reason(event), extension=ext, with_usage_field=usage))
                 if usage:
-                    yield _data(reply.usage_chunk(event.usage, extension(event)))
+                    yield _data(reply.usage_chunk(event.usage, ext))
     except Exception as e:   # headers are gone: report in the stream, as OpenAI does
         yield {"data": to_response(e).body.decode()}
     yield {"data": "[DONE]"}
