@@ -80,9 +80,11 @@ def test_narrow_screens_keep_send_in_view_and_reach_the_heap_panel(open_page, vi
     assert page.is_hidden("#heap-panel") and in_view(page, "#send", viewport)
     page.click("#show-conversations")
     assert in_view(page, "#new-chat", viewport)
+    page.click("#sidebar .sidebar-title")   # a click inside the drawer leaves it open
+    assert page.is_visible("#sidebar")
     page.click("#new-chat")   # choosing closes the drawer
     assert page.is_hidden("#sidebar")
-    page.click("#empty-new [data-panel=heap]")   # the empty state's link opens the panel too
+    page.click("#empty-new [data-toggle-panel=heap]")   # the empty state's link opens the panel too
     assert page.is_visible("#heap-panel")
     page.click("#heap-panel .close-panel")
     assert page.is_hidden("#heap-panel")

@@ -154,11 +154,11 @@ function showPanel(name) {
   else if (!name && before) $(before === "heap" ? "show-heap" : "show-conversations").focus({ preventScroll: true });
 }
 
-// Buttons with data-panel toggle that panel; the scrim (data-panel="") closes whichever is open.
+// Buttons with data-toggle-panel toggle that panel; the scrim (value "") closes whichever is open.
 document.addEventListener("click", (e) => {
-  const target = e.target.closest("[data-panel]");
+  const target = e.target.closest("[data-toggle-panel]");
   if (!target) return;
-  const name = target.dataset.panel;
+  const name = target.dataset.togglePanel;
   showPanel(name && document.body.dataset.panel !== name ? name : "");
 });
 
