@@ -53,6 +53,13 @@ def test_the_sidebar_groups_api_sessions_apart_from_conversations(open_page, ser
     # A title set through the API shows up live; the server's record says where each came from.
     assert httpx.patch(f"{server.url}/v1/sessions/{mine}", json={"title": "Renamed"}).status_code == 200
     page.wait_for_selector(f"#conversations .conv[data-id='{mine}'] .conv-title:text('Renamed')")
+    # ... and one set in the page goes to the server.
+    page.click("#rename")
+    page.fill("#title-input", "My own title")
+    page.press("#title-input", "Enter")
+    page.wait_for_selector("#chat-title:text('My own title')")
+    page.wait_for_function(f"() => document.querySelector(\"#conversations .conv[data-id='{mine}'] .conv-title\").textContent === 'My own title'")
+    assert httpx.get(f"{server.url}/v1/sessions/{mine}").json()["title"] == "My own title"
     origins = {s["id"]: s["origin"] for s in httpx.get(f"{server.url}/v1/sessions").json()["data"]}
     assert origins[mine] == "web" and {origins[s] for s in api} == {"api"}
 

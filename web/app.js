@@ -74,13 +74,14 @@ function updateComposer() {
   $("stop").textContent = kind === "document" ? "Stop reading" : "Stop";
   $("send").disabled = !!kind || !state.model;
   $("add-document").disabled = !!kind || !state.model;
-  $("chat-title").textContent = convs.title(convs.current);
   renderChatMeta();
 }
 
 // The chat head's token count, and what an empty message list says.
 function renderChatMeta() {
   const info = convs.server.get(convs.current);
+  $("chat-title").textContent = convs.title(convs.current);
+  $("rename").hidden = !convs.current || !$("title-input").hidden;
   $("chat-meta").textContent = info ? `${int(tokens(info))} tokens in this session` : "";
   $("empty").hidden = !!convs.current && convs.get(convs.current).messages.length > 0;
   $("empty-new").hidden = tokens(info) > 0;
@@ -141,6 +142,48 @@ for (const id of ["max-tokens", "temperature"]) {
   $(id).addEventListener("change", () => localStorage.setItem(PARAMS_STORE, JSON.stringify({
     max_tokens: $("max-tokens").value, temperature: $("temperature").value })));
 }
+
+// ---- renaming: the title is the server's (PATCH /v1/sessions/{id}) ----------------------
+
+function startRename() {
+  const input = $("title-input");
+  input.value = convs.title(convs.current);
+  input.dataset.id = convs.current;
+  input.hidden = false;
+  $("chat-title").hidden = true;
+  $("rename").hidden = true;
+  input.focus();
+  input.select();
+}
+
+async function endRename(save) {
+  const input = $("title-input");
+  if (input.hidden) return;
+  const id = input.dataset.id;
+  const title = input.value.trim();
+  input.hidden = true;
+  $("chat-title").hidden = false;
+  renderChatMeta();
+  if (!save || !title || title === convs.title(id)) return;
+  try {
+    const info = await (await request("PATCH", `/v1/sessions/${encodeURIComponent(id)}`, { body: { title } })).json();
+    convs.upsert(info);
+    renderChatMeta();
+  } catch (e) {
+    notify(e);
+  }
+}
+
+$("rename").addEventListener("click", startRename);
+$("title-input").addEventListener("keydown", (e) => {
+  if (e.key === "Enter") endRename(true);
+  else if (e.key === "Escape") endRename(false);
+  else return;
+  e.preventDefault();
+  e.stopPropagation();   // Escape here neither stops a reply nor closes a panel
+  $("prompt").focus();
+});
+$("title-input").addEventListener("blur", () => endRename(true));
 
 // ---- narrow screens: the conversations and the heap are drawers over the chat ------------
 
