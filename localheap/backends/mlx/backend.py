@@ -36,7 +36,7 @@ class MLXBackend:
 
     def prefill(self, cache, tokens: Sequence[int], progress: Optional[ProgressFn] = None,
                 cancelled: Optional[Callable[[], bool]] = None) -> None:
-        prefill(self.model, cache, tokens, cache.cfg.slack, progress, cancelled)
+        prefill(self.model, cache, tokens, cache.cfg.chunk, progress, cancelled)
 
     def generate(self, cache, new_tokens: Sequence[int], params: SamplingParams,
                  progress: Optional[ProgressFn] = None,
