@@ -31,7 +31,7 @@ def create_app(backend: Any, settings: Optional[ServerSettings] = None, governor
     if governor is None:
         plan = plan_for(backend, settings.heap, settings.ram_budget)   # BudgetTooSmall when nothing fits
         governor = governor_for(backend, plan)
-    store = SessionStore(backend, settings.heap, settings.sessions_dir,
+    store = SessionStore(backend, settings.heap, settings.sessions_dir, durable=settings.persist_sessions,
                          max_resident=settings.max_resident_sessions, max_sessions=settings.max_sessions)
     engine = Engine(backend, store, governor, max_active=settings.max_active, max_queued=settings.max_queued)
     svc = Services(settings, backend, engine, store, governor, throughput=ThroughputHistory())
@@ -48,8 +48,9 @@ def create_app(backend: Any, settings: Optional[ServerSettings] = None, governor
             yield
         finally:
             sampler.cancel()
-            engine.stop()   # cancels runs; the backend is this thread's from here on
-            if settings.persist_sessions:
+            # cancels runs; the backend is this thread's from here on, unless the engine died
+            # or is stuck: then the copies each finished turn left on disk are what survives
+            if engine.stop() and settings.persist_sessions:
                 n = store.persist_all(backend.model_name)
                 log.info("saved %d session(s) to %s", n, store.spill_dir)
             store.close()

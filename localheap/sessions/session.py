@@ -30,7 +30,10 @@ class Session:
     cfg: HeapConfig
     fed: array = field(default_factory=token_array)   # every token in the cache, in order
     cache: Any = None                                  # backend cache while resident
-    spill_path: Optional[Path] = None                  # on disk while spilled
+    spill_path: Optional[Path] = None                  # heap file of the saved copy on disk, if any
+    saved_gen: Optional[int] = None                    # generation of that copy (sessions/disk.py)
+    saved_tokens: int = 0                              # len(fed) when it was saved
+    dirty: bool = False                                # the cache changed since it was saved
     busy: bool = False
     created: float = field(default_factory=time.time)
     last_used: float = field(default_factory=time.time)
@@ -43,6 +46,11 @@ class Session:
     history: tuple = ()
     _text: Optional[str] = None
     _text_tokens: int = -1
+
+    @property
+    def saved(self) -> bool:
+        """A copy on disk holds exactly what the cache holds (spilling it is free)."""
+        return self.spill_path is not None and not self.dirty and self.saved_tokens == len(self.fed)
 
     @property
     def state(self) -> str:

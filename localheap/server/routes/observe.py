@@ -6,7 +6,7 @@ import asyncio
 import json
 
 from fastapi import APIRouter, Depends, Query
-from fastapi.responses import PlainTextResponse
+from fastapi.responses import JSONResponse, PlainTextResponse
 from sse_starlette import EventSourceResponse
 
 from ..services import Services, services
@@ -16,9 +16,14 @@ router = APIRouter()
 
 
 @router.get("/health")
-async def health(svc: Services = Depends(services)) -> dict:
-    return {"status": "ok", "model": svc.model_id, "backend": svc.backend.name,
+async def health(svc: Services = Depends(services)):
+    """200 while the engine serves; 503 once it cannot (the process is exiting for a restart)."""
+    body = {"status": "ok", "model": svc.model_id, "backend": svc.backend.name,
             "sessions": len(svc.store), "in_flight": svc.engine.in_flight}
+    if not svc.engine.healthy:
+        body["status"] = "failed"
+        return JSONResponse(body, status_code=503)
+    return body
 
 
 @router.get("/metrics")

@@ -15,7 +15,7 @@ from ...engine import Delta, Finished, Generate, Job, Started
 from ...generation import SamplingParams
 from ...sessions import Prompt
 from ..bridge import JobEvents, collect, follow, submit
-from ..errors import Unsupported, to_response
+from ..errors import BadRequest, Unsupported, to_response
 from ..formats import Reply, extension, finish_reason
 from ..prompts import chat_prompt, completion_prompt
 from ..schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
@@ -42,7 +42,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, svc: S
     _check(body, svc)
     prompt = await run_in_threadpool(chat_prompt, svc.tokenizer, body.messages)
     first_user = next((m.text() for m in body.messages if m.role == "user"), None)
-    return await _respond(Reply("chat", svc.model_id), body, prompt, body.limit(svc.settings.default_max_tokens),
+    default = min(svc.settings.default_max_tokens, svc.settings.max_tokens_limit)
+    return await _respond(Reply("chat", svc.model_id), body, prompt, body.limit(default),
                           request, svc, x_session_id, first_user)
 
 
@@ -71,6 +72,9 @@ async def _respond(reply: Reply, body: SamplingFields, prompt: Prompt, max_token
                    svc: Services, session_id: Optional[str], title: Optional[str]):
     if session_id is not None:
         svc.store.info(session_id)   # unknown id: 404 before queueing
+    if max_tokens > svc.settings.max_tokens_limit:   # one request must not hold the engine forever
+        raise BadRequest(f"max_tokens {max_tokens} is over this server's limit of {svc.settings.max_tokens_limit}",
+                         "max_tokens", "max_tokens_too_large")
     params = _params(body, max_tokens)
     job, events, started = await submit(svc.engine, lambda emit: Generate(prompt, params, emit, session_id))
     headers = {SESSION_HEADER: started.session_id}
