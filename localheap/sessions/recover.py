@@ -15,7 +15,7 @@ from typing import Optional
 
 from ..heap import HeapConfig
 from .disk import INDEX, SessionDir, valid_id
-from .session import Session
+from .session import ORIGINS, Session
 
 log = logging.getLogger("localheap.sessions")
 BOTH = {"safetensors", "tokens"}
@@ -86,8 +86,10 @@ def _session(d: SessionDir, sid: str, cfg: HeapConfig, entry: dict, gen: Optiona
         return v if isinstance(v, (int, float)) and not isinstance(v, bool) else default
 
     now = time.time()
+    origin = entry.get("origin") if entry.get("origin") in ORIGINS else "api"   # older indexes have none
+    title = entry.get("title") if isinstance(entry.get("title"), str) else None
     s = Session(id=sid, cfg=cfg, created=number("created", now), last_used=number("last_used", now),
-                turns=int(number("turns", 0)))
+                turns=int(number("turns", 0)), origin=origin, title=title)
     if gen is not None:
         s.fed, s.spill_path, s.saved_gen, s.saved_tokens = tokens, d.heap_path(sid, gen), gen, len(tokens)
     if isinstance(entry.get("owner"), str) and hasattr(s, "owner"):   # where API keys own sessions

@@ -19,7 +19,7 @@ from ..heap import HeapConfig
 from .disk import SessionDir, new_id, valid_id
 from .errors import SessionBusy, SessionLost, SessionNotFound, SpillFailed
 from .recover import recover_sessions
-from .session import Session
+from .session import ORIGINS, Session
 
 log = logging.getLogger("localheap.sessions")
 
@@ -51,8 +51,9 @@ class SessionStore:
 
     # --- lookup (engine thread) ---
 
-    def create(self, session_id: Optional[str] = None) -> Session:
-        s = Session(id=session_id or new_id(), cfg=self.cfg)
+    def create(self, session_id: Optional[str] = None, origin: str = "api", title: Optional[str] = None) -> Session:
+        assert origin in ORIGINS, origin
+        s = Session(id=session_id or new_id(), cfg=self.cfg, origin=origin, title=title)
         assert valid_id(s.id), s.id
         s.refresh()
         with self._lock:
@@ -66,6 +67,14 @@ class SessionStore:
         if s is None:
             raise SessionNotFound(session_id)
         return s
+
+    def set_title(self, session_id: str, title: Optional[str], replace: bool = True) -> None:
+        """Name a session; replace=False names it only if it has no title yet."""
+        s = self.get(session_id)
+        if replace or s.title is None:
+            s.title = title
+            s.refresh()
+            self._try_commit()   # the index holds titles: a durable store keeps this one too
 
     def __contains__(self, session_id: str) -> bool:
         return session_id in self._sessions
@@ -225,6 +234,7 @@ class SessionStore:
         return [{"id": s.id, "gen": s.saved_gen, "tokens": s.saved_tokens,
                  "crc": zlib.crc32(s.fed[:s.saved_tokens].tobytes()),
                  "created": s.created, "last_used": s.last_used, "turns": s.turns,
+                 "origin": s.origin, "title": s.title,
                  "owner": getattr(s, "owner", None)}   # the API key that owns it, where keys own sessions
                 for s in self.sessions() if s.saved_gen is not None or not s.fed]
 

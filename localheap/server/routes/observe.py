@@ -33,12 +33,15 @@ async def metrics(svc: Services = Depends(services)) -> PlainTextResponse:
 
 @router.get("/v1/heap/events")
 async def heap_events(interval: float = Query(None, gt=0.0, le=60.0), svc: Services = Depends(services)):
-    """SSE: event "heap" with every session's occupancy, memory and throughput."""
+    """SSE: event "heap" with every session's occupancy, memory and throughput; the first
+    message also carries the history (sparklines, throughput samples) for a page just loaded."""
     period = interval or svc.settings.heap_events_interval
 
     async def events():
+        first = True
         while True:
-            yield {"event": "heap", "data": json.dumps(heap_snapshot(svc))}
+            yield {"event": "heap", "data": json.dumps(heap_snapshot(svc, with_history=first))}
+            first = False
             await asyncio.sleep(period)
 
     return EventSourceResponse(events(), sep="\n")
