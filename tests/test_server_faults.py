@@ -52,7 +52,8 @@ def test_spill_into_a_vanished_directory_under_two_sessions(backend, tmp_path):
         def ask(name, content, sid=None):
             results[name] = chat(http, content, sid, max_tokens=24)
 
-        threads = [threading.Thread(target=ask, args=("a", "again", a)), threading.Thread(target=ask, args=("b", "second"))]
+        threads = [threading.Thread(target=ask, args=("a", "again", a)),
+                   threading.Thread(target=ask, args=("b", "second"))]
         for t in threads:
             t.start()
         for t in threads:
