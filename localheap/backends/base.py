@@ -16,7 +16,9 @@ class Backend(Protocol):
     eos_token_ids: set[int]
     weights_bytes: int
 
-    def new_cache(self, cfg: HeapConfig) -> Any: ...
+    def new_cache(self, cfg: HeapConfig, pages_dir: Optional[Path] = None) -> Any:
+        """A fresh heap; with cfg.recall its page store lives in `pages_dir` (default: a temp dir)."""
+        ...
 
     def generate(self, cache: Any, new_tokens: Sequence[int], params: SamplingParams,
                  progress: Optional[ProgressFn] = None,

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import weakref
 import zlib
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -109,6 +111,7 @@ class PageStore:
         self.written = 0            # pages written, ever
         self.root.mkdir(parents=True, exist_ok=True)
         self._fds = [os.open(self._file(i), os.O_RDWR | os.O_CREAT, 0o600) for i in range(geometry.n_layers)]
+        weakref.finalize(self, _close_all, self._fds)
         self._load()
 
     def _file(self, layer: int) -> Path:
@@ -250,7 +253,20 @@ class PageStore:
     def close(self) -> None:
         for fd in self._fds:
             os.close(fd)
-        self._fds = []
+        self._fds.clear()   # the same list the finalizer holds
+
+    def move_to(self, root: Path) -> None:
+        """Move the store's directory (e.g. from a temp dir to the session's) and reopen its files."""
+        root = Path(root)
+        if root.resolve() == self.root.resolve():
+            return
+        self.close()
+        if root.exists():
+            shutil.rmtree(root)
+        root.parent.mkdir(parents=True, exist_ok=True)
+        shutil.move(str(self.root), str(root))
+        self.root = root
+        self._fds.extend(os.open(self._file(i), os.O_RDWR) for i in range(self.g.n_layers))
 
     # -- reopening ------------------------------------------------------------------
     def _load(self) -> None:
@@ -277,6 +293,12 @@ class PageStore:
         for i, L in enumerate(self.layers):
             L.tail_pos, L.tail_k, L.tail_v = tails[f"{i}.pos"], tails[f"{i}.k"], tails[f"{i}.v"]
             L.tail_value = tails[f"{i}.value"]
+
+
+def _close_all(fds: list) -> None:
+    for fd in fds:
+        os.close(fd)
+    fds.clear()
 
 
 def _atomic(path: Path, write) -> None:

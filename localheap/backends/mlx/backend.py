@@ -9,7 +9,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from ...generation import ProgressFn, SamplingParams
-from ...heap import HeapConfig, HeapStats, kv_bytes_per_token
+from ...heap import HeapConfig, HeapConfigError, HeapStats, kv_bytes_per_token
 from .generate import generate_tokens, prefill
 from .heapcache import HeapPromptCache, attention_module, kv_geometry, make_heap_cache
 from .persist import load_heap, save_heap
@@ -31,7 +31,9 @@ class MLXBackend:
         model, tokenizer = load(str(path))
         return cls(model, tokenizer, model_name or Path(str(path)).name)
 
-    def new_cache(self, cfg: HeapConfig) -> HeapPromptCache:
+    def new_cache(self, cfg: HeapConfig, pages_dir: Optional[Path] = None) -> HeapPromptCache:
+        if cfg.recall:
+            raise HeapConfigError("recall (the page store) runs on the torch backend only so far; use --recall off")
         return make_heap_cache(self.model, cfg)
 
     def prefill(self, cache, tokens: Sequence[int], progress: Optional[ProgressFn] = None,

@@ -16,10 +16,20 @@ from .layer import HeapLayer
 _OPTIONAL = ("scores", "window", "counts")
 
 
+def pages_dir(path: Path) -> Path:
+    """Where a saved heap's page store lives: beside it (`<session>.pages/`)."""
+    return Path(path).with_suffix(".pages")
+
+
 def save_heap(cache: HeapCache, path: Path) -> None:
-    """Write atomically: a crash mid-save never leaves a half file under `path`."""
+    """Write atomically: a crash mid-save never leaves a half file under `path`. With recall on,
+    the page store is checkpointed first and moved beside the file (if it is not there yet)."""
+    if cache.pages is not None:
+        cache.writer.drain()
+        cache.pages.move_to(pages_dir(path))
+        cache.pages.checkpoint()
     tensors: dict[str, torch.Tensor] = {}
-    meta: dict = {"config": cache.cfg.to_dict(), "layers": []}
+    meta: dict = {"config": cache.cfg.to_dict(), "layers": [], "recall_log": cache.recall_log[-256:]}
     for i, layer in enumerate(cache.layers):
         if isinstance(layer, HeapLayer):
             n = layer.heap.resident
@@ -34,6 +44,7 @@ def save_heap(cache: HeapCache, path: Path) -> None:
             st = layer.heap.state()
             tensors[f"{i}.positions"] = torch.from_numpy(st["positions"])
             tensors[f"{i}.counters"] = torch.from_numpy(st["counters"])
+            tensors[f"{i}.recalled"] = torch.from_numpy(st["recalled"])
         else:
             meta["layers"].append({"kind": "sliding", "cumulative_length": layer.cumulative_length})
             if layer.is_initialized:
@@ -52,13 +63,16 @@ def load_heap(model, path: Path) -> HeapCache:
     with safe_open(str(path), framework="pt") as f:
         meta = json.loads(f.metadata()["localheap"])
     tensors = load_file(str(path))
-    cache = make_heap_cache(model, HeapConfig(**meta["config"]))
+    cfg = HeapConfig(**meta["config"])
+    cache = make_heap_cache(model, cfg, pages_dir(path) if cfg.recall else None)
+    cache.recall_log = list(meta.get("recall_log", []))
     device = cache.device
     for i, (layer, entry) in enumerate(zip(cache.layers, meta["layers"])):
         assert (entry["kind"] == "heap") == isinstance(layer, HeapLayer), f"layer {i} changed kind"
         if entry["kind"] == "heap":
             layer.heap.load_state({"positions": tensors[f"{i}.positions"].numpy(),
-                                   "counters": tensors[f"{i}.counters"].numpy()})
+                                   "counters": tensors[f"{i}.counters"].numpy(),
+                                   **({"recalled": tensors[f"{i}.recalled"].numpy()} if f"{i}.recalled" in tensors else {})})
             n = layer.heap.resident
             layer.keys[:, :, :n] = tensors[f"{i}.keys"].to(device)
             layer.values[:, :, :n] = tensors[f"{i}.values"].to(device)
