@@ -130,6 +130,7 @@ def test_disk_budget_drops_pages_and_says_so(llama):
     record = cache.pages.record_bytes
     cache = llama.new_cache(CFG.with_(disk_budget=10 * record))
     list(generate_tokens(llama.model, cache, prompt(llama, 500, seed=5), SamplingParams(max_tokens=2)))
+    cache.writer.drain()
     stats = cache.stats().to_dict()["pages"]
     assert stats["pages"] == 10 and stats["pages_dropped"] == stats["pages_written"] - 10 > 0
     assert stats["disk_bytes"] <= 10 * record
@@ -149,6 +150,7 @@ def test_spilled_and_restarted_sessions_keep_their_pages(llama, tmp_path):
     store.make_resident(s)
     assert list(generate_tokens(llama.model, s.cache, first, params)) == ref_tokens[0]
     s.extend(first + ref_tokens[0][:-1])              # the last yielded token is not fed
+    s.cache.writer.drain()
     pages = s.cache.stats().pages["pages"]
     assert pages > 0 and store.pages_dir(s).is_dir()
     store.persist_all("m")                            # a restart: spill, index

@@ -88,10 +88,10 @@ class HeapCache(Cache):
         return combine([layer.heap.stats() for layer in self.heap_layers], self.kv_nbytes, self.page_stats())
 
     def page_stats(self) -> Optional[dict]:
-        """The page store's counters and the recalls so far (None with recall off)."""
+        """The page store's counters and the recalls so far (None with recall off). Writes still
+        queued in the background are not counted yet: stats never wait for the disk."""
         if self.pages is None:
             return None
-        self.writer.drain()
         last = self.recall_log[-1] if self.recall_log else None
         return {**self.pages.stats(), "recalls": len(self.recall_log), "last_recall": last,
                 "recalled_tokens": sum(e["tokens"] for e in self.recall_log)}
