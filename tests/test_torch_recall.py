@@ -42,18 +42,21 @@ def stock_kv(backend, tokens):
 
 def test_pages_hold_exactly_the_evicted_kv(llama, monkeypatch):
     recorded = []   # (layer id, positions [H, n], keys [H, n, D] as rotated in their slots, values, slots)
-    real = recall_mod.page_out
+    real = recall_mod.gather_evicted
 
-    def spy(cache, events):
-        for layer, plan in events:
-            slots = layer.heap.evicted_slots(plan)
-            pos = np.take_along_axis(layer.heap.positions[:, : layer.heap.resident], slots, axis=1)
-            idx = torch.as_tensor(slots)[..., None].expand(-1, -1, layer.keys.shape[-1])
-            recorded.append((layer.heap.layer, pos, torch.gather(layer.keys[0], 1, idx).clone(),
-                             torch.gather(layer.values[0], 1, idx).clone(), slots))
-        real(cache, events)
+    def spy(cache, plan):
+        for group in plan.groups:
+            evicted = group.evicted.cpu().numpy()                          # [B, H, resident]
+            for b, layer in enumerate(group.layers):
+                H = evicted.shape[1]
+                slots = np.stack([np.flatnonzero(evicted[b, h]) for h in range(H)])
+                pos = np.take_along_axis(layer.heap.positions[:, : layer.heap.resident], slots, axis=1)
+                idx = torch.as_tensor(slots)[..., None].expand(-1, -1, layer.keys.shape[-1])
+                recorded.append((layer.heap.layer, pos, torch.gather(layer.keys[0], 1, idx).clone(),
+                                 torch.gather(layer.values[0], 1, idx).clone(), slots))
+        return real(cache, plan)
 
-    monkeypatch.setattr(recall_mod, "page_out", spy)
+    monkeypatch.setattr(recall_mod, "gather_evicted", spy)
     cache = llama.new_cache(CFG)
     prefill(llama.model, cache, prompt(llama, 400))
     cache.writer.drain()

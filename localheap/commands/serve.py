@@ -8,7 +8,7 @@ import re
 import sys
 from pathlib import Path
 
-from .common import add_heap_args, add_model_args, heap_config, model_spec
+from .common import add_heap_args, add_model_args, heap_config, model_spec, with_backend_chunk
 
 
 def add_parser(sub) -> None:
@@ -74,6 +74,7 @@ def run(args) -> int:
     settings = settings_from_args(args)   # bad flags fail before the model loads
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s:     %(name)s: %(message)s")
     backend = load_backend(model_spec(args), args.backend)
+    settings.heap = with_backend_chunk(settings.heap, args, backend)
     if settings.persist_sessions and settings.sessions_dir is None:
         settings.sessions_dir = default_sessions_dir(backend.model_name)
     app = create_app(backend, settings)   # BudgetTooSmall here says what would fit
@@ -83,7 +84,7 @@ def run(args) -> int:
           f"thermal state {app.state.services.governor.sensors.thermal()}", file=sys.stderr)
     heap = settings.heap
     print(f"localheap: {backend.model_name} on {backend.name} | heap: {heap.sinks} sinks + {heap.budget} budget + "
-          f"{heap.slack} slack, policy {heap.policy} ({format_bytes(backend.heap_bytes(heap))} per session)",
+          f"max({heap.slack} slack, {heap.chunk} prefill chunk), policy {heap.policy} ({format_bytes(backend.heap_bytes(heap))} per session)",
           file=sys.stderr)
     print(f"localheap: serving http://{settings.host}:{settings.port}  (OpenAI base_url: "
           f"http://{settings.host}:{settings.port}/v1)", file=sys.stderr)

@@ -194,7 +194,7 @@ class Engine:
 
     def _throttle(self, run: Run) -> float:
         """Thermal pressure: smaller prefill chunks and a pause; returns the pause."""
-        t = self.governor.throttle(run.session.cfg.slack)
+        t = self.governor.throttle(run.session.cfg.chunk)
         if t.state != self._thermal:
             log.log(logging.WARNING if t.active else logging.INFO,
                     "thermal state %s: prefill chunk %d, pause %.2fs", t.state, t.chunk, t.pause_s)

@@ -24,7 +24,7 @@ class Run:
         self.job, self.session, self.backend = job, session, backend
         self.cached = cached
         self.prompt_tokens = cached + len(new_tokens)
-        self.chunk = session.cfg.slack                 # prefill chunk = heap append room
+        self.chunk = session.cfg.chunk                 # prefill chunk (the heap evicts before each)
         self.to_prefill = new_tokens if isinstance(job.request, Feed) else new_tokens[:-1]
         self.last = None if isinstance(job.request, Feed) else new_tokens[-1]
         self.prefilled = 0

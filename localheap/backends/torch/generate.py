@@ -20,7 +20,7 @@ from .cache import HeapCache
 
 
 def forward(model, cache: HeapCache, tokens: torch.Tensor) -> torch.Tensor:
-    """tokens: [L] ids on the model's device, L <= slack. Returns the last position's logits [vocab] fp32."""
+    """tokens: [L] ids on the model's device, L <= the append room. Returns the last position's logits [vocab] fp32."""
     n = tokens.shape[0]
     cache.make_room(n)
     with torch.no_grad():
@@ -31,13 +31,14 @@ def forward(model, cache: HeapCache, tokens: torch.Tensor) -> torch.Tensor:
 
 def prefill(model, cache: HeapCache, tokens: Sequence[int], progress: Optional[ProgressFn] = None,
             cancelled=None) -> Optional[torch.Tensor]:
-    """Feed tokens in chunks of `slack` (peak = sinks + budget + slack); returns the last logits."""
+    """Feed tokens in prefill chunks, evicting before each once the heap is full
+    (peak = sinks + budget + chunk); returns the last logits."""
     ids = torch.as_tensor(list(tokens), dtype=torch.long, device=cache.device)
     total, done, logits = ids.shape[0], 0, None
     while done < total:
         if cancelled is not None and cancelled():
             raise InterruptedError("prefill cancelled")
-        n = min(cache.cfg.slack, total - done)
+        n = min(cache.cfg.chunk, total - done)
         logits = forward(model, cache, ids[done:done + n])
         done += n
         if progress is not None:

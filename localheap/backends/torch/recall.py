@@ -21,7 +21,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from ...heap import PageGeometry, PageStore, PageWriter, SlotView, score_pages, select_pages
+from ...heap import PageGeometry, PageStore, PageWriter, score_pages, select_pages
 
 
 def attach_pages(cache, n_kv_heads: int, head_dim: int, root: Optional[Path] = None) -> None:
@@ -35,50 +35,66 @@ def attach_pages(cache, n_kv_heads: int, head_dim: int, root: Optional[Path] = N
     cache.writer = PageWriter()
 
 
-def page_out(cache, events: list[tuple]) -> None:
-    """events: [(HeapLayer, RepackPlan)] of one eviction event, before the repacks run."""
-    parts, jobs = [], []
-    for layer, plan in events:
-        slots = layer.heap.evicted_slots(plan)                               # [H_kv, n] numpy
-        if slots.shape[1] == 0:
-            continue
-        D = layer.keys.shape[-1]
-        idx = torch.as_tensor(slots, device=layer.device)[..., None].expand(-1, -1, D)
-        keys = torch.gather(layer.keys[0].float(), 1, idx)                   # [H_kv, n, D] rotated
-        positions = np.take_along_axis(layer.heap.positions[:, : layer.heap.resident], slots, axis=1)
-        rotated_at = slots if layer.heap.cfg.positions == "compact" else positions
-        parts += [layer.rope.rotate(keys, -rotated_at), torch.gather(layer.values[0].float(), 1, idx)]
-        value = np.take_along_axis(plan.scores, slots, axis=1) if plan.scores is not None else None
-        jobs.append((layer.heap.layer, positions, value, slots.shape))
-    if not parts:
-        return
+def gather_evicted(cache, plan) -> list[tuple]:
+    """Device half of a page-out (no sync), before the repack overwrites the slots: per evicting
+    layer (layer, slots [H_kv, n], pre-RoPE keys and values [H_kv, n, D], value [H_kv, n])."""
     wire = torch.float32 if cache.cfg.page_format == "f32" else torch.float16
-    host = torch.cat([p.reshape(-1) for p in parts]).to("cpu", wire).numpy()   # the event's one transfer
+    out = []
+    for group in plan.groups:
+        n, keep = group.layers[0].heap.resident, group.keep_indices.shape[-1]
+        if n == keep:
+            continue
+        # evicted slots, ascending: a stable sort puts the True (evicted) slots first, in order
+        slots = torch.sort(group.evicted.to(torch.int8), dim=-1, descending=True, stable=True).indices[..., : n - keep]
+        for b, layer in enumerate(group.layers):
+            idx = slots[b]                                                   # [H_kv, n_ev]
+            gather_idx = idx[..., None].expand(-1, -1, layer.keys.shape[-1])
+            keys = torch.gather(layer.keys[0, :, :n], 1, gather_idx).float()
+            values = torch.gather(layer.values[0, :, :n], 1, gather_idx)
+            rotated_at = idx
+            if layer.heap.cfg.positions == "absolute":
+                rotated_at = torch.gather(torch.as_tensor(layer.heap.positions[:, :n], device=layer.device), 1, idx)
+            value = torch.gather(group.scores[b], 1, idx).float()
+            out.append((layer, idx, layer.rope.rotate(keys, -rotated_at).to(wire), values.to(wire), value))
+    return out
+
+
+def page_out(cache, plan, outgoing: list[tuple]) -> list[np.ndarray]:
+    """The event's ONE device-to-host transfer: the keep indices (returned, per layer, as
+    EvictionPlan.host_indices gives them) and the evicted K/V, queued for the page writer."""
+    tensors = [g.keep_indices.reshape(-1) for g in plan.groups]
+    for _, idx, k, v, value in outgoing:
+        tensors += [idx.reshape(-1), k.reshape(-1), v.reshape(-1), value.reshape(-1)]
+    blob = torch.cat([t.contiguous().view(torch.uint8) for t in tensors]).cpu().numpy()
+    host, at = [], 0
+    for t in tensors:
+        size = t.numel() * t.element_size()
+        host.append(blob[at: at + size].view(_NUMPY[t.dtype]))
+        at += size
+    keep = []
+    for g, flat in zip(plan.groups, host):
+        B, H, k = g.keep_indices.shape
+        keep.extend(flat.reshape(B, H, k))
+    jobs = []
+    for i, (layer, idx, k, _, _) in enumerate(outgoing):
+        slots, keys, values, value = host[len(plan.groups) + 4 * i: len(plan.groups) + 4 * i + 4]
+        H, n_ev, D = k.shape
+        slots = slots.reshape(H, n_ev)
+        positions = np.take_along_axis(layer.heap.positions[:, : layer.heap.resident], slots, axis=1)
+        jobs.append((layer.heap.layer, positions, keys.reshape(H, n_ev, D), values.reshape(H, n_ev, D),
+                     value.reshape(H, n_ev)))
     store = cache.pages
 
     def write() -> None:
-        at = 0
-        for layer_id, positions, value, (H, n) in jobs:
-            size = H * n * store.g.head_dim
-            k = host[at: at + size].reshape(H, n, -1)
-            v = host[at + size: at + 2 * size].reshape(H, n, -1)
-            at += 2 * size
-            store.append(layer_id, positions, k, v, value)
+        for job in jobs:
+            store.append(*job)
 
-    cache.writer.submit(write)
+    if jobs:
+        cache.writer.submit(write)
+    return keep
 
 
-def evict(cache, layers: list) -> None:
-    """One eviction event over `layers`: plans, page-out (when paging), repacks."""
-    plans: list[tuple] = []
-    for layer in layers:
-        view = SlotView(positions=layer.heap.view_positions(),
-                        **{k: v.float().cpu().numpy() for k, v in layer.pending_view().items()})
-        plans.append((layer, layer.heap.plan(view)))
-    if cache.pages is not None:
-        page_out(cache, plans)
-    for layer, plan in plans:
-        layer.repack(plan)
+_NUMPY = {torch.int64: np.int64, torch.float32: np.float32, torch.float16: np.float16}
 
 
 def recall(model, cache, question: torch.Tensor) -> dict:
@@ -106,7 +122,7 @@ def recall(model, cache, question: torch.Tensor) -> dict:
     r = max((p[0].shape[1] for p in picked.values()), default=0)
     crowded = [layer for layer in cache.heap_layers if layer.heap.resident + r + L > layer.heap.capacity]
     if crowded:
-        evict(cache, crowded)   # down to the policy's share: the recall region is free again
+        cache.evict(crowded)   # down to the policy's share: the recall region is free again
     if picked:
         flat = torch.cat([torch.from_numpy(np.concatenate([k.reshape(-1), v.reshape(-1)])) for _, k, v in picked.values()])
         flat = flat.to(cache.device)                                        # one transfer to the device
@@ -155,5 +171,15 @@ def needs_recall(cache, n_new: int) -> bool:
     """Recall only where something was or will be evicted: otherwise the heap is the stock cache."""
     if cache.pages is None:
         return False
-    return any(layer.heap.evicted > 0 or layer.heap.resident + n_new > layer.heap.capacity
-               for layer in cache.heap_layers)
+    chunk = cache.cfg.chunk
+    for layer in cache.heap_layers:
+        heap = layer.heap
+        if heap.evicted > 0:
+            return True
+        resident, left = heap.resident, n_new
+        while left > 0:   # prefill's chunks: does one of them make room?
+            c = min(chunk, left)
+            if resident + c > heap.keep + max(heap.cfg.slack, c):
+                return True
+            resident, left = resident + c, left - c
+    return False
