@@ -193,3 +193,28 @@ def test_the_question_recalls_the_page_with_the_fact():
     stock = demo.new_cache(cfg.with_(recall=False))
     out = list(generate_tokens(demo.model, stock, ep.tokens, SamplingParams(max_tokens=8)))
     assert needle.read_key(demo.tokenizer.decode(out)) != ep.key   # without recall the key is gone
+
+
+def test_needle_bench_has_a_recall_column(llama, tmp_path, capsys):
+    from localheap.bench import needle
+    from localheap.cli import main
+
+    base = HeapConfig(slack=64, recent=16, recall=True, recall_budget=64, page_size=16)
+    result = needle.run_needle(llama, base, context=384, prune=(0.7,), policies=["snapkv"], positions=("compact",),
+                               trials=2, long_contexts=(), seed=0)
+    rows = {r["policy"]: r for r in result["rows"]}
+    assert set(rows) == {"full", "snapkv", "snapkv+recall"}
+    r = rows["snapkv+recall"]
+    assert r["recall_budget"] == 64 and r["recall_ms"] > 0 and r["disk_bytes_per_token"] > 0
+    assert r["summary_bytes"] > 0 and "recall_ms" not in rows["snapkv"]
+    assert "recall costs" in needle.tables(result) and result["settings"]["recall"]["page_size"] == 16
+    rc = main(["bench", "needle", "--model", str(llama_path(llama)), "--backend", "torch", "--context", "256",
+               "--trials", "1", "--prune", "70%", "--long-contexts", "320", "--long-trials", "1", "--budget", "96", "--slack", "64", "--recent", "16",
+               "--recall", "on", "--recall-budget", "32", "--page-size", "16", "--plots", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert rc == 0 and "snapkv+recall" in out and "ms / 1K recalled" in out
+    assert out.count("+recall") >= 2 * 5   # every policy, at 256 and at 320
+
+
+def llama_path(backend):
+    return backend.model.config._name_or_path
