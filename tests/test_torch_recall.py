@@ -218,3 +218,23 @@ def test_needle_bench_has_a_recall_column(llama, tmp_path, capsys):
 
 def llama_path(backend):
     return backend.model.config._name_or_path
+
+
+def test_device_eviction_pins_recalled_slots_like_the_numpy_rule(llama):
+    """After a recall, plan_eviction (device) keeps the numpy LayerHeap.plan's slots: every recalled
+    slot, and the policy's share of the rest."""
+    from localheap.backends.torch.select import plan_eviction
+    from localheap.heap import SlotView
+
+    cache = llama.new_cache(CFG.with_(policy="h2o"))
+    list(generate_tokens(llama.model, cache, prompt(llama, 300, seed=8), SamplingParams(max_tokens=20)))
+    layers = [layer for layer in cache.heap_layers if layer.heap.n_recalled]
+    assert layers
+    plan = plan_eviction(layers)
+    for layer, got in zip(plan.layers, plan.host_indices()):
+        view = SlotView(positions=layer.heap.view_positions(),
+                        **{k: v.float().cpu().numpy() for k, v in layer.pending_view().items()})
+        want = layer.heap.plan(view).keep_indices
+        np.testing.assert_array_equal(got, want)
+        kept_recalled = np.take_along_axis(layer.heap.recalled[:, : layer.heap.resident], got, axis=1).sum(axis=1)
+        assert (kept_recalled == layer.heap.n_recalled).all()

@@ -98,6 +98,9 @@ def run_speed(args) -> int:
     backend = load_backend(model_spec(args), args.backend)
     cfg = heap_config(args, backend)
     extra = {"threads": args.threads} if backend.name == "torch" else {}
+    if cfg.recall and backend.name == "torch":   # paging on against off, same run
+        extra["paths"] = ("stock-full", "heap", "heap-paging")
+        cfg = cfg.with_(recall=False)
     rows = _bench_module(backend).run_speed(backend, args.contexts, cfg, args.decode_tokens,
                                             log=lambda m: print(m, file=sys.stderr), repeats=args.repeats, **extra)
     by = {(r["context"], r["path"]): r for r in rows}
