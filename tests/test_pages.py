@@ -19,6 +19,7 @@ def evicted(rng, n, start=0):
 
 
 def store(tmp_path, fmt="f32", layers=1, **kw):
+    kw.setdefault("summary", "minmax")
     return PageStore(tmp_path / "pages", PageGeometry(layers, H, D, P, fmt), **kw)
 
 
@@ -119,11 +120,14 @@ def test_quest_bound_is_an_upper_bound_and_finds_the_planted_page(tmp_path):
     pos, k, v = evicted(rng, P, 100)
     k[:, 2] = fact                                  # one token of page 6 matches the query
     s.append(0, pos, k, v)
+    s.checkpoint()
     queries = np.broadcast_to(fact, (H, 3, D)).copy()
     for kind in ("minmax", "mean"):
-        slots, *summary = s.summaries(0, kind)
+        other = store(tmp_path, summary=kind)        # the same files, another summary in RAM
+        _, *summary = other.summaries(0)
         scores = score_pages(queries, tuple(summary))
         assert select_pages(scores, 1).tolist() == [[6], [6]], kind
+        other.close()
     slots, kmin, kmax = s.summaries(0)
     bound = score_pages(queries, (kmin, kmax))
     _, keys, _ = s.load(0, np.broadcast_to(slots, (H, len(slots))).copy())

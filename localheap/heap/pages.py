@@ -66,14 +66,15 @@ def _crc(rec: np.ndarray, fields) -> int:
     return crc
 
 
+SUMMARY_FIELDS = {"minmax": ("kmin", "kmax"), "mean": ("kmean",)}
+
+
 class _Layer:
     """RAM side of one layer's file: summaries of the live records, the partial page, free slots."""
 
-    def __init__(self, g: PageGeometry):
+    def __init__(self, g: PageGeometry, fields: tuple[str, ...]):
         H, D, P = g.n_kv_heads, g.head_dim, g.page_size
-        self.kmin = np.zeros((0, H, D), np.float16)    # [slots, H, D]
-        self.kmax = np.zeros((0, H, D), np.float16)
-        self.kmean = np.zeros((0, H, D), np.float16)
+        self.sums = {f: np.zeros((0, H, D), np.float16) for f in fields}   # [slots, H, D] each
         self.live = np.zeros(0, bool)                  # [slots]
         self.value = np.zeros(0, np.float32)
         self.free: list[int] = []
@@ -90,7 +91,7 @@ class _Layer:
             return
         extra = max(slots - n, n)   # amortised doubling
         pad = lambda a: np.concatenate([a, np.zeros((extra, *a.shape[1:]), a.dtype)])   # noqa: E731
-        self.kmin, self.kmax, self.kmean = pad(self.kmin), pad(self.kmax), pad(self.kmean)
+        self.sums = {f: pad(a) for f, a in self.sums.items()}
         self.live, self.value = pad(self.live), pad(self.value)
         self.free.extend(range(n + extra - 1, n - 1, -1))   # lowest slot popped first
         self.free.sort(reverse=True)
@@ -99,13 +100,16 @@ class _Layer:
 class PageStore:
     """Pages of evicted tokens for one session (all layers), in `root`."""
 
-    def __init__(self, root: Path, geometry: PageGeometry, disk_budget: int = 0):
+    def __init__(self, root: Path, geometry: PageGeometry, disk_budget: int = 0, summary: str = "minmax"):
+        """`summary`: which key summaries stay in RAM for scoring (minmax: 2 x D per page and KV
+        head, mean: D); every record on disk carries all three."""
         self.root = Path(root)
         self.g = geometry
         self.disk_budget = disk_budget          # bytes; 0 = unbounded
         self.dtype = record_dtype(geometry)
         self.record_bytes = self.dtype.itemsize
-        self.layers = [_Layer(geometry) for _ in range(geometry.n_layers)]
+        self.summary = summary
+        self.layers = [_Layer(geometry, SUMMARY_FIELDS[summary]) for _ in range(geometry.n_layers)]
         self.seq = 0                # next record's sequence number
         self.dropped = 0            # pages dropped for the disk budget, ever
         self.written = 0            # pages written, ever
@@ -153,7 +157,8 @@ class PageStore:
         rec["crc_data"] = _crc(rec, payload_names(self.g.fmt))
         os.pwrite(self._fds[layer], rec.tobytes(), slot * self.record_bytes)
         # RAM summaries read back from the record, so a reopened store scores identically
-        L.kmin[slot], L.kmax[slot], L.kmean[slot] = rec["kmin"], rec["kmax"], rec["kmean"]
+        for f, a in L.sums.items():
+            a[slot] = rec[f]
         L.live[slot], L.value[slot] = True, value
         self.seq += 1
         self.written += 1
@@ -191,13 +196,12 @@ class PageStore:
         _atomic(self.root / META, lambda f: f.write(json.dumps(meta).encode()))
 
     # -- reading --------------------------------------------------------------------
-    def summaries(self, layer: int, kind: str = "minmax") -> tuple[np.ndarray, ...]:
-        """(slots [N], then kmin, kmax [N, H, D] or kmean [N, H, D]) of the live pages, float32."""
+    def summaries(self, layer: int) -> tuple[np.ndarray, ...]:
+        """(slots [N], then kmin, kmax [N, H, D] (minmax) or kmean [N, H, D] (mean)) of the live
+        pages, float32."""
         L = self.layers[layer]
         slots = np.flatnonzero(L.live)
-        if kind == "mean":
-            return slots, L.kmean[slots].astype(np.float32)
-        return slots, L.kmin[slots].astype(np.float32), L.kmax[slots].astype(np.float32)
+        return (slots, *(L.sums[f][slots].astype(np.float32) for f in SUMMARY_FIELDS[self.summary]))
 
     def read(self, layer: int, slots: np.ndarray) -> np.ndarray:
         """Records of the given slots (a torn or overwritten record comes back with magic 0)."""
@@ -238,16 +242,22 @@ class PageStore:
 
     @property
     def summary_bytes(self) -> int:
-        return int(sum(L.kmin.nbytes + L.kmax.nbytes + L.kmean.nbytes for L in self.layers))
+        return int(sum(a.nbytes for L in self.layers for a in L.sums.values()))
 
     def disk_bytes_per_token(self) -> float:
         """Per token, all layers: one record holds page_size tokens of one layer."""
         return self.g.n_layers * self.record_bytes / self.g.page_size
 
+    def summary_bytes_per_token(self) -> float:
+        """RAM for the summaries per token on disk, all layers (f16)."""
+        return self.g.n_layers * len(SUMMARY_FIELDS[self.summary]) * self.g.n_kv_heads * self.g.head_dim * 2 / self.g.page_size
+
     def stats(self) -> dict:
         return {"pages": self.pages, "pages_written": self.written, "pages_dropped": self.dropped,
                 "tokens_on_disk": self.pages * self.g.page_size // max(1, self.g.n_layers),
                 "disk_bytes": self.disk_bytes, "summary_bytes": self.summary_bytes,
+                "disk_bytes_per_token": round(self.disk_bytes_per_token(), 1),
+                "summary_bytes_per_token": round(self.summary_bytes_per_token(), 1),
                 "page_size": self.g.page_size, "format": self.g.fmt}
 
     def close(self) -> None:
@@ -286,7 +296,8 @@ class PageStore:
             for slot, rec in enumerate(recs):
                 ok = rec["magic"] == MAGIC and rec["seq"] < self.seq and _crc(rec, _META_FIELDS) == rec["crc_meta"]
                 if ok:
-                    L.kmin[slot], L.kmax[slot], L.kmean[slot] = rec["kmin"], rec["kmax"], rec["kmean"]
+                    for f, a in L.sums.items():
+                        a[slot] = rec[f]
                     L.live[slot], L.value[slot] = True, rec["value"]
             L.free = sorted((int(s) for s in np.flatnonzero(~L.live[: len(L.live)])), reverse=True)
         tails = np.load(self.root / TAIL)

@@ -31,7 +31,7 @@ def attach_pages(cache, n_kv_heads: int, head_dim: int, root: Optional[Path] = N
         root = Path(tempfile.mkdtemp(prefix="localheap-pages-"))
         weakref.finalize(cache, shutil.rmtree, str(root), True)   # a moved store is gone from here: no-op
     geometry = PageGeometry(len(cache.heap_layers), n_kv_heads, head_dim, cfg.page_size, cfg.page_format)
-    cache.pages = PageStore(root, geometry, cfg.disk_budget)
+    cache.pages = PageStore(root, geometry, cfg.disk_budget, cfg.recall_summary)
     cache.writer = PageWriter()
 
 
@@ -109,11 +109,11 @@ def recall(model, cache, question: torch.Tensor) -> dict:
     cache.make_room(L)
     queries = probe(model, cache, question)                                  # {layer: [H_kv, G*L, D]}
     cache.writer.drain()
-    store, kind = cache.pages, cache.cfg.recall_summary
+    store = cache.pages
     picked = {}
     for layer in cache.heap_layers:
         i = layer.heap.layer
-        slots, *summary = store.summaries(i, kind)
+        slots, *summary = store.summaries(i)
         n_pages = layer.heap.recall_slots // store.g.page_size
         if len(slots) == 0 or n_pages == 0:
             continue
