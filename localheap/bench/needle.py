@@ -65,10 +65,10 @@ class Filler:
     boundaries: np.ndarray  # sorted indices i: a sentence ends with token i-1
 
 
-def filler_from_texts(tokenizer, texts: Sequence[str]) -> Filler:
-    """Digits are removed from the filler, so the pass key is the only number in the context."""
+def filler_from_texts(tokenizer, texts: Sequence[str], keep_digits: bool = False) -> Filler:
+    """Digits are removed from the filler (unless keep_digits), so the pass key is the only number."""
     hf = _hf(tokenizer)
-    texts = [re.sub(r"[0-9]", "", t) for t in texts]
+    texts = list(texts) if keep_digits else [re.sub(r"[0-9]", "", t) for t in texts]
     fast = getattr(hf, "backend_tokenizer", None)   # the Rust tokenizer: no max-length warnings
     ids, bounds = [], []
     for text in texts:
@@ -216,14 +216,18 @@ def cell(backend, base, eps: list[Episode], context: int, budget: int, policy: s
 def run_needle(backend, base=None, context: int = 4096, prune: Sequence[float] = PRUNE,
                policies: Optional[Sequence[str]] = None, positions: Sequence[str] = ("compact", "absolute"),
                trials: int = 100, long_contexts: Sequence[int] = LONG_CONTEXTS, long_budget: Optional[int] = None,
-               long_trials: int = 20, long_full: Sequence[int] = (), seed: int = 0,
-               log: Optional[Callable[[str], None]] = None) -> dict:
+               long_trials: int = 20, long_full: Sequence[int] = (), seed: int = 0, keys: int = 1,
+               filler: str = "pydoc", log: Optional[Callable[[str], None]] = None) -> dict:
     """The needle table. Returns {"rows": [...], "settings": {...}}; one row per cell:
     full cache at `context`, every (prune, policy, positions) at `context`, then every
     (long context, policy, positions) at `long_budget` (default: base.budget), with a
     full-cache cell first at the long contexts listed in `long_full`.
+    keys=1: the single pass key; keys=K>1: K named facts, one asked (bench/facts.py), held-out
+    names. filler: pydoc (the v1 table's), heldout or digits (bench/facts.py: filler; the CLI's
+    default is heldout).
     Episodes are seeded and shared by every cell of one context (paired comparison)."""
     from ..heap import POLICIES, HeapConfig
+    from .facts import ANSWER_OF, FACT, QUESTION_OF, bench_episodes
 
     base = base or HeapConfig()
     policies = list(policies or POLICIES)
@@ -235,7 +239,8 @@ def run_needle(backend, base=None, context: int = 4096, prune: Sequence[float] =
         base = base.with_(recall=False)
     long_budget = long_budget or base.budget
     rows = []
-    eps = episodes(backend.tokenizer, context, trials, seed)
+
+    eps = bench_episodes(backend.tokenizer, context, trials, seed, keys, filler)
     full = base.budget if base.budget >= context else context
     rows.append(cell(backend, base, eps, context, full, "streaming", "compact", None, log) | {"policy": "full"})
     for p in prune:
@@ -243,7 +248,7 @@ def run_needle(backend, base=None, context: int = 4096, prune: Sequence[float] =
             for pos in positions:
                 rows.append(cell(backend, base, eps, context, budget_for(context, p, base.sinks), pol, pos, p, log))
     for ctx in long_contexts:
-        eps = episodes(backend.tokenizer, ctx, long_trials, seed)
+        eps = bench_episodes(backend.tokenizer, ctx, long_trials, seed, keys, filler)
         if ctx in long_full:
             rows.append(cell(backend, base, eps, ctx, ctx, "streaming", "compact", None, log) | {"policy": "full"})
         for pol in policies:
@@ -252,7 +257,9 @@ def run_needle(backend, base=None, context: int = 4096, prune: Sequence[float] =
     settings = {"context": context, "prune": list(prune), "policies": policies, "positions": list(positions),
                 "trials": trials, "long_contexts": list(long_contexts), "long_budget": long_budget,
                 "long_trials": long_trials, "long_full": list(long_full), "seed": seed, "heap": base.to_dict(),
-                "needle": NEEDLE, "question": QUESTION, "answer_prefix": ANSWER_PREFIX, "recall": recall_settings}
+                "keys": keys, "filler": filler, "needle": NEEDLE if keys == 1 else FACT,
+                "question": QUESTION if keys == 1 else QUESTION_OF,
+                "answer_prefix": ANSWER_PREFIX if keys == 1 else ANSWER_OF, "recall": recall_settings}
     return {"rows": rows, "settings": settings}
 
 
@@ -296,7 +303,9 @@ def tables(result: dict) -> str:
             out_rows.append(r)
     cols = [("policy", "policy", ""), ("positions", "positions", ""), ("full", "full cache", ".0%")]
     cols += [(f"p{p}", f"prune {p:.0%}", ".0%") for p in s["prune"]]
-    text = f"context {s['context']:,}, {s['trials']} trials per cell\n" + table(out_rows, cols)
+    what = f"{s.get('keys', 1)} named facts, one asked" if s.get("keys", 1) > 1 else "one pass key"
+    text = (f"{what}, filler {s.get('filler', 'pydoc')}; context {s['context']:,}, {s['trials']} trials per cell\n"
+            + table(out_rows, cols))
     long = [r for r in rows if r["context"] != s["context"]]
     if long:
         lrows = []
