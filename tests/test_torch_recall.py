@@ -238,3 +238,27 @@ def test_device_eviction_pins_recalled_slots_like_the_numpy_rule(llama):
         np.testing.assert_array_equal(got, want)
         kept_recalled = np.take_along_axis(layer.heap.recalled[:, : layer.heap.resident], got, axis=1).sum(axis=1)
         assert (kept_recalled == layer.heap.n_recalled).all()
+
+
+def test_durable_sessions_keep_one_page_store_across_generations(llama, tmp_path):
+    """The engine saves a session after every turn (a new heap file generation each time): the page
+    store stays one directory, checkpointed with each generation, and a restart finds it."""
+    from localheap.sessions.store import SessionStore
+
+    params = SamplingParams(max_tokens=4)
+    store = SessionStore(llama, CFG, spill_dir=tmp_path / "s", durable=True)
+    s = store.create("sess_b")
+    store.make_resident(s)
+    for turn in (prompt(llama, 300, seed=9), prompt(llama, 60, seed=10)):
+        out = list(generate_tokens(llama.model, s.cache, turn, params))
+        s.extend(turn + out[:-1])
+        store.save(s)
+    s.cache.writer.drain()
+    pages = s.cache.pages.pages
+    assert s.saved_gen == 1 and pages > 0
+    assert sorted(p.name for p in (tmp_path / "s").glob("sess_b.pages")) == ["sess_b.pages"]
+    again = SessionStore(llama, CFG, spill_dir=tmp_path / "s", durable=True)
+    again.load_persisted()
+    t = again.get("sess_b")
+    again.make_resident(t)
+    assert t.cache.pages.root == tmp_path / "s" / "sess_b.pages" and t.cache.pages.pages == pages

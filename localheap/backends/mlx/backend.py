@@ -31,6 +31,7 @@ class MLXBackend:
         self.model_name = model_name
         self.eos_token_ids = set(getattr(tokenizer, "eos_token_ids", None) or [tokenizer.eos_token_id])
         self.weights_bytes = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+        self.vocab_size = getattr(getattr(model, "args", None), "vocab_size", None)   # ids a prompt may use
 
     @classmethod
     def load(cls, path: str | Path, model_name: Optional[str] = None) -> "MLXBackend":

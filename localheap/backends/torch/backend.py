@@ -50,6 +50,7 @@ class TorchBackend:
             eos.append(tokenizer.eos_token_id)
         self.eos_token_ids = set(eos)
         self.weights_bytes = sum(p.nbytes for p in model.parameters())
+        self.vocab_size = model.get_input_embeddings().num_embeddings   # ids a prompt may use
 
     @classmethod
     def load(cls, path: str | Path, model_name: Optional[str] = None, device: Optional[str] = None,

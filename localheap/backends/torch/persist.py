@@ -17,19 +17,26 @@ _OPTIONAL = ("scores", "window", "counts")
 
 
 def pages_dir(path: Path) -> Path:
-    """Where a saved heap's page store lives: beside it (`<session>.pages/`)."""
+    """Where a heap saved to `path` keeps a page store that lived in a temp dir: beside it."""
     return Path(path).with_suffix(".pages")
 
 
 def save_heap(cache: HeapCache, path: Path) -> None:
     """Write atomically: a crash mid-save never leaves a half file under `path`. With recall on,
-    the page store is checkpointed first and moved beside the file (if it is not there yet)."""
+    the page store is checkpointed first (a store in a temp dir is moved beside the file) and the
+    file records where it is, relative to its own directory (sessions keep one store per session
+    across the generations of their heap file)."""
+    path = Path(path)
     if cache.pages is not None:
         cache.writer.drain()
-        cache.pages.move_to(pages_dir(path))
+        if cache.pages_owned:
+            cache.pages.move_to(pages_dir(path))
+            cache.pages_owned = False
         cache.pages.checkpoint()
     tensors: dict[str, torch.Tensor] = {}
     meta: dict = {"config": cache.cfg.to_dict(), "layers": [], "recall_log": cache.recall_log[-256:]}
+    if cache.pages is not None:
+        meta["pages_dir"] = os.path.relpath(cache.pages.root, path.parent)
     for i, layer in enumerate(cache.layers):
         if isinstance(layer, HeapLayer):
             n = layer.heap.resident
@@ -64,7 +71,8 @@ def load_heap(model, path: Path) -> HeapCache:
         meta = json.loads(f.metadata()["localheap"])
     tensors = load_file(str(path))
     cfg = HeapConfig(**meta["config"])
-    cache = make_heap_cache(model, cfg, pages_dir(path) if cfg.recall else None)
+    root = Path(path).parent / meta["pages_dir"] if "pages_dir" in meta else pages_dir(path)
+    cache = make_heap_cache(model, cfg, root if cfg.recall else None)
     cache.recall_log = list(meta.get("recall_log", []))
     device = cache.device
     for i, (layer, entry) in enumerate(zip(cache.layers, meta["layers"])):

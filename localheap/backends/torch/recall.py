@@ -27,6 +27,7 @@ from ...heap import PageGeometry, PageStore, PageWriter, score_pages, select_pag
 def attach_pages(cache, n_kv_heads: int, head_dim: int, root: Optional[Path] = None) -> None:
     """Give `cache` a page store (in `root`, or a temp dir removed with the cache) and a writer."""
     cfg = cache.cfg
+    cache.pages_owned = root is None   # a temp dir: a save moves it beside the heap file
     if root is None:
         root = Path(tempfile.mkdtemp(prefix="localheap-pages-"))
         weakref.finalize(cache, shutil.rmtree, str(root), True)   # a moved store is gone from here: no-op
