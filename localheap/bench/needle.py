@@ -151,8 +151,8 @@ def episodes(tokenizer, context: int, trials: int, seed: int) -> list[Episode]:
             for d in depths(trials, rng)]
 
 
-def answer(backend, cfg, ep: Episode) -> str:
-    """Greedy answer of one episode through a fresh heap."""
+def answer(backend, cfg, ep: Episode, pages: Optional[list] = None) -> str:
+    """Greedy answer of one episode through a fresh heap (its page stats appended to `pages`)."""
     from ..generation import SamplingParams
 
     cache = backend.new_cache(cfg)
@@ -161,7 +161,24 @@ def answer(backend, cfg, ep: Episode) -> str:
         if tok in backend.eos_token_ids:
             break
         out.append(tok)
+    if pages is not None and cfg.recall:
+        cache.writer.drain()
+        pages.append(backend.stats(cache).pages)
     return _hf(backend.tokenizer).decode(out)
+
+
+def recall_costs(pages: list[dict]) -> dict:
+    """What recall cost over a cell's episodes: ms per 1K recalled tokens (all layers' recalls of a
+    question together), RAM for the summaries and disk bytes per token (all layers) at the end."""
+    ms = sum(p["last_recall"]["ms"] for p in pages if p["last_recall"])
+    tokens = sum(p["last_recall"]["tokens"] for p in pages if p["last_recall"])
+    disk = sum(p["disk_bytes"] for p in pages)
+    on_disk = sum(p["tokens_on_disk"] for p in pages)
+    return {"recall_ms_per_1k": round(1000 * ms / tokens, 1) if tokens else None,
+            "recall_ms": round(ms / max(1, len(pages)), 1),
+            "summary_bytes": int(np.mean([p["summary_bytes"] for p in pages])),
+            "disk_bytes_per_token": round(disk / on_disk, 1) if on_disk else None,
+            "pages_dropped": sum(p["pages_dropped"] for p in pages)}
 
 
 def budget_for(context: int, prune: float, sinks: int) -> int:
@@ -171,9 +188,16 @@ def budget_for(context: int, prune: float, sinks: int) -> int:
 
 def cell(backend, base, eps: list[Episode], context: int, budget: int, policy: str, positions: str,
          prune: Optional[float], log: Optional[Callable[[str], None]] = None) -> dict:
-    cfg = base.with_(budget=budget, policy=policy, positions=positions, recent=min(base.recent, budget // 2))
+    recall = policy.endswith("+recall")
+    policy = policy.removesuffix("+recall")
+    recent = min(base.recent, budget // 2)
+    # the recall region: whole pages, beside the recent window inside the budget
+    recall_budget = min(base.recall_budget, (budget - recent) // base.page_size * base.page_size)
+    cfg = base.with_(budget=budget, policy=policy, positions=positions, recent=recent, recall=recall,
+                     recall_budget=recall_budget if recall else base.recall_budget)
     t0 = time.perf_counter()
-    hits = [read_key(answer(backend, cfg, ep)) == ep.key for ep in eps]
+    pages: list[dict] = []
+    hits = [read_key(answer(backend, cfg, ep, pages)) == ep.key for ep in eps]
     by_bin = []
     for b in range(DEPTH_BINS):
         sel = [h for h, ep in zip(hits, eps) if int(min(ep.depth, 0.999) * DEPTH_BINS) == b]
@@ -181,6 +205,8 @@ def cell(backend, base, eps: list[Episode], context: int, budget: int, policy: s
     row = {"context": context, "budget": budget, "prune": prune, "policy": policy, "positions": positions,
            "trials": len(hits), "accuracy": round(float(np.mean(hits)), 4), "by_depth": by_bin,
            "hits": "".join("1" if h else "0" for h in hits), "seconds": round(time.perf_counter() - t0, 1)}
+    if recall:
+        row = {**row, "policy": policy + "+recall", "recall_budget": cfg.recall_budget, **recall_costs(pages)}
     if log:
         log(f"ctx {context:>6} budget {budget:>5} {policy:>9} {positions:>8}: {row['accuracy']:.0%} "
             f"({row['seconds']:.0f}s)")
@@ -205,6 +231,12 @@ def run_needle(backend, base=None, context: int = 4096, prune: Sequence[float] =
 
     base = base or HeapConfig()
     policies = list(policies or POLICIES)
+    recall_settings = None
+    if base.recall:   # the recall column: every policy also with the page store and recall
+        policies = [p for pol in policies for p in (pol, pol + "+recall")]
+        recall_settings = {k: getattr(base, k) for k in ("recall_budget", "page_size", "page_format",
+                                                            "recall_summary", "disk_budget")}
+        base = base.with_(recall=False)
     long_budget = long_budget or base.budget
     rows = []
 
@@ -227,7 +259,7 @@ def run_needle(backend, base=None, context: int = 4096, prune: Sequence[float] =
                 "long_trials": long_trials, "long_full": list(long_full), "seed": seed, "heap": base.to_dict(),
                 "keys": keys, "filler": filler, "needle": NEEDLE if keys == 1 else FACT,
                 "question": QUESTION if keys == 1 else QUESTION_OF,
-                "answer_prefix": ANSWER_PREFIX if keys == 1 else ANSWER_OF}
+                "answer_prefix": ANSWER_PREFIX if keys == 1 else ANSWER_OF, "recall": recall_settings}
     return {"rows": rows, "settings": settings}
 
 
@@ -293,6 +325,13 @@ def tables(result: dict) -> str:
                            for c in s["long_contexts"] if any(x["context"] == c for x in long))
         text += (f"\n\nbudget {s['long_budget']:,} + {s['heap']['sinks']} sinks; trials per cell: {trials}\n"
                  + table(lrows, lcols))
+    costs = [r for r in rows if r.get("recall_ms") is not None]
+    if costs:
+        text += "\n\nrecall costs (per question; disk and summaries at the end of an episode)\n" + table(costs, [
+            ("context", "context", ","), ("budget", "budget", ","), ("positions", "positions", ""),
+            ("recall_budget", "recall slots", ","), ("accuracy", "accuracy", ".0%"),
+            ("recall_ms", "recall ms", ".1f"), ("recall_ms_per_1k", "ms / 1K recalled", ".1f"),
+            ("summary_bytes", "summary RAM B", ","), ("disk_bytes_per_token", "disk B / token", ".0f")])
     return text
 
 
