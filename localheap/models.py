@@ -55,8 +55,11 @@ def resolve_model(spec: Optional[str], progress: bool = True) -> tuple[Path, str
             )
         return path, "demo"
     if spec.startswith("random:"):
-        from .randmodel import random_model_dir
-        return random_model_dir(spec[len("random:"):]), spec
+        from .randmodel import RandomModelUnavailable, random_model_dir
+        try:
+            return random_model_dir(spec[len("random:"):]), spec
+        except RandomModelUnavailable as e:
+            raise ModelNotFound(str(e)) from e
     local = Path(spec).expanduser()
     if local.exists():
         if not (local / "config.json").exists():

@@ -30,6 +30,19 @@ def test_web_dir_is_served_at_root(tmp_path):
         assert client.get("/").json()["api"] == "/v1"
 
 
+def test_unknown_routes_answer_404_for_every_method(tmp_path):
+    (tmp_path / "index.html").write_text("<h1>heap</h1>")
+    (tmp_path / "app.js").write_text("1")
+    for web_dir in (tmp_path, None):
+        with TestClient(create_app(FakeBackend(), ServerSettings(web_dir=web_dir))) as client:
+            for method in ("GET", "POST", "PUT", "PATCH", "DELETE"):
+                r = client.request(method, "/v1/no-such-route")
+                assert r.status_code == 404 and r.json()["error"]["code"] == "not_found", (method, web_dir)
+            assert client.put("/v1/chat/completions").status_code == 405   # a known route, a wrong method
+    with TestClient(create_app(FakeBackend(), ServerSettings(web_dir=tmp_path))) as client:
+        assert client.post("/app.js").status_code == 405 and client.post("/").status_code == 405
+
+
 def test_cors_allows_only_the_servers_own_origin_unless_configured():
     settings = ServerSettings(port=8000, web_dir=None, cors_origins=["http://tools.example"])
     with TestClient(create_app(FakeBackend(), settings)) as client:

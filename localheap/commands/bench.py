@@ -35,44 +35,47 @@ def add_parser(sub) -> None:
     speed = bsub.add_parser("speed", help="prefill and decode tokens/s: heap vs stock caches")
     add_model_args(speed)
     add_heap_args(speed)
-    speed.add_argument("--contexts", type=_ints, default=[2048, 8192, 32768])
-    speed.add_argument("--decode-tokens", type=int, default=64)
+    speed.add_argument("--contexts", type=_ints, default=[2048, 8192, 32768], help="prompt lengths measured (8k, 1m accepted)")
+    speed.add_argument("--decode-tokens", type=int, default=64, help="tokens decoded per cell")
     speed.add_argument("--repeats", type=int, default=1, help="best of N per cell")
     speed.add_argument("--threads", type=int, default=None,
-                       help="torch intra-op threads (1 is steadier on a small shared CPU)")
+                       help="torch intra-op threads, 1 is steadier on a small shared CPU (default: torch's own)")
     speed.set_defaults(func=run_speed)
     mem = bsub.add_parser("memory", help="stream many tokens through one session; KV, allocator, RSS")
     add_model_args(mem)
     add_heap_args(mem)
-    mem.add_argument("--tokens", type=_ints, default=[1_000_000])
-    mem.add_argument("--checkpoints", type=_ints, default=[8192, 65536, 262144, 1_000_000])
+    mem.add_argument("--tokens", type=_ints, default=[1_000_000], help="tokens streamed through the session")
+    mem.add_argument("--checkpoints", type=_ints, default=[8192, 65536, 262144, 1_000_000],
+                     help="token counts at which memory is measured")
     mem.add_argument("--stock-tokens", type=_ints, default=[65536],
                      help="stream the stock full cache this far (it grows without bound)")
     mem.add_argument("--ram-budget", default=None, metavar="SIZE",
-                     help="hold the run to this budget as `serve` would (allocator limits) and check RSS against it")
+                     help="hold the run to this budget as `serve` would (allocator limits) and check RSS against it "
+                          "(default: no budget)")
     mem.set_defaults(func=run_memory)
     needle = bsub.add_parser("needle", help="pass-key retrieval under eviction, per policy and pruning level")
     add_model_args(needle)
     add_heap_args(needle)
-    needle.add_argument("--context", type=int, default=4096)
+    needle.add_argument("--context", type=int, default=4096, help="document length of the main table")
     needle.add_argument("--prune", type=_fractions, default=list(NEEDLE_PRUNE),
                         help="pruning levels at --context: 0.1,0.5 or 10%%,50%% (budget = the rest)")
     needle.add_argument("--trials", type=int, default=100, help="episodes per cell at --context")
-    needle.add_argument("--long-contexts", type=_ints, default=list(NEEDLE_LONG_CONTEXTS))
-    needle.add_argument("--long-trials", type=int, default=20)
+    needle.add_argument("--long-contexts", type=_ints, default=list(NEEDLE_LONG_CONTEXTS),
+                        help="longer documents, at fewer trials")
+    needle.add_argument("--long-trials", type=int, default=20, help="episodes per cell at the long contexts")
     needle.add_argument("--long-full", type=_ints, default=[],
                         help="long contexts that also get a full-cache cell (slow: attention over the whole context)")
-    needle.add_argument("--seed", type=int, default=0)
+    needle.add_argument("--seed", type=int, default=0, help="seed of the episodes")
     needle.add_argument("--plots", default="needle-plots", help="directory for the PNG plots (needs matplotlib)")
     needle.set_defaults(func=run_needle_bench, model="demo")
 
     mass = bsub.add_parser("attention-mass", help="share of the true attention mass each policy's kept set captures")
     add_model_args(mass)
     add_heap_args(mass)
-    mass.add_argument("--context", type=int, default=4096)
+    mass.add_argument("--context", type=int, default=4096, help="document length")
     mass.add_argument("--prune", type=_fractions, default=[0.5, 0.9], help="pruning levels (budget = the rest)")
     mass.add_argument("--trials", type=int, default=4, help="documents (needle episodes) averaged")
-    mass.add_argument("--seed", type=int, default=0)
+    mass.add_argument("--seed", type=int, default=0, help="seed of the documents")
     mass.set_defaults(func=run_attention_mass_bench, model="demo")
 
 

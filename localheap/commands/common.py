@@ -9,10 +9,13 @@ from ..heap import POLICIES, POSITION_MODES, HeapConfig
 
 def add_model_args(p: argparse.ArgumentParser, required: bool = False) -> None:
     p.add_argument("--model", default=None, required=required,
-                   help="alias from models.toml, local model directory, hub repo id, or random:FAMILY:SIZE")
+                   help="alias from models.toml, local model directory, hub repo id, or random:FAMILY:SIZE "
+                        "(default: the small demo model bundled in the package, no download)")
     p.add_argument("--random-model", default=None, metavar="FAMILY:SIZE",
-                   help="build a random-weight model of a real architecture locally (e.g. llama:tiny)")
-    p.add_argument("--backend", default="auto", choices=("auto", "mlx", "torch"))
+                   help="build a random-weight model of a real architecture locally, no weights needed, "
+                        "e.g. llama:tiny (default: not used)")
+    p.add_argument("--backend", default="auto", choices=("auto", "mlx", "torch"),
+                   help="auto: mlx on Apple Silicon, torch where it is installed, else mlx")
 
 
 def model_spec(args) -> str | None:
@@ -24,12 +27,13 @@ def model_spec(args) -> str | None:
 def add_heap_args(p: argparse.ArgumentParser) -> None:
     d = HeapConfig()
     p.add_argument("--budget", type=int, default=d.budget, help="scored KV tokens kept per layer")
-    p.add_argument("--sinks", type=int, default=d.sinks)
+    p.add_argument("--sinks", type=int, default=d.sinks, help="first tokens always kept (attention sinks)")
     p.add_argument("--recent", type=int, default=d.recent, help="most recent tokens always kept")
     p.add_argument("--slack", type=int, default=d.slack, help="append room = prefill chunk = decode eviction interval")
-    p.add_argument("--policy", default=d.policy, choices=POLICIES)
-    p.add_argument("--positions", default=d.positions, choices=POSITION_MODES)
-    p.add_argument("--profile", default=d.profile, choices=("uniform", "pyramid"))
+    p.add_argument("--policy", default=d.policy, choices=POLICIES, help="how the tokens to keep are ranked")
+    p.add_argument("--positions", default=d.positions, choices=POSITION_MODES,
+                   help="compact: RoPE positions follow slot order; absolute: original positions")
+    p.add_argument("--profile", default=d.profile, choices=("uniform", "pyramid"), help="budget across layers")
 
 
 def heap_config(args, **overrides) -> HeapConfig:

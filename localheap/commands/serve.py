@@ -18,24 +18,27 @@ def add_parser(sub) -> None:
     add_model_args(p)
     add_heap_args(p)
     p.add_argument("--ram-budget", default=None, metavar="SIZE",
-                   help="RAM budget for weights + heaps + runtime, e.g. 12G, 512M or bytes")
-    p.add_argument("--host", default="127.0.0.1", help="bind address (default: localhost only)")
-    p.add_argument("--port", type=int, default=8000)
+                   help="RAM budget for weights + heaps + runtime, e.g. 12G, 512M or bytes "
+                        "(default: 75%% of this machine's RAM)")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="bind address; 0.0.0.0 serves the network (default: 127.0.0.1, this machine only)")
+    p.add_argument("--port", type=int, default=8000, help="TCP port")
     p.add_argument("--api-key", default=os.environ.get("LOCALHEAP_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on /v1/* and /metrics (env LOCALHEAP_API_KEY)")
+                   help="require 'Authorization: Bearer KEY' on /v1/* and /metrics (default: $LOCALHEAP_API_KEY, else no key)")
     p.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
-                   help="allow browser requests from ORIGIN (repeatable; the server's own origin always is)")
+                   help="allow browser requests from ORIGIN, repeatable (default: only the server's own origin)")
     p.add_argument("--max-body", default="64M", metavar="SIZE", help="largest request body (413 beyond)")
     p.add_argument("--max-active", type=int, default=8, help="requests served round-robin at once")
     p.add_argument("--max-queue", type=int, default=32, help="requests waiting beyond those (503 beyond)")
-    p.add_argument("--max-sessions", type=int, default=256)
+    p.add_argument("--max-sessions", type=int, default=256, help="sessions kept (oldest idle ones are dropped)")
     p.add_argument("--max-resident-sessions", type=int, default=8, help="idle sessions beyond are spilled to disk")
     p.add_argument("--sessions-dir", type=Path, default=None,
                    help="where sessions are spilled and saved (default: ~/.cache/localheap/sessions/MODEL)")
     p.add_argument("--no-persist", dest="persist", action="store_false",
-                   help="do not save sessions at shutdown nor restore them at start")
+                   help="do not save sessions at shutdown nor restore them at start (default: they are saved)")
     p.add_argument("--default-max-tokens", type=int, default=1024, help="chat reply limit when a request sets none")
-    p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
+    p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"),
+                   help="server log detail")
     p.set_defaults(func=run)
 
 

@@ -8,7 +8,6 @@ from typing import Any, Optional
 
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.staticfiles import StaticFiles
 
 from ..engine import Engine, Governor
 from ..governor import governor_for, plan_for
@@ -18,6 +17,7 @@ from .middleware import LimitBody, RequireApiKey
 from .routes import observe, openai, sessions
 from .services import Services
 from .settings import ServerSettings
+from .webfiles import WebFiles
 
 
 log = logging.getLogger("localheap.server")
@@ -69,7 +69,7 @@ def create_app(backend: Any, settings: Optional[ServerSettings] = None, governor
 def _mount_web(app: FastAPI, settings: ServerSettings) -> None:
     """The web UI at / when the package ships one (localheap/web/index.html)."""
     if settings.web_dir is not None:
-        app.mount("/", StaticFiles(directory=settings.web_dir, html=True), name="web")
+        app.mount("/", WebFiles(directory=settings.web_dir, html=True), name="web")
         return
 
     @app.get("/", include_in_schema=False)
