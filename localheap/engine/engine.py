@@ -17,6 +17,7 @@ from concurrent.futures import Future
 from typing import Any, Callable, Optional
 
 from ..sessions import Session, SessionNotFound, SessionStore, continue_session, match_session
+from . import branching
 from .errors import EngineStopped, OverBudget, Overloaded
 from .events import Failed, Feed, Job, Started
 from .governor import AdmitAll, Governor
@@ -155,11 +156,16 @@ class Engine:
         if req.session_id is not None:
             match = continue_session(self.store.get(req.session_id), req.prompt, encode, tok.decode)
         else:
-            sessions = [] if isinstance(req, Feed) else self.store.sessions()
-            match = match_session(sessions, req.prompt, encode, tok.decode)
+            documents = isinstance(req, Feed)   # a document without a session starts a new one
+            sessions = [] if documents else self.store.sessions()
+            checkpoints = [] if documents else self.store.checkpoints.all()
+            match = match_session(sessions, req.prompt, encode, tok.decode, checkpoints)
             if match is None:
                 created = True
                 match = continue_session(self.store.create(), req.prompt, encode, tok.decode)
+            elif match.checkpoint is not None:
+                created = True
+                match.session = self.store.create()
         s = match.session
         try:
             if not match.new_tokens:
@@ -167,7 +173,11 @@ class Engine:
             self.store.enforce_limits(keep=s)
             if s.cache is None:
                 self._admit_heap(s)
+            if match.checkpoint is not None:
+                branching.fork_into(self.store, s, match.checkpoint)
             self.store.make_resident(s)
+            if match.rollback is not None:
+                branching.roll_back(self.backend, s, match.rollback)
         except Exception:
             if created:
                 self.store.delete(s.id)
@@ -235,6 +245,10 @@ class Engine:
         s = run.session
         s.busy = False
         s.turns += 1
+        fed_document = isinstance(run.request, Feed) and run.finish_reason == "fed"
+        branching.settle(self.backend, s, None if fed_document else run.prompt_tokens)
+        if fed_document:
+            branching.checkpoint_quietly(self.store, s)
         self.store.touch(s)
         s.refresh()
         self.counters.completion_tokens += len(run.completion)
@@ -282,6 +296,12 @@ class Engine:
                 item[1].set_exception(EngineStopped())
 
     # --- session commands (engine thread, via call) ---
+
+    def checkpoint_session(self, session_id: str):
+        return branching.checkpoint(self.store, session_id)
+
+    def fork_session(self, session_id: str, tokens: Optional[int] = None) -> Session:
+        return branching.fork(self.store, session_id, tokens, self._admit_heap)
 
     def delete_session(self, session_id: str) -> None:
         """Cancel whatever runs on the session, then forget it."""

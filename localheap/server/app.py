@@ -14,7 +14,7 @@ from ..governor import governor_for, plan_for
 from ..sessions import SessionStore
 from . import errors
 from .middleware import LimitBody, RequireApiKey
-from .routes import observe, openai, sessions
+from .routes import branches, observe, openai, sessions
 from .services import Services
 from .settings import ServerSettings
 from .webfiles import WebFiles
@@ -38,6 +38,7 @@ def create_app(backend: Any, settings: Optional[ServerSettings] = None, governor
     async def lifespan(app: FastAPI):
         if settings.persist_sessions:
             n = store.load_persisted(backend.model_name)
+            store.checkpoints.load_persisted(store.sessions())
             if n:
                 log.info("restored %d saved session(s) from %s", n, store.spill_dir)
         engine.start()
@@ -53,7 +54,7 @@ def create_app(backend: Any, settings: Optional[ServerSettings] = None, governor
     app = FastAPI(title="localheap", version="0.1.0", lifespan=lifespan, docs_url="/docs", redoc_url=None)
     app.state.services = svc
     errors.install(app)
-    for module in (openai, sessions, observe):
+    for module in (openai, sessions, branches, observe):
         app.include_router(module.router)
     app.add_middleware(LimitBody, max_bytes=settings.max_body_bytes)
     if settings.api_key:

@@ -34,6 +34,9 @@ class Session:
     turns: int = 0
     stats: Optional[HeapStats] = None
     snapshot: dict = field(default_factory=dict)
+    rollback_floor: Optional[int] = None   # fewest tokens the cache rolls back to exactly (None: no rollback)
+    reply_start: Optional[int] = None      # tokens held before the latest reply began (None: all of them)
+    checkpoints: list = field(default_factory=list)   # token counts of its saved checkpoints
     _text: Optional[str] = None
     _text_tokens: int = -1
 
@@ -45,6 +48,11 @@ class Session:
 
     def extend(self, tokens: Sequence[int]) -> None:
         self.fed.extend(tokens)
+
+    def truncate(self, tokens: int) -> None:
+        """Forget the history after the first `tokens` (the cache was rolled back with it)."""
+        del self.fed[tokens:]
+        self._text_tokens = -1
 
     def text(self, decode: Callable[[list[int]], str]) -> str:
         """The fed tokens decoded (cached until more tokens are fed)."""
@@ -67,4 +75,5 @@ class Session:
             "created": int(self.created),
             "last_used": round(self.last_used, 3),
             "heap": self.stats.to_dict() if self.stats is not None else None,
+            "checkpoints": list(self.checkpoints),
         }

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from ..heap import HeapConfig
+from .checkpoints import Checkpoints
 from .errors import SessionBusy, SessionNotFound
 from .session import Session, token_array
 
@@ -40,6 +41,7 @@ class SessionStore:
         self._lock = threading.Lock()   # guards the dict against readers on other threads
         self.spills = 0
         self.restores = 0
+        self.checkpoints = Checkpoints(self.spill_dir / "checkpoints", backend)
 
     # --- lookup (engine thread) ---
 
@@ -75,6 +77,7 @@ class SessionStore:
             del self._sessions[session_id]
         s.cache = None
         self._remove_files(s)
+        self.checkpoints.drop(session_id)
 
     # --- heap residency (engine thread) ---
 
