@@ -8,7 +8,7 @@ import argparse
 import importlib
 import sys
 
-COMMANDS = ("serve", "generate", "bench")
+COMMANDS = ("serve", "chat", "generate", "bench")
 
 
 class DefaultsHelp(argparse.ArgumentDefaultsHelpFormatter):
