@@ -50,6 +50,8 @@ def test_rollback_stops_at_the_floor_and_at_the_shared_share():
     assert match_session([other], prompt("<sys>be brief</sys> user: what is rust?"), encode, decode) is None
     short = session("<sys>be brief</sys> user: tides? asst: moon.", reply_start=36)
     assert match_session([short], prompt("<sys>be brief</sys> user: what is rust?"), encode, decode).rollback == 26
+    short.addressed = True   # a client holds it by id: another request never rolls it back
+    assert match_session([short], prompt("<sys>be brief</sys> user: what is rust?"), encode, decode) is None
 
 
 def test_regenerating_the_same_prompt_feeds_its_last_token_again():

@@ -155,6 +155,7 @@ class Engine:
         created = False
         if req.session_id is not None:
             match = continue_session(self.store.get(req.session_id), req.prompt, encode, tok.decode)
+            match.session.addressed = True
         else:
             documents = isinstance(req, Feed)   # a document without a session starts a new one
             sessions = [] if documents else self.store.sessions()

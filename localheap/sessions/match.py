@@ -4,7 +4,8 @@ OpenAI-style clients resend the whole history each turn. A session continues a p
 its fed tokens are a strict prefix of the prompt's tokens, or their text is a prefix of the
 prompt text (a reply re-tokenized differently). Failing that, the longest common token prefix
 is reused: the session is rolled back to it where that is exact (nothing evicted since), or a
-new session starts from a checkpoint at or before it. A chat template that renders past
+new session starts from a checkpoint at or before it. A session a client addresses by id is
+never rolled back for another request (that client relies on what it holds). A chat template that renders past
 assistant turns differently from its generation prompt (dropped reasoning, an added marker)
 still shares everything up to the last reply.
 """
@@ -78,7 +79,8 @@ def _rollback_point(s: Session, shared: int, prompt_len: int) -> Optional[int]:
     """Where `s` can be rolled back to so that it continues the prompt, or None."""
     keep = min(shared, prompt_len - 1)   # at least the prompt's last token is fed again
     before_reply = s.reply_start if s.reply_start is not None else len(s.fed)
-    if s.rollback_floor is None or keep < max(1, s.rollback_floor) or keep < MIN_SHARED * before_reply:
+    if s.addressed or s.rollback_floor is None or keep < max(1, s.rollback_floor) \
+            or keep < MIN_SHARED * before_reply:
         return None
     return keep
 

@@ -37,6 +37,7 @@ class Session:
     rollback_floor: Optional[int] = None   # fewest tokens the cache rolls back to exactly (None: no rollback)
     reply_start: Optional[int] = None      # tokens held before the latest reply began (None: all of them)
     checkpoints: list = field(default_factory=list)   # token counts of its saved checkpoints
+    addressed: bool = False   # a client named it (X-Session-Id): never rolled back for another request
     _text: Optional[str] = None
     _text_tokens: int = -1
 
