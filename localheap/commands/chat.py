@@ -100,6 +100,10 @@ def run(args) -> int:
             except KeyboardInterrupt:
                 print("\n[stopped]", flush=True)
                 print(chat.status(), flush=True)
+            except Exception as e:   # one failed request never ends the chat
+                print(f"\nerror: {type(e).__name__}: {e}", flush=True)
+                if chat.ensure_session():
+                    print("the conversation was lost with it; a new one starts", flush=True)
     finally:
         chat.close()
 

@@ -69,6 +69,14 @@ class ChatEngine:
 
         return self._run(lambda emit: Feed(prompt, emit, self.session_id), on_event)
 
+    def ensure_session(self) -> bool:
+        """After a failed request the engine may have dropped the session: start a new one.
+        True when the conversation had to start over."""
+        if self.session_id in self.store:
+            return False
+        self.session_id = self.engine.call(self.store.create).result().id
+        return True
+
     @property
     def session(self):
         return self.store.get(self.session_id)
