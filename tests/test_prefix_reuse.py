@@ -74,3 +74,38 @@ def test_whole_session_prefix_beats_a_rollback_and_a_checkpoint_beats_nothing(tm
     busy = session("<s>doc Q2 and more")
     busy.busy = True
     assert match_session([busy], prompt("<s>doc Q2 and more!"), encode, decode, [ckpt]).checkpoint is ckpt
+
+
+def test_checkpoints_keep_the_first_and_newest_cap_the_total_and_survive_a_restart(tmp_path):
+    from test_engine import FakeBackend, FakeCache
+
+    from localheap.sessions.checkpoints import Checkpoints
+
+    backend = FakeBackend()
+    store = Checkpoints(tmp_path, backend, per_session=3, max_total=4)
+
+    def resident(name, text):
+        s = session(text)
+        s.id, s.cache = name, FakeCache(CFG)
+        s.cache.tokens = encode(text)
+        return s
+
+    a = resident("a", "doc")
+    for more in ("", " q1", " q1 a1", " q1 a1 q2"):
+        a.fed, a.cache.tokens = token_array(encode("doc" + more)), encode("doc" + more)
+        store.save(a)
+    assert a.checkpoints == [3, 9, 12]                  # the first (the document) and the newest
+    assert store.save(a).n == 12 and a.checkpoints == [3, 9, 12]   # same tokens: not saved twice
+    assert sorted(p.name for p in (tmp_path / "a").iterdir()) == ["12.safetensors", "12.tokens", "3.safetensors",
+                                                                  "3.tokens", "9.safetensors", "9.tokens"]
+    fork = session("")
+    fork.id = "f"
+    store.inherit(store.nearest("a", 10), fork)        # a fork at 9 tokens owns links to 3 and 9
+    assert fork.checkpoints == [3, 9] and store.load(store.nearest("f", 9), CFG).tokens == encode("doc q1 a1")
+    assert len(store.all()) == 4                       # the cap: the oldest (a's 3) went
+    assert a.checkpoints == [9, 12] and fork.checkpoints == [3, 9]
+    restarted = Checkpoints(tmp_path, backend)
+    assert restarted.load_persisted([a]) == 2 and a.checkpoints == [9, 12]
+    assert not (tmp_path / "f").exists()               # an unknown session's checkpoints are removed
+    restarted.drop("a")
+    assert not (tmp_path / "a").exists() and restarted.all() == []

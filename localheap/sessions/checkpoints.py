@@ -22,6 +22,7 @@ from .session import Session, token_array
 
 log = logging.getLogger("localheap.sessions")
 PER_SESSION = 4   # kept per session (a checkpoint is a heap's worth of disk)
+MAX_TOTAL = 32    # kept in all; the oldest go first beyond
 
 
 @dataclass(eq=False)
@@ -29,6 +30,7 @@ class Checkpoint:
     session_id: str
     tokens: Any    # array('i'): the session's tokens at the checkpoint
     path: Path     # heap file; the tokens sit beside it (.tokens)
+    seq: int = 0   # creation order, for the global cap
 
     @property
     def n(self) -> int:
@@ -36,10 +38,13 @@ class Checkpoint:
 
 
 class Checkpoints:
-    def __init__(self, root: Path, backend: Any, per_session: int = PER_SESSION):
-        assert per_session >= 2
-        self.root, self.backend, self.per_session = Path(root), backend, per_session
+    def __init__(self, root: Path, backend: Any, per_session: int = PER_SESSION, max_total: int = MAX_TOTAL):
+        assert 2 <= per_session <= max_total
+        self.root, self.backend = Path(root), backend
+        self.per_session, self.max_total = per_session, max_total
         self._by_session: dict[str, list[Checkpoint]] = {}
+        self._owners: dict[str, Session] = {}
+        self._seq = 0
 
     def of(self, session_id: str) -> list[Checkpoint]:
         return list(self._by_session.get(session_id, []))
@@ -85,6 +90,7 @@ class Checkpoints:
 
     def drop(self, session_id: str) -> None:
         self._by_session.pop(session_id, None)
+        self._owners.pop(session_id, None)
         shutil.rmtree(self.root / session_id, ignore_errors=True)
 
     def load_persisted(self, sessions: Iterable[Session]) -> int:
@@ -112,14 +118,29 @@ class Checkpoints:
         return found
 
     def _add(self, s: Session, c: Checkpoint) -> Checkpoint:
+        self._seq += 1
+        c.seq = self._seq
+        self._owners[s.id] = s
         kept = sorted(self.of(s.id) + [c], key=lambda x: x.n)
-        while len(kept) > self.per_session:
-            old = kept.pop(1)   # keep the first (often a document) and the newest ones
-            old.path.unlink(missing_ok=True)
-            old.path.with_suffix(".tokens").unlink(missing_ok=True)
+        if len(kept) > self.per_session:
+            _unlink(kept.pop(1))   # keep the first (often a document) and the newest ones
         self._by_session[s.id] = kept
         s.checkpoints = [x.n for x in kept]
+        while len(self.all()) > self.max_total:
+            self._remove(min((x for x in self.all() if x is not c), key=lambda x: x.seq))
         return c
+
+    def _remove(self, c: Checkpoint) -> None:
+        _unlink(c)
+        left = [x for x in self._by_session.get(c.session_id, []) if x is not c]
+        self._by_session[c.session_id] = left
+        if c.session_id in self._owners:
+            self._owners[c.session_id].checkpoints = [x.n for x in left]
+
+
+def _unlink(c: Checkpoint) -> None:
+    c.path.unlink(missing_ok=True)
+    c.path.with_suffix(".tokens").unlink(missing_ok=True)
 
 
 def _write_tokens(path: Path, tokens) -> None:
