@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from ..generation import SamplingParams
-from .common import add_heap_args, add_model_args, heap_config, model_spec
+from .common import add_heap_args, add_model_args, heap_config, model_spec, with_backend_chunk
 from .progress import ProgressBar
 
 PROMPT, MORE = ">>> ", "... "
@@ -74,9 +74,10 @@ def run(args) -> int:
         import readline  # noqa: F401  (line editing and history for input())
     except ImportError:
         pass
-    cfg = heap_config(args)
+    cfg = heap_config(args)   # bad flags fail before the model loads
     print("loading the model...", file=sys.stderr, flush=True)
     backend = load_backend(model_spec(args), args.backend)
+    cfg = with_backend_chunk(cfg, args, backend)
     chat = ChatEngine(backend, cfg, system=args.system)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             seed=args.seed)
