@@ -15,7 +15,8 @@ pexpect = pytest.importorskip("pexpect")
 from localheap.commands.chat import read_message  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-STATUS = re.compile(r"\[heap: tokens seen ([\d,]+) .*?\| reply (\d+) tokens.*?\| prompt ([\d,]+) tokens, ([\d,]+) reused\]")
+STATUS = re.compile(r"\[heap: tokens seen ([\d,]+) .*?\| reply (\d+) tokens.*?"
+                    r"\| prompt ([\d,]+) tokens, ([\d,]+) reused\]")
 
 
 def number(text: str) -> int:

@@ -111,3 +111,22 @@ def test_rollback_is_refused_before_the_latest_eviction(backends):
             backend.truncate(cache, floor - 1)
         backend.truncate(cache, floor)
         assert backend.tokens_in_cache(cache) == floor
+
+
+def test_a_recall_merge_or_release_moves_the_floor():
+    cfg = HeapConfig(budget=48, sinks=4, recent=8, slack=16, policy="h2o", recall=True, recall_budget=16,
+                     page_size=8)
+    heap = LayerHeap(cfg, n_kv_heads=2, budget=cfg.budget)
+    heap.append(60)
+    plan = heap.plan(_random_view(heap))
+    gone = np.stack([np.setdiff1d(np.arange(60), heap.positions[h, :60][plan.keep_indices[h]])[:8] for h in range(2)])
+    heap.apply(plan)
+    heap.append(4)
+    assert heap.repacked_at == 60
+    heap.merge(gone)   # evicted tokens recalled among the resident ones: the slots move
+    assert heap.repacked_at == heap.seen == 64
+    with pytest.raises(ValueError):
+        heap.truncate(62)
+    heap.append(3)
+    heap.apply(heap.release_plan(), evicting=False)
+    assert heap.repacked_at == 67 and heap.evictions == 1

@@ -24,7 +24,8 @@ def add_parser(sub) -> None:
                    help="bind address; 0.0.0.0 serves the network (default: 127.0.0.1, this machine only)")
     p.add_argument("--port", type=int, default=8000, help="TCP port")
     p.add_argument("--api-key", default=os.environ.get("LOCALHEAP_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on /v1/* and /metrics (default: $LOCALHEAP_API_KEY, else no key)")
+                   help="require 'Authorization: Bearer KEY' on /v1/* and /metrics "
+                        "(default: $LOCALHEAP_API_KEY, else no key)")
     p.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
                    help="allow browser requests from ORIGIN, repeatable (default: only the server's own origin)")
     p.add_argument("--max-body", default="64M", metavar="SIZE", help="largest request body (413 beyond)")
