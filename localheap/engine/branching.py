@@ -34,6 +34,14 @@ def roll_back(backend: Any, s: Session, tokens: int) -> None:
     settle(backend, s)
 
 
+def new_branch(store: SessionStore, source_id: str) -> Session:
+    """An empty session for a fork of `source_id`, owned by the same API key where keys own sessions."""
+    s = store.create()
+    if source_id in store and hasattr(store.get(source_id), "owner"):
+        s.owner = store.get(source_id).owner
+    return s
+
+
 def fork_into(store: SessionStore, s: Session, c: Checkpoint) -> None:
     """Fill the new, empty session `s` with checkpoint `c` (its heap, tokens and earlier checkpoints)."""
     assert not s.fed and s.cache is None
@@ -84,7 +92,7 @@ def fork(store: SessionStore, session_id: str, tokens: Optional[int], admit_heap
             raise NoCheckpoint(f"session {session_id!r} has no checkpoint at or before {tokens} tokens "
                                f"(checkpoints: {source.checkpoints or 'none'}); POST /v1/sessions/"
                                f"{session_id}/checkpoint takes one")
-    s = store.create()
+    s = new_branch(store, session_id)
     try:
         store.enforce_limits(keep=s)
         admit_heap(s)

@@ -201,11 +201,12 @@ class Engine:
         else:
             documents = isinstance(req, Feed)   # a document without a session starts a new one
             sessions = [] if documents else self.store.sessions()
-            checkpoints = [] if documents else self.store.checkpoints.all()
+            checkpoints = [] if documents else [c for c in self.store.checkpoints.all()
+                                                if self._same_owner(c.session_id, req)]
             match = match_session(sessions, req.prompt, encode, tok.decode, checkpoints)
         try:
             if match is not None and match.checkpoint is not None:
-                match.session = self.store.create()
+                match.session = branching.new_branch(self.store, match.checkpoint.session_id)
                 return self._run(job, self._prepare(match, created=True), created=True)
             if match is not None:
                 return self._run(job, self._prepare(match, created=False), created=False)
@@ -219,6 +220,11 @@ class Engine:
             log.warning("checkpoint %s unreadable (%s); serving the prompt in a new session", match.checkpoint.path, e)
         match = continue_session(self.store.create(), req.prompt, encode, tok.decode)
         self._run(job, self._prepare(match, created=True), created=True)
+
+    def _same_owner(self, session_id: str, req) -> bool:
+        """Where API keys own sessions, a prompt reuses only its own key's checkpoints."""
+        return session_id in self.store and \
+            getattr(self.store.get(session_id), "owner", None) == getattr(req, "owner", None)
 
     def _prepare(self, match, created: bool):
         """Make room for the match's session and give it its heap (from a checkpoint, or rolled
