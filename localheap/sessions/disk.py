@@ -158,6 +158,7 @@ class SessionDir:
 
     def remove(self, session_id: str, keep_gen: Optional[int] = None) -> None:
         """Remove a session's files, all of them or all but generation keep_gen."""
+        assert valid_id(session_id), session_id
         for path in self.root.glob(f"{session_id}.*"):
             m = SESSION_FILE.fullmatch(path.name)
             if m is None or m.group(1) != session_id:
