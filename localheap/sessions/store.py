@@ -103,6 +103,11 @@ class SessionStore:
         s.cache = None
         self._try_commit()
         self._remove_files(s)
+        shutil.rmtree(self.pages_dir(s), ignore_errors=True)
+
+    def pages_dir(self, s: Session) -> Path:
+        """The session's page store (recall on): kept across spills and restarts, removed with it."""
+        return self.spill_dir / f"{s.id}.pages"
 
     # --- heap residency (engine thread) ---
 
@@ -121,7 +126,9 @@ class SessionStore:
             self.restore(s.id)
         else:
             assert not s.fed, "a session with history and no cache must have been spilled"
-            s.cache = self.backend.new_cache(s.cfg)
+            # recall: the session's pages live beside its other files from the start
+            extra = {"pages_dir": self.pages_dir(s)} if s.cfg.recall else {}
+            s.cache = self.backend.new_cache(s.cfg, **extra)
             s.refresh(self.backend.stats(s.cache))
 
     def spill(self, session_id: str) -> Path:
