@@ -64,7 +64,7 @@ class Server:
         return {m.group(1): float(m.group(2)) for m in re.finditer(r"^localheap_(\w+) ([0-9.e+-]+)$", text, re.M)}
 
     def new_session(self, doc: str) -> str:
-        sid = httpx.post(self.url + "/v1/sessions").json()["id"]
+        sid = httpx.post(self.url + "/v1/sessions", timeout=60).json()["id"]
         r = httpx.post(f"{self.url}/v1/sessions/{sid}/documents", json={"text": doc, "stream": False}, timeout=120)
         assert r.status_code == 200, r.text
         return sid
@@ -123,7 +123,7 @@ def test_budget_spill_reject_and_restart(sizes, tmp_path):
         # every resident heap busy (reading long documents): one more heap -> 503 + Retry-After
         streams, clients = [], []
         for _ in range(fit):
-            sid = httpx.post(srv.url + "/v1/sessions").json()["id"]
+            sid = httpx.post(srv.url + "/v1/sessions", timeout=60).json()["id"]
             c = httpx.Client(timeout=120)
             clients.append(c)
             req = c.build_request("POST", f"{srv.url}/v1/sessions/{sid}/documents", json={"text": DOC * 40})
@@ -131,7 +131,7 @@ def test_budget_spill_reject_and_restart(sizes, tmp_path):
             lines = r.iter_lines()        # kept referenced: a collected iterator closes the stream
             assert any(line.startswith("event: progress") for line in lines)   # reading: its heap is busy
             streams.append((r, lines))
-        refused = httpx.post(srv.url + "/v1/sessions").json()["id"]
+        refused = httpx.post(srv.url + "/v1/sessions", timeout=60).json()["id"]
         r = srv.ask(refused)
         assert r.status_code == 503, r.text
         assert r.json()["error"]["code"] == "ram_budget_exceeded" and int(r.headers["Retry-After"]) >= 1
