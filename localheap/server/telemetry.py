@@ -90,6 +90,22 @@ def heap_snapshot(svc: Services, with_history: bool = False) -> dict:
     return snap
 
 
+def page_rows(pages: list[dict]) -> list[tuple]:
+    """The recall tier's page stores, summed over sessions (recall on)."""
+    def total(key: str) -> int:
+        return sum(p[key] for p in pages)
+
+    return [
+        ("pages_stored", "gauge", "pages of evicted KV on disk (one page: page_size tokens of one layer)",
+         [("", total("pages"))]),
+        ("pages_dropped_total", "counter", "pages dropped to stay inside --disk-budget", [("", total("pages_dropped"))]),
+        ("pages_disk_bytes", "gauge", "bytes of the live pages on disk", [("", total("disk_bytes"))]),
+        ("pages_summary_bytes", "gauge", "RAM for the page summaries", [("", total("summary_bytes"))]),
+        ("recalls_total", "counter", "questions that recalled pages", [("", total("recalls"))]),
+        ("recalled_tokens_total", "counter", "tokens recalled into heaps (per layer)", [("", total("recalled_tokens"))]),
+    ]
+
+
 def prometheus(svc: Services) -> str:
     """/metrics in the Prometheus text exposition format."""
     c, eng, gov = svc.engine.counters, svc.engine, governor(svc)
@@ -121,6 +137,9 @@ def prometheus(svc: Services) -> str:
         ("heap_tokens_seen", "gauge", "tokens fed into all heaps", [("", sum(h["tokens_seen"] for h in heaps))]),
         ("heap_tokens_resident", "gauge", "tokens resident in all heaps", [("", sum(h["resident"] for h in heaps))]),
         ("heap_tokens_evicted", "gauge", "tokens evicted from all heaps", [("", sum(h["evicted"] for h in heaps))]),
+        ("heap_tokens_recalled", "gauge", "recalled tokens resident in all heaps (per layer)",
+         [("", sum(h.get("recalled", 0) for h in heaps))]),
+        *page_rows([h["pages"] for h in heaps if h.get("pages")]),
         ("kv_bytes", "gauge", "KV bytes of resident heaps", [("", mem["kv_bytes"])]),
         ("weights_bytes", "gauge", "model weight bytes", [("", mem["weights_bytes"])]),
         ("process_rss_bytes", "gauge", "resident set size of the server process", [("", mem["rss_bytes"])]),
