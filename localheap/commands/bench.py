@@ -66,6 +66,13 @@ def add_parser(sub) -> None:
     needle.add_argument("--plots", default="needle-plots", help="directory for the PNG plots (needs matplotlib)")
     needle.set_defaults(func=run_needle_bench, model="demo")
 
+    prof = bsub.add_parser("profile", help="where a long heap prefill spends its time (cProfile)")
+    add_model_args(prof)
+    add_heap_args(prof)
+    prof.add_argument("--context", type=_ints, default=[65536])
+    prof.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    prof.set_defaults(func=run_profile_bench, model="demo")
+
     mass = bsub.add_parser("attention-mass", help="share of the true attention mass each policy's kept set captures")
     add_model_args(mass)
     add_heap_args(mass)
@@ -139,7 +146,8 @@ def run_memory(args) -> int:
         if budget is not None:
             r["within_budget"] = "yes" if r["rss_bytes"] <= budget else "NO"
     cols = [("path", "path", ""), ("tokens", "tokens", ","), ("kv", "KV", ""), ("active", "allocator active", ""),
-            ("peak", "allocator peak", ""), ("rss", "process RSS", "")]
+            ("peak", "allocator peak", ""), ("rss", "process RSS", ""),
+            ("tok_s", "tok/s since previous", ",.0f")]
     if budget is not None:
         cols.append(("within_budget", f"RSS <= {format_bytes(budget)}", ""))
     per_token = backend.kv_bytes_per_token()
@@ -167,6 +175,22 @@ def run_needle_bench(args) -> int:
     if not paths:
         print("plots skipped: matplotlib is not installed (pip install 'localheap[bench]')", file=sys.stderr)
     report(result, backend, paths)
+    return 0
+
+
+def run_profile_bench(args) -> int:
+    from ..bench.profile import profile_prefill, report
+    from ..models import load_backend
+
+    backend = load_backend(model_spec(args), args.backend)
+    if backend.name == "torch" and args.threads:
+        import torch
+        torch.set_num_threads(args.threads)
+    cfg = heap_config(args, backend)
+    for context in args.context:
+        row = profile_prefill(backend, cfg, context)
+        emit("profile", report(row, backend), {"model": backend.model_name, "backend": backend.name,
+                                               "heap": cfg.to_dict(), **row})
     return 0
 
 

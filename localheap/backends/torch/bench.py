@@ -155,14 +155,16 @@ def run_memory(backend, total: int, checkpoints: list[int], cfg: HeapConfig, sto
     points = sorted({c for c in checkpoints if c <= total} | {total})
     rows: list[dict] = []
 
-    def record(path: str, done: int, kv_bytes: int) -> None:
+    def record(path: str, done: int, kv_bytes: int, tok_s: float) -> None:
         mem = backend.memory()
         rows.append({"path": path, "tokens": done, "kv_bytes": kv_bytes, "active_bytes": mem["active"],
-                     "peak_bytes": mem["peak"], "rss_bytes": proc.memory_info().rss})
+                     "peak_bytes": mem["peak"], "rss_bytes": proc.memory_info().rss, "tok_s": tok_s})
 
     def stream(path: str, step, kv_bytes, stops: list[int], chunk: int) -> None:
+        """tok_s per row: prefill rate over the tokens since the previous checkpoint."""
         rng, done = np.random.default_rng(0), 0
         for stop in stops:
+            start, t0 = done, time.perf_counter()
             while done < stop:
                 n = min(chunk, stop - done)
                 step(torch.as_tensor(rng.integers(10, vocab, n), device=device))
@@ -170,12 +172,12 @@ def run_memory(backend, total: int, checkpoints: list[int], cfg: HeapConfig, sto
                 if progress:
                     progress(done, total)
             _sync(device)
-            record(path, done, kv_bytes())
+            record(path, done, kv_bytes(), (done - start) / (time.perf_counter() - t0))
 
     from .generate import forward
 
     heap = backend.new_cache(cfg)
-    stream("heap", lambda ids: forward(model, heap, ids), lambda: heap.kv_nbytes, points, cfg.slack)
+    stream("heap", lambda ids: forward(model, heap, ids), lambda: heap.kv_nbytes, points, cfg.chunk)
     heap = None   # free it before the stock run
     gc.collect()
     stock_points = [p for p in points if p <= stock_limit]
