@@ -28,6 +28,16 @@ def test_run_speed_rows_and_ratios(model_dirs):
     assert torch.is_grad_enabled(), "the stock loop must not leak no_grad"
 
 
+def test_bandwidth_bound(model_dirs):
+    """The bound's arithmetic (on CUDA by default; forced here on the CPU)."""
+    backend = TorchBackend.load(model_dirs("llama"))
+    rows = run_speed(backend, [64], HeapConfig(budget=32, sinks=4, recent=8, slack=16), decode_tokens=3, bound=True)
+    for r in rows:
+        assert r["bandwidth_bytes_s"] > 1e8
+        assert r["bound_tok_s"] == pytest.approx(r["bandwidth_bytes_s"] / (backend.weights_bytes + r["kv_bytes"]))
+        assert r["share_of_bound"] == pytest.approx(r["decode_tok_s"] / r["bound_tok_s"])
+
+
 def test_run_memory_heap_stays_flat(model_dirs):
     backend = TorchBackend.load(model_dirs("llama"))
     cfg = HeapConfig(budget=64, sinks=4, recent=16, slack=32)

@@ -116,8 +116,13 @@ def run_speed(args) -> int:
     cols = [("context", "context", ","), ("path", "path", ""), ("prefill_tok_s", "prefill tok/s", ",.0f"),
             ("decode_tok_s", "decode tok/s", ",.1f"), ("prefill_vs_stock", "prefill x stock", ".2f"),
             ("decode_vs_stock", "decode x stock", ".2f")]
+    bound = ""
+    if rows and "bound_tok_s" in rows[0]:   # CUDA: the memory-bandwidth bound, measured in this run
+        cols += [("bound_tok_s", "bandwidth bound tok/s", ",.0f"), ("share_of_bound", "share of bound", ".2f")]
+        bound = (f" | copy bandwidth {rows[0]['bandwidth_bytes_s'] / 1e9:,.0f} GB/s, "
+                 f"weights {format_bytes(backend.weights_bytes)}")
     text = (f"model {backend.model_name} | backend {backend.name} | budget {cfg.budget} | policy {cfg.policy} | "
-            f"positions {cfg.positions}\n" + table(rows, cols))
+            f"positions {cfg.positions} | prefill chunk {cfg.chunk}{bound}\n" + table(rows, cols))
     emit("speed", text, {"model": backend.model_name, "backend": backend.name, "heap": cfg.to_dict(), "rows": rows})
     return 0
 
