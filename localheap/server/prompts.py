@@ -3,12 +3,14 @@ document takes a while to tokenize). Knows the tokenizer, never a tensor."""
 
 from __future__ import annotations
 
+import re
 from typing import Any, Optional
 
 from ..sessions import Prompt
 from .errors import BadRequest
 from .schemas import ChatMessage, CompletionRequest
 
+_SURROGATE = re.compile("[\ud800-\udfff]")
 # A finished exchange rendered before new turns, so that the difference between the two
 # renders is exactly what the template adds for the new turns (no BOS, no default system).
 _PLACEHOLDER = [{"role": "user", "content": "\u2047"}, {"role": "assistant", "content": "\u2048"}]
@@ -16,7 +18,17 @@ _PLACEHOLDER = [{"role": "user", "content": "\u2047"}, {"role": "assistant", "co
 
 def _messages(messages: list[ChatMessage]) -> list[dict]:
     # "developer" is OpenAI's newer name for the system role; templates know "system"
-    return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in messages]
+    return [{"role": "system" if m.role == "developer" else m.role, "content": _text(m.text(), "messages")}
+            for m in messages]
+
+
+def _text(text: str, param: str) -> str:
+    r"""JSON may carry lone surrogates ("\ud800") that no tokenizer encodes: 400, not 500.
+    A search, not an encode: no copy of a large document."""
+    bad = _SURROGATE.search(text)
+    if bad is not None:
+        raise BadRequest(f"{param} holds invalid unicode (a lone surrogate at character {bad.start()})", param)
+    return text
 
 
 def render(tokenizer: Any, messages: list[dict], add_generation_prompt: bool) -> str:
@@ -59,15 +71,18 @@ def chat_prompt(tokenizer: Any, messages: list[ChatMessage], add_generation_prom
 
 def completion_prompt(tokenizer: Any, req: CompletionRequest) -> Prompt:
     p = req.prompt
-    if isinstance(p, list) and p and isinstance(p[0], int):
-        return Prompt(list(p), None, list(p))
-    text = p[0] if isinstance(p, list) else p
+    if isinstance(p, list) and not p:
+        raise BadRequest("the prompt is empty", "prompt")
+    if isinstance(p, list) and isinstance(p[0], int):
+        return Prompt(list(p), None, list(p))   # ids are checked against the vocabulary by the engine
+    text = _text(p[0] if isinstance(p, list) else p, "prompt")
     if not text:
         raise BadRequest("the prompt is empty", "prompt")
     return Prompt(encode(tokenizer, text, special=True), None, encode(tokenizer, text))
 
 
 def document_prompt(tokenizer: Any, text: str, role: str, raw: bool) -> Prompt:
+    _text(text, "text")
     if raw:
         return Prompt(encode(tokenizer, text, special=True), None, encode(tokenizer, text))
     return chat_prompt(tokenizer, [ChatMessage(role=role, content=text)], add_generation_prompt=False)

@@ -3,13 +3,42 @@ the RAM budget, throughput. Reads published snapshots only; never waits on the e
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import time
+from collections import deque
 
 import psutil
 
 from .services import Services
 
 _PROCESS = psutil.Process()
+log = logging.getLogger("localheap.server")
+THROUGHPUT_SAMPLES = 300    # seconds of activity kept (idle seconds are not recorded)
+SAMPLE_INTERVAL_S = 1.0
+
+
+class ThroughputHistory:
+    """Decode and prefill rates, one sample a second while the engine works: what the web UI
+    shows again after a reload (the live rates read 0 once the engine is idle)."""
+
+    def __init__(self, maxlen: int = THROUGHPUT_SAMPLES):
+        self.samples: deque[tuple[float, float, float]] = deque(maxlen=maxlen)
+
+    def sample(self, svc: Services) -> None:
+        c = svc.engine.counters
+        decode, prefill = round(c.decode.rate(), 1), round(c.prefill.rate(), 1)
+        if decode or prefill:
+            self.samples.append((round(time.time(), 1), decode, prefill))
+
+    async def run(self, svc: Services) -> None:
+        """Sample until cancelled (the app's lifespan owns this task)."""
+        while True:
+            try:
+                self.sample(svc)
+            except Exception:   # a meter read racing the engine thread: skip this second
+                log.debug("throughput sample failed", exc_info=True)
+            await asyncio.sleep(SAMPLE_INTERVAL_S)
 
 
 def governor(svc: Services) -> dict:
@@ -36,10 +65,17 @@ def memory(svc: Services, gov: dict) -> dict:
     }
 
 
-def heap_snapshot(svc: Services) -> dict:
-    """One message of /v1/heap/events."""
+def history(svc: Services) -> dict:
+    """What a page that just (re)loaded cannot have seen: every session's sparkline points
+    [tokens seen, resident] and the throughput samples [time, decode, prefill] (tokens/s)."""
+    return {"sessions": {s.id: [list(p) for p in s.history] for s in svc.store.sessions()},
+            "throughput": [list(t) for t in svc.throughput.samples]}
+
+
+def heap_snapshot(svc: Services, with_history: bool = False) -> dict:
+    """One message of /v1/heap/events (the first of each stream carries the history)."""
     c, eng, gov = svc.engine.counters, svc.engine, governor(svc)
-    return {
+    snap = {
         "time": round(time.time(), 3),
         "model": svc.model_id,
         "sessions": svc.store.infos(),
@@ -49,6 +85,25 @@ def heap_snapshot(svc: Services) -> dict:
                        "prefill_tokens_per_s": round(c.prefill.rate(), 1)},
         "engine": {"active": eng.active, "waiting": eng.waiting, "in_flight": eng.in_flight},
     }
+    if with_history:
+        snap["history"] = history(svc)
+    return snap
+
+
+def page_rows(pages: list[dict]) -> list[tuple]:
+    """The recall tier's page stores, summed over sessions (recall on)."""
+    def total(key: str) -> int:
+        return sum(p[key] for p in pages)
+
+    return [
+        ("pages_stored", "gauge", "pages of evicted KV on disk (one page: page_size tokens of one layer)",
+         [("", total("pages"))]),
+        ("pages_dropped_total", "counter", "pages dropped to stay inside --disk-budget", [("", total("pages_dropped"))]),
+        ("pages_disk_bytes", "gauge", "bytes of the live pages on disk", [("", total("disk_bytes"))]),
+        ("pages_summary_bytes", "gauge", "RAM for the page summaries", [("", total("summary_bytes"))]),
+        ("recalls_total", "counter", "questions that recalled pages", [("", total("recalls"))]),
+        ("recalled_tokens_total", "counter", "tokens recalled into heaps (per layer)", [("", total("recalled_tokens"))]),
+    ]
 
 
 def prometheus(svc: Services) -> str:
@@ -82,6 +137,9 @@ def prometheus(svc: Services) -> str:
         ("heap_tokens_seen", "gauge", "tokens fed into all heaps", [("", sum(h["tokens_seen"] for h in heaps))]),
         ("heap_tokens_resident", "gauge", "tokens resident in all heaps", [("", sum(h["resident"] for h in heaps))]),
         ("heap_tokens_evicted", "gauge", "tokens evicted from all heaps", [("", sum(h["evicted"] for h in heaps))]),
+        ("heap_tokens_recalled", "gauge", "recalled tokens resident in all heaps (per layer)",
+         [("", sum(h.get("recalled", 0) for h in heaps))]),
+        *page_rows([h["pages"] for h in heaps if h.get("pages")]),
         ("kv_bytes", "gauge", "KV bytes of resident heaps", [("", mem["kv_bytes"])]),
         ("weights_bytes", "gauge", "model weight bytes", [("", mem["weights_bytes"])]),
         ("process_rss_bytes", "gauge", "resident set size of the server process", [("", mem["rss_bytes"])]),

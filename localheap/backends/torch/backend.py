@@ -50,6 +50,7 @@ class TorchBackend:
             eos.append(tokenizer.eos_token_id)
         self.eos_token_ids = set(eos)
         self.weights_bytes = sum(p.nbytes for p in model.parameters())
+        self.vocab_size = model.get_input_embeddings().num_embeddings   # ids a prompt may use
 
     @classmethod
     def load(cls, path: str | Path, model_name: Optional[str] = None, device: Optional[str] = None,
@@ -68,14 +69,15 @@ class TorchBackend:
         """The CLI's --prefill-chunk when not given (a HeapConfig without one prefills by the slack)."""
         return default_prefill_chunk(self.device)
 
-    def new_cache(self, cfg: HeapConfig) -> HeapCache:
-        cache = make_heap_cache(self.model, cfg)
+    def new_cache(self, cfg: HeapConfig, pages_dir: Optional[Path] = None) -> HeapCache:
+        """A fresh heap; with recall on its page store lives in `pages_dir` (default: a temp dir)."""
+        cache = make_heap_cache(self.model, cfg, pages_dir)
         cache.fused_decode = self.fused_decode
         return cache
 
     def prefill(self, cache: HeapCache, tokens: Sequence[int], progress: Optional[ProgressFn] = None,
                 cancelled: Optional[Callable[[], bool]] = None) -> None:
-        prefill(self.model, cache, tokens, progress, cancelled)
+        prefill(self.model, cache, tokens, progress, cancelled)   # a document: no question to recall for
 
     def generate(self, cache: HeapCache, new_tokens: Sequence[int], params: SamplingParams,
                  progress: Optional[ProgressFn] = None,

@@ -6,7 +6,7 @@ import asyncio
 import json
 
 from fastapi import APIRouter, Depends, Query
-from fastapi.responses import PlainTextResponse
+from fastapi.responses import JSONResponse, PlainTextResponse
 from sse_starlette import EventSourceResponse
 
 from ..services import Services, services
@@ -16,9 +16,14 @@ router = APIRouter()
 
 
 @router.get("/health")
-async def health(svc: Services = Depends(services)) -> dict:
-    return {"status": "ok", "model": svc.model_id, "backend": svc.backend.name,
+async def health(svc: Services = Depends(services)):
+    """200 while the engine serves; 503 once it cannot (the process is exiting for a restart)."""
+    body = {"status": "ok", "model": svc.model_id, "backend": svc.backend.name,
             "sessions": len(svc.store), "in_flight": svc.engine.in_flight}
+    if not svc.engine.healthy:
+        body["status"] = "failed"
+        return JSONResponse(body, status_code=503)
+    return body
 
 
 @router.get("/metrics")
@@ -28,12 +33,15 @@ async def metrics(svc: Services = Depends(services)) -> PlainTextResponse:
 
 @router.get("/v1/heap/events")
 async def heap_events(interval: float = Query(None, gt=0.0, le=60.0), svc: Services = Depends(services)):
-    """SSE: event "heap" with every session's occupancy, memory and throughput."""
+    """SSE: event "heap" with every session's occupancy, memory and throughput; the first
+    message also carries the history (sparklines, throughput samples) for a page just loaded."""
     period = interval or svc.settings.heap_events_interval
 
     async def events():
+        first = True
         while True:
-            yield {"event": "heap", "data": json.dumps(heap_snapshot(svc))}
+            yield {"event": "heap", "data": json.dumps(heap_snapshot(svc, with_history=first))}
+            first = False
             await asyncio.sleep(period)
 
     return EventSourceResponse(events(), sep="\n")

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import json
-from typing import AsyncIterator
+from typing import AsyncIterator, Optional
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Depends, Header, Request
 from fastapi.responses import JSONResponse
 from sse_starlette import EventSourceResponse
 from starlette.concurrency import run_in_threadpool
@@ -16,11 +16,13 @@ from ...engine import Feed, Finished, Job, Progress
 from ..bridge import JobEvents, follow, submit
 from ..errors import to_response
 from ..prompts import document_prompt
-from ..schemas import DocumentRequest
+from ..schemas import DocumentRequest, SessionFields
 from ..services import Services, services
+from ...sessions.session import short_title
 
 router = APIRouter(prefix="/v1/sessions")
 PROGRESS_INTERVAL_S = 0.1
+CLIENT_HEADER = "X-Localheap-Client"   # "web": the web UI's own conversations; anything else is an API session
 
 
 @router.get("")
@@ -29,13 +31,24 @@ async def list_sessions(svc: Services = Depends(services)) -> dict:
 
 
 @router.post("", status_code=201)
-async def create_session(svc: Services = Depends(services)) -> dict:
-    session = await asyncio.wrap_future(svc.engine.call(svc.store.create))
+async def create_session(body: Optional[SessionFields] = None, svc: Services = Depends(services),
+                         x_localheap_client: Optional[str] = Header(None)) -> dict:
+    origin = "web" if x_localheap_client == "web" else "api"
+    title = short_title(body.title or "") if body is not None else None
+    session = await asyncio.wrap_future(svc.engine.call(lambda: svc.store.create(origin=origin, title=title)))
     return session.snapshot
 
 
 @router.get("/{session_id}")
 async def get_session(session_id: str, svc: Services = Depends(services)) -> dict:
+    return svc.store.info(session_id)
+
+
+@router.patch("/{session_id}")
+async def update_session(session_id: str, body: SessionFields, svc: Services = Depends(services)) -> dict:
+    """Rename a session (title null: untitled again, named by its next message)."""
+    title = short_title(body.title or "")
+    await asyncio.wrap_future(svc.engine.call(lambda: svc.store.set_title(session_id, title)))
     return svc.store.info(session_id)
 
 
@@ -63,6 +76,7 @@ async def add_document(session_id: str, body: DocumentRequest, request: Request,
     svc.store.info(session_id)   # 404 before tokenizing a large document
     prompt = await run_in_threadpool(document_prompt, svc.tokenizer, body.text, body.role, body.raw)
     job, events, started = await submit(svc.engine, lambda emit: Feed(prompt, emit, session_id))
+    await svc.name_session(started.session_id, body.name or body.text.strip().split("\n", 1)[0])
     if not body.stream:
         done = await _until_done(job, events)
         return JSONResponse(_done_body(done))
