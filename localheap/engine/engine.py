@@ -3,6 +3,8 @@
 Requests come in on a queue; events go out through each request's emit callable. Active
 runs are served round-robin, one step each per round: a decode token or a prefill chunk,
 so a long document upload never stalls another session's chat for more than one chunk.
+Under a RAM budget, jobs that need a heap wait in arrival order (FIFO) for room, up to
+`admission_timeout` seconds, then fail with OverBudget (503); later jobs never overtake them.
 The engine knows nothing about HTTP; it tokenizes nothing but the text it detokenizes.
 """
 
@@ -24,15 +26,24 @@ from .runs import Run
 from .telemetry import Counters
 
 log = logging.getLogger("localheap.engine")
+ROOM_RECHECK_S = 0.1   # how often a job waiting for RAM asks the governor again (runs ending ask at once)
+IDLE_POLL_S = 0.05     # with nothing running, how often waiting jobs are looked at (room, timeouts)
+
+
+class WaitForRoom(Exception):
+    """Internal: the job needs a heap and an earlier job is already waiting for RAM."""
 
 
 class Engine:
     def __init__(self, backend: Any, store: SessionStore, governor: Optional[Governor] = None,
-                 max_active: int = 8, max_queued: int = 32):
-        assert max_active >= 1 and max_queued >= 0
+                 max_active: int = 8, max_queued: int = 32, admission_timeout: float = 30.0):
+        assert max_active >= 1 and max_queued >= 0 and admission_timeout >= 0
         self.backend, self.store = backend, store
         self.governor = governor or AdmitAll()
         self.max_active, self.max_queued = max_active, max_queued
+        self.admission_timeout = admission_timeout
+        self._room_check_at = 0.0          # before this (monotonic), don't ask the governor again
+        self._refusal: Optional[OverBudget] = None
         self.counters = Counters()
         self._inbox: queue.Queue = queue.Queue()
         self._waiting: deque[Job] = deque()
@@ -98,18 +109,20 @@ class Engine:
 
     def _loop(self) -> None:
         while True:
-            busy = bool(self._active or self._waiting)
-            if not self._drain(block=not busy):
+            # running: just look; only waiting (for RAM or a busy session): poll; idle: sleep
+            timeout = 0.0 if self._active else IDLE_POLL_S if self._waiting else None
+            if not self._drain(timeout):
                 break
             self._admit()
             for run in list(self._active):
                 self._step(run)
         self._shutdown()
 
-    def _drain(self, block: bool) -> bool:
-        """Take everything in the inbox; False on the stop sentinel."""
+    def _drain(self, timeout: Optional[float]) -> bool:
+        """Take everything in the inbox (waiting up to `timeout` for the first item, None:
+        for ever); False on the stop sentinel."""
         try:
-            item = self._inbox.get() if block else self._inbox.get_nowait()
+            item = self._inbox.get(timeout=timeout) if timeout != 0.0 else self._inbox.get_nowait()
         except queue.Empty:
             return True
         while True:
@@ -130,8 +143,10 @@ class Engine:
                 return True
 
     def _admit(self) -> None:
-        """Start waiting jobs in arrival order; a job for a busy session waits its turn."""
+        """Start waiting jobs in arrival order; a job for a busy session waits its turn, and
+        once one job waits for RAM, later jobs that need a heap wait behind it (FIFO)."""
         skipped: deque[Job] = deque()
+        blocked = time.monotonic() < self._room_check_at
         while self._waiting and len(self._active) < self.max_active:
             job = self._waiting.popleft()
             if job.cancelled:
@@ -142,31 +157,47 @@ class Engine:
                 skipped.append(job)
                 continue
             try:
-                self._start(job)
+                self._start(job, blocked)
+            except (WaitForRoom, OverBudget) as e:
+                if isinstance(e, OverBudget):
+                    self._refusal, self._room_check_at, blocked = e, time.monotonic() + ROOM_RECHECK_S, True
+                if time.monotonic() - job.submitted < self.admission_timeout:
+                    skipped.append(job)
+                else:
+                    self._fail(job, self._refusal or OverBudget("over the RAM budget"), None)
             except Exception as e:
                 self._fail(job, e, None)
         skipped.extend(self._waiting)
         self._waiting = skipped
 
-    def _start(self, job: Job) -> None:
+    def _room_freed(self) -> None:
+        """A heap may have become spillable or free: jobs waiting for RAM ask again now."""
+        self._room_check_at = 0.0
+
+    def _start(self, job: Job, room_blocked: bool = False) -> None:
         req, tok = job.request, self.backend.tokenizer
         encode = lambda text: tok.encode(text, add_special_tokens=False)  # noqa: E731
         created = False
         if req.session_id is not None:
-            match = continue_session(self.store.get(req.session_id), req.prompt, encode, tok.decode)
+            named = self.store.get(req.session_id)
+            if named.owner != req.owner:   # another key's session: as if it did not exist
+                raise SessionNotFound(req.session_id)
+            match = continue_session(named, req.prompt, encode, tok.decode)
         else:
-            sessions = [] if isinstance(req, Feed) else self.store.sessions()
+            sessions = [] if isinstance(req, Feed) else [x for x in self.store.sessions() if x.owner == req.owner]
             match = match_session(sessions, req.prompt, encode, tok.decode)
             if match is None:
                 created = True
-                match = continue_session(self.store.create(), req.prompt, encode, tok.decode)
+                match = continue_session(self.store.create(owner=req.owner), req.prompt, encode, tok.decode)
         s = match.session
         try:
             if not match.new_tokens:
                 raise ValueError("the prompt is empty: nothing to feed")
-            self.store.enforce_limits(keep=s)
             if s.cache is None:
-                self._admit_heap(s)
+                if room_blocked:
+                    raise WaitForRoom()
+                self._admit_heap(s)   # before enforce_limits: a refused job must not evict sessions
+            self.store.enforce_limits(keep=s)
             self.store.make_resident(s)
         except Exception:
             if created:
@@ -240,6 +271,7 @@ class Engine:
         self.counters.completion_tokens += len(run.completion)
         self._end(run.job, run.finished_event(), "finished" if run.finish_reason else "cancelled")
         self.store.enforce_limits()
+        self._room_freed()
 
     def _fail(self, job: Job, error: Exception, session: Optional[Session]) -> None:
         if session is not None:
@@ -247,7 +279,9 @@ class Engine:
             session.busy = False
             session.cache = None
             self.store.delete(session.id)
-        self._end(job, Failed(error), "failed")
+            self._room_freed()
+        # refusals (budget, queue) are not failures: they count as rejected, like a full queue
+        self._end(job, Failed(error), "rejected" if isinstance(error, (OverBudget, Overloaded)) else "failed")
 
     def _end(self, job: Job, event, outcome: str) -> None:
         """Every job ends here exactly once: finished, cancelled or failed."""
@@ -293,6 +327,7 @@ class Engine:
             self._waiting.remove(job)
             self._end(job, Failed(SessionNotFound(session_id)), "failed")
         self.store.delete(session_id)
+        self._room_freed()
 
 
 def wait_idle(engine: Engine, timeout: float = 10.0) -> bool:

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Optional
 
 from fastapi import Request
 
 from ..engine import Engine
 from ..sessions import SessionStore
 from .errors import UnknownModel
+from .middleware import request_owner
 from .settings import ServerSettings
 
 
@@ -22,6 +23,8 @@ class Services:
     store: SessionStore
     governor: Any = None
     started: float = field(default_factory=time.time)
+    metrics: Any = None                  # the app's prometheus_client registry
+    observers: int = 0                   # open /v1/heap/events streams (event loop only)
 
     @property
     def model_id(self) -> str:
@@ -39,3 +42,8 @@ class Services:
 
 def services(request: Request) -> Services:
     return request.app.state.services
+
+
+def owner(request: Request) -> Optional[str]:
+    """The id of the API key that authenticated the request (None: the server has no keys)."""
+    return request_owner(request.scope)

@@ -29,6 +29,7 @@ class Session:
     cache: Any = None                                  # backend cache while resident
     spill_path: Optional[Path] = None                  # on disk while spilled
     busy: bool = False
+    owner: Optional[str] = None                        # id of the API key that created it (None: no keys)
     created: float = field(default_factory=time.time)
     last_used: float = field(default_factory=time.time)
     turns: int = 0

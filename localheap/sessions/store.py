@@ -43,8 +43,8 @@ class SessionStore:
 
     # --- lookup (engine thread) ---
 
-    def create(self, session_id: Optional[str] = None) -> Session:
-        s = Session(id=session_id or f"sess_{uuid.uuid4().hex[:20]}", cfg=self.cfg)
+    def create(self, session_id: Optional[str] = None, owner: Optional[str] = None) -> Session:
+        s = Session(id=session_id or f"sess_{uuid.uuid4().hex[:20]}", cfg=self.cfg, owner=owner)
         s.refresh()
         with self._lock:
             assert s.id not in self._sessions
@@ -156,7 +156,7 @@ class SessionStore:
             if s.cache is not None and not s.busy:
                 self.spill(s.id)
         entries = [{"id": s.id, "created": s.created, "last_used": s.last_used, "turns": s.turns,
-                    "tokens": len(s.fed), "file": s.spill_path.name if s.spill_path is not None else None}
+                    "tokens": len(s.fed), "owner": s.owner, "file": s.spill_path.name if s.spill_path is not None else None}
                    for s in self.sessions() if s.spill_path is not None or not s.fed]
         index = {"model": model_id, "sessions": entries}
         tmp = self.spill_dir / (INDEX + ".tmp")
@@ -193,7 +193,7 @@ class SessionStore:
                 log.warning("session %s: token file does not match its index; skipped", e["id"])
                 continue
             s = Session(id=e["id"], cfg=self.cfg, fed=fed, spill_path=heap_file, created=e["created"],
-                        last_used=e["last_used"], turns=e["turns"])
+                        last_used=e["last_used"], turns=e["turns"], owner=e.get("owner"))
             s.refresh()
             with self._lock:
                 self._sessions[s.id] = s
@@ -208,11 +208,17 @@ class SessionStore:
             sessions = list(self._sessions.values())
         return [s.snapshot for s in sessions]
 
-    def info(self, session_id: str) -> dict:
+    def info(self, session_id: str, owner: Optional[str] = None) -> dict:
+        """The session's snapshot; SessionNotFound also when another key owns it."""
         s = self._sessions.get(session_id)
-        if s is None:
+        if s is None or s.owner != owner:
             raise SessionNotFound(session_id)
         return s.snapshot
+
+    def infos_of(self, owner: Optional[str]) -> list[dict]:
+        with self._lock:
+            sessions = [s for s in self._sessions.values() if s.owner == owner]
+        return [s.snapshot for s in sessions]
 
     def close(self) -> None:
         """Forget every session; remove the spill directory when the store made it."""
