@@ -4,11 +4,12 @@ document takes a while to tokenize). Knows the tokenizer, never a tensor."""
 from __future__ import annotations
 
 import threading
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 from starlette.concurrency import run_in_threadpool
 
 from ..sessions import Prompt
+from ..sessions.session import token_array
 from .errors import BadRequest, PromptTooLong
 from .schemas import ChatMessage, CompletionRequest
 from .tokens import PIECE_CHARS, check_chars, encode_bounded, encode_plain, release_freed_memory
@@ -82,24 +83,24 @@ def chat_prompt(tokenizer: Any, messages: list[ChatMessage], add_generation_prom
     return Prompt(tokens, text, _tail_ids(tokenizer, text, tokens, cont) if cont is not None else None)
 
 
-def _tail_ids(tokenizer: Any, text: str, tokens: list[int], tail: str) -> list[int]:
+def _tail_ids(tokenizer: Any, text: str, tokens: Sequence[int], tail: str) -> Sequence[int]:
     """The ids of `tail`, a suffix of `text`: a slice of `tokens` when the text before it
     (a short head: BOS, a default system prompt) tokenizes to their first ids."""
     if text.endswith(tail):
         head = encode_plain(tokenizer, text[:len(text) - len(tail)])
-        if tokens[:len(head)] == head:
+        if list(tokens[:len(head)]) == head:
             return tokens[len(head):]
     return encode_plain(tokenizer, tail)
 
 
-def with_specials(tokenizer: Any, text: str, ids: list[int]) -> list[int]:
+def with_specials(tokenizer: Any, text: str, ids: Sequence[int]) -> Sequence[int]:
     """`ids` with the special tokens the tokenizer adds to a text (BOS), without tokenizing
     the text again; a second call only for a tokenizer that adds them elsewhere."""
     probe = list(tokenizer.encode("a", add_special_tokens=True))
     plain = encode_plain(tokenizer, "a")
     n = len(probe) - len(plain)
     if n >= 0 and probe[n:] == plain:
-        return probe[:n] + ids
+        return token_array(probe[:n]) + token_array(ids)
     return list(tokenizer.encode(text, add_special_tokens=True))
 
 

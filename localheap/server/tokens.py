@@ -14,7 +14,10 @@ from __future__ import annotations
 
 import ctypes
 import gc
+from array import array
 from typing import Any, Optional
+
+from ..sessions.session import token_array
 
 from .errors import PromptTooLong
 
@@ -71,14 +74,15 @@ def check_chars(tokenizer: Any, chars: int, limit: Optional[int], param: str) ->
             raise PromptTooLong(limit, at_least, param)
 
 
-def encode_bounded(tokenizer: Any, text: str, limit: Optional[int], param: str = "messages") -> list[int]:
-    """The ids of `text` (no special tokens added), raising PromptTooLong past `limit`."""
+def encode_bounded(tokenizer: Any, text: str, limit: Optional[int], param: str = "messages") -> array:
+    """The ids of `text` (no special tokens added) as int32s (4 bytes a token, where a list
+    holds 40), raising PromptTooLong past `limit`."""
     check_chars(tokenizer, len(text), limit, param)
-    ids: list[int] = []
+    ids = token_array()
     start = 0
     while start < len(text):
         end = _cut(tokenizer, text, start + PIECE_CHARS) if len(text) - start > PIECE_CHARS else len(text)
-        ids += encode_plain(tokenizer, text[start:end])
+        ids.extend(encode_plain(tokenizer, text[start:end]))
         if limit is not None and len(ids) > limit:
             raise PromptTooLong(limit, len(ids), param)
         start = end
