@@ -112,3 +112,19 @@ def test_only_the_ui_files_are_served():
                      "/../localheap/server/app.py"):
             r = httpx.get(srv.url + path)
             assert r.status_code == 404, (path, r.status_code)
+
+
+def test_keys_come_from_the_environment_a_file_or_the_command_line_with_a_warning(tmp_path, monkeypatch, capsys):
+    from localheap.cli import build_parser
+    from localheap.commands.serve import settings_from_args
+
+    keys_file = tmp_path / "keys"
+    keys_file.write_text("# team keys\nfile-key-1\n\nfile-key-2\n")
+    monkeypatch.setenv("LOCALHEAP_API_KEY", "env-key-0")
+    args = build_parser().parse_args(["serve", "--api-keys-file", str(keys_file)])
+    assert settings_from_args(args).keys == ["env-key-0", "file-key-1", "file-key-2"]
+    assert "warning" not in capsys.readouterr().err
+    args = build_parser().parse_args(["serve", "--api-key", "cli-key-1", "--api-key", "cli-key-2"])
+    assert settings_from_args(args).keys == ["env-key-0", "cli-key-1", "cli-key-2"]
+    err = capsys.readouterr().err
+    assert "warning" in err and "LOCALHEAP_API_KEY" in err and "cli-key" not in err
