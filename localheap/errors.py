@@ -4,5 +4,6 @@ from __future__ import annotations
 
 from .heap import HeapConfigError
 from .models import ModelNotFound
+from .sessions import SpillFailed
 
-UserError = (HeapConfigError, ModelNotFound, ValueError, FileNotFoundError)
+UserError = (HeapConfigError, ModelNotFound, ValueError, FileNotFoundError, SpillFailed)

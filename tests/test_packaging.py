@@ -41,3 +41,6 @@ def test_wheel_contents(tmp_path):
         assert pkg.replace(".", "/") + "/__init__.py" in names, pkg
     if (ROOT / "web" / "index.html").exists():
         assert "localheap/web/index.html" in names
+    vendored = [p.relative_to(ROOT / "web").as_posix() for p in (ROOT / "web" / "vendor").glob("*") if p.is_file()]
+    missing = [v for v in vendored if f"localheap/web/{v}" not in names]
+    assert missing == [], f"vendored browser libraries not in the wheel: {missing}"

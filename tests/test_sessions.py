@@ -120,8 +120,13 @@ def test_sessions_persist_across_store_instances(tmp_path):
     fed.extend([5, 6, 7])
     empty = store.create()
     assert store.persist_all("fake-model") == 2
+    other = SessionStore(backend, CFG, spill_dir=tmp_path / "copy")
+    for p in tmp_path.iterdir():
+        if p.is_file():
+            (other.spill_dir / p.name).write_bytes(p.read_bytes())
+    assert other.load_persisted("other-model") == 0, "another model's sessions are not loaded"
+    assert len(list((other.spill_dir / "aside").iterdir())) == 3, "but moved aside, not deleted"
     again = SessionStore(backend, CFG, spill_dir=tmp_path)
-    assert again.load_persisted("other-model") == 0, "another model's sessions are not loaded"
     assert again.load_persisted("fake-model") == 2
     restored = again.get(fed.id)
     assert restored.state == "spilled" and restored.fed.tolist() == [5, 6, 7]

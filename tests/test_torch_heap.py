@@ -26,9 +26,14 @@ ROPES = {
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
 
 
+def load_fp32(path, **kwargs):
+    """float32 on the default device (CUDA when present): the tolerances below are fp32's."""
+    return TorchBackend.load(path, dtype=torch.float32, **kwargs)
+
+
 @pytest.fixture(scope="module")
 def llama(model_dirs):
-    return TorchBackend.load(model_dirs("llama"))
+    return load_fp32(model_dirs("llama"))
 
 
 def long_prompt(tokenizer, n):
@@ -40,7 +45,7 @@ def long_prompt(tokenizer, n):
 def test_compact_repack_equals_fresh_rotation(model_dirs, rope_name):
     """After repacks, every cached key equals its raw key rotated at its new slot by the model's own RoPE."""
     kwargs = {"rope_scaling": ROPES[rope_name]} if ROPES[rope_name] else {}
-    model = TorchBackend.load(model_dirs("llama", **kwargs)).model
+    model = load_fp32(model_dirs("llama", **kwargs)).model
     rotary = model.model.rotary_emb
     D, H, T = model.config.head_dim, 2, 200
     cfg = HeapConfig(budget=40, sinks=4, recent=8, slack=16, policy="random", positions="compact")
@@ -87,7 +92,7 @@ def test_compact_equals_absolute_when_the_shift_is_uniform(model_dirs, family, p
     """Without sinks, streaming keeps a contiguous window: compact positions are the absolute ones
     minus a constant, and RoPE attention only sees differences. Logits must then agree, which
     checks re-rotation, per-layer offsets (pyramid) and gemma3's sliding layers kept at absolute positions."""
-    backend = TorchBackend.load(model_dirs(family))
+    backend = load_fp32(model_dirs(family))
     prompt = np.random.default_rng(0).integers(10, 1000, 300).tolist()
     logits, shifted = {}, []
     for positions in ("compact", "absolute"):
@@ -114,7 +119,8 @@ def test_h2o_side_pass_sums_to_observed_queries(llama):
     assert scores.shape == (layer.heap.n_kv_heads, 96) and (scores >= 0).all()
     G = llama.model.config.num_attention_heads // llama.model.config.num_key_value_heads
     observed = 3 * min(cfg.obs_window, 32)   # 3 chunks of 32, each scoring its last queries
-    torch.testing.assert_close(scores.sum(dim=1), torch.full((layer.heap.n_kv_heads,), observed * G * 1.0),
+    torch.testing.assert_close(scores.sum(dim=1), torch.full((layer.heap.n_kv_heads,), observed * G * 1.0,
+                                                             device=scores.device),
                                rtol=1e-4, atol=1e-3)
     assert (scores[:, 90:] > 0).all() and scores[:, :4].mean() > 0   # every observed slot got mass
 
@@ -131,12 +137,12 @@ def test_kv_memory_does_not_grow(llama):
     assert cache.nbytes == nbytes == llama.heap_bytes(cfg), "buffers are allocated once"
     assert buffers == [(layer.keys.data_ptr(), layer.values.data_ptr(), layer.scores.data_ptr())
                        for layer in cache.heap_layers], "written in place, never reallocated"
-    assert cache.stats().resident <= cfg.sinks + cfg.budget + cfg.slack
+    assert cache.stats().resident <= cfg.layer_capacity(cfg.budget)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA for allocator figures")
 def test_cuda_allocated_bytes_constant(model_dirs):
-    backend = TorchBackend.load(model_dirs("llama"), device="cuda")
+    backend = load_fp32(model_dirs("llama"), device="cuda")
     cfg = HeapConfig(budget=64, sinks=4, recent=8, slack=32)
     cache = backend.new_cache(cfg)
     tokens = long_prompt(backend.tokenizer, 3000)
@@ -151,7 +157,7 @@ def test_cuda_allocated_bytes_constant(model_dirs):
 @pytest.mark.parametrize("family,policy", [("llama", "h2o"), ("llama", "snapkv"), ("llama", "geometry"),
                                            ("gemma3_text", "h2o")])
 def test_save_and_load_is_bit_identical(model_dirs, tmp_path, family, policy):
-    backend = TorchBackend.load(model_dirs(family))
+    backend = load_fp32(model_dirs(family))
     cfg = HeapConfig(budget=48, sinks=4, recent=8, slack=16, policy=policy, h2o_normalize=True)
     cache = backend.new_cache(cfg)
     prompt = long_prompt(backend.tokenizer, 300)
@@ -177,7 +183,7 @@ def test_save_and_load_is_bit_identical(model_dirs, tmp_path, family, policy):
 
 
 def test_gemma3_sliding_layers_keep_transformers_cache(model_dirs):
-    backend = TorchBackend.load(model_dirs("gemma3_text"))
+    backend = load_fp32(model_dirs("gemma3_text"))
     cache = backend.new_cache(HeapConfig(budget=48, sinks=4, recent=8, slack=16))
     assert 0 < len(cache.heap_layers) < len(cache.layers)
     sliding = [layer for layer in cache.layers if not isinstance(layer, HeapLayer)]
@@ -198,7 +204,7 @@ def test_fused_decode_matches_stock_path_closely(model_dirs):
     prompt = np.random.default_rng(0).integers(10, 1000, 200).tolist()
     runs = {}
     for fused in (False, True):
-        backend = TorchBackend.load(model_dirs("qwen2"), fused_decode=fused)
+        backend = load_fp32(model_dirs("qwen2"), fused_decode=fused)
         cache = backend.new_cache(HeapConfig(budget=64, sinks=4, recent=8, slack=32))
         steps = list(generate_steps(backend.model, cache, prompt, SamplingParams(max_tokens=60)))
         runs[fused] = ([t for t, _ in steps], torch.stack([lg for _, lg in steps]), cache)
@@ -211,10 +217,11 @@ def test_fused_decode_matches_stock_path_closely(model_dirs):
 
 def test_backend_figures(llama):
     cfg = llama.model.config
-    assert llama.kv_bytes_per_token() == 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 4
+    dtype_bytes = next(llama.model.parameters()).element_size()
+    assert llama.kv_bytes_per_token() == 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * dtype_bytes
     assert llama.weights_bytes == sum(p.nbytes for p in llama.model.parameters())
     assert llama.tokenizer.eos_token_id in llama.eos_token_ids
-    mem = llama.memory()
-    assert mem["active"] > llama.weights_bytes and mem["peak"] >= mem["active"] * 0.5
+    mem = llama.memory()   # CUDA: allocator figures; CPU: the process's RSS
+    assert mem["active"] >= llama.weights_bytes and mem["peak"] >= mem["active"] * 0.5
     stats = llama.stats(llama.new_cache(HeapConfig(budget=64, sinks=4, recent=8, slack=16)))
     assert stats.tokens_seen == 0 and stats.capacity == 4 + 64 + 16

@@ -321,7 +321,7 @@ def test_a_million_tokens_through_a_32_layer_heap(open_page):
     """The picture at scale, from synthetic server payloads: the counter says 1,000,000 while
     the heap stays 4,356 slots; 32 layer bars fit a laptop screen, 4 sinks still show."""
     session = {"id": "sess_book", "object": "session", "state": "resident", "busy": False, "turns": 2,
-               "created": 0, "last_used": 0}
+               "created": 0, "last_used": 0, "origin": "web", "title": None}
     card = {"id": "llama3-8b-q4", "object": "model", "created": 0, "owned_by": "localheap",
             "localheap": {"backend": "mlx", "weights_bytes": 4_600_000_000, "heap_bytes_per_session": 4356 << 17,
                           "heap": {"budget": 4096, "sinks": 4, "recent": 256, "slack": 256, "policy": "h2o",
@@ -362,31 +362,39 @@ def test_a_million_tokens_through_a_32_layer_heap(open_page):
 
 
 def test_markdown_is_rendered_and_safe(open_page):
+    """web/markdown.js: marked + DOMPurify + highlight.js (vendored); checked on the DOM it builds."""
     page = open_page().page
-    html = page.evaluate("""async () => {
+    found = page.evaluate("""async () => {
         const { renderMarkdown } = await import('/markdown.js');
-        return renderMarkdown([
+        const box = document.createElement('div');
+        box.innerHTML = renderMarkdown([
             '# Title', 'Some **bold**, *italic*, `co*de*` and snake_case_name.',
             '', '- a', '- b', '  1. nested', '',
             '```js', 'if (a < b) alert("x")', '```',
             '[ok](https://example.com/?a=1&b=2) [bad](javascript:alert(1)) <img src=x onerror=alert(1)>',
             '<script>alert(1)</script>', '[q](https://x.org/" onmouseover="alert(1))',
+            '<a href="https://x.org" onclick="alert(1)" style="color:red">styled</a>',
         ].join('\\n'));
+        const q = (s) => box.querySelector(s);
+        return {
+            h1: q('h1')?.textContent, strong: q('strong')?.textContent, em: q('em')?.textContent,
+            code: q('p code')?.textContent, text: box.textContent,
+            nested: q('ul > li:nth-child(2) > ol > li')?.textContent,
+            js: q('pre code')?.textContent, jsLang: q('pre code')?.dataset.lang,
+            keyword: q('pre code .hljs-keyword')?.textContent,
+            links: [...box.querySelectorAll('a')].map(a => [a.textContent, a.getAttribute('href'), a.target, a.rel]),
+            banned: box.querySelectorAll('img, script, style, [style]').length,
+            handlers: [...box.querySelectorAll('*')].flatMap(e => [...e.attributes].map(a => a.name)).filter(n => n.startsWith('on')),
+        };
     }""")
-    assert "<h1>Title</h1>" in html and "<strong>bold</strong>" in html and "<em>italic</em>" in html
-    assert "<code>co*de*</code>" in html and "snake_case_name" in html
-    assert "<ul><li>a</li><li>b<ol><li>nested</li></ol></li></ul>" in html
-    assert '<pre><code class="language-js" data-lang="js">if (a &lt; b) alert(&quot;x&quot;)</code></pre>' in html
-    assert '<a href="https://example.com/?a=1&amp;b=2" target="_blank" rel="noopener noreferrer">ok</a>' in html
-    assert "javascript:" not in html.replace("[bad](javascript:alert(1))", "")
-    assert "<script" not in html and "<img" not in html and 'onmouseover="' not in html
-    # Rendered into the page, nothing executes and no element carries an event handler.
-    handlers = page.evaluate("""(html) => {
-        const box = document.createElement('div');
-        box.innerHTML = html;
-        return [...box.querySelectorAll('*')].flatMap(e => [...e.attributes].map(a => a.name)).filter(n => n.startsWith('on'));
-    }""", html)
-    assert handlers == []
+    assert (found["h1"], found["strong"], found["em"], found["code"]) == ("Title", "bold", "italic", "co*de*")
+    assert "snake_case_name" in found["text"] and found["nested"] == "nested"
+    assert found["js"] == 'if (a < b) alert("x")' and found["jsLang"] == "js" and found["keyword"] == "if"
+    links = {text: (href, target, rel) for text, href, target, rel in found["links"]}
+    assert links["ok"] == ("https://example.com/?a=1&b=2", "_blank", "noopener noreferrer")
+    assert links["bad"][0] is None and links["styled"][0] == "https://x.org"   # javascript: dropped
+    assert not any(href and href.lower().startswith("javascript:") for href, _, _ in links.values())
+    assert found["banned"] == 0 and found["handlers"] == []
 
 
 def test_an_api_key_is_asked_for_once_and_sent(browser, tmp_path):

@@ -22,7 +22,7 @@ export function setApiKey(key) {
 }
 
 function headers(sessionId, json) {
-  const h = {};
+  const h = { "X-Localheap-Client": "web" };   // sessions this page opens are listed as its conversations
   if (json) h["Content-Type"] = "application/json";
   if (sessionId) h["X-Session-Id"] = sessionId;
   const key = apiKey();

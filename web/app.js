@@ -15,7 +15,7 @@ const PARAMS_STORE = "localheap.params";
 
 const state = { model: null };
 const heapView = new HeapView();
-const convs = new Conversations($("conversations"), { onSelect: select, onDelete: remove, onGone: gone });
+const convs = new Conversations($("conversations"), $("api-sessions"), { onSelect: select, onDelete: remove, onGone: gone });
 const chat = new Chat({
   box: $("messages"), convs, heapView, ensureSession, onBusy: updateComposer,
   settings: () => ({ model: state.model, max_tokens: numberInput("max-tokens", 512), temperature: numberInput("temperature", 0.7) }),
@@ -32,6 +32,7 @@ function select(id) {
   heapView.show(id);
   updateComposer();
   renderChatMeta();
+  showPanel("");
 }
 
 async function ensureSession() {
@@ -73,13 +74,14 @@ function updateComposer() {
   $("stop").textContent = kind === "document" ? "Stop reading" : "Stop";
   $("send").disabled = !!kind || !state.model;
   $("add-document").disabled = !!kind || !state.model;
-  $("chat-title").textContent = convs.title(convs.current);
   renderChatMeta();
 }
 
 // The chat head's token count, and what an empty message list says.
 function renderChatMeta() {
   const info = convs.server.get(convs.current);
+  $("chat-title").textContent = convs.title(convs.current);
+  $("rename").hidden = !convs.current || !$("title-input").hidden;
   $("chat-meta").textContent = info ? `${int(tokens(info))} tokens in this session` : "";
   $("empty").hidden = !!convs.current && convs.get(convs.current).messages.length > 0;
   $("empty-new").hidden = tokens(info) > 0;
@@ -124,7 +126,9 @@ $("prompt").addEventListener("keydown", (e) => {
 });
 $("prompt").addEventListener("input", (e) => autosize(e.target));
 document.addEventListener("keydown", (e) => {
-  if (e.key === "Escape" && chat.busy(convs.current) && !documents.open) chat.stop(convs.current);
+  if (e.key !== "Escape" || documents.open) return;
+  if (document.body.dataset.panel) showPanel("");
+  else if (chat.busy(convs.current)) chat.stop(convs.current);
 });
 $("stop").addEventListener("click", () => {
   chat.stop(convs.current);
@@ -138,6 +142,68 @@ for (const id of ["max-tokens", "temperature"]) {
   $(id).addEventListener("change", () => localStorage.setItem(PARAMS_STORE, JSON.stringify({
     max_tokens: $("max-tokens").value, temperature: $("temperature").value })));
 }
+
+// ---- renaming: the title is the server's (PATCH /v1/sessions/{id}) ----------------------
+
+function startRename() {
+  const input = $("title-input");
+  input.value = convs.title(convs.current);
+  input.dataset.id = convs.current;
+  input.hidden = false;
+  $("chat-title").hidden = true;
+  $("rename").hidden = true;
+  input.focus();
+  input.select();
+}
+
+async function endRename(save) {
+  const input = $("title-input");
+  if (input.hidden) return;
+  const id = input.dataset.id;
+  const title = input.value.trim();
+  input.hidden = true;
+  $("chat-title").hidden = false;
+  renderChatMeta();
+  if (!save || !title || title === convs.title(id)) return;
+  try {
+    const info = await (await request("PATCH", `/v1/sessions/${encodeURIComponent(id)}`, { body: { title } })).json();
+    convs.upsert(info);
+    renderChatMeta();
+  } catch (e) {
+    notify(e);
+  }
+}
+
+$("rename").addEventListener("click", startRename);
+$("title-input").addEventListener("keydown", (e) => {
+  if (e.key === "Enter") endRename(true);
+  else if (e.key === "Escape") endRename(false);
+  else return;
+  e.preventDefault();
+  e.stopPropagation();   // Escape here neither stops a reply nor closes a panel
+  $("prompt").focus();
+});
+$("title-input").addEventListener("blur", () => endRename(true));
+
+// ---- narrow screens: the conversations and the heap are drawers over the chat ------------
+
+function showPanel(name) {
+  const before = document.body.dataset.panel || "";
+  document.body.dataset.panel = name;
+  $("scrim").hidden = !name;
+  $("show-conversations").setAttribute("aria-expanded", String(name === "sidebar"));
+  $("show-heap").setAttribute("aria-expanded", String(name === "heap"));
+  if (name === "heap" && matchMedia("(max-width: 900px)").matches) $("heap-panel").querySelector(".close-panel").focus();
+  else if (!name && before) $(before === "heap" ? "show-heap" : "show-conversations").focus({ preventScroll: true });
+}
+
+// Buttons with data-toggle-panel toggle that panel; the scrim (value "") closes whichever is open.
+document.addEventListener("click", (e) => {
+  const target = e.target.closest("[data-toggle-panel]");
+  if (!target) return;
+  const name = target.dataset.togglePanel;
+  showPanel(name && document.body.dataset.panel !== name ? name : "");
+});
 
 // ---- notices and the API key -----------------------------------------------------
 
@@ -272,6 +338,14 @@ function restoreParams() {
   } catch { /* unreadable: keep the defaults */ }
 }
 
+// The full hint does not fit a phone's message box: the short one there (the hint stays for screen readers).
+const PHONE = matchMedia("(max-width: 600px)");
+const placeholder = () => {
+  $("prompt").placeholder = PHONE.matches ? "Message the model" : "Message the model  (Enter sends, Shift+Enter adds a line)";
+};
+PHONE.addEventListener("change", placeholder);
+
+placeholder();
 restoreParams();
 applyTheme();
 updateComposer();

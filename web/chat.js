@@ -63,9 +63,11 @@ export class Chat {
         if (choice?.finish_reason) reply.finish = choice.finish_reason;
         if (chunk.usage) reply.tokens = chunk.usage.completion_tokens;
         if (chunk.localheap?.heap) this.heapView.heap(id, chunk.localheap.heap);
+        if (chunk.localheap?.speed) reply.rate = chunk.localheap.speed.decode_tokens_per_s;
       }
     });
     reply.seconds = ((performance.now() - (firstToken ?? started)) / 1000);
+    this.convs.touch(id);   // saved with its speed: the footer survives a reload
     this.paint(reply);
   }
 
@@ -74,7 +76,7 @@ export class Chat {
     const doc = this.append(id, { role: "document", name, chars: text.length, status: "reading", done: 0, total: 0 });
     await this.run(id, "document", doc, async (signal) => {
       const response = await request("POST", `/v1/sessions/${encodeURIComponent(id)}/documents`,
-        { signal, body: { text } });
+        { signal, body: { text, name } });
       for await (const { event, data } of events(response)) {
         const body = JSON.parse(data);
         if (event === "progress") {
@@ -167,7 +169,11 @@ function replyNode(m) {
   if (m.status === "streaming") body.append(el("span", { class: m.content ? "caret" : "typing", "aria-hidden": "true" }));
   const foot = [];
   if (m.tokens) foot.push(`${int(m.tokens)} tokens`);
-  if (m.seconds && m.tokens > 1) foot.push(`${rate(m.tokens / m.seconds)} tok/s`);
+  // This reply's decode speed, timed by the server from its first token to its last (the
+  // browser's own timing, the fallback, sees a fast reply arrive in one burst); the heap
+  // panel's figure is the engine's, over all requests and the last 5 s.
+  const speed = m.rate ?? (m.seconds && m.tokens > 1 ? (m.tokens - 1) / m.seconds : null);
+  if (speed) foot.push(`this reply: ${rate(speed)} tok/s`);
   if (m.status === "stopped") foot.push("stopped");
   else if (m.finish === "length") foot.push("hit the max-tokens limit");
   return el("article", { class: `msg msg-assistant ${m.status}`, "aria-label": "Model", "aria-busy": m.status === "streaming" ? "true" : null },

@@ -1,5 +1,7 @@
-// Conversations = server sessions (the truth: tokens and heap) + what this browser
-// remembers about them (title and messages, in localStorage; documents by name only).
+// Conversations = server sessions (the truth: tokens, heap, origin and title) + what this
+// browser remembers about them (messages, in localStorage; documents by name only).
+// The web UI's own sessions are listed as conversations; sessions API clients opened
+// (SDKs, curl) go in a collapsed group of their own.
 
 import { el, int, shortId } from "./format.js";
 
@@ -7,8 +9,9 @@ const STORE = "localheap.conversations.v1";
 const TITLE_CHARS = 48;
 
 export class Conversations {
-  constructor(list, { onSelect, onDelete, onGone }) {
+  constructor(list, apiList, { onSelect, onDelete, onGone }) {
     this.list = list;
+    this.apiList = apiList;
     this.onSelect = onSelect;
     this.onDelete = onDelete;
     this.onGone = onGone;       // sessions the server no longer has (deleted elsewhere, restarted)
@@ -25,10 +28,15 @@ export class Conversations {
   }
 
   title(id) {
-    return this.local[id]?.title || (id ? `Session ${shortId(id)}` : "New conversation");
+    return this.server.get(id)?.title || this.local[id]?.title || (id ? `Session ${shortId(id)}` : "New conversation");
   }
 
-  /** Record a message; the first user message or document names the conversation. */
+  /** A web UI conversation (its own, or one this browser holds messages of), not an API session. */
+  isConversation(id) {
+    return this.server.get(id)?.origin === "web" || this.local[id]?.messages.length > 0;
+  }
+
+  /** Record a message; until the server's title arrives, the first user message or document names it. */
   add(id, message) {
     const conv = this.get(id);
     conv.messages.push(message);
@@ -62,7 +70,8 @@ export class Conversations {
 
   /** Live session infos from a heap snapshot: new sessions appear, counts update. */
   update(infos) {
-    const known = infos.every((s) => this.server.has(s.id)) && infos.length === this.server.size;
+    const same = (s) => this.server.has(s.id) && this.server.get(s.id).title === s.title;
+    const known = infos.every(same) && infos.length === this.server.size;
     for (const s of infos) this.server.set(s.id, s);
     if (!known) {
       const live = new Set(infos.map((s) => s.id));
@@ -100,8 +109,13 @@ export class Conversations {
 
   render() {
     const ids = this.ordered();
-    this.list.replaceChildren(...ids.map((id) => this.item(id)));
-    document.getElementById("no-conversations").hidden = ids.length > 0;
+    const mine = ids.filter((id) => this.isConversation(id));
+    const api = ids.filter((id) => !this.isConversation(id));
+    this.list.replaceChildren(...mine.map((id) => this.item(id)));
+    this.apiList.replaceChildren(...api.map((id) => this.item(id)));
+    document.getElementById("no-conversations").hidden = mine.length > 0;
+    document.getElementById("api-group").hidden = api.length === 0;
+    document.getElementById("api-count").textContent = api.length ? `(${int(api.length)})` : "";
   }
 
   item(id) {
@@ -121,7 +135,7 @@ export class Conversations {
   }
 
   renderCount(info) {
-    const node = this.list.querySelector(`.conv-meta[data-id="${CSS.escape(info.id)}"]`);
+    const node = this.list.parentNode.querySelector(`.conv-meta[data-id="${CSS.escape(info.id)}"]`);
     if (node) node.textContent = meta(info);
   }
 

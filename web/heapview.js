@@ -7,15 +7,22 @@ import { bytes, el, int, rate, shortId, times } from "./format.js";
 const $ = (id) => document.getElementById(id);
 const HISTORY_POINTS = 240;
 
-/** Per-layer slots split for drawing: sinks | heavy hitters | recent | new (in the slack) | free. */
+const SEGMENTS = ["sinks", "recalled", "heavy", "recent", "fresh", "free"];
+const MIN_PX = { sinks: 4, recalled: 3 };   // 4 sinks in 4,356 slots must still show (2 px vanished under the rounded end)
+
+/** Per-layer slots split for drawing: sinks | recalled (paged back in from disk, when the
+ *  server reports them) | heavy hitters | recent | new (in the slack) | free. */
 export function segments(layer) {
   const sinks = layer.sinks;
   const recent = layer.recent;
-  const scored = layer.heavy_hitters ?? Math.max(0, layer.resident - sinks - recent);
-  const heavy = Math.min(scored, Math.max(0, layer.budget - recent));
+  const recalled = layer.recalled ?? 0;
+  const scored = layer.heavy_hitters ?? Math.max(0, layer.resident - sinks - recent - recalled);
+  const heavy = Math.min(scored, Math.max(0, layer.budget - recent - recalled));
   const free = layer.free ?? layer.capacity - layer.resident;
-  return { sinks, heavy, recent, fresh: scored - heavy, free };
+  return { sinks, recalled, heavy, recent, fresh: scored - heavy, free };
 }
+
+const COMPACT = new Intl.NumberFormat("en-US", { notation: "compact", maximumFractionDigits: 1 });
 
 export class HeapView {
   constructor() {
@@ -26,6 +33,7 @@ export class HeapView {
     this.heapBytes = null;
     this.current = null;
     this.layerRows = [];
+    this.lastRates = null;      // the latest non-zero engine rates: shown while the engine is idle
   }
 
   setModel(card) {
@@ -50,14 +58,24 @@ export class HeapView {
     this.render();
   }
 
-  /** One /v1/heap/events message. */
+  /** One /v1/heap/events message (the first of a stream carries the server's history). */
   snapshot(snap) {
+    if (snap.history) this.restore(snap.history);
     for (const info of snap.sessions || []) {
       this.infos.set(info.id, info);
       if (info.heap) this.record(info.id, info.heap);
     }
     this.renderSession();
     this.renderServer(snap);
+  }
+
+  /** The sparklines and throughput a reloaded page has not seen, from the server. */
+  restore(history) {
+    for (const [id, points] of Object.entries(history.sessions || {})) {
+      if (points.length) this.history.set(id, points.map(([seen, resident]) => ({ seen, resident })));
+    }
+    const last = (history.throughput || []).at(-1);
+    if (last) this.lastRates = { time: last[0], decode: last[1], prefill: last[2] };
   }
 
   /** Heap stats from a reply or a finished document (fresher than the last snapshot). */
@@ -97,6 +115,7 @@ export class HeapView {
     state.textContent = info?.state === "spilled" ? "spilled to disk" : info?.state === "empty" ? "empty" : "";
 
     setNumber($("seen"), seen);
+    $("heap-mini").textContent = heap ? `${COMPACT.format(seen)} seen` : "";
     setNumber($("capacity"), capacity, capacity ? `${int(capacity)} slots` : "–");
     const kv = heap?.kv_bytes ?? this.heapBytes;
     $("kv-bytes").textContent = kv ? `${bytes(kv)} of KV` : "";
@@ -143,14 +162,16 @@ export class HeapView {
       const row = this.layerRows[i];
       const seg = segments(layer);
       row.bar.style.width = `${(layer.capacity / widest) * 100}%`;
-      for (const key of Object.keys(seg)) {
+      for (const key of SEGMENTS) {
         row[key].style.flexGrow = String(seg[key]);
-        row[key].style.minWidth = seg[key] > 0 && key !== "free" ? "2px" : "0";   // 4 sinks in 4,356 slots still show
+        row[key].style.minWidth = seg[key] > 0 && key !== "free" ? `${MIN_PX[key] ?? 2}px` : "0";
       }
       row.line.style.left = `${((layer.sinks + layer.budget) / widest) * 100}%`;
-      row.bar.title = `layer ${layer.layer}: ${seg.sinks} sinks, ${seg.heavy} heavy hitters, ${seg.recent} recent, ` +
+      row.bar.title = `layer ${layer.layer}: ${seg.sinks} sinks, ${seg.recalled ? `${seg.recalled} recalled, ` : ""}` +
+        `${seg.heavy} heavy hitters, ${seg.recent} recent, ` +
         `${seg.fresh} new, ${seg.free} free of ${layer.capacity}; ${int(layer.evicted)} evicted`;
     });
+    $("legend-recalled").hidden = !layers.some((l) => l.recalled > 0);
     $("layer-count").textContent = heap?.layers?.length ? `${heap.layers.length} layers × ${int(widest)} slots` : "";
     const first = layers[0] && segments(layers[0]);
     box.setAttribute("aria-label", heap && first
@@ -172,7 +193,7 @@ export class HeapView {
     box.style.setProperty("--bar-height", `${Math.max(2, Math.min(18, Math.floor(128 / Math.max(count, 1)) - gap))}px`);
     const labelEvery = count <= 12 ? 1 : Math.ceil(count / 8);
     this.layerRows = Array.from({ length: count }, (_, i) => {
-      const parts = Object.fromEntries(["sinks", "heavy", "recent", "fresh", "free"]
+      const parts = Object.fromEntries(SEGMENTS
         .map((k) => [k, el("span", { class: `seg seg-${k}` })]));
       const line = el("span", { class: "repack-line" });
       const bar = el("span", { class: "bar" }, ...Object.values(parts));
@@ -202,8 +223,18 @@ export class HeapView {
     thermal.dataset.state = snap.thermal || "unknown";
     thermal.textContent = snap.thermal || "unknown";
     const t = snap.throughput || {};
-    $("decode-rate").textContent = rate(t.decode_tokens_per_s);
-    $("prefill-rate").textContent = rate(t.prefill_tokens_per_s);
+    if (t.decode_tokens_per_s || t.prefill_tokens_per_s) {
+      this.lastRates = { time: snap.time, decode: t.decode_tokens_per_s, prefill: t.prefill_tokens_per_s };
+    }
+    const idle = !t.decode_tokens_per_s && !t.prefill_tokens_per_s && this.lastRates;
+    const shown = idle ? this.lastRates : { decode: t.decode_tokens_per_s, prefill: t.prefill_tokens_per_s };
+    for (const [id, value] of [["decode-rate", shown.decode], ["prefill-rate", shown.prefill]]) {
+      const node = $(id);
+      node.textContent = rate(value);
+      node.dataset.value = String(value ?? "");
+      node.classList.toggle("stale", !!idle);
+      node.title = idle ? `last measured at ${new Date(this.lastRates.time * 1000).toLocaleTimeString()} (idle now)` : "";
+    }
     const e = snap.engine || {};
     const n = (snap.sessions || []).length;
     $("engine").textContent = `${int(e.active ?? 0)} running · ${int(e.waiting ?? 0)} waiting · ` +

@@ -15,6 +15,7 @@ class Backend(Protocol):
     tokenizer: Any       # Hugging Face tokenizer: encode/decode/apply_chat_template
     eos_token_ids: set[int]
     weights_bytes: int
+    vocab_size: Optional[int]   # token ids are 0..vocab_size-1 (None: unknown, not checked)
 
     def new_cache(self, cfg: HeapConfig) -> Any: ...
 

@@ -96,7 +96,7 @@ def run_speed(args) -> int:
     from ..models import load_backend
 
     backend = load_backend(model_spec(args), args.backend)
-    cfg = heap_config(args)
+    cfg = heap_config(args, backend)
     extra = {"threads": args.threads} if backend.name == "torch" else {}
     rows = _bench_module(backend).run_speed(backend, args.contexts, cfg, args.decode_tokens,
                                             log=lambda m: print(m, file=sys.stderr), repeats=args.repeats, **extra)
@@ -119,7 +119,7 @@ def run_memory(args) -> int:
     from ..models import load_backend
 
     backend = load_backend(model_spec(args), args.backend)
-    cfg = heap_config(args)
+    cfg = heap_config(args, backend)
     total = args.tokens[0]
     budget = None
     if args.ram_budget:
@@ -144,7 +144,7 @@ def run_memory(args) -> int:
         cols.append(("within_budget", f"RSS <= {format_bytes(budget)}", ""))
     per_token = backend.kv_bytes_per_token()
     text = (f"model {backend.model_name} | backend {backend.name} | heap capacity/layer "
-            f"{cfg.sinks + cfg.budget + cfg.slack} | stock KV grows {format_bytes(per_token)}/token "
+            f"{cfg.layer_capacity(cfg.budget)} (prefill chunk {cfg.chunk}) | stock KV grows {format_bytes(per_token)}/token "
             f"(would be {format_bytes(per_token * total)} at {total:,})\n" + table(rows, cols)
             + f"\nprocess peak RSS over the whole run: {format_bytes(max_rss)}"
             + ("" if budget is None else f" ({'within' if max_rss <= budget else 'OVER'} the {format_bytes(budget)} budget)"))
@@ -160,7 +160,7 @@ def run_needle_bench(args) -> int:
     from ..models import load_backend
 
     backend = load_backend(model_spec(args), args.backend)
-    result = run_needle(backend, heap_config(args), context=args.context, prune=args.prune, trials=args.trials,
+    result = run_needle(backend, heap_config(args, backend), context=args.context, prune=args.prune, trials=args.trials,
                         long_contexts=args.long_contexts, long_trials=args.long_trials, long_full=args.long_full,
                         seed=args.seed, log=lambda m: print(m, file=sys.stderr))
     paths = plot(result, args.plots)
@@ -175,7 +175,7 @@ def run_attention_mass_bench(args) -> int:
     from ..models import load_backend
 
     backend = load_backend(model_spec(args), args.backend)
-    result = run_attention_mass(backend, heap_config(args), context=args.context, prune=args.prune,
+    result = run_attention_mass(backend, heap_config(args, backend), context=args.context, prune=args.prune,
                                 trials=args.trials, seed=args.seed, log=lambda m: print(m, file=sys.stderr))
     report(result, backend)
     return 0

@@ -26,15 +26,30 @@ def add_heap_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--budget", type=int, default=d.budget, help="scored KV tokens kept per layer")
     p.add_argument("--sinks", type=int, default=d.sinks)
     p.add_argument("--recent", type=int, default=d.recent, help="most recent tokens always kept")
-    p.add_argument("--slack", type=int, default=d.slack, help="append room = prefill chunk = decode eviction interval")
+    p.add_argument("--slack", type=int, default=d.slack, help="decode append room = decode eviction interval")
+    p.add_argument("--prefill-chunk", type=int, default=None, metavar="N",
+                   help="tokens per prefill forward, evicting before each (default: the backend's for its "
+                        "device, e.g. 2048 on CUDA); the heap holds sinks + budget + max(slack, chunk)")
     p.add_argument("--policy", default=d.policy, choices=POLICIES)
     p.add_argument("--positions", default=d.positions, choices=POSITION_MODES)
     p.add_argument("--profile", default=d.profile, choices=("uniform", "pyramid"))
 
 
-def heap_config(args, **overrides) -> HeapConfig:
+def heap_config(args, backend=None, **overrides) -> HeapConfig:
+    """The heap flags as a config. Without --prefill-chunk, the backend's device default
+    (the slack when no backend is given yet: `with_backend_chunk` fills it in later)."""
     recent = min(args.recent, args.budget)
+    chunk = getattr(args, "prefill_chunk", None)
+    if chunk is None and backend is not None:
+        chunk = backend.default_prefill_chunk()
     fields = dict(budget=args.budget, sinks=args.sinks, recent=recent, slack=args.slack,
-                  policy=args.policy, positions=args.positions, profile=args.profile)
+                  prefill_chunk=chunk or 0, policy=args.policy, positions=args.positions, profile=args.profile)
     fields.update(overrides)
     return HeapConfig(**fields)
+
+
+def with_backend_chunk(cfg: HeapConfig, args, backend) -> HeapConfig:
+    """cfg with the backend's default prefill chunk when --prefill-chunk was not given."""
+    if getattr(args, "prefill_chunk", None) is None and not cfg.prefill_chunk:
+        return cfg.with_(prefill_chunk=backend.default_prefill_chunk())
+    return cfg

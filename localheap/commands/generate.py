@@ -32,8 +32,9 @@ def run(args) -> int:
     from ..models import load_backend
 
     text = args.prompt if args.prompt is not None else args.prompt_file.read_text()
-    cfg = heap_config(args)
+    heap_config(args)   # bad heap flags fail before the model loads
     backend = load_backend(model_spec(args), args.backend)
+    cfg = heap_config(args, backend)
     tok = backend.tokenizer
     if args.chat:
         tokens = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
@@ -42,7 +43,7 @@ def run(args) -> int:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed, stop=args.stop)
     cache = backend.new_cache(cfg)
-    bar = ProgressBar("prefill", stream=sys.stderr) if len(tokens) > 4 * cfg.slack else None
+    bar = ProgressBar("prefill", stream=sys.stderr) if len(tokens) > 4 * cfg.chunk else None
     t0 = time.perf_counter()
     generated: list[int] = []
     stops = StopMatcher(params.stop)

@@ -8,7 +8,7 @@ import re
 import sys
 from pathlib import Path
 
-from .common import add_heap_args, add_model_args, heap_config, model_spec
+from .common import add_heap_args, add_model_args, heap_config, model_spec, with_backend_chunk
 
 
 def add_parser(sub) -> None:
@@ -48,6 +48,11 @@ def add_parser(sub) -> None:
     p.add_argument("--no-persist", dest="persist", action="store_false",
                    help="do not save sessions at shutdown nor restore them at start")
     p.add_argument("--default-max-tokens", type=int, default=1024, help="chat reply limit when a request sets none")
+    p.add_argument("--max-tokens-limit", type=int, default=32768,
+                   help="the largest max_tokens a request may ask for (400 beyond)")
+    p.add_argument("--shutdown-grace", type=float, default=10.0, metavar="SECONDS",
+                   help="on SIGTERM/Ctrl-C, requests get this long to finish; then they are cancelled, "
+                        "sessions saved, and the server exits")
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     p.set_defaults(func=run)
 
@@ -61,7 +66,7 @@ def default_sessions_dir(model_name: str) -> Path:
 def settings_from_args(args):
     from ..server import ServerSettings, parse_bytes
 
-    for name in ("max_active", "max_sessions", "max_resident_sessions", "default_max_tokens"):
+    for name in ("max_active", "max_sessions", "max_resident_sessions", "default_max_tokens", "max_tokens_limit"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
     if args.max_queue < 0:
@@ -70,6 +75,8 @@ def settings_from_args(args):
         raise ValueError("--max-prompt-tokens must be >= 1")
     if args.admission_timeout < 0 or args.max_observers < 1:
         raise ValueError("--admission-timeout must be >= 0 and --max-observers >= 1")
+    if not 0 <= args.shutdown_grace <= 3600:
+        raise ValueError("--shutdown-grace must be between 0 and 3600 seconds")
     return ServerSettings(
         host=args.host, port=args.port, api_keys=api_keys(args), cors_origins=list(args.cors_origin),
         allowed_hosts=list(args.allow_host), max_prompt_tokens=args.max_prompt_tokens,
@@ -79,7 +86,8 @@ def settings_from_args(args):
         max_resident_sessions=args.max_resident_sessions, persist_sessions=args.persist,
         sessions_dir=args.sessions_dir,
         ram_budget=parse_bytes(args.ram_budget) if args.ram_budget else None,
-        default_max_tokens=args.default_max_tokens, heap=heap_config(args),
+        default_max_tokens=args.default_max_tokens, max_tokens_limit=args.max_tokens_limit,
+        shutdown_grace_s=args.shutdown_grace, heap=heap_config(args),
     )
 
 
@@ -102,15 +110,15 @@ def api_keys(args) -> list[str]:
 
 
 def run(args) -> int:
-    import uvicorn
-
     from ..heap import format_bytes
     from ..models import load_backend
     from ..server import create_app
+    from ..server.runner import serve_app
 
     settings = settings_from_args(args)   # bad flags fail before the model loads
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s:     %(name)s: %(message)s")
     backend = load_backend(model_spec(args), args.backend)
+    settings.heap = with_backend_chunk(settings.heap, args, backend)
     if settings.persist_sessions and settings.sessions_dir is None:
         settings.sessions_dir = default_sessions_dir(backend.model_name)
     app = create_app(backend, settings)   # BudgetTooSmall here says what would fit
@@ -121,9 +129,8 @@ def run(args) -> int:
           f"thermal state {app.state.services.governor.sensors.thermal()}", file=sys.stderr)
     heap = settings.heap
     print(f"localheap: {backend.model_name} on {backend.name} | heap: {heap.sinks} sinks + {heap.budget} budget + "
-          f"{heap.slack} slack, policy {heap.policy} ({format_bytes(backend.heap_bytes(heap))} per session)",
+          f"max({heap.slack} slack, {heap.chunk} prefill chunk), policy {heap.policy} ({format_bytes(backend.heap_bytes(heap))} per session)",
           file=sys.stderr)
     print(f"localheap: serving http://{settings.host}:{settings.port}  (OpenAI base_url: "
           f"http://{settings.host}:{settings.port}/v1)", file=sys.stderr)
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level=args.log_level)
-    return 0
+    return serve_app(app, settings, args.log_level)

@@ -18,8 +18,8 @@ from collections import deque
 from concurrent.futures import Future
 from typing import Any, Callable, Optional
 
-from ..sessions import Session, SessionNotFound, SessionStore, continue_session, match_session
-from .errors import EngineStopped, OverBudget, Overloaded
+from ..sessions import Session, SessionLost, SessionNotFound, SessionStore, SpillFailed, continue_session, match_session
+from .errors import EngineFailed, EngineStopped, InvalidTokens, OverBudget, Overloaded
 from .events import Failed, Feed, Job, Started
 from .governor import AdmitAll, Governor
 from .runs import Run
@@ -53,6 +53,9 @@ class Engine:
         self._thread: Optional[threading.Thread] = None
         self._stopping = False
         self._thermal = "unknown"
+        self.failure: Optional[BaseException] = None      # set when the thread died on an internal error
+        self.on_fatal: Optional[Callable[[BaseException], None]] = None   # e.g. make the server exit
+        self.vocab_size: Optional[int] = getattr(backend, "vocab_size", None)
 
     # --- any thread ---
 
@@ -62,20 +65,27 @@ class Engine:
         self._thread.start()
         return self
 
-    def stop(self, timeout: float = 10.0) -> None:
-        """Cancel what runs, fail what waits, and end the thread."""
+    def stop(self, timeout: float = 10.0) -> bool:
+        """Cancel what runs, fail what waits, and end the thread. False when the thread is
+        still inside a backend call after `timeout` (the backend is not this caller's yet)."""
         if self._thread is None:
-            return
+            return self.failure is None
         with self._lock:
             self._stopping = True
             self._inbox.put(None)   # under the lock: no job can land behind the sentinel
         self._thread.join(timeout)
+        ended = not self._thread.is_alive()
+        if not ended:
+            log.error("the engine thread did not stop within %.0f s", timeout)
         self._thread = None
+        return ended and self.failure is None
 
     def submit(self, request) -> Job:
         """Queue a Generate or Feed request; raises Overloaded when the queue is full."""
         with self._lock:
             limit = self.max_active + self.max_queued
+            if self.failure is not None:
+                raise EngineFailed()
             if self._stopping:
                 raise EngineStopped()
             if self._in_flight >= limit:
@@ -90,8 +100,16 @@ class Engine:
     def call(self, fn: Callable[[], Any]) -> Future:
         """Run fn on the engine thread between steps (it may touch sessions and the backend)."""
         fut: Future = Future()
-        self._inbox.put((fn, fut))
+        with self._lock:   # never behind a dead thread: the fatal handler drains under this lock
+            if self.failure is not None:
+                fut.set_exception(EngineFailed())
+            else:
+                self._inbox.put((fn, fut))
         return fut
+
+    @property
+    def healthy(self) -> bool:
+        return self.failure is None and (self._thread is None or self._thread.is_alive() or self._stopping)
 
     @property
     def in_flight(self) -> int:
@@ -108,15 +126,39 @@ class Engine:
     # --- engine thread ---
 
     def _loop(self) -> None:
+        try:
+            while True:
+                # running: just look; only waiting (for RAM or a busy session): poll; idle: sleep
+                timeout = 0.0 if self._active else IDLE_POLL_S if self._waiting else None
+                if not self._drain(timeout):
+                    break
+                self._admit()
+                for run in list(self._active):
+                    self._step(run)
+            self._shutdown()
+        except BaseException as e:   # a bug outside any one request: nothing here can be trusted
+            self._die(e)
+
+    def _die(self, error: BaseException) -> None:
+        """Fail every job and pending call, then tell the server (it exits for a restart)."""
+        log.critical("the engine thread stopped on an internal error", exc_info=error)
+        with self._lock:
+            self.failure = error
+        jobs = [r.job for r in self._active] + list(self._waiting)
         while True:
-            # running: just look; only waiting (for RAM or a busy session): poll; idle: sleep
-            timeout = 0.0 if self._active else IDLE_POLL_S if self._waiting else None
-            if not self._drain(timeout):
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
                 break
-            self._admit()
-            for run in list(self._active):
-                self._step(run)
-        self._shutdown()
+            if isinstance(item, Job):
+                jobs.append(item)
+            elif item is not None and item[1].set_running_or_notify_cancel():
+                item[1].set_exception(EngineFailed())
+        for job in jobs:
+            if not job.done.is_set():
+                self._end(job, Failed(EngineFailed()), "failed")
+        if self.on_fatal is not None:
+            self.on_fatal(error)
 
     def _drain(self, timeout: Optional[float]) -> bool:
         """Take everything in the inbox (waiting up to `timeout` for the first item, None:
@@ -164,9 +206,9 @@ class Engine:
                 if time.monotonic() - job.submitted < self.admission_timeout:
                     skipped.append(job)
                 else:
-                    self._fail(job, self._refusal or OverBudget("over the RAM budget"), None)
+                    self._fail(job, self._refusal or OverBudget("over the RAM budget"))
             except Exception as e:
-                self._fail(job, e, None)
+                self._fail(job, e)
         skipped.extend(self._waiting)
         self._waiting = skipped
 
@@ -177,7 +219,7 @@ class Engine:
     def _start(self, job: Job, room_blocked: bool = False) -> None:
         req, tok = job.request, self.backend.tokenizer
         encode = lambda text: tok.encode(text, add_special_tokens=False)  # noqa: E731
-        created = False
+        self._check_tokens(req.prompt.tokens, req.prompt.continuation or ())
         if req.session_id is not None:
             named = self.store.get(req.session_id)
             if named.owner != req.owner:   # another key's session: as if it did not exist
@@ -186,25 +228,60 @@ class Engine:
         else:
             sessions = [] if isinstance(req, Feed) else [x for x in self.store.sessions() if x.owner == req.owner]
             match = match_session(sessions, req.prompt, encode, tok.decode)
-            if match is None:
-                created = True
-                match = continue_session(self.store.create(owner=req.owner), req.prompt, encode, tok.decode)
+        try:
+            if match is not None:
+                return self._run(job, self._prepare(match, False, room_blocked), created=False)
+        except SessionLost:
+            if req.session_id is not None:
+                raise   # the client named it: it must resend the history
+            log.warning("the session matching a prompt was lost; serving it in a new session")
+        match = continue_session(self.store.create(owner=req.owner), req.prompt, encode, tok.decode)
+        self._run(job, self._prepare(match, True, room_blocked), created=True)
+
+    def _prepare(self, match, created: bool, room_blocked: bool = False):
+        """Make room for the match's session and give it its heap; a session created for
+        this request is dropped again when that fails (it holds no history)."""
         s = match.session
         try:
             if not match.new_tokens:
                 raise ValueError("the prompt is empty: nothing to feed")
+            self._check_tokens(match.new_tokens)
             if s.cache is None:
                 if room_blocked:
                     raise WaitForRoom()
-                self._admit_heap(s)   # before enforce_limits: a refused job must not evict sessions
-            self.store.enforce_limits(keep=s)
+                self._admit_heap(s)   # before _make_room: a refused job must not evict sessions
+            self._make_room(s)
             self.store.make_resident(s)
         except Exception:
             if created:
                 self.store.delete(s.id)
             raise
+        return match
+
+    def _make_room(self, s: Session) -> None:
+        """Spill beyond max_resident. A failed spill fails this request only when it needs the
+        room (its heap is not resident); every session stays as it was either way."""
+        try:
+            self.store.enforce_limits(keep=s)
+        except SpillFailed as e:
+            if s.cache is None:
+                raise
+            log.error("%s (sessions stay in memory)", e)
+
+    def _check_tokens(self, *lists) -> None:
+        """Ids outside the vocabulary are refused before they touch any session."""
+        if self.vocab_size is None:
+            return
+        for ids in lists:
+            if len(ids) and (min(ids) < 0 or max(ids) >= self.vocab_size):
+                bad = next(t for t in ids if not 0 <= t < self.vocab_size)
+                raise InvalidTokens(bad, self.vocab_size)
+
+    def _run(self, job: Job, match, created: bool) -> None:
+        s = match.session
         run = Run(job, s, match.new_tokens, match.cached, self.backend)
-        s.busy = True
+        run.created = created
+        s.busy, s.dirty = True, True
         self.store.touch(s)
         s.refresh()
         self._active.append(run)
@@ -225,7 +302,7 @@ class Engine:
 
     def _throttle(self, run: Run) -> float:
         """Thermal pressure: smaller prefill chunks and a pause; returns the pause."""
-        t = self.governor.throttle(run.session.cfg.slack)
+        t = self.governor.throttle(run.session.cfg.chunk)
         if t.state != self._thermal:
             log.log(logging.WARNING if t.active else logging.INFO,
                     "thermal state %s: prefill chunk %d, pause %.2fs", t.state, t.chunk, t.pause_s)
@@ -237,15 +314,15 @@ class Engine:
         if run.job.cancelled:
             self._finish(run)
             return
-        pause = self._throttle(run)
-        if pause:
-            time.sleep(pause if run.prefilling else pause / 10)
         try:
+            pause = self._throttle(run)
+            if pause:
+                time.sleep(pause if run.prefilling else pause / 10)
             done = run.step()
         except Exception as e:
-            log.exception("run failed")
+            log.exception("a request failed on session %s", run.session.id)
             self._active.remove(run)
-            self._fail(run.job, e, run.session)
+            self._fail(run.job, e, run)
             return
         kind, n = run.last_step
         if n:
@@ -261,25 +338,40 @@ class Engine:
             run.close()
         except Exception as e:
             log.exception("closing a run failed")
-            self._fail(run.job, e, run.session)
+            self._fail(run.job, e, run)
             return
         s = run.session
         s.busy = False
         s.turns += 1
         self.store.touch(s)
+        self._save(s)   # before the reply ends: a turn the client saw finish survives kill -9
         s.refresh()
         self.counters.completion_tokens += len(run.completion)
         self._end(run.job, run.finished_event(), "finished" if run.finish_reason else "cancelled")
-        self.store.enforce_limits()
+        try:
+            self.store.enforce_limits()
+        except Exception as e:   # the request is answered; the next one that needs room reports it
+            log.error("%s (sessions stay in memory)", e)
         self._room_freed()
 
-    def _fail(self, job: Job, error: Exception, session: Optional[Session]) -> None:
-        if session is not None:
-            # the cache may hold a half-fed chunk: the session cannot be trusted any more
-            session.busy = False
-            session.cache = None
-            self.store.delete(session.id)
-            self._room_freed()
+    def _save(self, s: Session) -> None:
+        """Write-through in a durable store; a failed write keeps the session, logged."""
+        if self.store.durable and s.fed and s.cache is not None:
+            try:
+                self.store.save(s)
+            except Exception as e:
+                log.error("session %s: turn not saved: %s", s.id, e)
+
+    def _fail(self, job: Job, error: Exception, run: Optional[Run] = None) -> None:
+        """Fail one request. A session it was running on is rolled back to its last saved
+        turn (or to empty); dropped only when neither exists, since its cache may hold a
+        half-fed chunk."""
+        if run is not None and (run.created or not self.store.rollback(run.session, fed_before=run.cached)):
+            if not run.created:
+                log.error("session %s dropped: its cache cannot be trusted and it has no saved copy", run.session.id)
+            run.session.busy = False
+            self.store.delete(run.session.id)
+        self._room_freed()
         # refusals (budget, queue) are not failures: they count as rejected, like a full queue
         self._end(job, Failed(error), "rejected" if isinstance(error, (OverBudget, Overloaded)) else "failed")
 

@@ -22,3 +22,17 @@ class OverBudget(RuntimeError):
 class EngineStopped(RuntimeError):
     def __init__(self) -> None:
         super().__init__("the engine is shutting down")
+
+
+class EngineFailed(RuntimeError):
+    """The engine thread stopped on an internal error; the server is exiting."""
+
+    def __init__(self) -> None:
+        super().__init__("the engine stopped after an internal error; the server is restarting, retry shortly")
+
+
+class InvalidTokens(ValueError):
+    """Token ids outside the model's vocabulary (a client error: 400, the session untouched)."""
+
+    def __init__(self, token: int, vocab_size: int):
+        super().__init__(f"token id {token} is out of range: this model's ids are 0..{vocab_size - 1}")

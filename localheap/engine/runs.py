@@ -22,9 +22,10 @@ class Run:
     def __init__(self, job: Job, session: Session, new_tokens: list[int], cached: int, backend: Any):
         assert new_tokens, "a run feeds at least one token"
         self.job, self.session, self.backend = job, session, backend
-        self.cached = cached
+        self.cached = cached                            # tokens the session held before this run
+        self.created = False                            # the session was made for this run
         self.prompt_tokens = cached + len(new_tokens)
-        self.chunk = session.cfg.slack                 # prefill chunk = heap append room
+        self.chunk = session.cfg.chunk                 # prefill chunk (the heap evicts before each)
         self.to_prefill = new_tokens if isinstance(job.request, Feed) else new_tokens[:-1]
         self.last = None if isinstance(job.request, Feed) else new_tokens[-1]
         self.prefilled = 0

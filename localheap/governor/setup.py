@@ -36,7 +36,7 @@ def plan_for(backend: Any, cfg: HeapConfig, ram_budget: Optional[int]) -> Memory
     overhead = max(0, rss - weights) + weights // 10 + ACTIVATION_MARGIN + requests
     plan = MemoryPlan(budget=budget, weights=weights, heap=int(backend.heap_bytes(cfg)), overhead=overhead,
                       requests=requests)
-    return plan.check(heap_tokens=cfg.sinks + cfg.budget + cfg.slack, bytes_per_token=backend.kv_bytes_per_token())
+    return plan.check(heap_tokens=cfg.layer_capacity(cfg.budget), bytes_per_token=backend.kv_bytes_per_token())
 
 
 def governor_for(backend: Any, plan: MemoryPlan) -> Governor:

@@ -27,7 +27,8 @@ class HeapConfig:
     budget: int = 4096           # scored tokens kept per layer (beyond the sinks)
     sinks: int = 4               # first tokens of the stream, never evicted
     recent: int = 256            # most recent tokens, never evicted
-    slack: int = 256             # append room; also the prefill chunk and the decode eviction interval
+    slack: int = 256             # decode append room = the decode eviction interval
+    prefill_chunk: int = 0       # tokens per prefill forward (evict before each); 0 = the slack
     policy: str = "snapkv"       # the default keeps facts that h2o loses (docs/needle.md)
     positions: str = "compact"   # compact: RoPE positions follow slot order; absolute: original positions
     profile: str = "uniform"     # per-layer budget profile
@@ -49,7 +50,7 @@ class HeapConfig:
         for name in ("budget", "slack"):
             if getattr(self, name) < 1:
                 raise HeapConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("sinks", "recent", "obs_window"):
+        for name in ("sinks", "recent", "obs_window", "prefill_chunk"):
             if getattr(self, name) < 0:
                 raise HeapConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.recent > self.budget:
@@ -93,5 +94,15 @@ class HeapConfig:
             i += 1
         return budgets
 
+    @property
+    def append_room(self) -> int:
+        """Slots beyond sinks + budget: room for a decode slack or a whole prefill chunk."""
+        return max(self.slack, self.prefill_chunk)
+
+    @property
+    def chunk(self) -> int:
+        """Tokens per prefill forward. The CLI sets prefill_chunk to the backend's device default."""
+        return self.prefill_chunk or self.slack
+
     def layer_capacity(self, layer_budget: int) -> int:
-        return self.sinks + layer_budget + self.slack
+        return self.sinks + layer_budget + self.append_room

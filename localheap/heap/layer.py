@@ -38,7 +38,7 @@ class RepackPlan:
 
 
 class LayerHeap:
-    """Slot table of one attention layer: capacity = sinks + budget + slack."""
+    """Slot table of one attention layer: capacity = sinks + budget + max(slack, prefill chunk)."""
 
     def __init__(self, cfg: HeapConfig, n_kv_heads: int, budget: int, layer: int = 0):
         self.cfg = cfg
@@ -46,7 +46,7 @@ class LayerHeap:
         self.budget = budget
         self.layer = layer
         self.keep = cfg.sinks + budget
-        self.capacity = self.keep + cfg.slack
+        self.capacity = cfg.layer_capacity(budget)
         self.policy: Policy = make_policy(cfg, layer)
         self.noise_rng = np.random.default_rng(cfg.seed * 7919 + layer)
         # positions[h, s]: original position of the token in slot s of KV head h
@@ -58,7 +58,9 @@ class LayerHeap:
 
     # -- appends -------------------------------------------------------------------
     def needs_repack(self, n_new: int) -> bool:
-        return self.resident + n_new > self.capacity
+        """Decode steps (n_new <= slack) evict when the slack is full, i.e. every `slack`
+        tokens; a larger prefill chunk evicts whenever more than sinks + budget are resident."""
+        return self.resident + n_new > self.keep + max(self.cfg.slack, n_new)
 
     def rope_offset(self) -> int:
         """Position the next appended token is rotated at."""

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from pathlib import Path
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any, Optional
 
 from fastapi import FastAPI
@@ -18,10 +19,10 @@ from ..governor.budget import request_room
 from ..sessions import SessionStore
 from . import errors
 from .middleware import CheckHost, LimitBody, RequireApiKey, checks_host
-from .routes import observe, openai, sessions
+from .routes import observe, openai, sessions, tokenize
 from .services import Services
 from .settings import ServerSettings
-from .telemetry import metrics_registry
+from .telemetry import ThroughputHistory, metrics_registry
 
 
 log = logging.getLogger("localheap.server")
@@ -33,14 +34,14 @@ def create_app(backend: Any, settings: Optional[ServerSettings] = None, governor
     if governor is None:
         plan = plan_for(backend, settings.heap, settings.ram_budget)   # BudgetTooSmall when nothing fits
         governor = governor_for(backend, plan)
-    store = SessionStore(backend, settings.heap, settings.sessions_dir,
+    store = SessionStore(backend, settings.heap, settings.sessions_dir, durable=settings.persist_sessions,
                          max_resident=settings.max_resident_sessions, max_sessions=settings.max_sessions)
     engine = Engine(backend, store, governor, max_active=settings.max_active, max_queued=settings.max_queued,
                     admission_timeout=settings.admission_timeout)
     if settings.max_prompt_tokens is None:
         plan = getattr(governor, "plan", None)
         settings.max_prompt_tokens = (plan or MemoryPlan(0, 0, 0, 0, request_room(default_budget()))).max_prompt_tokens
-    svc = Services(settings, backend, engine, store, governor)
+    svc = Services(settings, backend, engine, store, governor, throughput=ThroughputHistory())
     svc.metrics = metrics_registry(svc)
 
     @asynccontextmanager
@@ -50,11 +51,14 @@ def create_app(backend: Any, settings: Optional[ServerSettings] = None, governor
             if n:
                 log.info("restored %d saved session(s) from %s", n, store.spill_dir)
         engine.start()
+        sampler = asyncio.create_task(svc.throughput.run(svc))
         try:
             yield
         finally:
-            engine.stop()   # cancels runs; the backend is this thread's from here on
-            if settings.persist_sessions:
+            sampler.cancel()
+            # cancels runs; the backend is this thread's from here on, unless the engine died
+            # or is stuck: then the copies each finished turn left on disk are what survives
+            if engine.stop() and settings.persist_sessions:
                 n = store.persist_all(backend.model_name)
                 log.info("saved %d session(s) to %s", n, store.spill_dir)
             store.close()
@@ -62,14 +66,14 @@ def create_app(backend: Any, settings: Optional[ServerSettings] = None, governor
     app = FastAPI(title="localheap", version="0.1.0", lifespan=lifespan, docs_url="/docs", redoc_url=None)
     app.state.services = svc
     errors.install(app)
-    for module in (openai, sessions, observe):
+    for module in (openai, sessions, tokenize, observe):
         app.include_router(module.router)
     app.add_middleware(LimitBody, max_bytes=settings.max_body_bytes)
     if settings.keys:
         app.add_middleware(RequireApiKey, api_keys=settings.keys)
     app.add_middleware(CORSMiddleware, allow_origins=settings.own_origins + list(settings.cors_origins),
-                       allow_methods=["GET", "POST", "DELETE", "OPTIONS"],
-                       allow_headers=["Authorization", "Content-Type", "X-Session-Id"],
+                       allow_methods=["GET", "POST", "PATCH", "DELETE", "OPTIONS"],
+                       allow_headers=["Authorization", "Content-Type", "X-Session-Id", "X-Localheap-Client"],
                        expose_headers=["X-Session-Id", "Retry-After"])
     if checks_host(settings.host):
         app.add_middleware(CheckHost, bound_host=settings.host, extra=settings.allowed_hosts)   # outermost

@@ -12,9 +12,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..engine import EngineStopped, OverBudget, Overloaded
+from ..engine import EngineFailed, EngineStopped, InvalidTokens, OverBudget, Overloaded
 from ..heap import HeapConfigError
-from ..sessions import SessionBusy, SessionNotFound
+from ..sessions import SessionBusy, SessionLost, SessionNotFound, SpillFailed
 
 log = logging.getLogger("localheap.server")
 
@@ -77,6 +77,16 @@ def to_response(exc: Exception) -> JSONResponse:
         return error_response(exc.status, str(exc), exc.type, exc.param, exc.code, headers=headers)
     if isinstance(exc, SessionNotFound):
         return error_response(404, str(exc), "invalid_request_error", "session_id", "session_not_found")
+    if isinstance(exc, SessionLost):
+        return error_response(410, str(exc), "invalid_request_error", "session_id", "session_lost")
+    if isinstance(exc, SpillFailed):   # disk full or sessions dir unwritable: nothing else is wrong
+        log.error("%s", exc)
+        return error_response(507, str(exc), "server_error", None, "sessions_dir_unwritable",
+                              headers={"Retry-After": "30"})
+    if isinstance(exc, EngineFailed):
+        return error_response(503, str(exc), "server_error", None, "engine_failed", headers={"Retry-After": "5"})
+    if isinstance(exc, InvalidTokens):
+        return error_response(400, str(exc), "invalid_request_error", "prompt", "invalid_token_id")
     if isinstance(exc, SessionBusy):
         return error_response(409, str(exc), "invalid_request_error", "session_id", "session_busy")
     if isinstance(exc, (Overloaded, OverBudget)):
@@ -121,6 +131,7 @@ def install(app: FastAPI) -> None:
     async def handle(request: Request, exc: Exception) -> JSONResponse:
         return to_response(exc)
 
-    for cls in (ApiError, SessionNotFound, SessionBusy, Overloaded, OverBudget, EngineStopped,
+    for cls in (ApiError, SessionNotFound, SessionBusy, SessionLost, SpillFailed, EngineFailed, InvalidTokens,
+                Overloaded, OverBudget, EngineStopped,
                 RequestValidationError, StarletteHTTPException, HeapConfigError, ValueError, Exception):
         app.add_exception_handler(cls, handle)

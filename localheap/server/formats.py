@@ -69,6 +69,12 @@ def usage_dict(u: Usage) -> dict:
             "total_tokens": u.total_tokens, "prompt_tokens_details": {"cached_tokens": u.cached_tokens}}
 
 
-def extension(done: Finished) -> dict:
-    return {"session_id": done.session_id, "session": {k: v for k, v in done.session.items() if k != "heap"},
-            "heap": done.session.get("heap")}
+def extension(done: Finished, decode_s: Optional[float] = None) -> dict:
+    """decode_s: seconds from the first streamed token to the last, timed on the server (a
+    browser may receive a fast reply in one burst, which makes its own timing meaningless)."""
+    ext = {"session_id": done.session_id, "session": {k: v for k, v in done.session.items() if k != "heap"},
+           "heap": done.session.get("heap")}
+    n = done.usage.completion_tokens
+    if decode_s is not None and decode_s > 0 and n > 1:
+        ext["speed"] = {"decode_tokens_per_s": round((n - 1) / decode_s, 1), "decode_seconds": round(decode_s, 3)}
+    return ext

@@ -3,6 +3,7 @@ document takes a while to tokenize). Knows the tokenizer, never a tensor."""
 
 from __future__ import annotations
 
+import re
 import threading
 from typing import Any, Callable, Optional, Sequence
 
@@ -16,6 +17,7 @@ from .tokens import PIECE_CHARS, check_chars, encode_bounded, encode_plain, rele
 
 _LONG_TEXTS = threading.Lock()
 
+_SURROGATE = re.compile("[\ud800-\udfff]")
 # A finished exchange rendered before new turns, so that the difference between the two
 # renders is exactly what the template adds for the new turns (no BOS, no default system).
 _PLACEHOLDER = [{"role": "user", "content": "\u2047"}, {"role": "assistant", "content": "\u2048"}]
@@ -23,7 +25,17 @@ _PLACEHOLDER = [{"role": "user", "content": "\u2047"}, {"role": "assistant", "co
 
 def _messages(messages: list[ChatMessage]) -> list[dict]:
     # "developer" is OpenAI's newer name for the system role; templates know "system"
-    return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in messages]
+    return [{"role": "system" if m.role == "developer" else m.role, "content": _text(m.text(), "messages")}
+            for m in messages]
+
+
+def _text(text: str, param: str) -> str:
+    r"""JSON may carry lone surrogates ("\ud800") that no tokenizer encodes: 400, not 500.
+    A search, not an encode: no copy of a large document."""
+    bad = _SURROGATE.search(text)
+    if bad is not None:
+        raise BadRequest(f"{param} holds invalid unicode (a lone surrogate at character {bad.start()})", param)
+    return text
 
 
 def render(tokenizer: Any, messages: list[dict], add_generation_prompt: bool) -> str:
@@ -106,11 +118,13 @@ def with_specials(tokenizer: Any, text: str, ids: Sequence[int]) -> Sequence[int
 
 def completion_prompt(tokenizer: Any, req: CompletionRequest, limit: Optional[int] = None) -> Prompt:
     p = req.prompt
-    if isinstance(p, list) and p and isinstance(p[0], int):
+    if isinstance(p, list) and not p:
+        raise BadRequest("the prompt is empty", "prompt")
+    if isinstance(p, list) and isinstance(p[0], int):
         if limit is not None and len(p) > limit:
             raise PromptTooLong(limit, len(p), "prompt")
-        return Prompt(list(p), None, list(p))
-    text = p[0] if isinstance(p, list) else p
+        return Prompt(list(p), None, list(p))   # ids are checked against the vocabulary by the engine
+    text = _text(p[0] if isinstance(p, list) else p, "prompt")
     if not text:
         raise BadRequest("the prompt is empty", "prompt")
     plain = encode_bounded(tokenizer, text, limit, "prompt")
@@ -118,6 +132,7 @@ def completion_prompt(tokenizer: Any, req: CompletionRequest, limit: Optional[in
 
 
 def document_prompt(tokenizer: Any, text: str, role: str, raw: bool, limit: Optional[int] = None) -> Prompt:
+    _text(text, "text")
     if raw:
         plain = encode_bounded(tokenizer, text, limit, "text")
         return Prompt(with_specials(tokenizer, text, plain), None, plain)

@@ -8,6 +8,10 @@ from typing import Any, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 
+TITLE_MAX_CHARS = 200
+TOKENIZE_MAX_CHARS = 4_000_000
+
+
 class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -129,3 +133,15 @@ class DocumentRequest(Strict):
     role: Literal["system", "developer", "user", "assistant"] = "user"
     raw: bool = False
     stream: bool = True          # SSE progress events; false: one JSON answer when done
+    name: Optional[str] = Field(None, max_length=TITLE_MAX_CHARS)   # e.g. a file name: titles an untitled session
+
+
+class SessionFields(Strict):
+    """POST /v1/sessions (optional body) and PATCH /v1/sessions/{id}."""
+    title: Optional[str] = Field(None, max_length=TITLE_MAX_CHARS)
+
+
+class TokenizeRequest(Strict):
+    """Count tokens with the served model's tokenizer (the web UI's document dialog). Bounded:
+    4M characters is about a 1M-token document, the size the heap is built for."""
+    text: str = Field(max_length=TOKENIZE_MAX_CHARS)

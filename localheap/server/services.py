@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -9,10 +10,13 @@ from typing import Any, Optional
 from fastapi import Request
 
 from ..engine import Engine
-from ..sessions import SessionStore
+from ..sessions import SessionNotFound, SessionStore
+from ..sessions.session import short_title
 from .errors import UnknownModel
 from .middleware import request_owner
 from .settings import ServerSettings
+
+NAME_TIMEOUT_S = 5.0
 
 
 @dataclass
@@ -23,6 +27,7 @@ class Services:
     store: SessionStore
     governor: Any = None
     started: float = field(default_factory=time.time)
+    throughput: Any = None               # telemetry.ThroughputHistory (set by the app)
     metrics: Any = None                  # the app's prometheus_client registry
     observers: int = 0                   # open /v1/heap/events streams (event loop only)
 
@@ -33,6 +38,18 @@ class Services:
     @property
     def tokenizer(self) -> Any:
         return self.backend.tokenizer
+
+    async def name_session(self, session_id: str, text: Optional[str]) -> None:
+        """Title an untitled session after its first message (on the engine thread, which
+        owns sessions; one step's wait at most, and only until the session has a title)."""
+        title = short_title(text or "")
+        if title is None or session_id not in self.store or self.store.info(session_id).get("title") is not None:
+            return
+        try:
+            name = self.engine.call(lambda: self.store.set_title(session_id, title, replace=False))
+            await asyncio.wait_for(asyncio.wrap_future(name), NAME_TIMEOUT_S)
+        except (SessionNotFound, asyncio.TimeoutError):
+            pass   # gone already (a failed request deletes its session), or the engine is stopping
 
     def check_model(self, model: str) -> None:
         if model != self.model_id:

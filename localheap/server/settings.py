@@ -33,6 +33,8 @@ class ServerSettings:
     persist_sessions: bool = False             # save sessions at shutdown, load them at start
     ram_budget: Optional[int] = None           # bytes (None: 75% of physical memory)
     default_max_tokens: int = 1024             # chat replies when the request sets no limit
+    max_tokens_limit: int = 32768              # the largest max_tokens a request may ask (400 beyond)
+    shutdown_grace_s: float = 10.0             # SIGTERM: requests get this long, then are cancelled
     heap: HeapConfig = field(default_factory=HeapConfig)
     web_dir: Optional[Path] = field(default_factory=package_web_dir)
     heap_events_interval: float = 0.5          # seconds between /v1/heap/events messages

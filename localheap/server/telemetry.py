@@ -3,7 +3,10 @@ the RAM budget, throughput. Reads published snapshots only; never waits on the e
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import time
+from collections import deque
 from typing import Optional
 
 import psutil
@@ -13,6 +16,32 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from .services import Services
 
 _PROCESS = psutil.Process()
+log = logging.getLogger("localheap.server")
+THROUGHPUT_SAMPLES = 300    # seconds of activity kept (idle seconds are not recorded)
+SAMPLE_INTERVAL_S = 1.0
+
+
+class ThroughputHistory:
+    """Decode and prefill rates, one sample a second while the engine works: what the web UI
+    shows again after a reload (the live rates read 0 once the engine is idle)."""
+
+    def __init__(self, maxlen: int = THROUGHPUT_SAMPLES):
+        self.samples: deque[tuple[float, float, float]] = deque(maxlen=maxlen)
+
+    def sample(self, svc: Services) -> None:
+        c = svc.engine.counters
+        decode, prefill = round(c.decode.rate(), 1), round(c.prefill.rate(), 1)
+        if decode or prefill:
+            self.samples.append((round(time.time(), 1), decode, prefill))
+
+    async def run(self, svc: Services) -> None:
+        """Sample until cancelled (the app's lifespan owns this task)."""
+        while True:
+            try:
+                self.sample(svc)
+            except Exception:   # a meter read racing the engine thread: skip this second
+                log.debug("throughput sample failed", exc_info=True)
+            await asyncio.sleep(SAMPLE_INTERVAL_S)
 
 
 def governor(svc: Services) -> dict:
@@ -39,10 +68,18 @@ def memory(svc: Services, gov: dict) -> dict:
     }
 
 
-def heap_snapshot(svc: Services, owner: Optional[str] = None) -> dict:
-    """One message of /v1/heap/events: the sessions of `owner` (the caller's key)."""
+def history(svc: Services, owner: Optional[str] = None) -> dict:
+    """What a page that just (re)loaded cannot have seen: every session's sparkline points
+    [tokens seen, resident] and the throughput samples [time, decode, prefill] (tokens/s)."""
+    return {"sessions": {s.id: [list(p) for p in s.history] for s in svc.store.sessions() if s.owner == owner},
+            "throughput": [list(t) for t in svc.throughput.samples]}
+
+
+def heap_snapshot(svc: Services, owner: Optional[str] = None, with_history: bool = False) -> dict:
+    """One message of /v1/heap/events: the sessions of `owner` (the caller's key); the first
+    of each stream carries the history."""
     c, eng, gov = svc.engine.counters, svc.engine, governor(svc)
-    return {
+    snap = {
         "time": round(time.time(), 3),
         "model": svc.model_id,
         "sessions": svc.store.infos_of(owner),
@@ -52,6 +89,9 @@ def heap_snapshot(svc: Services, owner: Optional[str] = None) -> dict:
                        "prefill_tokens_per_s": round(c.prefill.rate(), 1)},
         "engine": {"active": eng.active, "waiting": eng.waiting, "in_flight": eng.in_flight},
     }
+    if with_history:
+        snap["history"] = history(svc, owner)
+    return snap
 
 
 class MetricsCollector:

@@ -13,3 +13,21 @@ class SessionBusy(RuntimeError):
     def __init__(self, session_id: str):
         super().__init__(f"session {session_id!r} is serving another request")
         self.session_id = session_id
+
+
+class SpillFailed(OSError):
+    """The sessions directory refused a write (full, unwritable, gone, not a directory)."""
+
+    def __init__(self, directory, cause: BaseException):
+        reason = cause.strerror if isinstance(cause, OSError) and cause.strerror else str(cause) or type(cause).__name__
+        super().__init__(f"cannot save sessions to {directory}: {reason}")
+        self.directory, self.cause = directory, cause
+
+
+class SessionLost(LookupError):
+    """A saved session could not be read back (corrupt or missing file): it is gone."""
+
+    def __init__(self, session_id: str, reason: str):
+        super().__init__(f"session {session_id!r} could not be restored ({reason}) and is gone; "
+                         "resend the whole conversation without X-Session-Id to start a new session")
+        self.session_id = session_id

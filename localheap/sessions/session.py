@@ -15,6 +15,9 @@ from typing import Any, Callable, Optional, Sequence
 from ..heap import HeapConfig, HeapStats
 
 TOKEN_TYPECODE = "i"   # int32 ids: 4 bytes a token, so a 1M-token session's history is 4 MB
+ORIGINS = ("web", "api")   # who opened the session: the web UI's conversations, or any other client
+TITLE_CHARS = 80           # an automatic title: the first user message, trimmed to this
+HISTORY_POINTS = 240       # (tokens seen, resident) points kept for the UI's sparkline
 
 
 def token_array(tokens: Sequence[int] = ()) -> array:
@@ -27,7 +30,10 @@ class Session:
     cfg: HeapConfig
     fed: array = field(default_factory=token_array)   # every token in the cache, in order
     cache: Any = None                                  # backend cache while resident
-    spill_path: Optional[Path] = None                  # on disk while spilled
+    spill_path: Optional[Path] = None                  # heap file of the saved copy on disk, if any
+    saved_gen: Optional[int] = None                    # generation of that copy (sessions/disk.py)
+    saved_tokens: int = 0                              # len(fed) when it was saved
+    dirty: bool = False                                # the cache changed since it was saved
     busy: bool = False
     owner: Optional[str] = None                        # id of the API key that created it (None: no keys)
     created: float = field(default_factory=time.time)
@@ -35,8 +41,17 @@ class Session:
     turns: int = 0
     stats: Optional[HeapStats] = None
     snapshot: dict = field(default_factory=dict)
+    origin: str = "api"
+    title: Optional[str] = None
+    # Replaced whole, never edited in place: other threads read it (the heap event stream).
+    history: tuple = ()
     _text: Optional[str] = None
     _text_tokens: int = -1
+
+    @property
+    def saved(self) -> bool:
+        """A copy on disk holds exactly what the cache holds (spilling it is free)."""
+        return self.spill_path is not None and not self.dirty and self.saved_tokens == len(self.fed)
 
     @property
     def state(self) -> str:
@@ -58,6 +73,7 @@ class Session:
         """Publish a new snapshot for readers on other threads."""
         if stats is not None:
             self.stats = stats
+            self._record(stats)
         self.snapshot = {
             "id": self.id,
             "object": "session",
@@ -67,5 +83,26 @@ class Session:
             "turns": self.turns,
             "created": int(self.created),
             "last_used": round(self.last_used, 3),
+            "origin": self.origin,
+            "title": self.title,
             "heap": self.stats.to_dict() if self.stats is not None else None,
         }
+
+    def _record(self, stats: HeapStats) -> None:
+        """One sparkline point per change; when full, every other point goes (the first and
+        the latest stay), so the whole story fits in HISTORY_POINTS."""
+        point = (stats.tokens_seen, stats.resident)
+        if self.history and self.history[-1] == point:
+            return
+        points = self.history + (point,)
+        if len(points) > HISTORY_POINTS:
+            points = points[:1] + points[1:-1:2] + points[-1:]
+        self.history = points
+
+
+def short_title(text: str) -> Optional[str]:
+    """A title from a message: whitespace collapsed, at most TITLE_CHARS characters."""
+    text = " ".join(text.split())
+    if not text:
+        return None
+    return text if len(text) <= TITLE_CHARS else text[:TITLE_CHARS - 1].rstrip() + "\u2026"

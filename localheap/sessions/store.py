@@ -6,34 +6,43 @@ read published snapshots and are safe from any thread.
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import shutil
 import tempfile
 import threading
 import time
-import uuid
+import zlib
 from pathlib import Path
 from typing import Any, Optional
 
 from ..heap import HeapConfig
-from .errors import SessionBusy, SessionNotFound
-from .session import Session, token_array
+from .disk import SessionDir, new_id, valid_id
+from .errors import SessionBusy, SessionLost, SessionNotFound, SpillFailed
+from .recover import recover_sessions
+from .session import ORIGINS, Session
 
+ANY_OWNER = object()   # info() without an ownership check (the server's own lookups)
 log = logging.getLogger("localheap.sessions")
-INDEX = "index.json"
 
 
 class SessionStore:
+    """durable: the directory is the sessions' record across restarts: every change is
+    committed to its index, a heap saved after each turn stays on disk after a restore,
+    and the engine saves a session after each turn (kill -9 loses at most the turn in flight).
+    Otherwise the directory only holds spilled heaps. Raises SpillFailed at once when the
+    directory cannot be written."""
+
     def __init__(self, backend: Any, cfg: HeapConfig, spill_dir: Optional[Path] = None,
-                 max_resident: int = 8, max_sessions: int = 256):
+                 max_resident: int = 8, max_sessions: int = 256, durable: bool = False):
         assert max_resident >= 1 and max_sessions >= max_resident
         self.backend = backend
         self.cfg = cfg
+        self.model_id = getattr(backend, "model_name", "model")
         self._own_dir = spill_dir is None
         self.spill_dir = Path(spill_dir or tempfile.mkdtemp(prefix="localheap-sessions-"))
-        self.spill_dir.mkdir(parents=True, exist_ok=True)
+        self.dir = SessionDir(self.spill_dir)
+        self.dir.check()
+        self.durable = durable
         self.max_resident = max_resident
         self.max_sessions = max_sessions
         self._sessions: dict[str, Session] = {}
@@ -43,12 +52,16 @@ class SessionStore:
 
     # --- lookup (engine thread) ---
 
-    def create(self, session_id: Optional[str] = None, owner: Optional[str] = None) -> Session:
-        s = Session(id=session_id or f"sess_{uuid.uuid4().hex[:20]}", cfg=self.cfg, owner=owner)
+    def create(self, session_id: Optional[str] = None, origin: str = "api", title: Optional[str] = None,
+               owner: Optional[str] = None) -> Session:
+        assert origin in ORIGINS, origin
+        s = Session(id=session_id or new_id(), cfg=self.cfg, origin=origin, title=title, owner=owner)
+        assert valid_id(s.id), s.id
         s.refresh()
         with self._lock:
             assert s.id not in self._sessions
             self._sessions[s.id] = s
+        self._try_commit()
         return s
 
     def get(self, session_id: str) -> Session:
@@ -56,6 +69,14 @@ class SessionStore:
         if s is None:
             raise SessionNotFound(session_id)
         return s
+
+    def set_title(self, session_id: str, title: Optional[str], replace: bool = True) -> None:
+        """Name a session; replace=False names it only if it has no title yet."""
+        s = self.get(session_id)
+        if replace or s.title is None:
+            s.title = title
+            s.refresh()
+            self._try_commit()   # the index holds titles: a durable store keeps this one too
 
     def __contains__(self, session_id: str) -> bool:
         return session_id in self._sessions
@@ -74,6 +95,7 @@ class SessionStore:
         with self._lock:
             del self._sessions[session_id]
         s.cache = None
+        self._try_commit()
         self._remove_files(s)
 
     # --- heap residency (engine thread) ---
@@ -97,37 +119,73 @@ class SessionStore:
             s.refresh(self.backend.stats(s.cache))
 
     def spill(self, session_id: str) -> Path:
-        """Save the session's heap and token history to disk and free its heap."""
+        """Free the session's heap, saving it first unless the copy on disk is current.
+        Raises SpillFailed (the session stays resident) when the directory refuses the write."""
         s = self.get(session_id)
         if s.busy:
             raise SessionBusy(session_id)
         if s.cache is None:
             return s.spill_path or self.spill_dir
-        path = self.spill_dir / f"{s.id}.safetensors"
-        self.backend.save_cache(s.cache, path)
-        with open(path.with_suffix(".tokens"), "wb") as f:
-            s.fed.tofile(f)
-        s.spill_path, s.cache = path, None
+        if not s.saved:
+            self.save(s)
+        s.cache = None
         self.spills += 1
         s.refresh()
-        return path
+        return s.spill_path
+
+    def save(self, s: Session) -> None:
+        """Write the session's heap and tokens as a new generation and commit it (durable: in
+        the index). The previous generation stays in force until the commit succeeds."""
+        assert s.cache is not None
+        gen = 0 if s.saved_gen is None else s.saved_gen + 1
+        old = (s.spill_path, s.saved_gen, s.saved_tokens, s.dirty)
+        try:
+            self.dir.write_with(self.dir.heap_path(s.id, gen), lambda tmp: self.backend.save_cache(s.cache, tmp))
+            self.dir.write_tokens(s.id, gen, s.fed)
+            s.spill_path, s.saved_gen, s.saved_tokens, s.dirty = self.dir.heap_path(s.id, gen), gen, len(s.fed), False
+            self._commit()
+        except BaseException:
+            s.spill_path, s.saved_gen, s.saved_tokens, s.dirty = old
+            self._remove_gen(s.id, gen)
+            raise
+        self._remove_files(s, keep_gen=gen)   # the old generation: no longer in force
 
     def restore(self, session_id: str) -> Session:
-        """Load a spilled session's heap back (bit-identical to when it was spilled)."""
+        """Load a spilled session's heap back (bit-identical to when it was saved). A copy that
+        cannot be read is moved aside and the session dropped: SessionLost."""
         s = self.get(session_id)
         if s.cache is not None or s.spill_path is None:
             return s
-        cache = self.backend.load_cache(s.cfg, s.spill_path)
-        tokens = token_array()
-        tokens.frombytes(s.spill_path.with_suffix(".tokens").read_bytes())
-        assert tokens == s.fed and self.backend.tokens_in_cache(cache) == len(s.fed)
-        s.cache = cache
+        try:
+            cache = self.backend.load_cache(s.cfg, s.spill_path)
+            if self.backend.tokens_in_cache(cache) != len(s.fed):
+                raise ValueError(f"heap holds {self.backend.tokens_in_cache(cache)} tokens, history {len(s.fed)}")
+        except Exception as e:
+            self._lose(s, f"unreadable heap file: {type(e).__name__}: {e}")
+        s.cache, s.dirty = cache, False
         s.cfg = getattr(cache, "cfg", s.cfg)   # the heap as it was saved (settings may have changed)
-        self._remove_files(s)
-        s.spill_path = None
+        if not self.durable:                   # the copy only served this spill: free the disk
+            self._remove_files(s)
+            s.spill_path, s.saved_gen = None, None
         self.restores += 1
         s.refresh(self.backend.stats(cache))
         return s
+
+    def rollback(self, s: Session, fed_before: int) -> bool:
+        """After a failed step the cache cannot be trusted: fall back to the copy on disk, or
+        to empty when the run started on an empty session (the turn in flight is lost).
+        False when neither exists."""
+        s.busy = False
+        if fed_before == 0 or (s.spill_path is not None and s.saved_tokens <= len(s.fed)):
+            keep = 0 if fed_before == 0 else s.saved_tokens
+            if keep == 0 and s.spill_path is not None:
+                self._remove_files(s)
+                s.spill_path, s.saved_gen, s.saved_tokens = None, None, 0
+            s.cache, s.dirty = None, False
+            del s.fed[keep:]
+            s.refresh()
+            return True
+        return False
 
     def enforce_limits(self, keep: Optional[Session] = None) -> None:
         """Spill idle least-recently-used heaps beyond max_resident; drop the oldest idle
@@ -148,58 +206,57 @@ class SessionStore:
     def touch(self, s: Session) -> None:
         s.last_used = time.time()
 
-    # --- persistence across restarts (engine stopped or not yet started) ---
+    # --- persistence across restarts ---
 
-    def persist_all(self, model_id: str) -> int:
-        """Save every session to the spill directory with an index; returns how many."""
+    def persist_all(self, model_id: Optional[str] = None) -> int:
+        """Save every idle session whose disk copy is stale and commit the index (shutdown);
+        a session that cannot be saved is logged and skipped. Returns how many are on disk."""
+        self.model_id = model_id or self.model_id
         for s in self.sessions():
-            if s.cache is not None and not s.busy:
-                self.spill(s.id)
-        entries = [{"id": s.id, "created": s.created, "last_used": s.last_used, "turns": s.turns,
-                    "tokens": len(s.fed), "owner": s.owner, "file": s.spill_path.name if s.spill_path is not None else None}
-                   for s in self.sessions() if s.spill_path is not None or not s.fed]
-        index = {"model": model_id, "sessions": entries}
-        tmp = self.spill_dir / (INDEX + ".tmp")
-        tmp.write_text(json.dumps(index, indent=1))
-        os.replace(tmp, self.spill_dir / INDEX)
-        return len(entries)
+            if s.cache is not None and not s.busy and s.fed and not s.saved:
+                try:
+                    self.save(s)
+                except SpillFailed as e:
+                    log.error("session %s not saved: %s", s.id, e)
+        self._try_commit(force=True)
+        return len(self._entries())
 
-    def load_persisted(self, model_id: str) -> int:
-        """Register the sessions a previous run saved here (heaps load lazily, on demand)."""
-        path = self.spill_dir / INDEX
-        if not path.exists():
-            return 0
-        try:
-            index = json.loads(path.read_text())
-        except (OSError, ValueError) as e:
-            log.warning("ignoring unreadable session index %s: %s", path, e)
-            return 0
-        if index.get("model") != model_id:
-            log.warning("sessions in %s belong to model %r, not %r: not loaded", self.spill_dir, index.get("model"), model_id)
-            return 0
-        loaded = 0
-        for e in index.get("sessions", []):
-            if e["id"] in self._sessions:
-                continue
-            heap_file, fed = None, token_array()
-            if e["file"] is not None:     # None: a session created but never fed
-                heap_file = self.spill_dir / e["file"]
-                tokens_file = heap_file.with_suffix(".tokens")
-                if not heap_file.exists() or not tokens_file.exists():
-                    log.warning("session %s: files missing in %s; skipped", e["id"], self.spill_dir)
-                    continue
-                fed.frombytes(tokens_file.read_bytes())
-            if len(fed) != e["tokens"]:
-                log.warning("session %s: token file does not match its index; skipped", e["id"])
-                continue
-            s = Session(id=e["id"], cfg=self.cfg, fed=fed, spill_path=heap_file, created=e["created"],
-                        last_used=e["last_used"], turns=e["turns"], owner=e.get("owner"))
-            s.refresh()
-            with self._lock:
+    def load_persisted(self, model_id: Optional[str] = None) -> int:
+        """Register the sessions found in the directory (heaps load lazily, on demand). Never
+        raises on the directory's content: what cannot be read is moved aside and logged."""
+        self.model_id = model_id or self.model_id
+        found = recover_sessions(self.dir, self.model_id, self.cfg, skip=set(self._sessions))
+        with self._lock:
+            for s in found:
                 self._sessions[s.id] = s
-            loaded += 1
-        (self.spill_dir / INDEX).unlink()   # rewritten at the next shutdown
-        return loaded
+        self._try_commit()
+        return len(found)
+
+    def _entries(self) -> list[dict]:
+        return [{"id": s.id, "gen": s.saved_gen, "tokens": s.saved_tokens,
+                 "crc": zlib.crc32(s.fed[:s.saved_tokens].tobytes()),
+                 "created": s.created, "last_used": s.last_used, "turns": s.turns,
+                 "origin": s.origin, "title": s.title, "owner": s.owner}
+                for s in self.sessions() if s.saved_gen is not None or not s.fed]
+
+    def _commit(self, force: bool = False) -> None:
+        """Rewrite the index (durable stores, or forced): the generations it names are in force."""
+        if self.durable or force:
+            self.dir.write_index({"model": self.model_id, "sessions": self._entries()})
+
+    def _try_commit(self, force: bool = False) -> None:
+        try:
+            self._commit(force)
+        except SpillFailed as e:
+            log.error("session index not updated: %s", e)
+
+    def _lose(self, s: Session, reason: str) -> None:
+        """A session whose saved copy is unreadable: move its files aside, forget it, raise."""
+        self.dir.move_aside(sorted(self.spill_dir.glob(f"{s.id}.*")), f"session {s.id}: {reason}")
+        with self._lock:
+            self._sessions.pop(s.id, None)
+        self._try_commit()
+        raise SessionLost(s.id, reason.split(":")[0])
 
     # --- snapshots (any thread) ---
 
@@ -208,10 +265,11 @@ class SessionStore:
             sessions = list(self._sessions.values())
         return [s.snapshot for s in sessions]
 
-    def info(self, session_id: str, owner: Optional[str] = None) -> dict:
-        """The session's snapshot; SessionNotFound also when another key owns it."""
+    def info(self, session_id: str, owner: Any = ANY_OWNER) -> dict:
+        """The session's snapshot; SessionNotFound also when `owner` is given and another API
+        key owns it (a key must not learn that another key's session exists)."""
         s = self._sessions.get(session_id)
-        if s is None or s.owner != owner:
+        if s is None or (owner is not ANY_OWNER and s.owner != owner):
             raise SessionNotFound(session_id)
         return s.snapshot
 
@@ -227,8 +285,16 @@ class SessionStore:
         if self._own_dir:
             shutil.rmtree(self.spill_dir, ignore_errors=True)
 
-    def _remove_files(self, s: Session) -> None:
-        if s.spill_path is not None:
-            s.spill_path.unlink(missing_ok=True)
-            s.spill_path.with_suffix(".tokens").unlink(missing_ok=True)
+    def _remove_files(self, s: Session, keep_gen: Optional[int] = None) -> None:
+        try:
+            self.dir.remove(s.id, keep_gen)
+        except OSError as e:
+            log.warning("session %s: files not removed: %s", s.id, e)
+
+    def _remove_gen(self, session_id: str, gen: int) -> None:
+        for path in (self.dir.heap_path(session_id, gen), self.dir.tokens_path(session_id, gen)):
+            try:
+                path.unlink(missing_ok=True)
+            except OSError:
+                pass
 

@@ -157,14 +157,22 @@ class HeapKVCache(PendingView, _BaseCache):
 
     # -- eviction -------------------------------------------------------------------
     def repack(self, plan: RepackPlan) -> None:
-        """Gather the kept slots to the front, re-rotating keys in compact mode."""
-        k = plan.keep
+        """Apply a host plan (numpy indices and deltas): gather on the device, then the bookkeeping."""
+        deltas = None if plan.deltas is None else mx.array(plan.deltas.astype(np.int32))
+        self.gather_kept(mx.array(plan.keep_indices.astype(np.int32)), deltas)
+        self.heap.apply(plan)
+
+    def gather_kept(self, idx: mx.array, deltas: Optional[mx.array]) -> None:
+        """Device half of a repack: move the kept slots to the front, re-rotating keys in compact mode.
+
+        idx: [H, keep] ascending slot indices, deltas: [H, keep] or None. Lazy, no host sync:
+        a zero delta rotates by cos 0 = 1, sin 0 = 0, leaving a key bit for bit."""
+        k = idx.shape[1]
         n = self.heap.resident
-        idx = mx.array(plan.keep_indices.astype(np.int32))   # [H, k]
         keys = mx.take_along_axis(self.keys[0, :, :n, :], idx[..., None], axis=1)
         values = mx.take_along_axis(self.values[0, :, :n, :], idx[..., None], axis=1)
-        if plan.deltas is not None and self.rope is not None and np.any(plan.deltas):
-            keys = self.rope.rotate(keys, plan.deltas).astype(self.keys.dtype)
+        if deltas is not None and self.rope is not None:
+            keys = self.rope.rotate(keys, deltas).astype(self.keys.dtype)
         self.keys[:, :, :k, :] = keys[None]
         self.values[:, :, :k, :] = values[None]
         for name in ("scores", "counts"):
@@ -174,4 +182,3 @@ class HeapKVCache(PendingView, _BaseCache):
                 setattr(self, name, mx.concatenate([kept, mx.zeros((arr.shape[0], arr.shape[1] - k), arr.dtype)], axis=1))
         if self.window is not None:
             self.window = mx.zeros_like(self.window)  # the next observation window starts now
-        self.heap.apply(plan)

@@ -23,7 +23,8 @@ def sampler_for(params: SamplingParams):
 
 def prefill(model, cache: HeapPromptCache, tokens: Sequence[int], chunk: int,
             progress: Optional[ProgressFn] = None, cancelled=None) -> None:
-    """Feed tokens into the cache in chunks (peak = sinks + budget + chunk)."""
+    """Feed tokens into the cache in chunks, evicting before each once the heap is full
+    (peak = sinks + budget + chunk)."""
     total, done = len(tokens), 0
     arr = mx.array(list(tokens), dtype=mx.uint32)
     while done < total:
@@ -60,7 +61,7 @@ def generate_steps(model, cache: HeapPromptCache, prompt: Sequence[int], params:
     if params.seed is not None:
         mx.random.seed(params.seed)
     sampler = sampler_for(params)
-    chunk = cache.cfg.slack
+    chunk = cache.cfg.chunk
     prompt = list(prompt)
     prefill(model, cache, prompt[:-1], chunk, progress, cancelled)
     if params.max_tokens == 0:

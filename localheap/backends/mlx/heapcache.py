@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import mlx.core as mx
-import numpy as np
 from mlx_lm.models.cache import KVCache
 
-from ...heap import HeapConfig, HeapConfigError, LayerHeap, SlotView, combine
+from ...heap import HeapConfig, HeapConfigError, LayerHeap, RepackPlan, combine
 from ...heap.stats import HeapStats
 from . import attention
 from .cache import HeapKVCache
 from .rope import RopeSpec
+from .select import EvictionPlan, plan_eviction
 
 
 def attention_module(layer):
@@ -39,20 +39,26 @@ class HeapPromptCache(list):
         self.heap_layers = [c for c in caches if isinstance(c, HeapKVCache)]
 
     def make_room(self, n_new: int) -> int:
-        """Evict where n_new more tokens would not fit; returns how many layers repacked."""
-        if n_new > self.cfg.slack:
-            raise HeapConfigError(f"{n_new} tokens at once exceed the slack ({self.cfg.slack}); chunk them")
+        """Evict where n_new more tokens would not fit; returns how many layers repacked.
+
+        All evicting layers are scored and selected in one batched, lazy pass on the device."""
+        if n_new > self.cfg.append_room:
+            raise HeapConfigError(f"{n_new} tokens at once exceed the append room ({self.cfg.append_room}: "
+                                  f"max of slack and prefill chunk); chunk them")
         todo = [c for c in self.heap_layers if c.heap.needs_repack(n_new)]
-        if not todo:
-            return 0
-        pending = [c.pending_view() for c in todo]
-        mx.eval(pending)
-        for cache, arrays in zip(todo, pending):
-            view = SlotView(positions=cache.heap.view_positions(),
-                            **{k: np.array(v) for k, v in arrays.items()})
-            cache.repack(cache.heap.plan(view))
-        mx.eval([c.state for c in todo])
+        if todo:
+            self.repack(plan_eviction(todo))
         return len(todo)
+
+    def repack(self, plan: EvictionPlan) -> None:
+        """The one place an eviction event is applied: every layer's gather and re-rotation (lazy),
+        evaluated together with the one transfer of keep indices the host's position tables need."""
+        for group in plan.groups:
+            for b, cache in enumerate(group.layers):
+                cache.gather_kept(group.keep_indices[b], None if group.deltas is None else group.deltas[b])
+        mx.eval([c.state for c in plan.layers])
+        for cache, idx in zip(plan.layers, plan.host_indices()):
+            cache.heap.apply(RepackPlan(keep_indices=idx, deltas=None))
 
     def score_arrays(self) -> list:
         """Arrays the side pass updated; evaluate them with each step's token, so the

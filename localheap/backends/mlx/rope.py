@@ -40,11 +40,14 @@ class RopeSpec:
             return cls(int(dims), bool(getattr(rope, "traditional", False)), None, 1.0, freqs)
         return cls(int(dims), bool(rope.traditional), float(rope.base), float(getattr(rope, "scale", 1.0)), None)
 
-    def rotate(self, x: mx.array, deltas: np.ndarray) -> mx.array:
-        """x: [H, n, D]; deltas: [H, n] int positions to add. Returns x rotated per token."""
+    def rotate(self, x: mx.array, deltas) -> mx.array:
+        """x: [H, n, D]; deltas: [H, n] int positions to add (numpy or mx). Returns x rotated per token."""
         H, n, D = x.shape
         flat = x.reshape(H * n, 1, 1, D)
-        offsets = mx.array(deltas.reshape(-1).astype(np.int32))
+        if isinstance(deltas, mx.array):
+            offsets = deltas.reshape(-1).astype(mx.int32)
+        else:
+            offsets = mx.array(np.asarray(deltas).reshape(-1).astype(np.int32))
         out = mx.fast.rope(
             flat, self.dims, traditional=self.traditional, base=self.base,
             scale=self.scale, offset=offsets, freqs=self.freqs,

@@ -12,11 +12,12 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache, DynamicSlidingWindowLayer, get_layer_types_and_kwargs
 
-from ...heap import HeapConfig, HeapConfigError, LayerHeap, SlotView, combine
+from ...heap import HeapConfig, HeapConfigError, LayerHeap, RepackPlan, combine
 from ...heap.stats import HeapStats
 from . import attention
 from .layer import HeapLayer
 from .rope import RopeSpec
+from .select import EvictionPlan, plan_eviction
 
 
 class SlidingLayer(DynamicSlidingWindowLayer):
@@ -48,15 +49,25 @@ class HeapCache(Cache):
         self.fused_decode = False   # decode outputs from kernels/decode_attention instead of stock sdpa
 
     def make_room(self, n_new: int) -> int:
-        """Evict where n_new more tokens would not fit; returns how many layers repacked."""
-        if n_new > self.cfg.slack:
-            raise HeapConfigError(f"{n_new} tokens at once exceed the slack ({self.cfg.slack}); chunk them")
+        """Evict where n_new more tokens would not fit; returns how many layers repacked.
+
+        All evicting layers are scored and selected in one batched pass on the device."""
+        if n_new > self.cfg.append_room:
+            raise HeapConfigError(f"{n_new} tokens at once exceed the append room ({self.cfg.append_room}: "
+                                  f"max of slack and prefill chunk); chunk them")
         todo = [layer for layer in self.heap_layers if layer.heap.needs_repack(n_new)]
-        for layer in todo:
-            view = SlotView(positions=layer.heap.view_positions(),
-                            **{k: v.float().cpu().numpy() for k, v in layer.pending_view().items()})
-            layer.repack(layer.heap.plan(view))
+        if todo:
+            self.repack(plan_eviction(todo))
         return len(todo)
+
+    def repack(self, plan: EvictionPlan) -> None:
+        """The one place an eviction event is applied: every layer's gather and re-rotation on the
+        device (no sync), then the host's position tables from one transfer of the keep indices."""
+        for group in plan.groups:
+            for b, layer in enumerate(group.layers):
+                layer.gather_kept(group.keep_indices[b], None if group.deltas is None else group.deltas[b])
+        for layer, idx in zip(plan.layers, plan.host_indices()):
+            layer.heap.apply(RepackPlan(keep_indices=idx, deltas=None))
 
     def position_ids(self, n_new: int) -> torch.Tensor:
         """[1, n_new] positions for the next forward; sets each layer's offset from them."""

@@ -19,7 +19,7 @@ from .cache import HeapCache
 
 
 def forward(model, cache: HeapCache, tokens: torch.Tensor) -> torch.Tensor:
-    """tokens: [L] ids on the model's device, L <= slack. Returns the last position's logits [vocab] fp32."""
+    """tokens: [L] ids on the model's device, L <= the append room. Returns the last position's logits [vocab] fp32."""
     n = tokens.shape[0]
     cache.make_room(n)
     with torch.no_grad():
@@ -30,13 +30,14 @@ def forward(model, cache: HeapCache, tokens: torch.Tensor) -> torch.Tensor:
 
 def prefill(model, cache: HeapCache, tokens: Sequence[int], progress: Optional[ProgressFn] = None,
             cancelled=None) -> Optional[torch.Tensor]:
-    """Feed tokens in chunks of `slack` (peak = sinks + budget + slack); returns the last logits."""
+    """Feed tokens in prefill chunks, evicting before each once the heap is full
+    (peak = sinks + budget + chunk); returns the last logits."""
     ids = torch.as_tensor(list(tokens), dtype=torch.long, device=cache.device)
     total, done, logits = ids.shape[0], 0, None
     while done < total:
         if cancelled is not None and cancelled():
             raise InterruptedError("prefill cancelled")
-        n = min(cache.cfg.slack, total - done)
+        n = min(cache.cfg.chunk, total - done)
         logits = forward(model, cache, ids[done:done + n])
         done += n
         if progress is not None:
@@ -45,7 +46,7 @@ def prefill(model, cache: HeapCache, tokens: Sequence[int], progress: Optional[P
 
 
 class Sampler:
-    """Next token from fp32 logits [vocab], as transformers' generate picks it."""
+    """Next token from fp32 logits [vocab], as transformers' generate picks it; stays on the device."""
 
     def __init__(self, params: SamplingParams, device: torch.device):
         self.greedy = params.greedy
@@ -61,34 +62,74 @@ class Sampler:
         if params.seed is not None:
             self.generator = torch.Generator(device=device).manual_seed(params.seed)
 
-    def __call__(self, logits: torch.Tensor) -> int:
+    def sample(self, logits: torch.Tensor) -> torch.Tensor:
+        """[1] int64 token id on the logits' device (no host sync)."""
         scores = logits[None]                          # [1, vocab]
         if self.greedy:
-            return int(torch.argmax(scores, dim=-1))
+            return torch.argmax(scores, dim=-1)
         for warp in self.warpers:
             scores = warp(None, scores)
         probs = torch.softmax(scores, dim=-1)
-        return int(torch.multinomial(probs, num_samples=1, generator=self.generator))
+        return torch.multinomial(probs, num_samples=1, generator=self.generator)[0]
+
+    def __call__(self, logits: torch.Tensor) -> int:
+        return int(self.sample(logits))
+
+
+class HostCopy:
+    """A token id on its way to the host: on CUDA an async copy into pinned memory and an event,
+    so waiting for it does not wait for the forward queued after it."""
+
+    def __init__(self, token: torch.Tensor):
+        if token.device.type == "cuda":
+            self.host = torch.empty(token.shape, dtype=token.dtype, pin_memory=True)
+            self.host.copy_(token, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self.host, self.event = token, None
+
+    def get(self) -> int:
+        if self.event is not None:
+            self.event.synchronize()
+        return int(self.host)
 
 
 def generate_steps(model, cache: HeapCache, prompt: Sequence[int], params: SamplingParams,
-                   progress: Optional[ProgressFn] = None, cancelled=None) -> Iterator[tuple[int, torch.Tensor]]:
-    """Yield (token id, logits [vocab] fp32 it was sampled from). `prompt`: tokens not yet in the cache (>= 1)."""
+                   progress: Optional[ProgressFn] = None, cancelled=None,
+                   pipeline: Optional[bool] = None) -> Iterator[tuple[int, torch.Tensor]]:
+    """Yield (token id, logits [vocab] fp32 it was sampled from). `prompt`: tokens not yet in the cache (>= 1).
+
+    One host sync per token: the sampled id stays on the device and is fed from there. With
+    `pipeline` (default: on CUDA) the next forward is queued before the host waits for the id,
+    as mlx-lm does with async_eval, so the yielded token is already fed (the engine reconciles
+    the last one on close); without it, a token is fed only after it was yielded."""
     if len(prompt) == 0:
         raise ValueError("generation needs at least one new prompt token")
+    pipeline = cache.device.type == "cuda" if pipeline is None else pipeline
     sampler = Sampler(params, cache.device)
     logits = prefill(model, cache, prompt, progress, cancelled)
+    token = sampler.sample(logits)
     for n in range(params.max_tokens):
-        token = sampler(logits)
-        yield token, logits
-        if n + 1 < params.max_tokens:
+        more = n + 1 < params.max_tokens
+        if more and pipeline:
+            ready = HostCopy(token)
+            next_logits = forward(model, cache, token)
+            yield ready.get(), logits
             if cancelled is not None and cancelled():
                 return
-            logits = forward(model, cache, torch.tensor([token], device=cache.device))
+        else:
+            yield int(token), logits
+            if not more or (cancelled is not None and cancelled()):
+                return
+            next_logits = forward(model, cache, token)
+        logits = next_logits
+        token = sampler.sample(logits)
 
 
 def generate_tokens(model, cache: HeapCache, prompt: Sequence[int], params: SamplingParams,
                     progress: Optional[ProgressFn] = None, cancelled=None) -> Iterator[int]:
-    """Yield generated token ids; each is fed before the next is sampled (the last one is not fed)."""
+    """Yield generated token ids; each is fed before the next is sampled (the last one is not fed;
+    pipelined on CUDA, the last one yielded before a stop may be)."""
     for token, _ in generate_steps(model, cache, prompt, params, progress, cancelled):
         yield token

@@ -166,15 +166,23 @@ class HeapLayer(PendingView, CacheLayerMixin):
 
     # -- eviction -------------------------------------------------------------------
     def repack(self, plan: RepackPlan) -> None:
-        """Gather the kept slots to the front, re-rotating keys in compact mode."""
-        k, n = plan.keep, self.heap.resident
+        """Apply a host plan (numpy indices and deltas): gather on the device, then the bookkeeping."""
+        deltas = None if plan.deltas is None else torch.as_tensor(plan.deltas, device=self.device)
+        self.gather_kept(torch.as_tensor(plan.keep_indices, device=self.device), deltas)
+        self.heap.apply(plan)
+
+    def gather_kept(self, idx: torch.Tensor, deltas: Optional[torch.Tensor]) -> None:
+        """Device half of a repack: move the kept slots to the front, re-rotating keys in compact mode.
+
+        idx: [H_kv, keep] ascending slot indices, deltas: [H_kv, keep] or None, both on the device.
+        No host sync: a zero delta rotates by cos 0 = 1, sin 0 = 0, leaving a key bit for bit."""
+        k, n = idx.shape[1], self.heap.resident
         D = self.keys.shape[-1]
-        idx = torch.as_tensor(plan.keep_indices, device=self.device)            # [H_kv, keep]
         gather_idx = idx[..., None].expand(-1, -1, D)
         keys = torch.gather(self.keys[0, :, :n], 1, gather_idx)                 # [H_kv, keep, D]
         values = torch.gather(self.values[0, :, :n], 1, gather_idx)
-        if plan.deltas is not None and self.rope is not None and np.any(plan.deltas):
-            keys = self.rope.rotate(keys, plan.deltas)
+        if deltas is not None and self.rope is not None:
+            keys = self.rope.rotate(keys, deltas)
         self.keys[0, :, :k] = keys
         self.values[0, :, :k] = values
         for name in ("scores", "counts"):
@@ -184,4 +192,3 @@ class HeapLayer(PendingView, CacheLayerMixin):
                 arr[:, k:] = 0
         if self.window is not None:
             self.window.zero_()   # the next observation window starts now
-        self.heap.apply(plan)

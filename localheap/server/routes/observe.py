@@ -7,7 +7,7 @@ import json
 from typing import Optional
 
 from fastapi import APIRouter, Depends, Query, Request
-from fastapi.responses import Response
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from sse_starlette import EventSourceResponse
 
@@ -20,9 +20,14 @@ MIN_INTERVAL_S = 0.1   # below this a stream costs real CPU and slows decode for
 
 
 @router.get("/health")
-async def health(svc: Services = Depends(services)) -> dict:
-    return {"status": "ok", "model": svc.model_id, "backend": svc.backend.name,
+async def health(svc: Services = Depends(services)):
+    """200 while the engine serves; 503 once it cannot (the process is exiting for a restart)."""
+    body = {"status": "ok", "model": svc.model_id, "backend": svc.backend.name,
             "sessions": len(svc.store), "in_flight": svc.engine.in_flight}
+    if not svc.engine.healthy:
+        body["status"] = "failed"
+        return JSONResponse(body, status_code=503)
+    return body
 
 
 @router.get("/metrics")
@@ -47,7 +52,8 @@ class ObserverStream(EventSourceResponse):
 @router.get("/v1/heap/events")
 async def heap_events(request: Request, svc: Services = Depends(services),
                       interval: Optional[float] = Query(None, ge=MIN_INTERVAL_S, le=60.0)):
-    """SSE: event "heap" with the caller's sessions' occupancy, memory and throughput."""
+    """SSE: event "heap" with the caller's sessions' occupancy, memory and throughput; the
+    first message also carries the history (sparklines, throughput samples) for a page just loaded."""
     period = interval or svc.settings.heap_events_interval
     if svc.observers >= svc.settings.max_observers:
         raise TooManyObservers(f"{svc.observers} heap event streams are open (limit {svc.settings.max_observers}); "
@@ -56,8 +62,10 @@ async def heap_events(request: Request, svc: Services = Depends(services),
     svc.observers += 1   # event loop only: no lock needed
 
     async def events():
+        first = True
         while True:
-            yield {"event": "heap", "data": json.dumps(heap_snapshot(svc, who))}
+            yield {"event": "heap", "data": json.dumps(heap_snapshot(svc, who, with_history=first))}
+            first = False
             await asyncio.sleep(period)
 
     return ObserverStream(svc, events(), sep="\n")

@@ -1,0 +1,122 @@
+"""Eviction on the device: every evicting layer's scores, selection and plan as batched torch work.
+
+`localheap/heap` (numpy) is the specification: `select_keep` here returns exactly the
+keep sets of `heap.selection.select_keep` for the same scores, ties included (a stable
+sort of the negated scores: the older slot wins a tie), and `layer_scores` is each
+policy's `score` on the device. Nothing here reads a tensor back to the host; the one
+transfer of an event (keep indices for the host's position table) is `EvictionPlan.host_indices`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from ...heap import LayerHeap
+
+
+def select_keep(scores: torch.Tensor, keep: int, sinks: int, recent: int) -> torch.Tensor:
+    """scores: [..., n] (higher = keep). Returns [..., min(n, keep)] ascending int64 slot indices:
+    the first `sinks` and last `recent` slots, plus the best-scoring others (older wins ties)."""
+    n = scores.shape[-1]
+    lead = scores.shape[:-1]
+    arange = torch.arange(n, device=scores.device)
+    if n <= keep:
+        return arange.expand(*lead, n).clone()
+    lo = min(sinks, n)                                       # candidates are the contiguous middle [lo, hi)
+    hi = max(lo, n - recent) if recent > 0 else n
+    n_free = keep - (n - (hi - lo))
+    assert n_free >= 0, f"keep={keep} smaller than protected slots={n - (hi - lo)}"
+    order = torch.sort(-scores[..., lo:hi], dim=-1, stable=True).indices[..., :n_free] + lo
+    fixed = torch.cat([arange[:lo], arange[hi:]]).expand(*lead, n - (hi - lo))
+    return torch.sort(torch.cat([fixed, order], dim=-1), dim=-1).values
+
+
+def layer_scores(layer) -> torch.Tensor:
+    """[H_kv, resident] importance of one HeapLayer's slots: its policy's score, on the device.
+
+    float64 where the numpy policy computes in float64 with rounding (normalized h2o, noise), so
+    the ranking is the specification's; plain copies of float32 buffers rank the same either way."""
+    heap: LayerHeap = layer.heap
+    cfg, n, H = heap.cfg, heap.resident, heap.n_kv_heads
+    dev = layer.device
+    if cfg.policy == "h2o":
+        scores = layer.scores[:, :n]
+        if cfg.h2o_normalize:
+            scores = scores.double() / layer.counts[:, :n].double().clamp(min=1.0)
+    elif cfg.policy == "snapkv":
+        window = layer.window[:, :n]
+        k = cfg.pool_kernel
+        # max over a centred window; -inf padding equals numpy's edge padding under a max
+        scores = F.max_pool1d(window[:, None, :], k, stride=1, padding=k // 2)[:, 0] if k > 1 and n else window
+    elif cfg.policy == "geometry":
+        scores = layer._geometry_scores()
+    elif cfg.policy == "streaming":
+        # the policy scores by original position, which grows with the slot index in every head
+        scores = torch.arange(n, device=dev, dtype=torch.float32).expand(H, n)
+    elif cfg.policy == "random":
+        scores = torch.from_numpy(heap.policy.rng.random((H, n))).to(dev)   # the policy's own draws
+    else:
+        raise AssertionError(cfg.policy)
+    if cfg.noise > 0:
+        scores = scores.double()
+        spread = scores.std(dim=-1, keepdim=True, unbiased=False) + 1e-12
+        draws = torch.from_numpy(heap.noise_rng.standard_normal((H, n))).to(dev)
+        scores = scores + draws * cfg.noise * spread
+    return scores
+
+
+@dataclass
+class EvictionGroup:
+    """Layers that evict together with the same resident count and keep size."""
+
+    layers: list                         # HeapLayer
+    keep_indices: torch.Tensor           # [B, H_kv, keep] int64, ascending, on the device
+    deltas: Optional[torch.Tensor]       # [B, H_kv, keep] RoPE position change (compact), else None
+
+    @property
+    def evicted(self) -> torch.Tensor:
+        """[B, H_kv, resident] bool, True for the slots this event drops (for a hook that pages them out)."""
+        n = self.layers[0].heap.resident
+        kept = torch.zeros(*self.keep_indices.shape[:2], n, dtype=torch.bool, device=self.keep_indices.device)
+        return ~kept.scatter_(-1, self.keep_indices, True)
+
+
+@dataclass
+class EvictionPlan:
+    """One eviction event: every layer that must make room, as device tensors."""
+
+    groups: list[EvictionGroup]
+
+    def host_indices(self) -> list:
+        """Keep indices per layer as numpy arrays, in ONE device-to-host transfer for the event."""
+        flat = torch.cat([g.keep_indices.reshape(-1) for g in self.groups]).cpu().numpy()
+        out, at = [], 0
+        for g in self.groups:
+            B, H, k = g.keep_indices.shape
+            block = flat[at:at + B * H * k].reshape(B, H, k)
+            out.extend(block[b] for b in range(B))
+            at += B * H * k
+        return out
+
+    @property
+    def layers(self) -> list:
+        return [layer for g in self.groups for layer in g.layers]
+
+
+def plan_eviction(layers: list) -> EvictionPlan:
+    """Score and select for all `layers` at once: one stacked sort per (resident, keep) group."""
+    by_shape: dict[tuple[int, int], list] = {}
+    for layer in layers:
+        by_shape.setdefault((layer.heap.resident, layer.heap.keep), []).append(layer)
+    groups = []
+    for (_, keep), members in by_shape.items():
+        cfg = members[0].heap.cfg
+        scores = torch.stack([layer_scores(layer) for layer in members])          # [B, H_kv, n]
+        idx = select_keep(scores, keep, cfg.sinks, cfg.recent)
+        deltas = torch.arange(idx.shape[-1], device=idx.device) - idx if cfg.positions == "compact" else None
+        groups.append(EvictionGroup(members, idx, deltas))
+    return EvictionPlan(groups)

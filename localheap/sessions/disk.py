@@ -1,0 +1,181 @@
+"""The sessions directory: file names, atomic writes, and the index that commits them.
+
+Each save of a session writes a new generation `{id}.{gen}.safetensors` + `{id}.{gen}.tokens`,
+then rewrites `index.json`, which names the generation in force: the index is the commit
+point, so a kill -9 at any moment leaves either the old generation or the new one in force,
+never half of each. Every write goes to a temp file, is fsynced, renamed, and the directory
+fsynced. Paths are built from validated ids and integer generations only, never read from
+the index. Knows nothing about heaps or tensors: the backend writes the heap file.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import time
+import uuid
+from array import array
+from pathlib import Path
+from typing import Callable, Optional
+
+from .errors import SpillFailed
+
+log = logging.getLogger("localheap.sessions")
+
+INDEX = "index.json"
+ASIDE = "aside"                  # corrupt or foreign files are moved here, never deleted
+TMP_SUFFIX = ".tmp"
+SESSION_ID = re.compile(r"sess_[A-Za-z0-9_-]{1,64}")
+SESSION_FILE = re.compile(r"(sess_[A-Za-z0-9_-]{1,64})(?:\.(\d{1,12}))?\.(safetensors|tokens)")
+
+
+def valid_id(session_id: object) -> bool:
+    return isinstance(session_id, str) and SESSION_ID.fullmatch(session_id) is not None
+
+
+def new_id() -> str:
+    return f"sess_{uuid.uuid4().hex[:20]}"
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class SessionDir:
+    """One sessions directory (0700, files 0600). Writes raise SpillFailed naming the directory."""
+
+    def __init__(self, root: Path):
+        self.root = Path(root)
+
+    def check(self) -> None:
+        """Create the directory if needed and prove it writable (raises SpillFailed)."""
+        try:
+            if self.root.exists() and not self.root.is_dir():
+                raise NotADirectoryError(f"{self.root} is not a directory")
+            self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
+            if self.root.stat().st_mode & 0o077:
+                os.chmod(self.root, 0o700)   # saved sessions decode to conversation text
+            self.write_bytes(self.root / ".write-check", b"ok")
+            (self.root / ".write-check").unlink()
+        except OSError as e:
+            raise SpillFailed(self.root, e) from e
+
+    # --- names ---
+
+    def heap_path(self, session_id: str, gen: int) -> Path:
+        assert valid_id(session_id) and gen >= 0, session_id
+        return self.root / f"{session_id}.{gen}.safetensors"
+
+    def tokens_path(self, session_id: str, gen: int) -> Path:
+        return self.heap_path(session_id, gen).with_suffix(".tokens")
+
+    # --- atomic writes ---
+
+    def write_with(self, path: Path, write: Callable[[Path], None]) -> None:
+        """write(tmp) fills a temp file beside `path`; then fsync, rename, fsync the directory."""
+        tmp = path.with_name(f".{path.name}.{os.getpid()}{TMP_SUFFIX}")
+        try:
+            if not self.root.is_dir():   # vanished, or a file in its place: say so, not "File exists"
+                raise NotADirectoryError(f"{self.root} is missing or not a directory")
+            write(tmp)
+            os.chmod(tmp, 0o600)
+            fd = os.open(tmp, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, path)
+            _fsync_dir(path.parent)
+        except Exception as e:
+            try:
+                tmp.unlink(missing_ok=True)
+            except OSError:
+                pass
+            raise SpillFailed(self.root, e) from e
+
+    def write_bytes(self, path: Path, data: bytes) -> None:
+        def write(tmp: Path) -> None:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+        self.write_with(path, write)
+
+    def write_tokens(self, session_id: str, gen: int, tokens: array) -> None:
+        self.write_bytes(self.tokens_path(session_id, gen), tokens.tobytes())
+
+    def write_index(self, index: dict) -> None:
+        self.write_bytes(self.root / INDEX, json.dumps(index, indent=1).encode())
+
+    # --- reading and recovery ---
+
+    def read_index(self) -> Optional[dict]:
+        """The index, or None when there is none; a corrupt one is moved aside (logged)."""
+        path = self.root / INDEX
+        if not path.exists():
+            return None
+        try:
+            index = json.loads(path.read_bytes())
+            if not isinstance(index, dict) or not isinstance(index.get("sessions", []), list):
+                raise ValueError("not a session index")
+            return index
+        except (OSError, ValueError) as e:
+            self.move_aside([path], f"unreadable session index ({e})")
+            return None
+
+    def scan(self) -> dict[str, dict[int, set[str]]]:
+        """Session files by id and generation ({id: {gen: {"safetensors", "tokens"}}}); temp
+        files left by a crash are removed, and files of the old one-generation layout renamed."""
+        found: dict[str, dict[int, set[str]]] = {}
+        for entry in sorted(os.scandir(self.root), key=lambda e: e.name):
+            if not entry.is_file(follow_symlinks=False):
+                continue
+            if entry.name.endswith(TMP_SUFFIX) or ".tmp." in entry.name:
+                log.info("removing temp file %s left by an interrupted write", entry.path)
+                Path(entry.path).unlink(missing_ok=True)
+                continue
+            m = SESSION_FILE.fullmatch(entry.name)
+            if m is None:
+                continue
+            sid, gen, kind = m.group(1), int(m.group(2) or 0), m.group(3)
+            if m.group(2) is None:   # written by a version without generations
+                os.replace(entry.path, self.root / f"{sid}.0.{kind}")
+            found.setdefault(sid, {}).setdefault(gen, set()).add(kind)
+        return found
+
+    def read_tokens(self, session_id: str, gen: int) -> array:
+        data = self.tokens_path(session_id, gen).read_bytes()
+        if len(data) % 4:
+            raise ValueError(f"token file of {len(data)} bytes is not a whole number of int32 ids")
+        tokens = array("i")
+        tokens.frombytes(data)
+        return tokens
+
+    def remove(self, session_id: str, keep_gen: Optional[int] = None) -> None:
+        """Remove a session's files, all of them or all but generation keep_gen."""
+        for path in self.root.glob(f"{session_id}.*"):
+            m = SESSION_FILE.fullmatch(path.name)
+            if m is None or m.group(1) != session_id:
+                continue
+            if keep_gen is None or int(m.group(2) or 0) != keep_gen:
+                path.unlink(missing_ok=True)
+
+    def move_aside(self, paths: list[Path], reason: str) -> Optional[Path]:
+        """Move files into aside/ (kept for a post-mortem), log why; never raises."""
+        aside = self.root / ASIDE
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        try:
+            aside.mkdir(mode=0o700, exist_ok=True)
+            for p in paths:
+                if p.exists():
+                    os.replace(p, aside / f"{p.name}.{stamp}")
+            log.warning("%s: moved %s to %s", reason, ", ".join(p.name for p in paths), aside)
+            return aside
+        except OSError as e:
+            log.error("%s; could not move %s aside: %s", reason, ", ".join(map(str, paths)), e)
+            return None

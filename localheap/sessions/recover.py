@@ -1,0 +1,97 @@
+"""Startup: the sessions a previous run left in its directory, whatever state it died in.
+
+The index names the generation in force for each session; files of other generations are
+a turn that was in flight (removed), files of sessions the index does not name are adopted
+(the index was lost), temp files are removed, and anything unreadable is moved aside with a
+log line. Nothing here raises on the directory's content: a bad file costs its session only.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import zlib
+from typing import Optional
+
+from ..heap import HeapConfig
+from .disk import INDEX, SessionDir, valid_id
+from .session import ORIGINS, Session
+
+log = logging.getLogger("localheap.sessions")
+BOTH = {"safetensors", "tokens"}
+
+
+def recover_sessions(d: SessionDir, model_id: str, cfg: HeapConfig, skip: set[str]) -> list[Session]:
+    """The sessions saved in d (heaps not loaded), minus the ids in skip."""
+    try:
+        index = d.read_index()
+        files = d.scan()
+    except OSError as e:
+        log.error("cannot read the sessions directory %s: %s; starting without saved sessions", d.root, e)
+        return []
+    entries: dict[str, dict] = {}
+    if index is not None:
+        if index.get("model") != model_id:
+            foreign = [d.root / INDEX] + [p for sid in files for p in d.root.glob(f"{sid}.*")]
+            d.move_aside(foreign, f"sessions in {d.root} belong to model {index.get('model')!r}, not {model_id!r}")
+            return []
+        for e in index.get("sessions", []):
+            if isinstance(e, dict) and valid_id(e.get("id")):
+                entries[e["id"]] = e
+            else:
+                log.warning("session index %s: ignoring a malformed entry", d.root / INDEX)
+    found = []
+    for sid in sorted(set(entries) | set(files)):
+        if sid in skip:
+            continue
+        try:
+            s = _recover_one(d, sid, entries.get(sid), files.get(sid, {}), cfg)
+        except Exception as e:   # one unreadable session never stops the others
+            d.move_aside(sorted(d.root.glob(f"{sid}.*")), f"session {sid}: {type(e).__name__}: {e}")
+            s = None
+        if s is not None:
+            found.append(s)
+    return found
+
+
+def _recover_one(d: SessionDir, sid: str, entry: Optional[dict], gens: dict[int, set[str]],
+                 cfg: HeapConfig) -> Optional[Session]:
+    complete = sorted(g for g, kinds in gens.items() if kinds == BOTH)
+    if entry is not None:
+        gen = entry.get("gen", 0 if entry.get("file") else None)   # "file": the layout before generations
+        if gen is None:   # committed as a session never fed: later files are an uncommitted turn
+            d.remove(sid)
+            return _session(d, sid, cfg, entry, None, None)
+        if not isinstance(gen, int) or gen not in complete:
+            d.move_aside(sorted(d.root.glob(f"{sid}.*")), f"session {sid}: its saved files are missing or incomplete")
+            return None
+    elif complete:
+        gen = complete[-1]
+        log.info("session %s: not in the index; adopted from its files (generation %d)", sid, gen)
+    else:
+        log.info("session %s: removing incomplete files of an interrupted save", sid)
+        d.remove(sid)
+        return None
+    tokens = d.read_tokens(sid, gen)
+    if entry is not None and (len(tokens) != entry.get("tokens")
+                              or entry.get("crc", zlib.crc32(tokens.tobytes())) != zlib.crc32(tokens.tobytes())):
+        raise ValueError(f"token file ({len(tokens)} tokens) does not match the index ({entry.get('tokens')})")
+    d.remove(sid, keep_gen=gen)
+    return _session(d, sid, cfg, entry or {}, gen, tokens)
+
+
+def _session(d: SessionDir, sid: str, cfg: HeapConfig, entry: dict, gen: Optional[int], tokens) -> Session:
+    def number(key, default):
+        v = entry.get(key)
+        return v if isinstance(v, (int, float)) and not isinstance(v, bool) else default
+
+    now = time.time()
+    origin = entry.get("origin") if entry.get("origin") in ORIGINS else "api"   # older indexes have none
+    title = entry.get("title") if isinstance(entry.get("title"), str) else None
+    owner = entry.get("owner") if isinstance(entry.get("owner"), str) else None   # an API key's digest
+    s = Session(id=sid, cfg=cfg, created=number("created", now), last_used=number("last_used", now),
+                turns=int(number("turns", 0)), origin=origin, title=title, owner=owner)
+    if gen is not None:
+        s.fed, s.spill_path, s.saved_gen, s.saved_tokens = tokens, d.heap_path(sid, gen), gen, len(tokens)
+    s.refresh()
+    return s

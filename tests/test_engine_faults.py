@@ -1,0 +1,148 @@
+"""The engine under faults (fake backend): a failed spill, a failing backend, bad token ids,
+a lost saved session, a bug in the loop. One request fails; sessions and the engine stay."""
+
+from __future__ import annotations
+
+import errno
+import queue
+import shutil
+import time
+
+import pytest
+from test_engine import CFG, FakeBackend, drain, run, text_of
+
+from localheap.engine import Engine, EngineFailed, Failed, Finished, Generate, InvalidTokens
+from localheap.generation import SamplingParams
+from localheap.sessions import Prompt, SessionLost, SessionStore, SpillFailed
+
+
+def engine_on(tmp_path, backend=None, durable=False, **store_kw):
+    backend = backend or FakeBackend()
+    backend.vocab_size = 0x3000   # the char tokenizer's ids stay below
+    store = SessionStore(backend, CFG, tmp_path / "sessions", durable=durable, **store_kw)
+    return Engine(backend, store).start(), backend
+
+
+def finished(events):
+    assert isinstance(events[-1], Finished), events[-1]
+    return events[-1]
+
+
+def break_dir(root):
+    shutil.rmtree(root)
+    root.write_text("a file where the sessions directory was")
+
+
+def test_failed_spill_fails_only_the_request_that_needed_room(tmp_path):
+    """Two concurrent sessions, one resident slot, the directory gone: the engine lives on."""
+    eng, _ = engine_on(tmp_path, FakeBackend(step_s=0.002), max_resident=1)
+    try:
+        a = finished(drain(run(eng, Generate, "first session", max_tokens=3)[1])).session_id
+        break_dir(tmp_path / "sessions")
+        evs = drain(run(eng, Generate, "second session", max_tokens=3)[1])   # needs a's slot
+        assert isinstance(evs[-1], Failed) and isinstance(evs[-1].error, SpillFailed)
+        assert str(tmp_path / "sessions") in str(evs[-1].error)
+        assert eng.store.get(a).state == "resident"
+        # a long run on a keeps a busy; b gets a heap beside it; b's end tries to spill b: logged
+        long_job, long_q = run(eng, Generate, "more", session_id=a, max_tokens=200)
+        b = drain(run(eng, Generate, "third session", max_tokens=3)[1])
+        assert isinstance(b[-1], Finished)
+        assert finished(drain(long_q)).usage.completion_tokens == 200
+        assert eng.healthy and eng.store.get(a).state == "resident"
+        assert len(eng.store.get(a).fed) == len("first session") + 2 + len("more") + 199
+    finally:
+        eng.stop()
+
+
+def test_injected_writer_that_raises(tmp_path):
+    backend = FakeBackend()
+    eng, _ = engine_on(tmp_path, backend, max_resident=1)
+    try:
+        a = finished(drain(run(eng, Generate, "alpha", max_tokens=3)[1])).session_id
+
+        def full(cache, path):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        backend.save_cache = full
+        evs = drain(run(eng, Generate, "beta", max_tokens=3)[1])
+        assert "No space left on device" in str(evs[-1].error)
+        assert not any(p.name.startswith(".") for p in (tmp_path / "sessions").iterdir()), "no temp file left"
+        assert text_of(drain(run(eng, Generate, "alphaab and on", max_tokens=2)[1])) == "ab"   # a continues
+    finally:
+        eng.stop()
+
+
+def test_bad_token_ids_leave_the_named_session_alone(tmp_path):
+    eng, backend = engine_on(tmp_path)
+    try:
+        sid = finished(drain(run(eng, Generate, "keep me", max_tokens=3)[1])).session_id
+        before = eng.store.get(sid).fed.tolist()
+        for bad in ([5, 0x3000], [-1]):
+            events = queue.Queue()
+            eng.submit(Generate(Prompt(bad, None, bad), SamplingParams(max_tokens=2), events.put, sid))
+            assert isinstance(drain(events)[-1].error, InvalidTokens)
+        s = eng.store.get(sid)
+        assert s.fed.tolist() == before and backend.tokens_in_cache(s.cache) == len(before)
+    finally:
+        eng.stop()
+
+
+def test_a_failing_backend_rolls_the_session_back_to_its_saved_turn(tmp_path):
+    eng, backend = engine_on(tmp_path, durable=True)
+    try:
+        sid = finished(drain(run(eng, Generate, "turn one", max_tokens=3)[1])).session_id
+        saved = eng.store.get(sid).fed.tolist()
+        backend.fail_on_prefill = True
+        assert isinstance(drain(run(eng, Generate, "turn two", session_id=sid)[1])[-1], Failed)
+        s = eng.store.get(sid)
+        assert s.state == "spilled" and s.fed.tolist() == saved   # kept, minus the turn in flight
+        backend.fail_on_prefill = False
+        evs = drain(run(eng, Generate, "turn two", session_id=sid, max_tokens=2)[1])
+        assert evs[0].cached_tokens == len(saved) and isinstance(evs[-1], Finished)
+    finally:
+        eng.stop()
+
+
+def test_a_lost_session_is_reported_or_replaced(tmp_path):
+    eng, _ = engine_on(tmp_path, durable=True)
+    try:
+        a = finished(drain(run(eng, Generate, "lost history", max_tokens=3)[1])).session_id
+        b = finished(drain(run(eng, Generate, "named and lost", max_tokens=3)[1])).session_id
+        for sid in (a, b):
+            eng.call(lambda sid=sid: eng.store.spill(sid)).result(5)
+            heap = eng.store.get(sid).spill_path
+            heap.write_text("garbage")
+        evs = drain(run(eng, Generate, "named", session_id=b)[1])
+        assert isinstance(evs[-1].error, SessionLost) and b not in eng.store
+        evs = drain(run(eng, Generate, "lost historyab, continued", max_tokens=2)[1])   # matched a
+        done = finished(evs)
+        assert done.session_id != a and evs[0].cached_tokens == 0 and a not in eng.store
+        assert (tmp_path / "sessions" / "aside").is_dir()
+    finally:
+        eng.stop()
+
+
+def test_a_bug_in_the_loop_fails_everything_and_reports(tmp_path):
+    eng, _ = engine_on(tmp_path)
+    fatal = []
+    eng.on_fatal = fatal.append
+    job, q = run(eng, Generate, "running", max_tokens=100_000)
+    q.get(timeout=5)
+
+    def bug():
+        raise RuntimeError("a bug")
+
+    eng._admit = bug
+    waiting, wq = run(eng, Generate, "waiting")
+    assert isinstance(drain(wq)[-1].error, EngineFailed)
+    assert isinstance(drain(q)[-1].error, EngineFailed)
+    deadline = time.monotonic() + 5
+    while not fatal and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert fatal and str(fatal[0]) == "a bug" and not eng.healthy
+    with pytest.raises(EngineFailed):
+        run(eng, Generate, "after")
+    with pytest.raises(EngineFailed):
+        eng.call(lambda: 1).result(timeout=1)
+    assert eng.in_flight == 0
+    assert not eng.stop(timeout=1)

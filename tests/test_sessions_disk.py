@@ -1,0 +1,176 @@
+"""The sessions directory under crashes and corruption (fake backend): atomic generations
+committed by the index, recovery after a kill, corrupt files moved aside, failed writes
+that leave the session resident, ids validated before they become paths."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import stat
+
+import pytest
+from test_engine import CFG, FakeBackend
+
+from localheap.sessions import SessionLost, SessionStore, SpillFailed
+
+
+def durable(path, backend=None, **kw):
+    return SessionStore(backend or FakeBackend(), CFG, path, durable=True, **kw)
+
+
+def feed(store, s, tokens):
+    store.make_resident(s)
+    s.cache.tokens.extend(tokens)
+    s.extend(tokens)
+    s.dirty = True
+
+
+def saved_session(store, tokens):
+    s = store.create()
+    feed(store, s, tokens)
+    store.save(s)
+    return s
+
+
+def mode(path):
+    return stat.S_IMODE(os.stat(path).st_mode)
+
+
+def test_every_save_is_committed_and_private(tmp_path):
+    root = tmp_path / "sessions"
+    store = durable(root)
+    a = saved_session(store, [1, 2, 3])
+    feed(store, a, [4, 5])
+    store.save(a)   # generation 1 replaces generation 0
+    names = sorted(p.name for p in root.iterdir())
+    assert names == ["index.json", f"{a.id}.1.safetensors", f"{a.id}.1.tokens"]
+    assert mode(root) == 0o700 and all(mode(p) == 0o600 for p in root.iterdir())
+    index = json.loads((root / "index.json").read_text())
+    assert index["sessions"][0]["gen"] == 1 and index["sessions"][0]["tokens"] == 5
+
+
+def test_a_killed_server_comes_back_from_the_directory(tmp_path):
+    """No persist_all (the process died): the index and files written along the way suffice;
+    temp files, an uncommitted generation and orphans are cleaned up or adopted."""
+    backend = FakeBackend()
+    store = durable(tmp_path, backend)
+    a = saved_session(store, [1, 2, 3])
+    b = saved_session(store, [7, 8])
+    empty = store.create()
+    (tmp_path / f".{a.id}.1.safetensors.123.tmp").write_text("half")          # a save cut short
+    (tmp_path / f"{a.id}.1.safetensors").write_text(json.dumps([1, 2, 3, 4]))   # a turn not committed
+    (tmp_path / f"{a.id}.1.tokens").write_bytes(b"\x00" * 16)
+    orphan = "sess_orphan0000000000000"
+    (tmp_path / f"{orphan}.2.safetensors").write_text(json.dumps([9, 9]))
+    (tmp_path / f"{orphan}.2.tokens").write_bytes(bytes([9, 0, 0, 0, 9, 0, 0, 0]))
+    (tmp_path / "sess_half.0.tokens").write_bytes(b"")                         # no heap file: removed
+
+    again = durable(tmp_path, backend)
+    assert again.load_persisted() == 4
+    assert again.get(a.id).fed.tolist() == [1, 2, 3] and again.get(b.id).fed.tolist() == [7, 8]
+    assert again.get(orphan).fed.tolist() == [9, 9] and again.get(empty.id).state == "empty"
+    again.make_resident(again.get(a.id))
+    assert again.get(a.id).cache.tokens == [1, 2, 3]
+    left = {p.name for p in tmp_path.iterdir()}
+    assert not any("tmp" in n for n in left) and f"{a.id}.1.tokens" not in left and "sess_half.0.tokens" not in left
+    ids = {e["id"] for e in json.loads((tmp_path / "index.json").read_text())["sessions"]}
+    assert ids == {a.id, b.id, orphan, empty.id}   # the adopted orphan is committed
+
+
+def test_corrupt_index_tokens_and_heap_cost_only_their_session(tmp_path, caplog):
+    backend = FakeBackend()
+    store = durable(tmp_path, backend)
+    good, bad_tokens, bad_heap = (saved_session(store, [i, i + 1, i + 2]) for i in (1, 10, 20))
+    (tmp_path / f"{bad_tokens.id}.0.tokens").write_bytes(b"\x01\x02\x03")     # not whole int32s
+    (tmp_path / f"{bad_heap.id}.0.safetensors").write_text("{not json")
+    again = durable(tmp_path, backend)
+    assert again.load_persisted() == 2 and bad_tokens.id not in again
+    assert "moved" in caplog.text and bad_tokens.id in caplog.text
+    with pytest.raises(SessionLost, match="resend the whole conversation"):
+        again.make_resident(again.get(bad_heap.id))
+    assert bad_heap.id not in again
+    again.make_resident(again.get(good.id))
+    assert again.get(good.id).cache.tokens == [1, 2, 3]
+    aside = {p.name.split(".")[0] for p in (tmp_path / "aside").iterdir()}
+    assert aside == {bad_tokens.id, bad_heap.id}
+
+    (tmp_path / "index.json").write_text('{"model": "fake-model", "sessions": [')   # torn by hand
+    third = durable(tmp_path, backend)
+    assert third.load_persisted() == 1 and good.id in third   # adopted from its files
+
+
+def test_token_file_that_disagrees_with_the_index_is_moved_aside(tmp_path):
+    store = durable(tmp_path)
+    s = saved_session(store, [1, 2, 3])
+    (tmp_path / f"{s.id}.0.tokens").write_bytes(bytes([5, 0, 0, 0, 6, 0, 0, 0, 7, 0, 0, 0]))   # same length
+    again = durable(tmp_path)
+    assert again.load_persisted() == 0 and s.id not in again
+
+
+def test_index_entries_never_become_paths(tmp_path):
+    outside = tmp_path / "victim.tokens"
+    outside.write_text("keep me")
+    root = tmp_path / "sessions"
+    store = durable(root)
+    (root / "index.json").write_text(json.dumps({"model": "fake-model", "sessions": [
+        {"id": "../victim", "gen": 0, "tokens": 0, "file": "../victim.safetensors"},
+        {"id": "sess_ok", "gen": None, "tokens": 0, "file": "../../victim.tokens"}]}))
+    assert store.load_persisted() == 1
+    store.delete("sess_ok")
+    assert outside.read_text() == "keep me"
+
+
+def test_failed_spill_keeps_the_session_resident(tmp_path):
+    backend = FakeBackend()
+    store = durable(tmp_path / "s", backend, max_resident=1)
+    a = saved_session(store, [1, 2])
+    feed(store, a, [3])
+
+    def full_disk(cache, path):
+        path.write_text("partial")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    backend.save_cache = full_disk
+    with pytest.raises(SpillFailed, match=f"cannot save sessions to {tmp_path / 's'}: No space left"):
+        store.spill(a.id)
+    assert a.state == "resident" and a.cache.tokens == [1, 2, 3] and a.saved_gen == 0
+    assert sorted(p.name for p in (tmp_path / "s").iterdir()) == ["index.json", f"{a.id}.0.safetensors",
+                                                                   f"{a.id}.0.tokens"]
+    # the rollback copy is still the committed generation
+    assert store.rollback(a, fed_before=2) and a.fed.tolist() == [1, 2] and a.state == "spilled"
+
+
+def test_directory_replaced_by_a_file(tmp_path):
+    root = tmp_path / "s"
+    store = SessionStore(FakeBackend(), CFG, root, max_resident=1)
+    a = store.create()
+    feed(store, a, [1, 2])
+    for p in root.iterdir():
+        p.unlink()
+    root.rmdir()
+    root.write_text("not a directory")
+    with pytest.raises(SpillFailed, match=str(root)):
+        store.spill(a.id)
+    assert a.state == "resident"
+    with pytest.raises(SpillFailed, match="not a directory"):
+        SessionStore(FakeBackend(), CFG, root)   # checked at start
+
+
+def test_startup_survives_any_directory_content(tmp_path):
+    backend = FakeBackend()
+    store = durable(tmp_path, backend)
+    s = saved_session(store, [1, 2, 3])
+    (tmp_path / "index.json").unlink()
+    (tmp_path / "index.json").mkdir()                                      # a directory as the index
+    (tmp_path / "aside").write_text("a file where aside/ goes")           # moving aside fails: logged
+    target = tmp_path.parent / f"{tmp_path.name}-outside"
+    target.write_text("outside")
+    (tmp_path / "sess_link.0.tokens").symlink_to(target)                  # links are never followed
+    (tmp_path / "sess_link.0.safetensors").write_text("[]")
+    (tmp_path / "sess_bin.0.tokens").write_bytes(b"\xff" * 7)
+    (tmp_path / "sess_bin.0.safetensors").write_bytes(b"\x00")
+    (tmp_path / "notes.txt").write_text("not ours: left alone")
+    again = durable(tmp_path, backend)
+    assert again.load_persisted() == 1 and again.get(s.id).fed.tolist() == [1, 2, 3]
+    assert (tmp_path / "notes.txt").exists() and target.read_text() == "outside" and "sess_link" not in again
