@@ -101,7 +101,7 @@ def sizes(tmp_path_factory):
 def test_budget_spill_reject_and_restart(sizes, tmp_path):
     weights, runtime, heap = sizes
     budget = weights + runtime + int(2.6 * heap)
-    srv = Server(str(budget), tmp_path)
+    srv = Server(str(budget), tmp_path, extra=["--admission-timeout", "1"])   # the refusal below comes after 1 s in the queue
     try:
         fit = int(srv.metrics()["max_resident_heaps"])
         assert 1 <= fit <= 3, fit

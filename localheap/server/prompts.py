@@ -70,10 +70,17 @@ async def tokenize(fn: Callable[..., Prompt], *args, **kwargs) -> Prompt:
     return await run_in_threadpool(_bounded, fn, args, kwargs)
 
 
+def _chars(arg: Any) -> int:
+    """Characters of text a prompt builder's argument carries (a text, messages, a request)."""
+    if isinstance(arg, str):
+        return len(arg)
+    if isinstance(arg, list):
+        return sum(_chars(m.text() if isinstance(m, ChatMessage) else m) for m in arg)
+    return _chars(arg.prompt) if isinstance(arg, CompletionRequest) else 0
+
+
 def _bounded(fn: Callable[..., Prompt], args: tuple, kwargs: dict) -> Prompt:
-    long = sum(len(a) for a in args if isinstance(a, str)) + sum(
-        len(m.text()) for a in args if isinstance(a, list) for m in a if isinstance(m, ChatMessage))
-    if long < PIECE_CHARS:
+    if sum(_chars(a) for a in args) < PIECE_CHARS:
         return fn(*args, **kwargs)
     try:
         with _LONG_TEXTS:
