@@ -90,7 +90,8 @@ class Server:
 @pytest.fixture(scope="module")
 def sizes(tmp_path_factory):
     """weights, runtime and heap bytes as a generously budgeted server measures them."""
-    srv = Server("16G", tmp_path_factory.mktemp("probe"), extra=["--no-persist"])
+    # 1500M: generous, yet under 2 GiB, so its request room is the same 128 MiB as the tight budget's
+    srv = Server("1500M", tmp_path_factory.mktemp("probe"), extra=["--no-persist"])
     try:
         m = srv.metrics()
     finally:
