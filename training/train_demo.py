@@ -12,22 +12,22 @@ Data: see training/README.md (all text ships with CPython: PSF licence).
 from __future__ import annotations
 
 import argparse
-import ast
 import hashlib
 import json
 import math
 import sys
-import sysconfig
 import time
-import zlib
 from pathlib import Path
 
 import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from localheap.bench.needle import Filler, build_episode, encode, filler_from_texts, frame, make_key  # noqa: E402
-from localheap.randmodel import BOS, EOS, PAD, SPECIAL_TOKENS, _write_json, build_tokenizer  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from demo_tasks import Tasks, batches, full_mix  # noqa: E402
+from localheap.bench.facts import corpus, names, split  # noqa: E402
+from localheap.bench.needle import Filler, filler_from_texts  # noqa: E402
+from localheap.randmodel import BOS, EOS, PAD, _write_json, build_tokenizer  # noqa: E402
 
 MODEL = {   # HF LlamaConfig, flat keys (read identically by mlx-lm and transformers)
     "model_type": "llama", "architectures": ["LlamaForCausalLM"],
@@ -49,121 +49,36 @@ PHASES = [
     (2048, 2, 200, (0.7, 0.1, 0.05, 0.15), 0.2),
     (4096, 1, 300, (0.8, 0.05, 0.0, 0.15), 0.25),
 ]
-QUICK = {"64": [(64, 64, 400, (0.3, 0.2, 0.4, 0.1), 0.0)],
+# v2 (fine-tuned from v1's weights): + named facts. (context, batch, steps, mix {passkey, facts,
+# copy, repeat, text}, position-gap share, max facts per row, share of key rows whose filler keeps
+# its digits). Batches are the CPU ones; --batch-mult scales them on a GPU.
+PHASES_V2 = [
+    (96, 48, 400, (0.1, 0.8, 0.0, 0.0, 0.1), 0.0, 2, 0.0),
+    (192, 24, 300, (0.15, 0.7, 0.05, 0.0, 0.1), 0.0, 4, 0.15),
+    (384, 12, 300, (0.15, 0.7, 0.05, 0.0, 0.1), 0.0, 8, 0.2),
+    (768, 6, 300, (0.15, 0.7, 0.05, 0.0, 0.1), 0.1, 16, 0.25),
+    (1536, 3, 250, (0.2, 0.65, 0.05, 0.0, 0.1), 0.2, 32, 0.25),
+    (4096, 1, 400, (0.2, 0.65, 0.05, 0.0, 0.1), 0.25, 32, 0.25),
+]
+RECIPES = {"v1": PHASES, "v2": PHASES_V2}
+QUICK = {"facts96": [(96, 48, 400, (0.1, 0.8, 0.0, 0.0, 0.1), 0.0, 2, 0.0)],
+         "scratch96": [(96, 48, 400, (0.25, 0.35, 0.1, 0.2, 0.1), 0.0, 2, 0.0)],
+         "facts256": [(256, 16, 400, (0.2, 0.5, 0.1, 0.05, 0.15), 0.0, 8, 0.25)],
+         "facts1024": [(1024, 4, 300, (0.2, 0.55, 0.1, 0.0, 0.15), 0.1, 24, 0.25)],
+         "64": [(64, 64, 400, (0.3, 0.2, 0.4, 0.1), 0.0)],
          "128": [(128, 32, 400, (0.3, 0.2, 0.4, 0.1), 0.0)],
          "256": [(256, 16, 400, (0.4, 0.15, 0.3, 0.15), 0.0)]}
 
 
 # ---------------------------------------------------------------- data
 
-def corpus() -> list[str]:
-    """pydoc help topics + long stdlib docstrings: English prose shipped with CPython (PSF)."""
-    from pydoc_data import topics
-
-    texts = [topics.topics[k] for k in sorted(topics.topics)]
-    root = Path(sysconfig.get_paths()["stdlib"])
-    skip = {"test", "tests", "idlelib", "site-packages", "lib2to3", "tkinter", "turtledemo", "ensurepip"}
-    for path in sorted(root.rglob("*.py")):
-        if skip & set(path.relative_to(root).parts):
-            continue
-        try:
-            tree = ast.parse(path.read_text(encoding="utf-8"))
-        except (SyntaxError, UnicodeDecodeError):
-            continue
-        for node in ast.walk(tree):
-            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
-                doc = ast.get_docstring(node)
-                if doc and len(doc) >= 300:
-                    texts.append(doc)
-    return texts
-
-
-def split(texts: list[str]) -> tuple[list[str], list[str]]:
-    """Held-out = documents whose crc32 is 0 mod 10 (stable across runs)."""
-    held = [t for t in texts if zlib.crc32(t.encode()) % 10 == 0]
-    train = [t for t in texts if zlib.crc32(t.encode()) % 10 != 0]
-    return train, held
-
-
-class Tasks:
-    """Builds training rows: ids [T], loss mask of answer tokens [T], optional position ids."""
-
-    def __init__(self, tok, filler: Filler):
-        self.tok, self.filler = tok, filler
-        self.frame = frame(tok)
-        self.bos, self.eos = tok.convert_tokens_to_ids(BOS), tok.convert_tokens_to_ids(EOS)
-        self.user, self.asst = encode(tok, "<|user|>\n"), encode(tok, "<|assistant|>\n")
-        self.end = encode(tok, "<|end|>\n")
-        self.repeat_prompt = encode(tok, "Repeat after me: ")
-        self.vocab = len(tok)
-
-    def passkey(self, rng, T):
-        key = make_key(rng)
-        ep = build_episode(self.tok, self.filler, self.frame, T - 8, float(rng.random()), key, rng)
-        answer = encode(self.tok, f" {key}.") + self.end
-        ids = ep.tokens + answer
-        mask = [0] * len(ep.tokens) + [1] * (len(answer) - 1) + [0]
-        return ids, mask
-
-    def window(self, rng, n):
-        f = self.filler.tokens
-        s = int(rng.integers(0, len(f) - n))
-        return f[s:s + n].tolist()
-
-    def span(self, rng):
-        """What to repeat: natural text, random tokens (pure induction) or a 5-digit key."""
-        kind = rng.integers(3)
-        if kind == 0:
-            return self.window(rng, int(rng.integers(8, 64)))
-        if kind == 1:
-            return rng.integers(len(SPECIAL_TOKENS), self.vocab, int(rng.integers(4, 32))).tolist()
-        return encode(self.tok, make_key(rng))
-
-    def copy(self, rng, T):
-        ids, mask = [], []
-        while len(ids) < T:
-            span = self.span(rng)
-            q = [self.bos, *self.user, *self.repeat_prompt, *span, *self.end, *self.asst]
-            ids += q + span + self.end
-            mask += [0] * len(q) + [1] * (len(span) + 1) + [0] * (len(self.end) - 1)
-        return ids, mask
-
-    def repeat(self, rng, T):
-        """Random tokens, repeated to fill the row: every repeat is pure induction."""
-        n = int(rng.integers(4, max(8, min(64, T // 3))))
-        chunk = rng.integers(len(SPECIAL_TOKENS), self.vocab, n).tolist()
-        ids = [self.bos] + chunk * (T // n + 1)
-        return ids, [0] * (n + 1) + [1] * (len(ids) - n - 1)
-
-    def text(self, rng, T):
-        return [self.bos, *self.window(rng, T)], [0] * (T + 1)
-
-    def row(self, rng, T, mix, gap_share):
-        kind = rng.choice(4, p=mix)
-        ids, mask = (self.passkey, self.copy, self.repeat, self.text)[kind](rng, T)
-        ids, mask = ids[:T], mask[:T]
-        pad = T - len(ids)
-        ids, mask = ids + [self.eos] * pad, mask + [0] * pad
-        pos = np.arange(T)
-        if kind == 0 and rng.random() < gap_share:
-            # PoSE-style jump: later tokens sit up to 60K positions further on
-            pos = pos + (pos >= int(rng.integers(8, T - 16))) * int(math.exp(rng.uniform(0, math.log(60000))))
-        return ids, mask, pos
-
-
-def batch(tasks, seed, step, T, B, mix, gap_share):
-    rng = np.random.default_rng([seed, step])
-    rows = [tasks.row(rng, T, mix, gap_share) for _ in range(B)]
-    ids = torch.tensor([r[0] for r in rows])
-    mask = torch.tensor([r[1] for r in rows], dtype=torch.bool)
-    pos = torch.tensor(np.stack([r[2] for r in rows]))
-    return ids, mask, pos
-
-
-def load_tokenizer(path: Path):
-    """randmodel's byte-level BPE (1024 tokens, trained on the pydoc topics), as an HF tokenizer."""
+def load_tokenizer(path: Path, init_from: str | None = None):
+    """randmodel's byte-level BPE (1024 tokens, trained on the pydoc topics), as an HF tokenizer;
+    or the tokenizer of the model a fine-tune starts from (the same one, already built)."""
     from transformers import AutoTokenizer
 
+    if init_from:
+        return AutoTokenizer.from_pretrained(init_from)
     build_tokenizer(path, vocab_size=VOCAB, seed=0)
     return AutoTokenizer.from_pretrained(str(path))
 
@@ -229,7 +144,8 @@ def seed_copying_heads(model, gain: float = 1.0) -> None:
 
 
 def losses(model, ids, mask, pos):
-    logits = model(input_ids=ids, position_ids=pos).logits[:, :-1].float()
+    with torch.autocast(ids.device.type, dtype=torch.bfloat16, enabled=ids.device.type == "cuda"):
+        logits = model(input_ids=ids, position_ids=pos).logits[:, :-1].float()
     ce = torch.nn.functional.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")
     ans = mask[:, 1:]
     lm = ce.mean()
@@ -238,25 +154,41 @@ def losses(model, ids, mask, pos):
 
 
 @torch.no_grad()
-def evaluate(model, tok, filler: Filler, T: int, n: int, seed: int = 12345, batch_size: int = 8) -> dict:
-    """Teacher-forced greedy check of the key digits on held-out episodes: exact match and per digit.
-    (All 5 argmaxes right under teacher forcing == greedy decoding gets the key right.)"""
+def evaluate(model, tasks: Tasks, T: int, n: int, keys: int = 0, seed: int = 12345, batch_size: int = 8) -> dict:
+    """Teacher-forced greedy check of the key digits on held-out episodes (`tasks` built on the
+    held-out filler and names): exact match and per digit. keys=0: v1's pass key; else K named
+    facts. (All 5 argmaxes right under teacher forcing == greedy decoding gets the key right.)"""
     model.eval()
-    tasks = Tasks(tok, filler)
-    rng = np.random.default_rng([seed, T])
-    rows = [tasks.passkey(rng, T) for _ in range(n)]
+    dev = next(model.parameters()).device
+    rng = np.random.default_rng([seed, T, keys])
+    rows = [tasks.facts(rng, T, keys) if keys else tasks.passkey(rng, T) for _ in range(n)]
     exact = digits = 0.0
     for i in range(0, n, batch_size):
         chunk = rows[i:i + batch_size]
-        x = torch.tensor([ids[:T] for ids, _ in chunk])
-        pred = model(input_ids=x).logits[:, :-1].argmax(-1)
+        x = torch.tensor([ids[:T] for ids, _ in chunk], device=dev)
+        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda"):
+            pred = model(input_ids=x).logits[:, :-1].argmax(-1)
         for b, (_, mask) in enumerate(chunk):
             ans = [j for j, m in enumerate(mask[1:T]) if m][1:6]   # " " then the 5 digits
             ok = (pred[b, ans] == x[b, 1:][ans]).tolist()
             exact += all(ok)
             digits += sum(ok) / len(ok)
     model.train()
-    return {"ctx": T, "n": n, "exact": round(exact / n, 4), "digit": round(digits / n, 4)}
+    return {"ctx": T, "keys": keys, "n": n, "exact": round(exact / n, 4), "digit": round(digits / n, 4)}
+
+
+@torch.no_grad()
+def held_lm_loss(model, filler: Filler, T: int = 1024, n: int = 32, seed: int = 54321) -> float:
+    """Mean next-token loss on n windows of held-out text (the figure README compares v1/v2 on)."""
+    model.eval()
+    dev = next(model.parameters()).device
+    rng = np.random.default_rng(seed)
+    starts = rng.integers(0, len(filler.tokens) - T, n)
+    x = torch.tensor(np.stack([filler.tokens[s:s + T] for s in starts]), device=dev)
+    loss = sum(torch.nn.functional.cross_entropy(model(input_ids=x[i:i + 8]).logits[:, :-1].float().transpose(1, 2),
+                                                 x[i:i + 8, 1:]).item() * len(x[i:i + 8]) for i in range(0, n, 8))
+    model.train()
+    return round(loss / n, 4)
 
 
 # ---------------------------------------------------------------- loop
@@ -271,22 +203,37 @@ def lr_at(step, total, peak, warmup=50, hold=0.6, floor=0.1):
     return peak * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(1.0, frac))))
 
 
+def texts(args) -> list[str]:
+    """The corpus: from this Python's stdlib, or a JSON list written by --dump-corpus elsewhere
+    (another Python version has other docstrings: the device machine trains on ours)."""
+    return json.loads(Path(args.corpus).read_text()) if args.corpus else list(corpus())
+
+
 def train(args) -> None:
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
+    dev = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
+                       "cpu" if args.device == "auto" else args.device)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    phases = QUICK[args.quick] if args.quick else PHASES
-    tok = load_tokenizer(out / "tokenizer")
-    train_texts, held_texts = split(corpus())
+    phases = QUICK[args.quick] if args.quick else RECIPES[args.recipe]
+    phases = [(T, B * args.batch_mult, int(n * args.steps_mult), *rest) for T, B, n, *rest in phases]
+    tok = load_tokenizer(out / "tokenizer", args.init_from)
+    train_texts, held_texts = split(texts(args))
     digest = hashlib.sha256("\x00".join(train_texts + held_texts).encode()).hexdigest()[:16]
     train_fill, held_fill = filler_from_texts(tok, train_texts), filler_from_texts(tok, held_texts)
-    tasks = Tasks(tok, train_fill)
-    model = build_model(tok, args.seed, args.init, args.rope_theta)
-    if args.seed_prev_token:
-        seed_previous_token_head(model)
-    if args.seed_copy:
-        seed_copying_heads(model)
+    tasks = Tasks(tok, train_fill, filler_from_texts(tok, train_texts, keep_digits=True))
+    held = Tasks(tok, held_fill, pool=names(held_out=True))
+    if args.init_from:   # fine-tune: start from a shipped model's weights (v2 starts from v1)
+        from transformers import AutoModelForCausalLM
+        model = AutoModelForCausalLM.from_pretrained(args.init_from, dtype=torch.float32)
+    else:
+        model = build_model(tok, args.seed, args.init, args.rope_theta)
+        if args.seed_prev_token:
+            seed_previous_token_head(model)
+        if args.seed_copy:
+            seed_copying_heads(model)
+    model.to(dev).train()
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and "embed" not in n]
     other = [p for n, p in model.named_parameters() if not (p.dim() >= 2 and "embed" not in n)]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": other, "weight_decay": 0.0}],
@@ -294,7 +241,7 @@ def train(args) -> None:
     step = 0
     ckpt = out / "ckpt.pt"
     if ckpt.exists():
-        state = torch.load(ckpt, weights_only=False)
+        state = torch.load(ckpt, weights_only=False, map_location=dev)
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["opt"])
         step = state["step"]
@@ -305,35 +252,51 @@ def train(args) -> None:
         log.write(json.dumps(rec) + "\n")
         log.flush()
 
+    def save():
+        torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step}, ckpt)
+
+    def evals(T, n, final=False):
+        """Held-out accuracy at the phase's context: v1's pass key, and (v2) 1, 4 and 16 named facts."""
+        ks = [0] + ([1, 4, 16] if any(full_mix(p[3])[1] for p in phases) else [])
+        for k in ([0, 16] if final and len(ks) > 1 else ks):
+            if k * 24 < T:
+                emit({"step": step, "final" if final else "eval": evaluate(model, held, T, n, k)})
+
     total = sum(p[2] for p in phases)
     if step == 0:
         emit({"event": "start", "params": sum(p.numel() for p in model.parameters()), "corpus_sha": digest,
-              "train_tokens": len(train_fill.tokens), "held_tokens": len(held_fill.tokens),
-              "phases": phases, "seed": args.seed, "lr": args.lr, "init": args.init, "rope_theta": args.rope_theta, "seed_prev_token": args.seed_prev_token, "seed_copy": args.seed_copy, "model": MODEL})
-    t0, end = time.time(), 0
-    for T, B, n_steps, mix, gap in phases:
-        end += n_steps
-        while step < end:
-            for g in opt.param_groups:
-                g["lr"] = lr_at(step, total, args.lr)
-            ids, mask, pos = batch(tasks, args.seed, step, T, B, mix, gap)
-            lm, qa = losses(model, ids, mask, pos)
-            (lm + args.qa_weight * qa).backward()
-            gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            step += 1
-            if step % 10 == 0:
-                emit({"step": step, "ctx": T, "lm": round(lm.item(), 4), "qa": round(qa.item(), 4),
-                      "gnorm": round(gnorm.item(), 3), "lr": round(opt.param_groups[0]["lr"], 6),
-                      "elapsed": round(time.time() - t0, 1)})
-            if step % args.eval_every == 0 or step == end:
-                for ctx in sorted({min(T, 1024), T}):
-                    emit({"step": step, "eval": evaluate(model, tok, held_fill, ctx, args.eval_n)})
-            if step % args.ckpt_every == 0 or step == end:
-                torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step}, ckpt)
-    emit({"step": step, "final": evaluate(model, tok, held_fill, phases[-1][0], args.final_n)})
-    torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step}, ckpt)
+              "train_tokens": len(train_fill.tokens), "held_tokens": len(held_fill.tokens), "phases": phases,
+              "seed": args.seed, "lr": args.lr, "init": args.init, "rope_theta": args.rope_theta,
+              "seed_prev_token": args.seed_prev_token, "seed_copy": args.seed_copy, "model": MODEL,
+              "init_from": args.init_from, "recipe": args.recipe, "device": str(dev),
+              "held_lm_loss_1024": held_lm_loss(model, held_fill)})
+    t0, end, jobs = time.time(), 0, []
+    for ph in phases:
+        jobs += [(s, ph) for s in range(end, end + ph[2])]
+        end += ph[2]
+    ends = np.cumsum([p[2] for p in phases])
+    for s, (ids, mask, pos) in batches(tasks, args.seed, jobs[step:], args.workers):
+        ph = phases[int(np.searchsorted(ends, s, side="right"))]
+        T, end = ph[0], int(ends[np.searchsorted(ends, s, side="right")])
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, total, args.lr, warmup=args.warmup)
+        lm, qa = losses(model, *(torch.from_numpy(a).to(dev) for a in (ids, mask, pos)))
+        (lm + args.qa_weight * qa).backward()
+        gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        step += 1
+        if step % 10 == 0:
+            emit({"step": step, "ctx": T, "lm": round(lm.item(), 4), "qa": round(qa.item(), 4),
+                  "gnorm": round(gnorm.item(), 3), "lr": round(opt.param_groups[0]["lr"], 6),
+                  "elapsed": round(time.time() - t0, 1)})
+        if step % args.eval_every == 0 or step == end:
+            evals(T, args.eval_n)
+        if step % args.ckpt_every == 0 or step == end:
+            save()
+    evals(phases[-1][0], args.final_n, final=True)
+    emit({"step": step, "held_lm_loss_1024": held_lm_loss(model, held_fill)})
+    save()
 
 
 # ---------------------------------------------------------------- export
@@ -377,9 +340,21 @@ def main(argv=None) -> None:
     p.add_argument("--eval-n", type=int, default=48)
     p.add_argument("--final-n", type=int, default=200)
     p.add_argument("--ckpt-every", type=int, default=25)
+    p.add_argument("--recipe", choices=sorted(RECIPES), default="v1")
+    p.add_argument("--init-from", default=None, help="start from this model directory's weights and tokenizer")
+    p.add_argument("--corpus", default=None, help="JSON list of texts (default: this Python's stdlib)")
+    p.add_argument("--dump-corpus", default=None, help="write this Python's corpus as JSON here and exit")
+    p.add_argument("--device", default="auto", help="auto: cuda when available, else cpu")
+    p.add_argument("--workers", type=int, default=0, help="processes building batches ahead (0: inline)")
+    p.add_argument("--batch-mult", type=int, default=1, help="scale every phase's batch (a GPU takes more rows)")
+    p.add_argument("--steps-mult", type=float, default=1.0, help="scale every phase's steps")
+    p.add_argument("--warmup", type=int, default=50)
     p.add_argument("--export", default=None, help="export the run's checkpoint into this directory and exit")
     args = p.parse_args(argv)
-    export(args) if args.export else train(args)
+    if args.dump_corpus:
+        Path(args.dump_corpus).write_text(json.dumps(list(corpus())))
+    else:
+        export(args) if args.export else train(args)
 
 
 if __name__ == "__main__":

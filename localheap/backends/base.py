@@ -17,7 +17,9 @@ class Backend(Protocol):
     weights_bytes: int
     vocab_size: Optional[int]   # token ids are 0..vocab_size-1 (None: unknown, not checked)
 
-    def new_cache(self, cfg: HeapConfig) -> Any: ...
+    def new_cache(self, cfg: HeapConfig, pages_dir: Optional[Path] = None) -> Any:
+        """A fresh heap; with cfg.recall its page store lives in `pages_dir` (default: a temp dir)."""
+        ...
 
     def generate(self, cache: Any, new_tokens: Sequence[int], params: SamplingParams,
                  progress: Optional[ProgressFn] = None,

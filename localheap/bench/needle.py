@@ -65,10 +65,10 @@ class Filler:
     boundaries: np.ndarray  # sorted indices i: a sentence ends with token i-1
 
 
-def filler_from_texts(tokenizer, texts: Sequence[str]) -> Filler:
-    """Digits are removed from the filler, so the pass key is the only number in the context."""
+def filler_from_texts(tokenizer, texts: Sequence[str], keep_digits: bool = False) -> Filler:
+    """Digits are removed from the filler (unless keep_digits), so the pass key is the only number."""
     hf = _hf(tokenizer)
-    texts = [re.sub(r"[0-9]", "", t) for t in texts]
+    texts = list(texts) if keep_digits else [re.sub(r"[0-9]", "", t) for t in texts]
     fast = getattr(hf, "backend_tokenizer", None)   # the Rust tokenizer: no max-length warnings
     ids, bounds = [], []
     for text in texts:
@@ -151,8 +151,8 @@ def episodes(tokenizer, context: int, trials: int, seed: int) -> list[Episode]:
             for d in depths(trials, rng)]
 
 
-def answer(backend, cfg, ep: Episode) -> str:
-    """Greedy answer of one episode through a fresh heap."""
+def answer(backend, cfg, ep: Episode, pages: Optional[list] = None) -> str:
+    """Greedy answer of one episode through a fresh heap (its page stats appended to `pages`)."""
     from ..generation import SamplingParams
 
     cache = backend.new_cache(cfg)
@@ -161,7 +161,24 @@ def answer(backend, cfg, ep: Episode) -> str:
         if tok in backend.eos_token_ids:
             break
         out.append(tok)
+    if pages is not None and cfg.recall:
+        cache.writer.drain()
+        pages.append(backend.stats(cache).pages)
     return _hf(backend.tokenizer).decode(out)
+
+
+def recall_costs(pages: list[dict]) -> dict:
+    """What recall cost over a cell's episodes: ms per 1K recalled tokens (all layers' recalls of a
+    question together), RAM for the summaries and disk bytes per token (all layers) at the end."""
+    ms = sum(p["last_recall"]["ms"] for p in pages if p["last_recall"])
+    tokens = sum(p["last_recall"]["tokens"] for p in pages if p["last_recall"])
+    disk = sum(p["disk_bytes"] for p in pages)
+    on_disk = sum(p["tokens_on_disk"] for p in pages)
+    return {"recall_ms_per_1k": round(1000 * ms / tokens, 1) if tokens else None,
+            "recall_ms": round(ms / max(1, len(pages)), 1),
+            "summary_bytes": int(np.mean([p["summary_bytes"] for p in pages])),
+            "disk_bytes_per_token": round(disk / on_disk, 1) if on_disk else None,
+            "pages_dropped": sum(p["pages_dropped"] for p in pages)}
 
 
 def budget_for(context: int, prune: float, sinks: int) -> int:
@@ -171,9 +188,16 @@ def budget_for(context: int, prune: float, sinks: int) -> int:
 
 def cell(backend, base, eps: list[Episode], context: int, budget: int, policy: str, positions: str,
          prune: Optional[float], log: Optional[Callable[[str], None]] = None) -> dict:
-    cfg = base.with_(budget=budget, policy=policy, positions=positions, recent=min(base.recent, budget // 2))
+    recall = policy.endswith("+recall")
+    policy = policy.removesuffix("+recall")
+    recent = min(base.recent, budget // 2)
+    # the recall region: whole pages, beside the recent window inside the budget
+    recall_budget = min(base.recall_budget, (budget - recent) // base.page_size * base.page_size)
+    cfg = base.with_(budget=budget, policy=policy, positions=positions, recent=recent, recall=recall,
+                     recall_budget=recall_budget if recall else base.recall_budget)
     t0 = time.perf_counter()
-    hits = [read_key(answer(backend, cfg, ep)) == ep.key for ep in eps]
+    pages: list[dict] = []
+    hits = [read_key(answer(backend, cfg, ep, pages)) == ep.key for ep in eps]
     by_bin = []
     for b in range(DEPTH_BINS):
         sel = [h for h, ep in zip(hits, eps) if int(min(ep.depth, 0.999) * DEPTH_BINS) == b]
@@ -181,6 +205,8 @@ def cell(backend, base, eps: list[Episode], context: int, budget: int, policy: s
     row = {"context": context, "budget": budget, "prune": prune, "policy": policy, "positions": positions,
            "trials": len(hits), "accuracy": round(float(np.mean(hits)), 4), "by_depth": by_bin,
            "hits": "".join("1" if h else "0" for h in hits), "seconds": round(time.perf_counter() - t0, 1)}
+    if recall:
+        row = {**row, "policy": policy + "+recall", "recall_budget": cfg.recall_budget, **recall_costs(pages)}
     if log:
         log(f"ctx {context:>6} budget {budget:>5} {policy:>9} {positions:>8}: {row['accuracy']:.0%} "
             f"({row['seconds']:.0f}s)")
@@ -190,20 +216,31 @@ def cell(backend, base, eps: list[Episode], context: int, budget: int, policy: s
 def run_needle(backend, base=None, context: int = 4096, prune: Sequence[float] = PRUNE,
                policies: Optional[Sequence[str]] = None, positions: Sequence[str] = ("compact", "absolute"),
                trials: int = 100, long_contexts: Sequence[int] = LONG_CONTEXTS, long_budget: Optional[int] = None,
-               long_trials: int = 20, long_full: Sequence[int] = (), seed: int = 0,
-               log: Optional[Callable[[str], None]] = None) -> dict:
+               long_trials: int = 20, long_full: Sequence[int] = (), seed: int = 0, keys: int = 1,
+               filler: str = "pydoc", log: Optional[Callable[[str], None]] = None) -> dict:
     """The needle table. Returns {"rows": [...], "settings": {...}}; one row per cell:
     full cache at `context`, every (prune, policy, positions) at `context`, then every
     (long context, policy, positions) at `long_budget` (default: base.budget), with a
     full-cache cell first at the long contexts listed in `long_full`.
+    keys=1: the single pass key; keys=K>1: K named facts, one asked (bench/facts.py), held-out
+    names. filler: pydoc (the v1 table's), heldout or digits (bench/facts.py: filler; the CLI's
+    default is heldout).
     Episodes are seeded and shared by every cell of one context (paired comparison)."""
     from ..heap import POLICIES, HeapConfig
+    from .facts import ANSWER_OF, FACT, QUESTION_OF, bench_episodes
 
     base = base or HeapConfig()
     policies = list(policies or POLICIES)
+    recall_settings = None
+    if base.recall:   # the recall column: every policy also with the page store and recall
+        policies = [p for pol in policies for p in (pol, pol + "+recall")]
+        recall_settings = {k: getattr(base, k) for k in ("recall_budget", "page_size", "page_format",
+                                                            "recall_summary", "disk_budget")}
+        base = base.with_(recall=False)
     long_budget = long_budget or base.budget
     rows = []
-    eps = episodes(backend.tokenizer, context, trials, seed)
+
+    eps = bench_episodes(backend.tokenizer, context, trials, seed, keys, filler)
     full = base.budget if base.budget >= context else context
     rows.append(cell(backend, base, eps, context, full, "streaming", "compact", None, log) | {"policy": "full"})
     for p in prune:
@@ -211,7 +248,7 @@ def run_needle(backend, base=None, context: int = 4096, prune: Sequence[float] =
             for pos in positions:
                 rows.append(cell(backend, base, eps, context, budget_for(context, p, base.sinks), pol, pos, p, log))
     for ctx in long_contexts:
-        eps = episodes(backend.tokenizer, ctx, long_trials, seed)
+        eps = bench_episodes(backend.tokenizer, ctx, long_trials, seed, keys, filler)
         if ctx in long_full:
             rows.append(cell(backend, base, eps, ctx, ctx, "streaming", "compact", None, log) | {"policy": "full"})
         for pol in policies:
@@ -220,7 +257,9 @@ def run_needle(backend, base=None, context: int = 4096, prune: Sequence[float] =
     settings = {"context": context, "prune": list(prune), "policies": policies, "positions": list(positions),
                 "trials": trials, "long_contexts": list(long_contexts), "long_budget": long_budget,
                 "long_trials": long_trials, "long_full": list(long_full), "seed": seed, "heap": base.to_dict(),
-                "needle": NEEDLE, "question": QUESTION, "answer_prefix": ANSWER_PREFIX}
+                "keys": keys, "filler": filler, "needle": NEEDLE if keys == 1 else FACT,
+                "question": QUESTION if keys == 1 else QUESTION_OF,
+                "answer_prefix": ANSWER_PREFIX if keys == 1 else ANSWER_OF, "recall": recall_settings}
     return {"rows": rows, "settings": settings}
 
 
@@ -264,7 +303,9 @@ def tables(result: dict) -> str:
             out_rows.append(r)
     cols = [("policy", "policy", ""), ("positions", "positions", ""), ("full", "full cache", ".0%")]
     cols += [(f"p{p}", f"prune {p:.0%}", ".0%") for p in s["prune"]]
-    text = f"context {s['context']:,}, {s['trials']} trials per cell\n" + table(out_rows, cols)
+    what = f"{s.get('keys', 1)} named facts, one asked" if s.get("keys", 1) > 1 else "one pass key"
+    text = (f"{what}, filler {s.get('filler', 'pydoc')}; context {s['context']:,}, {s['trials']} trials per cell\n"
+            + table(out_rows, cols))
     long = [r for r in rows if r["context"] != s["context"]]
     if long:
         lrows = []
@@ -284,6 +325,13 @@ def tables(result: dict) -> str:
                            for c in s["long_contexts"] if any(x["context"] == c for x in long))
         text += (f"\n\nbudget {s['long_budget']:,} + {s['heap']['sinks']} sinks; trials per cell: {trials}\n"
                  + table(lrows, lcols))
+    costs = [r for r in rows if r.get("recall_ms") is not None]
+    if costs:
+        text += "\n\nrecall costs (per question; disk and summaries at the end of an episode)\n" + table(costs, [
+            ("context", "context", ","), ("budget", "budget", ","), ("positions", "positions", ""),
+            ("recall_budget", "recall slots", ","), ("accuracy", "accuracy", ".0%"),
+            ("recall_ms", "recall ms", ".1f"), ("recall_ms_per_1k", "ms / 1K recalled", ".1f"),
+            ("summary_bytes", "summary RAM B", ","), ("disk_bytes_per_token", "disk B / token", ".0f")])
     return text
 
 

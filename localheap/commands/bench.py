@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from ..bench.facts import FILLERS as NEEDLE_FILLERS
 from ..bench.needle import LONG_CONTEXTS as NEEDLE_LONG_CONTEXTS
 from ..bench.needle import PRUNE as NEEDLE_PRUNE
 from ..bench.report import emit, table
@@ -19,6 +20,22 @@ def _ints(text: str) -> list[int]:
         part = part.strip().lower()
         mult = 1_000_000 if part.endswith("m") else 1024 if part.endswith("k") else 1
         out.append(int(float(part.rstrip("mk")) * mult))
+    return out
+
+
+def _positive(text: str) -> int:
+    n = int(text)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1: {text!r}")
+    return n
+
+
+def _policies(text: str) -> list[str]:
+    from ..heap import POLICIES
+
+    out = [x.strip() for x in text.split(",") if x.strip()]
+    if not out or any(x not in POLICIES for x in out):
+        raise argparse.ArgumentTypeError(f"policies are some of {', '.join(POLICIES)}: {text!r}")
     return out
 
 
@@ -63,6 +80,13 @@ def add_parser(sub) -> None:
     needle.add_argument("--long-full", type=_ints, default=[],
                         help="long contexts that also get a full-cache cell (slow: attention over the whole context)")
     needle.add_argument("--seed", type=int, default=0)
+    needle.add_argument("--keys", type=_positive, default=1,
+                        help="named facts per episode, one asked about (1: the single pass key)")
+    needle.add_argument("--filler", choices=NEEDLE_FILLERS, default="heldout",
+                        help="heldout: documents training never saw, digits removed; digits: the same with their "
+                             "numbers (a key is not the only number); pydoc: the v1 table's filler")
+    needle.add_argument("--policies", type=_policies, default=None,
+                        help="comma-separated subset of the policies (default: all)")
     needle.add_argument("--plots", default="needle-plots", help="directory for the PNG plots (needs matplotlib)")
     needle.set_defaults(func=run_needle_bench, model="demo")
 
@@ -98,6 +122,9 @@ def run_speed(args) -> int:
     backend = load_backend(model_spec(args), args.backend)
     cfg = heap_config(args, backend)
     extra = {"threads": args.threads} if backend.name == "torch" else {}
+    if cfg.recall and backend.name == "torch":   # paging on against off, same run
+        extra["paths"] = ("stock-full", "heap", "heap-paging")
+        cfg = cfg.with_(recall=False)
     rows = _bench_module(backend).run_speed(backend, args.contexts, cfg, args.decode_tokens,
                                             log=lambda m: print(m, file=sys.stderr), repeats=args.repeats, **extra)
     by = {(r["context"], r["path"]): r for r in rows}
@@ -162,7 +189,8 @@ def run_needle_bench(args) -> int:
     backend = load_backend(model_spec(args), args.backend)
     result = run_needle(backend, heap_config(args, backend), context=args.context, prune=args.prune, trials=args.trials,
                         long_contexts=args.long_contexts, long_trials=args.long_trials, long_full=args.long_full,
-                        seed=args.seed, log=lambda m: print(m, file=sys.stderr))
+                        seed=args.seed, keys=args.keys, filler=args.filler, policies=args.policies,
+                        log=lambda m: print(m, file=sys.stderr))
     paths = plot(result, args.plots)
     if not paths:
         print("plots skipped: matplotlib is not installed (pip install 'localheap[bench]')", file=sys.stderr)

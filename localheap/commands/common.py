@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from ..heap import POLICIES, POSITION_MODES, HeapConfig
+from ..heap.config import PAGE_FORMATS, RECALL_SUMMARIES
 
 
 def add_model_args(p: argparse.ArgumentParser, required: bool = False) -> None:
@@ -33,17 +34,33 @@ def add_heap_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policy", default=d.policy, choices=POLICIES)
     p.add_argument("--positions", default=d.positions, choices=POSITION_MODES)
     p.add_argument("--profile", default=d.profile, choices=("uniform", "pyramid"))
+    p.add_argument("--recall", default="on" if d.recall else "off", choices=("off", "on"),
+                   help="page evicted KV out to disk and recall the best pages for each question (torch)")
+    p.add_argument("--recall-budget", type=int, default=d.recall_budget,
+                   help="slots of --budget reserved for recalled pages")
+    p.add_argument("--page-size", type=int, default=d.page_size, help="tokens per page")
+    p.add_argument("--page-format", default=d.page_format, choices=PAGE_FORMATS,
+                   help="how pages are stored: f32 (exact), f16, int8 (per token and head scale)")
+    p.add_argument("--recall-summary", default=d.recall_summary, choices=RECALL_SUMMARIES,
+                   help="page summary scored against the question: minmax (Quest) or mean key")
+    p.add_argument("--disk-budget", default="0", metavar="SIZE",
+                   help="bytes of pages per session (e.g. 2G); past it the lowest-value pages are dropped; 0 = none")
 
 
 def heap_config(args, backend=None, **overrides) -> HeapConfig:
     """The heap flags as a config. Without --prefill-chunk, the backend's device default
     (the slack when no backend is given yet: `with_backend_chunk` fills it in later)."""
+    from ..governor.budget import parse_size
+
     recent = min(args.recent, args.budget)
     chunk = getattr(args, "prefill_chunk", None)
     if chunk is None and backend is not None:
         chunk = backend.default_prefill_chunk()
     fields = dict(budget=args.budget, sinks=args.sinks, recent=recent, slack=args.slack,
-                  prefill_chunk=chunk or 0, policy=args.policy, positions=args.positions, profile=args.profile)
+                  prefill_chunk=chunk or 0, policy=args.policy, positions=args.positions, profile=args.profile,
+                  recall=args.recall == "on", recall_budget=args.recall_budget, page_size=args.page_size,
+                  page_format=args.page_format, recall_summary=args.recall_summary,
+                  disk_budget=0 if str(args.disk_budget).strip() == "0" else parse_size(args.disk_budget))
     fields.update(overrides)
     return HeapConfig(**fields)
 

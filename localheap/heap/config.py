@@ -8,6 +8,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, replace
 
 POLICIES = ("h2o", "snapkv", "geometry", "streaming", "random")
+PAGE_FORMATS = ("f32", "f16", "int8")
+RECALL_SUMMARIES = ("minmax", "mean")
 POSITION_MODES = ("compact", "absolute")
 PROFILES = ("uniform", "pyramid")
 
@@ -38,6 +40,12 @@ class HeapConfig:
     pool_kernel: int = 7         # snapkv: 1-D pooling width over the token axis
     noise: float = 0.0           # relative noise floor on scores (timing side channels); 0 = off
     seed: int = 0                # random policy and noise
+    recall: bool = False         # page evicted K/V out to disk; recall the best pages per question
+    recall_budget: int = 1024    # slots of the budget reserved for recalled pages (whole pages)
+    page_size: int = 32          # tokens per page (per layer, per KV head)
+    page_format: str = "f16"     # f32 (exact), f16, int8 (per token and head scale)
+    recall_summary: str = "minmax"   # page summary scored against the queries: minmax (Quest) or mean key
+    disk_budget: int = 0         # bytes of pages per session; past it the lowest-value pages are dropped; 0 = no bound
     extra: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -61,6 +69,18 @@ class HeapConfig:
             raise HeapConfigError("noise must be >= 0")
         if self.pool_kernel < 1 or self.pool_kernel % 2 == 0:
             raise HeapConfigError("pool_kernel must be a positive odd number")
+        if self.page_format not in PAGE_FORMATS:
+            raise HeapConfigError(f"unknown page format {self.page_format!r}; choose one of {', '.join(PAGE_FORMATS)}")
+        if self.recall_summary not in RECALL_SUMMARIES:
+            raise HeapConfigError(f"unknown recall summary {self.recall_summary!r}; choose minmax or mean")
+        if self.page_size < 1 or self.disk_budget < 0:
+            raise HeapConfigError("page_size must be >= 1 and disk_budget >= 0")
+        if self.recall:
+            if self.recall_budget < self.page_size:
+                raise HeapConfigError(f"recall budget ({self.recall_budget}) must hold a page ({self.page_size} tokens)")
+            if self.recall_budget + self.recent > self.budget:
+                raise HeapConfigError(f"recall budget ({self.recall_budget}) + recent window ({self.recent}) "
+                                      f"cannot exceed the budget ({self.budget})")
 
     def with_(self, **changes) -> "HeapConfig":
         return replace(self, **changes)
@@ -93,6 +113,11 @@ class HeapConfig:
             budgets[i % n_layers] += 1
             i += 1
         return budgets
+
+    @property
+    def recall_slots(self) -> int:
+        """Slots of each layer's budget reserved for recalled pages (whole pages); 0 without recall."""
+        return (self.recall_budget // self.page_size) * self.page_size if self.recall else 0
 
     @property
     def append_room(self) -> int:

@@ -31,10 +31,22 @@ class RepackPlan:
 
     keep_indices: np.ndarray
     deltas: Optional[np.ndarray]
+    scores: Optional[np.ndarray] = None   # [kv_heads, resident] the policy's scores (page values when paging out)
 
     @property
     def keep(self) -> int:
         return int(self.keep_indices.shape[1])
+
+
+@dataclass
+class MergePlan:
+    """Recalled tokens joining the resident ones. order: [kv_heads, n + r] source of each new slot
+    (< n_before: a resident slot, else recalled token order - n_before); rotate_by: [kv_heads, n + r]
+    RoPE rotation to apply to each source's key (recalled keys arrive pre-RoPE)."""
+
+    order: np.ndarray
+    rotate_by: np.ndarray
+    n_before: int
 
 
 class LayerHeap:
@@ -47,6 +59,10 @@ class LayerHeap:
         self.layer = layer
         self.keep = cfg.sinks + budget
         self.capacity = cfg.layer_capacity(budget)
+        # recall: part of the budget holds recalled pages; the policy keeps the rest
+        page = cfg.page_size
+        self.recall_slots = min(cfg.recall_slots, (budget - cfg.recent) // page * page) if cfg.recall else 0
+        self.recalled = np.zeros((n_kv_heads, self.capacity), dtype=bool)   # [h, s]: slot holds a recalled token
         self.policy: Policy = make_policy(cfg, layer)
         self.noise_rng = np.random.default_rng(cfg.seed * 7919 + layer)
         # positions[h, s]: original position of the token in slot s of KV head h
@@ -82,27 +98,87 @@ class LayerHeap:
     # -- eviction ------------------------------------------------------------------
     def plan(self, view: SlotView, keep: Optional[int] = None) -> RepackPlan:
         """Choose the survivors among the resident slots."""
-        keep = self.keep if keep is None else keep
         n = self.resident
         assert view.positions.shape == (self.n_kv_heads, n), view.positions.shape
         scores = self.policy.score(view)
         scores = add_noise_floor(scores, self.cfg.noise, self.noise_rng)
+        pinned = self.recalled[:, :n]
+        n_pinned = self.n_recalled
+        if keep is None:
+            keep = self.keep - self.recall_slots + n_pinned
+        if n_pinned:
+            # recalled pages stay until the next question's recall replaces them
+            scores = np.where(pinned, np.inf, scores)
         keep_indices = select_keep(scores, keep, self.cfg.sinks, self.cfg.recent)
-        deltas = None
-        if self.cfg.positions == "compact":
-            # slot s was rotated at position s; it moves to slot j
-            deltas = np.arange(keep_indices.shape[1])[None, :] - keep_indices
-        return RepackPlan(keep_indices=keep_indices, deltas=deltas)
+        return RepackPlan(keep_indices=keep_indices, deltas=self._deltas(keep_indices), scores=scores)
 
-    def apply(self, plan: RepackPlan) -> None:
+    def _deltas(self, keep_indices: np.ndarray) -> Optional[np.ndarray]:
+        if self.cfg.positions != "compact":
+            return None
+        # slot s was rotated at position s; it moves to slot j
+        return np.arange(keep_indices.shape[1])[None, :] - keep_indices
+
+    # -- recall --------------------------------------------------------------------
+    @property
+    def n_recalled(self) -> int:
+        n = self.recalled[:, : self.resident].sum(axis=1)
+        assert (n == n[0]).all(), "every KV head recalls the same number of tokens"
+        return int(n[0]) if len(n) else 0
+
+    def evicted_slots(self, plan: RepackPlan) -> np.ndarray:
+        """[kv_heads, n_evicted] ascending slots the plan drops (never recalled ones: those are on disk)."""
+        gone = np.ones((self.n_kv_heads, self.resident), dtype=bool)
+        np.put_along_axis(gone, plan.keep_indices, False, axis=1)
+        assert not (gone & self.recalled[:, : self.resident]).any(), "recalled slots are pinned"
+        n_gone = gone.sum(axis=1)
+        assert (n_gone == n_gone[0]).all()
+        return np.nonzero(gone)[1].reshape(self.n_kv_heads, -1)
+
+    def release_plan(self) -> Optional[RepackPlan]:
+        """The repack that drops the recalled slots (their pages stay in the store); None if none."""
+        if not self.n_recalled:
+            return None
+        kept = ~self.recalled[:, : self.resident]
+        keep_indices = np.nonzero(kept)[1].reshape(self.n_kv_heads, -1)
+        return RepackPlan(keep_indices=keep_indices, deltas=self._deltas(keep_indices))
+
+    def merge(self, recalled_positions: np.ndarray) -> "MergePlan":
+        """Insert recalled tokens (positions [kv_heads, r], ascending per head) among the resident ones
+        in token order. Returns the order and rotations for the backend; the bookkeeping is done."""
+        H, n = self.n_kv_heads, self.resident
+        r = recalled_positions.shape[1]
+        assert n + r <= self.capacity, (n, r, self.capacity)
+        resident_pos = self.positions[:, :n]
+        both = np.concatenate([resident_pos, recalled_positions], axis=1)
+        order = np.argsort(both, axis=1, kind="stable")                 # [H, n + r] sources of the new slots
+        merged = np.take_along_axis(both, order, axis=1)
+        assert (np.diff(merged, axis=1) > 0).all(), "a recalled token is already resident"
+        # rotation each source carries now: resident slot s at s (compact) or its position; recalled: none
+        carried = np.concatenate([np.broadcast_to(np.arange(n), (H, n)) if self.cfg.positions == "compact"
+                                  else resident_pos, np.zeros((H, r), np.int64)], axis=1)
+        target = np.broadcast_to(np.arange(n + r), (H, n + r)) if self.cfg.positions == "compact" else merged
+        rotate_by = target - np.take_along_axis(carried, order, axis=1)
+        flags = np.concatenate([self.recalled[:, :n], np.ones((H, r), bool)], axis=1)
+        self.positions[:, : n + r] = merged
+        self.recalled[:, : n + r] = np.take_along_axis(flags, order, axis=1)
+        self.recalled[:, n + r:] = False
+        self.resident = n + r
+        return MergePlan(order=order, rotate_by=rotate_by, n_before=n)
+
+    def apply(self, plan: RepackPlan, evicting: bool = True) -> None:
+        """Bookkeeping of a repack; `evicting=False` for a release of recalled slots (not evictions)."""
         k = plan.keep
         assert k <= self.resident
         kept = np.take_along_axis(self.positions[:, : self.resident], plan.keep_indices, axis=1)
         assert (np.diff(kept, axis=1) > 0).all(), "repack must preserve token order"
         self.positions[:, :k] = kept
-        self.evicted += self.resident - k
+        flags = np.take_along_axis(self.recalled[:, : self.resident], plan.keep_indices, axis=1)
+        self.recalled[:, :k] = flags
+        self.recalled[:, k:] = False
+        if evicting:
+            self.evicted += self.resident - k
+            self.evictions += 1
         self.resident = k
-        self.evictions += 1
 
     def view_positions(self) -> np.ndarray:
         return self.positions[:, : self.resident].copy()
@@ -111,17 +187,21 @@ class LayerHeap:
         sinks = min(self.cfg.sinks, self.resident)
         return LayerStats(layer=self.layer, capacity=self.capacity, budget=self.budget, resident=self.resident,
                           seen=self.seen, evicted=self.evicted, evictions=self.evictions, sinks=sinks,
-                          recent=min(self.cfg.recent, self.resident - sinks))
+                          recent=min(self.cfg.recent, self.resident - sinks), recalled=self.n_recalled)
 
     # -- state ---------------------------------------------------------------------
     def state(self) -> dict:
         return {
             "positions": self.positions[:, : self.resident].copy(),
             "counters": np.array([self.resident, self.seen, self.evicted, self.evictions], dtype=np.int64),
+            "recalled": self.recalled[:, : self.resident].copy(),
         }
 
     def load_state(self, state: dict) -> None:
         resident, seen, evicted, evictions = (int(x) for x in state["counters"])
         assert resident <= self.capacity
         self.positions[:, :resident] = state["positions"]
+        self.recalled[:] = False
+        if "recalled" in state:
+            self.recalled[:, :resident] = state["recalled"]
         self.resident, self.seen, self.evicted, self.evictions = resident, seen, evicted, evictions

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from typing import Optional
 
 
 def kv_bytes_per_token(n_layers: int, n_kv_heads: int, head_dim: int, dtype_bytes: int) -> int:
@@ -21,11 +22,12 @@ class LayerStats:
     evictions: int
     sinks: int
     recent: int
+    recalled: int = 0      # resident slots holding recalled pages
 
     @property
     def heavy_hitters(self) -> int:
         """Resident slots kept for their score (neither sink nor recent window)."""
-        return max(0, self.resident - self.sinks - self.recent)
+        return max(0, self.resident - self.sinks - self.recent - self.recalled)
 
     @property
     def free(self) -> int:
@@ -43,6 +45,8 @@ class HeapStats:
     kv_bytes: int          # allocated K/V bytes across all layers (does not grow)
     evictions: int
     layers: list[LayerStats] = field(default_factory=list)
+    recalled: int = 0                  # resident recalled slots (max over layers)
+    pages: Optional[dict] = None       # the page store's counters (recall on), else None
 
     def to_dict(self, per_layer: bool = True) -> dict:
         d = asdict(self)
@@ -61,7 +65,7 @@ class HeapStats:
         )
 
 
-def combine(layer_stats: list[LayerStats], kv_bytes: int) -> HeapStats:
+def combine(layer_stats: list[LayerStats], kv_bytes: int, pages: Optional[dict] = None) -> HeapStats:
     return HeapStats(
         tokens_seen=max((s.seen for s in layer_stats), default=0),
         resident=max((s.resident for s in layer_stats), default=0),
@@ -70,6 +74,8 @@ def combine(layer_stats: list[LayerStats], kv_bytes: int) -> HeapStats:
         kv_bytes=kv_bytes,
         evictions=max((s.evictions for s in layer_stats), default=0),
         layers=layer_stats,
+        recalled=max((s.recalled for s in layer_stats), default=0),
+        pages=pages,
     )
 
 

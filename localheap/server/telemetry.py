@@ -94,6 +94,22 @@ def heap_snapshot(svc: Services, owner: Optional[str] = None, with_history: bool
     return snap
 
 
+def page_rows(pages: list[dict]) -> list[tuple]:
+    """The recall tier's page stores, summed over sessions (recall on)."""
+    def total(key: str) -> int:
+        return sum(p[key] for p in pages)
+
+    return [
+        ("pages_stored", "gauge", "pages of evicted KV on disk (one page: page_size tokens of one layer)",
+         [("", total("pages"))]),
+        ("pages_dropped_total", "counter", "pages dropped to stay inside --disk-budget", [("", total("pages_dropped"))]),
+        ("pages_disk_bytes", "gauge", "bytes of the live pages on disk", [("", total("disk_bytes"))]),
+        ("pages_summary_bytes", "gauge", "RAM for the page summaries", [("", total("summary_bytes"))]),
+        ("recalls_total", "counter", "questions that recalled pages", [("", total("recalls"))]),
+        ("recalled_tokens_total", "counter", "tokens recalled into heaps (per layer)", [("", total("recalled_tokens"))]),
+    ]
+
+
 class MetricsCollector:
     """/metrics through prometheus_client: localheap_* read from the engine's counters and
     published snapshots at scrape time (never waiting on the engine)."""
@@ -137,6 +153,8 @@ class MetricsCollector:
             ("heap_tokens_seen", "tokens fed into all heaps", sum(h["tokens_seen"] for h in heaps)),
             ("heap_tokens_resident", "tokens resident in all heaps", sum(h["resident"] for h in heaps)),
             ("heap_tokens_evicted", "tokens evicted from all heaps", sum(h["evicted"] for h in heaps)),
+            ("heap_tokens_recalled", "recalled tokens resident in all heaps (per layer)",
+             sum(h.get("recalled", 0) for h in heaps)),
             ("kv_bytes", "KV bytes of resident heaps", mem["kv_bytes"]),
             ("weights_bytes", "model weight bytes", mem["weights_bytes"]),
             ("process_rss_bytes", "resident set size of the server process", mem["rss_bytes"]),
@@ -154,6 +172,9 @@ class MetricsCollector:
         ]
         for name, help_, value in gauges:
             yield GaugeMetricFamily(f"localheap_{name}", help_, value=value)
+        for name, kind, help_, samples in page_rows([h["pages"] for h in heaps if h.get("pages")]):
+            family = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
+            yield family(f"localheap_{name.removesuffix('_total')}", help_, value=samples[0][1])
         by_state = GaugeMetricFamily("localheap_sessions", "sessions by state", labels=["state"])
         for k, v in sorted(states.items()):
             by_state.add_metric([k], v)

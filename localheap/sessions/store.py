@@ -47,6 +47,7 @@ class SessionStore:
         self.max_sessions = max_sessions
         self._sessions: dict[str, Session] = {}
         self._lock = threading.Lock()   # guards the dict against readers on other threads
+        self._lost: dict[str, str] = {}  # ids whose saved files were unreadable -> why (410, not 404)
         self.spills = 0
         self.restores = 0
 
@@ -67,8 +68,15 @@ class SessionStore:
     def get(self, session_id: str) -> Session:
         s = self._sessions.get(session_id)
         if s is None:
-            raise SessionNotFound(session_id)
+            self._not_found(session_id)
         return s
+
+    def _not_found(self, session_id: str):
+        """SessionLost for a session whose files could not be read (tell the client to resend
+        the history), SessionNotFound for an id never seen."""
+        if session_id in self._lost:
+            raise SessionLost(session_id, self._lost[session_id])
+        raise SessionNotFound(session_id)
 
     def set_title(self, session_id: str, title: Optional[str], replace: bool = True) -> None:
         """Name a session; replace=False names it only if it has no title yet."""
@@ -97,6 +105,11 @@ class SessionStore:
         s.cache = None
         self._try_commit()
         self._remove_files(s)
+        shutil.rmtree(self.pages_dir(s), ignore_errors=True)
+
+    def pages_dir(self, s: Session) -> Path:
+        """The session's page store (recall on): kept across spills and restarts, removed with it."""
+        return self.spill_dir / f"{s.id}.pages"
 
     # --- heap residency (engine thread) ---
 
@@ -115,7 +128,9 @@ class SessionStore:
             self.restore(s.id)
         else:
             assert not s.fed, "a session with history and no cache must have been spilled"
-            s.cache = self.backend.new_cache(s.cfg)
+            # recall: the session's pages live beside its other files from the start
+            extra = {"pages_dir": self.pages_dir(s)} if s.cfg.recall else {}
+            s.cache = self.backend.new_cache(s.cfg, **extra)
             s.refresh(self.backend.stats(s.cache))
 
     def spill(self, session_id: str) -> Path:
@@ -225,7 +240,7 @@ class SessionStore:
         """Register the sessions found in the directory (heaps load lazily, on demand). Never
         raises on the directory's content: what cannot be read is moved aside and logged."""
         self.model_id = model_id or self.model_id
-        found = recover_sessions(self.dir, self.model_id, self.cfg, skip=set(self._sessions))
+        found = recover_sessions(self.dir, self.model_id, self.cfg, skip=set(self._sessions), lost=self._lost)
         with self._lock:
             for s in found:
                 self._sessions[s.id] = s
@@ -236,7 +251,7 @@ class SessionStore:
         return [{"id": s.id, "gen": s.saved_gen, "tokens": s.saved_tokens,
                  "crc": zlib.crc32(s.fed[:s.saved_tokens].tobytes()),
                  "created": s.created, "last_used": s.last_used, "turns": s.turns,
-                 "origin": s.origin, "title": s.title, "owner": s.owner}
+                 "origin": s.origin, "title": s.title, "owner": s.owner}   # owner: the API key's digest
                 for s in self.sessions() if s.saved_gen is not None or not s.fed]
 
     def _commit(self, force: bool = False) -> None:
@@ -255,8 +270,9 @@ class SessionStore:
         self.dir.move_aside(sorted(self.spill_dir.glob(f"{s.id}.*")), f"session {s.id}: {reason}")
         with self._lock:
             self._sessions.pop(s.id, None)
+        self._lost[s.id] = reason.split(":")[0]
         self._try_commit()
-        raise SessionLost(s.id, reason.split(":")[0])
+        raise SessionLost(s.id, self._lost[s.id])
 
     # --- snapshots (any thread) ---
 
@@ -269,7 +285,9 @@ class SessionStore:
         """The session's snapshot; SessionNotFound also when `owner` is given and another API
         key owns it (a key must not learn that another key's session exists)."""
         s = self._sessions.get(session_id)
-        if s is None or (owner is not ANY_OWNER and s.owner != owner):
+        if s is None:
+            self._not_found(session_id)
+        if owner is not ANY_OWNER and s.owner != owner:
             raise SessionNotFound(session_id)
         return s.snapshot
 

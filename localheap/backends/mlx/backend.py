@@ -9,7 +9,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from ...generation import ProgressFn, SamplingParams
-from ...heap import HeapConfig, HeapStats, kv_bytes_per_token
+from ...heap import HeapConfig, HeapConfigError, HeapStats, kv_bytes_per_token
 from .generate import generate_tokens, prefill
 from .heapcache import HeapPromptCache, attention_module, kv_geometry, make_heap_cache
 from .persist import load_heap, save_heap
@@ -43,7 +43,9 @@ class MLXBackend:
         """The CLI's --prefill-chunk when not given (a HeapConfig without one prefills by the slack)."""
         return default_prefill_chunk()
 
-    def new_cache(self, cfg: HeapConfig) -> HeapPromptCache:
+    def new_cache(self, cfg: HeapConfig, pages_dir: Optional[Path] = None) -> HeapPromptCache:
+        if cfg.recall:
+            raise HeapConfigError("recall (the page store) runs on the torch backend only so far; use --recall off")
         return make_heap_cache(self.model, cfg)
 
     def prefill(self, cache, tokens: Sequence[int], progress: Optional[ProgressFn] = None,

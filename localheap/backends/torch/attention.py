@@ -27,10 +27,13 @@ def heap_sdpa(module, query, key, value, attention_mask, heap=None, **kwargs):
     if not isinstance(layer, HeapLayer):
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     scale = kwargs.get("scaling") or query.shape[-1] ** -0.5
-    if heap.fused_decode and query.shape[2] == 1 and layer.heap.cfg.needs_attention:
+    if heap.fused_decode and query.shape[2] == 1 and layer.heap.cfg.needs_attention and heap.capture is None:
         return _fused_decode(layer, query, key, value, scale), None
     attention_mask = _layer_mask(attention_mask, query.shape[2], key.shape[2], query.device)
     out, weights = sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    if heap.capture is not None:   # a recall probe: keep this layer's queries, observe nothing
+        heap.capture[layer.heap.layer] = layer.pre_rope_queries(query)
+        return out, weights
     layer.observe(query, key, scale)
     return out, weights
 

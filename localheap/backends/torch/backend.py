@@ -69,14 +69,15 @@ class TorchBackend:
         """The CLI's --prefill-chunk when not given (a HeapConfig without one prefills by the slack)."""
         return default_prefill_chunk(self.device)
 
-    def new_cache(self, cfg: HeapConfig) -> HeapCache:
-        cache = make_heap_cache(self.model, cfg)
+    def new_cache(self, cfg: HeapConfig, pages_dir: Optional[Path] = None) -> HeapCache:
+        """A fresh heap; with recall on its page store lives in `pages_dir` (default: a temp dir)."""
+        cache = make_heap_cache(self.model, cfg, pages_dir)
         cache.fused_decode = self.fused_decode
         return cache
 
     def prefill(self, cache: HeapCache, tokens: Sequence[int], progress: Optional[ProgressFn] = None,
                 cancelled: Optional[Callable[[], bool]] = None) -> None:
-        prefill(self.model, cache, tokens, progress, cancelled)
+        prefill(self.model, cache, tokens, progress, cancelled)   # a document: no question to recall for
 
     def generate(self, cache: HeapCache, new_tokens: Sequence[int], params: SamplingParams,
                  progress: Optional[ProgressFn] = None,

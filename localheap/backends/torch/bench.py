@@ -55,12 +55,12 @@ def _stock_kv_bytes(cache: DynamicCache) -> int:
 
 
 def _session(backend, path: str, prompt: list[int], max_tokens: int, cfg: HeapConfig):
-    """(token iterator, KV bytes function) for `stock-full` (DynamicCache), `heap`, or
-    `heap-fused` (decode outputs from the fused kernel)."""
+    """(token iterator, KV bytes function) for `stock-full` (DynamicCache), `heap`,
+    `heap-fused` (decode outputs from the fused kernel) or `heap-paging` (the recall tier on)."""
     if path == "stock-full":
         cache = DynamicCache(config=backend.model.config)
         return stock_tokens(backend.model, cache, prompt, max_tokens), lambda: _stock_kv_bytes(cache)
-    heap = backend.new_cache(cfg)
+    heap = backend.new_cache(cfg.with_(recall=True) if path == "heap-paging" else cfg)   # paging: recall tier on
     heap.fused_decode = path == "heap-fused"
     tokens = generate_tokens(backend.model, heap, prompt, SamplingParams(max_tokens=max_tokens))
     return tokens, lambda: heap.kv_nbytes

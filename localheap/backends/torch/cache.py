@@ -9,12 +9,15 @@ before anything is rotated; layers whose position differs from the model-wide on
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Optional
+
 import torch
 from transformers.cache_utils import Cache, DynamicSlidingWindowLayer, get_layer_types_and_kwargs
 
 from ...heap import HeapConfig, HeapConfigError, LayerHeap, RepackPlan, combine
 from ...heap.stats import HeapStats
-from . import attention
+from . import attention, recall
 from .layer import HeapLayer
 from .rope import RopeSpec
 from .select import EvictionPlan, plan_eviction
@@ -47,6 +50,10 @@ class HeapCache(Cache):
         self.heap_layers = [layer for layer in layers if isinstance(layer, HeapLayer)]
         self.device = self.heap_layers[0].device
         self.fused_decode = False   # decode outputs from kernels/decode_attention instead of stock sdpa
+        self.pages = None           # PageStore when recall is on (recall.attach_pages)
+        self.writer = None          # its background PageWriter
+        self.capture: Optional[dict] = None   # a recall probe's queries per heap layer, while it runs
+        self.recall_log: list[dict] = []      # one entry per recall: tokens, pages, ms
 
     def make_room(self, n_new: int) -> int:
         """Evict where n_new more tokens would not fit; returns how many layers repacked.
@@ -62,12 +69,19 @@ class HeapCache(Cache):
 
     def repack(self, plan: EvictionPlan) -> None:
         """The one place an eviction event is applied: every layer's gather and re-rotation on the
-        device (no sync), then the host's position tables from one transfer of the keep indices."""
+        device (no sync), then the host's position tables from one transfer of the keep indices
+        (with recall on, the same transfer carries the evicted K/V to the page store)."""
+        outgoing = recall.gather_evicted(self, plan) if self.pages is not None else None
         for group in plan.groups:
             for b, layer in enumerate(group.layers):
                 layer.gather_kept(group.keep_indices[b], None if group.deltas is None else group.deltas[b])
-        for layer, idx in zip(plan.layers, plan.host_indices()):
+        indices = plan.host_indices() if outgoing is None else recall.page_out(self, plan, outgoing)
+        for layer, idx in zip(plan.layers, indices):
             layer.heap.apply(RepackPlan(keep_indices=idx, deltas=None))
+
+    def evict(self, layers: list) -> None:
+        """An eviction event over `layers` now, whatever their fill (recall makes room this way)."""
+        self.repack(plan_eviction(layers))
 
     def position_ids(self, n_new: int) -> torch.Tensor:
         """[1, n_new] positions for the next forward; sets each layer's offset from them."""
@@ -91,7 +105,16 @@ class HeapCache(Cache):
         return sum(layer.kv_nbytes if isinstance(layer, HeapLayer) else layer.nbytes for layer in self.layers)
 
     def stats(self) -> HeapStats:
-        return combine([layer.heap.stats() for layer in self.heap_layers], self.kv_nbytes)
+        return combine([layer.heap.stats() for layer in self.heap_layers], self.kv_nbytes, self.page_stats())
+
+    def page_stats(self) -> Optional[dict]:
+        """The page store's counters and the recalls so far (None with recall off). Writes still
+        queued in the background are not counted yet: stats never wait for the disk."""
+        if self.pages is None:
+            return None
+        last = self.recall_log[-1] if self.recall_log else None
+        return {**self.pages.stats(), "recalls": len(self.recall_log), "last_recall": last,
+                "recalled_tokens": sum(e["tokens"] for e in self.recall_log)}
 
 
 def decoder_layers(model) -> list:
@@ -105,9 +128,10 @@ def kv_geometry(model) -> tuple[int, int]:
     return attn.k_proj.out_features // head_dim, head_dim
 
 
-def make_heap_cache(model, cfg: HeapConfig) -> HeapCache:
+def make_heap_cache(model, cfg: HeapConfig, pages_dir: Optional[Path] = None) -> HeapCache:
     """Build the heap for `model`: heap layers where transformers would use a full-attention
-    layer; sliding-window layers keep transformers' own bounded cache layer."""
+    layer; sliding-window layers keep transformers' own bounded cache layer. With recall on,
+    its page store lives in `pages_dir` (default: a temp dir that goes with the cache)."""
     attention.install(model)
     layer_types, layer_kwargs = get_layer_types_and_kwargs(model.config.get_text_config())
     heap_ids = [i for i, t in enumerate(layer_types) if t == "full_attention"]
@@ -117,7 +141,7 @@ def make_heap_cache(model, cfg: HeapConfig) -> HeapCache:
     n_kv, head_dim = kv_geometry(model)
     weight = decoder_layers(model)[0].self_attn.k_proj.weight
     # compact positions shift keys (repacks, per-layer offsets); geometry un-rotates queries
-    wants_rope = cfg.positions == "compact" or cfg.needs_query_stats
+    wants_rope = cfg.positions == "compact" or cfg.needs_query_stats or cfg.recall   # recall: pre-RoPE pages
     ropes = {kind: RopeSpec.from_model(model, kind, head_dim) for kind in set(layer_types)} if wants_rope else {}
     layers = []
     for kind, kwargs in zip(layer_types, layer_kwargs):
@@ -128,5 +152,8 @@ def make_heap_cache(model, cfg: HeapConfig) -> HeapCache:
             layers.append(SlidingLayer(kwargs["sliding_window"], ropes.get(kind)))
         else:
             raise HeapConfigError(f"layer type {kind!r} ({type(model).__name__}) is not supported by the heap")
-    return HeapCache(layers, cfg)
+    cache = HeapCache(layers, cfg)
+    if cfg.recall:
+        recall.attach_pages(cache, n_kv, head_dim, pages_dir)
+    return cache
 

@@ -15,6 +15,7 @@ import torch
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from ...generation import ProgressFn, SamplingParams
+from . import recall
 from .cache import HeapCache
 
 
@@ -43,6 +44,23 @@ def prefill(model, cache: HeapCache, tokens: Sequence[int], progress: Optional[P
         if progress is not None:
             progress(done, total)
     return logits
+
+
+def prefill_turn(model, cache: HeapCache, tokens: Sequence[int], progress: Optional[ProgressFn] = None,
+                 cancelled=None) -> Optional[torch.Tensor]:
+    """A turn's prompt. With recall on and something evicted, the last `obs_window` tokens (the
+    question) are held back: the rest is fed, the question recalls pages, then is fed itself.
+    Otherwise exactly `prefill` (so a heap that never evicts stays the stock cache)."""
+    if not recall.needs_recall(cache, len(tokens)):
+        return prefill(model, cache, tokens, progress, cancelled)
+    w = min(len(tokens), max(1, cache.cfg.obs_window), cache.cfg.slack)
+    body, question = list(tokens[: len(tokens) - w]), list(tokens[len(tokens) - w:])
+    total = len(tokens)
+    if body:
+        prefill(model, cache, body, (lambda d, _: progress(d, total)) if progress else None, cancelled)
+    recall.recall(model, cache, torch.as_tensor(question, dtype=torch.long, device=cache.device))
+    return prefill(model, cache, question, (lambda d, _: progress(len(body) + d, total)) if progress else None,
+                   cancelled)
 
 
 class Sampler:
@@ -108,7 +126,7 @@ def generate_steps(model, cache: HeapCache, prompt: Sequence[int], params: Sampl
         raise ValueError("generation needs at least one new prompt token")
     pipeline = cache.device.type == "cuda" if pipeline is None else pipeline
     sampler = Sampler(params, cache.device)
-    logits = prefill(model, cache, prompt, progress, cancelled)
+    logits = prefill_turn(model, cache, prompt, progress, cancelled)
     token = sampler.sample(logits)
     for n in range(params.max_tokens):
         more = n + 1 < params.max_tokens

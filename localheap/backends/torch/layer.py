@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
-from ...heap import LayerHeap, RepackPlan
+from ...heap import LayerHeap, MergePlan, RepackPlan
 from ..slots import PendingView
 from .rope import RopeSpec
 
@@ -140,14 +140,20 @@ class HeapLayer(PendingView, CacheLayerMixin):
             else:
                 self.window[:, :T] += mass
 
-    def _observe_queries(self, queries: torch.Tensor) -> None:
+    def pre_rope_queries(self, queries: torch.Tensor) -> torch.Tensor:
+        """queries: [1, H_q, L, D] of the step just appended -> [H_kv, G*L, D] float32, pre-RoPE,
+        the G query heads of each KV head's group stacked (transformers' repeat_kv layout)."""
         _, Hq, L, D = queries.shape
-        H = self.heap.n_kv_heads
         q = queries[0].float()                                       # [H_q, L, D]
         if self.rope is not None:
             start = self.heap.rope_offset() - L   # the queries were rotated before this step's append
             q = self.rope.rotate(q, -torch.arange(start, start + L, device=q.device))   # back to pre-RoPE
-        qs = q.reshape(H, (Hq // H) * L, D).sum(dim=1)
+        return q.reshape(self.heap.n_kv_heads, (Hq // self.heap.n_kv_heads) * L, D)
+
+    def _observe_queries(self, queries: torch.Tensor) -> None:
+        Hq, L = queries.shape[1], queries.shape[2]
+        H = self.heap.n_kv_heads
+        qs = self.pre_rope_queries(queries).sum(dim=1)
         self.qsum = qs if self.qsum is None else self.qsum + qs
         self.qcount += (Hq // H) * L
 
@@ -165,11 +171,11 @@ class HeapLayer(PendingView, CacheLayerMixin):
         return (k_pre * q_mean[:, None, :]).sum(dim=-1)
 
     # -- eviction -------------------------------------------------------------------
-    def repack(self, plan: RepackPlan) -> None:
+    def repack(self, plan: RepackPlan, evicting: bool = True) -> None:
         """Apply a host plan (numpy indices and deltas): gather on the device, then the bookkeeping."""
         deltas = None if plan.deltas is None else torch.as_tensor(plan.deltas, device=self.device)
         self.gather_kept(torch.as_tensor(plan.keep_indices, device=self.device), deltas)
-        self.heap.apply(plan)
+        self.heap.apply(plan, evicting)
 
     def gather_kept(self, idx: torch.Tensor, deltas: Optional[torch.Tensor]) -> None:
         """Device half of a repack: move the kept slots to the front, re-rotating keys in compact mode.
@@ -192,3 +198,34 @@ class HeapLayer(PendingView, CacheLayerMixin):
                 arr[:, k:] = 0
         if self.window is not None:
             self.window.zero_()   # the next observation window starts now
+
+    # -- recall ---------------------------------------------------------------------
+    def merge(self, plan: MergePlan, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Insert recalled tokens among the resident ones (plan from LayerHeap.merge, already booked).
+        keys (pre-RoPE), values: [H_kv, r, D] float32 on this layer's device."""
+        n, D = plan.n_before, self.keys.shape[-1]
+        total = plan.order.shape[1]
+        idx = torch.as_tensor(plan.order, device=self.device)                   # [H_kv, n + r]
+        gather_idx = idx[..., None].expand(-1, -1, D)
+        k = torch.gather(torch.cat([self.keys[0, :, :n].float(), keys], dim=1), 1, gather_idx)
+        v = torch.gather(torch.cat([self.values[0, :, :n].float(), values], dim=1), 1, gather_idx)
+        self.keys[0, :, :total] = self.rope.rotate(k, plan.rotate_by).to(self.dtype)
+        self.values[0, :, :total] = v.to(self.dtype)
+        for name in _SCORE_ARRAYS:
+            arr = getattr(self, name)
+            if arr is not None:   # recalled slots start unscored (they are pinned until released)
+                padded = torch.cat([arr[:, :n], torch.zeros_like(arr[:, : total - n])], dim=1)
+                arr[:, :total] = torch.gather(padded, 1, idx)
+
+    def snapshot(self) -> dict:
+        """What a probe forward changes, for `rollback` (slots past `resident` are free anyway)."""
+        return {"counters": (self.heap.resident, self.heap.seen), "qcount": self.qcount,
+                "qsum": None if self.qsum is None else self.qsum.clone(),
+                **{n: getattr(self, n).clone() for n in _SCORE_ARRAYS if getattr(self, n) is not None}}
+
+    def rollback(self, snap: dict) -> None:
+        self.heap.resident, self.heap.seen = snap["counters"]
+        self.qsum, self.qcount = snap["qsum"], snap["qcount"]
+        for name in _SCORE_ARRAYS:
+            if name in snap:
+                getattr(self, name).copy_(snap[name])

@@ -16,10 +16,27 @@ from .layer import HeapLayer
 _OPTIONAL = ("scores", "window", "counts")
 
 
+def pages_dir(path: Path) -> Path:
+    """Where a heap saved to `path` keeps a page store that lived in a temp dir: beside it."""
+    return Path(path).with_suffix(".pages")
+
+
 def save_heap(cache: HeapCache, path: Path) -> None:
-    """Write atomically: a crash mid-save never leaves a half file under `path`."""
+    """Write atomically: a crash mid-save never leaves a half file under `path`. With recall on,
+    the page store is checkpointed first (a store in a temp dir is moved beside the file) and the
+    file records where it is, relative to its own directory (sessions keep one store per session
+    across the generations of their heap file)."""
+    path = Path(path)
+    if cache.pages is not None:
+        cache.writer.drain()
+        if cache.pages_owned:
+            cache.pages.move_to(pages_dir(path))
+            cache.pages_owned = False
+        cache.pages.checkpoint()
     tensors: dict[str, torch.Tensor] = {}
-    meta: dict = {"config": cache.cfg.to_dict(), "layers": []}
+    meta: dict = {"config": cache.cfg.to_dict(), "layers": [], "recall_log": cache.recall_log[-256:]}
+    if cache.pages is not None:
+        meta["pages_dir"] = os.path.relpath(cache.pages.root, path.parent)
     for i, layer in enumerate(cache.layers):
         if isinstance(layer, HeapLayer):
             n = layer.heap.resident
@@ -34,6 +51,7 @@ def save_heap(cache: HeapCache, path: Path) -> None:
             st = layer.heap.state()
             tensors[f"{i}.positions"] = torch.from_numpy(st["positions"])
             tensors[f"{i}.counters"] = torch.from_numpy(st["counters"])
+            tensors[f"{i}.recalled"] = torch.from_numpy(st["recalled"])
         else:
             meta["layers"].append({"kind": "sliding", "cumulative_length": layer.cumulative_length})
             if layer.is_initialized:
@@ -52,13 +70,17 @@ def load_heap(model, path: Path) -> HeapCache:
     with safe_open(str(path), framework="pt") as f:
         meta = json.loads(f.metadata()["localheap"])
     tensors = load_file(str(path))
-    cache = make_heap_cache(model, HeapConfig(**meta["config"]))
+    cfg = HeapConfig(**meta["config"])
+    root = Path(path).parent / meta["pages_dir"] if "pages_dir" in meta else pages_dir(path)
+    cache = make_heap_cache(model, cfg, root if cfg.recall else None)
+    cache.recall_log = list(meta.get("recall_log", []))
     device = cache.device
     for i, (layer, entry) in enumerate(zip(cache.layers, meta["layers"])):
         assert (entry["kind"] == "heap") == isinstance(layer, HeapLayer), f"layer {i} changed kind"
         if entry["kind"] == "heap":
             layer.heap.load_state({"positions": tensors[f"{i}.positions"].numpy(),
-                                   "counters": tensors[f"{i}.counters"].numpy()})
+                                   "counters": tensors[f"{i}.counters"].numpy(),
+                                   **({"recalled": tensors[f"{i}.recalled"].numpy()} if f"{i}.recalled" in tensors else {})})
             n = layer.heap.resident
             layer.keys[:, :, :n] = tensors[f"{i}.keys"].to(device)
             layer.values[:, :, :n] = tensors[f"{i}.values"].to(device)

@@ -76,6 +76,7 @@ class EvictionGroup:
     layers: list                         # HeapLayer
     keep_indices: torch.Tensor           # [B, H_kv, keep] int64, ascending, on the device
     deltas: Optional[torch.Tensor]       # [B, H_kv, keep] RoPE position change (compact), else None
+    scores: Optional[torch.Tensor] = None   # [B, H_kv, resident] what the selection ranked (page values)
 
     @property
     def evicted(self) -> torch.Tensor:
@@ -111,12 +112,27 @@ def plan_eviction(layers: list) -> EvictionPlan:
     """Score and select for all `layers` at once: one stacked sort per (resident, keep) group."""
     by_shape: dict[tuple[int, int], list] = {}
     for layer in layers:
-        by_shape.setdefault((layer.heap.resident, layer.heap.keep), []).append(layer)
+        by_shape.setdefault((layer.heap.resident, policy_keep(layer.heap)), []).append(layer)
     groups = []
     for (_, keep), members in by_shape.items():
         cfg = members[0].heap.cfg
-        scores = torch.stack([layer_scores(layer) for layer in members])          # [B, H_kv, n]
+        scores = torch.stack([pinned_scores(layer) for layer in members])         # [B, H_kv, n]
         idx = select_keep(scores, keep, cfg.sinks, cfg.recent)
         deltas = torch.arange(idx.shape[-1], device=idx.device) - idx if cfg.positions == "compact" else None
-        groups.append(EvictionGroup(members, idx, deltas))
+        groups.append(EvictionGroup(members, idx, deltas, scores))
     return EvictionPlan(groups)
+
+
+def policy_keep(heap: LayerHeap) -> int:
+    """Slots an event keeps: LayerHeap.plan's rule (the recall region holds only recalled pages)."""
+    return heap.keep - heap.recall_slots + heap.n_recalled
+
+
+def pinned_scores(layer) -> torch.Tensor:
+    """layer_scores, with recalled slots ranked first: they stay until the next recall (LayerHeap.plan)."""
+    scores = layer_scores(layer)
+    heap = layer.heap
+    if heap.n_recalled:
+        pinned = torch.as_tensor(heap.recalled[:, : heap.resident], device=layer.device)
+        scores = scores.masked_fill(pinned, float("inf"))
+    return scores

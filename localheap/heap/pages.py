@@ -1,0 +1,321 @@
+"""The page store: evicted K/V on disk, a small summary per page and KV head in RAM.
+
+Numpy only; it knows nothing about models or devices. Keys arrive pre-RoPE (the backend
+un-rotates them), so a page can be recalled at any position. One file per layer of
+fixed-size records (one record = one page of `page_size` tokens of every KV head of
+that layer); a record carries a CRC of its header and summaries and one of its payload,
+so a torn write is ignored on load. `checkpoint()` fsyncs the files and writes, atomically,
+the partial pages still in RAM and the sequence number every valid record is below:
+a store reopened after a crash is the store of its last checkpoint (the heap's save).
+Past `disk_budget` bytes the lowest-value pages are dropped (tombstoned, their record
+slots reused), and counted.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import weakref
+import zlib
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+
+from .pagecodec import FORMATS, decode, encode, payload_fields, payload_names
+
+MAGIC = 0x4C48_5047   # "LHPG"
+META = "meta.json"
+TAIL = "tail.npz"
+
+
+@dataclass(frozen=True)
+class PageGeometry:
+    n_layers: int
+    n_kv_heads: int
+    head_dim: int
+    page_size: int = 32
+    fmt: str = "f16"
+
+    def __post_init__(self) -> None:
+        assert self.fmt in FORMATS, self.fmt
+        assert self.page_size >= 1
+
+
+def record_dtype(g: PageGeometry) -> np.dtype:
+    """One page of one layer: header, positions and summaries (CRC'd together), then the payload."""
+    H, P, D = g.n_kv_heads, g.page_size, g.head_dim
+    return np.dtype([
+        ("magic", "<u4"), ("crc_meta", "<u4"), ("crc_data", "<u4"), ("pad", "<u4"),
+        ("seq", "<u8"), ("value", "<f4"), ("n", "<u4"),
+        ("positions", "<i8", (H, P)),        # original token positions, per KV head
+        ("kmin", "<f2", (H, D)), ("kmax", "<f2", (H, D)), ("kmean", "<f2", (H, D)),   # pre-RoPE keys
+        *payload_fields(g.fmt, H, P, D),
+    ])
+
+
+_META_FIELDS = ("seq", "value", "n", "positions", "kmin", "kmax", "kmean")
+
+
+def _crc(rec: np.ndarray, fields) -> int:
+    crc = 0
+    for f in fields:
+        crc = zlib.crc32(np.ascontiguousarray(rec[f]).tobytes(), crc)
+    return crc
+
+
+SUMMARY_FIELDS = {"minmax": ("kmin", "kmax"), "mean": ("kmean",)}
+
+
+class _Layer:
+    """RAM side of one layer's file: summaries of the live records, the partial page, free slots."""
+
+    def __init__(self, g: PageGeometry, fields: tuple[str, ...]):
+        H, D, P = g.n_kv_heads, g.head_dim, g.page_size
+        self.sums = {f: np.zeros((0, H, D), np.float16) for f in fields}   # [slots, H, D] each
+        self.live = np.zeros(0, bool)                  # [slots]
+        self.value = np.zeros(0, np.float32)
+        self.free: list[int] = []
+        # the partial page: tokens evicted but not yet a full page
+        self.tail_pos = np.zeros((H, 0), np.int64)
+        self.tail_k = np.zeros((H, 0, D), np.float32)
+        self.tail_v = np.zeros((H, 0, D), np.float32)
+        self.tail_value = np.zeros((H, 0), np.float32)
+        self.P = P
+
+    def grow(self, slots: int) -> None:
+        n = len(self.live)
+        if slots <= n:
+            return
+        extra = max(slots - n, n)   # amortised doubling
+        pad = lambda a: np.concatenate([a, np.zeros((extra, *a.shape[1:]), a.dtype)])   # noqa: E731
+        self.sums = {f: pad(a) for f, a in self.sums.items()}
+        self.live, self.value = pad(self.live), pad(self.value)
+        self.free.extend(range(n + extra - 1, n - 1, -1))   # lowest slot popped first
+        self.free.sort(reverse=True)
+
+
+class PageStore:
+    """Pages of evicted tokens for one session (all layers), in `root`."""
+
+    def __init__(self, root: Path, geometry: PageGeometry, disk_budget: int = 0, summary: str = "minmax"):
+        """`summary`: which key summaries stay in RAM for scoring (minmax: 2 x D per page and KV
+        head, mean: D); every record on disk carries all three."""
+        self.root = Path(root)
+        self.g = geometry
+        self.disk_budget = disk_budget          # bytes; 0 = unbounded
+        self.dtype = record_dtype(geometry)
+        self.record_bytes = self.dtype.itemsize
+        self.summary = summary
+        self.layers = [_Layer(geometry, SUMMARY_FIELDS[summary]) for _ in range(geometry.n_layers)]
+        self.seq = 0                # next record's sequence number
+        self.dropped = 0            # pages dropped for the disk budget, ever
+        self.written = 0            # pages written, ever
+        self.root.mkdir(parents=True, exist_ok=True)
+        self._fds = [os.open(self._file(i), os.O_RDWR | os.O_CREAT, 0o600) for i in range(geometry.n_layers)]
+        weakref.finalize(self, _close_all, self._fds)
+        self._load()
+
+    def _file(self, layer: int) -> Path:
+        return self.root / f"layer{layer:03d}.pages"
+
+    # -- writing --------------------------------------------------------------------
+    def append(self, layer: int, positions: np.ndarray, keys: np.ndarray, values: np.ndarray,
+               value: Optional[np.ndarray] = None) -> int:
+        """Evicted tokens of one layer: positions [H, n]; keys (pre-RoPE), values [H, n, D];
+        value [H, n] (the policy's score at eviction, for the disk budget). Full pages are
+        written; the rest waits in RAM. Returns how many pages were written."""
+        L = self.layers[layer]
+        value = np.zeros(positions.shape, np.float32) if value is None else value.astype(np.float32)
+        L.tail_pos = np.concatenate([L.tail_pos, positions.astype(np.int64)], axis=1)
+        L.tail_k = np.concatenate([L.tail_k, keys.astype(np.float32)], axis=1)
+        L.tail_v = np.concatenate([L.tail_v, values.astype(np.float32)], axis=1)
+        L.tail_value = np.concatenate([L.tail_value, value], axis=1)
+        P, written = self.g.page_size, 0
+        while L.tail_pos.shape[1] >= P:
+            self._write(layer, L.tail_pos[:, :P], L.tail_k[:, :P], L.tail_v[:, :P], float(L.tail_value[:, :P].max()))
+            L.tail_pos, L.tail_k, L.tail_v, L.tail_value = (a[:, P:] for a in (L.tail_pos, L.tail_k, L.tail_v, L.tail_value))
+            written += 1
+        if written:
+            self.enforce_budget()
+        return written
+
+    def _write(self, layer: int, pos: np.ndarray, k: np.ndarray, v: np.ndarray, value: float) -> None:
+        L = self.layers[layer]
+        if not L.free:
+            L.grow(len(L.live) + 1)
+        slot = L.free.pop()
+        rec = np.zeros((), self.dtype)
+        rec["magic"], rec["seq"], rec["value"], rec["n"] = MAGIC, self.seq, value, pos.shape[1]
+        rec["positions"] = pos
+        kmin, kmax, kmean = k.min(axis=1), k.max(axis=1), k.mean(axis=1)   # [H, D] each
+        rec["kmin"], rec["kmax"], rec["kmean"] = kmin, kmax, kmean
+        encode(rec, self.g.fmt, k, v)
+        rec["crc_meta"] = _crc(rec, _META_FIELDS)
+        rec["crc_data"] = _crc(rec, payload_names(self.g.fmt))
+        os.pwrite(self._fds[layer], rec.tobytes(), slot * self.record_bytes)
+        # RAM summaries read back from the record, so a reopened store scores identically
+        for f, a in L.sums.items():
+            a[slot] = rec[f]
+        L.live[slot], L.value[slot] = True, value
+        self.seq += 1
+        self.written += 1
+
+    def enforce_budget(self) -> int:
+        """Drop the lowest-value live pages (any layer) until the store fits the disk budget."""
+        if not self.disk_budget:
+            return 0
+        excess = self.pages - self.disk_budget // self.record_bytes
+        if excess <= 0:
+            return 0
+        cands = [(layer, slot) for layer, L in enumerate(self.layers) for slot in np.flatnonzero(L.live)]
+        values = np.array([self.layers[layer].value[slot] for layer, slot in cands])
+        for i in np.argsort(values, kind="stable")[:excess]:
+            self._drop(*cands[i])
+        return int(excess)
+
+    def _drop(self, layer: int, slot: int) -> None:
+        L = self.layers[layer]
+        os.pwrite(self._fds[layer], np.zeros(4, np.uint8).tobytes(), int(slot) * self.record_bytes)   # magic = 0
+        L.live[slot] = False
+        L.free.append(int(slot))
+        L.free.sort(reverse=True)
+        self.dropped += 1
+
+    def checkpoint(self) -> None:
+        """Make the store as it is now the one a reopen finds: fsync, then tails + seq atomically."""
+        for fd in self._fds:
+            os.fsync(fd)
+        tails = {}
+        for i, L in enumerate(self.layers):
+            tails.update({f"{i}.pos": L.tail_pos, f"{i}.k": L.tail_k, f"{i}.v": L.tail_v, f"{i}.value": L.tail_value})
+        _atomic(self.root / TAIL, lambda f: np.savez(f, **tails))
+        meta = {"geometry": asdict(self.g), "seq": self.seq, "dropped": self.dropped, "written": self.written}
+        _atomic(self.root / META, lambda f: f.write(json.dumps(meta).encode()))
+
+    # -- reading --------------------------------------------------------------------
+    def summaries(self, layer: int) -> tuple[np.ndarray, ...]:
+        """(slots [N], then kmin, kmax [N, H, D] (minmax) or kmean [N, H, D] (mean)) of the live
+        pages, float32."""
+        L = self.layers[layer]
+        slots = np.flatnonzero(L.live)
+        return (slots, *(L.sums[f][slots].astype(np.float32) for f in SUMMARY_FIELDS[self.summary]))
+
+    def read(self, layer: int, slots: np.ndarray) -> np.ndarray:
+        """Records of the given slots (a torn or overwritten record comes back with magic 0)."""
+        out = np.zeros(len(slots), self.dtype)
+        for i, slot in enumerate(slots):
+            buf = os.pread(self._fds[layer], self.record_bytes, int(slot) * self.record_bytes)
+            rec = np.frombuffer(buf, self.dtype)[0] if len(buf) == self.record_bytes else None
+            if rec is not None and rec["magic"] == MAGIC and _crc(rec, payload_names(self.g.fmt)) == rec["crc_data"]:
+                out[i] = rec
+        return out
+
+    def load(self, layer: int, page_slots: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """page_slots [H, k] (per KV head) -> positions [H, k*P], keys, values [H, k*P, D] float32,
+        each head's tokens in position order. Head h gets head h's part of its pages."""
+        H, k = page_slots.shape
+        uniq, inv = np.unique(page_slots, return_inverse=True)
+        recs = self.read(layer, uniq)
+        keys, values = decode(recs, self.g.fmt)                 # [u, H, P, D]
+        inv = inv.reshape(H, k)
+        heads = np.arange(H)[:, None]
+        pos = recs["positions"][inv, heads]                     # [H, k, P]
+        ks, vs = keys[inv, heads], values[inv, heads]           # [H, k, P, D]
+        P, D = self.g.page_size, self.g.head_dim
+        pos, ks, vs = pos.reshape(H, k * P), ks.reshape(H, k * P, D), vs.reshape(H, k * P, D)
+        order = np.argsort(pos, axis=1, kind="stable")
+        return (np.take_along_axis(pos, order, 1), np.take_along_axis(ks, order[..., None], 1),
+                np.take_along_axis(vs, order[..., None], 1))
+
+    # -- accounting -----------------------------------------------------------------
+    @property
+    def pages(self) -> int:
+        return int(sum(L.live.sum() for L in self.layers))
+
+    @property
+    def disk_bytes(self) -> int:
+        """Bytes of the live records (freed slots are reused before a file grows)."""
+        return self.pages * self.record_bytes
+
+    @property
+    def summary_bytes(self) -> int:
+        return int(sum(a.nbytes for L in self.layers for a in L.sums.values()))
+
+    def disk_bytes_per_token(self) -> float:
+        """Per token, all layers: one record holds page_size tokens of one layer."""
+        return self.g.n_layers * self.record_bytes / self.g.page_size
+
+    def summary_bytes_per_token(self) -> float:
+        """RAM for the summaries per token on disk, all layers (f16)."""
+        return self.g.n_layers * len(SUMMARY_FIELDS[self.summary]) * self.g.n_kv_heads * self.g.head_dim * 2 / self.g.page_size
+
+    def stats(self) -> dict:
+        return {"pages": self.pages, "pages_written": self.written, "pages_dropped": self.dropped,
+                "tokens_on_disk": self.pages * self.g.page_size // max(1, self.g.n_layers),
+                "disk_bytes": self.disk_bytes, "summary_bytes": self.summary_bytes,
+                "disk_bytes_per_token": round(self.disk_bytes_per_token(), 1),
+                "summary_bytes_per_token": round(self.summary_bytes_per_token(), 1),
+                "page_size": self.g.page_size, "format": self.g.fmt}
+
+    def close(self) -> None:
+        for fd in self._fds:
+            os.close(fd)
+        self._fds.clear()   # the same list the finalizer holds
+
+    def move_to(self, root: Path) -> None:
+        """Move the store's directory (e.g. from a temp dir to the session's) and reopen its files."""
+        root = Path(root)
+        if root.resolve() == self.root.resolve():
+            return
+        self.close()
+        if root.exists():
+            shutil.rmtree(root)
+        root.parent.mkdir(parents=True, exist_ok=True)
+        shutil.move(str(self.root), str(root))
+        self.root = root
+        self._fds.extend(os.open(self._file(i), os.O_RDWR) for i in range(self.g.n_layers))
+
+    # -- reopening ------------------------------------------------------------------
+    def _load(self) -> None:
+        meta_path = self.root / META
+        if not meta_path.exists():
+            for fd in self._fds:
+                os.ftruncate(fd, 0)   # never checkpointed: nothing here belongs to a saved heap
+            return
+        meta = json.loads(meta_path.read_text())
+        assert PageGeometry(**meta["geometry"]) == self.g, "page store geometry changed"
+        self.seq, self.dropped, self.written = meta["seq"], meta["dropped"], meta["written"]
+        for i, L in enumerate(self.layers):
+            size = os.fstat(self._fds[i]).st_size
+            n = size // self.record_bytes                      # a torn last record is ignored
+            recs = np.fromfile(self._file(i), self.dtype, count=n) if n else np.zeros(0, self.dtype)
+            L.grow(n)
+            for slot, rec in enumerate(recs):
+                ok = rec["magic"] == MAGIC and rec["seq"] < self.seq and _crc(rec, _META_FIELDS) == rec["crc_meta"]
+                if ok:
+                    for f, a in L.sums.items():
+                        a[slot] = rec[f]
+                    L.live[slot], L.value[slot] = True, rec["value"]
+            L.free = sorted((int(s) for s in np.flatnonzero(~L.live[: len(L.live)])), reverse=True)
+        tails = np.load(self.root / TAIL)
+        for i, L in enumerate(self.layers):
+            L.tail_pos, L.tail_k, L.tail_v = tails[f"{i}.pos"], tails[f"{i}.k"], tails[f"{i}.v"]
+            L.tail_value = tails[f"{i}.value"]
+
+
+def _close_all(fds: list) -> None:
+    for fd in fds:
+        os.close(fd)
+    fds.clear()
+
+
+def _atomic(path: Path, write) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        write(f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)

@@ -1,0 +1,110 @@
+"""The named multi-key episode generator (localheap/bench/facts.py): names and their held-out
+split, fact placement, seeding, held-out filler; and `bench needle --keys K` end to end."""
+
+import json
+import re
+import zlib
+
+import numpy as np
+import pytest
+
+from localheap.bench import facts, needle
+from localheap.models import demo_model_dir
+
+DEMO = demo_model_dir()
+pytestmark = pytest.mark.skipif(DEMO is None, reason="no demo model in this checkout")
+
+
+@pytest.fixture(scope="module")
+def tok():
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(DEMO)
+
+
+def test_names_split():
+    train, held = facts.names(held_out=False), facts.names(held_out=True)
+    assert set(train) | set(held) == set(facts.NAMES) and not set(train) & set(held)
+    assert len(set(facts.NAMES)) == len(facts.NAMES)          # no name twice
+    assert 25 <= len(held) <= 60 and len(train) >= 100         # ~1/5 held out, enough for 32 keys
+    assert all(zlib.crc32(n.encode()) % 5 == 0 for n in held)  # stable: crc32, not the run's seed
+
+
+def test_corpus_split_is_by_document():
+    texts = facts.corpus()
+    train, held = facts.split(texts)
+    assert len(train) + len(held) == len(texts) and not set(train) & set(held)
+    assert 0.05 < len(held) / len(texts) < 0.15
+
+
+def test_fillers(tok):
+    plain, digits = facts.filler(tok, "heldout"), facts.filler(tok, "digits")
+    dec = lambda f: tok.decode(f.tokens[:20000].tolist())  # noqa: E731
+    assert not re.search(r"[0-9]", dec(plain))
+    assert len(re.findall(r"[0-9]", dec(digits))) > 50   # the digits mode keeps the text's numbers
+    with pytest.raises(ValueError):
+        facts.filler(tok, "nope")
+
+
+def test_facts_episode(tok):
+    eps = facts.facts_episodes(tok, 2048, 6, seed=3, keys=16)
+    assert [e.tokens for e in eps] == [e.tokens for e in facts.facts_episodes(tok, 2048, 6, seed=3, keys=16)]
+    assert [e.tokens for e in eps] != [e.tokens for e in facts.facts_episodes(tok, 2048, 6, seed=4, keys=16)]
+    held = set(facts.names(held_out=True))
+    for ep in eps:
+        assert len(ep.tokens) == 2048 and len(ep.facts) == 16
+        names = [n for n, _, _ in ep.facts]
+        keys = [k for _, k, _ in ep.facts]
+        assert len(set(names)) == 16 and len(set(keys)) == 16 and set(names) <= held
+        assert all(len(k) == 5 and len(set(k)) == 5 for k in keys)
+        starts = [s for _, _, s in ep.facts]
+        assert starts == sorted(starts)
+        for name, key, start in ep.facts:    # each fact verbatim at its recorded place
+            fact = needle.encode(tok, facts.FACT.format(name=name, key=key))
+            assert ep.tokens[start:start + len(fact)] == fact
+        assert ep.name in names and dict(zip(names, keys))[ep.name] == ep.key
+        assert ep.needle_start == starts[names.index(ep.name)]
+        text = tok.decode(ep.tokens)
+        assert text.endswith(facts.ANSWER_OF.format(name=ep.name))
+        assert facts.QUESTION_OF.format(name=ep.name) in text
+    # the asked fact's depth is stratified over the trials, like the single key's
+    d = sorted(ep.depth for ep in eps)
+    assert d[0] < 0.3 and d[-1] > 0.7
+
+
+def test_training_names_and_errors(tok):
+    rng = np.random.default_rng(0)
+    fill, frames = facts.filler(tok, "heldout"), facts.Frames(tok)
+    pool = facts.names(held_out=False)
+    ep = facts.build_facts_episode(tok, fill, frames, 1024, 8, 0.5, rng, pool)
+    assert {n for n, _, _ in ep.facts} <= set(pool)
+    with pytest.raises(ValueError):
+        facts.build_facts_episode(tok, fill, frames, 64, 8, 0.5, rng, pool)   # 8 facts do not fit
+    with pytest.raises(ValueError):
+        facts.build_facts_episode(tok, fill, frames, 1024, 0, 0.5, rng, pool)
+
+
+def test_single_key_is_v1_episode(tok):
+    """--keys 1 with the pydoc filler is exactly the v1 table's episode."""
+    a = facts.bench_episodes(tok, 512, 4, seed=2, keys=1, filler_kind="pydoc")
+    b = needle.episodes(tok, 512, 4, seed=2)
+    assert [e.tokens for e in a] == [e.tokens for e in b]
+
+
+def test_cli_needle_keys(tmp_path, capsys):
+    """`localheap bench needle --keys 4` end to end on a short context with the shipped model."""
+    from localheap.cli import main
+
+    rc = main(["bench", "needle", "--backend", "torch", "--keys", "4", "--filler", "digits", "--context", "384",
+               "--trials", "2", "--prune", "50%", "--policies", "snapkv", "--long-contexts", "512",
+               "--long-trials", "1", "--budget", "192", "--plots", str(tmp_path)])
+    out = capsys.readouterr().out.rstrip("\n").split("\n")
+    assert rc == 0 and "4 named facts" in "\n".join(out)
+    payload = json.loads(out[-1])
+    s = payload["settings"]
+    assert s["keys"] == 4 and s["filler"] == "digits" and "{name}" in s["needle"]
+    assert {r["context"] for r in payload["rows"]} == {384, 512}
+    assert all(len(r["hits"]) == r["trials"] for r in payload["rows"])
+    assert sorted(p.name for p in tmp_path.glob("*.png")) == ["needle_depth.png", "needle_pruning.png"]
+    with pytest.raises(SystemExit):
+        main(["bench", "needle", "--keys", "0"])

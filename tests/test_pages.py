@@ -1,0 +1,181 @@
+"""The page store (numpy only): exact pages, the int8 error bound, crash safety, the disk budget,
+scoring, and the recall bookkeeping of LayerHeap."""
+
+import os
+
+import numpy as np
+import pytest
+
+from localheap.heap import HeapConfig, HeapConfigError, LayerHeap, SlotView
+from localheap.heap.pages import PageGeometry, PageStore
+from localheap.heap.recall import PageWriter, score_pages, select_pages
+
+H, D, P = 2, 8, 4
+
+
+def evicted(rng, n, start=0):
+    pos = np.broadcast_to(np.arange(start, start + n), (H, n)).copy()
+    return pos, rng.standard_normal((H, n, D)).astype(np.float32), rng.standard_normal((H, n, D)).astype(np.float32)
+
+
+def store(tmp_path, fmt="f32", layers=1, **kw):
+    kw.setdefault("summary", "minmax")
+    return PageStore(tmp_path / "pages", PageGeometry(layers, H, D, P, fmt), **kw)
+
+
+def test_pages_hold_the_evicted_kv_exactly(tmp_path):
+    rng = np.random.default_rng(0)
+    s = store(tmp_path)
+    pos, k, v = evicted(rng, 10)
+    assert s.append(0, pos, k, v) == 2          # two full pages, two tokens wait in RAM
+    assert s.pages == 2 and s.layers[0].tail_pos.shape == (H, 2)
+    got_pos, got_k, got_v = s.load(0, np.array([[0, 1], [0, 1]]))
+    np.testing.assert_array_equal(got_pos, pos[:, :8])
+    np.testing.assert_array_equal(got_k, k[:, :8])
+    np.testing.assert_array_equal(got_v, v[:, :8])
+
+
+def test_int8_pages_within_the_stated_error(tmp_path):
+    rng = np.random.default_rng(1)
+    s = store(tmp_path, fmt="int8")
+    pos, k, v = evicted(rng, 8)
+    s.append(0, pos, k, v)
+    _, got_k, got_v = s.load(0, np.array([[0, 1], [0, 1]]))
+    for got, want in ((got_k, k), (got_v, v)):
+        bound = np.abs(want).max(axis=-1, keepdims=True) / 254 + 1e-6   # pagecodec's stated bound
+        assert (np.abs(got - want) <= bound).all()
+        assert np.abs(got - want).max() > 0      # it is quantized
+
+
+def test_each_head_loads_its_own_pages_in_token_order(tmp_path):
+    rng = np.random.default_rng(2)
+    s = store(tmp_path)
+    for start in (100, 0):                        # later eviction events may hold older tokens
+        s.append(0, *evicted(rng, P, start))
+    pos, _, _ = s.load(0, np.array([[0, 1], [1, 1]]))
+    np.testing.assert_array_equal(pos[0], [0, 1, 2, 3, 100, 101, 102, 103])
+    np.testing.assert_array_equal(pos[1], [0, 0, 1, 1, 2, 2, 3, 3])
+
+
+def test_reopen_keeps_checkpointed_pages_and_ignores_a_torn_tail(tmp_path):
+    rng = np.random.default_rng(3)
+    s = store(tmp_path)
+    pos, k, v = evicted(rng, 10)
+    s.append(0, pos, k, v)
+    s.checkpoint()
+    s.append(0, *evicted(rng, 8, 10))           # written after the checkpoint: not the saved store's
+    s.close()
+    with open(tmp_path / "pages" / "layer000.pages", "ab") as f:
+        f.write(b"\x47torn")                      # half a record
+    r = store(tmp_path)
+    assert r.pages == 2 and r.written == 2
+    np.testing.assert_array_equal(r.layers[0].tail_k, k[:, 8:])   # the partial page came back
+    np.testing.assert_array_equal(r.load(0, np.array([[0, 1], [0, 1]]))[1], k[:, :8])
+    assert r.summary_bytes > 0
+
+
+def test_a_corrupt_record_is_not_loaded(tmp_path):
+    rng = np.random.default_rng(4)
+    s = store(tmp_path)
+    s.append(0, *evicted(rng, 8))
+    s.checkpoint()
+    s.close()
+    path = tmp_path / "pages" / "layer000.pages"
+    data = bytearray(path.read_bytes())
+    data[40] ^= 0xFF                               # inside the first record's positions
+    path.write_bytes(bytes(data))
+    assert store(tmp_path).pages == 1
+
+
+def test_never_checkpointed_store_starts_empty(tmp_path):
+    s = store(tmp_path)
+    s.append(0, *evicted(np.random.default_rng(5), 8))
+    s.close()
+    assert store(tmp_path).pages == 0
+
+
+def test_disk_budget_drops_the_lowest_value_pages_and_reuses_their_slots(tmp_path):
+    rng = np.random.default_rng(6)
+    s = store(tmp_path, layers=2, disk_budget=0)
+    budget = 3 * s.record_bytes
+    s.disk_budget = budget
+    for i, value in enumerate([5.0, 1.0, 9.0, 2.0]):
+        pos, k, v = evicted(rng, P, i * P)
+        s.append(i % 2, pos, k, v, np.full((H, P), value))
+    assert s.pages == 3 and s.dropped == 1 and s.stats()["pages_dropped"] == 1
+    assert not s.layers[1].live[0] and s.layers[1].live[1]     # the value-1 page went
+    assert s.disk_bytes <= budget
+    s.append(1, *evicted(rng, P, 99), np.full((H, P), 7.0))
+    assert s.dropped == 2 and s.pages == 3      # the freed slot took the new page; the value-2 page went
+    assert s.layers[1].live[0] and not s.layers[1].live[1]
+    assert os.path.getsize(tmp_path / "pages" / "layer001.pages") <= 2 * s.record_bytes
+
+
+def test_quest_bound_is_an_upper_bound_and_finds_the_planted_page(tmp_path):
+    rng = np.random.default_rng(7)
+    s = store(tmp_path)
+    for i in range(6):
+        s.append(0, *evicted(rng, P, i * P))
+    fact = rng.standard_normal(D).astype(np.float32) * 4
+    pos, k, v = evicted(rng, P, 100)
+    k[:, 2] = fact                                  # one token of page 6 matches the query
+    s.append(0, pos, k, v)
+    s.checkpoint()
+    queries = np.broadcast_to(fact, (H, 3, D)).copy()
+    for kind in ("minmax", "mean"):
+        other = store(tmp_path, summary=kind)        # the same files, another summary in RAM
+        _, *summary = other.summaries(0)
+        scores = score_pages(queries, tuple(summary))
+        assert select_pages(scores, 1).tolist() == [[6], [6]], kind
+        other.close()
+    slots, kmin, kmax = s.summaries(0)
+    bound = score_pages(queries, (kmin, kmax))
+    _, keys, _ = s.load(0, np.broadcast_to(slots, (H, len(slots))).copy())
+    exact = np.einsum("hqd,htd->hqt", queries, keys).max(axis=1).reshape(H, len(slots), P).max(axis=2)
+    assert (bound >= exact - 1e-2).all()           # f16 summaries: a bound up to rounding
+
+
+def test_page_writer_runs_jobs_in_order_and_reports_errors():
+    w, seen = PageWriter(), []
+    for i in range(5):
+        w.submit(lambda i=i: seen.append(i))
+    w.drain()
+    assert seen == list(range(5))
+    w.submit(lambda: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        w.drain()
+
+
+def test_heap_pins_recalled_slots_and_releases_them():
+    cfg = HeapConfig(budget=16, sinks=2, recent=4, slack=8, policy="streaming", recall=True,
+                     recall_budget=8, page_size=4)
+    heap = LayerHeap(cfg, 2, cfg.budget)
+    assert heap.recall_slots == 8
+    heap.append(26)
+    plan = heap.plan(SlotView(positions=heap.view_positions()))
+    assert plan.keep == 2 + 16 - 8                 # the recall region stays free
+    gone = heap.evicted_slots(plan)
+    heap.apply(plan)
+    assert gone.shape == (2, 16)
+    merge = heap.merge(np.array([[4, 5, 6, 7], [8, 9, 10, 11]]))
+    assert heap.resident == 14 and heap.n_recalled == 4
+    assert (np.diff(heap.view_positions(), axis=1) > 0).all()
+    np.testing.assert_array_equal(heap.positions[0, :8], [0, 1, 4, 5, 6, 7, 18, 19])
+    # compact: a resident slot moves by (new - old); a recalled key (pre-RoPE) is rotated to its slot
+    assert merge.rotate_by[0, 2] == 2 and merge.rotate_by[0, 6] == 6 - 2
+    heap.append(8)
+    plan = heap.plan(SlotView(positions=heap.view_positions()))
+    heap.apply(plan)
+    assert heap.n_recalled == 4                    # pinned through an eviction
+    evicted_before = heap.evicted
+    heap.apply(heap.release_plan(), evicting=False)
+    assert heap.n_recalled == 0 and heap.evicted == evicted_before
+    assert heap.stats().recalled == 0
+
+
+def test_recall_config_is_checked():
+    with pytest.raises(HeapConfigError):
+        HeapConfig(budget=512, recent=256, recall=True, recall_budget=512)
+    with pytest.raises(HeapConfigError):
+        HeapConfig(page_format="q3")
+    assert HeapConfig(recall=False, recall_budget=10**6).recall_slots == 0

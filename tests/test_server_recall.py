@@ -1,0 +1,66 @@
+"""The recall tier through the real server (torch backend): a document pages out, a question
+recalls, /metrics and /v1/heap/events say so, and a spilled session keeps its pages."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from localheap.backends.torch import TorchBackend
+from localheap.heap import HeapConfig
+from localheap.server import ServerSettings, create_app
+from localheap.server.testing import ServerThread
+
+pytestmark = pytest.mark.usefixtures("torch_one_thread")
+
+HEAP = HeapConfig(budget=96, slack=32, recent=16, policy="snapkv", recall=True, recall_budget=32, page_size=8)
+DOC = " ".join(f"Paragraph {i}: the heap keeps sinks, heavy hitters and a recent window." for i in range(60))
+
+
+@pytest.fixture(scope="module")
+def http(model_dirs, tmp_path_factory):
+    backend = TorchBackend.load(model_dirs("llama"), model_name="tiny")
+    settings = ServerSettings(heap=HEAP, web_dir=None, sessions_dir=tmp_path_factory.mktemp("spill"),
+                              heap_events_interval=0.05)
+    with ServerThread(create_app(backend, settings)) as srv, httpx.Client(base_url=srv.url, timeout=120) as c:
+        yield c
+
+
+def metrics(http) -> dict:
+    text = http.get("/metrics").text
+    return {line.split()[0]: float(line.split()[1]) for line in text.splitlines() if line and line[0] != "#"}
+
+
+def test_document_pages_out_and_the_question_recalls(http):
+    sid = http.post("/v1/sessions").json()["id"]
+    done = http.post(f"/v1/sessions/{sid}/documents", json={"text": DOC, "stream": False}).json()
+    assert done["tokens_added"] > 500
+    chat = http.post("/v1/chat/completions", headers={"X-Session-Id": sid}, json={
+        "model": "tiny", "messages": [{"role": "user", "content": "What does the heap keep?"}],
+        "max_tokens": 4, "temperature": 0}).json()
+    heap = chat["localheap"]["heap"]
+    assert heap["recalled"] == HEAP.recall_budget
+    pages = heap["pages"]
+    assert pages["recalls"] == 1 and pages["last_recall"]["tokens"] == HEAP.recall_budget
+    m = metrics(http)
+    assert m["localheap_pages_stored"] > 0 and m["localheap_recalls_total"] == 1
+    assert m["localheap_recalled_tokens_total"] == HEAP.recall_budget
+    assert m["localheap_heap_tokens_recalled"] == HEAP.recall_budget and m["localheap_pages_dropped_total"] == 0
+    with http.stream("GET", "/v1/heap/events", params={"interval": 0.1}) as r:
+        for line in r.iter_lines():
+            if line.startswith("data:"):
+                snap = json.loads(line[5:])
+                break
+    mine = next(s for s in snap["sessions"] if s["id"] == sid)
+    assert mine["heap"]["pages"]["pages"] > 0
+    assert all("recalled" in layer for layer in mine["heap"]["layers"])
+
+    before = http.get(f"/v1/sessions/{sid}").json()["heap"]["pages"]["pages"]
+    assert http.post(f"/v1/sessions/{sid}/spill").json()["state"] == "spilled"
+    again = http.post("/v1/chat/completions", headers={"X-Session-Id": sid}, json={
+        "model": "tiny", "messages": [{"role": "user", "content": "And the sinks?"}],
+        "max_tokens": 4, "temperature": 0}).json()
+    pages = again["localheap"]["heap"]["pages"]
+    assert pages["recalls"] == 2 and pages["pages"] >= before   # the pages came back with the session
