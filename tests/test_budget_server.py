@@ -90,7 +90,8 @@ class Server:
 @pytest.fixture(scope="module")
 def sizes(tmp_path_factory):
     """weights, runtime and heap bytes as a generously budgeted server measures them."""
-    srv = Server("16G", tmp_path_factory.mktemp("probe"), extra=["--no-persist"])
+    # 1500M: generous, yet under 2 GiB, so its request room is the same 128 MiB as the tight budget's
+    srv = Server("1500M", tmp_path_factory.mktemp("probe"), extra=["--no-persist"])
     try:
         m = srv.metrics()
     finally:
@@ -101,7 +102,7 @@ def sizes(tmp_path_factory):
 def test_budget_spill_reject_and_restart(sizes, tmp_path):
     weights, runtime, heap = sizes
     budget = weights + runtime + int(2.6 * heap)
-    srv = Server(str(budget), tmp_path)
+    srv = Server(str(budget), tmp_path, extra=["--admission-timeout", "1"])   # the refusal below comes after 1 s in the queue
     try:
         fit = int(srv.metrics()["max_resident_heaps"])
         assert 1 <= fit <= 3, fit
