@@ -52,7 +52,8 @@ def test_spill_into_a_vanished_directory_under_two_sessions(backend, tmp_path):
         def ask(name, content, sid=None):
             results[name] = chat(http, content, sid, max_tokens=24)
 
-        threads = [threading.Thread(target=ask, args=("a", "again", a)), threading.Thread(target=ask, args=("b", "second"))]
+        threads = [threading.Thread(target=ask, args=("a", "again", a)),
+                   threading.Thread(target=ask, args=("b", "second"))]
         for t in threads:
             t.start()
         for t in threads:
@@ -139,3 +140,15 @@ def test_a_dead_engine_says_so_and_the_server_exits(backend, tmp_path):
     t0 = time.monotonic()
     thread.join(15)
     assert result == [1] and time.monotonic() - t0 < 10
+    time.sleep(0.5)   # the exit deadline is disarmed once the shutdown ended (or it would end pytest)
+    assert not [t for t in threading.enumerate() if isinstance(t, threading.Timer) and t.is_alive()]
+
+
+def test_the_sessions_dir_is_checked_at_start(backend, tmp_path):
+    from localheap.errors import UserError
+    from localheap.sessions import SpillFailed
+
+    (tmp_path / "sessions").write_text("a file")
+    with pytest.raises(SpillFailed, match="cannot save sessions to .*sessions") as e:
+        create_app(backend, settings(tmp_path, persist_sessions=True))
+    assert isinstance(e.value, UserError)   # the CLI prints it and exits 2, no traceback

@@ -87,9 +87,13 @@ def test_corrupt_index_tokens_and_heap_cost_only_their_session(tmp_path, caplog)
     again = durable(tmp_path, backend)
     assert again.load_persisted() == 2 and bad_tokens.id not in again
     assert "moved" in caplog.text and bad_tokens.id in caplog.text
+    with pytest.raises(SessionLost, match="unreadable token file"):   # 410, not 404: resend the history
+        again.info(bad_tokens.id)
     with pytest.raises(SessionLost, match="resend the whole conversation"):
         again.make_resident(again.get(bad_heap.id))
     assert bad_heap.id not in again
+    with pytest.raises(SessionLost, match="unreadable heap file"):
+        again.get(bad_heap.id)
     again.make_resident(again.get(good.id))
     assert again.get(good.id).cache.tokens == [1, 2, 3]
     aside = {p.name.split(".")[0] for p in (tmp_path / "aside").iterdir()}

@@ -5,5 +5,6 @@ from .errors import EngineFailed, EngineStopped, InvalidTokens, OverBudget, Over
 from .events import Delta, Emit, Event, Failed, Feed, Finished, Generate, Job, Progress, Started, Usage
 from .governor import AdmitAll, Governor
 
-__all__ = ["AdmitAll", "Delta", "Emit", "Engine", "EngineFailed", "EngineStopped", "Event", "Failed", "Feed", "Finished", "Generate",
-           "Governor", "InvalidTokens", "Job", "OverBudget", "Overloaded", "Progress", "Started", "Usage", "wait_idle"]
+__all__ = ["AdmitAll", "Delta", "Emit", "Engine", "EngineFailed", "EngineStopped", "Event", "Failed", "Feed",
+           "Finished", "Generate", "Governor", "InvalidTokens", "Job", "OverBudget", "Overloaded", "Progress",
+           "Started", "Usage", "wait_idle"]

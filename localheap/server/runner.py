@@ -8,17 +8,15 @@ exit with status 1 within FATAL_GRACE_S + SAVE_S, so a supervisor can restart it
 
 from __future__ import annotations
 
-import logging
 import os
 import sys
 import threading
+from typing import Optional
 
 import uvicorn
 from fastapi import FastAPI
 
 from .settings import ServerSettings
-
-log = logging.getLogger("localheap.server")
 
 SAVE_S = 20.0        # after the grace period: cancel runs and save sessions, at most this long
 FATAL_GRACE_S = 2.0  # a dead engine has failed every open request: little left to wait for
@@ -26,19 +24,18 @@ FATAL_GRACE_S = 2.0  # a dead engine has failed every open request: little left 
 
 class DeadlineServer(uvicorn.Server):
     """uvicorn whose shutdown has a deadline, armed by the first exit signal."""
-    _armed = False
+    deadline: Optional[threading.Timer] = None
 
     def arm_deadline(self) -> None:
-        if not self._armed:
-            self._armed = True
-            _exit_after(self.config.timeout_graceful_shutdown + SAVE_S)
+        if self.deadline is None:
+            self.deadline = _exit_after(self.config.timeout_graceful_shutdown + SAVE_S)
 
     def handle_exit(self, sig, frame) -> None:
         self.arm_deadline()
         super().handle_exit(sig, frame)
 
 
-def _exit_after(seconds: float) -> None:
+def _exit_after(seconds: float) -> threading.Timer:
     def expire() -> None:
         print(f"localheap: shutdown still running after {seconds:.0f} s; exiting now", file=sys.stderr)
         os._exit(1)
@@ -46,6 +43,7 @@ def _exit_after(seconds: float) -> None:
     timer = threading.Timer(seconds, expire)
     timer.daemon = True
     timer.start()
+    return timer
 
 
 def serve_app(app: FastAPI, settings: ServerSettings, log_level: str = "info") -> int:
@@ -61,7 +59,11 @@ def serve_app(app: FastAPI, settings: ServerSettings, log_level: str = "info") -
         server.should_exit = True
 
     engine.on_fatal = engine_failed
-    server.run()
+    try:
+        server.run()
+    finally:
+        if server.deadline is not None:   # the shutdown ended in time
+            server.deadline.cancel()
     if engine.failure is not None:
         print("localheap: the engine failed (see the log above); exiting with status 1", file=sys.stderr)
         return 1

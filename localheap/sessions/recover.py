@@ -21,8 +21,11 @@ log = logging.getLogger("localheap.sessions")
 BOTH = {"safetensors", "tokens"}
 
 
-def recover_sessions(d: SessionDir, model_id: str, cfg: HeapConfig, skip: set[str]) -> list[Session]:
-    """The sessions saved in d (heaps not loaded), minus the ids in skip."""
+def recover_sessions(d: SessionDir, model_id: str, cfg: HeapConfig, skip: set[str],
+                     lost: Optional[dict[str, str]] = None) -> list[Session]:
+    """The sessions saved in d (heaps not loaded), minus the ids in skip; `lost` gets the ids
+    of sessions whose files could not be read, with why (their clients are told: 410)."""
+    lost = {} if lost is None else lost
     try:
         index = d.read_index()
         files = d.scan()
@@ -48,7 +51,7 @@ def recover_sessions(d: SessionDir, model_id: str, cfg: HeapConfig, skip: set[st
             s = _recover_one(d, sid, entries.get(sid), files.get(sid, {}), cfg)
         except Exception as e:   # one unreadable session never stops the others
             d.move_aside(sorted(d.root.glob(f"{sid}.*")), f"session {sid}: {type(e).__name__}: {e}")
-            s = None
+            lost[sid], s = "saved files missing" if isinstance(e, LookupError) else "unreadable token file", None
         if s is not None:
             found.append(s)
     return found
@@ -63,8 +66,7 @@ def _recover_one(d: SessionDir, sid: str, entry: Optional[dict], gens: dict[int,
             d.remove(sid)
             return _session(d, sid, cfg, entry, None, None)
         if not isinstance(gen, int) or gen not in complete:
-            d.move_aside(sorted(d.root.glob(f"{sid}.*")), f"session {sid}: its saved files are missing or incomplete")
-            return None
+            raise LookupError("its saved files are missing or incomplete")
     elif complete:
         gen = complete[-1]
         log.info("session %s: not in the index; adopted from its files (generation %d)", sid, gen)
@@ -92,5 +94,7 @@ def _session(d: SessionDir, sid: str, cfg: HeapConfig, entry: dict, gen: Optiona
                 turns=int(number("turns", 0)), origin=origin, title=title)
     if gen is not None:
         s.fed, s.spill_path, s.saved_gen, s.saved_tokens = tokens, d.heap_path(sid, gen), gen, len(tokens)
+    if isinstance(entry.get("owner"), str) and hasattr(s, "owner"):   # where API keys own sessions
+        s.owner = entry["owner"]
     s.refresh()
     return s

@@ -46,6 +46,7 @@ class SessionStore:
         self.max_sessions = max_sessions
         self._sessions: dict[str, Session] = {}
         self._lock = threading.Lock()   # guards the dict against readers on other threads
+        self._lost: dict[str, str] = {}  # ids whose saved files were unreadable -> why (410, not 404)
         self.spills = 0
         self.restores = 0
 
@@ -65,8 +66,15 @@ class SessionStore:
     def get(self, session_id: str) -> Session:
         s = self._sessions.get(session_id)
         if s is None:
-            raise SessionNotFound(session_id)
+            self._not_found(session_id)
         return s
+
+    def _not_found(self, session_id: str):
+        """SessionLost for a session whose files could not be read (tell the client to resend
+        the history), SessionNotFound for an id never seen."""
+        if session_id in self._lost:
+            raise SessionLost(session_id, self._lost[session_id])
+        raise SessionNotFound(session_id)
 
     def set_title(self, session_id: str, title: Optional[str], replace: bool = True) -> None:
         """Name a session; replace=False names it only if it has no title yet."""
@@ -230,7 +238,7 @@ class SessionStore:
         """Register the sessions found in the directory (heaps load lazily, on demand). Never
         raises on the directory's content: what cannot be read is moved aside and logged."""
         self.model_id = model_id or self.model_id
-        found = recover_sessions(self.dir, self.model_id, self.cfg, skip=set(self._sessions))
+        found = recover_sessions(self.dir, self.model_id, self.cfg, skip=set(self._sessions), lost=self._lost)
         with self._lock:
             for s in found:
                 self._sessions[s.id] = s
@@ -241,7 +249,8 @@ class SessionStore:
         return [{"id": s.id, "gen": s.saved_gen, "tokens": s.saved_tokens,
                  "crc": zlib.crc32(s.fed[:s.saved_tokens].tobytes()),
                  "created": s.created, "last_used": s.last_used, "turns": s.turns,
-                 "origin": s.origin, "title": s.title}
+                 "origin": s.origin, "title": s.title,
+                 "owner": getattr(s, "owner", None)}   # the API key that owns it, where keys own sessions
                 for s in self.sessions() if s.saved_gen is not None or not s.fed]
 
     def _commit(self, force: bool = False) -> None:
@@ -260,8 +269,9 @@ class SessionStore:
         self.dir.move_aside(sorted(self.spill_dir.glob(f"{s.id}.*")), f"session {s.id}: {reason}")
         with self._lock:
             self._sessions.pop(s.id, None)
+        self._lost[s.id] = reason.split(":")[0]
         self._try_commit()
-        raise SessionLost(s.id, reason.split(":")[0])
+        raise SessionLost(s.id, self._lost[s.id])
 
     # --- snapshots (any thread) ---
 
@@ -273,7 +283,7 @@ class SessionStore:
     def info(self, session_id: str) -> dict:
         s = self._sessions.get(session_id)
         if s is None:
-            raise SessionNotFound(session_id)
+            self._not_found(session_id)
         return s.snapshot
 
     def close(self) -> None:
