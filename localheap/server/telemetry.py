@@ -102,11 +102,13 @@ def page_rows(pages: list[dict]) -> list[tuple]:
     return [
         ("pages_stored", "gauge", "pages of evicted KV on disk (one page: page_size tokens of one layer)",
          [("", total("pages"))]),
-        ("pages_dropped_total", "counter", "pages dropped to stay inside --disk-budget", [("", total("pages_dropped"))]),
+        ("pages_dropped_total", "counter", "pages dropped to stay inside --disk-budget",
+         [("", total("pages_dropped"))]),
         ("pages_disk_bytes", "gauge", "bytes of the live pages on disk", [("", total("disk_bytes"))]),
         ("pages_summary_bytes", "gauge", "RAM for the page summaries", [("", total("summary_bytes"))]),
         ("recalls_total", "counter", "questions that recalled pages", [("", total("recalls"))]),
-        ("recalled_tokens_total", "counter", "tokens recalled into heaps (per layer)", [("", total("recalled_tokens"))]),
+        ("recalled_tokens_total", "counter", "tokens recalled into heaps (per layer)",
+         [("", total("recalled_tokens"))]),
     ]
 
 
