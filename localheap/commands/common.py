@@ -13,8 +13,10 @@ def add_model_args(p: argparse.ArgumentParser, required: bool = False) -> None:
                    help="alias from models.toml, local model directory, hub repo id, or random:FAMILY:SIZE "
                         "(default: the small demo model bundled in the package, no download)")
     p.add_argument("--random-model", default=None, metavar="FAMILY:SIZE",
-                   help="build a random-weight model of a real architecture locally, no weights needed, "
-                        "e.g. llama:tiny (default: not used)")
+                   help="build a random-weight model of a real architecture locally, no weights needed "
+                        "(e.g. llama:tiny); real shapes (llama:1b, llama:8b, qwen3:0.6b, qwen3:8b, qwen2:7b, "
+                        "mistral:7b) are built in memory on the device, never saved (torch; meant for GPUs) "
+                        "(default: not used)")
     p.add_argument("--backend", default="auto", choices=("auto", "mlx", "torch"),
                    help="auto: mlx on Apple Silicon, torch where it is installed, else mlx")
 

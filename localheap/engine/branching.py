@@ -36,10 +36,7 @@ def roll_back(backend: Any, s: Session, tokens: int) -> None:
 
 def new_branch(store: SessionStore, source_id: str) -> Session:
     """An empty session for a fork of `source_id`, owned by the same API key where keys own sessions."""
-    s = store.create()
-    if source_id in store and hasattr(store.get(source_id), "owner"):
-        s.owner = store.get(source_id).owner
-    return s
+    return store.create(owner=store.get(source_id).owner if source_id in store else None)
 
 
 def fork_into(store: SessionStore, s: Session, c: Checkpoint) -> None:

@@ -1,4 +1,5 @@
-"""The web UI's static files, mounted at `/`: unknown paths answer 404 for every method.
+"""The web UI's static files, mounted at `/`: the UI's own files only, and unknown paths
+answer 404 for every method.
 
 Starlette's StaticFiles answers any method but GET/HEAD with 405 before it looks the path up,
 so a POST to a mistyped API path (which falls through to this mount) read as 405, not 404.
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import os
 import stat
+from pathlib import Path
 
 import anyio
 from fastapi.staticfiles import StaticFiles
@@ -24,7 +26,17 @@ def _other_method_routed(scope: Scope) -> bool:
 
 
 class WebFiles(StaticFiles):
+    """The UI's own files only: pages, scripts, styles, images, fonts; never the package's
+    Python files, caches or dotfiles that sit beside them (404, as for a missing file)."""
+
+    SERVED = {".html", ".js", ".mjs", ".css", ".svg", ".png", ".ico", ".webp", ".woff2", ".json", ".map"}
+
     async def get_response(self, path: str, scope: Scope) -> Response:
+        parts = [p for p in path.replace("\\", "/").split("/") if p not in ("", ".")]
+        hidden = any(p.startswith((".", "_")) for p in parts)
+        folder = not parts or (Path(str(self.directory)) / "/".join(parts)).is_dir()   # -> its index.html
+        if hidden or not (folder or Path(parts[-1]).suffix.lower() in self.SERVED):
+            raise HTTPException(status_code=405 if _other_method_routed(scope) else 404)
         if scope["method"] not in ("GET", "HEAD") and not await self._exists(path):
             # a known API path with another method fell through to this mount: that is a 405
             raise HTTPException(status_code=405 if _other_method_routed(scope) else 404)

@@ -17,7 +17,7 @@ from typing import Callable, Iterable, Optional, Sequence
 
 import numpy as np
 
-from .session import Session, token_array
+from .session import Session
 
 Encode = Callable[[str], list[int]]   # text -> ids, no special tokens added
 Decode = Callable[[list[int]], str]
@@ -34,10 +34,11 @@ MIN_SHARED = 0.5
 @dataclass
 class Prompt:
     """tokens: the full prompt. text: its text (enables text matching). continuation: what
-    to feed when it is sent to an explicit session it does not extend (e.g. new turns only)."""
-    tokens: list[int]
+    to feed when it is sent to an explicit session it does not extend (e.g. new turns only).
+    Ids are a list or an int32 array (a long prompt's: 4 bytes a token)."""
+    tokens: Sequence[int]
     text: Optional[str] = None
-    continuation: Optional[list[int]] = None
+    continuation: Optional[Sequence[int]] = None
 
 
 @dataclass
@@ -54,15 +55,15 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     n = min(len(a), len(b))
     if n == 0:
         return 0
-    x, y = np.asarray(_int32(a)[:n]), np.asarray(_int32(b)[:n])
+    x, y = _ids(a)[:n], _ids(b)[:n]
     diff = np.flatnonzero(x != y)
     return int(diff[0]) if diff.size else n
 
 
-def _int32(seq) -> np.ndarray:
-    if hasattr(seq, "typecode"):
-        return np.frombuffer(seq, dtype=np.int32) if len(seq) else np.zeros(0, np.int32)
-    return np.asarray(seq, dtype=np.int32)
+def _ids(seq) -> np.ndarray:
+    if hasattr(seq, "typecode"):   # array.array: read in place (a 1M-token history is not copied)
+        return np.frombuffer(seq, dtype=np.dtype(seq.typecode)) if len(seq) else np.zeros(0, np.int32)
+    return np.asarray(seq, dtype=np.int64)
 
 
 def _text_prefix(s: Session, prompt: Prompt, decode: Decode) -> Optional[str]:
@@ -91,7 +92,7 @@ def match_session(sessions: Iterable[Session], prompt: Prompt, encode: Encode, d
 
     Ties go to the cheapest: a session that needs nothing undone, then a rollback, then a
     checkpoint (loaded from disk into a new session)."""
-    ids = token_array(prompt.tokens)
+    ids = prompt.tokens   # a list or an int32 array: common_prefix takes both
     best: Optional[tuple[tuple[int, int], Match]] = None
 
     def offer(m: Match, rank: int) -> None:
@@ -123,10 +124,10 @@ def continue_session(s: Session, prompt: Prompt, encode: Encode, decode: Decode)
     else the prompt's continuation (new turns appended to whatever the session holds).
     Explicit sessions are never rolled back: fork them from a checkpoint instead."""
     if not s.fed:
-        return Match(s, list(prompt.tokens), 0)
+        return Match(s, prompt.tokens[:], 0)
     if common_prefix(s.fed, prompt.tokens) == len(s.fed) < len(prompt.tokens):
         return Match(s, prompt.tokens[len(s.fed):], len(s.fed))
     rest = _text_prefix(s, prompt, decode)
     if rest is not None and (new := encode(rest)):
         return Match(s, new, len(s.fed))
-    return Match(s, list(prompt.continuation if prompt.continuation is not None else prompt.tokens), len(s.fed))
+    return Match(s, (prompt.continuation if prompt.continuation is not None else prompt.tokens)[:], len(s.fed))

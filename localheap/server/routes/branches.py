@@ -10,7 +10,7 @@ from fastapi import APIRouter, Depends
 from pydantic import Field
 
 from ..schemas import Strict
-from ..services import Services, services
+from ..services import Services, owner, services
 
 router = APIRouter(prefix="/v1/sessions")
 
@@ -22,15 +22,18 @@ class ForkRequest(Strict):
 
 
 @router.post("/{session_id}/checkpoint", status_code=201)
-async def checkpoint_session(session_id: str, svc: Services = Depends(services)) -> dict:
+async def checkpoint_session(session_id: str, who: Optional[str] = Depends(owner),
+                             svc: Services = Depends(services)) -> dict:
+    svc.store.info(session_id, who)   # another key's session: 404
     c = await asyncio.wrap_future(svc.engine.call(lambda: svc.engine.checkpoint_session(session_id)))
     return {"object": "session.checkpoint", "session_id": session_id, "tokens": c.n,
-            "session": svc.store.info(session_id)}
+            "session": svc.store.info(session_id, who)}
 
 
 @router.post("/{session_id}/fork", status_code=201)
-async def fork_session(session_id: str, body: Optional[ForkRequest] = None,
+async def fork_session(session_id: str, body: Optional[ForkRequest] = None, who: Optional[str] = Depends(owner),
                        svc: Services = Depends(services)) -> dict:
+    svc.store.info(session_id, who)   # another key's session: 404; the fork is the same key's
     tokens = body.tokens if body is not None else None
     s = await asyncio.wrap_future(svc.engine.call(lambda: svc.engine.fork_session(session_id, tokens)))
     return {**s.snapshot, "forked_from": {"session_id": session_id, "tokens": len(s.fed)}}
