@@ -142,3 +142,25 @@ def test_fork_from_the_checkpoint_after_a_document_answers_as_the_original(backe
         assert http.post("/v1/sessions/sess_nope/checkpoint").status_code == 404
         assert http.delete(f"/v1/sessions/{sid}").status_code == 200
         assert not (tmp_path / "checkpoints" / sid).exists() and (tmp_path / "checkpoints" / fid).exists()
+
+
+def test_checkpoints_and_forks_stay_with_their_api_key(backend, tmp_path):
+    settings = ServerSettings(heap=TIGHT, web_dir=None, sessions_dir=tmp_path, persist_sessions=False,
+                              api_keys=["key-alice", "key-bob"])
+    with ServerThread(create_app(backend, settings)) as srv:
+        alice = httpx.Client(base_url=srv.url, timeout=120, headers={"Authorization": "Bearer key-alice"})
+        bob = httpx.Client(base_url=srv.url, timeout=120, headers={"Authorization": "Bearer key-bob"})
+        with alice, bob:
+            sid = alice.post("/v1/sessions").json()["id"]
+            done = alice.post(f"/v1/sessions/{sid}/documents", json={"text": DOC, "stream": False}).json()
+            n_doc = done["tokens_added"]
+            assert bob.post(f"/v1/sessions/{sid}/checkpoint").status_code == 404
+            assert bob.post(f"/v1/sessions/{sid}/fork", json={"tokens": n_doc}).status_code == 404
+            resend = [{"role": "user", "content": DOC}, {"role": "user", "content": "Room 3?"}]
+            _, usage, _ = chat(bob, resend, max_tokens=2)
+            assert usage["prompt_tokens_details"]["cached_tokens"] == 0    # alice's checkpoint is not bob's
+            _, usage, _ = chat(alice, resend, max_tokens=2)
+            assert usage["prompt_tokens_details"]["cached_tokens"] == n_doc
+            fork = alice.post(f"/v1/sessions/{sid}/fork", json={"tokens": n_doc}).json()
+            assert bob.get(f"/v1/sessions/{fork['id']}").status_code == 404
+            assert alice.get(f"/v1/sessions/{fork['id']}").status_code == 200
