@@ -1,4 +1,6 @@
-"""`localheap` command line: serve, generate, bench. Each command lives in localheap/commands/."""
+"""`localheap` command line: serve, chat, generate, bench. Each command lives in localheap/commands/.
+
+Without --model every command runs the small demo model bundled in the package (no download)."""
 
 from __future__ import annotations
 
@@ -6,22 +8,63 @@ import argparse
 import importlib
 import sys
 
-COMMANDS = ("serve", "generate", "bench")
+COMMANDS = ("serve", "chat", "generate", "bench")
+
+
+class DefaultsHelp(argparse.ArgumentDefaultsHelpFormatter):
+    """Appends '(default: X)' to every option's help; a None default is described in the help itself."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "%(default)" in text or "default" in text or action.default in (None, argparse.SUPPRESS):
+            return text
+        if action.option_strings and action.default is False:
+            return text + " (default: off)"
+        if isinstance(action.default, list):
+            shown = ",".join(str(x) for x in action.default) or "none"
+            return text + f" (default: {shown})"
+        return super()._get_help_string(action)
+
+
+def version() -> str:
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as dist_version
+
+    try:
+        return dist_version("localheap")
+    except PackageNotFoundError:   # run from a source tree that was never installed
+        return "unknown"
+
+
+def _use_formatter(parser: argparse.ArgumentParser) -> None:
+    parser.formatter_class = DefaultsHelp
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                _use_formatter(sub)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="localheap", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = argparse.ArgumentParser(prog="localheap", description=__doc__,
+                                     epilog="`localheap COMMAND --help` lists a command's options and defaults.")
+    parser.add_argument("--version", action="version", version=f"localheap {version()}",
+                        help="print the version and exit")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in COMMANDS:
         module = importlib.import_module(f"localheap.commands.{name}")
         module.add_parser(sub)
+    _use_formatter(parser)
     return parser
 
 
 def main(argv=None) -> int:
     from .errors import UserError
 
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    if args.command is None:   # `localheap` alone: say what there is
+        parser.print_help()
+        return 0
     try:
         return int(args.func(args) or 0)
     except UserError as e:

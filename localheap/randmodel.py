@@ -269,6 +269,28 @@ def default_cache_root() -> Path:
     return root / "random-models"
 
 
+def _builder():
+    """torch where it is installed (the reference builder), else mlx-lm (a core dependency)."""
+    try:
+        import torch  # noqa: F401
+        import transformers  # noqa: F401
+        return build_random_model
+    except ImportError:
+        pass
+    try:
+        import mlx_lm.utils  # noqa: F401
+
+        from .randmodel_mlx import build_random_model_mlx
+        return build_random_model_mlx
+    except ImportError as e:
+        raise RandomModelUnavailable(
+            f"--random-model needs torch or mlx-lm ({e}); pip install 'localheap[torch]' or pip install mlx-lm") from e
+
+
+class RandomModelUnavailable(ImportError):
+    """Neither builder can run here (the message says what to install)."""
+
+
 def random_model_dir(spec: str, cache_root=None, seed: int = 0) -> Path:
     """Return ``<cache_root>/<family>-<size>-s<seed>``, building it first if needed.
 
@@ -284,7 +306,7 @@ def random_model_dir(spec: str, cache_root=None, seed: int = 0) -> Path:
     root.mkdir(parents=True, exist_ok=True)
     tmp = root / f".{target.name}.tmp-{os.getpid()}-{threading.get_ident()}"
     shutil.rmtree(tmp, ignore_errors=True)
-    build_random_model(family, tmp, size=size, seed=seed)
+    _builder()(family, tmp, size=size, seed=seed)
     (tmp / MARKER).write_text(f"{spec}\n", encoding="utf-8")
     if not (target / MARKER).exists():
         shutil.rmtree(target, ignore_errors=True)  # stale half-written build

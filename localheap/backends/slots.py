@@ -1,4 +1,5 @@
-"""What both backends' heap layers share: handing their score buffers to a SlotView."""
+"""What both backends' heap layers share: handing their score buffers to a SlotView, and
+rolling back their newest tokens."""
 
 from __future__ import annotations
 
@@ -20,3 +21,16 @@ class PendingView:
         if self.heap.cfg.needs_query_stats:
             out["geometry"] = self._geometry_scores()
         return out
+
+    def truncate(self, seen: int) -> None:
+        """Roll the layer back to its first `seen` tokens (exact back to heap.repacked_at).
+
+        K/V of the dropped slots are overwritten by the next append; their score slots are
+        cleared, since new tokens add onto them. Scores of the kept slots keep the attention
+        the dropped queries paid them, as they would after any turn."""
+        old = self.heap.resident
+        new = self.heap.truncate(seen)
+        for name in ("scores", "counts", "window"):
+            arr = getattr(self, name)
+            if arr is not None and new < old:
+                arr[:, new:old] = 0

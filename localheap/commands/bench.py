@@ -52,34 +52,37 @@ def add_parser(sub) -> None:
     speed = bsub.add_parser("speed", help="prefill and decode tokens/s: heap vs stock caches")
     add_model_args(speed)
     add_heap_args(speed)
-    speed.add_argument("--contexts", type=_ints, default=[2048, 8192, 32768])
-    speed.add_argument("--decode-tokens", type=int, default=64)
+    speed.add_argument("--contexts", type=_ints, default=[2048, 8192, 32768], help="prompt lengths measured (8k, 1m accepted)")
+    speed.add_argument("--decode-tokens", type=int, default=64, help="tokens decoded per cell")
     speed.add_argument("--repeats", type=int, default=1, help="best of N per cell")
     speed.add_argument("--threads", type=int, default=None,
-                       help="torch intra-op threads (1 is steadier on a small shared CPU)")
+                       help="torch intra-op threads, 1 is steadier on a small shared CPU (default: torch's own)")
     speed.set_defaults(func=run_speed)
     mem = bsub.add_parser("memory", help="stream many tokens through one session; KV, allocator, RSS")
     add_model_args(mem)
     add_heap_args(mem)
-    mem.add_argument("--tokens", type=_ints, default=[1_000_000])
-    mem.add_argument("--checkpoints", type=_ints, default=[8192, 65536, 262144, 1_000_000])
+    mem.add_argument("--tokens", type=_ints, default=[1_000_000], help="tokens streamed through the session")
+    mem.add_argument("--checkpoints", type=_ints, default=[8192, 65536, 262144, 1_000_000],
+                     help="token counts at which memory is measured")
     mem.add_argument("--stock-tokens", type=_ints, default=[65536],
                      help="stream the stock full cache this far (it grows without bound)")
     mem.add_argument("--ram-budget", default=None, metavar="SIZE",
-                     help="hold the run to this budget as `serve` would (allocator limits) and check RSS against it")
+                     help="hold the run to this budget as `serve` would (allocator limits) and check RSS against it "
+                          "(default: no budget)")
     mem.set_defaults(func=run_memory)
     needle = bsub.add_parser("needle", help="pass-key retrieval under eviction, per policy and pruning level")
     add_model_args(needle)
     add_heap_args(needle)
-    needle.add_argument("--context", type=int, default=4096)
+    needle.add_argument("--context", type=int, default=4096, help="document length of the main table")
     needle.add_argument("--prune", type=_fractions, default=list(NEEDLE_PRUNE),
                         help="pruning levels at --context: 0.1,0.5 or 10%%,50%% (budget = the rest)")
     needle.add_argument("--trials", type=int, default=100, help="episodes per cell at --context")
-    needle.add_argument("--long-contexts", type=_ints, default=list(NEEDLE_LONG_CONTEXTS))
-    needle.add_argument("--long-trials", type=int, default=20)
+    needle.add_argument("--long-contexts", type=_ints, default=list(NEEDLE_LONG_CONTEXTS),
+                        help="longer documents, at fewer trials")
+    needle.add_argument("--long-trials", type=int, default=20, help="episodes per cell at the long contexts")
     needle.add_argument("--long-full", type=_ints, default=[],
                         help="long contexts that also get a full-cache cell (slow: attention over the whole context)")
-    needle.add_argument("--seed", type=int, default=0)
+    needle.add_argument("--seed", type=int, default=0, help="seed of the episodes")
     needle.add_argument("--keys", type=_positive, default=1,
                         help="named facts per episode, one asked about (1: the single pass key)")
     needle.add_argument("--filler", choices=NEEDLE_FILLERS, default="heldout",
@@ -90,13 +93,20 @@ def add_parser(sub) -> None:
     needle.add_argument("--plots", default="needle-plots", help="directory for the PNG plots (needs matplotlib)")
     needle.set_defaults(func=run_needle_bench, model="demo")
 
+    prof = bsub.add_parser("profile", help="where a long heap prefill spends its time (cProfile)")
+    add_model_args(prof)
+    add_heap_args(prof)
+    prof.add_argument("--context", type=_ints, default=[65536], help="prompt length profiled (64k, 1m accepted)")
+    prof.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's own)")
+    prof.set_defaults(func=run_profile_bench, model="demo")
+
     mass = bsub.add_parser("attention-mass", help="share of the true attention mass each policy's kept set captures")
     add_model_args(mass)
     add_heap_args(mass)
-    mass.add_argument("--context", type=int, default=4096)
+    mass.add_argument("--context", type=int, default=4096, help="document length")
     mass.add_argument("--prune", type=_fractions, default=[0.5, 0.9], help="pruning levels (budget = the rest)")
     mass.add_argument("--trials", type=int, default=4, help="documents (needle episodes) averaged")
-    mass.add_argument("--seed", type=int, default=0)
+    mass.add_argument("--seed", type=int, default=0, help="seed of the documents")
     mass.set_defaults(func=run_attention_mass_bench, model="demo")
 
 
@@ -136,8 +146,13 @@ def run_speed(args) -> int:
     cols = [("context", "context", ","), ("path", "path", ""), ("prefill_tok_s", "prefill tok/s", ",.0f"),
             ("decode_tok_s", "decode tok/s", ",.1f"), ("prefill_vs_stock", "prefill x stock", ".2f"),
             ("decode_vs_stock", "decode x stock", ".2f")]
+    bound = ""
+    if rows and "bound_tok_s" in rows[0]:   # CUDA: the memory-bandwidth bound, measured in this run
+        cols += [("bound_tok_s", "bandwidth bound tok/s", ",.0f"), ("share_of_bound", "share of bound", ".2f")]
+        bound = (f" | copy bandwidth {rows[0]['bandwidth_bytes_s'] / 1e9:,.0f} GB/s, "
+                 f"weights {format_bytes(backend.weights_bytes)}")
     text = (f"model {backend.model_name} | backend {backend.name} | budget {cfg.budget} | policy {cfg.policy} | "
-            f"positions {cfg.positions}\n" + table(rows, cols))
+            f"positions {cfg.positions} | prefill chunk {cfg.chunk}{bound}\n" + table(rows, cols))
     emit("speed", text, {"model": backend.model_name, "backend": backend.name, "heap": cfg.to_dict(), "rows": rows})
     return 0
 
@@ -166,7 +181,8 @@ def run_memory(args) -> int:
         if budget is not None:
             r["within_budget"] = "yes" if r["rss_bytes"] <= budget else "NO"
     cols = [("path", "path", ""), ("tokens", "tokens", ","), ("kv", "KV", ""), ("active", "allocator active", ""),
-            ("peak", "allocator peak", ""), ("rss", "process RSS", "")]
+            ("peak", "allocator peak", ""), ("rss", "process RSS", ""),
+            ("tok_s", "tok/s since previous", ",.0f")]
     if budget is not None:
         cols.append(("within_budget", f"RSS <= {format_bytes(budget)}", ""))
     per_token = backend.kv_bytes_per_token()
@@ -195,6 +211,22 @@ def run_needle_bench(args) -> int:
     if not paths:
         print("plots skipped: matplotlib is not installed (pip install 'localheap[bench]')", file=sys.stderr)
     report(result, backend, paths)
+    return 0
+
+
+def run_profile_bench(args) -> int:
+    from ..bench.profile import profile_prefill, report
+    from ..models import load_backend
+
+    backend = load_backend(model_spec(args), args.backend)
+    if backend.name == "torch" and args.threads:
+        import torch
+        torch.set_num_threads(args.threads)
+    cfg = heap_config(args, backend)
+    for context in args.context:
+        row = profile_prefill(backend, cfg, context)
+        emit("profile", report(row, backend), {"model": backend.model_name, "backend": backend.name,
+                                               "heap": cfg.to_dict(), **row})
     return 0
 
 

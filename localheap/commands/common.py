@@ -10,10 +10,15 @@ from ..heap.config import PAGE_FORMATS, RECALL_SUMMARIES
 
 def add_model_args(p: argparse.ArgumentParser, required: bool = False) -> None:
     p.add_argument("--model", default=None, required=required,
-                   help="alias from models.toml, local model directory, hub repo id, or random:FAMILY:SIZE")
+                   help="alias from models.toml, local model directory, hub repo id, or random:FAMILY:SIZE "
+                        "(default: the small demo model bundled in the package, no download)")
     p.add_argument("--random-model", default=None, metavar="FAMILY:SIZE",
-                   help="build a random-weight model of a real architecture locally (e.g. llama:tiny)")
-    p.add_argument("--backend", default="auto", choices=("auto", "mlx", "torch"))
+                   help="build a random-weight model of a real architecture locally, no weights needed "
+                        "(e.g. llama:tiny); real shapes (llama:1b, llama:8b, qwen3:0.6b, qwen3:8b, qwen2:7b, "
+                        "mistral:7b) are built in memory on the device, never saved (torch; meant for GPUs) "
+                        "(default: not used)")
+    p.add_argument("--backend", default="auto", choices=("auto", "mlx", "torch"),
+                   help="auto: mlx on Apple Silicon, torch where it is installed, else mlx")
 
 
 def model_spec(args) -> str | None:
@@ -25,15 +30,16 @@ def model_spec(args) -> str | None:
 def add_heap_args(p: argparse.ArgumentParser) -> None:
     d = HeapConfig()
     p.add_argument("--budget", type=int, default=d.budget, help="scored KV tokens kept per layer")
-    p.add_argument("--sinks", type=int, default=d.sinks)
+    p.add_argument("--sinks", type=int, default=d.sinks, help="first tokens always kept (attention sinks)")
     p.add_argument("--recent", type=int, default=d.recent, help="most recent tokens always kept")
     p.add_argument("--slack", type=int, default=d.slack, help="decode append room = decode eviction interval")
     p.add_argument("--prefill-chunk", type=int, default=None, metavar="N",
                    help="tokens per prefill forward, evicting before each (default: the backend's for its "
                         "device, e.g. 2048 on CUDA); the heap holds sinks + budget + max(slack, chunk)")
-    p.add_argument("--policy", default=d.policy, choices=POLICIES)
-    p.add_argument("--positions", default=d.positions, choices=POSITION_MODES)
-    p.add_argument("--profile", default=d.profile, choices=("uniform", "pyramid"))
+    p.add_argument("--policy", default=d.policy, choices=POLICIES, help="how the tokens to keep are ranked")
+    p.add_argument("--positions", default=d.positions, choices=POSITION_MODES,
+                   help="compact: RoPE positions follow slot order; absolute: original positions")
+    p.add_argument("--profile", default=d.profile, choices=("uniform", "pyramid"), help="budget across layers")
     p.add_argument("--recall", default="on" if d.recall else "off", choices=("off", "on"),
                    help="page evicted KV out to disk and recall the best pages for each question (torch)")
     p.add_argument("--recall-budget", type=int, default=d.recall_budget,

@@ -1,30 +1,31 @@
-"""A dependency-free progress bar for long prefill and benchmarks (stderr)."""
+"""Progress bars for long prefill, document reads and benchmarks: tqdm behind the
+`update(done, total)` callback the backends and the engine call."""
 
 from __future__ import annotations
 
 import sys
-import time
+from typing import Optional
+
+from tqdm import tqdm
 
 
 class ProgressBar:
-    def __init__(self, label: str, stream=None, width: int = 30):
-        self.label, self.width = label, width
+    """update(done, total) with absolute counts; the bar is created at the first call, when
+    the total is known, and drawn on stderr (stdout stays the generated text)."""
+
+    def __init__(self, label: str, stream=None, unit: str = "tok"):
+        self.label, self.unit = label, unit
         self.stream = stream or sys.stderr
-        self.t0 = time.perf_counter()
-        self.last = 0.0
+        self.bar: Optional[tqdm] = None
 
     def update(self, done: int, total: int) -> None:
-        now = time.perf_counter()
-        if done < total and now - self.last < 0.2:
-            return
-        self.last = now
-        frac = done / total if total else 1.0
-        fill = int(frac * self.width)
-        rate = done / max(now - self.t0, 1e-9)
-        self.stream.write(f"\r{self.label} [{'#' * fill}{'.' * (self.width - fill)}] "
-                          f"{done:,}/{total:,} tokens {rate:,.0f} tok/s")
-        self.stream.flush()
+        if self.bar is None:
+            self.bar = tqdm(total=total, desc=self.label, unit=self.unit, unit_scale=True, file=self.stream,
+                            leave=True, dynamic_ncols=True, mininterval=0.2)
+        if total != self.bar.total:
+            self.bar.total = total
+        self.bar.update(done - self.bar.n)
 
     def close(self) -> None:
-        self.stream.write("\n")
-        self.stream.flush()
+        if self.bar is not None:
+            self.bar.close()

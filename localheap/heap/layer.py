@@ -71,6 +71,8 @@ class LayerHeap:
         self.seen = 0
         self.evicted = 0
         self.evictions = 0
+        self.repacked_at = 0   # `seen` at the latest repack or recall: the heap rolls back exactly to here
+        self.repacked_at = 0   # `seen` at the latest repack: the heap can roll back exactly to here
 
     # -- appends -------------------------------------------------------------------
     def needs_repack(self, n_new: int) -> bool:
@@ -163,6 +165,7 @@ class LayerHeap:
         self.recalled[:, : n + r] = np.take_along_axis(flags, order, axis=1)
         self.recalled[:, n + r:] = False
         self.resident = n + r
+        self.repacked_at = self.seen   # the slots moved: no rollback before this point
         return MergePlan(order=order, rotate_by=rotate_by, n_before=n)
 
     def apply(self, plan: RepackPlan, evicting: bool = True) -> None:
@@ -179,6 +182,23 @@ class LayerHeap:
             self.evicted += self.resident - k
             self.evictions += 1
         self.resident = k
+        self.repacked_at = self.seen
+
+    # -- rollback ------------------------------------------------------------------
+    def truncate(self, seen: int) -> int:
+        """Forget the tokens after the first `seen`; returns the new resident count.
+
+        Exact only back to `repacked_at`: the tokens appended since then sit, in order, in the
+        last slots (the backend clears those slots' buffers)."""
+        drop = self.seen - seen
+        if not 0 <= drop <= self.seen - self.repacked_at:
+            raise ValueError(f"layer {self.layer}: cannot roll back to {seen} tokens "
+                             f"(exact back to {self.repacked_at}, {self.seen} seen)")
+        tail = self.positions[:, self.resident - drop:self.resident]
+        assert (tail == np.arange(seen, self.seen)).all(), "the tail must be the tokens appended since the repack"
+        self.resident -= drop
+        self.seen = seen
+        return self.resident
 
     def view_positions(self) -> np.ndarray:
         return self.positions[:, : self.resident].copy()
@@ -193,15 +213,19 @@ class LayerHeap:
     def state(self) -> dict:
         return {
             "positions": self.positions[:, : self.resident].copy(),
-            "counters": np.array([self.resident, self.seen, self.evicted, self.evictions], dtype=np.int64),
+            "counters": np.array([self.resident, self.seen, self.evicted, self.evictions, self.repacked_at],
+                                 dtype=np.int64),
             "recalled": self.recalled[:, : self.resident].copy(),
         }
 
     def load_state(self, state: dict) -> None:
-        resident, seen, evicted, evictions = (int(x) for x in state["counters"])
+        counters = [int(x) for x in state["counters"]]
+        resident, seen, evicted, evictions = counters[:4]
         assert resident <= self.capacity
         self.positions[:, :resident] = state["positions"]
         self.recalled[:] = False
         if "recalled" in state:
             self.recalled[:, :resident] = state["recalled"]
         self.resident, self.seen, self.evicted, self.evictions = resident, seen, evicted, evictions
+        # files written before rollback existed have 4 counters: no rollback below what was seen
+        self.repacked_at = counters[4] if len(counters) > 4 else seen

@@ -1,16 +1,23 @@
 """Which session a prompt continues, and which of its tokens still need feeding.
 
 OpenAI-style clients resend the whole history each turn. A session continues a prompt when
-its fed tokens are a strict prefix of the prompt's tokens; failing that, when the fed tokens'
-text is a prefix of the prompt text (a reply re-tokenized differently still matches).
+its fed tokens are a strict prefix of the prompt's tokens, or their text is a prefix of the
+prompt text (a reply re-tokenized differently). Failing that, the longest common token prefix
+is reused: the session is rolled back to it where that is exact (nothing evicted since), or a
+new session starts from a checkpoint at or before it. A session a client addresses by id is
+never rolled back for another request (that client relies on what it holds). A chat template that renders past
+assistant turns differently from its generation prompt (dropped reasoning, an added marker)
+still shares everything up to the last reply.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Iterable, Optional
+from typing import Callable, Iterable, Optional, Sequence
 
-from .session import Session, token_array
+import numpy as np
+
+from .session import Session
 
 Encode = Callable[[str], list[int]]   # text -> ids, no special tokens added
 Decode = Callable[[list[int]], str]
@@ -18,27 +25,45 @@ Decode = Callable[[list[int]], str]
 # A text match re-tokenizes the same text, so the counts stay close; skip sessions far
 # longer than the prompt rather than decode them.
 TEXT_MATCH_SLACK = 64
+# A session is rolled back only when the common prefix keeps at least this share of what it
+# held before its latest reply, so conversations that share only a system prompt do not keep
+# rolling each other back.
+MIN_SHARED = 0.5
 
 
 @dataclass
 class Prompt:
     """tokens: the full prompt. text: its text (enables text matching). continuation: what
-    to feed when it is sent to an explicit session it does not extend (e.g. new turns only)."""
-    tokens: list[int]
+    to feed when it is sent to an explicit session it does not extend (e.g. new turns only).
+    Ids are a list or an int32 array (a long prompt's: 4 bytes a token)."""
+    tokens: Sequence[int]
     text: Optional[str] = None
-    continuation: Optional[list[int]] = None
+    continuation: Optional[Sequence[int]] = None
 
 
 @dataclass
 class Match:
-    session: Session
-    new_tokens: list[int]   # tokens still to feed
-    cached: int             # tokens reused from the session
+    session: Optional[Session]   # None: a new session, from `checkpoint`
+    new_tokens: list[int]        # tokens still to feed
+    cached: int                  # tokens reused (the session holds them once rolled back / forked)
+    rollback: Optional[int] = None   # roll the session back to this many tokens first
+    checkpoint: object = None        # Checkpoint to start a new session from
 
 
-def _token_prefix(s: Session, prompt_ids) -> bool:
-    n = len(s.fed)
-    return 0 < n < len(prompt_ids) and prompt_ids[:n] == s.fed
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the longest common prefix of two token sequences (array('i') or lists)."""
+    n = min(len(a), len(b))
+    if n == 0:
+        return 0
+    x, y = _ids(a)[:n], _ids(b)[:n]
+    diff = np.flatnonzero(x != y)
+    return int(diff[0]) if diff.size else n
+
+
+def _ids(seq) -> np.ndarray:
+    if hasattr(seq, "typecode"):   # array.array: read in place (a 1M-token history is not copied)
+        return np.frombuffer(seq, dtype=np.dtype(seq.typecode)) if len(seq) else np.zeros(0, np.int32)
+    return np.asarray(seq, dtype=np.int64)
 
 
 def _text_prefix(s: Session, prompt: Prompt, decode: Decode) -> Optional[str]:
@@ -51,34 +76,58 @@ def _text_prefix(s: Session, prompt: Prompt, decode: Decode) -> Optional[str]:
     return None
 
 
-def match_session(sessions: Iterable[Session], prompt: Prompt, encode: Encode, decode: Decode) -> Optional[Match]:
-    """The idle session that continues `prompt` with the most reused tokens, or None."""
-    candidates = [s for s in sessions if not s.busy and s.fed]
-    ids = token_array(prompt.tokens)
-    by_tokens = [s for s in candidates if _token_prefix(s, ids)]
-    if by_tokens:
-        best = max(by_tokens, key=lambda s: len(s.fed))
-        return Match(best, prompt.tokens[len(best.fed):], len(best.fed))
-    best_rest: Optional[tuple[Session, str]] = None
-    for s in candidates:
-        rest = _text_prefix(s, prompt, decode)
-        if rest is not None and (best_rest is None or len(s.fed) > len(best_rest[0].fed)):
-            best_rest = (s, rest)
-    if best_rest is None:
+def _rollback_point(s: Session, shared: int, prompt_len: int) -> Optional[int]:
+    """Where `s` can be rolled back to so that it continues the prompt, or None."""
+    keep = min(shared, prompt_len - 1)   # at least the prompt's last token is fed again
+    before_reply = s.reply_start if s.reply_start is not None else len(s.fed)
+    if s.addressed or s.rollback_floor is None or keep < max(1, s.rollback_floor) \
+            or keep < MIN_SHARED * before_reply:
         return None
-    s, rest = best_rest
-    new = encode(rest)
-    return Match(s, new, len(s.fed)) if new else None
+    return keep
+
+
+def match_session(sessions: Iterable[Session], prompt: Prompt, encode: Encode, decode: Decode,
+                  checkpoints: Iterable = ()) -> Optional[Match]:
+    """The idle session (or checkpoint) that continues `prompt` with the most reused tokens.
+
+    Ties go to the cheapest: a session that needs nothing undone, then a rollback, then a
+    checkpoint (loaded from disk into a new session)."""
+    ids = prompt.tokens   # a list or an int32 array: common_prefix takes both
+    best: Optional[tuple[tuple[int, int], Match]] = None
+
+    def offer(m: Match, rank: int) -> None:
+        nonlocal best
+        if m.new_tokens and (best is None or (m.cached, rank) > best[0]):
+            best = ((m.cached, rank), m)
+
+    for s in sessions:
+        if s.busy or not s.fed:
+            continue
+        shared = common_prefix(s.fed, ids)
+        if shared == len(s.fed) < len(ids):
+            offer(Match(s, prompt.tokens[shared:], shared), 2)
+            continue
+        rest = _text_prefix(s, prompt, decode)
+        if rest is not None:
+            offer(Match(s, encode(rest), len(s.fed)), 2)
+        keep = _rollback_point(s, shared, len(ids))
+        if keep is not None:
+            offer(Match(s, prompt.tokens[keep:], keep, rollback=keep), 1)
+    for c in checkpoints:
+        if c.n < len(ids) and common_prefix(c.tokens, ids) == c.n:
+            offer(Match(None, prompt.tokens[c.n:], c.n, checkpoint=c), 0)
+    return best[1] if best is not None else None
 
 
 def continue_session(s: Session, prompt: Prompt, encode: Encode, decode: Decode) -> Match:
     """Feed `prompt` into an explicitly named session: the unseen rest of a resent history,
-    else the prompt's continuation (new turns appended to whatever the session holds)."""
+    else the prompt's continuation (new turns appended to whatever the session holds).
+    Explicit sessions are never rolled back: fork them from a checkpoint instead."""
     if not s.fed:
-        return Match(s, list(prompt.tokens), 0)
-    if _token_prefix(s, token_array(prompt.tokens)):
+        return Match(s, prompt.tokens[:], 0)
+    if common_prefix(s.fed, prompt.tokens) == len(s.fed) < len(prompt.tokens):
         return Match(s, prompt.tokens[len(s.fed):], len(s.fed))
     rest = _text_prefix(s, prompt, decode)
     if rest is not None and (new := encode(rest)):
         return Match(s, new, len(s.fed))
-    return Match(s, list(prompt.continuation if prompt.continuation is not None else prompt.tokens), len(s.fed))
+    return Match(s, (prompt.continuation if prompt.continuation is not None else prompt.tokens)[:], len(s.fed))

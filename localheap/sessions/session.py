@@ -35,6 +35,7 @@ class Session:
     saved_tokens: int = 0                              # len(fed) when it was saved
     dirty: bool = False                                # the cache changed since it was saved
     busy: bool = False
+    owner: Optional[str] = None                        # id of the API key that created it (None: no keys)
     created: float = field(default_factory=time.time)
     last_used: float = field(default_factory=time.time)
     turns: int = 0
@@ -44,6 +45,10 @@ class Session:
     title: Optional[str] = None
     # Replaced whole, never edited in place: other threads read it (the heap event stream).
     history: tuple = ()
+    rollback_floor: Optional[int] = None   # fewest tokens the cache rolls back to exactly (None: no rollback)
+    reply_start: Optional[int] = None      # tokens held before the latest reply began (None: all of them)
+    checkpoints: list = field(default_factory=list)   # token counts of its saved checkpoints
+    addressed: bool = False   # a client named it (X-Session-Id): never rolled back for another request
     _text: Optional[str] = None
     _text_tokens: int = -1
 
@@ -60,6 +65,11 @@ class Session:
 
     def extend(self, tokens: Sequence[int]) -> None:
         self.fed.extend(tokens)
+
+    def truncate(self, tokens: int) -> None:
+        """Forget the history after the first `tokens` (the cache was rolled back with it)."""
+        del self.fed[tokens:]
+        self._text_tokens = -1
 
     def text(self, decode: Callable[[list[int]], str]) -> str:
         """The fed tokens decoded (cached until more tokens are fed)."""
@@ -85,6 +95,7 @@ class Session:
             "origin": self.origin,
             "title": self.title,
             "heap": self.stats.to_dict() if self.stats is not None else None,
+            "checkpoints": list(self.checkpoints),
         }
 
     def _record(self, stats: HeapStats) -> None:

@@ -60,6 +60,12 @@ class MLXBackend:
     def tokens_in_cache(self, cache) -> int:
         return cache.tokens_seen
 
+    def rollback_floor(self, cache) -> int:
+        return cache.rollback_floor()
+
+    def truncate(self, cache, tokens: int) -> None:
+        cache.truncate(tokens)
+
     def stats(self, cache) -> HeapStats:
         return cache.stats()
 

@@ -87,6 +87,12 @@ class TorchBackend:
     def tokens_in_cache(self, cache: HeapCache) -> int:
         return cache.tokens_seen
 
+    def rollback_floor(self, cache) -> int:
+        return cache.rollback_floor()
+
+    def truncate(self, cache, tokens: int) -> None:
+        cache.truncate(tokens)
+
     def stats(self, cache: HeapCache) -> HeapStats:
         return cache.stats()
 

@@ -92,6 +92,19 @@ class HeapCache(Cache):
             assert not layer.rope_delta or layer.rope is not None, "a position shift needs the RoPE spec"
         return torch.arange(base, base + n_new, device=self.device)[None]
 
+    def rollback_floor(self) -> int:
+        """Fewest tokens the cache can be rolled back to exactly: the latest repack of any heap
+        layer; no rollback at all with other layers (a sliding window cannot bring back what it dropped)."""
+        if len(self.heap_layers) < len(self.layers):
+            return self.tokens_seen
+        return max(layer.heap.repacked_at for layer in self.heap_layers)
+
+    def truncate(self, seen: int) -> None:
+        """Forget every token after the first `seen` (rollback_floor() <= seen)."""
+        assert self.rollback_floor() <= seen <= self.tokens_seen, (seen, self.rollback_floor(), self.tokens_seen)
+        for layer in self.heap_layers:
+            layer.truncate(seen)
+
     @property
     def tokens_seen(self) -> int:
         return self.heap_layers[0].heap.seen

@@ -1,0 +1,159 @@
+"""`localheap chat`: a terminal chat on the server's engine, one heap session, streamed replies.
+
+Input: one line is one message. A line ending in a backslash continues on the next line;
+a line holding only \"\"\" opens a block that the next such line closes. Commands start with /.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from ..generation import SamplingParams
+from .common import add_heap_args, add_model_args, heap_config, model_spec, with_backend_chunk
+from .progress import ProgressBar
+
+PROMPT, MORE = ">>> ", "... "
+BLOCK = '"""'
+HELP = f"""Type a message and press Enter; the reply streams in, then a one-line heap status.
+  a line ending in \\       continues the message on the next line
+  {BLOCK} on its own line    starts a multi-line message; another {BLOCK} line sends it
+  /doc FILE               read a text file into the conversation (a progress bar shows the prefill)
+  /status                 the heap status again
+  /help                   this help
+  /quit                   leave (also /exit, /bye, Ctrl-D)
+Ctrl-C stops a reply or a document read; the conversation keeps what was read or said so far."""
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("chat", help="chat in the terminal on the heap, like `ollama run`",
+                       description=__doc__)
+    add_model_args(p)
+    add_heap_args(p)
+    p.add_argument("--system", default=None, help="system prompt of the conversation (default: none)")
+    p.add_argument("--max-tokens", type=int, default=512, help="longest reply in tokens")
+    p.add_argument("--temperature", type=float, default=0.7, help="0 samples greedily")
+    p.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling mass")
+    p.add_argument("--seed", type=int, default=None, help="sampling seed (default: random)")
+    p.set_defaults(func=run)
+
+
+def read_message(read_line=input) -> str | None:
+    """One message from the terminal (None at end of input); see the module docstring."""
+    try:
+        line = read_line(PROMPT)
+    except EOFError:
+        return None
+    if line.strip() == BLOCK:
+        lines = []
+        while (line := _more(read_line)) is not None and line.strip() != BLOCK:
+            lines.append(line)
+        return "\n".join(lines)
+    lines = []
+    while line.endswith("\\"):
+        lines.append(line[:-1])
+        line = _more(read_line)
+        if line is None:
+            return "\n".join(lines)
+    lines.append(line)
+    return "\n".join(lines)
+
+
+def _more(read_line) -> str | None:
+    try:
+        return read_line(MORE)
+    except EOFError:
+        return None
+
+
+def run(args) -> int:
+    from ..models import load_backend
+    from .chat_engine import ChatEngine
+
+    try:
+        import readline  # noqa: F401  (line editing and history for input())
+    except ImportError:
+        pass
+    cfg = heap_config(args)   # bad flags fail before the model loads
+    print("loading the model...", file=sys.stderr, flush=True)
+    backend = load_backend(model_spec(args), args.backend)
+    cfg = with_backend_chunk(cfg, args, backend)
+    chat = ChatEngine(backend, cfg, system=args.system)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            seed=args.seed)
+    print(f"localheap chat: {backend.model_name} on {backend.name} | heap {cfg.sinks} sinks + {cfg.budget} "
+          f"budget + {cfg.slack} slack, policy {cfg.policy} | /help for commands, /quit to leave", flush=True)
+    try:
+        while True:
+            try:
+                text = read_message()
+            except KeyboardInterrupt:   # Ctrl-C at the prompt: a fresh prompt, like a shell
+                print()
+                continue
+            if text is None:
+                print()
+                return 0
+            if not text.strip():
+                continue
+            try:
+                if not _handle(chat, text.strip(), params):
+                    return 0
+            except KeyboardInterrupt:
+                print("\n[stopped]", flush=True)
+                print(chat.status(), flush=True)
+            except Exception as e:   # one failed request never ends the chat
+                print(f"\nerror: {type(e).__name__}: {e}", flush=True)
+                if chat.ensure_session():
+                    print("the conversation was lost with it; a new one starts", flush=True)
+    finally:
+        chat.close()
+
+
+def _handle(chat, text: str, params: SamplingParams) -> bool:
+    """Run one message or command; False to leave."""
+    from ..errors import UserError
+
+    command, _, rest = text.partition(" ") if text.startswith("/") else ("", "", "")
+    if command in ("/quit", "/exit", "/bye"):
+        return False
+    if command == "/help":
+        print(HELP)
+    elif command == "/status":
+        print(chat.status())
+    elif command == "/doc":
+        _read_document(chat, rest.strip())
+    elif command:
+        print(f"unknown command {command}; /help lists them")
+    else:
+        try:
+            reply = chat.ask(text, params, on_text=lambda t: (sys.stdout.write(t), sys.stdout.flush()))
+        except UserError as e:
+            print(f"error: {e}")
+            return True
+        usage = reply.finished.usage
+        print()
+        print(f"[{chat.status()} | reply {usage.completion_tokens} tokens, {reply.tokens_per_s:.1f} tok/s | "
+              f"prompt {usage.prompt_tokens:,} tokens, {usage.cached_tokens:,} reused]", flush=True)
+    return True
+
+
+def _read_document(chat, name: str) -> None:
+    if not name:
+        print("usage: /doc FILE")
+        return
+    path = Path(name).expanduser()
+    try:
+        text = path.read_text(encoding="utf-8", errors="replace")
+    except OSError as e:
+        print(f"cannot read {path}: {e.strerror or e}")
+        return
+    if not text.strip():
+        print(f"{path} is empty")
+        return
+    bar = ProgressBar(f"reading {path.name}", stream=sys.stdout)
+    try:
+        done = chat.read(text, bar.update)
+    finally:
+        bar.close()
+    print(f"[read {done.usage.prompt_tokens - done.usage.cached_tokens:,} tokens from {path.name} | "
+          f"{chat.status()}]", flush=True)

@@ -1,0 +1,101 @@
+"""Sessions that branch: rolled back to a common prefix, forked from a checkpoint, and the
+checkpoints themselves (taken after a document is read, or on request). Engine thread only.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Optional
+
+from ..sessions import Session, SessionBusy, SessionStore
+from ..sessions.checkpoints import Checkpoint
+from ..sessions.session import token_array
+
+log = logging.getLogger("localheap.engine")
+
+
+class NoCheckpoint(ValueError):
+    """A fork asked for a point no checkpoint covers (a user error: 400)."""
+
+
+def settle(backend: Any, s: Session, reply_start: Optional[int] = None) -> None:
+    """After a run or a branch: where the session can roll back to, and where its reply began."""
+    floor = getattr(backend, "rollback_floor", None)
+    s.rollback_floor = floor(s.cache) if floor is not None and s.cache is not None else None
+    s.reply_start = len(s.fed) if reply_start is None else reply_start
+
+
+def roll_back(backend: Any, s: Session, tokens: int) -> None:
+    """Forget the session's tokens after the first `tokens` (exact: see match.py)."""
+    if tokens < len(s.fed):
+        backend.truncate(s.cache, tokens)
+        s.truncate(tokens)
+    assert backend.tokens_in_cache(s.cache) == len(s.fed)
+    settle(backend, s)
+
+
+def new_branch(store: SessionStore, source_id: str) -> Session:
+    """An empty session for a fork of `source_id`, owned by the same API key where keys own sessions."""
+    return store.create(owner=store.get(source_id).owner if source_id in store else None)
+
+
+def fork_into(store: SessionStore, s: Session, c: Checkpoint) -> None:
+    """Fill the new, empty session `s` with checkpoint `c` (its heap, tokens and earlier checkpoints)."""
+    assert not s.fed and s.cache is None
+    cache = store.checkpoints.load(c, s.cfg)
+    s.cache, s.fed, s.dirty = cache, token_array(c.tokens), True
+    s.cfg = getattr(cache, "cfg", s.cfg)
+    store.checkpoints.inherit(c, s)
+    settle(store.backend, s)
+    s.refresh(store.backend.stats(cache))
+
+
+def checkpoint(store: SessionStore, session_id: str) -> Checkpoint:
+    """Checkpoint an idle session at its current tokens (a spilled one is restored first)."""
+    s = store.get(session_id)
+    if s.busy:
+        raise SessionBusy(session_id)
+    if s.cfg.recall:
+        # the heap file points at the session's live page store, which a fork would then share
+        raise NoCheckpoint("checkpoints and forks need --recall off for now (a fork would share the page store)")
+    if not s.fed:
+        raise NoCheckpoint(f"session {session_id!r} holds no tokens yet: nothing to checkpoint")
+    store.make_resident(s)
+    c = store.checkpoints.save(s)
+    s.refresh()
+    return c
+
+
+def checkpoint_quietly(store: SessionStore, s: Session) -> None:
+    """The automatic checkpoint after a document: a failure is logged, the request still succeeds."""
+    if s.cfg.recall:
+        return
+    try:
+        store.checkpoints.save(s)
+        s.refresh()
+    except Exception:
+        log.exception("checkpointing session %s failed", s.id)
+
+
+def fork(store: SessionStore, session_id: str, tokens: Optional[int], admit_heap) -> Session:
+    """A new session from `session_id`'s latest checkpoint at or before `tokens` (None: its
+    current state, checkpointed now). `admit_heap(session)` asks the RAM governor first."""
+    source = store.get(session_id)
+    if tokens is None:
+        c = checkpoint(store, session_id)
+    else:
+        c = store.checkpoints.nearest(session_id, tokens)
+        if c is None:
+            raise NoCheckpoint(f"session {session_id!r} has no checkpoint at or before {tokens} tokens "
+                               f"(checkpoints: {source.checkpoints or 'none'}); POST /v1/sessions/"
+                               f"{session_id}/checkpoint takes one")
+    s = new_branch(store, session_id)
+    try:
+        store.enforce_limits(keep=s)
+        admit_heap(s)
+        fork_into(store, s, c)
+    except Exception:
+        store.delete(s.id)
+        raise
+    store.touch(s)
+    return s

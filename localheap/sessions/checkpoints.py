@@ -1,0 +1,152 @@
+"""Checkpoints: a session's heap and tokens saved at a point, to fork new sessions from.
+
+A document read is checkpointed, so an edited or regenerated turn after it starts from the
+checkpoint instead of reading the document again. Files live under `root/<session id>/`:
+`<tokens>.safetensors` (the backend's save_cache format) and `<tokens>.tokens` (int32 ids).
+A fork gets hard links to the checkpoints it inherits, so each session owns its files.
+
+Engine thread only, like the store; knows nothing about tensors (the backend saves and loads).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable, Optional
+
+from ..heap import HeapConfig
+from .session import Session, token_array
+
+log = logging.getLogger("localheap.sessions")
+PER_SESSION = 4   # kept per session (a checkpoint is a heap's worth of disk)
+MAX_TOTAL = 32    # kept in all; the oldest go first beyond
+
+
+@dataclass(eq=False)
+class Checkpoint:
+    session_id: str
+    tokens: Any    # array('i'): the session's tokens at the checkpoint
+    path: Path     # heap file; the tokens sit beside it (.tokens)
+    seq: int = 0   # creation order, for the global cap
+
+    @property
+    def n(self) -> int:
+        return len(self.tokens)
+
+
+class Checkpoints:
+    def __init__(self, root: Path, backend: Any, per_session: int = PER_SESSION, max_total: int = MAX_TOTAL):
+        assert 2 <= per_session <= max_total
+        self.root, self.backend = Path(root), backend
+        self.per_session, self.max_total = per_session, max_total
+        self._by_session: dict[str, list[Checkpoint]] = {}
+        self._owners: dict[str, Session] = {}
+        self._seq = 0
+
+    def of(self, session_id: str) -> list[Checkpoint]:
+        return list(self._by_session.get(session_id, []))
+
+    def all(self) -> list[Checkpoint]:
+        return [c for cs in self._by_session.values() for c in cs]
+
+    def nearest(self, session_id: str, tokens: int) -> Optional[Checkpoint]:
+        """The session's latest checkpoint at or before `tokens`."""
+        fitting = [c for c in self.of(session_id) if c.n <= tokens]
+        return max(fitting, key=lambda c: c.n) if fitting else None
+
+    def save(self, s: Session) -> Checkpoint:
+        """Checkpoint a resident, idle session at its current tokens."""
+        assert s.cache is not None and not s.busy
+        for c in self.of(s.id):
+            if c.n == len(s.fed) and c.tokens == s.fed:
+                return c
+        path = self.root / s.id / f"{len(s.fed)}.safetensors"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        _write_tokens(path.with_suffix(".tokens"), s.fed)   # tokens first: the heap file marks it complete
+        self.backend.save_cache(s.cache, path)                # written atomically by the backend
+        return self._add(s, Checkpoint(s.id, token_array(s.fed), path))
+
+    def load(self, c: Checkpoint, cfg: HeapConfig) -> Any:
+        """A new cache holding the checkpoint's heap."""
+        return self.backend.load_cache(cfg, c.path)
+
+    def inherit(self, parent: Checkpoint, child: Session) -> None:
+        """Give a session forked at `parent` its own copies (hard links) of the parent
+        session's checkpoints up to and including `parent`."""
+        for c in self.of(parent.session_id):
+            if c.n > parent.n or c.tokens != parent.tokens[:c.n]:
+                continue
+            path = self.root / child.id / c.path.name
+            path.parent.mkdir(parents=True, exist_ok=True)
+            for src, dst in ((c.path.with_suffix(".tokens"), path.with_suffix(".tokens")), (c.path, path)):
+                try:
+                    os.link(src, dst)
+                except OSError:   # a filesystem without hard links
+                    shutil.copyfile(src, dst)
+            self._add(child, Checkpoint(child.id, c.tokens, path))
+
+    def drop(self, session_id: str) -> None:
+        self._by_session.pop(session_id, None)
+        self._owners.pop(session_id, None)
+        shutil.rmtree(self.root / session_id, ignore_errors=True)
+
+    def load_persisted(self, sessions: Iterable[Session]) -> int:
+        """Register the checkpoints on disk of known sessions; remove those of unknown ones."""
+        if not self.root.is_dir():
+            return 0
+        known = {s.id: s for s in sessions}
+        found = 0
+        for folder in self.root.iterdir():
+            s = known.get(folder.name)
+            if s is None:
+                shutil.rmtree(folder, ignore_errors=True)
+                continue
+            for path in sorted(folder.glob("*.safetensors"), key=lambda p: int(p.stem) if p.stem.isdigit() else -1):
+                tokens_file = path.with_suffix(".tokens")
+                if not path.stem.isdigit() or not tokens_file.exists():
+                    continue
+                tokens = token_array()
+                tokens.frombytes(tokens_file.read_bytes())
+                if len(tokens) != int(path.stem):
+                    log.warning("checkpoint %s: token file does not match its name; skipped", path)
+                    continue
+                self._add(s, Checkpoint(s.id, tokens, path))
+                found += 1
+        return found
+
+    def _add(self, s: Session, c: Checkpoint) -> Checkpoint:
+        self._seq += 1
+        c.seq = self._seq
+        self._owners[s.id] = s
+        kept = sorted(self.of(s.id) + [c], key=lambda x: x.n)
+        if len(kept) > self.per_session:
+            _unlink(kept.pop(1))   # keep the first (often a document) and the newest ones
+        self._by_session[s.id] = kept
+        s.checkpoints = [x.n for x in kept]
+        while len(self.all()) > self.max_total:
+            self._remove(min((x for x in self.all() if x is not c), key=lambda x: x.seq))
+        return c
+
+    def _remove(self, c: Checkpoint) -> None:
+        _unlink(c)
+        left = [x for x in self._by_session.get(c.session_id, []) if x is not c]
+        self._by_session[c.session_id] = left
+        if c.session_id in self._owners:
+            self._owners[c.session_id].checkpoints = [x.n for x in left]
+
+
+def _unlink(c: Checkpoint) -> None:
+    c.path.unlink(missing_ok=True)
+    c.path.with_suffix(".tokens").unlink(missing_ok=True)
+
+
+def _write_tokens(path: Path, tokens) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        tokens.tofile(f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
