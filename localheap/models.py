@@ -107,7 +107,14 @@ def detect_backend(preferred: str = "auto") -> str:
 
 
 def load_backend(spec: Optional[str], backend: str = "auto"):
-    """Resolve a model spec and load it on the chosen backend."""
+    """Resolve a model spec and load it on the chosen backend. `random:llama:8b` and the other
+    real shapes of randbig.SHAPES are built in memory on the device (torch), never saved."""
+    from . import randbig
+
+    if spec is not None and spec.startswith("random:") and randbig.is_real_shape(spec[len("random:"):]):
+        if detect_backend(backend) != "torch":
+            raise ModelNotFound(f"{spec} is built in memory by the torch backend only; pass --backend torch")
+        return randbig.load_torch_backend(spec[len("random:"):])
     path, name = resolve_model(spec)
     kind = detect_backend(backend)
     if kind == "mlx":

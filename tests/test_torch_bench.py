@@ -28,6 +28,16 @@ def test_run_speed_rows_and_ratios(model_dirs):
     assert torch.is_grad_enabled(), "the stock loop must not leak no_grad"
 
 
+def test_bandwidth_bound(model_dirs):
+    """The bound's arithmetic (on CUDA by default; forced here on the CPU)."""
+    backend = TorchBackend.load(model_dirs("llama"))
+    rows = run_speed(backend, [64], HeapConfig(budget=32, sinks=4, recent=8, slack=16), decode_tokens=3, bound=True)
+    for r in rows:
+        assert r["bandwidth_bytes_s"] > 1e8
+        assert r["bound_tok_s"] == pytest.approx(r["bandwidth_bytes_s"] / (backend.weights_bytes + r["kv_bytes"]))
+        assert r["share_of_bound"] == pytest.approx(r["decode_tok_s"] / r["bound_tok_s"])
+
+
 def test_run_memory_heap_stays_flat(model_dirs):
     backend = TorchBackend.load(model_dirs("llama"))
     cfg = HeapConfig(budget=64, sinks=4, recent=16, slack=32)
@@ -37,3 +47,16 @@ def test_run_memory_heap_stays_flat(model_dirs):
     assert [r["tokens"] for r in heap] == [200, 400, 600] and [r["tokens"] for r in stock] == [200, 400]
     assert len({r["kv_bytes"] for r in heap}) == 1
     assert stock[1]["kv_bytes"] == 2 * stock[0]["kv_bytes"]
+    assert all(r["tok_s"] > 0 for r in rows), "prefill rate per checkpoint"
+
+
+def test_profile_splits_a_prefill(model_dirs):
+    from localheap.bench.profile import profile_prefill, report
+
+    backend = TorchBackend.load(model_dirs("llama"))
+    cfg = HeapConfig(budget=64, sinks=4, recent=16, slack=16, prefill_chunk=48)
+    row = profile_prefill(backend, cfg, 500)
+    assert row["evictions"] >= 8 and row["chunk"] == 48
+    assert 0 < row["events_s"] < row["wall_s"] and 0 < row["observe_s"] < row["wall_s"]
+    assert 0 < row["heap_bookkeeping_s"] < row["wall_s"]
+    assert "host-side heap work" in report(row, backend)

@@ -39,13 +39,14 @@ def part(args) -> None:
 
     torch.set_num_threads(args.threads)
     backend = load_backend(args.model, args.backend)
-    base = HeapConfig(budget=args.budget, recent=args.recent, slack=args.slack)
+    base = HeapConfig(budget=args.budget, recent=args.recent, slack=args.slack, prefill_chunk=args.prefill_chunk)
     log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
     result = needle.run_needle(backend, base, context=args.context, prune=_floats(args.prune),
                                policies=args.policies.split(",") if args.policies else None,
+                               positions=args.positions.split(","),
                                trials=args.trials, long_contexts=_ints(args.long_contexts),
                                long_trials=args.long_trials, long_full=_ints(args.long_full), seed=args.seed,
-                               log=log)
+                               positions=args.positions.split(","), keys=args.keys, filler=args.filler, log=log)
     result["backend"], result["model"] = backend.name, backend.model_name
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result) + "\n")
@@ -71,6 +72,7 @@ def main(argv=None) -> None:
     a.add_argument("--context", type=int, default=4096)
     a.add_argument("--prune", default="0.1,0.3,0.5,0.7,0.9")
     a.add_argument("--policies", default="")
+    a.add_argument("--positions", default="compact,absolute")
     a.add_argument("--trials", type=int, default=100)
     a.add_argument("--long-contexts", default="16384,65536")
     a.add_argument("--long-trials", type=int, default=20)
@@ -78,7 +80,11 @@ def main(argv=None) -> None:
     a.add_argument("--budget", type=int, default=4096)
     a.add_argument("--recent", type=int, default=64)
     a.add_argument("--slack", type=int, default=256)
+    a.add_argument("--prefill-chunk", type=int, default=0, help="0: the slack (the table before issue 11)")
     a.add_argument("--seed", type=int, default=0)
+    a.add_argument("--keys", type=int, default=1, help="named facts per episode (1: the single pass key)")
+    a.add_argument("--filler", default="pydoc", help="pydoc (the v1 table's), heldout or digits")
+    a.add_argument("--positions", default="compact,absolute")
     a.add_argument("--threads", type=int, default=1)
     a.set_defaults(func=part)
     m = sub.add_parser("merge")

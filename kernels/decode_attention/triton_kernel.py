@@ -58,7 +58,10 @@ if AVAILABLE:
     @triton.jit
     def _combine_kernel(M, L, O, Out, MF, LF, NB,
                         G: tl.constexpr, D: tl.constexpr, BLOCK_G: tl.constexpr,
-                        BLOCK_D: tl.constexpr, BLOCK_B: tl.constexpr):
+                        BLOCK_D: tl.constexpr, BLOCK_B: tl.constexpr, NB_POW2: tl.constexpr):
+        # Loops run to the constexpr NB_POW2 (next power of two of NB) with NB in the masks: a loop
+        # bound must not be a runtime scalar, which triton 3.6's interpreter holds as an array
+        # (range() over it fails there); one compiled variant per power of two.
         h = tl.program_id(0)
         offs_g = tl.arange(0, BLOCK_G)
         offs_d = tl.arange(0, BLOCK_D)
@@ -66,7 +69,7 @@ if AVAILABLE:
         mask_d = offs_d < D
         rows = h * G + offs_g
         m = tl.full([BLOCK_G], float("-inf"), tl.float32)
-        for start in range(0, NB, BLOCK_B):
+        for start in range(0, NB_POW2, BLOCK_B):
             offs_b = start + tl.arange(0, BLOCK_B)
             mb = tl.load(M + rows[:, None] * NB + offs_b[None, :],
                          mask=mask_g[:, None] & (offs_b < NB)[None, :], other=float("-inf"))
@@ -74,11 +77,12 @@ if AVAILABLE:
         m = tl.where(mask_g, m, 0.0)                             # padded heads: keep the math finite
         total = tl.zeros([BLOCK_G], tl.float32)
         acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-        for b in range(0, NB):
-            w = tl.exp(tl.load(M + rows * NB + b, mask=mask_g, other=0.0) - m)
-            total += w * tl.load(L + rows * NB + b, mask=mask_g, other=0.0)
+        for b in range(0, NB_POW2):
+            live = mask_g & (b < NB)                             # blocks past NB weigh exp(-inf) = 0
+            w = tl.exp(tl.load(M + rows * NB + b, mask=live, other=float("-inf")) - m)
+            total += w * tl.load(L + rows * NB + b, mask=live, other=0.0)
             acc += w[:, None] * tl.load(O + (rows[:, None] * NB + b) * D + offs_d[None, :],
-                                        mask=mask_g[:, None] & mask_d[None, :], other=0.0)
+                                        mask=live[:, None] & mask_d[None, :], other=0.0)
         total = tl.where(mask_g, total, 1.0)
         out = acc / total[:, None]
         tl.store(Out + rows[:, None] * D + offs_d[None, :], out.to(Out.dtype.element_ty),
@@ -128,6 +132,7 @@ def decode_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s
                              k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                              G=G, D=D, BLOCK_G=BLOCK_G, BLOCK_D=BLOCK_D, BLOCK_T=BLOCK_T)
     _combine_kernel[(H,)](part_m, part_l, part_o, out, final_m, final_l, NB,
-                          G=G, D=D, BLOCK_G=BLOCK_G, BLOCK_D=BLOCK_D, BLOCK_B=64)
+                          G=G, D=D, BLOCK_G=BLOCK_G, BLOCK_D=BLOCK_D, BLOCK_B=64,
+                          NB_POW2=triton.next_power_of_2(NB))
     _mass_kernel[(H, NB)](scores, final_m, final_l, mass, T, G=G, BLOCK_G=BLOCK_G, BLOCK_T=BLOCK_T)
     return out, mass

@@ -90,6 +90,13 @@ def add_parser(sub) -> None:
     needle.add_argument("--plots", default="needle-plots", help="directory for the PNG plots (needs matplotlib)")
     needle.set_defaults(func=run_needle_bench, model="demo")
 
+    prof = bsub.add_parser("profile", help="where a long heap prefill spends its time (cProfile)")
+    add_model_args(prof)
+    add_heap_args(prof)
+    prof.add_argument("--context", type=_ints, default=[65536])
+    prof.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    prof.set_defaults(func=run_profile_bench, model="demo")
+
     mass = bsub.add_parser("attention-mass", help="share of the true attention mass each policy's kept set captures")
     add_model_args(mass)
     add_heap_args(mass)
@@ -136,8 +143,13 @@ def run_speed(args) -> int:
     cols = [("context", "context", ","), ("path", "path", ""), ("prefill_tok_s", "prefill tok/s", ",.0f"),
             ("decode_tok_s", "decode tok/s", ",.1f"), ("prefill_vs_stock", "prefill x stock", ".2f"),
             ("decode_vs_stock", "decode x stock", ".2f")]
+    bound = ""
+    if rows and "bound_tok_s" in rows[0]:   # CUDA: the memory-bandwidth bound, measured in this run
+        cols += [("bound_tok_s", "bandwidth bound tok/s", ",.0f"), ("share_of_bound", "share of bound", ".2f")]
+        bound = (f" | copy bandwidth {rows[0]['bandwidth_bytes_s'] / 1e9:,.0f} GB/s, "
+                 f"weights {format_bytes(backend.weights_bytes)}")
     text = (f"model {backend.model_name} | backend {backend.name} | budget {cfg.budget} | policy {cfg.policy} | "
-            f"positions {cfg.positions}\n" + table(rows, cols))
+            f"positions {cfg.positions} | prefill chunk {cfg.chunk}{bound}\n" + table(rows, cols))
     emit("speed", text, {"model": backend.model_name, "backend": backend.name, "heap": cfg.to_dict(), "rows": rows})
     return 0
 
@@ -166,7 +178,8 @@ def run_memory(args) -> int:
         if budget is not None:
             r["within_budget"] = "yes" if r["rss_bytes"] <= budget else "NO"
     cols = [("path", "path", ""), ("tokens", "tokens", ","), ("kv", "KV", ""), ("active", "allocator active", ""),
-            ("peak", "allocator peak", ""), ("rss", "process RSS", "")]
+            ("peak", "allocator peak", ""), ("rss", "process RSS", ""),
+            ("tok_s", "tok/s since previous", ",.0f")]
     if budget is not None:
         cols.append(("within_budget", f"RSS <= {format_bytes(budget)}", ""))
     per_token = backend.kv_bytes_per_token()
@@ -195,6 +208,22 @@ def run_needle_bench(args) -> int:
     if not paths:
         print("plots skipped: matplotlib is not installed (pip install 'localheap[bench]')", file=sys.stderr)
     report(result, backend, paths)
+    return 0
+
+
+def run_profile_bench(args) -> int:
+    from ..bench.profile import profile_prefill, report
+    from ..models import load_backend
+
+    backend = load_backend(model_spec(args), args.backend)
+    if backend.name == "torch" and args.threads:
+        import torch
+        torch.set_num_threads(args.threads)
+    cfg = heap_config(args, backend)
+    for context in args.context:
+        row = profile_prefill(backend, cfg, context)
+        emit("profile", report(row, backend), {"model": backend.model_name, "backend": backend.name,
+                                               "heap": cfg.to_dict(), **row})
     return 0
 
 

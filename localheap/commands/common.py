@@ -12,7 +12,9 @@ def add_model_args(p: argparse.ArgumentParser, required: bool = False) -> None:
     p.add_argument("--model", default=None, required=required,
                    help="alias from models.toml, local model directory, hub repo id, or random:FAMILY:SIZE")
     p.add_argument("--random-model", default=None, metavar="FAMILY:SIZE",
-                   help="build a random-weight model of a real architecture locally (e.g. llama:tiny)")
+                   help="build a random-weight model of a real architecture locally (e.g. llama:tiny); "
+                        "real shapes (llama:1b, llama:8b, qwen3:0.6b, qwen3:8b, qwen2:7b, mistral:7b) are "
+                        "built in memory on the device, never saved (torch; meant for GPUs)")
     p.add_argument("--backend", default="auto", choices=("auto", "mlx", "torch"))
 
 

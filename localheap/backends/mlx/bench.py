@@ -90,11 +90,12 @@ def run_speed(backend, contexts: list[int], cfg: HeapConfig, decode_tokens: int 
 
 
 def _stream(model, cache, total: int, chunk: int, checkpoints: list[int], vocab: int,
-            on_checkpoint: Callable[[int], None], progress: Optional[Callable[[int, int], None]],
+            on_checkpoint: Callable[[int, float], None], progress: Optional[Callable[[int, int], None]],
             make_room: bool) -> None:
     rng = np.random.default_rng(0)
     done = 0
     for stop in checkpoints:
+        start, t0 = done, time.perf_counter()
         while done < stop:
             n = min(chunk, stop - done)
             if make_room:
@@ -104,7 +105,7 @@ def _stream(model, cache, total: int, chunk: int, checkpoints: list[int], vocab:
             done += n
             if progress:
                 progress(done, total)
-        on_checkpoint(done)
+        on_checkpoint(done, (done - start) / (time.perf_counter() - t0))
 
 
 def run_memory(backend, total: int, checkpoints: list[int], cfg: HeapConfig, stock_limit: int,
@@ -119,18 +120,18 @@ def run_memory(backend, total: int, checkpoints: list[int], cfg: HeapConfig, sto
     rows: list[dict] = []
 
     def snapshot(path, cache, kv_bytes):
-        def record(done):
+        def record(done, tok_s):
             mx.clear_cache()
             rows.append({"path": path, "tokens": done, "kv_bytes": kv_bytes(cache),
                          "active_bytes": mx.get_active_memory(), "peak_bytes": mx.get_peak_memory(),
-                         "rss_bytes": proc.memory_info().rss})
+                         "rss_bytes": proc.memory_info().rss, "tok_s": tok_s})
         return record
 
     points = sorted({c for c in checkpoints if c <= total} | {total})
     heap = make_heap_cache(model, cfg)
     mx.clear_cache()
     mx.reset_peak_memory()
-    _stream(model, heap, total, cfg.slack, points, vocab, snapshot("heap", heap, lambda c: c.kv_nbytes),
+    _stream(model, heap, total, cfg.chunk, points, vocab, snapshot("heap", heap, lambda c: c.kv_nbytes),
             progress, make_room=True)
     del heap
     gc.collect()

@@ -103,12 +103,37 @@ def time_paths(backend, paths, prompt: list[int], n_decode: int, cfg: HeapConfig
     return rows
 
 
+def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30, repeats: int = 5) -> float:
+    """Device memory bandwidth in bytes/s: the best of `repeats` copies of `nbytes` (read + write)."""
+    src = torch.empty(nbytes // 4, dtype=torch.float32, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    _sync(device)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        _sync(device)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * src.nbytes / best
+
+
+def add_bandwidth_bound(rows: list[dict], weights_bytes: int, bandwidth: float) -> None:
+    """Decode reads every weight and every resident K/V once per token: bound = bandwidth / those bytes.
+    Each row gets that bound (tok/s) and the share of it its decode reached."""
+    for r in rows:
+        r["bandwidth_bytes_s"] = bandwidth
+        r["bound_tok_s"] = bandwidth / (weights_bytes + r["kv_bytes"])
+        r["share_of_bound"] = r["decode_tok_s"] / r["bound_tok_s"]
+
+
 def run_speed(backend, contexts: list[int], cfg: HeapConfig, decode_tokens: int = 64,
               paths=("stock-full", "heap"), log: Optional[Callable[[str], None]] = None,
-              repeats: int = 1, threads: Optional[int] = None) -> list[dict]:
+              repeats: int = 1, threads: Optional[int] = None, bound: Optional[bool] = None) -> list[dict]:
     """Rows per (context, path), best of `repeats`. Decode tokens/s = 1 / median step after the
     first token, steps of all paths interleaved. `threads` sets torch's intra-op threads for the
-    run (1 is far steadier on a small, busy CPU)."""
+    run (1 is far steadier on a small, busy CPU). `bound` (default: on CUDA) adds the memory-
+    bandwidth bound, the device's copy bandwidth measured in this run."""
     previous = torch.get_num_threads()
     if threads is not None:
         torch.set_num_threads(threads)
@@ -127,6 +152,9 @@ def run_speed(backend, contexts: list[int], cfg: HeapConfig, decode_tokens: int 
                     if old is None or r["decode_tok_s"] > old["decode_tok_s"]:
                         best[r["path"]] = {**r, "prefill_tok_s": max(r["prefill_tok_s"], old["prefill_tok_s"] if old else 0)}
             rows.extend(best[p] for p in paths)
+        if bound if bound is not None else backend.device.type == "cuda":
+            nbytes = (1 << 30) if backend.device.type == "cuda" else (64 << 20)
+            add_bandwidth_bound(rows, backend.weights_bytes, copy_bandwidth(backend.device, nbytes))
         return rows
     finally:
         torch.set_num_threads(previous)
@@ -155,14 +183,16 @@ def run_memory(backend, total: int, checkpoints: list[int], cfg: HeapConfig, sto
     points = sorted({c for c in checkpoints if c <= total} | {total})
     rows: list[dict] = []
 
-    def record(path: str, done: int, kv_bytes: int) -> None:
+    def record(path: str, done: int, kv_bytes: int, tok_s: float) -> None:
         mem = backend.memory()
         rows.append({"path": path, "tokens": done, "kv_bytes": kv_bytes, "active_bytes": mem["active"],
-                     "peak_bytes": mem["peak"], "rss_bytes": proc.memory_info().rss})
+                     "peak_bytes": mem["peak"], "rss_bytes": proc.memory_info().rss, "tok_s": tok_s})
 
     def stream(path: str, step, kv_bytes, stops: list[int], chunk: int) -> None:
+        """tok_s per row: prefill rate over the tokens since the previous checkpoint."""
         rng, done = np.random.default_rng(0), 0
         for stop in stops:
+            start, t0 = done, time.perf_counter()
             while done < stop:
                 n = min(chunk, stop - done)
                 step(torch.as_tensor(rng.integers(10, vocab, n), device=device))
@@ -170,12 +200,12 @@ def run_memory(backend, total: int, checkpoints: list[int], cfg: HeapConfig, sto
                 if progress:
                     progress(done, total)
             _sync(device)
-            record(path, done, kv_bytes())
+            record(path, done, kv_bytes(), (done - start) / (time.perf_counter() - t0))
 
     from .generate import forward
 
     heap = backend.new_cache(cfg)
-    stream("heap", lambda ids: forward(model, heap, ids), lambda: heap.kv_nbytes, points, cfg.slack)
+    stream("heap", lambda ids: forward(model, heap, ids), lambda: heap.kv_nbytes, points, cfg.chunk)
     heap = None   # free it before the stock run
     gc.collect()
     stock_points = [p for p in points if p <= stock_limit]

@@ -183,12 +183,11 @@ class HeapLayer(PendingView, CacheLayerMixin):
         idx: [H_kv, keep] ascending slot indices, deltas: [H_kv, keep] or None, both on the device.
         No host sync: a zero delta rotates by cos 0 = 1, sin 0 = 0, leaving a key bit for bit."""
         k, n = idx.shape[1], self.heap.resident
-        D = self.keys.shape[-1]
-        gather_idx = idx[..., None].expand(-1, -1, D)
-        keys = torch.gather(self.keys[0, :, :n], 1, gather_idx)                 # [H_kv, keep, D]
-        values = torch.gather(self.values[0, :, :n], 1, gather_idx)
+        heads = torch.arange(idx.shape[0], device=idx.device)[:, None]
+        keys = self.keys[0][heads, idx]                                          # [H_kv, keep, D], whole rows
+        values = self.values[0][heads, idx]
         if deltas is not None and self.rope is not None:
-            keys = self.rope.rotate(keys, deltas)
+            keys = self.rope.shift_back(keys, -deltas, n - k)
         self.keys[0, :, :k] = keys
         self.values[0, :, :k] = values
         for name in ("scores", "counts"):

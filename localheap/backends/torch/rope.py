@@ -9,7 +9,7 @@ and must not be applied again, so deltas use a pure rotation.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Union
 
 import numpy as np
@@ -26,6 +26,7 @@ class UnsupportedRope(ValueError):
 @dataclass
 class RopeSpec:
     inv_freq: torch.Tensor   # [D/2] float32
+    _tables: dict = field(default_factory=dict, repr=False)   # device -> (cos, sin) [shifts + 1, D/2]
 
     @classmethod
     def from_model(cls, model, layer_type: str, head_dim: int) -> "RopeSpec":
@@ -55,6 +56,26 @@ class RopeSpec:
         half = xf.shape[-1] // 2
         rotated_half = torch.cat((-xf[..., half:], xf[..., :half]), dim=-1)
         return (xf * emb.cos() + rotated_half * emb.sin()).to(x.dtype)
+
+
+    def shift_back(self, x: torch.Tensor, shifts: torch.Tensor, max_shift: int) -> torch.Tensor:
+        """`rotate(x, -shifts)` for integer shifts in [0, max_shift] (a repack moves keys towards the
+        front by at most the evicted count), from a cached cos/sin table: the same float32 angles
+        as `rotate`, so the same bits, without a cos and sin per key."""
+        cos, sin = self._table(x.device, max_shift)
+        c, s = cos[shifts], -sin[shifts]                        # [..., n, D/2]; sin is odd
+        xf = x.float()
+        half = xf.shape[-1] // 2
+        lo, hi = xf[..., :half], xf[..., half:]
+        return torch.cat((lo * c - hi * s, hi * c + lo * s), dim=-1).to(x.dtype)
+
+    def _table(self, device: torch.device, max_shift: int):
+        table = self._tables.get(device)
+        if table is None or table[0].shape[0] <= max_shift:
+            size = max(max_shift + 1, 2 * (table[0].shape[0] if table is not None else 256))
+            angles = torch.arange(size, device=device).to(torch.float32)[:, None] * self.inv_freq.to(device)
+            table = self._tables[device] = (angles.cos(), angles.sin())
+        return table
 
 
 def _rotary_module(model):
