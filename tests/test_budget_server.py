@@ -64,7 +64,7 @@ class Server:
         return {m.group(1): float(m.group(2)) for m in re.finditer(r"^localheap_(\w+) ([0-9.e+-]+)$", text, re.M)}
 
     def new_session(self, doc: str) -> str:
-        sid = httpx.post(self.url + "/v1/sessions").json()["id"]
+        sid = httpx.post(self.url + "/v1/sessions", timeout=60).json()["id"]
         r = httpx.post(f"{self.url}/v1/sessions/{sid}/documents", json={"text": doc, "stream": False}, timeout=120)
         assert r.status_code == 200, r.text
         return sid
@@ -90,7 +90,8 @@ class Server:
 @pytest.fixture(scope="module")
 def sizes(tmp_path_factory):
     """weights, runtime and heap bytes as a generously budgeted server measures them."""
-    srv = Server("16G", tmp_path_factory.mktemp("probe"), extra=["--no-persist"])
+    # 1500M: generous, yet under 2 GiB, so its request room is the same 128 MiB as the tight budget's
+    srv = Server("1500M", tmp_path_factory.mktemp("probe"), extra=["--no-persist"])
     try:
         m = srv.metrics()
     finally:
@@ -101,7 +102,7 @@ def sizes(tmp_path_factory):
 def test_budget_spill_reject_and_restart(sizes, tmp_path):
     weights, runtime, heap = sizes
     budget = weights + runtime + int(2.6 * heap)
-    srv = Server(str(budget), tmp_path)
+    srv = Server(str(budget), tmp_path, extra=["--admission-timeout", "1"])   # the refusal below comes after 1 s in the queue
     try:
         fit = int(srv.metrics()["max_resident_heaps"])
         assert 1 <= fit <= 3, fit
@@ -123,7 +124,7 @@ def test_budget_spill_reject_and_restart(sizes, tmp_path):
         # every resident heap busy (reading long documents): one more heap -> 503 + Retry-After
         streams, clients = [], []
         for _ in range(fit):
-            sid = httpx.post(srv.url + "/v1/sessions").json()["id"]
+            sid = httpx.post(srv.url + "/v1/sessions", timeout=60).json()["id"]
             c = httpx.Client(timeout=120)
             clients.append(c)
             req = c.build_request("POST", f"{srv.url}/v1/sessions/{sid}/documents", json={"text": DOC * 40})
@@ -131,7 +132,7 @@ def test_budget_spill_reject_and_restart(sizes, tmp_path):
             lines = r.iter_lines()        # kept referenced: a collected iterator closes the stream
             assert any(line.startswith("event: progress") for line in lines)   # reading: its heap is busy
             streams.append((r, lines))
-        refused = httpx.post(srv.url + "/v1/sessions").json()["id"]
+        refused = httpx.post(srv.url + "/v1/sessions", timeout=60).json()["id"]
         r = srv.ask(refused)
         assert r.status_code == 503, r.text
         assert r.json()["error"]["code"] == "ram_budget_exceeded" and int(r.headers["Retry-After"]) >= 1

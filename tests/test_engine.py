@@ -237,11 +237,11 @@ def test_governor_refusal_and_backend_failure():
         def admit(self, resident, idle_lru):
             return Admission("reject", reason="over budget", retry_after_s=3)
 
-    eng, _ = make_engine(governor=Refuse())
+    eng, _ = make_engine(governor=Refuse(), admission_timeout=0.2)   # queued for RAM, then refused
     try:
         evs = drain(run(eng, Generate, "x")[1])
         assert isinstance(evs[-1], Failed) and isinstance(evs[-1].error, OverBudget)
-        assert len(eng.store) == 0
+        assert len(eng.store) == 0 and eng.counters.rejected == 1 and eng.counters.failed == 0
     finally:
         eng.stop()
     eng, backend = make_engine()

@@ -108,3 +108,28 @@ def test_cli_needle_keys(tmp_path, capsys):
     assert sorted(p.name for p in tmp_path.glob("*.png")) == ["needle_depth.png", "needle_pruning.png"]
     with pytest.raises(SystemExit):
         main(["bench", "needle", "--keys", "0"])
+
+
+def test_training_rows_answer_their_facts(tok):
+    """training/demo_tasks.py: every answer in a fact row (the first question and the follow-ups)
+    is the key of the fact named in its question, and only answers are in the loss mask."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "training"))
+    from demo_tasks import Tasks
+
+    tasks = Tasks(tok, facts.filler(tok, "heldout"))
+    rng = np.random.default_rng(0)
+    for _ in range(3):
+        ids, mask, pos = tasks.row(rng, 768, (0, 1, 0, 0, 0), 0.0, max_keys=8, questions=4)
+        assert len(ids) == len(mask) == len(pos) == 768
+        text = tok.decode(ids)
+        stated = dict(re.findall(r" The pass key of (\w+) is (\d{5})\.", text.split("<|assistant|>")[0]))
+        asked = re.findall(r"What is the pass key of (\w+)\?<\|end\|>\n<\|assistant\|>\nThe pass key of \1 is (\d{5})\.",
+                           text)
+        assert len(asked) == 4 and len({n for n, _ in asked}) == 4
+        assert all(stated[n] == k for n, k in asked)
+        answers = tok.decode([i for i, m in zip(ids, mask) if m])
+        assert re.findall(r"\d{5}", answers) == [k for _, k in asked]
+        assert set(stated) <= set(facts.names(held_out=False))

@@ -21,18 +21,18 @@ def test_parse_bytes():
 
 def test_web_dir_is_served_at_root(tmp_path):
     (tmp_path / "index.html").write_text("<h1>heap</h1>")
-    with TestClient(create_app(FakeBackend(), ServerSettings(web_dir=tmp_path))) as client:
+    with TestClient(create_app(FakeBackend(), ServerSettings(web_dir=tmp_path)), base_url="http://127.0.0.1:8000") as client:
         assert client.get("/").text == "<h1>heap</h1>"
         assert client.get("/health").json()["status"] == "ok"
         missing = client.get("/v1/unknown")
         assert missing.status_code == 404 and missing.json()["error"]["code"] == "not_found"
-    with TestClient(create_app(FakeBackend(), ServerSettings(web_dir=None))) as client:
+    with TestClient(create_app(FakeBackend(), ServerSettings(web_dir=None)), base_url="http://127.0.0.1:8000") as client:
         assert client.get("/").json()["api"] == "/v1"
 
 
 def test_cors_allows_only_the_servers_own_origin_unless_configured():
     settings = ServerSettings(port=8000, web_dir=None, cors_origins=["http://tools.example"])
-    with TestClient(create_app(FakeBackend(), settings)) as client:
+    with TestClient(create_app(FakeBackend(), settings), base_url="http://127.0.0.1:8000") as client:
         def preflight(origin):
             return client.options("/v1/models", headers={"Origin": origin, "Access-Control-Request-Method": "GET"})
 

@@ -36,7 +36,7 @@ GOVERNOR = SwitchableGovernor()
 @pytest.fixture(scope="module")
 def server():
     settings = ServerSettings(heap=HEAP, web_dir=None, api_key=KEY, max_body_bytes=MAX_BODY,
-                              max_active=1, max_queued=0)
+                              max_active=1, max_queued=0, admission_timeout=0.5)
     with ServerThread(create_app(load_mlx_backend(), settings, governor=GOVERNOR)) as srv:
         yield srv
 
@@ -137,7 +137,13 @@ def test_503_when_the_queue_is_full(client, http):
         stream.close()
 
 
+def metric(http, name: str) -> float:
+    line = next(x for x in http.get("/metrics").text.splitlines() if x.startswith(name + " "))
+    return float(line.split()[1])
+
+
 def test_503_when_over_the_ram_budget(http):
+    failed, rejected = metric(http, "localheap_requests_failed_total"), metric(http, "localheap_requests_rejected_total")
     GOVERNOR.refuse = True
     try:
         for _ in range(50):   # the cancelled stream above may still be finishing
@@ -147,6 +153,9 @@ def test_503_when_over_the_ram_budget(http):
             time.sleep(0.05)
         assert_error(r, 503, code="ram_budget_exceeded")
         assert "retry-after" in r.headers
+        # a refusal is not a failure (issue 12: budget 503s were counted as failed)
+        assert metric(http, "localheap_requests_rejected_total") > rejected
+        assert metric(http, "localheap_requests_failed_total") == failed
     finally:
         GOVERNOR.refuse = False
     assert http.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "y"}],

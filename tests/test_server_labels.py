@@ -16,6 +16,7 @@ from localheap.server import ServerSettings, create_app
 from localheap.server.schemas import TOKENIZE_MAX_CHARS
 from localheap.sessions.session import HISTORY_POINTS, TITLE_CHARS, Session
 
+LOCAL = "http://127.0.0.1:8000"   # the Host a browser on this machine sends (others are refused)
 HEAP = HeapConfig(budget=64, sinks=4, recent=8, slack=32)
 WEB = {"X-Localheap-Client": "web"}
 
@@ -38,7 +39,7 @@ def app_for(tmp_path, **kw):
 
 @pytest.fixture
 def client(tmp_path):
-    with TestClient(app_for(tmp_path)) as c:
+    with TestClient(app_for(tmp_path), base_url=LOCAL) as c:
         yield c
 
 
@@ -84,11 +85,11 @@ def test_titles_are_settable_and_documents_name_a_new_conversation(client):
 
 
 def test_origin_and_title_survive_a_restart(tmp_path):
-    with TestClient(app_for(tmp_path, persist_sessions=True)) as c:
+    with TestClient(app_for(tmp_path, persist_sessions=True), base_url=LOCAL) as c:
         sid = c.post("/v1/sessions", headers=WEB).json()["id"]
         chat(c, "Remember me", session=sid)
         api = chat(c, "From a script")
-    with TestClient(app_for(tmp_path, persist_sessions=True)) as c:
+    with TestClient(app_for(tmp_path, persist_sessions=True), base_url=LOCAL) as c:
         info = c.get(f"/v1/sessions/{sid}").json()
         assert (info["origin"], info["title"]) == ("web", "Remember me")
         info = c.get(f"/v1/sessions/{api}").json()
@@ -139,7 +140,7 @@ def test_a_streamed_reply_reports_its_decode_speed_timed_on_the_server(tmp_path)
     backend = FakeBackend(step_s=0.01)   # at most 100 tokens a second
     backend.tokenizer = TemplateTokenizer()
     app = create_app(backend, ServerSettings(heap=HEAP, web_dir=None, sessions_dir=tmp_path))
-    with TestClient(app) as client:
+    with TestClient(app, base_url=LOCAL) as client:
         body = {"model": "fake-model", "messages": [{"role": "user", "content": "go"}], "max_tokens": 11,
                 "stream": True, "stream_options": {"include_usage": True}}
         with client.stream("POST", "/v1/chat/completions", json=body) as r:

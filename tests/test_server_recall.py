@@ -48,7 +48,7 @@ def test_document_pages_out_and_the_question_recalls(http):
     assert m["localheap_pages_stored"] > 0 and m["localheap_recalls_total"] == 1
     assert m["localheap_recalled_tokens_total"] == HEAP.recall_budget
     assert m["localheap_heap_tokens_recalled"] == HEAP.recall_budget and m["localheap_pages_dropped_total"] == 0
-    with http.stream("GET", "/v1/heap/events", params={"interval": 0.05}) as r:
+    with http.stream("GET", "/v1/heap/events", params={"interval": 0.1}) as r:
         for line in r.iter_lines():
             if line.startswith("data:"):
                 snap = json.loads(line[5:])

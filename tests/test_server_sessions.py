@@ -103,7 +103,7 @@ def test_spill_restore_and_delete(http):
 
 def test_heap_events_stream(http):
     new_session(http)
-    with http.stream("GET", "/v1/heap/events", params={"interval": 0.05}) as r:
+    with http.stream("GET", "/v1/heap/events", params={"interval": 0.1}) as r:
         events = []
         for event, data in sse(r):
             events.append((event, json.loads(data)))

@@ -209,7 +209,8 @@ def test_needle_bench_has_a_recall_column(llama, tmp_path, capsys):
     assert r["summary_bytes"] > 0 and "recall_ms" not in rows["snapkv"]
     assert "recall costs" in needle.tables(result) and result["settings"]["recall"]["page_size"] == 16
     rc = main(["bench", "needle", "--model", str(llama_path(llama)), "--backend", "torch", "--context", "256",
-               "--trials", "1", "--prune", "70%", "--long-contexts", "320", "--long-trials", "1", "--budget", "96", "--slack", "64", "--recent", "16",
+               "--trials", "1", "--prune", "70%", "--long-contexts", "320", "--long-trials", "1",
+               "--budget", "96", "--slack", "64", "--recent", "16",
                "--recall", "on", "--recall-budget", "32", "--page-size", "16", "--plots", str(tmp_path)])
     out = capsys.readouterr().out
     assert rc == 0 and "snapkv+recall" in out and "ms / 1K recalled" in out

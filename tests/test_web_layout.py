@@ -187,3 +187,12 @@ def test_a_hostile_reply_renders_as_sanitized_markdown_and_runs_nothing(open_pag
     assert body.locator("strong").inner_text() == "bold"
     assert body.locator("pre code.language-python .hljs-keyword").first.inner_text() == "def"
     assert g.blocked == []
+
+
+def test_layer_bars_split_recalled_slots_from_heavy_hitters(open_page):
+    """The recall tier's slots (layer stats' `recalled`) get their own segment and legend entry."""
+    page = open_page().page
+    seg = page.evaluate("""async () => (await import('/heapview.js')).segments({layer: 0, capacity: 100, budget: 64,
+        resident: 58, sinks: 4, recent: 16, recalled: 8, heavy_hitters: 30, free: 42, evicted: 0})""")
+    assert seg == {"sinks": 4, "recalled": 8, "heavy": 30, "recent": 16, "fresh": 0, "free": 42}
+    assert page.is_hidden("#legend-recalled")   # no recall in this heap

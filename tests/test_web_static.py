@@ -70,7 +70,7 @@ def test_the_server_serves_every_asset_with_its_type():
 
     from localheap.server import ServerSettings, create_app
 
-    with TestClient(create_app(FakeBackend(), ServerSettings(web_dir=WEB))) as client:
+    with TestClient(create_app(FakeBackend(), ServerSettings(web_dir=WEB)), base_url="http://127.0.0.1:8000") as client:
         index = client.get("/")
         assert index.status_code == 200 and "<title>localheap</title>" in index.text
         for path in assets():

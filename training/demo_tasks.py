@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from localheap.bench.facts import Frames, build_facts_episode, names  # noqa: E402
+from localheap.bench.facts import ANSWER_OF, QUESTION_OF, Frames, build_facts_episode, names  # noqa: E402
 from localheap.bench.needle import Filler, build_episode, encode, frame, make_key  # noqa: E402
 from localheap.randmodel import BOS, EOS, SPECIAL_TOKENS  # noqa: E402
 
@@ -48,10 +48,20 @@ class Tasks:
         ep = build_episode(self.tok, fill or self.filler, self.frame, T - 8, float(rng.random()), key, rng)
         return self._answer(ep.tokens, key)
 
-    def facts(self, rng, T, keys: int, fill=None):
-        ep = build_facts_episode(self.tok, fill or self.filler, self.frames, T - 8, keys, float(rng.random()),
-                                 rng, self.pool)
-        return self._answer(ep.tokens, ep.key)
+    def facts(self, rng, T, keys: int, fill=None, questions: int = 1):
+        """K facts, then the question about one of them; with questions > 1, follow-up turns ask
+        about other facts of the same context (more answers per row: the names must be told apart)."""
+        questions = min(questions, keys)
+        ep = build_facts_episode(self.tok, fill or self.filler, self.frames, T - 8 - 40 * (questions - 1), keys,
+                                 float(rng.random()), rng, self.pool)
+        ids, mask = self._answer(ep.tokens, ep.key)
+        others = [ep.facts[i] for i in rng.permutation(len(ep.facts)) if ep.facts[i][0] != ep.name]
+        for name, key, _ in others[:questions - 1]:
+            turn = encode(self.tok, f"<|user|>\n{QUESTION_OF.format(name=name)}<|end|>\n<|assistant|>\n"
+                                    f"{ANSWER_OF.format(name=name)}")
+            more, more_mask = self._answer(turn, key)
+            ids, mask = ids + more, mask + more_mask
+        return ids, mask
 
     def window(self, rng, n):
         f = self.filler.tokens
@@ -86,14 +96,14 @@ class Tasks:
     def text(self, rng, T):
         return [self.bos, *self.window(rng, T)], [0] * (T + 1)
 
-    def row(self, rng, T, mix, gap_share, max_keys: int = 0, digit_share: float = 0.0):
+    def row(self, rng, T, mix, gap_share, max_keys: int = 0, digit_share: float = 0.0, questions: int = 1):
         kind = KINDS[rng.choice(5, p=full_mix(mix))]
         if kind in ("passkey", "facts"):
             fill = self.digit_filler if digit_share and rng.random() < digit_share else None
             if kind == "passkey":
                 ids, mask = self.passkey(rng, T, fill)
             else:   # K uniform in 1..max_keys (bounded by what fits: a fact is ~16 tokens)
-                ids, mask = self.facts(rng, T, 1 + int(rng.integers(min(max_keys, T // 40))), fill)
+                ids, mask = self.facts(rng, T, 1 + int(rng.integers(min(max_keys, T // 40))), fill, questions)
         else:
             ids, mask = getattr(self, kind)(rng, T)
         ids, mask = ids[:T], mask[:T]
@@ -107,11 +117,11 @@ class Tasks:
 
 
 def batch_arrays(tasks: Tasks, seed: int, step: int, phase) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Rows of one step: phase = (T, B, steps, mix, gap_share[, max_keys, digit_share])."""
+    """Rows of one step: phase = (T, B, steps, mix, gap_share[, max_keys, digit_share[, questions]])."""
     T, B, _, mix, gap, *rest = phase
-    max_keys, digit_share = (rest + [0, 0.0])[:2] if rest else (0, 0.0)
+    max_keys, digit_share, questions = (list(rest) + [0, 0.0, 1][len(rest):])[:3]
     rng = np.random.default_rng([seed, step])
-    rows = [tasks.row(rng, T, mix, gap, max_keys, digit_share) for _ in range(B)]
+    rows = [tasks.row(rng, T, mix, gap, max_keys, digit_share, questions) for _ in range(B)]
     return (np.array([r[0] for r in rows]), np.array([r[1] for r in rows], dtype=bool),
             np.stack([r[2] for r in rows]))
 

@@ -46,7 +46,7 @@ def part(args) -> None:
                                positions=args.positions.split(","),
                                trials=args.trials, long_contexts=_ints(args.long_contexts),
                                long_trials=args.long_trials, long_full=_ints(args.long_full), seed=args.seed,
-                               log=log)
+                               positions=args.positions.split(","), keys=args.keys, filler=args.filler, log=log)
     result["backend"], result["model"] = backend.name, backend.model_name
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result) + "\n")
@@ -82,6 +82,9 @@ def main(argv=None) -> None:
     a.add_argument("--slack", type=int, default=256)
     a.add_argument("--prefill-chunk", type=int, default=0, help="0: the slack (the table before issue 11)")
     a.add_argument("--seed", type=int, default=0)
+    a.add_argument("--keys", type=int, default=1, help="named facts per episode (1: the single pass key)")
+    a.add_argument("--filler", default="pydoc", help="pydoc (the v1 table's), heldout or digits")
+    a.add_argument("--positions", default="compact,absolute")
     a.add_argument("--threads", type=int, default=1)
     a.set_defaults(func=part)
     m = sub.add_parser("merge")

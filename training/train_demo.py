@@ -60,7 +60,15 @@ PHASES_V2 = [
     (1536, 3, 250, (0.2, 0.65, 0.05, 0.0, 0.1), 0.2, 32, 0.25),
     (4096, 1, 400, (0.2, 0.65, 0.05, 0.0, 0.1), 0.25, 32, 0.25),
 ]
-RECIPES = {"v1": PHASES, "v2": PHASES_V2}
+# v2 stage 2 (from stage 1 = --recipe v2 --stop-at 1550, exported): fact rows ask 4 questions
+# each (follow-up turns about other facts in the same context): 4x the answers per row, and the
+# names must be told apart. Peak lr 1e-3.
+PHASES_V2_QA = [
+    (768, 6, 300, (0.15, 0.75, 0.0, 0.0, 0.1), 0.1, 24, 0.25, 4),
+    (1536, 3, 200, (0.15, 0.75, 0.0, 0.0, 0.1), 0.2, 32, 0.25, 4),
+    (4096, 1, 250, (0.2, 0.7, 0.0, 0.0, 0.1), 0.25, 32, 0.25, 4),
+]
+RECIPES = {"v1": PHASES, "v2": PHASES_V2, "v2-qa": PHASES_V2_QA}
 QUICK = {"facts96": [(96, 48, 400, (0.1, 0.8, 0.0, 0.0, 0.1), 0.0, 2, 0.0)],
          "scratch96": [(96, 48, 400, (0.25, 0.35, 0.1, 0.2, 0.1), 0.0, 2, 0.0)],
          "facts256": [(256, 16, 400, (0.2, 0.5, 0.1, 0.05, 0.15), 0.0, 8, 0.25)],
@@ -294,6 +302,9 @@ def train(args) -> None:
             evals(T, args.eval_n)
         if step % args.ckpt_every == 0 or step == end:
             save()
+        if step == args.stop_at:
+            emit({"step": step, "event": "stop", "held_lm_loss_1024": held_lm_loss(model, held_fill)})
+            return
     evals(phases[-1][0], args.final_n, final=True)
     emit({"step": step, "held_lm_loss_1024": held_lm_loss(model, held_fill)})
     save()
@@ -347,6 +358,7 @@ def main(argv=None) -> None:
     p.add_argument("--device", default="auto", help="auto: cuda when available, else cpu")
     p.add_argument("--workers", type=int, default=0, help="processes building batches ahead (0: inline)")
     p.add_argument("--batch-mult", type=int, default=1, help="scale every phase's batch (a GPU takes more rows)")
+    p.add_argument("--stop-at", type=int, default=0, help="stop after this step (the schedule stays the recipe's)")
     p.add_argument("--steps-mult", type=float, default=1.0, help="scale every phase's steps")
     p.add_argument("--warmup", type=int, default=50)
     p.add_argument("--export", default=None, help="export the run's checkpoint into this directory and exit")

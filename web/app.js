@@ -7,6 +7,8 @@ import { Conversations, tokens } from "./conversations.js";
 import { el, int } from "./format.js";
 import { DocumentDialog } from "./documents.js";
 import { HeapView } from "./heapview.js";
+import { enableNarrowLayout, showPanel } from "./layout.js";
+import { enableRename } from "./rename.js";
 import { applyTheme, toggleTheme } from "./theme.js";
 
 const $ = (id) => document.getElementById(id);
@@ -143,67 +145,7 @@ for (const id of ["max-tokens", "temperature"]) {
     max_tokens: $("max-tokens").value, temperature: $("temperature").value })));
 }
 
-// ---- renaming: the title is the server's (PATCH /v1/sessions/{id}) ----------------------
-
-function startRename() {
-  const input = $("title-input");
-  input.value = convs.title(convs.current);
-  input.dataset.id = convs.current;
-  input.hidden = false;
-  $("chat-title").hidden = true;
-  $("rename").hidden = true;
-  input.focus();
-  input.select();
-}
-
-async function endRename(save) {
-  const input = $("title-input");
-  if (input.hidden) return;
-  const id = input.dataset.id;
-  const title = input.value.trim();
-  input.hidden = true;
-  $("chat-title").hidden = false;
-  renderChatMeta();
-  if (!save || !title || title === convs.title(id)) return;
-  try {
-    const info = await (await request("PATCH", `/v1/sessions/${encodeURIComponent(id)}`, { body: { title } })).json();
-    convs.upsert(info);
-    renderChatMeta();
-  } catch (e) {
-    notify(e);
-  }
-}
-
-$("rename").addEventListener("click", startRename);
-$("title-input").addEventListener("keydown", (e) => {
-  if (e.key === "Enter") endRename(true);
-  else if (e.key === "Escape") endRename(false);
-  else return;
-  e.preventDefault();
-  e.stopPropagation();   // Escape here neither stops a reply nor closes a panel
-  $("prompt").focus();
-});
-$("title-input").addEventListener("blur", () => endRename(true));
-
-// ---- narrow screens: the conversations and the heap are drawers over the chat ------------
-
-function showPanel(name) {
-  const before = document.body.dataset.panel || "";
-  document.body.dataset.panel = name;
-  $("scrim").hidden = !name;
-  $("show-conversations").setAttribute("aria-expanded", String(name === "sidebar"));
-  $("show-heap").setAttribute("aria-expanded", String(name === "heap"));
-  if (name === "heap" && matchMedia("(max-width: 900px)").matches) $("heap-panel").querySelector(".close-panel").focus();
-  else if (!name && before) $(before === "heap" ? "show-heap" : "show-conversations").focus({ preventScroll: true });
-}
-
-// Buttons with data-toggle-panel toggle that panel; the scrim (value "") closes whichever is open.
-document.addEventListener("click", (e) => {
-  const target = e.target.closest("[data-toggle-panel]");
-  if (!target) return;
-  const name = target.dataset.togglePanel;
-  showPanel(name && document.body.dataset.panel !== name ? name : "");
-});
+enableRename({ convs, onChange: renderChatMeta, onError: notify });
 
 // ---- notices and the API key -----------------------------------------------------
 
@@ -338,14 +280,7 @@ function restoreParams() {
   } catch { /* unreadable: keep the defaults */ }
 }
 
-// The full hint does not fit a phone's message box: the short one there (the hint stays for screen readers).
-const PHONE = matchMedia("(max-width: 600px)");
-const placeholder = () => {
-  $("prompt").placeholder = PHONE.matches ? "Message the model" : "Message the model  (Enter sends, Shift+Enter adds a line)";
-};
-PHONE.addEventListener("change", placeholder);
-
-placeholder();
+enableNarrowLayout();
 restoreParams();
 applyTheme();
 updateComposer();

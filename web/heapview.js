@@ -136,6 +136,12 @@ export class HeapView {
     $("stat-resident").textContent = heap ? `${int(heap.resident)} of ${int(heap.capacity)}` : "–";
     setNumber($("stat-evicted"), heap?.evicted ?? 0, heap ? int(heap.evicted) : "–");
     $("stat-repacks").textContent = heap ? int(heap.evictions) : "–";
+    const pages = heap?.pages;   // the recall tier's page store, when on
+    $("stat-disk-row").hidden = !pages;
+    $("stat-disk").textContent = pages
+      ? `${int(pages.tokens_on_disk)} tokens · ${bytes(pages.disk_bytes)}` +
+        (pages.last_recall ? ` · last recall ${int(pages.last_recall.tokens)} in ${pages.last_recall.ms} ms` : "")
+      : "–";
   }
 
   renderSpark(points) {

@@ -19,13 +19,26 @@ def add_parser(sub) -> None:
     add_heap_args(p)
     p.add_argument("--ram-budget", default=None, metavar="SIZE",
                    help="RAM budget for weights + heaps + runtime, e.g. 12G, 512M or bytes")
-    p.add_argument("--host", default="127.0.0.1", help="bind address (default: localhost only)")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="bind address (default: localhost only; 0.0.0.0 opens the server to the network "
+                        "and turns off the Host-header check)")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", default=os.environ.get("LOCALHEAP_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on /v1/* and /metrics (env LOCALHEAP_API_KEY)")
+    p.add_argument("--allow-host", action="append", default=[], metavar="NAME",
+                   help="also answer requests whose Host header is NAME (e.g. a reverse proxy's name; repeatable)")
+    p.add_argument("--api-key", action="append", default=[], metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' on /v1/* and /metrics; repeatable, each key sees "
+                        "only its own sessions. Visible in `ps`: prefer LOCALHEAP_API_KEY or --api-keys-file")
+    p.add_argument("--api-keys-file", type=Path, default=None, metavar="PATH",
+                   help="API keys, one a line (# comments); with LOCALHEAP_API_KEY and --api-key")
     p.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
                    help="allow browser requests from ORIGIN (repeatable; the server's own origin always is)")
-    p.add_argument("--max-body", default="64M", metavar="SIZE", help="largest request body (413 beyond)")
+    p.add_argument("--max-body", default="16M", metavar="SIZE",
+                   help="largest request body (413 beyond); 16M holds a 1M-token document")
+    p.add_argument("--max-prompt-tokens", type=int, default=None, metavar="N",
+                   help="largest prompt one request may hold (400 beyond; default: from the RAM budget)")
+    p.add_argument("--admission-timeout", type=float, default=30.0, metavar="SECONDS",
+                   help="how long a request may queue for RAM under the budget before 503")
+    p.add_argument("--max-observers", type=int, default=8, help="open /v1/heap/events streams (503 beyond)")
     p.add_argument("--max-active", type=int, default=8, help="requests served round-robin at once")
     p.add_argument("--max-queue", type=int, default=32, help="requests waiting beyond those (503 beyond)")
     p.add_argument("--max-sessions", type=int, default=256)
@@ -58,10 +71,16 @@ def settings_from_args(args):
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
     if args.max_queue < 0:
         raise ValueError("--max-queue must be >= 0")
+    if args.max_prompt_tokens is not None and args.max_prompt_tokens < 1:
+        raise ValueError("--max-prompt-tokens must be >= 1")
+    if args.admission_timeout < 0 or args.max_observers < 1:
+        raise ValueError("--admission-timeout must be >= 0 and --max-observers >= 1")
     if not 0 <= args.shutdown_grace <= 3600:
         raise ValueError("--shutdown-grace must be between 0 and 3600 seconds")
     return ServerSettings(
-        host=args.host, port=args.port, api_key=args.api_key or None, cors_origins=list(args.cors_origin),
+        host=args.host, port=args.port, api_keys=api_keys(args), cors_origins=list(args.cors_origin),
+        allowed_hosts=list(args.allow_host), max_prompt_tokens=args.max_prompt_tokens,
+        admission_timeout=args.admission_timeout, max_observers=args.max_observers,
         max_body_bytes=parse_bytes(args.max_body), max_active=args.max_active, max_queued=args.max_queue,
         max_sessions=max(args.max_sessions, args.max_resident_sessions),
         max_resident_sessions=args.max_resident_sessions, persist_sessions=args.persist,
@@ -70,6 +89,24 @@ def settings_from_args(args):
         default_max_tokens=args.default_max_tokens, max_tokens_limit=args.max_tokens_limit,
         shutdown_grace_s=args.shutdown_grace, heap=heap_config(args),
     )
+
+
+def api_keys(args) -> list[str]:
+    """LOCALHEAP_API_KEY, then --api-keys-file's lines, then --api-key (warned: `ps` shows it)."""
+    keys = [os.environ["LOCALHEAP_API_KEY"]] if os.environ.get("LOCALHEAP_API_KEY") else []
+    if args.api_keys_file is not None:
+        try:
+            lines = args.api_keys_file.read_text().splitlines()
+        except OSError as e:
+            raise ValueError(f"cannot read --api-keys-file {args.api_keys_file}: {e.strerror}") from None
+        keys += [k.strip() for k in lines if k.strip() and not k.lstrip().startswith("#")]
+    if args.api_key:
+        print("localheap: warning: an API key given with --api-key is visible to every user of this machine "
+              "(ps, /proc); use LOCALHEAP_API_KEY or --api-keys-file", file=sys.stderr)
+        keys += args.api_key
+    if any(any(c.isspace() for c in k) for k in keys):
+        raise ValueError("API keys cannot hold spaces")
+    return list(dict.fromkeys(keys))
 
 
 def run(args) -> int:
@@ -87,7 +124,8 @@ def run(args) -> int:
     app = create_app(backend, settings)   # BudgetTooSmall here says what would fit
     plan = app.state.services.governor.plan
     print(f"localheap: RAM budget {format_bytes(plan.budget)} = weights {format_bytes(plan.weights)} + runtime "
-          f"{format_bytes(plan.overhead)} + room for {plan.max_resident} resident heap(s); "
+          f"{format_bytes(plan.overhead)} (of which {format_bytes(plan.requests)} for requests: prompts up to "
+          f"{settings.max_prompt_tokens:,} tokens) + room for {plan.max_resident} resident heap(s); "
           f"thermal state {app.state.services.governor.sensors.thermal()}", file=sys.stderr)
     heap = settings.heap
     print(f"localheap: {backend.model_name} on {backend.name} | heap: {heap.sinks} sinks + {heap.budget} budget + "

@@ -3,6 +3,8 @@
 Requests come in on a queue; events go out through each request's emit callable. Active
 runs are served round-robin, one step each per round: a decode token or a prefill chunk,
 so a long document upload never stalls another session's chat for more than one chunk.
+Under a RAM budget, jobs that need a heap wait in arrival order (FIFO) for room, up to
+`admission_timeout` seconds, then fail with OverBudget (503); later jobs never overtake them.
 The engine knows nothing about HTTP; it tokenizes nothing but the text it detokenizes.
 """
 
@@ -24,15 +26,24 @@ from .runs import Run
 from .telemetry import Counters
 
 log = logging.getLogger("localheap.engine")
+ROOM_RECHECK_S = 0.1   # how often a job waiting for RAM asks the governor again (runs ending ask at once)
+IDLE_POLL_S = 0.05     # with nothing running, how often waiting jobs are looked at (room, timeouts)
+
+
+class WaitForRoom(Exception):
+    """Internal: the job needs a heap and an earlier job is already waiting for RAM."""
 
 
 class Engine:
     def __init__(self, backend: Any, store: SessionStore, governor: Optional[Governor] = None,
-                 max_active: int = 8, max_queued: int = 32):
-        assert max_active >= 1 and max_queued >= 0
+                 max_active: int = 8, max_queued: int = 32, admission_timeout: float = 30.0):
+        assert max_active >= 1 and max_queued >= 0 and admission_timeout >= 0
         self.backend, self.store = backend, store
         self.governor = governor or AdmitAll()
         self.max_active, self.max_queued = max_active, max_queued
+        self.admission_timeout = admission_timeout
+        self._room_check_at = 0.0          # before this (monotonic), don't ask the governor again
+        self._refusal: Optional[OverBudget] = None
         self.counters = Counters()
         self._inbox: queue.Queue = queue.Queue()
         self._waiting: deque[Job] = deque()
@@ -117,8 +128,9 @@ class Engine:
     def _loop(self) -> None:
         try:
             while True:
-                busy = bool(self._active or self._waiting)
-                if not self._drain(block=not busy):
+                # running: just look; only waiting (for RAM or a busy session): poll; idle: sleep
+                timeout = 0.0 if self._active else IDLE_POLL_S if self._waiting else None
+                if not self._drain(timeout):
                     break
                 self._admit()
                 for run in list(self._active):
@@ -148,10 +160,11 @@ class Engine:
         if self.on_fatal is not None:
             self.on_fatal(error)
 
-    def _drain(self, block: bool) -> bool:
-        """Take everything in the inbox; False on the stop sentinel."""
+    def _drain(self, timeout: Optional[float]) -> bool:
+        """Take everything in the inbox (waiting up to `timeout` for the first item, None:
+        for ever); False on the stop sentinel."""
         try:
-            item = self._inbox.get() if block else self._inbox.get_nowait()
+            item = self._inbox.get(timeout=timeout) if timeout != 0.0 else self._inbox.get_nowait()
         except queue.Empty:
             return True
         while True:
@@ -172,8 +185,10 @@ class Engine:
                 return True
 
     def _admit(self) -> None:
-        """Start waiting jobs in arrival order; a job for a busy session waits its turn."""
+        """Start waiting jobs in arrival order; a job for a busy session waits its turn, and
+        once one job waits for RAM, later jobs that need a heap wait behind it (FIFO)."""
         skipped: deque[Job] = deque()
+        blocked = time.monotonic() < self._room_check_at
         while self._waiting and len(self._active) < self.max_active:
             job = self._waiting.popleft()
             if job.cancelled:
@@ -184,32 +199,46 @@ class Engine:
                 skipped.append(job)
                 continue
             try:
-                self._start(job)
+                self._start(job, blocked)
+            except (WaitForRoom, OverBudget) as e:
+                if isinstance(e, OverBudget):
+                    self._refusal, self._room_check_at, blocked = e, time.monotonic() + ROOM_RECHECK_S, True
+                if time.monotonic() - job.submitted < self.admission_timeout:
+                    skipped.append(job)
+                else:
+                    self._fail(job, self._refusal or OverBudget("over the RAM budget"))
             except Exception as e:
                 self._fail(job, e)
         skipped.extend(self._waiting)
         self._waiting = skipped
 
-    def _start(self, job: Job) -> None:
+    def _room_freed(self) -> None:
+        """A heap may have become spillable or free: jobs waiting for RAM ask again now."""
+        self._room_check_at = 0.0
+
+    def _start(self, job: Job, room_blocked: bool = False) -> None:
         req, tok = job.request, self.backend.tokenizer
         encode = lambda text: tok.encode(text, add_special_tokens=False)  # noqa: E731
         self._check_tokens(req.prompt.tokens, req.prompt.continuation or ())
         if req.session_id is not None:
-            match = continue_session(self.store.get(req.session_id), req.prompt, encode, tok.decode)
+            named = self.store.get(req.session_id)
+            if named.owner != req.owner:   # another key's session: as if it did not exist
+                raise SessionNotFound(req.session_id)
+            match = continue_session(named, req.prompt, encode, tok.decode)
         else:
-            sessions = [] if isinstance(req, Feed) else self.store.sessions()
+            sessions = [] if isinstance(req, Feed) else [x for x in self.store.sessions() if x.owner == req.owner]
             match = match_session(sessions, req.prompt, encode, tok.decode)
         try:
             if match is not None:
-                return self._run(job, self._prepare(match, created=False), created=False)
+                return self._run(job, self._prepare(match, False, room_blocked), created=False)
         except SessionLost:
             if req.session_id is not None:
                 raise   # the client named it: it must resend the history
             log.warning("the session matching a prompt was lost; serving it in a new session")
-        match = continue_session(self.store.create(), req.prompt, encode, tok.decode)
-        self._run(job, self._prepare(match, created=True), created=True)
+        match = continue_session(self.store.create(owner=req.owner), req.prompt, encode, tok.decode)
+        self._run(job, self._prepare(match, True, room_blocked), created=True)
 
-    def _prepare(self, match, created: bool):
+    def _prepare(self, match, created: bool, room_blocked: bool = False):
         """Make room for the match's session and give it its heap; a session created for
         this request is dropped again when that fails (it holds no history)."""
         s = match.session
@@ -217,9 +246,11 @@ class Engine:
             if not match.new_tokens:
                 raise ValueError("the prompt is empty: nothing to feed")
             self._check_tokens(match.new_tokens)
-            self._make_room(s)
             if s.cache is None:
-                self._admit_heap(s)
+                if room_blocked:
+                    raise WaitForRoom()
+                self._admit_heap(s)   # before _make_room: a refused job must not evict sessions
+            self._make_room(s)
             self.store.make_resident(s)
         except Exception:
             if created:
@@ -321,6 +352,7 @@ class Engine:
             self.store.enforce_limits()
         except Exception as e:   # the request is answered; the next one that needs room reports it
             log.error("%s (sessions stay in memory)", e)
+        self._room_freed()
 
     def _save(self, s: Session) -> None:
         """Write-through in a durable store; a failed write keeps the session, logged."""
@@ -339,7 +371,9 @@ class Engine:
                 log.error("session %s dropped: its cache cannot be trusted and it has no saved copy", run.session.id)
             run.session.busy = False
             self.store.delete(run.session.id)
-        self._end(job, Failed(error), "failed")
+        self._room_freed()
+        # refusals (budget, queue) are not failures: they count as rejected, like a full queue
+        self._end(job, Failed(error), "rejected" if isinstance(error, (OverBudget, Overloaded)) else "failed")
 
     def _end(self, job: Job, event, outcome: str) -> None:
         """Every job ends here exactly once: finished, cancelled or failed."""
@@ -385,6 +419,7 @@ class Engine:
             self._waiting.remove(job)
             self._end(job, Failed(SessionNotFound(session_id)), "failed")
         self.store.delete(session_id)
+        self._room_freed()
 
 
 def wait_idle(engine: Engine, timeout: float = 10.0) -> bool:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Union
 
@@ -70,6 +71,7 @@ class Generate:
     params: SamplingParams
     emit: Emit
     session_id: Optional[str] = None
+    owner: Optional[str] = None   # the API key's owner id: only its sessions are matched or continued
 
 
 @dataclass
@@ -78,6 +80,7 @@ class Feed:
     prompt: Prompt
     emit: Emit
     session_id: Optional[str] = None
+    owner: Optional[str] = None
 
 
 _ids = itertools.count(1)
@@ -91,6 +94,7 @@ class Job:
     id: int = field(default_factory=lambda: next(_ids))
     _cancelled: threading.Event = field(default_factory=threading.Event)
     done: threading.Event = field(default_factory=threading.Event)
+    submitted: float = field(default_factory=time.monotonic)
 
     def cancel(self) -> None:
         self._cancelled.set()

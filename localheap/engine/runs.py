@@ -56,7 +56,7 @@ class Run:
         return self.finish_reason is not None
 
     def _prefill_chunk(self) -> None:
-        chunk = self.to_prefill[self.prefilled:self.prefilled + self.chunk]
+        chunk = list(self.to_prefill[self.prefilled:self.prefilled + self.chunk])   # ids may be an int32 array
         self.backend.prefill(self.session.cache, chunk)
         self.session.extend(chunk)
         self.prefilled += len(chunk)

@@ -46,11 +46,17 @@ class MemoryPlan:
     budget: int
     weights: int
     heap: int              # bytes of one session's heap (all layers)
-    overhead: int          # runtime, activations, allocator slack, Python
+    overhead: int          # runtime, activations, allocator slack, Python, requests in flight
+    requests: int = 0      # of the overhead: room for requests' prompts (text, token ids)
 
     @property
     def free_for_heaps(self) -> int:
         return self.budget - self.weights - self.overhead
+
+    @property
+    def max_prompt_tokens(self) -> int:
+        """Prompt tokens one request may hold: its share of the request room."""
+        return max(1, self.requests // PROMPT_TOKEN_BYTES)
 
     @property
     def max_resident(self) -> int:
@@ -70,6 +76,19 @@ class MemoryPlan:
             advice = (f"The weights alone ({fmt(self.weights)}) plus runtime ({fmt(self.overhead)}) exceed it: "
                       f"use a smaller or more quantized model, or raise --ram-budget above {fmt(need)}.")
         raise BudgetTooSmall(need=need, have=self.budget, advice=advice)
+
+
+# What a prompt token costs the server while a request holds it: the id in a Python list (8 B
+# pointer + 32 B int) and its slices, plus the text's copies (body, JSON, template renders).
+# Tokenizing costs ~530 B a token more, but only a piece at a time (server/tokens.py).
+PROMPT_TOKEN_BYTES = 128
+MIN_REQUEST_ROOM = 128 * 1024**2    # 1M prompt tokens: a long document still fits a small budget
+MAX_REQUEST_ROOM = 1024**3
+
+
+def request_room(budget: int) -> int:
+    """Bytes of the budget kept for requests in flight: 1/16, within [128 MiB, 1 GiB]."""
+    return min(MAX_REQUEST_ROOM, max(MIN_REQUEST_ROOM, budget // 16))
 
 
 def runtime_overhead(weights: int, hidden_size: int, chunk: int, vocab: int) -> int:

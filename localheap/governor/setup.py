@@ -8,7 +8,7 @@ from typing import Any, Optional
 import psutil
 
 from ..heap import HeapConfig
-from .budget import MemoryPlan
+from .budget import MemoryPlan, request_room
 from .governor import Governor, SystemSensors, backend_limits
 
 log = logging.getLogger("localheap.governor")
@@ -25,14 +25,17 @@ def plan_for(backend: Any, cfg: HeapConfig, ram_budget: Optional[int]) -> Memory
     """Weights + one heap per resident session + runtime, against the budget.
 
     Runtime is measured, not guessed: the process's RSS now (model loaded) minus the
-    weights, plus 10% of the weights and a margin for prefill activations.
+    weights, plus 10% of the weights, a margin for prefill activations, and room for the
+    prompts of requests in flight (which sets the prompt-token limit).
     Raises BudgetTooSmall (with what would fit) when not even one heap fits.
     """
     budget = ram_budget or default_budget()
     weights = int(backend.weights_bytes)
     rss = psutil.Process().memory_info().rss
-    overhead = max(0, rss - weights) + weights // 10 + ACTIVATION_MARGIN
-    plan = MemoryPlan(budget=budget, weights=weights, heap=int(backend.heap_bytes(cfg)), overhead=overhead)
+    requests = request_room(budget)
+    overhead = max(0, rss - weights) + weights // 10 + ACTIVATION_MARGIN + requests
+    plan = MemoryPlan(budget=budget, weights=weights, heap=int(backend.heap_bytes(cfg)), overhead=overhead,
+                      requests=requests)
     return plan.check(heap_tokens=cfg.layer_capacity(cfg.budget), bytes_per_token=backend.kv_bytes_per_token())
 
 

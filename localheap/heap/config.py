@@ -77,7 +77,8 @@ class HeapConfig:
             raise HeapConfigError("page_size must be >= 1 and disk_budget >= 0")
         if self.recall:
             if self.recall_budget < self.page_size:
-                raise HeapConfigError(f"recall budget ({self.recall_budget}) must hold a page ({self.page_size} tokens)")
+                raise HeapConfigError(f"recall budget ({self.recall_budget}) must hold a page "
+                                      f"({self.page_size} tokens)")
             if self.recall_budget + self.recent > self.budget:
                 raise HeapConfigError(f"recall budget ({self.recall_budget}) + recent window ({self.recent}) "
                                       f"cannot exceed the budget ({self.budget})")

@@ -14,7 +14,8 @@ FORMATS = ("f32", "f16", "int8")
 def payload_fields(fmt: str, H: int, P: int, D: int) -> list[tuple]:
     """Structured-dtype fields of one page's payload."""
     if fmt == "int8":
-        return [("kscale", "<f4", (H, P)), ("vscale", "<f4", (H, P)), ("keys", "i1", (H, P, D)), ("values", "i1", (H, P, D))]
+        return [("kscale", "<f4", (H, P)), ("vscale", "<f4", (H, P)),
+                ("keys", "i1", (H, P, D)), ("values", "i1", (H, P, D))]
     elem = "<f4" if fmt == "f32" else "<f2"
     return [("keys", elem, (H, P, D)), ("values", elem, (H, P, D))]
 

@@ -136,7 +136,8 @@ class PageStore:
         P, written = self.g.page_size, 0
         while L.tail_pos.shape[1] >= P:
             self._write(layer, L.tail_pos[:, :P], L.tail_k[:, :P], L.tail_v[:, :P], float(L.tail_value[:, :P].max()))
-            L.tail_pos, L.tail_k, L.tail_v, L.tail_value = (a[:, P:] for a in (L.tail_pos, L.tail_k, L.tail_v, L.tail_value))
+            L.tail_pos, L.tail_k, L.tail_v, L.tail_value = (
+                a[:, P:] for a in (L.tail_pos, L.tail_k, L.tail_v, L.tail_value))
             written += 1
         if written:
             self.enforce_budget()
@@ -250,7 +251,8 @@ class PageStore:
 
     def summary_bytes_per_token(self) -> float:
         """RAM for the summaries per token on disk, all layers (f16)."""
-        return self.g.n_layers * len(SUMMARY_FIELDS[self.summary]) * self.g.n_kv_heads * self.g.head_dim * 2 / self.g.page_size
+        per_page = len(SUMMARY_FIELDS[self.summary]) * self.g.n_kv_heads * self.g.head_dim * 2
+        return self.g.n_layers * per_page / self.g.page_size
 
     def stats(self) -> dict:
         return {"pages": self.pages, "pages_written": self.written, "pages_dropped": self.dropped,

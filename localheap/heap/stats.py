@@ -59,10 +59,17 @@ class HeapStats:
         return d
 
     def summary(self) -> str:
-        return (
+        text = (
             f"tokens seen {self.tokens_seen:,} | resident {self.resident:,}/{self.capacity:,} | "
             f"evicted {self.evicted:,} | KV {format_bytes(self.kv_bytes)}"
         )
+        if self.pages is not None:
+            p, last = self.pages, self.pages.get("last_recall")
+            text += (f" | on disk {p['tokens_on_disk']:,} tokens ({format_bytes(p['disk_bytes'])}, "
+                     f"{p['pages_dropped']:,} pages dropped) | recalled {self.recalled:,}")
+            if last:
+                text += f" in {last['ms']:.0f} ms"
+        return text
 
 
 def combine(layer_stats: list[LayerStats], kv_bytes: int, pages: Optional[dict] = None) -> HeapStats:

@@ -5,21 +5,24 @@ from __future__ import annotations
 import asyncio
 import logging
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any, Optional
 
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.staticfiles import StaticFiles
+from starlette.exceptions import HTTPException
 
 from ..engine import Engine, Governor
-from ..governor import governor_for, plan_for
+from ..governor import MemoryPlan, default_budget, governor_for, plan_for
+from ..governor.budget import request_room
 from ..sessions import SessionStore
 from . import errors
-from .middleware import LimitBody, RequireApiKey
+from .middleware import CheckHost, LimitBody, RequireApiKey, checks_host
 from .routes import observe, openai, sessions, tokenize
 from .services import Services
 from .settings import ServerSettings
-from .telemetry import ThroughputHistory
+from .telemetry import ThroughputHistory, metrics_registry
 
 
 log = logging.getLogger("localheap.server")
@@ -33,8 +36,13 @@ def create_app(backend: Any, settings: Optional[ServerSettings] = None, governor
         governor = governor_for(backend, plan)
     store = SessionStore(backend, settings.heap, settings.sessions_dir, durable=settings.persist_sessions,
                          max_resident=settings.max_resident_sessions, max_sessions=settings.max_sessions)
-    engine = Engine(backend, store, governor, max_active=settings.max_active, max_queued=settings.max_queued)
+    engine = Engine(backend, store, governor, max_active=settings.max_active, max_queued=settings.max_queued,
+                    admission_timeout=settings.admission_timeout)
+    if settings.max_prompt_tokens is None:
+        plan = getattr(governor, "plan", None)
+        settings.max_prompt_tokens = (plan or MemoryPlan(0, 0, 0, 0, request_room(default_budget()))).max_prompt_tokens
     svc = Services(settings, backend, engine, store, governor, throughput=ThroughputHistory())
+    svc.metrics = metrics_registry(svc)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -61,20 +69,37 @@ def create_app(backend: Any, settings: Optional[ServerSettings] = None, governor
     for module in (openai, sessions, tokenize, observe):
         app.include_router(module.router)
     app.add_middleware(LimitBody, max_bytes=settings.max_body_bytes)
-    if settings.api_key:
-        app.add_middleware(RequireApiKey, api_key=settings.api_key)
+    if settings.keys:
+        app.add_middleware(RequireApiKey, api_keys=settings.keys)
     app.add_middleware(CORSMiddleware, allow_origins=settings.own_origins + list(settings.cors_origins),
                        allow_methods=["GET", "POST", "PATCH", "DELETE", "OPTIONS"],
                        allow_headers=["Authorization", "Content-Type", "X-Session-Id", "X-Localheap-Client"],
                        expose_headers=["X-Session-Id", "Retry-After"])
+    if checks_host(settings.host):
+        app.add_middleware(CheckHost, bound_host=settings.host, extra=settings.allowed_hosts)   # outermost
     _mount_web(app, settings)
     return app
+
+
+class WebFiles(StaticFiles):
+    """The UI's own files only: pages, scripts, styles, images, fonts; never the package's
+    Python files, caches or dotfiles that sit beside them (404, as for a missing file)."""
+
+    SERVED = {".html", ".js", ".mjs", ".css", ".svg", ".png", ".ico", ".webp", ".woff2", ".json", ".map"}
+
+    async def get_response(self, path: str, scope):
+        parts = [p for p in path.replace("\\", "/").split("/") if p not in ("", ".")]
+        hidden = any(p.startswith((".", "_")) for p in parts)
+        folder = not parts or (Path(str(self.directory)) / "/".join(parts)).is_dir()   # -> its index.html
+        if hidden or not (folder or Path(parts[-1]).suffix.lower() in self.SERVED):
+            raise HTTPException(status_code=404)
+        return await super().get_response(path, scope)
 
 
 def _mount_web(app: FastAPI, settings: ServerSettings) -> None:
     """The web UI at / when the package ships one (localheap/web/index.html)."""
     if settings.web_dir is not None:
-        app.mount("/", StaticFiles(directory=settings.web_dir, html=True), name="web")
+        app.mount("/", WebFiles(directory=settings.web_dir, html=True), name="web")
         return
 
     @app.get("/", include_in_schema=False)

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import logging
+import uuid
 from typing import Optional
 
 from fastapi import FastAPI, Request
@@ -47,6 +48,20 @@ class UnknownModel(ApiError):
     status, code = 404, "model_not_found"
 
 
+class PromptTooLong(ApiError):
+    """More prompt tokens than the RAM budget lets one request hold (OpenAI's code for it)."""
+    code = "context_length_exceeded"
+
+    def __init__(self, limit: int, at_least: int, param: str = "messages"):
+        super().__init__(f"the prompt has at least {at_least:,} tokens; this server takes at most {limit:,} "
+                         f"per request (from its RAM budget; see --max-prompt-tokens). Send a long "
+                         f"document in parts: POST /v1/sessions/ID/documents appends to a session.", param)
+
+
+class TooManyObservers(ApiError):
+    status, type, code = 503, "server_error", "too_many_observers"
+
+
 def error_body(message: str, type_: str, param: Optional[str] = None, code: Optional[str] = None) -> dict:
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
@@ -58,7 +73,8 @@ def error_response(status: int, message: str, type_: str, param=None, code=None,
 def to_response(exc: Exception) -> JSONResponse:
     """The one place that turns an exception into a status code and body."""
     if isinstance(exc, ApiError):
-        return error_response(exc.status, str(exc), exc.type, exc.param, exc.code)
+        headers = {"Retry-After": "5"} if exc.status == 503 else None
+        return error_response(exc.status, str(exc), exc.type, exc.param, exc.code, headers=headers)
     if isinstance(exc, SessionNotFound):
         return error_response(404, str(exc), "invalid_request_error", "session_id", "session_not_found")
     if isinstance(exc, SessionLost):
@@ -88,8 +104,12 @@ def to_response(exc: Exception) -> JSONResponse:
         return error_response(exc.status_code, str(exc.detail), type_, None, code, headers=headers)
     if isinstance(exc, (HeapConfigError, ValueError)):
         return error_response(400, str(exc), "invalid_request_error")
-    log.error("unhandled error", exc_info=exc)
-    return error_response(500, f"internal error: {type(exc).__name__}: {exc}", "server_error")
+    # the body says nothing about internals (exception text can hold paths, file names,
+    # prompt text); the log has it all, found by the reference
+    ref = uuid.uuid4().hex[:12]
+    log.error("internal error (reference %s)", ref, exc_info=exc)
+    return error_response(500, f"internal server error (reference {ref}; the details are in the server log)",
+                          "server_error", None, "internal_error")
 
 
 def _validation(exc: RequestValidationError) -> JSONResponse:

@@ -1,31 +1,101 @@
-"""ASGI middleware: API key check and request body limit. Errors go through errors.to_response."""
+"""ASGI middleware: Host check, API keys, request body limit. Errors go through errors.to_response."""
 
 from __future__ import annotations
 
+import hashlib
 import hmac
+import logging
+from typing import Optional
 
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from .errors import Unauthorized, to_response
+from starlette.concurrency import run_in_threadpool
+
+from .errors import ApiError, Unauthorized, to_response
+from .tokens import release_freed_memory
+
+log = logging.getLogger("localheap.server")
+RELEASE_AFTER_BYTES = 4 << 20
 
 PROTECTED_PREFIXES = ("/v1/", "/metrics")
 
 
-class RequireApiKey:
-    """Bearer key on /v1/* and /metrics; /health and the web page stay open."""
+OWNER = "localheap.owner"   # scope key: the id of the API key that authenticated the request
+LOOPBACK_NAMES = ("localhost", "127.0.0.1", "[::1]")
+WILDCARD_HOSTS = ("0.0.0.0", "::", "")
 
-    def __init__(self, app: ASGIApp, api_key: str):
-        self.app, self.expected = app, f"Bearer {api_key}".encode()
+
+def owner_id(api_key: str) -> str:
+    """What a session records about the key that created it: a digest, never the key."""
+    return hashlib.sha256(api_key.encode()).hexdigest()[:16]
+
+
+def request_owner(scope: Scope) -> Optional[str]:
+    return scope.get(OWNER)
+
+
+class RequireApiKey:
+    """Bearer key on /v1/* and /metrics; /health and the web page stay open. With several
+    keys, the one that matched is recorded in the scope (sessions belong to it)."""
+
+    def __init__(self, app: ASGIApp, api_keys: list[str]):
+        assert api_keys
+        self.app = app
+        self.expected = [(f"Bearer {k}".encode(), owner_id(k)) for k in api_keys]
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["method"] != "OPTIONS" and scope["path"].startswith(PROTECTED_PREFIXES):
             given = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.expected):
+            owner = None
+            for expected, who in self.expected:   # every key compared: the time says nothing about which
+                if hmac.compare_digest(given, expected):
+                    owner = who
+            if owner is None:
                 message = "missing API key: send 'Authorization: Bearer KEY'" if not given else "incorrect API key"
                 await to_response(Unauthorized(message))(scope, receive, send)
                 return
+            scope[OWNER] = owner
         await self.app(scope, receive, send)
+
+
+class CheckHost:
+    """Refuse requests whose Host header names another site (DNS rebinding: a page on
+    evil.example whose name resolves to 127.0.0.1 must not reach a loopback server).
+    Accepted: localhost, 127.0.0.1, [::1] and the bound host, on the port the server
+    listens on, plus names the operator allowed (--allow-host: a proxy's name, on any port)."""
+
+    def __init__(self, app: ASGIApp, bound_host: str, extra: list[str] = ()):
+        self.app = app
+        bound = f"[{bound_host}]" if ":" in bound_host else bound_host
+        self.names = {n.lower() for n in (*LOOPBACK_NAMES, bound)}
+        self.extra = {n.lower() for n in extra}
+
+    def allowed(self, host: str, port: Optional[int]) -> bool:
+        name, _, given_port = host.rpartition(":") if not host.endswith("]") else (host, "", "")
+        if not name:                      # no port in the header: the scheme's default
+            name, given_port = host, ""
+        name = name.lower()
+        if name in self.extra:
+            return True
+        return name in self.names and (port is None or (given_port or "80") == str(port))
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] in ("http", "websocket"):
+            host = dict(scope["headers"]).get(b"host", b"").decode("latin-1").strip()
+            server = scope.get("server")
+            if not self.allowed(host, server[1] if server else None):
+                log.warning("refused a request for Host %r (not this server's name; DNS rebinding?)", host)
+                error = ApiError(f"unknown Host header {host!r}: this server answers only to "
+                                 f"{', '.join(sorted(self.names | self.extra))} (see --allow-host)", code="invalid_host")
+                await to_response(error)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def checks_host(bound_host: str) -> bool:
+    """A server bound to every interface was opened up on purpose: any name may reach it."""
+    return bound_host not in WILDCARD_HOSTS
 
 
 class LimitBody:
@@ -56,4 +126,8 @@ class LimitBody:
                     raise self._error()   # FastAPI passes HTTPExceptions from body reading through
             return message
 
-        await self.app(scope, limited, send)
+        try:
+            await self.app(scope, limited, send)
+        finally:
+            if seen >= RELEASE_AFTER_BYTES:   # a large body leaves freed copies behind: hand them back
+                await run_in_threadpool(release_freed_memory)

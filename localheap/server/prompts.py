@@ -4,11 +4,18 @@ document takes a while to tokenize). Knows the tokenizer, never a tensor."""
 from __future__ import annotations
 
 import re
-from typing import Any, Optional
+import threading
+from typing import Any, Callable, Optional, Sequence
+
+from starlette.concurrency import run_in_threadpool
 
 from ..sessions import Prompt
-from .errors import BadRequest
+from ..sessions.session import token_array
+from .errors import BadRequest, PromptTooLong
 from .schemas import ChatMessage, CompletionRequest
+from .tokens import PIECE_CHARS, check_chars, encode_bounded, encode_plain, release_freed_memory
+
+_LONG_TEXTS = threading.Lock()
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
 # A finished exchange rendered before new turns, so that the difference between the two
@@ -56,33 +63,84 @@ def render_continuation(tokenizer: Any, messages: list[dict], add_generation_pro
     return full[len(base):] if full.startswith(base) else None
 
 
-def encode(tokenizer: Any, text: str, special: bool = False) -> list[int]:
-    return list(tokenizer.encode(text, add_special_tokens=special))
+async def tokenize(fn: Callable[..., Prompt], *args, **kwargs) -> Prompt:
+    """Run a prompt builder off the event loop (a long document takes a while); long texts
+    one at a time, so their tokenizer transients never add up; their freed memory is
+    handed back to the system afterwards (the 30 MB message case)."""
+    return await run_in_threadpool(_bounded, fn, args, kwargs)
 
 
-def chat_prompt(tokenizer: Any, messages: list[ChatMessage], add_generation_prompt: bool = True) -> Prompt:
+def _chars(arg: Any) -> int:
+    """Characters of text a prompt builder's argument carries (a text, messages, a request)."""
+    if isinstance(arg, str):
+        return len(arg)
+    if isinstance(arg, list):
+        return sum(_chars(m.text() if isinstance(m, ChatMessage) else m) for m in arg)
+    return _chars(arg.prompt) if isinstance(arg, CompletionRequest) else 0
+
+
+def _bounded(fn: Callable[..., Prompt], args: tuple, kwargs: dict) -> Prompt:
+    if sum(_chars(a) for a in args) < PIECE_CHARS:
+        return fn(*args, **kwargs)
+    try:
+        with _LONG_TEXTS:
+            return fn(*args, **kwargs)
+    finally:
+        release_freed_memory()
+
+
+def chat_prompt(tokenizer: Any, messages: list[ChatMessage], add_generation_prompt: bool = True,
+                limit: Optional[int] = None) -> Prompt:
     """The full conversation, plus its continuation for an explicit session that holds
-    earlier turns (only the new messages are sent)."""
+    earlier turns (only the new messages are sent). Tokenized once: the continuation's ids
+    are the tail of the conversation's when the template renders it as the text's tail."""
+    check_chars(tokenizer, sum(len(m.text()) for m in messages), limit, "messages")
     msgs = _messages(messages)
     text = render(tokenizer, msgs, add_generation_prompt)
+    tokens = encode_bounded(tokenizer, text, limit)
     cont = render_continuation(tokenizer, msgs, add_generation_prompt)
-    return Prompt(encode(tokenizer, text), text, encode(tokenizer, cont) if cont is not None else None)
+    return Prompt(tokens, text, _tail_ids(tokenizer, text, tokens, cont) if cont is not None else None)
 
 
-def completion_prompt(tokenizer: Any, req: CompletionRequest) -> Prompt:
+def _tail_ids(tokenizer: Any, text: str, tokens: Sequence[int], tail: str) -> Sequence[int]:
+    """The ids of `tail`, a suffix of `text`: a slice of `tokens` when the text before it
+    (a short head: BOS, a default system prompt) tokenizes to their first ids."""
+    if text.endswith(tail):
+        head = encode_plain(tokenizer, text[:len(text) - len(tail)])
+        if list(tokens[:len(head)]) == head:
+            return tokens[len(head):]
+    return encode_plain(tokenizer, tail)
+
+
+def with_specials(tokenizer: Any, text: str, ids: Sequence[int]) -> Sequence[int]:
+    """`ids` with the special tokens the tokenizer adds to a text (BOS), without tokenizing
+    the text again; a second call only for a tokenizer that adds them elsewhere."""
+    probe = list(tokenizer.encode("a", add_special_tokens=True))
+    plain = encode_plain(tokenizer, "a")
+    n = len(probe) - len(plain)
+    if n >= 0 and probe[n:] == plain:
+        return token_array(probe[:n]) + token_array(ids)
+    return list(tokenizer.encode(text, add_special_tokens=True))
+
+
+def completion_prompt(tokenizer: Any, req: CompletionRequest, limit: Optional[int] = None) -> Prompt:
     p = req.prompt
     if isinstance(p, list) and not p:
         raise BadRequest("the prompt is empty", "prompt")
     if isinstance(p, list) and isinstance(p[0], int):
+        if limit is not None and len(p) > limit:
+            raise PromptTooLong(limit, len(p), "prompt")
         return Prompt(list(p), None, list(p))   # ids are checked against the vocabulary by the engine
     text = _text(p[0] if isinstance(p, list) else p, "prompt")
     if not text:
         raise BadRequest("the prompt is empty", "prompt")
-    return Prompt(encode(tokenizer, text, special=True), None, encode(tokenizer, text))
+    plain = encode_bounded(tokenizer, text, limit, "prompt")
+    return Prompt(with_specials(tokenizer, text, plain), None, plain)
 
 
-def document_prompt(tokenizer: Any, text: str, role: str, raw: bool) -> Prompt:
+def document_prompt(tokenizer: Any, text: str, role: str, raw: bool, limit: Optional[int] = None) -> Prompt:
     _text(text, "text")
     if raw:
-        return Prompt(encode(tokenizer, text, special=True), None, encode(tokenizer, text))
-    return chat_prompt(tokenizer, [ChatMessage(role=role, content=text)], add_generation_prompt=False)
+        plain = encode_bounded(tokenizer, text, limit, "text")
+        return Prompt(with_specials(tokenizer, text, plain), None, plain)
+    return chat_prompt(tokenizer, [ChatMessage(role=role, content=text)], add_generation_prompt=False, limit=limit)

@@ -61,6 +61,9 @@ def serve_app(app: FastAPI, settings: ServerSettings, log_level: str = "info") -
     engine.on_fatal = engine_failed
     try:
         server.run()
+    except KeyboardInterrupt:
+        # uvicorn re-raises the SIGINT it captured once shutdown is done: the shutdown was graceful
+        pass
     finally:
         if server.deadline is not None:   # the shutdown ended in time
             server.deadline.cancel()

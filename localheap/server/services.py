@@ -13,6 +13,7 @@ from ..engine import Engine
 from ..sessions import SessionNotFound, SessionStore
 from ..sessions.session import short_title
 from .errors import UnknownModel
+from .middleware import request_owner
 from .settings import ServerSettings
 
 NAME_TIMEOUT_S = 5.0
@@ -26,7 +27,9 @@ class Services:
     store: SessionStore
     governor: Any = None
     started: float = field(default_factory=time.time)
-    throughput: Any = None   # telemetry.ThroughputHistory (set by the app)
+    throughput: Any = None               # telemetry.ThroughputHistory (set by the app)
+    metrics: Any = None                  # the app's prometheus_client registry
+    observers: int = 0                   # open /v1/heap/events streams (event loop only)
 
     @property
     def model_id(self) -> str:
@@ -56,3 +59,8 @@ class Services:
 
 def services(request: Request) -> Services:
     return request.app.state.services
+
+
+def owner(request: Request) -> Optional[str]:
+    """The id of the API key that authenticated the request (None: the server has no keys)."""
+    return request_owner(request.scope)

@@ -21,8 +21,10 @@ class ServerSettings:
     host: str = "127.0.0.1"
     port: int = 8000
     api_key: Optional[str] = None              # when set, /v1/* and /metrics need "Authorization: Bearer KEY"
+    api_keys: list[str] = field(default_factory=list)   # more keys; each owns the sessions it creates
     cors_origins: list[str] = field(default_factory=list)   # beyond the server's own origin
-    max_body_bytes: int = 64 << 20
+    max_body_bytes: int = 16 << 20             # a 1M-token document is ~4-6 MB of JSON
+    max_prompt_tokens: Optional[int] = None    # None: derived from the RAM budget (see limits.py)
     max_active: int = 8                        # requests served round-robin at once
     max_queued: int = 32                       # waiting beyond those; more -> 503
     max_sessions: int = 256
@@ -36,6 +38,14 @@ class ServerSettings:
     heap: HeapConfig = field(default_factory=HeapConfig)
     web_dir: Optional[Path] = field(default_factory=package_web_dir)
     heap_events_interval: float = 0.5          # seconds between /v1/heap/events messages
+    max_observers: int = 8                     # open /v1/heap/events streams; more -> 503
+    admission_timeout: float = 30.0            # seconds a request may queue for RAM before 503
+    allowed_hosts: list[str] = field(default_factory=list)   # Host names accepted beyond the bound ones
+
+    @property
+    def keys(self) -> list[str]:
+        """Every accepted API key (none: the API is open to whoever reaches the port)."""
+        return list(dict.fromkeys(([self.api_key] if self.api_key else []) + list(self.api_keys)))
 
     @property
     def own_origins(self) -> list[str]:

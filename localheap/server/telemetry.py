@@ -7,8 +7,11 @@ import asyncio
 import logging
 import time
 from collections import deque
+from typing import Optional
 
 import psutil
+from prometheus_client import CollectorRegistry, ProcessCollector, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from .services import Services
 
@@ -65,20 +68,21 @@ def memory(svc: Services, gov: dict) -> dict:
     }
 
 
-def history(svc: Services) -> dict:
+def history(svc: Services, owner: Optional[str] = None) -> dict:
     """What a page that just (re)loaded cannot have seen: every session's sparkline points
     [tokens seen, resident] and the throughput samples [time, decode, prefill] (tokens/s)."""
-    return {"sessions": {s.id: [list(p) for p in s.history] for s in svc.store.sessions()},
+    return {"sessions": {s.id: [list(p) for p in s.history] for s in svc.store.sessions() if s.owner == owner},
             "throughput": [list(t) for t in svc.throughput.samples]}
 
 
-def heap_snapshot(svc: Services, with_history: bool = False) -> dict:
-    """One message of /v1/heap/events (the first of each stream carries the history)."""
+def heap_snapshot(svc: Services, owner: Optional[str] = None, with_history: bool = False) -> dict:
+    """One message of /v1/heap/events: the sessions of `owner` (the caller's key); the first
+    of each stream carries the history."""
     c, eng, gov = svc.engine.counters, svc.engine, governor(svc)
     snap = {
         "time": round(time.time(), 3),
         "model": svc.model_id,
-        "sessions": svc.store.infos(),
+        "sessions": svc.store.infos_of(owner),
         "memory": memory(svc, gov),
         "thermal": gov.get("thermal_state", "unknown"),
         "throughput": {"decode_tokens_per_s": round(c.decode.rate(), 1),
@@ -86,7 +90,7 @@ def heap_snapshot(svc: Services, with_history: bool = False) -> dict:
         "engine": {"active": eng.active, "waiting": eng.waiting, "in_flight": eng.in_flight},
     }
     if with_history:
-        snap["history"] = history(svc)
+        snap["history"] = history(svc, owner)
     return snap
 
 
@@ -98,66 +102,100 @@ def page_rows(pages: list[dict]) -> list[tuple]:
     return [
         ("pages_stored", "gauge", "pages of evicted KV on disk (one page: page_size tokens of one layer)",
          [("", total("pages"))]),
-        ("pages_dropped_total", "counter", "pages dropped to stay inside --disk-budget", [("", total("pages_dropped"))]),
+        ("pages_dropped_total", "counter", "pages dropped to stay inside --disk-budget",
+         [("", total("pages_dropped"))]),
         ("pages_disk_bytes", "gauge", "bytes of the live pages on disk", [("", total("disk_bytes"))]),
         ("pages_summary_bytes", "gauge", "RAM for the page summaries", [("", total("summary_bytes"))]),
         ("recalls_total", "counter", "questions that recalled pages", [("", total("recalls"))]),
-        ("recalled_tokens_total", "counter", "tokens recalled into heaps (per layer)", [("", total("recalled_tokens"))]),
+        ("recalled_tokens_total", "counter", "tokens recalled into heaps (per layer)",
+         [("", total("recalled_tokens"))]),
     ]
 
 
-def prometheus(svc: Services) -> str:
+class MetricsCollector:
+    """/metrics through prometheus_client: localheap_* read from the engine's counters and
+    published snapshots at scrape time (never waiting on the engine)."""
+
+    def __init__(self, svc: Services):
+        self.svc = svc
+
+    def collect(self):
+        svc = self.svc
+        c, eng, gov = svc.engine.counters, svc.engine, governor(svc)
+        mem = memory(svc, gov)
+        thermal = gov.get("thermal_state", "unknown")
+        infos = svc.store.infos()
+        states = {"resident": 0, "spilled": 0, "empty": 0}
+        for s in infos:
+            states[s["state"]] = states.get(s["state"], 0) + 1
+        heaps = [s["heap"] for s in infos if s["heap"]]
+        counters = [
+            ("requests", "requests accepted by the engine", c.requests),
+            ("requests_finished", "requests that ran to the end", c.finished),
+            ("requests_cancelled", "requests cancelled (client gone)", c.cancelled),
+            ("requests_failed", "requests that failed (errors, not refusals)", c.failed),
+            ("requests_rejected", "requests refused with 503 (queue full, over the RAM budget)", c.rejected),
+            ("prompt_tokens", "prompt tokens of all requests", c.prompt_tokens),
+            ("cached_tokens", "prompt tokens reused from sessions", c.cached_tokens),
+            ("prefill_tokens", "tokens prefilled", c.prefill_tokens),
+            ("completion_tokens", "tokens generated", c.completion_tokens),
+            ("session_spills", "heaps saved to disk", svc.store.spills),
+            ("session_restores", "heaps loaded from disk", svc.store.restores),
+            ("budget_spills", "idle heaps spilled to stay in budget", mem["spilled_total"]),
+            ("budget_rejections", "heap admissions the RAM budget refused (each may be retried in the queue)",
+             mem["rejected_total"]),
+        ]
+        for name, help_, value in counters:
+            yield CounterMetricFamily(f"localheap_{name}", help_, value=value)
+        gauges = [
+            ("requests_active", "requests being served round-robin", eng.active),
+            ("requests_waiting", "requests queued", eng.waiting),
+            ("decode_tokens_per_second", "decode throughput (5 s window)", round(c.decode.rate(), 3)),
+            ("prefill_tokens_per_second", "prefill throughput (5 s window)", round(c.prefill.rate(), 3)),
+            ("heap_tokens_seen", "tokens fed into all heaps", sum(h["tokens_seen"] for h in heaps)),
+            ("heap_tokens_resident", "tokens resident in all heaps", sum(h["resident"] for h in heaps)),
+            ("heap_tokens_evicted", "tokens evicted from all heaps", sum(h["evicted"] for h in heaps)),
+            ("heap_tokens_recalled", "recalled tokens resident in all heaps (per layer)",
+             sum(h.get("recalled", 0) for h in heaps)),
+            ("kv_bytes", "KV bytes of resident heaps", mem["kv_bytes"]),
+            ("weights_bytes", "model weight bytes", mem["weights_bytes"]),
+            ("process_rss_bytes", "resident set size of the server process", mem["rss_bytes"]),
+            ("ram_budget_bytes", "configured RAM budget (0 = none)", mem["ram_budget_bytes"] or 0),
+            ("allocator_active_bytes", "backend allocator: live tensors", mem["allocator_active_bytes"]),
+            ("allocator_cache_bytes", "backend allocator: freed, held", mem["allocator_cache_bytes"]),
+            ("system_available_bytes", "memory the system has available", mem["system_available_bytes"]),
+            ("swap_used_bytes", "swap in use on the system", mem["swap_used_bytes"]),
+            ("heap_bytes", "bytes one session heap allocates", mem["heap_bytes"] or 0),
+            ("runtime_bytes", "runtime share of the budget (measured at start)", mem["runtime_bytes"] or 0),
+            ("max_resident_heaps", "heaps the RAM budget holds at once", mem["max_resident_heaps"] or 0),
+            ("max_prompt_tokens", "largest prompt one request may hold (from the RAM budget)",
+             svc.settings.max_prompt_tokens or 0),
+            ("heap_observers", "open /v1/heap/events streams", svc.observers),
+        ]
+        for name, help_, value in gauges:
+            yield GaugeMetricFamily(f"localheap_{name}", help_, value=value)
+        for name, kind, help_, samples in page_rows([h["pages"] for h in heaps if h.get("pages")]):
+            family = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
+            yield family(f"localheap_{name.removesuffix('_total')}", help_, value=samples[0][1])
+        by_state = GaugeMetricFamily("localheap_sessions", "sessions by state", labels=["state"])
+        for k, v in sorted(states.items()):
+            by_state.add_metric([k], v)
+        yield by_state
+        temp = GaugeMetricFamily("localheap_thermal_state", "thermal state (1 for the current one)", labels=["state"])
+        for s in ("nominal", "fair", "serious", "critical", "unknown"):
+            temp.add_metric([s], int(s == thermal))
+        yield temp
+
+
+def metrics_registry(svc: Services) -> CollectorRegistry:
+    """One registry per app (tests run several apps in one process): localheap_* plus the
+    process_* metrics (CPU, memory, open files) prometheus_client reads from /proc."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(MetricsCollector(svc))
+    ProcessCollector(registry=registry)
+    return registry
+
+
+def prometheus(registry: CollectorRegistry) -> bytes:
     """/metrics in the Prometheus text exposition format."""
-    c, eng, gov = svc.engine.counters, svc.engine, governor(svc)
-    mem = memory(svc, gov)
-    thermal = gov.get("thermal_state", "unknown")
-    infos = svc.store.infos()
-    states = {"resident": 0, "spilled": 0, "empty": 0}
-    for s in infos:
-        states[s["state"]] = states.get(s["state"], 0) + 1
-    heaps = [s["heap"] for s in infos if s["heap"]]
-    rows = [
-        ("requests_total", "counter", "requests accepted by the engine", [("", c.requests)]),
-        ("requests_finished_total", "counter", "requests that ran to the end", [("", c.finished)]),
-        ("requests_cancelled_total", "counter", "requests cancelled (client gone)", [("", c.cancelled)]),
-        ("requests_failed_total", "counter", "requests that failed", [("", c.failed)]),
-        ("requests_rejected_total", "counter", "requests refused with 503 (queue full)", [("", c.rejected)]),
-        ("requests_active", "gauge", "requests being served round-robin", [("", eng.active)]),
-        ("requests_waiting", "gauge", "requests queued", [("", eng.waiting)]),
-        ("prompt_tokens_total", "counter", "prompt tokens of all requests", [("", c.prompt_tokens)]),
-        ("cached_tokens_total", "counter", "prompt tokens reused from sessions", [("", c.cached_tokens)]),
-        ("prefill_tokens_total", "counter", "tokens prefilled", [("", c.prefill_tokens)]),
-        ("completion_tokens_total", "counter", "tokens generated", [("", c.completion_tokens)]),
-        ("decode_tokens_per_second", "gauge", "decode throughput (5 s window)", [("", round(c.decode.rate(), 3))]),
-        ("prefill_tokens_per_second", "gauge", "prefill throughput (5 s window)", [("", round(c.prefill.rate(), 3))]),
-        ("sessions", "gauge", "sessions by state",
-         [(f'{{state="{k}"}}', v) for k, v in sorted(states.items())]),
-        ("session_spills_total", "counter", "heaps saved to disk", [("", svc.store.spills)]),
-        ("session_restores_total", "counter", "heaps loaded from disk", [("", svc.store.restores)]),
-        ("heap_tokens_seen", "gauge", "tokens fed into all heaps", [("", sum(h["tokens_seen"] for h in heaps))]),
-        ("heap_tokens_resident", "gauge", "tokens resident in all heaps", [("", sum(h["resident"] for h in heaps))]),
-        ("heap_tokens_evicted", "gauge", "tokens evicted from all heaps", [("", sum(h["evicted"] for h in heaps))]),
-        ("heap_tokens_recalled", "gauge", "recalled tokens resident in all heaps (per layer)",
-         [("", sum(h.get("recalled", 0) for h in heaps))]),
-        *page_rows([h["pages"] for h in heaps if h.get("pages")]),
-        ("kv_bytes", "gauge", "KV bytes of resident heaps", [("", mem["kv_bytes"])]),
-        ("weights_bytes", "gauge", "model weight bytes", [("", mem["weights_bytes"])]),
-        ("process_rss_bytes", "gauge", "resident set size of the server process", [("", mem["rss_bytes"])]),
-        ("ram_budget_bytes", "gauge", "configured RAM budget (0 = none)", [("", mem["ram_budget_bytes"] or 0)]),
-        ("allocator_active_bytes", "gauge", "backend allocator: live tensors", [("", mem["allocator_active_bytes"])]),
-        ("allocator_cache_bytes", "gauge", "backend allocator: freed, held", [("", mem["allocator_cache_bytes"])]),
-        ("system_available_bytes", "gauge", "memory the system has available", [("", mem["system_available_bytes"])]),
-        ("swap_used_bytes", "gauge", "swap in use on the system", [("", mem["swap_used_bytes"])]),
-        ("heap_bytes", "gauge", "bytes one session heap allocates", [("", mem["heap_bytes"] or 0)]),
-        ("runtime_bytes", "gauge", "runtime share of the budget (measured at start)", [("", mem["runtime_bytes"] or 0)]),
-        ("max_resident_heaps", "gauge", "heaps the RAM budget holds at once", [("", mem["max_resident_heaps"] or 0)]),
-        ("budget_spills_total", "counter", "idle heaps spilled to stay in budget", [("", mem["spilled_total"])]),
-        ("budget_rejections_total", "counter", "requests refused with 503 (over budget)", [("", mem["rejected_total"])]),
-        ("thermal_state", "gauge", "thermal state (1 for the current one)",
-         [(f'{{state="{s}"}}', int(s == thermal)) for s in ("nominal", "fair", "serious", "critical", "unknown")]),
-    ]
-    lines = []
-    for name, kind, help_, samples in rows:
-        lines += [f"# HELP localheap_{name} {help_}", f"# TYPE localheap_{name} {kind}"]
-        lines += [f"localheap_{name}{labels} {value}" for labels, value in samples]
-    return "\n".join(lines) + "\n"
+    return generate_latest(registry)

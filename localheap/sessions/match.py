@@ -8,7 +8,7 @@ text is a prefix of the prompt text (a reply re-tokenized differently still matc
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Iterable, Optional
+from typing import Callable, Iterable, Optional, Sequence
 
 from .session import Session, token_array
 
@@ -23,10 +23,11 @@ TEXT_MATCH_SLACK = 64
 @dataclass
 class Prompt:
     """tokens: the full prompt. text: its text (enables text matching). continuation: what
-    to feed when it is sent to an explicit session it does not extend (e.g. new turns only)."""
-    tokens: list[int]
+    to feed when it is sent to an explicit session it does not extend (e.g. new turns only).
+    Ids are a list or an int32 array (a long prompt's: 4 bytes a token)."""
+    tokens: Sequence[int]
     text: Optional[str] = None
-    continuation: Optional[list[int]] = None
+    continuation: Optional[Sequence[int]] = None
 
 
 @dataclass
@@ -75,10 +76,10 @@ def continue_session(s: Session, prompt: Prompt, encode: Encode, decode: Decode)
     """Feed `prompt` into an explicitly named session: the unseen rest of a resent history,
     else the prompt's continuation (new turns appended to whatever the session holds)."""
     if not s.fed:
-        return Match(s, list(prompt.tokens), 0)
+        return Match(s, prompt.tokens[:], 0)
     if _token_prefix(s, token_array(prompt.tokens)):
         return Match(s, prompt.tokens[len(s.fed):], len(s.fed))
     rest = _text_prefix(s, prompt, decode)
     if rest is not None and (new := encode(rest)):
         return Match(s, new, len(s.fed))
-    return Match(s, list(prompt.continuation if prompt.continuation is not None else prompt.tokens), len(s.fed))
+    return Match(s, (prompt.continuation if prompt.continuation is not None else prompt.tokens)[:], len(s.fed))

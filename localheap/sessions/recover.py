@@ -90,11 +90,10 @@ def _session(d: SessionDir, sid: str, cfg: HeapConfig, entry: dict, gen: Optiona
     now = time.time()
     origin = entry.get("origin") if entry.get("origin") in ORIGINS else "api"   # older indexes have none
     title = entry.get("title") if isinstance(entry.get("title"), str) else None
+    owner = entry.get("owner") if isinstance(entry.get("owner"), str) else None   # an API key's digest
     s = Session(id=sid, cfg=cfg, created=number("created", now), last_used=number("last_used", now),
-                turns=int(number("turns", 0)), origin=origin, title=title)
+                turns=int(number("turns", 0)), origin=origin, title=title, owner=owner)
     if gen is not None:
         s.fed, s.spill_path, s.saved_gen, s.saved_tokens = tokens, d.heap_path(sid, gen), gen, len(tokens)
-    if isinstance(entry.get("owner"), str) and hasattr(s, "owner"):   # where API keys own sessions
-        s.owner = entry["owner"]
     s.refresh()
     return s

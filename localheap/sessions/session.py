@@ -35,6 +35,7 @@ class Session:
     saved_tokens: int = 0                              # len(fed) when it was saved
     dirty: bool = False                                # the cache changed since it was saved
     busy: bool = False
+    owner: Optional[str] = None                        # id of the API key that created it (None: no keys)
     created: float = field(default_factory=time.time)
     last_used: float = field(default_factory=time.time)
     turns: int = 0

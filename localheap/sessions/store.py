@@ -21,6 +21,7 @@ from .errors import SessionBusy, SessionLost, SessionNotFound, SpillFailed
 from .recover import recover_sessions
 from .session import ORIGINS, Session
 
+ANY_OWNER = object()   # info() without an ownership check (the server's own lookups)
 log = logging.getLogger("localheap.sessions")
 
 
@@ -52,9 +53,10 @@ class SessionStore:
 
     # --- lookup (engine thread) ---
 
-    def create(self, session_id: Optional[str] = None, origin: str = "api", title: Optional[str] = None) -> Session:
+    def create(self, session_id: Optional[str] = None, origin: str = "api", title: Optional[str] = None,
+               owner: Optional[str] = None) -> Session:
         assert origin in ORIGINS, origin
-        s = Session(id=session_id or new_id(), cfg=self.cfg, origin=origin, title=title)
+        s = Session(id=session_id or new_id(), cfg=self.cfg, origin=origin, title=title, owner=owner)
         assert valid_id(s.id), s.id
         s.refresh()
         with self._lock:
@@ -249,8 +251,7 @@ class SessionStore:
         return [{"id": s.id, "gen": s.saved_gen, "tokens": s.saved_tokens,
                  "crc": zlib.crc32(s.fed[:s.saved_tokens].tobytes()),
                  "created": s.created, "last_used": s.last_used, "turns": s.turns,
-                 "origin": s.origin, "title": s.title,
-                 "owner": getattr(s, "owner", None)}   # the API key that owns it, where keys own sessions
+                 "origin": s.origin, "title": s.title, "owner": s.owner}   # owner: the API key's digest
                 for s in self.sessions() if s.saved_gen is not None or not s.fed]
 
     def _commit(self, force: bool = False) -> None:
@@ -280,11 +281,20 @@ class SessionStore:
             sessions = list(self._sessions.values())
         return [s.snapshot for s in sessions]
 
-    def info(self, session_id: str) -> dict:
+    def info(self, session_id: str, owner: Any = ANY_OWNER) -> dict:
+        """The session's snapshot; SessionNotFound also when `owner` is given and another API
+        key owns it (a key must not learn that another key's session exists)."""
         s = self._sessions.get(session_id)
         if s is None:
             self._not_found(session_id)
+        if owner is not ANY_OWNER and s.owner != owner:
+            raise SessionNotFound(session_id)
         return s.snapshot
+
+    def infos_of(self, owner: Optional[str]) -> list[dict]:
+        with self._lock:
+            sessions = [s for s in self._sessions.values() if s.owner == owner]
+        return [s.snapshot for s in sessions]
 
     def close(self) -> None:
         """Forget every session; remove the spill directory when the store made it."""

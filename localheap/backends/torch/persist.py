@@ -80,7 +80,8 @@ def load_heap(model, path: Path) -> HeapCache:
         if entry["kind"] == "heap":
             layer.heap.load_state({"positions": tensors[f"{i}.positions"].numpy(),
                                    "counters": tensors[f"{i}.counters"].numpy(),
-                                   **({"recalled": tensors[f"{i}.recalled"].numpy()} if f"{i}.recalled" in tensors else {})})
+                                   **({"recalled": tensors[f"{i}.recalled"].numpy()}
+                                      if f"{i}.recalled" in tensors else {})})
             n = layer.heap.resident
             layer.keys[:, :, :n] = tensors[f"{i}.keys"].to(device)
             layer.values[:, :, :n] = tensors[f"{i}.values"].to(device)

@@ -125,7 +125,8 @@ def recall(model, cache, question: torch.Tensor) -> dict:
     if crowded:
         cache.evict(crowded)   # down to the policy's share: the recall region is free again
     if picked:
-        flat = torch.cat([torch.from_numpy(np.concatenate([k.reshape(-1), v.reshape(-1)])) for _, k, v in picked.values()])
+        flat = torch.cat([torch.from_numpy(np.concatenate([k.reshape(-1), v.reshape(-1)]))
+                          for _, k, v in picked.values()])
         flat = flat.to(cache.device)                                        # one transfer to the device
         at = 0
         for layer in cache.heap_layers:

@@ -4,15 +4,19 @@ from __future__ import annotations
 
 import asyncio
 import json
+from typing import Optional
 
-from fastapi import APIRouter, Depends, Query
-from fastapi.responses import JSONResponse, PlainTextResponse
+from fastapi import APIRouter, Depends, Query, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
 from sse_starlette import EventSourceResponse
 
-from ..services import Services, services
+from ..errors import TooManyObservers
+from ..services import Services, owner, services
 from ..telemetry import heap_snapshot, prometheus
 
 router = APIRouter()
+MIN_INTERVAL_S = 0.1   # below this a stream costs real CPU and slows decode for everyone
 
 
 @router.get("/health")
@@ -27,21 +31,41 @@ async def health(svc: Services = Depends(services)):
 
 
 @router.get("/metrics")
-async def metrics(svc: Services = Depends(services)) -> PlainTextResponse:
-    return PlainTextResponse(prometheus(svc), media_type="text/plain; version=0.0.4")
+async def metrics(svc: Services = Depends(services)) -> Response:
+    return Response(prometheus(svc.metrics), media_type=CONTENT_TYPE_LATEST)
+
+
+class ObserverStream(EventSourceResponse):
+    """An SSE response that gives its observer slot back however the stream ends."""
+
+    def __init__(self, svc: Services, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.svc = svc
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.svc.observers -= 1
 
 
 @router.get("/v1/heap/events")
-async def heap_events(interval: float = Query(None, gt=0.0, le=60.0), svc: Services = Depends(services)):
-    """SSE: event "heap" with every session's occupancy, memory and throughput; the first
-    message also carries the history (sparklines, throughput samples) for a page just loaded."""
+async def heap_events(request: Request, svc: Services = Depends(services),
+                      interval: Optional[float] = Query(None, ge=MIN_INTERVAL_S, le=60.0)):
+    """SSE: event "heap" with the caller's sessions' occupancy, memory and throughput; the
+    first message also carries the history (sparklines, throughput samples) for a page just loaded."""
     period = interval or svc.settings.heap_events_interval
+    if svc.observers >= svc.settings.max_observers:
+        raise TooManyObservers(f"{svc.observers} heap event streams are open (limit {svc.settings.max_observers}); "
+                               f"close one or retry later")
+    who = owner(request)
+    svc.observers += 1   # event loop only: no lock needed
 
     async def events():
         first = True
         while True:
-            yield {"event": "heap", "data": json.dumps(heap_snapshot(svc, with_history=first))}
+            yield {"event": "heap", "data": json.dumps(heap_snapshot(svc, who, with_history=first))}
             first = False
             await asyncio.sleep(period)
 
-    return EventSourceResponse(events(), sep="\n")
+    return ObserverStream(svc, events(), sep="\n")

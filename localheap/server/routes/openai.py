@@ -9,7 +9,6 @@ from typing import AsyncIterator, Optional
 from fastapi import APIRouter, Depends, Header, Request
 from fastapi.responses import JSONResponse
 from sse_starlette import EventSourceResponse
-from starlette.concurrency import run_in_threadpool
 
 from ...engine import Delta, Finished, Generate, Job, Started
 from ...generation import SamplingParams
@@ -17,9 +16,9 @@ from ...sessions import Prompt
 from ..bridge import JobEvents, collect, follow, submit
 from ..errors import BadRequest, Unsupported, to_response
 from ..formats import Reply, extension, finish_reason
-from ..prompts import chat_prompt, completion_prompt
+from ..prompts import chat_prompt, completion_prompt, tokenize
 from ..schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
-from ..services import Services, services
+from ..services import Services, owner, services
 
 router = APIRouter()
 SESSION_HEADER = "X-Session-Id"
@@ -40,7 +39,7 @@ async def get_model(model: str, svc: Services = Depends(services)) -> dict:
 async def chat_completions(body: ChatCompletionRequest, request: Request, svc: Services = Depends(services),
                            x_session_id: Optional[str] = Header(None)):
     _check(body, svc)
-    prompt = await run_in_threadpool(chat_prompt, svc.tokenizer, body.messages)
+    prompt = await tokenize(chat_prompt, svc.tokenizer, body.messages, limit=svc.settings.max_prompt_tokens)
     first_user = next((m.text() for m in body.messages if m.role == "user"), None)
     default = min(svc.settings.default_max_tokens, svc.settings.max_tokens_limit)
     return await _respond(Reply("chat", svc.model_id), body, prompt, body.limit(default),
@@ -51,7 +50,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, svc: S
 async def completions(body: CompletionRequest, request: Request, svc: Services = Depends(services),
                       x_session_id: Optional[str] = Header(None)):
     _check(body, svc)
-    prompt = await run_in_threadpool(completion_prompt, svc.tokenizer, body)
+    prompt = await tokenize(completion_prompt, svc.tokenizer, body, limit=svc.settings.max_prompt_tokens)
     text = body.prompt if isinstance(body.prompt, str) else None
     return await _respond(Reply("text", svc.model_id), body, prompt, body.max_tokens, request, svc, x_session_id, text)
 
@@ -70,13 +69,14 @@ def _params(body: SamplingFields, max_tokens: int) -> SamplingParams:
 
 async def _respond(reply: Reply, body: SamplingFields, prompt: Prompt, max_tokens: int, request: Request,
                    svc: Services, session_id: Optional[str], title: Optional[str]):
+    who = owner(request)
     if session_id is not None:
-        svc.store.info(session_id)   # unknown id: 404 before queueing
+        svc.store.info(session_id, who)   # unknown id, or another key's: 404 before queueing
     if max_tokens > svc.settings.max_tokens_limit:   # one request must not hold the engine forever
         raise BadRequest(f"max_tokens {max_tokens} is over this server's limit of {svc.settings.max_tokens_limit}",
                          "max_tokens", "max_tokens_too_large")
     params = _params(body, max_tokens)
-    job, events, started = await submit(svc.engine, lambda emit: Generate(prompt, params, emit, session_id))
+    job, events, started = await submit(svc.engine, lambda emit: Generate(prompt, params, emit, session_id, who))
     headers = {SESSION_HEADER: started.session_id}
     await svc.name_session(started.session_id, title)
     if not body.stream:

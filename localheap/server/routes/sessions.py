@@ -10,72 +10,85 @@ from typing import AsyncIterator, Optional
 from fastapi import APIRouter, Depends, Header, Request
 from fastapi.responses import JSONResponse
 from sse_starlette import EventSourceResponse
-from starlette.concurrency import run_in_threadpool
 
 from ...engine import Feed, Finished, Job, Progress
 from ..bridge import JobEvents, follow, submit
 from ..errors import to_response
-from ..prompts import document_prompt
-from ..schemas import DocumentRequest, SessionFields
-from ..services import Services, services
 from ...sessions.session import short_title
+from ..prompts import document_prompt, tokenize
+from ..schemas import DocumentRequest, SessionFields
+from ..services import Services, owner, services
 
 router = APIRouter(prefix="/v1/sessions")
 PROGRESS_INTERVAL_S = 0.1
 CLIENT_HEADER = "X-Localheap-Client"   # "web": the web UI's own conversations; anything else is an API session
 
 
+# A session is visible only to the API key that created it: another key's session answers
+# 404 exactly like a missing one (with no keys configured, every session is everyone's).
+
 @router.get("")
-async def list_sessions(svc: Services = Depends(services)) -> dict:
-    return {"object": "list", "data": sorted(svc.store.infos(), key=lambda s: s["created"])}
+async def list_sessions(who: Optional[str] = Depends(owner), svc: Services = Depends(services)) -> dict:
+    return {"object": "list", "data": sorted(svc.store.infos_of(who), key=lambda s: s["created"])}
 
 
 @router.post("", status_code=201)
-async def create_session(body: Optional[SessionFields] = None, svc: Services = Depends(services),
-                         x_localheap_client: Optional[str] = Header(None)) -> dict:
+async def create_session(body: Optional[SessionFields] = None, who: Optional[str] = Depends(owner),
+                         svc: Services = Depends(services), x_localheap_client: Optional[str] = Header(None)) -> dict:
     origin = "web" if x_localheap_client == "web" else "api"
     title = short_title(body.title or "") if body is not None else None
-    session = await asyncio.wrap_future(svc.engine.call(lambda: svc.store.create(origin=origin, title=title)))
+    session = await asyncio.wrap_future(
+        svc.engine.call(lambda: svc.store.create(origin=origin, title=title, owner=who)))
     return session.snapshot
 
 
 @router.get("/{session_id}")
-async def get_session(session_id: str, svc: Services = Depends(services)) -> dict:
-    return svc.store.info(session_id)
+async def get_session(session_id: str, who: Optional[str] = Depends(owner), svc: Services = Depends(services)) -> dict:
+    return svc.store.info(session_id, who)
 
 
 @router.patch("/{session_id}")
-async def update_session(session_id: str, body: SessionFields, svc: Services = Depends(services)) -> dict:
+async def update_session(session_id: str, body: SessionFields, who: Optional[str] = Depends(owner),
+                         svc: Services = Depends(services)) -> dict:
     """Rename a session (title null: untitled again, named by its next message)."""
+    svc.store.info(session_id, who)
     title = short_title(body.title or "")
     await asyncio.wrap_future(svc.engine.call(lambda: svc.store.set_title(session_id, title)))
-    return svc.store.info(session_id)
+    return svc.store.info(session_id, who)
 
 
 @router.delete("/{session_id}")
-async def delete_session(session_id: str, svc: Services = Depends(services)) -> dict:
+async def delete_session(session_id: str, who: Optional[str] = Depends(owner),
+                         svc: Services = Depends(services)) -> dict:
+    svc.store.info(session_id, who)
     await asyncio.wrap_future(svc.engine.call(lambda: svc.engine.delete_session(session_id)))
     return {"id": session_id, "object": "session.deleted", "deleted": True}
 
 
 @router.post("/{session_id}/spill")
-async def spill_session(session_id: str, svc: Services = Depends(services)) -> dict:
+async def spill_session(session_id: str, who: Optional[str] = Depends(owner),
+                        svc: Services = Depends(services)) -> dict:
     """Save the session's heap to disk and free its memory (it comes back on next use)."""
+    svc.store.info(session_id, who)
     await asyncio.wrap_future(svc.engine.call(lambda: svc.store.spill(session_id)))
-    return svc.store.info(session_id)
+    return svc.store.info(session_id, who)
 
 
 @router.post("/{session_id}/restore")
-async def restore_session(session_id: str, svc: Services = Depends(services)) -> dict:
+async def restore_session(session_id: str, who: Optional[str] = Depends(owner),
+                          svc: Services = Depends(services)) -> dict:
+    svc.store.info(session_id, who)
     await asyncio.wrap_future(svc.engine.call(lambda: svc.store.restore(session_id)))
-    return svc.store.info(session_id)
+    return svc.store.info(session_id, who)
 
 
 @router.post("/{session_id}/documents")
-async def add_document(session_id: str, body: DocumentRequest, request: Request, svc: Services = Depends(services)):
-    svc.store.info(session_id)   # 404 before tokenizing a large document
-    prompt = await run_in_threadpool(document_prompt, svc.tokenizer, body.text, body.role, body.raw)
-    job, events, started = await submit(svc.engine, lambda emit: Feed(prompt, emit, session_id))
+async def add_document(session_id: str, body: DocumentRequest, request: Request,
+                       who: Optional[str] = Depends(owner), svc: Services = Depends(services)):
+    svc.store.info(session_id, who)   # 404 before tokenizing a large document
+    prompt = await tokenize(document_prompt, svc.tokenizer, body.text, body.role, body.raw,
+                            limit=svc.settings.max_prompt_tokens)
+    job, events, started = await submit(svc.engine, lambda emit: Feed(prompt, emit, session_id, who))
     await svc.name_session(started.session_id, body.name or body.text.strip().split("\n", 1)[0])
     if not body.stream:
         done = await _until_done(job, events)

@@ -4,9 +4,9 @@ document dialog shows it before a document is read; characters / 4 is off by 2x 
 from __future__ import annotations
 
 from fastapi import APIRouter, Depends
-from starlette.concurrency import run_in_threadpool
 
-from ..prompts import encode
+from ..prompts import tokenize as bounded
+from ..tokens import encode_bounded
 from ..schemas import TokenizeRequest
 from ..services import Services, services
 
@@ -16,5 +16,5 @@ router = APIRouter()
 @router.post("/v1/tokenize")
 async def tokenize(body: TokenizeRequest, svc: Services = Depends(services)) -> dict:
     """{"text"} -> {"count", "model"}: the text alone, without the chat template around it."""
-    ids = await run_in_threadpool(encode, svc.tokenizer, body.text)
+    ids = await bounded(encode_bounded, svc.tokenizer, body.text, None)   # in pieces: bounded memory
     return {"object": "tokenize", "model": svc.model_id, "count": len(ids)}

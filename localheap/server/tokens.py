@@ -1,0 +1,122 @@
+"""Tokenization bounded by the prompt-token limit: a text too long for it is refused before it
+is tokenized whole, and a long text is tokenized in pieces, so a request never holds more
+than the limit's worth of token ids plus one piece's transient (a Hugging Face fast tokenizer
+needs ~530 bytes a token while it works: 5 GiB for a 30 MB message tokenized in one call).
+
+Pieces are cut before a space between two words, and a cut is used only when the tokenizer
+gives the same ids across it as without it (checked on a window around the cut), so the ids
+are those of one call. Only a text with no such gap in 64K characters, or a tokenizer that
+marks the start of every call (SentencePiece's legacy prefix), is cut where it stands: its
+ids may differ at the cut; memory stays bounded. Knows the tokenizer, never a tensor.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+from array import array
+from typing import Any, Optional
+
+from ..sessions.session import token_array
+
+from .errors import PromptTooLong
+
+PIECE_CHARS = 1 << 16      # ~16K tokens a piece: ~10 MB of tokenizer transient at a time
+WINDOW_CHARS = 48          # context checked on each side of a cut
+CUT_TRIES = 8              # candidate cuts tried before a piece is extended
+NORMALIZER_SLACK = 2       # a normalizer (NFC) may fold two characters into one
+
+
+def release_freed_memory() -> None:
+    """Give the memory a large request freed back to the system (glibc keeps it otherwise,
+    and RSS would stay high long after the request). No-op where there is no malloc_trim."""
+    global _TRIM
+    if _TRIM is None:
+        try:
+            _TRIM = ctypes.CDLL("libc.so.6").malloc_trim
+        except (OSError, AttributeError):
+            _TRIM = False
+    if _TRIM:
+        gc.collect()
+        _TRIM(0)
+
+
+_TRIM: Any = None
+
+
+def encode_plain(tokenizer: Any, text: str) -> list[int]:
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def longest_token_chars(tokenizer: Any) -> int:
+    """Characters one token can cover at most (its vocabulary string: byte-level tokens have
+    a character a byte), cached on the tokenizer; 0 when the tokenizer cannot say."""
+    cached = getattr(tokenizer, "_localheap_longest", None)
+    if cached is None:
+        try:
+            vocab = tokenizer.get_vocab()
+            cached = max((len(t) for t in vocab), default=0)
+        except Exception:   # a tokenizer without get_vocab: no quick refusal, pieces still bound it
+            cached = 0
+        try:
+            tokenizer._localheap_longest = cached
+        except AttributeError:
+            pass
+    return cached
+
+
+def check_chars(tokenizer: Any, chars: int, limit: Optional[int], param: str) -> None:
+    """Refuse at once a text that cannot fit: it has more than `limit` tokens for sure."""
+    longest = longest_token_chars(tokenizer)
+    if limit is not None and longest > 0:
+        at_least = chars // (longest * NORMALIZER_SLACK)
+        if at_least > limit:
+            raise PromptTooLong(limit, at_least, param)
+
+
+def encode_bounded(tokenizer: Any, text: str, limit: Optional[int], param: str = "messages") -> array:
+    """The ids of `text` (no special tokens added) as int32s (4 bytes a token, where a list
+    holds 40), raising PromptTooLong past `limit`."""
+    check_chars(tokenizer, len(text), limit, param)
+    ids = token_array()
+    start = 0
+    while start < len(text):
+        end = _cut(tokenizer, text, start + PIECE_CHARS) if len(text) - start > PIECE_CHARS else len(text)
+        ids.extend(encode_plain(tokenizer, text[start:end]))
+        if limit is not None and len(ids) > limit:
+            raise PromptTooLong(limit, len(ids), param)
+        start = end
+    return ids
+
+
+def _cut(tokenizer: Any, text: str, at: int) -> int:
+    """Where the piece starting before `at` ends: the first gap between two words at or after
+    `at` (within a piece's length) across which the tokenizer gives the same ids in two calls
+    as in one; failing that, `at` itself (a text with no such gap, e.g. 100K characters
+    without a space, or a tokenizer that marks the start of every call: ids may differ
+    there, memory stays bounded)."""
+    pos, tries = at, 0
+    while tries < CUT_TRIES:
+        pos = _next_word_gap(text, pos, limit=at + PIECE_CHARS)
+        if pos is None:
+            break
+        if _clean_cut(tokenizer, text, pos):
+            return pos
+        pos, tries = pos + 1, tries + 1
+    return at
+
+
+def _clean_cut(tokenizer: Any, text: str, pos: int) -> bool:
+    lo, hi = max(0, pos - WINDOW_CHARS), min(len(text), pos + WINDOW_CHARS)
+    return encode_plain(tokenizer, text[lo:hi]) == encode_plain(tokenizer, text[lo:pos]) + encode_plain(tokenizer, text[pos:hi])
+
+
+def _next_word_gap(text: str, pos: int, limit: int) -> Optional[int]:
+    """The first position in [pos, limit) holding a single space between two letters or digits."""
+    while True:
+        pos = text.find(" ", pos, limit)
+        if pos < 0:
+            return None
+        if 0 < pos < len(text) - 1 and text[pos - 1].isalnum() and text[pos + 1].isalnum():
+            return pos
+        pos += 1

@@ -1,0 +1,138 @@
+"""Hard limits of `serve` (issue 12): prompt tokens per request (from the RAM budget),
+the default body limit, the heap-event interval floor and observer cap, and tokenization
+in bounded pieces that gives exactly the ids of one call. Fake backend, loopback only."""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+
+import httpx
+import pytest
+from test_engine import FakeBackend
+
+from localheap.commands.serve import settings_from_args
+from localheap.governor.budget import MemoryPlan, request_room
+from localheap.server import ServerSettings, create_app
+from localheap.server.errors import PromptTooLong
+from localheap.server.testing import ServerThread
+from localheap.server.tokens import PIECE_CHARS, encode_bounded
+
+MODEL = FakeBackend.model_name
+
+
+def serve(**settings) -> ServerThread:
+    settings.setdefault("web_dir", None)
+    return ServerThread(create_app(FakeBackend(), ServerSettings(**settings)))
+
+
+def test_prompt_token_limit_comes_from_the_budget_and_still_takes_a_1m_token_document():
+    for budget in (512 << 20, 4 << 30, 64 << 30):
+        plan = MemoryPlan(budget, 0, 1, 0, request_room(budget))
+        assert plan.max_prompt_tokens >= 1_000_000, budget
+    assert MemoryPlan(64 << 30, 0, 1, 0, request_room(64 << 30)).max_prompt_tokens <= 8_500_000
+
+
+def test_defaults_fit_a_1m_token_document_but_not_a_30mb_message():
+    import argparse
+
+    from localheap.cli import build_parser
+
+    args = build_parser().parse_args(["serve"])
+    assert isinstance(args, argparse.Namespace)
+    limit = settings_from_args(args).max_body_bytes
+    assert ServerSettings().max_body_bytes == limit == 16 << 20
+    assert 6 << 20 < limit < 30_000_000   # ~4 chars a token, JSON-escaped: a 1M-token document fits
+    with serve() as srv:
+        r = httpx.post(srv.url + "/v1/chat/completions", timeout=60,
+                       json={"model": MODEL, "messages": [{"role": "user", "content": "x" * 30_000_000}]})
+        assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+
+
+def test_prompts_over_the_token_limit_answer_400_on_every_route():
+    with serve(max_prompt_tokens=100) as srv:
+        ok = httpx.post(srv.url + "/v1/completions", json={"model": MODEL, "prompt": "y" * 100, "max_tokens": 1})
+        assert ok.status_code == 200, ok.text
+        for path, body in (("/v1/completions", {"model": MODEL, "prompt": "y" * 101, "max_tokens": 1}),
+                           ("/v1/completions", {"model": MODEL, "prompt": list(range(1, 102)), "max_tokens": 1})):
+            r = httpx.post(srv.url + path, json=body)
+            assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
+        sid = httpx.post(srv.url + "/v1/sessions").json()["id"]
+        r = httpx.post(f"{srv.url}/v1/sessions/{sid}/documents", json={"text": "z" * 500, "raw": True, "stream": False})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+        assert httpx.get(f"{srv.url}/v1/sessions/{sid}").json()["tokens"] == 0   # nothing half-fed
+
+
+def test_heap_events_interval_floor_and_observer_cap():
+    with serve(max_observers=2) as srv:
+        for interval in (1e-6, 0.05):
+            r = httpx.get(srv.url + "/v1/heap/events", params={"interval": interval})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "query.interval", r.text
+        clients = [httpx.Client(timeout=10) for _ in range(3)]
+        try:
+            streams = [c.send(c.build_request("GET", srv.url + "/v1/heap/events", params={"interval": 0.1}),
+                              stream=True) for c in clients[:2]]
+            assert all(s.status_code == 200 for s in streams)
+            stamps, lines = [], streams[0].iter_lines()   # kept referenced: a collected iterator closes the stream
+            while len(stamps) < 3:                        # when the server made each event
+                line = next(lines)
+                if line.startswith("data:"):
+                    stamps.append(json.loads(line[5:])["time"])
+            assert stamps[2] - stamps[0] >= 0.198, stamps  # two intervals of >= 0.1 s
+            third = httpx.get(srv.url + "/v1/heap/events")
+            assert third.status_code == 503 and third.json()["error"]["code"] == "too_many_observers"
+            assert "retry-after" in third.headers
+            streams[1].close()
+            deadline = time.monotonic() + 5
+            while True:                                   # the closed stream's slot comes back
+                r = clients[2].send(clients[2].build_request("GET", srv.url + "/v1/heap/events"), stream=True)
+                if r.status_code == 200 or time.monotonic() > deadline:
+                    break
+                r.close()
+                time.sleep(0.05)
+            assert r.status_code == 200
+            r.close()
+        finally:
+            for c in clients:
+                c.close()
+
+
+class RawTokenizer:
+    """The demo model's byte-level BPE through `tokenizers` alone (transformers is slow to import)."""
+
+    def __init__(self, path):
+        from tokenizers import Tokenizer
+
+        self.tok = Tokenizer.from_file(str(path / "tokenizer.json"))
+
+    def encode(self, text, add_special_tokens=True):
+        return self.tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def get_vocab(self):
+        return self.tok.get_vocab()
+
+
+@pytest.fixture(scope="module")
+def demo_tokenizer():
+    pytest.importorskip("tokenizers")
+    from localheap.models import demo_model_dir
+
+    path = demo_model_dir()
+    if path is None:
+        pytest.skip("no bundled demo model")
+    return RawTokenizer(path)
+
+
+def test_tokenizing_in_pieces_gives_the_ids_of_one_call(demo_tokenizer):
+    rng = random.Random(0)
+    words = ["the", "value", "of", "key7", "is", "seven,", "and", "reads\n\n", "Ünïcode", "日本語", "  spaced", "(x)", "'s"]
+    text = " ".join(rng.choice(words) for _ in range(4 * PIECE_CHARS // 6))
+    assert len(text) > 3 * PIECE_CHARS
+    whole = list(demo_tokenizer.encode(text, add_special_tokens=False))
+    assert encode_bounded(demo_tokenizer, text, None).tolist() == whole
+    assert encode_bounded(demo_tokenizer, text, len(whole)).tolist() == whole
+    with pytest.raises(PromptTooLong):
+        encode_bounded(demo_tokenizer, text, len(whole) - 1)
+    with pytest.raises(PromptTooLong):                   # refused from its length alone, before any piece
+        encode_bounded(demo_tokenizer, "a" * 10_000_000, 1000)
