@@ -43,7 +43,6 @@ def part(args) -> None:
     log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
     result = needle.run_needle(backend, base, context=args.context, prune=_floats(args.prune),
                                policies=args.policies.split(",") if args.policies else None,
-                               positions=args.positions.split(","),
                                trials=args.trials, long_contexts=_ints(args.long_contexts),
                                long_trials=args.long_trials, long_full=_ints(args.long_full), seed=args.seed,
                                positions=args.positions.split(","), keys=args.keys, filler=args.filler, log=log)
@@ -72,7 +71,6 @@ def main(argv=None) -> None:
     a.add_argument("--context", type=int, default=4096)
     a.add_argument("--prune", default="0.1,0.3,0.5,0.7,0.9")
     a.add_argument("--policies", default="")
-    a.add_argument("--positions", default="compact,absolute")
     a.add_argument("--trials", type=int, default=100)
     a.add_argument("--long-contexts", default="16384,65536")
     a.add_argument("--long-trials", type=int, default=20)
