@@ -1,7 +1,46 @@
-"""What both backends' heap layers share: handing their score buffers to a SlotView, and
-rolling back their newest tokens."""
+"""What both backends' heap layers and caches share: handing their score buffers to a SlotView,
+rolling back their newest tokens, and splitting an eviction event into stacked groups."""
 
 from __future__ import annotations
+
+import numpy as np
+
+
+def group_by_shape(layers: list, keep_of) -> dict:
+    """(resident, keep) -> the layers that evict with those sizes, so each group selects as one stacked op."""
+    groups: dict[tuple[int, int], list] = {}
+    for layer in layers:
+        groups.setdefault((layer.heap.resident, keep_of(layer.heap)), []).append(layer)
+    return groups
+
+
+def split_keep_indices(flat: np.ndarray, shapes: list) -> list:
+    """One event's keep indices, fetched in one transfer as `flat`, back into one [H_kv, keep]
+    array per layer; `shapes` are the groups' [B, H_kv, keep] in the order they were flattened."""
+    out, at = [], 0
+    for B, H, k in shapes:
+        block = flat[at:at + B * H * k].reshape(B, H, k).astype(np.int64, copy=False)
+        out.extend(block[b] for b in range(B))
+        at += B * H * k
+    return out
+
+
+class HeapRollback:
+    """Mixin for a model cache with `heap_layers` (each with `heap` and `truncate`), `tokens_seen`,
+    and `only_heap_layers` (False where sliding or stock layers sit beside them)."""
+
+    def rollback_floor(self) -> int:
+        """Fewest tokens the cache can be rolled back to exactly: the latest repack of any heap
+        layer; no rollback at all with other layers (a sliding window cannot bring back what it dropped)."""
+        if not self.only_heap_layers:
+            return self.tokens_seen
+        return max(layer.heap.repacked_at for layer in self.heap_layers)
+
+    def truncate(self, seen: int) -> None:
+        """Forget every token after the first `seen` (rollback_floor() <= seen)."""
+        assert self.rollback_floor() <= seen <= self.tokens_seen, (seen, self.rollback_floor(), self.tokens_seen)
+        for layer in self.heap_layers:
+            layer.truncate(seen)
 
 
 class PendingView:

@@ -7,6 +7,7 @@ from mlx_lm.models.cache import KVCache
 
 from ...heap import HeapConfig, HeapConfigError, LayerHeap, RepackPlan, combine
 from ...heap.stats import HeapStats
+from ..slots import HeapRollback
 from . import attention
 from .cache import HeapKVCache
 from .rope import RopeSpec
@@ -30,13 +31,14 @@ def kv_geometry(attn) -> tuple[int, int]:
     return int(n_kv), int(head_dim)
 
 
-class HeapPromptCache(list):
+class HeapPromptCache(HeapRollback, list):
     """List of per-layer caches (mlx-lm's prompt-cache shape) plus heap-wide operations."""
 
     def __init__(self, caches, cfg: HeapConfig):
         super().__init__(caches)
         self.cfg = cfg
         self.heap_layers = [c for c in caches if isinstance(c, HeapKVCache)]
+        self.only_heap_layers = len(self.heap_layers) == len(caches)
 
     def make_room(self, n_new: int) -> int:
         """Evict where n_new more tokens would not fit; returns how many layers repacked.
@@ -67,19 +69,6 @@ class HeapPromptCache(list):
         for c in self.heap_layers:
             out += [a for a in (c.scores, c.window, c.counts, c.qsum) if a is not None]
         return out
-
-    def rollback_floor(self) -> int:
-        """Fewest tokens the cache can be rolled back to exactly: the latest repack of any heap
-        layer; no rollback at all with other layers (a sliding window cannot bring back what it dropped)."""
-        if len(self.heap_layers) < len(self):
-            return self.tokens_seen
-        return max(layer.heap.repacked_at for layer in self.heap_layers)
-
-    def truncate(self, seen: int) -> None:
-        """Forget every token after the first `seen` (rollback_floor() <= seen)."""
-        assert self.rollback_floor() <= seen <= self.tokens_seen, (seen, self.rollback_floor(), self.tokens_seen)
-        for layer in self.heap_layers:
-            layer.truncate(seen)
 
     @property
     def tokens_seen(self) -> int:

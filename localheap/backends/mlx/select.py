@@ -15,6 +15,8 @@ from typing import Optional
 import mlx.core as mx
 import numpy as np
 
+from ..slots import group_by_shape, split_keep_indices
+
 INDEX_BITS = 24   # slot indices below 2**24 (16M slots per layer) fit beside a 32-bit score image
 
 
@@ -111,13 +113,7 @@ class EvictionPlan:
     def host_indices(self) -> list:
         """Keep indices per layer as numpy arrays, in ONE device-to-host transfer for the event."""
         flat = np.array(mx.concatenate([g.keep_indices.reshape(-1) for g in self.groups]))
-        out, at = [], 0
-        for g in self.groups:
-            B, H, k = g.keep_indices.shape
-            block = flat[at:at + B * H * k].reshape(B, H, k).astype(np.int64)
-            out.extend(block[b] for b in range(B))
-            at += B * H * k
-        return out
+        return split_keep_indices(flat, [g.keep_indices.shape for g in self.groups])
 
     @property
     def layers(self) -> list:
@@ -126,11 +122,8 @@ class EvictionPlan:
 
 def plan_eviction(layers: list) -> EvictionPlan:
     """Score and select for all `layers` at once: one stacked selection per (resident, keep) group."""
-    by_shape: dict[tuple[int, int], list] = {}
-    for layer in layers:
-        by_shape.setdefault((layer.heap.resident, layer.heap.keep), []).append(layer)
     groups = []
-    for (_, keep), members in by_shape.items():
+    for (_, keep), members in group_by_shape(layers, lambda heap: heap.keep).items():
         cfg = members[0].heap.cfg
         idx = select_keep(mx.stack([layer_scores(layer) for layer in members]), keep, cfg.sinks, cfg.recent)
         deltas = mx.arange(idx.shape[-1], dtype=mx.int32) - idx if cfg.positions == "compact" else None

@@ -17,6 +17,7 @@ from transformers.cache_utils import Cache, DynamicSlidingWindowLayer, get_layer
 
 from ...heap import HeapConfig, HeapConfigError, LayerHeap, RepackPlan, combine
 from ...heap.stats import HeapStats
+from ..slots import HeapRollback
 from . import attention, recall
 from .layer import HeapLayer
 from .rope import RopeSpec
@@ -41,13 +42,14 @@ class SlidingLayer(DynamicSlidingWindowLayer):
         return 0 if not self.is_initialized else self.keys.nbytes + self.values.nbytes
 
 
-class HeapCache(Cache):
+class HeapCache(HeapRollback, Cache):
     """One cache layer per model layer (heap or sliding) plus heap-wide operations."""
 
     def __init__(self, layers: list, cfg: HeapConfig):
         super().__init__(layers=layers)
         self.cfg = cfg
         self.heap_layers = [layer for layer in layers if isinstance(layer, HeapLayer)]
+        self.only_heap_layers = len(self.heap_layers) == len(layers)
         self.device = self.heap_layers[0].device
         self.fused_decode = False   # decode outputs from kernels/decode_attention instead of stock sdpa
         self.pages = None           # PageStore when recall is on (recall.attach_pages)
@@ -91,19 +93,6 @@ class HeapCache(Cache):
             layer.rope_delta = own - base
             assert not layer.rope_delta or layer.rope is not None, "a position shift needs the RoPE spec"
         return torch.arange(base, base + n_new, device=self.device)[None]
-
-    def rollback_floor(self) -> int:
-        """Fewest tokens the cache can be rolled back to exactly: the latest repack of any heap
-        layer; no rollback at all with other layers (a sliding window cannot bring back what it dropped)."""
-        if len(self.heap_layers) < len(self.layers):
-            return self.tokens_seen
-        return max(layer.heap.repacked_at for layer in self.heap_layers)
-
-    def truncate(self, seen: int) -> None:
-        """Forget every token after the first `seen` (rollback_floor() <= seen)."""
-        assert self.rollback_floor() <= seen <= self.tokens_seen, (seen, self.rollback_floor(), self.tokens_seen)
-        for layer in self.heap_layers:
-            layer.truncate(seen)
 
     @property
     def tokens_seen(self) -> int:

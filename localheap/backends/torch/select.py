@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from ...heap import LayerHeap
+from ..slots import group_by_shape, split_keep_indices
 
 
 def select_keep(scores: torch.Tensor, keep: int, sinks: int, recent: int) -> torch.Tensor:
@@ -95,13 +96,7 @@ class EvictionPlan:
     def host_indices(self) -> list:
         """Keep indices per layer as numpy arrays, in ONE device-to-host transfer for the event."""
         flat = torch.cat([g.keep_indices.reshape(-1) for g in self.groups]).cpu().numpy()
-        out, at = [], 0
-        for g in self.groups:
-            B, H, k = g.keep_indices.shape
-            block = flat[at:at + B * H * k].reshape(B, H, k)
-            out.extend(block[b] for b in range(B))
-            at += B * H * k
-        return out
+        return split_keep_indices(flat, [tuple(g.keep_indices.shape) for g in self.groups])
 
     @property
     def layers(self) -> list:
@@ -110,11 +105,8 @@ class EvictionPlan:
 
 def plan_eviction(layers: list) -> EvictionPlan:
     """Score and select for all `layers` at once: one stacked sort per (resident, keep) group."""
-    by_shape: dict[tuple[int, int], list] = {}
-    for layer in layers:
-        by_shape.setdefault((layer.heap.resident, policy_keep(layer.heap)), []).append(layer)
     groups = []
-    for (_, keep), members in by_shape.items():
+    for (_, keep), members in group_by_shape(layers, policy_keep).items():
         cfg = members[0].heap.cfg
         scores = torch.stack([pinned_scores(layer) for layer in members])         # [B, H_kv, n]
         idx = select_keep(scores, keep, cfg.sinks, cfg.recent)
