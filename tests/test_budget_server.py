@@ -15,6 +15,7 @@ import time
 import httpx
 import psutil
 import pytest
+from server_process import wait_until_healthy
 
 MODEL = "random:llama:tiny"
 HEAP = ["--budget", "32768", "--recent", "64", "--slack", "256"]   # ~17 MiB per heap on the tiny model
@@ -37,17 +38,7 @@ class Server:
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self.peak_rss = 0
         self._watch = True
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError("server exited:\n" + self.proc.stdout.read())
-            try:
-                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.3)
-        else:
-            raise RuntimeError("server did not start")
+        wait_until_healthy(self.proc, self.url, 180)
         threading.Thread(target=self._sample_rss, daemon=True).start()
 
     def _sample_rss(self):

@@ -15,6 +15,7 @@ import time
 
 import httpx
 import pytest
+from server_process import wait_until_healthy
 
 pytest.importorskip("torch")
 
@@ -37,17 +38,7 @@ class Server:
                "--port", self.url.rsplit(":", 1)[1], "--sessions-dir", str(sessions_dir), "--log-level", "warning",
                "--max-tokens-limit", "1000000", "--shutdown-grace", str(GRACE_S), *HEAP]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError("server exited:\n" + self.proc.stdout.read())
-            try:
-                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                time.sleep(0.3)
-        self.proc.kill()
-        raise RuntimeError("server did not start")
+        wait_until_healthy(self.proc, self.url, START_TIMEOUT_S)
 
     def new_session(self) -> str:
         return httpx.post(self.url + "/v1/sessions").json()["id"]
