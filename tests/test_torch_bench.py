@@ -60,3 +60,12 @@ def test_profile_splits_a_prefill(model_dirs):
     assert 0 < row["events_s"] < row["wall_s"] and 0 < row["observe_s"] < row["wall_s"]
     assert 0 < row["heap_bookkeeping_s"] < row["wall_s"]
     assert "host-side heap work" in report(row, backend)
+
+
+def test_memory_report_compares_the_last_interval_with_the_one_ending_at_8k():
+    from localheap.commands.bench import _rate_ratio
+
+    rows = [{"path": "heap", "tokens": 4096, "tok_s": 400.0}, {"path": "heap", "tokens": 8192, "tok_s": 200.0},
+            {"path": "heap", "tokens": 1_000_000, "tok_s": 180.0}, {"path": "stock-full", "tokens": 8192, "tok_s": 9.0}]
+    assert _rate_ratio(rows) == "\nheap prefill rate over (8,192, 1,000,000] is 0.90x its rate over (4,096, 8,192]"
+    assert _rate_ratio(rows[:2]) == "" and _rate_ratio([r for r in rows if r["tokens"] != 8192]) == ""

@@ -68,7 +68,16 @@ PHASES_V2_QA = [
     (1536, 3, 200, (0.15, 0.75, 0.0, 0.0, 0.1), 0.2, 32, 0.25, 4),
     (4096, 1, 250, (0.2, 0.7, 0.0, 0.0, 0.1), 0.25, 32, 0.25, 4),
 ]
-RECIPES = {"v1": PHASES, "v2": PHASES_V2, "v2-qa": PHASES_V2_QA}
+# v2 stage 3 (from stage 2, exported): 4096 tokens only, 8 questions per fact row (the 16-key
+# episodes at 4096 were the weak cell after stage 2: 85%). Peak lr 5e-4.
+PHASES_V2_QA8 = [
+    (4096, 1, 600, (0.1, 0.8, 0.0, 0.0, 0.1), 0.25, 32, 0.25, 8),
+]
+# v2 stage 4 (from stage 3): the same rows asking up to 16 questions each, peak lr 3e-4.
+PHASES_V2_QA16 = [
+    (4096, 1, 400, (0.1, 0.8, 0.0, 0.0, 0.1), 0.25, 32, 0.25, 16),
+]
+RECIPES = {"v1": PHASES, "v2": PHASES_V2, "v2-qa": PHASES_V2_QA, "v2-qa8": PHASES_V2_QA8, "v2-qa16": PHASES_V2_QA16}
 QUICK = {"facts96": [(96, 48, 400, (0.1, 0.8, 0.0, 0.0, 0.1), 0.0, 2, 0.0)],
          "scratch96": [(96, 48, 400, (0.25, 0.35, 0.1, 0.2, 0.1), 0.0, 2, 0.0)],
          "facts256": [(256, 16, 400, (0.2, 0.5, 0.1, 0.05, 0.15), 0.0, 8, 0.25)],

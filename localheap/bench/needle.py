@@ -137,6 +137,7 @@ PRUNE = (0.1, 0.3, 0.5, 0.7, 0.9)
 LONG_CONTEXTS = (16384, 65536)
 DEPTH_BINS = 5
 MAX_ANSWER_TOKENS = 8
+EPISODE_LOG_CONTEXT = 16384   # beyond this context every episode is logged as it finishes
 
 
 def depths(trials: int, rng: np.random.Generator) -> np.ndarray:
@@ -197,7 +198,13 @@ def cell(backend, base, eps: list[Episode], context: int, budget: int, policy: s
                      recall_budget=recall_budget if recall else base.recall_budget)
     t0 = time.perf_counter()
     pages: list[dict] = []
-    hits = [read_key(answer(backend, cfg, ep, pages)) == ep.key for ep in eps]
+    hits = []
+    for i, ep in enumerate(eps):
+        t = time.perf_counter()
+        hits.append(read_key(answer(backend, cfg, ep, pages)) == ep.key)
+        if log and context > EPISODE_LOG_CONTEXT:   # long episodes take minutes: show each one
+            log(f"  ctx {context} {policy}{'+recall' if recall else ''} {positions}: episode {i + 1}/{len(eps)} "
+                f"depth {ep.depth:.3f} {'hit' if hits[-1] else 'miss'} ({time.perf_counter() - t:.0f}s)")
     by_bin = []
     for b in range(DEPTH_BINS):
         sel = [h for h, ep in zip(hits, eps) if int(min(ep.depth, 0.999) * DEPTH_BINS) == b]

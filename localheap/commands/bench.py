@@ -55,17 +55,17 @@ def add_parser(sub) -> None:
     speed.add_argument("--contexts", type=_ints, default=[2048, 8192, 32768], help="prompt lengths measured (8k, 1m accepted)")
     speed.add_argument("--decode-tokens", type=int, default=64, help="tokens decoded per cell")
     speed.add_argument("--repeats", type=int, default=1, help="best of N per cell")
-    speed.add_argument("--threads", type=int, default=None,
-                       help="torch intra-op threads, 1 is steadier on a small shared CPU (default: torch's own)")
+    add_threads_arg(speed)
     speed.set_defaults(func=run_speed)
     mem = bsub.add_parser("memory", help="stream many tokens through one session; KV, allocator, RSS")
     add_model_args(mem)
     add_heap_args(mem)
     mem.add_argument("--tokens", type=_ints, default=[1_000_000], help="tokens streamed through the session")
-    mem.add_argument("--checkpoints", type=_ints, default=[8192, 65536, 262144, 1_000_000],
+    mem.add_argument("--checkpoints", type=_ints, default=[4096, 8192, 65536, 262144, 1_000_000],
                      help="token counts at which memory is measured")
     mem.add_argument("--stock-tokens", type=_ints, default=[65536],
                      help="stream the stock full cache this far (it grows without bound)")
+    add_threads_arg(mem)
     mem.add_argument("--ram-budget", default=None, metavar="SIZE",
                      help="hold the run to this budget as `serve` would (allocator limits) and check RSS against it "
                           "(default: no budget)")
@@ -90,6 +90,7 @@ def add_parser(sub) -> None:
                              "numbers (a key is not the only number); pydoc: the v1 table's filler")
     needle.add_argument("--policies", type=_policies, default=None,
                         help="comma-separated subset of the policies (default: all)")
+    add_threads_arg(needle)
     needle.add_argument("--plots", default="needle-plots", help="directory for the PNG plots (needs matplotlib)")
     needle.set_defaults(func=run_needle_bench, model="demo")
 
@@ -97,7 +98,7 @@ def add_parser(sub) -> None:
     add_model_args(prof)
     add_heap_args(prof)
     prof.add_argument("--context", type=_ints, default=[65536], help="prompt length profiled (64k, 1m accepted)")
-    prof.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's own)")
+    add_threads_arg(prof)
     prof.set_defaults(func=run_profile_bench, model="demo")
 
     mass = bsub.add_parser("attention-mass", help="share of the true attention mass each policy's kept set captures")
@@ -108,6 +109,18 @@ def add_parser(sub) -> None:
     mass.add_argument("--trials", type=int, default=4, help="documents (needle episodes) averaged")
     mass.add_argument("--seed", type=int, default=0, help="seed of the documents")
     mass.set_defaults(func=run_attention_mass_bench, model="demo")
+
+
+def add_threads_arg(parser) -> None:
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch intra-op threads, 1 is steadier on a small shared CPU (default: torch's own)")
+
+
+def set_threads(backend, args) -> None:
+    """--threads for the torch backend (MLX has no intra-op thread setting)."""
+    if backend.name == "torch" and args.threads:
+        import torch
+        torch.set_num_threads(args.threads)
 
 
 def peak_rss() -> int:
@@ -132,7 +145,7 @@ def run_speed(args) -> int:
     backend = load_backend(model_spec(args), args.backend)
     cfg = heap_config(args, backend)
     extra = {"threads": args.threads} if backend.name == "torch" else {}
-    if cfg.recall and backend.name == "torch":   # paging on against off, same run
+    if cfg.recall:   # paging on against off, same run
         extra["paths"] = ("stock-full", "heap", "heap-paging")
         cfg = cfg.with_(recall=False)
     rows = _bench_module(backend).run_speed(backend, args.contexts, cfg, args.decode_tokens,
@@ -161,6 +174,7 @@ def run_memory(args) -> int:
     from ..models import load_backend
 
     backend = load_backend(model_spec(args), args.backend)
+    set_threads(backend, args)
     cfg = heap_config(args, backend)
     total = args.tokens[0]
     budget = None
@@ -189,6 +203,7 @@ def run_memory(args) -> int:
     text = (f"model {backend.model_name} | backend {backend.name} | heap capacity/layer "
             f"{cfg.layer_capacity(cfg.budget)} (prefill chunk {cfg.chunk}) | stock KV grows {format_bytes(per_token)}/token "
             f"(would be {format_bytes(per_token * total)} at {total:,})\n" + table(rows, cols)
+            + _rate_ratio(rows)
             + f"\nprocess peak RSS over the whole run: {format_bytes(max_rss)}"
             + ("" if budget is None else f" ({'within' if max_rss <= budget else 'OVER'} the {format_bytes(budget)} budget)"))
     emit("memory", text, {"model": backend.model_name, "backend": backend.name, "heap": cfg.to_dict(),
@@ -198,11 +213,26 @@ def run_memory(args) -> int:
     return 0
 
 
+def _rate_ratio(rows: list[dict], at: int = 8192) -> str:
+    """The heap's prefill rate over its last interval against its rate over the interval ending at
+    `at` tokens: flat means per-token cost does not grow with the tokens seen (checkpoint 4096 too,
+    so that interval is all evicting)."""
+    heap = [r for r in rows if r["path"] == "heap"]
+    ref = next((r for r in heap if r["tokens"] == at), None)
+    if ref is None or heap[-1] is ref or not ref["tok_s"]:
+        return ""
+    prev = heap[heap.index(ref) - 1]["tokens"] if heap.index(ref) else 0
+    last = heap[-1]
+    return (f"\nheap prefill rate over ({heap[-2]['tokens']:,}, {last['tokens']:,}] is "
+            f"{last['tok_s'] / ref['tok_s']:.2f}x its rate over ({prev:,}, {at:,}]")
+
+
 def run_needle_bench(args) -> int:
     from ..bench.needle import plot, report, run_needle
     from ..models import load_backend
 
     backend = load_backend(model_spec(args), args.backend)
+    set_threads(backend, args)
     result = run_needle(backend, heap_config(args, backend), context=args.context, prune=args.prune, trials=args.trials,
                         long_contexts=args.long_contexts, long_trials=args.long_trials, long_full=args.long_full,
                         seed=args.seed, keys=args.keys, filler=args.filler, policies=args.policies,
@@ -219,9 +249,7 @@ def run_profile_bench(args) -> int:
     from ..models import load_backend
 
     backend = load_backend(model_spec(args), args.backend)
-    if backend.name == "torch" and args.threads:
-        import torch
-        torch.set_num_threads(args.threads)
+    set_threads(backend, args)
     cfg = heap_config(args, backend)
     for context in args.context:
         row = profile_prefill(backend, cfg, context)
