@@ -1,5 +1,5 @@
-"""The recall tier through the real server (torch backend): a document pages out, a question
-recalls, /metrics and /v1/heap/events say so, and a spilled session keeps its pages."""
+"""The recall tier through the real server (torch and MLX backends): a document pages out, a
+question recalls, /metrics and /v1/heap/events say so, and a spilled session keeps its pages."""
 
 from __future__ import annotations
 
@@ -8,20 +8,24 @@ import json
 import httpx
 import pytest
 
-from localheap.backends.torch import TorchBackend
 from localheap.heap import HeapConfig
 from localheap.server import ServerSettings, create_app
 from localheap.server.testing import ServerThread
-
-pytestmark = pytest.mark.usefixtures("torch_one_thread")
 
 HEAP = HeapConfig(budget=96, slack=32, recent=16, policy="snapkv", recall=True, recall_budget=32, page_size=8)
 DOC = " ".join(f"Paragraph {i}: the heap keeps sinks, heavy hitters and a recent window." for i in range(60))
 
 
-@pytest.fixture(scope="module")
-def http(model_dirs, tmp_path_factory):
-    backend = TorchBackend.load(model_dirs("llama"), model_name="tiny")
+@pytest.fixture(scope="module", params=["torch", "mlx"])
+def http(request, model_dirs, tmp_path_factory):
+    if request.param == "mlx":
+        pytest.importorskip("mlx.core", reason="mlx is not installed (a CUDA machine has none)")
+        from localheap.backends.mlx import MLXBackend as Backend
+    else:
+        pytest.importorskip("torch")
+        request.getfixturevalue("torch_one_thread")
+        from localheap.backends.torch import TorchBackend as Backend
+    backend = Backend.load(model_dirs("llama"), model_name="tiny")
     settings = ServerSettings(heap=HEAP, web_dir=None, sessions_dir=tmp_path_factory.mktemp("spill"),
                               heap_events_interval=0.05)
     with ServerThread(create_app(backend, settings)) as srv, httpx.Client(base_url=srv.url, timeout=120) as c:

@@ -43,9 +43,13 @@ class HeapRollback:
             layer.truncate(seen)
 
 
+SCORE_ARRAYS = ("scores", "counts", "window")
+
+
 class PendingView:
     """Mixin for a heap layer with `heap` (LayerHeap), optional `scores` / `counts` / `window`
-    buffers [H_kv, capacity] and `_geometry_scores()`; works on mlx arrays and torch tensors alike."""
+    buffers [H_kv, capacity], `qsum` / `qcount`, `_geometry_scores()` and `_copy` (an array's
+    copy); works on mlx arrays and torch tensors alike."""
 
     def pending_view(self) -> dict:
         """Device arrays for a SlotView, each [H_kv, resident]."""
@@ -69,7 +73,19 @@ class PendingView:
         the dropped queries paid them, as they would after any turn."""
         old = self.heap.resident
         new = self.heap.truncate(seen)
-        for name in ("scores", "counts", "window"):
+        for name in SCORE_ARRAYS:
             arr = getattr(self, name)
             if arr is not None and new < old:
                 arr[:, new:old] = 0
+
+    def snapshot(self) -> dict:
+        """What a recall probe's forward changes, for `rollback` (slots past `resident` are free anyway)."""
+        arrays = {n: self._copy(getattr(self, n)) for n in SCORE_ARRAYS if getattr(self, n) is not None}
+        return {"counters": (self.heap.resident, self.heap.seen), "qsum": self.qsum, "qcount": self.qcount, **arrays}
+
+    def rollback(self, snap: dict) -> None:
+        self.heap.resident, self.heap.seen = snap["counters"]
+        self.qsum, self.qcount = snap["qsum"], snap["qcount"]   # qsum is rebound, never edited in place
+        for name in SCORE_ARRAYS:
+            if name in snap:
+                setattr(self, name, snap[name])

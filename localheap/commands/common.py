@@ -41,7 +41,7 @@ def add_heap_args(p: argparse.ArgumentParser) -> None:
                    help="compact: RoPE positions follow slot order; absolute: original positions")
     p.add_argument("--profile", default=d.profile, choices=("uniform", "pyramid"), help="budget across layers")
     p.add_argument("--recall", default="on" if d.recall else "off", choices=("off", "on"),
-                   help="page evicted KV out to disk and recall the best pages for each question (torch)")
+                   help="page evicted KV out to disk and recall the best pages for each question")
     p.add_argument("--recall-budget", type=int, default=d.recall_budget,
                    help="slots of --budget reserved for recalled pages")
     p.add_argument("--page-size", type=int, default=d.page_size, help="tokens per page")

@@ -9,7 +9,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from ...generation import ProgressFn, SamplingParams
-from ...heap import HeapConfig, HeapConfigError, HeapStats, kv_bytes_per_token
+from ...heap import HeapConfig, HeapStats, kv_bytes_per_token
 from .generate import generate_tokens, prefill
 from .heapcache import HeapPromptCache, attention_module, kv_geometry, make_heap_cache
 from .persist import load_heap, save_heap
@@ -44,9 +44,8 @@ class MLXBackend:
         return default_prefill_chunk()
 
     def new_cache(self, cfg: HeapConfig, pages_dir: Optional[Path] = None) -> HeapPromptCache:
-        if cfg.recall:
-            raise HeapConfigError("recall (the page store) runs on the torch backend only so far; use --recall off")
-        return make_heap_cache(self.model, cfg)
+        """A fresh heap; with recall on its page store lives in `pages_dir` (default: a temp dir)."""
+        return make_heap_cache(self.model, cfg, pages_dir)
 
     def prefill(self, cache, tokens: Sequence[int], progress: Optional[ProgressFn] = None,
                 cancelled: Optional[Callable[[], bool]] = None) -> None:

@@ -50,8 +50,8 @@ def time_path(backend, kind: str, prompt: list[int], n_decode: int, cfg: HeapCon
     model = backend.model
     mx.clear_cache()
     mx.reset_peak_memory()
-    if kind == "heap":
-        cache = make_heap_cache(model, cfg)
+    if kind in ("heap", "heap-paging"):   # paging: the recall tier on
+        cache = make_heap_cache(model, cfg.with_(recall=True) if kind == "heap-paging" else cfg)
         it = generate_tokens(model, cache, prompt, SamplingParams(max_tokens=n_decode + 1))
     else:
         cache = _stock_caches(model, kind, cfg.sinks + cfg.budget, cfg.sinks)

@@ -13,13 +13,15 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import _BaseCache, create_attention_mask
 
-from ...heap import LayerHeap, RepackPlan
-from ..slots import PendingView
+from ...heap import LayerHeap, MergePlan, RepackPlan
+from ..slots import SCORE_ARRAYS, PendingView
 from ...kernels.decode_attention import mlx_ops as decode_kernel
 from .rope import RopeSpec
 
 
 class HeapKVCache(PendingView, _BaseCache):
+    _copy = staticmethod(mx.array)
+
     def __init__(self, heap: LayerHeap, rope: Optional[RopeSpec]):
         self.heap = heap
         self.rope = rope
@@ -32,6 +34,7 @@ class HeapKVCache(PendingView, _BaseCache):
         self.counts = mx.zeros((H, cap), mx.float32) if cfg.h2o_normalize and cfg.needs_attention else None
         self.qsum: Optional[mx.array] = None    # [H_kv, D] pre-RoPE query sum (geometry)
         self.qcount = 0
+        self.capture: Optional[list] = None   # a recall probe's pre-RoPE queries, while it runs
 
     # -- mlx-lm protocol --------------------------------------------------------------
     @property
@@ -90,6 +93,9 @@ class HeapKVCache(PendingView, _BaseCache):
         a side pass scores the last `obs_window` queries against the keys.
         """
         cfg = self.heap.cfg
+        if self.capture is not None:   # a recall probe: keep the queries, observe nothing
+            self.capture.append(self.pre_rope_queries(queries))
+            return
         if cfg.needs_query_stats:
             self._observe_queries(queries)
         if not cfg.needs_attention:
@@ -130,17 +136,23 @@ class HeapKVCache(PendingView, _BaseCache):
             logits = mx.where(visible, logits, -mx.inf)
         return mx.softmax(logits, axis=-1, precise=True)
 
-    def _observe_queries(self, queries: mx.array) -> None:
+    def pre_rope_queries(self, queries: mx.array) -> mx.array:
+        """queries: [1, H_q, L, D] of the step just appended -> [H_kv, G*L, D] float32, pre-RoPE,
+        the G query heads of each KV head's group stacked (mlx-lm's grouping)."""
         _, Hq, L, D = queries.shape
-        H = self.heap.n_kv_heads
         q = queries[0].astype(mx.float32)                      # [Hq, L, D]
         if self.rope is not None:
             start = self.offset - L  # the queries were rotated before this step's append
             pos = np.broadcast_to(np.arange(start, start + L), (Hq, L))
             q = self.rope.rotate(q, -pos)                       # back to pre-RoPE
-        qs = q.reshape(H, (Hq // H) * L, D).sum(axis=1)
+        H = self.heap.n_kv_heads
+        return q.reshape(H, (Hq // H) * L, D)
+
+    def _observe_queries(self, queries: mx.array) -> None:
+        q = self.pre_rope_queries(queries)
+        qs = q.sum(axis=1)
         self.qsum = qs if self.qsum is None else self.qsum + qs
-        self.qcount += (Hq // H) * L
+        self.qcount += q.shape[1]
 
     def _geometry_scores(self) -> mx.array:
         """[H, n]: alignment of each pre-RoPE key with the mean pre-RoPE query; else -|k|."""
@@ -156,11 +168,11 @@ class HeapKVCache(PendingView, _BaseCache):
         return (k_pre * q_mean[:, None, :]).sum(axis=-1)
 
     # -- eviction -------------------------------------------------------------------
-    def repack(self, plan: RepackPlan) -> None:
+    def repack(self, plan: RepackPlan, evicting: bool = True) -> None:
         """Apply a host plan (numpy indices and deltas): gather on the device, then the bookkeeping."""
         deltas = None if plan.deltas is None else mx.array(plan.deltas.astype(np.int32))
         self.gather_kept(mx.array(plan.keep_indices.astype(np.int32)), deltas)
-        self.heap.apply(plan)
+        self.heap.apply(plan, evicting)
 
     def gather_kept(self, idx: mx.array, deltas: Optional[mx.array]) -> None:
         """Device half of a repack: move the kept slots to the front, re-rotating keys in compact mode.
@@ -182,3 +194,21 @@ class HeapKVCache(PendingView, _BaseCache):
                 setattr(self, name, mx.concatenate([kept, mx.zeros((arr.shape[0], arr.shape[1] - k), arr.dtype)], axis=1))
         if self.window is not None:
             self.window = mx.zeros_like(self.window)  # the next observation window starts now
+
+    # -- recall ---------------------------------------------------------------------
+    def merge(self, plan: MergePlan, keys: mx.array, values: mx.array) -> None:
+        """Insert recalled tokens among the resident ones (plan from LayerHeap.merge, already booked).
+        keys (pre-RoPE), values: [H_kv, r, D] float32."""
+        n, total = plan.n_before, plan.order.shape[1]
+        order = mx.array(plan.order.astype(np.int32))                            # [H_kv, n + r]
+        k = mx.concatenate([self.keys[0, :, :n, :].astype(mx.float32), keys], axis=1)
+        v = mx.concatenate([self.values[0, :, :n, :].astype(mx.float32), values], axis=1)
+        k = mx.take_along_axis(k, order[..., None], axis=1)
+        v = mx.take_along_axis(v, order[..., None], axis=1)
+        self.keys[:, :, :total, :] = self.rope.rotate(k, plan.rotate_by).astype(self.keys.dtype)[None]
+        self.values[:, :, :total, :] = v.astype(self.values.dtype)[None]
+        for name in SCORE_ARRAYS:
+            arr = getattr(self, name)
+            if arr is not None:   # recalled slots start unscored (they are pinned until released)
+                padded = mx.concatenate([arr[:, :n], mx.zeros((arr.shape[0], total - n), arr.dtype)], axis=1)
+                arr[:, :total] = mx.take_along_axis(padded, order, axis=1)

@@ -14,6 +14,8 @@ import mlx.core as mx
 from mlx_lm.sample_utils import make_sampler
 
 from ...generation import ProgressFn, SamplingParams
+from .. import paging
+from . import recall
 from .heapcache import HeapPromptCache
 
 
@@ -37,6 +39,21 @@ def prefill(model, cache: HeapPromptCache, tokens: Sequence[int], chunk: int,
         done += n
         if progress is not None:
             progress(done, total)
+
+
+def prefill_turn(model, cache: HeapPromptCache, prompt: list, chunk: int,
+                 progress: Optional[ProgressFn] = None, cancelled=None) -> None:
+    """All of a turn's prompt but its last token (which the first step feeds). With recall on and
+    something evicted, the last `obs_window` tokens (the question) are held back: the rest is
+    fed, the question recalls pages, then is fed itself. Otherwise exactly `prefill` of
+    prompt[:-1] (so a heap that never evicts stays mlx-lm's cache)."""
+    head = prompt[:-1]
+    if paging.needs_recall(cache, paging.prefill_chunks(len(head), chunk) + [1]):
+        body, question = paging.split_question(cache, prompt)
+        prefill(model, cache, body, chunk, paging.progress_from(progress, 0, len(head)), cancelled)
+        recall.recall(model, cache, question)
+        progress, head = paging.progress_from(progress, len(body), len(head)), question[:-1]
+    prefill(model, cache, head, chunk, progress, cancelled)
 
 
 def _step(model, cache: HeapPromptCache, tokens: mx.array, sampler):
@@ -63,7 +80,7 @@ def generate_steps(model, cache: HeapPromptCache, prompt: Sequence[int], params:
     sampler = sampler_for(params)
     chunk = cache.cfg.chunk
     prompt = list(prompt)
-    prefill(model, cache, prompt[:-1], chunk, progress, cancelled)
+    prefill_turn(model, cache, prompt, chunk, progress, cancelled)
     if params.max_tokens == 0:
         return
     y, lp = _step(model, cache, mx.array(prompt[-1:], dtype=mx.uint32), sampler)

@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Optional
+
 import mlx.core as mx
+import numpy as np
 from mlx_lm.models.cache import KVCache
 
 from ...heap import HeapConfig, HeapConfigError, LayerHeap, RepackPlan, combine
 from ...heap.stats import HeapStats
+from .. import paging
 from ..slots import HeapRollback
-from . import attention
+from . import attention, recall
 from .cache import HeapKVCache
 from .rope import RopeSpec
 from .select import EvictionPlan, plan_eviction
@@ -39,6 +44,9 @@ class HeapPromptCache(HeapRollback, list):
         self.cfg = cfg
         self.heap_layers = [c for c in caches if isinstance(c, HeapKVCache)]
         self.only_heap_layers = len(self.heap_layers) == len(caches)
+        self.pages = None           # PageStore when recall is on (paging.attach_pages)
+        self.writer = None          # its background PageWriter
+        self.recall_log: list[dict] = []      # one entry per recall: tokens, pages, ms
 
     def make_room(self, n_new: int) -> int:
         """Evict where n_new more tokens would not fit; returns how many layers repacked.
@@ -54,13 +62,29 @@ class HeapPromptCache(HeapRollback, list):
 
     def repack(self, plan: EvictionPlan) -> None:
         """The one place an eviction event is applied: every layer's gather and re-rotation (lazy),
-        evaluated together with the one transfer of keep indices the host's position tables need."""
+        evaluated together with the one transfer of keep indices the host's position tables need
+        (with recall on, the same transfer carries the evicted K/V to the page store)."""
+        outgoing = recall.gather_evicted(self, plan) if self.pages is not None else None
         for group in plan.groups:
             for b, cache in enumerate(group.layers):
                 cache.gather_kept(group.keep_indices[b], None if group.deltas is None else group.deltas[b])
-        mx.eval([c.state for c in plan.layers])
-        for cache, idx in zip(plan.layers, plan.host_indices()):
+        if outgoing is None:
+            mx.eval([c.state for c in plan.layers])
+            indices = plan.host_indices()
+        else:
+            indices = recall.page_out(self, plan, outgoing)
+        for cache, idx in zip(plan.layers, indices):
             cache.heap.apply(RepackPlan(keep_indices=idx, deltas=None))
+
+    def evict(self, layers: list) -> None:
+        """An eviction event over `layers` now, whatever their fill (recall makes room this way)."""
+        self.repack(plan_eviction(layers))
+
+    def to_device(self, host: np.ndarray) -> mx.array:
+        return mx.array(host)
+
+    def settle(self) -> None:
+        mx.eval([c.state for c in self.heap_layers])
 
     def score_arrays(self) -> list:
         """Arrays the side pass updated; evaluate them with each step's token, so the
@@ -83,12 +107,13 @@ class HeapPromptCache(HeapRollback, list):
         return sum(c.kv_nbytes if isinstance(c, HeapKVCache) else c.nbytes for c in self if not c.empty())
 
     def stats(self) -> HeapStats:
-        return combine([c.heap.stats() for c in self.heap_layers], self.kv_nbytes)
+        return combine([c.heap.stats() for c in self.heap_layers], self.kv_nbytes, paging.page_stats(self))
 
 
-def make_heap_cache(model, cfg: HeapConfig) -> HeapPromptCache:
+def make_heap_cache(model, cfg: HeapConfig, pages_dir: Optional[Path] = None) -> HeapPromptCache:
     """Build the heap for `model`: heap layers where mlx-lm would use a plain KVCache;
-    sliding-window layers keep mlx-lm's own (already bounded) rotating cache."""
+    sliding-window layers keep mlx-lm's own (already bounded) rotating cache. With recall on,
+    its page store lives in `pages_dir` (default: a temp dir that goes with the cache)."""
     attention.install()
     layers = list(model.layers)
     stock = model.make_cache() if hasattr(model, "make_cache") else [KVCache() for _ in layers]
@@ -99,9 +124,15 @@ def make_heap_cache(model, cfg: HeapConfig) -> HeapPromptCache:
     caches = list(stock)
     for j, i in enumerate(heap_ids):
         attn = attention_module(layers[i])
-        n_kv, _ = kv_geometry(attn)
+        n_kv, head_dim = kv_geometry(attn)
         rope = getattr(attn, "rope", None)
-        spec = RopeSpec.from_module(rope) if (rope is not None and cfg.positions == "compact"
-                                              or cfg.needs_query_stats and rope is not None) else None
+        # compact positions shift keys; geometry un-rotates queries; recall stores pre-RoPE pages
+        wants_rope = cfg.positions == "compact" or cfg.needs_query_stats or cfg.recall
+        spec = RopeSpec.from_module(rope) if rope is not None and wants_rope else None
+        if cfg.recall and spec is None:
+            raise HeapConfigError(f"recall needs the RoPE module of {type(attn).__name__}; use --recall off")
         caches[i] = HeapKVCache(LayerHeap(cfg, n_kv, budgets[j], layer=j), spec)
-    return HeapPromptCache(caches, cfg)
+    cache = HeapPromptCache(caches, cfg)
+    if cfg.recall:
+        paging.attach_pages(cache, n_kv, head_dim, pages_dir)
+    return cache

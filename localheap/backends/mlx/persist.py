@@ -10,6 +10,7 @@ import mlx.core as mx
 import numpy as np
 
 from ...heap import HeapConfig
+from ..paging import checkpoint_pages, saved_pages_root
 from .cache import HeapKVCache
 from .heapcache import HeapPromptCache, make_heap_cache
 
@@ -17,9 +18,11 @@ _OPTIONAL = ("scores", "window", "counts")
 
 
 def save_heap(cache: HeapPromptCache, path: Path) -> None:
-    """Write atomically: a crash mid-save never leaves a half file under `path`."""
+    """Write atomically: a crash mid-save never leaves a half file under `path`. With recall on,
+    the page store is checkpointed first and the file records where it is (paging.checkpoint_pages)."""
+    path = Path(path)
     arrays: dict[str, mx.array] = {}
-    meta: dict = {"config": cache.cfg.to_dict(), "layers": []}
+    meta: dict = {"config": cache.cfg.to_dict(), "layers": [], **checkpoint_pages(cache, path)}
     for i, c in enumerate(cache):
         if isinstance(c, HeapKVCache):
             entry = {"kind": "heap", "qcount": c.qcount}
@@ -35,13 +38,13 @@ def save_heap(cache: HeapPromptCache, path: Path) -> None:
             st = c.heap.state()
             arrays[f"{i}.positions"] = mx.array(st["positions"])
             arrays[f"{i}.counters"] = mx.array(st["counters"])
+            arrays[f"{i}.recalled"] = mx.array(st["recalled"])
         else:
             entry = {"kind": "stock", "meta_state": list(c.meta_state) if not c.empty() else None}
             if not c.empty():
                 for j, a in enumerate(c.state):
                     arrays[f"{i}.state{j}"] = a
         meta["layers"].append(entry)
-    path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp.safetensors")
     mx.save_safetensors(str(tmp), arrays, metadata={"localheap": json.dumps(meta)})
@@ -52,11 +55,14 @@ def load_heap(model, path: Path) -> HeapPromptCache:
     arrays, metadata = mx.load(str(path), return_metadata=True)
     meta = json.loads(metadata["localheap"])
     cfg = HeapConfig(**meta["config"])
-    cache = make_heap_cache(model, cfg)
+    cache = make_heap_cache(model, cfg, saved_pages_root(path, meta) if cfg.recall else None)
+    cache.recall_log = list(meta.get("recall_log", []))
     for i, (c, entry) in enumerate(zip(cache, meta["layers"])):
         if entry["kind"] == "heap":
             c.heap.load_state({"positions": np.array(arrays[f"{i}.positions"]),
-                               "counters": np.array(arrays[f"{i}.counters"])})
+                               "counters": np.array(arrays[f"{i}.counters"]),
+                               **({"recalled": np.array(arrays[f"{i}.recalled"])}
+                                  if f"{i}.recalled" in arrays else {})})
             c.qcount = entry["qcount"]
             if f"{i}.keys" in arrays:
                 k, v = arrays[f"{i}.keys"], arrays[f"{i}.values"]

@@ -15,6 +15,7 @@ from typing import Optional
 import mlx.core as mx
 import numpy as np
 
+from ..paging import policy_keep
 from ..slots import group_by_shape, split_keep_indices
 
 INDEX_BITS = 24   # slot indices below 2**24 (16M slots per layer) fit beside a 32-bit score image
@@ -102,6 +103,15 @@ class EvictionGroup:
     layers: list                         # HeapKVCache
     keep_indices: mx.array               # [B, H_kv, keep] int32, ascending
     deltas: Optional[mx.array]           # [B, H_kv, keep] RoPE position change (compact), else None
+    scores: Optional[mx.array] = None    # [B, H_kv, resident] what the selection ranked (page values)
+
+    def evicted_slots(self) -> mx.array:
+        """[B, H_kv, resident - keep] int32 ascending slots this event drops (for a page-out)."""
+        n, keep = self.layers[0].heap.resident, self.keep_indices.shape[-1]
+        slot = mx.broadcast_to(mx.arange(n, dtype=mx.int32), (*self.keep_indices.shape[:2], n))
+        kept = mx.put_along_axis(mx.zeros(slot.shape, mx.bool_), self.keep_indices, mx.array(True), axis=-1)
+        # kept slots sort after every evicted one; the keys are unique, so the order is exact
+        return mx.sort(mx.where(kept, slot + n, slot), axis=-1)[..., : n - keep]
 
 
 @dataclass
@@ -123,9 +133,19 @@ class EvictionPlan:
 def plan_eviction(layers: list) -> EvictionPlan:
     """Score and select for all `layers` at once: one stacked selection per (resident, keep) group."""
     groups = []
-    for (_, keep), members in group_by_shape(layers, lambda heap: heap.keep).items():
+    for (_, keep), members in group_by_shape(layers, policy_keep).items():
         cfg = members[0].heap.cfg
-        idx = select_keep(mx.stack([layer_scores(layer) for layer in members]), keep, cfg.sinks, cfg.recent)
+        scores = mx.stack([pinned_scores(layer) for layer in members])            # [B, H_kv, n]
+        idx = select_keep(scores, keep, cfg.sinks, cfg.recent)
         deltas = mx.arange(idx.shape[-1], dtype=mx.int32) - idx if cfg.positions == "compact" else None
-        groups.append(EvictionGroup(members, idx, deltas))
+        groups.append(EvictionGroup(members, idx, deltas, scores))
     return EvictionPlan(groups)
+
+
+def pinned_scores(layer) -> mx.array:
+    """layer_scores, with recalled slots ranked first: they stay until the next recall (LayerHeap.plan)."""
+    scores = layer_scores(layer)
+    heap = layer.heap
+    if heap.n_recalled:
+        scores = mx.where(mx.array(heap.recalled[:, : heap.resident]), mx.inf, scores)
+    return scores

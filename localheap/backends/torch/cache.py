@@ -12,11 +12,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
+import numpy as np
 import torch
 from transformers.cache_utils import Cache, DynamicSlidingWindowLayer, get_layer_types_and_kwargs
 
 from ...heap import HeapConfig, HeapConfigError, LayerHeap, RepackPlan, combine
 from ...heap.stats import HeapStats
+from .. import paging
 from ..slots import HeapRollback
 from . import attention, recall
 from .layer import HeapLayer
@@ -52,7 +54,7 @@ class HeapCache(HeapRollback, Cache):
         self.only_heap_layers = len(self.heap_layers) == len(layers)
         self.device = self.heap_layers[0].device
         self.fused_decode = False   # decode outputs from kernels/decode_attention instead of stock sdpa
-        self.pages = None           # PageStore when recall is on (recall.attach_pages)
+        self.pages = None           # PageStore when recall is on (paging.attach_pages)
         self.writer = None          # its background PageWriter
         self.capture: Optional[dict] = None   # a recall probe's queries per heap layer, while it runs
         self.recall_log: list[dict] = []      # one entry per recall: tokens, pages, ms
@@ -85,6 +87,13 @@ class HeapCache(HeapRollback, Cache):
         """An eviction event over `layers` now, whatever their fill (recall makes room this way)."""
         self.repack(plan_eviction(layers))
 
+    def to_device(self, host: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(host).to(self.device)
+
+    def settle(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
     def position_ids(self, n_new: int) -> torch.Tensor:
         """[1, n_new] positions for the next forward; sets each layer's offset from them."""
         base = self.heap_layers[0].heap.rope_offset()
@@ -110,13 +119,7 @@ class HeapCache(HeapRollback, Cache):
         return combine([layer.heap.stats() for layer in self.heap_layers], self.kv_nbytes, self.page_stats())
 
     def page_stats(self) -> Optional[dict]:
-        """The page store's counters and the recalls so far (None with recall off). Writes still
-        queued in the background are not counted yet: stats never wait for the disk."""
-        if self.pages is None:
-            return None
-        last = self.recall_log[-1] if self.recall_log else None
-        return {**self.pages.stats(), "recalls": len(self.recall_log), "last_recall": last,
-                "recalled_tokens": sum(e["tokens"] for e in self.recall_log)}
+        return paging.page_stats(self)
 
 
 def decoder_layers(model) -> list:
@@ -156,6 +159,6 @@ def make_heap_cache(model, cfg: HeapConfig, pages_dir: Optional[Path] = None) ->
             raise HeapConfigError(f"layer type {kind!r} ({type(model).__name__}) is not supported by the heap")
     cache = HeapCache(layers, cfg)
     if cfg.recall:
-        recall.attach_pages(cache, n_kv, head_dim, pages_dir)
+        paging.attach_pages(cache, n_kv, head_dim, pages_dir)
     return cache
 

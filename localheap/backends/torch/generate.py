@@ -15,6 +15,7 @@ import torch
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from ...generation import ProgressFn, SamplingParams
+from .. import paging
 from . import recall
 from .cache import HeapCache
 
@@ -51,16 +52,13 @@ def prefill_turn(model, cache: HeapCache, tokens: Sequence[int], progress: Optio
     """A turn's prompt. With recall on and something evicted, the last `obs_window` tokens (the
     question) are held back: the rest is fed, the question recalls pages, then is fed itself.
     Otherwise exactly `prefill` (so a heap that never evicts stays the stock cache)."""
-    if not recall.needs_recall(cache, len(tokens)):
+    if not paging.needs_recall(cache, paging.prefill_chunks(len(tokens), cache.cfg.chunk)):
         return prefill(model, cache, tokens, progress, cancelled)
-    w = min(len(tokens), max(1, cache.cfg.obs_window), cache.cfg.slack)
-    body, question = list(tokens[: len(tokens) - w]), list(tokens[len(tokens) - w:])
-    total = len(tokens)
+    body, question = paging.split_question(cache, tokens)
     if body:
-        prefill(model, cache, body, (lambda d, _: progress(d, total)) if progress else None, cancelled)
+        prefill(model, cache, body, paging.progress_from(progress, 0, len(tokens)), cancelled)
     recall.recall(model, cache, torch.as_tensor(question, dtype=torch.long, device=cache.device))
-    return prefill(model, cache, question, (lambda d, _: progress(len(body) + d, total)) if progress else None,
-                   cancelled)
+    return prefill(model, cache, question, paging.progress_from(progress, len(body), len(tokens)), cancelled)
 
 
 class Sampler:

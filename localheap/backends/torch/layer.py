@@ -15,16 +15,14 @@ import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from ...heap import LayerHeap, MergePlan, RepackPlan
-from ..slots import PendingView
+from ..slots import SCORE_ARRAYS, PendingView
 from .rope import RopeSpec
-
-_SCORE_ARRAYS = ("scores", "counts", "window")
-
 
 class HeapLayer(PendingView, CacheLayerMixin):
     is_sliding = False
     is_compileable = False
     is_croppable = False
+    _copy = staticmethod(torch.clone)
 
     def __init__(self, heap: LayerHeap, head_dim: int, dtype: torch.dtype, device: torch.device,
                  rope: Optional[RopeSpec]):
@@ -79,7 +77,7 @@ class HeapLayer(PendingView, CacheLayerMixin):
         self.heap = LayerHeap(cfg, h.n_kv_heads, h.budget, layer=h.layer)
         self.keys.zero_()
         self.values.zero_()
-        for name in _SCORE_ARRAYS:
+        for name in SCORE_ARRAYS:
             if getattr(self, name) is not None:
                 getattr(self, name).zero_()
         self.qsum, self.qcount = None, 0
@@ -97,7 +95,7 @@ class HeapLayer(PendingView, CacheLayerMixin):
 
     @property
     def nbytes(self) -> int:
-        extra = sum(getattr(self, n).nbytes for n in _SCORE_ARRAYS if getattr(self, n) is not None)
+        extra = sum(getattr(self, n).nbytes for n in SCORE_ARRAYS if getattr(self, n) is not None)
         return self.kv_nbytes + extra
 
     # -- scores ---------------------------------------------------------------------
@@ -210,21 +208,8 @@ class HeapLayer(PendingView, CacheLayerMixin):
         v = torch.gather(torch.cat([self.values[0, :, :n].float(), values], dim=1), 1, gather_idx)
         self.keys[0, :, :total] = self.rope.rotate(k, plan.rotate_by).to(self.dtype)
         self.values[0, :, :total] = v.to(self.dtype)
-        for name in _SCORE_ARRAYS:
+        for name in SCORE_ARRAYS:
             arr = getattr(self, name)
             if arr is not None:   # recalled slots start unscored (they are pinned until released)
                 padded = torch.cat([arr[:, :n], torch.zeros_like(arr[:, : total - n])], dim=1)
                 arr[:, :total] = torch.gather(padded, 1, idx)
-
-    def snapshot(self) -> dict:
-        """What a probe forward changes, for `rollback` (slots past `resident` are free anyway)."""
-        return {"counters": (self.heap.resident, self.heap.seen), "qcount": self.qcount,
-                "qsum": None if self.qsum is None else self.qsum.clone(),
-                **{n: getattr(self, n).clone() for n in _SCORE_ARRAYS if getattr(self, n) is not None}}
-
-    def rollback(self, snap: dict) -> None:
-        self.heap.resident, self.heap.seen = snap["counters"]
-        self.qsum, self.qcount = snap["qsum"], snap["qcount"]
-        for name in _SCORE_ARRAYS:
-            if name in snap:
-                getattr(self, name).copy_(snap[name])

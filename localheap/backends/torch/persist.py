@@ -10,15 +10,11 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ...heap import HeapConfig
+from ..paging import checkpoint_pages, saved_pages_root
 from .cache import HeapCache, make_heap_cache
 from .layer import HeapLayer
 
 _OPTIONAL = ("scores", "window", "counts")
-
-
-def pages_dir(path: Path) -> Path:
-    """Where a heap saved to `path` keeps a page store that lived in a temp dir: beside it."""
-    return Path(path).with_suffix(".pages")
 
 
 def save_heap(cache: HeapCache, path: Path) -> None:
@@ -27,16 +23,8 @@ def save_heap(cache: HeapCache, path: Path) -> None:
     file records where it is, relative to its own directory (sessions keep one store per session
     across the generations of their heap file)."""
     path = Path(path)
-    if cache.pages is not None:
-        cache.writer.drain()
-        if cache.pages_owned:
-            cache.pages.move_to(pages_dir(path))
-            cache.pages_owned = False
-        cache.pages.checkpoint()
     tensors: dict[str, torch.Tensor] = {}
-    meta: dict = {"config": cache.cfg.to_dict(), "layers": [], "recall_log": cache.recall_log[-256:]}
-    if cache.pages is not None:
-        meta["pages_dir"] = os.path.relpath(cache.pages.root, path.parent)
+    meta: dict = {"config": cache.cfg.to_dict(), "layers": [], **checkpoint_pages(cache, path)}
     for i, layer in enumerate(cache.layers):
         if isinstance(layer, HeapLayer):
             n = layer.heap.resident
@@ -71,8 +59,7 @@ def load_heap(model, path: Path) -> HeapCache:
         meta = json.loads(f.metadata()["localheap"])
     tensors = load_file(str(path))
     cfg = HeapConfig(**meta["config"])
-    root = Path(path).parent / meta["pages_dir"] if "pages_dir" in meta else pages_dir(path)
-    cache = make_heap_cache(model, cfg, root if cfg.recall else None)
+    cache = make_heap_cache(model, cfg, saved_pages_root(path, meta) if cfg.recall else None)
     cache.recall_log = list(meta.get("recall_log", []))
     device = cache.device
     for i, (layer, entry) in enumerate(zip(cache.layers, meta["layers"])):

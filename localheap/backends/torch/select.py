@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from ...heap import LayerHeap
+from ..paging import policy_keep
 from ..slots import group_by_shape, split_keep_indices
 
 
@@ -86,6 +87,12 @@ class EvictionGroup:
         kept = torch.zeros(*self.keep_indices.shape[:2], n, dtype=torch.bool, device=self.keep_indices.device)
         return ~kept.scatter_(-1, self.keep_indices, True)
 
+    def evicted_slots(self) -> torch.Tensor:
+        """[B, H_kv, resident - keep] ascending slots this event drops (for a page-out)."""
+        n, keep = self.layers[0].heap.resident, self.keep_indices.shape[-1]
+        # a stable sort puts the True (evicted) slots first, in order
+        return torch.sort(self.evicted.to(torch.int8), dim=-1, descending=True, stable=True).indices[..., : n - keep]
+
 
 @dataclass
 class EvictionPlan:
@@ -113,11 +120,6 @@ def plan_eviction(layers: list) -> EvictionPlan:
         deltas = torch.arange(idx.shape[-1], device=idx.device) - idx if cfg.positions == "compact" else None
         groups.append(EvictionGroup(members, idx, deltas, scores))
     return EvictionPlan(groups)
-
-
-def policy_keep(heap: LayerHeap) -> int:
-    """Slots an event keeps: LayerHeap.plan's rule (the recall region holds only recalled pages)."""
-    return heap.keep - heap.recall_slots + heap.n_recalled
 
 
 def pinned_scores(layer) -> torch.Tensor:

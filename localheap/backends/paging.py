@@ -1,0 +1,210 @@
+"""The recall tier's backend-neutral half: page store wiring, page-out bookkeeping, recall per question.
+
+Knows nothing about tensors: each backend gathers the evicted K/V on its device and brings
+them to the host in one transfer per eviction event (torch/recall.py, mlx/recall.py), and
+feeds a question once as a probe for its queries. Everything else is here, on numpy arrays,
+so both backends page out, score, select and merge alike.
+
+A cache with recall on provides: `cfg`, `heap_layers` (each with `heap`,
+`repack(plan, evicting)` and `merge(plan, keys, values)`), `pages` / `writer` / `pages_owned` /
+`recall_log` (set by `attach_pages`), `make_room(n)`, `evict(layers)`, `to_device(host)` (a
+numpy array onto the device) and `settle()` (wait for queued device work).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import time
+import weakref
+from pathlib import Path
+from typing import Any, Callable, Optional, Sequence
+
+import numpy as np
+
+from ..heap import LayerHeap, PageGeometry, PageStore, PageWriter, score_pages, select_pages
+
+
+def attach_pages(cache, n_kv_heads: int, head_dim: int, root: Optional[Path] = None) -> None:
+    """Give `cache` a page store (in `root`, or a temp dir removed with the cache) and a writer."""
+    cfg = cache.cfg
+    cache.pages_owned = root is None   # a temp dir: a save moves it beside the heap file
+    if root is None:
+        root = Path(tempfile.mkdtemp(prefix="localheap-pages-"))
+        weakref.finalize(cache, shutil.rmtree, str(root), True)   # a moved store is gone from here: no-op
+    geometry = PageGeometry(len(cache.heap_layers), n_kv_heads, head_dim, cfg.page_size, cfg.page_format)
+    cache.pages = PageStore(root, geometry, cfg.disk_budget, cfg.recall_summary)
+    cache.writer = PageWriter()
+
+
+def policy_keep(heap: LayerHeap) -> int:
+    """Slots an eviction event keeps: LayerHeap.plan's rule (the recall region holds only recalled pages)."""
+    return heap.keep - heap.recall_slots + heap.n_recalled
+
+
+# -- page-out -----------------------------------------------------------------------------
+def gather_evicted(plan, take: Callable) -> list[tuple]:
+    """Device half of a page-out, before the repack overwrites the slots: per evicting layer
+    (layer, slots [H_kv, n], *take(layer, slots, scores)). The backend's `take` gathers from its
+    buffers: (pre-RoPE keys, values [H_kv, n, D] in the pages' wire dtype, value [H_kv, n]),
+    `scores` [H_kv, resident] being what the event's selection ranked."""
+    out = []
+    for group in plan.groups:
+        if group.layers[0].heap.resident == group.keep_indices.shape[-1]:
+            continue
+        slots = group.evicted_slots()                                       # [B, H_kv, n]
+        for b, layer in enumerate(group.layers):
+            out.append((layer, slots[b], *take(layer, slots[b], group.scores[b])))
+    return out
+
+
+def split_blob(blob: np.ndarray, parts: Sequence[tuple[np.dtype, int]]) -> list[np.ndarray]:
+    """One transfer's bytes (uint8) back into its flat arrays, given (dtype, count) of each in order."""
+    out, at = [], 0
+    for dtype, count in parts:
+        size = count * np.dtype(dtype).itemsize
+        out.append(blob[at: at + size].view(dtype))
+        at += size
+    assert at == blob.size, (at, blob.size)
+    return out
+
+
+def queue_page_out(cache, layers: list, host: list[np.ndarray]) -> None:
+    """Hand one event's evicted tokens to the page writer. `host`: per layer of `layers`, four
+    flat arrays from the event's transfer: slots [H_kv, n] (ascending), pre-RoPE keys and values
+    [H_kv, n, D], value [H_kv, n]. Call before the heap's bookkeeping forgets the slots' positions."""
+    jobs = []
+    D = cache.pages.g.head_dim
+    for i, layer in enumerate(layers):
+        heap = layer.heap
+        slots, keys, values, value = host[4 * i: 4 * i + 4]
+        H = heap.n_kv_heads
+        slots = slots.reshape(H, -1).astype(np.int64, copy=False)
+        positions = np.take_along_axis(heap.positions[:, : heap.resident], slots, axis=1)
+        jobs.append((heap.layer, positions, keys.reshape(H, -1, D), values.reshape(H, -1, D), value.reshape(H, -1)))
+    store = cache.pages
+
+    def write() -> None:
+        for job in jobs:
+            store.append(*job)
+
+    if jobs:
+        cache.writer.submit(write)
+
+
+# -- recall -------------------------------------------------------------------------------
+def needs_recall(cache, chunks: Sequence[int]) -> bool:
+    """Recall only where something was or will be evicted by feeding `chunks` (token counts, in
+    order): otherwise the heap is the stock cache."""
+    if cache.pages is None:
+        return False
+    for layer in cache.heap_layers:
+        heap = layer.heap
+        if heap.evicted > 0:
+            return True
+        resident = heap.resident
+        for c in chunks:   # does one of the forwards make room?
+            if resident + c > heap.keep + max(heap.cfg.slack, c):
+                return True
+            resident += c
+    return False
+
+
+def prefill_chunks(n: int, chunk: int) -> list[int]:
+    """Token counts of the forwards that prefill `n` tokens by `chunk`."""
+    return [min(chunk, n - done) for done in range(0, n, chunk)]
+
+
+def split_question(cache, tokens: Sequence[int]) -> tuple[list, list]:
+    """(body, question): the question is the turn's last `obs_window` tokens (at most the slack)."""
+    w = min(len(tokens), max(1, cache.cfg.obs_window), cache.cfg.slack)
+    return list(tokens[: len(tokens) - w]), list(tokens[len(tokens) - w:])
+
+
+def progress_from(progress, offset: int, total: int):
+    """A part's progress callback (done, part's total) -> the whole's: offset + done of `total`."""
+    return None if progress is None else (lambda done, _: progress(offset + done, total))
+
+
+def recall(cache, n_question: int, probe: Callable[[], dict]) -> dict:
+    """Before a question of `n_question` tokens (<= slack) is fed: release the last recall, probe
+    the question for its queries (`probe()` -> {layer: [H_kv, Q, D] pre-RoPE float32}, the heap
+    rolled back after), load each layer's best pages in one transfer. Returns the stats entry."""
+    t0 = time.perf_counter()
+    for layer in cache.heap_layers:
+        release = layer.heap.release_plan()
+        if release is not None:
+            layer.repack(release, evicting=False)
+    cache.make_room(n_question)
+    queries = probe()
+    cache.writer.drain()
+    store = cache.pages
+    picked = {}
+    for layer in cache.heap_layers:
+        i = layer.heap.layer
+        slots, *summary = store.summaries(i)
+        n_pages = layer.heap.recall_slots // store.g.page_size
+        if len(slots) == 0 or n_pages == 0:
+            continue
+        best = select_pages(score_pages(queries[i], tuple(summary)), n_pages)  # [H_kv, k]
+        picked[i] = store.load(i, slots[best])
+    r = max((p[0].shape[1] for p in picked.values()), default=0)
+    crowded = [layer for layer in cache.heap_layers if layer.heap.resident + r + n_question > layer.heap.capacity]
+    if crowded:
+        cache.evict(crowded)   # down to the policy's share: the recall region is free again
+    if picked:
+        flat = cache.to_device(np.concatenate([a.reshape(-1) for _, k, v in picked.values() for a in (k, v)]))
+        at = 0
+        for layer in cache.heap_layers:
+            if layer.heap.layer not in picked:
+                continue
+            pos, k, _ = picked[layer.heap.layer]
+            keys = flat[at: at + k.size].reshape(k.shape)                     # [H_kv, r, D] pre-RoPE
+            values = flat[at + k.size: at + 2 * k.size].reshape(k.shape)
+            at += 2 * k.size
+            layer.merge(layer.heap.merge(pos), keys, values)
+    cache.settle()
+    tokens = sum(p[0].shape[1] for p in picked.values()) // max(1, len(cache.heap_layers))
+    event = {"tokens": tokens, "pages": tokens // store.g.page_size,
+             "ms": round(1000 * (time.perf_counter() - t0), 2)}
+    cache.recall_log.append(event)
+    return event
+
+
+def page_stats(cache) -> Optional[dict]:
+    """The page store's counters and the recalls so far (None with recall off). Writes still
+    queued in the background are not counted yet: stats never wait for the disk."""
+    if cache.pages is None:
+        return None
+    last = cache.recall_log[-1] if cache.recall_log else None
+    return {**cache.pages.stats(), "recalls": len(cache.recall_log), "last_recall": last,
+            "recalled_tokens": sum(e["tokens"] for e in cache.recall_log)}
+
+
+# -- persistence --------------------------------------------------------------------------
+def pages_dir(path: Path) -> Path:
+    """Where a heap saved to `path` keeps a page store that lived in a temp dir: beside it."""
+    return Path(path).with_suffix(".pages")
+
+
+def checkpoint_pages(cache, path: Path) -> dict:
+    """Before the heap is saved to `path`: the store checkpointed (a store in a temp dir moved
+    beside the file). Returns the heap file's metadata for it: where the store is, relative to
+    the file's directory (sessions keep one store across the generations of their heap file),
+    and the recent recalls."""
+    meta: dict[str, Any] = {"recall_log": cache.recall_log[-256:]}
+    if cache.pages is None:
+        return meta
+    cache.writer.drain()
+    if cache.pages_owned:
+        cache.pages.move_to(pages_dir(path))
+        cache.pages_owned = False
+    cache.pages.checkpoint()
+    meta["pages_dir"] = os.path.relpath(cache.pages.root, Path(path).parent)
+    return meta
+
+
+def saved_pages_root(path: Path, meta: dict) -> Path:
+    """The page store of a heap file saved by `checkpoint_pages`."""
+    return Path(path).parent / meta["pages_dir"] if "pages_dir" in meta else pages_dir(path)
