@@ -34,3 +34,17 @@ def assert_pages_hold(store, layer: int, pos: np.ndarray, keys: np.ndarray, valu
         np.testing.assert_array_equal(want_pos[at], got_pos[h])
         np.testing.assert_array_equal(got_v[h], values[h][order][at])
         np.testing.assert_allclose(got_k[h], keys[h][order][at], atol=1e-6)
+
+
+def assert_recorded_pages(cache, recorded, unrotate) -> None:
+    """Each layer's pages hold exactly what a spy on gather_evicted recorded: rows of (layer id,
+    positions [H, n], keys as rotated in their slots, values, slots); unrotate(keys, slots) gives
+    the pre-RoPE keys as numpy."""
+    cache.writer.drain()
+    assert cache.pages.pages > 0 and recorded
+    for layer_id in range(len(cache.heap_layers)):
+        mine = [r for r in recorded if r[0] == layer_id]
+        pos = np.concatenate([r[1] for r in mine], axis=1)
+        keys = np.concatenate([unrotate(r[2], r[4]) for r in mine], axis=1)
+        values = np.concatenate([np.asarray(r[3]) for r in mine], axis=1)
+        assert_pages_hold(cache.pages, layer_id, pos, keys, values)

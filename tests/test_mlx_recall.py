@@ -12,7 +12,7 @@ from mlx_lm.generate import generate_step  # noqa: E402
 from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 from mlx_lm.sample_utils import make_sampler  # noqa: E402
 
-from recall_checks import CFG, assert_pages_hold, load_all, prompt  # noqa: E402
+from recall_checks import CFG, assert_recorded_pages, load_all, prompt  # noqa: E402
 
 from localheap.backends.mlx import MLXBackend  # noqa: E402
 from localheap.backends.mlx import recall as recall_mod  # noqa: E402
@@ -60,16 +60,9 @@ def test_pages_hold_exactly_the_evicted_kv(llama, monkeypatch):
     tokens = prompt(llama, 400)
     cache = llama.new_cache(CFG)
     prefill(llama.model, cache, tokens, CFG.chunk)
-    cache.writer.drain()
-    store = cache.pages
-    assert store.pages > 0 and recorded
     rope = cache.heap_layers[0].rope
-    for layer_id in range(len(cache.heap_layers)):
-        mine = [r for r in recorded if r[0] == layer_id]
-        pos = np.concatenate([r[1] for r in mine], axis=1)
-        keys = np.concatenate([unrotate(rope, r[2], r[4]) for r in mine], axis=1)   # compact: rotated at the slot
-        values = np.concatenate([r[3] for r in mine], axis=1)
-        assert_pages_hold(store, layer_id, pos, keys, values)
+    assert_recorded_pages(cache, recorded, lambda keys, slots: unrotate(rope, keys, slots))   # compact: at the slot
+    store = cache.pages
     # layer 0's inputs do not depend on eviction: its pages are mlx-lm's own K/V, pre-RoPE
     stock_k, stock_v = stock_kv(llama, tokens)
     got_pos, got_k, got_v = load_all(store, 0)
@@ -146,5 +139,6 @@ def test_speed_bench_times_paging_against_off(model_dirs, capsys):
     rc = main(["bench", "speed", "--model", str(model_dirs("llama")), "--backend", "mlx", "--contexts", "300",
                "--decode-tokens", "2", "--budget", "96", "--slack", "32", "--recent", "16",
                "--recall", "on", "--recall-budget", "32", "--page-size", "8"])
-    out = capsys.readouterr().out
-    assert rc == 0 and "heap-paging" in out and "stock-full" in out
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    assert "heap-paging" in out and "stock-full" in out

@@ -5,7 +5,7 @@ disk budget drops pages, and a heap that never evicts is still the stock cache."
 import numpy as np
 import pytest
 import torch
-from recall_checks import CFG, assert_pages_hold, prompt
+from recall_checks import CFG, assert_recorded_pages, prompt
 from transformers import DynamicCache
 
 from localheap.backends.torch import TorchBackend
@@ -53,16 +53,8 @@ def test_pages_hold_exactly_the_evicted_kv(llama, monkeypatch):
     monkeypatch.setattr(recall_mod, "gather_evicted", spy)
     cache = llama.new_cache(CFG)
     prefill(llama.model, cache, prompt(llama, 400))
-    cache.writer.drain()
-    store = cache.pages
-    assert store.pages > 0 and recorded
     rope = cache.heap_layers[0].rope
-    for layer_id in range(len(cache.heap_layers)):
-        mine = [r for r in recorded if r[0] == layer_id]
-        pos = np.concatenate([r[1] for r in mine], axis=1)
-        keys = torch.cat([rope.rotate(r[2], -torch.as_tensor(r[4])) for r in mine], dim=1)   # pre-RoPE
-        values = torch.cat([r[3] for r in mine], dim=1)
-        assert_pages_hold(store, layer_id, pos, keys.numpy(), values.numpy())
+    assert_recorded_pages(cache, recorded, lambda keys, slots: rope.rotate(keys, -torch.as_tensor(slots)).numpy())
 
 
 def test_recalled_keys_equal_a_fresh_rotation_at_their_new_slot(llama):

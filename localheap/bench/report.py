@@ -23,7 +23,8 @@ def table(rows: Sequence[dict], columns: Sequence[tuple[str, str, str]]) -> str:
     return "\n".join(lines)
 
 
-def emit(name: str, text: str, payload: dict, out=sys.stdout) -> None:
+def emit(name: str, text: str, payload: dict, out=None) -> None:
+    out = out or sys.stdout   # looked up per call: a stream bound at import time may be closed since
     print(text, file=out)
     print(json.dumps({"bench": name, **payload, "env": environment()}, sort_keys=True), file=out)
     out.flush()
