@@ -340,6 +340,7 @@ class Engine:
             pause = self._throttle(run)
             if pause:
                 time.sleep(pause if run.prefilling else pause / 10)
+            began = time.monotonic()
             done = run.step()
         except Exception as e:
             log.exception("a request failed on session %s", run.session.id)
@@ -348,7 +349,8 @@ class Engine:
             return
         kind, n = run.last_step
         if n:
-            (self.counters.decode if kind == "decode" else self.counters.prefill).add(n)
+            meter = self.counters.decode if kind == "decode" else self.counters.prefill
+            meter.add(n, took=time.monotonic() - began)
             if kind == "prefill":
                 self.counters.prefill_tokens += n
         if done:

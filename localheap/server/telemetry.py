@@ -151,8 +151,8 @@ class MetricsCollector:
         gauges = [
             ("requests_active", "requests being served round-robin", eng.active),
             ("requests_waiting", "requests queued", eng.waiting),
-            ("decode_tokens_per_second", "decode throughput (5 s window)", round(c.decode.rate(), 3)),
-            ("prefill_tokens_per_second", "prefill throughput (5 s window)", round(c.prefill.rate(), 3)),
+            ("decode_tokens_per_second", "decode throughput (5 s window, or the last slow step)", round(c.decode.rate(), 3)),
+            ("prefill_tokens_per_second", "prefill throughput (5 s window, or the last slow chunk)", round(c.prefill.rate(), 3)),
             ("heap_tokens_seen", "tokens fed into all heaps", sum(h["tokens_seen"] for h in heaps)),
             ("heap_tokens_resident", "tokens resident in all heaps", sum(h["resident"] for h in heaps)),
             ("heap_tokens_evicted", "tokens evicted from all heaps", sum(h["evicted"] for h in heaps)),
