@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from localheap.backends.base import ModelShapes
 from localheap.engine import (
     AdmitAll,
     Delta,
@@ -94,6 +95,10 @@ class FakeBackend:
 
     def kv_bytes_per_token(self):
         return 4
+
+    def model_shapes(self):
+        return ModelShapes(layers=1, hidden=8, intermediate=16, q_heads=1, kv_heads=1, head_dim=2, vocab=256,
+                           dtype_bytes=4)
 
     def save_cache(self, cache, path: Path):
         Path(path).write_text(json.dumps(cache.tokens))

@@ -16,13 +16,16 @@ pytest.importorskip("mlx.core")
 
 from test_budget_server import MODEL, Server  # noqa: E402
 
-BUDGET = "800M"          # the tiny model's runtime (~750 MiB measured, request room included) + a heap
+BUDGET = "800M"          # the tiny model's runtime (~400 MiB RSS + 128 MiB request room) + activations + a heap
+# 64-token prefill chunks: the 32K heap's prefill activations are ~100 MiB (at 512 they are
+# ~660 MiB and the server refuses this budget at start, tests/test_activation_plan.py)
+CHUNK = ["--prefill-chunk", "64"]
 MESSAGE = "the value of key is seven. " * (30_000_000 // 27)
 
 
 def test_a_30mb_message_is_refused_under_the_budget_and_its_memory_released(tmp_path):
     # a body limit large enough to let the message in: the prompt-token limit must stop it
-    srv = Server(BUDGET, tmp_path, extra=["--no-persist", "--max-body", "64M", "--max-prompt-tokens", "200000"])
+    srv = Server(BUDGET, tmp_path, extra=["--no-persist", "--max-body", "64M", "--max-prompt-tokens", "200000", *CHUNK])
     try:
         budget = int(srv.metrics()["ram_budget_bytes"])
         proc = psutil.Process(srv.proc.pid)

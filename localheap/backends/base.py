@@ -2,11 +2,29 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional, Protocol, Sequence
 
 from ..generation import ProgressFn, SamplingParams
 from ..heap import HeapConfig, HeapStats
+
+
+@dataclass(frozen=True)
+class ModelShapes:
+    """What the RAM plan needs to know about a loaded model and how its backend runs a prefill."""
+
+    layers: int
+    hidden: int
+    intermediate: int
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    dtype_bytes: int           # activations and KV (the compute dtype, not a quantized weight's)
+    score_copies: int = 0      # [H_q, chunk, T] score tensors one layer's prefill attention holds at once
+                               # (0: a fused kernel that never materializes them)
+    full_logits: bool = False  # a prefill forward computes logits for every position, not only the last
 
 
 class Backend(Protocol):
@@ -47,6 +65,10 @@ class Backend(Protocol):
 
     def heap_bytes(self, cfg: HeapConfig) -> int:
         """Bytes one session's heap allocates (all layers, K and V, plus score arrays)."""
+        ...
+
+    def model_shapes(self) -> ModelShapes:
+        """The model's shapes and the prefill path's materialized tensors (governor/activations.py)."""
         ...
 
     def save_cache(self, cache: Any, path: Path) -> None: ...

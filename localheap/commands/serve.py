@@ -127,7 +127,8 @@ def run(args) -> int:
     app = create_app(backend, settings)   # BudgetTooSmall here says what would fit
     plan = app.state.services.governor.plan
     print(f"localheap: RAM budget {format_bytes(plan.budget)} = weights {format_bytes(plan.weights)} + runtime "
-          f"{format_bytes(plan.overhead)} (of which {format_bytes(plan.requests)} for requests: prompts up to "
+          f"{format_bytes(plan.overhead)} (of which {format_bytes(plan.activations)} for prefill activations, "
+          f"{format_bytes(plan.requests)} for requests: prompts up to "
           f"{settings.max_prompt_tokens:,} tokens) + room for {plan.max_resident} resident heap(s); "
           f"thermal state {app.state.services.governor.sensors.thermal()}", file=sys.stderr)
     heap = settings.heap

@@ -3,8 +3,9 @@
 Requests come in on a queue; events go out through each request's emit callable. Active
 runs are served round-robin, one step each per round: a decode token or a prefill chunk,
 so a long document upload never stalls another session's chat for more than one chunk.
-Under a RAM budget, jobs that need a heap wait in arrival order (FIFO) for room, up to
-`admission_timeout` seconds, then fail with OverBudget (503); later jobs never overtake them.
+Which waiting job starts next and on which session is admission.py's: under a RAM budget, jobs
+that need a heap wait in arrival order (FIFO) for room, up to `admission_timeout` seconds, then
+fail with OverBudget (503); later jobs never overtake them.
 The engine knows nothing about HTTP; it tokenizes nothing but the text it detokenizes.
 """
 
@@ -14,25 +15,20 @@ import logging
 import queue
 import threading
 import time
-from collections import deque
 from concurrent.futures import Future
 from typing import Any, Callable, Optional
 
-from ..sessions import Session, SessionLost, SessionNotFound, SessionStore, SpillFailed, continue_session, match_session
+from ..sessions import Session, SessionNotFound, SessionStore
 from . import branching
-from .errors import EngineFailed, EngineStopped, InvalidTokens, OverBudget, Overloaded
+from .admission import AdmissionQueue
+from .errors import EngineFailed, EngineStopped, OverBudget, Overloaded
 from .events import Failed, Feed, Job, Started
 from .governor import AdmitAll, Governor
 from .runs import Run
 from .telemetry import Counters
 
 log = logging.getLogger("localheap.engine")
-ROOM_RECHECK_S = 0.1   # how often a job waiting for RAM asks the governor again (runs ending ask at once)
 IDLE_POLL_S = 0.05     # with nothing running, how often waiting jobs are looked at (room, timeouts)
-
-
-class WaitForRoom(Exception):
-    """Internal: the job needs a heap and an earlier job is already waiting for RAM."""
 
 
 class Engine:
@@ -42,12 +38,9 @@ class Engine:
         self.backend, self.store = backend, store
         self.governor = governor or AdmitAll()
         self.max_active, self.max_queued = max_active, max_queued
-        self.admission_timeout = admission_timeout
-        self._room_check_at = 0.0          # before this (monotonic), don't ask the governor again
-        self._refusal: Optional[OverBudget] = None
+        self.admission = AdmissionQueue(backend, store, self.governor, admission_timeout)
         self.counters = Counters()
         self._inbox: queue.Queue = queue.Queue()
-        self._waiting: deque[Job] = deque()
         self._active: list[Run] = []
         self._in_flight = 0
         self._lock = threading.Lock()
@@ -56,7 +49,6 @@ class Engine:
         self._thermal = "unknown"
         self.failure: Optional[BaseException] = None      # set when the thread died on an internal error
         self.on_fatal: Optional[Callable[[BaseException], None]] = None   # e.g. make the server exit
-        self.vocab_size: Optional[int] = getattr(backend, "vocab_size", None)
 
     # --- any thread ---
 
@@ -122,7 +114,7 @@ class Engine:
 
     @property
     def waiting(self) -> int:
-        return len(self._waiting)
+        return len(self.admission.waiting)
 
     # --- engine thread ---
 
@@ -130,7 +122,7 @@ class Engine:
         try:
             while True:
                 # running: just look; only waiting (for RAM or a busy session): poll; idle: sleep
-                timeout = 0.0 if self._active else IDLE_POLL_S if self._waiting else None
+                timeout = 0.0 if self._active else IDLE_POLL_S if self.admission.waiting else None
                 if not self._drain(timeout):
                     break
                 self._admit()
@@ -145,7 +137,7 @@ class Engine:
         log.critical("the engine thread stopped on an internal error", exc_info=error)
         with self._lock:
             self.failure = error
-        jobs = [r.job for r in self._active] + list(self._waiting)
+        jobs = [r.job for r in self._active] + list(self.admission.waiting)
         while True:
             try:
                 item = self._inbox.get_nowait()
@@ -172,7 +164,7 @@ class Engine:
             if item is None:
                 return False
             if isinstance(item, Job):
-                self._waiting.append(item)
+                self.admission.waiting.append(item)
             else:
                 fn, fut = item
                 if fut.set_running_or_notify_cancel():
@@ -186,118 +178,12 @@ class Engine:
                 return True
 
     def _admit(self) -> None:
-        """Start waiting jobs in arrival order; a job for a busy session waits its turn, and
-        once one job waits for RAM, later jobs that need a heap wait behind it (FIFO)."""
-        skipped: deque[Job] = deque()
-        blocked = time.monotonic() < self._room_check_at
-        while self._waiting and len(self._active) < self.max_active:
-            job = self._waiting.popleft()
-            if job.cancelled:
-                self._end(job, None, "cancelled")
-                continue
-            sid = job.request.session_id
-            if sid is not None and sid in self.store and self.store.get(sid).busy:
-                skipped.append(job)
-                continue
-            try:
-                self._start(job, blocked)
-            except (WaitForRoom, OverBudget) as e:
-                if isinstance(e, OverBudget):
-                    self._refusal, self._room_check_at, blocked = e, time.monotonic() + ROOM_RECHECK_S, True
-                if time.monotonic() - job.submitted < self.admission_timeout:
-                    skipped.append(job)
-                else:
-                    self._fail(job, self._refusal or OverBudget("over the RAM budget"))
-            except Exception as e:
-                self._fail(job, e)
-        skipped.extend(self._waiting)
-        self._waiting = skipped
+        """Start waiting jobs (admission.py: arrival order, FIFO for RAM, placement)."""
+        self.admission.admit(slot_free=lambda: len(self._active) < self.max_active, start=self._run,
+                             fail=self._fail, drop=lambda job: self._end(job, None, "cancelled"))
 
     def _room_freed(self) -> None:
-        """A heap may have become spillable or free: jobs waiting for RAM ask again now."""
-        self._room_check_at = 0.0
-
-    def _start(self, job: Job, room_blocked: bool = False) -> None:
-        req, tok = job.request, self.backend.tokenizer
-        encode = lambda text: tok.encode(text, add_special_tokens=False)  # noqa: E731
-        self._check_tokens(req.prompt.tokens, req.prompt.continuation or ())
-        if req.session_id is not None:
-            named = self.store.get(req.session_id)
-            if named.owner != req.owner:   # another key's session: as if it did not exist
-                raise SessionNotFound(req.session_id)
-            match = continue_session(named, req.prompt, encode, tok.decode)
-            named.addressed = True
-        else:
-            documents = isinstance(req, Feed)   # a document without a session starts a new one
-            sessions = [] if documents else [x for x in self.store.sessions() if x.owner == req.owner]
-            checkpoints = [] if documents else [c for c in self.store.checkpoints.all()
-                                                if self._same_owner(c.session_id, req)]
-            match = match_session(sessions, req.prompt, encode, tok.decode, checkpoints)
-        try:
-            if match is not None and match.checkpoint is not None:
-                match.session = branching.new_branch(self.store, match.checkpoint.session_id)
-                return self._run(job, self._prepare(match, True, room_blocked), created=True)
-            if match is not None:
-                return self._run(job, self._prepare(match, False, room_blocked), created=False)
-        except SessionLost:
-            if req.session_id is not None:
-                raise   # the client named it: it must resend the history
-            log.warning("the session matching a prompt was lost; serving it in a new session")
-        except OSError as e:   # an unreadable checkpoint: read the prompt in full instead
-            if match is None or match.checkpoint is None:
-                raise
-            log.warning("checkpoint %s unreadable (%s); serving the prompt in a new session",
-                        match.checkpoint.path, e)
-        match = continue_session(self.store.create(owner=req.owner), req.prompt, encode, tok.decode)
-        self._run(job, self._prepare(match, True, room_blocked), created=True)
-
-    def _same_owner(self, session_id: str, req) -> bool:
-        """Where API keys own sessions, a prompt reuses only its own key's checkpoints."""
-        return session_id in self.store and self.store.get(session_id).owner == req.owner
-
-    def _prepare(self, match, created: bool, room_blocked: bool = False):
-        """Make room for the match's session and give it its heap (from a checkpoint, or rolled
-        back to the shared prefix); a session created for this request is dropped again when
-        that fails (it holds no history)."""
-        s = match.session
-        try:
-            if not match.new_tokens:
-                raise ValueError("the prompt is empty: nothing to feed")
-            self._check_tokens(match.new_tokens)
-            if s.cache is None:
-                if room_blocked:
-                    raise WaitForRoom()
-                self._admit_heap(s)   # before _make_room: a refused job must not evict sessions
-            self._make_room(s)
-            if match.checkpoint is not None:
-                branching.fork_into(self.store, s, match.checkpoint)
-            self.store.make_resident(s)
-            if match.rollback is not None:
-                branching.roll_back(self.backend, s, match.rollback)
-        except Exception:
-            if created:
-                self.store.delete(s.id)
-            raise
-        return match
-
-    def _make_room(self, s: Session) -> None:
-        """Spill beyond max_resident. A failed spill fails this request only when it needs the
-        room (its heap is not resident); every session stays as it was either way."""
-        try:
-            self.store.enforce_limits(keep=s)
-        except SpillFailed as e:
-            if s.cache is None:
-                raise
-            log.error("%s (sessions stay in memory)", e)
-
-    def _check_tokens(self, *lists) -> None:
-        """Ids outside the vocabulary are refused before they touch any session."""
-        if self.vocab_size is None:
-            return
-        for ids in lists:
-            if len(ids) and (min(ids) < 0 or max(ids) >= self.vocab_size):
-                bad = next(t for t in ids if not 0 <= t < self.vocab_size)
-                raise InvalidTokens(bad, self.vocab_size)
+        self.admission.room_freed()
 
     def _run(self, job: Job, match, created: bool) -> None:
         s = match.session
@@ -310,17 +196,6 @@ class Engine:
         self.counters.prompt_tokens += run.prompt_tokens
         self.counters.cached_tokens += run.cached
         self._emit(job, Started(s.id, run.prompt_tokens, run.cached))
-
-    def _admit_heap(self, s: Session) -> None:
-        """Ask the governor before one more heap becomes resident; spill what it names."""
-        resident = [x for x in self.store.sessions() if x.cache is not None]
-        idle = sorted((x for x in resident if not x.busy and x is not s), key=lambda x: x.last_used)
-        decision = self.governor.admit(len(resident), [x.id for x in idle])
-        if decision.action != "admit":
-            raise OverBudget(decision.reason, retry_after=decision.retry_after_s)
-        for sid in decision.spill:
-            log.info("RAM budget: spilling idle session %s to disk", sid)
-            self.store.spill(sid)
 
     def _throttle(self, run: Run) -> float:
         """Thermal pressure: smaller prefill chunks and a pause; returns the pause."""
@@ -340,6 +215,7 @@ class Engine:
             pause = self._throttle(run)
             if pause:
                 time.sleep(pause if run.prefilling else pause / 10)
+            began = time.monotonic()
             done = run.step()
         except Exception as e:
             log.exception("a request failed on session %s", run.session.id)
@@ -348,7 +224,8 @@ class Engine:
             return
         kind, n = run.last_step
         if n:
-            (self.counters.decode if kind == "decode" else self.counters.prefill).add(n)
+            meter = self.counters.decode if kind == "decode" else self.counters.prefill
+            meter.add(n, took=time.monotonic() - began)
             if kind == "prefill":
                 self.counters.prefill_tokens += n
         if done:
@@ -421,8 +298,8 @@ class Engine:
         for run in list(self._active):
             run.job.cancel()
             self._finish(run)
-        while self._waiting:
-            self._end(self._waiting.popleft(), Failed(EngineStopped()), "failed")
+        while self.admission.waiting:
+            self._end(self.admission.waiting.popleft(), Failed(EngineStopped()), "failed")
         while True:
             try:
                 item = self._inbox.get_nowait()
@@ -439,7 +316,7 @@ class Engine:
         return branching.checkpoint(self.store, session_id)
 
     def fork_session(self, session_id: str, tokens: Optional[int] = None) -> Session:
-        return branching.fork(self.store, session_id, tokens, self._admit_heap)
+        return branching.fork(self.store, session_id, tokens, self.admission.admit_heap)
 
     def delete_session(self, session_id: str) -> None:
         """Cancel whatever runs on the session, then forget it."""
@@ -447,8 +324,8 @@ class Engine:
         for run in [r for r in self._active if r.session is s]:
             run.job.cancel()
             self._finish(run)
-        for job in [j for j in self._waiting if j.request.session_id == session_id]:
-            self._waiting.remove(job)
+        for job in [j for j in self.admission.waiting if j.request.session_id == session_id]:
+            self.admission.waiting.remove(job)
             self._end(job, Failed(SessionNotFound(session_id)), "failed")
         self.store.delete(session_id)
         self._room_freed()

@@ -11,28 +11,43 @@ from dataclasses import dataclass, field
 
 
 class RateMeter:
-    """Tokens per second over a sliding window."""
+    """Tokens per second over the wall clock: the events of the last `window_s`, each counted
+    from when its work began (`took` before it ended; else when the event before it ended).
 
-    def __init__(self, window_s: float = 5.0):
-        self.window_s = window_s
-        self.events: deque[tuple[float, int]] = deque()
+    When events come further apart than the window (one 512-token prefill chunk over a 32K
+    heap takes 4-6 s on a CPU), the last event alone carries the rate, decaying as time passes,
+    for three times as long as it took (at least the window, at most `idle_s`); a decode
+    token (tens of ms) drops out with the window, so a finished stream reads 0 at once.
+    """
 
-    def add(self, n: int, now: float | None = None) -> None:
+    def __init__(self, window_s: float = 5.0, idle_s: float = 30.0):
+        self.window_s, self.idle_s = window_s, idle_s
+        self.events: deque[tuple[float, float, int]] = deque()   # (began, ended, tokens)
+
+    def add(self, n: int, now: float | None = None, took: float | None = None) -> None:
         now = time.monotonic() if now is None else now
-        self.events.append((now, n))
+        began = now - took if took is not None else (self.events[-1][1] if self.events else now)
+        self.events.append((min(began, now), now, n))
         self._trim(now)
 
     def rate(self, now: float | None = None) -> float:
         now = time.monotonic() if now is None else now
         self._trim(now)
-        events = list(self.events)
-        if not events:
+        recent = [e for e in self.events if now - e[1] <= self.window_s]
+        if not recent and self.events:
+            began, ended, _ = last = self.events[-1]
+            if now - ended <= min(self.idle_s, max(self.window_s, 3 * (ended - began))):
+                recent = [last]
+        if not recent:
             return 0.0
-        return sum(n for _, n in events) / max(now - events[0][0], 0.5)
+        return sum(n for _, _, n in recent) / max(now - recent[0][0], 0.5)
 
     def _trim(self, now: float) -> None:
-        while self.events and now - self.events[0][0] > self.window_s:
+        # the last event stays: it carries the rate between sparse events
+        while len(self.events) > 1 and now - self.events[0][1] > self.window_s:
             self.events.popleft()
+        if self.events and now - self.events[-1][1] > self.idle_s:
+            self.events.clear()
 
 
 @dataclass

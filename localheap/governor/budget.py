@@ -25,12 +25,14 @@ def parse_size(text: str | int) -> int:
 
 
 class BudgetTooSmall(ValueError):
-    """Not even one session's heap fits next to the weights (user-facing)."""
+    """Not even one session's heap fits next to the weights and the runtime (user-facing)."""
 
-    def __init__(self, need: int, have: int, advice: str):
+    def __init__(self, need: int, have: int, advice: str, parts: str = ""):
         self.need, self.have, self.advice = need, have, advice
+        parts = f" ({parts})" if parts else ""
         super().__init__(
-            f"the RAM budget {fmt(have)} is too small: the model and one session's heap need {fmt(need)}. {advice}"
+            f"the RAM budget {fmt(have)} is too small: the model, one session's heap and the runtime "
+            f"need {fmt(need)}{parts}. {advice}"
         )
 
 
@@ -48,6 +50,7 @@ class MemoryPlan:
     heap: int              # bytes of one session's heap (all layers)
     overhead: int          # runtime, activations, allocator slack, Python, requests in flight
     requests: int = 0      # of the overhead: room for requests' prompts (text, token ids)
+    activations: int = 0   # of the overhead: the prefill activation peak (governor/activations.py)
 
     @property
     def free_for_heaps(self) -> int:
@@ -72,10 +75,15 @@ class MemoryPlan:
             fits = room // bytes_per_token
             advice = (f"A heap of about {max(0, fits - 300):,} tokens would fit (--budget); "
                       f"or raise --ram-budget to at least {fmt(need)}.")
+        elif self.activations and need - self.activations <= self.budget:
+            advice = (f"The prefill activations grow with --prefill-chunk x the heap's capacity: a smaller "
+                      f"--prefill-chunk or --budget shrinks them; or raise --ram-budget to at least {fmt(need)}.")
         else:
             advice = (f"The weights alone ({fmt(self.weights)}) plus runtime ({fmt(self.overhead)}) exceed it: "
                       f"use a smaller or more quantized model, or raise --ram-budget above {fmt(need)}.")
-        raise BudgetTooSmall(need=need, have=self.budget, advice=advice)
+        parts = (f"weights {fmt(self.weights)} + heap {fmt(self.heap)} + runtime {fmt(self.overhead)}, "
+                 f"of which prefill activations {fmt(self.activations)}")
+        raise BudgetTooSmall(need=need, have=self.budget, advice=advice, parts=parts)
 
 
 # What a prompt token costs the server while a request holds it: the id in a Python list (8 B
@@ -89,10 +97,3 @@ MAX_REQUEST_ROOM = 1024**3
 def request_room(budget: int) -> int:
     """Bytes of the budget kept for requests in flight: 1/16, within [128 MiB, 1 GiB]."""
     return min(MAX_REQUEST_ROOM, max(MIN_REQUEST_ROOM, budget // 16))
-
-
-def runtime_overhead(weights: int, hidden_size: int, chunk: int, vocab: int) -> int:
-    """Estimated bytes beyond weights and heaps: interpreter + libraries (~400 MiB), prefill
-    activations (a chunk through the widest layer, fp32) and logits, plus 5% of weights."""
-    activations = 16 * chunk * hidden_size * 4 + chunk * vocab * 4
-    return 400 * 1024**2 + activations + weights // 20

@@ -123,7 +123,7 @@ class Governor:
         return {"ram_budget_bytes": self.plan.budget, "rss_bytes": r.rss, "allocator_active_bytes": r.allocator_active,
                 "allocator_cache_bytes": r.allocator_cache, "system_available_bytes": r.available,
                 "swap_used_bytes": r.swap_used, "weights_bytes": self.plan.weights, "heap_bytes": self.plan.heap,
-                "runtime_bytes": self.plan.overhead,
+                "runtime_bytes": self.plan.overhead, "activation_bytes": self.plan.activations,
                 "max_resident_heaps": self.plan.max_resident, "spilled_total": self.spilled_total,
                 "rejected_total": self.rejected_total, "thermal_state": self.sensors.thermal()}
 
@@ -131,6 +131,6 @@ class Governor:
 def backend_limits(plan: MemoryPlan, platform: Optional[str] = None) -> dict:
     """Limits to set on the backend allocator so it cannot outgrow the budget."""
     model_and_heaps = plan.budget - 300 * 1024**2   # leave the interpreter its share
-    return {"memory_limit": max(model_and_heaps, plan.weights + plan.heap),
+    return {"memory_limit": max(model_and_heaps, plan.weights + plan.heap + plan.activations),
             "cache_limit": min(512 * 1024**2, max(64 * 1024**2, plan.heap)),
             "wired_limit": plan.weights + plan.heap * max(1, plan.max_resident)}

@@ -8,13 +8,17 @@ from typing import Any, Optional
 import psutil
 
 from ..heap import HeapConfig
+from .activations import prefill_activations, recall_summary_bytes
 from .budget import MemoryPlan, request_room
 from .governor import Governor, SystemSensors, backend_limits
 
 log = logging.getLogger("localheap.governor")
 
 DEFAULT_SHARE = 0.75          # no --ram-budget: promise at most 75% of physical memory
-ACTIVATION_MARGIN = 256 * 1024**2
+# What neither the RSS measured at start nor the planned activations see: modules and caches
+# the first requests load (routes, tokenizer, templates), allocator slack between chunks,
+# thread stacks. Small: the activations themselves are computed, not covered by a margin.
+RUNTIME_FLOOR = 32 * 1024**2
 
 
 def default_budget() -> int:
@@ -25,17 +29,23 @@ def plan_for(backend: Any, cfg: HeapConfig, ram_budget: Optional[int]) -> Memory
     """Weights + one heap per resident session + runtime, against the budget.
 
     Runtime is measured, not guessed: the process's RSS now (model loaded) minus the
-    weights, plus 10% of the weights, a margin for prefill activations, and room for the
-    prompts of requests in flight (which sets the prompt-token limit).
+    weights, plus 10% of the weights, the prefill activation peak computed from the model's
+    shapes and the heap config (governor/activations.py), a small floor, and room for the
+    prompts of requests in flight (which sets the prompt-token limit). With recall on, each
+    heap also counts its page summaries at the planned context (RECALL_PLAN_TOKENS or what
+    --disk-budget holds).
     Raises BudgetTooSmall (with what would fit) when not even one heap fits.
     """
     budget = ram_budget or default_budget()
     weights = int(backend.weights_bytes)
     rss = psutil.Process().memory_info().rss
     requests = request_room(budget)
-    overhead = max(0, rss - weights) + weights // 10 + ACTIVATION_MARGIN + requests
-    plan = MemoryPlan(budget=budget, weights=weights, heap=int(backend.heap_bytes(cfg)), overhead=overhead,
-                      requests=requests)
+    shapes = backend.model_shapes()
+    activations = prefill_activations(shapes, cfg).total
+    overhead = max(0, rss - weights) + weights // 10 + RUNTIME_FLOOR + activations + requests
+    heap = int(backend.heap_bytes(cfg)) + recall_summary_bytes(shapes, cfg)
+    plan = MemoryPlan(budget=budget, weights=weights, heap=heap, overhead=overhead, requests=requests,
+                      activations=activations)
     return plan.check(heap_tokens=cfg.layer_capacity(cfg.budget), bytes_per_token=backend.kv_bytes_per_token())
 
 

@@ -10,6 +10,7 @@ from mlx.utils import tree_flatten
 
 from ...generation import ProgressFn, SamplingParams
 from ...heap import HeapConfig, HeapStats, kv_bytes_per_token
+from ..base import ModelShapes
 from .generate import generate_tokens, prefill
 from .heapcache import HeapPromptCache, attention_module, kv_geometry, make_heap_cache
 from .persist import load_heap, save_heap
@@ -84,6 +85,24 @@ class MLXBackend:
         per_slot = self.kv_bytes_per_token() // n_layers
         score_arrays = (cfg.policy == "h2o") + (cfg.policy == "snapkv") + cfg.h2o_normalize
         return slots * (per_slot + 4 * n_kv * score_arrays)
+
+    def model_shapes(self) -> ModelShapes:
+        """Shapes for the RAM plan. Off Metal, attention is the unfused formulation (attention.py's
+        explicit path, or mlx's own CPU fallback): about two [H_q, chunk, T] score tensors live at
+        once (measured 2.2x one, tests/test_activation_plan.py). On Metal, mlx's fused prefill
+        kernel covers head_dim 64, 80 and 128 (not measured here); other sizes fall back like the
+        CPU. A prefill chunk's logits are never evaluated; a step's are its last row."""
+        args = self.model.args
+        layers = list(self.model.layers)
+        attn = attention_module(layers[0])
+        n_kv, head_dim = kv_geometry(attn)
+        fused = mx.metal.is_available() and head_dim in (64, 80, 128)
+        floats = (v for _, v in tree_flatten(self.model.parameters()) if mx.issubdtype(v.dtype, mx.floating))
+        intermediate = args.intermediate_size
+        return ModelShapes(layers=len(layers), hidden=args.hidden_size,
+                           intermediate=max(intermediate) if isinstance(intermediate, (list, tuple)) else intermediate,
+                           q_heads=attn.q_proj.weight.shape[0] // head_dim, kv_heads=n_kv, head_dim=head_dim,
+                           vocab=args.vocab_size, dtype_bytes=next(floats).dtype.size, score_copies=0 if fused else 2)
 
     def save_cache(self, cache, path: Path) -> None:
         save_heap(cache, path)

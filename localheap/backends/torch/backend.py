@@ -10,8 +10,9 @@ import torch
 
 from ...generation import ProgressFn, SamplingParams
 from ...heap import HeapConfig, HeapStats, kv_bytes_per_token
+from ..base import ModelShapes
 from . import attention
-from .cache import HeapCache, kv_geometry, make_heap_cache
+from .cache import HeapCache, decoder_layers, kv_geometry, make_heap_cache
 from .generate import generate_tokens, prefill
 from .persist import load_heap, save_heap
 
@@ -112,6 +113,18 @@ class TorchBackend:
         per_slot = 2 * n_kv * head_dim * next(self.model.parameters()).element_size()
         score_arrays = (cfg.policy == "h2o") + (cfg.policy == "snapkv") + (cfg.h2o_normalize and cfg.needs_attention)
         return slots * (per_slot + 4 * n_kv * score_arrays)
+
+    def model_shapes(self) -> ModelShapes:
+        """Shapes for the RAM plan. Prefill attention is torch's fused sdpa (flash on the CPU,
+        flash / memory-efficient on CUDA): scores are never materialized whole (measured,
+        tests/test_activation_plan.py); logits are computed for the last position only."""
+        text = self.model.config.get_text_config()
+        n_kv, head_dim = kv_geometry(self.model)
+        q_heads = decoder_layers(self.model)[0].self_attn.q_proj.out_features // head_dim
+        return ModelShapes(layers=text.num_hidden_layers, hidden=text.hidden_size,
+                           intermediate=text.intermediate_size, q_heads=q_heads, kv_heads=n_kv, head_dim=head_dim,
+                           vocab=self.model.get_input_embeddings().num_embeddings,
+                           dtype_bytes=next(self.model.parameters()).element_size(), score_copies=0)
 
     def save_cache(self, cache: HeapCache, path: Path) -> None:
         save_heap(cache, path)

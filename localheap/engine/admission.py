@@ -1,0 +1,169 @@
+"""Admission and placement: which waiting job starts next, on which session, with which heap.
+
+Jobs start in arrival order; a job for a busy session waits its turn. Under a RAM budget,
+once one job waits for room (the governor refused its heap), later jobs that need a heap wait
+behind it (FIFO) until a heap frees up or `timeout` passes (OverBudget, 503). Placement finds
+the session a prompt continues (named, matched by prefix, a checkpoint's branch, or a new one),
+spills what the governor names, and rolls the session back to the shared prefix.
+Runs the engine thread's code but knows nothing about running a job: `start` is the engine's.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from typing import Any, Callable, Optional
+
+from ..sessions import Session, SessionLost, SessionNotFound, SessionStore, SpillFailed, continue_session, match_session
+from . import branching
+from .errors import InvalidTokens, OverBudget
+from .events import Feed, Job
+from .governor import Governor
+
+log = logging.getLogger("localheap.engine")
+ROOM_RECHECK_S = 0.1   # how often a job waiting for RAM asks the governor again (runs ending ask at once)
+
+
+class WaitForRoom(Exception):
+    """Internal: the job needs a heap and an earlier job is already waiting for RAM."""
+
+
+class AdmissionQueue:
+    """The jobs waiting to start (arrival order) and where each one goes when it does."""
+
+    def __init__(self, backend: Any, store: SessionStore, governor: Governor, timeout: float):
+        self.backend, self.store, self.governor = backend, store, governor
+        self.timeout = timeout
+        self.waiting: deque[Job] = deque()
+        self._room_check_at = 0.0          # before this (monotonic), don't ask the governor again
+        self._refusal: Optional[OverBudget] = None
+        self.vocab_size: Optional[int] = getattr(backend, "vocab_size", None)
+
+    def admit(self, slot_free: Callable[[], bool], start: Callable[[Job, Any, bool], None],
+              fail: Callable[[Job, Exception], None], drop: Callable[[Job], None]) -> None:
+        """Start waiting jobs in arrival order while `slot_free()`: `start(job, match, created)`
+        runs a placed job, `fail(job, error)` refuses one, `drop(job)` ends a cancelled one."""
+        skipped: deque[Job] = deque()
+        blocked = time.monotonic() < self._room_check_at
+        while self.waiting and slot_free():
+            job = self.waiting.popleft()
+            if job.cancelled:
+                drop(job)
+                continue
+            sid = job.request.session_id
+            if sid is not None and sid in self.store and self.store.get(sid).busy:
+                skipped.append(job)
+                continue
+            try:
+                start(job, *self.place(job.request, blocked))
+            except (WaitForRoom, OverBudget) as e:
+                if isinstance(e, OverBudget):
+                    self._refusal, self._room_check_at, blocked = e, time.monotonic() + ROOM_RECHECK_S, True
+                if time.monotonic() - job.submitted < self.timeout:
+                    skipped.append(job)
+                else:
+                    fail(job, self._refusal or OverBudget("over the RAM budget"))
+            except Exception as e:
+                fail(job, e)
+        skipped.extend(self.waiting)
+        self.waiting = skipped
+
+    def room_freed(self) -> None:
+        """A heap may have become spillable or free: jobs waiting for RAM ask again now."""
+        self._room_check_at = 0.0
+
+    def place(self, req, room_blocked: bool = False) -> tuple[Any, bool]:
+        """(match, created): the session `req` runs on, resident, rolled back to the shared prefix.
+        Raises WaitForRoom when it needs a heap while `room_blocked`, OverBudget when refused one."""
+        tok = self.backend.tokenizer
+        encode = lambda text: tok.encode(text, add_special_tokens=False)  # noqa: E731
+        self.check_tokens(req.prompt.tokens, req.prompt.continuation or ())
+        if req.session_id is not None:
+            named = self.store.get(req.session_id)
+            if named.owner != req.owner:   # another key's session: as if it did not exist
+                raise SessionNotFound(req.session_id)
+            match = continue_session(named, req.prompt, encode, tok.decode)
+            named.addressed = True
+        else:
+            documents = isinstance(req, Feed)   # a document without a session starts a new one
+            sessions = [] if documents else [x for x in self.store.sessions() if x.owner == req.owner]
+            checkpoints = [] if documents else [c for c in self.store.checkpoints.all()
+                                                if self._same_owner(c.session_id, req)]
+            match = match_session(sessions, req.prompt, encode, tok.decode, checkpoints)
+        try:
+            if match is not None and match.checkpoint is not None:
+                match.session = branching.new_branch(self.store, match.checkpoint.session_id)
+                return self._prepare(match, True, room_blocked), True
+            if match is not None:
+                return self._prepare(match, False, room_blocked), False
+        except SessionLost:
+            if req.session_id is not None:
+                raise   # the client named it: it must resend the history
+            log.warning("the session matching a prompt was lost; serving it in a new session")
+        except OSError as e:   # an unreadable checkpoint: read the prompt in full instead
+            if match is None or match.checkpoint is None:
+                raise
+            log.warning("checkpoint %s unreadable (%s); serving the prompt in a new session",
+                        match.checkpoint.path, e)
+        match = continue_session(self.store.create(owner=req.owner), req.prompt, encode, tok.decode)
+        return self._prepare(match, True, room_blocked), True
+
+    def admit_heap(self, s: Session) -> None:
+        """Ask the governor before one more heap becomes resident; spill what it names."""
+        resident = [x for x in self.store.sessions() if x.cache is not None]
+        idle = sorted((x for x in resident if not x.busy and x is not s), key=lambda x: x.last_used)
+        decision = self.governor.admit(len(resident), [x.id for x in idle])
+        if decision.action != "admit":
+            raise OverBudget(decision.reason, retry_after=decision.retry_after_s)
+        for sid in decision.spill:
+            log.info("RAM budget: spilling idle session %s to disk", sid)
+            self.store.spill(sid)
+
+    def check_tokens(self, *lists) -> None:
+        """Ids outside the vocabulary are refused before they touch any session."""
+        if self.vocab_size is None:
+            return
+        for ids in lists:
+            if len(ids) and (min(ids) < 0 or max(ids) >= self.vocab_size):
+                bad = next(t for t in ids if not 0 <= t < self.vocab_size)
+                raise InvalidTokens(bad, self.vocab_size)
+
+    def _same_owner(self, session_id: str, req) -> bool:
+        """Where API keys own sessions, a prompt reuses only its own key's checkpoints."""
+        return session_id in self.store and self.store.get(session_id).owner == req.owner
+
+    def _prepare(self, match, created: bool, room_blocked: bool = False):
+        """Make room for the match's session and give it its heap (from a checkpoint, or rolled
+        back to the shared prefix); a session created for this request is dropped again when
+        that fails (it holds no history)."""
+        s = match.session
+        try:
+            if not match.new_tokens:
+                raise ValueError("the prompt is empty: nothing to feed")
+            self.check_tokens(match.new_tokens)
+            if s.cache is None:
+                if room_blocked:
+                    raise WaitForRoom()
+                self.admit_heap(s)   # before _make_room: a refused job must not evict sessions
+            self._make_room(s)
+            if match.checkpoint is not None:
+                branching.fork_into(self.store, s, match.checkpoint)
+            self.store.make_resident(s)
+            if match.rollback is not None:
+                branching.roll_back(self.backend, s, match.rollback)
+        except Exception:
+            if created:
+                self.store.delete(s.id)
+            raise
+        return match
+
+    def _make_room(self, s: Session) -> None:
+        """Spill beyond max_resident. A failed spill fails this request only when it needs the
+        room (its heap is not resident); every session stays as it was either way."""
+        try:
+            self.store.enforce_limits(keep=s)
+        except SpillFailed as e:
+            if s.cache is None:
+                raise
+            log.error("%s (sessions stay in memory)", e)
