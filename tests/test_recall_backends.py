@@ -86,6 +86,29 @@ def test_device_eviction_pins_recalled_slots_like_the_numpy_rule(llama, backend_
         assert (kept_recalled == layer.heap.n_recalled).all()
 
 
+def test_recall_scores_every_page_it_makes_room_with(llama):
+    """Room for the recall region is made before the pages are scored: whatever that eviction pages
+    out competes with the older pages (evicting after scoring paged out tokens no question scored).
+    Prompt lengths put the heap at several fills when the question arrives."""
+    crowded = 0
+    for n in range(230, 300, 9):
+        cache = llama.new_cache(CFG)
+        store = cache.pages
+        at_scoring = []
+        summaries = store.summaries
+        store.summaries = lambda layer: (at_scoring.append(store.written), summaries(layer))[1]
+        before = []
+        evict = cache.evict
+        cache.evict = lambda layers: (before.append(len(at_scoring)), evict(layers))[1]
+        generate(llama, cache, prompt(llama, n, seed=11), 1)
+        cache.writer.drain()
+        assert cache.recall_log and at_scoring, n
+        assert store.written == at_scoring[-1], f"{n} tokens: pages written after scoring"
+        crowded += bool(before)
+        assert all(b == 0 for b in before), "an eviction after scoring began"
+    assert crowded, "no prompt length made the recall evict: the test checks nothing"
+
+
 def test_disk_budget_drops_pages_and_says_so(llama):
     record = llama.new_cache(CFG).pages.record_bytes
     cache = llama.new_cache(CFG.with_(disk_budget=10 * record))

@@ -127,6 +127,11 @@ def progress_from(progress, offset: int, total: int):
     return None if progress is None else (lambda done, _: progress(offset + done, total))
 
 
+def recall_room(heap: LayerHeap, store) -> int:
+    """Slots a recall loads into this layer at most: its recall region in whole pages."""
+    return heap.recall_slots // store.g.page_size * store.g.page_size
+
+
 def recall(cache, n_question: int, probe: Callable[[], dict]) -> dict:
     """Before a question of `n_question` tokens (<= slack) is fed: release the last recall, probe
     the question for its queries (`probe()` -> {layer: [H_kv, Q, D] pre-RoPE float32}, the heap
@@ -136,23 +141,26 @@ def recall(cache, n_question: int, probe: Callable[[], dict]) -> dict:
         release = layer.heap.release_plan()
         if release is not None:
             layer.repack(release, evicting=False)
+    # Room for the question and a full recall region is made BEFORE scoring: tokens evicted now go
+    # to the store and compete with the older pages (evicting after scoring would page out tokens
+    # that no question ever scores, the fact among them).
+    store = cache.pages
+    full = [layer for layer in cache.heap_layers
+            if layer.heap.resident + recall_room(layer.heap, store) + n_question > layer.heap.capacity]
+    if full:
+        cache.evict(full)   # down to the policy's share: the recall region is free again
     cache.make_room(n_question)
     queries = probe()
     cache.writer.drain()
-    store = cache.pages
     picked = {}
     for layer in cache.heap_layers:
         i = layer.heap.layer
         slots, *summary = store.summaries(i)
-        n_pages = layer.heap.recall_slots // store.g.page_size
+        n_pages = recall_room(layer.heap, store) // store.g.page_size
         if len(slots) == 0 or n_pages == 0:
             continue
         best = select_pages(score_pages(queries[i], tuple(summary)), n_pages)  # [H_kv, k]
         picked[i] = store.load(i, slots[best])
-    r = max((p[0].shape[1] for p in picked.values()), default=0)
-    crowded = [layer for layer in cache.heap_layers if layer.heap.resident + r + n_question > layer.heap.capacity]
-    if crowded:
-        cache.evict(crowded)   # down to the policy's share: the recall region is free again
     if picked:
         flat = cache.to_device(np.concatenate([a.reshape(-1) for _, k, v in picked.values() for a in (k, v)]))
         at = 0
