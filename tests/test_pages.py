@@ -135,6 +135,41 @@ def test_quest_bound_is_an_upper_bound_and_finds_the_planted_page(tmp_path):
     assert (bound >= exact - 1e-2).all()           # f16 summaries: a bound up to rounding
 
 
+def test_zscore_lets_the_query_that_singles_a_page_out_pick_it():
+    """Two queries over 8 pages: a loud one (a template word) that scores every page high, one page
+    a little higher; a quiet one (the name asked about) that scores page 5 far above the rest. The
+    raw bound follows the loud query; the per-query z-score follows the one that singles a page out.
+    The z-scores are the per-query standardized bounds, exactly."""
+    n = 8
+    kmin = np.zeros((n, 1, 2), np.float32)
+    kmax = np.zeros((n, 1, 2), np.float32)
+    kmax[:, 0, 0] = 10.0
+    kmax[2, 0, 0] = 10.5     # page 2: the loud query's favourite, by a little
+    kmax[5, 0, 1] = 3.0      # page 5: the quiet query's, by far
+    queries = np.array([[[1.0, 0.0], [0.0, 1.0]]], np.float32)   # [H=1, Q=2, D=2]
+    assert select_pages(score_pages(queries, (kmin, kmax)), 1).tolist() == [[2]]
+    z = score_pages(queries, (kmin, kmax), "zscore")
+    assert select_pages(z, 1).tolist() == [[5]]
+    bound = np.stack([kmax[:, 0, 0], kmax[:, 0, 1]])              # [Q, N]: the bound per query
+    want = ((bound - bound.mean(axis=1, keepdims=True)) / (bound.std(axis=1, keepdims=True) + 1e-6)).max(axis=0)
+    np.testing.assert_allclose(z[0], want, rtol=1e-6)
+
+
+def test_recall_score_is_validated_and_reaches_the_config_from_the_flag():
+    import argparse
+
+    from localheap.commands.common import add_heap_args, heap_config
+
+    with pytest.raises(HeapConfigError, match="recall score"):
+        HeapConfig(recall_score="softmax")
+    p = argparse.ArgumentParser()
+    add_heap_args(p)
+    assert heap_config(p.parse_args([])).recall_score == "bound"
+    assert heap_config(p.parse_args(["--recall", "on", "--recall-score", "zscore"])).recall_score == "zscore"
+    with pytest.raises(SystemExit):
+        p.parse_args(["--recall-score", "softmax"])
+
+
 def test_page_writer_runs_jobs_in_order_and_reports_errors():
     w, seen = PageWriter(), []
     for i in range(5):

@@ -104,7 +104,8 @@ def test_needle_bench_has_a_recall_column(llama, tmp_path, capsys):
     rc = main(["bench", "needle", "--model", str(llama_path(llama)), "--backend", "torch", "--context", "256",
                "--trials", "1", "--prune", "70%", "--long-contexts", "320", "--long-trials", "1",
                "--budget", "96", "--slack", "64", "--recent", "16",
-               "--recall", "on", "--recall-budget", "32", "--page-size", "16", "--plots", str(tmp_path)])
+               "--recall", "on", "--recall-budget", "32", "--page-size", "16", "--recall-score", "zscore",
+               "--plots", str(tmp_path)])
     out = capsys.readouterr().out
     assert rc == 0 and "snapkv+recall" in out and "ms / 1K recalled" in out
     assert out.count("+recall") >= 2 * 5   # every policy, at 256 and at 320

@@ -159,7 +159,7 @@ def recall(cache, n_question: int, probe: Callable[[], dict]) -> dict:
         n_pages = recall_room(layer.heap, store) // store.g.page_size
         if len(slots) == 0 or n_pages == 0:
             continue
-        best = select_pages(score_pages(queries[i], tuple(summary)), n_pages)  # [H_kv, k]
+        best = select_pages(score_pages(queries[i], tuple(summary), cache.cfg.recall_score), n_pages)  # [H_kv, k]
         picked[i] = store.load(i, slots[best])
     if picked:
         flat = cache.to_device(np.concatenate([a.reshape(-1) for _, k, v in picked.values() for a in (k, v)]))

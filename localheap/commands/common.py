@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from ..heap import POLICIES, POSITION_MODES, HeapConfig
-from ..heap.config import PAGE_FORMATS, RECALL_SUMMARIES
+from ..heap.config import PAGE_FORMATS, RECALL_SCORES, RECALL_SUMMARIES
 
 
 def add_model_args(p: argparse.ArgumentParser, required: bool = False) -> None:
@@ -49,6 +49,9 @@ def add_heap_args(p: argparse.ArgumentParser) -> None:
                    help="how pages are stored: f32 (exact), f16, int8 (per token and head scale)")
     p.add_argument("--recall-summary", default=d.recall_summary, choices=RECALL_SUMMARIES,
                    help="page summary scored against the question: minmax (Quest) or mean key")
+    p.add_argument("--recall-score", default=d.recall_score, choices=RECALL_SCORES,
+                   help="a page's score: bound (its best summary score over the question's queries) or "
+                        "zscore (each query's scores standardized over the pages first)")
     p.add_argument("--disk-budget", default="0", metavar="SIZE",
                    help="bytes of pages per session (e.g. 2G); past it the lowest-value pages are dropped; 0 = none")
 
@@ -66,6 +69,7 @@ def heap_config(args, backend=None, **overrides) -> HeapConfig:
                   prefill_chunk=chunk or 0, policy=args.policy, positions=args.positions, profile=args.profile,
                   recall=args.recall == "on", recall_budget=args.recall_budget, page_size=args.page_size,
                   page_format=args.page_format, recall_summary=args.recall_summary,
+                  recall_score=getattr(args, "recall_score", HeapConfig.recall_score),
                   disk_budget=0 if str(args.disk_budget).strip() == "0" else parse_size(args.disk_budget))
     fields.update(overrides)
     return HeapConfig(**fields)

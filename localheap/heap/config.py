@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass, field, replace
 POLICIES = ("h2o", "snapkv", "geometry", "streaming", "random")
 PAGE_FORMATS = ("f32", "f16", "int8")
 RECALL_SUMMARIES = ("minmax", "mean")
+RECALL_SCORES = ("bound", "zscore")
 POSITION_MODES = ("compact", "absolute")
 PROFILES = ("uniform", "pyramid")
 
@@ -45,6 +46,7 @@ class HeapConfig:
     page_size: int = 32          # tokens per page (per layer, per KV head)
     page_format: str = "f16"     # f32 (exact), f16, int8 (per token and head scale)
     recall_summary: str = "minmax"   # page summary scored against the queries: minmax (Quest) or mean key
+    recall_score: str = "bound"      # a page's score: best bound over the queries, or best per-query z-score
     disk_budget: int = 0         # bytes of pages per session; past it the lowest-value pages are dropped; 0 = no bound
     extra: dict = field(default_factory=dict, compare=False)
 
@@ -73,6 +75,8 @@ class HeapConfig:
             raise HeapConfigError(f"unknown page format {self.page_format!r}; choose one of {', '.join(PAGE_FORMATS)}")
         if self.recall_summary not in RECALL_SUMMARIES:
             raise HeapConfigError(f"unknown recall summary {self.recall_summary!r}; choose minmax or mean")
+        if self.recall_score not in RECALL_SCORES:
+            raise HeapConfigError(f"unknown recall score {self.recall_score!r}; choose bound or zscore")
         if self.page_size < 1 or self.disk_budget < 0:
             raise HeapConfigError("page_size must be >= 1 and disk_budget >= 0")
         if self.recall:

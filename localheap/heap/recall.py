@@ -18,9 +18,13 @@ import numpy as np
 SUMMARIES = ("minmax", "mean")
 
 
-def score_pages(queries: np.ndarray, summary: tuple[np.ndarray, ...]) -> np.ndarray:
+def score_pages(queries: np.ndarray, summary: tuple[np.ndarray, ...], how: str = "bound") -> np.ndarray:
     """queries: [H, Q, D] (the G query heads of KV head h stacked in Q); summary: (kmin, kmax)
-    or (kmean,), each [N, H, D]. Returns [H, N]: each page's best score over the queries."""
+    or (kmean,), each [N, H, D]. Returns [H, N]: each page's best score over the queries.
+
+    how="zscore": each query's scores are first standardized over the pages (minus their mean,
+    over their deviation), so a query that scores every page alike (a question's template words)
+    cannot outrank one that singles a page out (the name asked about)."""
     q = queries.astype(np.float32)
     if len(summary) == 2:
         kmin, kmax = summary
@@ -28,7 +32,11 @@ def score_pages(queries: np.ndarray, summary: tuple[np.ndarray, ...]) -> np.ndar
                  + np.einsum("hqd,nhd->hqn", np.minimum(q, 0), kmin))
     else:
         bound = np.einsum("hqd,nhd->hqn", q, summary[0])
-    return bound.max(axis=1) if bound.shape[2] else np.zeros((q.shape[0], 0), np.float32)
+    if not bound.shape[2]:
+        return np.zeros((q.shape[0], 0), np.float32)
+    if how == "zscore":
+        bound = (bound - bound.mean(axis=2, keepdims=True)) / (bound.std(axis=2, keepdims=True) + 1e-6)
+    return bound.max(axis=1)
 
 
 def select_pages(scores: np.ndarray, n_pages: int) -> np.ndarray:
