@@ -164,10 +164,16 @@ def test_recall_score_is_validated_and_reaches_the_config_from_the_flag():
         HeapConfig(recall_score="softmax")
     p = argparse.ArgumentParser()
     add_heap_args(p)
-    assert heap_config(p.parse_args([])).recall_score == "bound"
-    assert heap_config(p.parse_args(["--recall", "on", "--recall-score", "zscore"])).recall_score == "zscore"
+    default = heap_config(p.parse_args([]))
+    assert (default.recall_score, default.recall_select, default.recall_budget) == ("zscore", "spans", 2048)
+    cfg = heap_config(p.parse_args(["--recall", "on", "--recall-score", "bound", "--recall-select", "pages"]))
+    assert (cfg.recall_score, cfg.recall_select) == ("bound", "pages")
     with pytest.raises(SystemExit):
         p.parse_args(["--recall-score", "softmax"])
+    with pytest.raises(SystemExit):
+        p.parse_args(["--recall-select", "tokens"])
+    with pytest.raises(HeapConfigError, match="recall selection"):
+        HeapConfig(recall_select="tokens")
 
 
 def test_page_writer_runs_jobs_in_order_and_reports_errors():
@@ -214,3 +220,81 @@ def test_recall_config_is_checked():
     with pytest.raises(HeapConfigError):
         HeapConfig(page_format="q3")
     assert HeapConfig(recall=False, recall_budget=10**6).recall_slots == 0
+
+
+def span_store(tmp_path, rng, fact, head1_order):
+    """200-odd evicted tokens of one layer; head 0 in position order with `fact` as the keys of
+    positions 100 and 101, head 1 in `head1_order` (its pages cut the document elsewhere)."""
+    n = len(head1_order)
+    pos = np.stack([np.arange(n), np.asarray(head1_order)])
+    k = rng.standard_normal((H, n, D)).astype(np.float32)
+    v = rng.standard_normal((H, n, D)).astype(np.float32)
+    k[0, 100:102] = fact
+    s = store(tmp_path)
+    s.append(0, pos, k, v)
+    return s, pos, k, v
+
+
+def fake_cache(recall_slots):
+    from types import SimpleNamespace
+
+    heap = SimpleNamespace(layer=0, recall_slots=recall_slots)
+    return SimpleNamespace(heap_layers=[SimpleNamespace(heap=heap)], cfg=HeapConfig())
+
+
+def test_span_recall_brings_the_window_one_head_points_to_back_in_every_head(tmp_path):
+    """Only head 0's queries match the fact (positions 100-101); head 1's are noise and its pages hold
+    other cuts of the document. Span recall gives both heads the same window around the fact, each
+    with its own stored K/V; page recall gives head 1 the pages its noise scores best."""
+    from localheap.backends.paging import pick_pages, pick_spans
+    from localheap.heap.recall import WINDOW
+
+    rng = np.random.default_rng(3)
+    fact = rng.standard_normal(D).astype(np.float32) * 4
+    order = np.concatenate([np.arange(2, 200), [0, 1]])        # head 1's pages: [2..5], [6..9], ...
+    s, pos, k, v = span_store(tmp_path, rng, fact, order)
+    queries = np.stack([np.broadcast_to(fact, (3, D)), rng.standard_normal((3, D))]).astype(np.float32)
+    cache = fake_cache(recall_slots=2 * WINDOW)
+    got_pos, got_k, got_v = pick_spans(cache, s, {0: queries})[0]
+    window = set(range(96 - WINDOW // 2, 112 + WINDOW // 2))    # bin [96, 112) and its margins
+    for h in range(H):
+        assert set(got_pos[h].tolist()) == window, h
+        at = {int(p): i for i, p in enumerate(pos[h])}
+        idx = [at[p] for p in got_pos[h].tolist()]
+        np.testing.assert_array_equal(got_k[h], k[h, idx])
+        np.testing.assert_array_equal(got_v[h], v[h, idx])
+    page_pos = pick_pages(cache.__class__(heap_layers=cache.heap_layers, cfg=HeapConfig(recall_select="pages")),
+                          s, {0: queries})[0][0]
+    assert {100, 101} <= set(page_pos[0].tolist()) and set(page_pos[1].tolist()) != window
+
+
+def test_span_recall_takes_tokens_still_in_the_partial_page(tmp_path):
+    """Head 1 evicted positions 100-101 last: they wait in its partial page (RAM), not on disk, and
+    still come back with the window head 0 voted for."""
+    from localheap.backends.paging import pick_spans
+    from localheap.heap.recall import WINDOW
+
+    rng = np.random.default_rng(4)
+    fact = rng.standard_normal(D).astype(np.float32) * 4
+    order = np.concatenate([np.arange(0, 100), np.arange(102, 202), [100, 101]])   # 202 tokens: 2 in the tail
+    s, pos, k, v = span_store(tmp_path, rng, fact, order)
+    assert sorted(s.tail(0)[0][1].tolist()) == [100, 101]
+    queries = np.stack([np.broadcast_to(fact, (3, D)), rng.standard_normal((3, D))]).astype(np.float32)
+    got_pos, got_k, _ = pick_spans(fake_cache(2 * WINDOW), s, {0: queries})[0]
+    assert {100, 101} <= set(got_pos[1].tolist())
+    i = got_pos[1].tolist().index(100)
+    np.testing.assert_array_equal(got_k[1, i], k[1, 200])
+
+
+def test_page_positions_are_read_from_headers_and_spans_kept_in_ram(tmp_path):
+    rng = np.random.default_rng(5)
+    s = store(tmp_path)
+    pos = np.stack([np.arange(12), np.arange(12)[::-1]])
+    s.append(0, pos, *evicted(rng, 12)[1:])
+    slots = np.array([0, 1, 2])
+    np.testing.assert_array_equal(s.positions(0, slots), pos.reshape(H, 3, P).transpose(1, 0, 2))
+    np.testing.assert_array_equal(s.spans(0, slots)[:, 1], [[8, 11], [4, 7], [0, 3]])
+    s.checkpoint()
+    again = store(tmp_path)                                     # reopened: spans rebuilt from the records
+    np.testing.assert_array_equal(again.spans(0, slots), s.spans(0, slots))
+    again.close()

@@ -24,6 +24,8 @@ from typing import Any, Callable, Optional, Sequence
 import numpy as np
 
 from ..heap import LayerHeap, PageGeometry, PageStore, PageWriter, score_pages, select_pages
+from ..heap.pagecodec import decode
+from ..heap.recall import WINDOW, take_windows, vote
 
 
 def attach_pages(cache, n_kv_heads: int, head_dim: int, root: Optional[Path] = None) -> None:
@@ -132,10 +134,80 @@ def recall_room(heap: LayerHeap, store) -> int:
     return heap.recall_slots // store.g.page_size * store.g.page_size
 
 
+def pick_pages(cache, store, queries: dict) -> dict:
+    """--recall-select pages: each layer and KV head loads its own best-scored pages.
+    Returns {layer: (positions [H, r], keys, values [H, r, D])}."""
+    picked = {}
+    for layer in cache.heap_layers:
+        i = layer.heap.layer
+        slots, *summary = store.summaries(i)
+        n_pages = recall_room(layer.heap, store) // store.g.page_size
+        if len(slots) == 0 or n_pages == 0:
+            continue
+        best = select_pages(score_pages(queries[i], tuple(summary), cache.cfg.recall_score), n_pages)  # [H_kv, k]
+        picked[i] = store.load(i, slots[best])
+    return picked
+
+
+def pick_spans(cache, store, queries: dict) -> dict:
+    """--recall-select spans: every layer's and KV head's best pages vote for where in the document
+    the question points (heap/recall.vote); then every layer and head recalls the evicted tokens of
+    the same windows, best first, as many as its region holds (heap/recall.take_windows). A fact
+    comes back whole in every head, not the pieces of it that one head's pages happen to hold.
+    Returns {layer: (positions [H, r], keys, values [H, r, D])}, r the same for every head."""
+    scores, live, rooms = {}, {}, {}
+    top = 0
+    for layer in cache.heap_layers:
+        i = layer.heap.layer
+        slots, *summary = store.summaries(i)
+        room = recall_room(layer.heap, store)
+        tail_pos = store.tail(i)[0]
+        if room == 0 or (len(slots) == 0 and tail_pos.size == 0):
+            continue
+        live[i], rooms[i] = slots, room
+        if len(slots):
+            scores[i] = score_pages(queries[i], tuple(summary), cache.cfg.recall_score)
+            top = max(top, int(store.spans(i, slots)[..., 1].max()))
+        if tail_pos.size:
+            top = max(top, int(tail_pos.max()))
+    if not live:
+        return {}
+    votes = vote(scores, lambda i, idx: store.positions(i, live[i][idx]), top // WINDOW + 2)
+    order = np.argsort(-votes, kind="stable")
+    picked = {}
+    D = store.g.head_dim
+    for i, slots in live.items():
+        spans = store.spans(i, slots)
+        tail_pos, tail_k, tail_v = store.tail(i)
+        taken = take_windows(order, rooms[i], spans, lambda idx: store.positions(i, slots[idx]), tail_pos)
+        r = min(map(len, taken))
+        if r == 0:
+            continue
+        pages = sorted({u for t in taken for u, _ in t[:r] if u >= 0})
+        at = {u: n for n, u in enumerate(pages)}
+        if pages:
+            recs = store.read(i, slots[pages])
+            keys, values = decode(recs, store.g.fmt)                        # [u, H, P, D]
+            positions = recs["positions"]
+        H = len(taken)
+        pos, ks, vs = np.zeros((H, r), np.int64), np.zeros((H, r, D), np.float32), np.zeros((H, r, D), np.float32)
+        for h, t in enumerate(taken):
+            for n, (u, j) in enumerate(t[:r]):
+                if u < 0:
+                    pos[h, n], ks[h, n], vs[h, n] = tail_pos[h, j], tail_k[h, j], tail_v[h, j]
+                else:
+                    pos[h, n], ks[h, n], vs[h, n] = positions[at[u], h, j], keys[at[u], h, j], values[at[u], h, j]
+        order_h = np.argsort(pos, axis=1, kind="stable")
+        picked[i] = (np.take_along_axis(pos, order_h, 1), np.take_along_axis(ks, order_h[..., None], 1),
+                     np.take_along_axis(vs, order_h[..., None], 1))
+    return picked
+
+
 def recall(cache, n_question: int, probe: Callable[[], dict]) -> dict:
     """Before a question of `n_question` tokens (<= slack) is fed: release the last recall, probe
     the question for its queries (`probe()` -> {layer: [H_kv, Q, D] pre-RoPE float32}, the heap
-    rolled back after), load each layer's best pages in one transfer. Returns the stats entry."""
+    rolled back after), load what `cfg.recall_select` picks (pick_spans or pick_pages) in one
+    transfer. Returns the stats entry."""
     t0 = time.perf_counter()
     for layer in cache.heap_layers:
         release = layer.heap.release_plan()
@@ -152,15 +224,7 @@ def recall(cache, n_question: int, probe: Callable[[], dict]) -> dict:
     cache.make_room(n_question)
     queries = probe()
     cache.writer.drain()
-    picked = {}
-    for layer in cache.heap_layers:
-        i = layer.heap.layer
-        slots, *summary = store.summaries(i)
-        n_pages = recall_room(layer.heap, store) // store.g.page_size
-        if len(slots) == 0 or n_pages == 0:
-            continue
-        best = select_pages(score_pages(queries[i], tuple(summary), cache.cfg.recall_score), n_pages)  # [H_kv, k]
-        picked[i] = store.load(i, slots[best])
+    picked = (pick_spans if cache.cfg.recall_select == "spans" else pick_pages)(cache, store, queries)
     if picked:
         flat = cache.to_device(np.concatenate([a.reshape(-1) for _, k, v in picked.values() for a in (k, v)]))
         at = 0
@@ -174,7 +238,7 @@ def recall(cache, n_question: int, probe: Callable[[], dict]) -> dict:
             layer.merge(layer.heap.merge(pos), keys, values)
     cache.settle()
     tokens = sum(p[0].shape[1] for p in picked.values()) // max(1, len(cache.heap_layers))
-    event = {"tokens": tokens, "pages": tokens // store.g.page_size,
+    event = {"tokens": tokens, "pages": -(-tokens // store.g.page_size),
              "ms": round(1000 * (time.perf_counter() - t0), 2)}
     cache.recall_log.append(event)
     return event

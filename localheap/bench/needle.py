@@ -242,7 +242,7 @@ def run_needle(backend, base=None, context: int = 4096, prune: Sequence[float] =
     if base.recall:   # the recall column: every policy also with the page store and recall
         policies = [p for pol in policies for p in (pol, pol + "+recall")]
         recall_settings = {k: getattr(base, k) for k in ("recall_budget", "page_size", "page_format",
-                                                            "recall_summary", "recall_score", "disk_budget")}
+                                                            "recall_summary", "recall_score", "recall_select", "disk_budget")}
         base = base.with_(recall=False)
     long_budget = long_budget or base.budget
     rows = []

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from ..heap import POLICIES, POSITION_MODES, HeapConfig
-from ..heap.config import PAGE_FORMATS, RECALL_SCORES, RECALL_SUMMARIES
+from ..heap.config import PAGE_FORMATS, RECALL_SCORES, RECALL_SELECTS, RECALL_SUMMARIES
 
 
 def add_model_args(p: argparse.ArgumentParser, required: bool = False) -> None:
@@ -52,6 +52,9 @@ def add_heap_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--recall-score", default=d.recall_score, choices=RECALL_SCORES,
                    help="a page's score: bound (its best summary score over the question's queries) or "
                         "zscore (each query's scores standardized over the pages first)")
+    p.add_argument("--recall-select", default=d.recall_select, choices=RECALL_SELECTS,
+                   help="spans: every layer and head recalls the same windows of the document, voted by "
+                        "all of them; pages: each layer and head loads its own best pages")
     p.add_argument("--disk-budget", default="0", metavar="SIZE",
                    help="bytes of pages per session (e.g. 2G); past it the lowest-value pages are dropped; 0 = none")
 
@@ -70,6 +73,7 @@ def heap_config(args, backend=None, **overrides) -> HeapConfig:
                   recall=args.recall == "on", recall_budget=args.recall_budget, page_size=args.page_size,
                   page_format=args.page_format, recall_summary=args.recall_summary,
                   recall_score=getattr(args, "recall_score", HeapConfig.recall_score),
+                  recall_select=getattr(args, "recall_select", HeapConfig.recall_select),
                   disk_budget=0 if str(args.disk_budget).strip() == "0" else parse_size(args.disk_budget))
     fields.update(overrides)
     return HeapConfig(**fields)

@@ -11,6 +11,7 @@ POLICIES = ("h2o", "snapkv", "geometry", "streaming", "random")
 PAGE_FORMATS = ("f32", "f16", "int8")
 RECALL_SUMMARIES = ("minmax", "mean")
 RECALL_SCORES = ("bound", "zscore")
+RECALL_SELECTS = ("spans", "pages")
 POSITION_MODES = ("compact", "absolute")
 PROFILES = ("uniform", "pyramid")
 
@@ -42,11 +43,12 @@ class HeapConfig:
     noise: float = 0.0           # relative noise floor on scores (timing side channels); 0 = off
     seed: int = 0                # random policy and noise
     recall: bool = False         # page evicted K/V out to disk; recall the best pages per question
-    recall_budget: int = 1024    # slots of the budget reserved for recalled pages (whole pages)
+    recall_budget: int = 2048    # slots of the budget reserved for recalled tokens (whole pages); docs/recall.md
     page_size: int = 32          # tokens per page (per layer, per KV head)
     page_format: str = "f16"     # f32 (exact), f16, int8 (per token and head scale)
     recall_summary: str = "minmax"   # page summary scored against the queries: minmax (Quest) or mean key
-    recall_score: str = "bound"      # a page's score: best bound over the queries, or best per-query z-score
+    recall_score: str = "zscore"     # a page's score: best bound over the queries, or best per-query z-score
+    recall_select: str = "spans"     # spans: the same windows in every layer and head (voted); pages: each head its own
     disk_budget: int = 0         # bytes of pages per session; past it the lowest-value pages are dropped; 0 = no bound
     extra: dict = field(default_factory=dict, compare=False)
 
@@ -77,6 +79,8 @@ class HeapConfig:
             raise HeapConfigError(f"unknown recall summary {self.recall_summary!r}; choose minmax or mean")
         if self.recall_score not in RECALL_SCORES:
             raise HeapConfigError(f"unknown recall score {self.recall_score!r}; choose bound or zscore")
+        if self.recall_select not in RECALL_SELECTS:
+            raise HeapConfigError(f"unknown recall selection {self.recall_select!r}; choose spans or pages")
         if self.page_size < 1 or self.disk_budget < 0:
             raise HeapConfigError("page_size must be >= 1 and disk_budget >= 0")
         if self.recall:

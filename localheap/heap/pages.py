@@ -75,6 +75,7 @@ class _Layer:
     def __init__(self, g: PageGeometry, fields: tuple[str, ...]):
         H, D, P = g.n_kv_heads, g.head_dim, g.page_size
         self.sums = {f: np.zeros((0, H, D), np.float16) for f in fields}   # [slots, H, D] each
+        self.span = np.zeros((0, H, 2), np.int64)      # [slots, H, (first, last position)]
         self.live = np.zeros(0, bool)                  # [slots]
         self.value = np.zeros(0, np.float32)
         self.free: list[int] = []
@@ -92,7 +93,7 @@ class _Layer:
         extra = max(slots - n, n)   # amortised doubling
         pad = lambda a: np.concatenate([a, np.zeros((extra, *a.shape[1:]), a.dtype)])   # noqa: E731
         self.sums = {f: pad(a) for f, a in self.sums.items()}
-        self.live, self.value = pad(self.live), pad(self.value)
+        self.live, self.value, self.span = pad(self.live), pad(self.value), pad(self.span)
         self.free.extend(range(n + extra - 1, n - 1, -1))   # lowest slot popped first
         self.free.sort(reverse=True)
 
@@ -161,6 +162,7 @@ class PageStore:
         for f, a in L.sums.items():
             a[slot] = rec[f]
         L.live[slot], L.value[slot] = True, value
+        L.span[slot] = np.stack([pos.min(axis=1), pos.max(axis=1)], axis=1)
         self.seq += 1
         self.written += 1
 
@@ -203,6 +205,31 @@ class PageStore:
         L = self.layers[layer]
         slots = np.flatnonzero(L.live)
         return (slots, *(L.sums[f][slots].astype(np.float32) for f in SUMMARY_FIELDS[self.summary]))
+
+    def spans(self, layer: int, slots: np.ndarray) -> np.ndarray:
+        """[n, H, 2]: each page's first and last token position per KV head (kept in RAM)."""
+        return self.layers[layer].span[slots]
+
+    def positions(self, layer: int, slots: np.ndarray) -> np.ndarray:
+        """[n, H, P] token positions of the given pages, read from the records' headers only (the
+        payload stays on disk); a torn record's positions come back as -1."""
+        names = ("magic", "crc_meta", *_META_FIELDS)
+        meta_bytes = self.dtype.fields["kmean"][1] + self.dtype["kmean"].itemsize   # header .. summaries
+        head = np.dtype({"names": list(names), "formats": [self.dtype.fields[n][0] for n in names],
+                         "offsets": [self.dtype.fields[n][1] for n in names], "itemsize": meta_bytes})
+        out = np.full((len(slots), self.g.n_kv_heads, self.g.page_size), -1, np.int64)
+        for i, slot in enumerate(slots):
+            buf = os.pread(self._fds[layer], meta_bytes, int(slot) * self.record_bytes)
+            if len(buf) == meta_bytes:
+                rec = np.frombuffer(buf, head)[0]
+                if rec["magic"] == MAGIC and _crc(rec, _META_FIELDS) == rec["crc_meta"]:
+                    out[i] = rec["positions"]
+        return out
+
+    def tail(self, layer: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The layer's partial page (evicted, not yet written): positions [H, t], keys, values [H, t, D]."""
+        L = self.layers[layer]
+        return L.tail_pos, L.tail_k, L.tail_v
 
     def read(self, layer: int, slots: np.ndarray) -> np.ndarray:
         """Records of the given slots (a torn or overwritten record comes back with magic 0)."""
@@ -301,6 +328,7 @@ class PageStore:
                     for f, a in L.sums.items():
                         a[slot] = rec[f]
                     L.live[slot], L.value[slot] = True, rec["value"]
+                    L.span[slot] = np.stack([rec["positions"].min(axis=1), rec["positions"].max(axis=1)], axis=1)
             L.free = sorted((int(s) for s in np.flatnonzero(~L.live[: len(L.live)])), reverse=True)
         tails = np.load(self.root / TAIL)
         for i, L in enumerate(self.layers):

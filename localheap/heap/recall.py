@@ -16,6 +16,8 @@ from typing import Callable, Optional
 import numpy as np
 
 SUMMARIES = ("minmax", "mean")
+WINDOW = 16      # span recall: tokens per vote bin; a chosen bin is recalled with WINDOW // 2 on each side
+VOTERS = 32      # span recall: each layer's and KV head's best pages that vote
 
 
 def score_pages(queries: np.ndarray, summary: tuple[np.ndarray, ...], how: str = "bound") -> np.ndarray:
@@ -46,6 +48,72 @@ def select_pages(scores: np.ndarray, n_pages: int) -> np.ndarray:
     k = min(n_pages, N)
     order = np.argsort(-scores, axis=1, kind="stable")[:, :k]
     return np.sort(order, axis=1)
+
+
+def vote(scores: dict, read_positions: Callable, n_bins: int, bin_size: int = WINDOW,
+         voters: int = VOTERS) -> np.ndarray:
+    """Span recall, step one: where in the document the question points, by every layer and head.
+    scores: {layer: [H, N]} page scores (z-scores: comparable across heads); read_positions(layer,
+    idx) -> [n, H, P] token positions of those pages (-1 unknown). Each (layer, head)'s best
+    `voters` pages give their positive score to the bins of `bin_size` tokens their tokens sit in
+    (shared by the page's tokens). Returns votes [n_bins]."""
+    votes = np.zeros(n_bins)
+    for layer, z in scores.items():
+        H, N = z.shape
+        top = np.argsort(-z, axis=1, kind="stable")[:, :voters]            # [H, C]
+        uniq, inv = np.unique(top, return_inverse=True)
+        pos = read_positions(layer, uniq)                                  # [u, H, P]
+        inv = inv.reshape(top.shape)
+        for h in range(H):
+            for c in range(top.shape[1]):
+                p = pos[inv[h, c], h]
+                p = p[p >= 0]
+                if not len(p):
+                    continue
+                b, cnt = np.unique(p // bin_size, return_counts=True)
+                votes[b] += max(float(z[h, top[h, c]]), 0.0) * cnt / cnt.sum()
+    return votes
+
+
+def take_windows(order: np.ndarray, want: int, spans: np.ndarray, read_positions: Callable,
+                 tail_pos: np.ndarray, bin_size: int = WINDOW) -> list[list[tuple[int, int]]]:
+    """Span recall, step two, for one layer: walk the bins in `order` (best first) and take, per
+    KV head, the evicted tokens inside each bin's window ([bin - margin, bin end + margin),
+    margin = bin_size // 2) until the head has `want`. spans [N, H, 2] (first, last position of
+    each live page), read_positions(idx) -> [n, H, P], tail_pos [H, t] (the partial page).
+    Returns per head the taken tokens as (page index or -1 for the tail, offset), in rank order."""
+    N, H = spans.shape[0], spans.shape[1]
+    margin = bin_size // 2
+    where: list[dict] = [{int(p): (-1, j) for j, p in enumerate(tail_pos[h])} for h in range(H)]
+    taken: list[list] = [[] for _ in range(H)]
+    seen: list[set] = [set() for _ in range(H)]
+    read = np.zeros(N, bool)
+    step = max(8, 2 * want // (bin_size + 2 * margin))
+    at = 0
+    while at < len(order) and min(map(len, taken)) < want:
+        batch = order[at: at + step]
+        at += step
+        lo, hi = batch * bin_size - margin, (batch + 1) * bin_size + margin
+        if N:   # pages with a token in one of the batch's windows (by their spans), read once
+            hit = ((spans[None, :, :, 0] < hi[:, None, None]) & (spans[None, :, :, 1] >= lo[:, None, None])).any(axis=(0, 2))
+            new = np.flatnonzero(hit & ~read)
+            if len(new):
+                read[new] = True
+                pos = read_positions(new)                                   # [n, H, P]
+                for h in range(H):
+                    for i, u in enumerate(new):
+                        for j, p in enumerate(pos[i, h].tolist()):
+                            if p >= 0:
+                                where[h][p] = (int(u), j)
+        for a, b in zip(lo.tolist(), hi.tolist()):
+            for h in range(H):
+                if len(taken[h]) >= want:
+                    continue
+                for p in range(max(0, a), b):
+                    if p in where[h] and p not in seen[h]:
+                        seen[h].add(p)
+                        taken[h].append(where[h][p])
+    return [t[:want] for t in taken]
 
 
 class PageWriter:
