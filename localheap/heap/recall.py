@@ -79,40 +79,49 @@ def take_windows(order: np.ndarray, want: int, spans: np.ndarray, read_positions
                  tail_pos: np.ndarray, bin_size: int = WINDOW) -> list[list[tuple[int, int]]]:
     """Span recall, step two, for one layer: walk the bins in `order` (best first) and take, per
     KV head, the evicted tokens inside each bin's window ([bin - margin, bin end + margin),
-    margin = bin_size // 2) until the head has `want`. spans [N, H, 2] (first, last position of
-    each live page), read_positions(idx) -> [n, H, P], tail_pos [H, t] (the partial page).
+    margin = bin_size // 2; in position order) until the head has `want`. spans [N, H, 2] (first,
+    last position of each live page, in RAM), read_positions(idx) -> [n, H, P] (read only for
+    pages whose span meets a window), tail_pos [H, t] (the partial page).
     Returns per head the taken tokens as (page index or -1 for the tail, offset), in rank order."""
     N, H = spans.shape[0], spans.shape[1]
     margin = bin_size // 2
-    where: list[dict] = [{int(p): (-1, j) for j, p in enumerate(tail_pos[h])} for h in range(H)]
+    first, last = spans[:, :, 0].min(axis=1), spans[:, :, 1].max(axis=1)   # [N], any head
+    known: dict[int, np.ndarray] = {}                                      # page -> positions [H, P]
     taken: list[list] = [[] for _ in range(H)]
     seen: list[set] = [set() for _ in range(H)]
-    read = np.zeros(N, bool)
     step = max(8, 2 * want // (bin_size + 2 * margin))
     at = 0
     while at < len(order) and min(map(len, taken)) < want:
         batch = order[at: at + step]
         at += step
         lo, hi = batch * bin_size - margin, (batch + 1) * bin_size + margin
-        if N:   # pages with a token in one of the batch's windows (by their spans), read once
-            hit = ((spans[None, :, :, 0] < hi[:, None, None]) & (spans[None, :, :, 1] >= lo[:, None, None])).any(axis=(0, 2))
-            new = np.flatnonzero(hit & ~read)
-            if len(new):
-                read[new] = True
-                pos = read_positions(new)                                   # [n, H, P]
-                for h in range(H):
-                    for i, u in enumerate(new):
-                        for j, p in enumerate(pos[i, h].tolist()):
-                            if p >= 0:
-                                where[h][p] = (int(u), j)
-        for a, b in zip(lo.tolist(), hi.tolist()):
-            for h in range(H):
+        cand = np.flatnonzero(((first[None] < hi[:, None]) & (last[None] >= lo[:, None])).any(axis=0)) if N else \
+            np.zeros(0, np.int64)
+        new = np.array([u for u in cand.tolist() if u not in known], np.int64)
+        if len(new):
+            for u, pos in zip(new.tolist(), read_positions(new)):
+                known[u] = pos
+        for h in range(H):
+            if len(taken[h]) >= want:
+                continue
+            # this batch's candidate tokens of head h, by position: (position, page or -1, offset)
+            t = tail_pos[h]
+            pages = np.stack([known[u][h] for u in cand.tolist()]) if len(cand) else np.zeros((0, 1), np.int64)
+            P = pages.shape[1]
+            pos = np.concatenate([pages.reshape(-1), t])
+            src = np.concatenate([np.repeat(cand, P), np.full(len(t), -1)])
+            off = np.concatenate([np.tile(np.arange(P), len(cand)), np.arange(len(t))])
+            srt = np.argsort(pos, kind="stable")
+            pos, src, off = pos[srt], src[srt], off[srt]
+            for a, b in zip(lo.tolist(), hi.tolist()):
                 if len(taken[h]) >= want:
-                    continue
-                for p in range(max(0, a), b):
-                    if p in where[h] and p not in seen[h]:
+                    break
+                i0, i1 = np.searchsorted(pos, [max(0, a), b])
+                for k in range(i0, i1):
+                    p = int(pos[k])
+                    if p not in seen[h]:
                         seen[h].add(p)
-                        taken[h].append(where[h][p])
+                        taken[h].append((int(src[k]), int(off[k])))
     return [t[:want] for t in taken]
 
 
