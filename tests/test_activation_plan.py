@@ -95,8 +95,9 @@ def test_the_plan_counts_the_activations_and_metrics_show_them():
 
 def test_recall_counts_page_summaries_per_session():
     cfg = HEAP_32K.with_(recall=True)
-    # minmax: 2 x 2 heads x 16 dims x 2 B per page and layer, 2 layers, 1M tokens / 32 per page
-    assert recall_summary_bytes(TINY_MLX, cfg) == 2 * (RECALL_PLAN_TOKENS // 32) * 2 * 2 * 16 * 2
+    # minmax: 2 x 2 heads x 16 dims x 2 B per page and layer, and a span (2 x int64) per head;
+    # 2 layers, 1M tokens / 32 per page
+    assert recall_summary_bytes(TINY_MLX, cfg) == 2 * (RECALL_PLAN_TOKENS // 32) * (2 * 2 * 16 * 2 + 2 * 16)
     assert recall_summary_bytes(TINY_MLX, HEAP_32K) == 0
     bounded = cfg.with_(disk_budget=64 * MiB)
     assert 0 < recall_plan_tokens(TINY_MLX, bounded) < RECALL_PLAN_TOKENS

@@ -75,15 +75,26 @@ def _pages(shapes: ModelShapes, cfg: HeapConfig) -> int:
     return -(-recall_plan_tokens(shapes, cfg) // cfg.page_size)
 
 
+SPAN_BYTES = 16                # a page's first and last position per KV head (int64 each), in RAM
+
+
 def recall_summary_bytes(shapes: ModelShapes, cfg: HeapConfig) -> int:
-    """RAM one session's page summaries hold at the planned context (all layers; 0 without recall).
-    Their arrays grow by doubling, so a store just past a doubling holds up to twice this."""
+    """RAM one session's page summaries and page spans hold at the planned context (all layers; 0
+    without recall). Their arrays grow by doubling, so a store just past a doubling holds up to
+    twice this."""
     per_page = len(SUMMARY_FIELDS[cfg.recall_summary]) * shapes.kv_heads * shapes.head_dim * SUMMARY_BYTES
-    return shapes.layers * _pages(shapes, cfg) * per_page
+    return shapes.layers * _pages(shapes, cfg) * (per_page + shapes.kv_heads * SPAN_BYTES)
 
 
 def recall_scoring_bytes(shapes: ModelShapes, cfg: HeapConfig) -> int:
-    """A question scored against one layer's summaries: their float32 copy and the [H_q, w, pages] bounds."""
+    """A question scored against one layer's summaries: their float32 copy and the [H_q, w, pages]
+    bounds; span recall adds the votes (8 B per 16 tokens), a batch's window x page overlap and, at
+    worst, the positions of every page of the layer (read when their spans meet a window)."""
     pages = _pages(shapes, cfg)
     copy = len(SUMMARY_FIELDS[cfg.recall_summary]) * pages * shapes.kv_heads * shapes.head_dim * 4
-    return copy + 3 * shapes.q_heads * max(1, cfg.obs_window) * pages * 4
+    scoring = copy + 3 * shapes.q_heads * max(1, cfg.obs_window) * pages * 4
+    if cfg.recall_select != "spans":
+        return scoring
+    tokens = pages * cfg.page_size
+    step = max(8, 2 * cfg.recall_budget // 32)
+    return scoring + tokens // 16 * 8 + step * pages + tokens * shapes.kv_heads * 8

@@ -270,15 +270,16 @@ class PageStore:
 
     @property
     def summary_bytes(self) -> int:
-        return int(sum(a.nbytes for L in self.layers for a in L.sums.values()))
+        """RAM of the summaries and the page spans (their allocated slots)."""
+        return int(sum(a.nbytes for L in self.layers for a in L.sums.values()) + sum(L.span.nbytes for L in self.layers))
 
     def disk_bytes_per_token(self) -> float:
         """Per token, all layers: one record holds page_size tokens of one layer."""
         return self.g.n_layers * self.record_bytes / self.g.page_size
 
     def summary_bytes_per_token(self) -> float:
-        """RAM for the summaries per token on disk, all layers (f16)."""
-        per_page = len(SUMMARY_FIELDS[self.summary]) * self.g.n_kv_heads * self.g.head_dim * 2
+        """RAM for the summaries (f16) and page spans per token on disk, all layers."""
+        per_page = (len(SUMMARY_FIELDS[self.summary]) * self.g.head_dim * 2 + 16) * self.g.n_kv_heads
         return self.g.n_layers * per_page / self.g.page_size
 
     def stats(self) -> dict:

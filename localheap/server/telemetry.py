@@ -106,7 +106,7 @@ def page_rows(pages: list[dict]) -> list[tuple]:
         ("pages_dropped_total", "counter", "pages dropped to stay inside --disk-budget",
          [("", total("pages_dropped"))]),
         ("pages_disk_bytes", "gauge", "bytes of the live pages on disk", [("", total("disk_bytes"))]),
-        ("pages_summary_bytes", "gauge", "RAM for the page summaries", [("", total("summary_bytes"))]),
+        ("pages_summary_bytes", "gauge", "RAM for the page summaries and spans", [("", total("summary_bytes"))]),
         ("recalls_total", "counter", "questions that recalled pages", [("", total("recalls"))]),
         ("recalled_tokens_total", "counter", "tokens recalled into heaps (per layer)",
          [("", total("recalled_tokens"))]),
