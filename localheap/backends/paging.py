@@ -155,7 +155,7 @@ def pick_spans(cache, store, queries: dict) -> dict:
     the same windows, best first, as many as its region holds (heap/recall.take_windows). A fact
     comes back whole in every head, not the pieces of it that one head's pages happen to hold.
     Returns {layer: (positions [H, r], keys, values [H, r, D])}, r the same for every head."""
-    scores, live, rooms = {}, {}, {}
+    scores, live, spans, rooms, read = {}, {}, {}, {}, {}
     top = 0
     for layer in cache.heap_layers:
         i = layer.heap.layer
@@ -164,43 +164,57 @@ def pick_spans(cache, store, queries: dict) -> dict:
         tail_pos = store.tail(i)[0]
         if room == 0 or (len(slots) == 0 and tail_pos.size == 0):
             continue
-        live[i], rooms[i] = slots, room
+        live[i], rooms[i], spans[i], read[i] = slots, room, store.spans(i, slots), positions_reader(store, i, slots)
         if len(slots):
             scores[i] = score_pages(queries[i], tuple(summary), cache.cfg.recall_score)
-            top = max(top, int(store.spans(i, slots)[..., 1].max()))
+            top = max(top, int(spans[i][..., 1].max()))
         if tail_pos.size:
             top = max(top, int(tail_pos.max()))
     if not live:
         return {}
-    votes = vote(scores, lambda i, idx: store.positions(i, live[i][idx]), top // WINDOW + 2)
-    order = np.argsort(-votes, kind="stable")
+    order = np.argsort(-vote(scores, lambda i, idx: read[i](idx), top // WINDOW + 2), kind="stable")
     picked = {}
-    D = store.g.head_dim
     for i, slots in live.items():
-        spans = store.spans(i, slots)
         tail_pos, tail_k, tail_v = store.tail(i)
-        taken = take_windows(order, rooms[i], spans, lambda idx: store.positions(i, slots[idx]), tail_pos)
+        taken = take_windows(order, rooms[i], spans[i], read[i], tail_pos)
         r = min(map(len, taken))
         if r == 0:
             continue
-        pages = sorted({u for t in taken for u, _ in t[:r] if u >= 0})
-        at = {u: n for n, u in enumerate(pages)}
-        if pages:
+        src = np.array([[u for u, _ in t[:r]] for t in taken])            # [H, r]: page index, -1 = tail
+        off = np.array([[j for _, j in t[:r]] for t in taken])
+        heads = np.broadcast_to(np.arange(len(taken))[:, None], src.shape)
+        tail = src < 0
+        pos = np.zeros(src.shape, np.int64)
+        ks = np.zeros((*src.shape, store.g.head_dim), np.float32)
+        vs = np.zeros_like(ks)
+        if tail.any():
+            at = heads[tail], off[tail]
+            pos[tail], ks[tail], vs[tail] = tail_pos[at], tail_k[at], tail_v[at]
+        if (~tail).any():
+            pages = np.unique(src[~tail])
             recs = store.read(i, slots[pages])
             keys, values = decode(recs, store.g.fmt)                        # [u, H, P, D]
-            positions = recs["positions"]
-        H = len(taken)
-        pos, ks, vs = np.zeros((H, r), np.int64), np.zeros((H, r, D), np.float32), np.zeros((H, r, D), np.float32)
-        for h, t in enumerate(taken):
-            for n, (u, j) in enumerate(t[:r]):
-                if u < 0:
-                    pos[h, n], ks[h, n], vs[h, n] = tail_pos[h, j], tail_k[h, j], tail_v[h, j]
-                else:
-                    pos[h, n], ks[h, n], vs[h, n] = positions[at[u], h, j], keys[at[u], h, j], values[at[u], h, j]
+            at = np.searchsorted(pages, src[~tail]), heads[~tail], off[~tail]
+            pos[~tail], ks[~tail], vs[~tail] = recs["positions"][at], keys[at], values[at]
         order_h = np.argsort(pos, axis=1, kind="stable")
         picked[i] = (np.take_along_axis(pos, order_h, 1), np.take_along_axis(ks, order_h[..., None], 1),
                      np.take_along_axis(vs, order_h[..., None], 1))
     return picked
+
+
+def positions_reader(store, layer: int, slots: np.ndarray) -> Callable[[np.ndarray], np.ndarray]:
+    """idx (into `slots`) -> [n, H, P] token positions, each page's header read from disk once
+    (the vote and the window walk ask for many of the same pages)."""
+    known: dict[int, np.ndarray] = {}
+
+    def read(idx: np.ndarray) -> np.ndarray:
+        missing = [int(u) for u in idx if int(u) not in known]
+        if missing:
+            known.update(zip(missing, store.positions(layer, slots[missing])))
+        g = store.g
+        return np.stack([known[int(u)] for u in idx]) if len(idx) else np.zeros((0, g.n_kv_heads, g.page_size), np.int64)
+
+    return read
 
 
 def recall(cache, n_question: int, probe: Callable[[], dict]) -> dict:

@@ -72,8 +72,7 @@ def heap_config(args, backend=None, **overrides) -> HeapConfig:
                   prefill_chunk=chunk or 0, policy=args.policy, positions=args.positions, profile=args.profile,
                   recall=args.recall == "on", recall_budget=args.recall_budget, page_size=args.page_size,
                   page_format=args.page_format, recall_summary=args.recall_summary,
-                  recall_score=getattr(args, "recall_score", HeapConfig.recall_score),
-                  recall_select=getattr(args, "recall_select", HeapConfig.recall_select),
+                  recall_score=args.recall_score, recall_select=args.recall_select,
                   disk_budget=0 if str(args.disk_budget).strip() == "0" else parse_size(args.disk_budget))
     fields.update(overrides)
     return HeapConfig(**fields)

@@ -13,6 +13,7 @@ from dataclasses import dataclass, fields
 from ..backends.base import ModelShapes
 from ..heap import HeapConfig
 from ..heap.pages import SUMMARY_FIELDS, PageGeometry, record_dtype
+from ..heap.recall import WINDOW, window_batch
 
 SCORE_BYTES = 4               # attention scores and softmax run in float32
 MASK_BYTES = 5                # a [chunk, T] boolean causal mask plus its additive float32 copy (torch)
@@ -88,7 +89,7 @@ def recall_summary_bytes(shapes: ModelShapes, cfg: HeapConfig) -> int:
 
 def recall_scoring_bytes(shapes: ModelShapes, cfg: HeapConfig) -> int:
     """A question scored against one layer's summaries: their float32 copy and the [H_q, w, pages]
-    bounds; span recall adds the votes (8 B per 16 tokens), a batch's window x page overlap and, at
+    bounds; span recall adds the votes (8 B per WINDOW tokens), a batch's window x page overlap and, at
     worst, the positions of every page of the layer (read when their spans meet a window)."""
     pages = _pages(shapes, cfg)
     copy = len(SUMMARY_FIELDS[cfg.recall_summary]) * pages * shapes.kv_heads * shapes.head_dim * 4
@@ -96,5 +97,5 @@ def recall_scoring_bytes(shapes: ModelShapes, cfg: HeapConfig) -> int:
     if cfg.recall_select != "spans":
         return scoring
     tokens = pages * cfg.page_size
-    step = max(8, 2 * cfg.recall_budget // 32)
-    return scoring + tokens // 16 * 8 + step * pages + tokens * shapes.kv_heads * 8
+    step = window_batch(cfg.recall_budget)
+    return scoring + tokens // WINDOW * 8 + step * pages + tokens * shapes.kv_heads * 8

@@ -109,6 +109,10 @@ class PageStore:
         self.disk_budget = disk_budget          # bytes; 0 = unbounded
         self.dtype = record_dtype(geometry)
         self.record_bytes = self.dtype.itemsize
+        names = ("magic", "crc_meta", *_META_FIELDS)   # a record's header .. summaries, without the payload
+        self.header_dtype = np.dtype({"names": list(names), "formats": [self.dtype.fields[n][0] for n in names],
+                                      "offsets": [self.dtype.fields[n][1] for n in names],
+                                      "itemsize": self.dtype.fields["kmean"][1] + self.dtype["kmean"].itemsize})
         self.summary = summary
         self.layers = [_Layer(geometry, SUMMARY_FIELDS[summary]) for _ in range(geometry.n_layers)]
         self.seq = 0                # next record's sequence number
@@ -213,14 +217,11 @@ class PageStore:
     def positions(self, layer: int, slots: np.ndarray) -> np.ndarray:
         """[n, H, P] token positions of the given pages, read from the records' headers only (the
         payload stays on disk); a torn record's positions come back as -1."""
-        names = ("magic", "crc_meta", *_META_FIELDS)
-        meta_bytes = self.dtype.fields["kmean"][1] + self.dtype["kmean"].itemsize   # header .. summaries
-        head = np.dtype({"names": list(names), "formats": [self.dtype.fields[n][0] for n in names],
-                         "offsets": [self.dtype.fields[n][1] for n in names], "itemsize": meta_bytes})
+        head = self.header_dtype
         out = np.full((len(slots), self.g.n_kv_heads, self.g.page_size), -1, np.int64)
         for i, slot in enumerate(slots):
-            buf = os.pread(self._fds[layer], meta_bytes, int(slot) * self.record_bytes)
-            if len(buf) == meta_bytes:
+            buf = os.pread(self._fds[layer], head.itemsize, int(slot) * self.record_bytes)
+            if len(buf) == head.itemsize:
                 rec = np.frombuffer(buf, head)[0]
                 if rec["magic"] == MAGIC and _crc(rec, _META_FIELDS) == rec["crc_meta"]:
                     out[i] = rec["positions"]

@@ -75,40 +75,40 @@ def vote(scores: dict, read_positions: Callable, n_bins: int, bin_size: int = WI
     return votes
 
 
+def window_batch(want: int, bin_size: int = WINDOW) -> int:
+    """Bins take_windows considers at once: enough windows for about twice `want` tokens."""
+    return max(8, 2 * want // (2 * bin_size))
+
+
 def take_windows(order: np.ndarray, want: int, spans: np.ndarray, read_positions: Callable,
                  tail_pos: np.ndarray, bin_size: int = WINDOW) -> list[list[tuple[int, int]]]:
     """Span recall, step two, for one layer: walk the bins in `order` (best first) and take, per
     KV head, the evicted tokens inside each bin's window ([bin - margin, bin end + margin),
     margin = bin_size // 2; in position order) until the head has `want`. spans [N, H, 2] (first,
-    last position of each live page, in RAM), read_positions(idx) -> [n, H, P] (read only for
-    pages whose span meets a window), tail_pos [H, t] (the partial page).
+    last position of each live page, in RAM), read_positions(idx) -> [n, H, P] (asked only for
+    pages whose span meets a window, batch after batch: memoize it, as paging.positions_reader
+    does), tail_pos [H, t] (the partial page).
     Returns per head the taken tokens as (page index or -1 for the tail, offset), in rank order."""
     N, H = spans.shape[0], spans.shape[1]
     margin = bin_size // 2
     first, last = spans[:, :, 0].min(axis=1), spans[:, :, 1].max(axis=1)   # [N], any head
-    known: dict[int, np.ndarray] = {}                                      # page -> positions [H, P]
     taken: list[list] = [[] for _ in range(H)]
     seen: list[set] = [set() for _ in range(H)]
-    step = max(8, 2 * want // (bin_size + 2 * margin))
+    step = window_batch(want, bin_size)
     at = 0
     while at < len(order) and min(map(len, taken)) < want:
         batch = order[at: at + step]
         at += step
         lo, hi = batch * bin_size - margin, (batch + 1) * bin_size + margin
-        cand = np.flatnonzero(((first[None] < hi[:, None]) & (last[None] >= lo[:, None])).any(axis=0)) if N else \
-            np.zeros(0, np.int64)
-        new = np.array([u for u in cand.tolist() if u not in known], np.int64)
-        if len(new):
-            for u, pos in zip(new.tolist(), read_positions(new)):
-                known[u] = pos
+        cand = np.flatnonzero(((first[None] < hi[:, None]) & (last[None] >= lo[:, None])).any(axis=0))
+        pages = read_positions(cand)                                        # [c, H, P]
+        P = pages.shape[2]
         for h in range(H):
             if len(taken[h]) >= want:
                 continue
             # this batch's candidate tokens of head h, by position: (position, page or -1, offset)
             t = tail_pos[h]
-            pages = np.stack([known[u][h] for u in cand.tolist()]) if len(cand) else np.zeros((0, 1), np.int64)
-            P = pages.shape[1]
-            pos = np.concatenate([pages.reshape(-1), t])
+            pos = np.concatenate([pages[:, h].reshape(-1), t])
             src = np.concatenate([np.repeat(cand, P), np.full(len(t), -1)])
             off = np.concatenate([np.tile(np.arange(P), len(cand)), np.arange(len(t))])
             srt = np.argsort(pos, kind="stable")
