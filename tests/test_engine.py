@@ -100,10 +100,10 @@ class FakeBackend:
         return ModelShapes(layers=1, hidden=8, intermediate=16, q_heads=1, kv_heads=1, head_dim=2, vocab=256,
                            dtype_bytes=4)
 
-    def save_cache(self, cache, path: Path):
+    def save_cache(self, cache, path: Path, snapshot=False):
         Path(path).write_text(json.dumps(cache.tokens))
 
-    def load_cache(self, cfg, path: Path):
+    def load_cache(self, cfg, path: Path, pages_dir=None):
         cache = FakeCache(cfg)
         cache.tokens = json.loads(Path(path).read_text())
         return cache

@@ -60,7 +60,7 @@ def test_injected_writer_that_raises(tmp_path):
     try:
         a = finished(drain(run(eng, Generate, "alpha", max_tokens=3)[1])).session_id
 
-        def full(cache, path):
+        def full(cache, path, snapshot=False):
             raise OSError(errno.ENOSPC, "No space left on device")
 
         backend.save_cache = full

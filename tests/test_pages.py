@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from localheap.heap import HeapConfig, HeapConfigError, LayerHeap, SlotView
-from localheap.heap.pages import PageGeometry, PageStore
+from localheap.heap.pages import PageGeometry, PageStore, copy_tree, link_tree
 from localheap.heap.recall import PageWriter, score_pages, select_pages
 
 H, D, P = 2, 8, 4
@@ -72,6 +72,61 @@ def test_reopen_keeps_checkpointed_pages_and_ignores_a_torn_tail(tmp_path):
     np.testing.assert_array_equal(r.layers[0].tail_k, k[:, 8:])   # the partial page came back
     np.testing.assert_array_equal(r.load(0, np.array([[0, 1], [0, 1]]))[1], k[:, :8])
     assert r.summary_bytes > 0
+
+
+def test_records_written_after_the_checkpoint_never_come_back(tmp_path):
+    """A crash leaves records past the checkpoint; reopened, the store tombstones them, so a later
+    checkpoint's larger sequence number does not take them for valid."""
+    rng = np.random.default_rng(13)
+    s = store(tmp_path)
+    s.append(0, *evicted(rng, 8), value=np.tile(np.repeat([0, 1], P).astype(np.float32), (H, 1)))
+    s.checkpoint()                              # seq 2
+    s.append(0, *evicted(rng, 12, 8))           # slots 2-4, seq 2-4: lost in the crash
+    s.close()
+    r = store(tmp_path)
+    assert r.pages == 2
+    r.disk_budget = r.record_bytes
+    assert r.enforce_budget() == 1              # slot 0 freed
+    r.disk_budget = 0
+    r.append(0, *evicted(rng, 8, 100))          # slots 0 and 2, seq 2 and 3
+    r.checkpoint()                              # seq 4: the lost page in slot 3 (seq 3) must stay lost
+    r.close()
+    again = store(tmp_path)
+    assert again.pages == 3
+    slots = again.summaries(0)[0]
+    assert sorted(again.load(0, np.array([slots] * H))[0][0].tolist()) == [*range(4, 8), *range(100, 108)]
+
+
+def test_a_checkpoint_links_keep_the_pages_the_live_store_goes_on_from(tmp_path):
+    """link_tree is a checkpoint: the live store appending, reusing dropped slots and dropping
+    pages (disk budget) leaves it as it was; a fork (copy_tree) opens it and writes its own files."""
+    rng = np.random.default_rng(14)
+    live = PageStore(tmp_path / "live", PageGeometry(1, H, D, P, "f32"), summary="minmax")
+    for start in range(0, 24, 4):               # the oldest pages are worth least
+        live.append(0, *evicted(rng, 4, start), value=np.full((H, 4), start, np.float32))
+    live.checkpoint()
+    link_tree(tmp_path / "live", tmp_path / "snap")
+    want = {int(r["seq"]): r.tobytes() for r in live.read(0, live.summaries(0)[0])}
+    assert os.stat(tmp_path / "snap" / "layer000.pages").st_nlink == 2   # a link, not a copy
+
+    live.append(0, *evicted(rng, 8, 24), value=np.full((H, 8), 99, np.float32))   # past the checkpoint's records
+    live.disk_budget = 5 * live.record_bytes
+    assert live.enforce_budget() == 3           # drops: the file is shared, so the live store copies it first
+    assert os.stat(tmp_path / "snap" / "layer000.pages").st_nlink == 1
+    live.append(0, *evicted(rng, 8, 40))       # into the dropped slots
+    live.checkpoint()
+
+    copy_tree(tmp_path / "snap", tmp_path / "fork")
+    fork = PageStore(tmp_path / "fork", PageGeometry(1, H, D, P, "f32"), summary="minmax")
+    assert {int(r["seq"]): r.tobytes() for r in fork.read(0, fork.summaries(0)[0])} == want
+    snap_bytes = (tmp_path / "snap" / "layer000.pages").read_bytes()
+    fork.append(0, *evicted(rng, 8, 200))
+    fork.checkpoint()
+    assert (tmp_path / "snap" / "layer000.pages").read_bytes() == snap_bytes   # the fork wrote its own file
+    live_pages = live.pages
+    reopened = PageStore(tmp_path / "live", PageGeometry(1, H, D, P, "f32"), summary="minmax")
+    assert reopened.pages == live_pages == 5
+    assert 200 not in reopened.load(0, np.array([reopened.summaries(0)[0]] * H))[0]
 
 
 def test_a_corrupt_record_is_not_loaded(tmp_path):

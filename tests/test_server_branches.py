@@ -13,6 +13,8 @@ from localheap.server.testing import ServerThread
 
 WIDE = HeapConfig(budget=1024, slack=32, recent=16, policy="h2o")     # nothing is evicted in these chats
 TIGHT = HeapConfig(budget=48, slack=16, recent=8, policy="h2o")       # a document evicts most of itself
+# ... and pages it out: the fork gets the page store as it was at the checkpoint
+TIGHT_RECALL = TIGHT.with_(policy="snapkv", recall=True, recall_budget=16, page_size=8)
 # Past assistant turns open with a BOS marker the generation prompt lacks (the hidden-token case).
 MARKER_TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n"
@@ -114,8 +116,9 @@ def test_an_edited_reply_and_a_regenerated_turn_reuse_the_prefix(backend, tmp_pa
         assert usage3["prompt_tokens_details"]["cached_tokens"] == usage3["prompt_tokens"] - 1
 
 
-def test_fork_from_the_checkpoint_after_a_document_answers_as_the_original(backend, tmp_path):
-    with serve(backend, TIGHT, tmp_path) as srv, httpx.Client(base_url=srv.url, timeout=120) as http:
+@pytest.mark.parametrize("heap", [TIGHT, TIGHT_RECALL], ids=["evicting", "recall"])
+def test_fork_from_the_checkpoint_after_a_document_answers_as_the_original(backend, heap, tmp_path):
+    with serve(backend, heap, tmp_path) as srv, httpx.Client(base_url=srv.url, timeout=120) as http:
         sid = http.post("/v1/sessions").json()["id"]
         done = http.post(f"/v1/sessions/{sid}/documents", json={"text": DOC, "stream": False}).json()
         n_doc = done["tokens_added"]
@@ -129,6 +132,11 @@ def test_fork_from_the_checkpoint_after_a_document_answers_as_the_original(backe
         assert fid != sid and fork.json()["tokens"] == n_doc and fork.json()["checkpoints"] == [n_doc]
         again, usage_f, _ = chat(http, question, fid)
         assert again == answer and usage_f["prompt_tokens_details"]["cached_tokens"] == n_doc
+        if heap.recall:   # both recalled from their own store, as it was at the checkpoint
+            pages = [http.get(f"/v1/sessions/{x}").json()["heap"]["pages"] for x in (sid, fid)]
+            assert [p["last_recall"]["tokens"] for p in pages] == [heap.recall_budget] * 2
+            assert pages[0]["pages_written"] == pages[1]["pages_written"] > 0
+            assert (tmp_path / f"{fid}.pages").is_dir() and (tmp_path / "checkpoints" / sid / f"{n_doc}.pages").is_dir()
         # a stateless client resending the document with another question starts from the checkpoint
         doc_msg = [{"role": "user", "content": DOC}]
         other_q = doc_msg + [{"role": "user", "content": "And room 9?"}]

@@ -131,7 +131,7 @@ def test_failed_spill_keeps_the_session_resident(tmp_path):
     a = saved_session(store, [1, 2])
     feed(store, a, [3])
 
-    def full_disk(cache, path):
+    def full_disk(cache, path, snapshot=False):
         path.write_text("partial")
         raise OSError(errno.ENOSPC, "No space left on device")
 

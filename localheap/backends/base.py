@@ -71,9 +71,15 @@ class Backend(Protocol):
         """The model's shapes and the prefill path's materialized tensors (governor/activations.py)."""
         ...
 
-    def save_cache(self, cache: Any, path: Path) -> None: ...
+    def save_cache(self, cache: Any, path: Path, snapshot: bool = False) -> None:
+        """Save the heap to `path` atomically; a `snapshot` (a checkpoint to fork from) also gets
+        its own view of the page store, unchanged by the session's later writes."""
+        ...
 
-    def load_cache(self, cfg: HeapConfig, path: Path) -> Any: ...
+    def load_cache(self, cfg: HeapConfig, path: Path, pages_dir: Optional[Path] = None) -> Any:
+        """A heap saved by save_cache; with recall on and `pages_dir` (a fork's), its page store
+        is a copy made there."""
+        ...
 
     def synchronize(self) -> None:
         """Block until queued device work is done (after a generation stopped early)."""

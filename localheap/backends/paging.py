@@ -25,6 +25,7 @@ import numpy as np
 
 from ..heap import LayerHeap, PageGeometry, PageStore, PageWriter, score_pages, select_pages
 from ..heap.pagecodec import decode
+from ..heap.pages import copy_tree, link_tree
 from ..heap.recall import WINDOW, take_windows, vote
 
 
@@ -274,23 +275,33 @@ def pages_dir(path: Path) -> Path:
     return Path(path).with_suffix(".pages")
 
 
-def checkpoint_pages(cache, path: Path) -> dict:
+def checkpoint_pages(cache, path: Path, snapshot: bool = False) -> dict:
     """Before the heap is saved to `path`: the store checkpointed (a store in a temp dir moved
     beside the file). Returns the heap file's metadata for it: where the store is, relative to
-    the file's directory (sessions keep one store across the generations of their heap file),
-    and the recent recalls."""
+    the file's directory, and the recent recalls. A session's saves point at its one live store;
+    a `snapshot` (a checkpoint to fork from) points at hard links of it beside the file, which
+    the live store's later writes leave as they are (heap/pages.py)."""
     meta: dict[str, Any] = {"recall_log": cache.recall_log[-256:]}
     if cache.pages is None:
         return meta
     cache.writer.drain()
-    if cache.pages_owned:
+    if cache.pages_owned and not snapshot:
         cache.pages.move_to(pages_dir(path))
         cache.pages_owned = False
     cache.pages.checkpoint()
-    meta["pages_dir"] = os.path.relpath(cache.pages.root, Path(path).parent)
+    root = cache.pages.root
+    if snapshot:
+        root = pages_dir(path)
+        link_tree(cache.pages.root, root)
+    meta["pages_dir"] = os.path.relpath(root, Path(path).parent)
     return meta
 
 
-def saved_pages_root(path: Path, meta: dict) -> Path:
-    """The page store of a heap file saved by `checkpoint_pages`."""
-    return Path(path).parent / meta["pages_dir"] if "pages_dir" in meta else pages_dir(path)
+def saved_pages_root(path: Path, meta: dict, into: Optional[Path] = None) -> Path:
+    """The page store a heap file saved by `checkpoint_pages` opens. With `into` (a fork's own
+    directory), a copy of the saved store made there: a checkpoint's store is never written."""
+    saved = Path(path).parent / meta["pages_dir"] if "pages_dir" in meta else pages_dir(path)
+    if into is None or Path(into).resolve() == saved.resolve():
+        return saved
+    copy_tree(saved, into)
+    return Path(into)

@@ -42,7 +42,7 @@ def new_branch(store: SessionStore, source_id: str) -> Session:
 def fork_into(store: SessionStore, s: Session, c: Checkpoint) -> None:
     """Fill the new, empty session `s` with checkpoint `c` (its heap, tokens and earlier checkpoints)."""
     assert not s.fed and s.cache is None
-    cache = store.checkpoints.load(c, s.cfg)
+    cache = store.checkpoints.load(c, s.cfg, pages_dir=store.pages_dir(s))
     s.cache, s.fed, s.dirty = cache, token_array(c.tokens), True
     s.cfg = getattr(cache, "cfg", s.cfg)
     store.checkpoints.inherit(c, s)
@@ -55,9 +55,6 @@ def checkpoint(store: SessionStore, session_id: str) -> Checkpoint:
     s = store.get(session_id)
     if s.busy:
         raise SessionBusy(session_id)
-    if s.cfg.recall:
-        # the heap file points at the session's live page store, which a fork would then share
-        raise NoCheckpoint("checkpoints and forks need --recall off for now (a fork would share the page store)")
     if not s.fed:
         raise NoCheckpoint(f"session {session_id!r} holds no tokens yet: nothing to checkpoint")
     store.make_resident(s)
@@ -68,8 +65,6 @@ def checkpoint(store: SessionStore, session_id: str) -> Checkpoint:
 
 def checkpoint_quietly(store: SessionStore, s: Session) -> None:
     """The automatic checkpoint after a document: a failure is logged, the request still succeeds."""
-    if s.cfg.recall:
-        return
     try:
         store.checkpoints.save(s)
         s.refresh()

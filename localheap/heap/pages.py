@@ -6,9 +6,16 @@ fixed-size records (one record = one page of `page_size` tokens of every KV head
 that layer); a record carries a CRC of its header and summaries and one of its payload,
 so a torn write is ignored on load. `checkpoint()` fsyncs the files and writes, atomically,
 the partial pages still in RAM and the sequence number every valid record is below:
-a store reopened after a crash is the store of its last checkpoint (the heap's save).
-Past `disk_budget` bytes the lowest-value pages are dropped (tombstoned, their record
-slots reused), and counted.
+a store reopened after a crash is the store of its last checkpoint (the heap's save), and
+records written after it are tombstoned on reopen. Past `disk_budget` bytes the lowest-value
+pages are dropped (tombstoned, their record slots reused), and counted.
+
+A checkpoint of the session (to fork from) is `link_tree`: hard links of the store's files.
+That is safe because the store never rewrites a record a checkpoint can see: it appends
+(records at or past the checkpoint's sequence number are not valid there), reuses only
+tombstoned slots, replaces meta and tail by rename, and before a drop, the one write into a
+valid record, it takes its own copy of a layer file that has other links. A fork opens a
+`copy_tree` of the checkpoint's store (the parent may still append into the linked files).
 """
 
 from __future__ import annotations
@@ -185,11 +192,23 @@ class PageStore:
 
     def _drop(self, layer: int, slot: int) -> None:
         L = self.layers[layer]
+        if os.fstat(self._fds[layer]).st_nlink > 1:
+            self._own(layer)   # a checkpoint links this file: it keeps the page
         os.pwrite(self._fds[layer], np.zeros(4, np.uint8).tobytes(), int(slot) * self.record_bytes)   # magic = 0
         L.live[slot] = False
         L.free.append(int(slot))
         L.free.sort(reverse=True)
         self.dropped += 1
+
+    def _own(self, layer: int) -> None:
+        """Replace a layer file other links share with this store's own copy (the links keep theirs)."""
+        path = self._file(layer)
+        tmp = path.with_name(path.name + ".own")
+        shutil.copyfile(path, tmp)
+        fd = os.open(tmp, os.O_RDWR)
+        os.replace(tmp, path)
+        os.close(self._fds[layer])
+        self._fds[layer] = fd   # the same list the finalizer holds
 
     def checkpoint(self) -> None:
         """Make the store as it is now the one a reopen finds: fsync, then tails + seq atomically."""
@@ -332,10 +351,37 @@ class PageStore:
                     L.live[slot], L.value[slot] = True, rec["value"]
                     L.span[slot] = np.stack([rec["positions"].min(axis=1), rec["positions"].max(axis=1)], axis=1)
             L.free = sorted((int(s) for s in np.flatnonzero(~L.live[: len(L.live)])), reverse=True)
+            # records written after the checkpoint (a crash, or a parent's appends a fork copied):
+            # tombstoned, or a later checkpoint's larger sequence number would take them for valid
+            for slot in np.flatnonzero((recs["magic"] == MAGIC) & ~L.live[:n]):
+                os.pwrite(self._fds[i], np.zeros(4, np.uint8).tobytes(), int(slot) * self.record_bytes)
         tails = np.load(self.root / TAIL)
         for i, L in enumerate(self.layers):
             L.tail_pos, L.tail_k, L.tail_v = tails[f"{i}.pos"], tails[f"{i}.k"], tails[f"{i}.v"]
             L.tail_value = tails[f"{i}.value"]
+
+
+def link_tree(src: Path, dst: Path) -> None:
+    """A checkpoint of the store in `src` (checkpointed just before) as hard links in `dst`."""
+    _tree(src, dst, os.link)
+
+
+def copy_tree(src: Path, dst: Path) -> None:
+    """The store in `src` copied to `dst` (replacing it), for a fork to open and write."""
+    _tree(src, dst, shutil.copyfile)
+
+
+def _tree(src: Path, dst: Path, put) -> None:
+    src, dst = Path(src), Path(dst)
+    if dst.exists():
+        shutil.rmtree(dst)
+    dst.mkdir(parents=True)
+    for f in src.iterdir():
+        if f.name == META or f.name == TAIL or f.suffix == ".pages":
+            try:
+                put(f, dst / f.name)
+            except OSError:   # a filesystem without hard links
+                shutil.copyfile(f, dst / f.name)
 
 
 def _close_all(fds: list) -> None:

@@ -2,8 +2,10 @@
 
 A document read is checkpointed, so an edited or regenerated turn after it starts from the
 checkpoint instead of reading the document again. Files live under `root/<session id>/`:
-`<tokens>.safetensors` (the backend's save_cache format) and `<tokens>.tokens` (int32 ids).
-A fork gets hard links to the checkpoints it inherits, so each session owns its files.
+`<tokens>.safetensors` (the backend's save_cache format), `<tokens>.tokens` (int32 ids) and,
+with recall on, `<tokens>.pages/` (hard links of the session's page store as it was: the
+store never rewrites what a checkpoint can see, heap/pages.py). A fork gets hard links to the
+checkpoints it inherits, so each session owns its files, and its own copy of the page store.
 
 Engine thread only, like the store; knows nothing about tensors (the backend saves and loads).
 """
@@ -18,6 +20,7 @@ from pathlib import Path
 from typing import Any, Iterable, Optional
 
 from ..heap import HeapConfig
+from ..heap.pages import link_tree
 from .session import Session, token_array
 
 log = logging.getLogger("localheap.sessions")
@@ -66,12 +69,17 @@ class Checkpoints:
         path = self.root / s.id / f"{len(s.fed)}.safetensors"
         path.parent.mkdir(parents=True, exist_ok=True)
         _write_tokens(path.with_suffix(".tokens"), s.fed)   # tokens first: the heap file marks it complete
-        self.backend.save_cache(s.cache, path)                # written atomically by the backend
+        try:
+            self.backend.save_cache(s.cache, path, snapshot=True)   # written atomically by the backend
+        except BaseException:
+            _unlink(Checkpoint(s.id, s.fed, path))
+            raise
         return self._add(s, Checkpoint(s.id, token_array(s.fed), path))
 
-    def load(self, c: Checkpoint, cfg: HeapConfig) -> Any:
-        """A new cache holding the checkpoint's heap."""
-        return self.backend.load_cache(cfg, c.path)
+    def load(self, c: Checkpoint, cfg: HeapConfig, pages_dir: Optional[Path] = None) -> Any:
+        """A new cache holding the checkpoint's heap; with recall on, its page store is a copy
+        made in `pages_dir` (the forked session's)."""
+        return self.backend.load_cache(cfg, c.path, pages_dir=pages_dir)
 
     def inherit(self, parent: Checkpoint, child: Session) -> None:
         """Give a session forked at `parent` its own copies (hard links) of the parent
@@ -81,6 +89,8 @@ class Checkpoints:
                 continue
             path = self.root / child.id / c.path.name
             path.parent.mkdir(parents=True, exist_ok=True)
+            if c.path.with_suffix(".pages").is_dir():
+                link_tree(c.path.with_suffix(".pages"), path.with_suffix(".pages"))
             for src, dst in ((c.path.with_suffix(".tokens"), path.with_suffix(".tokens")), (c.path, path)):
                 try:
                     os.link(src, dst)
@@ -141,6 +151,7 @@ class Checkpoints:
 def _unlink(c: Checkpoint) -> None:
     c.path.unlink(missing_ok=True)
     c.path.with_suffix(".tokens").unlink(missing_ok=True)
+    shutil.rmtree(c.path.with_suffix(".pages"), ignore_errors=True)
 
 
 def _write_tokens(path: Path, tokens) -> None:

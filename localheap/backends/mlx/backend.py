@@ -104,11 +104,11 @@ class MLXBackend:
                            q_heads=attn.q_proj.weight.shape[0] // head_dim, kv_heads=n_kv, head_dim=head_dim,
                            vocab=args.vocab_size, dtype_bytes=next(floats).dtype.size, score_copies=0 if fused else 2)
 
-    def save_cache(self, cache, path: Path) -> None:
-        save_heap(cache, path)
+    def save_cache(self, cache, path: Path, snapshot: bool = False) -> None:
+        save_heap(cache, path, snapshot)
 
-    def load_cache(self, cfg: HeapConfig, path: Path):
-        return load_heap(self.model, path)
+    def load_cache(self, cfg: HeapConfig, path: Path, pages_dir: Optional[Path] = None):
+        return load_heap(self.model, path, pages_dir)
 
     def apply_limits(self, limits: dict) -> None:
         """Cap MLX's allocator from the RAM budget (the wired limit only exists on Metal)."""

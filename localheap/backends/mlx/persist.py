@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import Optional
 
 import mlx.core as mx
 import numpy as np
@@ -17,12 +18,13 @@ from .heapcache import HeapPromptCache, make_heap_cache
 _OPTIONAL = ("scores", "window", "counts")
 
 
-def save_heap(cache: HeapPromptCache, path: Path) -> None:
+def save_heap(cache: HeapPromptCache, path: Path, snapshot: bool = False) -> None:
     """Write atomically: a crash mid-save never leaves a half file under `path`. With recall on,
-    the page store is checkpointed first and the file records where it is (paging.checkpoint_pages)."""
+    the page store is checkpointed first and the file records where it is; a `snapshot` (a
+    checkpoint) gets its own links of the store (paging.checkpoint_pages)."""
     path = Path(path)
     arrays: dict[str, mx.array] = {}
-    meta: dict = {"config": cache.cfg.to_dict(), "layers": [], **checkpoint_pages(cache, path)}
+    meta: dict = {"config": cache.cfg.to_dict(), "layers": [], **checkpoint_pages(cache, path, snapshot)}
     for i, c in enumerate(cache):
         if isinstance(c, HeapKVCache):
             entry = {"kind": "heap", "qcount": c.qcount}
@@ -51,11 +53,13 @@ def save_heap(cache: HeapPromptCache, path: Path) -> None:
     os.replace(tmp, path)
 
 
-def load_heap(model, path: Path) -> HeapPromptCache:
+def load_heap(model, path: Path, pages_dir: Optional[Path] = None) -> HeapPromptCache:
+    """A heap saved by save_heap; with recall on, `pages_dir` (a fork's own directory) gets a
+    copy of the saved page store (paging.saved_pages_root)."""
     arrays, metadata = mx.load(str(path), return_metadata=True)
     meta = json.loads(metadata["localheap"])
     cfg = HeapConfig(**meta["config"])
-    cache = make_heap_cache(model, cfg, saved_pages_root(path, meta) if cfg.recall else None)
+    cache = make_heap_cache(model, cfg, saved_pages_root(path, meta, pages_dir) if cfg.recall else None)
     cache.recall_log = list(meta.get("recall_log", []))
     for i, (c, entry) in enumerate(zip(cache, meta["layers"])):
         if entry["kind"] == "heap":

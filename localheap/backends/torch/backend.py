@@ -126,11 +126,11 @@ class TorchBackend:
                            vocab=self.model.get_input_embeddings().num_embeddings,
                            dtype_bytes=next(self.model.parameters()).element_size(), score_copies=0)
 
-    def save_cache(self, cache: HeapCache, path: Path) -> None:
-        save_heap(cache, path)
+    def save_cache(self, cache: HeapCache, path: Path, snapshot: bool = False) -> None:
+        save_heap(cache, path, snapshot)
 
-    def load_cache(self, cfg: HeapConfig, path: Path) -> HeapCache:
-        cache = load_heap(self.model, path)
+    def load_cache(self, cfg: HeapConfig, path: Path, pages_dir: Optional[Path] = None) -> HeapCache:
+        cache = load_heap(self.model, path, pages_dir)
         cache.fused_decode = self.fused_decode
         return cache
 

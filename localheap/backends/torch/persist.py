@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import Optional
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -17,14 +18,15 @@ from .layer import HeapLayer
 _OPTIONAL = ("scores", "window", "counts")
 
 
-def save_heap(cache: HeapCache, path: Path) -> None:
+def save_heap(cache: HeapCache, path: Path, snapshot: bool = False) -> None:
     """Write atomically: a crash mid-save never leaves a half file under `path`. With recall on,
     the page store is checkpointed first (a store in a temp dir is moved beside the file) and the
     file records where it is, relative to its own directory (sessions keep one store per session
-    across the generations of their heap file)."""
+    across the generations of their heap file); a `snapshot` (a checkpoint) gets its own links
+    of the store (paging.checkpoint_pages)."""
     path = Path(path)
     tensors: dict[str, torch.Tensor] = {}
-    meta: dict = {"config": cache.cfg.to_dict(), "layers": [], **checkpoint_pages(cache, path)}
+    meta: dict = {"config": cache.cfg.to_dict(), "layers": [], **checkpoint_pages(cache, path, snapshot)}
     for i, layer in enumerate(cache.layers):
         if isinstance(layer, HeapLayer):
             n = layer.heap.resident
@@ -52,14 +54,16 @@ def save_heap(cache: HeapCache, path: Path) -> None:
     os.replace(tmp, path)
 
 
-def load_heap(model, path: Path) -> HeapCache:
+def load_heap(model, path: Path, pages_dir: Optional[Path] = None) -> HeapCache:
+    """A heap saved by save_heap; with recall on, `pages_dir` (a fork's own directory) gets a
+    copy of the saved page store (paging.saved_pages_root)."""
     from safetensors import safe_open
 
     with safe_open(str(path), framework="pt") as f:
         meta = json.loads(f.metadata()["localheap"])
     tensors = load_file(str(path))
     cfg = HeapConfig(**meta["config"])
-    cache = make_heap_cache(model, cfg, saved_pages_root(path, meta) if cfg.recall else None)
+    cache = make_heap_cache(model, cfg, saved_pages_root(path, meta, pages_dir) if cfg.recall else None)
     cache.recall_log = list(meta.get("recall_log", []))
     device = cache.device
     for i, (layer, entry) in enumerate(zip(cache.layers, meta["layers"])):
