@@ -13,7 +13,8 @@ from test_engine import FakeBackend
 
 from localheap.backends.base import ModelShapes
 from localheap.governor import BudgetTooSmall, plan_for, prefill_activations
-from localheap.governor.activations import RECALL_PLAN_TOKENS, recall_plan_tokens, recall_summary_bytes
+from localheap.governor.activations import (GROWTH, RECALL_BASE_TOKENS, recall_plan_tokens, recall_summary_bytes,
+                                           recall_token_bytes)
 from localheap.heap import HeapConfig
 from localheap.server import ServerSettings, create_app
 
@@ -96,15 +97,47 @@ def test_the_plan_counts_the_activations_and_metrics_show_them():
 def test_recall_counts_page_summaries_per_session():
     cfg = HEAP_32K.with_(recall=True)
     # minmax: 2 x 2 heads x 16 dims x 2 B per page and layer, and a span (2 x int64) per head;
-    # 2 layers, 1M tokens / 32 per page
-    assert recall_summary_bytes(TINY_MLX, cfg) == 2 * (RECALL_PLAN_TOKENS // 32) * (2 * 2 * 16 * 2 + 2 * 16)
+    # 2 layers, 64K tokens / 32 per page, the arrays' growth margin
+    per_page = 2 * 2 * 16 * 2 + 2 * 16
+    assert recall_summary_bytes(TINY_MLX, cfg) == int(2 * (RECALL_BASE_TOKENS // 32) * per_page * GROWTH)
     assert recall_summary_bytes(TINY_MLX, HEAP_32K) == 0
-    bounded = cfg.with_(disk_budget=64 * MiB)
-    assert 0 < recall_plan_tokens(TINY_MLX, bounded) < RECALL_PLAN_TOKENS
+    bounded = cfg.with_(disk_budget=16 * MiB)
+    assert 0 < recall_plan_tokens(TINY_MLX, bounded) < RECALL_BASE_TOKENS
     plain = plan_for(ShapedBackend(TINY_MLX), HEAP_32K, 4096 * MiB)
     paged = plan_for(ShapedBackend(TINY_MLX), cfg, 4096 * MiB)
     assert paged.heap == plain.heap + recall_summary_bytes(TINY_MLX, cfg)
     assert paged.activations > plain.activations   # scoring a layer's summaries against the question
+    # past the base context a session counts what it grew by, up to what the budget holds with it alone
+    assert plain.recall_token_bytes == 0 and plain.recall_max_tokens == 0
+    assert paged.recall_token_bytes == recall_token_bytes(TINY_MLX, cfg) > 2 * per_page * GROWTH / 32
+    assert paged.recall_extra(RECALL_BASE_TOKENS) == 0
+    assert paged.recall_extra(RECALL_BASE_TOKENS + 1000) == 1000 * paged.recall_token_bytes
+    cap = paged.recall_max_tokens
+    assert paged.heap + paged.recall_extra(cap) <= paged.free_for_heaps < paged.heap + paged.recall_extra(cap + 1)
+
+
+def test_the_summary_plan_holds_what_a_store_allocates(tmp_path):
+    """The plan's bytes per token of pages bound the summary RAM a real store allocates."""
+    import numpy as np
+
+    from localheap.heap.pages import PageGeometry, PageStore
+
+    cfg = HEAP_32K.with_(recall=True, page_size=8)
+    s = TINY_MLX
+    store = PageStore(tmp_path / "p", PageGeometry(s.layers, s.kv_heads, s.head_dim, 8, "f16"))
+    rng = np.random.default_rng(0)
+    planned = recall_token_bytes(s, cfg)
+    summaries = s.layers * (2 * s.kv_heads * s.head_dim * 2 + 16 * s.kv_heads) * GROWTH / 8   # per token
+    assert planned > summaries   # the rest: the scoring scratch
+    for step in range(40):
+        n = 8 * 64
+        pos = np.broadcast_to(np.arange(step * n, (step + 1) * n), (s.kv_heads, n))
+        kv = rng.standard_normal((s.kv_heads, n, s.head_dim)).astype(np.float32)
+        for layer in range(s.layers):
+            store.append(layer, pos, kv, kv)
+        tokens = (step + 1) * n
+        assert store.summary_bytes <= summaries * max(tokens, 64 * 8)   # at least 64 slots are allocated
+    assert store.summary_bytes >= summaries * tokens / GROWTH   # the live pages: the bound is tight
 
 
 # -- measured ----------------------------------------------------------------------------------

@@ -90,6 +90,18 @@ def test_reject_when_nothing_can_be_spilled():
     assert g.rejected_total == 1
 
 
+def test_grown_recall_sessions_count_what_they_hold_past_the_plan():
+    g = Governor(plan(), FakeSensors(rss=0))    # room for 5 heaps of 512 MiB
+    # three resident, "a" holding 1 GiB of page summaries past its planned heap: 3.5 heaps in all
+    a = g.admit(resident=3, idle_lru=["a", "b"], extra={"a": GiB})
+    assert a.action == "admit" and a.spill == ["a"]          # spilling "a" frees its heap and the 1 GiB
+    assert g.admit(resident=3, idle_lru=["b"], extra={"busy": 2 * GiB}).action == "reject"
+    # no new heap: after a session grew, the LRU idle ones go until the plan fits again
+    grew = g.admit(resident=5, idle_lru=["b", "c", "d"], new_heap=False, extra={"busy": GiB})
+    assert grew.action == "admit" and grew.spill == ["b", "c"]
+    assert g.admit(resident=5, idle_lru=["b"], new_heap=False).spill == []
+
+
 @pytest.mark.parametrize("state,chunk,paused", [("nominal", 256, False), ("fair", 256, False),
                                                 ("unknown", 256, False), ("serious", 128, True),
                                                 ("critical", 64, True)])

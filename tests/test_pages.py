@@ -166,6 +166,18 @@ def test_disk_budget_drops_the_lowest_value_pages_and_reuses_their_slots(tmp_pat
     assert os.path.getsize(tmp_path / "pages" / "layer001.pages") <= 2 * s.record_bytes
 
 
+def test_max_pages_drops_the_lowest_value_pages_like_the_disk_budget(tmp_path):
+    rng = np.random.default_rng(15)
+    s = store(tmp_path, layers=2, max_pages=6)
+    for start in range(0, 20, 4):               # 5 pages per layer, worth their start position
+        for layer in range(2):
+            s.append(layer, *evicted(rng, 4, start), value=np.full((H, 4), start + layer, np.float32))
+    assert s.pages == 6 and s.dropped == 4 and s.page_limit == 6
+    kept = sorted(int(s.layers[i].value[slot]) for i in range(2) for slot in s.summaries(i)[0])
+    assert kept == [8, 9, 12, 13, 16, 17]
+    assert s.stats()["tokens_limit"] == 6 * P // 2
+
+
 def test_quest_bound_is_an_upper_bound_and_finds_the_planted_page(tmp_path):
     rng = np.random.default_rng(7)
     s = store(tmp_path)

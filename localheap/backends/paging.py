@@ -37,7 +37,8 @@ def attach_pages(cache, n_kv_heads: int, head_dim: int, root: Optional[Path] = N
         root = Path(tempfile.mkdtemp(prefix="localheap-pages-"))
         weakref.finalize(cache, shutil.rmtree, str(root), True)   # a moved store is gone from here: no-op
     geometry = PageGeometry(len(cache.heap_layers), n_kv_heads, head_dim, cfg.page_size, cfg.page_format)
-    cache.pages = PageStore(root, geometry, cfg.disk_budget, cfg.recall_summary)
+    max_pages = -(-cfg.recall_ram_tokens // cfg.page_size) * geometry.n_layers
+    cache.pages = PageStore(root, geometry, cfg.disk_budget, cfg.recall_summary, max_pages)
     cache.writer = PageWriter()
 
 

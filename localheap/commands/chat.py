@@ -29,7 +29,7 @@ def add_parser(sub) -> None:
     p = sub.add_parser("chat", help="chat in the terminal on the heap, like `ollama run`",
                        description=__doc__)
     add_model_args(p)
-    add_heap_args(p)
+    add_heap_args(p, recall=True)
     p.add_argument("--system", default=None, help="system prompt of the conversation (default: none)")
     p.add_argument("--max-tokens", type=int, default=512, help="longest reply in tokens")
     p.add_argument("--temperature", type=float, default=0.7, help="0 samples greedily")

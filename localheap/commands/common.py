@@ -27,7 +27,9 @@ def model_spec(args) -> str | None:
     return args.model
 
 
-def add_heap_args(p: argparse.ArgumentParser) -> None:
+def add_heap_args(p: argparse.ArgumentParser, recall: bool = False) -> None:
+    """The heap flags. `recall`: whether the recall tier is on unless --recall says otherwise (on
+    for serve, chat and generate; the benches compare, so they name it)."""
     d = HeapConfig()
     p.add_argument("--budget", type=int, default=d.budget, help="scored KV tokens kept per layer")
     p.add_argument("--sinks", type=int, default=d.sinks, help="first tokens always kept (attention sinks)")
@@ -40,10 +42,13 @@ def add_heap_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--positions", default=d.positions, choices=POSITION_MODES,
                    help="compact: RoPE positions follow slot order; absolute: original positions")
     p.add_argument("--profile", default=d.profile, choices=("uniform", "pyramid"), help="budget across layers")
-    p.add_argument("--recall", default="on" if d.recall else "off", choices=("off", "on"),
-                   help="page evicted KV out to disk and recall the best pages for each question")
-    p.add_argument("--recall-budget", type=int, default=d.recall_budget,
-                   help="slots of --budget reserved for recalled pages")
+    p.add_argument("--recall", default=None, choices=("off", "on"),
+                   help="page evicted KV out to disk and recall the best pages for each question (default: "
+                        + ("on, unless --budget leaves no room for a recall region)" if recall else "off)"))
+    p.set_defaults(recall_default=recall)
+    p.add_argument("--recall-budget", type=int, default=None,
+                   help=f"slots of --budget reserved for recalled pages (default: half the budget, at most "
+                        f"{d.recall_budget:,}, and what --recent leaves)")
     p.add_argument("--page-size", type=int, default=d.page_size, help="tokens per page")
     p.add_argument("--page-format", default=d.page_format, choices=PAGE_FORMATS,
                    help="how pages are stored: f32 (exact), f16, int8 (per token and head scale)")
@@ -68,14 +73,25 @@ def heap_config(args, backend=None, **overrides) -> HeapConfig:
     chunk = getattr(args, "prefill_chunk", None)
     if chunk is None and backend is not None:
         chunk = backend.default_prefill_chunk()
+    region = args.recall_budget
+    if region is None:
+        region = default_recall_budget(args.budget, recent, args.page_size)
+    recall = args.recall == "on" if args.recall is not None else getattr(args, "recall_default", False) and region > 0
     fields = dict(budget=args.budget, sinks=args.sinks, recent=recent, slack=args.slack,
                   prefill_chunk=chunk or 0, policy=args.policy, positions=args.positions, profile=args.profile,
-                  recall=args.recall == "on", recall_budget=args.recall_budget, page_size=args.page_size,
+                  recall=recall, recall_budget=region or HeapConfig.recall_budget, page_size=args.page_size,
                   page_format=args.page_format, recall_summary=args.recall_summary,
                   recall_score=args.recall_score, recall_select=args.recall_select,
                   disk_budget=0 if str(args.disk_budget).strip() == "0" else parse_size(args.disk_budget))
     fields.update(overrides)
     return HeapConfig(**fields)
+
+
+def default_recall_budget(budget: int, recent: int, page_size: int) -> int:
+    """The recall region when --recall-budget is not given: half the budget, at most
+    HeapConfig's default, never more than the recent window leaves; whole pages (0: no room)."""
+    slots = min(HeapConfig.recall_budget, budget // 2, budget - recent)
+    return max(0, slots) // max(1, page_size) * page_size
 
 
 def with_backend_chunk(cfg: HeapConfig, args, backend) -> HeapConfig:

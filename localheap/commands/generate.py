@@ -14,7 +14,7 @@ from .progress import ProgressBar
 def add_parser(sub) -> None:
     p = sub.add_parser("generate", help="generate text from a prompt file through the heap")
     add_model_args(p)
-    add_heap_args(p)
+    add_heap_args(p, recall=True)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt-file", type=Path, help="read the prompt from this file")
     src.add_argument("--prompt", help="the prompt text")

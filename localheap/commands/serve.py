@@ -16,7 +16,7 @@ def add_parser(sub) -> None:
                        description="Serve chat and completions over HTTP (OpenAI API) plus session, "
                                    "heap-event and metrics routes.")
     add_model_args(p)
-    add_heap_args(p)
+    add_heap_args(p, recall=True)
     p.add_argument("--ram-budget", default=None, metavar="SIZE",
                    help="RAM budget for weights + heaps + runtime, e.g. 12G, 512M or bytes "
                         "(default: 75%% of this machine's RAM)")
@@ -135,6 +135,10 @@ def run(args) -> int:
     print(f"localheap: {backend.model_name} on {backend.name} | heap: {heap.sinks} sinks + {heap.budget} budget + "
           f"max({heap.slack} slack, {heap.chunk} prefill chunk), policy {heap.policy} ({format_bytes(backend.heap_bytes(heap))} per session)",
           file=sys.stderr)
+    if heap.recall:
+        print(f"localheap: recall on: each heap's plan includes page summaries for {plan.recall_base_tokens:,} tokens, "
+              f"{format_bytes(plan.recall_token_bytes)} of RAM per token past them; a session keeps pages of at most "
+              f"{heap.recall_ram_tokens:,} tokens (what the budget holds with it alone)", file=sys.stderr)
     print(f"localheap: serving http://{settings.host}:{settings.port}  (OpenAI base_url: "
           f"http://{settings.host}:{settings.port}/v1)", file=sys.stderr)
     return serve_app(app, settings, args.log_level)

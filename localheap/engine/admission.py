@@ -113,12 +113,46 @@ class AdmissionQueue:
         """Ask the governor before one more heap becomes resident; spill what it names."""
         resident = [x for x in self.store.sessions() if x.cache is not None]
         idle = sorted((x for x in resident if not x.busy and x is not s), key=lambda x: x.last_used)
-        decision = self.governor.admit(len(resident), [x.id for x in idle])
+        extra = self._recall_extra()
+        decision = self.governor.admit(len(resident), [x.id for x in idle], **({"extra": extra} if extra else {}))
         if decision.action != "admit":
             raise OverBudget(decision.reason, retry_after=decision.retry_after_s)
         for sid in decision.spill:
             log.info("RAM budget: spilling idle session %s to disk", sid)
             self.store.spill(sid)
+
+    def fit_grown(self) -> None:
+        """Recall sessions grow as they page out (their page summaries stay in RAM): spill idle
+        sessions, least recently used first, until the resident ones fit the plan again. A
+        failed spill is logged; the next check tries again."""
+        extra = self._recall_extra()
+        if not extra:
+            return
+        resident = [x for x in self.store.sessions() if x.cache is not None]
+        idle = sorted((x for x in resident if not x.busy), key=lambda x: x.last_used)
+        decision = self.governor.admit(len(resident), [x.id for x in idle], new_heap=False, extra=extra)
+        for sid in decision.spill:
+            log.info("RAM budget: recall summaries grew; spilling idle session %s to disk", sid)
+            try:
+                self.store.spill(sid)
+            except SpillFailed as e:
+                log.error("%s (sessions stay in memory)", e)
+                return
+
+    def _recall_extra(self) -> dict[str, int]:
+        """Bytes each resident recall session holds past its planned heap, by id (empty without
+        recall or a plan): MemoryPlan.recall_extra of the tokens its pages hold."""
+        plan = getattr(self.governor, "plan", None)
+        if plan is None or not plan.recall_token_bytes:
+            return {}
+        out = {}
+        for x in self.store.sessions():
+            pages = getattr(x.cache, "pages", None) if x.cache is not None else None
+            if pages is not None:
+                extra = plan.recall_extra(pages.pages * pages.g.page_size // pages.g.n_layers)
+                if extra:
+                    out[x.id] = extra
+        return out
 
     def check_tokens(self, *lists) -> None:
         """Ids outside the vocabulary are refused before they touch any session."""

@@ -228,6 +228,8 @@ class Engine:
             meter.add(n, took=time.monotonic() - began)
             if kind == "prefill":
                 self.counters.prefill_tokens += n
+                if run.session.cfg.recall:
+                    self.admission.fit_grown()   # its page summaries grew with the chunk
         if done:
             self._finish(run)
 
@@ -253,6 +255,8 @@ class Engine:
         self._end(run.job, run.finished_event(), "finished" if run.finish_reason else "cancelled")
         try:
             self.store.enforce_limits()
+            if s.cfg.recall:
+                self.admission.fit_grown()
         except Exception as e:   # the request is answered; the next one that needs room reports it
             log.error("%s (sessions stay in memory)", e)
         self._room_freed()

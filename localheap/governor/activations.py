@@ -18,7 +18,9 @@ from ..heap.recall import WINDOW, window_batch
 SCORE_BYTES = 4               # attention scores and softmax run in float32
 MASK_BYTES = 5                # a [chunk, T] boolean causal mask plus its additive float32 copy (torch)
 SUMMARY_BYTES = 2             # page summaries stay in RAM as float16
-RECALL_PLAN_TOKENS = 1 << 20  # recall on and no --disk-budget: plan page summaries for a 1M-token session
+RECALL_BASE_TOKENS = 1 << 16  # recall on: each planned heap includes page summaries of 64K tokens; a session
+                              # past them counts what it grows by (MemoryPlan.recall_extra)
+GROWTH = 9 / 8                # the summary arrays grow by 1/8 (heap/pages.py): at most this much allocated
 
 
 @dataclass(frozen=True)
@@ -61,14 +63,15 @@ def prefill_activations(shapes: ModelShapes, cfg: HeapConfig) -> Activations:
 
 
 def recall_plan_tokens(shapes: ModelShapes, cfg: HeapConfig) -> int:
-    """Tokens of one session the recall tier is planned for: what --disk-budget holds, at most 1M."""
+    """Tokens of pages each planned heap includes (0 without recall): RECALL_BASE_TOKENS, or fewer
+    where --disk-budget holds fewer. A session past them counts its growth (recall_token_bytes)."""
     if not cfg.recall:
         return 0
     if not cfg.disk_budget:
-        return RECALL_PLAN_TOKENS
+        return RECALL_BASE_TOKENS
     g = PageGeometry(shapes.layers, shapes.kv_heads, shapes.head_dim, cfg.page_size, cfg.page_format)
     disk_per_token = shapes.layers * record_dtype(g).itemsize / cfg.page_size
-    return min(RECALL_PLAN_TOKENS, int(cfg.disk_budget / disk_per_token))
+    return min(RECALL_BASE_TOKENS, int(cfg.disk_budget / disk_per_token))
 
 
 def _pages(shapes: ModelShapes, cfg: HeapConfig) -> int:
@@ -79,23 +82,38 @@ def _pages(shapes: ModelShapes, cfg: HeapConfig) -> int:
 SPAN_BYTES = 16                # a page's first and last position per KV head (int64 each), in RAM
 
 
+def _summary_per_page(shapes: ModelShapes, cfg: HeapConfig) -> int:
+    """RAM of one page's summaries and spans, all KV heads of one layer."""
+    return (len(SUMMARY_FIELDS[cfg.recall_summary]) * shapes.head_dim * SUMMARY_BYTES + SPAN_BYTES) * shapes.kv_heads
+
+
+def _scoring_per_page(shapes: ModelShapes, cfg: HeapConfig) -> int:
+    """Scratch of a question scored against one layer, per page of that layer: the summaries'
+    float32 copy and the [H_q, w, pages] bounds; span recall adds the votes (8 B per WINDOW
+    tokens), a batch's window x page overlap and, at worst, every page's positions."""
+    per = len(SUMMARY_FIELDS[cfg.recall_summary]) * shapes.kv_heads * shapes.head_dim * 4
+    per += 3 * shapes.q_heads * max(1, cfg.obs_window) * 4
+    if cfg.recall_select == "spans":
+        P = cfg.page_size
+        per += P * 8 // WINDOW + window_batch(cfg.recall_budget) + P * shapes.kv_heads * 8
+    return per
+
+
 def recall_summary_bytes(shapes: ModelShapes, cfg: HeapConfig) -> int:
-    """RAM one session's page summaries and page spans hold at the planned context (all layers; 0
-    without recall). Their arrays grow by doubling, so a store just past a doubling holds up to
-    twice this."""
-    per_page = len(SUMMARY_FIELDS[cfg.recall_summary]) * shapes.kv_heads * shapes.head_dim * SUMMARY_BYTES
-    return shapes.layers * _pages(shapes, cfg) * (per_page + shapes.kv_heads * SPAN_BYTES)
+    """RAM one session's page summaries and page spans hold at the planned context (all layers,
+    with the arrays' growth margin; 0 without recall)."""
+    return int(shapes.layers * _pages(shapes, cfg) * _summary_per_page(shapes, cfg) * GROWTH)
 
 
 def recall_scoring_bytes(shapes: ModelShapes, cfg: HeapConfig) -> int:
-    """A question scored against one layer's summaries: their float32 copy and the [H_q, w, pages]
-    bounds; span recall adds the votes (8 B per WINDOW tokens), a batch's window x page overlap and, at
-    worst, the positions of every page of the layer (read when their spans meet a window)."""
-    pages = _pages(shapes, cfg)
-    copy = len(SUMMARY_FIELDS[cfg.recall_summary]) * pages * shapes.kv_heads * shapes.head_dim * 4
-    scoring = copy + 3 * shapes.q_heads * max(1, cfg.obs_window) * pages * 4
-    if cfg.recall_select != "spans":
-        return scoring
-    tokens = pages * cfg.page_size
-    step = window_batch(cfg.recall_budget)
-    return scoring + tokens // WINDOW * 8 + step * pages + tokens * shapes.kv_heads * 8
+    """A question scored against one layer's pages at the planned context (0 without recall)."""
+    return _pages(shapes, cfg) * _scoring_per_page(shapes, cfg)
+
+
+def recall_token_bytes(shapes: ModelShapes, cfg: HeapConfig) -> int:
+    """RAM one more token of pages costs a session past the planned context: its summaries (all
+    layers, with the growth margin) and its share of the scoring scratch (0 without recall)."""
+    if not cfg.recall:
+        return 0
+    per_page = shapes.layers * _summary_per_page(shapes, cfg) * GROWTH + _scoring_per_page(shapes, cfg)
+    return int(-(-per_page // cfg.page_size))

@@ -51,6 +51,8 @@ class MemoryPlan:
     overhead: int          # runtime, activations, allocator slack, Python, requests in flight
     requests: int = 0      # of the overhead: room for requests' prompts (text, token ids)
     activations: int = 0   # of the overhead: the prefill activation peak (governor/activations.py)
+    recall_base_tokens: int = 0   # recall on: tokens of pages `heap` includes the summaries of
+    recall_token_bytes: int = 0   # ... and the RAM each token of pages past them costs (0: recall off)
 
     @property
     def free_for_heaps(self) -> int:
@@ -64,6 +66,18 @@ class MemoryPlan:
     @property
     def max_resident(self) -> int:
         return max(0, self.free_for_heaps // self.heap) if self.heap > 0 else 0
+
+    def recall_extra(self, tokens: int) -> int:
+        """RAM a recall session holding `tokens` tokens of pages takes beyond `heap`."""
+        return max(0, tokens - self.recall_base_tokens) * self.recall_token_bytes
+
+    @property
+    def recall_max_tokens(self) -> int:
+        """Tokens of pages one session may keep (0: recall off): the most whose summaries fit with
+        that session alone resident. Past them it drops its lowest-value pages."""
+        if not self.recall_token_bytes:
+            return 0
+        return self.recall_base_tokens + max(0, self.free_for_heaps - self.heap) // self.recall_token_bytes
 
     def check(self, heap_tokens: int, bytes_per_token: int) -> "MemoryPlan":
         """Raise BudgetTooSmall with what would fit, else return self."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Protocol, Sequence
+from typing import Callable, Mapping, Optional, Protocol, Sequence
 
 from .budget import MemoryPlan
 from .thermal import read_thermal_state
@@ -86,21 +86,35 @@ class Governor:
         self.spilled_total = 0
         self.rejected_total = 0
 
-    def admit(self, resident: int, idle_lru: Sequence[str], new_heap: bool = True) -> Admission:
+    def admit(self, resident: int, idle_lru: Sequence[str], new_heap: bool = True,
+              extra: Optional[Mapping[str, int]] = None) -> Admission:
         """May one more heap become resident? `resident` heaps are in RAM now; `idle_lru`
-        are those that may be spilled (not serving a request), least recently used first."""
-        if not new_heap:
-            return Admission("admit")
-        need = max(0, resident + 1 - self.plan.max_resident)     # by the plan
-        reading = self.sensors.memory()
-        heap = self.plan.heap
-        projected = reading.rss + heap - need * heap
-        while projected > self.plan.budget and need < len(idle_lru):  # by measurement
+        are those that may be spilled (not serving a request), least recently used first;
+        `extra`: bytes resident sessions hold beyond the planned heap, by id (a recall
+        session's page summaries past the planned context, MemoryPlan.recall_extra). With
+        `new_heap` False, which idle sessions to spill so the resident ones fit the plan
+        (a session grew); that is never refused."""
+        extra = extra or {}
+        heap, add, free = self.plan.heap, (self.plan.heap if new_heap else 0), self.plan.free_for_heaps
+        cost = lambda sid: heap + extra.get(sid, 0)   # noqa: E731  what spilling `sid` frees
+        used = resident * heap + sum(extra.values())
+        need, freed = 0, 0
+        while used - freed + add > free and need < len(idle_lru):       # by the plan
+            freed += cost(idle_lru[need])
             need += 1
-            projected -= heap
-        if reading.available - heap + need * heap < self.SYSTEM_MARGIN and need < len(idle_lru):
+        short = used - freed + add > free
+        if not new_heap:
+            self.spilled_total += need
+            return Admission("admit", spill=list(idle_lru[:need]),
+                             reason=f"recall summaries grew: spilling {need} idle session(s)" if need else "")
+        reading = self.sensors.memory()
+        while reading.rss + add - freed > self.plan.budget and need < len(idle_lru):  # by measurement
+            freed += cost(idle_lru[need])
+            need += 1
+        if reading.available - add + freed < self.SYSTEM_MARGIN and need < len(idle_lru):
+            freed += cost(idle_lru[need])
             need += 1   # the system itself is short: free one more rather than swap
-        if need > len(idle_lru):
+        if short:
             self.rejected_total += 1
             busy = resident - len(idle_lru)
             return Admission("reject", reason=(

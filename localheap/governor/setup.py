@@ -8,7 +8,7 @@ from typing import Any, Optional
 import psutil
 
 from ..heap import HeapConfig
-from .activations import prefill_activations, recall_summary_bytes
+from .activations import prefill_activations, recall_plan_tokens, recall_summary_bytes, recall_token_bytes
 from .budget import MemoryPlan, request_room
 from .governor import Governor, SystemSensors, backend_limits
 
@@ -32,8 +32,9 @@ def plan_for(backend: Any, cfg: HeapConfig, ram_budget: Optional[int]) -> Memory
     weights, plus 10% of the weights, the prefill activation peak computed from the model's
     shapes and the heap config (governor/activations.py), a small floor, and room for the
     prompts of requests in flight (which sets the prompt-token limit). With recall on, each
-    heap also counts its page summaries at the planned context (RECALL_PLAN_TOKENS or what
-    --disk-budget holds).
+    heap also counts its page summaries at a base context (RECALL_BASE_TOKENS or what
+    --disk-budget holds); a session past it counts what it grew by (MemoryPlan.recall_extra),
+    and none grows past what the budget holds with it alone (MemoryPlan.recall_max_tokens).
     Raises BudgetTooSmall (with what would fit) when not even one heap fits.
     """
     budget = ram_budget or default_budget()
@@ -45,7 +46,8 @@ def plan_for(backend: Any, cfg: HeapConfig, ram_budget: Optional[int]) -> Memory
     overhead = max(0, rss - weights) + weights // 10 + RUNTIME_FLOOR + activations + requests
     heap = int(backend.heap_bytes(cfg)) + recall_summary_bytes(shapes, cfg)
     plan = MemoryPlan(budget=budget, weights=weights, heap=heap, overhead=overhead, requests=requests,
-                      activations=activations)
+                      activations=activations, recall_base_tokens=recall_plan_tokens(shapes, cfg),
+                      recall_token_bytes=recall_token_bytes(shapes, cfg))
     return plan.check(heap_tokens=cfg.layer_capacity(cfg.budget), bytes_per_token=backend.kv_bytes_per_token())
 
 

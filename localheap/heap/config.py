@@ -50,6 +50,8 @@ class HeapConfig:
     recall_score: str = "zscore"     # a page's score: best bound over the queries, or best per-query z-score
     recall_select: str = "spans"     # spans: the same windows in every layer and head (voted); pages: each head its own
     disk_budget: int = 0         # bytes of pages per session; past it the lowest-value pages are dropped; 0 = no bound
+    recall_ram_tokens: int = 0   # tokens of pages per session whose summaries RAM holds (serve sets it from
+                                 # --ram-budget); past it the lowest-value pages are dropped; 0 = no bound
     extra: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -81,8 +83,8 @@ class HeapConfig:
             raise HeapConfigError(f"unknown recall score {self.recall_score!r}; choose bound or zscore")
         if self.recall_select not in RECALL_SELECTS:
             raise HeapConfigError(f"unknown recall selection {self.recall_select!r}; choose spans or pages")
-        if self.page_size < 1 or self.disk_budget < 0:
-            raise HeapConfigError("page_size must be >= 1 and disk_budget >= 0")
+        if self.page_size < 1 or self.disk_budget < 0 or self.recall_ram_tokens < 0:
+            raise HeapConfigError("page_size must be >= 1, disk_budget and recall_ram_tokens >= 0")
         if self.recall:
             if self.recall_budget < self.page_size:
                 raise HeapConfigError(f"recall budget ({self.recall_budget}) must hold a page "

@@ -97,7 +97,7 @@ class _Layer:
         n = len(self.live)
         if slots <= n:
             return
-        extra = max(slots - n, n)   # amortised doubling
+        extra = max(slots - n, n // 8, 64)   # geometric, so RAM stays within 1/8 of the live pages
         pad = lambda a: np.concatenate([a, np.zeros((extra, *a.shape[1:]), a.dtype)])   # noqa: E731
         self.sums = {f: pad(a) for f, a in self.sums.items()}
         self.live, self.value, self.span = pad(self.live), pad(self.value), pad(self.span)
@@ -108,12 +108,15 @@ class _Layer:
 class PageStore:
     """Pages of evicted tokens for one session (all layers), in `root`."""
 
-    def __init__(self, root: Path, geometry: PageGeometry, disk_budget: int = 0, summary: str = "minmax"):
+    def __init__(self, root: Path, geometry: PageGeometry, disk_budget: int = 0, summary: str = "minmax",
+                 max_pages: int = 0):
         """`summary`: which key summaries stay in RAM for scoring (minmax: 2 x D per page and KV
-        head, mean: D); every record on disk carries all three."""
+        head, mean: D); every record on disk carries all three. `max_pages` (all layers; 0: no
+        bound) bounds the pages whose summaries RAM holds, as `disk_budget` bounds the disk."""
         self.root = Path(root)
         self.g = geometry
         self.disk_budget = disk_budget          # bytes; 0 = unbounded
+        self.max_pages = max_pages              # pages, all layers; 0 = unbounded
         self.dtype = record_dtype(geometry)
         self.record_bytes = self.dtype.itemsize
         names = ("magic", "crc_meta", *_META_FIELDS)   # a record's header .. summaries, without the payload
@@ -177,11 +180,18 @@ class PageStore:
         self.seq += 1
         self.written += 1
 
+    @property
+    def page_limit(self) -> int:
+        """Most live pages (all layers) the disk budget and max_pages allow; 0: no bound."""
+        limits = [x for x in (self.disk_budget // self.record_bytes if self.disk_budget else 0, self.max_pages) if x]
+        return min(limits) if limits else 0
+
     def enforce_budget(self) -> int:
-        """Drop the lowest-value live pages (any layer) until the store fits the disk budget."""
-        if not self.disk_budget:
+        """Drop the lowest-value live pages (any layer) until the store fits the disk budget and max_pages."""
+        limit = self.page_limit
+        if not limit:
             return 0
-        excess = self.pages - self.disk_budget // self.record_bytes
+        excess = self.pages - limit
         if excess <= 0:
             return 0
         cands = [(layer, slot) for layer, L in enumerate(self.layers) for slot in np.flatnonzero(L.live)]
@@ -308,7 +318,8 @@ class PageStore:
                 "disk_bytes": self.disk_bytes, "summary_bytes": self.summary_bytes,
                 "disk_bytes_per_token": round(self.disk_bytes_per_token(), 1),
                 "summary_bytes_per_token": round(self.summary_bytes_per_token(), 1),
-                "page_size": self.g.page_size, "format": self.g.fmt}
+                "page_size": self.g.page_size, "format": self.g.fmt,
+                "tokens_limit": self.page_limit * self.g.page_size // max(1, self.g.n_layers)}
 
     def close(self) -> None:
         for fd in self._fds:

@@ -33,6 +33,10 @@ def create_app(backend: Any, settings: Optional[ServerSettings] = None, governor
     if governor is None:
         plan = plan_for(backend, settings.heap, settings.ram_budget)   # BudgetTooSmall when nothing fits
         governor = governor_for(backend, plan)
+    plan = getattr(governor, "plan", None)
+    if settings.heap.recall and plan is not None and plan.recall_max_tokens and not settings.heap.recall_ram_tokens:
+        # no session's page summaries outgrow what the budget holds with it alone resident
+        settings.heap = settings.heap.with_(recall_ram_tokens=plan.recall_max_tokens)
     store = SessionStore(backend, settings.heap, settings.sessions_dir, durable=settings.persist_sessions,
                          max_resident=settings.max_resident_sessions, max_sessions=settings.max_sessions)
     engine = Engine(backend, store, governor, max_active=settings.max_active, max_queued=settings.max_queued,

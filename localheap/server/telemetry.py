@@ -103,7 +103,7 @@ def page_rows(pages: list[dict]) -> list[tuple]:
     return [
         ("pages_stored", "gauge", "pages of evicted KV on disk (one page: page_size tokens of one layer)",
          [("", total("pages"))]),
-        ("pages_dropped_total", "counter", "pages dropped to stay inside --disk-budget",
+        ("pages_dropped_total", "counter", "pages dropped to stay inside --disk-budget or the RAM budget's pages per session",
          [("", total("pages_dropped"))]),
         ("pages_disk_bytes", "gauge", "bytes of the live pages on disk", [("", total("disk_bytes"))]),
         ("pages_summary_bytes", "gauge", "RAM for the page summaries and spans", [("", total("summary_bytes"))]),
