@@ -243,6 +243,37 @@ def test_recall_score_is_validated_and_reaches_the_config_from_the_flag():
         HeapConfig(recall_select="tokens")
 
 
+def test_recall_is_on_by_default_where_the_commands_serve_and_the_region_fits():
+    import argparse
+
+    from localheap.commands.common import add_heap_args, heap_config
+    from localheap.cli import build_parser
+
+    def cfg(argv, recall):
+        p = argparse.ArgumentParser()
+        add_heap_args(p, recall=recall)
+        return heap_config(p.parse_args(argv))
+
+    assert cfg([], True).recall and not cfg([], False).recall        # serve/chat/generate vs the benches
+    assert not cfg(["--recall", "off"], True).recall and cfg(["--recall", "on"], False).recall
+    assert cfg(["--budget", "1024"], True).recall_budget == 512       # half the budget, whole pages
+    assert cfg(["--budget", "1024", "--recall-budget", "256"], True).recall_budget == 256
+    assert cfg(["--budget", "300", "--recent", "280", "--page-size", "32"], True).recall is False   # no room
+    with pytest.raises(HeapConfigError, match="recall budget"):
+        cfg(["--budget", "300", "--recent", "280", "--recall", "on"], True)
+    parser = build_parser()
+    for command in (["serve"], ["chat"], ["generate", "--prompt", "hi"]):
+        assert heap_config(parser.parse_args(command)).recall, command
+    assert not heap_config(parser.parse_args(["bench", "needle"])).recall
+    # pages never fill the disk by default: a tenth of its free space per session
+    import shutil
+    from pathlib import Path
+    auto = heap_config(parser.parse_args(["serve"])).disk_budget
+    assert 0 < auto <= shutil.disk_usage(Path.home()).free // 10 + 2**20
+    assert heap_config(parser.parse_args(["serve", "--disk-budget", "0"])).disk_budget == 0
+    assert heap_config(parser.parse_args(["serve", "--disk-budget", "2G"])).disk_budget == 2**31
+
+
 def test_page_writer_runs_jobs_in_order_and_reports_errors():
     w, seen = PageWriter(), []
     for i in range(5):

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import shutil
+from pathlib import Path
+from typing import Optional
 
 from ..heap import POLICIES, POSITION_MODES, HeapConfig
 from ..heap.config import PAGE_FORMATS, RECALL_SCORES, RECALL_SELECTS, RECALL_SUMMARIES
@@ -60,15 +63,15 @@ def add_heap_args(p: argparse.ArgumentParser, recall: bool = False) -> None:
     p.add_argument("--recall-select", default=d.recall_select, choices=RECALL_SELECTS,
                    help="spans: every layer and head recalls the same windows of the document, voted by "
                         "all of them; pages: each layer and head loads its own best pages")
-    p.add_argument("--disk-budget", default="0", metavar="SIZE",
-                   help="bytes of pages per session (e.g. 2G); past it the lowest-value pages are dropped; 0 = none")
+    p.add_argument("--disk-budget", default="auto", metavar="SIZE",
+                   help="bytes of pages per session (e.g. 20G); past it the lowest-value pages are dropped; "
+                        f"0 = none (default auto: 1/{DISK_SHARE} of the free space on the sessions directory's disk "
+                        "at start)")
 
 
 def heap_config(args, backend=None, **overrides) -> HeapConfig:
     """The heap flags as a config. Without --prefill-chunk, the backend's device default
     (the slack when no backend is given yet: `with_backend_chunk` fills it in later)."""
-    from ..governor.budget import parse_size
-
     recent = min(args.recent, args.budget)
     chunk = getattr(args, "prefill_chunk", None)
     if chunk is None and backend is not None:
@@ -77,14 +80,34 @@ def heap_config(args, backend=None, **overrides) -> HeapConfig:
     if region is None:
         region = default_recall_budget(args.budget, recent, args.page_size)
     recall = args.recall == "on" if args.recall is not None else getattr(args, "recall_default", False) and region > 0
+    disk = disk_budget(args.disk_budget, getattr(args, "sessions_dir", None))   # checked even with recall off
     fields = dict(budget=args.budget, sinks=args.sinks, recent=recent, slack=args.slack,
                   prefill_chunk=chunk or 0, policy=args.policy, positions=args.positions, profile=args.profile,
                   recall=recall, recall_budget=region or HeapConfig.recall_budget, page_size=args.page_size,
                   page_format=args.page_format, recall_summary=args.recall_summary,
                   recall_score=args.recall_score, recall_select=args.recall_select,
-                  disk_budget=0 if str(args.disk_budget).strip() == "0" else parse_size(args.disk_budget))
+                  disk_budget=disk if recall else 0)
     fields.update(overrides)
     return HeapConfig(**fields)
+
+
+DISK_SHARE = 10   # --disk-budget auto: this fraction of the free space, per session
+
+
+def disk_budget(text: str, where: Optional[Path] = None) -> int:
+    """--disk-budget in bytes: a size, 0 (no bound) or auto (1/DISK_SHARE of the free space, now,
+    on the disk holding `where`, default the home directory, where the sessions directory is)."""
+    from ..governor.budget import parse_size
+
+    text = str(text).strip()
+    if text == "0":
+        return 0
+    if text.lower() != "auto":
+        return parse_size(text)
+    place = Path(where) if where is not None else Path.home()
+    while not place.exists() and place != place.parent:
+        place = place.parent
+    return max(1, shutil.disk_usage(place).free // DISK_SHARE)
 
 
 def default_recall_budget(budget: int, recent: int, page_size: int) -> int:

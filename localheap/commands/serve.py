@@ -138,7 +138,9 @@ def run(args) -> int:
     if heap.recall:
         print(f"localheap: recall on: each heap's plan includes page summaries for {plan.recall_base_tokens:,} tokens, "
               f"{format_bytes(plan.recall_token_bytes)} of RAM per token past them; a session keeps pages of at most "
-              f"{heap.recall_ram_tokens:,} tokens (what the budget holds with it alone)", file=sys.stderr)
+              f"{heap.recall_ram_tokens:,} tokens (what the budget holds with it alone) and at most "
+              f"{format_bytes(heap.disk_budget) if heap.disk_budget else 'unbounded'} of pages on disk "
+              f"(--disk-budget)", file=sys.stderr)
     print(f"localheap: serving http://{settings.host}:{settings.port}  (OpenAI base_url: "
           f"http://{settings.host}:{settings.port}/v1)", file=sys.stderr)
     return serve_app(app, settings, args.log_level)
