@@ -216,7 +216,8 @@ class PageStore:
         """Replace a layer file other links share with this store's own copy (the links keep theirs)."""
         path = self._file(layer)
         tmp = path.with_name(path.name + ".own")
-        shutil.copyfile(path, tmp)
+        tmp.unlink(missing_ok=True)   # a crash's leftover
+        clone_file(path, tmp)
         fd = os.open(tmp, os.O_RDWR)
         os.replace(tmp, path)
         os.close(self._fds[layer])
