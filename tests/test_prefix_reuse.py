@@ -3,6 +3,8 @@ and a prompt, rolled back to where exact, else a checkpoint (pure matching, fake
 
 from __future__ import annotations
 
+import pytest
+
 from localheap.heap import HeapConfig
 from localheap.sessions import Prompt, Session, match_session
 from localheap.sessions.checkpoints import Checkpoint
@@ -109,3 +111,14 @@ def test_checkpoints_keep_the_first_and_newest_cap_the_total_and_survive_a_resta
     assert not (tmp_path / "f").exists()               # an unknown session's checkpoints are removed
     restarted.drop("a")
     assert not (tmp_path / "a").exists() and restarted.all() == []
+
+    def full(cache, path, snapshot=False):   # a heap file half written, then the disk is full
+        path.with_suffix(".pages").mkdir()
+        path.write_text("partial")
+        raise OSError(28, "No space left on device")
+
+    backend.save_cache = full
+    a.fed = token_array(encode("doc q1 a1 q2 a2"))
+    with pytest.raises(OSError):
+        store.save(a)
+    assert a.checkpoints == [9, 12] and sorted(p.name for p in (tmp_path / "a").iterdir()) == []

@@ -149,7 +149,7 @@ class AdmissionQueue:
         for x in self.store.sessions():
             pages = getattr(x.cache, "pages", None) if x.cache is not None else None
             if pages is not None:
-                extra = plan.recall_extra(pages.pages * pages.g.page_size // pages.g.n_layers)
+                extra = plan.recall_extra(pages.tokens)
                 if extra:
                     out[x.id] = extra
         return out

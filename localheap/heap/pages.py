@@ -297,6 +297,11 @@ class PageStore:
         return int(sum(L.live.sum() for L in self.layers))
 
     @property
+    def tokens(self) -> int:
+        """Tokens whose pages are live (per layer: a page holds page_size tokens of one layer)."""
+        return self.pages * self.g.page_size // max(1, self.g.n_layers)
+
+    @property
     def disk_bytes(self) -> int:
         """Bytes of the live records (freed slots are reused before a file grows)."""
         return self.pages * self.record_bytes
@@ -317,7 +322,7 @@ class PageStore:
 
     def stats(self) -> dict:
         return {"pages": self.pages, "pages_written": self.written, "pages_dropped": self.dropped,
-                "tokens_on_disk": self.pages * self.g.page_size // max(1, self.g.n_layers),
+                "tokens_on_disk": self.tokens,
                 "disk_bytes": self.disk_bytes, "summary_bytes": self.summary_bytes,
                 "disk_bytes_per_token": round(self.disk_bytes_per_token(), 1),
                 "summary_bytes_per_token": round(self.summary_bytes_per_token(), 1),

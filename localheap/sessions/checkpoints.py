@@ -72,7 +72,7 @@ class Checkpoints:
         try:
             self.backend.save_cache(s.cache, path, snapshot=True)   # written atomically by the backend
         except BaseException:
-            _unlink(Checkpoint(s.id, s.fed, path))
+            _unlink(path)
             raise
         return self._add(s, Checkpoint(s.id, token_array(s.fed), path))
 
@@ -133,7 +133,7 @@ class Checkpoints:
         self._owners[s.id] = s
         kept = sorted(self.of(s.id) + [c], key=lambda x: x.n)
         if len(kept) > self.per_session:
-            _unlink(kept.pop(1))   # keep the first (often a document) and the newest ones
+            _unlink(kept.pop(1).path)   # keep the first (often a document) and the newest ones
         self._by_session[s.id] = kept
         s.checkpoints = [x.n for x in kept]
         while len(self.all()) > self.max_total:
@@ -141,17 +141,18 @@ class Checkpoints:
         return c
 
     def _remove(self, c: Checkpoint) -> None:
-        _unlink(c)
+        _unlink(c.path)
         left = [x for x in self._by_session.get(c.session_id, []) if x is not c]
         self._by_session[c.session_id] = left
         if c.session_id in self._owners:
             self._owners[c.session_id].checkpoints = [x.n for x in left]
 
 
-def _unlink(c: Checkpoint) -> None:
-    c.path.unlink(missing_ok=True)
-    c.path.with_suffix(".tokens").unlink(missing_ok=True)
-    shutil.rmtree(c.path.with_suffix(".pages"), ignore_errors=True)
+def _unlink(path: Path) -> None:
+    """A checkpoint's files: the heap file at `path`, its tokens and its pages."""
+    path.unlink(missing_ok=True)
+    path.with_suffix(".tokens").unlink(missing_ok=True)
+    shutil.rmtree(path.with_suffix(".pages"), ignore_errors=True)
 
 
 def _write_tokens(path: Path, tokens) -> None:
