@@ -6,9 +6,21 @@ Knows nothing about tensors or tokenizers' internals: text in, text out.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Any, Callable, Optional, Protocol
 
 ProgressFn = Callable[[int, int], None]   # (tokens done, tokens total)
+
+
+class Constraint(Protocol):
+    """Limits which tokens a request may sample (a grammar, or a test's forced tokens). Each
+    backend's Sampler asks `allowed()` before every sample and calls `advance` with the result.
+    One object per request: it holds the request's position in the grammar."""
+
+    def allowed(self) -> Optional[Any]:
+        """A numpy bool array: True for the ids allowed next (ids past its end are not), or None for any."""
+
+    def advance(self, token: int) -> None:
+        """The token just sampled."""
 
 
 @dataclass
@@ -19,6 +31,7 @@ class SamplingParams:
     top_k: int = 0                # 0 = off
     seed: Optional[int] = None
     stop: list[str] = field(default_factory=list)
+    constraint: Optional[Constraint] = None   # structured output; sampled ids are masked by it
 
     def __post_init__(self) -> None:
         if self.max_tokens < 0:

@@ -71,15 +71,22 @@ def assert_error(response: httpx.Response, status: int, param=None, code=None):
 
 @pytest.mark.parametrize("fields,param", [
     ({"n": 2}, "n"),
-    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
+    ({"functions": [{"name": "f", "parameters": {}}]}, "functions"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}, "x": 1}}]}, "tools.0.function.x"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": {"type": "function",
+      "function": {"name": "g"}}}, "tool_choice"),
+    ({"tool_choice": "required"}, "tool_choice"),
     ({"logprobs": True}, "logprobs"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"response_format": {"type": "xml"}}, "response_format.type"),
+    ({"response_format": {"type": "json_schema"}}, "response_format"),
     ({"presence_penalty": 0.5}, "presence_penalty"),
     ({"stream_options": {"include_usage": True}}, "stream_options"),
     ({"temperature": 5}, "temperature"),
     ({"max_tokens": 0}, "max_tokens"),
     ({"messages": []}, "messages"),
-    ({"messages": [{"role": "tool", "content": "x"}]}, "messages.0.role"),
+    ({"messages": [{"role": "robot", "content": "x"}]}, "messages.0.role"),
+    ({"messages": [{"role": "tool", "content": "x"}]}, "messages.0"),
+    ({"messages": [{"role": "user"}]}, "messages.0"),
     ({"frobnicate": True}, "frobnicate"),
 ])
 def test_400_for_bad_or_unsupported_fields(http, fields, param):

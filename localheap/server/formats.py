@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from ..engine import Finished, Usage
+from .toolcalls import Piece, Text, ToolCall
 
 
 @dataclass
@@ -39,9 +40,13 @@ class Reply:
                 "logprobs": None, "finish_reason": finish}
 
     def chunk(self, text: Optional[str], finish: Optional[str] = None, first: bool = False,
-              extension: Optional[dict] = None, with_usage_field: bool = False) -> dict:
+              extension: Optional[dict] = None, with_usage_field: bool = False, delta: Optional[dict] = None) -> dict:
+        """A stream chunk: `text` as content, or (chat) a `delta` of its own."""
         body = self._head(self.chunk_object)
-        body["choices"] = [self._choice(text, finish, stream=True, first=first)]
+        choice = self._choice(text, finish, stream=True, first=first)
+        if delta is not None:
+            choice["delta"] = delta
+        body["choices"] = [choice]
         if with_usage_field:
             body["usage"] = None
         if extension is not None:
@@ -53,14 +58,41 @@ class Reply:
         body.update(choices=[], usage=usage_dict(usage), localheap=extension)
         return body
 
-    def full(self, text: str, done: Finished) -> dict:
+    def full(self, text: str, done: Finished, pieces: Optional[list[Piece]] = None) -> dict:
+        """The whole reply; for chat, `pieces` (content, reasoning, tool calls) make the message."""
         body = self._head("chat.completion" if self.kind == "chat" else "text_completion")
-        body.update(choices=[self._choice(text, finish_reason(done), stream=False)],
-                    usage=usage_dict(done.usage), localheap=extension(done))
+        calls = [p for p in pieces or [] if isinstance(p, ToolCall)]
+        choice = self._choice(text, finish_reason(done, bool(calls)), stream=False)
+        ext = extension(done)
+        if pieces is not None:
+            message = choice["message"]
+            content = "".join(p.text for p in pieces if isinstance(p, Text) and p.kind == "content")
+            message["content"] = content or (None if calls else "")
+            reasoning = "".join(p.text for p in pieces if isinstance(p, Text) and p.kind == "reasoning")
+            if reasoning:
+                message["reasoning_content"] = reasoning
+            if calls:
+                message["tool_calls"] = [tool_call_dict(c) for c in calls]
+                add_call_errors(ext, calls)
+        body.update(choices=[choice], usage=usage_dict(done.usage), localheap=ext)
         return body
 
 
-def finish_reason(done: Finished) -> str:
+def tool_call_dict(call: ToolCall, index: Optional[int] = None) -> dict:
+    d = {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+    return d if index is None else {"index": index, **d}
+
+
+def add_call_errors(ext: dict, calls: list[ToolCall], first_index: int = 0) -> None:
+    """Calls whose arguments are not JSON are returned as written, and named here."""
+    errors = [{"index": first_index + i, "id": c.id, "error": c.error} for i, c in enumerate(calls) if c.error]
+    if errors:
+        ext.setdefault("tool_call_errors", []).extend(errors)
+
+
+def finish_reason(done: Finished, tool_calls: bool = False) -> str:
+    if tool_calls and done.finish_reason == "stop":
+        return "tool_calls"
     return done.finish_reason if done.finish_reason in ("stop", "length") else "stop"
 
 

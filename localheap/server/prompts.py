@@ -3,8 +3,10 @@ document takes a while to tokenize). Knows the tokenizer, never a tensor."""
 
 from __future__ import annotations
 
+import json
 import re
 import threading
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
 from starlette.concurrency import run_in_threadpool
@@ -13,6 +15,7 @@ from ..sessions import Prompt
 from ..sessions.session import token_array
 from .errors import BadRequest, PromptTooLong
 from .schemas import ChatMessage, CompletionRequest
+from .toolcalls import ToolFormat, prompted_call, prompted_tools
 from .tokens import PIECE_CHARS, check_chars, encode_bounded, encode_plain, release_freed_memory
 
 _LONG_TEXTS = threading.Lock()
@@ -23,10 +26,82 @@ _SURROGATE = re.compile("[\ud800-\udfff]")
 _PLACEHOLDER = [{"role": "user", "content": "\u2047"}, {"role": "assistant", "content": "\u2048"}]
 
 
-def _messages(messages: list[ChatMessage]) -> list[dict]:
-    # "developer" is OpenAI's newer name for the system role; templates know "system"
-    return [{"role": "system" if m.role == "developer" else m.role, "content": _text(m.text(), "messages")}
-            for m in messages]
+# apply_chat_template's own arguments: not for a request's chat_template_kwargs to set
+_RESERVED_KWARGS = frozenset({"conversation", "messages", "tools", "documents", "chat_template", "tokenize",
+                              "add_generation_prompt", "continue_final_message", "return_dict", "padding",
+                              "truncation", "max_length", "return_tensors", "return_assistant_tokens_mask",
+                              "tokenizer_kwargs"})
+
+
+@dataclass
+class ChatOptions:
+    """What a chat request adds to its messages: tools (OpenAI shape) and the template's own
+    keyword arguments (e.g. enable_thinking)."""
+    tools: Optional[list[dict]] = None
+    fmt: Optional[ToolFormat] = None          # the model's tool-call format (from its template)
+    template_kwargs: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        bad = sorted(set(self.template_kwargs) & _RESERVED_KWARGS)
+        if bad:
+            raise BadRequest(f"chat_template_kwargs cannot set {', '.join(bad)}", "chat_template_kwargs")
+
+    @property
+    def prompted(self) -> bool:
+        """Tools described in a system message: the template cannot render them."""
+        return self.fmt is not None and not self.fmt.in_template
+
+    def template_args(self) -> dict:
+        if self.tools and not self.prompted:
+            return {"tools": self.tools, **self.template_kwargs}
+        return dict(self.template_kwargs)
+
+
+def _messages(messages: list[ChatMessage], opts: Optional[ChatOptions] = None) -> list[dict]:
+    """Messages as chat templates take them (Hugging Face's conventions: tool call arguments as
+    objects). Where the template cannot render tools, calls and results are written as text."""
+    opts = opts or ChatOptions()
+    out: list[dict] = []
+    for m in messages:
+        # "developer" is OpenAI's newer name for the system role; templates know "system"
+        d = {"role": "system" if m.role == "developer" else m.role, "content": _text(m.text(), "messages")}
+        if m.tool_calls and opts.prompted:
+            d["content"] = "\n".join([d["content"]] * bool(d["content"]) +
+                                     [prompted_call(c.function.name, c.function.arguments) for c in m.tool_calls])
+        elif m.tool_calls:
+            d["tool_calls"] = [{"id": c.id, "type": "function",
+                                "function": {"name": c.function.name, "arguments": _arguments(c.function.arguments)}}
+                               for c in m.tool_calls]
+        if m.role == "tool" and opts.prompted:
+            result = f"<tool_response>\n{d['content']}\n</tool_response>"
+            if out and out[-1].get("tool_results"):   # results of one turn's calls: one message
+                out[-1]["content"] += "\n" + result
+                continue
+            d = {"role": "user", "content": result, "tool_results": True}
+        elif m.role == "tool":
+            d["tool_call_id"] = m.tool_call_id
+            if m.name:
+                d["name"] = m.name
+        if m.role == "assistant" and m.reasoning_content is not None:
+            d["reasoning_content"] = m.reasoning_content
+        out.append(d)
+    for d in out:
+        d.pop("tool_results", None)
+    if opts.prompted and opts.tools:
+        text = prompted_tools(opts.tools)
+        if out and out[0]["role"] == "system":
+            out[0] = {**out[0], "content": text + "\n\n" + out[0]["content"]}
+        else:
+            out.insert(0, {"role": "system", "content": text})
+    return out
+
+
+def _arguments(text: str) -> Any:
+    """A call's arguments as an object for the template; as sent when they are not JSON."""
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
 
 
 def _text(text: str, param: str) -> str:
@@ -38,11 +113,12 @@ def _text(text: str, param: str) -> str:
     return text
 
 
-def render(tokenizer: Any, messages: list[dict], add_generation_prompt: bool) -> str:
+def render(tokenizer: Any, messages: list[dict], add_generation_prompt: bool, **template_args) -> str:
     if getattr(tokenizer, "chat_template", None) is None and not _has_template(tokenizer):
         raise BadRequest("this model has no chat template; use /v1/completions", "messages", "no_chat_template")
     try:
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                             **template_args)
     except Exception as e:  # jinja raises its own error types from inside the template
         raise BadRequest(f"the model's chat template refused these messages: {e}", "messages") from e
 
@@ -52,12 +128,13 @@ def _has_template(tokenizer: Any) -> bool:
     return getattr(inner, "chat_template", None) is not None
 
 
-def render_continuation(tokenizer: Any, messages: list[dict], add_generation_prompt: bool) -> Optional[str]:
+def render_continuation(tokenizer: Any, messages: list[dict], add_generation_prompt: bool,
+                        **template_args) -> Optional[str]:
     """What the template adds for `messages` after an earlier exchange, or None."""
     try:
-        base = tokenizer.apply_chat_template(_PLACEHOLDER, tokenize=False)
+        base = tokenizer.apply_chat_template(_PLACEHOLDER, tokenize=False, **template_args)
         full = tokenizer.apply_chat_template(_PLACEHOLDER + messages, tokenize=False,
-                                             add_generation_prompt=add_generation_prompt)
+                                             add_generation_prompt=add_generation_prompt, **template_args)
     except Exception:
         return None
     return full[len(base):] if full.startswith(base) else None
@@ -90,15 +167,16 @@ def _bounded(fn: Callable[..., Prompt], args: tuple, kwargs: dict) -> Prompt:
 
 
 def chat_prompt(tokenizer: Any, messages: list[ChatMessage], add_generation_prompt: bool = True,
-                limit: Optional[int] = None) -> Prompt:
+                limit: Optional[int] = None, opts: Optional[ChatOptions] = None) -> Prompt:
     """The full conversation, plus its continuation for an explicit session that holds
     earlier turns (only the new messages are sent). Tokenized once: the continuation's ids
     are the tail of the conversation's when the template renders it as the text's tail."""
     check_chars(tokenizer, sum(len(m.text()) for m in messages), limit, "messages")
-    msgs = _messages(messages)
-    text = render(tokenizer, msgs, add_generation_prompt)
+    msgs = _messages(messages, opts)
+    args = opts.template_args() if opts is not None else {}
+    text = render(tokenizer, msgs, add_generation_prompt, **args)
     tokens = encode_bounded(tokenizer, text, limit)
-    cont = render_continuation(tokenizer, msgs, add_generation_prompt)
+    cont = render_continuation(tokenizer, msgs, add_generation_prompt, **args)
     return Prompt(tokens, text, _tail_ids(tokenizer, text, tokens, cont) if cont is not None else None)
 
 

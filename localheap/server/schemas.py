@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
 TITLE_MAX_CHARS = 200
@@ -21,13 +21,82 @@ class TextPart(Strict):
     text: str
 
 
+class FunctionCall(Strict):
+    name: str
+    arguments: str               # JSON text, as OpenAI sends it
+
+
+class ToolCallItem(Strict):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(Strict):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: Union[str, list[TextPart]]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Union[str, list[TextPart], None] = None
     name: Optional[str] = None
+    tool_calls: Optional[list[ToolCallItem]] = None     # assistant: the calls it made
+    tool_call_id: Optional[str] = None                  # tool: the call this answers
+    reasoning_content: Optional[str] = None             # assistant: its reasoning (the template decides)
+    refusal: Optional[str] = None                       # sent back by SDKs with an assistant message
+    function_call: None = None                          # likewise (always null here)
+    annotations: Optional[list[Any]] = None             # likewise
+    audio: None = None                                  # likewise
+
+    @model_validator(mode="after")
+    def _shape(self):
+        if self.content is None and not (self.role == "assistant" and (self.tool_calls or self.refusal)):
+            raise ValueError(f"a {self.role} message needs content")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only an assistant message carries tool_calls")
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a tool message needs the tool_call_id it answers")
+        return self
 
     def text(self) -> str:
+        if self.content is None:
+            return ""
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class FunctionDef(Strict):
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    description: Optional[str] = None
+    parameters: Optional[dict[str, Any]] = None
+    strict: Optional[bool] = None
+
+
+class Tool(Strict):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(Strict):
+    name: str
+
+
+class NamedToolChoice(Strict):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class JsonSchemaFormat(Strict):
+    name: str = Field("response", max_length=64)
+    description: Optional[str] = None
+    schema_: Optional[dict[str, Any]] = Field(None, alias="schema")
+    strict: Optional[bool] = None
+
+
+class ResponseFormat(Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: Optional[JsonSchemaFormat] = None
+
+    @model_validator(mode="after")
+    def _schema(self):
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("type json_schema needs a json_schema object")
+        return self
 
 
 class StreamOptions(Strict):
@@ -80,24 +149,30 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: Optional[int] = Field(None, ge=1)
     logprobs: Optional[bool] = None
     top_logprobs: Optional[int] = None
-    response_format: Optional[dict[str, Any]] = None
-    tools: Optional[list[Any]] = None
-    tool_choice: Optional[Any] = None
+    response_format: Optional[ResponseFormat] = None
+    tools: Optional[list[Tool]] = None
+    tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
     parallel_tool_calls: Optional[bool] = None
     functions: Optional[list[Any]] = None
     function_call: Optional[Any] = None
+    chat_template_kwargs: Optional[dict[str, Any]] = None   # extension (vLLM's): e.g. {"enable_thinking": false}
+    reasoning_effort: Optional[str] = None                   # accepted, unused
 
     def unsupported(self) -> Optional[tuple[str, str]]:
         """(param, message) for the first field set to something this server cannot do."""
-        if self.tools or self.functions:
-            name = "tools" if self.tools else "functions"
-            return name, "tool and function calling are not supported"
-        if self.tool_choice not in (None, "none") or self.function_call not in (None, "none"):
-            return "tool_choice", "tool and function calling are not supported"
+        if self.functions or self.function_call not in (None, "none"):
+            name = "functions" if self.functions else "function_call"
+            return name, "the legacy functions/function_call fields are not supported: use tools and tool_choice"
+        if self.tool_choice not in (None, "none", "auto") and not self.tools:
+            return "tool_choice", "tool_choice needs tools"
+        if isinstance(self.tool_choice, NamedToolChoice) and \
+                self.tool_choice.function.name not in {t.function.name for t in self.tools}:
+            return "tool_choice", f"tool_choice names {self.tool_choice.function.name!r}, which is not in tools"
+        if self.response_format is not None and self.response_format.type != "text" and \
+                self.tool_choice not in (None, "none", "auto"):
+            return "response_format", "response_format and a forced tool_choice cannot be combined"
         if self.logprobs or self.top_logprobs is not None:
             return "logprobs", "logprobs are not supported"
-        if self.response_format is not None and self.response_format.get("type") != "text":
-            return "response_format", "only response_format {'type': 'text'} is supported"
         return self.common_unsupported()
 
     def limit(self, default: int) -> int:

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Iterator, Optional, Sequence
 
 import mlx.core as mx
+import numpy as np
 from mlx_lm.sample_utils import make_sampler
 
 from ...generation import ProgressFn, SamplingParams
@@ -20,7 +21,25 @@ from .heapcache import HeapPromptCache
 
 
 def sampler_for(params: SamplingParams):
-    return make_sampler(temp=params.temperature, top_p=params.top_p, top_k=params.top_k)
+    sample = make_sampler(temp=params.temperature, top_p=params.top_p, top_k=params.top_k)
+    constraint = params.constraint
+    if constraint is None:
+        return sample
+
+    def constrained(logprobs: mx.array) -> mx.array:
+        """Disallowed ids at -inf before mlx-lm's sampler; the constraint sees each sampled id
+        (which evaluates the step: a constrained request decodes without the async overlap)."""
+        allowed = constraint.allowed()
+        if allowed is not None:
+            keep = np.zeros(logprobs.shape[-1], dtype=bool)
+            n = min(len(allowed), keep.shape[0])
+            keep[:n] = allowed[:n]
+            logprobs = mx.where(mx.array(keep), logprobs, -mx.inf)
+        y = sample(logprobs)
+        constraint.advance(y.item())
+        return y
+
+    return constrained
 
 
 def prefill(model, cache: HeapPromptCache, tokens: Sequence[int], chunk: int,

@@ -77,19 +77,36 @@ class Sampler:
         self.generator = None
         if params.seed is not None:
             self.generator = torch.Generator(device=device).manual_seed(params.seed)
+        self.constraint = params.constraint
 
     def sample(self, logits: torch.Tensor) -> torch.Tensor:
-        """[1] int64 token id on the logits' device (no host sync)."""
+        """[1] int64 token id on the logits' device (no host sync, unless a constraint must see it)."""
         scores = logits[None]                          # [1, vocab]
+        if self.constraint is not None:
+            scores = _masked(scores, self.constraint.allowed())
         if self.greedy:
-            return torch.argmax(scores, dim=-1)
-        for warp in self.warpers:
-            scores = warp(None, scores)
-        probs = torch.softmax(scores, dim=-1)
-        return torch.multinomial(probs, num_samples=1, generator=self.generator)[0]
+            token = torch.argmax(scores, dim=-1)
+        else:
+            for warp in self.warpers:
+                scores = warp(None, scores)
+            probs = torch.softmax(scores, dim=-1)
+            token = torch.multinomial(probs, num_samples=1, generator=self.generator)[0]
+        if self.constraint is not None:
+            self.constraint.advance(int(token))
+        return token
 
     def __call__(self, logits: torch.Tensor) -> int:
         return int(self.sample(logits))
+
+
+def _masked(scores: torch.Tensor, allowed) -> torch.Tensor:
+    """scores [1, vocab] with the ids a constraint disallows at -inf (None: all allowed)."""
+    if allowed is None:
+        return scores
+    keep = torch.zeros(scores.shape[-1], dtype=torch.bool)
+    n = min(len(allowed), scores.shape[-1])
+    keep[:n] = torch.from_numpy(allowed[:n])
+    return scores.masked_fill(~keep.to(scores.device), float("-inf"))
 
 
 class HostCopy:

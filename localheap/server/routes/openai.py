@@ -10,15 +10,17 @@ from fastapi import APIRouter, Depends, Header, Request
 from fastapi.responses import JSONResponse
 from sse_starlette import EventSourceResponse
 
-from ...engine import Delta, Finished, Generate, Job, Started
+from ...engine import Delta, Finished, Job, Started
 from ...generation import SamplingParams
 from ...sessions import Prompt
-from ..bridge import JobEvents, collect, follow, submit
-from ..errors import BadRequest, Unsupported, to_response
-from ..formats import Reply, extension, finish_reason
+from ..bridge import JobEvents, collect, follow
+from ..chat import ChatPlan, start
+from ..errors import Unsupported, to_response
+from ..formats import Reply, add_call_errors, extension, finish_reason, tool_call_dict
 from ..prompts import chat_prompt, completion_prompt, tokenize
 from ..schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
-from ..services import Services, owner, services
+from ..services import Services, services
+from ..toolcalls import OutputParser, Piece, ToolCall
 
 router = APIRouter()
 SESSION_HEADER = "X-Session-Id"
@@ -39,11 +41,15 @@ async def get_model(model: str, svc: Services = Depends(services)) -> dict:
 async def chat_completions(body: ChatCompletionRequest, request: Request, svc: Services = Depends(services),
                            x_session_id: Optional[str] = Header(None)):
     _check(body, svc)
-    prompt = await tokenize(chat_prompt, svc.tokenizer, body.messages, limit=svc.settings.max_prompt_tokens)
+    plan = _plan(body)
+    opts = plan.options(svc)
+    prompt = await tokenize(chat_prompt, svc.tokenizer, body.messages, limit=svc.settings.max_prompt_tokens,
+                            opts=opts)
     first_user = next((m.text() for m in body.messages if m.role == "user"), None)
     default = min(svc.settings.default_max_tokens, svc.settings.max_tokens_limit)
-    return await _respond(Reply("chat", svc.model_id), body, prompt, body.limit(default),
-                          request, svc, x_session_id, first_user)
+    params = _params(body, body.limit(default), plan.constraint(svc, opts))
+    return await _respond(Reply("chat", svc.model_id), body, prompt, params, request, svc, x_session_id,
+                          first_user, plan.parser(opts, prompt))
 
 
 @router.post("/v1/completions")
@@ -52,7 +58,8 @@ async def completions(body: CompletionRequest, request: Request, svc: Services =
     _check(body, svc)
     prompt = await tokenize(completion_prompt, svc.tokenizer, body, limit=svc.settings.max_prompt_tokens)
     text = body.prompt if isinstance(body.prompt, str) else None
-    return await _respond(Reply("text", svc.model_id), body, prompt, body.max_tokens, request, svc, x_session_id, text)
+    return await _respond(Reply("text", svc.model_id), body, prompt, _params(body, body.max_tokens), request, svc,
+                          x_session_id, text)
 
 
 def _check(body, svc: Services) -> None:
@@ -62,33 +69,45 @@ def _check(body, svc: Services) -> None:
         raise Unsupported(bad[1], bad[0])
 
 
-def _params(body: SamplingFields, max_tokens: int) -> SamplingParams:
+def _plan(body: ChatCompletionRequest) -> ChatPlan:
+    choice = body.tool_choice
+    if choice is None:
+        choice = "auto"
+    elif not isinstance(choice, str):
+        choice = choice.function.name
+    fmt = body.response_format
+    schema = None
+    if fmt is not None and fmt.type == "json_object":
+        schema = {}
+    elif fmt is not None and fmt.type == "json_schema":
+        schema = fmt.json_schema.schema_ or {}
+    tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
+    return ChatPlan(tools, choice, body.parallel_tool_calls is not False, schema, body.chat_template_kwargs)
+
+
+def _params(body: SamplingFields, max_tokens: int, constraint=None) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
-                          top_k=body.top_k, seed=body.seed, stop=list(body.stop or []))
+                          top_k=body.top_k, seed=body.seed, stop=list(body.stop or []), constraint=constraint)
 
 
-async def _respond(reply: Reply, body: SamplingFields, prompt: Prompt, max_tokens: int, request: Request,
-                   svc: Services, session_id: Optional[str], title: Optional[str]):
-    who = owner(request)
-    if session_id is not None:
-        svc.store.info(session_id, who)   # unknown id, or another key's: 404 before queueing
-    if max_tokens > svc.settings.max_tokens_limit:   # one request must not hold the engine forever
-        raise BadRequest(f"max_tokens {max_tokens} is over this server's limit of {svc.settings.max_tokens_limit}",
-                         "max_tokens", "max_tokens_too_large")
-    params = _params(body, max_tokens)
-    job, events, started = await submit(svc.engine, lambda emit: Generate(prompt, params, emit, session_id, who))
+async def _respond(reply: Reply, body: SamplingFields, prompt: Prompt, params: SamplingParams, request: Request,
+                   svc: Services, session_id: Optional[str], title: Optional[str],
+                   parser: Optional[OutputParser] = None):
+    job, events, started = await start(svc, request, prompt, params, session_id, title)
     headers = {SESSION_HEADER: started.session_id}
-    await svc.name_session(started.session_id, title)
     if not body.stream:
         text, done = await collect(request, job, events)
-        return JSONResponse(reply.full(text, done), headers=headers)
+        pieces = parser.feed(text) + parser.finish() if parser is not None else None
+        return JSONResponse(reply.full(text, done, pieces), headers=headers)
     usage = bool(body.stream_options and body.stream_options.include_usage)
-    return EventSourceResponse(_stream(reply, job, events, started, usage), headers=headers, sep="\n")
+    return EventSourceResponse(_stream(reply, job, events, started, usage, parser), headers=headers, sep="\n")
 
 
-async def _stream(reply: Reply, job: Job, events: JobEvents, started: Started, usage: bool) -> AsyncIterator[dict]:
+async def _stream(reply: Reply, job: Job, events: JobEvents, started: Started, usage: bool,
+                  parser: Optional[OutputParser]) -> AsyncIterator[dict]:
     first_ext = {"session_id": started.session_id}
     first_token_at: Optional[float] = None
+    calls = 0
     try:
         if reply.kind == "chat":
             yield _data(reply.chunk("", first=True, extension=first_ext, with_usage_field=usage))
@@ -96,17 +115,42 @@ async def _stream(reply: Reply, job: Job, events: JobEvents, started: Started, u
         async for event in follow(job, events):
             if isinstance(event, Delta):
                 first_token_at = first_token_at or time.monotonic()
-                yield _data(reply.chunk(event.text, extension=first_ext, with_usage_field=usage))
-                first_ext = None
+                if parser is None:
+                    yield _data(reply.chunk(event.text, extension=first_ext, with_usage_field=usage))
+                    first_ext = None
+                    continue
+                for piece in parser.feed(event.text):
+                    yield _data(reply.chunk(None, delta=_delta(piece, calls), with_usage_field=usage,
+                                            extension=_call_errors(piece, calls)))
+                    calls += isinstance(piece, ToolCall)
             elif isinstance(event, Finished):
+                for piece in parser.finish() if parser is not None else []:
+                    yield _data(reply.chunk(None, delta=_delta(piece, calls), with_usage_field=usage,
+                                            extension=_call_errors(piece, calls)))
+                    calls += isinstance(piece, ToolCall)
                 decode_s = time.monotonic() - first_token_at if first_token_at is not None else None
                 ext = extension(event, decode_s)
-                yield _data(reply.chunk(None, finish_reason(event), extension=ext, with_usage_field=usage))
+                yield _data(reply.chunk(None, finish_reason(event, calls > 0), extension=ext, with_usage_field=usage))
                 if usage:
                     yield _data(reply.usage_chunk(event.usage, ext))
     except Exception as e:   # headers are gone: report in the stream, as OpenAI does
         yield {"data": to_response(e).body.decode()}
     yield {"data": "[DONE]"}
+
+
+def _delta(piece: Piece, index: int) -> dict:
+    """A chat delta: content, reasoning_content, or one whole tool call (index: its place in the reply)."""
+    if isinstance(piece, ToolCall):
+        return {"tool_calls": [tool_call_dict(piece, index)]}
+    return {"content" if piece.kind == "content" else "reasoning_content": piece.text}
+
+
+def _call_errors(piece: Piece, index: int) -> Optional[dict]:
+    if not isinstance(piece, ToolCall) or piece.error is None:
+        return None
+    ext: dict = {}
+    add_call_errors(ext, [piece], index)
+    return ext
 
 
 def _data(body: dict) -> dict:
