@@ -1,0 +1,87 @@
+"""Chat templates in each family's documented tool-calling syntax, written for these tests (the
+models' own templates are not reachable offline), and tiny models that carry them.
+
+Each renders `tools`, assistant `tool_calls` and `tool` results the way its family does:
+Qwen2.5/Qwen3/Hermes (<tool_call> blocks, <tool_response> in a user turn, <think> reasoning,
+enable_thinking), Mistral v0.3 ([AVAILABLE_TOOLS], [TOOL_CALLS] with 9-character ids,
+[TOOL_RESULTS]) and Llama 3.1 (ipython environment, JSON calls with "parameters").
+The end of turn is the tiny tokenizer's EOS, <|end|>."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+QWEN = (
+    "{%- set ns = namespace(last_user=-1) %}{%- for m in messages %}{% if m.role == 'user' %}"
+    "{% set ns.last_user = loop.index0 %}{% endif %}{% endfor %}"
+    "{%- if tools %}<|system|>\n{% if messages[0].role == 'system' %}{{ messages[0].content }}\n\n{% endif %}"
+    "# Tools\n\n<tools>\n{% for t in tools %}{{ t | tojson }}\n{% endfor %}</tools>\n\n"
+    "For each function call, return a json object within <tool_call></tool_call> tags:\n"
+    "<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call><|end|>\n"
+    "{%- elif messages[0].role == 'system' %}<|system|>\n{{ messages[0].content }}<|end|>\n{%- endif %}"
+    "{%- for m in messages %}"
+    "{%- if m.role == 'system' and loop.first %}"
+    "{%- elif m.role == 'assistant' %}\n<|assistant|>\n"
+    "{%- if m.reasoning_content and loop.index0 > ns.last_user %}<think>\n{{ m.reasoning_content }}\n</think>\n\n{% endif %}"
+    "{{ m.content or '' }}"
+    "{%- for c in m.tool_calls or [] %}{% if not loop.first or m.content %}\n{% endif %}"
+    "<tool_call>\n{\"name\": \"{{ c.function.name }}\", \"arguments\": {{ c.function.arguments | tojson }}}\n</tool_call>"
+    "{%- endfor %}<|end|>"
+    "{%- elif m.role == 'tool' %}\n<|user|>\n<tool_response>\n{{ m.content }}\n</tool_response><|end|>"
+    "{%- else %}\n<|{{ m.role }}|>\n{{ m.content }}<|end|>{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}\n<|assistant|>\n"
+    "{%- if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n{% endif %}{% endif %}"
+)
+
+MISTRAL = (
+    "{{ bos_token }}{%- for m in messages %}"
+    "{%- if m.role == 'user' %}"
+    "{%- if tools and loop.last %}[AVAILABLE_TOOLS]{{ tools | tojson }}[/AVAILABLE_TOOLS]{% endif %}"
+    "[INST]{{ m.content }}[/INST]"
+    "{%- elif m.role == 'system' %}[INST]{{ m.content }}[/INST]"
+    "{%- elif m.role == 'assistant' and m.tool_calls %}[TOOL_CALLS][{% for c in m.tool_calls %}"
+    "{% if c.id | length != 9 %}{{ raise_exception('Tool call IDs should be alphanumeric strings with length 9!') }}{% endif %}"
+    "{\"name\": \"{{ c.function.name }}\", \"arguments\": {{ c.function.arguments | tojson }}, \"id\": \"{{ c.id }}\"}"
+    "{% if not loop.last %}, {% endif %}{% endfor %}]{{ eos_token }}"
+    "{%- elif m.role == 'assistant' %}{{ m.content }}{{ eos_token }}"
+    "{%- elif m.role == 'tool' %}[TOOL_RESULTS]{\"content\": {{ m.content | tojson }}, "
+    "\"call_id\": \"{{ m.tool_call_id }}\"}[/TOOL_RESULTS]"
+    "{%- endif %}{%- endfor %}"
+)
+
+LLAMA31 = (
+    "{{ bos_token }}<|system|>\n{% if tools %}Environment: ipython\n{% endif %}Cutting Knowledge Date: December 2023\n"
+    "{% if messages[0].role == 'system' %}{{ messages[0].content }}{% endif %}<|end|>"
+    "{%- for m in messages %}"
+    "{%- if m.role == 'system' %}"
+    "{%- elif m.role == 'user' %}\n<|user|>\n"
+    "{%- if tools and loop.last %}Given the following functions, respond with a JSON for a function call "
+    "with its proper arguments that best answers the given prompt.\n\nRespond in the format "
+    "{\"name\": function name, \"parameters\": dictionary of argument name and its value}. "
+    "Do not use variables.\n\n{% for t in tools %}{{ t | tojson(indent=4) }}\n\n{% endfor %}{% endif %}"
+    "{{ m.content }}<|end|>"
+    "{%- elif m.role == 'assistant' and m.tool_calls %}\n<|assistant|>\n"
+    "{%- for c in m.tool_calls %}{\"name\": \"{{ c.function.name }}\", \"parameters\": "
+    "{{ c.function.arguments | tojson }}}{% endfor %}<|end|>"
+    "{%- elif m.role == 'assistant' %}\n<|assistant|>\n{{ m.content }}<|end|>"
+    "{%- elif m.role in ('tool', 'ipython') %}\n<|ipython|>\n{{ m.content | tojson if m.content is mapping "
+    "else m.content }}<|end|>{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}\n<|assistant|>\n{% endif %}"
+)
+
+TEMPLATES = {"qwen": QWEN, "mistral": MISTRAL, "llama3.1": LLAMA31}
+
+
+def with_template(model_dir: Path, out_dir: Path, template: str) -> Path:
+    """A copy of a tiny model whose tokenizer carries `template`."""
+    if out_dir.exists():
+        return out_dir
+    shutil.copytree(model_dir, out_dir)
+    cfg_path = out_dir / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["chat_template"] = template
+    cfg_path.write_text(json.dumps(cfg))
+    return out_dir

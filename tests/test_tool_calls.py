@@ -1,0 +1,163 @@
+"""Tool calls and reasoning, below the server: each family's format recognised from its template,
+tools and past calls rendered through it, and replies parsed from real tokenizer output
+(the tiny models' byte-level BPE, detokenized as the engine does) streamed in pieces of every size."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from family_templates import TEMPLATES, with_template
+from localheap.engine.detok import TextStream
+from localheap.server.errors import BadRequest
+from localheap.server.prompts import ChatOptions, chat_prompt
+from localheap.server.schemas import ChatMessage
+from localheap.server.toolcalls import Hermes, Llama, Mistral, OutputParser, Prompted, Text, ToolCall, tool_format
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                           "required": ["city"]}}}]
+
+
+@pytest.fixture(scope="module")
+def tokenizers(model_dirs, tmp_path_factory):
+    from transformers import AutoTokenizer
+
+    base = model_dirs("llama")
+    root = tmp_path_factory.mktemp("families")
+    toks = {name: AutoTokenizer.from_pretrained(with_template(base, root / name, t)) for name, t in TEMPLATES.items()}
+    toks["plain"] = AutoTokenizer.from_pretrained(base)
+    return toks
+
+
+FORMATS = {"qwen": Hermes, "mistral": Mistral, "llama3.1": Llama, "plain": Prompted}
+
+
+@pytest.mark.parametrize("family", sorted(FORMATS))
+def test_the_format_is_recognised_from_the_template(tokenizers, family):
+    assert type(tool_format(tokenizers[family])) is FORMATS[family]
+
+
+def _history(call_id: str) -> list[ChatMessage]:
+    return [ChatMessage(role="system", content="Be brief."),
+            ChatMessage(role="user", content="Weather in Paris?"),
+            ChatMessage(role="assistant", content=None, tool_calls=[
+                {"id": call_id, "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]),
+            ChatMessage(role="tool", tool_call_id=call_id, content="18C, sunny"),
+            ChatMessage(role="user", content="And tomorrow?")]
+
+
+@pytest.mark.parametrize("family,call_text,result_text", [
+    ("qwen", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
+     "<tool_response>\n18C, sunny\n</tool_response>"),
+    ("mistral", '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}, "id": "abcDEF123"}]',
+     '[TOOL_RESULTS]{"content": "18C, sunny", "call_id": "abcDEF123"}[/TOOL_RESULTS]'),
+    ("llama3.1", '{"name": "get_weather", "parameters": {"city": "Paris"}}', "<|ipython|>\n18C, sunny"),
+    ("plain", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
+     "<tool_response>\n18C, sunny\n</tool_response>"),
+])
+def test_tools_calls_and_results_go_through_the_template(tokenizers, family, call_text, result_text):
+    tok = tokenizers[family]
+    opts = ChatOptions(TOOLS, tool_format(tok))
+    prompt = chat_prompt(tok, _history("abcDEF123"), opts=opts)
+    assert call_text in prompt.text and result_text in prompt.text
+    assert '"description": "Weather in a city"' in prompt.text   # the tools are described
+    assert tok.decode(prompt.tokens, skip_special_tokens=False).endswith(prompt.text[-20:])
+
+
+def test_a_mistral_template_refuses_other_ids_and_template_kwargs_are_checked(tokenizers):
+    with pytest.raises(BadRequest, match="length 9"):
+        chat_prompt(tokenizers["mistral"], _history("call_0123456789"), opts=ChatOptions(TOOLS, Mistral()))
+    with pytest.raises(BadRequest, match="chat_template_kwargs"):
+        ChatOptions(template_kwargs={"tokenize": True})
+
+
+def test_enable_thinking_and_past_reasoning_reach_the_template(tokenizers):
+    tok = tokenizers["qwen"]
+    msgs = [ChatMessage(role="user", content="hi"),
+            ChatMessage(role="assistant", content="hello", reasoning_content="they greet me"),
+            ChatMessage(role="user", content="again")]
+    on = chat_prompt(tok, msgs, opts=ChatOptions())
+    off = chat_prompt(tok, msgs, opts=ChatOptions(template_kwargs={"enable_thinking": False}))
+    assert off.text == on.text + "<think>\n\n</think>\n\n"
+    assert "they greet me" not in on.text   # the template drops reasoning before the last question
+    last = chat_prompt(tok, msgs[:2], add_generation_prompt=False, opts=ChatOptions())
+    assert "<think>\nthey greet me\n</think>" in last.text
+
+
+def _deltas(tok, text: str) -> list[str]:
+    """`text` as the engine streams it: tokenized by the real tokenizer, detokenized id by id."""
+    stream, out = TextStream(lambda ids: tok.decode(ids, skip_special_tokens=False), []), []
+    for t in tok.encode(text, add_special_tokens=False):
+        out.append(stream.add(t)[0])
+    out.append(stream.flush()[0])
+    assert "".join(out) == text
+    return out
+
+
+def _parse_in_pieces(fmt, text: str, size: int, **kw) -> list:
+    parser, pieces = OutputParser(fmt, **kw), []
+    for i in range(0, len(text), size):
+        pieces += parser.feed(text[i:i + size])
+    pieces += parser.finish()
+    merged: list = []
+    for p in pieces:   # a stream may split a text run in several deltas: the same reply either way
+        if isinstance(p, Text) and merged and isinstance(merged[-1], Text) and merged[-1].kind == p.kind:
+            merged[-1] = Text(p.kind, merged[-1].text + p.text)
+        else:
+            merged.append(p)
+    return [(p.kind, p.text) if isinstance(p, Text) else (p.name, json.loads(p.arguments) if not p.error else
+                                                          p.arguments, bool(p.error)) for p in merged]
+
+
+REPLIES = {
+    "qwen": ('<think>\nThe user wants weather.\n</think>\n\nLet me check. <tool_call>\n{"name": "get_weather", '
+             '"arguments": {"city": "Paris"}}\n</tool_call>\n<tool_call>\n{"name": "get_weather", "arguments": '
+             '{"city": "Lyon"}}\n</tool_call>',
+             [("reasoning", "\nThe user wants weather.\n"), ("content", "Let me check. "),
+              ("get_weather", {"city": "Paris"}, False), ("get_weather", {"city": "Lyon"}, False)]),
+    "mistral": ('[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": "get_weather", '
+                '"arguments": {"city": "Lyon"}}]',
+                [("get_weather", {"city": "Paris"}, False), ("get_weather", {"city": "Lyon"}, False)]),
+    "llama3.1": ('{"name": "get_weather", "parameters": {"city": "Paris"}}; '
+                 '{"name": "get_weather", "parameters": {"city": "Lyon"}}',
+                 [("get_weather", {"city": "Paris"}, False), ("get_weather", {"city": "Lyon"}, False)]),
+    "plain": ('Sure.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": Paris}}\n</tool_call>',
+              [("content", "Sure.\n"), ("get_weather", "{\"city\": Paris}", True)]),
+}
+
+
+@pytest.mark.parametrize("family", sorted(REPLIES))
+def test_replies_parse_the_same_in_pieces_of_every_size(tokenizers, family):
+    tok = tokenizers[family]
+    text, want = REPLIES[family]
+    deltas = _deltas(tok, text)
+    fmt = tool_format(tok)
+    parser, streamed = OutputParser(fmt), []
+    for d in deltas:   # as the engine's deltas arrive
+        streamed += parser.feed(d)
+    streamed += parser.finish()
+    assert [p.name for p in streamed if isinstance(p, ToolCall)] == [w[0] for w in want if len(w) == 3]
+    for size in range(1, len(text) + 1):
+        assert _parse_in_pieces(fmt, text, size) == want, size
+
+
+@pytest.mark.parametrize("text,want", [
+    ("Just text, with <b> and {braces}.", [("content", "Just text, with <b> and {braces}.")]),
+    ("<tool_call>not json</tool_call> then", [("content", "<tool_call>not json</tool_call> then")]),
+    ('<tool_call>\n{"name": "f", "arguments": {"a": 1', [("f", '{"a": 1', True)]),   # cut off by max_tokens
+    ("<think>cut off", [("reasoning", "cut off")]),
+    ("a <think> later is content", [("content", "a <think> later is content")]),
+])
+def test_text_that_is_not_a_call_stays_content(text, want):
+    for size in range(1, len(text) + 1):
+        assert _parse_in_pieces(Hermes(), text, size) == want
+
+
+def test_llama_json_that_is_not_a_call_is_content_and_a_prompt_inside_think_is_reasoning():
+    for size in (1, 3, 100):
+        assert _parse_in_pieces(Llama(), '{"city": "Paris"}', size) == [("content", '{"city": "Paris"}')]
+        assert _parse_in_pieces(None, "hmm</think>\n\nyes", size, in_think=True) == \
+            [("reasoning", "hmm"), ("content", "yes")]
+        assert _parse_in_pieces(Mistral(), "[TOOL_CALLS]f[ARGS]{\"x\": 1}", size) == [("f", {"x": 1}, False)]
