@@ -4,6 +4,8 @@ arrays over token ids; each backend's Sampler applies them to its own logits."""
 
 from __future__ import annotations
 
+import copy
+import json
 import threading
 import weakref
 from typing import Any, Optional, Sequence
@@ -18,20 +20,41 @@ class GrammarError(ValueError):
     """A schema the grammar library cannot compile (the request's fault: a 400)."""
 
 
-def _hf_tokenizer(tokenizer: Any) -> Any:
-    return getattr(tokenizer, "_tokenizer", tokenizer)   # mlx-lm's TokenizerWrapper holds the HF one
+def _rust_tokenizer(tokenizer: Any) -> Any:
+    """The `tokenizers` library's tokenizer inside transformers' (or inside mlx-lm's wrapper of it)."""
+    from tokenizers import Tokenizer
+
+    t = tokenizer
+    for _ in range(3):
+        if isinstance(t, Tokenizer):
+            return t
+        inner = getattr(t, "backend_tokenizer", None)
+        t = inner if inner is not None else getattr(t, "_tokenizer", None)
+    raise GrammarError("structured output needs a fast (tokenizers-library) tokenizer")
 
 
 def _ll_tokenizer(tokenizer: Any, eos_ids: Sequence[int]) -> Any:
     """llguidance's view of the tokenizer: about a second for a 150K vocabulary, so built once."""
-    import llguidance.hf
+    import llguidance
 
-    hf = _hf_tokenizer(tokenizer)
     with _LOCK:
-        ll = _TOKENIZERS.get(hf)
+        ll = _TOKENIZERS.get(tokenizer)
         if ll is None:
-            ll = _TOKENIZERS[hf] = llguidance.hf.from_tokenizer(hf, eos_token=sorted(eos_ids) or None)
+            rust = copy.copy(_rust_tokenizer(tokenizer))
+            rust.no_padding()
+            rust.no_truncation()
+            ll = _TOKENIZERS[tokenizer] = llguidance.LLTokenizer(rust.to_str(), eos_token=sorted(eos_ids) or None)
     return ll
+
+
+# JSON as json.dumps writes it (and models are trained on): ", " and ": ", no other whitespace
+# (flexible whitespace lets a weak model pad forever)
+JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+def json_rule(schema: dict) -> str:
+    """A Lark `%json` rule body (llguidance's extension) for `schema`, in JSON_STYLE."""
+    return "%json " + json.dumps({**schema, "x-guidance": {**JSON_STYLE, **schema.get("x-guidance", {})}})
 
 
 def json_grammar(schema: Optional[dict]) -> str:
@@ -41,7 +64,7 @@ def json_grammar(schema: Optional[dict]) -> str:
     try:
         grammar = llguidance.LLMatcher.grammar_from_json_schema(
             schema if schema is not None else {"type": "object"},
-            defaults={"whitespace_flexible": False})
+            defaults=JSON_STYLE)
     except Exception as e:   # the compiler raises on schemas it cannot read
         raise GrammarError(f"the JSON schema cannot be enforced: {e}") from e
     error = llguidance.LLMatcher.validate_grammar(grammar)

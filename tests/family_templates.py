@@ -13,10 +13,11 @@ import json
 import shutil
 from pathlib import Path
 
+LAST_USER = ("{%- set ns = namespace(last_user=-1) %}{%- for m in messages %}{% if m.role == 'user' %}"
+             "{% set ns.last_user = loop.index0 %}{% endif %}{% endfor %}")
+
 QWEN = (
-    "{%- set ns = namespace(last_user=-1) %}{%- for m in messages %}{% if m.role == 'user' %}"
-    "{% set ns.last_user = loop.index0 %}{% endif %}{% endfor %}"
-    "{%- if tools %}<|system|>\n{% if messages[0].role == 'system' %}{{ messages[0].content }}\n\n{% endif %}"
+    LAST_USER + "{%- if tools %}<|system|>\n{% if messages[0].role == 'system' %}{{ messages[0].content }}\n\n{% endif %}"
     "# Tools\n\n<tools>\n{% for t in tools %}{{ t | tojson }}\n{% endfor %}</tools>\n\n"
     "For each function call, return a json object within <tool_call></tool_call> tags:\n"
     "<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call><|end|>\n"
@@ -37,9 +38,9 @@ QWEN = (
 )
 
 MISTRAL = (
-    "{{ bos_token }}{%- for m in messages %}"
+    LAST_USER + "{{ bos_token }}{%- for m in messages %}"
     "{%- if m.role == 'user' %}"
-    "{%- if tools and loop.last %}[AVAILABLE_TOOLS]{{ tools | tojson }}[/AVAILABLE_TOOLS]{% endif %}"
+    "{%- if tools and loop.index0 == ns.last_user %}[AVAILABLE_TOOLS]{{ tools | tojson }}[/AVAILABLE_TOOLS]{% endif %}"
     "[INST]{{ m.content }}[/INST]"
     "{%- elif m.role == 'system' %}[INST]{{ m.content }}[/INST]"
     "{%- elif m.role == 'assistant' and m.tool_calls %}[TOOL_CALLS][{% for c in m.tool_calls %}"
@@ -53,12 +54,12 @@ MISTRAL = (
 )
 
 LLAMA31 = (
-    "{{ bos_token }}<|system|>\n{% if tools %}Environment: ipython\n{% endif %}Cutting Knowledge Date: December 2023\n"
+    LAST_USER + "{{ bos_token }}<|system|>\n{% if tools %}Environment: ipython\n{% endif %}Cutting Knowledge Date: December 2023\n"
     "{% if messages[0].role == 'system' %}{{ messages[0].content }}{% endif %}<|end|>"
     "{%- for m in messages %}"
     "{%- if m.role == 'system' %}"
     "{%- elif m.role == 'user' %}\n<|user|>\n"
-    "{%- if tools and loop.last %}Given the following functions, respond with a JSON for a function call "
+    "{%- if tools and loop.index0 == ns.last_user %}Given the following functions, respond with a JSON for a function call "
     "with its proper arguments that best answers the given prompt.\n\nRespond in the format "
     "{\"name\": function name, \"parameters\": dictionary of argument name and its value}. "
     "Do not use variables.\n\n{% for t in tools %}{{ t | tojson(indent=4) }}\n\n{% endfor %}{% endif %}"

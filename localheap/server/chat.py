@@ -11,7 +11,7 @@ from fastapi import Request
 
 from ..engine import Generate, Job, Started
 from ..generation import SamplingParams
-from ..grammar import Grammar, GrammarError, json_grammar
+from ..grammar import Grammar, GrammarError, json_grammar, json_rule
 from ..sessions import Prompt
 from .bridge import JobEvents, submit
 from .errors import BadRequest
@@ -66,17 +66,17 @@ def call_grammar(fmt: ToolFormat, tools: list[dict], choice: str, parallel: bool
                 "properties": {"name": {"const": t["function"]["name"]},
                                args_key: t["function"].get("parameters") or {"type": "object"}}}
                for t in chosen]
-    call = json.dumps(schemas[0] if len(schemas) == 1 else {"anyOf": schemas})
+    call = json_rule(schemas[0] if len(schemas) == 1 else {"anyOf": schemas})
     many = parallel and choice == "required"
     if isinstance(fmt, Mistral):
         more = ' ("," " " call)*' if many else ""
-        return f'start: {_token_ref(tokenizer, "[TOOL_CALLS]")} "[" call{more} "]"\ncall: %json {call}\n'
+        return f'start: {_token_ref(tokenizer, "[TOOL_CALLS]")} "[" call{more} "]"\ncall: {call}\n'
     if isinstance(fmt, Llama):
         more = ' ("; " call)*' if many else ""
-        return f"start: call{more}\ncall: %json {call}\n"
+        return f"start: call{more}\ncall: {call}\n"
     assert isinstance(fmt, Hermes)
     more = ' ("\\n" block)*' if many else ""
-    return f'start: block{more}\nblock: "<tool_call>\\n" call "\\n</tool_call>"\ncall: %json {call}\n'
+    return f'start: block{more}\nblock: "<tool_call>\\n" call "\\n</tool_call>"\ncall: {call}\n'
 
 
 def _token_ref(tokenizer: Any, text: str) -> str:

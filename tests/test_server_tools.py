@@ -1,0 +1,209 @@
+"""Tool calls, reasoning and structured output through the real server (uvicorn in a thread, a
+tiny torch model carrying a Qwen-style template) driven by the official OpenAI SDK, unmodified.
+
+A random model will not choose to call a tool, so most tests force the sampled tokens (the server's
+test-only `force_tokens` hook: a Constraint that lets only the given ids through the sampler)
+while the template, the parser, the stream and the session run for real."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from family_templates import MISTRAL, QWEN, with_template
+
+openai = pytest.importorskip("openai")
+jsonschema = pytest.importorskip("jsonschema")
+
+from localheap.grammar import ForcedTokens  # noqa: E402
+from localheap.heap import HeapConfig  # noqa: E402
+from localheap.server import ServerSettings, create_app  # noqa: E402
+from localheap.server.testing import ServerThread  # noqa: E402
+
+HEAP = HeapConfig(budget=64, slack=32, recent=16)
+CITY = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Lyon", "Nice"]}},
+        "required": ["city"], "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+                                            "parameters": CITY}},
+         {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}]
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+
+
+def serve(model_dir, heap=HEAP):
+    from localheap.models import load_backend
+
+    return ServerThread(create_app(load_backend(str(model_dir), "torch"), ServerSettings(heap=heap, web_dir=None)))
+
+
+@pytest.fixture(scope="module")
+def server(model_dirs, tmp_path_factory, torch_one_thread):
+    with serve(with_template(model_dirs("qwen2"), tmp_path_factory.mktemp("qwen") / "m", QWEN)) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture
+def force(server):
+    """force(text): every chat request until the test ends samples exactly `text`'s tokens, then EOS."""
+    svc = server.services
+
+    def set_text(text: str) -> None:
+        ids = svc.tokenizer.encode(text, add_special_tokens=False)
+        svc.force_tokens = lambda: ForcedTokens(ids, svc.backend.eos_token_ids)
+
+    yield set_text
+    svc.force_tokens = None
+
+
+def model(client):
+    return client.models.list().data[0].id
+
+
+def ask(client, messages, **kw):
+    kw.setdefault("max_tokens", 80)
+    return client.chat.completions.create(model=model(client), messages=messages, tools=TOOLS, **kw)
+
+
+def test_a_tool_call_and_its_result_sent_back(client, force):
+    force(CALL)
+    history = [{"role": "user", "content": "What is the weather in Paris?"}]
+    first = ask(client, history)
+    choice = first.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.content is None
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and call.id.startswith("call_")
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Paris"}
+    force("It is sunny in Paris.")
+    history += [choice.message, {"role": "tool", "tool_call_id": call.id, "content": "18C, sunny"}]
+    second = ask(client, history)
+    assert second.choices[0].message.content == "It is sunny in Paris."
+    assert second.choices[0].finish_reason == "stop" and second.choices[0].message.tool_calls is None
+    assert second.localheap["session_id"] == first.localheap["session_id"]
+    # the reply rendered back by the template is what was generated: the whole first turn is reused
+    assert second.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens + first.usage.completion_tokens - 1
+
+
+def test_streamed_tool_call_deltas(client, force):
+    force("<think>\nweather needs a tool\n</think>\n\n" + CALL + "\n" + CALL.replace("Paris", "Lyon"))
+    stream = ask(client, [{"role": "user", "content": "Paris and Lyon?"}], stream=True, max_tokens=300)
+    calls, reasoning, content, finish = {}, [], [], None
+    for chunk in stream:
+        if not chunk.choices:
+            continue
+        delta, finish = chunk.choices[0].delta, chunk.choices[0].finish_reason or finish
+        reasoning.append(getattr(delta, "reasoning_content", None) or "")
+        content.append(delta.content or "")
+        for tc in delta.tool_calls or []:
+            c = calls.setdefault(tc.index, {"id": tc.id, "name": "", "arguments": ""})
+            c["name"] += tc.function.name or ""
+            c["arguments"] += tc.function.arguments or ""
+    assert finish == "tool_calls" and "".join(content) == ""
+    assert "".join(reasoning) == "\nweather needs a tool\n"
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls.values()] == \
+        [("get_weather", {"city": "Paris"}), ("get_weather", {"city": "Lyon"})]
+    assert len({c["id"] for c in calls.values()}) == 2
+
+
+def test_arguments_that_are_not_json_come_back_flagged(client, force):
+    force('<tool_call>\n{"name": "get_weather", "arguments": {city: Paris}}\n</tool_call>')
+    r = ask(client, [{"role": "user", "content": "Paris?"}])
+    (call,) = r.choices[0].message.tool_calls
+    assert call.function.name == "get_weather" and call.function.arguments == "{city: Paris}"
+    (err,) = r.localheap["tool_call_errors"]
+    assert err["id"] == call.id and "not valid JSON" in err["error"]
+    chunks = list(ask(client, [{"role": "user", "content": "Paris?"}], stream=True))
+    flagged = [c.localheap for c in chunks if getattr(c, "localheap", None) and "tool_call_errors" in c.localheap]
+    assert len(flagged) == 1
+
+
+def test_tool_choice_none_returns_text_and_a_reasoning_reply_splits(client, force):
+    force(CALL)
+    r = ask(client, [{"role": "user", "content": "Paris?"}], tool_choice="none")
+    assert r.choices[0].message.content == CALL and r.choices[0].finish_reason == "stop"
+    force("<think>\nshort\n</think>\n\nHello!")
+    r = client.chat.completions.create(model=model(client), messages=[{"role": "user", "content": "hi"}],
+                                       max_tokens=40, extra_body={"chat_template_kwargs": {"enable_thinking": True}})
+    msg = r.choices[0].message
+    assert msg.content == "Hello!" and msg.reasoning_content == "\nshort\n"
+
+
+def test_a_forced_tool_choice_is_enforced_by_the_grammar(client):
+    """No forced tokens: the random model is held to a call of the named function with valid arguments."""
+    for seed in range(3):
+        r = ask(client, [{"role": "user", "content": "any city"}], temperature=1.0, seed=seed, max_tokens=60,
+                tool_choice={"type": "function", "function": {"name": "get_weather"}})
+        (call,) = r.choices[0].message.tool_calls
+        assert call.function.name == "get_weather", r
+        jsonschema.validate(json.loads(call.function.arguments), CITY)
+        assert r.choices[0].finish_reason == "tool_calls"
+    r = ask(client, [{"role": "user", "content": "anything"}], tool_choice="required", temperature=1.0, seed=7)
+    assert r.choices[0].message.tool_calls and r.choices[0].finish_reason == "tool_calls"
+
+
+def test_an_agent_session_of_30_turns_reuses_its_session_past_the_heap(client, force, server):
+    """History resent every turn, with calls and results, growing well past the 64-token heap."""
+    history = [{"role": "system", "content": "You are a weather agent."},
+               {"role": "user", "content": "Track the weather in Paris for me, every hour."}]
+    session, tokens = None, 0
+    for turn in range(30):
+        force(CALL if turn % 3 != 2 else f"Report {turn}: still fine.")
+        r = ask(client, history, max_tokens=60)
+        msg, usage = r.choices[0].message, r.usage
+        if turn == 0:
+            session = r.localheap["session_id"]
+            assert usage.prompt_tokens_details.cached_tokens == 0
+        else:
+            assert r.localheap["session_id"] == session, turn
+            assert usage.prompt_tokens_details.cached_tokens >= tokens, (turn, usage)
+        tokens = usage.prompt_tokens + usage.completion_tokens - 1
+        history.append(msg.model_dump(exclude_none=True))
+        if msg.tool_calls:
+            history.append({"role": "tool", "tool_call_id": msg.tool_calls[0].id,
+                            "content": f"hour {turn}: 18C, sunny, wind 10 km/h from the west"})
+        else:
+            history.append({"role": "user", "content": "Go on."})
+    heap = r.localheap["heap"]
+    assert usage.prompt_tokens > 10 * HEAP.budget and heap["evicted"] > 0, heap
+
+
+def test_a_mistral_template_gets_nine_character_ids(model_dirs, tmp_path_factory, torch_one_thread):
+    """Mistral's template writes the call's id into the call, so the history it renders differs from
+    the reply as generated: the session is reused by rolling back to where they part (within the heap)."""
+    tmp = tmp_path_factory.mktemp("mistral") / "m"
+    with serve(with_template(model_dirs("llama"), tmp, MISTRAL), HeapConfig(budget=1024)) as srv:
+        c = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
+        svc = srv.services
+        ids = svc.tokenizer.encode('[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Nice"}}]',
+                                   add_special_tokens=False)
+        svc.force_tokens = lambda: ForcedTokens(ids, svc.backend.eos_token_ids)
+        history = [{"role": "user", "content": "Nice?"}]
+        first = ask(c, history)
+        (call,) = first.choices[0].message.tool_calls
+        assert len(call.id) == 9 and call.id.isalnum() and call.function.name == "get_weather"
+        history += [first.choices[0].message, {"role": "tool", "tool_call_id": call.id, "content": "20C"}]
+        second = ask(c, history)   # the template checks the id it is given back
+        assert second.localheap["session_id"] == first.localheap["session_id"]
+        assert second.usage.prompt_tokens_details.cached_tokens > first.usage.prompt_tokens
+
+
+def test_tools_on_a_template_without_them_are_described_in_a_system_message(model_dirs, torch_one_thread):
+    with serve(model_dirs("llama")) as srv:
+        c = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
+        svc = srv.services
+        ids = svc.tokenizer.encode(CALL, add_special_tokens=False)
+        svc.force_tokens = lambda: ForcedTokens(ids, svc.backend.eos_token_ids)
+        history = [{"role": "user", "content": "Paris?"}]
+        first = ask(c, history)
+        (call,) = first.choices[0].message.tool_calls
+        assert call.function.name == "get_weather" and first.choices[0].finish_reason == "tool_calls"
+        history += [first.choices[0].message, {"role": "tool", "tool_call_id": call.id, "content": "18C"}]
+        svc.force_tokens = None
+        second = ask(c, history, max_tokens=4)
+        assert second.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens
+        assert second.localheap["session_id"] == first.localheap["session_id"]
