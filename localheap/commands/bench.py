@@ -101,6 +101,16 @@ def add_parser(sub) -> None:
     add_threads_arg(prof)
     prof.set_defaults(func=run_profile_bench, model="demo")
 
+    st = bsub.add_parser("structured", help="constrained decoding (a JSON schema) against unconstrained, per token")
+    add_model_args(st)
+    add_heap_args(st)
+    st.add_argument("--tokens", type=_positive, default=128, help="tokens decoded per run (the schema allows more)")
+    st.add_argument("--repeats", type=_positive, default=3, help="runs per path, interleaved")
+    st.add_argument("--mask-vocab", type=_positive, default=None,
+                    help="also time the masks alone on a trained tokenizer of this vocabulary size (e.g. 32000)")
+    add_threads_arg(st)
+    st.set_defaults(func=run_structured_bench, model="demo")
+
     mass = bsub.add_parser("attention-mass", help="share of the true attention mass each policy's kept set captures")
     add_model_args(mass)
     add_heap_args(mass)
@@ -266,4 +276,30 @@ def run_attention_mass_bench(args) -> int:
     result = run_attention_mass(backend, heap_config(args, backend), context=args.context, prune=args.prune,
                                 trials=args.trials, seed=args.seed, log=lambda m: print(m, file=sys.stderr))
     report(result, backend)
+    return 0
+
+
+def run_structured_bench(args) -> int:
+    from ..bench.structured import report, run_decode, run_masks
+    from ..models import load_backend
+
+    backend = load_backend(model_spec(args), args.backend)
+    set_threads(backend, args)
+    decode = run_decode(backend, heap_config(args, backend), args.tokens, args.repeats,
+                        log=lambda m: print(m, file=sys.stderr))
+    tokenizer, vocab = backend.tokenizer, len(backend.tokenizer)
+    if args.mask_vocab:
+        import tempfile
+
+        from transformers import AutoTokenizer
+
+        from ..randmodel import build_tokenizer
+
+        with tempfile.TemporaryDirectory() as tmp:
+            build_tokenizer(tmp, vocab_size=args.mask_vocab)
+            tokenizer = AutoTokenizer.from_pretrained(tmp)
+        vocab = len(tokenizer)
+    masks = run_masks(tokenizer, backend.eos_token_ids, args.repeats)
+    emit("structured", report(decode, masks, backend, vocab, table),
+         {"model": backend.model_name, "backend": backend.name, "vocab": vocab, "decode": decode, "masks": masks})
     return 0

@@ -1,0 +1,138 @@
+"""`localheap bench structured`: what constrained decoding (response_format json_schema) costs per
+token, against unconstrained decoding of the same model in the same run (interleaved A,B,A,B);
+and the grammar libraries' mask time alone on one tokenizer (llguidance, the one used; xgrammar
+where installed, for comparison)."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any, Callable, Optional
+
+from ..generation import SamplingParams
+from ..grammar import JSON_STYLE, Grammar, json_grammar
+
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "age", "notes"],
+          "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
+                         "notes": {"type": "array", "items": {"type": "string"}}}}
+PROMPT = "Describe a person as a JSON object with a name, an age and some notes."
+
+
+def _decode(backend, cfg, prompt: list[int], tokens: int, seed: int, constraint) -> tuple[int, float]:
+    """(tokens decoded after the first, seconds they took): prefill and the first token excluded."""
+    cache = backend.new_cache(cfg)
+    params = SamplingParams(max_tokens=tokens, temperature=1.0, seed=seed, constraint=constraint)
+    n, start = 0, None
+    for tok in backend.generate(cache, prompt, params):
+        if start is None:
+            start = time.perf_counter()
+        else:
+            n += 1
+        if tok in backend.eos_token_ids:
+            break
+    sync = getattr(backend, "synchronize", None)
+    if sync is not None:
+        sync()
+    return n, time.perf_counter() - (start or time.perf_counter())
+
+
+def run_decode(backend, cfg, tokens: int, repeats: int, log: Callable[[str], None]) -> list[dict]:
+    prompt = list(backend.tokenizer.encode(PROMPT))
+    grammar = json_grammar(SCHEMA)
+    totals = {p: [0, 0.0] for p in ("unconstrained", "json_schema")}
+    _decode(backend, cfg, prompt, 8, 0, None)   # warm-up
+    for rep in range(repeats):
+        for path in totals:   # interleaved
+            constraint = Grammar(backend.tokenizer, backend.eos_token_ids, grammar) if path == "json_schema" else None
+            n, s = _decode(backend, cfg, prompt, tokens, rep, constraint)
+            totals[path][0] += n
+            totals[path][1] += s
+            log(f"{path} repeat {rep}: {n} tokens in {s:.3f} s")
+    rows = [{"path": p, "tokens": n, "ms_per_token": 1e3 * s / n if n else None} for p, (n, s) in totals.items()]
+    base = rows[0]["ms_per_token"]
+    for r in rows:
+        r["x_unconstrained"] = r["ms_per_token"] / base if base and r["ms_per_token"] else None
+    return rows
+
+
+def _sample_text(tokenizer) -> list[int]:
+    """A JSON reply valid under SCHEMA, as token ids: the steps a mask is computed for."""
+    value = {"name": "Ada Lovelace", "age": 36,
+             "notes": ["mathematician", "wrote the first published program", "worked with Babbage"] * 3}
+    text = json.dumps(value, separators=(JSON_STYLE["item_separator"], JSON_STYLE["key_separator"]))
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def run_masks(tokenizer, eos_ids, repeats: int) -> list[dict]:
+    """Mask computation alone, per token of a fixed valid reply, per library (µs)."""
+    ids = _sample_text(tokenizer)
+    rows = []
+    libs: list[tuple[str, Callable[[], Any]]] = [("llguidance", lambda: _llguidance(tokenizer, eos_ids))]
+    if _xgrammar_available():
+        libs.append(("xgrammar", lambda: _xgrammar(tokenizer)))
+    for name, make in libs:
+        t0 = time.perf_counter()
+        step = make()
+        compile_s = time.perf_counter() - t0
+        best = None
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            step_all = step()
+            for t in ids:
+                step_all(t)
+            per = (time.perf_counter() - t0) / len(ids)
+            best = per if best is None else min(best, per)
+        rows.append({"library": name, "tokens": len(ids), "us_per_token": best * 1e6, "setup_s": compile_s})
+    return rows
+
+
+def _llguidance(tokenizer, eos_ids):
+    grammar = json_grammar(SCHEMA)
+    Grammar(tokenizer, eos_ids, grammar)   # the tokenizer's llguidance view, built once (counted in setup)
+
+    def fresh():
+        g = Grammar(tokenizer, eos_ids, grammar)
+
+        def step(token: int) -> None:
+            g.allowed()
+            g.advance(token)
+        return step
+    return fresh
+
+
+def _xgrammar_available() -> bool:
+    try:
+        import xgrammar  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def _xgrammar(tokenizer):
+    import numpy as np
+    import xgrammar as xgr
+
+    hf = tokenizer if hasattr(tokenizer, "backend_tokenizer") else tokenizer._tokenizer   # mlx-lm's wrapper
+    info = xgr.TokenizerInfo.from_huggingface(hf)
+    compiled = xgr.GrammarCompiler(info).compile_json_schema(
+        json.dumps(SCHEMA), any_whitespace=False, separators=(JSON_STYLE["item_separator"], JSON_STYLE["key_separator"]))
+    bitmask = xgr.allocate_token_bitmask(1, info.vocab_size)
+
+    def fresh():
+        m = xgr.GrammarMatcher(compiled)
+
+        def step(token: int) -> None:   # the mask, unpacked to a bool array as ours is
+            m.fill_next_token_bitmask(bitmask)
+            np.unpackbits(bitmask[0].numpy().view(np.uint8), bitorder="little")
+            m.accept_token(token)
+        return step
+    return fresh
+
+
+def report(decode: list[dict], masks: list[dict], backend, vocab: Optional[int], table) -> str:
+    head = f"model {backend.model_name} | backend {backend.name} | vocabulary {vocab:,}\n"
+    return (head + table(decode, [("path", "path", ""), ("tokens", "tokens", ","), ("ms_per_token", "ms/token", ".3f"),
+                                  ("x_unconstrained", "x unconstrained", ".2f")])
+            + "\n\nmask computation alone (a fixed valid reply, best of the repeats):\n"
+            + table(masks, [("library", "library", ""), ("tokens", "tokens", ","),
+                            ("us_per_token", "us/token", ",.1f"), ("setup_s", "setup s", ".3f")]))
