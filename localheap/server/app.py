@@ -17,7 +17,7 @@ from ..governor.budget import request_room
 from ..sessions import SessionStore
 from . import errors
 from .middleware import CheckHost, LimitBody, RequireApiKey, checks_host
-from .routes import branches, observe, openai, sessions, tokenize
+from .routes import anthropic, branches, observe, openai, sessions, tokenize
 from .services import Services
 from .settings import ServerSettings
 from .telemetry import ThroughputHistory, metrics_registry
@@ -70,14 +70,15 @@ def create_app(backend: Any, settings: Optional[ServerSettings] = None, governor
     app = FastAPI(title="localheap", version="0.1.0", lifespan=lifespan, docs_url="/docs", redoc_url=None)
     app.state.services = svc
     errors.install(app)
-    for module in (openai, sessions, branches, tokenize, observe):
+    for module in (openai, anthropic, sessions, branches, tokenize, observe):
         app.include_router(module.router)
     app.add_middleware(LimitBody, max_bytes=settings.max_body_bytes)
     if settings.keys:
         app.add_middleware(RequireApiKey, api_keys=settings.keys)
     app.add_middleware(CORSMiddleware, allow_origins=settings.own_origins + list(settings.cors_origins),
                        allow_methods=["GET", "POST", "PATCH", "DELETE", "OPTIONS"],
-                       allow_headers=["Authorization", "Content-Type", "X-Session-Id", "X-Localheap-Client"],
+                       allow_headers=["Authorization", "Content-Type", "X-Session-Id", "X-Localheap-Client", "X-Api-Key",
+                                      "Anthropic-Version", "Anthropic-Beta"],
                        expose_headers=["X-Session-Id", "Retry-After"])
     if checks_host(settings.host):
         app.add_middleware(CheckHost, bound_host=settings.host, extra=settings.allowed_hosts)   # outermost

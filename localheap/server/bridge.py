@@ -60,7 +60,7 @@ async def follow(job: Job, events: JobEvents) -> AsyncIterator[Event]:
 
 async def collect(request: Request, job: Job, events: JobEvents) -> tuple[str, Finished]:
     """Run a job to the end for a non-streamed response, cancelling it if the client leaves."""
-    watcher = asyncio.create_task(_watch_disconnect(request, job))
+    watcher = asyncio.create_task(watch_disconnect(request, job))
     parts: list[str] = []
     try:
         async for event in follow(job, events):
@@ -73,7 +73,8 @@ async def collect(request: Request, job: Job, events: JobEvents) -> tuple[str, F
         watcher.cancel()
 
 
-async def _watch_disconnect(request: Request, job: Job) -> None:
+async def watch_disconnect(request: Request, job: Job) -> None:
+    """Cancel the job when the client leaves (a non-streamed reply notices no broken pipe)."""
     while not job.done.is_set():
         if await request.is_disconnected():
             job.cancel()

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import uuid
 from typing import Optional
@@ -127,9 +128,32 @@ def _validation(exc: RequestValidationError) -> JSONResponse:
     return error_response(400, message, "invalid_request_error", param, first.get("type"))
 
 
+_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                    404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
+                    503: "overloaded_error"}
+
+
+def anthropic_body(response: JSONResponse) -> dict:
+    """An error response's body in Anthropic's shape: {"type": "error", "error": {"type", "message"}}
+    (OpenAI's param and code kept beside them)."""
+    err = json.loads(response.body)["error"]
+    status = response.status_code
+    type_ = _ANTHROPIC_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
+    return {"type": "error", "error": {"type": type_, "message": err["message"], "param": err["param"],
+                                       "code": err["code"]}}
+
+
+def for_path(path: str, response: JSONResponse) -> JSONResponse:
+    """Errors of the Anthropic routes in Anthropic's shape, the rest in OpenAI's."""
+    if not path.startswith("/v1/messages"):
+        return response
+    headers = {k: v for k, v in response.headers.items() if k.lower() not in ("content-length", "content-type")}
+    return JSONResponse(anthropic_body(response), status_code=response.status_code, headers=headers)
+
+
 def install(app: FastAPI) -> None:
     async def handle(request: Request, exc: Exception) -> JSONResponse:
-        return to_response(exc)
+        return for_path(request.url.path, to_response(exc))
 
     for cls in (ApiError, SessionNotFound, SessionBusy, SessionLost, SpillFailed, EngineFailed, InvalidTokens,
                 Overloaded, OverBudget, EngineStopped,

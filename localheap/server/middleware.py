@@ -12,7 +12,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from starlette.concurrency import run_in_threadpool
 
-from .errors import ApiError, Unauthorized, to_response
+from .errors import ApiError, Unauthorized, for_path, to_response
 from .tokens import release_freed_memory
 
 log = logging.getLogger("localheap.server")
@@ -46,14 +46,18 @@ class RequireApiKey:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["method"] != "OPTIONS" and scope["path"].startswith(PROTECTED_PREFIXES):
-            given = dict(scope["headers"]).get(b"authorization", b"")
+            headers = dict(scope["headers"])
+            given = headers.get(b"authorization", b"")
+            if not given and headers.get(b"x-api-key"):   # Anthropic's clients send the key this way
+                given = b"Bearer " + headers[b"x-api-key"]
             owner = None
             for expected, who in self.expected:   # every key compared: the time says nothing about which
                 if hmac.compare_digest(given, expected):
                     owner = who
             if owner is None:
-                message = "missing API key: send 'Authorization: Bearer KEY'" if not given else "incorrect API key"
-                await to_response(Unauthorized(message))(scope, receive, send)
+                message = ("missing API key: send 'Authorization: Bearer KEY' (or 'x-api-key: KEY')"
+                           if not given else "incorrect API key")
+                await for_path(scope["path"], to_response(Unauthorized(message)))(scope, receive, send)
                 return
             scope[OWNER] = owner
         await self.app(scope, receive, send)

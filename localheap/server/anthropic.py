@@ -1,0 +1,221 @@
+"""The Anthropic Messages API in localheap's terms: request bodies (pydantic, unknown fields
+refused), their conversion to the chat messages the OpenAI route renders (so both APIs share
+templates, sessions, heap, recall and prefix reuse), and the reply as Anthropic's content blocks
+and stream events."""
+
+from __future__ import annotations
+
+import json
+import secrets
+from typing import Any, Literal, Optional, Union
+
+from pydantic import Field
+
+from ..engine import Finished
+from .chat import ChatPlan
+from .errors import BadRequest
+from .schemas import ChatMessage, Strict
+from .toolcalls import Text, ToolCall
+
+CacheControl = Optional[dict[str, Any]]   # prompt-caching hints: accepted; prefix reuse is automatic here
+
+
+class TextBlock(Strict):
+    type: Literal["text"]
+    text: str
+    cache_control: CacheControl = None
+    citations: Optional[list[Any]] = None
+
+
+class ThinkingBlock(Strict):
+    type: Literal["thinking"]
+    thinking: str
+    signature: Optional[str] = None
+
+
+class RedactedThinkingBlock(Strict):
+    type: Literal["redacted_thinking"]
+    data: str
+
+
+class ToolUseBlock(Strict):
+    type: Literal["tool_use"]
+    id: str
+    name: str
+    input: dict[str, Any]
+    cache_control: CacheControl = None
+
+
+class ToolResultBlock(Strict):
+    type: Literal["tool_result"]
+    tool_use_id: str
+    content: Union[str, list[TextBlock], None] = None
+    is_error: Optional[bool] = None
+    cache_control: CacheControl = None
+
+    def text(self) -> str:
+        text = self.content if isinstance(self.content, str) else "".join(b.text for b in self.content or [])
+        return f"Error: {text}" if self.is_error else text
+
+
+class MediaBlock(Strict):
+    """Images and documents: recognised, so that they are refused by name."""
+    type: Literal["image", "document", "search_result"]
+    source: Any = None
+    cache_control: CacheControl = None
+    title: Optional[str] = None
+    context: Optional[str] = None
+    citations: Any = None
+
+
+Block = Union[TextBlock, ThinkingBlock, RedactedThinkingBlock, ToolUseBlock, ToolResultBlock, MediaBlock]
+
+
+class Message(Strict):
+    role: Literal["user", "assistant"]
+    content: Union[str, list[Block]]
+
+
+class ToolDef(Strict):
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,128}$")
+    description: Optional[str] = None
+    input_schema: dict[str, Any]
+    type: Optional[Literal["custom"]] = None
+    cache_control: CacheControl = None
+
+
+class ToolChoice(Strict):
+    type: Literal["auto", "any", "tool", "none"]
+    name: Optional[str] = None
+    disable_parallel_tool_use: Optional[bool] = None
+
+
+class Thinking(Strict):
+    type: Literal["enabled", "disabled"]
+    budget_tokens: Optional[int] = None
+
+
+class Metadata(Strict):
+    user_id: Optional[str] = None
+
+
+class CountTokensRequest(Strict):
+    model: str
+    messages: list[Message] = Field(min_length=1)
+    system: Union[str, list[TextBlock], None] = None
+    tools: Optional[list[ToolDef]] = None
+    tool_choice: Optional[ToolChoice] = None
+    thinking: Optional[Thinking] = None
+
+    def chat_messages(self) -> list[ChatMessage]:
+        """The conversation as OpenAI-shaped chat messages: tool_result blocks become tool messages,
+        tool_use blocks tool calls, thinking blocks reasoning_content."""
+        out: list[ChatMessage] = []
+        if self.system:
+            system = self.system if isinstance(self.system, str) else "".join(b.text for b in self.system)
+            out.append(ChatMessage(role="system", content=system))
+        for i, m in enumerate(self.messages):
+            blocks = [TextBlock(type="text", text=m.content)] if isinstance(m.content, str) else m.content
+            media = next((b for b in blocks if isinstance(b, MediaBlock)), None)
+            if media is not None:
+                raise BadRequest(f"{media.type} content blocks are not supported: this server serves text models",
+                                 f"messages.{i}.content")
+            text = "".join(b.text for b in blocks if isinstance(b, TextBlock))
+            if m.role == "user":
+                for b in blocks:
+                    if isinstance(b, ToolResultBlock):
+                        out.append(ChatMessage(role="tool", tool_call_id=b.tool_use_id, content=b.text()))
+                if text or not any(isinstance(b, ToolResultBlock) for b in blocks):
+                    out.append(ChatMessage(role="user", content=text))
+                continue
+            calls = [{"id": b.id, "type": "function", "function": {"name": b.name, "arguments": json.dumps(b.input)}}
+                     for b in blocks if isinstance(b, ToolUseBlock)]
+            thinking = "".join(b.thinking for b in blocks if isinstance(b, ThinkingBlock))
+            out.append(ChatMessage(role="assistant", content=text if text or not calls else None,
+                                   tool_calls=calls or None, reasoning_content=thinking or None))
+        return out
+
+    def plan(self) -> ChatPlan:
+        tools = [{"type": "function", "function": {"name": t.name, "parameters": t.input_schema,
+                                                   **({"description": t.description} if t.description else {})}}
+                 for t in self.tools or []] or None
+        choice, parallel = "auto", True
+        if self.tool_choice is not None:
+            tc = self.tool_choice
+            choice = {"auto": "auto", "any": "required", "none": "none"}.get(tc.type, tc.name)
+            parallel = not tc.disable_parallel_tool_use
+            if tc.type == "tool" and (not tc.name or tc.name not in {t.name for t in self.tools or []}):
+                raise BadRequest(f"tool_choice names {tc.name!r}, which is not in tools", "tool_choice")
+            if tc.type in ("any", "tool") and not tools:
+                raise BadRequest("tool_choice needs tools", "tool_choice")
+        kwargs = None
+        if self.thinking is not None:
+            kwargs = {"enable_thinking": self.thinking.type == "enabled"}
+        return ChatPlan(tools, choice, parallel, None, kwargs)
+
+
+class MessagesRequest(CountTokensRequest):
+    max_tokens: int = Field(ge=1)
+    stop_sequences: Optional[list[str]] = Field(None, max_length=16)
+    stream: bool = False
+    temperature: float = Field(1.0, ge=0.0, le=1.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=0)
+    metadata: Optional[Metadata] = None
+    service_tier: Optional[str] = None   # accepted, unused
+
+
+STOP_REASONS = {"stop": "end_turn", "length": "max_tokens"}
+
+
+def message_id() -> str:
+    return "msg_" + secrets.token_hex(12)
+
+
+def tool_input(call: ToolCall) -> dict:
+    """A call's input object; {} for arguments that are not a JSON object (flagged in `localheap`)."""
+    if call.error is None:
+        value = json.loads(call.arguments)
+        if isinstance(value, dict):
+            return value
+    return {}
+
+
+def call_error(call: ToolCall, index: int) -> Optional[dict]:
+    if call.error is None and isinstance(json.loads(call.arguments), dict):
+        return None
+    return {"index": index, "id": call.id, "error": call.error or "the arguments are not a JSON object",
+            "arguments": call.arguments}
+
+
+def content_block(piece) -> dict:
+    if isinstance(piece, ToolCall):
+        return {"type": "tool_use", "id": piece.id, "name": piece.name, "input": tool_input(piece)}
+    if piece.kind == "reasoning":
+        return {"type": "thinking", "thinking": piece.text, "signature": ""}
+    return {"type": "text", "text": piece.text}
+
+
+def usage(done: Finished) -> dict:
+    u = done.usage
+    return {"input_tokens": u.prompt_tokens - u.cached_tokens, "output_tokens": u.completion_tokens,
+            "cache_read_input_tokens": u.cached_tokens, "cache_creation_input_tokens": 0}
+
+
+def stop_reason(done: Finished, tool_calls: bool, stop_sequence: Optional[str]) -> str:
+    if stop_sequence is not None:
+        return "stop_sequence"
+    if tool_calls and done.finish_reason == "stop":
+        return "tool_use"
+    return STOP_REASONS.get(done.finish_reason, "end_turn")
+
+
+def merged(pieces: list) -> list:
+    """Adjacent text of one kind as one block."""
+    out: list = []
+    for p in pieces:
+        if isinstance(p, Text) and out and isinstance(out[-1], Text) and out[-1].kind == p.kind:
+            out[-1] = Text(p.kind, out[-1].text + p.text)
+        else:
+            out.append(p)
+    return out

@@ -1,0 +1,163 @@
+"""The Anthropic Messages API through the real server (a tiny torch model carrying a Qwen-style
+template) driven by the official `anthropic` SDK, unmodified: messages, streaming with Anthropic's
+event types, tool use and results, thinking blocks, stop sequences, count_tokens, x-api-key, and
+the same sessions (prefix reuse) as the OpenAI routes. Tool calls are forced tokens (the server's
+test-only hook); template, parser, stream and session run for real."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from family_templates import QWEN, with_template
+
+anthropic = pytest.importorskip("anthropic")
+openai = pytest.importorskip("openai")
+
+from localheap.grammar import ForcedTokens  # noqa: E402
+from localheap.heap import HeapConfig  # noqa: E402
+from localheap.server import ServerSettings, create_app  # noqa: E402
+from localheap.server.testing import ServerThread  # noqa: E402
+
+KEY = "sk-test-key"
+TOOLS = [{"name": "get_weather", "description": "Weather in a city",
+          "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}]
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+
+
+@pytest.fixture(scope="module")
+def server(model_dirs, tmp_path_factory, torch_one_thread):
+    from localheap.models import load_backend
+
+    backend = load_backend(str(with_template(model_dirs("qwen2"), tmp_path_factory.mktemp("q") / "m", QWEN)), "torch")
+    app = create_app(backend, ServerSettings(heap=HeapConfig(budget=64, slack=32, recent=16), web_dir=None,
+                                             api_key=KEY))
+    with ServerThread(app) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return anthropic.Anthropic(base_url=server.url, api_key=KEY, max_retries=0)
+
+
+@pytest.fixture
+def force(server):
+    svc = server.services
+
+    def set_text(text: str) -> None:
+        ids = svc.tokenizer.encode(text, add_special_tokens=False)
+        svc.force_tokens = lambda: ForcedTokens(ids, svc.backend.eos_token_ids)
+
+    yield set_text
+    svc.force_tokens = None
+
+
+def model(server):
+    return server.services.model_id
+
+
+def test_a_message_and_a_multi_turn_conversation(client, server, force):
+    force("Hello from the heap.")
+    r = client.messages.create(model=model(server), max_tokens=40, system="Be brief.",
+                               messages=[{"role": "user", "content": "hi"}])
+    assert r.type == "message" and r.role == "assistant" and r.stop_reason == "end_turn"
+    assert [b.type for b in r.content] == ["text"] and r.content[0].text == "Hello from the heap."
+    assert r.usage.input_tokens > 0 and r.usage.output_tokens > 0 and r.usage.cache_read_input_tokens == 0
+    force("Again.")
+    r2 = client.messages.create(model=model(server), max_tokens=40, system="Be brief.", messages=[
+        {"role": "user", "content": "hi"}, {"role": "assistant", "content": r.content[0].text},
+        {"role": "user", "content": [{"type": "text", "text": "once more"}]}])
+    assert r2.content[0].text == "Again."
+    assert r2.usage.cache_read_input_tokens >= r.usage.input_tokens   # the session was found again
+    assert r2.model_extra["localheap"]["session_id"] == r.model_extra["localheap"]["session_id"]
+
+
+def test_tool_use_then_tool_result(client, server, force):
+    force(CALL)
+    history = [{"role": "user", "content": "Weather in Paris?"}]
+    r = client.messages.create(model=model(server), max_tokens=80, tools=TOOLS, messages=history)
+    assert r.stop_reason == "tool_use"
+    (use,) = [b for b in r.content if b.type == "tool_use"]
+    assert use.name == "get_weather" and use.input == {"city": "Paris"}
+    force("Sunny, 18C.")
+    history += [{"role": "assistant", "content": r.content},
+                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "18C sunny"}]}]
+    r2 = client.messages.create(model=model(server), max_tokens=80, tools=TOOLS, messages=history)
+    assert r2.stop_reason == "end_turn" and r2.content[0].text == "Sunny, 18C."
+    assert r2.usage.cache_read_input_tokens >= r.usage.input_tokens + r.usage.output_tokens - 1
+
+
+def test_streaming_events_thinking_and_tool_use(client, server, force):
+    force("<think>\nneed the tool\n</think>\n\nChecking." + CALL)
+    with client.messages.stream(model=model(server), max_tokens=120, tools=TOOLS,
+                                thinking={"type": "enabled", "budget_tokens": 1024},
+                                messages=[{"role": "user", "content": "Paris?"}]) as stream:
+        events = [e.type for e in stream]
+        final = stream.get_final_message()
+    assert events[0] == "message_start" and events[-1] == "message_stop"
+    assert "content_block_start" in events and "content_block_stop" in events and "message_delta" in events
+    assert [b.type for b in final.content] == ["thinking", "text", "tool_use"]
+    assert final.content[0].thinking == "\nneed the tool\n" and final.content[1].text == "Checking."
+    assert final.content[2].input == {"city": "Paris"} and final.stop_reason == "tool_use"
+
+
+def test_the_raw_event_sequence(server, force):
+    force("Hi there.")
+    body = {"model": model(server), "max_tokens": 20, "stream": True, "messages": [{"role": "user", "content": "x"}]}
+    with httpx.stream("POST", server.url + "/v1/messages", json=body, headers={"x-api-key": KEY}) as r:
+        names = [line[len("event: "):] for line in r.iter_lines() if line.startswith("event: ")]
+    deltas = names.count("content_block_delta")
+    assert names == ["message_start", "ping", "content_block_start"] + ["content_block_delta"] * deltas + \
+        ["content_block_stop", "message_delta", "message_stop"] and deltas >= 1
+
+
+def test_stop_sequences_say_which_one(client, server, force):
+    force("one two STOP three END four")
+    r = client.messages.create(model=model(server), max_tokens=40, stop_sequences=["END", "STOP"],
+                               messages=[{"role": "user", "content": "count"}])
+    assert r.stop_reason == "stop_sequence" and r.stop_sequence == "STOP" and r.content[0].text == "one two "
+    force("a b c d e f g h")
+    r = client.messages.create(model=model(server), max_tokens=3, messages=[{"role": "user", "content": "count"}])
+    assert r.stop_reason == "max_tokens" and r.usage.output_tokens == 3
+
+
+def test_count_tokens_matches_the_prompt(client, server, force):
+    msgs = [{"role": "user", "content": "How many tokens is this?"}]
+    n = client.messages.count_tokens(model=model(server), messages=msgs, tools=TOOLS).input_tokens
+    force("ok")
+    r = client.messages.create(model=model(server), max_tokens=5, tools=TOOLS, messages=msgs)
+    assert n == r.usage.input_tokens + r.usage.cache_read_input_tokens > 0
+
+
+def test_errors_in_anthropic_shape_and_keys(client, server):
+    with pytest.raises(anthropic.BadRequestError) as e:
+        client.messages.create(model=model(server), max_tokens=5, messages=[{"role": "user", "content": [
+            {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AAAA"}}]}])
+    assert "image" in e.value.message and e.value.body["error"]["type"] == "invalid_request_error"
+    r = httpx.post(server.url + "/v1/messages", json={"model": model(server), "max_tokens": 5, "frobnicate": 1,
+                                                      "messages": [{"role": "user", "content": "x"}]},
+                   headers={"x-api-key": KEY})
+    assert r.status_code == 400 and r.json()["type"] == "error" and "frobnicate" in r.json()["error"]["message"]
+    with pytest.raises(anthropic.AuthenticationError):
+        anthropic.Anthropic(base_url=server.url, api_key="wrong", max_retries=0).messages.create(
+            model=model(server), max_tokens=5, messages=[{"role": "user", "content": "x"}])
+    with pytest.raises(anthropic.NotFoundError):
+        client.messages.create(model="no-such-model", max_tokens=5, messages=[{"role": "user", "content": "x"}])
+    # the same key works as a bearer key on the OpenAI routes
+    oa = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)
+    assert oa.models.list().data[0].id == model(server)
+
+
+def test_both_apis_share_sessions(client, server, force):
+    """A conversation begun on the OpenAI route continues on the Anthropic one: same session."""
+    oa = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)
+    force("First answer.")
+    first = oa.chat.completions.create(model=model(server), max_tokens=20,
+                                       messages=[{"role": "user", "content": "Shared history here."}])
+    force("Second answer.")
+    r = client.messages.create(model=model(server), max_tokens=20, messages=[
+        {"role": "user", "content": "Shared history here."}, {"role": "assistant", "content": "First answer."},
+        {"role": "user", "content": "and now?"}])
+    assert r.model_extra["localheap"]["session_id"] == first.localheap["session_id"]
+    assert r.usage.cache_read_input_tokens >= first.usage.prompt_tokens
