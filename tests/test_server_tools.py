@@ -133,6 +133,25 @@ def test_tool_choice_none_returns_text_and_a_reasoning_reply_splits(client, forc
     assert msg.content == "Hello!" and msg.reasoning_content == "\nshort\n"
 
 
+def test_a_reasoning_turn_then_the_next_finds_the_session(client, force):
+    """The template drops past turns' reasoning (before the last question), so the history it renders
+    parts from the reply as generated at the reasoning: the session is found again and rolled back
+    to that point (the turn's prompt is reused)."""
+    force("<think>\nshort\n</think>\n\nHi.")
+    history = [{"role": "user", "content": "hello"}]
+    first = client.chat.completions.create(model=model(client), messages=history, max_tokens=40)
+    assert first.choices[0].message.reasoning_content == "\nshort\n"
+    force("Fine.")
+    for reasoning in (False, True):   # a client that sends reasoning_content back, and one that does not
+        msg = {"role": "assistant", "content": "Hi."}
+        if reasoning:
+            msg["reasoning_content"] = "\nshort\n"
+        second = client.chat.completions.create(model=model(client), max_tokens=10,
+                                                messages=history + [msg, {"role": "user", "content": "and you?"}])
+        assert second.localheap["session_id"] == first.localheap["session_id"]
+        assert second.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens - 1
+
+
 def test_a_forced_tool_choice_is_enforced_by_the_grammar(client):
     """No forced tokens: the random model is held to a call of the named function with valid arguments."""
     for seed in range(3):
@@ -207,3 +226,36 @@ def test_tools_on_a_template_without_them_are_described_in_a_system_message(mode
         second = ask(c, history, max_tokens=4)
         assert second.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens
         assert second.localheap["session_id"] == first.localheap["session_id"]
+
+
+def test_langchain_tool_calling_agent(server, client):
+    """LangChain's own agent (create_agent over ChatOpenAI), unmodified: it sends the tools, runs the
+    tool the model called, sends the result back, and ends with the model's answer."""
+    pytest.importorskip("langchain_openai")
+    agents = pytest.importorskip("langchain.agents")
+    from langchain_core.tools import tool
+    from langchain_openai import ChatOpenAI
+
+    seen = []
+
+    @tool
+    def get_weather(city: str) -> str:
+        """Weather in a city."""
+        seen.append(city)
+        return f"18C and sunny in {city}"
+
+    svc = server.services
+    replies = [CALL, "It is 18C and sunny in Paris."]
+    ids = [svc.tokenizer.encode(t, add_special_tokens=False) for t in replies]
+    svc.force_tokens = lambda: ForcedTokens(ids.pop(0), svc.backend.eos_token_ids)
+    try:
+        llm = ChatOpenAI(base_url=server.url + "/v1", api_key="unused", model=model(client), max_tokens=80,
+                         temperature=0, max_retries=0)
+        agent = agents.create_agent(llm, [get_weather])
+        out = agent.invoke({"messages": [{"role": "user", "content": "What is the weather in Paris?"}]})
+    finally:
+        svc.force_tokens = None
+    assert seen == ["Paris"] and not ids
+    kinds = [type(m).__name__ for m in out["messages"]]
+    assert kinds == ["HumanMessage", "AIMessage", "ToolMessage", "AIMessage"], kinds
+    assert out["messages"][-1].content == "It is 18C and sunny in Paris."
