@@ -112,7 +112,9 @@ def _xgrammar(tokenizer):
     import numpy as np
     import xgrammar as xgr
 
-    hf = tokenizer if hasattr(tokenizer, "backend_tokenizer") else tokenizer._tokenizer   # mlx-lm's wrapper
+    from transformers import PreTrainedTokenizerBase
+
+    hf = tokenizer if isinstance(tokenizer, PreTrainedTokenizerBase) else tokenizer._tokenizer   # mlx-lm's wrapper
     info = xgr.TokenizerInfo.from_huggingface(hf)
     compiled = xgr.GrammarCompiler(info).compile_json_schema(
         json.dumps(SCHEMA), any_whitespace=False, separators=(JSON_STYLE["item_separator"], JSON_STYLE["key_separator"]))
