@@ -161,3 +161,32 @@ def test_llama_json_that_is_not_a_call_is_content_and_a_prompt_inside_think_is_r
         assert _parse_in_pieces(None, "hmm</think>\n\nyes", size, in_think=True) == \
             [("reasoning", "hmm"), ("content", "yes")]
         assert _parse_in_pieces(Mistral(), "[TOOL_CALLS]f[ARGS]{\"x\": 1}", size) == [("f", {"x": 1}, False)]
+
+
+@pytest.mark.parametrize("family,text", [
+    ("qwen", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'),
+    ("mistral", '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}]'),
+    ("llama3.1", '{"name": "get_weather", "parameters": {"city": "Paris"}}'),
+    ("plain", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'),
+])
+def test_a_forced_call_grammar_takes_the_family_syntax_and_nothing_else(tokenizers, family, text):
+    pytest.importorskip("llguidance")
+    from localheap.grammar import Grammar
+    from localheap.server.chat import call_grammar
+
+    tok = tokenizers[family]
+    eos = {tok.eos_token_id}
+    grammar = call_grammar(tool_format(tok), TOOLS, "get_weather", False, tok)
+
+    def takes(text: str) -> Grammar:
+        g = Grammar(tok, eos, grammar)
+        for t in tok.encode(text, add_special_tokens=False):
+            if not g.allowed()[t]:
+                return None
+            g.advance(t)
+        return g
+
+    g = takes(text)
+    assert g is not None and g.error is None and set(g.allowed().nonzero()[0]) == eos   # complete: only the end
+    assert takes(text.replace("get_weather", "get_time")) is None
+    assert takes("Sure") is None
