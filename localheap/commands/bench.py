@@ -104,10 +104,11 @@ def add_parser(sub) -> None:
     st = bsub.add_parser("structured", help="constrained decoding (a JSON schema) against unconstrained, per token")
     add_model_args(st)
     add_heap_args(st)
-    st.add_argument("--tokens", type=_positive, default=128, help="tokens decoded per run (the schema allows more)")
-    st.add_argument("--repeats", type=_positive, default=3, help="runs per path, interleaved")
+    st.add_argument("--tokens", type=_positive, default=128, help="most tokens decoded per run (default 128)")
+    st.add_argument("--repeats", type=_positive, default=3, help="runs per path, interleaved (default 3)")
     st.add_argument("--mask-vocab", type=_positive, default=None,
-                    help="also time the masks alone on a trained tokenizer of this vocabulary size (e.g. 32000)")
+                    help="time the masks alone on a tokenizer trained to this vocabulary size, e.g. 32000 "
+                         "(default: the model's own tokenizer)")
     add_threads_arg(st)
     st.set_defaults(func=run_structured_bench, model="demo")
 
