@@ -8,6 +8,7 @@ unknown keywords down to the attention function). Without it, this is stock sdpa
 
 from __future__ import annotations
 
+import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
@@ -20,7 +21,16 @@ ATTN_IMPLEMENTATION = "localheap_sdpa"
 
 def heap_sdpa(module, query, key, value, attention_mask, heap=None, **kwargs):
     """query: [1, H_q, L, D] rotated at the model-wide positions; key/value: [1, H_kv, T, D]
-    as the cache layer returned them. Returns (output [1, L, H_q, D], None) like stock sdpa."""
+    as the cache layer returned them. Returns (output [1, L, H_q, D], None) like stock sdpa.
+    A packed step (batch.py) attends segment by segment, each over its own heap."""
+    if getattr(heap, "packed", False):
+        outs = [_heap_sdpa(module, query[:, :, part], k, v, None, cache, **kwargs)[0]
+                for cache, part, (k, v) in heap.segments(module.layer_idx)]
+        return torch.cat(outs, dim=1), None
+    return _heap_sdpa(module, query, key, value, attention_mask, heap, **kwargs)
+
+
+def _heap_sdpa(module, query, key, value, attention_mask, heap=None, **kwargs):
     layer = heap.layers[module.layer_idx] if heap is not None else None
     if layer is not None and layer.rope_delta:
         query = layer.rope.rotate(query, layer.rope_delta)   # this layer's own position

@@ -11,7 +11,7 @@ import torch
 from ...generation import ProgressFn, SamplingParams
 from ...heap import HeapConfig, HeapStats, kv_bytes_per_token
 from ..base import ModelShapes
-from . import attention
+from . import attention, batch
 from .cache import HeapCache, decoder_layers, kv_geometry, make_heap_cache
 from .generate import generate_tokens, prefill
 from .persist import load_heap, save_heap
@@ -84,6 +84,24 @@ class TorchBackend:
                  progress: Optional[ProgressFn] = None,
                  cancelled: Optional[Callable[[], bool]] = None) -> Iterator[int]:
         return generate_tokens(self.model, cache, new_tokens, params, progress, cancelled)
+
+    # -- the decode batch (engine.py): one forward pass for every decoding session --
+    def batchable(self, cache: HeapCache) -> bool:
+        return batch.batchable(cache)
+
+    def start_row(self, cache: HeapCache, new_tokens: Sequence[int], params: SamplingParams,
+                  progress: Optional[ProgressFn] = None,
+                  cancelled: Optional[Callable[[], bool]] = None) -> batch.DecodeRow:
+        """Feed a turn's last prompt tokens and sample its first token: a row for `step_rows`."""
+        return batch.start_row(self.model, cache, new_tokens, params, progress, cancelled)
+
+    def step_rows(self, rows: list, chunk=None) -> list:
+        """Feed each row's token (and `chunk` = (cache, ids) of a prefill) in one forward; per row,
+        then for the chunk: None (advanced) or the error that stopped it alone."""
+        return batch.step_rows(self.model, rows, chunk)
+
+    def end_row(self, row: batch.DecodeRow) -> None:
+        """The row's run ended: its last sampled token stays unfed."""
 
     def tokens_in_cache(self, cache: HeapCache) -> int:
         return cache.tokens_seen
