@@ -9,7 +9,7 @@ from recall_checks import CFG as RECALL_CFG
 from recall_checks import load_all
 
 from localheap.backends.torch import TorchBackend
-from localheap.backends.torch.batch import start_row, step_rows
+from localheap.backends.torch.batch import leave_slab, start_row, step_rows
 from localheap.backends.torch.generate import generate_steps
 from localheap.generation import SamplingParams
 from localheap.heap import HeapConfig
@@ -45,19 +45,22 @@ def alone(backend, cfg, prompt, params):
     return [t for t, _ in steps], [lg for _, lg in steps], cache
 
 
-def batched(backend, cfg, prompt_list, params_list):
-    """Rows start one by one, then step together; a row leaves once it has its max_tokens."""
+def batched(backend, cfg, prompt_list, params_list, slabs=None):
+    """Rows start one by one, then step together; a row leaves once it has its max_tokens.
+    With `slabs` ({}), heaps are read as one batch from a shared buffer (slab.py)."""
     rows = [start_row(backend.model, backend.new_cache(cfg), p, params)
             for p, params in zip(prompt_list, params_list)]
     tokens = [[r.token] for r in rows]
     logits = [[r.logits.clone()] for r in rows]
     live = [i for i, p in enumerate(params_list) if p.max_tokens > 1]
     while live:
-        assert step_rows(backend.model, [rows[i] for i in live]) == [None] * len(live)
+        assert step_rows(backend.model, [rows[i] for i in live], slabs=slabs) == [None] * len(live)
         for i in live:
             tokens[i].append(rows[i].token)
             logits[i].append(rows[i].logits.clone())
         live = [i for i in live if len(tokens[i]) < params_list[i].max_tokens]
+    for r in rows:
+        leave_slab(r)
     return tokens, logits, [r.cache for r in rows]
 
 
@@ -74,13 +77,17 @@ def assert_same_heap(a, b, atol=0.0):
         torch.testing.assert_close(la.keys[0, :, :n], lb.keys[0, :, :n], atol=atol, rtol=0)
 
 
-def test_demo_model_greedy_tokens_in_a_batch_equal_alone(demo):
+SLABS = pytest.mark.parametrize("slabs", [None, {}], ids=["per-heap", "slab"])
+
+
+@SLABS
+def test_demo_model_greedy_tokens_in_a_batch_equal_alone(demo, slabs):
     """Rows of different lengths evict at different steps and finish at different steps."""
     lengths, maxes = (5, 30, 77, 140), (40, 12, 33, 25)
     ps = prompts(demo, lengths)
     params = [SamplingParams(max_tokens=m) for m in maxes]
     want = [alone(demo, SMALL, p, sp) for p, sp in zip(ps, params)]
-    got_tokens, _, caches = batched(demo, SMALL, ps, params)
+    got_tokens, _, caches = batched(demo, SMALL, ps, params, slabs)
     assert got_tokens == [w[0] for w in want]
     evictions = {c.heap_layers[0].heap.evictions for c in caches}
     assert len(evictions - {0}) >= 2, "rows evicted, at different steps"
@@ -88,25 +95,34 @@ def test_demo_model_greedy_tokens_in_a_batch_equal_alone(demo):
         assert_same_heap(cache, got, atol=1e-4)
 
 
-def test_random_model_logits_within_tolerance_and_sampling_per_row(llama):
+@SLABS
+@pytest.mark.parametrize("policy", ["snapkv", "h2o"])
+def test_random_model_logits_within_tolerance_and_sampling_per_row(llama, slabs, policy):
     """Per row its own sampler: greedy, and seeded top-k/top-p rows (same draws as alone)."""
     ps = prompts(llama, (20, 64, 9), seed=3)
     params = [SamplingParams(max_tokens=30), SamplingParams(max_tokens=30, temperature=0.8, top_k=20, seed=5),
               SamplingParams(max_tokens=30, temperature=1.2, top_p=0.9, seed=9)]
-    got_tokens, got_logits, _ = batched(llama, SMALL, ps, params)
-    for p, sp, tokens, logits in zip(ps, params, got_tokens, got_logits):
-        want_tokens, want_logits, _ = alone(llama, SMALL, p, sp)
+    cfg = SMALL.with_(policy=policy, h2o_normalize=policy == "h2o")
+    got_tokens, got_logits, caches = batched(llama, cfg, ps, params, slabs)
+    for p, sp, tokens, logits, cache in zip(ps, params, got_tokens, got_logits, caches):
+        want_tokens, want_logits, want = alone(llama, cfg, p, sp)
         assert tokens == want_tokens
+        assert_same_heap(want, cache, atol=1e-4)
+        for a, b in zip(want.heap_layers, cache.heap_layers):   # the policy's scores, as alone
+            for name in ("scores", "counts", "window"):
+                if getattr(a, name) is not None:
+                    torch.testing.assert_close(getattr(a, name), getattr(b, name), atol=1e-4, rtol=1e-5)
         diff = max((a - b).abs().max().item() for a, b in zip(logits, want_logits))
         assert diff <= LOGITS_ATOL, diff
 
 
-def test_recall_rows_page_out_as_alone(llama):
+@SLABS
+def test_recall_rows_page_out_as_alone(llama, slabs):
     """Rows with recall on: each recalls at its turn's start and pages out its own evictions
     during the batch; its page store ends as it would alone."""
     ps = prompts(llama, (300, 180), seed=4)
     params = [SamplingParams(max_tokens=70), SamplingParams(max_tokens=45)]
-    got_tokens, _, caches = batched(llama, RECALL_CFG, ps, params)
+    got_tokens, _, caches = batched(llama, RECALL_CFG, ps, params, slabs)
     for p, sp, tokens, cache in zip(ps, params, got_tokens, caches):
         want_tokens, _, want = alone(llama, RECALL_CFG, p, sp)
         assert tokens == want_tokens
@@ -157,3 +173,26 @@ def test_a_row_that_cannot_make_room_leaves_the_others_untouched(demo, monkeypat
         tokens.append(rows[1].token)
     assert broken.tokens_seen == seen
     assert tokens == alone(demo, SMALL, ps[1], params)[0]
+
+
+def test_slab_rows_sit_out_join_and_leave_as_alone(demo):
+    """Rows that sit out steps leave the slab and join again; leaving compacts the slab; every
+    heap ends with buffers of its own and the tokens it has alone."""
+    cfg = SMALL.with_(policy="h2o")
+    ps, params = prompts(demo, (30, 70, 120, 5), seed=11), SamplingParams(max_tokens=40)
+    rows = [start_row(demo.model, demo.new_cache(cfg), p, params) for p in ps]
+    got, slabs = [[r.token] for r in rows], {}
+    for i in range(39):
+        live = [r for j, r in enumerate(rows) if (i + j) % 5]   # each row sits out every 5th step
+        assert step_rows(demo.model, live, slabs=slabs) == [None] * len(live)
+        slab = next(iter(slabs.values()))
+        assert len(slab.members) == len(live) and slab.rows >= len(live)
+        for r in live:
+            got[rows.index(r)].append(r.token)
+    for r in rows:
+        leave_slab(r)
+    assert not next(iter(slabs.values())).buffers, "an empty slab frees its buffers"
+    for r, p, g in zip(rows, ps, got):
+        assert g == alone(demo, cfg, p, SamplingParams(max_tokens=len(g)))[0]
+        for layer in r.cache.heap_layers:
+            assert layer.keys.untyped_storage().nbytes() == layer.keys.nbytes

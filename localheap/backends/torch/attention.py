@@ -8,7 +8,6 @@ unknown keywords down to the attention function). Without it, this is stock sdpa
 
 from __future__ import annotations
 
-import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
@@ -24,13 +23,12 @@ def heap_sdpa(module, query, key, value, attention_mask, heap=None, **kwargs):
     as the cache layer returned them. Returns (output [1, L, H_q, D], None) like stock sdpa.
     A packed step (batch.py) attends segment by segment, each over its own heap."""
     if getattr(heap, "packed", False):
-        outs = [_heap_sdpa(module, query[:, :, part], k, v, None, cache, **kwargs)[0]
-                for cache, part, (k, v) in heap.segments(module.layer_idx)]
-        return torch.cat(outs, dim=1), None
+        return heap.attend(module, query, **kwargs), None
     return _heap_sdpa(module, query, key, value, attention_mask, heap, **kwargs)
 
 
 def _heap_sdpa(module, query, key, value, attention_mask, heap=None, **kwargs):
+    """One heap's attention (also one segment of a packed step)."""
     layer = heap.layers[module.layer_idx] if heap is not None else None
     if layer is not None and layer.rope_delta:
         query = layer.rope.rotate(query, layer.rope_delta)   # this layer's own position

@@ -52,6 +52,8 @@ class TorchBackend:
         self.eos_token_ids = set(eos)
         self.weights_bytes = sum(p.nbytes for p in model.parameters())
         self.vocab_size = model.get_input_embeddings().num_embeddings   # ids a prompt may use
+        self.slabs: dict = {}          # the decode batch's heap buffers, by slab key (slab.py)
+        self.batch_slabs = True        # False: every row of a batch attends on its own (per-heap sdpa)
 
     @classmethod
     def load(cls, path: str | Path, model_name: Optional[str] = None, device: Optional[str] = None,
@@ -98,10 +100,11 @@ class TorchBackend:
     def step_rows(self, rows: list, chunk=None) -> list:
         """Feed each row's token (and `chunk` = (cache, ids) of a prefill) in one forward; per row,
         then for the chunk: None (advanced) or the error that stopped it alone."""
-        return batch.step_rows(self.model, rows, chunk)
+        return batch.step_rows(self.model, rows, chunk, self.slabs if self.batch_slabs else None)
 
     def end_row(self, row: batch.DecodeRow) -> None:
-        """The row's run ended: its last sampled token stays unfed."""
+        """The row's run ended (its last sampled token stays unfed): its heap leaves the batch."""
+        batch.leave_slab(row)
 
     def tokens_in_cache(self, cache: HeapCache) -> int:
         return cache.tokens_seen

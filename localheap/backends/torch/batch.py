@@ -20,8 +20,10 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ...generation import ProgressFn, SamplingParams
+from . import attention
 from .cache import HeapCache
 from .generate import Sampler, prefill_turn
+from .slab import DecodeSlab, slab_key
 
 
 class DecodeRow:
@@ -30,6 +32,7 @@ class DecodeRow:
 
     def __init__(self, cache: HeapCache, sampler: Sampler, logits: torch.Tensor):
         self.cache, self.sampler = cache, sampler
+        self.slab: Optional[DecodeSlab] = None   # the slab its heap is a row of, while it is
         self.logits = logits               # [vocab] fp32 the token was sampled from
         self.next = sampler.sample(logits)  # [1] int64 on the device
         self.token = int(self.next)
@@ -51,8 +54,8 @@ def batchable(cache: HeapCache) -> bool:
 
 
 class PackedLayer(CacheLayerMixin):
-    """One model layer of a packed step: writes each segment's new K/V into that segment's heap
-    layer and keeps what each heap layer returned for the attention function."""
+    """One model layer of a packed step: writes each part's new K/V into its heaps (a slab's
+    rows, or one heap layer) and keeps what each lone heap returned for the attention function."""
 
     is_sliding = False
     is_compileable = False
@@ -61,91 +64,155 @@ class PackedLayer(CacheLayerMixin):
         super().__init__()
         self.step, self.index = step, index
         self.is_initialized = True
-        self.resident: list = []   # per segment: (keys, values) [1, H_kv, T_i, D]
+        self.resident: list = []   # per lone heap: (keys, values) [1, H_kv, T_i, D]
 
     def lazy_initialization(self, key_states, value_states) -> None:
-        raise AssertionError("a packed step writes into the segments' heaps")
+        raise AssertionError("a packed step writes into the parts' heaps")
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        """key_states/value_states: [1, H_kv, N, D], segment i at its own positions."""
-        self.resident = [cache.layers[self.index].update(key_states[:, :, a:b], value_states[:, :, a:b])
-                         for cache, (a, b) in zip(self.step.caches, self.step.bounds)]
+        """key_states/value_states: [1, H_kv, N, D], each part's tokens at their own positions."""
+        self.resident = []
+        for part, (a, b) in zip(self.step.parts, self.step.bounds):
+            if isinstance(part, DecodeSlab):
+                part.append(self.index, key_states[:, :, a:b], value_states[:, :, a:b])
+            else:
+                self.resident.append(part.layers[self.index].update(key_states[:, :, a:b], value_states[:, :, a:b]))
         return key_states, value_states
 
     def get_seq_length(self) -> int:
         return 0
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return query_length, 0   # the model's mask is unused: each segment builds its own
+        return query_length, 0   # the model's mask is unused: each part masks its own
 
     def get_max_length(self) -> int:
         return -1
 
 
 class PackedStep(Cache):
-    """past_key_values (and heap=) for one forward over several heaps' segments."""
+    """past_key_values (and heap=) for one forward over several parts: decode slabs (their rows'
+    tokens, in row order) and lone heaps (a decode token, or a prefill chunk)."""
 
     packed = True
 
-    def __init__(self, caches: list[HeapCache], lengths: list[int], n_layers: int):
-        assert len({id(c) for c in caches}) == len(caches), "a heap appears once per step"
-        self.caches = caches
+    def __init__(self, parts: list, lengths: list[int], n_layers: int):
+        self.parts = parts
         ends = list(accumulate(lengths))
         self.bounds = [(e - n, e) for e, n in zip(ends, lengths)]
         super().__init__(layers=[PackedLayer(self, i) for i in range(n_layers)])
 
-    def segments(self, layer_index: int):
-        """(cache, query slice, (keys, values)) per segment, for the attention function."""
-        for cache, (a, b), kv in zip(self.caches, self.bounds, self.layers[layer_index].resident):
-            yield cache, slice(a, b), kv
+    def attend(self, module, query: torch.Tensor, **kwargs) -> torch.Tensor:
+        """query: [1, H_q, N, D] -> [1, N, H_q, D]: each part over its own heaps."""
+        scale = kwargs.get("scaling") or query.shape[-1] ** -0.5
+        lone = iter(self.layers[module.layer_idx].resident)
+        outs = []
+        for part, (a, b) in zip(self.parts, self.bounds):
+            if isinstance(part, DecodeSlab):
+                outs.append(part.attend(module.layer_idx, query[:, :, a:b], scale))
+            else:
+                k, v = next(lone)
+                outs.append(attention._heap_sdpa(module, query[:, :, a:b], k, v, None, part, **kwargs)[0])
+        return torch.cat(outs, dim=1)
 
 
-def forward_packed(model, segments: list[tuple[HeapCache, torch.Tensor]]) -> torch.Tensor:
-    """segments: (cache, ids [n_i] on the device), each cache with room made for its n_i tokens.
-    Returns the fp32 logits [S, vocab] of each segment's last token."""
-    caches = [c for c, _ in segments]
-    lengths = [int(ids.shape[0]) for _, ids in segments]
-    positions = torch.cat([c.position_ids(n) for c, n in zip(caches, lengths)], dim=1)   # [1, N]
-    ids = torch.cat([ids for _, ids in segments])[None]                                  # [1, N]
-    last = torch.tensor(lengths, device=ids.device).cumsum(0) - 1
-    step = PackedStep(caches, lengths, len(caches[0].layers))
+def forward_packed(model, parts: list, tokens: list[torch.Tensor]) -> torch.Tensor:
+    """parts: DecodeSlab (one token per row, `tokens` [B] in row order) or HeapCache (`tokens`
+    [n] ids), every heap with room made. Returns fp32 logits [N_parts', vocab]: each slab row's,
+    then each lone heap's last token."""
+    lengths = [int(t.shape[0]) for t in tokens]
+    positions = []
+    for part, n in zip(parts, lengths):
+        caches = part.members if isinstance(part, DecodeSlab) else [part]
+        positions += [c.position_ids(1 if isinstance(part, DecodeSlab) else n) for c in caches]
+    positions = torch.cat(positions, dim=1)                                               # [1, N]
+    ids = torch.cat(tokens)[None]                                                         # [1, N]
+    keep = []
+    for part, (a, b) in zip(parts, zip([0] + list(accumulate(lengths))[:-1], accumulate(lengths))):
+        keep += list(range(a, b)) if isinstance(part, DecodeSlab) else [b - 1]
+    first = parts[0].members[0] if isinstance(parts[0], DecodeSlab) else parts[0]
+    step = PackedStep(parts, lengths, len(first.layers))
     with torch.no_grad():
         out = model(input_ids=ids, position_ids=positions, past_key_values=step, use_cache=True,
-                    logits_to_keep=last, heap=step)
+                    logits_to_keep=torch.tensor(keep, device=ids.device), heap=step)
     return out.logits[0].to(dtype=torch.float32)
 
 
-def step_rows(model, rows: list[DecodeRow], chunk: Optional[tuple[HeapCache, Sequence[int]]] = None
-              ) -> list[Optional[Exception]]:
+def step_rows(model, rows: list[DecodeRow], chunk: Optional[tuple[HeapCache, Sequence[int]]] = None,
+              slabs: Optional[dict] = None) -> list[Optional[Exception]]:
     """Feed each row's pending token (and `chunk`: (cache, ids) of a prefill, riding in the same
     forward) in one pass; each row then samples its next token with its own sampler.
 
+    With `slabs` (slab_key -> DecodeSlab, kept by the caller between steps) rows whose heaps can
+    share a buffer are read as one batch (slab.py); the others attend one by one.
     Returns one entry per row, then one for the chunk: None when it advanced, else the error that
     stopped it before the forward (making room: an eviction event or its page-out), which leaves
-    the others untouched. An error in the forward itself raises (every segment is suspect).
+    the others untouched. An error in the forward itself raises (every part is suspect).
     One host read per step: the rows' sampled ids together."""
     errors: list[Optional[Exception]] = []
-    segments: list[tuple[HeapCache, torch.Tensor]] = []
     live: list[DecodeRow] = []
     for row in rows:
         errors.append(_make_room(row.cache, 1))
         if errors[-1] is None:
-            segments.append((row.cache, row.next))
             live.append(row)
+        else:
+            leave_slab(row)
+    if slabs is not None:
+        _seat(live, slabs)
+    parts, tokens, order = [], [], []
+    for slab in {id(r.slab): r.slab for r in live if r.slab is not None}.values():
+        members = {id(r.cache): r for r in live if r.slab is slab}
+        seated = [members[id(c)] for c in slab.members]
+        parts.append(slab)
+        tokens.append(torch.cat([r.next for r in seated]))
+        order += seated
+    for row in live:
+        if row.slab is None:
+            parts.append(row.cache)
+            tokens.append(row.next)
+            order.append(row)
     if chunk is not None:
         cache, ids = chunk
         errors.append(_make_room(cache, len(ids)))
         if errors[-1] is None:
-            segments.append((cache, torch.as_tensor(list(ids), dtype=torch.long, device=cache.device)))
-    if not segments:
+            parts.append(cache)
+            tokens.append(torch.as_tensor(list(ids), dtype=torch.long, device=cache.device))
+    if not parts:
         return errors
-    logits = forward_packed(model, segments)
-    if live:
-        tokens = [row.sampler.sample(logits[i]) for i, row in enumerate(live)]   # each [1]
-        host = torch.cat(tokens).tolist()
-        for i, (row, token, value) in enumerate(zip(live, tokens, host)):
+    logits = forward_packed(model, parts, tokens)
+    if order:
+        sampled = [row.sampler.sample(logits[i]) for i, row in enumerate(order)]   # each [1]
+        host = torch.cat(sampled).tolist()
+        for i, (row, token, value) in enumerate(zip(order, sampled, host)):
             row.logits, row.next, row.token = logits[i], token, value
     return errors
+
+
+def _seat(rows: list[DecodeRow], slabs: dict) -> None:
+    """Make each slab's members exactly this step's rows of it: rows left out of the step leave,
+    rows that can join do."""
+    stepping = {id(r.cache) for r in rows}
+    for slab in slabs.values():
+        for cache in [c for c in slab.members if id(c) not in stepping]:
+            slab.leave(cache)   # its row's `slab` is cleared when it steps or ends (in_slab)
+    for row in rows:
+        if not in_slab(row):
+            key = slab_key(row.cache)
+            if key is not None:
+                row.slab = slabs.setdefault(key, DecodeSlab(key))
+                row.slab.join(row.cache)
+
+
+def in_slab(row: DecodeRow) -> bool:
+    if row.slab is not None and not any(c is row.cache for c in row.slab.members):
+        row.slab = None
+    return row.slab is not None
+
+
+def leave_slab(row: DecodeRow) -> None:
+    """The row's heap gets buffers of its own again (its run ended, failed, or waits a step)."""
+    if in_slab(row):
+        row.slab.leave(row.cache)
+    row.slab = None
 
 
 def _make_room(cache: HeapCache, n: int) -> Optional[Exception]:
