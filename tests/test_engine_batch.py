@@ -178,18 +178,20 @@ def test_a_session_spilled_while_others_decode(demo, REQUESTS, tmp_path):
 
 
 def test_batch_smaller_than_the_decoding_runs_serves_them_in_turn(demo, REQUESTS, monkeypatch):
-    """max_batch=2, four runs decoding: each advances at least once in any two steps."""
+    """max_batch=2, four runs decoding, seats held for 3 steps: none waits more than 3 steps."""
     log = StepLog(demo, monkeypatch)
-    eng = engine(demo, max_batch=2)
+    eng = engine(demo, max_batch=2, batch_slice=3)
     try:
         got = replies(eng, REQUESTS)
     finally:
         eng.stop()
     assert [t for t, _ in got] == alone_texts(demo, REQUESTS)
     assert max(len(rows) for rows, _ in log.steps) == 2
-    for r in {r for rows, _ in log.steps for r in rows}:   # never left out of two steps in a row
+    gaps = []
+    for r in {r for rows, _ in log.steps for r in rows}:
         steps = [i for i, (rows, _) in enumerate(log.steps) if r in rows]
-        assert max(np.diff(steps), default=1) <= 2, (r, steps)
+        gaps.append(max(np.diff(steps), default=1))
+    assert max(gaps) <= 3 + 1 and max(gaps) > 1, gaps   # they did take turns, within the bound
 
 
 def test_queued_requests_start_in_arrival_order(demo, REQUESTS):

@@ -34,19 +34,22 @@ from .telemetry import Counters
 log = logging.getLogger("localheap.engine")
 IDLE_POLL_S = 0.05     # with nothing running, how often waiting jobs are looked at (room, timeouts)
 MIXED_CHUNK = 64       # prefill tokens riding in a decode step (README: prefill beside decode)
+BATCH_SLICE = 32       # steps a run keeps its batch seat while others wait for one (a swap copies two heaps)
 
 
 class Engine:
     def __init__(self, backend: Any, store: SessionStore, governor: Optional[Governor] = None,
                  max_active: int = 8, max_queued: int = 32, admission_timeout: float = 30.0,
-                 batched: Optional[bool] = None, max_batch: int = 8, mixed_chunk: int = MIXED_CHUNK):
-        assert max_active >= 1 and max_queued >= 0 and admission_timeout >= 0 and max_batch >= 1 and mixed_chunk >= 1
+                 batched: Optional[bool] = None, max_batch: int = 8, mixed_chunk: int = MIXED_CHUNK,
+                 batch_slice: int = BATCH_SLICE):
+        assert max_active >= 1 and max_queued >= 0 and admission_timeout >= 0
+        assert max_batch >= 1 and mixed_chunk >= 1 and batch_slice >= 1
         self.backend, self.store = backend, store
         can_batch = hasattr(backend, "step_rows")
         if batched and not can_batch:
             raise ValueError(f"the {getattr(backend, 'name', '?')} backend has no batched decode")
         self.batched = can_batch if batched is None else batched
-        self.max_batch, self.mixed_chunk = max_batch, mixed_chunk
+        self.max_batch, self.mixed_chunk, self.batch_slice = max_batch, mixed_chunk, batch_slice
         self._steps = 0   # batched engine steps so far (a run's advanced_at is one of them)
         self.governor = governor or AdmitAll()
         self.max_active, self.max_queued = max_active, max_queued
@@ -249,9 +252,9 @@ class Engine:
             self._finish(run)
 
     def _batch_step(self) -> None:
-        """One step of the batched engine: runs that start decoding feed their prompt's last token
-        alone; then every decoding run (up to max_batch, longest-waiting first: no starvation)
-        advances one token and one prefilling run (in turn) feeds a chunk, in one forward pass."""
+        """One step of the batched engine: every decoding run with a seat in the batch (max_batch
+        seats, see _seats) advances one token, runs that start decoding feed their prompt's last
+        token, and one prefilling run (in turn) feeds a chunk, all in one forward pass."""
         self._steps += 1
         for run in [r for r in self._active if r.job.cancelled]:
             self._finish(run)
@@ -265,8 +268,7 @@ class Engine:
                 self._guarded(run, run.begin)
             else:
                 self._step(run)   # a heap the batch cannot take (sliding layers): its own generator
-        decoding = [r for r in self._active if r.row is not None]
-        batch = sorted(decoding, key=lambda r: r.advanced_at)[: self.max_batch]
+        batch = self._seats([r for r in self._active if r.row is not None])
         chunk_run = prefilling[0] if prefilling else None
         if chunk_run is not None:   # the next step feeds the next prefilling run
             self._active.remove(chunk_run)
@@ -299,6 +301,23 @@ class Engine:
             self._guarded(chunk_run, lambda: self._chunk_fed(chunk_run, chunk), errors[-1])
         elif chunk_run is not None:
             self._step(chunk_run)
+
+    def _seats(self, decoding: list[Run]) -> list[Run]:
+        """The runs this step advances: all of them while they fit in max_batch; beyond, a seated
+        run keeps its seat for batch_slice steps, then yields it to the run that waited longest.
+        So a decoding run waits at most batch_slice x ceil(waiting / max_batch) steps."""
+        seated = [r for r in decoding if r.seated_at is not None]
+        waiting = sorted((r for r in decoding if r.seated_at is None), key=lambda r: r.advanced_at)
+        expired = sorted((r for r in seated if self._steps - r.seated_at >= self.batch_slice),
+                         key=lambda r: r.seated_at)
+        keep = [r for r in seated if r not in expired]
+        incoming = waiting[: self.max_batch - len(keep)]
+        stay = expired[: self.max_batch - len(keep) - len(incoming)]
+        for r in expired[len(stay):]:
+            r.seated_at = None
+        for r in incoming:
+            r.seated_at = self._steps
+        return keep + stay + incoming
 
     def _chunk_fed(self, run: Run, chunk: list[int]) -> None:
         run.chunk_fed(chunk)

@@ -35,6 +35,7 @@ class Run:
         self.gen: Optional[Iterator[int]] = None
         self.row: Any = None                            # the backend's decode row (batched engine)
         self.advanced_at = 0                            # engine step of its last token (batch fairness)
+        self.seated_at: Optional[int] = None            # engine step it took its seat in the batch
         self.completion: list[int] = []
         self.stream: Optional[TextStream] = None
         self.finish_reason: Optional[str] = None
@@ -78,16 +79,15 @@ class Run:
         self._publish_stats(force=self.finish_reason is not None)
 
     def begin(self) -> None:
-        """Batched engine: feed the prompt's last token (recall first, where it applies) on its
-        own and take the first sampled token; later tokens come from the batch (`take`)."""
+        """Batched engine: a decode row whose first batch step feeds the prompt's last token
+        (alone first where a recall is due); every token then comes from the batch (`take`)."""
         req: Generate = self.request
-        self.row = self.backend.start_row(self.session.cache, [self.last], req.params)
+        defer = req.params.max_tokens > 0   # the first step feeds it, in the batch where it can
+        self.row = self.backend.start_row(self.session.cache, [self.last], req.params, defer=defer)
         self.stream = TextStream(self.backend.tokenizer.decode, req.params.stop)
-        if req.params.max_tokens == 0:
+        if not defer:
             self.finish_reason = "length"   # sampled but not taken: the token is not fed either
             self._publish_stats(force=True)
-        else:
-            self.take(self.row.token)
 
     def _decode_one(self) -> None:
         req: Generate = self.request

@@ -92,10 +92,11 @@ class TorchBackend:
         return batch.batchable(cache)
 
     def start_row(self, cache: HeapCache, new_tokens: Sequence[int], params: SamplingParams,
-                  progress: Optional[ProgressFn] = None,
-                  cancelled: Optional[Callable[[], bool]] = None) -> batch.DecodeRow:
-        """Feed a turn's last prompt tokens and sample its first token: a row for `step_rows`."""
-        return batch.start_row(self.model, cache, new_tokens, params, progress, cancelled)
+                  progress: Optional[ProgressFn] = None, cancelled: Optional[Callable[[], bool]] = None,
+                  defer: bool = False) -> batch.DecodeRow:
+        """A row for `step_rows`: a turn's last prompt tokens fed and its first token sampled, now
+        or (`defer`) in the row's first step."""
+        return batch.start_row(self.model, cache, new_tokens, params, progress, cancelled, defer)
 
     def step_rows(self, rows: list, chunk=None) -> list:
         """Feed each row's token (and `chunk` = (cache, ids) of a prefill) in one forward; per row,

@@ -20,6 +20,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ...generation import ProgressFn, SamplingParams
+from .. import paging
 from . import attention
 from .cache import HeapCache
 from .generate import Sampler, prefill_turn
@@ -28,24 +29,42 @@ from .slab import DecodeSlab, slab_key
 
 class DecodeRow:
     """One session in the decode batch: its heap, its sampler, and the token it sampled last
-    (on the device, not yet fed; `token` is its host copy)."""
+    (on the device, not yet fed; `token` is its host copy). A row made with `prompt` has no
+    token yet: its first step feeds the prompt (riding in the batch where no recall is due)."""
 
-    def __init__(self, cache: HeapCache, sampler: Sampler, logits: torch.Tensor):
+    def __init__(self, cache: HeapCache, sampler: Sampler, logits: Optional[torch.Tensor] = None,
+                 prompt: Optional[list[int]] = None):
         self.cache, self.sampler = cache, sampler
         self.slab: Optional[DecodeSlab] = None   # the slab its heap is a row of, while it is
-        self.logits = logits               # [vocab] fp32 the token was sampled from
-        self.next = sampler.sample(logits)  # [1] int64 on the device
-        self.token = int(self.next)
+        self.prompt = prompt                     # tokens to feed before the first sample
+        self.logits = self.next = self.token = None
+        if logits is not None:
+            self.sampled(logits)
+
+    def sampled(self, logits: torch.Tensor, token: Optional[torch.Tensor] = None, host: Optional[int] = None) -> None:
+        """logits: [vocab] fp32 the next token is (or was, `token` [1] on the device) sampled from."""
+        self.logits = logits
+        self.next = self.sampler.sample(logits) if token is None else token
+        self.token = int(self.next) if host is None else host
+        self.prompt = None
 
 
 def start_row(model, cache: HeapCache, prompt: Sequence[int], params: SamplingParams,
-              progress: Optional[ProgressFn] = None, cancelled=None) -> DecodeRow:
-    """A turn's prompt (>= 1 token, recall included) fed on its own, and its first token sampled."""
+              progress: Optional[ProgressFn] = None, cancelled=None, defer: bool = False) -> DecodeRow:
+    """A turn's last prompt tokens (>= 1) and the first token sampled after them: fed now on its
+    own (recall included), or with `defer` by the row's first step_rows."""
     if len(prompt) == 0:
         raise ValueError("generation needs at least one new prompt token")
     sampler = Sampler(params, cache.device)
-    logits = prefill_turn(model, cache, prompt, progress, cancelled)
-    return DecodeRow(cache, sampler, logits)
+    if defer:
+        return DecodeRow(cache, sampler, prompt=list(prompt))
+    return DecodeRow(cache, sampler, prefill_turn(model, cache, prompt, progress, cancelled))
+
+
+def _rides(row: DecodeRow) -> bool:
+    """A deferred prompt rides in the batch unless it is due a recall or exceeds the append room."""
+    n = len(row.prompt)
+    return n <= row.cache.cfg.append_room and not paging.needs_recall(row.cache, [n])
 
 
 def batchable(cache: HeapCache) -> bool:
@@ -150,12 +169,18 @@ def step_rows(model, rows: list[DecodeRow], chunk: Optional[tuple[HeapCache, Seq
     One host read per step: the rows' sampled ids together."""
     errors: list[Optional[Exception]] = []
     live: list[DecodeRow] = []
+    starting: list[DecodeRow] = []   # deferred prompts riding as lone parts
     for row in rows:
-        errors.append(_make_room(row.cache, 1))
-        if errors[-1] is None:
-            live.append(row)
-        else:
+        if row.prompt is not None and not _rides(row):
+            errors.append(_work(lambda: row.sampled(prefill_turn(model, row.cache, row.prompt))))
+            continue   # fed alone (recall first): the row has its first token
+        errors.append(_make_room(row.cache, 1 if row.prompt is None else len(row.prompt)))
+        if errors[-1] is not None:
             leave_slab(row)
+        elif row.prompt is not None:
+            starting.append(row)
+        else:
+            live.append(row)
     if slabs is not None:
         _seat(live, slabs)
     parts, tokens, order = [], [], []
@@ -165,10 +190,11 @@ def step_rows(model, rows: list[DecodeRow], chunk: Optional[tuple[HeapCache, Seq
         parts.append(slab)
         tokens.append(torch.cat([r.next for r in seated]))
         order += seated
-    for row in live:
+    for row in live + starting:
         if row.slab is None:
             parts.append(row.cache)
-            tokens.append(row.next)
+            tokens.append(row.next if row.prompt is None else
+                          torch.as_tensor(row.prompt, dtype=torch.long, device=row.cache.device))
             order.append(row)
     if chunk is not None:
         cache, ids = chunk
@@ -183,7 +209,7 @@ def step_rows(model, rows: list[DecodeRow], chunk: Optional[tuple[HeapCache, Seq
         sampled = [row.sampler.sample(logits[i]) for i, row in enumerate(order)]   # each [1]
         host = torch.cat(sampled).tolist()
         for i, (row, token, value) in enumerate(zip(order, sampled, host)):
-            row.logits, row.next, row.token = logits[i], token, value
+            row.sampled(logits[i], token, value)
     return errors
 
 
@@ -216,8 +242,13 @@ def leave_slab(row: DecodeRow) -> None:
 
 
 def _make_room(cache: HeapCache, n: int) -> Optional[Exception]:
+    return _work(lambda: cache.make_room(n))
+
+
+def _work(fn) -> Optional[Exception]:
+    """Run one row's own host-side work; its error, if any (the others still step)."""
     try:
-        cache.make_room(n)
-    except Exception as e:   # this segment's own failure: the others still step
+        fn()
+    except Exception as e:
         return e
     return None
