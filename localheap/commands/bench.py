@@ -1,4 +1,5 @@
-"""`localheap bench speed|memory|needle|attention-mass`: the heap against the stock path, in one run."""
+"""`localheap bench speed|memory|needle|attention-mass|serve`: the heap against the stock path (serve: the
+batched engine against the round-robin one), in one run."""
 
 from __future__ import annotations
 
@@ -120,6 +121,22 @@ def add_parser(sub) -> None:
     mass.add_argument("--trials", type=int, default=4, help="documents (needle episodes) averaged")
     mass.add_argument("--seed", type=int, default=0, help="seed of the documents")
     mass.set_defaults(func=run_attention_mass_bench, model="demo")
+    serve = bsub.add_parser("serve", help="N concurrent clients against servers: batched engine vs round-robin")
+    add_model_args(serve)
+    serve.add_argument("--clients", type=_ints, default=[1, 2, 4, 8, 16], help="concurrent clients per round")
+    serve.add_argument("--context", type=_ints, default=[4096],
+                       help="tokens of document each client's session holds before it asks (one value)")
+    serve.add_argument("--decode-tokens", type=_positive, default=64, help="tokens each client asks for")
+    serve.add_argument("--doc-tokens", type=_ints, default=[65536],
+                       help="the document read beside a decoding chat (0: skip that table)")
+    serve.add_argument("--engines", default="batched,round-robin",
+                       help="engines compared, interleaved per round (default: batched,round-robin)")
+    serve.add_argument("--max-batch", type=_positive, default=None, help="the batched server's --max-batch (default: serve's default)")
+    serve.add_argument("--mixed-chunk", type=_positive, default=None, help="the batched server's --mixed-chunk (default: serve's default)")
+    serve.add_argument("--serve-args", default="", metavar="ARGS",
+                       help="more flags for both servers, one string, e.g. \"--budget 2048\" (default: none)")
+    add_threads_arg(serve)
+    serve.set_defaults(func=run_serve_bench)
 
 
 def add_threads_arg(parser) -> None:
@@ -304,3 +321,9 @@ def run_structured_bench(args) -> int:
     emit("structured", report(decode, masks, backend, vocab, table),
          {"model": backend.model_name, "backend": backend.name, "vocab": vocab, "decode": decode, "masks": masks})
     return 0
+
+
+def run_serve_bench(args) -> int:
+    from ..bench.serve import run
+
+    return run(args)

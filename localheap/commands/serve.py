@@ -41,7 +41,15 @@ def add_parser(sub) -> None:
     p.add_argument("--admission-timeout", type=float, default=30.0, metavar="SECONDS",
                    help="how long a request may queue for RAM under the budget before 503")
     p.add_argument("--max-observers", type=int, default=8, help="open /v1/heap/events streams (503 beyond)")
-    p.add_argument("--max-active", type=int, default=8, help="requests served round-robin at once")
+    p.add_argument("--max-active", type=int, default=8, help="requests running at once (beyond: queued)")
+    p.add_argument("--max-batch", type=int, default=8,
+                   help="decoding sessions advanced together in one forward pass per step; more wait their "
+                        "turn, longest-waiting first (README: the decode batch)")
+    p.add_argument("--mixed-chunk", type=int, default=64, metavar="N",
+                   help="prefill tokens a document read feeds per step while other sessions decode "
+                        "(its chunk rides in their forward pass; alone it uses --prefill-chunk)")
+    p.add_argument("--round-robin", action="store_true",
+                   help="serve one run per forward pass in turn, without batching (for comparison)")
     p.add_argument("--max-queue", type=int, default=32, help="requests waiting beyond those (503 beyond)")
     p.add_argument("--max-sessions", type=int, default=256, help="sessions kept (oldest idle ones are dropped)")
     p.add_argument("--max-resident-sessions", type=int, default=8, help="idle sessions beyond are spilled to disk")
@@ -69,7 +77,7 @@ def default_sessions_dir(model_name: str) -> Path:
 def settings_from_args(args):
     from ..server import ServerSettings, parse_bytes
 
-    for name in ("max_active", "max_sessions", "max_resident_sessions", "default_max_tokens", "max_tokens_limit"):
+    for name in ("max_active", "max_batch", "mixed_chunk", "max_sessions", "max_resident_sessions", "default_max_tokens", "max_tokens_limit"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
     if args.max_queue < 0:
@@ -85,6 +93,7 @@ def settings_from_args(args):
         allowed_hosts=list(args.allow_host), max_prompt_tokens=args.max_prompt_tokens,
         admission_timeout=args.admission_timeout, max_observers=args.max_observers,
         max_body_bytes=parse_bytes(args.max_body), max_active=args.max_active, max_queued=args.max_queue,
+        max_batch=args.max_batch, batched=not args.round_robin, mixed_chunk=args.mixed_chunk,
         max_sessions=max(args.max_sessions, args.max_resident_sessions),
         max_resident_sessions=args.max_resident_sessions, persist_sessions=args.persist,
         sessions_dir=args.sessions_dir,

@@ -1,8 +1,12 @@
 """The engine: one worker thread owns the backend and every session.
 
-Requests come in on a queue; events go out through each request's emit callable. Active
-runs are served round-robin, one step each per round: a decode token or a prefill chunk,
-so a long document upload never stalls another session's chat for more than one chunk.
+Requests come in on a queue; events go out through each request's emit callable. With a
+backend that batches (`step_rows`), each engine step advances every decoding run by one token
+in ONE forward pass (at most `max_batch` runs, those that waited longest first) and one
+prefilling run, in turn, feeds a chunk that rides in the same pass, cut to `mixed_chunk`
+tokens while others decode, so a document read never freezes a chat. Otherwise (or with
+`batched=False`) active runs are served round-robin, one step each per round: a decode token
+or a prefill chunk.
 Which waiting job starts next and on which session is admission.py's: under a RAM budget, jobs
 that need a heap wait in arrival order (FIFO) for room, up to `admission_timeout` seconds, then
 fail with OverBudget (503); later jobs never overtake them.
@@ -29,13 +33,24 @@ from .telemetry import Counters
 
 log = logging.getLogger("localheap.engine")
 IDLE_POLL_S = 0.05     # with nothing running, how often waiting jobs are looked at (room, timeouts)
+MIXED_CHUNK = 64       # prefill tokens riding in a decode step (README: prefill beside decode)
+BATCH_SLICE = 32       # steps a run keeps its batch seat while others wait for one (a swap copies two heaps)
 
 
 class Engine:
     def __init__(self, backend: Any, store: SessionStore, governor: Optional[Governor] = None,
-                 max_active: int = 8, max_queued: int = 32, admission_timeout: float = 30.0):
+                 max_active: int = 8, max_queued: int = 32, admission_timeout: float = 30.0,
+                 batched: Optional[bool] = None, max_batch: int = 8, mixed_chunk: int = MIXED_CHUNK,
+                 batch_slice: int = BATCH_SLICE):
         assert max_active >= 1 and max_queued >= 0 and admission_timeout >= 0
+        assert max_batch >= 1 and mixed_chunk >= 1 and batch_slice >= 1
         self.backend, self.store = backend, store
+        can_batch = hasattr(backend, "step_rows")
+        if batched and not can_batch:
+            raise ValueError(f"the {getattr(backend, 'name', '?')} backend has no batched decode")
+        self.batched = can_batch if batched is None else batched
+        self.max_batch, self.mixed_chunk, self.batch_slice = max_batch, mixed_chunk, batch_slice
+        self._steps = 0   # batched engine steps so far (a run's advanced_at is one of them)
         self.governor = governor or AdmitAll()
         self.max_active, self.max_queued = max_active, max_queued
         self.admission = AdmissionQueue(backend, store, self.governor, admission_timeout)
@@ -126,8 +141,11 @@ class Engine:
                 if not self._drain(timeout):
                     break
                 self._admit()
-                for run in list(self._active):
-                    self._step(run)
+                if self.batched:
+                    self._batch_step()
+                else:
+                    for run in list(self._active):
+                        self._step(run)
             self._shutdown()
         except BaseException as e:   # a bug outside any one request: nothing here can be trusted
             self._die(e)
@@ -233,6 +251,94 @@ class Engine:
         if done:
             self._finish(run)
 
+    def _batch_step(self) -> None:
+        """One step of the batched engine: every decoding run with a seat in the batch (max_batch
+        seats, see _seats) advances one token, runs that start decoding feed their prompt's last
+        token, and one prefilling run (in turn) feeds a chunk, all in one forward pass."""
+        self._steps += 1
+        for run in [r for r in self._active if r.job.cancelled]:
+            self._finish(run)
+        pauses = [self._throttle(r) for r in self._active]
+        prefilling = [r for r in self._active if r.prefilling]
+        pause = max(pauses, default=0.0)
+        if pause:
+            time.sleep(pause if prefilling else pause / 10)
+        for run in [r for r in self._active if not r.prefilling and r.row is None]:
+            if run.gen is None and self.backend.batchable(run.session.cache):
+                self._guarded(run, run.begin)
+            else:
+                self._step(run)   # a heap the batch cannot take (sliding layers): its own generator
+        batch = self._seats([r for r in self._active if r.row is not None])
+        chunk_run = prefilling[0] if prefilling else None
+        if chunk_run is not None:   # the next step feeds the next prefilling run
+            self._active.remove(chunk_run)
+            self._active.append(chunk_run)
+        if not batch:
+            if chunk_run is not None:
+                self._step(chunk_run)
+            return
+        rides = chunk_run is not None and self.backend.batchable(chunk_run.session.cache)
+        chunk = chunk_run.next_chunk(self.mixed_chunk) if rides else None
+        began = time.monotonic()
+        try:
+            errors = self.backend.step_rows([r.row for r in batch],
+                                            (chunk_run.session.cache, chunk) if rides else None)
+        except Exception as e:   # the forward itself: every run in it is suspect
+            log.exception("a batched decode step failed (%d runs)", len(batch) + rides)
+            for run in batch + ([chunk_run] if rides else []):
+                self._active.remove(run)
+                self._fail(run.job, e, run)
+            return
+        took = time.monotonic() - began
+        self.counters.decode.add(sum(e is None for e in errors[: len(batch)]), took=took)
+        for run, error in zip(batch, errors):
+            run.advanced_at = self._steps
+            self._guarded(run, lambda run=run: run.take(run.row.token), error)
+        if rides:
+            if errors[-1] is None:
+                self.counters.prefill.add(len(chunk), took=took)
+                self.counters.prefill_tokens += len(chunk)
+            self._guarded(chunk_run, lambda: self._chunk_fed(chunk_run, chunk), errors[-1])
+        elif chunk_run is not None:
+            self._step(chunk_run)
+
+    def _seats(self, decoding: list[Run]) -> list[Run]:
+        """The runs this step advances: all of them while they fit in max_batch; beyond, a seated
+        run keeps its seat for batch_slice steps, then yields it to the run that waited longest.
+        So a decoding run waits at most batch_slice x ceil(waiting / max_batch) steps."""
+        seated = [r for r in decoding if r.seated_at is not None]
+        waiting = sorted((r for r in decoding if r.seated_at is None), key=lambda r: r.advanced_at)
+        expired = sorted((r for r in seated if self._steps - r.seated_at >= self.batch_slice),
+                         key=lambda r: r.seated_at)
+        keep = [r for r in seated if r not in expired]
+        incoming = waiting[: self.max_batch - len(keep)]
+        stay = expired[: self.max_batch - len(keep) - len(incoming)]
+        for r in expired[len(stay):]:
+            r.seated_at = None
+        for r in incoming:
+            r.seated_at = self._steps
+        return keep + stay + incoming
+
+    def _chunk_fed(self, run: Run, chunk: list[int]) -> None:
+        run.chunk_fed(chunk)
+        if run.session.cfg.recall:
+            self.admission.fit_grown()   # its page summaries grew with the chunk
+
+    def _guarded(self, run: Run, work: Callable[[], None], error: Optional[Exception] = None) -> None:
+        """Do `work` for one run of the batch (unless the backend already failed it with `error`):
+        a failure fails that run alone; a finished run ends."""
+        if error is None:
+            try:
+                work()
+            except Exception as e:
+                error = e
+        if error is not None:
+            log.error("a request failed on session %s", run.session.id, exc_info=error)
+            self._active.remove(run)
+            self._fail(run.job, error, run)
+        elif run.finish_reason is not None:
+            self._finish(run)
+
     def _finish(self, run: Run) -> None:
         self._active.remove(run)
         try:
@@ -273,6 +379,9 @@ class Engine:
         """Fail one request. A session it was running on is rolled back to its last saved
         turn (or to empty); dropped only when neither exists, since its cache may hold a
         half-fed chunk."""
+        if run is not None and run.row is not None:
+            self.backend.end_row(run.row)   # out of the batch before the session is rolled back
+            run.row = None
         if run is not None and (run.created or not self.store.rollback(run.session, fed_before=run.cached)):
             if not run.created:
                 log.error("session %s dropped: its cache cannot be trusted and it has no saved copy", run.session.id)

@@ -1,7 +1,10 @@
 """A job once admitted: its session and the work left, done one step at a time.
 
-A step is one prefill chunk or one decode token; the engine round-robins steps between
-runs. The session's `fed` list always matches what the cache holds once a run ends.
+A step is one prefill chunk or one decode token. With a backend that batches (`step_rows`),
+the engine advances every decoding run in one forward pass (a prefill chunk riding along), and
+a run holds a decode row (`begin`, then `take` per token); otherwise the engine round-robins
+`step` between runs and a run pulls tokens from the backend's generator.
+The session's `fed` list always matches what the cache holds once a run ends.
 """
 
 from __future__ import annotations
@@ -30,6 +33,9 @@ class Run:
         self.last = None if isinstance(job.request, Feed) else new_tokens[-1]
         self.prefilled = 0
         self.gen: Optional[Iterator[int]] = None
+        self.row: Any = None                            # the backend's decode row (batched engine)
+        self.advanced_at = 0                            # engine step of its last token (batch fairness)
+        self.seated_at: Optional[int] = None            # engine step it took its seat in the batch
         self.completion: list[int] = []
         self.stream: Optional[TextStream] = None
         self.finish_reason: Optional[str] = None
@@ -46,22 +52,42 @@ class Run:
 
     def step(self) -> bool:
         """Do one unit of work; True once the run is finished (finish_reason set)."""
-        if self.prefilled < len(self.to_prefill):
+        if self.prefilling:
             self._prefill_chunk()
-            if self.last is None and self.prefilled == len(self.to_prefill):
-                self.finish_reason = "fed"
         else:
             self._decode_one()
-        self._publish_stats(force=self.finish_reason is not None)
+            self._publish_stats(force=self.finish_reason is not None)
         return self.finish_reason is not None
 
     def _prefill_chunk(self) -> None:
-        chunk = list(self.to_prefill[self.prefilled:self.prefilled + self.chunk])   # ids may be an int32 array
+        chunk = self.next_chunk(self.chunk)
         self.backend.prefill(self.session.cache, chunk)
+        self.chunk_fed(chunk)
+
+    def next_chunk(self, size: int) -> list[int]:
+        """The next prefill chunk, at most `size` tokens (ids may be an int32 array)."""
+        return list(self.to_prefill[self.prefilled:self.prefilled + min(size, self.chunk)])
+
+    def chunk_fed(self, chunk: list[int]) -> None:
+        """`chunk` (from next_chunk) is in the cache now."""
         self.session.extend(chunk)
         self.prefilled += len(chunk)
         self.last_step = ("prefill", len(chunk))
         self.request.emit(Progress(self.prefilled, len(self.to_prefill)))
+        if self.last is None and not self.prefilling:
+            self.finish_reason = "fed"
+        self._publish_stats(force=self.finish_reason is not None)
+
+    def begin(self) -> None:
+        """Batched engine: a decode row whose first batch step feeds the prompt's last token
+        (alone first where a recall is due); every token then comes from the batch (`take`)."""
+        req: Generate = self.request
+        defer = req.params.max_tokens > 0   # the first step feeds it, in the batch where it can
+        self.row = self.backend.start_row(self.session.cache, [self.last], req.params, defer=defer)
+        self.stream = TextStream(self.backend.tokenizer.decode, req.params.stop)
+        if not defer:
+            self.finish_reason = "length"   # sampled but not taken: the token is not fed either
+            self._publish_stats(force=True)
 
     def _decode_one(self) -> None:
         req: Generate = self.request
@@ -72,6 +98,15 @@ class Run:
         if token is None:
             self.finish_reason = "length"
             return
+        self._take(token)
+
+    def take(self, token: int) -> None:
+        """A sampled token: stream its text, and finish on EOS, a stop string or max_tokens."""
+        self._take(token)
+        self._publish_stats(force=self.finish_reason is not None)
+
+    def _take(self, token: int) -> None:
+        req: Generate = self.request
         self.completion.append(token)
         self.last_step = ("decode", 1)
         if token in self.backend.eos_token_ids:
@@ -93,18 +128,26 @@ class Run:
 
     def close(self) -> None:
         """Stop generating and bring the session's history in line with its cache."""
+        if self.row is not None:
+            self.backend.end_row(self.row)   # the last sampled token is not fed
+            self.row = None
+            self._reconcile()
         if self.gen is not None:
             self.gen.close()   # pipelined: the last yielded token may or may not be fed
             sync = getattr(self.backend, "synchronize", None)
             if sync is not None:
                 sync()         # let the step in flight land before the thread moves on
-            in_cache = self.backend.tokens_in_cache(self.session.cache)
-            fed_here = in_cache - len(self.session.fed)
-            candidates = [self.last] + self.completion
-            assert 0 <= fed_here <= len(candidates), (in_cache, len(self.session.fed), len(candidates))
-            self.session.extend(candidates[:fed_here])
             self.gen = None
+            self._reconcile()
         self._publish_stats(force=True)
+
+    def _reconcile(self) -> None:
+        """Extend the session's history by the tokens of this run the cache holds."""
+        in_cache = self.backend.tokens_in_cache(self.session.cache)
+        fed_here = in_cache - len(self.session.fed)
+        candidates = [self.last] + self.completion
+        assert 0 <= fed_here <= len(candidates), (in_cache, len(self.session.fed), len(candidates))
+        self.session.extend(candidates[:fed_here])
 
     def finished_event(self) -> Finished:
         usage = Usage(self.prompt_tokens, len(self.completion), self.cached)

@@ -40,7 +40,8 @@ def create_app(backend: Any, settings: Optional[ServerSettings] = None, governor
     store = SessionStore(backend, settings.heap, settings.sessions_dir, durable=settings.persist_sessions,
                          max_resident=settings.max_resident_sessions, max_sessions=settings.max_sessions)
     engine = Engine(backend, store, governor, max_active=settings.max_active, max_queued=settings.max_queued,
-                    admission_timeout=settings.admission_timeout)
+                    admission_timeout=settings.admission_timeout, max_batch=settings.max_batch,
+                    batched=None if settings.batched else False, mixed_chunk=settings.mixed_chunk)
     if settings.max_prompt_tokens is None:
         plan = getattr(governor, "plan", None)
         settings.max_prompt_tokens = (plan or MemoryPlan(0, 0, 0, 0, request_room(default_budget()))).max_prompt_tokens

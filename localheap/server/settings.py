@@ -25,7 +25,10 @@ class ServerSettings:
     cors_origins: list[str] = field(default_factory=list)   # beyond the server's own origin
     max_body_bytes: int = 16 << 20             # a 1M-token document is ~4-6 MB of JSON
     max_prompt_tokens: Optional[int] = None    # None: derived from the RAM budget (see limits.py)
-    max_active: int = 8                        # requests served round-robin at once
+    max_active: int = 8                        # requests running at once (decoding, or prefilling)
+    max_batch: int = 8                         # decoding runs advanced in one forward pass per step
+    batched: bool = True                       # False: the round-robin engine (one run per forward)
+    mixed_chunk: int = 64                      # prefill tokens per step riding beside decoding runs
     max_queued: int = 32                       # waiting beyond those; more -> 503
     max_sessions: int = 256
     max_resident_sessions: int = 8             # more idle sessions are spilled to disk

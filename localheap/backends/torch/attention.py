@@ -20,7 +20,15 @@ ATTN_IMPLEMENTATION = "localheap_sdpa"
 
 def heap_sdpa(module, query, key, value, attention_mask, heap=None, **kwargs):
     """query: [1, H_q, L, D] rotated at the model-wide positions; key/value: [1, H_kv, T, D]
-    as the cache layer returned them. Returns (output [1, L, H_q, D], None) like stock sdpa."""
+    as the cache layer returned them. Returns (output [1, L, H_q, D], None) like stock sdpa.
+    A packed step (batch.py) attends segment by segment, each over its own heap."""
+    if getattr(heap, "packed", False):
+        return heap.attend(module, query, **kwargs), None
+    return _heap_sdpa(module, query, key, value, attention_mask, heap, **kwargs)
+
+
+def _heap_sdpa(module, query, key, value, attention_mask, heap=None, **kwargs):
+    """One heap's attention (also one segment of a packed step)."""
     layer = heap.layers[module.layer_idx] if heap is not None else None
     if layer is not None and layer.rope_delta:
         query = layer.rope.rotate(query, layer.rope_delta)   # this layer's own position

@@ -11,7 +11,7 @@ import torch
 from ...generation import ProgressFn, SamplingParams
 from ...heap import HeapConfig, HeapStats, kv_bytes_per_token
 from ..base import ModelShapes
-from . import attention
+from . import attention, batch
 from .cache import HeapCache, decoder_layers, kv_geometry, make_heap_cache
 from .generate import generate_tokens, prefill
 from .persist import load_heap, save_heap
@@ -52,6 +52,8 @@ class TorchBackend:
         self.eos_token_ids = set(eos)
         self.weights_bytes = sum(p.nbytes for p in model.parameters())
         self.vocab_size = model.get_input_embeddings().num_embeddings   # ids a prompt may use
+        self.slabs: dict = {}          # the decode batch's heap buffers, by slab key (slab.py)
+        self.batch_slabs = True        # False: every row of a batch attends on its own (per-heap sdpa)
 
     @classmethod
     def load(cls, path: str | Path, model_name: Optional[str] = None, device: Optional[str] = None,
@@ -84,6 +86,26 @@ class TorchBackend:
                  progress: Optional[ProgressFn] = None,
                  cancelled: Optional[Callable[[], bool]] = None) -> Iterator[int]:
         return generate_tokens(self.model, cache, new_tokens, params, progress, cancelled)
+
+    # -- the decode batch (engine.py): one forward pass for every decoding session --
+    def batchable(self, cache: HeapCache) -> bool:
+        return batch.batchable(cache)
+
+    def start_row(self, cache: HeapCache, new_tokens: Sequence[int], params: SamplingParams,
+                  progress: Optional[ProgressFn] = None, cancelled: Optional[Callable[[], bool]] = None,
+                  defer: bool = False) -> batch.DecodeRow:
+        """A row for `step_rows`: a turn's last prompt tokens fed and its first token sampled, now
+        or (`defer`) in the row's first step."""
+        return batch.start_row(self.model, cache, new_tokens, params, progress, cancelled, defer)
+
+    def step_rows(self, rows: list, chunk=None) -> list:
+        """Feed each row's token (and `chunk` = (cache, ids) of a prefill) in one forward; per row,
+        then for the chunk: None (advanced) or the error that stopped it alone."""
+        return batch.step_rows(self.model, rows, chunk, self.slabs if self.batch_slabs else None)
+
+    def end_row(self, row: batch.DecodeRow) -> None:
+        """The row's run ended (its last sampled token stays unfed): its heap leaves the batch."""
+        batch.leave_slab(row)
 
     def tokens_in_cache(self, cache: HeapCache) -> int:
         return cache.tokens_seen

@@ -1,0 +1,254 @@
+"""Many heaps in one forward pass: the decode batch, with a prefill chunk riding in it.
+
+The sessions' new tokens are packed into one ragged sequence [1, N] (a decode token per
+decoding session, optionally one prefill chunk of another session): every per-token part of
+the model (embeddings, norms, projections, MLP, logits) runs once over all N tokens, while
+attention runs per segment over that session's own heap, exactly as the single-session path
+runs it (attention.heap_sdpa). So each heap keeps its own slots, positions, eviction events,
+scores, recall region and page store; only the summation order of the per-token matmuls may
+change with N (greedy tokens equal on the CPU in float32, logits within a tolerance: tests).
+Each decoding session samples its logits row with its own Sampler.
+Knows nothing about sessions or requests: rows are (cache, sampler, next token).
+"""
+
+from __future__ import annotations
+
+from itertools import accumulate
+from typing import Optional, Sequence
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from ...generation import ProgressFn, SamplingParams
+from .. import paging
+from . import attention
+from .cache import HeapCache
+from .generate import Sampler, prefill_turn
+from .slab import DecodeSlab, slab_key
+
+
+class DecodeRow:
+    """One session in the decode batch: its heap, its sampler, and the token it sampled last
+    (on the device, not yet fed; `token` is its host copy). A row made with `prompt` has no
+    token yet: its first step feeds the prompt (riding in the batch where no recall is due)."""
+
+    def __init__(self, cache: HeapCache, sampler: Sampler, logits: Optional[torch.Tensor] = None,
+                 prompt: Optional[list[int]] = None):
+        self.cache, self.sampler = cache, sampler
+        self.slab: Optional[DecodeSlab] = None   # the slab its heap is a row of, while it is
+        self.prompt = prompt                     # tokens to feed before the first sample
+        self.logits = self.next = self.token = None
+        if logits is not None:
+            self.sampled(logits)
+
+    def sampled(self, logits: torch.Tensor, token: Optional[torch.Tensor] = None, host: Optional[int] = None) -> None:
+        """logits: [vocab] fp32 the next token is (or was, `token` [1] on the device) sampled from."""
+        self.logits = logits
+        self.next = self.sampler.sample(logits) if token is None else token
+        self.token = int(self.next) if host is None else host
+        self.prompt = None
+
+
+def start_row(model, cache: HeapCache, prompt: Sequence[int], params: SamplingParams,
+              progress: Optional[ProgressFn] = None, cancelled=None, defer: bool = False) -> DecodeRow:
+    """A turn's last prompt tokens (>= 1) and the first token sampled after them: fed now on its
+    own (recall included), or with `defer` by the row's first step_rows."""
+    if len(prompt) == 0:
+        raise ValueError("generation needs at least one new prompt token")
+    sampler = Sampler(params, cache.device)
+    if defer:
+        return DecodeRow(cache, sampler, prompt=list(prompt))
+    return DecodeRow(cache, sampler, prefill_turn(model, cache, prompt, progress, cancelled))
+
+
+def _rides(row: DecodeRow) -> bool:
+    """A deferred prompt rides in the batch unless it is due a recall or exceeds the append room."""
+    n = len(row.prompt)
+    return n <= row.cache.cfg.append_room and not paging.needs_recall(row.cache, [n])
+
+
+def batchable(cache: HeapCache) -> bool:
+    """Caches whose every layer is a heap (no sliding-window layer: its mask is the model's)."""
+    return cache.only_heap_layers
+
+
+class PackedLayer(CacheLayerMixin):
+    """One model layer of a packed step: writes each part's new K/V into its heaps (a slab's
+    rows, or one heap layer) and keeps what each lone heap returned for the attention function."""
+
+    is_sliding = False
+    is_compileable = False
+
+    def __init__(self, step: "PackedStep", index: int):
+        super().__init__()
+        self.step, self.index = step, index
+        self.is_initialized = True
+        self.resident: list = []   # per lone heap: (keys, values) [1, H_kv, T_i, D]
+
+    def lazy_initialization(self, key_states, value_states) -> None:
+        raise AssertionError("a packed step writes into the parts' heaps")
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """key_states/value_states: [1, H_kv, N, D], each part's tokens at their own positions."""
+        self.resident = []
+        for part, (a, b) in zip(self.step.parts, self.step.bounds):
+            if isinstance(part, DecodeSlab):
+                part.append(self.index, key_states[:, :, a:b], value_states[:, :, a:b])
+            else:
+                self.resident.append(part.layers[self.index].update(key_states[:, :, a:b], value_states[:, :, a:b]))
+        return key_states, value_states
+
+    def get_seq_length(self) -> int:
+        return 0
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return query_length, 0   # the model's mask is unused: each part masks its own
+
+    def get_max_length(self) -> int:
+        return -1
+
+
+class PackedStep(Cache):
+    """past_key_values (and heap=) for one forward over several parts: decode slabs (their rows'
+    tokens, in row order) and lone heaps (a decode token, or a prefill chunk)."""
+
+    packed = True
+
+    def __init__(self, parts: list, lengths: list[int], n_layers: int):
+        self.parts = parts
+        ends = list(accumulate(lengths))
+        self.bounds = [(e - n, e) for e, n in zip(ends, lengths)]
+        super().__init__(layers=[PackedLayer(self, i) for i in range(n_layers)])
+
+    def attend(self, module, query: torch.Tensor, **kwargs) -> torch.Tensor:
+        """query: [1, H_q, N, D] -> [1, N, H_q, D]: each part over its own heaps."""
+        scale = kwargs.get("scaling") or query.shape[-1] ** -0.5
+        lone = iter(self.layers[module.layer_idx].resident)
+        outs = []
+        for part, (a, b) in zip(self.parts, self.bounds):
+            if isinstance(part, DecodeSlab):
+                outs.append(part.attend(module.layer_idx, query[:, :, a:b], scale))
+            else:
+                k, v = next(lone)
+                outs.append(attention._heap_sdpa(module, query[:, :, a:b], k, v, None, part, **kwargs)[0])
+        return torch.cat(outs, dim=1)
+
+
+def forward_packed(model, parts: list, tokens: list[torch.Tensor]) -> torch.Tensor:
+    """parts: DecodeSlab (one token per row, `tokens` [B] in row order) or HeapCache (`tokens`
+    [n] ids), every heap with room made. Returns fp32 logits [N_parts', vocab]: each slab row's,
+    then each lone heap's last token."""
+    lengths = [int(t.shape[0]) for t in tokens]
+    positions = []
+    for part, n in zip(parts, lengths):
+        caches = part.members if isinstance(part, DecodeSlab) else [part]
+        positions += [c.position_ids(1 if isinstance(part, DecodeSlab) else n) for c in caches]
+    positions = torch.cat(positions, dim=1)                                               # [1, N]
+    ids = torch.cat(tokens)[None]                                                         # [1, N]
+    keep = []
+    for part, (a, b) in zip(parts, zip([0] + list(accumulate(lengths))[:-1], accumulate(lengths))):
+        keep += list(range(a, b)) if isinstance(part, DecodeSlab) else [b - 1]
+    first = parts[0].members[0] if isinstance(parts[0], DecodeSlab) else parts[0]
+    step = PackedStep(parts, lengths, len(first.layers))
+    with torch.no_grad():
+        out = model(input_ids=ids, position_ids=positions, past_key_values=step, use_cache=True,
+                    logits_to_keep=torch.tensor(keep, device=ids.device), heap=step)
+    return out.logits[0].to(dtype=torch.float32)
+
+
+def step_rows(model, rows: list[DecodeRow], chunk: Optional[tuple[HeapCache, Sequence[int]]] = None,
+              slabs: Optional[dict] = None) -> list[Optional[Exception]]:
+    """Feed each row's pending token (and `chunk`: (cache, ids) of a prefill, riding in the same
+    forward) in one pass; each row then samples its next token with its own sampler.
+
+    With `slabs` (slab_key -> DecodeSlab, kept by the caller between steps) rows whose heaps can
+    share a buffer are read as one batch (slab.py); the others attend one by one.
+    Returns one entry per row, then one for the chunk: None when it advanced, else the error that
+    stopped it before the forward (making room: an eviction event or its page-out), which leaves
+    the others untouched. An error in the forward itself raises (every part is suspect).
+    One host read per step: the rows' sampled ids together."""
+    errors: list[Optional[Exception]] = []
+    live: list[DecodeRow] = []
+    starting: list[DecodeRow] = []   # deferred prompts riding as lone parts
+    for row in rows:
+        if row.prompt is not None and not _rides(row):
+            errors.append(_work(lambda: row.sampled(prefill_turn(model, row.cache, row.prompt))))
+            continue   # fed alone (recall first): the row has its first token
+        errors.append(_make_room(row.cache, 1 if row.prompt is None else len(row.prompt)))
+        if errors[-1] is not None:
+            leave_slab(row)
+        elif row.prompt is not None:
+            starting.append(row)
+        else:
+            live.append(row)
+    if slabs is not None:
+        _seat(live, slabs)
+    parts, tokens, order = [], [], []
+    for slab in {id(r.slab): r.slab for r in live if r.slab is not None}.values():
+        members = {id(r.cache): r for r in live if r.slab is slab}
+        seated = [members[id(c)] for c in slab.members]
+        parts.append(slab)
+        tokens.append(torch.cat([r.next for r in seated]))
+        order += seated
+    for row in live + starting:
+        if row.slab is None:
+            parts.append(row.cache)
+            tokens.append(row.next if row.prompt is None else
+                          torch.as_tensor(row.prompt, dtype=torch.long, device=row.cache.device))
+            order.append(row)
+    if chunk is not None:
+        cache, ids = chunk
+        errors.append(_make_room(cache, len(ids)))
+        if errors[-1] is None:
+            parts.append(cache)
+            tokens.append(torch.as_tensor(list(ids), dtype=torch.long, device=cache.device))
+    if not parts:
+        return errors
+    logits = forward_packed(model, parts, tokens)
+    if order:
+        sampled = [row.sampler.sample(logits[i]) for i, row in enumerate(order)]   # each [1]
+        host = torch.cat(sampled).tolist()
+        for i, (row, token, value) in enumerate(zip(order, sampled, host)):
+            row.sampled(logits[i], token, value)
+    return errors
+
+
+def _seat(rows: list[DecodeRow], slabs: dict) -> None:
+    """Make each slab's members exactly this step's rows of it: rows left out of the step leave,
+    rows that can join do."""
+    stepping = {id(r.cache) for r in rows}
+    for slab in slabs.values():
+        for cache in [c for c in slab.members if id(c) not in stepping]:
+            slab.leave(cache)   # its row's `slab` is cleared when it steps or ends (in_slab)
+    for row in rows:
+        if not in_slab(row):
+            key = slab_key(row.cache)
+            if key is not None:
+                row.slab = slabs.setdefault(key, DecodeSlab(key))
+                row.slab.join(row.cache)
+
+
+def in_slab(row: DecodeRow) -> bool:
+    if row.slab is not None and not any(c is row.cache for c in row.slab.members):
+        row.slab = None
+    return row.slab is not None
+
+
+def leave_slab(row: DecodeRow) -> None:
+    """The row's heap gets buffers of its own again (its run ended, failed, or waits a step)."""
+    if in_slab(row):
+        row.slab.leave(row.cache)
+    row.slab = None
+
+
+def _make_room(cache: HeapCache, n: int) -> Optional[Exception]:
+    return _work(lambda: cache.make_room(n))
+
+
+def _work(fn) -> Optional[Exception]:
+    """Run one row's own host-side work; its error, if any (the others still step)."""
+    try:
+        fn()
+    except Exception as e:
+        return e
+    return None

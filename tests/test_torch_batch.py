@@ -1,0 +1,210 @@
+"""The torch decode batch: each session's tokens in a batch are its tokens alone, and its heap
+(evictions, positions, pages) is what it would be alone; a prefill chunk riding in the batch
+feeds the document's heap exactly as a chunk on its own would."""
+
+import numpy as np
+import pytest
+import torch
+from recall_checks import CFG as RECALL_CFG
+from recall_checks import load_all
+
+from localheap.backends.torch import TorchBackend
+from localheap.backends.torch.batch import leave_slab, start_row, step_rows
+from localheap.backends.torch.generate import generate_steps
+from localheap.generation import SamplingParams
+from localheap.heap import HeapConfig
+from localheap.models import demo_model_dir
+
+pytestmark = pytest.mark.usefixtures("torch_one_thread")
+SMALL = HeapConfig(budget=48, sinks=4, recent=8, slack=16, policy="snapkv", prefill_chunk=32)
+# Logits of a row in a batch against the same session alone, float32. Attention runs per heap as
+# alone; the per-token matmuls see N rows instead of 1, so BLAS may sum in another order: ~1e-6
+# relative per matmul, compounded over the layers and the steps a session's own tokens feed back.
+# Logits here are O(1-10); the largest difference seen was 2e-6 (llama tiny, 30 steps): 50x margin.
+LOGITS_ATOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def demo():
+    return TorchBackend.load(demo_model_dir(), dtype=torch.float32)
+
+
+@pytest.fixture(scope="module")
+def llama(model_dirs):
+    return TorchBackend.load(model_dirs("llama"), dtype=torch.float32)
+
+
+def prompts(backend, lengths, seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(10, backend.vocab_size, n).tolist() for n in lengths]
+
+
+def alone(backend, cfg, prompt, params):
+    cache = backend.new_cache(cfg)
+    steps = list(generate_steps(backend.model, cache, prompt, params, pipeline=False))
+    return [t for t, _ in steps], [lg for _, lg in steps], cache
+
+
+def batched(backend, cfg, prompt_list, params_list, slabs=None, defer=False):
+    """Rows start one by one (`defer`: their prompt rides in the first step), then step together;
+    a row leaves once it has its max_tokens. With `slabs` ({}), heaps are read as one batch from a
+    shared buffer (slab.py)."""
+    rows = [start_row(backend.model, backend.new_cache(cfg), p, params, defer=defer)
+            for p, params in zip(prompt_list, params_list)]
+    tokens, logits = [[] for _ in rows], [[] for _ in rows]
+
+    def record(i):
+        tokens[i].append(rows[i].token)
+        logits[i].append(rows[i].logits.clone())
+
+    live = list(range(len(rows)))
+    if not defer:
+        for i in live:
+            record(i)
+    live = [i for i in live if len(tokens[i]) < params_list[i].max_tokens]
+    while live:
+        assert step_rows(backend.model, [rows[i] for i in live], slabs=slabs) == [None] * len(live)
+        for i in live:
+            record(i)
+        live = [i for i in live if len(tokens[i]) < params_list[i].max_tokens]
+    for r in rows:
+        leave_slab(r)
+    return tokens, logits, [r.cache for r in rows]
+
+
+def heap_state(cache):
+    return [(layer.heap.view_positions().copy(), layer.heap.evictions, layer.heap.seen) for layer in cache.heap_layers]
+
+
+def assert_same_heap(a, b, atol=0.0):
+    for (pa, ea, sa), (pb, eb, sb) in zip(heap_state(a), heap_state(b)):
+        np.testing.assert_array_equal(pa, pb)
+        assert (ea, sa) == (eb, sb)
+    for la, lb in zip(a.heap_layers, b.heap_layers):
+        n = la.heap.resident
+        torch.testing.assert_close(la.keys[0, :, :n], lb.keys[0, :, :n], atol=atol, rtol=0)
+
+
+SLABS = pytest.mark.parametrize("slabs", [None, {}], ids=["per-heap", "slab"])
+
+
+@SLABS
+def test_demo_model_greedy_tokens_in_a_batch_equal_alone(demo, slabs):
+    """Rows of different lengths evict at different steps and finish at different steps."""
+    lengths, maxes = (5, 30, 77, 140), (40, 12, 33, 25)
+    ps = prompts(demo, lengths)
+    params = [SamplingParams(max_tokens=m) for m in maxes]
+    want = [alone(demo, SMALL, p, sp) for p, sp in zip(ps, params)]
+    got_tokens, _, caches = batched(demo, SMALL, ps, params, slabs)
+    assert got_tokens == [w[0] for w in want]
+    evictions = {c.heap_layers[0].heap.evictions for c in caches}
+    assert len(evictions - {0}) >= 2, "rows evicted, at different steps"
+    for (_, _, cache), got in zip(want, caches):
+        assert_same_heap(cache, got, atol=1e-4)
+
+
+@SLABS
+@pytest.mark.parametrize("policy", ["snapkv", "h2o"])
+def test_random_model_logits_within_tolerance_and_sampling_per_row(llama, slabs, policy):
+    """Per row its own sampler: greedy, and seeded top-k/top-p rows (same draws as alone)."""
+    ps = prompts(llama, (20, 64, 9), seed=3)
+    params = [SamplingParams(max_tokens=30), SamplingParams(max_tokens=30, temperature=0.8, top_k=20, seed=5),
+              SamplingParams(max_tokens=30, temperature=1.2, top_p=0.9, seed=9)]
+    cfg = SMALL.with_(policy=policy, h2o_normalize=policy == "h2o")
+    got_tokens, got_logits, caches = batched(llama, cfg, ps, params, slabs)
+    for p, sp, tokens, logits, cache in zip(ps, params, got_tokens, got_logits, caches):
+        want_tokens, want_logits, want = alone(llama, cfg, p, sp)
+        assert tokens == want_tokens
+        assert_same_heap(want, cache, atol=1e-4)
+        for a, b in zip(want.heap_layers, cache.heap_layers):   # the policy's scores, as alone
+            for name in ("scores", "counts", "window"):
+                if getattr(a, name) is not None:
+                    torch.testing.assert_close(getattr(a, name), getattr(b, name), atol=1e-4, rtol=1e-5)
+        diff = max((a - b).abs().max().item() for a, b in zip(logits, want_logits))
+        assert diff <= LOGITS_ATOL, diff
+
+
+@SLABS
+@pytest.mark.parametrize("defer", [False, True], ids=["started-alone", "deferred"])
+def test_recall_rows_page_out_as_alone(llama, slabs, defer):
+    """Rows with recall on: each recalls at its turn's start (a deferred start due a recall is fed
+    alone) and pages out its own evictions during the batch; its page store ends as alone. A third
+    row, too short to have evicted, starts riding in the batch."""
+    ps = prompts(llama, (300, 180, 12), seed=4)
+    params = [SamplingParams(max_tokens=70), SamplingParams(max_tokens=45), SamplingParams(max_tokens=20)]
+    got_tokens, _, caches = batched(llama, RECALL_CFG, ps, params, slabs, defer)
+    for p, sp, tokens, cache in zip(ps, params, got_tokens, caches):
+        want_tokens, _, want = alone(llama, RECALL_CFG, p, sp)
+        assert tokens == want_tokens
+        assert len(cache.recall_log) == len(want.recall_log) == (len(p) > 100)
+        if len(p) < 100:
+            continue
+        assert_same_heap(want, cache, atol=1e-4)
+        for c in (cache, want):
+            c.writer.drain()
+        assert cache.pages.tokens == want.pages.tokens > 0
+        for layer in range(len(cache.heap_layers)):
+            for a, b in zip(load_all(cache.pages, layer), load_all(want.pages, layer)):
+                np.testing.assert_allclose(a, b, atol=1e-4)
+
+
+def test_a_prefill_chunk_riding_in_the_batch_feeds_as_alone(demo):
+    doc = prompts(demo, (200,), seed=7)[0]
+    chunks = [doc[i:i + 24] for i in range(0, len(doc), 24)]
+    solo = demo.new_cache(SMALL)
+    for c in chunks:
+        demo.prefill(solo, c)
+    rows = [start_row(demo.model, demo.new_cache(SMALL), p, SamplingParams(max_tokens=100))
+            for p in prompts(demo, (10, 50), seed=8)]
+    reader = demo.new_cache(SMALL)
+    tokens = [[r.token] for r in rows]
+    for c in chunks:
+        assert step_rows(demo.model, rows, (reader, c)) == [None, None, None]
+        for t, r in zip(tokens, rows):
+            t.append(r.token)
+    assert_same_heap(solo, reader, atol=1e-4)
+    for t, p in zip(tokens, prompts(demo, (10, 50), seed=8)):
+        assert t == alone(demo, SMALL, p, SamplingParams(max_tokens=len(t)))[0]
+
+
+def test_a_row_that_cannot_make_room_leaves_the_others_untouched(demo, monkeypatch):
+    ps = prompts(demo, (40, 60), seed=2)
+    params = SamplingParams(max_tokens=30)
+    rows = [start_row(demo.model, demo.new_cache(SMALL), p, params) for p in ps]
+    broken = rows[0].cache
+
+    def fail(n):
+        raise OSError("page writer: disk full")
+
+    monkeypatch.setattr(broken, "make_room", fail)
+    seen = broken.tokens_seen
+    tokens = [rows[1].token]
+    for _ in range(29):
+        errors = step_rows(demo.model, rows)
+        assert isinstance(errors[0], OSError) and errors[1] is None
+        tokens.append(rows[1].token)
+    assert broken.tokens_seen == seen
+    assert tokens == alone(demo, SMALL, ps[1], params)[0]
+
+
+def test_slab_rows_sit_out_join_and_leave_as_alone(demo):
+    """Rows that sit out steps leave the slab and join again; leaving compacts the slab; every
+    heap ends with buffers of its own and the tokens it has alone."""
+    cfg = SMALL.with_(policy="h2o")
+    ps, params = prompts(demo, (30, 70, 120, 5), seed=11), SamplingParams(max_tokens=40)
+    rows = [start_row(demo.model, demo.new_cache(cfg), p, params) for p in ps]
+    got, slabs = [[r.token] for r in rows], {}
+    for i in range(39):
+        live = [r for j, r in enumerate(rows) if (i + j) % 5]   # each row sits out every 5th step
+        assert step_rows(demo.model, live, slabs=slabs) == [None] * len(live)
+        slab = next(iter(slabs.values()))
+        assert len(slab.members) == len(live) and slab.rows >= len(live)
+        for r in live:
+            got[rows.index(r)].append(r.token)
+    for r in rows:
+        leave_slab(r)
+    assert not next(iter(slabs.values())).buffers, "an empty slab frees its buffers"
+    for r, p, g in zip(rows, ps, got):
+        assert g == alone(demo, cfg, p, SamplingParams(max_tokens=len(g)))[0]
+        for layer in r.cache.heap_layers:
+            assert layer.keys.untyped_storage().nbytes() == layer.keys.nbytes
