@@ -112,9 +112,17 @@ def to_response(exc: Exception) -> JSONResponse:
                           "server_error", None, "internal_error")
 
 
+def _union_branch(part) -> bool:
+    """A loc element naming which member of a Union pydantic tried ("str", "list[...]"), not a field."""
+    return part == "str" or str(part).startswith(("list[", "tagged-union["))
+
+
 def _validation(exc: RequestValidationError) -> JSONResponse:
-    first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request", "type": ""}
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    errors = exc.errors()
+    # a list where a Union also takes a string: the list's own error says what is wrong, "not a string" does not
+    errors = [e for e in errors if not (e.get("type") == "string_type" and tuple(e.get("loc", ()))[-1:] == ("str",))] or errors
+    first = errors[0] if errors else {"loc": (), "msg": "invalid request", "type": ""}
+    loc = [str(p) for p in first.get("loc", ()) if p != "body" and not _union_branch(p)]
     param = ".".join(loc) or None
     if first.get("type") == "json_invalid":
         message, param = "the request body is not valid JSON", None

@@ -3,7 +3,7 @@ we know but cannot honour are refused with a message saying so (see `unsupported
 
 from __future__ import annotations
 
-from typing import Any, Literal, Optional, Union
+from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -21,13 +21,23 @@ class TextPart(Strict):
     text: str
 
 
+class MediaPart(BaseModel):
+    """An image, audio or file part (OpenAI's chat schema): parsed only to be refused by name."""
+    model_config = ConfigDict(extra="allow")
+    type: Literal["image_url", "input_audio", "file"]
+
+
+MEDIA_NAMES = {"image_url": "an image", "input_audio": "audio", "file": "a file"}
+
+
 class ChatMessage(Strict):
     role: Literal["system", "developer", "user", "assistant"]
-    content: Union[str, list[TextPart]]
+    content: Union[str, list[Annotated[Union[TextPart, MediaPart], Field(discriminator="type")]]]
     name: Optional[str] = None
 
     def text(self) -> str:
-        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        return self.content if isinstance(self.content, str) else "".join(
+            p.text for p in self.content if isinstance(p, TextPart))
 
 
 class StreamOptions(Strict):
@@ -89,6 +99,11 @@ class ChatCompletionRequest(SamplingFields):
 
     def unsupported(self) -> Optional[tuple[str, str]]:
         """(param, message) for the first field set to something this server cannot do."""
+        for i, m in enumerate(self.messages):
+            for j, p in enumerate(m.content if isinstance(m.content, list) else ()):
+                if isinstance(p, MediaPart):
+                    return (f"messages.{i}.content.{j}", f"this model reads text only: messages[{i}].content[{j}] "
+                            f"is {MEDIA_NAMES[p.type]} ({p.type!r} part); send the content as text parts")
         if self.tools or self.functions:
             name = "tools" if self.tools else "functions"
             return name, "tool and function calling are not supported"
