@@ -13,6 +13,7 @@ numpy array onto the device) and `settle()` (wait for queued device work).
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import tempfile
@@ -27,6 +28,8 @@ from ..heap import LayerHeap, PageGeometry, PageStore, PageWriter, score_pages, 
 from ..heap.pagecodec import decode
 from ..heap.pages import copy_tree, link_tree
 from ..heap.recall import WINDOW, take_windows, vote
+
+log = logging.getLogger("localheap.pages")
 
 
 def attach_pages(cache, n_kv_heads: int, head_dim: int, root: Optional[Path] = None) -> None:
@@ -258,6 +261,18 @@ def recall(cache, n_question: int, probe: Callable[[], dict]) -> dict:
              "ms": round(1000 * (time.perf_counter() - t0), 2)}
     cache.recall_log.append(event)
     return event
+
+
+def release_pages(cache) -> None:
+    """Before a session's files are removed: its queued page writes finished (their errors
+    dropped: the pages are going) and its store's files closed, so their space comes back now."""
+    if getattr(cache, "pages", None) is None:
+        return
+    try:
+        cache.writer.drain()
+    except Exception as e:   # noqa: BLE001 - a write that failed for a store being removed
+        log.debug("page writes of a removed store failed: %s", e)
+    cache.pages.close()
 
 
 def page_stats(cache) -> Optional[dict]:

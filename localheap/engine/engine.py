@@ -249,7 +249,10 @@ class Engine:
         if fed_document:
             branching.checkpoint_quietly(self.store, s)
         self.store.touch(s)
-        self._save(s)   # before the reply ends: a turn the client saw finish survives kill -9
+        if s.ephemeral:
+            self.store.delete(s.id)   # before the reply ends: the client sees it end with nothing kept
+        else:
+            self._save(s)   # before the reply ends: a turn the client saw finish survives kill -9
         s.refresh()
         self.counters.completion_tokens += len(run.completion)
         self._end(run.job, run.finished_event(), "finished" if run.finish_reason else "cancelled")

@@ -49,6 +49,7 @@ class Session:
     reply_start: Optional[int] = None      # tokens held before the latest reply began (None: all of them)
     checkpoints: list = field(default_factory=list)   # token counts of its saved checkpoints
     addressed: bool = False   # a client named it (X-Session-Id): never rolled back for another request
+    ephemeral: bool = False   # "store": false: never saved nor matched, deleted when its reply ends
     _text: Optional[str] = None
     _text_tokens: int = -1
 

@@ -15,6 +15,7 @@ import zlib
 from pathlib import Path
 from typing import Any, Optional
 
+from ..backends.paging import release_pages
 from ..heap import HeapConfig
 from .checkpoints import Checkpoints
 from .disk import SessionDir, new_id, valid_id
@@ -56,9 +57,10 @@ class SessionStore:
     # --- lookup (engine thread) ---
 
     def create(self, session_id: Optional[str] = None, origin: str = "api", title: Optional[str] = None,
-               owner: Optional[str] = None) -> Session:
+               owner: Optional[str] = None, ephemeral: bool = False) -> Session:
         assert origin in ORIGINS, origin
-        s = Session(id=session_id or new_id(), cfg=self.cfg, origin=origin, title=title, owner=owner)
+        s = Session(id=session_id or new_id(), cfg=self.cfg, origin=origin, title=title, owner=owner,
+                    ephemeral=ephemeral)
         assert valid_id(s.id), s.id
         s.refresh()
         with self._lock:
@@ -104,6 +106,7 @@ class SessionStore:
             raise SessionBusy(session_id)
         with self._lock:
             del self._sessions[session_id]
+        release_pages(s.cache)
         s.cache = None
         self._try_commit()
         self._remove_files(s)
@@ -255,7 +258,7 @@ class SessionStore:
                  "crc": zlib.crc32(s.fed[:s.saved_tokens].tobytes()),
                  "created": s.created, "last_used": s.last_used, "turns": s.turns,
                  "origin": s.origin, "title": s.title, "owner": s.owner}   # owner: the API key's digest
-                for s in self.sessions() if s.saved_gen is not None or not s.fed]
+                for s in self.sessions() if (s.saved_gen is not None or not s.fed) and not s.ephemeral]
 
     def _commit(self, force: bool = False) -> None:
         """Rewrite the index (durable stores, or forced): the generations it names are in force."""

@@ -70,13 +70,18 @@ def _params(body: SamplingFields, max_tokens: int) -> SamplingParams:
 async def _respond(reply: Reply, body: SamplingFields, prompt: Prompt, max_tokens: int, request: Request,
                    svc: Services, session_id: Optional[str], title: Optional[str]):
     who = owner(request)
+    ephemeral = body.store is False   # absent: kept, so the next turn reuses this one (see README)
     if session_id is not None:
+        if ephemeral:
+            raise BadRequest(f"\"store\": false runs in a session of its own that is not kept; it cannot continue "
+                             f"session {session_id!r} (drop X-Session-Id or \"store\": false)", "store")
         svc.store.info(session_id, who)   # unknown id, or another key's: 404 before queueing
     if max_tokens > svc.settings.max_tokens_limit:   # one request must not hold the engine forever
         raise BadRequest(f"max_tokens {max_tokens} is over this server's limit of {svc.settings.max_tokens_limit}",
                          "max_tokens", "max_tokens_too_large")
     params = _params(body, max_tokens)
-    job, events, started = await submit(svc.engine, lambda emit: Generate(prompt, params, emit, session_id, who))
+    job, events, started = await submit(svc.engine, lambda emit: Generate(prompt, params, emit, session_id, who,
+                                                                               ephemeral=ephemeral))
     headers = {SESSION_HEADER: started.session_id}
     await svc.name_session(started.session_id, title)
     if not body.stream:
