@@ -272,6 +272,7 @@ def release_pages(cache) -> None:
         cache.writer.drain()
     except Exception as e:   # noqa: BLE001 - a write that failed for a store being removed
         log.debug("page writes of a removed store failed: %s", e)
+    cache.writer.close()
     cache.pages.close()
 
 
@@ -304,7 +305,13 @@ def checkpoint_pages(cache, path: Path, snapshot: bool = False) -> dict:
     if cache.pages_owned and not snapshot:
         cache.pages.move_to(pages_dir(path))
         cache.pages_owned = False
-    cache.pages.checkpoint()
+    try:
+        cache.pages.checkpoint()
+    except OSError as e:   # the heap still saves; its pages reopen as of their last checkpoint
+        if snapshot:
+            raise
+        cache.pages.fault = f"pages not checkpointed: {e.strerror or e}"
+        log.warning("session pages in %s: %s", cache.pages.root, cache.pages.fault)
     root = cache.pages.root
     if snapshot:
         root = pages_dir(path)

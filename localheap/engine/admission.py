@@ -189,6 +189,7 @@ class AdmissionQueue:
             self.store.make_resident(s)
             if match.rollback is not None:
                 branching.roll_back(self.backend, s, match.rollback)
+            self.store.disk.admit(s, len(s.fed) + len(match.new_tokens))   # --disk-total: room, or 507
         except Exception:
             if created:
                 self.store.delete(s.id)

@@ -14,7 +14,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..engine import EngineFailed, EngineStopped, InvalidTokens, OverBudget, Overloaded
 from ..heap import HeapConfigError
-from ..sessions import SessionBusy, SessionLost, SessionNotFound, SpillFailed
+from ..sessions import DiskTotalExceeded, SessionBusy, SessionLost, SessionNotFound, SpillFailed
 
 log = logging.getLogger("localheap.server")
 
@@ -79,6 +79,8 @@ def to_response(exc: Exception) -> JSONResponse:
         return error_response(404, str(exc), "invalid_request_error", "session_id", "session_not_found")
     if isinstance(exc, SessionLost):
         return error_response(410, str(exc), "invalid_request_error", "session_id", "session_lost")
+    if isinstance(exc, DiskTotalExceeded):
+        return error_response(507, str(exc), "server_error", None, "disk_total_exceeded", headers={"Retry-After": "30"})
     if isinstance(exc, SpillFailed):   # disk full or sessions dir unwritable: nothing else is wrong
         log.error("%s", exc)
         return error_response(507, str(exc), "server_error", None, "sessions_dir_unwritable",
@@ -139,7 +141,7 @@ def install(app: FastAPI) -> None:
     async def handle(request: Request, exc: Exception) -> JSONResponse:
         return to_response(exc)
 
-    for cls in (ApiError, SessionNotFound, SessionBusy, SessionLost, SpillFailed, EngineFailed, InvalidTokens,
+    for cls in (ApiError, SessionNotFound, SessionBusy, SessionLost, SpillFailed, DiskTotalExceeded, EngineFailed, InvalidTokens,
                 Overloaded, OverBudget, EngineStopped,
                 RequestValidationError, StarletteHTTPException, HeapConfigError, ValueError, Exception):
         app.add_exception_handler(cls, handle)

@@ -1,0 +1,233 @@
+"""--disk-total: one bound on everything under the sessions directory, kept by taking space back
+from idle sessions.
+
+Every file under the directory counts (heaps, token files, pages, checkpoints, the index, files
+moved aside), a file with several hard links once. Past the bound, space comes back from idle
+sessions, least recently used first: their lowest-value pages (compacted out of the files),
+then their checkpoints, then whole sessions (which then answer 410, like a lost one); never a
+busy session, nor the one about to run. The room left is shared by the sessions that run, as
+their page stores' disk budget (each drops its lowest-value pages beyond it, as --disk-budget
+does), after a reserve for what their next save writes. A request that cannot fit even so is
+refused: DiskTotalExceeded (507).
+
+Also tells the store which sessions' page-out is failing (its degraded list, /health).
+Engine thread only; knows nothing about tensors (the page files are heap/pages.py's).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+from ..backends.paging import release_pages
+from ..heap import format_bytes
+from ..heap.pages import compact_store
+from .errors import DiskTotalExceeded, SpillFailed
+from .session import Reclaims, Session
+
+log = logging.getLogger("localheap.sessions")
+TOKEN_BYTES = 4           # a saved token: one int32
+LOOK_INTERVAL_S = 0.25    # while a prompt is read, the directory is measured at most this often
+
+
+def dir_bytes(root: Path) -> int:
+    """Bytes of every file under `root` (their sizes; a file with several hard links once)."""
+    seen, total, stack = set(), 0, [str(root)]
+    while stack:
+        try:
+            entries = list(os.scandir(stack.pop()))
+        except OSError:   # removed while we walk
+            continue
+        for e in entries:
+            try:
+                if e.is_dir(follow_symlinks=False):
+                    stack.append(e.path)
+                    continue
+                st = e.stat(follow_symlinks=False)
+            except OSError:
+                continue
+            if st.st_nlink > 1:
+                if (st.st_dev, st.st_ino) in seen:
+                    continue
+                seen.add((st.st_dev, st.st_ino))
+            total += st.st_size
+    return total
+
+
+def _unshared_bytes(paths) -> int:
+    """Bytes that removing these files gives back (a file other links share frees nothing)."""
+    total = 0
+    for p in paths:
+        try:
+            st = p.stat()
+        except OSError:
+            continue
+        if st.st_nlink == 1:
+            total += st.st_size
+    return total
+
+
+class DiskTotal:
+    """The --disk-total bound (bytes; 0: none) on `store`'s directory."""
+
+    def __init__(self, store: Any, total: int = 0):
+        assert total >= 0
+        self.store, self.total = store, total
+        self.reclaimed = Reclaims()
+        self.expect: dict[str, int] = {}   # running session id -> tokens it holds when its run ends
+        self.used = 0                      # bytes under the directory at the last look
+        self._looked_at = 0.0
+
+    # --- the engine's hooks ---
+
+    def admit(self, s: Session, tokens: int) -> None:
+        """Before a run on `s` that ends with about `tokens` tokens: make room, or raise DiskTotalExceeded."""
+        self.expect[s.id] = tokens
+        try:
+            self.fit(keep=s, strict=True)
+        except DiskTotalExceeded:
+            self.expect.pop(s.id, None)
+            raise
+
+    def grew(self) -> None:
+        """A running session read a prompt chunk (its pages grew): keep the bound, at most every LOOK_INTERVAL_S."""
+        if self.total and time.monotonic() - self._looked_at >= LOOK_INTERVAL_S:
+            self.fit()
+
+    def ended(self, s: Session) -> None:
+        """A run on `s` ended (its turn saved): report its page-out, and take space back if needed."""
+        self.expect.pop(s.id, None)
+        self.note_pages(s)
+        if self.total:
+            self.fit()
+
+    # --- the bound ---
+
+    def usage(self) -> int:
+        self.used = dir_bytes(self.store.spill_dir)
+        self._looked_at = time.monotonic()
+        return self.used
+
+    def reserve(self, s: Session) -> int:
+        """What a running session may still add: its next save (a heap and its tokens) and a chunk of pages."""
+        tokens = max(len(s.fed), self.expect.get(s.id, 0))
+        pages = self._pages(s)
+        chunk = int(s.cfg.chunk * pages.disk_bytes_per_token()) if pages is not None else 0
+        return self.store.heap_bytes() + TOKEN_BYTES * tokens + chunk
+
+    def fit(self, keep: Optional[Session] = None, strict: bool = False) -> None:
+        """Keep the directory, plus what the running sessions may still add, inside the bound:
+        take space back from idle sessions, then share what is left among the running ones.
+        `strict` (a run about to start on `keep`): DiskTotalExceeded when it cannot fit."""
+        if not self.total:
+            return
+        running = [s for s in self.store.sessions() if s.busy or s is keep]
+        need = sum(self.reserve(s) for s in running)
+        over = self.usage() + need - self.total
+        if over > 0:
+            self.reclaim(over, exclude={s.id for s in running})
+            over = self.usage() + need - self.total
+        if over > 0 and strict and keep is not None:
+            raise DiskTotalExceeded(self.reserve(keep), self.total, self.used)
+        self._share(running, max(0, -over))
+
+    def _share(self, running: list[Session], room: int) -> None:
+        """Each running page store may grow its files by an equal part of `room`: its disk budget
+        becomes that, less the dropped slots its files hold (reused only within their layer)."""
+        stores = [(s, p) for s in running if (p := self._pages(s)) is not None]
+        for s, p in stores:
+            files = p.file_bytes
+            live = max(1, files + room // len(stores) - (files - p.disk_bytes))   # 1: under a record, no pages
+            p.disk_budget = min(s.cfg.disk_budget, live) if s.cfg.disk_budget else live
+
+    # --- taking space back ---
+
+    def reclaim(self, need: int, exclude: set[str]) -> int:
+        """Free at least `need` bytes if idle sessions hold them: least recently used first, their
+        pages, then their checkpoints (and the pages those shared), then whole sessions. Returns bytes freed."""
+        freed = 0
+        for step in (self._drop_pages, self._drop_checkpoints, self._drop_pages, self._drop_session):
+            idle = sorted((s for s in self.store.sessions() if s.id not in exclude and not s.busy),
+                          key=lambda s: s.last_used)
+            for s in idle:
+                if freed >= need:
+                    return freed
+                got = step(s, need - freed)
+                freed += got.bytes
+                self.reclaimed.add(got)
+                if s.id in self.store:
+                    s.reclaimed.add(got)
+                    s.refresh()
+        return freed
+
+    def _drop_pages(self, s: Session, need: int) -> Reclaims:
+        root = self.store.pages_dir(s)
+        if not root.is_dir():
+            return Reclaims()
+        if s.cache is not None:   # resident: spilled first (free when its copy on disk is current), store closed
+            cache = s.cache
+            try:
+                self.store.spill(s.id)
+            except SpillFailed as e:
+                log.warning("--disk-total: session %s not spilled, its pages stay: %s", s.id, e)
+                return Reclaims()
+            release_pages(cache)
+        try:
+            dropped, freed = compact_store(root, need)
+        except (OSError, ValueError, KeyError) as e:
+            log.warning("--disk-total: pages of session %s not compacted: %s", s.id, e)
+            return Reclaims()
+        if dropped or freed:
+            log.info("--disk-total: session %s: %d lowest-value pages dropped, %s freed", s.id, dropped,
+                     format_bytes(freed))
+        return Reclaims(pages=dropped, bytes=freed)
+
+    def _drop_checkpoints(self, s: Session, need: int) -> Reclaims:
+        cps = self.store.checkpoints.of(s.id)
+        if not cps:
+            return Reclaims()
+        folder = self.store.checkpoints.root / s.id
+        freed = _unshared_bytes(p for p in folder.rglob("*") if p.is_file())
+        self.store.checkpoints.drop(s.id)
+        s.checkpoints = []
+        log.info("--disk-total: session %s: %d checkpoints removed, %s freed", s.id, len(cps), format_bytes(freed))
+        return Reclaims(checkpoints=len(cps), bytes=freed)
+
+    def _drop_session(self, s: Session, need: int) -> Reclaims:
+        root = self.store.spill_dir
+        paths = [*root.glob(f"{s.id}.*"), *self.store.pages_dir(s).rglob("*"),
+                 *(self.store.checkpoints.root / s.id).rglob("*")]
+        freed = _unshared_bytes(p for p in paths if p.is_file())
+        self.store.delete(s.id)
+        self.store.forget(s.id, "deleted to stay inside --disk-total")
+        log.warning("--disk-total: idle session %s deleted (%s freed)", s.id, format_bytes(freed))
+        return Reclaims(sessions=1, bytes=freed)
+
+    # --- page-out faults ---
+
+    def note_pages(self, s: Session) -> None:
+        """The session's page-out state into the store's degraded list (once its queued writes are done)."""
+        pages = self._pages(s)
+        if pages is None:
+            return
+        try:
+            s.cache.writer.drain()
+        except Exception as e:   # noqa: BLE001 - a failed write job: the session serves on without it
+            log.error("session %s: page-out failed: %s", s.id, e)
+            pages.fault = pages.fault or f"page-out failed: {e}"
+        key = f"{s.id}:recall"
+        if pages.fault:
+            self.store.mark_degraded(key, f"session {s.id}: recall degraded ({pages.fault})")
+        else:
+            self.store.clear_degraded(key)
+
+    @staticmethod
+    def _pages(s: Session):
+        return getattr(s.cache, "pages", None) if s.cache is not None else None
+
+    def snapshot(self) -> dict:
+        return {"total_bytes": self.total, "used_bytes": self.used, "reclaimed": asdict(self.reclaimed)}
