@@ -43,11 +43,10 @@ def test_a_removed_directory_is_started_over(tmp_path):
     s.append(0, *evicted(rng, 3 * P))
     s.checkpoint()
     shutil.rmtree(s.root)                                   # under the running session
-    assert s.append(0, *evicted(rng, P, 50)) == 1
-    assert s.lost == 3 and s.pages == 1 and "removed" in s.fault
+    assert s.append(0, *evicted(rng, P, 50)) == 1           # into a new directory
+    assert s.lost == 3 and s.pages == 1 and s.stats()["pages_lost"] == 3 and s.fault is None
     assert s.root.is_dir() and (s.root / "layer000.pages").stat().st_size == s.record_bytes
     s.checkpoint()                                          # the new store is the one a reopen finds
-    assert s.fault is None and s.stats()["pages_lost"] == 3
     again = PageStore(s.root, s.g, summary="minmax")
     assert again.pages == 1
     pos, _, _ = again.load(0, np.array([[0], [0]]))
@@ -82,5 +81,9 @@ def test_a_full_tmpfs(tmp_path):
         s.drop_lowest(s.pages // 2)                         # room again (freed slots): page-out resumes
         assert s.append(0, *evicted(rng, 64, 99_999)) == 1 and s.fault is None
         s.close()
+        subprocess.run(["mount", "-o", "remount,ro", str(mnt)], check=True)   # now a read-only disk
+        ro = PageStore(mnt / "pages", PageGeometry(1, H, D, 64, "f32"), summary="minmax")
+        assert "Read-only" in ro.fault and ro.pages == 0
+        assert ro.append(0, *evicted(rng, 64, 88_888)) == 0 and ro.failed == 1
     finally:
         subprocess.run(["umount", "-l", str(mnt)], check=False)   # -l: a file still open elsewhere

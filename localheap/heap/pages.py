@@ -139,7 +139,6 @@ class PageStore:
         self.failed = 0             # pages the disk refused (not kept), ever
         self.lost = 0               # pages lost with a directory removed under the store
         self.fault: Optional[str] = None   # why page-out fails now (None: it works)
-        self._lost_since_checkpoint = False   # a removed directory's fault lasts until the new one is checkpointed
         self._fds: list[int] = []
         self._closed = False
         weakref.finalize(self, _close_all, self._fds)
@@ -178,7 +177,6 @@ class PageStore:
         _close_all(self._fds)
         self.lost += self.pages
         self.fault = f"page store directory {self.root} was removed; {self.pages} pages lost"
-        self._lost_since_checkpoint = True
         for L in self.layers:
             L.live[:] = False
             L.free = list(range(len(L.live) - 1, -1, -1))
@@ -243,8 +241,7 @@ class PageStore:
             except OSError:
                 pass
             return False
-        if not self._lost_since_checkpoint:
-            self.fault = None   # page-out works (again)
+        self.fault = None   # page-out works (again)
         # RAM summaries read back from the record, so a reopened store scores identically
         for f, a in L.sums.items():
             a[slot] = rec[f]
@@ -328,8 +325,6 @@ class PageStore:
         meta = {"geometry": asdict(self.g), "seq": self.seq, "dropped": self.dropped, "written": self.written,
                 "reclaimed": self.reclaimed}
         _atomic(self.root / META, lambda f: f.write(json.dumps(meta).encode()))
-        if self._lost_since_checkpoint:
-            self.fault, self._lost_since_checkpoint = None, False
 
     # -- reading --------------------------------------------------------------------
     def summaries(self, layer: int) -> tuple[np.ndarray, ...]:

@@ -35,27 +35,50 @@ LOOK_INTERVAL_S = 0.25    # while a prompt is read, the directory is measured at
 
 
 def dir_bytes(root: Path) -> int:
-    """Bytes of every file under `root` (their sizes; a file with several hard links once)."""
-    seen, total, stack = set(), 0, [str(root)]
+    """Bytes under `root` as `du -sb` counts them: every file and directory's size, a file with
+    several hard links once."""
+    return scan(root)[0]
+
+
+def scan(root: Path) -> tuple[int, dict[str, int]]:
+    """(bytes under `root`, bytes by session id): a session's own files are `<id>.*` (heaps,
+    tokens, its `.pages/`) and `checkpoints/<id>/`; a file linked from several places counts
+    once, for the first session seen with it."""
+    seen: set = set()
+    by_session: dict[str, int] = {}
+    total = _size(str(root))
+    stack = [(str(root), None, 0)]
     while stack:
+        path, owner, depth = stack.pop()
         try:
-            entries = list(os.scandir(stack.pop()))
+            entries = list(os.scandir(path))
         except OSError:   # removed while we walk
             continue
         for e in entries:
+            sid = owner
+            if sid is None and (depth == 0 or (depth == 1 and os.path.basename(path) == "checkpoints")):
+                sid = e.name.split(".")[0] if e.name.startswith("sess_") else None
             try:
-                if e.is_dir(follow_symlinks=False):
-                    stack.append(e.path)
-                    continue
                 st = e.stat(follow_symlinks=False)
+                if e.is_dir(follow_symlinks=False):
+                    stack.append((e.path, sid, depth + 1))
+                elif st.st_nlink > 1:
+                    if (st.st_dev, st.st_ino) in seen:
+                        continue
+                    seen.add((st.st_dev, st.st_ino))
             except OSError:
                 continue
-            if st.st_nlink > 1:
-                if (st.st_dev, st.st_ino) in seen:
-                    continue
-                seen.add((st.st_dev, st.st_ino))
             total += st.st_size
-    return total
+            if sid is not None:
+                by_session[sid] = by_session.get(sid, 0) + st.st_size
+    return total, by_session
+
+
+def _size(path: str) -> int:
+    try:
+        return os.stat(path).st_size
+    except OSError:
+        return 0
 
 
 def _unshared_bytes(paths) -> int:
@@ -79,7 +102,9 @@ class DiskTotal:
         self.store, self.total = store, total
         self.reclaimed = Reclaims()
         self.expect: dict[str, int] = {}   # running session id -> tokens it holds when its run ends
+        self.faults_before: dict[str, tuple[int, int]] = {}   # running session id -> its pages failed, lost
         self.used = 0                      # bytes under the directory at the last look
+        self.by_session: dict[str, int] = {}
         self._looked_at = 0.0
 
     # --- the engine's hooks ---
@@ -87,6 +112,8 @@ class DiskTotal:
     def admit(self, s: Session, tokens: int) -> None:
         """Before a run on `s` that ends with about `tokens` tokens: make room, or raise DiskTotalExceeded."""
         self.expect[s.id] = tokens
+        pages = self._pages(s)
+        self.faults_before[s.id] = (pages.failed, pages.lost) if pages is not None else (0, 0)
         try:
             self.fit(keep=s, strict=True)
         except DiskTotalExceeded:
@@ -108,16 +135,22 @@ class DiskTotal:
     # --- the bound ---
 
     def usage(self) -> int:
-        self.used = dir_bytes(self.store.spill_dir)
+        self.used, self.by_session = scan(self.store.spill_dir)
         self._looked_at = time.monotonic()
         return self.used
 
-    def reserve(self, s: Session) -> int:
-        """What a running session may still add: its next save (a heap and its tokens) and a chunk of pages."""
+    def reserve(self, s: Session, pages: bool = True) -> int:
+        """What a running session may still add: its next save (a heap and its tokens) and, with
+        `pages`, the pages of the prompt it has yet to read (what it needs to keep its recall)."""
         tokens = max(len(s.fed), self.expect.get(s.id, 0))
-        pages = self._pages(s)
-        chunk = int(s.cfg.chunk * pages.disk_bytes_per_token()) if pages is not None else 0
-        return self.store.heap_bytes() + TOKEN_BYTES * tokens + chunk
+        need = self.store.heap_bytes() + TOKEN_BYTES * tokens
+        store = self._pages(s)
+        if pages and store is not None:
+            grow = int((tokens - len(s.fed) + s.cfg.chunk) * store.disk_bytes_per_token())
+            if s.cfg.disk_budget:   # never more than its own --disk-budget
+                grow = min(grow, max(0, s.cfg.disk_budget - store.disk_bytes))
+            need += grow
+        return need
 
     def fit(self, keep: Optional[Session] = None, strict: bool = False) -> None:
         """Keep the directory, plus what the running sessions may still add, inside the bound:
@@ -126,14 +159,21 @@ class DiskTotal:
         if not self.total:
             return
         running = [s for s in self.store.sessions() if s.busy or s is keep]
+        ids = {s.id for s in running}
         need = sum(self.reserve(s) for s in running)
         over = self.usage() + need - self.total
+        # the least it can run with: its save, without pages (it pages out only what room is left)
+        least = sum(self.reserve(s, pages=False) for s in running)
+        if over > 0 and strict:   # refused before anything is taken back when even all of it would not do
+            held = self.used - sum(b for sid, b in self.by_session.items() if sid not in ids and sid in self.store)
+            if held + least > self.total:
+                raise DiskTotalExceeded(self.reserve(keep, pages=False), self.total, held)
         if over > 0:
-            self.reclaim(over, exclude={s.id for s in running})
+            self.reclaim(over, exclude=ids)
             over = self.usage() + need - self.total
-        if over > 0 and strict and keep is not None:
-            raise DiskTotalExceeded(self.reserve(keep), self.total, self.used)
-        self._share(running, max(0, -over))
+        if strict and self.used + least > self.total:
+            raise DiskTotalExceeded(self.reserve(keep, pages=False), self.total, self.used)
+        self._share(running, max(0, self.total - self.used - least))
 
     def _share(self, running: list[Session], room: int) -> None:
         """Each running page store may grow its files by an equal part of `room`: its disk budget
@@ -177,7 +217,10 @@ class DiskTotal:
                 return Reclaims()
             release_pages(cache)
         try:
-            dropped, freed = compact_store(root, need)
+            dropped, freed = compact_store(root, 0)   # dropped slots first: that loses nothing
+            if freed < need:
+                more = compact_store(root, need - freed)
+                dropped, freed = dropped + more[0], freed + more[1]
         except (OSError, ValueError, KeyError) as e:
             log.warning("--disk-total: pages of session %s not compacted: %s", s.id, e)
             return Reclaims()
@@ -210,7 +253,9 @@ class DiskTotal:
     # --- page-out faults ---
 
     def note_pages(self, s: Session) -> None:
-        """The session's page-out state into the store's degraded list (once its queued writes are done)."""
+        """Once its queued writes are done: the session is degraded (the store's list, /health) while
+        its page-out fails, and when its latest run lost pages; a run without loss clears it."""
+        failed0, lost0 = self.faults_before.pop(s.id, (0, 0))
         pages = self._pages(s)
         if pages is None:
             return
@@ -219,9 +264,14 @@ class DiskTotal:
         except Exception as e:   # noqa: BLE001 - a failed write job: the session serves on without it
             log.error("session %s: page-out failed: %s", s.id, e)
             pages.fault = pages.fault or f"page-out failed: {e}"
+        why = [pages.fault] if pages.fault else []
+        if pages.failed > failed0:
+            why.append(f"{pages.failed - failed0} pages not written in its latest turn")
+        if pages.lost > lost0:
+            why.append(f"{pages.lost - lost0} pages lost with its removed page directory")
         key = f"{s.id}:recall"
-        if pages.fault:
-            self.store.mark_degraded(key, f"session {s.id}: recall degraded ({pages.fault})")
+        if why:
+            self.store.mark_degraded(key, f"session {s.id}: recall degraded: {'; '.join(why)}")
         else:
             self.store.clear_degraded(key)
 
