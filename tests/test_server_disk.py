@@ -199,3 +199,26 @@ def test_page_out_faults_degrade_one_session(backend, tmp_path, monkeypatch):
         assert chat(http, "Fine?", headers={"X-Session-Id": b}).status_code == 200
         assert chat(http, "Still there?", headers={"X-Session-Id": a}).status_code == 200
         assert http.get("/health").json()["status"] == "ok"   # a turn without loss
+
+
+def test_checkpoints_go_after_pages_and_before_sessions(backend, tmp_path):
+    """Sessions that read a document hold a checkpoint (a heap file, its tokens and hard links of
+    the pages). Under the bound, the least recently used give theirs back (the pages the
+    checkpoint shared with them then go too), and no session is deleted while that suffices."""
+    settings = ServerSettings(heap=HEAP, web_dir=None, sessions_dir=tmp_path, persist_sessions=True,
+                              disk_total=3 << 20)
+    with ServerThread(create_app(backend, settings)) as srv, httpx.Client(base_url=srv.url, timeout=120) as http, \
+            Sampler(tmp_path) as du:
+        ids = []
+        for i in range(8):
+            sid = http.post("/v1/sessions").json()["id"]
+            done = http.post(f"/v1/sessions/{sid}/documents", json={"text": f"Document {i}. {SHORT_DOC}",
+                                                                    "stream": False})
+            assert done.status_code == 200, done.text
+            ids.append(sid)
+        sessions = {s["id"]: s for s in http.get("/v1/sessions").json()["data"]}
+        m = metrics(http)
+    assert du.peak <= 3 << 20
+    assert m["localheap_disk_reclaimed_checkpoints_total"] > 0 and m["localheap_disk_reclaimed_sessions_total"] == 0
+    assert sessions[ids[0]]["checkpoints"] == [] and sessions[ids[0]]["reclaimed"]["checkpoints"] == 1
+    assert sessions[ids[-1]]["checkpoints"] and sessions[ids[-1]]["reclaimed"] is None

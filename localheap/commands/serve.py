@@ -96,7 +96,7 @@ def settings_from_args(args):
         ram_budget=parse_bytes(args.ram_budget) if args.ram_budget else None,
         default_max_tokens=args.default_max_tokens, max_tokens_limit=args.max_tokens_limit,
         shutdown_grace_s=args.shutdown_grace, heap=heap_config(args),
-        disk_total=disk_total(args.disk_total, args.sessions_dir) if args.disk_total.strip().lower() != "auto" else None,
+        disk_total=None if args.disk_total.strip().lower() == "auto" else disk_total(args.disk_total),   # auto: in run
     )
 
 

@@ -399,6 +399,14 @@ class PageStore:
         return self.pages * self.record_bytes
 
     @property
+    def shared_bytes(self) -> int:
+        """Bytes of layer files a checkpoint also links: the store copies one before it drops a page in it."""
+        try:
+            return sum(st.st_size for st in map(os.fstat, list(self._fds)) if st.st_nlink > 1)
+        except OSError:
+            return 0
+
+    @property
     def file_bytes(self) -> int:
         """Bytes the layer files take (dropped slots included: reused, never given back while open)."""
         try:

@@ -122,7 +122,8 @@ def _union_branch(part) -> bool:
 def _validation(exc: RequestValidationError) -> JSONResponse:
     errors = exc.errors()
     # a list where a Union also takes a string: the list's own error says what is wrong, "not a string" does not
-    errors = [e for e in errors if not (e.get("type") == "string_type" and tuple(e.get("loc", ()))[-1:] == ("str",))] or errors
+    errors = [e for e in errors
+              if not (e.get("type") == "string_type" and tuple(e.get("loc", ()))[-1:] == ("str",))] or errors
     first = errors[0] if errors else {"loc": (), "msg": "invalid request", "type": ""}
     loc = [str(p) for p in first.get("loc", ()) if p != "body" and not _union_branch(p)]
     param = ".".join(loc) or None
@@ -141,7 +142,8 @@ def install(app: FastAPI) -> None:
     async def handle(request: Request, exc: Exception) -> JSONResponse:
         return to_response(exc)
 
-    for cls in (ApiError, SessionNotFound, SessionBusy, SessionLost, SpillFailed, DiskTotalExceeded, EngineFailed, InvalidTokens,
+    for cls in (ApiError, SessionNotFound, SessionBusy, SessionLost, SpillFailed, DiskTotalExceeded, EngineFailed,
+                InvalidTokens,
                 Overloaded, OverBudget, EngineStopped,
                 RequestValidationError, StarletteHTTPException, HeapConfigError, ValueError, Exception):
         app.add_exception_handler(cls, handle)

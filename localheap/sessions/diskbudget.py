@@ -140,11 +140,14 @@ class DiskTotal:
         return self.used
 
     def reserve(self, s: Session, pages: bool = True) -> int:
-        """What a running session may still add: its next save (a heap and its tokens) and, with
-        `pages`, the pages of the prompt it has yet to read (what it needs to keep its recall)."""
+        """What a running session may still add: its next save and a checkpoint (a document's), each
+        a heap and its tokens, its own copy of the page files a checkpoint links (taken before a
+        drop) and, with `pages`, the pages of the prompt it has yet to read (to keep its recall)."""
         tokens = max(len(s.fed), self.expect.get(s.id, 0))
-        need = self.store.heap_bytes() + TOKEN_BYTES * tokens
+        need = 2 * (self.store.heap_bytes() + TOKEN_BYTES * tokens)
         store = self._pages(s)
+        if store is not None:
+            need += store.shared_bytes
         if pages and store is not None:
             grow = int((tokens - len(s.fed) + s.cfg.chunk) * store.disk_bytes_per_token())
             if s.cfg.disk_budget:   # never more than its own --disk-budget
