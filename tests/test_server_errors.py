@@ -95,6 +95,20 @@ def test_400_for_bad_or_unsupported_fields(http, fields, param):
     assert err["type"] == "invalid_request_error"
 
 
+@pytest.mark.parametrize("part,what", [
+    ({"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}, "an image"),
+    ({"type": "input_audio", "input_audio": {"data": "UklGRg==", "format": "wav"}}, "audio"),
+])
+def test_400_for_an_image_or_audio_part_says_text_only(http, part, what):
+    content = [{"type": "text", "text": "What is this?"}, part]
+    body = {"model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": 4}
+    err = assert_error(http.post("/v1/chat/completions", json=body), 400, param="messages.0.content.1")
+    assert "reads text only" in err["message"] and what in err["message"], err
+    odd = {**body, "messages": [{"role": "user", "content": [{"type": "video", "video": "x"}]}]}
+    err = assert_error(http.post("/v1/chat/completions", json=odd), 400, param="messages.0.content.0")
+    assert "'video'" in err["message"] and "valid string" not in err["message"], err
+
+
 def test_400_through_the_sdk_and_for_bad_json(client, http):
     with pytest.raises(openai.BadRequestError) as e:
         chat(client, n=3)

@@ -13,6 +13,7 @@ numpy array onto the device) and `settle()` (wait for queued device work).
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import tempfile
@@ -27,6 +28,8 @@ from ..heap import LayerHeap, PageGeometry, PageStore, PageWriter, score_pages, 
 from ..heap.pagecodec import decode
 from ..heap.pages import copy_tree, link_tree
 from ..heap.recall import WINDOW, take_windows, vote
+
+log = logging.getLogger("localheap.pages")
 
 
 def attach_pages(cache, n_kv_heads: int, head_dim: int, root: Optional[Path] = None) -> None:
@@ -260,6 +263,19 @@ def recall(cache, n_question: int, probe: Callable[[], dict]) -> dict:
     return event
 
 
+def release_pages(cache) -> None:
+    """Before a session's files are removed: its queued page writes finished (their errors
+    dropped: the pages are going) and its store's files closed, so their space comes back now."""
+    if getattr(cache, "pages", None) is None:
+        return
+    try:
+        cache.writer.drain()
+    except Exception as e:   # noqa: BLE001 - a write that failed for a store being removed
+        log.debug("page writes of a removed store failed: %s", e)
+    cache.writer.close()
+    cache.pages.close()
+
+
 def page_stats(cache) -> Optional[dict]:
     """The page store's counters and the recalls so far (None with recall off). Writes still
     queued in the background are not counted yet: stats never wait for the disk."""
@@ -289,7 +305,13 @@ def checkpoint_pages(cache, path: Path, snapshot: bool = False) -> dict:
     if cache.pages_owned and not snapshot:
         cache.pages.move_to(pages_dir(path))
         cache.pages_owned = False
-    cache.pages.checkpoint()
+    try:
+        cache.pages.checkpoint()
+    except OSError as e:   # the heap still saves; its pages reopen as of their last checkpoint
+        if snapshot:
+            raise
+        cache.pages.fault = f"pages not checkpointed: {e.strerror or e}"
+        log.warning("session pages in %s: %s", cache.pages.root, cache.pages.fault)
     root = cache.pages.root
     if snapshot:
         root = pages_dir(path)

@@ -104,10 +104,32 @@ def disk_budget(text: str, where: Optional[Path] = None) -> int:
         return 0
     if text.lower() != "auto":
         return parse_size(text)
+    return max(1, shutil.disk_usage(_existing(where)).free // DISK_SHARE)
+
+
+TOTAL_SHARE = 4   # --disk-total auto: this fraction of the space the sessions directory can use at start
+
+
+def disk_total(text: str, where: Optional[Path] = None) -> int:
+    """--disk-total in bytes: a size, 0 (no bound) or auto: 1/TOTAL_SHARE of what the sessions
+    directory could grow to now (the free space on its disk plus what it already holds, so a
+    restart does not shrink the bound by the sessions it kept)."""
+    from ..governor.budget import parse_size
+    from ..sessions.diskbudget import dir_bytes
+
+    text = str(text).strip()
+    if text.lower() != "auto":
+        return 0 if text == "0" else parse_size(text)
+    held = dir_bytes(Path(where)) if where is not None and Path(where).is_dir() else 0
+    return max(1, (shutil.disk_usage(_existing(where)).free + held) // TOTAL_SHARE)
+
+
+def _existing(where: Optional[Path]) -> Path:
+    """`where` or its nearest existing parent (default the home directory, where the sessions directory is)."""
     place = Path(where) if where is not None else Path.home()
     while not place.exists() and place != place.parent:
         place = place.parent
-    return max(1, shutil.disk_usage(place).free // DISK_SHARE)
+    return place
 
 
 def default_recall_budget(budget: int, recent: int, page_size: int) -> int:

@@ -6,9 +6,10 @@ import logging
 import os
 import re
 import sys
+import tempfile
 from pathlib import Path
 
-from .common import add_heap_args, add_model_args, heap_config, model_spec, with_backend_chunk
+from .common import TOTAL_SHARE, add_heap_args, add_model_args, disk_total, heap_config, model_spec, with_backend_chunk
 
 
 def add_parser(sub) -> None:
@@ -55,6 +56,10 @@ def add_parser(sub) -> None:
     p.add_argument("--max-resident-sessions", type=int, default=8, help="idle sessions beyond are spilled to disk")
     p.add_argument("--sessions-dir", type=Path, default=None,
                    help="where sessions are spilled and saved (default: ~/.cache/localheap/sessions/MODEL)")
+    p.add_argument("--disk-total", default="auto", metavar="SIZE",
+                   help="bytes the whole sessions directory may hold (pages, heaps, tokens, checkpoints), e.g. 50G; "
+                        "past it idle sessions give space back, least recently used first; 0 = no bound "
+                        f"(default auto: 1/{TOTAL_SHARE} of the free space on its disk plus what it holds, at start)")
     p.add_argument("--no-persist", dest="persist", action="store_false",
                    help="do not save sessions at shutdown nor restore them at start (default: they are saved)")
     p.add_argument("--default-max-tokens", type=int, default=1024, help="chat reply limit when a request sets none")
@@ -100,6 +105,7 @@ def settings_from_args(args):
         ram_budget=parse_bytes(args.ram_budget) if args.ram_budget else None,
         default_max_tokens=args.default_max_tokens, max_tokens_limit=args.max_tokens_limit,
         shutdown_grace_s=args.shutdown_grace, heap=heap_config(args),
+        disk_total=None if args.disk_total.strip().lower() == "auto" else disk_total(args.disk_total),   # auto: in run
     )
 
 
@@ -133,6 +139,8 @@ def run(args) -> int:
     settings.heap = with_backend_chunk(settings.heap, args, backend)
     if settings.persist_sessions and settings.sessions_dir is None:
         settings.sessions_dir = default_sessions_dir(backend.model_name)
+    if settings.disk_total is None:   # auto: measured where the sessions directory is (or a temp dir goes)
+        settings.disk_total = disk_total("auto", settings.sessions_dir or Path(tempfile.gettempdir()))
     app = create_app(backend, settings)   # BudgetTooSmall here says what would fit
     plan = app.state.services.governor.plan
     print(f"localheap: RAM budget {format_bytes(plan.budget)} = weights {format_bytes(plan.weights)} + runtime "
@@ -150,6 +158,9 @@ def run(args) -> int:
               f"{heap.recall_ram_tokens:,} tokens (what the budget holds with it alone) and at most "
               f"{format_bytes(heap.disk_budget) if heap.disk_budget else 'unbounded'} of pages on disk "
               f"(--disk-budget)", file=sys.stderr)
+    print(f"localheap: sessions in {app.state.services.store.spill_dir}, at most "
+          f"{format_bytes(settings.disk_total) if settings.disk_total else 'unbounded'} in all (--disk-total)",
+          file=sys.stderr)
     print(f"localheap: serving http://{settings.host}:{settings.port}  (OpenAI base_url: "
           f"http://{settings.host}:{settings.port}/v1)", file=sys.stderr)
     return serve_app(app, settings, args.log_level)

@@ -79,6 +79,9 @@ class AdmissionQueue:
         tok = self.backend.tokenizer
         encode = lambda text: tok.encode(text, add_special_tokens=False)  # noqa: E731
         self.check_tokens(req.prompt.tokens, req.prompt.continuation or ())
+        if getattr(req, "ephemeral", False):   # a session of its own: nothing kept is read or changed
+            match = continue_session(self.store.create(owner=req.owner, ephemeral=True), req.prompt, encode, tok.decode)
+            return self._prepare(match, True, room_blocked), True
         if req.session_id is not None:
             named = self.store.get(req.session_id)
             if named.owner != req.owner:   # another key's session: as if it did not exist
@@ -186,6 +189,7 @@ class AdmissionQueue:
             self.store.make_resident(s)
             if match.rollback is not None:
                 branching.roll_back(self.backend, s, match.rollback)
+            self.store.disk.admit(s, len(s.fed) + len(match.new_tokens))   # --disk-total: room, or 507
         except Exception:
             if created:
                 self.store.delete(s.id)

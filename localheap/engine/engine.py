@@ -248,6 +248,7 @@ class Engine:
                 self.counters.prefill_tokens += n
                 if run.session.cfg.recall:
                     self.admission.fit_grown()   # its page summaries grew with the chunk
+                    self.store.disk.grew()       # and its pages: --disk-total
         if done:
             self._finish(run)
 
@@ -355,7 +356,11 @@ class Engine:
         if fed_document:
             branching.checkpoint_quietly(self.store, s)
         self.store.touch(s)
-        self._save(s)   # before the reply ends: a turn the client saw finish survives kill -9
+        if s.ephemeral:
+            self.store.delete(s.id)   # before the reply ends: the client sees it end with nothing kept
+        else:
+            self._save(s)   # before the reply ends: a turn the client saw finish survives kill -9
+        self.store.disk.ended(s)   # page-out faults reported; --disk-total kept
         s.refresh()
         self.counters.completion_tokens += len(run.completion)
         self._end(run.job, run.finished_event(), "finished" if run.finish_reason else "cancelled")

@@ -72,6 +72,7 @@ class Generate:
     emit: Emit
     session_id: Optional[str] = None
     owner: Optional[str] = None   # the API key's owner id: only its sessions are matched or continued
+    ephemeral: bool = False       # a session of its own, never saved, deleted with its files when the reply ends
 
 
 @dataclass

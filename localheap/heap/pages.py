@@ -10,6 +10,10 @@ a store reopened after a crash is the store of its last checkpoint (the heap's s
 records written after it are tombstoned on reopen. Past `disk_budget` bytes the lowest-value
 pages are dropped (tombstoned, their record slots reused), and counted.
 
+A page the disk refuses (full, read-only, the directory removed under the store) is not
+kept: it is counted as failed and `fault` says why, until a write succeeds again. A removed
+directory takes its pages with it (counted as lost); the store starts over in a new one.
+
 A checkpoint of the session (to fork from) is `link_tree`: hard links of the store's files.
 That is safe because the store never rewrites a record a checkpoint can see: it appends
 (records at or past the checkpoint's sequence number are not valid there), reuses only
@@ -20,6 +24,7 @@ valid record, it takes its own copy of a layer file that has other links. A fork
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import os
@@ -129,11 +134,55 @@ class PageStore:
         self.layers = [_Layer(geometry, SUMMARY_FIELDS[summary]) for _ in range(geometry.n_layers)]
         self.seq = 0                # next record's sequence number
         self.dropped = 0            # pages dropped for the disk budget, ever
+        self.reclaimed = 0          # of those, dropped to give space back to other sessions (--disk-total)
         self.written = 0            # pages written, ever
-        self.root.mkdir(parents=True, exist_ok=True)
-        self._fds = [os.open(self._file(i), os.O_RDWR | os.O_CREAT, 0o600) for i in range(geometry.n_layers)]
+        self.failed = 0             # pages the disk refused (not kept), ever
+        self.lost = 0               # pages lost with a directory removed under the store
+        self.fault: Optional[str] = None   # why page-out fails now (None: it works)
+        self._fds: list[int] = []
+        self._closed = False
         weakref.finalize(self, _close_all, self._fds)
+        try:
+            self._open(os.O_RDWR | os.O_CREAT)
+        except OSError as e:   # a full or read-only disk: serve without pages, retry at the next write
+            self._refused(e)
+            return
         self._load()
+
+    def _open(self, flags: int) -> None:
+        """Open (creating the directory) every layer's file into self._fds, or none of them."""
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            for i in range(self.g.n_layers):
+                self._fds.append(os.open(self._file(i), flags, 0o600))
+        except OSError:
+            _close_all(self._fds)
+            raise
+
+    def _ready(self) -> None:
+        """The files are there to write into (raises OSError if not): a directory removed under
+        the store loses its pages, and the store starts over in a new one."""
+        if self._fds and self.root.is_dir():
+            return
+        assert not self._closed, "write into a closed page store"
+        if self._fds:
+            self._forget()
+        else:   # never opened: whatever a meta there names was never loaded into this store
+            for name in (META, TAIL):
+                (self.root / name).unlink(missing_ok=True)
+        self._open(os.O_RDWR | os.O_CREAT | os.O_TRUNC)
+
+    def _forget(self) -> None:
+        """The directory is gone: its records with it. Every slot is free again (the tails, in RAM, stay)."""
+        _close_all(self._fds)
+        self.lost += self.pages
+        self.fault = f"page store directory {self.root} was removed; {self.pages} pages lost"
+        for L in self.layers:
+            L.live[:] = False
+            L.free = list(range(len(L.live) - 1, -1, -1))
+
+    def _refused(self, e: OSError) -> None:
+        self.fault = f"page-out failed: {e.strerror or e}" if isinstance(e, OSError) else str(e)
 
     def _file(self, layer: int) -> Path:
         return self.root / f"layer{layer:03d}.pages"
@@ -152,15 +201,22 @@ class PageStore:
         L.tail_value = np.concatenate([L.tail_value, value], axis=1)
         P, written = self.g.page_size, 0
         while L.tail_pos.shape[1] >= P:
-            self._write(layer, L.tail_pos[:, :P], L.tail_k[:, :P], L.tail_v[:, :P], float(L.tail_value[:, :P].max()))
+            written += self._write(layer, L.tail_pos[:, :P], L.tail_k[:, :P], L.tail_v[:, :P],
+                                   float(L.tail_value[:, :P].max()))
             L.tail_pos, L.tail_k, L.tail_v, L.tail_value = (
                 a[:, P:] for a in (L.tail_pos, L.tail_k, L.tail_v, L.tail_value))
-            written += 1
         if written:
             self.enforce_budget()
         return written
 
-    def _write(self, layer: int, pos: np.ndarray, k: np.ndarray, v: np.ndarray, value: float) -> None:
+    def _write(self, layer: int, pos: np.ndarray, k: np.ndarray, v: np.ndarray, value: float) -> bool:
+        """Write one page; a page the disk refuses is counted and left out (see `fault`)."""
+        try:
+            self._ready()
+        except OSError as e:
+            self.failed += 1
+            self._refused(e)
+            return False
         L = self.layers[layer]
         if not L.free:
             L.grow(len(L.live) + 1)
@@ -173,7 +229,19 @@ class PageStore:
         encode(rec, self.g.fmt, k, v)
         rec["crc_meta"] = _crc(rec, _META_FIELDS)
         rec["crc_data"] = _crc(rec, payload_names(self.g.fmt))
-        os.pwrite(self._fds[layer], rec.tobytes(), slot * self.record_bytes)
+        try:
+            self._pwrite(layer, rec.tobytes(), slot * self.record_bytes)
+        except OSError as e:
+            L.free.append(slot)
+            L.free.sort(reverse=True)
+            self.failed += 1
+            self._refused(e)
+            try:   # a partly written record must not pass for a page on reopen
+                self._pwrite(layer, np.zeros(4, np.uint8).tobytes(), slot * self.record_bytes)
+            except OSError:
+                pass
+            return False
+        self.fault = None   # page-out works (again)
         # RAM summaries read back from the record, so a reopened store scores identically
         for f, a in L.sums.items():
             a[slot] = rec[f]
@@ -181,32 +249,53 @@ class PageStore:
         L.span[slot] = np.stack([pos.min(axis=1), pos.max(axis=1)], axis=1)
         self.seq += 1
         self.written += 1
+        return True
+
+    def _pwrite(self, layer: int, data: bytes, offset: int) -> None:
+        """Every write into a layer file goes through here (a short write is an error)."""
+        if os.pwrite(self._fds[layer], data, offset) != len(data):
+            raise OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)} (a short write)")
 
     @property
-    def page_limit(self) -> int:
-        """Most live pages (all layers) the disk budget and max_pages allow; 0: no bound."""
-        limits = [x for x in (self.disk_budget // self.record_bytes if self.disk_budget else 0, self.max_pages) if x]
-        return min(limits) if limits else 0
+    def page_limit(self) -> Optional[int]:
+        """Most live pages (all layers) the disk budget and max_pages allow; None: no bound
+        (a disk budget under one record allows none)."""
+        limits = ([self.disk_budget // self.record_bytes] if self.disk_budget else []) + \
+                 ([self.max_pages] if self.max_pages else [])
+        return min(limits) if limits else None
 
     def enforce_budget(self) -> int:
         """Drop the lowest-value live pages (any layer) until the store fits the disk budget and max_pages."""
         limit = self.page_limit
-        if not limit:
+        if limit is None:
             return 0
         excess = self.pages - limit
         if excess <= 0:
             return 0
+        return self.drop_lowest(excess)
+
+    def drop_lowest(self, n: int, reclaim: bool = False) -> int:
+        """Drop the `n` lowest-value live pages (any layer); `reclaim`: for another session's
+        room (--disk-total), counted apart. Returns how many were dropped: fewer when the disk
+        refuses the tombstone (then `fault` says why)."""
         cands = [(layer, slot) for layer, L in enumerate(self.layers) for slot in np.flatnonzero(L.live)]
         values = np.array([self.layers[layer].value[slot] for layer, slot in cands])
-        for i in np.argsort(values, kind="stable")[:excess]:
-            self._drop(*cands[i])
-        return int(excess)
+        done = 0
+        for i in np.argsort(values, kind="stable")[:n]:
+            try:
+                self._drop(*cands[i])
+            except OSError as e:   # e.g. no room for the copy a checkpoint's link needs
+                self._refused(e)
+                break
+            done += 1
+            self.reclaimed += reclaim
+        return done
 
     def _drop(self, layer: int, slot: int) -> None:
         L = self.layers[layer]
         if os.fstat(self._fds[layer]).st_nlink > 1:
             self._own(layer)   # a checkpoint links this file: it keeps the page
-        os.pwrite(self._fds[layer], np.zeros(4, np.uint8).tobytes(), int(slot) * self.record_bytes)   # magic = 0
+        self._pwrite(layer, np.zeros(4, np.uint8).tobytes(), int(slot) * self.record_bytes)   # magic = 0
         L.live[slot] = False
         L.free.append(int(slot))
         L.free.sort(reverse=True)
@@ -224,14 +313,17 @@ class PageStore:
         self._fds[layer] = fd   # the same list the finalizer holds
 
     def checkpoint(self) -> None:
-        """Make the store as it is now the one a reopen finds: fsync, then tails + seq atomically."""
+        """Make the store as it is now the one a reopen finds: fsync, then tails + seq atomically.
+        Raises OSError when the disk refuses (the previous checkpoint stays the one in force)."""
+        self._ready()
         for fd in self._fds:
             os.fsync(fd)
         tails = {}
         for i, L in enumerate(self.layers):
             tails.update({f"{i}.pos": L.tail_pos, f"{i}.k": L.tail_k, f"{i}.v": L.tail_v, f"{i}.value": L.tail_value})
         _atomic(self.root / TAIL, lambda f: np.savez(f, **tails))
-        meta = {"geometry": asdict(self.g), "seq": self.seq, "dropped": self.dropped, "written": self.written}
+        meta = {"geometry": asdict(self.g), "seq": self.seq, "dropped": self.dropped, "written": self.written,
+                "reclaimed": self.reclaimed}
         _atomic(self.root / META, lambda f: f.write(json.dumps(meta).encode()))
 
     # -- reading --------------------------------------------------------------------
@@ -307,6 +399,22 @@ class PageStore:
         return self.pages * self.record_bytes
 
     @property
+    def shared_bytes(self) -> int:
+        """Bytes of layer files a checkpoint also links: the store copies one before it drops a page in it."""
+        try:
+            return sum(st.st_size for st in map(os.fstat, list(self._fds)) if st.st_nlink > 1)
+        except OSError:
+            return 0
+
+    @property
+    def file_bytes(self) -> int:
+        """Bytes the layer files take (dropped slots included: reused, never given back while open)."""
+        try:
+            return sum(os.fstat(fd).st_size for fd in list(self._fds))
+        except OSError:   # a file swapped by the writer thread this instant: count the live records
+            return self.disk_bytes
+
+    @property
     def summary_bytes(self) -> int:
         """RAM of the summaries and the page spans (their allocated slots)."""
         return int(sum(a.nbytes for L in self.layers for a in L.sums.values()) + sum(L.span.nbytes for L in self.layers))
@@ -322,17 +430,17 @@ class PageStore:
 
     def stats(self) -> dict:
         return {"pages": self.pages, "pages_written": self.written, "pages_dropped": self.dropped,
-                "tokens_on_disk": self.tokens,
+                "pages_reclaimed": self.reclaimed, "pages_failed": self.failed, "pages_lost": self.lost,
+                "degraded": self.fault, "tokens_on_disk": self.tokens,
                 "disk_bytes": self.disk_bytes, "summary_bytes": self.summary_bytes,
                 "disk_bytes_per_token": round(self.disk_bytes_per_token(), 1),
                 "summary_bytes_per_token": round(self.summary_bytes_per_token(), 1),
                 "page_size": self.g.page_size, "format": self.g.fmt,
-                "tokens_limit": self.page_limit * self.g.page_size // max(1, self.g.n_layers)}
+                "tokens_limit": (self.page_limit or 0) * self.g.page_size // max(1, self.g.n_layers)}
 
     def close(self) -> None:
-        for fd in self._fds:
-            os.close(fd)
-        self._fds.clear()   # the same list the finalizer holds
+        self._closed = True
+        _close_all(self._fds)   # the same list the finalizer holds
 
     def move_to(self, root: Path) -> None:
         """Move the store's directory (e.g. from a temp dir to the session's) and reopen its files."""
@@ -357,6 +465,7 @@ class PageStore:
         meta = json.loads(meta_path.read_text())
         assert PageGeometry(**meta["geometry"]) == self.g, "page store geometry changed"
         self.seq, self.dropped, self.written = meta["seq"], meta["dropped"], meta["written"]
+        self.reclaimed = meta.get("reclaimed", 0)
         for i, L in enumerate(self.layers):
             size = os.fstat(self._fds[i]).st_size
             n = size // self.record_bytes                      # a torn last record is ignored
@@ -378,6 +487,60 @@ class PageStore:
         for i, L in enumerate(self.layers):
             L.tail_pos, L.tail_k, L.tail_v = tails[f"{i}.pos"], tails[f"{i}.k"], tails[f"{i}.v"]
             L.tail_value = tails[f"{i}.value"]
+
+
+def compact_store(root: Path, drop_bytes: int) -> tuple[int, int]:
+    """A closed (not open anywhere) store's lowest-value pages, at least `drop_bytes` of them, removed, and each layer
+    file rewritten with only its valid records (what a reopen keeps), so the space comes back.
+    A layer file other links share (a checkpoint's) is left as it is: rewriting it would free
+    nothing. Returns (pages dropped, bytes freed)."""
+    root = Path(root)
+    meta_path = root / META
+    if not meta_path.exists():   # never checkpointed: a reopen keeps nothing of it
+        freed = sum(f.stat().st_size for f in root.glob("layer*.pages"))
+        for f in root.glob("layer*.pages"):
+            os.truncate(f, 0)
+        return 0, freed
+    meta = json.loads(meta_path.read_text())
+    g = PageGeometry(**meta["geometry"])
+    dtype = record_dtype(g)
+    files = [root / f"layer{i:03d}.pages" for i in range(g.n_layers)]
+    recs, valid = [], []
+    for f in files:
+        n = f.stat().st_size // dtype.itemsize if f.exists() else 0
+        r = np.memmap(f, dtype, mode="r", shape=(n,)) if n else np.zeros(0, dtype)
+        ok = (r["magic"] == MAGIC) & (r["seq"] < meta["seq"])
+        for i in np.flatnonzero(ok):
+            ok[i] = _crc(r[i], _META_FIELDS) == r[i]["crc_meta"]
+        recs.append(r)
+        valid.append(ok)
+    shared = [f.exists() and f.stat().st_nlink > 1 for f in files]
+    cands = [(i, j) for i, ok in enumerate(valid) if not shared[i] for j in np.flatnonzero(ok)]
+    values = np.array([recs[i][j]["value"] for i, j in cands], np.float32)
+    dropped = 0
+    drop = -(-max(0, drop_bytes) // dtype.itemsize)
+    for c in np.argsort(values, kind="stable")[:drop]:
+        i, j = cands[c]
+        valid[i][j] = False
+        dropped += 1
+    freed = 0
+    for f, r, ok, linked in zip(files, recs, valid, shared):
+        if linked or ok.all():
+            continue
+        before = f.stat().st_size
+        keep = np.flatnonzero(ok)
+
+        def write(out, r=r, keep=keep):
+            for at in range(0, len(keep), 64):   # a few MB at a time, not the whole file in RAM
+                out.write(np.ascontiguousarray(r[keep[at: at + 64]]).tobytes())
+        _atomic(f, write)
+        freed += before - f.stat().st_size
+    del recs
+    if dropped:
+        meta["dropped"] += dropped
+        meta["reclaimed"] = meta.get("reclaimed", 0) + dropped
+        _atomic(meta_path, lambda out: out.write(json.dumps(meta).encode()))
+    return dropped, freed
 
 
 def link_tree(src: Path, dst: Path) -> None:

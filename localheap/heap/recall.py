@@ -9,7 +9,9 @@ the best over the question's queries (any query head of the KV head's group).
 
 from __future__ import annotations
 
+import atexit
 import threading
+import weakref
 from collections import deque
 from typing import Callable, Optional
 
@@ -130,15 +132,32 @@ class PageWriter:
 
     The engine thread hands over host arrays (one transfer per eviction event) and goes
     on; the writes, summaries and disk-budget drops happen here. A job's error is kept
-    and raised at the next `drain()`, on the engine thread.
+    and raised at the next `drain()`, on the engine thread. The thread ends after IDLE_S
+    without work, at `close()`, and at interpreter exit (joined: a daemon thread still
+    waiting when the interpreter finalizes is killed inside the runtime).
     """
+
+    IDLE_S = 5.0
 
     def __init__(self):
         self._jobs: deque[Callable[[], None]] = deque()
         self._cv = threading.Condition()
         self._busy = False
+        self._closed = False
         self._error: Optional[BaseException] = None
         self._thread: Optional[threading.Thread] = None
+        _WRITERS.add(self)
+
+    def close(self, timeout: Optional[float] = None) -> None:
+        """Finish the queued jobs and end the thread (joined; a later submit starts a new one)."""
+        with self._cv:
+            self._closed = True
+            thread = self._thread
+            self._cv.notify_all()
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
+        with self._cv:
+            self._closed = False
 
     def submit(self, job: Callable[[], None]) -> None:
         with self._cv:
@@ -160,8 +179,8 @@ class PageWriter:
         while True:
             with self._cv:
                 while not self._jobs:
-                    if not self._cv.wait(timeout=5.0) and not self._jobs:
-                        self._thread = None   # idle: exit; the next submit starts a new thread
+                    if self._closed or (not self._cv.wait(timeout=self.IDLE_S) and not self._jobs):
+                        self._thread = None   # idle or closed: exit; the next submit starts a new thread
                         return
                 job = self._jobs.popleft()
                 self._busy = True
@@ -174,3 +193,13 @@ class PageWriter:
                 with self._cv:
                     self._busy = False
                     self._cv.notify_all()
+
+
+_WRITERS: "weakref.WeakSet[PageWriter]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_writers() -> None:
+    """Before the interpreter finalizes: every page thread finished and joined."""
+    for writer in list(_WRITERS):
+        writer.close(timeout=10.0)

@@ -86,14 +86,20 @@ def _token_ref(tokenizer: Any, text: str) -> str:
 
 
 async def start(svc: Services, request: Request, prompt: Prompt, params: SamplingParams,
-                session_id: Optional[str], title: Optional[str]) -> tuple[Job, JobEvents, Started]:
-    """Queue a generation on the session the prompt extends (or `session_id`); returns once admitted."""
+                session_id: Optional[str], title: Optional[str],
+                ephemeral: bool = False) -> tuple[Job, JobEvents, Started]:
+    """Queue a generation on the session the prompt extends (or `session_id`); returns once admitted.
+    `ephemeral`: a session of its own, never matched or saved, deleted when the reply ends."""
     who = owner(request)
     if session_id is not None:
+        if ephemeral:
+            raise BadRequest(f"\"store\": false runs in a session of its own that is not kept; it cannot continue "
+                             f"session {session_id!r} (drop X-Session-Id or \"store\": false)", "store")
         svc.store.info(session_id, who)   # unknown id, or another key's: 404 before queueing
     if params.max_tokens > svc.settings.max_tokens_limit:   # one request must not hold the engine forever
         raise BadRequest(f"max_tokens {params.max_tokens} is over this server's limit of "
                          f"{svc.settings.max_tokens_limit}", "max_tokens", "max_tokens_too_large")
-    job, events, started = await submit(svc.engine, lambda emit: Generate(prompt, params, emit, session_id, who))
+    job, events, started = await submit(svc.engine, lambda emit: Generate(prompt, params, emit, session_id, who,
+                                                                               ephemeral=ephemeral))
     await svc.name_session(started.session_id, title)
     return job, events, started

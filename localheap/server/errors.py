@@ -15,7 +15,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..engine import EngineFailed, EngineStopped, InvalidTokens, OverBudget, Overloaded
 from ..heap import HeapConfigError
-from ..sessions import SessionBusy, SessionLost, SessionNotFound, SpillFailed
+from ..sessions import DiskTotalExceeded, SessionBusy, SessionLost, SessionNotFound, SpillFailed
 
 log = logging.getLogger("localheap.server")
 
@@ -80,6 +80,8 @@ def to_response(exc: Exception) -> JSONResponse:
         return error_response(404, str(exc), "invalid_request_error", "session_id", "session_not_found")
     if isinstance(exc, SessionLost):
         return error_response(410, str(exc), "invalid_request_error", "session_id", "session_lost")
+    if isinstance(exc, DiskTotalExceeded):
+        return error_response(507, str(exc), "server_error", None, "disk_total_exceeded", headers={"Retry-After": "30"})
     if isinstance(exc, SpillFailed):   # disk full or sessions dir unwritable: nothing else is wrong
         log.error("%s", exc)
         return error_response(507, str(exc), "server_error", None, "sessions_dir_unwritable",
@@ -113,9 +115,18 @@ def to_response(exc: Exception) -> JSONResponse:
                           "server_error", None, "internal_error")
 
 
+def _union_branch(part) -> bool:
+    """A loc element naming which member of a Union pydantic tried ("str", "list[...]"), not a field."""
+    return part == "str" or str(part).startswith(("list[", "tagged-union["))
+
+
 def _validation(exc: RequestValidationError) -> JSONResponse:
-    first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request", "type": ""}
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    errors = exc.errors()
+    # a list where a Union also takes a string: the list's own error says what is wrong, "not a string" does not
+    errors = [e for e in errors
+              if not (e.get("type") == "string_type" and tuple(e.get("loc", ()))[-1:] == ("str",))] or errors
+    first = errors[0] if errors else {"loc": (), "msg": "invalid request", "type": ""}
+    loc = [str(p) for p in first.get("loc", ()) if p != "body" and not _union_branch(p)]
     param = ".".join(loc) or None
     if first.get("type") == "json_invalid":
         message, param = "the request body is not valid JSON", None
@@ -155,7 +166,8 @@ def install(app: FastAPI) -> None:
     async def handle(request: Request, exc: Exception) -> JSONResponse:
         return for_path(request.url.path, to_response(exc))
 
-    for cls in (ApiError, SessionNotFound, SessionBusy, SessionLost, SpillFailed, EngineFailed, InvalidTokens,
+    for cls in (ApiError, SessionNotFound, SessionBusy, SessionLost, SpillFailed, DiskTotalExceeded, EngineFailed,
+                InvalidTokens,
                 Overloaded, OverBudget, EngineStopped,
                 RequestValidationError, StarletteHTTPException, HeapConfigError, ValueError, Exception):
         app.add_exception_handler(cls, handle)

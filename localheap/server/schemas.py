@@ -3,7 +3,7 @@ we know but cannot honour are refused with a message saying so (see `unsupported
 
 from __future__ import annotations
 
-from typing import Any, Literal, Optional, Union
+from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -21,6 +21,15 @@ class TextPart(Strict):
     text: str
 
 
+class MediaPart(BaseModel):
+    """An image, audio or file part (OpenAI's chat schema): parsed only to be refused by name."""
+    model_config = ConfigDict(extra="allow")
+    type: Literal["image_url", "input_audio", "file"]
+
+
+MEDIA_NAMES = {"image_url": "an image", "input_audio": "audio", "file": "a file"}
+
+
 class FunctionCall(Strict):
     name: str
     arguments: str               # JSON text, as OpenAI sends it
@@ -34,7 +43,7 @@ class ToolCallItem(Strict):
 
 class ChatMessage(Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Union[str, list[TextPart], None] = None
+    content: Union[str, list[Annotated[Union[TextPart, MediaPart], Field(discriminator="type")]], None] = None
     name: Optional[str] = None
     tool_calls: Optional[list[ToolCallItem]] = None     # assistant: the calls it made
     tool_call_id: Optional[str] = None                  # tool: the call this answers
@@ -57,7 +66,8 @@ class ChatMessage(Strict):
     def text(self) -> str:
         if self.content is None:
             return ""
-        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        return self.content if isinstance(self.content, str) else "".join(
+            p.text for p in self.content if isinstance(p, TextPart))
 
 
 class FunctionDef(Strict):
@@ -160,6 +170,11 @@ class ChatCompletionRequest(SamplingFields):
 
     def unsupported(self) -> Optional[tuple[str, str]]:
         """(param, message) for the first field set to something this server cannot do."""
+        for i, m in enumerate(self.messages):
+            for j, p in enumerate(m.content if isinstance(m.content, list) else ()):
+                if isinstance(p, MediaPart):
+                    return (f"messages.{i}.content.{j}", f"this model reads text only: messages[{i}].content[{j}] "
+                            f"is {MEDIA_NAMES[p.type]} ({p.type!r} part); send the content as text parts")
         if self.functions or self.function_call not in (None, "none"):
             name = "functions" if self.functions else "function_call"
             return name, "the legacy functions/function_call fields are not supported: use tools and tool_choice"

@@ -33,6 +33,7 @@ class ServerSettings:
     max_sessions: int = 256
     max_resident_sessions: int = 8             # more idle sessions are spilled to disk
     sessions_dir: Optional[Path] = None        # spill directory (default: a temporary one)
+    disk_total: Optional[int] = 0              # bytes the whole sessions directory may hold (0: no bound; None: auto, serve fills it in)
     persist_sessions: bool = False             # save sessions at shutdown, load them at start
     ram_budget: Optional[int] = None           # bytes (None: 75% of physical memory)
     default_max_tokens: int = 1024             # chat replies when the request sets no limit

@@ -13,6 +13,7 @@ import psutil
 from prometheus_client import CollectorRegistry, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from ..sessions.diskbudget import dir_bytes
 from .services import Services
 
 _PROCESS = psutil.Process()
@@ -145,6 +146,14 @@ class MetricsCollector:
             ("budget_spills", "idle heaps spilled to stay in budget", mem["spilled_total"]),
             ("budget_rejections", "heap admissions the RAM budget refused (each may be retried in the queue)",
              mem["rejected_total"]),
+            ("disk_reclaimed_pages", "pages dropped from idle sessions to stay inside --disk-total",
+             svc.store.disk.reclaimed.pages),
+            ("disk_reclaimed_checkpoints", "checkpoints removed from idle sessions to stay inside --disk-total",
+             svc.store.disk.reclaimed.checkpoints),
+            ("disk_reclaimed_sessions", "idle sessions deleted to stay inside --disk-total",
+             svc.store.disk.reclaimed.sessions),
+            ("disk_reclaimed_bytes", "bytes freed in the sessions directory to stay inside --disk-total",
+             svc.store.disk.reclaimed.bytes),
         ]
         for name, help_, value in counters:
             yield CounterMetricFamily(f"localheap_{name}", help_, value=value)
@@ -174,6 +183,11 @@ class MetricsCollector:
             ("max_prompt_tokens", "largest prompt one request may hold (from the RAM budget)",
              svc.settings.max_prompt_tokens or 0),
             ("heap_observers", "open /v1/heap/events streams", svc.observers),
+            ("disk_total_bytes", "--disk-total: bytes the sessions directory may hold (0 = no bound)",
+             svc.store.disk.total),
+            ("disk_used_bytes", "bytes under the sessions directory (hard links once)", dir_bytes(svc.store.spill_dir)),
+            ("degraded", "things /health reports as degraded (e.g. sessions whose page-out fails)",
+             len(svc.store.degraded)),
         ]
         for name, help_, value in gauges:
             yield GaugeMetricFamily(f"localheap_{name}", help_, value=value)

@@ -31,3 +31,16 @@ class SessionLost(LookupError):
         super().__init__(f"session {session_id!r} could not be restored ({reason}) and is gone; "
                          "resend the whole conversation without X-Session-Id to start a new session")
         self.session_id = session_id
+
+
+class DiskTotalExceeded(OSError):
+    """A request's session cannot fit under --disk-total even with every idle session's space taken back."""
+
+    def __init__(self, need: int, total: int, held: int):
+        from ..heap import format_bytes
+
+        super().__init__(f"this request needs about {format_bytes(need)} in the sessions directory, and the "
+                         f"sessions directory's budget (--disk-total {format_bytes(total)}) is taken by sessions "
+                         f"in use ({format_bytes(held)}) after everything else was reclaimed; retry when they "
+                         f"finish, or raise --disk-total")
+        self.need, self.total, self.held = need, total, held

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 from array import array
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
@@ -22,6 +22,19 @@ HISTORY_POINTS = 240       # (tokens seen, resident) points kept for the UI's sp
 
 def token_array(tokens: Sequence[int] = ()) -> array:
     return array(TOKEN_TYPECODE, tokens)
+
+
+@dataclass
+class Reclaims:
+    """Space --disk-total took back (sessions/diskbudget.py): pages dropped, checkpoints and sessions removed, bytes."""
+    pages: int = 0
+    checkpoints: int = 0
+    sessions: int = 0
+    bytes: int = 0
+
+    def add(self, other: "Reclaims") -> None:
+        for k, v in asdict(other).items():
+            setattr(self, k, getattr(self, k) + v)
 
 
 @dataclass(eq=False)
@@ -49,6 +62,8 @@ class Session:
     reply_start: Optional[int] = None      # tokens held before the latest reply began (None: all of them)
     checkpoints: list = field(default_factory=list)   # token counts of its saved checkpoints
     addressed: bool = False   # a client named it (X-Session-Id): never rolled back for another request
+    ephemeral: bool = False   # "store": false: never saved nor matched, deleted when its reply ends
+    reclaimed: Reclaims = field(default_factory=Reclaims)   # what --disk-total took back from it
     _text: Optional[str] = None
     _text_tokens: int = -1
 
@@ -96,6 +111,7 @@ class Session:
             "title": self.title,
             "heap": self.stats.to_dict() if self.stats is not None else None,
             "checkpoints": list(self.checkpoints),
+            "reclaimed": asdict(self.reclaimed) if any(asdict(self.reclaimed).values()) else None,
         }
 
     def _record(self, stats: HeapStats) -> None:

@@ -15,9 +15,11 @@ import zlib
 from pathlib import Path
 from typing import Any, Optional
 
+from ..backends.paging import release_pages
 from ..heap import HeapConfig
 from .checkpoints import Checkpoints
 from .disk import SessionDir, new_id, valid_id
+from .diskbudget import DiskTotal
 from .errors import SessionBusy, SessionLost, SessionNotFound, SpillFailed
 from .recover import recover_sessions
 from .session import ORIGINS, Session
@@ -34,7 +36,7 @@ class SessionStore:
     directory cannot be written."""
 
     def __init__(self, backend: Any, cfg: HeapConfig, spill_dir: Optional[Path] = None,
-                 max_resident: int = 8, max_sessions: int = 256, durable: bool = False):
+                 max_resident: int = 8, max_sessions: int = 256, durable: bool = False, disk_total: int = 0):
         assert max_resident >= 1 and max_sessions >= max_resident
         self.backend = backend
         self.cfg = cfg
@@ -52,13 +54,29 @@ class SessionStore:
         self.spills = 0
         self.restores = 0
         self.checkpoints = Checkpoints(self.spill_dir / "checkpoints", backend)
+        self.disk = DiskTotal(self, disk_total)   # --disk-total (0: none) and page-out faults
+        self.degraded: dict[str, str] = {}        # what /health reports: key -> reason
+
+    def mark_degraded(self, key: str, reason: str) -> None:
+        if self.degraded.get(key) != reason:
+            log.warning("degraded: %s", reason)
+        self.degraded[key] = reason
+
+    def clear_degraded(self, key: str) -> None:
+        if self.degraded.pop(key, None) is not None:
+            log.info("no longer degraded: %s", key)
+
+    def forget(self, session_id: str, reason: str) -> None:
+        """A session removed by the server itself: its id answers SessionLost (410), not 404."""
+        self._lost[session_id] = reason
 
     # --- lookup (engine thread) ---
 
     def create(self, session_id: Optional[str] = None, origin: str = "api", title: Optional[str] = None,
-               owner: Optional[str] = None) -> Session:
+               owner: Optional[str] = None, ephemeral: bool = False) -> Session:
         assert origin in ORIGINS, origin
-        s = Session(id=session_id or new_id(), cfg=self.cfg, origin=origin, title=title, owner=owner)
+        s = Session(id=session_id or new_id(), cfg=self.cfg, origin=origin, title=title, owner=owner,
+                    ephemeral=ephemeral)
         assert valid_id(s.id), s.id
         s.refresh()
         with self._lock:
@@ -104,11 +122,14 @@ class SessionStore:
             raise SessionBusy(session_id)
         with self._lock:
             del self._sessions[session_id]
+        release_pages(s.cache)
         s.cache = None
         self._try_commit()
         self._remove_files(s)
         self.checkpoints.drop(session_id)
         shutil.rmtree(self.pages_dir(s), ignore_errors=True)
+        for key in [k for k in self.degraded if k.split(":")[0] == session_id]:
+            self.clear_degraded(key)
 
     def pages_dir(self, s: Session) -> Path:
         """The session's page store (recall on): kept across spills and restarts, removed with it."""
@@ -255,7 +276,7 @@ class SessionStore:
                  "crc": zlib.crc32(s.fed[:s.saved_tokens].tobytes()),
                  "created": s.created, "last_used": s.last_used, "turns": s.turns,
                  "origin": s.origin, "title": s.title, "owner": s.owner}   # owner: the API key's digest
-                for s in self.sessions() if s.saved_gen is not None or not s.fed]
+                for s in self.sessions() if (s.saved_gen is not None or not s.fed) and not s.ephemeral]
 
     def _commit(self, force: bool = False) -> None:
         """Rewrite the index (durable stores, or forced): the generations it names are in force."""

@@ -21,9 +21,13 @@ MIN_INTERVAL_S = 0.1   # below this a stream costs real CPU and slows decode for
 
 @router.get("/health")
 async def health(svc: Services = Depends(services)):
-    """200 while the engine serves; 503 once it cannot (the process is exiting for a restart)."""
+    """200 while the engine serves ("degraded" with the reasons when something is lost, e.g. a
+    session's page-out fails); 503 once it cannot (the process is exiting for a restart)."""
     body = {"status": "ok", "model": svc.model_id, "backend": svc.backend.name,
             "sessions": len(svc.store), "in_flight": svc.engine.in_flight}
+    degraded = sorted(svc.store.degraded.values())
+    if degraded:
+        body["status"], body["degraded"] = "degraded", degraded
     if not svc.engine.healthy:
         body["status"] = "failed"
         return JSONResponse(body, status_code=503)

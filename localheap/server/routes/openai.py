@@ -93,7 +93,8 @@ def _params(body: SamplingFields, max_tokens: int, constraint=None) -> SamplingP
 async def _respond(reply: Reply, body: SamplingFields, prompt: Prompt, params: SamplingParams, request: Request,
                    svc: Services, session_id: Optional[str], title: Optional[str],
                    parser: Optional[OutputParser] = None):
-    job, events, started = await start(svc, request, prompt, params, session_id, title)
+    ephemeral = body.store is False   # absent: kept, so the next turn reuses this one (see README)
+    job, events, started = await start(svc, request, prompt, params, session_id, title, ephemeral)
     headers = {SESSION_HEADER: started.session_id}
     if not body.stream:
         text, done = await collect(request, job, events)

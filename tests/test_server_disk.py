@@ -1,0 +1,224 @@
+"""The sessions directory through the real server (torch backend, recall on): ephemeral
+requests ("store": false) leave nothing behind."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from localheap.heap import HeapConfig
+from localheap.server import ServerSettings, create_app
+from localheap.server.testing import ServerThread
+
+pytest.importorskip("torch")
+
+HEAP = HeapConfig(budget=96, slack=32, recent=16, policy="snapkv", recall=True, recall_budget=32, page_size=8)
+DOC = " ".join(f"Paragraph {i}: the heap keeps sinks, heavy hitters and a recent window." for i in range(60))
+
+
+def files(root) -> list[str]:
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file())
+
+
+def chat(http, text, headers=None, **kw):
+    return http.post("/v1/chat/completions", headers=headers or {}, json={
+        "model": "tiny", "messages": [{"role": "user", "content": text}], "max_tokens": 4, "temperature": 0, **kw})
+
+
+@pytest.fixture(scope="module")
+def backend(model_dirs, torch_one_thread):
+    from localheap.backends.torch import TorchBackend
+
+    return TorchBackend.load(model_dirs("llama"), model_name="tiny")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_store_false_leaves_nothing_on_disk(backend, tmp_path, stream):
+    settings = ServerSettings(heap=HEAP, web_dir=None, sessions_dir=tmp_path, persist_sessions=True)
+    with ServerThread(create_app(backend, settings)) as srv, httpx.Client(base_url=srv.url, timeout=120) as http:
+        kept = chat(http, DOC + " What does the heap keep?")
+        assert kept.status_code == 200 and kept.json()["localheap"]["heap"]["pages"]["pages"] > 0
+        before = files(tmp_path)
+        assert any(f.startswith(kept.headers["X-Session-Id"]) for f in before)
+        r = chat(http, DOC + " What does the heap keep? Say it again.", stream=stream, store=False)
+        assert r.status_code == 200, r.text
+        sid = r.headers["X-Session-Id"]
+        assert sid != kept.headers["X-Session-Id"]   # never runs on (or rolls back) a kept session
+        if not stream:
+            assert r.json()["localheap"]["heap"]["pages"]["pages"] > 0   # it did page out while it ran
+        after = files(tmp_path)
+        assert not [f for f in after if sid in f], after
+        assert [s["id"] for s in http.get("/v1/sessions").json()["data"]] == [kept.headers["X-Session-Id"]]
+        assert sid not in (tmp_path / "index.json").read_text()
+        again = chat(http, "Hi", headers={"X-Session-Id": kept.headers["X-Session-Id"]}, store=False)
+        assert again.status_code == 400 and again.json()["error"]["param"] == "store"
+        assert "not kept" in again.json()["error"]["message"]
+
+
+SHORT_DOC = " ".join(f"Paragraph {i}: the heap keeps sinks, heavy hitters and a recent window." for i in range(30))
+
+
+class Sampler:
+    """The directory's size, every 10 ms, while the test runs (what `du -sb` would say)."""
+
+    def __init__(self, root):
+        import threading
+
+        self.root, self.peak, self.samples = root, 0, 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self):
+        from localheap.sessions.diskbudget import dir_bytes
+
+        while not self._stop.wait(0.01):
+            self.peak = max(self.peak, dir_bytes(self.root))
+            self.samples += 1
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+
+def metrics(http) -> dict:
+    return {line.split()[0]: float(line.split()[1]) for line in http.get("/metrics").text.splitlines()
+            if line and line[0] != "#"}
+
+
+@pytest.mark.parametrize("count,total,deleted", [(40, 4 << 20, False), (24, 3 << 19, True)])
+def test_many_sessions_stay_under_the_disk_total(backend, tmp_path, count, total, deleted):
+    """Stateless requests of ~1.4K tokens (~0.45 MB of pages and ~75 KB of heap and tokens each)
+    under a few MB: the directory never passes the bound, the least recently used sessions give
+    their pages back first, then (when their heaps alone do not fit) go whole, the session in use
+    keeps its recall, and the reclaims are counted."""
+    settings = ServerSettings(heap=HEAP, web_dir=None, sessions_dir=tmp_path, persist_sessions=True,
+                              disk_total=total, max_sessions=256)
+    with ServerThread(create_app(backend, settings)) as srv, httpx.Client(base_url=srv.url, timeout=120) as http, \
+            Sampler(tmp_path) as du:
+        order = []
+        for i in range(count):
+            r = chat(http, f"Document {i}. {SHORT_DOC} What does the heap keep?")
+            assert r.status_code == 200, r.text
+            order.append(r.headers["X-Session-Id"])
+            heap = r.json()["localheap"]["heap"]
+            assert heap["recalled"] == HEAP.recall_budget and heap["pages"]["pages_reclaimed"] == 0, (i, heap["pages"])   # in use: whole
+        assert len(set(order)) == count
+        sessions = {s["id"]: s for s in http.get("/v1/sessions").json()["data"]}
+        m = metrics(http)
+        gone = [sid for sid in order if sid not in sessions]
+        if gone:   # the client is told to resend the conversation
+            r = chat(http, "Hello?", headers={"X-Session-Id": gone[0]})
+            assert r.status_code == 410 and "--disk-total" in r.json()["error"]["message"], r.text
+    assert du.samples > 50 and du.peak <= total, (du.peak, total)
+    assert m["localheap_disk_reclaimed_pages_total"] > 0 and m["localheap_disk_reclaimed_bytes_total"] > 0
+    assert m["localheap_disk_total_bytes"] == total and m["localheap_disk_used_bytes"] <= total
+    touched = [sid not in sessions or sessions[sid]["reclaimed"] is not None for sid in order]
+    n = sum(touched)
+    assert 0 < n < count and touched == [True] * n + [False] * (count - n), touched   # least recently used first
+    assert m["localheap_disk_reclaimed_sessions_total"] == count - len(sessions)
+    assert (len(sessions) < count) == deleted
+    kept = [sid for sid in order if sid in sessions and sessions[sid]["reclaimed"]]
+    assert kept, "some session lost pages and stayed"
+    s = sessions[kept[0]]
+    assert s["reclaimed"]["pages"] > 0 and s["reclaimed"]["bytes"] > 0
+    with ServerThread(create_app(backend, settings)) as srv, httpx.Client(base_url=srv.url, timeout=120) as http:
+        again = chat(http, "And the sinks?", headers={"X-Session-Id": kept[0]})   # fewer pages, still served
+        assert again.status_code == 200, again.text
+        assert again.json()["localheap"]["heap"]["pages"]["pages_reclaimed"] > 0
+        gone = [sid for sid in order if sid not in sessions]
+        if gone:   # a deleted session is gone for good across a restart: 404 (410 before it)
+            assert chat(http, "Hello?", headers={"X-Session-Id": gone[0]}).status_code == 404
+
+
+def test_a_request_that_cannot_fit_gets_507_and_nothing_is_lost(backend, tmp_path):
+    settings = ServerSettings(heap=HEAP, web_dir=None, sessions_dir=tmp_path, persist_sessions=True,
+                              disk_total=8 << 20)
+    with ServerThread(create_app(backend, settings)) as srv, httpx.Client(base_url=srv.url, timeout=120) as http:
+        first = chat(http, SHORT_DOC + " What does the heap keep?")
+        assert first.status_code == 200
+        before = {f: (tmp_path / f).stat().st_size for f in files(tmp_path)}
+        srv.services.store.disk.total = 64 << 10    # less than one heap file: nothing could make room
+        r = chat(http, "Document two. " + SHORT_DOC)
+        assert r.status_code == 507, r.text
+        err = r.json()["error"]
+        assert err["code"] == "disk_total_exceeded" and "--disk-total" in err["message"], err
+        assert {f: (tmp_path / f).stat().st_size for f in files(tmp_path)} == before   # nothing taken, nothing left
+        assert metrics(http)["localheap_disk_reclaimed_bytes_total"] == 0
+        srv.services.store.disk.total = 8 << 20
+        sid = first.headers["X-Session-Id"]
+        assert chat(http, "And the sinks?", headers={"X-Session-Id": sid}).status_code == 200
+
+
+def test_page_out_faults_degrade_one_session(backend, tmp_path, monkeypatch):
+    """A session whose pages the disk refuses, then whose page directory is removed: its requests
+    succeed, its stats and /health say its recall is degraded, another session is untouched, and
+    once the disk takes writes again it pages out and /health is ok."""
+    import errno
+    import shutil
+
+    from localheap.heap.pages import PageStore
+
+    settings = ServerSettings(heap=HEAP, web_dir=None, sessions_dir=tmp_path, persist_sessions=True)
+    with ServerThread(create_app(backend, settings)) as srv, httpx.Client(base_url=srv.url, timeout=120) as http:
+        a, b = (http.post("/v1/sessions").json()["id"] for _ in range(2))
+        write = PageStore._pwrite
+
+        def full_for_a(self, layer, data, offset):
+            if a in str(self.root):
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return write(self, layer, data, offset)
+
+        monkeypatch.setattr(PageStore, "_pwrite", full_for_a)
+        r = chat(http, SHORT_DOC + " What does the heap keep?", headers={"X-Session-Id": a})
+        assert r.status_code == 200, r.text
+        pages = r.json()["localheap"]["heap"]["pages"]
+        assert pages["pages_failed"] > 0 and pages["pages"] == 0 and "No space" in pages["degraded"]
+        health = http.get("/health")
+        assert health.status_code == 200 and health.json()["status"] == "degraded"
+        assert len(health.json()["degraded"]) == 1 and a in health.json()["degraded"][0]
+        other = chat(http, SHORT_DOC + " And the sinks?", headers={"X-Session-Id": b})
+        assert other.status_code == 200
+        assert other.json()["localheap"]["heap"]["pages"]["pages"] > 0
+        assert other.json()["localheap"]["heap"]["pages"]["degraded"] is None
+
+        monkeypatch.undo()                               # space is back: page-out resumes
+        r = chat(http, SHORT_DOC + " Once more?", headers={"X-Session-Id": a})
+        assert r.status_code == 200 and r.json()["localheap"]["heap"]["pages"]["pages"] > 0
+        assert http.get("/health").json()["status"] == "ok"
+
+        shutil.rmtree(tmp_path / f"{a}.pages")           # a page store deleted under a running session
+        r = chat(http, SHORT_DOC + " And again?", headers={"X-Session-Id": a})
+        assert r.status_code == 200, r.text
+        assert r.json()["localheap"]["heap"]["pages"]["pages_lost"] > 0
+        health = http.get("/health").json()
+        assert health["status"] == "degraded" and "removed" in health["degraded"][0]
+        assert chat(http, "Fine?", headers={"X-Session-Id": b}).status_code == 200
+        assert chat(http, "Still there?", headers={"X-Session-Id": a}).status_code == 200
+        assert http.get("/health").json()["status"] == "ok"   # a turn without loss
+
+
+def test_checkpoints_go_after_pages_and_before_sessions(backend, tmp_path):
+    """Sessions that read a document hold a checkpoint (a heap file, its tokens and hard links of
+    the pages). Under the bound, the least recently used give theirs back (the pages the
+    checkpoint shared with them then go too), and no session is deleted while that suffices."""
+    settings = ServerSettings(heap=HEAP, web_dir=None, sessions_dir=tmp_path, persist_sessions=True,
+                              disk_total=3 << 20)
+    with ServerThread(create_app(backend, settings)) as srv, httpx.Client(base_url=srv.url, timeout=120) as http, \
+            Sampler(tmp_path) as du:
+        ids = []
+        for i in range(8):
+            sid = http.post("/v1/sessions").json()["id"]
+            done = http.post(f"/v1/sessions/{sid}/documents", json={"text": f"Document {i}. {SHORT_DOC}",
+                                                                    "stream": False})
+            assert done.status_code == 200, done.text
+            ids.append(sid)
+        sessions = {s["id"]: s for s in http.get("/v1/sessions").json()["data"]}
+        m = metrics(http)
+    assert du.peak <= 3 << 20
+    assert m["localheap_disk_reclaimed_checkpoints_total"] > 0 and m["localheap_disk_reclaimed_sessions_total"] == 0
+    assert sessions[ids[0]]["checkpoints"] == [] and sessions[ids[0]]["reclaimed"]["checkpoints"] == 1
+    assert sessions[ids[-1]]["checkpoints"] and sessions[ids[-1]]["reclaimed"] is None
