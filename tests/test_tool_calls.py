@@ -12,6 +12,7 @@ from family_templates import TEMPLATES, with_template
 from localheap.engine.detok import TextStream
 from localheap.server.errors import BadRequest
 from localheap.server.prompts import ChatOptions, chat_prompt
+from localheap.server.prompts import _messages as template_messages
 from localheap.server.schemas import ChatMessage
 from localheap.server.toolcalls import Hermes, Llama, Mistral, OutputParser, Prompted, Text, ToolCall, tool_format
 
@@ -190,3 +191,14 @@ def test_a_forced_call_grammar_takes_the_family_syntax_and_nothing_else(tokenize
     assert g is not None and g.error is None and set(g.allowed().nonzero()[0]) == eos   # complete: only the end
     assert takes(text.replace("get_weather", "get_time")) is None
     assert takes("Sure") is None
+
+
+def test_a_template_without_tools_gets_calls_and_results_as_alternating_text(tokenizers):
+    """History with calls but no tools in this request, and a question right after the results:
+    user and assistant turns still alternate (Gemma's template refuses anything else)."""
+    tok = tokenizers["plain"]
+    msgs = _history("c1")[1:]   # no system message
+    rendered = template_messages(msgs, ChatOptions(None, tool_format(tok)))
+    assert [m["role"] for m in rendered] == ["user", "assistant", "user"]
+    assert rendered[2]["content"] == "<tool_response>\n18C, sunny\n</tool_response>\n\nAnd tomorrow?"
+    assert rendered[1]["content"].startswith("<tool_call>") and "tool_calls" not in rendered[1]

@@ -84,6 +84,9 @@ def _messages(messages: list[ChatMessage], opts: Optional[ChatOptions] = None) -
                 d["name"] = m.name
         if m.role == "assistant" and m.reasoning_content is not None:
             d["reasoning_content"] = m.reasoning_content
+        if d["role"] == "user" and out and out[-1].get("tool_results"):   # roles alternate (Gemma's template)
+            out[-1]["content"] += "\n\n" + d["content"]
+            continue
         out.append(d)
     for d in out:
         d.pop("tool_results", None)
