@@ -100,14 +100,16 @@ def test_streamed_tool_call_deltas(client, force):
         reasoning.append(getattr(delta, "reasoning_content", None) or "")
         content.append(delta.content or "")
         for tc in delta.tool_calls or []:
-            c = calls.setdefault(tc.index, {"id": tc.id, "name": "", "arguments": ""})
+            c = calls.setdefault(tc.index, {"id": tc.id, "name": "", "arguments": "", "parts": 0})
             c["name"] += tc.function.name or ""
             c["arguments"] += tc.function.arguments or ""
+            c["parts"] += bool(tc.function.arguments)
     assert finish == "tool_calls" and "".join(content) == ""
     assert "".join(reasoning) == "\nweather needs a tool\n"
     assert [(c["name"], json.loads(c["arguments"])) for c in calls.values()] == \
         [("get_weather", {"city": "Paris"}), ("get_weather", {"city": "Lyon"})]
     assert len({c["id"] for c in calls.values()}) == 2
+    assert all(c["parts"] > 1 for c in calls.values())   # the arguments stream as they are written
 
 
 def test_arguments_that_are_not_json_come_back_flagged(client, force):

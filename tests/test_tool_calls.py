@@ -14,7 +14,7 @@ from localheap.server.errors import BadRequest
 from localheap.server.prompts import ChatOptions, chat_prompt
 from localheap.server.prompts import _messages as template_messages
 from localheap.server.schemas import ChatMessage
-from localheap.server.toolcalls import Hermes, Llama, Mistral, OutputParser, Prompted, Text, ToolCall, tool_format
+from localheap.server.toolcalls import CallArgs, CallStart, Hermes, Llama, Mistral, OutputParser, Prompted, Text, ToolCall, tool_format
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
                                             "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
@@ -103,7 +103,18 @@ def _parse_in_pieces(fmt, text: str, size: int, **kw) -> list:
         pieces += parser.feed(text[i:i + size])
     pieces += parser.finish()
     merged: list = []
+    started = None
     for p in pieces:   # a stream may split a text run in several deltas: the same reply either way
+        if isinstance(p, CallStart):   # a call streamed as it is written: the same call in the end
+            assert started is None
+            started = [p, ""]
+        elif isinstance(p, CallArgs):
+            started[1] += p.text
+        elif isinstance(p, ToolCall) and p.streamed:
+            assert (started[0].id, started[0].name, started[1]) == (p.id, p.name, p.arguments)
+            started = None
+        if isinstance(p, (CallStart, CallArgs)):
+            continue
         if isinstance(p, Text) and merged and isinstance(merged[-1], Text) and merged[-1].kind == p.kind:
             merged[-1] = Text(p.kind, merged[-1].text + p.text)
         else:

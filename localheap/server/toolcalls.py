@@ -33,6 +33,20 @@ class ToolCall:
     name: str
     arguments: str                 # JSON text; as the model wrote it when `error` is set
     error: Optional[str] = None    # why the arguments are not JSON (the call is still returned)
+    streamed: bool = False         # its CallStart and CallArgs pieces came before it
+
+
+@dataclass
+class CallStart:
+    """A call whose name is known while its arguments are still being written (Hermes blocks)."""
+    id: str
+    name: str
+
+
+@dataclass
+class CallArgs:
+    """More of the arguments of the call last started, as written."""
+    text: str
 
 
 @dataclass
@@ -41,7 +55,7 @@ class Text:
     text: str
 
 
-Piece = Union[Text, ToolCall]
+Piece = Union[Text, ToolCall, CallStart, CallArgs]
 
 
 def openai_call_id() -> str:
@@ -54,6 +68,8 @@ def mistral_call_id() -> str:
 
 
 _NAME = re.compile(r'"name"\s*:\s*"([^"]+)"')
+_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"([^"\\]+)"\s*,\s*"arguments"\s*:\s*(?=\S)')   # then its arguments
+_TAIL = re.compile(r'\s*\}?\s*$')   # what may close the call object rather than belong to the arguments
 _ARGS = re.compile(r'"(?:arguments|parameters)"\s*:\s*(.*?)\s*\}?\s*$', re.S)
 
 
@@ -234,6 +250,7 @@ class OutputParser:
         self.raw_start = ""         # the marker that opened it (put back if it is not a call)
         self.calls = 0
         self.strip = False          # drop the whitespace after </think> or a call
+        self.streaming: Optional[list] = None   # the call whose arguments are being passed on
 
     def _starts(self) -> list[str]:
         starts = list(self.fmt.starts) if self.fmt else []
@@ -299,6 +316,7 @@ class OutputParser:
         if self.mode == "call":
             i = self.pending.find(self.fmt.end)
             if i < 0:
+                self._stream_call(self.pending[:len(self.pending) - _partial(self.pending, [self.fmt.end])], out)
                 return False
             self._close_call(self.body + self.pending[:i], out, self.fmt.end)
             self.pending = self.pending[i + len(self.fmt.end):]
@@ -319,7 +337,36 @@ class OutputParser:
         else:
             out.append(Text(kind, text))
 
+    def _stream_call(self, text: str, out: list[Piece]) -> None:
+        """The arguments of a call in progress as far as they are known: a call whose text opens
+        with its name and then its arguments is started, and its arguments are passed on as they
+        come, all but what may be the call's own closing brace."""
+        if self.streaming is None:
+            head = _HEAD.match(text)
+            if head is None:
+                return
+            self.streaming = [self.fmt.make_id(), head.group(1), head.end(), head.end()]   # id, name, start, sent
+            out.append(CallStart(self.streaming[0], head.group(1)))
+        upto = max(self.streaming[3], len(text) - len(_TAIL.search(text).group(0)))
+        if upto > self.streaming[3]:
+            out.append(CallArgs(text[self.streaming[3]:upto]))
+            self.streaming[3] = upto
+
     def _close_call(self, body: str, out: list[Piece], end: str = "") -> None:
+        if self.streaming is not None:   # its arguments are what was passed on, and the rest up to the brace
+            self._stream_call(body, out)
+            call_id, name, start, sent = self.streaming
+            self.streaming, self.mode, self.body = None, "text", ""
+            args = body[start:sent]
+            try:
+                json.loads(args)
+                error = None
+            except ValueError as e:
+                error = f"the arguments are not valid JSON: {e}"
+            self.at_start, self.strip = False, True
+            self.calls += 1
+            out.append(ToolCall(call_id, name, args, error, streamed=True))
+            return
         calls = self.fmt.parse(body)
         self.mode, self.body = "text", ""
         if calls is None:   # not a call after all: the text as the model wrote it
