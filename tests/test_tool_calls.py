@@ -14,7 +14,8 @@ from localheap.server.errors import BadRequest
 from localheap.server.prompts import ChatOptions, chat_prompt
 from localheap.server.prompts import _messages as template_messages
 from localheap.server.schemas import ChatMessage
-from localheap.server.toolcalls import CallArgs, CallStart, Hermes, Llama, Mistral, OutputParser, Prompted, Text, ToolCall, tool_format
+from localheap.server.toolcalls import CallArgs, CallStart, OutputParser, Text
+from localheap.server.toolformats import Hermes, Llama, Mistral, Prompted, ToolCall, tool_format
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
                                             "parameters": {"type": "object", "properties": {"city": {"type": "string"}},

@@ -15,7 +15,8 @@ from ..engine import Finished
 from .chat import ChatPlan
 from .errors import BadRequest
 from .schemas import ChatMessage, Strict
-from .toolcalls import Text, ToolCall
+from .toolcalls import Text
+from .toolformats import ToolCall
 
 CacheControl = Optional[dict[str, Any]]   # prompt-caching hints: accepted; prefix reuse is automatic here
 

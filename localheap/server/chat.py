@@ -17,7 +17,8 @@ from .bridge import JobEvents, submit
 from .errors import BadRequest
 from .prompts import ChatOptions
 from .services import Services, owner
-from .toolcalls import THINK, Hermes, Llama, Mistral, OutputParser, ToolFormat, tool_format
+from .toolcalls import THINK, OutputParser
+from .toolformats import Hermes, Llama, Mistral, ToolFormat, tool_format
 
 
 @dataclass

@@ -15,7 +15,7 @@ from ..sessions import Prompt
 from ..sessions.session import token_array
 from .errors import BadRequest, PromptTooLong
 from .schemas import ChatMessage, CompletionRequest
-from .toolcalls import ToolFormat, prompted_call, prompted_tools
+from .toolformats import ToolFormat, prompted_call, prompted_tools
 from .tokens import PIECE_CHARS, check_chars, encode_bounded, encode_plain, release_freed_memory
 
 _LONG_TEXTS = threading.Lock()

@@ -21,7 +21,8 @@ from ..chat import start
 from ..errors import anthropic_body, to_response
 from ..prompts import chat_prompt, tokenize
 from ..services import Services, services
-from ..toolcalls import CallArgs, CallStart, OutputParser, Piece, Text, ToolCall
+from ..toolcalls import CallArgs, CallStart, OutputParser, Piece, Text
+from ..toolformats import ToolCall
 from .openai import SESSION_HEADER
 
 router = APIRouter()

@@ -20,7 +20,8 @@ from ..formats import Reply, add_call_errors, extension, finish_reason, tool_cal
 from ..prompts import chat_prompt, completion_prompt, tokenize
 from ..schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
 from ..services import Services, services
-from ..toolcalls import CallArgs, CallStart, OutputParser, Piece, ToolCall
+from ..toolcalls import CallArgs, CallStart, OutputParser, Piece
+from ..toolformats import ToolCall
 
 router = APIRouter()
 SESSION_HEADER = "X-Session-Id"
