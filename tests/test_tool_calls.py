@@ -39,6 +39,7 @@ FORMATS = {"qwen": Hermes, "mistral": Mistral, "llama3.1": Llama, "plain": Promp
 @pytest.mark.parametrize("family", sorted(FORMATS))
 def test_the_format_is_recognised_from_the_template(tokenizers, family):
     assert type(tool_format(tokenizers[family])) is FORMATS[family]
+    assert type(tool_format(tokenizers[family], "mistral")) is Mistral   # serve --tool-format
 
 
 def _history(call_id: str) -> list[ChatMessage]:

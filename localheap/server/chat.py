@@ -33,7 +33,8 @@ class ChatPlan:
 
     def options(self, svc: Services) -> ChatOptions:
         """The format is known even without tools: a history may hold calls and results to render."""
-        return ChatOptions(self.tools or None, tool_format(svc.tokenizer), dict(self.template_kwargs or {}))
+        fmt = tool_format(svc.tokenizer, svc.settings.tool_format)
+        return ChatOptions(self.tools or None, fmt, dict(self.template_kwargs or {}))
 
     def parser(self, opts: ChatOptions, prompt: Prompt) -> OutputParser:
         """Tool calls are looked for when there are tools and tool_choice is not none; reasoning

@@ -176,8 +176,13 @@ def template_source(tokenizer: Any) -> str:
     return ""
 
 
-def tool_format(tokenizer: Any) -> ToolFormat:
-    """The family's format, recognised from its chat template."""
+FORMATS = {f.name: f for f in (Hermes, Mistral, Llama, Prompted)}
+
+
+def tool_format(tokenizer: Any, name: Optional[str] = None) -> ToolFormat:
+    """The family's format: `name` (serve --tool-format), else recognised from its chat template."""
+    if name is not None:
+        return FORMATS[name]()
     src = template_source(tokenizer)
     if "<tool_call>" in src:
         return Hermes()
