@@ -167,12 +167,13 @@ def test_a_forced_tool_choice_is_enforced_by_the_grammar(client):
     assert r.choices[0].message.tool_calls and r.choices[0].finish_reason == "tool_calls"
 
 
-def test_an_agent_session_of_30_turns_reuses_its_session_past_the_heap(client, force, server):
-    """History resent every turn, with calls and results, growing well past the 64-token heap."""
+def _agent(client, force, turns: int = 30):
+    """An agent's session: history resent every turn, with calls and results. Every turn after the
+    first finds the session and reuses all it holds (the rendered history is what was generated)."""
     history = [{"role": "system", "content": "You are a weather agent."},
                {"role": "user", "content": "Track the weather in Paris for me, every hour."}]
     session, tokens = None, 0
-    for turn in range(30):
+    for turn in range(turns):
         force(CALL if turn % 3 != 2 else f"Report {turn}: still fine.")
         r = ask(client, history, max_tokens=60)
         msg, usage = r.choices[0].message, r.usage
@@ -189,8 +190,31 @@ def test_an_agent_session_of_30_turns_reuses_its_session_past_the_heap(client, f
                             "content": f"hour {turn}: 18C, sunny, wind 10 km/h from the west"})
         else:
             history.append({"role": "user", "content": "Go on."})
+    return r
+
+
+def test_an_agent_session_of_30_turns_reuses_its_session_past_the_heap(client, force):
+    r = _agent(client, force)
     heap = r.localheap["heap"]
-    assert usage.prompt_tokens > 10 * HEAP.budget and heap["evicted"] > 0, heap
+    assert r.usage.prompt_tokens > 10 * HEAP.budget and heap["evicted"] > 0, heap
+
+
+def test_the_agent_session_with_recall_pages_what_it_evicts(model_dirs, tmp_path_factory, torch_one_thread):
+    """The same agent on a heap with the recall tier (as serve runs by default): evicted tokens go
+    to pages on disk, and every turn still reuses the session."""
+    heap = HeapConfig(budget=96, slack=32, recent=16, policy="snapkv", recall=True, recall_budget=32, page_size=8)
+    with serve(with_template(model_dirs("qwen2"), tmp_path_factory.mktemp("qr") / "m", QWEN), heap) as srv:
+        c = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
+        svc = srv.services
+
+        def force(text):
+            ids = svc.tokenizer.encode(text, add_special_tokens=False)
+            svc.force_tokens = lambda: ForcedTokens(ids, svc.backend.eos_token_ids)
+
+        r = _agent(c, force, turns=12)
+        stats = r.localheap["heap"]
+        assert stats["evicted"] > 0 and stats["pages"] is not None, stats
+        assert any(isinstance(v, int) and v > 0 for v in stats["pages"].values()), stats["pages"]
 
 
 def test_a_mistral_template_gets_nine_character_ids(model_dirs, tmp_path_factory, torch_one_thread):
