@@ -120,17 +120,13 @@ async def _stream(reply: Reply, job: Job, events: JobEvents, started: Started, u
                     yield _data(reply.chunk(event.text, extension=first_ext, with_usage_field=usage))
                     first_ext = None
                     continue
-                for piece in parser.feed(event.text):
+            if parser is not None and isinstance(event, (Delta, Finished)):   # chat: the reply in its parts
+                for piece in parser.feed(event.text) if isinstance(event, Delta) else parser.finish():
                     chunk = _piece_chunk(reply, piece, calls, usage)
                     if chunk is not None:
                         yield chunk
                     calls += isinstance(piece, ToolCall)
-            elif isinstance(event, Finished):
-                for piece in parser.finish() if parser is not None else []:
-                    chunk = _piece_chunk(reply, piece, calls, usage)
-                    if chunk is not None:
-                        yield chunk
-                    calls += isinstance(piece, ToolCall)
+            if isinstance(event, Finished):
                 decode_s = time.monotonic() - first_token_at if first_token_at is not None else None
                 ext = extension(event, decode_s)
                 yield _data(reply.chunk(None, finish_reason(event, calls > 0), extension=ext, with_usage_field=usage))
