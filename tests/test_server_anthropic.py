@@ -161,3 +161,25 @@ def test_both_apis_share_sessions(client, server, force):
         {"role": "user", "content": "and now?"}])
     assert r.model_extra["localheap"]["session_id"] == first.localheap["session_id"]
     assert r.usage.cache_read_input_tokens >= first.usage.prompt_tokens
+
+
+def test_a_forced_tool_choice_is_enforced(client, server):
+    """No forced tokens: tool_choice {"type": "tool"} holds the random model to a valid call."""
+    tools = [{"name": "pick", "input_schema": {"type": "object", "additionalProperties": False, "required": ["n"],
+                                               "properties": {"n": {"type": "integer", "minimum": 1, "maximum": 9}}}}]
+    r = client.messages.create(model=model(server), max_tokens=60, tools=tools,
+                               tool_choice={"type": "tool", "name": "pick"}, messages=[{"role": "user", "content": "?"}])
+    (use,) = [b for b in r.content if b.type == "tool_use"]
+    assert use.name == "pick" and 1 <= use.input["n"] <= 9 and r.stop_reason == "tool_use"
+
+
+def test_output_config_json_schema_is_enforced(client, server):
+    jsonschema = pytest.importorskip("jsonschema")
+    import json
+
+    schema = {"type": "object", "additionalProperties": False, "required": ["ok", "n"],
+              "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0, "maximum": 99}}}
+    r = client.messages.create(model=model(server), max_tokens=60, messages=[{"role": "user", "content": "?"}],
+                               output_config={"format": {"type": "json_schema", "schema": schema}})
+    assert r.stop_reason == "end_turn"
+    jsonschema.validate(json.loads(r.content[0].text), schema)

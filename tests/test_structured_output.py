@@ -83,3 +83,18 @@ def test_an_unenforceable_schema_is_a_400(client):
     with pytest.raises(openai.BadRequestError) as e:
         _ask(client, {"type": "json_schema", "json_schema": {"name": "bad", "schema": {"type": "no-such-type"}}}, 0)
     assert e.value.status_code == 400 and "schema" in e.value.message
+
+
+def test_the_sdk_parse_helper_gets_a_validated_object(client):
+    """openai's own structured-output helper (a pydantic model as response_format, strict schema)."""
+    from pydantic import BaseModel, Field
+
+    class City(BaseModel):
+        name: str = Field(max_length=10)
+        population: int = Field(ge=0, le=10_000_000)
+
+    for seed in range(3):
+        r = client.chat.completions.parse(model=client.model_id, messages=[{"role": "user", "content": "A city."}],
+                                          response_format=City, temperature=1.0, seed=seed, max_tokens=60)
+        city = r.choices[0].message.parsed
+        assert isinstance(city, City) and 0 <= city.population <= 10_000_000

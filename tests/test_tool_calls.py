@@ -12,8 +12,10 @@ from family_templates import TEMPLATES, with_template
 from localheap.engine.detok import TextStream
 from localheap.server.errors import BadRequest
 from localheap.server.prompts import ChatOptions, chat_prompt
+from localheap.server.prompts import _messages as template_messages
 from localheap.server.schemas import ChatMessage
-from localheap.server.toolcalls import Hermes, Llama, Mistral, OutputParser, Prompted, Text, ToolCall, tool_format
+from localheap.server.toolcalls import CallArgs, CallStart, OutputParser, Text
+from localheap.server.toolformats import Hermes, Llama, Mistral, Prompted, ToolCall, tool_format
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
                                             "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
@@ -37,6 +39,7 @@ FORMATS = {"qwen": Hermes, "mistral": Mistral, "llama3.1": Llama, "plain": Promp
 @pytest.mark.parametrize("family", sorted(FORMATS))
 def test_the_format_is_recognised_from_the_template(tokenizers, family):
     assert type(tool_format(tokenizers[family])) is FORMATS[family]
+    assert type(tool_format(tokenizers[family], "mistral")) is Mistral   # serve --tool-format
 
 
 def _history(call_id: str) -> list[ChatMessage]:
@@ -102,7 +105,18 @@ def _parse_in_pieces(fmt, text: str, size: int, **kw) -> list:
         pieces += parser.feed(text[i:i + size])
     pieces += parser.finish()
     merged: list = []
+    started = None
     for p in pieces:   # a stream may split a text run in several deltas: the same reply either way
+        if isinstance(p, CallStart):   # a call streamed as it is written: the same call in the end
+            assert started is None
+            started = [p, ""]
+        elif isinstance(p, CallArgs):
+            started[1] += p.text
+        elif isinstance(p, ToolCall) and p.streamed:
+            assert (started[0].id, started[0].name, started[1]) == (p.id, p.name, p.arguments)
+            started = None
+        if isinstance(p, (CallStart, CallArgs)):
+            continue
         if isinstance(p, Text) and merged and isinstance(merged[-1], Text) and merged[-1].kind == p.kind:
             merged[-1] = Text(p.kind, merged[-1].text + p.text)
         else:
@@ -190,3 +204,14 @@ def test_a_forced_call_grammar_takes_the_family_syntax_and_nothing_else(tokenize
     assert g is not None and g.error is None and set(g.allowed().nonzero()[0]) == eos   # complete: only the end
     assert takes(text.replace("get_weather", "get_time")) is None
     assert takes("Sure") is None
+
+
+def test_a_template_without_tools_gets_calls_and_results_as_alternating_text(tokenizers):
+    """History with calls but no tools in this request, and a question right after the results:
+    user and assistant turns still alternate (Gemma's template refuses anything else)."""
+    tok = tokenizers["plain"]
+    msgs = _history("c1")[1:]   # no system message
+    rendered = template_messages(msgs, ChatOptions(None, tool_format(tok)))
+    assert [m["role"] for m in rendered] == ["user", "assistant", "user"]
+    assert rendered[2]["content"] == "<tool_response>\n18C, sunny\n</tool_response>\n\nAnd tomorrow?"
+    assert rendered[1]["content"].startswith("<tool_call>") and "tool_calls" not in rendered[1]

@@ -54,9 +54,10 @@ export class Chat {
         const chunk = JSON.parse(data);
         if (chunk.error) throw new ApiError(0, chunk.error.message, chunk.error.code);
         const choice = chunk.choices?.[0];
-        if (choice?.delta?.content) {
+        if (choice?.delta?.content || choice?.delta?.reasoning_content) {
           firstToken ??= performance.now();
-          reply.content += choice.delta.content;
+          reply.content += choice.delta.content || "";
+          if (choice.delta.reasoning_content) reply.reasoning = (reply.reasoning || "") + choice.delta.reasoning_content;
           reply.tokens = (reply.tokens || 0) + 1;
           this.paint(reply);
         }
@@ -176,8 +177,12 @@ function replyNode(m) {
   if (speed) foot.push(`this reply: ${rate(speed)} tok/s`);
   if (m.status === "stopped") foot.push("stopped");
   else if (m.finish === "length") foot.push("hit the max-tokens limit");
+  // a reasoning model's thinking (reasoning_content): shown folded, open while it is all there is
+  const reasoning = m.reasoning ? el("details", { class: "msg-reasoning", open: m.status === "streaming" && !m.content ? "" : null },
+    el("summary", { text: "Reasoning" }), el("div", { class: "msg-reasoning-body", text: m.reasoning })) : null;
   return el("article", { class: `msg msg-assistant ${m.status}`, "aria-label": "Model", "aria-busy": m.status === "streaming" ? "true" : null },
     el("div", { class: "msg-role", text: m.model || "model" }),
+    reasoning,
     body,
     m.status === "error" ? el("p", { class: "msg-error", role: "alert", text: m.error }) : null,
     foot.length ? el("div", { class: "msg-foot", text: foot.join(" · ") }) : null);

@@ -68,6 +68,8 @@ def add_parser(sub) -> None:
     p.add_argument("--shutdown-grace", type=float, default=10.0, metavar="SECONDS",
                    help="on SIGTERM/Ctrl-C, requests get this long to finish; then they are cancelled, "
                         "sessions saved, and the server exits")
+    p.add_argument("--tool-format", default="auto", choices=("auto", "hermes", "mistral", "llama3_json", "prompted"),
+                   help="how the model writes tool calls (default: auto, recognised from its chat template)")
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"),
                    help="server log detail")
     p.set_defaults(func=run)
@@ -106,6 +108,7 @@ def settings_from_args(args):
         default_max_tokens=args.default_max_tokens, max_tokens_limit=args.max_tokens_limit,
         shutdown_grace_s=args.shutdown_grace, heap=heap_config(args),
         disk_total=None if args.disk_total.strip().lower() == "auto" else disk_total(args.disk_total),   # auto: in run
+        tool_format=None if args.tool_format == "auto" else args.tool_format,
     )
 
 

@@ -15,7 +15,8 @@ from ..engine import Finished
 from .chat import ChatPlan
 from .errors import BadRequest
 from .schemas import ChatMessage, Strict
-from .toolcalls import Text, ToolCall
+from .toolcalls import Text
+from .toolformats import ToolCall
 
 CacheControl = Optional[dict[str, Any]]   # prompt-caching hints: accepted; prefix reuse is automatic here
 
@@ -91,8 +92,19 @@ class ToolChoice(Strict):
 
 
 class Thinking(Strict):
-    type: Literal["enabled", "disabled"]
-    budget_tokens: Optional[int] = None
+    type: Literal["enabled", "adaptive", "between_tools", "disabled"]
+    budget_tokens: Optional[int] = None          # accepted; the template decides how long it thinks
+    display: Optional[Literal["summarized", "omitted"]] = None   # accepted; thinking is returned as written
+
+
+class JsonOutputFormat(Strict):
+    type: Literal["json_schema"]
+    schema_: dict[str, Any] = Field(alias="schema")
+
+
+class OutputConfig(Strict):
+    effort: Optional[str] = None                 # accepted, unused
+    format: Optional[JsonOutputFormat] = None    # structured output: enforced by the grammar
 
 
 class Metadata(Strict):
@@ -106,6 +118,8 @@ class CountTokensRequest(Strict):
     tools: Optional[list[ToolDef]] = None
     tool_choice: Optional[ToolChoice] = None
     thinking: Optional[Thinking] = None
+    output_config: Optional[OutputConfig] = None
+    cache_control: CacheControl = None
 
     def chat_messages(self) -> list[ChatMessage]:
         """The conversation as OpenAI-shaped chat messages: tool_result blocks become tool messages,
@@ -150,8 +164,11 @@ class CountTokensRequest(Strict):
                 raise BadRequest("tool_choice needs tools", "tool_choice")
         kwargs = None
         if self.thinking is not None:
-            kwargs = {"enable_thinking": self.thinking.type == "enabled"}
-        return ChatPlan(tools, choice, parallel, None, kwargs)
+            kwargs = {"enable_thinking": self.thinking.type != "disabled"}
+        fmt = self.output_config.format if self.output_config is not None else None
+        if fmt is not None and choice not in ("auto", "none"):
+            raise BadRequest("output_config.format and a forced tool_choice cannot be combined", "output_config")
+        return ChatPlan(tools, choice, parallel, fmt.schema_ if fmt is not None else None, kwargs)
 
 
 class MessagesRequest(CountTokensRequest):

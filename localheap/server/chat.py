@@ -17,7 +17,8 @@ from .bridge import JobEvents, submit
 from .errors import BadRequest
 from .prompts import ChatOptions
 from .services import Services, owner
-from .toolcalls import THINK, Hermes, Llama, Mistral, OutputParser, ToolFormat, tool_format
+from .toolcalls import THINK, OutputParser
+from .toolformats import Hermes, Llama, Mistral, ToolFormat, tool_format
 
 
 @dataclass
@@ -31,14 +32,16 @@ class ChatPlan:
     template_kwargs: Optional[dict] = None
 
     def options(self, svc: Services) -> ChatOptions:
-        fmt = tool_format(svc.tokenizer) if self.tools else None
+        """The format is known even without tools: a history may hold calls and results to render."""
+        fmt = tool_format(svc.tokenizer, svc.settings.tool_format)
         return ChatOptions(self.tools or None, fmt, dict(self.template_kwargs or {}))
 
     def parser(self, opts: ChatOptions, prompt: Prompt) -> OutputParser:
-        """Tool calls are looked for unless tool_choice is none; reasoning always (only a reply
-        that opens with <think>, or a prompt that ends inside one, has any)."""
+        """Tool calls are looked for when there are tools and tool_choice is not none; reasoning
+        always (only a reply that opens with <think>, or a prompt that ends inside one, has any)."""
         in_think = prompt.text is not None and prompt.text.rstrip().endswith(THINK)
-        return OutputParser(opts.fmt if self.choice != "none" else None, reasoning=True, in_think=in_think)
+        fmt = opts.fmt if self.tools and self.choice != "none" else None
+        return OutputParser(fmt, reasoning=True, in_think=in_think)
 
     def constraint(self, svc: Services, opts: ChatOptions) -> Any:
         """The request's grammar: the JSON it must answer with, or the call it must make; a test's

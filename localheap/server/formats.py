@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from ..engine import Finished, Usage
-from .toolcalls import Piece, Text, ToolCall
+from .toolcalls import Piece, Text
+from .toolformats import ToolCall
 
 
 @dataclass

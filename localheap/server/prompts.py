@@ -15,7 +15,7 @@ from ..sessions import Prompt
 from ..sessions.session import token_array
 from .errors import BadRequest, PromptTooLong
 from .schemas import ChatMessage, CompletionRequest
-from .toolcalls import ToolFormat, prompted_call, prompted_tools
+from .toolformats import ToolFormat, prompted_call, prompted_tools
 from .tokens import PIECE_CHARS, check_chars, encode_bounded, encode_plain, release_freed_memory
 
 _LONG_TEXTS = threading.Lock()
@@ -84,6 +84,9 @@ def _messages(messages: list[ChatMessage], opts: Optional[ChatOptions] = None) -
                 d["name"] = m.name
         if m.role == "assistant" and m.reasoning_content is not None:
             d["reasoning_content"] = m.reasoning_content
+        if d["role"] == "user" and out and out[-1].get("tool_results"):   # roles alternate (Gemma's template)
+            out[-1]["content"] += "\n\n" + d["content"]
+            continue
         out.append(d)
     for d in out:
         d.pop("tool_results", None)

@@ -21,7 +21,8 @@ from ..chat import start
 from ..errors import anthropic_body, to_response
 from ..prompts import chat_prompt, tokenize
 from ..services import Services, services
-from ..toolcalls import OutputParser, Piece, Text, ToolCall
+from ..toolcalls import CallArgs, CallStart, OutputParser, Piece, Text
+from ..toolformats import ToolCall
 from .openai import SESSION_HEADER
 
 router = APIRouter()
@@ -100,7 +101,7 @@ async def _whole(request: Request, reader: Reader, events: JobEvents, head: dict
         async for p in reader.pieces(events):
             if isinstance(p, Finished):
                 done = p
-            else:
+            elif isinstance(p, (Text, ToolCall)):
                 pieces.append(p)
     finally:
         watcher.cancel()
@@ -135,6 +136,8 @@ async def _stream(reader: Reader, events: JobEvents, head: dict, session_id: str
                                                "localheap": {"session_id": p.session_id, "heap": p.session.get("heap")}})
                 yield _event("message_stop", {})
                 return
+            if isinstance(p, (CallStart, CallArgs)):
+                continue   # a call goes out whole: the SDK parses each input_json_delta as it comes
             kind = "tool_use" if isinstance(p, ToolCall) else p.kind
             if kind != open_kind or kind == "tool_use":
                 if open_kind is not None:

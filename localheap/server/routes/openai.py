@@ -20,7 +20,8 @@ from ..formats import Reply, add_call_errors, extension, finish_reason, tool_cal
 from ..prompts import chat_prompt, completion_prompt, tokenize
 from ..schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
 from ..services import Services, services
-from ..toolcalls import OutputParser, Piece, ToolCall
+from ..toolcalls import CallArgs, CallStart, OutputParser, Piece
+from ..toolformats import ToolCall
 
 router = APIRouter()
 SESSION_HEADER = "X-Session-Id"
@@ -120,15 +121,13 @@ async def _stream(reply: Reply, job: Job, events: JobEvents, started: Started, u
                     yield _data(reply.chunk(event.text, extension=first_ext, with_usage_field=usage))
                     first_ext = None
                     continue
-                for piece in parser.feed(event.text):
-                    yield _data(reply.chunk(None, delta=_delta(piece, calls), with_usage_field=usage,
-                                            extension=_call_errors(piece, calls)))
+            if parser is not None and isinstance(event, (Delta, Finished)):   # chat: the reply in its parts
+                for piece in parser.feed(event.text) if isinstance(event, Delta) else parser.finish():
+                    chunk = _piece_chunk(reply, piece, calls, usage)
+                    if chunk is not None:
+                        yield chunk
                     calls += isinstance(piece, ToolCall)
-            elif isinstance(event, Finished):
-                for piece in parser.finish() if parser is not None else []:
-                    yield _data(reply.chunk(None, delta=_delta(piece, calls), with_usage_field=usage,
-                                            extension=_call_errors(piece, calls)))
-                    calls += isinstance(piece, ToolCall)
+            if isinstance(event, Finished):
                 decode_s = time.monotonic() - first_token_at if first_token_at is not None else None
                 ext = extension(event, decode_s)
                 yield _data(reply.chunk(None, finish_reason(event, calls > 0), extension=ext, with_usage_field=usage))
@@ -139,11 +138,22 @@ async def _stream(reply: Reply, job: Job, events: JobEvents, started: Started, u
     yield {"data": "[DONE]"}
 
 
-def _delta(piece: Piece, index: int) -> dict:
-    """A chat delta: content, reasoning_content, or one whole tool call (index: its place in the reply)."""
+def _piece_chunk(reply: Reply, piece: Piece, index: int, usage: bool) -> Optional[dict]:
+    """A reply piece as a chunk: content, reasoning_content, or a tool call (index: its place in the
+    reply), whole or as it is written (its id and name, then its arguments in parts)."""
+    errors = _call_errors(piece, index)
+    if isinstance(piece, ToolCall) and piece.streamed:
+        return _data(reply.chunk(None, delta={}, with_usage_field=usage, extension=errors)) if errors else None
     if isinstance(piece, ToolCall):
-        return {"tool_calls": [tool_call_dict(piece, index)]}
-    return {"content" if piece.kind == "content" else "reasoning_content": piece.text}
+        delta = {"tool_calls": [tool_call_dict(piece, index)]}
+    elif isinstance(piece, CallStart):
+        delta = {"tool_calls": [{"index": index, "id": piece.id, "type": "function",
+                                 "function": {"name": piece.name, "arguments": ""}}]}
+    elif isinstance(piece, CallArgs):
+        delta = {"tool_calls": [{"index": index, "function": {"arguments": piece.text}}]}
+    else:
+        delta = {"content" if piece.kind == "content" else "reasoning_content": piece.text}
+    return _data(reply.chunk(None, delta=delta, with_usage_field=usage, extension=errors))
 
 
 def _call_errors(piece: Piece, index: int) -> Optional[dict]:

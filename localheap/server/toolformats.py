@@ -1,0 +1,206 @@
+"""Each model family's tool-call syntax, recognised from the served model's chat template (the
+same text the model was trained to answer), and how a call in that syntax is read:
+
+- Qwen2.5 / Qwen3 / Hermes: `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`, one block a call.
+- Mistral: `[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]` (v0.3), or
+  `[TOOL_CALLS]name[ARGS]{...}` (newer tokenizers), to the end of the reply.
+- Llama 3.1+: the reply is a JSON object `{"name": ..., "parameters": {...}}` (optionally after
+  `<|python_tag|>`; several separated by `;`).
+- A template that does not render `tools` (Llama 3.0, Gemma 3, the tiny test models): the tools
+  are described in a system message and the model is asked for Hermes-style blocks.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import secrets
+import string
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+@dataclass
+class ToolCall:
+    id: str
+    name: str
+    arguments: str                 # JSON text; as the model wrote it when `error` is set
+    error: Optional[str] = None    # why the arguments are not JSON (the call is still returned)
+    streamed: bool = False         # its CallStart and CallArgs pieces came before it
+
+
+def openai_call_id() -> str:
+    return "call_" + secrets.token_hex(12)
+
+
+def mistral_call_id() -> str:
+    """Mistral's templates refuse any id but 9 letters and digits."""
+    return "".join(secrets.choice(string.ascii_letters + string.digits) for _ in range(9))
+
+_NAME = re.compile(r'"name"\s*:\s*"([^"]+)"')
+_ARGS = re.compile(r'"(?:arguments|parameters)"\s*:\s*(.*?)\s*\}?\s*$', re.S)
+
+
+def _call(obj: Any, make_id: Callable[[], str]) -> Optional[ToolCall]:
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    args = obj.get("arguments", obj.get("parameters", {}))
+    if isinstance(args, str):   # some models write the arguments as a JSON string
+        try:
+            json.loads(args)
+        except ValueError as e:
+            return ToolCall(make_id(), obj["name"], args, f"the arguments are not valid JSON: {e}")
+        return ToolCall(make_id(), obj["name"], args)
+    return ToolCall(make_id(), obj["name"], json.dumps(args, ensure_ascii=False))
+
+
+def _loose_call(body: str, make_id: Callable[[], str]) -> Optional[ToolCall]:
+    """A call whose JSON does not parse: its name and its arguments as written, flagged."""
+    name = _NAME.search(body)
+    if name is None:
+        return None
+    args = _ARGS.search(body, name.end()) or _ARGS.search(body)
+    raw = args.group(1) if args else ""
+    try:
+        json.loads(raw)
+        error = "the call is not valid JSON"
+    except ValueError as e:
+        error = f"the arguments are not valid JSON: {e}"
+    return ToolCall(make_id(), name.group(1), raw, error)
+
+
+def _json_values(text: str) -> Optional[list]:
+    """JSON values one after another, separated by whitespace or ';'; None if anything else."""
+    dec, at, out = json.JSONDecoder(), 0, []
+    while True:
+        while at < len(text) and text[at] in " \t\r\n;":
+            at += 1
+        if at == len(text):
+            return out
+        try:
+            value, at = dec.raw_decode(text, at)
+        except ValueError:
+            return None
+        out.append(value)
+
+
+class ToolFormat:
+    """One family's tool-call syntax. `starts`: markers that open calls in a reply; `end`: what
+    closes one call (None: the calls run to the end of the reply)."""
+    name = ""
+    starts: tuple[str, ...] = ()
+    end: Optional[str] = None
+    leading_json = False           # a reply that starts with '{' is a call (Llama)
+    make_id: Callable[[], str] = staticmethod(openai_call_id)
+    in_template = True             # the template renders `tools` itself
+
+    def parse(self, body: str) -> Optional[list[ToolCall]]:
+        """The calls in `body` (markers stripped), or None: not calls after all."""
+        raise NotImplementedError
+
+
+class Hermes(ToolFormat):
+    name = "hermes"
+    starts = ("<tool_call>",)
+    end = "</tool_call>"
+
+    def parse(self, body: str) -> Optional[list[ToolCall]]:
+        values = _json_values(body)
+        if values is not None and len(values) == 1:
+            call = _call(values[0], self.make_id)
+            if call is not None:
+                return [call]
+        call = _loose_call(body, self.make_id)
+        return None if call is None else [call]
+
+
+class Prompted(Hermes):
+    """A template without tools: they are described in a system message, calls are Hermes blocks."""
+    name = "prompted"
+    in_template = False
+
+
+class Mistral(ToolFormat):
+    name = "mistral"
+    starts = ("[TOOL_CALLS]",)
+    make_id = staticmethod(mistral_call_id)
+
+    def parse(self, body: str) -> Optional[list[ToolCall]]:
+        calls: list[ToolCall] = []
+        for part in body.split("[TOOL_CALLS]"):
+            if not part.strip():
+                continue
+            if "[ARGS]" in part:            # name[ARGS]{...}
+                name, _, args = part.partition("[ARGS]")
+                call = _call({"name": name.strip(), "arguments": args.strip()}, self.make_id)
+                calls.append(call)
+                continue
+            values = _json_values(part)
+            if values is None:
+                call = _loose_call(part, self.make_id)
+                if call is None:
+                    return None
+                calls.append(call)
+                continue
+            for v in values:
+                for obj in v if isinstance(v, list) else [v]:
+                    call = _call(obj, self.make_id)
+                    if call is None:
+                        return None
+                    calls.append(call)
+        return calls or None
+
+
+class Llama(ToolFormat):
+    name = "llama3_json"
+    starts = ("<|python_tag|>",)
+    leading_json = True
+
+    def parse(self, body: str) -> Optional[list[ToolCall]]:
+        values = _json_values(body)
+        if not values:
+            call = _loose_call(body, self.make_id) if body.lstrip().startswith("{") else None
+            return None if call is None else [call]
+        calls = [_call(v, self.make_id) for v in values]
+        if any(c is None for c in calls) or not all("parameters" in v or "arguments" in v for v in values):
+            return None
+        return calls
+
+
+def template_source(tokenizer: Any) -> str:
+    for t in (tokenizer, getattr(tokenizer, "_tokenizer", None)):
+        src = getattr(t, "chat_template", None)
+        if isinstance(src, str):
+            return src
+        if isinstance(src, dict):   # named templates: the default one, and a tool_use one if any
+            return "\n".join(v for v in src.values() if isinstance(v, str))
+    return ""
+
+
+FORMATS = {f.name: f for f in (Hermes, Mistral, Llama, Prompted)}
+
+
+def tool_format(tokenizer: Any, name: Optional[str] = None) -> ToolFormat:
+    """The family's format: `name` (serve --tool-format), else recognised from its chat template."""
+    if name is not None:
+        return FORMATS[name]()
+    src = template_source(tokenizer)
+    if "<tool_call>" in src:
+        return Hermes()
+    if "[TOOL_CALLS]" in src:
+        return Mistral()
+    if "<|python_tag|>" in src or ("ipython" in src and "tools" in src):
+        return Llama()
+    return Prompted()
+
+
+def prompted_tools(tools: list[dict]) -> str:
+    """The system text that describes tools to a model whose template cannot."""
+    lines = "\n".join(json.dumps(t, ensure_ascii=False, sort_keys=True) for t in tools)
+    return ("You may call the functions described here (JSON schemas):\n<tools>\n" + lines + "\n</tools>\n"
+            "To call one, reply with a block like this for each call, and nothing else:\n"
+            '<tool_call>\n{"name": "function name", "arguments": {"argument": "value"}}\n</tool_call>')
+
+
+def prompted_call(name: str, arguments: str) -> str:
+    """An earlier call, written back the way a Prompted model was asked to write it."""
+    return f'<tool_call>\n{{"name": {json.dumps(name)}, "arguments": {arguments}}}\n</tool_call>'
