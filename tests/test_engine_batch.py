@@ -33,9 +33,9 @@ class StepLog:
         self.steps: list[tuple[list[int], bool]] = []
         real = backend.step_rows
 
-        def spy(rows, chunk=None):
-            self.steps.append(([id(r.cache) for r in rows], chunk is not None))
-            return real(rows, chunk)
+        def spy(rows, chunks=()):
+            self.steps.append(([id(r.cache) for r in rows], bool(chunks)))
+            return real(rows, chunks)
 
         monkeypatch.setattr(backend, "step_rows", spy)
 

@@ -159,7 +159,7 @@ def test_a_prefill_chunk_riding_in_the_batch_feeds_as_alone(demo):
     reader = demo.new_cache(SMALL)
     tokens = [[r.token] for r in rows]
     for c in chunks:
-        assert step_rows(demo.model, rows, (reader, c)) == [None, None, None]
+        assert step_rows(demo.model, rows, [(reader, c)]) == [None, None, None]
         for t, r in zip(tokens, rows):
             t.append(r.token)
     assert_same_heap(solo, reader, atol=1e-4)

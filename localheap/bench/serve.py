@@ -318,12 +318,11 @@ def run(args) -> int:
         prompt = " The pass key of river is"
         sessions = {}
         for name, server in servers.items():
-            text = text_of_tokens(server.url, args.context[0], seed=1)
             sessions[name] = []
             began = time.monotonic()
             for i in range(most):
                 sid = new_session(server.url)
-                feed(server.url, sid, text)
+                feed(server.url, sid, text_of_tokens(server.url, args.context[0] + i * args.stagger // most, seed=1 + i))
                 complete(server, sid, prompt, 2)   # warm: the prompt's template and first token
                 sessions[name].append(sid)
             log(f"[{name}] {most} sessions of {args.context[0]:,} tokens ready in {time.monotonic() - began:.0f} s")
@@ -347,7 +346,7 @@ def run(args) -> int:
         for server in servers.values():
             server.stop()
     model = args.random_model and f"random:{args.random_model}" or args.model or "demo"
-    head = (f"model {model} | context {args.context[0]:,} tokens per session | {args.decode_tokens} tokens per client"
+    head = (f"model {model} | context {args.context[0]:,} tokens per session (+ up to {args.stagger}) | {args.decode_tokens} tokens per client"
             f" | threads {args.threads or 'default'} | serve flags: {' '.join(common)}")
     text = head + "\n" + table(rows, CLIENT_COLUMNS)
     if side:

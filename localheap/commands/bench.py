@@ -126,6 +126,10 @@ def add_parser(sub) -> None:
     serve.add_argument("--clients", type=_ints, default=[1, 2, 4, 8, 16], help="concurrent clients per round")
     serve.add_argument("--context", type=_ints, default=[4096],
                        help="tokens of document each client's session holds before it asks (one value)")
+    serve.add_argument("--stagger", type=int, default=256,
+                       help="session i of N holds context + i x STAGGER / N tokens, so their decode eviction events "
+                            "(every --slack tokens) fall on different steps as real sessions' do; 0: all aligned "
+                            "(default: 256, serve's default slack)")
     serve.add_argument("--decode-tokens", type=_positive, default=64, help="tokens each client asks for")
     serve.add_argument("--doc-tokens", type=_ints, default=[65536],
                        help="the document read beside a decoding chat (0: skip that table)")

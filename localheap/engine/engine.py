@@ -3,8 +3,8 @@
 Requests come in on a queue; events go out through each request's emit callable. With a
 backend that batches (`step_rows`), each engine step advances every decoding run by one token
 in ONE forward pass (at most `max_batch` runs, those that waited longest first) and one
-prefilling run, in turn, feeds a chunk that rides in the same pass, cut to `mixed_chunk`
-tokens while others decode, so a document read never freezes a chat. Otherwise (or with
+prefilling runs, in turn, feed chunks that ride in the same pass, `mixed_chunk` tokens in all
+while others decode, so a document read never freezes a chat. Otherwise (or with
 `batched=False`) active runs are served round-robin, one step each per round: a decode token
 or a prefill chunk.
 Which waiting job starts next and on which session is admission.py's: under a RAM budget, jobs
@@ -255,7 +255,8 @@ class Engine:
     def _batch_step(self) -> None:
         """One step of the batched engine: every decoding run with a seat in the batch (max_batch
         seats, see _seats) advances one token, runs that start decoding feed their prompt's last
-        token, and one prefilling run (in turn) feeds a chunk, all in one forward pass."""
+        token, and prefilling runs (in turn) feed up to mixed_chunk tokens, all in one forward pass.
+        With no run decoding, a prefilling run feeds a full chunk on its own."""
         self._steps += 1
         for run in [r for r in self._active if r.job.cancelled]:
             self._finish(run)
@@ -270,23 +271,27 @@ class Engine:
             else:
                 self._step(run)   # a heap the batch cannot take (sliding layers): its own generator
         batch = self._seats([r for r in self._active if r.row is not None])
-        chunk_run = prefilling[0] if prefilling else None
-        if chunk_run is not None:   # the next step feeds the next prefilling run
-            self._active.remove(chunk_run)
-            self._active.append(chunk_run)
-        if not batch:
-            if chunk_run is not None:
-                self._step(chunk_run)
-            return
-        rides = chunk_run is not None and self.backend.batchable(chunk_run.session.cache)
-        chunk = chunk_run.next_chunk(self.mixed_chunk) if rides else None
+        rides = [r for r in prefilling if self.backend.batchable(r.session.cache)]
+        if not batch or not rides:
+            if prefilling:   # no one to ride with: one full chunk on its own, in turn
+                self._rotate(prefilling[0])
+                self._step(prefilling[0])
+            if not batch:
+                return
+            rides = []
+        chunks, room = [], self.mixed_chunk   # prefill tokens per step beside the decoding runs
+        for run in rides:
+            if room <= 0:
+                break
+            chunks.append((run, run.next_chunk(room)))
+            room -= len(chunks[-1][1])
+            self._rotate(run)
         began = time.monotonic()
         try:
-            errors = self.backend.step_rows([r.row for r in batch],
-                                            (chunk_run.session.cache, chunk) if rides else None)
+            errors = self.backend.step_rows([r.row for r in batch], [(r.session.cache, c) for r, c in chunks])
         except Exception as e:   # the forward itself: every run in it is suspect
-            log.exception("a batched decode step failed (%d runs)", len(batch) + rides)
-            for run in batch + ([chunk_run] if rides else []):
+            log.exception("a batched decode step failed (%d runs)", len(batch) + len(chunks))
+            for run in batch + [r for r, _ in chunks]:
                 self._active.remove(run)
                 self._fail(run.job, e, run)
             return
@@ -295,13 +300,16 @@ class Engine:
         for run, error in zip(batch, errors):
             run.advanced_at = self._steps
             self._guarded(run, lambda run=run: run.take(run.row.token), error)
-        if rides:
-            if errors[-1] is None:
+        for (run, chunk), error in zip(chunks, errors[len(batch):]):
+            if error is None:
                 self.counters.prefill.add(len(chunk), took=took)
                 self.counters.prefill_tokens += len(chunk)
-            self._guarded(chunk_run, lambda: self._chunk_fed(chunk_run, chunk), errors[-1])
-        elif chunk_run is not None:
-            self._step(chunk_run)
+            self._guarded(run, lambda run=run, chunk=chunk: self._chunk_fed(run, chunk), error)
+
+    def _rotate(self, run: Run) -> None:
+        """The next step's prefill chunks start with another run."""
+        self._active.remove(run)
+        self._active.append(run)
 
     def _seats(self, decoding: list[Run]) -> list[Run]:
         """The runs this step advances: all of them while they fit in max_batch; beyond, a seated

@@ -98,10 +98,10 @@ class TorchBackend:
         or (`defer`) in the row's first step."""
         return batch.start_row(self.model, cache, new_tokens, params, progress, cancelled, defer)
 
-    def step_rows(self, rows: list, chunk=None) -> list:
-        """Feed each row's token (and `chunk` = (cache, ids) of a prefill) in one forward; per row,
-        then for the chunk: None (advanced) or the error that stopped it alone."""
-        return batch.step_rows(self.model, rows, chunk, self.slabs if self.batch_slabs else None)
+    def step_rows(self, rows: list, chunks=()) -> list:
+        """Feed each row's token (and `chunks`: (cache, ids) of prefills) in one forward; per row,
+        then per chunk: None (advanced) or the error that stopped it alone."""
+        return batch.step_rows(self.model, rows, chunks, self.slabs if self.batch_slabs else None)
 
     def end_row(self, row: batch.DecodeRow) -> None:
         """The row's run ended (its last sampled token stays unfed): its heap leaves the batch."""

@@ -156,14 +156,14 @@ def forward_packed(model, parts: list, tokens: list[torch.Tensor]) -> torch.Tens
     return out.logits[0].to(dtype=torch.float32)
 
 
-def step_rows(model, rows: list[DecodeRow], chunk: Optional[tuple[HeapCache, Sequence[int]]] = None,
+def step_rows(model, rows: list[DecodeRow], chunks: Sequence[tuple[HeapCache, Sequence[int]]] = (),
               slabs: Optional[dict] = None) -> list[Optional[Exception]]:
-    """Feed each row's pending token (and `chunk`: (cache, ids) of a prefill, riding in the same
+    """Feed each row's pending token (and `chunks`: (cache, ids) of prefills, riding in the same
     forward) in one pass; each row then samples its next token with its own sampler.
 
     With `slabs` (slab_key -> DecodeSlab, kept by the caller between steps) rows whose heaps can
     share a buffer are read as one batch (slab.py); the others attend one by one.
-    Returns one entry per row, then one for the chunk: None when it advanced, else the error that
+    Returns one entry per row, then one per chunk: None when it advanced, else the error that
     stopped it before the forward (making room: an eviction event or its page-out), which leaves
     the others untouched. An error in the forward itself raises (every part is suspect).
     One host read per step: the rows' sampled ids together."""
@@ -196,8 +196,7 @@ def step_rows(model, rows: list[DecodeRow], chunk: Optional[tuple[HeapCache, Seq
             tokens.append(row.next if row.prompt is None else
                           torch.as_tensor(row.prompt, dtype=torch.long, device=row.cache.device))
             order.append(row)
-    if chunk is not None:
-        cache, ids = chunk
+    for cache, ids in chunks:
         errors.append(_make_room(cache, len(ids)))
         if errors[-1] is None:
             parts.append(cache)
