@@ -135,6 +135,22 @@ class DiskTotal:
         if self.total:
             self.fit()
 
+    def room_for(self, nbytes: int, *keep: Session) -> None:
+        """Before a write of about `nbytes` outside a run (a checkpoint, a fork's copy of one): make
+        room, never from `keep` nor a running session, or raise DiskTotalExceeded."""
+        if not self.total:
+            return
+        ids = {s.id for s in self.store.sessions() if s.busy} | {s.id for s in keep}
+        need = nbytes + sum(self.reserve(s) for s in self.store.sessions() if s.busy)
+        over = self.usage() + need - self.total
+        if over > 0:
+            held = self.used - sum(b for sid, b in self.by_session.items() if sid not in ids and sid in self.store)
+            if held + need > self.total:
+                raise DiskTotalExceeded(nbytes, self.total, held)
+            self.reclaim(over, exclude=ids)
+            if self.usage() + need > self.total:
+                raise DiskTotalExceeded(nbytes, self.total, self.used)
+
     # --- the bound ---
 
     def usage(self) -> int:
