@@ -146,10 +146,14 @@ def test_a_request_that_cannot_fit_gets_507_and_nothing_is_lost(backend, tmp_pat
         assert r.status_code == 507, r.text
         err = r.json()["error"]
         assert err["code"] == "disk_total_exceeded" and "--disk-total" in err["message"], err
+        sid = first.headers["X-Session-Id"]
+        for route in ("checkpoint", "fork"):   # a checkpoint's heap, a fork's copy of one: refused alike
+            r = http.post(f"/v1/sessions/{sid}/{route}")
+            assert r.status_code == 507 and r.json()["error"]["code"] == "disk_total_exceeded", r.text
         assert {f: (tmp_path / f).stat().st_size for f in files(tmp_path)} == before   # nothing taken, nothing left
         assert metrics(http)["localheap_disk_reclaimed_bytes_total"] == 0
         srv.services.store.disk.total = 8 << 20
-        sid = first.headers["X-Session-Id"]
+        assert http.post(f"/v1/sessions/{sid}/fork").status_code == 201
         assert chat(http, "And the sinks?", headers={"X-Session-Id": sid}).status_code == 200
 
 

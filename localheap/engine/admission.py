@@ -187,9 +187,10 @@ class AdmissionQueue:
             if match.checkpoint is not None:
                 branching.fork_into(self.store, s, match.checkpoint)
             self.store.make_resident(s)
+            # --disk-total: room (its page store gets its share), or 507 before the session is rolled back
+            self.store.disk.admit(s, match.cached + len(match.new_tokens))
             if match.rollback is not None:
                 branching.roll_back(self.backend, s, match.rollback)
-            self.store.disk.admit(s, len(s.fed) + len(match.new_tokens))   # --disk-total: room, or 507
         except Exception:
             if created:
                 self.store.delete(s.id)

@@ -9,6 +9,7 @@ from typing import Any, Optional
 
 from ..sessions import Session, SessionBusy, SessionStore
 from ..sessions.checkpoints import Checkpoint
+from ..sessions.diskbudget import dir_bytes
 from ..sessions.session import token_array
 
 log = logging.getLogger("localheap.engine")
@@ -58,6 +59,7 @@ def checkpoint(store: SessionStore, session_id: str) -> Checkpoint:
     if not s.fed:
         raise NoCheckpoint(f"session {session_id!r} holds no tokens yet: nothing to checkpoint")
     store.make_resident(s)
+    store.disk.room_for(store.heap_bytes() + 4 * len(s.fed), s)   # --disk-total (its pages are hard links)
     c = store.checkpoints.save(s)
     s.refresh()
     return c
@@ -88,6 +90,7 @@ def fork(store: SessionStore, session_id: str, tokens: Optional[int], admit_heap
     try:
         store.enforce_limits(keep=s)
         admit_heap(s)
+        store.disk.room_for(dir_bytes(c.path.with_suffix(".pages")) + store.heap_bytes(), s, source)   # its copy
         fork_into(store, s, c)
     except Exception:
         store.delete(s.id)

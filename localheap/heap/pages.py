@@ -149,10 +149,10 @@ class PageStore:
             return
         self._load()
 
-    def _open(self, flags: int) -> None:
+    def _open(self, flags: int, parents: bool = True) -> None:
         """Open (creating the directory) every layer's file into self._fds, or none of them."""
         try:
-            self.root.mkdir(parents=True, exist_ok=True)
+            self.root.mkdir(parents=parents, exist_ok=True)
             for i in range(self.g.n_layers):
                 self._fds.append(os.open(self._file(i), flags, 0o600))
         except OSError:
@@ -170,7 +170,7 @@ class PageStore:
         else:   # never opened: whatever a meta there names was never loaded into this store
             for name in (META, TAIL):
                 (self.root / name).unlink(missing_ok=True)
-        self._open(os.O_RDWR | os.O_CREAT | os.O_TRUNC)
+        self._open(os.O_RDWR | os.O_CREAT | os.O_TRUNC, parents=False)   # a removed sessions dir stays removed
 
     def _forget(self) -> None:
         """The directory is gone: its records with it. Every slot is free again (the tails, in RAM, stay)."""
@@ -182,7 +182,7 @@ class PageStore:
             L.free = list(range(len(L.live) - 1, -1, -1))
 
     def _refused(self, e: OSError) -> None:
-        self.fault = f"page-out failed: {e.strerror or e}" if isinstance(e, OSError) else str(e)
+        self.fault = f"page-out failed: {e.strerror or e}"
 
     def _file(self, layer: int) -> Path:
         return self.root / f"layer{layer:03d}.pages"

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import atexit
 import threading
+import time
 import weakref
 from collections import deque
 from typing import Callable, Optional
@@ -199,7 +200,9 @@ _WRITERS: "weakref.WeakSet[PageWriter]" = weakref.WeakSet()
 
 
 @atexit.register
-def _close_writers() -> None:
-    """Before the interpreter finalizes: every page thread finished and joined."""
+def _close_writers(timeout: float = 10.0) -> None:
+    """Before the interpreter finalizes: every page thread finished and joined (at most `timeout`
+    seconds in all: a stuck disk must not hold the exit for ever)."""
+    deadline = time.monotonic() + timeout
     for writer in list(_WRITERS):
-        writer.close(timeout=10.0)
+        writer.close(timeout=max(0.0, deadline - time.monotonic()))

@@ -31,7 +31,8 @@ from .session import Reclaims, Session
 
 log = logging.getLogger("localheap.sessions")
 TOKEN_BYTES = 4           # a saved token: one int32
-LOOK_INTERVAL_S = 0.25    # while a prompt is read, the directory is measured at most this often
+LOOK_INTERVAL_S = 0.25    # while a prompt is read, the directory is measured at most this often,
+LOOK_SHARE = 0.05         # and for at most this share of the time (256 sessions of an 8B model: ~40 ms a look)
 
 
 def dir_bytes(root: Path) -> int:
@@ -106,6 +107,7 @@ class DiskTotal:
         self.used = 0                      # bytes under the directory at the last look
         self.by_session: dict[str, int] = {}
         self._looked_at = 0.0
+        self._look_s = 0.0                 # how long the last look took
 
     # --- the engine's hooks ---
 
@@ -121,8 +123,9 @@ class DiskTotal:
             raise
 
     def grew(self) -> None:
-        """A running session read a prompt chunk (its pages grew): keep the bound, at most every LOOK_INTERVAL_S."""
-        if self.total and time.monotonic() - self._looked_at >= LOOK_INTERVAL_S:
+        """A running session read a prompt chunk (its pages grew): keep the bound, now and then (between
+        looks, each running page store keeps inside the share the last look gave it)."""
+        if self.total and time.monotonic() - self._looked_at >= max(LOOK_INTERVAL_S, self._look_s / LOOK_SHARE):
             self.fit()
 
     def ended(self, s: Session) -> None:
@@ -132,11 +135,29 @@ class DiskTotal:
         if self.total:
             self.fit()
 
+    def room_for(self, nbytes: int, *keep: Session) -> None:
+        """Before a write of about `nbytes` outside a run (a checkpoint, a fork's copy of one): make
+        room, never from `keep` nor a running session, or raise DiskTotalExceeded."""
+        if not self.total:
+            return
+        ids = {s.id for s in self.store.sessions() if s.busy} | {s.id for s in keep}
+        need = nbytes + sum(self.reserve(s) for s in self.store.sessions() if s.busy)
+        over = self.usage() + need - self.total
+        if over > 0:
+            held = self.used - sum(b for sid, b in self.by_session.items() if sid not in ids and sid in self.store)
+            if held + need > self.total:
+                raise DiskTotalExceeded(nbytes, self.total, held)
+            self.reclaim(over, exclude=ids)
+            if self.usage() + need > self.total:
+                raise DiskTotalExceeded(nbytes, self.total, self.used)
+
     # --- the bound ---
 
     def usage(self) -> int:
+        t0 = time.monotonic()
         self.used, self.by_session = scan(self.store.spill_dir)
         self._looked_at = time.monotonic()
+        self._look_s = self._looked_at - t0
         return self.used
 
     def reserve(self, s: Session, pages: bool = True) -> int:
