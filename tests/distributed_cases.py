@@ -1,6 +1,7 @@
 """The cases tests/test_mlx_distributed.py runs on 2 ranks and in one process, and the rank
 program itself: `mlx.launch -n 2 --backend ring python distributed_cases.py MODEL MODE OUT.json
-[die]` runs every case on this rank's shard; rank 0 writes the tokens as JSON. With `die`,
+[die]` runs every case on this rank's shard (each rank saves its shard of a session in OUT's
+directory and restores it); rank 0 writes the tokens as JSON. With `die`,
 rank 1 exits in the middle of the first generation (a killed rank)."""
 
 from __future__ import annotations
@@ -8,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from pathlib import Path
 
 import numpy as np
 
@@ -39,6 +41,21 @@ def run_case(backend, name: str) -> list[int]:
     return list(backend.generate(cache, tokens, SamplingParams(max_tokens=max_tokens, temperature=0.0)))
 
 
+def session_case(backend, where: Path) -> dict:
+    """The recall case saved after its first turn and restored: the next turn's tokens from the
+    restored heap and from the one that never left memory."""
+    from localheap.generation import SamplingParams
+
+    cfg, n, max_tokens = CASES["recall"]
+    cache = backend.new_cache(cfg)
+    first = list(backend.generate(cache, prompt(backend.vocab_size, n), SamplingParams(max_tokens=max_tokens)))
+    backend.save_cache(cache, where / "session.safetensors")
+    restored = backend.load_cache(cfg, where / "session.safetensors")
+    turn = [first[-1], *prompt(backend.vocab_size, 40, seed=1)]
+    return {name: list(backend.generate(c, turn, SamplingParams(max_tokens=max_tokens)))
+            for name, c in (("continued", cache), ("restored", restored))}
+
+
 def stock_tokens(model, vocab: int) -> list[int]:
     """mlx-lm's own generate_step and cache on the same model (shard) for the "full" case."""
     import mlx.core as mx
@@ -60,6 +77,13 @@ def main(model_dir: str, mode: str, out: str, die: bool = False) -> None:
     result = {"stock": stock_tokens(backend.model, backend.vocab_size)}
     for name in CASES:
         result[name] = run_case(backend, name)
+    where = Path(out).parent / f"{mode}-session"
+    where.mkdir(exist_ok=True)
+    result["session"] = session_case(backend, where)
+    try:   # a heap saved by one process (the test saved it there) is not this layout's
+        backend.load_cache(CASES["recall"][0], Path(out).parent / "single.safetensors")
+    except ValueError as e:
+        result["refused"] = str(e)
     if backend.rank == 0:
         with open(out, "w") as f:
             json.dump(result, f)

@@ -1,7 +1,8 @@
 """The heap on mlx.distributed: 2 local ranks under `mlx.launch` (ring backend, loopback TCP), each
 holding its shard (tensor: half the KV heads of every layer; pipeline: half the layers), give
 exactly the greedy tokens of the single-process heap, without eviction (and then the sharded
-model's own mlx-lm cache), with eviction and with recall. A killed rank ends the run with a clear
+model's own mlx-lm cache), with eviction and with recall; a session saved on 2 ranks restores on
+2 ranks, and one saved in another layout is refused. A killed rank ends the run with a clear
 error, never a hang. The rank program and its cases: distributed_cases.py."""
 
 import json
@@ -33,11 +34,15 @@ def launch(model_dir, mode: str, out: Path, *extra: str) -> subprocess.Completed
     return subprocess.run(cmd, cwd=HERE, capture_output=True, text=True, timeout=TIMEOUT)
 
 
-def single_process(model_dir) -> dict:
+def single_process(model_dir, where: Path) -> dict:
+    """The reference tokens; leaves a heap saved by one process at where/single.safetensors."""
     backend = MLXBackend.load(model_dir)
     ref = {"stock": dc.stock_tokens(backend.model, backend.vocab_size)}
     for name in dc.CASES:
         ref[name] = dc.run_case(backend, name)
+    (where / "single").mkdir()
+    ref["session"] = dc.session_case(backend, where / "single")
+    (where / "single" / "session.safetensors").rename(where / "single.safetensors")
     return ref
 
 
@@ -51,15 +56,21 @@ def test_two_ranks_give_the_single_process_tokens(model_dirs, tmp_path, model, m
     model_dir = MODELS[model](model_dirs)
     if model_dir is None:
         pytest.skip("no bundled demo model in this installation")
+    want = single_process(model_dir, tmp_path)
     out = tmp_path / "tokens.json"
     run = launch(model_dir, mode, out)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert run.returncode == 0 and out.exists(), run.stdout[-3000:] + run.stderr[-3000:]
     got = json.loads(out.read_text())
-    want = single_process(model_dir)
     assert got["stock"] == got["full"], "the sharded heap that never evicts is not the shard's mlx-lm cache"
     for name in ("stock", *dc.CASES):
         assert got[name] == want[name], name
     assert len(set(want["evict"])) > 3, "a degenerate case proves little"
+    # a session saved on 2 ranks (each its own shard and pages) restores on 2 ranks
+    assert got["session"]["restored"] == got["session"]["continued"] == want["session"]["continued"]
+    shards = sorted(p.name for p in (tmp_path / f"{mode}-session").iterdir())
+    assert shards == [f"session.{mode}-rank{r}of2.{ext}" for r in (0, 1) for ext in ("pages", "safetensors")]
+    assert got["refused"] == (f"{tmp_path / 'single.safetensors'} was saved as one process; this run is {mode} "
+                              f"on 2 ranks: restore it with the layout it was saved with")
 
 
 def test_a_killed_rank_fails_clearly(tmp_path):

@@ -32,6 +32,7 @@ from .. import paging
 from .backend import MLXBackend
 from .cache import HeapKVCache
 from .heapcache import attention_module, kv_geometry, make_heap_cache
+from .persist import load_heap
 
 MODES = ("tensor", "pipeline")
 
@@ -59,6 +60,9 @@ class Ranks:
 
     def any(self, flag: bool) -> bool:
         return bool(self._gather(np.array([flag], np.int8)).any())
+
+    def all(self, flag: bool) -> bool:
+        return bool(self._gather(np.array([flag], np.int8)).all())
 
     def max(self, n: int) -> int:
         return int(self._gather(np.array([n], np.int64)).max())
@@ -174,11 +178,13 @@ class DistributedMLXBackend(MLXBackend):
     def new_cache(self, cfg: HeapConfig, pages_dir: Optional[Path] = None):
         if cfg.noise > 0:
             raise HeapConfigError("--distributed does not support score noise (its draws are per process)")
-        budgets = cfg.layer_budgets(self.total_layers)
-        cache = make_heap_cache(self.model, cfg, rank_dir(pages_dir, self.rank),
-                                budgets=budgets[self.first_layer: self.first_layer + len(self.model.layers)])
+        cache = make_heap_cache(self.model, cfg, rank_dir(pages_dir, self.rank), self.budgets(cfg))
         cache.ranks = self.ranks
         return cache
+
+    def budgets(self, cfg: HeapConfig) -> list[int]:
+        """This rank's layers' budgets: their share of the whole model's --profile."""
+        return cfg.layer_budgets(self.total_layers)[self.first_layer: self.first_layer + len(self.model.layers)]
 
     def generate(self, cache, new_tokens, params, progress=None, cancelled=None):
         """The same steps on every rank; a sampling seed drawn on rank 0 unless one is given, so
@@ -188,9 +194,42 @@ class DistributedMLXBackend(MLXBackend):
                                                          if self.rank == 0 else 0))
         return super().generate(cache, new_tokens, params, progress, cancelled)
 
+    def save_cache(self, cache, path: Path, snapshot: bool = False) -> None:
+        """Every rank writes its own shard of the heap (and of the pages, beside it) next to `path`."""
+        super().save_cache(cache, shard_path(path, self.mode, self.rank, self.ranks.size), snapshot)
+
+    def load_cache(self, cfg: HeapConfig, path: Path, pages_dir: Optional[Path] = None):
+        """This rank's shard of a heap saved by save_cache with the same layout; any other
+        layout (another mode or rank count, or one process) is refused, on every rank."""
+        mine = shard_path(path, self.mode, self.rank, self.ranks.size)
+        if not self.ranks.all(mine.exists()):
+            found = ", ".join(saved_layouts(path)) or "nothing"
+            raise DistributedError(f"{path} was saved as {found}; this run is {self.mode} on {self.ranks.size} "
+                                   f"ranks: restore it with the layout it was saved with")
+        cache = load_heap(self.model, mine, rank_dir(pages_dir, self.rank), self.budgets(cfg))
+        cache.ranks = self.ranks
+        return cache
+
     def synchronize(self) -> None:
         super().synchronize()
         self.ranks.sum(np.zeros(1))
+
+
+def shard_path(path: Path, mode: str, rank: int, size: int) -> Path:
+    """Where a rank keeps its shard of a heap saved to `path`: beside it, the layout in the name
+    (`s.safetensors` -> `s.tensor-rank0of2.safetensors`; its page store beside that)."""
+    path = Path(path)
+    return path.with_name(f"{path.stem}.{mode}-rank{rank}of{size}{path.suffix}")
+
+
+def saved_layouts(path: Path) -> list[str]:
+    """The layouts a heap saved to `path` exists in: "one process" and/or "MODE on N ranks"."""
+    path = Path(path)
+    found = {"one process"} if path.exists() else set()
+    for shard in path.parent.glob(f"{path.stem}.*-rank*of*{path.suffix}"):
+        mode, _, of = shard.name[len(path.stem) + 1: -len(path.suffix) or None].partition("-rank")
+        found.add(f"{mode} on {of.partition('of')[2]} ranks")
+    return sorted(found)
 
 
 def rank_dir(pages_dir: Optional[Path], rank: int) -> Optional[Path]:
