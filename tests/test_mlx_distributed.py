@@ -113,3 +113,17 @@ def test_generate_distributed_outside_mlx_launch_says_how(capsys):
 
     assert main(["generate", "--distributed", "tensor", "--prompt", "hi", "--max-tokens", "1"]) == 2
     assert "mlx.launch" in capsys.readouterr().err
+
+
+def test_bench_speed_distributed_reports_shards_against_one_process(tmp_path):
+    if not LAUNCH.exists():
+        pytest.skip("mlx.launch is not installed beside this python")
+    cmd = [str(LAUNCH), "-n", "2", "--backend", "ring", "--", sys.executable, "-m", "localheap.cli", "bench", "speed",
+           "--distributed", "tensor", "--contexts", "96", "--decode-tokens", "4", "--budget", "48", "--recent", "8",
+           "--slack", "16", "--recall", "off"]
+    run = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=TIMEOUT)
+    reports = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+    assert len(reports) == 1, run.stdout[-3000:] + run.stderr[-3000:]   # rank 0 reports, once
+    rows = reports[0]["rows"]
+    assert [r["path"] for r in rows] == ["stock-full", "heap", "tensor:stock-full", "tensor:heap"]
+    assert all(r["prefill_tok_s"] > 0 and r["decode_tok_s"] > 0 for r in rows)

@@ -242,3 +242,34 @@ def load_backend(spec: Optional[str], mode: str) -> DistributedMLXBackend:
 
     path, name = resolve_model(spec)
     return DistributedMLXBackend.load(path, mode, model_name=name)
+
+
+def run_speed(backend: DistributedMLXBackend, contexts: list[int], cfg: HeapConfig, decode_tokens: int,
+              paths=("stock-full", "heap"), log=None, repeats: int = 1, model_dir: Optional[Path] = None) -> list[dict]:
+    """`bench speed --distributed`: every path on the shards ("tensor:heap"...), and on rank 0 the
+    same paths in one process over the whole model (loaded from `model_dir`; the other ranks wait),
+    interleaved per repeat; the best of `repeats` per cell, the one-process rows first. Rows on
+    rank 0 only. On one machine the ranks share its cores: the shard rows show the cost of the
+    collectives, not a speed-up (that needs several hosts)."""
+    from .bench import random_prompt, time_path
+
+    single = MLXBackend.load(model_dir) if backend.rank == 0 else None
+    rows = []
+    for ctx in contexts:
+        prompt = random_prompt(backend.vocab_size, ctx, seed=ctx)
+        time_path(backend, "heap", prompt[: min(ctx, 256)], 4, cfg)   # warm-up compile/alloc
+        best: dict[str, dict] = {}
+        for _ in range(repeats):
+            for who, path in [(w, p) for w in ("one", "shards") for p in paths]:
+                name = path if who == "one" else f"{backend.mode}:{path}"
+                if who == "one" and single is None:
+                    continue
+                if log and backend.rank == 0:
+                    log(f"context {ctx:,}: {name} ...")
+                r = {**time_path(single if who == "one" else backend, path, prompt, decode_tokens, cfg), "path": name}
+                old = best.get(name)
+                if old is None or (r["decode_tok_s"] or 0) > (old["decode_tok_s"] or 0):
+                    best[name] = {**r, "prefill_tok_s": max(r["prefill_tok_s"], old["prefill_tok_s"] if old else 0)}
+            backend.ranks.sum(np.zeros(1))   # the shards wait while rank 0 times one process
+        rows += best.values()
+    return rows if backend.rank == 0 else []
