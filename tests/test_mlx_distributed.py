@@ -18,7 +18,7 @@ pytest.importorskip("mlx_lm")
 import distributed_cases as dc  # noqa: E402
 
 from localheap.backends.mlx import MLXBackend  # noqa: E402
-from localheap.backends.mlx.distributed import DistributedError, require_ranks, shard  # noqa: E402
+from localheap.backends.mlx.distributed import DistributedError, lost_rank_errors, require_ranks, shard  # noqa: E402
 from localheap.models import demo_model_dir  # noqa: E402
 
 HERE = Path(__file__).parent
@@ -85,6 +85,17 @@ def test_a_killed_rank_fails_clearly(tmp_path):
     # raises MLX's "[ring] connection to a peer was lost"
     assert not out.exists(), log
     assert "rank 1 exited with code 3" in log, log
+
+
+def test_a_lost_peer_is_reported_as_such_by_the_survivor():
+    def tokens():
+        yield 7
+        raise RuntimeError("[ring] connection to a peer was lost")
+
+    it = lost_rank_errors(tokens())
+    assert next(it) == 7
+    with pytest.raises(DistributedError, match="another rank was lost"):   # a ValueError: the CLI prints it
+        next(it)
 
 
 class Group:

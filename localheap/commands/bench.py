@@ -12,7 +12,8 @@ from ..bench.needle import PRUNE as NEEDLE_PRUNE
 from ..bench.report import emit, table
 from ..heap.stats import format_bytes
 from ..models import resolve_model
-from .common import add_distributed_arg, add_heap_args, add_model_args, heap_config, load_model_backend, model_spec
+from .common import (add_distributed_arg, add_heap_args, add_model_args, heap_config, load_model_backend,
+                     model_spec)
 from .progress import ProgressBar
 
 

@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 from ..generation import SamplingParams, StopMatcher
-from .common import add_distributed_arg, add_heap_args, add_model_args, heap_config, load_model_backend, model_spec
+from .common import add_distributed_arg, add_heap_args, add_model_args, heap_config, load_model_backend
 from .progress import ProgressBar
 
 

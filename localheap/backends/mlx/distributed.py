@@ -28,7 +28,6 @@ import mlx.core as mx
 import numpy as np
 
 from ...heap import HeapConfig, HeapConfigError
-from .. import paging
 from .backend import MLXBackend
 from .cache import HeapKVCache
 from .heapcache import attention_module, kv_geometry, make_heap_cache
@@ -192,7 +191,7 @@ class DistributedMLXBackend(MLXBackend):
         if params.seed is None:
             params = replace(params, seed=self.ranks.max(int.from_bytes(os.urandom(4), "little")
                                                          if self.rank == 0 else 0))
-        return super().generate(cache, new_tokens, params, progress, cancelled)
+        return lost_rank_errors(super().generate(cache, new_tokens, params, progress, cancelled))
 
     def save_cache(self, cache, path: Path, snapshot: bool = False) -> None:
         """Every rank writes its own shard of the heap (and of the pages, beside it) next to `path`."""
@@ -210,9 +209,16 @@ class DistributedMLXBackend(MLXBackend):
         cache.ranks = self.ranks
         return cache
 
-    def synchronize(self) -> None:
-        super().synchronize()
-        self.ranks.sum(np.zeros(1))
+
+def lost_rank_errors(tokens):
+    """`tokens`, with MLX's ring errors (a rank died or its link went down) said as such."""
+    try:
+        yield from tokens
+    except RuntimeError as e:
+        if "[ring]" not in str(e):
+            raise
+        raise DistributedError(f"another rank was lost ({e}); the generation stopped: restart every rank "
+                               f"with mlx.launch") from e
 
 
 def shard_path(path: Path, mode: str, rank: int, size: int) -> Path:
