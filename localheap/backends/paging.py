@@ -101,11 +101,37 @@ def queue_page_out(cache, layers: list, host: list[np.ndarray]) -> None:
 
 
 # -- recall -------------------------------------------------------------------------------
+class OneProcess:
+    """What the ranks of a sharded model agree on (backends/mlx/distributed.Ranks), for a cache
+    that is the whole model: every value is already everyone's."""
+
+    def any(self, flag: bool) -> bool:
+        return flag
+
+    def max(self, n: int) -> int:
+        return n
+
+    def layer_min(self, n: int) -> int:
+        return n
+
+    def sum(self, x: np.ndarray) -> np.ndarray:
+        return x
+
+
+def ranks(cache):
+    """The cache's Ranks (a shard of a model) or OneProcess."""
+    return getattr(cache, "ranks", None) or OneProcess()
+
+
 def needs_recall(cache, chunks: Sequence[int]) -> bool:
     """Recall only where something was or will be evicted by feeding `chunks` (token counts, in
-    order): otherwise the heap is the stock cache."""
+    order): otherwise the heap is the stock cache. A shard recalls when any rank's layers do."""
     if cache.pages is None:
         return False
+    return ranks(cache).any(_evicts(cache, chunks))
+
+
+def _evicts(cache, chunks: Sequence[int]) -> bool:
     for layer in cache.heap_layers:
         heap = layer.heap
         if heap.evicted > 0:
@@ -175,16 +201,20 @@ def pick_spans(cache, store, queries: dict) -> dict:
             top = max(top, int(spans[i][..., 1].max()))
         if tail_pos.size:
             top = max(top, int(tail_pos.max()))
-    if not live:
+    agree = ranks(cache)   # a shard: every rank's layers and heads vote, and take the same windows
+    top = agree.max(top if live else -1)
+    if top < 0:
         return {}
-    order = np.argsort(-vote(scores, lambda i, idx: read[i](idx), top // WINDOW + 2), kind="stable")
+    votes = agree.sum(vote(scores, lambda i, idx: read[i](idx), top // WINDOW + 2))
+    order = np.argsort(-votes, kind="stable")
     picked = {}
-    for i, slots in live.items():
-        tail_pos, tail_k, tail_v = store.tail(i)
-        taken = take_windows(order, rooms[i], spans[i], read[i], tail_pos)
-        r = min(map(len, taken))
+    for layer in cache.heap_layers:
+        i = layer.heap.layer
+        taken = take_windows(order, rooms[i], spans[i], read[i], store.tail(i)[0]) if i in live else [[]]
+        r = agree.layer_min(min(map(len, taken)))   # all of a layer's heads, on every rank, take as many
         if r == 0:
             continue
+        slots, (tail_pos, tail_k, tail_v) = live[i], store.tail(i)
         src = np.array([[u for u, _ in t[:r]] for t in taken])            # [H, r]: page index, -1 = tail
         off = np.array([[j for _, j in t[:r]] for t in taken])
         heads = np.broadcast_to(np.arange(len(taken))[:, None], src.shape)

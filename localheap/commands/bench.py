@@ -4,6 +4,7 @@ batched engine against the round-robin one), in one run."""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from ..bench.facts import FILLERS as NEEDLE_FILLERS
@@ -11,7 +12,9 @@ from ..bench.needle import LONG_CONTEXTS as NEEDLE_LONG_CONTEXTS
 from ..bench.needle import PRUNE as NEEDLE_PRUNE
 from ..bench.report import emit, table
 from ..heap.stats import format_bytes
-from .common import add_heap_args, add_model_args, heap_config, model_spec
+from ..models import resolve_model
+from .common import (add_distributed_arg, add_heap_args, add_model_args, heap_config, load_model_backend,
+                     model_spec)
 from .progress import ProgressBar
 
 
@@ -57,6 +60,7 @@ def add_parser(sub) -> None:
     speed.add_argument("--decode-tokens", type=int, default=64, help="tokens decoded per cell")
     speed.add_argument("--repeats", type=int, default=1, help="best of N per cell")
     add_threads_arg(speed)
+    add_distributed_arg(speed)
     speed.set_defaults(func=run_speed)
     mem = bsub.add_parser("memory", help="stream many tokens through one session; KV, allocator, RSS")
     add_model_args(mem)
@@ -172,15 +176,19 @@ def _bench_module(backend):
 
 
 def run_speed(args) -> int:
-    from ..models import load_backend
-
-    backend = load_backend(model_spec(args), args.backend)
+    backend = load_model_backend(args)
     cfg = heap_config(args, backend)
     extra = {"threads": args.threads} if backend.name == "torch" else {}
     if cfg.recall:   # paging on against off, same run
         extra["paths"] = ("stock-full", "heap", "heap-paging")
         cfg = cfg.with_(recall=False)
-    rows = _bench_module(backend).run_speed(backend, args.contexts, cfg, args.decode_tokens,
+    bench = _bench_module(backend)
+    if args.distributed:   # the shards against one process (on rank 0), same run; rank 0 reports
+        from ..backends.mlx import distributed as bench
+        extra = {"paths": extra.get("paths", ("stock-full", "heap")), "model_dir": resolve_model(model_spec(args))[0]}
+        if backend.rank != 0:
+            sys.stdout = open(os.devnull, "w")
+    rows = bench.run_speed(backend, args.contexts, cfg, args.decode_tokens,
                                             log=lambda m: print(m, file=sys.stderr), repeats=args.repeats, **extra)
     by = {(r["context"], r["path"]): r for r in rows}
     for r in rows:

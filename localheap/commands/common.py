@@ -24,6 +24,24 @@ def add_model_args(p: argparse.ArgumentParser, required: bool = False) -> None:
                    help="auto: mlx on Apple Silicon, torch where it is installed, else mlx")
 
 
+def add_distributed_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--distributed", default=None, choices=("tensor", "pipeline"),
+                   help="run one shard per rank under `mlx.launch` (mlx backend): tensor splits every layer's "
+                        "heads, pipeline splits the layers; each rank keeps the heap of what it holds "
+                        "(default: one process)")
+
+
+def load_model_backend(args):
+    """The backend for --model/--backend, or this rank's shard with --distributed."""
+    if getattr(args, "distributed", None):
+        if args.backend == "torch":
+            raise SystemExit("--distributed runs on the mlx backend (mlx.launch); drop --backend torch")
+        from ..backends.mlx.distributed import load_backend as load_shard
+        return load_shard(model_spec(args), args.distributed)
+    from ..models import load_backend
+    return load_backend(model_spec(args), args.backend)
+
+
 def model_spec(args) -> str | None:
     if getattr(args, "random_model", None):
         return "random:" + args.random_model

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from pathlib import Path
 
 from ..generation import SamplingParams, StopMatcher
-from .common import add_heap_args, add_model_args, heap_config, model_spec
+from .common import add_distributed_arg, add_heap_args, add_model_args, heap_config, load_model_backend
 from .progress import ProgressBar
 
 
@@ -25,15 +26,16 @@ def add_parser(sub) -> None:
     p.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest, 0: all")
     p.add_argument("--seed", type=int, default=None, help="sampling seed (default: random)")
     p.add_argument("--stop", action="append", default=[], help="stop sequence, repeatable (default: none)")
+    add_distributed_arg(p)
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
-    from ..models import load_backend
-
     text = args.prompt if args.prompt is not None else args.prompt_file.read_text()
     heap_config(args)   # bad heap flags fail before the model loads
-    backend = load_backend(model_spec(args), args.backend)
+    backend = load_model_backend(args)
+    if getattr(backend, "rank", 0) != 0:   # a follower rank: the same steps, rank 0 prints
+        sys.stdout = sys.stderr = open(os.devnull, "w")
     cfg = heap_config(args, backend)
     tok = backend.tokenizer
     if args.chat:

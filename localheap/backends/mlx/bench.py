@@ -51,7 +51,7 @@ def time_path(backend, kind: str, prompt: list[int], n_decode: int, cfg: HeapCon
     mx.clear_cache()
     mx.reset_peak_memory()
     if kind in ("heap", "heap-paging"):   # paging: the recall tier on
-        cache = make_heap_cache(model, cfg.with_(recall=True) if kind == "heap-paging" else cfg)
+        cache = backend.new_cache(cfg.with_(recall=True) if kind == "heap-paging" else cfg)
         it = generate_tokens(model, cache, prompt, SamplingParams(max_tokens=n_decode + 1))
     else:
         cache = _stock_caches(model, kind, cfg.sinks + cfg.budget, cfg.sinks)

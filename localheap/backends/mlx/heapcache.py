@@ -110,17 +110,20 @@ class HeapPromptCache(HeapRollback, list):
         return combine([c.heap.stats() for c in self.heap_layers], self.kv_nbytes, paging.page_stats(self))
 
 
-def make_heap_cache(model, cfg: HeapConfig, pages_dir: Optional[Path] = None) -> HeapPromptCache:
+def make_heap_cache(model, cfg: HeapConfig, pages_dir: Optional[Path] = None,
+                    budgets: Optional[list] = None) -> HeapPromptCache:
     """Build the heap for `model`: heap layers where mlx-lm would use a plain KVCache;
     sliding-window layers keep mlx-lm's own (already bounded) rotating cache. With recall on,
-    its page store lives in `pages_dir` (default: a temp dir that goes with the cache)."""
+    its page store lives in `pages_dir` (default: a temp dir that goes with the cache).
+    `budgets`: the heap layers' budgets (default: cfg's profile over them; a pipeline stage
+    passes its share of the whole model's)."""
     attention.install()
     layers = list(model.layers)
     stock = model.make_cache() if hasattr(model, "make_cache") else [KVCache() for _ in layers]
     heap_ids = [i for i, c in enumerate(stock) if type(c) is KVCache]
     if not heap_ids:
         raise HeapConfigError(f"{type(model).__module__} has no full-attention KV layers for a heap")
-    budgets = cfg.layer_budgets(len(heap_ids))
+    budgets = budgets or cfg.layer_budgets(len(heap_ids))
     caches = list(stock)
     for j, i in enumerate(heap_ids):
         attn = attention_module(layers[i])

@@ -53,13 +53,13 @@ def save_heap(cache: HeapPromptCache, path: Path, snapshot: bool = False) -> Non
     os.replace(tmp, path)
 
 
-def load_heap(model, path: Path, pages_dir: Optional[Path] = None) -> HeapPromptCache:
+def load_heap(model, path: Path, pages_dir: Optional[Path] = None, budgets: Optional[list] = None) -> HeapPromptCache:
     """A heap saved by save_heap; with recall on, `pages_dir` (a fork's own directory) gets a
-    copy of the saved page store (paging.saved_pages_root)."""
+    copy of the saved page store (paging.saved_pages_root). `budgets`: make_heap_cache's."""
     arrays, metadata = mx.load(str(path), return_metadata=True)
     meta = json.loads(metadata["localheap"])
     cfg = HeapConfig(**meta["config"])
-    cache = make_heap_cache(model, cfg, saved_pages_root(path, meta, pages_dir) if cfg.recall else None)
+    cache = make_heap_cache(model, cfg, saved_pages_root(path, meta, pages_dir) if cfg.recall else None, budgets)
     cache.recall_log = list(meta.get("recall_log", []))
     for i, (c, entry) in enumerate(zip(cache, meta["layers"])):
         if entry["kind"] == "heap":
