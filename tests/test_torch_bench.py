@@ -69,3 +69,18 @@ def test_memory_report_compares_the_last_interval_with_the_one_ending_at_8k():
             {"path": "heap", "tokens": 1_000_000, "tok_s": 180.0}, {"path": "stock-full", "tokens": 8192, "tok_s": 9.0}]
     assert _rate_ratio(rows) == "\nheap prefill rate over (8,192, 1,000,000] is 0.90x its rate over (4,096, 8,192]"
     assert _rate_ratio(rows[:2]) == "" and _rate_ratio([r for r in rows if r["tokens"] != 8192]) == ""
+
+
+def test_profile_splits_decode_steps(model_dirs):
+    from localheap.bench.profile import profile_decode, report_decode
+
+    backend = TorchBackend.load(model_dirs("llama"))
+    cfg = HeapConfig(budget=64, sinks=4, recent=16, slack=16, prefill_chunk=48)
+    row = profile_decode(backend, cfg, 200, steps=40)
+    parts = row["parts_s"]
+    assert row["ms_per_step"] > 0 and row["steps"] == 40
+    for name in ("matmuls (linear: projections, MLP, head)", "attention (sdpa)",
+                 "heap scoring side pass (observe)", "heap eviction events (make_room)", "sampling and host sync"):
+        assert 0 < parts[name] < row["wall_s"], name
+    assert abs(sum(parts.values()) - row["wall_s"]) < 1e-9
+    assert "ms/token" in report_decode(row, backend)

@@ -103,6 +103,8 @@ def add_parser(sub) -> None:
     add_model_args(prof)
     add_heap_args(prof)
     prof.add_argument("--context", type=_ints, default=[65536], help="prompt length profiled (64k, 1m accepted)")
+    prof.add_argument("--decode-tokens", type=int, default=0,
+                      help="profile this many decode steps after the prompt instead of the prefill")
     add_threads_arg(prof)
     prof.set_defaults(func=run_profile_bench, model="demo")
 
@@ -285,13 +287,18 @@ def run_needle_bench(args) -> int:
 
 
 def run_profile_bench(args) -> int:
-    from ..bench.profile import profile_prefill, report
+    from ..bench.profile import profile_decode, profile_prefill, report, report_decode
     from ..models import load_backend
 
     backend = load_backend(model_spec(args), args.backend)
     set_threads(backend, args)
     cfg = heap_config(args, backend)
     for context in args.context:
+        if args.decode_tokens > 0:
+            row = profile_decode(backend, cfg, context, args.decode_tokens)
+            emit("profile", report_decode(row, backend), {"model": backend.model_name, "backend": backend.name,
+                                                          "heap": cfg.to_dict(), **row})
+            continue
         row = profile_prefill(backend, cfg, context)
         emit("profile", report(row, backend), {"model": backend.model_name, "backend": backend.name,
                                                "heap": cfg.to_dict(), **row})
