@@ -19,7 +19,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from .needle import Episode, Filler, Frame, encode, filler_from_texts, frame, make_key
+from .needle import Episode, Filler, Frame, _hf, encode, filler_from_texts, frame, make_key
 
 FACT = " The pass key of {name} is {key}."
 QUESTION_OF = "What is the pass key of {name}?"
@@ -84,21 +84,28 @@ def split(texts: Sequence[str]) -> tuple[list[str], list[str]]:
     return train, held
 
 
-FILLERS = ("pydoc", "heldout", "digits")
+FILLERS = ("pydoc", "heldout", "digits", "licenses", "man", "comments",
+           "licenses+digits", "man+digits", "comments+digits")
 
 
 @lru_cache(maxsize=8)
 def filler(tokenizer, kind: str = "heldout") -> Filler:
     """The bench's filler. pydoc: all pydoc help topics, digits removed (the v1 table's filler);
     heldout: the held-out documents, digits removed (the key is the only number);
-    digits: the held-out documents as written, numbers included (a key is not the only number)."""
+    digits: the held-out documents as written, numbers included (a key is not the only number);
+    licenses, man, comments: text training never saw (bench/sources.py), digits removed, or kept
+    with "+digits"."""
     from .needle import pydoc_filler
+    from .sources import texts
 
-    if kind == "pydoc":
-        return pydoc_filler(tokenizer)
     if kind not in FILLERS:
         raise ValueError(f"unknown filler {kind!r}; one of {', '.join(FILLERS)}")
-    return filler_from_texts(tokenizer, split(corpus())[1], keep_digits=kind == "digits")
+    if kind == "pydoc":
+        return pydoc_filler(tokenizer)
+    if kind in ("heldout", "digits"):
+        return filler_from_texts(tokenizer, split(corpus())[1], keep_digits=kind == "digits")
+    source, _, digits = kind.partition("+")
+    return filler_from_texts(tokenizer, texts(source), keep_digits=bool(digits))
 
 
 # ---------------------------------------------------------------- episodes
@@ -109,6 +116,7 @@ class FactsEpisode(Episode):
 
     name: str = ""
     facts: list = field(default_factory=list)   # [(name, key, start index in tokens)], in context order
+    follow_ups: list = field(default_factory=list)   # later questions of a multi-turn episode: facts entries
 
 
 class Frames:
@@ -129,11 +137,49 @@ def _boundaries(fill: Filler, start: int, n_fill: int) -> np.ndarray:
     return np.unique(rel[(rel > 0) & (rel < n_fill)])
 
 
+PLACEMENTS = ("uniform", "cluster", "start", "end")
+CLUSTER = 0.05   # placement "cluster": every fact inside one region of this fraction of the filler
+
+
+def _cuts(placement: str, bounds: np.ndarray, n_fill: int, keys: int, depth: float,
+          rng: np.random.Generator) -> list[int]:
+    """Where the facts go (offsets into the filler window; the asked fact first).
+    uniform: the asked fact at the sentence end nearest `depth`, the others at random sentence ends;
+    cluster: all at sentence ends inside one CLUSTER-wide region starting at depth * (1 - CLUSTER);
+    start: all right after the frame's head (the sinks), back to back; end: all right before the
+    question (inside the recent window), back to back."""
+    if placement == "start":
+        return [0] * keys
+    if placement == "end":
+        return [n_fill] * keys
+    if placement == "cluster":
+        lo = int(depth * (1 - CLUSTER) * n_fill)
+        hi = lo + max(1, int(CLUSTER * n_fill))
+        inside = bounds[(bounds >= lo) & (bounds < hi)]
+        if len(inside) >= keys:
+            return rng.choice(inside, keys, replace=False).tolist()
+        return rng.integers(lo, min(hi, n_fill) + 1, keys).tolist()
+    if placement != "uniform":
+        raise ValueError(f"unknown placement {placement!r}; one of {', '.join(PLACEMENTS)}")
+    target = depth * n_fill
+    if len(bounds) and abs(bounds[np.argmin(np.abs(bounds - target))] - target) < 64:
+        asked = int(bounds[np.argmin(np.abs(bounds - target))])
+    else:
+        asked = int(round(target))
+    others = bounds[bounds != asked]
+    if len(others) >= keys - 1:
+        rest = rng.choice(others, keys - 1, replace=False).tolist()
+    else:   # too few sentence ends (tiny contexts): anywhere
+        rest = rng.integers(0, n_fill + 1, keys - 1).tolist()
+    return [min(max(asked, 0), n_fill), *map(int, rest)]
+
+
 def build_facts_episode(tokenizer, fill: Filler, frames: Frames, context: int, keys: int, depth: float,
-                        rng: np.random.Generator, pool: Sequence[str]) -> FactsEpisode:
-    """`context` tokens: `keys` facts with distinct names (from `pool`) and distinct keys, each at
-    a sentence boundary of a filler window (random offset); the asked fact (the first name drawn)
-    at the boundary nearest `depth`, the others at random boundaries; the question names it."""
+                        rng: np.random.Generator, pool: Sequence[str], placement: str = "uniform") -> FactsEpisode:
+    """`context` tokens: `keys` facts with distinct names (from `pool`) and distinct keys in a
+    filler window (random offset), placed as `placement` says (_cuts; uniform: the asked fact,
+    the first name drawn, at the sentence end nearest `depth`, the others at random sentence
+    ends); the question names the asked fact. Facts at one cut are in random order."""
     if keys < 1 or keys > len(pool):
         raise ValueError(f"keys must be in 1..{len(pool)}")
     chosen = [pool[i] for i in rng.choice(len(pool), keys, replace=False)]
@@ -150,19 +196,9 @@ def build_facts_episode(tokenizer, fill: Filler, frames: Frames, context: int, k
     n = len(fill.tokens)
     start = int(rng.integers(0, n))
     window = fill.tokens[(start + np.arange(n_fill)) % n].tolist()
-    bounds = _boundaries(fill, start, n_fill)
-    target = depth * n_fill
-    if len(bounds) and abs(bounds[np.argmin(np.abs(bounds - target))] - target) < 64:
-        asked = int(bounds[np.argmin(np.abs(bounds - target))])
-    else:
-        asked = int(round(target))
-    others = bounds[bounds != asked]
-    if len(others) >= keys - 1:
-        rest = rng.choice(others, keys - 1, replace=False).tolist()
-    else:   # too few sentence ends (tiny contexts): anywhere
-        rest = rng.integers(0, n_fill + 1, keys - 1).tolist()
-    cuts = [min(max(asked, 0), n_fill), *map(int, rest)]
-    order = sorted(range(keys), key=lambda i: (cuts[i], i))
+    cuts = [int(c) for c in _cuts(placement, _boundaries(fill, start, n_fill), n_fill, keys, depth, rng)]
+    tie = list(range(keys)) if placement == "uniform" else rng.permutation(keys).tolist()
+    order = sorted(range(keys), key=lambda i: (cuts[i], tie[i]))
     tokens, placed, prev = list(fr.head), [], 0
     for i in order:
         tokens += window[prev:cuts[i]]
@@ -175,23 +211,53 @@ def build_facts_episode(tokenizer, fill: Filler, frames: Frames, context: int, k
     return FactsEpisode(tokens, codes[0], cuts[0] / n_fill, at, len(facts[0]), name=chosen[0], facts=placed)
 
 
+def follow_up(tokenizer, name: str) -> list[int]:
+    """The tokens that close an answer's turn and ask about `name` in the next one, ending with
+    the answer prefix: what a chat client's next request adds to the conversation (the trained
+    format: "<|end|>\\n<|user|>\\n<question><|end|>\\n<|assistant|>\\n<prefix>")."""
+    hf = _hf(tokenizer)
+    question, prefix = QUESTION_OF.format(name=name), ANSWER_OF.format(name=name)
+    if getattr(hf, "chat_template", None):
+        mark = "\x00ANSWER\x00"
+        text = hf.apply_chat_template([{"role": "user", "content": "x"}, {"role": "assistant", "content": mark},
+                                       {"role": "user", "content": question}], tokenize=False,
+                                      add_generation_prompt=True)
+        return encode(hf, text.split(mark, 1)[1] + prefix)
+    return encode(hf, f"\n\n{question}\n{prefix}")
+
+
 def facts_episodes(tokenizer, context: int, trials: int, seed: int, keys: int, filler_kind: str = "heldout",
-                   held_out: bool = True, depths: Optional[np.ndarray] = None) -> list[FactsEpisode]:
-    """Seeded bench episodes: the asked fact's depth stratified over the trials."""
+                   held_out: bool = True, depths: Optional[np.ndarray] = None, placement: str = "uniform",
+                   turns: int = 1) -> list[FactsEpisode]:
+    """Seeded bench episodes: the asked fact's depth stratified over the trials. turns > 1: each
+    episode also lists turns - 1 follow-up questions about other facts of it (`follow_ups`)."""
+    if not 1 <= turns <= keys:
+        raise ValueError(f"turns must be in 1..keys ({keys})")
     rng = np.random.default_rng([seed, context, keys])
     fill, frames, pool = filler(tokenizer, filler_kind), Frames(tokenizer), names(held_out)
     d = (np.arange(trials) + rng.random(trials)) / trials if depths is None else depths
-    return [build_facts_episode(tokenizer, fill, frames, context, keys, float(x), rng, pool) for x in d]
+    ask = np.random.default_rng([seed, context, keys, turns])   # its own stream: the documents stay the same
+    eps = []
+    for x in d:
+        ep = build_facts_episode(tokenizer, fill, frames, context, keys, float(x), rng, pool, placement)
+        if turns > 1:
+            others = [f for f in ep.facts if f[0] != ep.name]
+            ep.follow_ups = [others[i] for i in ask.permutation(len(others))[:turns - 1]]
+        eps.append(ep)
+    return eps
 
 
-def bench_episodes(tokenizer, context: int, trials: int, seed: int, keys: int = 1, filler_kind: str = "pydoc") -> list:
+def bench_episodes(tokenizer, context: int, trials: int, seed: int, keys: int = 1, filler_kind: str = "pydoc",
+                   placement: str = "uniform", turns: int = 1) -> list:
     """The needle bench's episodes: keys=1 is v1's single pass key (needle.episodes' format, the
-    chosen filler); keys>1 are named facts with held-out names."""
+    chosen filler); keys>1 are named facts with held-out names, placed and asked as told."""
     if keys == 1:
+        if placement != "uniform" or turns != 1:
+            raise ValueError("placements and turns need named facts (keys >= 2)")
         from .needle import build_episode, depths, frame
 
         rng = np.random.default_rng([seed, context])
         fill, fr = filler(tokenizer, filler_kind), frame(tokenizer)
         return [build_episode(tokenizer, fill, fr, context, float(d), make_key(rng), rng)
                 for d in depths(trials, rng)]
-    return facts_episodes(tokenizer, context, trials, seed, keys, filler_kind)
+    return facts_episodes(tokenizer, context, trials, seed, keys, filler_kind, placement=placement, turns=turns)

@@ -152,20 +152,50 @@ def episodes(tokenizer, context: int, trials: int, seed: int) -> list[Episode]:
             for d in depths(trials, rng)]
 
 
-def answer(backend, cfg, ep: Episode, pages: Optional[list] = None) -> str:
-    """Greedy answer of one episode through a fresh heap (its page stats appended to `pages`)."""
+def _ask(backend, cache, new_tokens: Sequence[int]) -> list[int]:
+    """Greedy answer tokens (up to MAX_ANSWER_TOKENS, an end-of-turn token last if sampled)."""
     from ..generation import SamplingParams
 
-    cache = backend.new_cache(cfg)
     out = []
-    for tok in backend.generate(cache, ep.tokens, SamplingParams(max_tokens=MAX_ANSWER_TOKENS)):
+    for tok in backend.generate(cache, new_tokens, SamplingParams(max_tokens=MAX_ANSWER_TOKENS)):
+        out.append(tok)
         if tok in backend.eos_token_ids:
             break
-        out.append(tok)
+    return out
+
+
+def questions(ep: Episode) -> list[tuple[str, int]]:
+    """(key, start of its fact in ep.tokens) of every question an episode asks, in order."""
+    return [(ep.key, ep.needle_start)] + [(key, at) for _, key, at in getattr(ep, "follow_ups", [])]
+
+
+def answers(backend, cfg, ep: Episode, pages: Optional[list] = None) -> list[str]:
+    """Greedy answers of one episode through a fresh heap, one per question (its page stats
+    appended to `pages`). A multi-turn episode (follow_ups) asks its questions in one session as
+    serve runs a conversation: each later turn feeds only what the client adds (the answer's
+    unfed token, the end of the turn, the next question), so it recalls for its own question
+    and releases the previous recall, on the cache that holds the document."""
+    from .facts import follow_up
+
+    cache = backend.new_cache(cfg)
+    eos, texts, new = set(backend.eos_token_ids), [], list(ep.tokens)
+    for i, (name, _, _) in enumerate([(getattr(ep, "name", ""), 0, 0), *getattr(ep, "follow_ups", [])]):
+        if i:
+            new = unfed + follow_up(backend.tokenizer, name)
+        before = backend.tokens_in_cache(cache)
+        out = _ask(backend, cache, new)
+        fed = backend.tokens_in_cache(cache) - before - len(new)   # the last token sampled is not fed
+        unfed = [t for t in out[fed:] if t not in eos]
+        texts.append(_hf(backend.tokenizer).decode([t for t in out if t not in eos]))
     if pages is not None and cfg.recall:
         cache.writer.drain()
         pages.append(backend.stats(cache).pages)
-    return _hf(backend.tokenizer).decode(out)
+    return texts
+
+
+def answer(backend, cfg, ep: Episode, pages: Optional[list] = None) -> str:
+    """The first question's answer (the drivers in docs/recall_runs call this)."""
+    return answers(backend, cfg, ep, pages)[0]
 
 
 def recall_costs(pages: list[dict]) -> dict:
@@ -199,15 +229,21 @@ def cell(backend, base, eps: list[Episode], context: int, budget: int, policy: s
     t0 = time.perf_counter()
     pages: list[dict] = []
     hits = []
+    depth = []   # per question: where its fact sits, as a fraction of the context
     for i, ep in enumerate(eps):
         t = time.perf_counter()
-        hits.append(read_key(answer(backend, cfg, ep, pages)) == ep.key)
+        asked = questions(ep)
+        got = answers(backend, cfg, ep, pages)
+        hits += [read_key(a) == key for a, (key, _) in zip(got, asked)]
+        depth += [ep.depth] + [at / len(ep.tokens) for _, at in asked[1:]]
         if log and context > EPISODE_LOG_CONTEXT:   # long episodes take minutes: show each one
+            marks = " ".join("hit" if h else f"miss ({read_key(a) or '-'} for {k})"
+                             for h, a, (k, _) in zip(hits[-len(asked):], got, asked))
             log(f"  ctx {context} {policy}{'+recall' if recall else ''} {positions}: episode {i + 1}/{len(eps)} "
-                f"depth {ep.depth:.3f} {'hit' if hits[-1] else 'miss'} ({time.perf_counter() - t:.0f}s)")
+                f"depth {ep.depth:.3f} {marks} ({time.perf_counter() - t:.0f}s)")
     by_bin = []
     for b in range(DEPTH_BINS):
-        sel = [h for h, ep in zip(hits, eps) if int(min(ep.depth, 0.999) * DEPTH_BINS) == b]
+        sel = [h for h, d in zip(hits, depth) if int(min(d, 0.999) * DEPTH_BINS) == b]
         by_bin.append(round(float(np.mean(sel)), 4) if sel else None)
     row = {"context": context, "budget": budget, "prune": prune, "policy": policy, "positions": positions,
            "trials": len(hits), "accuracy": round(float(np.mean(hits)), 4), "by_depth": by_bin,
@@ -224,18 +260,21 @@ def run_needle(backend, base=None, context: int = 4096, prune: Sequence[float] =
                policies: Optional[Sequence[str]] = None, positions: Sequence[str] = ("compact", "absolute"),
                trials: int = 100, long_contexts: Sequence[int] = LONG_CONTEXTS, long_budget: Optional[int] = None,
                long_trials: int = 20, long_full: Sequence[int] = (), seed: int = 0, keys: int = 1,
-               filler: str = "pydoc", log: Optional[Callable[[str], None]] = None) -> dict:
+               filler="pydoc", placements: Sequence[str] = ("uniform",), turns: int = 1,
+               log: Optional[Callable[[str], None]] = None) -> dict:
     """The needle table. Returns {"rows": [...], "settings": {...}}; one row per cell:
     full cache at `context`, every (prune, policy, positions) at `context`, then every
-    (long context, policy, positions) at `long_budget` (default: base.budget), with a
-    full-cache cell first at the long contexts listed in `long_full`.
+    (long context, filler, placement, policy, positions) at `long_budget` (default: base.budget),
+    with a full-cache cell first at the long contexts listed in `long_full`.
     keys=1: the single pass key; keys=K>1: K named facts, one asked (bench/facts.py), held-out
-    names. filler: pydoc (the v1 table's), heldout or digits (bench/facts.py: filler; the CLI's
-    default is heldout).
-    Episodes are seeded and shared by every cell of one context (paired comparison)."""
+    names. filler: one kind or several (bench/facts.py: FILLERS; the CLI's default is heldout);
+    placements (facts.PLACEMENTS) and turns (questions per episode, one session) need keys > 1.
+    The short context's table uses the first filler, placed uniformly, one question.
+    Episodes are seeded and shared by every cell of one context and variant (paired comparison)."""
     from ..heap import POLICIES, HeapConfig
     from .facts import ANSWER_OF, FACT, QUESTION_OF, bench_episodes
 
+    fillers = [filler] if isinstance(filler, str) else list(filler)
     base = base or HeapConfig()
     policies = list(policies or POLICIES)
     recall_settings = None
@@ -247,7 +286,7 @@ def run_needle(backend, base=None, context: int = 4096, prune: Sequence[float] =
     long_budget = long_budget or base.budget
     rows = []
 
-    eps = bench_episodes(backend.tokenizer, context, trials, seed, keys, filler)
+    eps = bench_episodes(backend.tokenizer, context, trials, seed, keys, fillers[0])
     full = base.budget if base.budget >= context else context
     rows.append(cell(backend, base, eps, context, full, "streaming", "compact", None, log) | {"policy": "full"})
     for p in prune:
@@ -255,16 +294,23 @@ def run_needle(backend, base=None, context: int = 4096, prune: Sequence[float] =
             for pos in positions:
                 rows.append(cell(backend, base, eps, context, budget_for(context, p, base.sinks), pol, pos, p, log))
     for ctx in long_contexts:
-        eps = bench_episodes(backend.tokenizer, ctx, long_trials, seed, keys, filler)
-        if ctx in long_full:
-            rows.append(cell(backend, base, eps, ctx, ctx, "streaming", "compact", None, log) | {"policy": "full"})
-        for pol in policies:
-            for pos in positions:
-                rows.append(cell(backend, base, eps, ctx, long_budget, pol, pos, None, log))
+        for fill in fillers:
+            for place in placements:
+                eps = bench_episodes(backend.tokenizer, ctx, long_trials, seed, keys, fill, place, turns)
+                variant = {"filler": fill, "placement": place, "turns": turns}
+                if log:
+                    log(f"ctx {ctx}: filler {fill}, placement {place}, {turns} question(s) per episode")
+                if ctx in long_full:
+                    rows.append(cell(backend, base, eps, ctx, ctx, "streaming", "compact", None, log)
+                                | {"policy": "full"} | variant)
+                for pol in policies:
+                    for pos in positions:
+                        rows.append(cell(backend, base, eps, ctx, long_budget, pol, pos, None, log) | variant)
     settings = {"context": context, "prune": list(prune), "policies": policies, "positions": list(positions),
                 "trials": trials, "long_contexts": list(long_contexts), "long_budget": long_budget,
                 "long_trials": long_trials, "long_full": list(long_full), "seed": seed, "heap": base.to_dict(),
-                "keys": keys, "filler": filler, "needle": NEEDLE if keys == 1 else FACT,
+                "keys": keys, "filler": fillers[0], "fillers": fillers, "placements": list(placements),
+                "turns": turns, "needle": NEEDLE if keys == 1 else FACT,
                 "question": QUESTION if keys == 1 else QUESTION_OF,
                 "answer_prefix": ANSWER_PREFIX if keys == 1 else ANSWER_OF, "recall": recall_settings}
     return {"rows": rows, "settings": settings}
@@ -277,7 +323,7 @@ def merge(parts: Sequence[dict]) -> dict:
     rows, seen = [], set()
     for part in parts:
         for r in part["rows"]:
-            key = (r["context"], r["budget"], r["policy"], r["positions"], r["prune"])
+            key = (r["context"], r["budget"], r["policy"], r["positions"], r["prune"], variant(r))
             if key not in seen:
                 seen.add(key)
                 rows.append(r)
@@ -291,6 +337,11 @@ def merge(parts: Sequence[dict]) -> dict:
                             long_trials=max(settings["long_trials"], s["long_trials"]),
                             long_budget=s["long_budget"])
     return {"rows": rows, "settings": settings}
+
+
+def variant(row: dict) -> str:
+    """A long-context row's episode kind: filler / placement / questions per episode."""
+    return f"{row.get('filler', '-')} / {row.get('placement', 'uniform')} / {row.get('turns', 1)}"
 
 
 def tables(result: dict) -> str:
@@ -316,26 +367,32 @@ def tables(result: dict) -> str:
     long = [r for r in rows if r["context"] != s["context"]]
     if long:
         lrows = []
-        fulls = {x["context"]: x["accuracy"] for x in long if x["policy"] == "full"}
-        if fulls:
-            lrows.append({"policy": "full cache", "positions": "", **{f"c{c}": a for c, a in fulls.items()}})
-        for pol in s["policies"]:
-            for pos in s["positions"]:
-                r = {"policy": pol, "positions": pos}
-                for x in long:
-                    if x["policy"] == pol and x["positions"] == pos:
-                        r[f"c{x['context']}"] = x["accuracy"]
-                lrows.append(r)
-        lcols = [("policy", "policy", ""), ("positions", "positions", "")]
-        lcols += [(f"c{c}", f"{c // 1024}K", ".0%") for c in s["long_contexts"]]
-        trials = ", ".join(f"{c // 1024}K: {max(x['trials'] for x in long if x['context'] == c)}"
-                           for c in s["long_contexts"] if any(x["context"] == c for x in long))
-        text += (f"\n\nbudget {s['long_budget']:,} + {s['heap']['sinks']} sinks; trials per cell: {trials}\n"
+        for v in dict.fromkeys(map(variant, long)):
+            cells = [x for x in long if variant(x) == v]
+            fulls = [x for x in cells if x["policy"] == "full"]
+            if fulls:
+                lrows.append({"variant": v, "policy": "full cache", "positions": "",
+                              **{f"c{x['context']}": x["accuracy"] for x in fulls},
+                              **{f"n{x['context']}": x["trials"] for x in fulls}})
+            for pol in s["policies"]:
+                for pos in s["positions"]:
+                    r = {"variant": v, "policy": pol, "positions": pos}
+                    for x in cells:
+                        if x["policy"] == pol and x["positions"] == pos:
+                            r[f"c{x['context']}"] = x["accuracy"]
+                            r[f"n{x['context']}"] = x["trials"]
+                    lrows.append(r)
+        lcols = [("variant", "filler / placement / questions", ""), ("policy", "policy", ""),
+                 ("positions", "positions", "")]
+        for c in s["long_contexts"]:
+            lcols += [(f"c{c}", f"{c // 1024}K" if c % 1024 == 0 else f"{c:,}", ".0%"), (f"n{c}", "n", "d")]
+        text += (f"\n\nbudget {s['long_budget']:,} + {s['heap']['sinks']} sinks; n: questions per cell\n"
                  + table(lrows, lcols))
     costs = [r for r in rows if r.get("recall_ms") is not None]
     if costs:
         text += "\n\nrecall costs (per question; disk and summaries at the end of an episode)\n" + table(costs, [
-            ("context", "context", ","), ("budget", "budget", ","), ("positions", "positions", ""),
+            ("context", "context", ","), ("filler", "filler", ""), ("placement", "placement", ""),
+            ("turns", "questions", "d"), ("budget", "budget", ","), ("positions", "positions", ""),
             ("recall_budget", "recall slots", ","), ("accuracy", "accuracy", ".0%"),
             ("recall_ms", "recall ms", ".1f"), ("recall_ms_per_1k", "ms / 1K recalled", ".1f"),
             ("summary_bytes", "summary RAM B", ","), ("disk_bytes_per_token", "disk B / token", ".0f")])

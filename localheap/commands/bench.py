@@ -8,6 +8,7 @@ import os
 import sys
 
 from ..bench.facts import FILLERS as NEEDLE_FILLERS
+from ..bench.facts import PLACEMENTS as NEEDLE_PLACEMENTS
 from ..bench.needle import LONG_CONTEXTS as NEEDLE_LONG_CONTEXTS
 from ..bench.needle import PRUNE as NEEDLE_PRUNE
 from ..bench.report import emit, table
@@ -34,13 +35,21 @@ def _positive(text: str) -> int:
     return n
 
 
+def _choices(options):
+    """A parser of a comma-separated list of some of `options`."""
+    def parse(text: str) -> list[str]:
+        out = [x.strip() for x in text.split(",") if x.strip()]
+        if not out or any(x not in options for x in out):
+            raise argparse.ArgumentTypeError(f"some of {', '.join(options)}: {text!r}")
+        return out
+
+    return parse
+
+
 def _policies(text: str) -> list[str]:
     from ..heap import POLICIES
 
-    out = [x.strip() for x in text.split(",") if x.strip()]
-    if not out or any(x not in POLICIES for x in out):
-        raise argparse.ArgumentTypeError(f"policies are some of {', '.join(POLICIES)}: {text!r}")
-    return out
+    return _choices(POLICIES)(text)
 
 
 def _fractions(text: str) -> list[float]:
@@ -90,9 +99,17 @@ def add_parser(sub) -> None:
     needle.add_argument("--seed", type=int, default=0, help="seed of the episodes")
     needle.add_argument("--keys", type=_positive, default=1,
                         help="named facts per episode, one asked about (1: the single pass key)")
-    needle.add_argument("--filler", choices=NEEDLE_FILLERS, default="heldout",
-                        help="heldout: documents training never saw, digits removed; digits: the same with their "
-                             "numbers (a key is not the only number); pydoc: the v1 table's filler")
+    needle.add_argument("--filler", type=_choices(NEEDLE_FILLERS), default=["heldout"],
+                        help="comma-separated filler kinds, each its own long-context cell: heldout: documents "
+                             "training never saw, digits removed; digits: the same with their numbers (a key is not "
+                             "the only number); licenses, man, comments: licence texts, manual pages, installed "
+                             "packages' source comments (+digits keeps their numbers); pydoc: the v1 table's filler. "
+                             "The --context table uses the first")
+    needle.add_argument("--placement", type=_choices(NEEDLE_PLACEMENTS), default=["uniform"],
+                        help="comma-separated fact placements at the long contexts (--keys >= 2): uniform, cluster "
+                             "(all in one 5%% region), start (right after the sinks), end (in the recent window)")
+    needle.add_argument("--turns", type=_positive, default=1,
+                        help="questions per long-context episode, asked in one session as a chat continues (--keys >= 2)")
     needle.add_argument("--policies", type=_policies, default=None,
                         help="comma-separated subset of the policies (default: all)")
     add_threads_arg(needle)
@@ -277,7 +294,8 @@ def run_needle_bench(args) -> int:
     set_threads(backend, args)
     result = run_needle(backend, heap_config(args, backend), context=args.context, prune=args.prune, trials=args.trials,
                         long_contexts=args.long_contexts, long_trials=args.long_trials, long_full=args.long_full,
-                        seed=args.seed, keys=args.keys, filler=args.filler, policies=args.policies,
+                        seed=args.seed, keys=args.keys, filler=args.filler, placements=args.placement,
+                        turns=args.turns, policies=args.policies,
                         log=lambda m: print(m, file=sys.stderr))
     paths = plot(result, args.plots)
     if not paths:
