@@ -30,6 +30,7 @@ import json
 import os
 import shutil
 import sys
+import threading
 import weakref
 import zlib
 from dataclasses import asdict, dataclass
@@ -136,6 +137,7 @@ class PageStore:
         self.dropped = 0            # pages dropped for the disk budget, ever
         self.reclaimed = 0          # of those, dropped to give space back to other sessions (--disk-total)
         self.written = 0            # pages written, ever
+        self._appending = threading.RLock()   # stats (any thread) never see a page past the budget mid-append
         self.failed = 0             # pages the disk refused (not kept), ever
         self.lost = 0               # pages lost with a directory removed under the store
         self.fault: Optional[str] = None   # why page-out fails now (None: it works)
@@ -193,6 +195,11 @@ class PageStore:
         """Evicted tokens of one layer: positions [H, n]; keys (pre-RoPE), values [H, n, D];
         value [H, n] (the policy's score at eviction, for the disk budget). Full pages are
         written; the rest waits in RAM. Returns how many pages were written."""
+        with self._appending:
+            return self._append(layer, positions, keys, values, value)
+
+    def _append(self, layer: int, positions: np.ndarray, keys: np.ndarray, values: np.ndarray,
+                value: Optional[np.ndarray]) -> int:
         L = self.layers[layer]
         value = np.zeros(positions.shape, np.float32) if value is None else value.astype(np.float32)
         L.tail_pos = np.concatenate([L.tail_pos, positions.astype(np.int64)], axis=1)
@@ -429,6 +436,10 @@ class PageStore:
         return self.g.n_layers * per_page / self.g.page_size
 
     def stats(self) -> dict:
+        with self._appending:
+            return self._stats()
+
+    def _stats(self) -> dict:
         return {"pages": self.pages, "pages_written": self.written, "pages_dropped": self.dropped,
                 "pages_reclaimed": self.reclaimed, "pages_failed": self.failed, "pages_lost": self.lost,
                 "degraded": self.fault, "tokens_on_disk": self.tokens,
