@@ -302,7 +302,7 @@ def run(args) -> int:
     if not engines or any(e not in ENGINE_FLAGS for e in engines):
         raise ValueError(f"--engines are some of {', '.join(ENGINE_FLAGS)}: {args.engines!r}")
     most = max(args.clients)
-    common = ["--max-active", str(most), "--max-resident-sessions", str(most + 4), "--max-queue", str(most)]
+    common = ["--max-active", str(max(most, 2)), "--max-resident-sessions", str(most + 4), "--max-queue", str(most)]
     if args.random_model:
         common += ["--random-model", args.random_model]
     elif args.model:
