@@ -68,7 +68,8 @@ def test_two_ranks_give_the_single_process_tokens(model_dirs, tmp_path, model, m
     # a session saved on 2 ranks (each its own shard and pages) restores on 2 ranks
     assert got["session"]["restored"] == got["session"]["continued"] == want["session"]["continued"]
     shards = sorted(p.name for p in (tmp_path / f"{mode}-session").iterdir())
-    assert shards == [f"session.{mode}-rank{r}of2.{ext}" for r in (0, 1) for ext in ("pages", "safetensors")]
+    assert shards == sorted(["session.safetensors"] + [f"session.{mode}-rank{r}of2.{ext}" for r in (0, 1)
+                                                       for ext in ("pages", "safetensors")])   # the layout, the shards
     assert got["refused"] == (f"{tmp_path / 'single.safetensors'} was saved as one process; this run is {mode} "
                               f"on 2 ranks: restore it with the layout it was saved with")
 

@@ -9,7 +9,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-from .common import TOTAL_SHARE, add_heap_args, add_model_args, disk_total, heap_config, model_spec, with_backend_chunk
+from . import ranks
+from .common import (TOTAL_SHARE, add_distributed_arg, add_heap_args, add_model_args, disk_total, heap_config,
+                     model_spec, with_backend_chunk)
 
 
 def add_parser(sub) -> None:
@@ -70,6 +72,7 @@ def add_parser(sub) -> None:
                         "sessions saved, and the server exits")
     p.add_argument("--tool-format", default="auto", choices=("auto", "hermes", "mistral", "llama3_json", "prompted"),
                    help="how the model writes tool calls (default: auto, recognised from its chat template)")
+    add_distributed_arg(p)
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"),
                    help="server log detail")
     p.set_defaults(func=run)
@@ -131,20 +134,52 @@ def api_keys(args) -> list[str]:
 
 
 def run(args) -> int:
-    from ..heap import format_bytes
     from ..models import load_backend
     from ..server import create_app
-    from ..server.runner import serve_app
 
     settings = settings_from_args(args)   # bad flags fail before the model loads
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s:     %(name)s: %(message)s")
-    backend = load_backend(model_spec(args), args.backend)
+    backend = ranks.load_rank(args) if args.distributed else load_backend(model_spec(args), args.backend)
     settings.heap = with_backend_chunk(settings.heap, args, backend)
     if settings.persist_sessions and settings.sessions_dir is None:
         settings.sessions_dir = default_sessions_dir(backend.model_name)
     if settings.disk_total is None:   # auto: measured where the sessions directory is (or a temp dir goes)
         settings.disk_total = disk_total("auto", settings.sessions_dir or Path(tempfile.gettempdir()))
+    if args.distributed:
+        return serve_ranks(backend, settings, args)
+    ranks.check_layout(settings.sessions_dir if settings.persist_sessions else None, None)
     app = create_app(backend, settings)   # BudgetTooSmall here says what would fit
+    return serve_built(app, backend, settings, args)
+
+
+def serve_ranks(backend, settings, args) -> int:
+    """--distributed: every rank plans its RAM; rank 0 serves on a Leader, the others follow."""
+    from ..backends.mlx.follow import Leader
+    from ..governor import governor_for
+    from ..server import create_app
+
+    plan = ranks.agreed_plan(backend, settings.heap, settings.ram_budget)   # BudgetTooSmall on any rank: all stop
+    sessions_dir = settings.sessions_dir if settings.persist_sessions else None
+    ranks.check_layout(sessions_dir, ranks.layout_of(backend))   # every rank: each has its own disk
+    if backend.rank != 0:
+        governor_for(backend, plan)   # this rank's allocator limits
+        return ranks.follower(backend, sessions_dir)
+    leader = Leader(backend)
+    try:
+        app = create_app(leader, settings, governor=governor_for(leader, plan), on_close=leader.stop)
+        leader.root = app.state.services.store.spill_dir
+        ranks.keep_pinging(app.state.services.engine, leader)
+        print(f"localheap: --distributed {backend.mode} on {backend.ranks.size} ranks: this is rank 0 (HTTP); "
+              f"the heap of every rank counts as the tightest rank's", file=sys.stderr)
+        return serve_built(app, leader, settings, args)
+    finally:
+        leader.stop()   # also when the app never started (at most once: it says stop once)
+
+
+def serve_built(app, backend, settings, args) -> int:
+    from ..heap import format_bytes
+    from ..server.runner import serve_app
+
     plan = app.state.services.governor.plan
     print(f"localheap: RAM budget {format_bytes(plan.budget)} = weights {format_bytes(plan.weights)} + runtime "
           f"{format_bytes(plan.overhead)} (of which {format_bytes(plan.activations)} for prefill activations, "

@@ -36,3 +36,8 @@ class InvalidTokens(ValueError):
 
     def __init__(self, token: int, vocab_size: int):
         super().__init__(f"token id {token} is out of range: this model's ids are 0..{vocab_size - 1}")
+
+
+class RankLost(RuntimeError):
+    """A rank of a model sharded across processes (--distributed) is gone: nothing can run until
+    every rank is restarted."""

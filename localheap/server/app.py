@@ -6,7 +6,7 @@ import asyncio
 import logging
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
@@ -27,8 +27,10 @@ from .webfiles import WebFiles
 log = logging.getLogger("localheap.server")
 
 
-def create_app(backend: Any, settings: Optional[ServerSettings] = None, governor: Optional[Governor] = None) -> FastAPI:
-    """The server for one loaded backend. The engine thread starts and stops with the app."""
+def create_app(backend: Any, settings: Optional[ServerSettings] = None, governor: Optional[Governor] = None,
+               on_close: Optional[Callable[[], None]] = None) -> FastAPI:
+    """The server for one loaded backend. The engine thread starts and stops with the app;
+    `on_close` runs last (--distributed: the other ranks stop following)."""
     settings = settings or ServerSettings()
     if governor is None:
         plan = plan_for(backend, settings.heap, settings.ram_budget)   # BudgetTooSmall when nothing fits
@@ -68,6 +70,8 @@ def create_app(backend: Any, settings: Optional[ServerSettings] = None, governor
                 n = store.persist_all(backend.model_name)
                 log.info("saved %d session(s) to %s", n, store.spill_dir)
             store.close()
+            if on_close is not None:
+                on_close()
 
     app = FastAPI(title="localheap", version="0.1.0", lifespan=lifespan, docs_url="/docs", redoc_url=None)
     app.state.services = svc

@@ -153,6 +153,8 @@ def _unlink(path: Path) -> None:
     path.unlink(missing_ok=True)
     path.with_suffix(".tokens").unlink(missing_ok=True)
     shutil.rmtree(path.with_suffix(".pages"), ignore_errors=True)
+    for shard in path.parent.glob(f"{path.stem}.*-rank*of*"):   # this host's ranks' shards (--distributed)
+        shutil.rmtree(shard, ignore_errors=True) if shard.is_dir() else shard.unlink(missing_ok=True)
 
 
 def _write_tokens(path: Path, tokens) -> None:

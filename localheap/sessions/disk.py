@@ -30,6 +30,8 @@ ASIDE = "aside"                  # corrupt or foreign files are moved here, neve
 TMP_SUFFIX = ".tmp"
 SESSION_ID = re.compile(r"sess_[A-Za-z0-9_-]{1,64}")
 SESSION_FILE = re.compile(r"(sess_[A-Za-z0-9_-]{1,64})(?:\.(\d{1,12}))?\.(safetensors|tokens)")
+# a rank's shard of a heap saved by several ranks (--distributed), beside the generation's heap file
+SHARD_FILE = re.compile(r"(sess_[A-Za-z0-9_-]{1,64})\.(\d{1,12})\.[a-z]+-rank\d+of\d+\.safetensors")
 
 
 def valid_id(session_id: object) -> bool:
@@ -104,6 +106,17 @@ class SessionDir:
                 pass
             raise SpillFailed(self.root, e) from e
 
+    def write_by(self, path: Path, write: Callable[[Path], None]) -> None:
+        """write(path) writes `path` atomically itself (and files beside it); then fsync the directory."""
+        try:
+            if not self.root.is_dir():
+                raise NotADirectoryError(f"{self.root} is missing or not a directory")
+            write(path)
+            os.chmod(path, 0o600)
+            _fsync(path.parent)
+        except Exception as e:
+            raise SpillFailed(self.root, e) from e
+
     def write_bytes(self, path: Path, data: bytes) -> None:
         def write(tmp: Path) -> None:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -165,7 +178,7 @@ class SessionDir:
         """Remove a session's files, all of them or all but generation keep_gen."""
         assert valid_id(session_id), session_id
         for path in self.root.glob(f"{session_id}.*"):
-            m = SESSION_FILE.fullmatch(path.name)
+            m = SESSION_FILE.fullmatch(path.name) or SHARD_FILE.fullmatch(path.name)
             if m is None or m.group(1) != session_id:
                 continue
             if keep_gen is None or int(m.group(2) or 0) != keep_gen:

@@ -179,7 +179,9 @@ class SessionStore:
         gen = 0 if s.saved_gen is None else s.saved_gen + 1
         old = (s.spill_path, s.saved_gen, s.saved_tokens, s.dirty)
         try:
-            self.dir.write_with(self.dir.heap_path(s.id, gen), lambda tmp: self.backend.save_cache(s.cache, tmp))
+            # a backend that writes several files (one per rank) makes them whole itself
+            write = self.dir.write_by if getattr(self.backend, "writes_own_files", False) else self.dir.write_with
+            write(self.dir.heap_path(s.id, gen), lambda path: self.backend.save_cache(s.cache, path))
             self.dir.write_tokens(s.id, gen, s.fed)
             s.spill_path, s.saved_gen, s.saved_tokens, s.dirty = self.dir.heap_path(s.id, gen), gen, len(s.fed), False
             self._commit()

@@ -30,8 +30,9 @@ import numpy as np
 from ...heap import HeapConfig, HeapConfigError
 from .backend import MLXBackend
 from .cache import HeapKVCache
+from .generate import generate_tokens
 from .heapcache import attention_module, kv_geometry, make_heap_cache
-from .persist import load_heap
+from .persist import load_heap, read_layout, write_layout
 
 MODES = ("tensor", "pipeline")
 
@@ -191,11 +192,26 @@ class DistributedMLXBackend(MLXBackend):
         if params.seed is None:
             params = replace(params, seed=self.ranks.max(int.from_bytes(os.urandom(4), "little")
                                                          if self.rank == 0 else 0))
-        return lost_rank_errors(super().generate(cache, new_tokens, params, progress, cancelled))
+        tokens = generate_tokens(self.model, cache, new_tokens, params, progress, cancelled, share=self.ranks.from_first)
+        return lost_rank_errors(tokens)
+
+    writes_own_files = True   # save_cache writes `path` atomically itself (no temp name to rename)
 
     def save_cache(self, cache, path: Path, snapshot: bool = False) -> None:
-        """Every rank writes its own shard of the heap (and of the pages, beside it) next to `path`."""
-        super().save_cache(cache, shard_path(path, self.mode, self.rank, self.ranks.size), snapshot)
+        """Every rank writes its own shard of the heap (and of the pages, beside it) next to `path`;
+        once every rank has, rank 0 writes `path` itself: the layout, which marks the save whole.
+        A rank that could not write fails the save on every rank."""
+        error = None
+        try:
+            mine = shard_path(path, self.mode, self.rank, self.ranks.size)
+            super().save_cache(cache, mine, snapshot)
+            os.chmod(mine, 0o600)   # saved sessions decode to conversation text
+        except Exception as e:   # the others must hear of it before anyone goes on
+            error = e
+        if not self.ranks.all(error is None):
+            raise error or DistributedError(f"another rank could not save its shard of {path}")
+        if self.rank == 0:
+            write_layout(path, {"mode": self.mode, "ranks": self.ranks.size})
 
     def load_cache(self, cfg: HeapConfig, path: Path, pages_dir: Optional[Path] = None):
         """This rank's shard of a heap saved by save_cache with the same layout; any other
@@ -231,7 +247,13 @@ def shard_path(path: Path, mode: str, rank: int, size: int) -> Path:
 def saved_layouts(path: Path) -> list[str]:
     """The layouts a heap saved to `path` exists in: "one process" and/or "MODE on N ranks"."""
     path = Path(path)
-    found = {"one process"} if path.exists() else set()
+    try:
+        layout = read_layout(path) if path.exists() else None
+    except Exception:   # noqa: BLE001 - not a heap file at all: the message names what is there
+        layout = None
+    found = {"one process"} if path.exists() and layout is None else set()
+    if layout is not None:
+        found.add(f"{layout['mode']} on {layout['ranks']} ranks")
     for shard in path.parent.glob(f"{path.stem}.*-rank*of*{path.suffix}"):
         mode, _, of = shard.name[len(path.stem) + 1: -len(path.suffix) or None].partition("-rank")
         found.add(f"{mode} on {of.partition('of')[2]} ranks")

@@ -75,22 +75,25 @@ def prefill_turn(model, cache: HeapPromptCache, prompt: list, chunk: int,
     prefill(model, cache, head, chunk, progress, cancelled)
 
 
-def _step(model, cache: HeapPromptCache, tokens: mx.array, sampler):
+def _step(model, cache: HeapPromptCache, tokens: mx.array, sampler, share=None):
     cache.make_room(tokens.shape[0])
     logits = model(tokens[None], cache=cache)[:, -1, :]
     logprobs = logits - mx.logsumexp(logits, keepdims=True)
-    return sampler(logprobs), logprobs.squeeze(0)
+    y = sampler(logprobs)
+    return (y if share is None else share(y)), logprobs.squeeze(0)
 
 
 def generate_tokens(model, cache: HeapPromptCache, prompt: Sequence[int], params: SamplingParams,
-                    progress: Optional[ProgressFn] = None, cancelled=None) -> Iterator[int]:
-    """Yield generated token ids. `prompt` holds the tokens not yet in the cache (>= 1)."""
-    for token, _ in generate_steps(model, cache, prompt, params, progress, cancelled):
+                    progress: Optional[ProgressFn] = None, cancelled=None, share=None) -> Iterator[int]:
+    """Yield generated token ids. `prompt` holds the tokens not yet in the cache (>= 1).
+    `share`: what every rank makes of a sampled token (distributed: rank 0's, on every rank)."""
+    for token, _ in generate_steps(model, cache, prompt, params, progress, cancelled, share):
         yield token
 
 
 def generate_steps(model, cache: HeapPromptCache, prompt: Sequence[int], params: SamplingParams,
-                   progress: Optional[ProgressFn] = None, cancelled=None) -> Iterator[tuple[int, mx.array]]:
+                   progress: Optional[ProgressFn] = None, cancelled=None,
+                   share=None) -> Iterator[tuple[int, mx.array]]:
     """Yield (token id, logprobs [vocab]) like mlx-lm's generate_step."""
     if len(prompt) == 0:
         raise ValueError("generation needs at least one new prompt token")
@@ -102,11 +105,11 @@ def generate_steps(model, cache: HeapPromptCache, prompt: Sequence[int], params:
     prefill_turn(model, cache, prompt, chunk, progress, cancelled)
     if params.max_tokens == 0:
         return
-    y, lp = _step(model, cache, mx.array(prompt[-1:], dtype=mx.uint32), sampler)
+    y, lp = _step(model, cache, mx.array(prompt[-1:], dtype=mx.uint32), sampler, share)
     mx.async_eval(y, lp, *cache.score_arrays())
     for n in range(params.max_tokens):
         if n + 1 < params.max_tokens:
-            next_y, next_lp = _step(model, cache, y, sampler)
+            next_y, next_lp = _step(model, cache, y, sampler, share)
             mx.async_eval(next_y, next_lp, *cache.score_arrays())
         yield y.item(), lp
         if n + 1 < params.max_tokens:

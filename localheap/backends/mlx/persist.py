@@ -16,6 +16,22 @@ from .cache import HeapKVCache
 from .heapcache import HeapPromptCache, make_heap_cache
 
 _OPTIONAL = ("scores", "window", "counts")
+LAYOUT_KEY = "localheap_layout"   # a heap saved by several ranks: its file holds the layout, each rank a shard
+
+
+def write_layout(path: Path, layout: dict) -> None:
+    """The file a heap saved by several ranks leaves at `path` (atomically): no arrays, only the
+    layout ({"mode", "ranks"}); each rank's shard sits beside it (distributed.shard_path)."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp.safetensors")
+    mx.save_safetensors(str(tmp), {"layout": mx.array([layout["ranks"]])}, metadata={LAYOUT_KEY: json.dumps(layout)})
+    os.replace(tmp, path)
+
+
+def read_layout(path: Path) -> Optional[dict]:
+    """The layout of a heap saved by several ranks at `path`; None for a heap saved by one process."""
+    _, metadata = mx.load(str(path), return_metadata=True)
+    return json.loads(metadata[LAYOUT_KEY]) if LAYOUT_KEY in metadata else None
 
 
 def save_heap(cache: HeapPromptCache, path: Path, snapshot: bool = False) -> None:
@@ -57,6 +73,11 @@ def load_heap(model, path: Path, pages_dir: Optional[Path] = None, budgets: Opti
     """A heap saved by save_heap; with recall on, `pages_dir` (a fork's own directory) gets a
     copy of the saved page store (paging.saved_pages_root). `budgets`: make_heap_cache's."""
     arrays, metadata = mx.load(str(path), return_metadata=True)
+    if LAYOUT_KEY in metadata:
+        layout = json.loads(metadata[LAYOUT_KEY])
+        raise ValueError(f"{path} was saved as {layout['mode']} on {layout['ranks']} ranks; this run is one process: "
+                         f"restore it with the layout it was saved with (--distributed {layout['mode']} on "
+                         f"{layout['ranks']} ranks)")
     meta = json.loads(metadata["localheap"])
     cfg = HeapConfig(**meta["config"])
     cache = make_heap_cache(model, cfg, saved_pages_root(path, meta, pages_dir) if cfg.recall else None, budgets)

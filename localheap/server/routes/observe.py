@@ -28,7 +28,10 @@ async def health(svc: Services = Depends(services)):
     degraded = sorted(svc.store.degraded.values())
     if degraded:
         body["status"], body["degraded"] = "degraded", degraded
-    if not svc.engine.healthy:
+    ranks = getattr(svc.backend, "ranks", None)   # --distributed: the ranks, and a lost one
+    if ranks is not None:
+        body["ranks"] = {"size": ranks.size, "mode": svc.backend.mode, "lost": getattr(svc.backend, "lost", None)}
+    if not svc.engine.healthy or (ranks is not None and body["ranks"]["lost"]):
         body["status"] = "failed"
         return JSONResponse(body, status_code=503)
     return body

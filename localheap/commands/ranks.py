@@ -1,0 +1,105 @@
+"""`serve` and `chat` with --distributed: rank 0 runs the command on a Leader, the others follow.
+
+Every rank loads its shard and plans its own RAM (its psutil, its weights and heaps); the
+tightest rank sets how many heaps rank 0's governor lets be resident, and a budget too small
+on any rank stops every rank. The followers then run `follow` until rank 0 says stop or is lost.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import sys
+import tempfile
+import threading
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+
+from .common import load_model_backend
+
+log = logging.getLogger("localheap.distributed")
+PING_S = 2.0        # how often an idle server checks that every rank is still there
+LAYOUT_FILE = "layout.json"
+
+
+def load_rank(args):
+    """This rank's shard (DistributedMLXBackend); a follower's output goes to /dev/null but its log."""
+    backend = load_model_backend(args)
+    if backend.rank != 0:
+        sys.stdout = open(os.devnull, "w")
+    return backend
+
+
+def agreed_plan(backend, cfg, ram_budget: Optional[int]):
+    """This rank's MemoryPlan, with the heap counted as the tightest rank's: rank 0's governor
+    then refuses what any rank cannot hold. BudgetTooSmall on any rank stops all of them."""
+    from ..governor import plan_for
+    from ..governor.budget import BudgetTooSmall
+
+    try:
+        plan, error = plan_for(backend, cfg, ram_budget), None
+    except BudgetTooSmall as e:
+        plan, error = None, e
+    fits = backend.ranks._gather(np.array([plan.max_resident if plan else 0], np.int64)).ravel()
+    if error is not None:
+        raise error
+    if fits.min() < 1:
+        bad = int(np.argmin(fits))
+        raise SystemExit(f"localheap: rank {bad} cannot hold one heap in its RAM budget (see its log); "
+                         f"nothing was started")
+    tightest = int(fits.min())
+    if tightest < plan.max_resident:   # fewer heaps here too, as many as the tightest rank holds
+        plan = dataclasses.replace(plan, heap=max(plan.heap, plan.free_for_heaps // tightest))
+    return plan
+
+
+def check_layout(sessions_dir: Optional[Path], layout: Optional[dict]) -> None:
+    """Saved sessions restore only with the layout that saved them (one process, or a mode on
+    N ranks): refuse another one clearly, before anything is read; mark a new directory."""
+    if sessions_dir is None:
+        return
+    marker = Path(sessions_dir) / LAYOUT_FILE
+    saved = json.loads(marker.read_text()) if marker.exists() else None
+    if saved is None and layout is not None and (Path(sessions_dir) / "index.json").exists():
+        saved = {"mode": "one process"}
+    if saved is not None and saved != layout:
+        said = lambda x: "one process" if x is None or x.get("mode") == "one process" else \
+            f"--distributed {x['mode']} on {x['ranks']} ranks"   # noqa: E731
+        raise SystemExit(f"localheap: the sessions in {sessions_dir} were saved by {said(saved)}; this run is "
+                         f"{said(layout)}: restart with that layout, or give another --sessions-dir")
+    if layout is not None and saved is None:
+        Path(sessions_dir).mkdir(parents=True, exist_ok=True)
+        marker.write_text(json.dumps(layout))
+
+
+def layout_of(backend) -> Optional[dict]:
+    ranks = getattr(backend, "ranks", None)
+    return None if ranks is None else {"mode": backend.mode, "ranks": ranks.size}
+
+
+def follower(backend, sessions_dir: Optional[Path]) -> int:
+    """A follower rank until rank 0 stops: its own sessions directory (the same flag, on its
+    host) or a temp dir when sessions are not kept."""
+    from ..backends.mlx.follow import follow
+
+    root = Path(sessions_dir) if sessions_dir is not None else Path(tempfile.mkdtemp(prefix="localheap-rank-"))
+    root.mkdir(parents=True, exist_ok=True)
+    log.info("rank %d follows rank 0 (sessions in %s)", backend.rank, root)
+    return follow(backend, root)
+
+
+def keep_pinging(engine, leader, every: float = PING_S) -> threading.Thread:
+    """An idle server still notices a lost rank (so /health says so before a request fails)."""
+    def loop() -> None:
+        while leader.lost is None and not leader.stopped and engine.healthy:
+            threading.Event().wait(every)
+            if engine.active == 0 and leader.lost is None and not leader.stopped:
+                engine.call(leader.ping)
+
+    t = threading.Thread(target=loop, name="localheap-ranks", daemon=True)
+    t.start()
+    return t

@@ -1,0 +1,195 @@
+"""`localheap serve --distributed` on 2 local ranks (ring backend over loopback TCP, started the
+way mlx.launch starts them: MLX_RANK and MLX_HOSTFILE): rank 0 serves HTTP, rank 1 follows its
+heap calls. A conversation through the server gives the single-process server's greedy replies
+(tensor on the demo model, pipeline on a random qwen2, both evicting); sessions saved at shutdown
+on 2 ranks (each rank its shard) restore on a restart with the same layout, and another layout is
+refused; a killed rank fails requests with a clear 503 and /health says which."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("mlx.core", reason="mlx is not installed (a CUDA machine has none)")
+pytest.importorskip("mlx_lm")
+httpx = pytest.importorskip("httpx")
+
+from fastapi.testclient import TestClient  # noqa: E402
+
+from localheap.commands.ranks import check_layout  # noqa: E402
+from localheap.models import demo_model_dir  # noqa: E402
+
+START_S = 240     # two ranks loading on a busy 2-core CPU
+HEAP = ["--budget", "48", "--recent", "8", "--slack", "16", "--prefill-chunk", "32", "--recall", "off"]
+TURNS = ["Tell me a long story about a cat who lives in a lighthouse by the sea.",
+         "Now tell me what the cat eats for breakfast, and why it likes fish so much.",
+         "And what happens when the winter storm comes to the lighthouse?"]
+MAX_TOKENS = 40
+
+
+def free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+class Ranks:
+    """Two `localheap serve --distributed` processes; rank 0's URL once /health answers."""
+
+    def __init__(self, tmp: Path, model_dir, mode: str, sessions: Path, *extra: str):
+        ring, ring2, http = free_ports(3)
+        hosts = tmp / f"hosts-{ring}.json"
+        hosts.write_text(json.dumps([[f"127.0.0.1:{ring}"], [f"127.0.0.1:{ring2}"]]))
+        cmd = [sys.executable, "-m", "localheap.cli", "serve", "--distributed", mode, "--model", str(model_dir),
+               "--port", str(http), "--sessions-dir", str(sessions), "--ram-budget", "4G", *HEAP, *extra]
+        self.url = f"http://127.0.0.1:{http}"
+        self.logs = [open(tmp / f"rank{r}-{ring}.log", "w+") for r in (0, 1)]
+        self.procs = [subprocess.Popen(cmd, env={**os.environ, "MLX_RANK": str(r), "MLX_HOSTFILE": str(hosts)},
+                                       stdout=self.logs[r], stderr=subprocess.STDOUT) for r in (0, 1)]
+
+    def log(self) -> str:
+        out = []
+        for r, f in enumerate(self.logs):
+            f.seek(0)
+            out.append(f"--- rank {r}\n{f.read()[-3000:]}")
+        return "\n".join(out)
+
+    @property
+    def model(self) -> str:
+        return httpx.get(self.url + "/v1/models", timeout=5).json()["data"][0]["id"]
+
+    def wait_ready(self) -> "Ranks":
+        deadline = time.monotonic() + START_S
+        while time.monotonic() < deadline:
+            if any(p.poll() is not None for p in self.procs):
+                raise AssertionError("a rank exited while starting\n" + self.log())
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise AssertionError("the ranks did not start\n" + self.log())
+
+    def stop(self) -> list[int]:
+        """SIGTERM to rank 0 (it saves the sessions on every rank, then tells rank 1 to stop)."""
+        if self.procs[0].poll() is None:
+            self.procs[0].send_signal(signal.SIGTERM)
+        codes = []
+        for p in self.procs:
+            try:
+                codes.append(p.wait(60))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                codes.append(p.wait())
+        return codes
+
+    def __enter__(self):
+        return self.wait_ready()
+
+    def __exit__(self, *exc):
+        self.stop()
+
+
+def chat(post, history: list, text: str, model: str) -> dict:
+    history.append({"role": "user", "content": text})
+    r = post("/v1/chat/completions", json={"model": model, "messages": history, "max_tokens": MAX_TOKENS,
+                                           "temperature": 0})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    history.append({"role": "assistant", "content": body["choices"][0]["message"]["content"]})
+    return {"text": body["choices"][0]["message"]["content"], "usage": body["usage"],
+            "evicted": body["localheap"]["heap"]["evicted"]}
+
+
+def single_process(model_dir) -> list[dict]:
+    """The same conversation on one process's server (the reference)."""
+    from localheap.backends.mlx import MLXBackend
+    from localheap.commands.common import heap_config
+    from localheap.commands.serve import add_parser, settings_from_args
+    from localheap.server import create_app
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers())
+    args = parser.parse_args(["serve", "--model", str(model_dir), "--no-persist", "--ram-budget", "4G", *HEAP])
+    settings = settings_from_args(args)
+    settings.heap = heap_config(args)
+    backend = MLXBackend.load(model_dir)
+    history: list = []
+    with TestClient(create_app(backend, settings), base_url="http://127.0.0.1:8000") as client:
+        post = lambda path, json: client.post(path, json=json)  # noqa: E731
+        return [chat(post, history, t, backend.model_name) for t in TURNS]
+
+
+MODELS = {"demo": lambda dirs: demo_model_dir(), "qwen2": lambda dirs: dirs("qwen2", size="small")}
+
+
+@pytest.mark.parametrize("model,mode", [("demo", "tensor"), ("qwen2", "pipeline")])
+def test_serve_on_two_ranks_gives_the_single_process_replies_and_restores_them(model_dirs, tmp_path, model, mode):
+    model_dir = MODELS[model](model_dirs)
+    if model_dir is None:
+        pytest.skip("no bundled demo model in this installation")
+    want = single_process(model_dir)
+    assert want[-1]["evicted"] > 0, "the conversation must evict to prove much"
+    sessions = tmp_path / "sessions"
+    history: list = []
+    post = None
+    with Ranks(tmp_path, model_dir, mode, sessions) as ranks:
+        post = lambda path, json: httpx.post(ranks.url + path, json=json, timeout=120)  # noqa: E731
+        got = [chat(post, history, t, ranks.model) for t in TURNS[:2]]
+        health = httpx.get(ranks.url + "/health").json()
+        assert health["ranks"] == {"size": 2, "mode": mode, "lost": None}
+    codes = ranks.stop()   # rank 0: uvicorn ends by re-raising the SIGTERM it handled
+    assert codes[0] in (0, -signal.SIGTERM) and codes[1] == 0, (codes, ranks.log())
+    assert got == want[:2], ranks.log()
+    files = sorted(p.name for p in sessions.iterdir() if ".rank" in p.name or "-rank" in p.name)
+    assert len(files) == 2 and all(f"{mode}-rank{r}of2" in f for r, f in enumerate(files)), files
+    # a restart with the same layout restores the session on both ranks: the third turn reuses it
+    with Ranks(tmp_path, model_dir, mode, sessions) as ranks:
+        third = chat(lambda path, json: httpx.post(ranks.url + path, json=json, timeout=120), history, TURNS[2],
+                     ranks.model)
+    assert third["usage"]["prompt_tokens_details"]["cached_tokens"] > 0, ranks.log()
+    assert third == want[2], ranks.log()
+    # another layout (one process, or another rank count) is refused before anything is read
+    with pytest.raises(SystemExit, match=f"saved by --distributed {mode} on 2 ranks; this run is one process"):
+        check_layout(sessions, None)
+    with pytest.raises(SystemExit, match="this run is --distributed tensor on 4 ranks"):
+        check_layout(sessions, {"mode": "tensor", "ranks": 4})
+
+
+def test_a_killed_rank_fails_requests_clearly_and_health_says_so(tmp_path):
+    model_dir = demo_model_dir()
+    if model_dir is None:
+        pytest.skip("no bundled demo model in this installation")
+    sessions = tmp_path / "sessions"
+    with Ranks(tmp_path, model_dir, "tensor", sessions) as ranks:
+        post = lambda path, json: httpx.post(ranks.url + path, json=json, timeout=120)  # noqa: E731
+        chat(post, [], TURNS[0], ranks.model)
+        ranks.procs[1].kill()
+        ranks.procs[1].wait()
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:   # an idle server pings the ranks every 2 s
+            health = httpx.get(ranks.url + "/health", timeout=5)
+            if health.status_code == 503:
+                break
+            time.sleep(0.5)
+        assert health.status_code == 503, ranks.log()
+        assert health.json()["status"] == "failed" and "rank lost" in health.json()["ranks"]["lost"]
+        r = post("/v1/chat/completions", {"model": ranks.model, "messages": [{"role": "user", "content": "hi"}],
+                                          "max_tokens": 4})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "rank_lost", r.text
+        assert "restart every rank" in r.json()["error"]["message"]
+    # what the first turn saved is intact: its index still names it, with its shards
+    index = json.loads((sessions / "index.json").read_text())
+    assert len(index["sessions"]) == 1 and index["sessions"][0]["gen"] == 0
