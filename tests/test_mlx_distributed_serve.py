@@ -26,7 +26,9 @@ from localheap.commands.ranks import check_layout  # noqa: E402
 from localheap.models import demo_model_dir  # noqa: E402
 
 START_S = 240     # two ranks loading on a busy 2-core CPU
-HEAP = ["--budget", "48", "--recent", "8", "--slack", "16", "--prefill-chunk", "32", "--recall", "off"]
+HEAP = ["--budget", "48", "--recent", "8", "--slack", "16", "--prefill-chunk", "32"]
+RECALL = {"off": ["--recall", "off"],   # evicting only
+          "on": ["--recall", "on", "--recall-budget", "16", "--page-size", "8", "--page-format", "f32"]}
 TURNS = ["Tell me a long story about a cat who lives in a lighthouse by the sea.",
          "Now tell me what the cat eats for breakfast, and why it likes fish so much.",
          "And what happens when the winter storm comes to the lighthouse?"]
@@ -51,7 +53,8 @@ class Ranks:
         hosts = tmp / f"hosts-{ring}.json"
         hosts.write_text(json.dumps([[f"127.0.0.1:{ring}"], [f"127.0.0.1:{ring2}"]]))
         cmd = [sys.executable, "-m", "localheap.cli", "serve", "--distributed", mode, "--model", str(model_dir),
-               "--port", str(http), "--sessions-dir", str(sessions), "--ram-budget", "4G", *HEAP, *extra]
+               "--port", str(http), "--sessions-dir", str(sessions), "--ram-budget", "4G", *HEAP,
+               *(extra or RECALL["off"])]
         self.url = f"http://127.0.0.1:{http}"
         self.logs = [open(tmp / f"rank{r}-{ring}.log", "w+") for r in (0, 1)]
         self.procs = [subprocess.Popen(cmd, env={**os.environ, "MLX_RANK": str(r), "MLX_HOSTFILE": str(hosts)},
@@ -108,11 +111,12 @@ def chat(post, history: list, text: str, model: str) -> dict:
     assert r.status_code == 200, r.text
     body = r.json()
     history.append({"role": "assistant", "content": body["choices"][0]["message"]["content"]})
-    return {"text": body["choices"][0]["message"]["content"], "usage": body["usage"],
-            "evicted": body["localheap"]["heap"]["evicted"]}
+    heap = body["localheap"]["heap"]
+    return {"text": body["choices"][0]["message"]["content"], "usage": body["usage"], "evicted": heap["evicted"],
+            "recalled": (heap["pages"] or {}).get("recalled_tokens", 0)}
 
 
-def single_process(model_dir) -> list[dict]:
+def single_process(model_dir, heap: list) -> list[dict]:
     """The same conversation on one process's server (the reference)."""
     from localheap.backends.mlx import MLXBackend
     from localheap.commands.common import heap_config
@@ -122,7 +126,7 @@ def single_process(model_dir) -> list[dict]:
 
     parser = argparse.ArgumentParser()
     add_parser(parser.add_subparsers())
-    args = parser.parse_args(["serve", "--model", str(model_dir), "--no-persist", "--ram-budget", "4G", *HEAP])
+    args = parser.parse_args(["serve", "--model", str(model_dir), "--no-persist", "--ram-budget", "4G", *heap])
     settings = settings_from_args(args)
     settings.heap = heap_config(args)
     backend = MLXBackend.load(model_dir)
@@ -135,17 +139,20 @@ def single_process(model_dir) -> list[dict]:
 MODELS = {"demo": lambda dirs: demo_model_dir(), "qwen2": lambda dirs: dirs("qwen2", size="small")}
 
 
-@pytest.mark.parametrize("model,mode", [("demo", "tensor"), ("qwen2", "pipeline")])
-def test_serve_on_two_ranks_gives_the_single_process_replies_and_restores_them(model_dirs, tmp_path, model, mode):
+@pytest.mark.parametrize("model,mode,recall", [("demo", "tensor", "off"), ("qwen2", "pipeline", "on")])
+def test_serve_on_two_ranks_gives_the_single_process_replies_and_restores_them(model_dirs, tmp_path, model, mode,
+                                                                              recall):
     model_dir = MODELS[model](model_dirs)
     if model_dir is None:
         pytest.skip("no bundled demo model in this installation")
-    want = single_process(model_dir)
+    heap = HEAP + RECALL[recall]
+    want = single_process(model_dir, heap)
     assert want[-1]["evicted"] > 0, "the conversation must evict to prove much"
+    assert (want[-1]["recalled"] > 0) == (recall == "on"), want   # the span vote summed across ranks
     sessions = tmp_path / "sessions"
     history: list = []
     post = None
-    with Ranks(tmp_path, model_dir, mode, sessions) as ranks:
+    with Ranks(tmp_path, model_dir, mode, sessions, *RECALL[recall]) as ranks:
         post = lambda path, json: httpx.post(ranks.url + path, json=json, timeout=120)  # noqa: E731
         got = [chat(post, history, t, ranks.model) for t in TURNS[:2]]
         health = httpx.get(ranks.url + "/health").json()
@@ -156,7 +163,7 @@ def test_serve_on_two_ranks_gives_the_single_process_replies_and_restores_them(m
     files = sorted(p.name for p in sessions.iterdir() if ".rank" in p.name or "-rank" in p.name)
     assert len(files) == 2 and all(f"{mode}-rank{r}of2" in f for r, f in enumerate(files)), files
     # a restart with the same layout restores the session on both ranks: the third turn reuses it
-    with Ranks(tmp_path, model_dir, mode, sessions) as ranks:
+    with Ranks(tmp_path, model_dir, mode, sessions, *RECALL[recall]) as ranks:
         third = chat(lambda path, json: httpx.post(ranks.url + path, json=json, timeout=120), history, TURNS[2],
                      ranks.model)
     assert third["usage"]["prompt_tokens_details"]["cached_tokens"] > 0, ranks.log()
