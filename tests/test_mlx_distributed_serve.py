@@ -200,3 +200,32 @@ def test_a_killed_rank_fails_requests_clearly_and_health_says_so(tmp_path):
     # what the first turn saved is intact: its index still names it, with its shards
     index = json.loads((sessions / "index.json").read_text())
     assert len(index["sessions"]) == 1 and index["sessions"][0]["gen"] == 0
+
+
+def test_chat_on_two_ranks_gives_the_single_process_reply(tmp_path):
+    from localheap.backends.mlx import MLXBackend
+    from localheap.commands.chat_engine import ChatEngine
+    from localheap.generation import SamplingParams
+    from localheap.heap import HeapConfig
+
+    model_dir = demo_model_dir()
+    if model_dir is None:
+        pytest.skip("no bundled demo model in this installation")
+    cfg = HeapConfig(budget=48, recent=8, slack=16, prefill_chunk=32)
+    one = ChatEngine(MLXBackend.load(model_dir), cfg)
+    try:
+        want = [one.ask(t, SamplingParams(max_tokens=24, temperature=0.0), lambda _: None).text for t in TURNS[:2]]
+    finally:
+        one.close()
+    ring, ring2 = free_ports(2)
+    hosts = tmp_path / "hosts.json"
+    hosts.write_text(json.dumps([[f"127.0.0.1:{ring}"], [f"127.0.0.1:{ring2}"]]))
+    cmd = [sys.executable, "-m", "localheap.cli", "chat", "--distributed", "tensor", "--model", str(model_dir),
+           "--max-tokens", "24", "--temperature", "0", *HEAP, *RECALL["off"]]
+    procs = [subprocess.Popen(cmd, env={**os.environ, "MLX_RANK": str(r), "MLX_HOSTFILE": str(hosts)},
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for r in (0, 1)]
+    out = [p.communicate("\n".join([*TURNS[:2], "/quit", ""]) if r == 0 else "", timeout=START_S)
+           for r, p in enumerate(procs)]
+    assert [p.returncode for p in procs] == [0, 0], out
+    assert all(w.strip() and w in out[0][0] for w in want), (want, out[0])

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from ..generation import SamplingParams
-from .common import add_heap_args, add_model_args, heap_config, model_spec, with_backend_chunk
+from .common import add_distributed_arg, add_heap_args, add_model_args, heap_config, model_spec, with_backend_chunk
 from .progress import ProgressBar
 
 PROMPT, MORE = ">>> ", "... "
@@ -35,6 +35,7 @@ def add_parser(sub) -> None:
     p.add_argument("--temperature", type=float, default=0.7, help="0 samples greedily")
     p.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling mass")
     p.add_argument("--seed", type=int, default=None, help="sampling seed (default: random)")
+    add_distributed_arg(p)
     p.set_defaults(func=run)
 
 
@@ -68,7 +69,6 @@ def _more(read_line) -> str | None:
 
 def run(args) -> int:
     from ..models import load_backend
-    from .chat_engine import ChatEngine
 
     try:
         import readline  # noqa: F401  (line editing and history for input())
@@ -76,9 +76,30 @@ def run(args) -> int:
         pass
     cfg = heap_config(args)   # bad flags fail before the model loads
     print("loading the model...", file=sys.stderr, flush=True)
-    backend = load_backend(model_spec(args), args.backend)
+    if args.distributed:   # rank 0 chats on a Leader; the other ranks follow its heap calls
+        from ..backends.mlx.follow import Leader
+        from . import ranks
+
+        backend = ranks.load_rank(args)
+        if backend.rank != 0:
+            return ranks.follower(backend, None)
+        backend = Leader(backend)
+    else:
+        backend = load_backend(model_spec(args), args.backend)
     cfg = with_backend_chunk(cfg, args, backend)
+    try:
+        return chat_on(backend, cfg, args)
+    finally:
+        if args.distributed:
+            backend.stop()
+
+
+def chat_on(backend, cfg, args) -> int:
+    from .chat_engine import ChatEngine
+
     chat = ChatEngine(backend, cfg, system=args.system)
+    if args.distributed:
+        backend.root = chat.store.spill_dir   # the followers keep their pages under their own temp dir
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             seed=args.seed)
     print(f"localheap chat: {backend.model_name} on {backend.name} | heap {cfg.sinks} sinks + {cfg.budget} "
