@@ -229,3 +229,37 @@ def test_chat_on_two_ranks_gives_the_single_process_reply(tmp_path):
            for r, p in enumerate(procs)]
     assert [p.returncode for p in procs] == [0, 0], out
     assert all(w.strip() and w in out[0][0] for w in want), (want, out[0])
+
+
+class FakeRanks:
+    def __init__(self, fits: list[int]):
+        self.fits = fits
+
+    def each(self, n: int) -> list[int]:
+        return [n, *self.fits[1:]]
+
+
+def test_the_tightest_rank_sets_the_resident_heaps(monkeypatch):
+    """Each rank plans its own RAM; rank 0's governor admits what every rank can hold."""
+    import localheap.governor as governor
+    from localheap.commands.ranks import agreed_plan
+    from localheap.governor import MemoryPlan
+    from localheap.governor.budget import BudgetTooSmall
+
+    mine = MemoryPlan(budget=1000, weights=100, heap=50, overhead=100)   # room for 16 heaps here
+    monkeypatch.setattr(governor, "plan_for", lambda backend, cfg, budget: mine)
+    backend = type("Shard", (), {})()
+    backend.ranks = FakeRanks([None, 3])
+    plan = agreed_plan(backend, None, None)
+    assert (mine.max_resident, plan.max_resident) == (16, 3)
+    backend.ranks = FakeRanks([None, 0])
+    with pytest.raises(SystemExit, match="rank 1 cannot hold one heap"):
+        agreed_plan(backend, None, None)
+
+    def too_small(backend, cfg, budget):
+        raise BudgetTooSmall(need=2, have=1, advice="raise --ram-budget")
+
+    monkeypatch.setattr(governor, "plan_for", too_small)
+    backend.ranks = FakeRanks([None, 3])
+    with pytest.raises(BudgetTooSmall):
+        agreed_plan(backend, None, None)

@@ -17,8 +17,6 @@ import threading
 from pathlib import Path
 from typing import Optional
 
-import numpy as np
-
 from .common import load_model_backend
 
 log = logging.getLogger("localheap.distributed")
@@ -44,14 +42,13 @@ def agreed_plan(backend, cfg, ram_budget: Optional[int]):
         plan, error = plan_for(backend, cfg, ram_budget), None
     except BudgetTooSmall as e:
         plan, error = None, e
-    fits = backend.ranks._gather(np.array([plan.max_resident if plan else 0], np.int64)).ravel()
+    fits = backend.ranks.each(plan.max_resident if plan else 0)
     if error is not None:
         raise error
-    if fits.min() < 1:
-        bad = int(np.argmin(fits))
-        raise SystemExit(f"localheap: rank {bad} cannot hold one heap in its RAM budget (see its log); "
-                         f"nothing was started")
-    tightest = int(fits.min())
+    tightest = min(fits)
+    if tightest < 1:
+        raise SystemExit(f"localheap: rank {fits.index(tightest)} cannot hold one heap in its RAM budget (see its "
+                         f"log); nothing was started")
     if tightest < plan.max_resident:   # fewer heaps here too, as many as the tightest rank holds
         plan = dataclasses.replace(plan, heap=max(plan.heap, plan.free_for_heaps // tightest))
     return plan

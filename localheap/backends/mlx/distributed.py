@@ -64,6 +64,10 @@ class Ranks:
     def all(self, flag: bool) -> bool:
         return bool(self._gather(np.array([flag], np.int8)).all())
 
+    def each(self, n: int) -> list[int]:
+        """Every rank's `n`, in rank order."""
+        return [int(v) for v in self._gather(np.array([n], np.int64)).ravel()]
+
     def max(self, n: int) -> int:
         return int(self._gather(np.array([n], np.int64)).max())
 
