@@ -53,7 +53,8 @@ class Ranks:
         hosts = tmp / f"hosts-{ring}.json"
         hosts.write_text(json.dumps([[f"127.0.0.1:{ring}"], [f"127.0.0.1:{ring2}"]]))
         cmd = [sys.executable, "-m", "localheap.cli", "serve", "--distributed", mode, "--model", str(model_dir),
-               "--port", str(http), "--sessions-dir", str(sessions), "--ram-budget", "4G", *HEAP,
+               "--port", str(http), "--sessions-dir", str(sessions), "--ram-budget", "4G",
+               "--max-resident-sessions", "1", *HEAP,
                *(extra or RECALL["off"])]
         self.url = f"http://127.0.0.1:{http}"
         self.logs = [open(tmp / f"rank{r}-{ring}.log", "w+") for r in (0, 1)]
@@ -126,14 +127,24 @@ def single_process(model_dir, heap: list) -> list[dict]:
 
     parser = argparse.ArgumentParser()
     add_parser(parser.add_subparsers())
-    args = parser.parse_args(["serve", "--model", str(model_dir), "--no-persist", "--ram-budget", "4G", *heap])
+    args = parser.parse_args(["serve", "--model", str(model_dir), "--no-persist", "--ram-budget", "4G",
+                              "--max-resident-sessions", "1", *heap])
     settings = settings_from_args(args)
     settings.heap = heap_config(args)
     backend = MLXBackend.load(model_dir)
     history: list = []
     with TestClient(create_app(backend, settings), base_url="http://127.0.0.1:8000") as client:
         post = lambda path, json: client.post(path, json=json)  # noqa: E731
-        return [chat(post, history, t, backend.model_name) for t in TURNS]
+        return conversation(post, history, TURNS, backend.model_name)
+
+
+def conversation(post, history: list, turns: list, model: str) -> list[dict]:
+    """`turns` in one session; after the first, another session's turn, which spills this one
+    (one resident session): the next turn restores it (on every rank)."""
+    replies = [chat(post, history, turns[0], model)]
+    if len(turns) > 1:
+        chat(post, [], "Hello!", model)
+    return replies + [chat(post, history, t, model) for t in turns[1:]]
 
 
 MODELS = {"demo": lambda dirs: demo_model_dir(), "qwen2": lambda dirs: dirs("qwen2", size="small")}
@@ -154,14 +165,19 @@ def test_serve_on_two_ranks_gives_the_single_process_replies_and_restores_them(m
     post = None
     with Ranks(tmp_path, model_dir, mode, sessions, *RECALL[recall]) as ranks:
         post = lambda path, json: httpx.post(ranks.url + path, json=json, timeout=120)  # noqa: E731
-        got = [chat(post, history, t, ranks.model) for t in TURNS[:2]]
+        got = conversation(post, history, TURNS[:2], ranks.model)
+        metrics = httpx.get(ranks.url + "/metrics").text
+        assert "localheap_session_restores_total 1.0" in metrics, metrics   # restored from both ranks' shards
         health = httpx.get(ranks.url + "/health").json()
         assert health["ranks"] == {"size": 2, "mode": mode, "lost": None}
     codes = ranks.stop()   # rank 0: uvicorn ends by re-raising the SIGTERM it handled
     assert codes[0] in (0, -signal.SIGTERM) and codes[1] == 0, (codes, ranks.log())
     assert got == want[:2], ranks.log()
-    files = sorted(p.name for p in sessions.iterdir() if ".rank" in p.name or "-rank" in p.name)
-    assert len(files) == 2 and all(f"{mode}-rank{r}of2" in f for r, f in enumerate(files)), files
+    # each session's committed generation: the layout file, every rank's shard; older ones removed
+    index = json.loads((sessions / "index.json").read_text())["sessions"]
+    shards = sorted(p.name for p in sessions.iterdir() if "-rank" in p.name)
+    assert shards == sorted(f"{e['id']}.{e['gen']}.{mode}-rank{r}of2.safetensors" for e in index for r in (0, 1))
+    assert all((sessions / f"{e['id']}.{e['gen']}.safetensors").exists() for e in index)
     # a restart with the same layout restores the session on both ranks: the third turn reuses it
     with Ranks(tmp_path, model_dir, mode, sessions, *RECALL[recall]) as ranks:
         third = chat(lambda path, json: httpx.post(ranks.url + path, json=json, timeout=120), history, TURNS[2],
