@@ -91,7 +91,11 @@ class Checkpoints:
             path.parent.mkdir(parents=True, exist_ok=True)
             if c.path.with_suffix(".pages").is_dir():
                 link_tree(c.path.with_suffix(".pages"), path.with_suffix(".pages"))
-            for src, dst in ((c.path.with_suffix(".tokens"), path.with_suffix(".tokens")), (c.path, path)):
+            shards = sorted(c.path.parent.glob(f"{c.path.stem}.*-rank*of*"))   # --distributed: this host's ranks'
+            for shard in (x for x in shards if x.is_dir()):
+                link_tree(shard, path.parent / shard.name)
+            files = [(x, path.parent / x.name) for x in shards if not x.is_dir()]
+            for src, dst in (*files, (c.path.with_suffix(".tokens"), path.with_suffix(".tokens")), (c.path, path)):
                 try:
                     os.link(src, dst)
                 except OSError:   # a filesystem without hard links
