@@ -105,12 +105,13 @@ class Ranks:
         self.stop()
 
 
-def chat(post, history: list, text: str, model: str) -> dict:
+def chat(post, history: list, text: str, model: str, session: str = None) -> dict:
     history.append({"role": "user", "content": text})
     r = post("/v1/chat/completions", json={"model": model, "messages": history, "max_tokens": MAX_TOKENS,
-                                           "temperature": 0})
+                                           "temperature": 0}, headers={"X-Session-Id": session} if session else {})
     assert r.status_code == 200, r.text
     body = r.json()
+    chat.session = body["localheap"]["session_id"]
     history.append({"role": "assistant", "content": body["choices"][0]["message"]["content"]})
     heap = body["localheap"]["heap"]
     return {"text": body["choices"][0]["message"]["content"], "usage": body["usage"], "evicted": heap["evicted"],
@@ -134,8 +135,10 @@ def single_process(model_dir, heap: list) -> list[dict]:
     backend = MLXBackend.load(model_dir)
     history: list = []
     with TestClient(create_app(backend, settings), base_url="http://127.0.0.1:8000") as client:
-        post = lambda path, json: client.post(path, json=json)  # noqa: E731
-        return conversation(post, history, TURNS, backend.model_name)
+        post = lambda path, json, headers={}: client.post(path, json=json, headers=headers)  # noqa: E731
+        replies = conversation(post, history, TURNS[:2], backend.model_name)
+        forked = fork_and_ask(post, history, backend.model_name)
+        return replies + [chat(post, history, TURNS[2], backend.model_name), forked]
 
 
 def conversation(post, history: list, turns: list, model: str) -> list[dict]:
@@ -145,6 +148,13 @@ def conversation(post, history: list, turns: list, model: str) -> list[dict]:
     if len(turns) > 1:
         chat(post, [], "Hello!", model)
     return replies + [chat(post, history, t, model) for t in turns[1:]]
+
+
+def fork_and_ask(post, history: list, model: str) -> dict:
+    """Fork the last session at its current point (a checkpoint every rank saves) and ask on in the fork."""
+    r = post(f"/v1/sessions/{chat.session}/fork", json={})
+    assert r.status_code == 201, r.text
+    return chat(post, list(history), "What is the cat's name?", model, session=r.json()["id"])
 
 
 MODELS = {"demo": lambda dirs: demo_model_dir(), "qwen2": lambda dirs: dirs("qwen2", size="small")}
@@ -164,8 +174,10 @@ def test_serve_on_two_ranks_gives_the_single_process_replies_and_restores_them(m
     history: list = []
     post = None
     with Ranks(tmp_path, model_dir, mode, sessions, *RECALL[recall]) as ranks:
-        post = lambda path, json: httpx.post(ranks.url + path, json=json, timeout=120)  # noqa: E731
+        post = lambda path, json, headers={}: httpx.post(ranks.url + path, json=json, headers=headers,  # noqa: E731
+                                                         timeout=120)
         got = conversation(post, history, TURNS[:2], ranks.model)
+        forked = fork_and_ask(post, history, ranks.model)
         metrics = httpx.get(ranks.url + "/metrics").text
         assert "localheap_session_restores_total 1.0" in metrics, metrics   # restored from both ranks' shards
         health = httpx.get(ranks.url + "/health").json()
@@ -173,6 +185,7 @@ def test_serve_on_two_ranks_gives_the_single_process_replies_and_restores_them(m
     codes = ranks.stop()   # rank 0: uvicorn ends by re-raising the SIGTERM it handled
     assert codes[0] in (0, -signal.SIGTERM) and codes[1] == 0, (codes, ranks.log())
     assert got == want[:2], ranks.log()
+    assert forked == want[3], ranks.log()   # a fork from a checkpoint of every rank's shard
     # each session's committed generation: the layout file, every rank's shard; older ones removed
     index = json.loads((sessions / "index.json").read_text())["sessions"]
     shards = sorted(p.name for p in sessions.iterdir() if "-rank" in p.name)
@@ -180,8 +193,8 @@ def test_serve_on_two_ranks_gives_the_single_process_replies_and_restores_them(m
     assert all((sessions / f"{e['id']}.{e['gen']}.safetensors").exists() for e in index)
     # a restart with the same layout restores the session on both ranks: the third turn reuses it
     with Ranks(tmp_path, model_dir, mode, sessions, *RECALL[recall]) as ranks:
-        third = chat(lambda path, json: httpx.post(ranks.url + path, json=json, timeout=120), history, TURNS[2],
-                     ranks.model)
+        third = chat(lambda path, json, headers: httpx.post(ranks.url + path, json=json, timeout=120), history,
+                     TURNS[2], ranks.model)
     assert third["usage"]["prompt_tokens_details"]["cached_tokens"] > 0, ranks.log()
     assert third == want[2], ranks.log()
     # another layout (one process, or another rank count) is refused before anything is read
@@ -197,7 +210,7 @@ def test_a_killed_rank_fails_requests_clearly_and_health_says_so(tmp_path):
         pytest.skip("no bundled demo model in this installation")
     sessions = tmp_path / "sessions"
     with Ranks(tmp_path, model_dir, "tensor", sessions) as ranks:
-        post = lambda path, json: httpx.post(ranks.url + path, json=json, timeout=120)  # noqa: E731
+        post = lambda path, json, headers={}: httpx.post(ranks.url + path, json=json, timeout=120)  # noqa: E731
         chat(post, [], TURNS[0], ranks.model)
         ranks.procs[1].kill()
         ranks.procs[1].wait()
