@@ -159,6 +159,9 @@ def serve_ranks(backend, settings, args) -> int:
     from ..server import create_app
 
     plan = ranks.agreed_plan(backend, settings.heap, settings.ram_budget)   # BudgetTooSmall on any rank: all stop
+    # --disk-total takes pages back from rank 0's page stores alone, which would split the ranks'
+    # recall votes: off until every rank takes the same back (README)
+    settings.disk_total = 0
     sessions_dir = settings.sessions_dir if settings.persist_sessions else None
     ranks.check_layout(sessions_dir, ranks.layout_of(backend))   # every rank: each has its own disk
     if backend.rank != 0:
