@@ -292,3 +292,31 @@ def test_the_tightest_rank_sets_the_resident_heaps(monkeypatch):
     backend.ranks = FakeRanks([None, 3])
     with pytest.raises(BudgetTooSmall):
         agreed_plan(backend, None, None)
+
+
+def test_a_follower_removes_its_own_files_of_a_session(tmp_path, monkeypatch):
+    """On another host a follower keeps its shards under its own sessions directory: when rank 0's
+    store removes a session's old generation (or the whole session), the follower removes its own."""
+    from localheap.backends.mlx import follow as follow_mod
+    from localheap.commands.ranks import remove_files
+
+    sid = "sess_abc"
+    for name in (f"{sid}.0.tensor-rank1of2.safetensors", f"{sid}.1.tensor-rank1of2.safetensors",
+                 f"{sid}.pages/rank1/layer0.bin", f"checkpoints/{sid}/3.tensor-rank1of2.safetensors",
+                 "sess_other.0.tensor-rank1of2.safetensors"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_bytes(b"x")
+    commands = [{"op": "remove", "drop": [], "session": sid, "keep_gen": 1, "whole": False},
+                {"op": "remove", "drop": [], "session": "../etc", "keep_gen": None, "whole": True},
+                {"op": "stop", "drop": []}]
+    monkeypatch.setattr(follow_mod, "broadcast", lambda ranks, payload: json.dumps(commands.pop(0)).encode())
+    shard = type("Shard", (), {"rank": 1, "ranks": None})()
+    assert follow_mod.follow(shard, tmp_path, remove_files) == 0
+    left = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if p.is_file())
+    assert left == [f"checkpoints/{sid}/3.tensor-rank1of2.safetensors", f"{sid}.1.tensor-rank1of2.safetensors",
+                    f"{sid}.pages/rank1/layer0.bin", "sess_other.0.tensor-rank1of2.safetensors"]
+    commands[:] = [{"op": "remove", "drop": [], "session": sid, "keep_gen": None, "whole": True},
+                   {"op": "stop", "drop": []}]
+    assert follow_mod.follow(shard, tmp_path, remove_files) == 0
+    left = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if p.is_file())
+    assert left == ["sess_other.0.tensor-rank1of2.safetensors"]

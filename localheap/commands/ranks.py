@@ -11,6 +11,7 @@ import dataclasses
 import json
 import logging
 import os
+import shutil
 import sys
 import tempfile
 import threading
@@ -86,7 +87,20 @@ def follower(backend, sessions_dir: Optional[Path]) -> int:
     root = Path(sessions_dir) if sessions_dir is not None else Path(tempfile.mkdtemp(prefix="localheap-rank-"))
     root.mkdir(parents=True, exist_ok=True)
     log.info("rank %d follows rank 0 (sessions in %s)", backend.rank, root)
-    return follow(backend, root)
+    return follow(backend, root, remove_files)
+
+
+def remove_files(root: Path, session_id: str, keep_gen: Optional[int], whole: bool) -> None:
+    """A follower's part of the store removing a session's files: its shards of other generations
+    (or of all, and its pages and checkpoints, with `whole`) under its own sessions directory."""
+    from ..sessions.disk import SessionDir, valid_id
+
+    if not valid_id(session_id):
+        return
+    SessionDir(root).remove(session_id, keep_gen)
+    if whole:
+        shutil.rmtree(root / f"{session_id}.pages", ignore_errors=True)
+        shutil.rmtree(root / "checkpoints" / session_id, ignore_errors=True)
 
 
 def keep_pinging(engine, leader, every: float = PING_S) -> threading.Thread:

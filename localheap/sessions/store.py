@@ -128,6 +128,7 @@ class SessionStore:
         self._remove_files(s)
         self.checkpoints.drop(session_id)
         shutil.rmtree(self.pages_dir(s), ignore_errors=True)
+        self._mirror_removal(s.id, None, whole=True)
         for key in [k for k in self.degraded if k.split(":")[0] == session_id]:
             self.clear_degraded(key)
 
@@ -334,6 +335,16 @@ class SessionStore:
             self.dir.remove(s.id, keep_gen)
         except OSError as e:
             log.warning("session %s: files not removed: %s", s.id, e)
+        self._mirror_removal(s.id, keep_gen)
+
+    def _mirror_removal(self, session_id: str, keep_gen: Optional[int], whole: bool = False) -> None:
+        """A backend whose other ranks keep files of their own (--distributed) removes theirs too."""
+        remove = getattr(self.backend, "remove_session_files", None)
+        if remove is not None:
+            try:
+                remove(session_id, keep_gen, whole)
+            except Exception as e:   # a lost rank: what it kept stays on its disk
+                log.warning("session %s: the other ranks' files not removed: %s", session_id, e)
 
     def _remove_gen(self, session_id: str, gen: int) -> None:
         for path in (self.dir.heap_path(session_id, gen), self.dir.tokens_path(session_id, gen)):

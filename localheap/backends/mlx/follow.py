@@ -117,6 +117,11 @@ class Leader:
             return str(path.relative_to(self.root))
         return str(path)
 
+    def remove_session_files(self, session_id: str, keep_gen: Optional[int], whole: bool) -> None:
+        """The store removed a session's files here (another generation's, or all of them with
+        `whole`): the followers remove theirs."""
+        self.send("remove", session=session_id, keep_gen=keep_gen, whole=whole)
+
     # --- heap calls, mirrored ---
 
     def new_cache(self, cfg: HeapConfig, pages_dir: Optional[Path] = None):
@@ -173,8 +178,9 @@ def replace_constraint(params: SamplingParams) -> SamplingParams:
     return replace(params, constraint=None)
 
 
-def follow(backend: DistributedMLXBackend, root: Path) -> int:
-    """A follower rank's loop: rank 0's heap calls on this rank's shard, until it says stop.
+def follow(backend: DistributedMLXBackend, root: Path, remove_files=None) -> int:
+    """A follower rank's loop: rank 0's heap calls on this rank's shard, until it says stop;
+    `remove_files(root, session_id, keep_gen, whole)` removes this rank's files of a session.
     Returns the exit status (1: rank 0 was lost)."""
     assert backend.rank != 0
     root = Path(root)
@@ -213,6 +219,8 @@ def follow(backend: DistributedMLXBackend, root: Path) -> int:
                 next(gens[cmd["gen"]], None)
             elif op == "close":
                 gens.pop(cmd["gen"]).close()
+            elif op == "remove" and remove_files is not None:
+                remove_files(root, cmd["session"], cmd["keep_gen"], cmd["whole"])
         except Exception as e:   # rank 0 fails the same call (its collectives agree on it): go on
             if lost(e) or lost(e.__cause__):
                 log.error("a rank was lost (%s): this rank stops", e)
