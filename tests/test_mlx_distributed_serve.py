@@ -320,3 +320,11 @@ def test_a_follower_removes_its_own_files_of_a_session(tmp_path, monkeypatch):
     assert follow_mod.follow(shard, tmp_path, remove_files) == 0
     left = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if p.is_file())
     assert left == ["sess_other.0.tensor-rank1of2.safetensors"]
+
+
+@pytest.mark.parametrize("command", [["serve", "--no-persist"], ["chat"]])
+def test_serve_and_chat_distributed_outside_mlx_launch_say_how(capsys, command):
+    from localheap.cli import main
+
+    assert main([*command, "--distributed", "tensor"]) == 2
+    assert "mlx.launch" in capsys.readouterr().err
