@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import logging
 import weakref
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Optional
 
@@ -150,7 +150,7 @@ class Leader:
         constraint stays on rank 0, whose sampled token every rank takes."""
         self._handles += 1
         gen_id = self._handles
-        sent = {k: v for k, v in asdict(replace_constraint(params)).items() if k != "constraint"}
+        sent = {k: v for k, v in asdict(replace(params, constraint=None)).items() if k != "constraint"}
         self.send("generate", handle=cache.handle, gen=gen_id, tokens=[int(t) for t in new_tokens], params=sent)
         inner = self._guard(lambda: self.backend.generate(cache, new_tokens, params, progress))
         return self._tokens(gen_id, inner)
@@ -171,11 +171,6 @@ class Leader:
                 except RankLost:
                     pass
             inner.close()
-
-
-def replace_constraint(params: SamplingParams) -> SamplingParams:
-    from dataclasses import replace
-    return replace(params, constraint=None)
 
 
 def follow(backend: DistributedMLXBackend, root: Path, remove_files=None) -> int:
