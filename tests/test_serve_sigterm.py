@@ -150,3 +150,49 @@ def test_sigterm_mid_stream_ends_each_stream_with_what_was_kept(tmp_path):
     assert list((root / "checkpoints" / chat_sid).iterdir()), "the checkpoint is on disk"
     assert any((root / f"{doc_sid}.pages").iterdir()), "the document paged out"
     assert not private_modes(root), private_modes(root)
+
+
+@pytest.fixture(scope="module")
+def backend(model_dirs, torch_one_thread):
+    from localheap.backends.torch import TorchBackend
+
+    return TorchBackend.load(model_dirs("llama"), model_name="tiny")
+
+
+def test_interrupted_whole_responses_say_what_was_kept(backend, tmp_path):
+    """What the runner does at the end of the grace period (engine.interrupt), in this process:
+    a whole chat response and a whole document response end 200 with what was kept and saved."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from localheap.heap import HeapConfig
+    from localheap.server import ServerSettings, create_app
+    from localheap.server.testing import ServerThread
+
+    heap = HeapConfig(budget=64, slack=32, recent=16, policy="h2o")
+    settings = ServerSettings(heap=heap, web_dir=None, sessions_dir=tmp_path, persist_sessions=True,
+                              max_tokens_limit=1000000, max_prompt_tokens=200000)
+    with ServerThread(create_app(backend, settings)) as srv, httpx.Client(base_url=srv.url, timeout=120) as http, \
+            ThreadPoolExecutor(2) as pool:
+        chat_sid, doc_sid = (http.post("/v1/sessions").json()["id"] for _ in range(2))
+        reply = pool.submit(http.post, "/v1/chat/completions", headers={"X-Session-Id": chat_sid}, json={
+            "model": "tiny", "max_tokens": 1000000, "messages": [{"role": "user", "content": "Never stop."}]})
+        doc = pool.submit(http.post, f"/v1/sessions/{doc_sid}/documents", json={"text": DOC, "stream": False})
+        deadline = time.monotonic() + 120
+        while http.get("/health").json()["in_flight"] < 2 or not http.get(f"/v1/sessions/{doc_sid}").json()["tokens"]:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        srv.services.engine.interrupt("shutdown")
+        r, d = reply.result(60), doc.result(60)
+        late = http.post("/v1/sessions").status_code   # routes that need no engine job still answer
+        refused = http.post("/v1/chat/completions", json={"model": "tiny", "max_tokens": 2,
+                                                          "messages": [{"role": "user", "content": "Hi"}]})
+    assert r.status_code == 200 and r.headers["X-Localheap-Saved"] == "true", r.text
+    ext = r.json()["localheap"]
+    assert ext["interrupted"] == "shutdown" and ext["saved"] is True and ext["kept"]["completion_tokens"] > 0
+    assert ext["kept"]["completion_tokens"] == r.json()["usage"]["completion_tokens"]
+    body = d.json()
+    assert d.status_code == 200 and body["interrupted"] == "shutdown" and body["finish_reason"] == "cancelled", body
+    assert 0 < body["tokens_added"] < body["tokens_total"] and body["saved"] is True
+    index = {e["id"]: e["tokens"] for e in json.loads((tmp_path / "index.json").read_text())["sessions"]}
+    assert index[doc_sid] == body["session"]["tokens"] and index[chat_sid] == ext["session"]["tokens"]
+    assert late in (200, 201) and refused.status_code == 503 and refused.json()["error"]["code"] == "shutting_down"

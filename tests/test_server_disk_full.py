@@ -159,6 +159,12 @@ def test_full_disk_mid_reply_and_mid_document(backend, small_disk):
                       headers={"X-Session-Id": sid})
         assert r.status_code == 200 and r.headers["X-Localheap-Saved"] == "false", r.text
         assert r.json()["localheap"]["saved"] is False
+        with http.stream("POST", "/v1/messages", headers={"X-Session-Id": sid}, json={
+                "model": "tiny", "max_tokens": 4, "stream": True,
+                "messages": [{"role": "user", "content": "And streamed?"}]}) as r:
+            deltas = [json.loads(line[5:]) for line in r.iter_lines()
+                      if line.startswith("data:") and '"message_delta"' in line]
+        assert len(deltas) == 1 and deltas[0]["localheap"]["saved"] is False, deltas
         r = http.post(f"/v1/sessions/{sid}/checkpoint")
         assert r.status_code == 507 and r.json()["error"]["code"] == "sessions_dir_unwritable", r.text
         # a failed write leaves no partial file (the page store's own are heap/pages.py's to clean)
