@@ -125,6 +125,12 @@ def unsaved(http) -> list[str]:
     return [d for d in health.get("degraded", []) if "not saved" in d]
 
 
+def metric(http, name: str) -> float:
+    lines = [line for line in http.get("/metrics").text.splitlines() if line.startswith(name + " ")]
+    assert len(lines) == 1, name
+    return float(lines[0].split()[1])
+
+
 def wait_saved(http, timeout=30.0) -> None:
     deadline = time.monotonic() + timeout
     while unsaved(http) and time.monotonic() < deadline:
@@ -149,6 +155,7 @@ def test_full_disk_mid_reply_and_mid_document(backend, small_disk):
         health = http.get("/health").json()
         assert health["status"] == "degraded" and sid in unsaved(http)[0], health
         held = tokens(http, sid)
+        assert metric(http, "localheap_sessions_unsaved") == 1 and metric(http, "localheap_session_saves_failed_total") >= 1
         assert held > on_disk(root, sid)                # resident, ahead of its copy on disk
         assert sid in [s["id"] for s in http.get("/v1/sessions").json()["data"]]
 
@@ -172,7 +179,7 @@ def test_full_disk_mid_reply_and_mid_document(backend, small_disk):
 
         ballast.unlink()                                # space is back: saved without a new turn
         wait_saved(http)
-        assert on_disk(root, sid) == tokens(http, sid)
+        assert on_disk(root, sid) == tokens(http, sid) and metric(http, "localheap_sessions_unsaved") == 0
         r = chat(http, sid, "Saved now?")
         assert r.headers["X-Localheap-Saved"] == "true" and on_disk(root, sid) == tokens(http, sid)
 

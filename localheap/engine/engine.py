@@ -417,6 +417,7 @@ class Engine:
         except Exception as e:
             reason = str(e) or type(e).__name__
             log.error("session %s: turn not saved: %s", s.id, reason)
+            self.counters.save_failures += 1
             if s.id not in self.unsaved:
                 self._save_tried_at = time.monotonic()   # the first retry a full period from now
             self.unsaved[s.id] = reason
