@@ -152,6 +152,7 @@ def test_full_disk_mid_reply_and_mid_document(backend, small_disk):
         assert r.status_code == 200 and r.headers["X-Localheap-Saved"] == "false", r.text
         ext = r.json()["localheap"]
         assert ext["saved"] is False and "No space" in ext["save_error"], ext
+        assert ext["heap"]["pages"]["pages_failed"] > 0   # its page-out failed too: the next questions still answer
         health = http.get("/health").json()
         assert health["status"] == "degraded" and sid in unsaved(http)[0], health
         held = tokens(http, sid)
