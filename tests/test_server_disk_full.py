@@ -175,6 +175,9 @@ def test_full_disk_mid_reply_and_mid_document(backend, small_disk):
         assert len(deltas) == 1 and deltas[0]["localheap"]["saved"] is False, deltas
         r = http.post(f"/v1/sessions/{sid}/checkpoint")
         assert r.status_code == 507 and r.json()["error"]["code"] == "sessions_dir_unwritable", r.text
+        listed = [x["id"] for x in http.get("/v1/sessions").json()["data"]]
+        r = http.post("/v1/sessions")   # a session the index cannot hold is not made (nor announced)
+        assert r.status_code == 507 and [x["id"] for x in http.get("/v1/sessions").json()["data"]] == listed, r.text
         # a failed write leaves no partial file (the page store's own are heap/pages.py's to clean)
         assert not [p for p in root.rglob("*.tmp*") if ".pages" not in str(p)]
 
@@ -208,6 +211,7 @@ def test_read_only_disk(backend, small_disk):
             assert sid in unsaved(http)[0]
             r = http.post(f"/v1/sessions/{sid}/checkpoint")
             assert r.status_code == 507, r.text
+            assert http.post("/v1/sessions").status_code == 507
             assert chat(http, sid, "Still here?").status_code == 200
             assert tokens(http, sid) > on_disk(root, sid)
         wait_saved(http)

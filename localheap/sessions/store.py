@@ -73,7 +73,9 @@ class SessionStore:
     # --- lookup (engine thread) ---
 
     def create(self, session_id: Optional[str] = None, origin: str = "api", title: Optional[str] = None,
-               owner: Optional[str] = None, ephemeral: bool = False) -> Session:
+               owner: Optional[str] = None, ephemeral: bool = False, strict: bool = False) -> Session:
+        """A new, empty session. strict: it must be in the index (durable stores) before anyone is
+        told it exists, or it is not made (SpillFailed: disk full or read-only)."""
         assert origin in ORIGINS, origin
         s = Session(id=session_id or new_id(), cfg=self.cfg, origin=origin, title=title, owner=owner,
                     ephemeral=ephemeral)
@@ -82,7 +84,15 @@ class SessionStore:
         with self._lock:
             assert s.id not in self._sessions
             self._sessions[s.id] = s
-        self._try_commit()
+        if not strict:
+            self._try_commit()
+            return s
+        try:
+            self._commit()
+        except SpillFailed:
+            with self._lock:
+                del self._sessions[s.id]
+            raise
         return s
 
     def get(self, session_id: str) -> Session:

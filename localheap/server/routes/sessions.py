@@ -39,7 +39,7 @@ async def create_session(body: Optional[SessionFields] = None, who: Optional[str
     origin = "web" if x_localheap_client == "web" else "api"
     title = short_title(body.title or "") if body is not None else None
     session = await asyncio.wrap_future(
-        svc.engine.call(lambda: svc.store.create(origin=origin, title=title, owner=who)))
+        svc.engine.call(lambda: svc.store.create(origin=origin, title=title, owner=who, strict=True)))
     return session.snapshot
 
 
