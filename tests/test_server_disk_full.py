@@ -1,5 +1,6 @@
 """A full or read-only sessions disk through the real server (torch, recall on), on a small
-tmpfs and a read-only bind mount of it (skipped where this process cannot mount): every reply
+tmpfs and a read-only bind mount of it (skipped where this process cannot mount), and with a
+fake writer that refuses every write (runs everywhere): every reply
 whose turn is not on disk says so (`saved: false`, X-Localheap-Saved), `/health` is degraded,
 the session stays and answers, checkpoints answer 507, and once the disk takes writes again the
 session is saved without a new turn and /health is ok. A reply that says `saved: true` is on disk."""
@@ -217,3 +218,38 @@ def test_read_only_disk(backend, small_disk):
         wait_saved(http)
         assert on_disk(root, sid) == tokens(http, sid)
         assert http.post(f"/v1/sessions/{sid}/checkpoint").status_code == 201
+
+
+def test_a_refusing_disk_without_mounts(backend, tmp_path, monkeypatch):
+    """The same promises where nothing can be mounted (not root, macOS): every write into the
+    sessions directory refused with ENOSPC by a fake writer, then allowed again."""
+    import errno
+
+    import localheap.engine.engine as engine
+    import localheap.sessions.checkpoints as checkpoints
+    from localheap.heap.pages import PageStore
+    from localheap.sessions.disk import SessionDir
+
+    monkeypatch.setattr(engine, "RETRY_SAVE_S", RETRY_S)
+    settings = ServerSettings(heap=HEAP, web_dir=None, sessions_dir=tmp_path, persist_sessions=True)
+    with ServerThread(create_app(backend, settings)) as srv, httpx.Client(base_url=srv.url, timeout=120) as http:
+        sid = http.post("/v1/sessions").json()["id"]
+        assert chat(http, sid, DOC + " What does the heap keep?").headers["X-Localheap-Saved"] == "true"
+
+        def full(*args, **kwargs):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        with monkeypatch.context() as m:
+            write_with = SessionDir.write_with
+            m.setattr(SessionDir, "write_with", lambda self, path, write: write_with(self, path, full))
+            m.setattr(PageStore, "_pwrite", full)
+            m.setattr(checkpoints, "_write_tokens", full)
+            r = chat(http, sid, DOC + " Again?")
+            assert r.status_code == 200 and r.headers["X-Localheap-Saved"] == "false", r.text
+            assert "No space" in r.json()["localheap"]["save_error"] and sid in unsaved(http)[0]
+            assert chat(http, sid, "And then?").status_code == 200
+            assert http.post(f"/v1/sessions/{sid}/checkpoint").status_code == 507
+            assert http.post("/v1/sessions").status_code == 507
+            assert tokens(http, sid) > on_disk(tmp_path, sid)
+        wait_saved(http)
+        assert on_disk(tmp_path, sid) == tokens(http, sid)
