@@ -112,11 +112,12 @@ def test_sigterm_mid_stream_ends_each_stream_with_what_was_kept(tmp_path):
         doc = Stream(url, f"/v1/sessions/{doc_sid}/documents", {"text": DOC}, {})
         view = HeapView(url)
         reply.start()
-        doc.start()
         view.start()
         deadline = time.monotonic() + 120
-        while (len(reply.events) < 3 or not any(k == "progress" and d["done"] for k, d in doc.events)) \
-                and time.monotonic() < deadline:
+        while len(reply.events) < 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        doc.start()   # after the reply decodes: the document then rides beside it, a chunk a step
+        while not any(k == "progress" and d["done"] for k, d in doc.events) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert len(reply.events) >= 3 and doc.events and view.events, (reply.events[:3], doc.events[:3])
         t0 = time.monotonic()
@@ -176,10 +177,13 @@ def test_interrupted_whole_responses_say_what_was_kept(backend, tmp_path):
         chat_sid, doc_sid = (http.post("/v1/sessions").json()["id"] for _ in range(2))
         reply = pool.submit(http.post, "/v1/chat/completions", headers={"X-Session-Id": chat_sid}, json={
             "model": "tiny", "max_tokens": 1000000, "messages": [{"role": "user", "content": "Never stop."}]})
-        doc = pool.submit(http.post, f"/v1/sessions/{doc_sid}/documents", json={"text": DOC, "stream": False})
         deadline = time.monotonic() + 120
-        while http.get("/health").json()["in_flight"] < 2 or not http.get(f"/v1/sessions/{doc_sid}").json()["tokens"]:
-            assert time.monotonic() < deadline
+        while not http.get(f"/v1/sessions/{chat_sid}").json()["tokens"]:   # decoding
+            assert time.monotonic() < deadline and not reply.done()
+            time.sleep(0.05)
+        doc = pool.submit(http.post, f"/v1/sessions/{doc_sid}/documents", json={"text": DOC, "stream": False})
+        while not http.get(f"/v1/sessions/{doc_sid}").json()["tokens"]:   # read beside it, a chunk a step
+            assert time.monotonic() < deadline and not doc.done(), doc.result() if doc.done() else None
             time.sleep(0.05)
         srv.services.engine.interrupt("shutdown")
         r, d = reply.result(60), doc.result(60)
