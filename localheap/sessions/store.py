@@ -238,15 +238,24 @@ class SessionStore:
 
     def enforce_limits(self, keep: Optional[Session] = None) -> None:
         """Spill idle least-recently-used heaps beyond max_resident; drop the oldest idle
-        sessions beyond max_sessions. `keep` is about to run and stays resident."""
+        sessions beyond max_sessions. `keep` is about to run and stays resident. A heap the disk
+        refuses to take (its turn unsaved: full, read-only) stays resident and the next is tried;
+        SpillFailed when too many stay."""
         idle = sorted((s for s in self.sessions() if not s.busy and s is not keep), key=lambda s: s.last_used)
         resident = [s for s in self.sessions() if s.cache is not None or s is keep]
+        refused: Optional[SpillFailed] = None
         for s in idle:
             if len(resident) <= self.max_resident:
                 break
             if s.cache is not None:
-                self.spill(s.id)
+                try:
+                    self.spill(s.id)
+                except SpillFailed as e:
+                    refused = e
+                    continue
                 resident.remove(s)
+        if refused is not None and len(resident) > self.max_resident:
+            raise refused
         for s in idle:
             if len(self) <= self.max_sessions:
                 break
