@@ -112,7 +112,7 @@ def test_kill_9_mid_load_then_restart_then_sigterm(tmp_path):
     finally:
         srv.kill()
     assert took < GRACE_S + 8, took
-    assert code in (0, -signal.SIGTERM), srv.proc.stdout.read()
+    assert code == 0, srv.proc.stdout.read()
     index = json.loads((tmp_path / "index.json").read_text())
     tokens = {e["id"]: e["tokens"] for e in index["sessions"]}
     assert tokens[twin2] > before, "the cancelled turn was saved at shutdown"

@@ -133,3 +133,38 @@ def test_sessions_persist_across_store_instances(tmp_path):
     again.make_resident(restored)
     assert backend.tokens_in_cache(restored.cache) == 3
     assert again.get(empty.id).state == "empty"
+
+
+def test_a_heap_the_disk_refuses_stays_resident_and_the_next_is_spilled(tmp_path):
+    """Over max_resident, the least recently used idle heap whose save the disk refuses (its
+    turn not on disk) stays resident; the next one is spilled instead. SpillFailed only when
+    none can go."""
+    from localheap.sessions import SpillFailed
+
+    backend = FakeBackend()
+    store = SessionStore(backend, CFG, tmp_path, max_resident=2, max_sessions=8)
+    sessions = []
+    for i in range(3):
+        s = store.create()
+        store.make_resident(s)
+        s.extend(encode(f"session {i}"))
+        s.cache.tokens = encode(f"session {i}")
+        store.touch(s)
+        sessions.append(s)
+    save = backend.save_cache
+
+    def refuse_first(cache, path, **kw):
+        if cache is sessions[0].cache:
+            raise OSError(28, "No space left on device")
+        return save(cache, path, **kw)
+
+    backend.save_cache = refuse_first
+    store.enforce_limits()
+    assert [s.state for s in sessions] == ["resident", "spilled", "resident"]
+    sessions[2].busy = True   # nothing else can go
+    store.make_resident(s := store.create())
+    s.extend(encode("four"))
+    s.cache.tokens = encode("four")
+    with pytest.raises(SpillFailed):
+        store.enforce_limits(keep=s)   # s is about to run; the refused heap is the only idle one
+    assert sessions[0].state == "resident"

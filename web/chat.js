@@ -65,6 +65,7 @@ export class Chat {
         if (chunk.usage) reply.tokens = chunk.usage.completion_tokens;
         if (chunk.localheap?.heap) this.heapView.heap(id, chunk.localheap.heap);
         if (chunk.localheap?.speed) reply.rate = chunk.localheap.speed.decode_tokens_per_s;
+        if (chunk.localheap) keepFate(reply, chunk.localheap);
       }
     });
     reply.seconds = ((performance.now() - (firstToken ?? started)) / 1000);
@@ -85,8 +86,10 @@ export class Chat {
           this.paint(doc);
         } else if (event === "done") {
           const heap = body.session?.heap;
-          Object.assign(doc, { tokens: body.tokens_added, done: doc.total || body.tokens_added,
-                               total: doc.total || body.tokens_added, resident: heap?.resident, capacity: heap?.capacity });
+          Object.assign(doc, { tokens: body.tokens_added, done: body.tokens_added,
+                               total: body.tokens_total ?? (doc.total || body.tokens_added),
+                               resident: heap?.resident, capacity: heap?.capacity });
+          keepFate(doc, body);
           if (heap) this.heapView.heap(id, heap);
           if (body.session) this.convs.upsert(body.session);
         } else if (event === "error") {
@@ -159,6 +162,20 @@ export class Chat {
   }
 }
 
+// What the server says about a finished turn: not on disk (saved: false, and why), or cut short
+// by a server shutdown (interrupted). Absent on a server that keeps nothing on disk.
+function keepFate(m, fields) {
+  if ("saved" in fields) Object.assign(m, { saved: fields.saved, saveError: fields.save_error });
+  if (fields.interrupted) m.interrupted = fields.interrupted;
+}
+
+function notSaved(m) {
+  return m.saved === false
+    ? el("p", { class: "msg-error", role: "status",
+                text: `Not saved to disk (${m.saveError || "the disk refused it"}); kept in memory and saved when the disk takes writes again.` })
+    : null;
+}
+
 function userNode(m) {
   return el("article", { class: "msg msg-user", "aria-label": "You" },
     el("div", { class: "msg-body", text: m.content }));
@@ -176,6 +193,7 @@ function replyNode(m) {
   const speed = m.rate ?? (m.seconds && m.tokens > 1 ? (m.tokens - 1) / m.seconds : null);
   if (speed) foot.push(`this reply: ${rate(speed)} tok/s`);
   if (m.status === "stopped") foot.push("stopped");
+  else if (m.interrupted) foot.push("stopped by the server shutting down");
   else if (m.finish === "length") foot.push("hit the max-tokens limit");
   // a reasoning model's thinking (reasoning_content): shown folded, open while it is all there is
   const reasoning = m.reasoning ? el("details", { class: "msg-reasoning", open: m.status === "streaming" && !m.content ? "" : null },
@@ -185,6 +203,7 @@ function replyNode(m) {
     reasoning,
     body,
     m.status === "error" ? el("p", { class: "msg-error", role: "alert", text: m.error }) : null,
+    notSaved(m),
     foot.length ? el("div", { class: "msg-foot", text: foot.join(" · ") }) : null);
 }
 
@@ -192,7 +211,8 @@ function documentNode(m) {
   const share = m.total ? Math.min(100, (m.done / m.total) * 100) : 0;
   const status = {
     reading: m.total ? `Reading… ${int(m.done)} of ${int(m.total)} tokens` : "Tokenizing…",
-    done: `Read ${int(m.tokens ?? m.total)} tokens` +
+    done: m.interrupted ? `The server stopped after ${int(m.tokens)} of ${int(m.total)} tokens (those are kept)` :
+      `Read ${int(m.tokens ?? m.total)} tokens` +
       (m.capacity ? ` · the heap holds ${int(m.resident)} of its ${int(m.capacity)} slots` : ""),
     stopped: `Stopped after ${int(m.done)} of ${int(m.total)} tokens`,
     error: `Not read: ${m.error}`,
@@ -207,5 +227,6 @@ function documentNode(m) {
       el("div", { class: "doc-name", text: m.name }),
       el("div", { class: "doc-size muted small", text: `${int(m.chars)} characters` }),
       bar,
-      el("div", { class: "doc-status small", role: m.status === "error" ? "alert" : null, text: status })));
+      el("div", { class: "doc-status small", role: m.status === "error" ? "alert" : null, text: status }),
+      notSaved(m)));
 }

@@ -68,8 +68,8 @@ def add_parser(sub) -> None:
     p.add_argument("--max-tokens-limit", type=int, default=32768,
                    help="the largest max_tokens a request may ask for (400 beyond)")
     p.add_argument("--shutdown-grace", type=float, default=10.0, metavar="SECONDS",
-                   help="on SIGTERM/Ctrl-C, requests get this long to finish; then they are cancelled, "
-                        "sessions saved, and the server exits")
+                   help="on SIGTERM/Ctrl-C, requests get this long to finish; then each is stopped and ends "
+                        "with a final event saying what was kept, sessions are saved, and the server exits 0")
     p.add_argument("--tool-format", default="auto", choices=("auto", "hermes", "mistral", "llama3_json", "prompted"),
                    help="how the model writes tool calls (default: auto, recognised from its chat template)")
     add_distributed_arg(p)

@@ -35,6 +35,7 @@ log = logging.getLogger("localheap.engine")
 IDLE_POLL_S = 0.05     # with nothing running, how often waiting jobs are looked at (room, timeouts)
 MIXED_CHUNK = 64       # prefill tokens riding in a decode step (README: prefill beside decode)
 BATCH_SLICE = 32       # steps a run keeps its batch seat while others wait for one (a swap copies two heaps)
+RETRY_SAVE_S = 5.0     # how often a turn the disk refused (full, read-only) is tried again
 
 
 class Engine:
@@ -61,6 +62,9 @@ class Engine:
         self._lock = threading.Lock()
         self._thread: Optional[threading.Thread] = None
         self._stopping = False
+        self._draining = False   # interrupt(): new jobs are refused, running ones were stopped
+        self.unsaved: dict[str, str] = {}   # session id -> why its latest turn is not on disk
+        self._save_tried_at = 0.0
         self._thermal = "unknown"
         self.failure: Optional[BaseException] = None      # set when the thread died on an internal error
         self.on_fatal: Optional[Callable[[BaseException], None]] = None   # e.g. make the server exit
@@ -94,7 +98,7 @@ class Engine:
             limit = self.max_active + self.max_queued
             if self.failure is not None:
                 raise EngineFailed()
-            if self._stopping:
+            if self._stopping or self._draining:
                 raise EngineStopped()
             if self._in_flight >= limit:
                 self.counters.rejected += 1
@@ -114,6 +118,19 @@ class Engine:
             else:
                 self._inbox.put((fn, fut))
         return fut
+
+    def interrupt(self, reason: str = "shutdown") -> None:
+        """Stop every running job at its next step (each ends with its Finished event, its session
+        keeping and saving what it read and wrote) and fail those waiting; refuse new ones. Any thread."""
+        with self._lock:
+            self._draining = True
+        self.call(lambda: self._interrupt(reason))
+
+    def _interrupt(self, reason: str) -> None:
+        for run in self._active:
+            run.job.cancel(reason)
+        while self.admission.waiting:
+            self._end(self.admission.waiting.popleft(), Failed(EngineStopped()), "failed")
 
     @property
     def healthy(self) -> bool:
@@ -138,8 +155,12 @@ class Engine:
             while True:
                 # running: just look; only waiting (for RAM or a busy session): poll; idle: sleep
                 timeout = 0.0 if self._active else IDLE_POLL_S if self.admission.waiting else None
+                if timeout is None and self.unsaved:
+                    timeout = RETRY_SAVE_S
                 if not self._drain(timeout):
                     break
+                if self.unsaved and time.monotonic() - self._save_tried_at >= RETRY_SAVE_S:
+                    self._retry_saves()
                 self._admit()
                 if self.batched:
                     self._batch_step()
@@ -364,14 +385,18 @@ class Engine:
         if fed_document:
             branching.checkpoint_quietly(self.store, s)
         self.store.touch(s)
+        saved = None
         if s.ephemeral:
             self.store.delete(s.id)   # before the reply ends: the client sees it end with nothing kept
-        else:
-            self._save(s)   # before the reply ends: a turn the client saw finish survives kill -9
+        elif self.store.durable:
+            saved = self._save(s)     # before the reply ends: a turn the client saw finish survives kill -9
         self.store.disk.ended(s)   # page-out faults reported; --disk-total kept
         s.refresh()
         self.counters.completion_tokens += len(run.completion)
-        self._end(run.job, run.finished_event(), "finished" if run.finish_reason else "cancelled")
+        event = run.finished_event()
+        if saved is not None:   # the reply says whether its turn is on disk (README: saved)
+            event.saved, event.save_error = saved is True, None if saved is True else saved
+        self._end(run.job, event, "finished" if run.finish_reason else "cancelled")
         try:
             self.store.enforce_limits()
             if s.cfg.recall:
@@ -380,13 +405,40 @@ class Engine:
             log.error("%s (sessions stay in memory)", e)
         self._room_freed()
 
-    def _save(self, s: Session) -> None:
-        """Write-through in a durable store; a failed write keeps the session, logged."""
-        if self.store.durable and s.fed and s.cache is not None:
-            try:
-                self.store.save(s)
-            except Exception as e:
-                log.error("session %s: turn not saved: %s", s.id, e)
+    def _save(self, s: Session):
+        """Write-through in a durable store: True when the session's turn is on disk, else why not
+        (logged; the session stays resident and unsaved, /health degraded, and is tried again every
+        RETRY_SAVE_S and after its next turn)."""
+        if not (self.store.durable and s.fed and s.cache is not None) or s.saved:
+            self._saved(s.id)
+            return True
+        try:
+            self.store.save(s)
+        except Exception as e:
+            reason = str(e) or type(e).__name__
+            log.error("session %s: turn not saved: %s", s.id, reason)
+            self.counters.save_failures += 1
+            if s.id not in self.unsaved:
+                self._save_tried_at = time.monotonic()   # the first retry a full period from now
+            self.unsaved[s.id] = reason
+            self.store.mark_degraded(f"{s.id}:unsaved", f"session {s.id}: latest turn not saved: {reason}")
+            return reason
+        self._saved(s.id)
+        return True
+
+    def _saved(self, session_id: str) -> None:
+        if self.unsaved.pop(session_id, None) is not None:
+            log.info("session %s: saved", session_id)
+            self.store.clear_degraded(f"{session_id}:unsaved")
+
+    def _retry_saves(self) -> None:
+        """Save the idle sessions whose latest turn the disk refused (space may be back)."""
+        self._save_tried_at = time.monotonic()
+        for sid in list(self.unsaved):
+            if sid not in self.store:   # deleted meanwhile
+                self._saved(sid)
+            elif not self.store.get(sid).busy:   # a running one is saved when its run ends
+                self._save(self.store.get(sid))
 
     def _fail(self, job: Job, error: Exception, run: Optional[Run] = None) -> None:
         """Fail one request. A session it was running on is rolled back to its last saved

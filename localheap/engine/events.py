@@ -52,6 +52,10 @@ class Finished:
     finish_reason: str   # "stop" | "length" | "cancelled" | "fed" (documents)
     usage: Usage
     session: dict        # the session's snapshot, heap stats included
+    prompt_read: int = 0                 # of the new prompt tokens, those the session now holds
+    saved: Optional[bool] = None         # the turn is on disk (None: this store keeps nothing on disk)
+    save_error: Optional[str] = None     # why it is not (it stays in memory and is saved when it can be)
+    interrupted: Optional[str] = None    # "shutdown": the server stopped the run (SIGTERM), not the client
 
 
 @dataclass
@@ -97,7 +101,12 @@ class Job:
     done: threading.Event = field(default_factory=threading.Event)
     submitted: float = field(default_factory=time.monotonic)
 
-    def cancel(self) -> None:
+    cancel_reason: Optional[str] = None
+
+    def cancel(self, reason: str = "client") -> None:
+        """reason: "client" (gone, or a stop sequence) or "shutdown" (the server is stopping)."""
+        if self.cancel_reason is None:
+            self.cancel_reason = reason
         self._cancelled.set()
 
     @property

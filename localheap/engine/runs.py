@@ -151,7 +151,10 @@ class Run:
 
     def finished_event(self) -> Finished:
         usage = Usage(self.prompt_tokens, len(self.completion), self.cached)
-        return Finished(self.session.id, self.finish_reason or "cancelled", usage, self.session.snapshot)
+        read = max(0, min(self.prompt_tokens, len(self.session.fed)) - self.cached)
+        interrupted = "shutdown" if self.finish_reason is None and self.job.cancel_reason == "shutdown" else None
+        return Finished(self.session.id, self.finish_reason or "cancelled", usage, self.session.snapshot,
+                        prompt_read=read, interrupted=interrupted)
 
     def _publish_stats(self, force: bool) -> None:
         now = time.monotonic()

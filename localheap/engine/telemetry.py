@@ -61,5 +61,6 @@ class Counters:
     cached_tokens: int = 0
     prefill_tokens: int = 0
     completion_tokens: int = 0
+    save_failures: int = 0    # saves of a session the disk refused (full, read-only), retries included
     decode: RateMeter = field(default_factory=RateMeter)
     prefill: RateMeter = field(default_factory=RateMeter)

@@ -40,6 +40,7 @@ from typing import Optional
 import numpy as np
 
 from .pagecodec import FORMATS, decode, encode, payload_fields, payload_names
+from .private import open_private, private_dir, write_private
 
 MAGIC = 0x4C48_5047   # "LHPG"
 META = "meta.json"
@@ -154,9 +155,9 @@ class PageStore:
     def _open(self, flags: int, parents: bool = True) -> None:
         """Open (creating the directory) every layer's file into self._fds, or none of them."""
         try:
-            self.root.mkdir(parents=parents, exist_ok=True)
+            private_dir(self.root, parents=parents)
             for i in range(self.g.n_layers):
-                self._fds.append(os.open(self._file(i), flags, 0o600))
+                self._fds.append(open_private(self._file(i), flags))
         except OSError:
             _close_all(self._fds)
             raise
@@ -461,7 +462,7 @@ class PageStore:
         self.close()
         if root.exists():
             shutil.rmtree(root)
-        root.parent.mkdir(parents=True, exist_ok=True)
+        private_dir(root.parent)
         shutil.move(str(self.root), str(root))
         self.root = root
         self._fds.extend(os.open(self._file(i), os.O_RDWR) for i in range(self.g.n_layers))
@@ -573,13 +574,14 @@ def clone_file(src: Path, dst: Path) -> None:
     if sys.platform == "darwin" and _clonefile(src, dst):
         return
     if sys.platform.startswith("linux"):
-        with open(src, "rb") as fs, open(dst, "wb") as fd:
+        with open(src, "rb") as fs, write_private(dst) as fd:
             try:
                 fcntl.ioctl(fd.fileno(), FICLONE, fs.fileno())
                 return
             except OSError:   # ext4, tmpfs, ...: a plain copy below
                 pass
     shutil.copyfile(src, dst)
+    os.chmod(dst, 0o600)
 
 
 def _clonefile(src: Path, dst: Path) -> bool:
@@ -597,13 +599,14 @@ def _tree(src: Path, dst: Path, put) -> None:
     src, dst = Path(src), Path(dst)
     if dst.exists():
         shutil.rmtree(dst)
-    dst.mkdir(parents=True)
+    private_dir(dst)
     for f in src.iterdir():
         if f.name == META or f.name == TAIL or f.suffix == ".pages":
             try:
                 put(f, dst / f.name)
             except OSError:   # a filesystem without hard links
                 shutil.copyfile(f, dst / f.name)
+                os.chmod(dst / f.name, 0o600)
 
 
 def _close_all(fds: list) -> None:
@@ -614,7 +617,7 @@ def _close_all(fds: list) -> None:
 
 def _atomic(path: Path, write) -> None:
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
+    with write_private(tmp) as f:
         write(f)
         f.flush()
         os.fsync(f.fileno())

@@ -85,7 +85,7 @@ def create_app(backend: Any, settings: Optional[ServerSettings] = None, governor
                        allow_methods=["GET", "POST", "PATCH", "DELETE", "OPTIONS"],
                        allow_headers=["Authorization", "Content-Type", "X-Session-Id", "X-Localheap-Client", "X-Api-Key",
                                       "Anthropic-Version", "Anthropic-Beta"],
-                       expose_headers=["X-Session-Id", "Retry-After"])
+                       expose_headers=["X-Session-Id", "Retry-After", "X-Localheap-Saved"])
     if checks_host(settings.host):
         app.add_middleware(CheckHost, bound_host=settings.host, extra=settings.allowed_hosts)   # outermost
     _mount_web(app, settings)

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import uuid
@@ -18,6 +19,7 @@ from ..heap import HeapConfigError
 from ..sessions import DiskTotalExceeded, SessionBusy, SessionLost, SessionNotFound, SpillFailed
 
 log = logging.getLogger("localheap.server")
+DISK_REFUSED = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM}   # full or read-only: 507
 
 
 class ApiError(Exception):
@@ -88,6 +90,10 @@ def to_response(exc: Exception) -> JSONResponse:
                               headers={"Retry-After": "30"})
     if isinstance(exc, RankLost):
         return error_response(503, str(exc), "server_error", None, "rank_lost", headers={"Retry-After": "30"})
+    if isinstance(exc, OSError) and exc.errno in DISK_REFUSED:   # e.g. a checkpoint's own write
+        log.error("sessions directory refused a write: %s", exc)
+        return error_response(507, f"cannot write to the sessions directory: {exc.strerror}", "server_error", None,
+                              "sessions_dir_unwritable", headers={"Retry-After": "30"})
     if isinstance(exc, EngineFailed):
         return error_response(503, str(exc), "server_error", None, "engine_failed", headers={"Retry-After": "5"})
     if isinstance(exc, InvalidTokens):
@@ -168,7 +174,7 @@ def install(app: FastAPI) -> None:
     async def handle(request: Request, exc: Exception) -> JSONResponse:
         return for_path(request.url.path, to_response(exc))
 
-    for cls in (ApiError, SessionNotFound, SessionBusy, SessionLost, SpillFailed, DiskTotalExceeded, EngineFailed,
+    for cls in (ApiError, SessionNotFound, SessionBusy, SessionLost, SpillFailed, DiskTotalExceeded, OSError, EngineFailed,
                 InvalidTokens, RankLost,
                 Overloaded, OverBudget, EngineStopped,
                 RequestValidationError, StarletteHTTPException, HeapConfigError, ValueError, Exception):

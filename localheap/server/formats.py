@@ -107,7 +107,35 @@ def extension(done: Finished, decode_s: Optional[float] = None) -> dict:
     browser may receive a fast reply in one burst, which makes its own timing meaningless)."""
     ext = {"session_id": done.session_id, "session": {k: v for k, v in done.session.items() if k != "heap"},
            "heap": done.session.get("heap")}
+    ext.update(save_fields(done))
     n = done.usage.completion_tokens
     if decode_s is not None and decode_s > 0 and n > 1:
         ext["speed"] = {"decode_tokens_per_s": round((n - 1) / decode_s, 1), "decode_seconds": round(decode_s, 3)}
     return ext
+
+
+SAVED_HEADER = "X-Localheap-Saved"
+
+
+def save_fields(done: Finished) -> dict:
+    """What a reply says about its turn on disk: "saved" (absent where the server keeps nothing on
+    disk), "save_error" when it is not saved, and, for a run the server stopped (SIGTERM), what
+    was kept of it."""
+    out: dict = {}
+    if done.saved is not None:
+        out["saved"] = done.saved
+    if done.save_error is not None:
+        out["save_error"] = done.save_error
+    if done.interrupted is not None:
+        out["interrupted"] = done.interrupted
+        out["kept"] = {"prompt_tokens_read": done.prompt_read,
+                       "prompt_tokens": done.usage.prompt_tokens - done.usage.cached_tokens,
+                       "completion_tokens": done.usage.completion_tokens,
+                       "session_tokens": done.session.get("tokens")}
+    return out
+
+
+def saved_headers(done: Finished) -> dict:
+    """X-Localheap-Saved on a whole (non-streamed) response; a stream's headers leave before its
+    turn is saved, so a stream says it in its final event only."""
+    return {} if done.saved is None else {SAVED_HEADER: "true" if done.saved else "false"}

@@ -30,6 +30,7 @@ class Services:
     throughput: Any = None               # telemetry.ThroughputHistory (set by the app)
     metrics: Any = None                  # the app's prometheus_client registry
     observers: int = 0                   # open /v1/heap/events streams (event loop only)
+    draining: bool = False               # shutting down: the grace period is over, endless streams end
     force_tokens: Any = None             # tests only: () -> a Constraint for each chat request
 
     @property

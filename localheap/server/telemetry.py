@@ -141,6 +141,8 @@ class MetricsCollector:
             ("cached_tokens", "prompt tokens reused from sessions", c.cached_tokens),
             ("prefill_tokens", "tokens prefilled", c.prefill_tokens),
             ("completion_tokens", "tokens generated", c.completion_tokens),
+            ("session_saves_failed", "saves of a session the disk refused (full, read-only), retries included",
+             c.save_failures),
             ("session_spills", "heaps saved to disk", svc.store.spills),
             ("session_restores", "heaps loaded from disk", svc.store.restores),
             ("budget_spills", "idle heaps spilled to stay in budget", mem["spilled_total"]),
@@ -188,6 +190,8 @@ class MetricsCollector:
             ("disk_used_bytes", "bytes under the sessions directory (hard links once)", dir_bytes(svc.store.spill_dir)),
             ("degraded", "things /health reports as degraded (e.g. sessions whose page-out fails)",
              len(svc.store.degraded)),
+            ("sessions_unsaved", "sessions whose latest turn is not on disk (kept in memory, retried)",
+             len(eng.unsaved)),
         ]
         for name, help_, value in gauges:
             yield GaugeMetricFamily(f"localheap_{name}", help_, value=value)

@@ -21,6 +21,7 @@ from typing import Any, Iterable, Optional
 
 from ..heap import HeapConfig
 from ..heap.pages import link_tree
+from ..heap.private import FILE_MODE, private_dir, write_private
 from .session import Session, token_array
 
 log = logging.getLogger("localheap.sessions")
@@ -67,12 +68,13 @@ class Checkpoints:
             if c.n == len(s.fed) and c.tokens == s.fed:
                 return c
         path = self.root / s.id / f"{len(s.fed)}.safetensors"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        _write_tokens(path.with_suffix(".tokens"), s.fed)   # tokens first: the heap file marks it complete
+        private_dir(path.parent)
         try:
+            _write_tokens(path.with_suffix(".tokens"), s.fed)   # tokens first: the heap file marks it complete
             self.backend.save_cache(s.cache, path, snapshot=True)   # written atomically by the backend
         except BaseException:
             _unlink(path)
+            path.with_name(path.with_suffix(".tokens").name + ".tmp").unlink(missing_ok=True)
             raise
         return self._add(s, Checkpoint(s.id, token_array(s.fed), path))
 
@@ -88,7 +90,7 @@ class Checkpoints:
             if c.n > parent.n or c.tokens != parent.tokens[:c.n]:
                 continue
             path = self.root / child.id / c.path.name
-            path.parent.mkdir(parents=True, exist_ok=True)
+            private_dir(path.parent)
             if c.path.with_suffix(".pages").is_dir():
                 link_tree(c.path.with_suffix(".pages"), path.with_suffix(".pages"))
             shards = sorted(c.path.parent.glob(f"{c.path.stem}.*-rank*of*"))   # --distributed: this host's ranks'
@@ -100,6 +102,7 @@ class Checkpoints:
                     os.link(src, dst)
                 except OSError:   # a filesystem without hard links
                     shutil.copyfile(src, dst)
+                    os.chmod(dst, FILE_MODE)
             self._add(child, Checkpoint(child.id, c.tokens, path))
 
     def drop(self, session_id: str) -> None:
@@ -163,7 +166,7 @@ def _unlink(path: Path) -> None:
 
 def _write_tokens(path: Path, tokens) -> None:
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
+    with write_private(tmp) as f:
         tokens.tofile(f)
         f.flush()
         os.fsync(f.fileno())

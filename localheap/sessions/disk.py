@@ -21,6 +21,7 @@ from array import array
 from pathlib import Path
 from typing import Callable, Optional
 
+from ..heap.private import DIR_MODE, FILE_MODE, open_private, private_dir
 from .errors import SpillFailed
 
 log = logging.getLogger("localheap.sessions")
@@ -69,9 +70,9 @@ class SessionDir:
         try:
             if self.root.exists() and not self.root.is_dir():
                 raise NotADirectoryError(f"{self.root} is not a directory")
-            self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
+            private_dir(self.root)
             if self.root.stat().st_mode & 0o077:
-                os.chmod(self.root, 0o700)   # saved sessions decode to conversation text
+                os.chmod(self.root, DIR_MODE)   # saved sessions decode to conversation text
             self.write_bytes(self.root / ".write-check", b"ok")
             (self.root / ".write-check").unlink()
         except OSError as e:
@@ -95,7 +96,7 @@ class SessionDir:
             if not self.root.is_dir():   # vanished, or a file in its place: say so, not "File exists"
                 raise NotADirectoryError(f"{self.root} is missing or not a directory")
             write(tmp)
-            os.chmod(tmp, 0o600)
+            os.chmod(tmp, FILE_MODE)
             _fsync(tmp)
             os.replace(tmp, path)
             _fsync(path.parent)
@@ -119,7 +120,7 @@ class SessionDir:
 
     def write_bytes(self, path: Path, data: bytes) -> None:
         def write(tmp: Path) -> None:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            fd = open_private(tmp)
             with os.fdopen(fd, "wb") as f:
                 f.write(data)
         self.write_with(path, write)
@@ -189,10 +190,12 @@ class SessionDir:
         aside = self.root / ASIDE
         stamp = time.strftime("%Y%m%d-%H%M%S")
         try:
-            aside.mkdir(mode=0o700, exist_ok=True)
+            private_dir(aside)
             for p in paths:
                 if p.exists():
                     os.replace(p, aside / f"{p.name}.{stamp}")
+                    if (aside / f"{p.name}.{stamp}").is_file():
+                        os.chmod(aside / f"{p.name}.{stamp}", FILE_MODE)   # kept for a post-mortem: private
             log.warning("%s: moved %s to %s", reason, ", ".join(p.name for p in paths), aside)
             return aside
         except OSError as e:

@@ -73,7 +73,9 @@ class SessionStore:
     # --- lookup (engine thread) ---
 
     def create(self, session_id: Optional[str] = None, origin: str = "api", title: Optional[str] = None,
-               owner: Optional[str] = None, ephemeral: bool = False) -> Session:
+               owner: Optional[str] = None, ephemeral: bool = False, strict: bool = False) -> Session:
+        """A new, empty session. strict: it must be in the index (durable stores) before anyone is
+        told it exists, or it is not made (SpillFailed: disk full or read-only)."""
         assert origin in ORIGINS, origin
         s = Session(id=session_id or new_id(), cfg=self.cfg, origin=origin, title=title, owner=owner,
                     ephemeral=ephemeral)
@@ -82,7 +84,15 @@ class SessionStore:
         with self._lock:
             assert s.id not in self._sessions
             self._sessions[s.id] = s
-        self._try_commit()
+        if not strict:
+            self._try_commit()
+            return s
+        try:
+            self._commit()
+        except SpillFailed:
+            with self._lock:
+                del self._sessions[s.id]
+            raise
         return s
 
     def get(self, session_id: str) -> Session:
@@ -231,15 +241,24 @@ class SessionStore:
 
     def enforce_limits(self, keep: Optional[Session] = None) -> None:
         """Spill idle least-recently-used heaps beyond max_resident; drop the oldest idle
-        sessions beyond max_sessions. `keep` is about to run and stays resident."""
+        sessions beyond max_sessions. `keep` is about to run and stays resident. A heap the disk
+        refuses to take (its turn unsaved: full, read-only) stays resident and the next is tried;
+        SpillFailed when too many stay."""
         idle = sorted((s for s in self.sessions() if not s.busy and s is not keep), key=lambda s: s.last_used)
         resident = [s for s in self.sessions() if s.cache is not None or s is keep]
+        refused: Optional[SpillFailed] = None
         for s in idle:
             if len(resident) <= self.max_resident:
                 break
             if s.cache is not None:
-                self.spill(s.id)
+                try:
+                    self.spill(s.id)
+                except SpillFailed as e:
+                    refused = e
+                    continue
                 resident.remove(s)
+        if refused is not None and len(resident) > self.max_resident:
+            raise refused
         for s in idle:
             if len(self) <= self.max_sessions:
                 break

@@ -11,6 +11,7 @@ import mlx.core as mx
 import numpy as np
 
 from ...heap import HeapConfig
+from ...heap.private import FILE_MODE, private_dir
 from ..paging import checkpoint_pages, saved_pages_root
 from .cache import HeapKVCache
 from .heapcache import HeapPromptCache, make_heap_cache
@@ -63,9 +64,14 @@ def save_heap(cache: HeapPromptCache, path: Path, snapshot: bool = False) -> Non
                 for j, a in enumerate(c.state):
                     arrays[f"{i}.state{j}"] = a
         meta["layers"].append(entry)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    private_dir(path.parent)
     tmp = path.with_name(path.name + ".tmp.safetensors")
-    mx.save_safetensors(str(tmp), arrays, metadata={"localheap": json.dumps(meta)})
+    try:
+        mx.save_safetensors(str(tmp), arrays, metadata={"localheap": json.dumps(meta)})
+        os.chmod(tmp, FILE_MODE)
+    except BaseException:   # a full disk: leave no partial file behind
+        tmp.unlink(missing_ok=True)
+        raise
     os.replace(tmp, path)
 
 

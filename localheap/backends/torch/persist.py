@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ...heap import HeapConfig
+from ...heap.private import FILE_MODE, private_dir
 from ..paging import checkpoint_pages, saved_pages_root
 from .cache import HeapCache, make_heap_cache
 from .layer import HeapLayer
@@ -48,9 +49,14 @@ def save_heap(cache: HeapCache, path: Path, snapshot: bool = False) -> None:
                 tensors[f"{i}.keys"], tensors[f"{i}.values"] = layer.keys, layer.values
     tensors = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    private_dir(path.parent)
     tmp = path.with_name(path.name + ".tmp.safetensors")
-    save_file(tensors, str(tmp), metadata={"localheap": json.dumps(meta)})
+    try:
+        save_file(tensors, str(tmp), metadata={"localheap": json.dumps(meta)})
+        os.chmod(tmp, FILE_MODE)
+    except BaseException:   # a full disk: leave no partial file behind
+        tmp.unlink(missing_ok=True)
+        raise
     os.replace(tmp, path)
 
 

@@ -19,6 +19,7 @@ from ..anthropic import (CountTokensRequest, MessagesRequest, call_error, conten
 from ..bridge import JobEvents, follow, watch_disconnect
 from ..chat import start
 from ..errors import anthropic_body, to_response
+from ..formats import save_fields, saved_headers
 from ..prompts import chat_prompt, tokenize
 from ..services import Services, services
 from ..toolcalls import CallArgs, CallStart, OutputParser, Piece, Text
@@ -54,7 +55,8 @@ async def messages(body: MessagesRequest, request: Request, svc: Services = Depe
     headers = {SESSION_HEADER: started.session_id}
     head = {"id": message_id(), "type": "message", "role": "assistant", "model": svc.model_id}
     if not body.stream:
-        return JSONResponse(await _whole(request, reader, events, head), headers=headers)
+        body, done = await _whole(request, reader, events, head)
+        return JSONResponse(body, headers={**headers, **saved_headers(done)})
     return EventSourceResponse(_stream(reader, events, head, started.session_id, started.prompt_tokens,
                                        started.cached_tokens), headers=headers, sep="\n")
 
@@ -94,7 +96,7 @@ class Reader:
         return self.parser.feed(out)
 
 
-async def _whole(request: Request, reader: Reader, events: JobEvents, head: dict) -> dict:
+async def _whole(request: Request, reader: Reader, events: JobEvents, head: dict) -> tuple[dict, Finished]:
     watcher = asyncio.create_task(watch_disconnect(request, reader.job))
     pieces: list = []
     try:
@@ -110,9 +112,9 @@ async def _whole(request: Request, reader: Reader, events: JobEvents, head: dict
             "stop_reason": stop_reason(done, bool(calls), reader.stop_sequence),
             "stop_sequence": reader.stop_sequence, "usage": usage(done)}
     errors = [e for i, c in enumerate(calls) if (e := call_error(c, i)) is not None]
-    body["localheap"] = {"session_id": done.session_id, "heap": done.session.get("heap"),
+    body["localheap"] = {"session_id": done.session_id, "heap": done.session.get("heap"), **save_fields(done),
                          **({"tool_call_errors": errors} if errors else {})}
-    return body
+    return body, done
 
 
 async def _stream(reader: Reader, events: JobEvents, head: dict, session_id: str, prompt_tokens: int,
@@ -133,7 +135,8 @@ async def _stream(reader: Reader, events: JobEvents, head: dict, session_id: str
                 delta = {"stop_reason": stop_reason(p, calls > 0, reader.stop_sequence),
                          "stop_sequence": reader.stop_sequence}
                 yield _event("message_delta", {"delta": delta, "usage": {"output_tokens": p.usage.completion_tokens},
-                                               "localheap": {"session_id": p.session_id, "heap": p.session.get("heap")}})
+                                               "localheap": {"session_id": p.session_id, "heap": p.session.get("heap"),
+                                                             **save_fields(p)}})
                 yield _event("message_stop", {})
                 return
             if isinstance(p, (CallStart, CallArgs)):

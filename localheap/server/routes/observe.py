@@ -70,9 +70,12 @@ async def heap_events(request: Request, svc: Services = Depends(services),
 
     async def events():
         first = True
-        while True:
+        while not svc.draining:
             yield {"event": "heap", "data": json.dumps(heap_snapshot(svc, who, with_history=first))}
             first = False
-            await asyncio.sleep(period)
+            slept = 0.0
+            while slept < period and not svc.draining:   # a shutdown ends the stream within MIN_INTERVAL_S
+                await asyncio.sleep(min(MIN_INTERVAL_S, period - slept))
+                slept += MIN_INTERVAL_S
 
     return ObserverStream(svc, events(), sep="\n")

@@ -16,7 +16,7 @@ from ...sessions import Prompt
 from ..bridge import JobEvents, collect, follow
 from ..chat import ChatPlan, start
 from ..errors import Unsupported, to_response
-from ..formats import Reply, add_call_errors, extension, finish_reason, tool_call_dict
+from ..formats import Reply, add_call_errors, extension, finish_reason, saved_headers, tool_call_dict
 from ..prompts import chat_prompt, completion_prompt, tokenize
 from ..schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
 from ..services import Services, services
@@ -100,7 +100,7 @@ async def _respond(reply: Reply, body: SamplingFields, prompt: Prompt, params: S
     if not body.stream:
         text, done = await collect(request, job, events)
         pieces = parser.feed(text) + parser.finish() if parser is not None else None
-        return JSONResponse(reply.full(text, done, pieces), headers=headers)
+        return JSONResponse(reply.full(text, done, pieces), headers={**headers, **saved_headers(done)})
     usage = bool(body.stream_options and body.stream_options.include_usage)
     return EventSourceResponse(_stream(reply, job, events, started, usage, parser), headers=headers, sep="\n")
 

@@ -14,6 +14,7 @@ from sse_starlette import EventSourceResponse
 from ...engine import Feed, Finished, Job, Progress
 from ..bridge import JobEvents, follow, submit
 from ..errors import to_response
+from ..formats import save_fields, saved_headers
 from ...sessions.session import short_title
 from ..prompts import document_prompt, tokenize
 from ..schemas import DocumentRequest, SessionFields
@@ -38,7 +39,7 @@ async def create_session(body: Optional[SessionFields] = None, who: Optional[str
     origin = "web" if x_localheap_client == "web" else "api"
     title = short_title(body.title or "") if body is not None else None
     session = await asyncio.wrap_future(
-        svc.engine.call(lambda: svc.store.create(origin=origin, title=title, owner=who)))
+        svc.engine.call(lambda: svc.store.create(origin=origin, title=title, owner=who, strict=True)))
     return session.snapshot
 
 
@@ -92,7 +93,7 @@ async def add_document(session_id: str, body: DocumentRequest, request: Request,
     await svc.name_session(started.session_id, body.name or body.text.strip().split("\n", 1)[0])
     if not body.stream:
         done = await _until_done(job, events)
-        return JSONResponse(_done_body(done))
+        return JSONResponse(_done_body(done), headers=saved_headers(done))
     return EventSourceResponse(_progress_stream(job, events), sep="\n")
 
 
@@ -121,5 +122,8 @@ async def _progress_stream(job: Job, events: JobEvents) -> AsyncIterator[dict]:
 
 
 def _done_body(done: Finished) -> dict:
-    return {"session_id": done.session_id, "tokens_added": done.usage.prompt_tokens - done.usage.cached_tokens,
-            "finish_reason": done.finish_reason, "session": done.session}
+    """tokens_added: what the session holds of the document (all of it, unless the run was stopped);
+    tokens_total: the document's tokens."""
+    return {"session_id": done.session_id, "tokens_added": done.prompt_read,
+            "tokens_total": done.usage.prompt_tokens - done.usage.cached_tokens,
+            "finish_reason": done.finish_reason, **save_fields(done), "session": done.session}
