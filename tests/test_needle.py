@@ -134,3 +134,23 @@ def test_cli_needle_and_attention_mass(model_dirs, tmp_path, capsys):
 
     with pytest.raises(SystemExit):
         main(["bench", "needle", "--prune", "1.5"])
+
+
+def test_long_table_counts_what_the_ceiling_answered_and_a_cell_missed():
+    """The full cache is the ceiling: the long table pairs each cell with it question by question."""
+    assert needle.lost_to_ceiling("1101", "1011") == 1 and needle.lost_to_ceiling("0000", "1111") == 0
+    assert needle.lost_to_ceiling("11", "111") is None
+
+    def row(policy, hits, ctx=512):
+        return {"context": ctx, "budget": 96 if policy != "full" else ctx, "prune": None, "policy": policy,
+                "positions": "compact", "trials": len(hits), "accuracy": hits.count("1") / len(hits),
+                "hits": hits, "filler": "man", "placement": "end", "turns": 1}
+
+    short = {"context": 256, "budget": 256, "prune": None, "policy": "full", "positions": "compact",
+             "trials": 1, "accuracy": 1.0, "hits": "1"}
+    settings = {"context": 256, "policies": ["snapkv", "snapkv+recall"], "positions": ["compact"], "prune": [],
+                "trials": 1, "long_contexts": [512], "long_full": [512], "long_budget": 96, "heap": {"sinks": 4}}
+    rows = [short, row("full", "11101"), row("snapkv", "10001"), row("snapkv+recall", "01111")]
+    text = needle.tables({"settings": settings, "rows": rows})
+    lost = {ln.split()[5]: ln.split()[-1] for ln in text.splitlines() if ln.lstrip().startswith("man / end / 1")}
+    assert "lost" in text and lost == {"full": "-", "snapkv": "2", "snapkv+recall": "1"}

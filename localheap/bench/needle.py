@@ -344,6 +344,16 @@ def variant(row: dict) -> str:
     return f"{row.get('filler', '-')} / {row.get('placement', 'uniform')} / {row.get('turns', 1)}"
 
 
+def lost_to_ceiling(full_hits: str, hits: str) -> Optional[int]:
+    """Questions the full cache answered and a cell missed, paired question by question (both
+    cells ran the same episodes in the same order: their `hits` strings line up); None if the two
+    did not ask the same number of questions. The full cache is the model's ceiling: what it
+    misses no heap can be blamed for, what it answers a heap should."""
+    if len(full_hits) != len(hits):
+        return None
+    return sum(f == "1" and h == "0" for f, h in zip(full_hits, hits))
+
+
 def tables(result: dict) -> str:
     """Accuracy per (policy, positions) x prune at the short context; then per long context."""
     from .report import table
@@ -370,6 +380,7 @@ def tables(result: dict) -> str:
         for v in dict.fromkeys(map(variant, long)):
             cells = [x for x in long if variant(x) == v]
             fulls = [x for x in cells if x["policy"] == "full"]
+            ceiling = {x["context"]: x["hits"] for x in fulls}
             if fulls:
                 lrows.append({"variant": v, "policy": "full cache", "positions": "",
                               **{f"c{x['context']}": x["accuracy"] for x in fulls},
@@ -381,13 +392,18 @@ def tables(result: dict) -> str:
                         if x["policy"] == pol and x["positions"] == pos:
                             r[f"c{x['context']}"] = x["accuracy"]
                             r[f"n{x['context']}"] = x["trials"]
+                            if x["context"] in ceiling:
+                                r[f"l{x['context']}"] = lost_to_ceiling(ceiling[x["context"]], x["hits"])
                     lrows.append(r)
         lcols = [("variant", "filler / placement / questions", ""), ("policy", "policy", ""),
                  ("positions", "positions", "")]
         for c in s["long_contexts"]:
             lcols += [(f"c{c}", f"{c // 1024}K" if c % 1024 == 0 else f"{c:,}", ".0%"), (f"n{c}", "n", "d")]
-        text += (f"\n\nbudget {s['long_budget']:,} + {s['heap']['sinks']} sinks; n: questions per cell\n"
-                 + table(lrows, lcols))
+            if c in s.get("long_full", ()):
+                lcols.append((f"l{c}", "lost", "d"))
+        text += (f"\n\nbudget {s['long_budget']:,} + {s['heap']['sinks']} sinks; n: questions per cell"
+                 + ("; lost: questions the full cache answered and the cell missed (same episodes)"
+                    if s.get("long_full") else "") + "\n" + table(lrows, lcols))
     costs = [r for r in rows if r.get("recall_ms") is not None]
     if costs:
         text += "\n\nrecall costs (per question; disk and summaries at the end of an episode)\n" + table(costs, [
