@@ -219,12 +219,18 @@ def _seat(rows: list[DecodeRow], slabs: dict) -> None:
     for slab in slabs.values():
         for cache in [c for c in slab.members if id(c) not in stepping]:
             slab.leave(cache)   # its row's `slab` is cleared when it steps or ends (in_slab)
+    joining: dict = {}
     for row in rows:
         if not in_slab(row):
             key = slab_key(row.cache)
             if key is not None:
-                row.slab = slabs.setdefault(key, DecodeSlab(key))
-                row.slab.join(row.cache)
+                joining.setdefault(key, []).append(row)
+    for key, incoming in joining.items():
+        slab = slabs.setdefault(key, DecodeSlab(key))
+        slab.reserve(len(slab.members) + len(incoming))
+        for row in incoming:
+            row.slab = slab
+            slab.join(row.cache)
 
 
 def in_slab(row: DecodeRow) -> bool:

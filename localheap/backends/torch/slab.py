@@ -47,7 +47,7 @@ class DecodeSlab:
     def join(self, cache: HeapCache) -> int:
         assert slab_key(cache) == self.key and not any(c is cache for c in self.members)
         if len(self.members) == self.rows:
-            self._grow(max(1, 2 * self.rows))
+            self.reserve(len(self.members) + 1)
         r = len(self.members)
         self.members.append(cache)
         for layer, bufs in zip(cache.heap_layers, self.buffers):
@@ -73,16 +73,23 @@ class DecodeSlab:
         if not self.members:   # an idle slab holds no memory
             self.buffers, self.rows = [], 0
 
+    def reserve(self, rows: int) -> None:
+        """Room for `rows` members: one allocation for the rows joining in one step (a power of
+        two), not one per join (each copies the rows already in)."""
+        if rows > self.rows:
+            self._grow(1 << (rows - 1).bit_length())
+
     def _grow(self, rows: int) -> None:
         old = self.buffers
         self.buffers = []
         for i in range(len(self.key[1])):
             shape, dtype, device, scores = self.key[1][i]
             _, H, cap, D = shape
-            bufs = {"keys": torch.zeros(rows, H, cap, D, dtype=dtype, device=device),
-                    "values": torch.zeros(rows, H, cap, D, dtype=dtype, device=device)}
+            # rows are written whole when a heap joins, and only members' rows are read: no zeroing
+            bufs = {"keys": torch.empty(rows, H, cap, D, dtype=dtype, device=device),
+                    "values": torch.empty(rows, H, cap, D, dtype=dtype, device=device)}
             for name in scores:
-                bufs[name] = torch.zeros(rows, H, cap, dtype=torch.float32, device=device)
+                bufs[name] = torch.empty(rows, H, cap, dtype=torch.float32, device=device)
             if old:
                 for name, buf in bufs.items():
                     buf[: self.rows].copy_(old[i][name])
