@@ -205,11 +205,27 @@ def step_rows(model, rows: list[DecodeRow], chunks: Sequence[tuple[HeapCache, Se
         return errors
     logits = forward_packed(model, parts, tokens)
     if order:
-        sampled = [row.sampler.sample(logits[i]) for i, row in enumerate(order)]   # each [1]
-        host = torch.cat(sampled).tolist()
-        for i, (row, token, value) in enumerate(zip(order, sampled, host)):
-            row.sampled(logits[i], token, value)
+        sampled = sample_rows([row.sampler for row in order], logits[: len(order)])   # [rows]
+        host = sampled.tolist()
+        for i, (row, value) in enumerate(zip(order, host)):
+            row.sampled(logits[i], sampled[i: i + 1], value)
     return errors
+
+
+def sample_rows(samplers: list, logits: torch.Tensor) -> torch.Tensor:
+    """Each row's next token [rows] from logits [rows, vocab]: the plain greedy rows in one argmax
+    (argmax per row either way), the others (warpers, seeds, constraints) with their own sampler."""
+    plain = [i for i, s in enumerate(samplers) if s.greedy and s.constraint is None]
+    if len(plain) == len(samplers):
+        return torch.argmax(logits, dim=-1)
+    tokens = torch.empty(len(samplers), dtype=torch.long, device=logits.device)
+    if plain:
+        at = torch.tensor(plain, device=logits.device)
+        tokens[at] = torch.argmax(logits[at], dim=-1)
+    for i, sampler in enumerate(samplers):
+        if i not in plain:
+            tokens[i] = sampler.sample(logits[i])[0]
+    return tokens
 
 
 def _seat(rows: list[DecodeRow], slabs: dict) -> None:
