@@ -177,9 +177,11 @@ def step_rows(model, rows: list[DecodeRow], chunks: Sequence[tuple[HeapCache, Se
         errors.append(_make_room(row.cache, 1 if row.prompt is None else len(row.prompt)))
         if errors[-1] is not None:
             leave_slab(row)
-        elif row.prompt is not None:
+        elif row.prompt is not None and (len(row.prompt) > 1 or slabs is None):
             starting.append(row)
         else:
+            if row.prompt is not None:   # one token: it rides in the slab like a sampled one
+                row.next = torch.as_tensor(row.prompt, dtype=torch.long, device=row.cache.device)
             live.append(row)
     if slabs is not None:
         _seat(live, slabs)
