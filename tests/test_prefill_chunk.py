@@ -66,3 +66,35 @@ def test_cli_default_chunk_comes_from_the_backend():
     assert with_backend_chunk(heap_config(given), given, Backend()).prefill_chunk == 300
     assert HeapConfig(slack=256, prefill_chunk=1024).layer_capacity(4096) == 4 + 4096 + 1024
     assert HeapConfig(slack=256, prefill_chunk=100).layer_capacity(4096) == 4 + 4096 + 256
+
+
+@pytest.mark.parametrize("recall", [False, True], ids=["plain", "recall"])
+def test_torch_snapkv_window_scored_when_read_equals_every_chunk(model_dirs, torch_one_thread, monkeypatch, recall):
+    """Small chunks (several per eviction) then decode, with recall's merges: the window scored
+    only when read (the default) gives the same evictions, keys and window, bit for bit, as
+    scoring every chunk's window at once."""
+    import torch
+
+    from localheap.backends.torch import TorchBackend
+    from localheap.backends.torch.layer import HeapLayer
+
+    backend = TorchBackend.load(model_dirs("llama"), dtype=torch.float32)
+    cfg = CFG.with_(prefill_chunk=12, recall=recall, recall_budget=32, page_size=8) if recall else CFG.with_(prefill_chunk=12)
+    prompt = np.random.default_rng(1).integers(10, 1000, 300).tolist()
+    question = np.random.default_rng(2).integers(10, 1000, 20).tolist()
+    runs = []
+    for lazy in (True, False):
+        monkeypatch.setattr(HeapLayer, "lazy_window", lazy)
+        cache = backend.new_cache(cfg)
+        backend.prefill(cache, prompt)
+        tokens = list(backend.generate(cache, question, SamplingParams(max_tokens=20)))
+        layers = cache.heap_layers
+        assert layers[0].heap.evictions >= 5 and len(cache.recall_log) == recall
+        runs.append((tokens, [(l.heap.evictions, l.heap.view_positions().copy(), l.keys.clone(), l.window.clone())
+                              for l in layers]))
+    (tokens_lazy, lazy_layers), (tokens_eager, eager_layers) = runs
+    assert tokens_lazy == tokens_eager
+    for (ea, pa, ka, wa), (eb, pb, kb, wb) in zip(lazy_layers, eager_layers):
+        assert ea == eb
+        np.testing.assert_array_equal(pa, pb)
+        assert torch.equal(ka, kb) and torch.equal(wa, wb)

@@ -208,3 +208,31 @@ def test_slab_rows_sit_out_join_and_leave_as_alone(demo):
         assert g == alone(demo, cfg, p, SamplingParams(max_tokens=len(g)))[0]
         for layer in r.cache.heap_layers:
             assert layer.keys.untyped_storage().nbytes() == layer.keys.nbytes
+
+
+def test_one_token_turns_ride_in_the_slab_as_alone(demo):
+    """A turn whose new prompt is one token (a chat continuing) starts inside the slab, as a row's
+    sampled token would: its tokens, heap and scores are the session's alone."""
+    cfg = SMALL.with_(policy="h2o")
+    history = prompts(demo, (60, 90, 33), seed=12)
+    params = SamplingParams(max_tokens=25)
+    caches = [demo.new_cache(cfg) for _ in history]
+    for c, h in zip(caches, history):
+        demo.prefill(c, h[:-1])
+    rows = [start_row(demo.model, c, h[-1:], params, defer=True) for c, h in zip(caches, history)]
+    slabs, got = {}, [[] for _ in rows]
+    for step in range(params.max_tokens):
+        assert step_rows(demo.model, rows, slabs=slabs) == [None] * len(rows)
+        if step == 0:
+            assert all(r.slab is not None for r in rows), "the first step ran in the slab"
+        for t, r in zip(got, rows):
+            t.append(r.token)
+    for r in rows:
+        leave_slab(r)
+    for h, tokens, cache in zip(history, got, caches):
+        want = demo.new_cache(cfg)
+        demo.prefill(want, h[:-1])
+        assert tokens == [t for t, _ in generate_steps(demo.model, want, h[-1:], params, pipeline=False)]
+        assert_same_heap(want, cache, atol=1e-4)
+        for a, b in zip(want.heap_layers, cache.heap_layers):
+            torch.testing.assert_close(a.scores, b.scores, atol=1e-4, rtol=1e-5)

@@ -84,3 +84,18 @@ def test_profile_splits_decode_steps(model_dirs):
         assert 0 < parts[name] < row["wall_s"], name
     assert abs(sum(parts.values()) - row["wall_s"]) < 1e-9
     assert "ms/token" in report_decode(row, backend)
+
+
+def test_batch_step_tables(model_dirs):
+    """bench batch-step: a row per batch size and per mixed chunk, the rows' heaps out of the slab after."""
+    from localheap.bench.batch_step import beside_table, rows_table
+
+    backend = TorchBackend.load(model_dirs("llama"), dtype=torch.float32)
+    cfg = HeapConfig(budget=64, sinks=4, recent=16, slack=16, prefill_chunk=48)
+    rows = rows_table(backend, cfg, 100, [1, 2, 3], steps=3, repeats=2)
+    assert [r["rows"] for r in rows] == [1, 2, 3] and rows[0]["vs_one"] == 1.0
+    assert all(r["step_ms"] > 0 for r in rows)
+    assert all(not slab.members for slab in backend.slabs.values())
+    side = beside_table(backend, cfg, 100, [8, 16], repeats=1)
+    assert [r["chunk"] for r in side] == [8, 16]
+    assert all(0 < r["chat_kept"] and 0 < r["doc_kept"] for r in side)

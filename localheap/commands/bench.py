@@ -1,4 +1,4 @@
-"""`localheap bench speed|memory|needle|attention-mass|serve`: the heap against the stock path (serve: the
+"""`localheap bench speed|memory|needle|attention-mass|serve|batch-step`: the heap against the stock path (serve: the
 batched engine against the round-robin one), in one run."""
 
 from __future__ import annotations
@@ -164,6 +164,18 @@ def add_parser(sub) -> None:
                        help="more flags for both servers, one string, e.g. \"--budget 2048\" (default: none)")
     add_threads_arg(serve)
     serve.set_defaults(func=run_serve_bench)
+
+    step = bsub.add_parser("batch-step", help="CPU cost of one torch decode-batch step by rows, and of a chunk beside a decode")
+    add_model_args(step)
+    add_heap_args(step, recall=True)
+    step.add_argument("--context", type=int, default=4096, help="tokens each session holds (default 4096)")
+    step.add_argument("--rows", type=_ints, default=[1, 2, 4, 8], help="batch sizes (default 1,2,4,8)")
+    step.add_argument("--steps", type=_positive, default=40, help="steps timed per batch size and round (default 40)")
+    step.add_argument("--repeats", type=_positive, default=3, help="interleaved rounds, median (default 3)")
+    step.add_argument("--mixed-chunks", type=_ints, default=[16, 32, 64, 128],
+                      help="document tokens riding beside a decoding chat (0: skip that table; default 16,32,64,128)")
+    add_threads_arg(step)
+    step.set_defaults(func=run_batch_step_bench, model="demo")
 
 
 def add_threads_arg(parser) -> None:
@@ -358,6 +370,12 @@ def run_structured_bench(args) -> int:
     emit("structured", report(decode, masks, backend, vocab, table),
          {"model": backend.model_name, "backend": backend.name, "vocab": vocab, "decode": decode, "masks": masks})
     return 0
+
+
+def run_batch_step_bench(args) -> int:
+    from ..bench.batch_step import run
+
+    return run(args)
 
 
 def run_serve_bench(args) -> int:

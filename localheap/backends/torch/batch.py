@@ -177,9 +177,11 @@ def step_rows(model, rows: list[DecodeRow], chunks: Sequence[tuple[HeapCache, Se
         errors.append(_make_room(row.cache, 1 if row.prompt is None else len(row.prompt)))
         if errors[-1] is not None:
             leave_slab(row)
-        elif row.prompt is not None:
+        elif row.prompt is not None and (len(row.prompt) > 1 or slabs is None):
             starting.append(row)
         else:
+            if row.prompt is not None:   # one token: it rides in the slab like a sampled one
+                row.next = torch.as_tensor(row.prompt, dtype=torch.long, device=row.cache.device)
             live.append(row)
     if slabs is not None:
         _seat(live, slabs)
@@ -205,11 +207,27 @@ def step_rows(model, rows: list[DecodeRow], chunks: Sequence[tuple[HeapCache, Se
         return errors
     logits = forward_packed(model, parts, tokens)
     if order:
-        sampled = [row.sampler.sample(logits[i]) for i, row in enumerate(order)]   # each [1]
-        host = torch.cat(sampled).tolist()
-        for i, (row, token, value) in enumerate(zip(order, sampled, host)):
-            row.sampled(logits[i], token, value)
+        sampled = sample_rows([row.sampler for row in order], logits[: len(order)])   # [rows]
+        host = sampled.tolist()
+        for i, (row, value) in enumerate(zip(order, host)):
+            row.sampled(logits[i], sampled[i: i + 1], value)
     return errors
+
+
+def sample_rows(samplers: list, logits: torch.Tensor) -> torch.Tensor:
+    """Each row's next token [rows] from logits [rows, vocab]: the plain greedy rows in one argmax
+    (argmax per row either way), the others (warpers, seeds, constraints) with their own sampler."""
+    plain = [i for i, s in enumerate(samplers) if s.greedy and s.constraint is None]
+    if len(plain) == len(samplers):
+        return torch.argmax(logits, dim=-1)
+    tokens = torch.empty(len(samplers), dtype=torch.long, device=logits.device)
+    if plain:
+        at = torch.tensor(plain, device=logits.device)
+        tokens[at] = torch.argmax(logits[at], dim=-1)
+    for i, sampler in enumerate(samplers):
+        if i not in plain:
+            tokens[i] = sampler.sample(logits[i])[0]
+    return tokens
 
 
 def _seat(rows: list[DecodeRow], slabs: dict) -> None:
@@ -219,12 +237,18 @@ def _seat(rows: list[DecodeRow], slabs: dict) -> None:
     for slab in slabs.values():
         for cache in [c for c in slab.members if id(c) not in stepping]:
             slab.leave(cache)   # its row's `slab` is cleared when it steps or ends (in_slab)
+    joining: dict = {}
     for row in rows:
         if not in_slab(row):
             key = slab_key(row.cache)
             if key is not None:
-                row.slab = slabs.setdefault(key, DecodeSlab(key))
-                row.slab.join(row.cache)
+                joining.setdefault(key, []).append(row)
+    for key, incoming in joining.items():
+        slab = slabs.setdefault(key, DecodeSlab(key))
+        slab.reserve(len(slab.members) + len(incoming))
+        for row in incoming:
+            row.slab = slab
+            slab.join(row.cache)
 
 
 def in_slab(row: DecodeRow) -> bool:

@@ -23,6 +23,9 @@ class HeapLayer(PendingView, CacheLayerMixin):
     is_compileable = False
     is_croppable = False
     _copy = staticmethod(torch.clone)
+    _window: Optional[torch.Tensor] = None
+    _observed: Optional[tuple] = None   # a prefill chunk's window, scored when read (see `window`)
+    lazy_window = True                   # False: score every chunk's window at once (tests, benches)
 
     def __init__(self, heap: LayerHeap, head_dim: int, dtype: torch.dtype, device: torch.device,
                  rope: Optional[RopeSpec]):
@@ -74,6 +77,7 @@ class HeapLayer(PendingView, CacheLayerMixin):
 
     def reset(self) -> None:
         cfg, h = self.heap.cfg, self.heap
+        self._observed = None
         self.heap = LayerHeap(cfg, h.n_kv_heads, h.budget, layer=h.layer)
         self.keys.zero_()
         self.values.zero_()
@@ -88,6 +92,22 @@ class HeapLayer(PendingView, CacheLayerMixin):
     def crop(self, tokens_to_remove: int) -> None:
         raise NotImplementedError("heap layers cannot be cropped")
 
+    @property
+    def window(self) -> Optional[torch.Tensor]:
+        """snapkv's observation-window mass [H_kv, capacity]. A prefill chunk's window replaces the
+        previous one whole, so it is scored when first read (an eviction's selection, a decode step
+        adding to it, stats, a save), not per chunk: chunks that a later chunk overwrites before
+        anything reads them cost no scoring pass (small chunks riding beside decode). Same values:
+        the same ops over the same keys, which nothing writes below the chunk's end until then."""
+        if self._observed is not None:
+            self._score_window()
+        return self._window
+
+    @window.setter
+    def window(self, value: Optional[torch.Tensor]) -> None:
+        self._observed = None
+        self._window = value
+
     # -- bytes ----------------------------------------------------------------------
     @property
     def kv_nbytes(self) -> int:
@@ -95,7 +115,8 @@ class HeapLayer(PendingView, CacheLayerMixin):
 
     @property
     def nbytes(self) -> int:
-        extra = sum(getattr(self, n).nbytes for n in SCORE_ARRAYS if getattr(self, n) is not None)
+        arrays = (self.scores, self.counts, self._window)   # SCORE_ARRAYS, without scoring a pending window
+        extra = sum(a.nbytes for a in arrays if a is not None)
         return self.kv_nbytes + extra
 
     # -- scores ---------------------------------------------------------------------
@@ -115,13 +136,27 @@ class HeapLayer(PendingView, CacheLayerMixin):
         w = L if L == 1 else min(L, max(1, cfg.obs_window))
         # query head h attends KV head h // G (transformers' repeat_kv layout)
         q = queries[0, :, L - w:, :].float().reshape(H, G * w, D)
-        k = keys[0].float()                                          # [H, T, D]
+        if L > 1 and self.lazy_window and self.scores is None and self.counts is None:
+            self._observed = (q, scale, T, w, G)   # a window only: scored when read
+            return
+        self.accumulate(self._window_mass(q, keys[0], scale, w, G), w, G, new_window=L > 1)
+
+    def _score_window(self) -> None:
+        q, scale, T, w, G = self._observed
+        self._observed = None
+        self._window[:, :T] = self._window_mass(q, self.keys[0, :, :T], scale, w, G)
+
+    @staticmethod
+    def _window_mass(q: torch.Tensor, keys: torch.Tensor, scale: float, w: int, G: int) -> torch.Tensor:
+        """q: [H_kv, G*w, D] float32, keys: [H_kv, T, D] -> attention mass [H_kv, T] of the w causal queries."""
+        H, T = keys.shape[0], keys.shape[1]
+        k = keys.float()                                             # [H, T, D]
         logits = torch.matmul(q * scale, k.transpose(-1, -2))        # [H, G*w, T]
         if w > 1:
             qpos = torch.arange(T - w, T, device=k.device)
             hidden = torch.arange(T, device=k.device)[None, :] > qpos[:, None]   # [w, T]
             logits = logits.view(H, G, w, T).masked_fill(hidden, float("-inf")).view(H, G * w, T)
-        self.accumulate(torch.softmax(logits, dim=-1).sum(dim=1), w, G, new_window=L > 1)
+        return torch.softmax(logits, dim=-1).sum(dim=1)
 
     def accumulate(self, mass: torch.Tensor, w: int, G: int, new_window: bool) -> None:
         """mass: [H_kv, T] attention mass of the last w queries (G query heads each, summed per KV head)."""
@@ -180,6 +215,7 @@ class HeapLayer(PendingView, CacheLayerMixin):
 
         idx: [H_kv, keep] ascending slot indices, deltas: [H_kv, keep] or None, both on the device.
         No host sync: a zero delta rotates by cos 0 = 1, sin 0 = 0, leaving a key bit for bit."""
+        self._observed = None   # the window restarts below: a pending one is never read
         k, n = idx.shape[1], self.heap.resident
         heads = torch.arange(idx.shape[0], device=idx.device)[:, None]
         keys = self.keys[0][heads, idx]                                          # [H_kv, keep, D], whole rows
@@ -200,6 +236,8 @@ class HeapLayer(PendingView, CacheLayerMixin):
     def merge(self, plan: MergePlan, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Insert recalled tokens among the resident ones (plan from LayerHeap.merge, already booked).
         keys (pre-RoPE), values: [H_kv, r, D] float32 on this layer's device."""
+        if self._observed is not None:
+            self._score_window()   # over the keys as they are before the merge moves them
         n, D = plan.n_before, self.keys.shape[-1]
         total = plan.order.shape[1]
         idx = torch.as_tensor(plan.order, device=self.device)                   # [H_kv, n + r]

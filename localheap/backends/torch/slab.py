@@ -47,7 +47,7 @@ class DecodeSlab:
     def join(self, cache: HeapCache) -> int:
         assert slab_key(cache) == self.key and not any(c is cache for c in self.members)
         if len(self.members) == self.rows:
-            self._grow(max(1, 2 * self.rows))
+            self.reserve(len(self.members) + 1)
         r = len(self.members)
         self.members.append(cache)
         for layer, bufs in zip(cache.heap_layers, self.buffers):
@@ -73,16 +73,23 @@ class DecodeSlab:
         if not self.members:   # an idle slab holds no memory
             self.buffers, self.rows = [], 0
 
+    def reserve(self, rows: int) -> None:
+        """Room for `rows` members: one allocation for the rows joining in one step (a power of
+        two), not one per join (each copies the rows already in)."""
+        if rows > self.rows:
+            self._grow(1 << (rows - 1).bit_length())
+
     def _grow(self, rows: int) -> None:
         old = self.buffers
         self.buffers = []
         for i in range(len(self.key[1])):
             shape, dtype, device, scores = self.key[1][i]
             _, H, cap, D = shape
-            bufs = {"keys": torch.zeros(rows, H, cap, D, dtype=dtype, device=device),
-                    "values": torch.zeros(rows, H, cap, D, dtype=dtype, device=device)}
+            # rows are written whole when a heap joins, and only members' rows are read: no zeroing
+            bufs = {"keys": torch.empty(rows, H, cap, D, dtype=dtype, device=device),
+                    "values": torch.empty(rows, H, cap, D, dtype=dtype, device=device)}
             for name in scores:
-                bufs[name] = torch.zeros(rows, H, cap, dtype=torch.float32, device=device)
+                bufs[name] = torch.empty(rows, H, cap, dtype=torch.float32, device=device)
             if old:
                 for name, buf in bufs.items():
                     buf[: self.rows].copy_(old[i][name])
@@ -100,39 +107,55 @@ class DecodeSlab:
     def append(self, layer_index: int, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """key_states/value_states: [1, H_kv, B, D], row b's new token (B = len(members))."""
         B = len(self.members)
-        slots = [cache.heap_layers[layer_index].heap.append(1)[0] for cache in self.members]
+        slots = tuple(cache.heap_layers[layer_index].heap.append(1)[0] for cache in self.members)
         bufs = self.buffers[layer_index]
-        rows = torch.arange(B, device=key_states.device)
-        at = torch.tensor(slots, device=key_states.device)
+        rows, at, self._mask = self._step_index(slots, key_states.device)
         bufs["keys"][rows, :, at] = key_states[0].transpose(0, 1)       # [B, H_kv, D]
         bufs["values"][rows, :, at] = value_states[0].transpose(0, 1)
-        self._resident = [s + 1 for s in slots]
+        self._T = max(slots) + 1
+
+    def _step_index(self, slots: tuple, device) -> tuple:
+        """(rows [B], slots [B], mask) for this step's appends; the layers of a step share them
+        (uniform budgets: every layer appends at the same slot), so they are built once per step.
+        mask: None when every row holds T slots, else [B, 1, 1, T] bool, True past a row's slots."""
+        if getattr(self, "_index_of", None) != slots:
+            B, T = len(slots), max(slots) + 1
+            resident = torch.tensor(slots, device=device) + 1
+            mask = None
+            if min(slots) != T - 1:
+                mask = (torch.arange(T, device=device)[None, :] >= resident[:, None])[:, None, None, :]
+            self._index_of = slots
+            self._index = torch.arange(B, device=device), resident - 1, mask
+        return self._index
 
     def attend(self, layer_index: int, query: torch.Tensor, scale: float) -> torch.Tensor:
         """query: [1, H_q, B, D], row b at its own position. Returns [1, B, H_q, D] (sdpa's layout)
-        and adds each row's attention mass to its policy's score arrays."""
+        and adds each row's attention mass to its policy's score arrays. One pass over the keys
+        (logits, in place: mask, softmax) and one over the values for all B rows together."""
         B, (_, Hq, _, D) = len(self.members), query.shape
         bufs = self.buffers[layer_index]
-        T = max(self._resident)
+        T = self._T
         keys, values = bufs["keys"][:B, :, :T], bufs["values"][:B, :, :T]         # [B, H_kv, T, D]
         H = keys.shape[1]
-        q = query[0].transpose(0, 1).reshape(B, H, Hq // H, D)                    # [B, H_kv, G, D]
-        logits = torch.matmul(q * scale, keys.transpose(-1, -2)).float()          # [B, H_kv, G, T]
-        resident = torch.tensor(self._resident, device=query.device)
-        valid = torch.arange(T, device=query.device)[None, :] < resident[:, None]  # [B, T]
-        logits = logits.masked_fill(~valid[:, None, None, :], float("-inf"))
+        q = query[0].transpose(0, 1).reshape(B, H, Hq // H, D) * scale            # [B, H_kv, G, D]
+        logits = torch.matmul(q, keys.transpose(-1, -2)).float()                  # [B, H_kv, G, T]
+        if self._mask is not None:
+            logits.masked_fill_(self._mask, float("-inf"))
         probs = torch.softmax(logits, dim=-1)
         out = torch.matmul(probs.to(values.dtype), values)                        # [B, H_kv, G, D]
-        self._accumulate(bufs, probs.sum(dim=2), valid, Hq // H, T)
+        self._accumulate(bufs, probs, Hq // H, T)
         return out.reshape(B, Hq, D)[None]
 
-    def _accumulate(self, bufs: dict, mass: torch.Tensor, valid: torch.Tensor, G: int, T: int) -> None:
-        """HeapLayer.accumulate for one query per row: mass [B, H_kv, T] (zero past a row's slots)."""
-        B = mass.shape[0]
-        if "scores" in bufs:
-            bufs["scores"][:B, :, :T] += mass
-        if "window" in bufs:
-            bufs["window"][:B, :, :T] += mass
+    def _accumulate(self, bufs: dict, probs: torch.Tensor, G: int, T: int) -> None:
+        """HeapLayer.accumulate for one query per row: probs [B, H_kv, G, T] (zero past a row's slots)."""
+        B = probs.shape[0]
+        names = [n for n in ("scores", "window") if n in bufs]
+        if names:
+            mass = probs.sum(dim=2) if G > 1 else probs[:, :, 0]                   # [B, H_kv, T]
+            for name in names:
+                bufs[name][:B, :, :T] += mass
         if "counts" in bufs:
-            bufs["counts"][:B, :, :T] += G * valid[:, None, :].float()
-
+            seen = torch.full((B, 1, T), float(G), device=probs.device)
+            if self._mask is not None:
+                seen.masked_fill_(self._mask[:, 0], 0.0)
+            bufs["counts"][:B, :, :T] += seen

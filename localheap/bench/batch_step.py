@@ -1,0 +1,128 @@
+"""`localheap bench batch-step`: what one step of the torch decode batch costs, without a server.
+
+Two tables, timed in the engine thread's CPU time (time.thread_time), which other processes on a
+shared machine disturb far less than wall time (they still share its caches and memory bandwidth):
+- rows: one decode step of B sessions holding `context` tokens each (step_rows over a slab),
+  B = 1, 2, 4, 8..., interleaved over `repeats` rounds (median); aggregate tokens per CPU second.
+- beside: one chat decoding beside a document read, per `--mixed-chunk` size c: the step that
+  carries the chat's token and c document tokens, against a decode step alone and 512-token
+  chunks alone; "kept" is the share of its alone rate each keeps at that step cost.
+Knows nothing about HTTP: `bench serve` measures what a client sees.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from ..generation import SamplingParams
+
+
+def _tokens(n: int, seed: int) -> list[int]:
+    return np.random.default_rng(seed).integers(10, 1000, n).tolist()
+
+
+def _cpu(fn, n: int) -> float:
+    """CPU seconds of this thread per call of fn, over n calls."""
+    t = time.thread_time()
+    for _ in range(n):
+        fn()
+    return (time.thread_time() - t) / n
+
+
+def rows_table(backend, cfg, context: int, batch: list[int], steps: int, repeats: int) -> list[dict]:
+    from ..backends.torch.batch import leave_slab, start_row, step_rows
+
+    most = max(batch)
+    caches = []
+    for i in range(most):
+        c = backend.new_cache(cfg)
+        backend.prefill(c, _tokens(context + i * 8, seed=i))   # lengths differ: each row its own mask
+        caches.append(c)
+    params = SamplingParams(max_tokens=10**9)
+    rows = [start_row(backend.model, c, [5], params) for c in caches]
+
+    def step(n: int) -> None:
+        assert step_rows(backend.model, rows[:n], slabs=backend.slabs) == [None] * n
+
+    times: dict[int, list[float]] = {n: [] for n in batch}
+    for _ in range(repeats):
+        for n in batch:
+            for r in rows[n:]:
+                leave_slab(r)
+            step(n)   # joins, then steady steps
+            times[n].append(_cpu(lambda n=n: step(n), steps))
+    for r in rows:
+        leave_slab(r)
+    one = float(np.median(times[min(batch)])) / min(batch)
+    out = []
+    for n in batch:
+        t = float(np.median(times[n]))
+        out.append({"rows": n, "step_ms": 1e3 * t, "tok_s": n / t, "vs_one": n / t * one})
+    return out
+
+
+def beside_table(backend, cfg, context: int, chunks: list[int], repeats: int) -> list[dict]:
+    from ..backends.torch.batch import leave_slab, start_row, step_rows
+
+    chat = backend.new_cache(cfg)
+    backend.prefill(chat, _tokens(300, seed=100))
+    doc = backend.new_cache(cfg)
+    big = 512
+    text = _tokens(context + repeats * (4 * big + sum(max(4, 1024 // c) * c for c in chunks)), seed=101)
+    backend.prefill(doc, text[:context])
+    at = [context]
+    row = start_row(backend.model, chat, [5], SamplingParams(max_tokens=10**9))
+
+    def take(n: int) -> list[int]:
+        at[0] += n
+        return text[at[0] - n: at[0]]
+
+    decode = lambda: step_rows(backend.model, [row], slabs=backend.slabs)                         # noqa: E731
+    alone = lambda c: backend.prefill(doc, take(c))                                               # noqa: E731
+    mixed = lambda c: step_rows(backend.model, [row], [(doc, take(c))], slabs=backend.slabs)      # noqa: E731
+    t = {"decode": [], "chunk": []}
+    for _ in range(repeats):
+        t["decode"].append(_cpu(decode, 32))
+        t["chunk"].append(_cpu(lambda: alone(big), 4) / big)
+        for c in chunks:
+            t.setdefault(("mixed", c), []).append(_cpu(lambda c=c: mixed(c), max(4, 1024 // c)))
+    leave_slab(row)
+    dec, per_token = float(np.median(t["decode"])), float(np.median(t["chunk"]))
+    out = []
+    for c in chunks:
+        m = float(np.median(t[("mixed", c)]))
+        out.append({"chunk": c, "decode_ms": 1e3 * dec, "mixed_ms": 1e3 * m, "chat_kept": dec / m,
+                    "doc_kept": c / m * per_token, "sum": dec / m + c / m * per_token})
+    return out
+
+
+ROW_COLUMNS = [("rows", "rows", "d"), ("step_ms", "step CPU ms", ".2f"), ("tok_s", "tok / CPU s", ",.0f"),
+               ("vs_one", "x 1 row", ".2f")]
+BESIDE_COLUMNS = [("chunk", "mixed chunk", "d"), ("decode_ms", "decode alone ms", ".2f"),
+                  ("mixed_ms", "decode + chunk ms", ".2f"), ("chat_kept", "chat kept", ".2f"),
+                  ("doc_kept", "doc kept", ".2f"), ("sum", "sum", ".2f")]
+
+
+def run(args) -> int:
+    from ..commands.bench import set_threads
+    from ..commands.common import heap_config, model_spec
+    from ..models import load_backend
+    from .report import emit, table
+
+    backend = load_backend(model_spec(args), args.backend)
+    if not hasattr(backend, "step_rows"):
+        raise SystemExit(f"the {backend.name} backend has no decode batch")
+    set_threads(backend, args)
+    cfg = heap_config(args, backend)
+    rows = rows_table(backend, cfg, args.context, args.rows, args.steps, args.repeats)
+    side = beside_table(backend, cfg, args.context, args.mixed_chunks, args.repeats) if args.mixed_chunks != [0] else []
+    head = (f"model {backend.model_name} | context {args.context:,} tokens per session | policy {cfg.policy}"
+            f" | recall {'on' if cfg.recall else 'off'} | threads {args.threads or 'default'} | engine thread CPU time")
+    text = head + "\n" + table(rows, ROW_COLUMNS)
+    if side:
+        text += "\n\na chat's decode step with a document's chunk in it (512-token chunks alone: the doc's rate)\n"
+        text += table(side, BESIDE_COLUMNS)
+    emit("batch-step", text, {"model": backend.model_name, "rows": rows, "beside": side})
+    return 0
