@@ -53,3 +53,19 @@ def test_other_families_keep_the_full_forward(model_dirs):
     backend = TorchBackend.load(model_dirs("gemma"), dtype=torch.float32)
     assert not lean.LeanDecode.supports(backend.model)
     assert lean.lean_step(backend.model, backend.new_cache(HeapConfig(budget=512))) is None
+
+
+def test_fused_decode_gives_the_stock_tokens_on_the_demo_model(monkeypatch):
+    """The fused decode (one pass for outputs and scores, `bench peer`'s heap-fused) is not bit for
+    bit stock sdpa; on the trained demo model its greedy tokens are the same, full budget or evicting."""
+    from localheap.models import demo_model_dir
+
+    backend = TorchBackend.load(demo_model_dir(), dtype=torch.float32)
+    ids = backend.tokenizer("The heap keeps the tokens that matter most. " * 40)["input_ids"]
+    for cfg in (HeapConfig(budget=1024, prefill_chunk=256), HeapConfig(budget=128, recent=32, slack=32)):
+        runs = {}
+        for fused in (False, True):
+            backend.fused_decode = fused
+            cache = backend.new_cache(cfg)
+            runs[fused] = [t for t, _ in generate_steps(backend.model, cache, ids, SamplingParams(max_tokens=96))]
+        assert runs[True] == runs[False]

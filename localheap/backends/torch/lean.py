@@ -90,7 +90,7 @@ class LeanDecode:
 def lean_step(model, cache) -> Optional[LeanDecode]:
     """The model's lean step when this cache can take it (heap layers only, no recall probe, no
     packed batch), else None: the caller runs the full forward."""
-    if (not ENABLED or cache.capture is not None or not cache.only_heap_layers or getattr(cache, "packed", False)
+    if (not ENABLED or not getattr(cache, "lean_decode", True) or cache.capture is not None or not cache.only_heap_layers or getattr(cache, "packed", False)
             or model.config._attn_implementation != attention.ATTN_IMPLEMENTATION):
         return None
     lean = model.__dict__.get("_localheap_lean", False)
