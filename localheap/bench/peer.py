@@ -21,12 +21,18 @@ from typing import Callable, Optional
 
 import numpy as np
 
-PATHS = ("heap", "heap-recall", "llama.cpp-f16", "llama.cpp-f16-q8kv")
+PATHS = ("heap", "heap-recall", "llama.cpp-f16", "llama.cpp-f16-fa", "llama.cpp-f16-q8kv")
 MORE_PATHS = ("heap-fused",)   # decode attention and scores in one pass: not bit-identical to stock sdpa
 LLAMA_BATCH = 512   # llama.cpp's prefill batch (its default n_batch / n_ubatch)
 
 
 def _peak_rss() -> int:
+    """This process's peak RSS. Linux keeps ru_maxrss across exec (a child would report its forked
+    parent's peak), so there it is VmHWM, which starts again with the new image."""
+    if sys.platform == "linux":
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak if sys.platform == "darwin" else peak * 1024
 
@@ -46,17 +52,18 @@ class LlamaCpp:
     """A llama.cpp context driven token by token through llama-cpp-python's C bindings:
     one batch per prefill chunk (logits of its last token only), one per decode step."""
 
-    def __init__(self, gguf_path: str, n_ctx: int, threads: int, kv: str = "f16"):
+    def __init__(self, gguf_path: str, n_ctx: int, threads: int, kv: str = "f16", flash_attn: bool = False):
         import llama_cpp
 
         self.lib = llama_cpp
         self.kv = kv
-        kw = {}
-        if kv == "q8_0":   # a quantized V cache needs flash attention in llama.cpp
-            kw = dict(type_k=llama_cpp.GGML_TYPE_Q8_0, type_v=llama_cpp.GGML_TYPE_Q8_0, flash_attn=True)
+        # flash attention: off is llama-cpp-python's default; a q8_0 V cache needs it on
+        kw = dict(flash_attn=flash_attn or kv == "q8_0")
+        if kv == "q8_0":
+            kw.update(type_k=llama_cpp.GGML_TYPE_Q8_0, type_v=llama_cpp.GGML_TYPE_Q8_0)
         self.llm = llama_cpp.Llama(model_path=gguf_path, n_ctx=n_ctx, n_batch=LLAMA_BATCH, n_ubatch=LLAMA_BATCH,
                                    n_threads=threads, n_threads_batch=threads, verbose=False, **kw)
-        self.flash_attn = bool(kw.get("flash_attn", False))
+        self.flash_attn = kw["flash_attn"]
         self.ctx = self.llm._ctx.ctx
         self.n_vocab = self.llm.n_vocab()
         self.batch = llama_cpp.llama_batch_init(LLAMA_BATCH, 0, 1)
@@ -123,7 +130,7 @@ def run_cell(cell: dict) -> dict:
     n = cell["decode"]
     if cell["path"].startswith("llama.cpp"):
         eng = LlamaCpp(cell["gguf"], cell["context"] + n + 16, cell["threads"],
-                       kv="q8_0" if cell["path"].endswith("q8kv") else "f16")
+                       kv="q8_0" if cell["path"].endswith("q8kv") else "f16", flash_attn=cell["path"].endswith("-fa"))
         eng.prefill(prompt[:64])   # warm-up
         eng.step(1)
         eng.reset()
@@ -236,6 +243,8 @@ def run_peer(model_spec: Optional[str], model_dir: Path, heap: dict, contexts: l
                     cell = {"path": path, "context": context, "threads": t, "decode": decode, "vocab": cfg["vocab_size"],
                             "gguf": gguf_path, "model_spec": model_spec, "heap": heap}
                     row = _child(cell, timeout)
+                    log(f"  prefill {row['prefill_tok_s']:,.0f} tok/s, decode {row['decode_tok_s']:,.1f} tok/s "
+                        f"(mean {row['decode_tok_s_mean']:,.1f}), peak RSS {row['peak_rss'] / 2**20:,.1f} MiB")
                     old = best.get(path)
                     if old is None:
                         best[path] = row

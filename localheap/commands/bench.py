@@ -395,7 +395,7 @@ def run_peer_bench(args) -> int:
             ("rss_load", "RSS loaded", ""), ("rss", "peak RSS", "")]
     check = result["check"]
     lines = [f"model {name} | heap budget {cfg.budget}, policy {cfg.policy}, prefill chunk "
-             f"{cfg.prefill_chunk or 'backend default'} | llama.cpp: {result['gguf']} (f16 weights), batch 512 | "
+             f"{cfg.prefill_chunk or 'backend default'} | llama.cpp: {result['gguf']} (f16 weights), batch 512, flash attention off unless -fa or q8kv | "
              f"{args.decode_tokens} greedy decode steps, decode tok/s = 1 / median step"]
     lines += [f"  {k}: {v}" for k, v in result["versions"].items()]
     if check:
