@@ -81,3 +81,23 @@ def test_llama_cpp_greedy_tokens_match_transformers(model_dirs, tmp_path):
     while len(theirs) < 16:
         theirs.append(eng.step(theirs[-1]))
     assert theirs == ours
+
+
+def test_bench_peer_cells_report_their_own_peak_rss(model_dirs, tmp_path):
+    """Each cell is its own process: llama.cpp's peak is its own (no torch), not the parent's."""
+    pytest.importorskip("llama_cpp")
+    from localheap.bench.peer import run_peer
+    from localheap.heap import HeapConfig
+
+    src = model_dirs("llama")
+    result = run_peer(str(src), src, HeapConfig(budget=512).to_dict(), [64], [1], 3,
+                      paths=("heap", "llama.cpp-f16"), workdir=tmp_path)
+    rows = {r["path"]: r for r in result["rows"]}
+    assert set(rows) == {"heap", "llama.cpp-f16"}
+    for r in rows.values():
+        assert r["prefill_tok_s"] > 0 and r["decode_tok_s"] > 0 and r["decode_mixed_tok_s"] > 0
+        assert r["peak_rss"] >= r["rss_loaded"] > 0
+        assert len(r["tokens"]) == 4
+    assert rows["llama.cpp-f16"]["peak_rss"] < rows["heap"]["rss_loaded"], "torch is not in llama.cpp's process"
+    assert result["check"]["tokenizer_agrees"]
+    assert rows["llama.cpp-f16"]["decode_vs_llama"] == 1.0

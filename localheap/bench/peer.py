@@ -166,6 +166,40 @@ def run_cell(cell: dict) -> dict:
             "rss_loaded": rss_loaded, "peak_rss": _peak_rss(), "load_s": load_s, "tokens": tokens, **extra}
 
 
+def _stepper(cell: dict, path: str, prompt: list[int], n: int):
+    """A function that decodes one greedy token per call, the prompt already prefilled."""
+    if path.startswith("llama.cpp"):
+        eng = LlamaCpp(cell["gguf"], len(prompt) + n + 16, cell["threads"], kv="q8_0" if path.endswith("q8kv") else "f16",
+                       flash_attn=path.endswith("-fa"))
+        state = [eng.prefill(prompt)]
+
+        def step():
+            state[0] = eng.step(state[0])
+        return step
+    gen = LocalHeap(cell["model_spec"], cell["threads"], path == "heap-recall", cell["heap"],
+                    fused=path == "heap-fused").generate(prompt, n + 1)
+    next(gen)
+    return lambda: next(gen)
+
+
+def run_interleaved(cell: dict) -> dict:
+    """Child process: every path prefilled in this one process, then decode steps taken in turn
+    (path 1, path 2, ..., path 1, ...), so that load from other jobs hits every path alike."""
+    import torch
+
+    torch.set_num_threads(cell["threads"])
+    prompt = random_prompt(cell["vocab"], cell["context"], seed=cell["context"])
+    n = cell["decode"]
+    steppers = {path: _stepper(cell, path, prompt, n) for path in cell["paths"]}
+    steps = {path: [] for path in steppers}
+    for _ in range(n):
+        for path, step in steppers.items():
+            t0 = time.perf_counter()
+            step()
+            steps[path].append(time.perf_counter() - t0)
+    return {"interleaved": {path: 1.0 / float(np.median(s)) for path, s in steps.items()}}
+
+
 def _child(cell: dict, timeout: float) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS=str(cell["threads"]))
     proc = subprocess.run([sys.executable, "-m", "localheap.bench.peer", json.dumps(cell)], capture_output=True,
@@ -252,14 +286,20 @@ def run_peer(model_spec: Optional[str], model_dir: Path, heap: dict, contexts: l
                         old["prefill_tok_s"] = max(old["prefill_tok_s"], row["prefill_tok_s"])
                         old["decode_tok_s"] = max(old["decode_tok_s"], row["decode_tok_s"])
                         old["peak_rss"] = max(old["peak_rss"], row["peak_rss"])
+            log(f"context {context:,} threads {t}: decode steps of all paths interleaved in one process ...")
+            mixed = _child({**cell, "mode": "interleaved", "paths": list(paths)}, timeout)["interleaved"]
+            for p in paths:
+                best[p]["decode_mixed_tok_s"] = mixed[p]
             rows.extend(best[p] for p in paths)
     for r in rows:   # against llama.cpp f16 at the same context and threads
         ref = next((x for x in rows if x["path"] == "llama.cpp-f16" and x["context"] == r["context"]
                     and x["threads"] == r["threads"]), None)
         r["decode_vs_llama"] = r["decode_tok_s"] / ref["decode_tok_s"] if ref else None
         r["prefill_vs_llama"] = r["prefill_tok_s"] / ref["prefill_tok_s"] if ref else None
+        r["decode_mixed_vs_llama"] = r["decode_mixed_tok_s"] / ref["decode_mixed_tok_s"] if ref else None
     return {"rows": rows, "check": check, "versions": versions(), "gguf": gguf_path}
 
 
 if __name__ == "__main__":   # a child cell: one JSON argument in, one JSON line out
-    print(json.dumps({k: v for k, v in run_cell(json.loads(sys.argv[1])).items()}))
+    spec = json.loads(sys.argv[1])
+    print(json.dumps(run_interleaved(spec) if spec.get("mode") == "interleaved" else run_cell(spec)))

@@ -392,11 +392,14 @@ def run_peer_bench(args) -> int:
     cols = [("context", "context", ","), ("threads", "threads", ""), ("path", "path", ""),
             ("prefill_tok_s", "prefill tok/s", ",.0f"), ("decode_tok_s", "decode tok/s", ",.1f"),
             ("prefill_vs_llama", "prefill x llama.cpp", ".2f"), ("decode_vs_llama", "decode x llama.cpp", ".2f"),
+            ("decode_mixed_tok_s", "interleaved decode tok/s", ",.1f"),
+            ("decode_mixed_vs_llama", "interleaved x llama.cpp", ".2f"),
             ("rss_load", "RSS loaded", ""), ("rss", "peak RSS", "")]
     check = result["check"]
     lines = [f"model {name} | heap budget {cfg.budget}, policy {cfg.policy}, prefill chunk "
              f"{cfg.prefill_chunk or 'backend default'} | llama.cpp: {result['gguf']} (f16 weights), batch 512, flash attention off unless -fa or q8kv | "
-             f"{args.decode_tokens} greedy decode steps, decode tok/s = 1 / median step"]
+             f"{args.decode_tokens} greedy decode steps, decode tok/s = 1 / median step; interleaved: every path "
+             f"in one more process, their decode steps taken in turn (the fairer ratio on a busy machine)"]
     lines += [f"  {k}: {v}" for k, v in result["versions"].items()]
     if check:
         lines.append(f"greedy check (llama.cpp f16 vs transformers stock f32, {check['tokens']} tokens): "
