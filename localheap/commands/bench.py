@@ -6,11 +6,14 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 
 from ..bench.facts import FILLERS as NEEDLE_FILLERS
 from ..bench.facts import PLACEMENTS as NEEDLE_PLACEMENTS
 from ..bench.needle import LONG_CONTEXTS as NEEDLE_LONG_CONTEXTS
 from ..bench.needle import PRUNE as NEEDLE_PRUNE
+from ..bench.peer import MORE_PATHS as PEER_MORE_PATHS
+from ..bench.peer import PATHS as PEER_PATHS
 from ..bench.report import emit, table
 from ..heap.stats import format_bytes
 from ..models import resolve_model
@@ -164,6 +167,17 @@ def add_parser(sub) -> None:
                        help="more flags for both servers, one string, e.g. \"--budget 2048\" (default: none)")
     add_threads_arg(serve)
     serve.set_defaults(func=run_serve_bench)
+    peer = bsub.add_parser("peer", help="the heap against llama.cpp (llama-cpp-python) on the same weights as GGUF")
+    add_model_args(peer)
+    add_heap_args(peer)
+    peer.add_argument("--contexts", type=_ints, default=[4096, 32768], help="prompt lengths measured (32k accepted)")
+    peer.add_argument("--threads", type=_ints, default=[1, os.cpu_count() or 1],
+                      help="thread counts, each engine run at each (default: 1 and all cores)")
+    peer.add_argument("--decode-tokens", type=_positive, default=32, help="greedy tokens decoded per cell")
+    peer.add_argument("--repeats", type=_positive, default=1, help="runs per cell, order reversed every other run")
+    peer.add_argument("--paths", type=_choices(PEER_PATHS + PEER_MORE_PATHS), default=list(PEER_PATHS),
+                      help=f"what runs (default: {','.join(PEER_PATHS)}; also {','.join(PEER_MORE_PATHS)})")
+    peer.set_defaults(func=run_peer_bench)
 
     step = bsub.add_parser("batch-step", help="CPU cost of one torch decode-batch step by rows, and of a chunk beside a decode")
     add_model_args(step)
@@ -376,6 +390,42 @@ def run_batch_step_bench(args) -> int:
     from ..bench.batch_step import run
 
     return run(args)
+
+
+def run_peer_bench(args) -> int:
+    from ..bench.peer import run_peer
+
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        raise SystemExit("bench peer needs llama-cpp-python and gguf: pip install 'localheap[peer]'")
+    spec = model_spec(args)
+    model_dir, name = resolve_model(spec)
+    cfg = heap_config(args).with_(recall=False)
+    result = run_peer(spec, Path(model_dir), cfg.to_dict(), args.contexts, args.threads, args.decode_tokens,
+                      tuple(args.paths), args.repeats, log=lambda m: print(m, file=sys.stderr))
+    rows = result["rows"]
+    for r in rows:
+        r["rss"], r["rss_load"] = format_bytes(r["peak_rss"]), format_bytes(r["rss_loaded"])
+    cols = [("context", "context", ","), ("threads", "threads", ""), ("path", "path", ""),
+            ("prefill_tok_s", "prefill tok/s", ",.0f"), ("decode_tok_s", "decode tok/s", ",.1f"),
+            ("prefill_vs_llama", "prefill x llama.cpp", ".2f"), ("decode_vs_llama", "decode x llama.cpp", ".2f"),
+            ("decode_mixed_tok_s", "interleaved decode tok/s", ",.1f"),
+            ("decode_mixed_vs_llama", "interleaved x llama.cpp", ".2f"),
+            ("rss_load", "RSS loaded", ""), ("rss", "peak RSS", "")]
+    check = result["check"]
+    lines = [f"model {name} | heap budget {cfg.budget}, policy {cfg.policy}, prefill chunk "
+             f"{cfg.prefill_chunk or 'backend default'} | llama.cpp: {result['gguf']} (f16 weights), batch 512, flash attention off unless -fa or q8kv | "
+             f"{args.decode_tokens} greedy decode steps, decode tok/s = 1 / median step; interleaved: every path "
+             f"in one more process, their decode steps taken in turn (the fairer ratio on a busy machine)"]
+    lines += [f"  {k}: {v}" for k, v in result["versions"].items()]
+    if check:
+        lines.append(f"greedy check (llama.cpp f16 vs transformers stock f32, {check['tokens']} tokens): "
+                     f"first {check['matching_prefix']} identical; tokenizer ids agree: {check['tokenizer_agrees']}")
+    emit("peer", "\n".join(lines) + "\n" + table(rows, cols),
+         {"model": name, "heap": cfg.to_dict(), **{k: v for k, v in result.items() if k != "rows"},
+          "rows": [{k: v for k, v in r.items() if k not in ("rss", "rss_load")} for r in rows]})
+    return 0
 
 
 def run_serve_bench(args) -> int:

@@ -56,12 +56,14 @@ def _stock_kv_bytes(cache: DynamicCache) -> int:
 
 def _session(backend, path: str, prompt: list[int], max_tokens: int, cfg: HeapConfig):
     """(token iterator, KV bytes function) for `stock-full` (DynamicCache), `heap`,
-    `heap-fused` (decode outputs from the fused kernel) or `heap-paging` (the recall tier on)."""
+    `heap-fused` (decode outputs from the fused kernel), `heap-paging` (the recall tier on) or
+    `heap-transformers` (every decode step through transformers' forward, not the lean step)."""
     if path == "stock-full":
         cache = DynamicCache(config=backend.model.config)
         return stock_tokens(backend.model, cache, prompt, max_tokens), lambda: _stock_kv_bytes(cache)
     heap = backend.new_cache(cfg.with_(recall=True) if path == "heap-paging" else cfg)   # paging: recall tier on
     heap.fused_decode = path == "heap-fused"
+    heap.lean_decode = path != "heap-transformers"
     tokens = generate_tokens(backend.model, heap, prompt, SamplingParams(max_tokens=max_tokens))
     return tokens, lambda: heap.kv_nbytes
 
@@ -233,6 +235,7 @@ def main(argv=None) -> None:
 
     p = argparse.ArgumentParser(description=main.__doc__)
     p.add_argument("--random-model", default="llama:small")
+    p.add_argument("--model", default=None, help="a model spec instead (e.g. demo)")
     p.add_argument("--contexts", default="2048,8192")
     p.add_argument("--budgets", default="1024,8448", help="one table per heap budget")
     p.add_argument("--decode-tokens", type=int, default=128)
@@ -240,17 +243,24 @@ def main(argv=None) -> None:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--paths", default="stock-full,heap,heap-fused")
     args = p.parse_args(argv)
-    backend = TorchBackend.load(random_model_dir(args.random_model))
+    if args.model:
+        from ...models import load_backend
+
+        backend = load_backend(args.model, "torch")
+        args.random_model = backend.model_name
+    else:
+        backend = TorchBackend.load(random_model_dir(args.random_model))
     contexts = [int(c) for c in args.contexts.split(",")]
     for budget in (int(b) for b in args.budgets.split(",")):
+        paths = tuple(args.paths.split(","))
         rows = speed_ratios(run_speed(backend, contexts, HeapConfig(budget=budget), args.decode_tokens,
-                                      tuple(args.paths.split(",")), repeats=args.repeats, threads=args.threads))
+                                      paths, repeats=args.repeats, threads=args.threads), baseline=paths[0])
         print(f"{args.random_model} | {backend.device} | threads {args.threads} | budget {budget} | "
               f"decode tok/s = 1 / median step, paths interleaved step by step")
         for r in rows:
             print(f"  ctx {r['context']:>6,} {r['path']:<11} decode {r['decode_tok_s']:7.1f} tok/s "
-                  f"(x stock {r['decode_vs_stock']:.2f}, mean-based {r['decode_tok_s_mean']:.1f})  "
-                  f"prefill {r['prefill_tok_s']:7.0f} tok/s (x stock {r['prefill_vs_stock']:.2f})  "
+                  f"(x {paths[0]} {r['decode_vs_stock']:.2f}, mean-based {r['decode_tok_s_mean']:.1f})  "
+                  f"prefill {r['prefill_tok_s']:7.0f} tok/s (x {paths[0]} {r['prefill_vs_stock']:.2f})  "
                   f"KV {r['kv_bytes'] / 2**20:.1f} MiB")
 
 

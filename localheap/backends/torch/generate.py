@@ -18,11 +18,14 @@ from ...generation import ProgressFn, SamplingParams
 from .. import paging
 from . import recall
 from .cache import HeapCache
+from .lean import lean_step
 
 
 def forward(model, cache: HeapCache, tokens: torch.Tensor) -> torch.Tensor:
     """tokens: [L] ids on the model's device, L <= the append room. Returns the last position's logits [vocab] fp32."""
     n = tokens.shape[0]
+    if n == 1 and (lean := lean_step(model, cache)) is not None:
+        return lean(cache, tokens)   # the same ops without transformers' module glue
     cache.make_room(n)
     with torch.no_grad():
         out = model(input_ids=tokens[None], position_ids=cache.position_ids(n), past_key_values=cache,

@@ -1,0 +1,100 @@
+"""A lean decode step for Llama-shaped transformers models: the same ops, without the module glue.
+
+transformers' forward costs about as much host time as the arithmetic of one decode token on a
+small model (module calls, keyword plumbing, mask building, output objects). This step runs the
+model's own ops in its own order (embedding, its rotary module, RMSNorm as LlamaRMSNorm computes
+it, apply_rotary_pos_emb, the heap layer's update, the heap attention function, the MLP), so its
+logits are transformers' bit for bit (tests/test_torch_lean_decode.py holds it to that). It knows
+the Llama family's layer layout only; anything else keeps the full forward.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from . import attention
+
+FAMILIES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+ENABLED = os.environ.get("LOCALHEAP_LEAN_DECODE", "1") != "0"   # 0: every step through the full forward
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """LlamaRMSNorm's ops in its order (float32 variance, weight times the input-dtype result)."""
+    dtype = x.dtype
+    x = x.to(torch.float32)
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x.to(dtype)
+
+
+class LeanDecode:
+    """One decode token through a Llama-shaped model over a heap cache."""
+
+    def __init__(self, model):
+        from importlib import import_module
+
+        inner = model.model
+        self.model = model
+        self.embed = inner.embed_tokens
+        self.rotary = inner.rotary_emb
+        self.norm = (inner.norm.weight, inner.norm.variance_epsilon)
+        self.head = model.lm_head
+        self.rope = import_module(type(model).__module__).apply_rotary_pos_emb
+        self.layers = []
+        for layer in inner.layers:
+            a, m = layer.self_attn, layer.mlp
+            self.layers.append((
+                a, (layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon),
+                (a.q_proj.weight, a.q_proj.bias), (a.k_proj.weight, a.k_proj.bias), (a.v_proj.weight, a.v_proj.bias),
+                (a.o_proj.weight, a.o_proj.bias),
+                (layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon),
+                m.gate_proj.weight, m.up_proj.weight, m.down_proj.weight, m.act_fn,
+            ))
+
+    @staticmethod
+    def supports(model) -> bool:
+        if type(model).__name__ not in FAMILIES or model.training:
+            return False
+        cfg = model.config
+        mlp = model.model.layers[0].mlp
+        return (getattr(cfg, "layer_types", None) in (None, ["full_attention"] * cfg.num_hidden_layers)
+                and all(getattr(mlp, n).bias is None for n in ("gate_proj", "up_proj", "down_proj")))
+
+    def __call__(self, cache, token: torch.Tensor) -> torch.Tensor:
+        """token: [1] id on the device. Returns the next logits [vocab] fp32 (what generate.forward returns)."""
+        cache.make_room(1)
+        pos = cache.position_ids(1)                                   # [1, 1]; sets each layer's rope_delta
+        with torch.no_grad():
+            h = self.embed(token[None])                               # [1, 1, hidden]
+            cos, sin = self.rotary(h, pos)
+            for i, (a, ln1, q, k, v, o, ln2, gate, up, down, act) in enumerate(self.layers):
+                x = _rms_norm(h, *ln1)
+                shape = (1, 1, -1, a.head_dim)
+                qs = F.linear(x, *q).view(shape).transpose(1, 2)      # [1, H_q, 1, D]
+                ks = F.linear(x, *k).view(shape).transpose(1, 2)      # [1, H_kv, 1, D]
+                vs = F.linear(x, *v).view(shape).transpose(1, 2)
+                qs, ks = self.rope(qs, ks, cos, sin)
+                ks, vs = cache.layers[i].update(ks, vs)
+                out, _ = attention.heap_sdpa(a, qs, ks, vs, None, heap=cache, dropout=0.0, scaling=a.scaling)
+                h = h + F.linear(out.reshape(1, 1, -1).contiguous(), *o)
+                x = _rms_norm(h, *ln2)
+                h = h + F.linear(act(F.linear(x, gate)) * F.linear(x, up), down)
+            h = _rms_norm(h, *self.norm)
+            logits = self.head(h[:, -1:, :])
+        return logits[0, -1].to(dtype=torch.float32, copy=True)
+
+
+def lean_step(model, cache) -> Optional[LeanDecode]:
+    """The model's lean step when this cache can take it (heap layers only, no recall probe, no
+    packed batch), else None: the caller runs the full forward."""
+    if (not ENABLED or not getattr(cache, "lean_decode", True) or cache.capture is not None or not cache.only_heap_layers or getattr(cache, "packed", False)
+            or model.config._attn_implementation != attention.ATTN_IMPLEMENTATION):
+        return None
+    lean = model.__dict__.get("_localheap_lean", False)
+    if lean is False:
+        lean = LeanDecode(model) if LeanDecode.supports(model) else None
+        model.__dict__["_localheap_lean"] = lean
+    return lean

@@ -1,0 +1,71 @@
+"""The lean decode step (backends/torch/lean.py) gives transformers' logits bit for bit."""
+
+import numpy as np
+import pytest
+import torch
+
+from localheap.backends.torch import TorchBackend, lean
+from localheap.backends.torch.generate import generate_steps
+from localheap.generation import SamplingParams
+from localheap.heap import HeapConfig
+
+pytestmark = pytest.mark.usefixtures("torch_one_thread")
+
+
+def prompt(n=120):
+    return np.random.default_rng(1).integers(10, 1000, n).tolist()
+
+
+def decode(backend, cfg, enabled, monkeypatch, params=SamplingParams(max_tokens=60)):
+    monkeypatch.setattr(lean, "ENABLED", enabled)
+    calls = []
+    original = lean.LeanDecode.__call__
+    monkeypatch.setattr(lean.LeanDecode, "__call__", lambda self, *a: calls.append(1) or original(self, *a))
+    cache = backend.new_cache(cfg)
+    steps = list(generate_steps(backend.model, cache, prompt(), params))
+    return [t for t, _ in steps], torch.stack([lg for _, lg in steps]), len(calls), cache.stats()
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])
+@pytest.mark.parametrize("cfg", [HeapConfig(budget=4096), HeapConfig(budget=48, sinks=4, recent=8, slack=16),
+                                 HeapConfig(budget=48, sinks=4, recent=8, slack=16, profile="pyramid")],
+                         ids=["full", "evicting", "pyramid"])
+def test_lean_step_matches_the_full_forward(model_dirs, family, cfg, monkeypatch):
+    backend = TorchBackend.load(model_dirs(family), dtype=torch.float32)
+    full_tokens, full_logits, full_calls, full_stats = decode(backend, cfg, False, monkeypatch)
+    lean_tokens, lean_logits, lean_calls, lean_stats = decode(backend, cfg, True, monkeypatch)
+    assert full_calls == 0 and lean_calls == 59, "the lean step ran every decode step (not the last token's)"
+    assert lean_tokens == full_tokens
+    assert torch.equal(lean_logits, full_logits)
+    assert lean_stats.tokens_seen == full_stats.tokens_seen and lean_stats.evictions == full_stats.evictions
+
+
+def test_sampled_tokens_match(model_dirs, monkeypatch):
+    backend = TorchBackend.load(model_dirs("llama"), dtype=torch.float32)
+    cfg = HeapConfig(budget=48, sinks=4, recent=8, slack=16)
+    params = SamplingParams(max_tokens=40, temperature=0.8, top_k=20, seed=5)
+    full = decode(backend, cfg, False, monkeypatch, params)
+    lean_run = decode(backend, cfg, True, monkeypatch, params)
+    assert lean_run[0] == full[0] and torch.equal(lean_run[1], full[1])
+
+
+def test_other_families_keep_the_full_forward(model_dirs):
+    backend = TorchBackend.load(model_dirs("gemma"), dtype=torch.float32)
+    assert not lean.LeanDecode.supports(backend.model)
+    assert lean.lean_step(backend.model, backend.new_cache(HeapConfig(budget=512))) is None
+
+
+def test_fused_decode_gives_the_stock_tokens_on_the_demo_model(monkeypatch):
+    """The fused decode (one pass for outputs and scores, `bench peer`'s heap-fused) is not bit for
+    bit stock sdpa; on the trained demo model its greedy tokens are the same, full budget or evicting."""
+    from localheap.models import demo_model_dir
+
+    backend = TorchBackend.load(demo_model_dir(), dtype=torch.float32)
+    ids = backend.tokenizer("The heap keeps the tokens that matter most. " * 40)["input_ids"]
+    for cfg in (HeapConfig(budget=1024, prefill_chunk=256), HeapConfig(budget=128, recent=32, slack=32)):
+        runs = {}
+        for fused in (False, True):
+            backend.fused_decode = fused
+            cache = backend.new_cache(cfg)
+            runs[fused] = [t for t, _ in generate_steps(backend.model, cache, ids, SamplingParams(max_tokens=96))]
+        assert runs[True] == runs[False]
