@@ -161,6 +161,10 @@ class Checkpoints:
             self._remove(min((x for x in self.all() if x is not c), key=lambda x: x.seq))
         return c
 
+    def discard(self, c: Checkpoint) -> None:
+        """Forget a checkpoint found unreadable, and remove its files."""
+        self._remove(c)
+
     def _remove(self, c: Checkpoint) -> None:
         _unlink(c.path)
         left = [x for x in self._by_session.get(c.session_id, []) if x is not c]
