@@ -44,8 +44,8 @@ class Server:
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, text=True, env=env)
         try:
             wait_until_healthy(self.proc, self.url, START_TIMEOUT_S)
-        except RuntimeError as e:
-            raise RuntimeError(f"{e}\n{self.output()}") from None
+        except (RuntimeError, AttributeError) as e:   # its output is in the log file, not a pipe
+            raise RuntimeError(f"server did not start ({e}):\n{self.output()}") from None
 
     def output(self) -> str:
         self.log.flush()

@@ -27,7 +27,7 @@ FULL = os.environ.get("LOCALHEAP_FAULT_FULL") == "1"
 SEEDS = int(os.environ.get("LOCALHEAP_FAULT_SEEDS", "20" if FULL else "1"))
 STEPS = ["pages.write:3", "pages.state:1", "save.heap:1", "save.tokens:1", "save.index:1", "save.prune:1",
          "checkpoint.tokens:1", "checkpoint.pages:1", "checkpoint.heap:1", "save.heap:2", "save.index:2",
-         "index:1"]
+         "index:2"]   # index:1 is the commit at startup
 if not FULL:   # mid-document page-out, mid-checkpoint, and a chat turn's commit
     STEPS = ["pages.write:3", "checkpoint.pages:1", "save.index:2"]
 pytestmark = pytest.mark.slow
