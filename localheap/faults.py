@@ -13,7 +13,7 @@ Steps (each is called just after its write is durable, so "after X" is "before t
   checkpoint.pages  a checkpoint's links of the page store and its state written
   checkpoint.heap   a checkpoint's heap file renamed into place
 
-Unset (the normal case) a step costs one dict lookup. Read once, at import.
+Unset (the normal case) a step costs one comparison. Read once, at import.
 """
 
 from __future__ import annotations
