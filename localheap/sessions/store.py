@@ -205,10 +205,12 @@ class SessionStore:
 
     def restore(self, session_id: str) -> Session:
         """Load a spilled session's heap back (bit-identical to when it was saved). A copy that
-        cannot be read is moved aside and the session dropped: SessionLost."""
+        cannot be read (its CRC, its file, its page store's state) is moved aside and the heap
+        rebuilt from the session's tokens; a session without tokens is dropped: SessionLost."""
         s = self.get(session_id)
         if s.cache is not None or s.spill_path is None:
             return s
+        cache = None
         try:
             if s.heap_crc is not None and file_crc(s.spill_path) != s.heap_crc:
                 raise ValueError("its checksum does not match the index")
@@ -218,6 +220,8 @@ class SessionStore:
             s.cache, s.dirty = cache, False
             s.cfg = getattr(cache, "cfg", s.cfg)   # the heap as it was saved (settings may have changed)
         except Exception as e:
+            if cache is not None:   # loaded, but not this session's: its page files closed first
+                release_pages(cache)
             if not s.fed:
                 self._lose(s, f"unreadable heap file: {type(e).__name__}: {e}")
             self._rebuild(s, f"{type(e).__name__}: {e}")
