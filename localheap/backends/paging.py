@@ -15,25 +15,41 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import shutil
 import tempfile
 import time
 import weakref
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence, Union
 
 import numpy as np
 
 from ..heap import LayerHeap, PageGeometry, PageStore, PageWriter, score_pages, select_pages
 from ..heap.pagecodec import decode
-from ..heap.pages import copy_tree, link_tree
+from ..heap.pages import LATEST, PageCorrupt, copy_tree
 from ..heap.recall import WINDOW, take_windows, vote
 
 log = logging.getLogger("localheap.pages")
+PICK_TRIES = 8   # a recall picks again this often when what it read failed its check
 
 
-def attach_pages(cache, n_kv_heads: int, head_dim: int, root: Optional[Path] = None) -> None:
-    """Give `cache` a page store (in `root`, or a temp dir removed with the cache) and a writer."""
+@dataclass
+class RecallFaults:
+    """Process-wide counts for /metrics: page records that failed their check (tombstoned), and
+    questions whose recall failed inside (answered without recall)."""
+    pages_corrupt: int = 0
+    recall_failed: int = 0
+
+
+FAULTS = RecallFaults()
+
+
+def attach_pages(cache, n_kv_heads: int, head_dim: int, root: Optional[Path] = None,
+                 state: Union[int, str, None] = None) -> None:
+    """Give `cache` a page store (in `root`, or a temp dir removed with the cache) and a writer.
+    `state`: the saved state to open it at (None: a new store; raises CorruptPageState)."""
     cfg = cache.cfg
     cache.pages_owned = root is None   # a temp dir: a save moves it beside the heap file
     if root is None:
@@ -41,7 +57,8 @@ def attach_pages(cache, n_kv_heads: int, head_dim: int, root: Optional[Path] = N
         weakref.finalize(cache, shutil.rmtree, str(root), True)   # a moved store is gone from here: no-op
     geometry = PageGeometry(len(cache.heap_layers), n_kv_heads, head_dim, cfg.page_size, cfg.page_format)
     max_pages = -(-cfg.recall_ram_tokens // cfg.page_size) * geometry.n_layers
-    cache.pages = PageStore(root, geometry, cfg.disk_budget, cfg.recall_summary, max_pages)
+    cache.pages = PageStore(root, geometry, cfg.disk_budget, cfg.recall_summary, max_pages, state=state)
+    FAULTS.pages_corrupt += cache.pages.corrupt
     cache.writer = PageWriter()
 
 
@@ -227,7 +244,7 @@ def pick_spans(cache, store, queries: dict) -> dict:
             pos[tail], ks[tail], vs[tail] = tail_pos[at], tail_k[at], tail_v[at]
         if (~tail).any():
             pages = np.unique(src[~tail])
-            recs = store.read(i, slots[pages])
+            recs = store.read(i, slots[pages], strict=True)
             keys, values = decode(recs, store.g.fmt)                        # [u, H, P, D]
             at = np.searchsorted(pages, src[~tail]), heads[~tail], off[~tail]
             pos[~tail], ks[~tail], vs[~tail] = recs["positions"][at], keys[at], values[at]
@@ -273,7 +290,7 @@ def recall(cache, n_question: int, probe: Callable[[], dict]) -> dict:
     cache.make_room(n_question)
     queries = probe()
     cache.writer.drain()
-    picked = (pick_spans if cache.cfg.recall_select == "spans" else pick_pages)(cache, store, queries)
+    picked = pick_checked(cache, store, queries)
     if picked:
         flat = cache.to_device(np.concatenate([a.reshape(-1) for _, k, v in picked.values() for a in (k, v)]))
         at = 0
@@ -291,6 +308,46 @@ def recall(cache, n_question: int, probe: Callable[[], dict]) -> dict:
              "ms": round(1000 * (time.perf_counter() - t0), 2)}
     cache.recall_log.append(event)
     return event
+
+
+def pick_checked(cache, store, queries: dict) -> dict:
+    """What `cfg.recall_select` picks, read back whole: a page that fails its check is tombstoned
+    and the pick made again without it; a layer whose pick cannot be merged, or any other failure
+    inside, leaves it (or the whole question) without recall: logged and counted, never raised."""
+    pick = pick_spans if cache.cfg.recall_select == "spans" else pick_pages
+    try:
+        for _ in range(PICK_TRIES):
+            try:
+                picked = pick(cache, store, queries)
+                break
+            except PageCorrupt as e:
+                FAULTS.pages_corrupt += e.n
+        else:   # the next question picks on from what these tombstoned
+            FAULTS.recall_failed += 1
+            log.error("recall: the pages picked still failed their check after %d picks; this question goes on "
+                      "without recall", PICK_TRIES)
+            return {}
+        heaps = {layer.heap.layer: layer.heap for layer in cache.heap_layers}
+        for i in [i for i, (pos, _, _) in picked.items() if not mergeable(heaps[i], pos)]:
+            FAULTS.recall_failed += 1
+            log.error("recall: layer %d's pick cannot be merged (a recalled token is already resident, "
+                      "or out of order); this question goes on without it", i)
+            del picked[i]
+        return picked
+    except Exception:   # noqa: BLE001 - a question answered without recall, not a failed request
+        FAULTS.recall_failed += 1
+        log.exception("recall failed; this question goes on without recall")
+        return {}
+
+
+def mergeable(heap: LayerHeap, positions: np.ndarray) -> bool:
+    """LayerHeap.merge's preconditions, checked before anything moves: positions [H, r] fit the
+    heap and, merged with the resident ones, are strictly increasing in every head."""
+    H, n = heap.n_kv_heads, heap.resident
+    if positions.ndim != 2 or positions.shape[0] != H or n + positions.shape[1] > heap.capacity:
+        return False
+    both = np.sort(np.concatenate([heap.positions[:, :n], positions], axis=1), axis=1)
+    return bool((np.diff(both, axis=1) > 0).all()) and bool((positions >= 0).all())
 
 
 def release_pages(cache) -> None:
@@ -322,12 +379,23 @@ def pages_dir(path: Path) -> Path:
     return Path(path).with_suffix(".pages")
 
 
+def file_version(path: Path) -> Optional[int]:
+    """The version a heap file's name carries: a session's generation (`<id>.<gen>.safetensors`,
+    sessions/disk.py) or a checkpoint's token count (`<tokens>.safetensors`); a rank's shard
+    carries its whole's, a temp file its final name's (the first number in the name). None: a
+    name without one."""
+    numbers = [part for part in Path(path).name.split(".") if re.fullmatch(r"\d{1,12}", part)]
+    return int(numbers[0]) if numbers else None
+
+
 def checkpoint_pages(cache, path: Path, snapshot: bool = False) -> dict:
-    """Before the heap is saved to `path`: the store checkpointed (a store in a temp dir moved
-    beside the file). Returns the heap file's metadata for it: where the store is, relative to
-    the file's directory, and the recent recalls. A session's saves point at its one live store;
-    a `snapshot` (a checkpoint to fork from) points at hard links of it beside the file, which
-    the live store's later writes leave as they are (heap/pages.py)."""
+    """Before the heap is saved to `path`: the store's state written as the version the file's
+    name carries (a store in a temp dir moved beside the file first). Returns the heap file's
+    metadata for it: where the store is, relative to the file's directory, which state the file
+    opens it at, and the recent recalls. The state is in force once the heap file is committed
+    (for a session: by the index, then `commit_pages`). A session's saves point at its one live
+    store; a `snapshot` (a checkpoint to fork from) points at hard links of it beside the file,
+    with their own state, which the live store's later writes leave as they are (heap/pages.py)."""
     meta: dict[str, Any] = {"recall_log": cache.recall_log[-256:]}
     if cache.pages is None:
         return meta
@@ -335,19 +403,26 @@ def checkpoint_pages(cache, path: Path, snapshot: bool = False) -> dict:
     if cache.pages_owned and not snapshot:
         cache.pages.move_to(pages_dir(path))
         cache.pages_owned = False
-    try:
-        cache.pages.checkpoint()
-    except OSError as e:   # the heap still saves; its pages reopen as of their last checkpoint
-        if snapshot:
-            raise
-        cache.pages.fault = f"pages not checkpointed: {e.strerror or e}"
-        log.warning("session pages in %s: %s", cache.pages.root, cache.pages.fault)
-    root = cache.pages.root
+    version = file_version(path)
     if snapshot:
+        version = 0 if version is None else version
+        cache.pages.snapshot(pages_dir(path), version)   # raises: no checkpoint without its pages
         root = pages_dir(path)
-        link_tree(cache.pages.root, root)
+    else:
+        # a disk that refuses raises here: the turn is not saved (the previous one stays in force)
+        version = cache.pages.checkpoint(version)
+        root = cache.pages.root
     meta["pages_dir"] = os.path.relpath(root, Path(path).parent)
+    meta["pages_state"] = version
     return meta
+
+
+def commit_pages(cache, path: Path) -> None:
+    """The heap file at `path` is committed: the page store's other state files go."""
+    if getattr(cache, "pages", None) is not None and not cache.pages._closed:
+        version = file_version(path)
+        if version is not None and cache.pages.version == version:
+            cache.pages.committed(version)
 
 
 def saved_pages_root(path: Path, meta: dict, into: Optional[Path] = None) -> Path:
@@ -356,5 +431,11 @@ def saved_pages_root(path: Path, meta: dict, into: Optional[Path] = None) -> Pat
     saved = Path(path).parent / meta["pages_dir"] if "pages_dir" in meta else pages_dir(path)
     if into is None or Path(into).resolve() == saved.resolve():
         return saved
-    copy_tree(saved, into)
+    copy_tree(saved, into, meta.get("pages_state", LATEST))
     return Path(into)
+
+
+def saved_pages_state(meta: dict) -> Union[int, str]:
+    """The state a saved heap file opens its page store at (LATEST: a file older than versions)."""
+    v = meta.get("pages_state")
+    return v if isinstance(v, int) and not isinstance(v, bool) else LATEST

@@ -43,7 +43,15 @@ def new_branch(store: SessionStore, source_id: str) -> Session:
 def fork_into(store: SessionStore, s: Session, c: Checkpoint) -> None:
     """Fill the new, empty session `s` with checkpoint `c` (its heap, tokens and earlier checkpoints)."""
     assert not s.fed and s.cache is None
-    cache = store.checkpoints.load(c, s.cfg, pages_dir=store.pages_dir(s))
+    try:
+        cache = store.checkpoints.load(c, s.cfg, pages_dir=store.pages_dir(s))
+    except Exception as e:   # an unreadable checkpoint: its tokens are the truth, read them again
+        log.warning("checkpoint %s unreadable (%s: %s); removed, and its %d tokens read again", c.path,
+                    type(e).__name__, e, c.n)
+        store.checkpoints.discard(c)
+        cache = store.backend.new_cache(s.cfg, **({"pages_dir": store.pages_dir(s)} if s.cfg.recall else {}))
+        store.backend.prefill(cache, list(c.tokens))
+        store.rebuilt += 1
     s.cache, s.fed, s.dirty = cache, token_array(c.tokens), True
     s.cfg = getattr(cache, "cfg", s.cfg)
     store.checkpoints.inherit(c, s)

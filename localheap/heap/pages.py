@@ -4,10 +4,16 @@ Numpy only; it knows nothing about models or devices. Keys arrive pre-RoPE (the 
 un-rotates them), so a page can be recalled at any position. One file per layer of
 fixed-size records (one record = one page of `page_size` tokens of every KV head of
 that layer); a record carries a CRC of its header and summaries and one of its payload,
-so a torn write is ignored on load. `checkpoint()` fsyncs the files and writes, atomically,
-the partial pages still in RAM and the sequence number every valid record is below:
-a store reopened after a crash is the store of its last checkpoint (the heap's save), and
-records written after it are tombstoned on reopen. Past `disk_budget` bytes the lowest-value
+so a torn write is ignored on load. `checkpoint(version)` fsyncs the files and writes,
+atomically, a state file `state.<version>.npz`: the partial pages still in RAM and the sequence
+number every valid record is below. The state is not in force by itself: the heap file of the
+save names its version, and the session index names the heap file, so the index's commit is the
+one commit point of a turn (README: session persistence). A store is opened at the state its
+heap file names; records at or past that state's sequence number (written by a turn that never
+committed) are tombstoned, and the other state files (older turns, or one never committed) are
+removed; `committed(version)` removes them after a commit. A record that fails its data check
+when read is tombstoned and counted (`corrupt`); `read(strict=True)` raises PageCorrupt then,
+so recall picks again without it. Past `disk_budget` bytes the lowest-value
 pages are dropped (tombstoned, their record slots reused), and counted.
 
 A page the disk refuses (full, read-only, the directory removed under the store) is not
@@ -17,7 +23,7 @@ directory takes its pages with it (counted as lost); the store starts over in a 
 A checkpoint of the session (to fork from) is `link_tree`: hard links of the store's files.
 That is safe because the store never rewrites a record a checkpoint can see: it appends
 (records at or past the checkpoint's sequence number are not valid there), reuses only
-tombstoned slots, replaces meta and tail by rename, and before a drop, the one write into a
+tombstoned slots, writes each state file once under a new name, and before a drop, the one write into a
 valid record, it takes its own copy of a layer file that has other links. A fork opens a
 `copy_tree` of the checkpoint's store (the parent may still append into the linked files).
 """
@@ -27,7 +33,9 @@ from __future__ import annotations
 import errno
 import fcntl
 import json
+import logging
 import os
+import re
 import shutil
 import sys
 import threading
@@ -35,16 +43,36 @@ import weakref
 import zlib
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Union
 
 import numpy as np
 
+from .. import faults
 from .pagecodec import FORMATS, decode, encode, payload_fields, payload_names
-from .private import open_private, private_dir, write_private
+from .private import FILE_MODE, open_private, private_dir, write_private
 
+log = logging.getLogger("localheap.pages")
 MAGIC = 0x4C48_5047   # "LHPG"
-META = "meta.json"
+META = "meta.json"    # the state of a store written before versioned states (read, never written)
 TAIL = "tail.npz"
+STATE = re.compile(r"state\.(\d{1,12})\.npz")
+LATEST = "latest"     # open at the newest state file there (tests, and heap files older than versions)
+
+
+def state_name(version: int) -> str:
+    return f"state.{int(version)}.npz"
+
+
+class PageCorrupt(ValueError):
+    """Records that failed their data check when read (now tombstoned): pick again without them."""
+
+    def __init__(self, n: int):
+        super().__init__(f"{n} page records failed their check and were tombstoned")
+        self.n = n
+
+
+class CorruptPageState(ValueError):
+    """The state a heap file names is missing or unreadable: the session is rebuilt from its tokens."""
 
 
 @dataclass(frozen=True)
@@ -118,10 +146,12 @@ class PageStore:
     """Pages of evicted tokens for one session (all layers), in `root`."""
 
     def __init__(self, root: Path, geometry: PageGeometry, disk_budget: int = 0, summary: str = "minmax",
-                 max_pages: int = 0):
+                 max_pages: int = 0, state: Union[int, str, None] = LATEST):
         """`summary`: which key summaries stay in RAM for scoring (minmax: 2 x D per page and KV
         head, mean: D); every record on disk carries all three. `max_pages` (all layers; 0: no
-        bound) bounds the pages whose summaries RAM holds, as `disk_budget` bounds the disk."""
+        bound) bounds the pages whose summaries RAM holds, as `disk_budget` bounds the disk.
+        `state`: the version to open at (raises CorruptPageState when it is missing or
+        unreadable); None: a new store (whatever `root` holds is discarded); LATEST: the newest."""
         self.root = Path(root)
         self.g = geometry
         self.disk_budget = disk_budget          # bytes; 0 = unbounded
@@ -141,6 +171,8 @@ class PageStore:
         self._appending = threading.RLock()   # stats (any thread) never see a page past the budget mid-append
         self.failed = 0             # pages the disk refused (not kept), ever
         self.lost = 0               # pages lost with a directory removed under the store
+        self.corrupt = 0            # records that failed their check (tombstoned), since opened
+        self.version: Optional[int] = None   # the state version opened or last written
         self.fault: Optional[str] = None   # why page-out fails now (None: it works)
         self._fds: list[int] = []
         self._closed = False
@@ -150,7 +182,11 @@ class PageStore:
         except OSError as e:   # a full or read-only disk: serve without pages, retry at the next write
             self._refused(e)
             return
-        self._load()
+        try:
+            self._load(state)
+        except BaseException:
+            self.close()
+            raise
 
     def _open(self, flags: int, parents: bool = True) -> None:
         """Open (creating the directory) every layer's file into self._fds, or none of them."""
@@ -170,9 +206,8 @@ class PageStore:
         assert not self._closed, "write into a closed page store"
         if self._fds:
             self._forget()
-        else:   # never opened: whatever a meta there names was never loaded into this store
-            for name in (META, TAIL):
-                (self.root / name).unlink(missing_ok=True)
+        else:   # never opened: whatever a state there names was never loaded into this store
+            _remove_states(self.root)
         self._open(os.O_RDWR | os.O_CREAT | os.O_TRUNC, parents=False)   # a removed sessions dir stays removed
 
     def _forget(self) -> None:
@@ -250,6 +285,7 @@ class PageStore:
                 pass
             return False
         self.fault = None   # page-out works (again)
+        faults.step("pages.write")
         # RAM summaries read back from the record, so a reopened store scores identically
         for f, a in L.sums.items():
             a[slot] = rec[f]
@@ -300,6 +336,10 @@ class PageStore:
         return done
 
     def _drop(self, layer: int, slot: int) -> None:
+        self._tombstone(layer, slot)
+        self.dropped += 1
+
+    def _tombstone(self, layer: int, slot: int) -> None:
         L = self.layers[layer]
         if os.fstat(self._fds[layer]).st_nlink > 1:
             self._own(layer)   # a checkpoint links this file: it keeps the page
@@ -307,7 +347,6 @@ class PageStore:
         L.live[slot] = False
         L.free.append(int(slot))
         L.free.sort(reverse=True)
-        self.dropped += 1
 
     def _own(self, layer: int) -> None:
         """Replace a layer file other links share with this store's own copy (the links keep theirs)."""
@@ -320,19 +359,54 @@ class PageStore:
         os.close(self._fds[layer])
         self._fds[layer] = fd   # the same list the finalizer holds
 
-    def checkpoint(self) -> None:
-        """Make the store as it is now the one a reopen finds: fsync, then tails + seq atomically.
-        Raises OSError when the disk refuses (the previous checkpoint stays the one in force)."""
+    def checkpoint(self, version: Optional[int] = None) -> int:
+        """Write the store as it is now as state `version` (default: the one after the last):
+        fsync the layer files, then the state file, atomically. Not in force until a heap file
+        that names it is committed; raises OSError when the disk refuses. Returns the version."""
         self._ready()
         for fd in self._fds:
             os.fsync(fd)
+        version = (self.version + 1 if self.version is not None else 0) if version is None else int(version)
+        _write_state(self.root / state_name(version), self._state_meta(), self._tails())
+        self.version = version
+        faults.step("pages.state")
+        return version
+
+    def committed(self, version: int) -> None:
+        """State `version` is in force (its heap file committed): the other state files go."""
+        try:
+            _remove_states(self.root, keep=version)
+        except OSError as e:   # left for the next commit, or the next open
+            log.warning("page store %s: stale state files not removed: %s", self.root, e)
+
+    def snapshot(self, dst: Path, version: int) -> None:
+        """A checkpoint of the store as it is now in `dst` (to fork from): hard links of the layer
+        files (fsynced first) and its own state file. The live store's state files are untouched."""
+        self._ready()
+        for fd in self._fds:
+            os.fsync(fd)
+        dst = Path(dst)
+        if dst.exists():
+            shutil.rmtree(dst)
+        private_dir(dst)
+        for i in range(self.g.n_layers):
+            try:
+                os.link(self._file(i), dst / self._file(i).name)
+            except OSError:   # a filesystem without hard links
+                shutil.copyfile(self._file(i), dst / self._file(i).name)
+                os.chmod(dst / self._file(i).name, FILE_MODE)
+        _write_state(dst / state_name(version), self._state_meta(), self._tails())
+        faults.step("checkpoint.pages")
+
+    def _state_meta(self) -> dict:
+        return {"geometry": asdict(self.g), "seq": self.seq, "dropped": self.dropped, "written": self.written,
+                "reclaimed": self.reclaimed}
+
+    def _tails(self) -> dict:
         tails = {}
         for i, L in enumerate(self.layers):
             tails.update({f"{i}.pos": L.tail_pos, f"{i}.k": L.tail_k, f"{i}.v": L.tail_v, f"{i}.value": L.tail_value})
-        _atomic(self.root / TAIL, lambda f: np.savez(f, **tails))
-        meta = {"geometry": asdict(self.g), "seq": self.seq, "dropped": self.dropped, "written": self.written,
-                "reclaimed": self.reclaimed}
-        _atomic(self.root / META, lambda f: f.write(json.dumps(meta).encode()))
+        return tails
 
     # -- reading --------------------------------------------------------------------
     def summaries(self, layer: int) -> tuple[np.ndarray, ...]:
@@ -364,14 +438,31 @@ class PageStore:
         L = self.layers[layer]
         return L.tail_pos, L.tail_k, L.tail_v
 
-    def read(self, layer: int, slots: np.ndarray) -> np.ndarray:
-        """Records of the given slots (a torn or overwritten record comes back with magic 0)."""
+    def read(self, layer: int, slots: np.ndarray, strict: bool = False) -> np.ndarray:
+        """Records of the given slots. One that fails its check (torn, overwritten, bit rot) comes
+        back with magic 0; a live one is tombstoned, logged and counted (`corrupt`), and with
+        `strict` PageCorrupt is raised after the whole read (pick again: it is gone from the summaries)."""
         out = np.zeros(len(slots), self.dtype)
+        bad = []
         for i, slot in enumerate(slots):
             buf = os.pread(self._fds[layer], self.record_bytes, int(slot) * self.record_bytes)
             rec = np.frombuffer(buf, self.dtype)[0] if len(buf) == self.record_bytes else None
-            if rec is not None and rec["magic"] == MAGIC and _crc(rec, payload_names(self.g.fmt)) == rec["crc_data"]:
+            if (rec is not None and rec["magic"] == MAGIC and _crc(rec, _META_FIELDS) == rec["crc_meta"]
+                    and _crc(rec, payload_names(self.g.fmt)) == rec["crc_data"]):
                 out[i] = rec
+            elif self.layers[layer].live[int(slot)]:
+                bad.append(int(slot))
+        if bad:
+            with self._appending:
+                for slot in bad:
+                    self.corrupt += 1
+                    try:
+                        self._tombstone(layer, slot)
+                    except OSError:   # the disk refuses the tombstone: forgotten in RAM at least
+                        self.layers[layer].live[slot] = False
+            log.warning("page store %s: layer %d: %d records failed their check; tombstoned", self.root, layer, len(bad))
+            if strict:
+                raise PageCorrupt(len(bad))
         return out
 
     def load(self, layer: int, page_slots: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -379,7 +470,7 @@ class PageStore:
         each head's tokens in position order. Head h gets head h's part of its pages."""
         H, k = page_slots.shape
         uniq, inv = np.unique(page_slots, return_inverse=True)
-        recs = self.read(layer, uniq)
+        recs = self.read(layer, uniq, strict=True)
         keys, values = decode(recs, self.g.fmt)                 # [u, H, P, D]
         inv = inv.reshape(H, k)
         heads = np.arange(H)[:, None]
@@ -443,6 +534,7 @@ class PageStore:
     def _stats(self) -> dict:
         return {"pages": self.pages, "pages_written": self.written, "pages_dropped": self.dropped,
                 "pages_reclaimed": self.reclaimed, "pages_failed": self.failed, "pages_lost": self.lost,
+                "pages_corrupt": self.corrupt,
                 "degraded": self.fault, "tokens_on_disk": self.tokens,
                 "disk_bytes": self.disk_bytes, "summary_bytes": self.summary_bytes,
                 "disk_bytes_per_token": round(self.disk_bytes_per_token(), 1),
@@ -468,52 +560,141 @@ class PageStore:
         self._fds.extend(os.open(self._file(i), os.O_RDWR) for i in range(self.g.n_layers))
 
     # -- reopening ------------------------------------------------------------------
-    def _load(self) -> None:
-        meta_path = self.root / META
-        if not meta_path.exists():
+    def _load(self, state: Union[int, str, None]) -> None:
+        """Open at `state` (see __init__); records past it are tombstoned, other states removed."""
+        if state == LATEST:
+            state = newest_state(self.root)
+        if state is None:   # a new store, or one never checkpointed: nothing here belongs to a saved heap
             for fd in self._fds:
-                os.ftruncate(fd, 0)   # never checkpointed: nothing here belongs to a saved heap
+                os.ftruncate(fd, 0)
+            _remove_states(self.root)
             return
-        meta = json.loads(meta_path.read_text())
-        assert PageGeometry(**meta["geometry"]) == self.g, "page store geometry changed"
-        self.seq, self.dropped, self.written = meta["seq"], meta["dropped"], meta["written"]
-        self.reclaimed = meta.get("reclaimed", 0)
+        meta, tails = read_state(self.root, state)
+        if PageGeometry(**meta["geometry"]) != self.g:
+            raise CorruptPageState(f"page store geometry changed: {meta['geometry']} != {asdict(self.g)}")
+        H, D, P = self.g.n_kv_heads, self.g.head_dim, self.g.page_size
+        for i in range(self.g.n_layers):
+            t = tails[f"{i}.pos"].shape[-1] if f"{i}.pos" in tails else -1
+            shapes = {f"{i}.pos": (H, t), f"{i}.k": (H, t, D), f"{i}.v": (H, t, D), f"{i}.value": (H, t)}
+            if not 0 <= t < P or any(k not in tails or tails[k].shape != v for k, v in shapes.items()):
+                raise CorruptPageState(f"page store state {state}: layer {i}'s partial page is malformed")
+        self.seq, self.dropped, self.written = int(meta["seq"]), int(meta["dropped"]), int(meta["written"])
+        self.reclaimed = int(meta.get("reclaimed", 0))
         for i, L in enumerate(self.layers):
             size = os.fstat(self._fds[i]).st_size
             n = size // self.record_bytes                      # a torn last record is ignored
             recs = np.fromfile(self._file(i), self.dtype, count=n) if n else np.zeros(0, self.dtype)
             L.grow(n)
             for slot, rec in enumerate(recs):
-                ok = rec["magic"] == MAGIC and rec["seq"] < self.seq and _crc(rec, _META_FIELDS) == rec["crc_meta"]
-                if ok:
-                    for f, a in L.sums.items():
-                        a[slot] = rec[f]
-                    L.live[slot], L.value[slot] = True, rec["value"]
-                    L.span[slot] = np.stack([rec["positions"].min(axis=1), rec["positions"].max(axis=1)], axis=1)
+                if rec["magic"] != MAGIC or rec["seq"] >= self.seq:
+                    continue
+                if _crc(rec, _META_FIELDS) != rec["crc_meta"]:
+                    self.corrupt += 1
+                    continue
+                for f, a in L.sums.items():
+                    a[slot] = rec[f]
+                L.live[slot], L.value[slot] = True, rec["value"]
+                L.span[slot] = np.stack([rec["positions"].min(axis=1), rec["positions"].max(axis=1)], axis=1)
             L.free = sorted((int(s) for s in np.flatnonzero(~L.live[: len(L.live)])), reverse=True)
-            # records written after the checkpoint (a crash, or a parent's appends a fork copied):
-            # tombstoned, or a later checkpoint's larger sequence number would take them for valid
+            # records written after the state (a turn that never committed, or a parent's appends a
+            # fork copied): tombstoned, or a later state's larger sequence number would take them for valid
             for slot in np.flatnonzero((recs["magic"] == MAGIC) & ~L.live[:n]):
                 os.pwrite(self._fds[i], np.zeros(4, np.uint8).tobytes(), int(slot) * self.record_bytes)
-        tails = np.load(self.root / TAIL)
+        if self.corrupt:
+            log.warning("page store %s: %d records failed their check on open; tombstoned", self.root, self.corrupt)
         for i, L in enumerate(self.layers):
-            L.tail_pos, L.tail_k, L.tail_v = tails[f"{i}.pos"], tails[f"{i}.k"], tails[f"{i}.v"]
-            L.tail_value = tails[f"{i}.value"]
+            L.tail_pos, L.tail_k, L.tail_v = (tails[f"{i}.pos"].astype(np.int64), tails[f"{i}.k"].astype(np.float32),
+                                              tails[f"{i}.v"].astype(np.float32))
+            L.tail_value = tails[f"{i}.value"].astype(np.float32)
+        self.version = state if isinstance(state, int) else None
+        if isinstance(state, int):
+            self.committed(state)
 
 
-def compact_store(root: Path, drop_bytes: int) -> tuple[int, int]:
+def newest_state(root: Path) -> Union[int, str, None]:
+    """The newest state version in `root`; META for a store written before versions; None: none."""
+    versions = state_versions(root)
+    if versions:
+        return max(versions)
+    return META if (Path(root) / META).exists() else None
+
+
+def state_versions(root: Path) -> list[int]:
+    try:
+        return [int(m.group(1)) for f in os.listdir(root) if (m := STATE.fullmatch(f))]
+    except OSError:
+        return []
+
+
+def read_state(root: Path, state: Union[int, str]) -> tuple[dict, dict]:
+    """(meta, tails) of state `state` in `root` (META: the unversioned layout). Raises
+    CorruptPageState when it is missing or unreadable (a zip member's CRC is checked on read)."""
+    root = Path(root)
+    try:
+        if state == META:
+            meta = json.loads((root / META).read_text())
+            with np.load(root / TAIL) as z:
+                tails = {k: z[k] for k in z.files}
+        else:
+            with np.load(root / state_name(int(state))) as z:
+                tails = {k: z[k] for k in z.files}
+            meta = json.loads(tails.pop("meta").tobytes().decode())
+        if not isinstance(meta, dict) or not isinstance(meta.get("geometry"), dict):
+            raise ValueError("no geometry")
+        for key in ("seq", "dropped", "written"):
+            int(meta[key])
+        return meta, tails
+    except CorruptPageState:
+        raise
+    except Exception as e:   # missing, truncated, bit rot: whatever the bytes make numpy or zip raise
+        raise CorruptPageState(f"page store state {state} in {root}: {type(e).__name__}: {e}") from e
+
+
+def _write_state(path: Path, meta: dict, tails: dict) -> None:
+    blob = np.frombuffer(json.dumps(meta).encode(), np.uint8)
+    _atomic(path, lambda f: np.savez(f, meta=blob, **tails))
+
+
+def _remove_states(root: Path, keep: Optional[int] = None) -> None:
+    """Remove the state files in `root` but version `keep`, and leftovers of interrupted writes."""
+    try:
+        names = os.listdir(root)
+    except FileNotFoundError:
+        return
+    for f in names:
+        m = STATE.fullmatch(f)
+        if (m is not None and int(m.group(1)) != keep) or f.endswith((".tmp", ".own")) or f in (META, TAIL):
+            (Path(root) / f).unlink(missing_ok=True)
+
+
+def prune_store(root: Path, keep: Optional[int]) -> None:
+    """At startup, for a store whose session committed state `keep` (None: no saved turn): the
+    other states go (a newer one was never committed); with none, the whole store goes."""
+    root = Path(root)
+    if keep is None or not (root / state_name(keep)).exists():
+        if keep is None:
+            shutil.rmtree(root, ignore_errors=True)
+        return   # a missing state: opening it rebuilds the session (or a store older than versions)
+    _remove_states(root, keep=keep)
+
+
+def compact_store(root: Path, drop_bytes: int, state: Union[int, str, None] = LATEST) -> tuple[int, int]:
     """A closed (not open anywhere) store's lowest-value pages, at least `drop_bytes` of them, removed, and each layer
     file rewritten with only its valid records (what a reopen keeps), so the space comes back.
     A layer file other links share (a checkpoint's) is left as it is: rewriting it would free
-    nothing. Returns (pages dropped, bytes freed)."""
+    nothing. `state`: the version in force (its session's committed one; None: no saved turn).
+    Returns (pages dropped, bytes freed)."""
     root = Path(root)
-    meta_path = root / META
-    if not meta_path.exists():   # never checkpointed: a reopen keeps nothing of it
+    if state == LATEST:
+        state = newest_state(root)
+    elif state is not None and not (root / state_name(state)).exists() and newest_state(root) == META:
+        state = META   # a heap file older than versioned states
+    if state is None:   # never checkpointed: a reopen keeps nothing of it
         freed = sum(f.stat().st_size for f in root.glob("layer*.pages"))
         for f in root.glob("layer*.pages"):
             os.truncate(f, 0)
         return 0, freed
-    meta = json.loads(meta_path.read_text())
+    meta, tails = read_state(root, state)
     g = PageGeometry(**meta["geometry"])
     dtype = record_dtype(g)
     files = [root / f"layer{i:03d}.pages" for i in range(g.n_layers)]
@@ -551,19 +732,23 @@ def compact_store(root: Path, drop_bytes: int) -> tuple[int, int]:
     if dropped:
         meta["dropped"] += dropped
         meta["reclaimed"] = meta.get("reclaimed", 0) + dropped
-        _atomic(meta_path, lambda out: out.write(json.dumps(meta).encode()))
+        if state == META:
+            _atomic(root / META, lambda out: out.write(json.dumps(meta).encode()))
+        else:
+            _write_state(root / state_name(state), meta, tails)
     return dropped, freed
 
 
-def link_tree(src: Path, dst: Path) -> None:
-    """A checkpoint of the store in `src` (checkpointed just before) as hard links in `dst`."""
-    _tree(src, dst, os.link)
+def link_tree(src: Path, dst: Path, state: Union[int, str, None] = None) -> None:
+    """A checkpoint of the store in `src` (checkpointed just before) as hard links in `dst`
+    (`state`: only that state file goes with it; None: every one)."""
+    _tree(src, dst, os.link, state)
 
 
-def copy_tree(src: Path, dst: Path) -> None:
+def copy_tree(src: Path, dst: Path, state: Union[int, str, None] = None) -> None:
     """The store in `src` copied to `dst` (replacing it), for a fork to open and write: cloned
     where the filesystem can (APFS, btrfs, XFS: no bytes copied until either side writes)."""
-    _tree(src, dst, clone_file)
+    _tree(src, dst, clone_file, state)
 
 
 FICLONE = 0x40049409   # Linux ioctl: dst shares src's extents, copy-on-write
@@ -595,13 +780,17 @@ def _clonefile(src: Path, dst: Path) -> bool:
         return False
 
 
-def _tree(src: Path, dst: Path, put) -> None:
+def _tree(src: Path, dst: Path, put, state: Union[int, str, None] = None) -> None:
     src, dst = Path(src), Path(dst)
     if dst.exists():
         shutil.rmtree(dst)
     private_dir(dst)
+    states = {META, TAIL} if state in (None, META, LATEST) else set()
+    states |= {f.name for f in src.iterdir() if STATE.fullmatch(f.name)} if state in (None, LATEST) else set()
+    if isinstance(state, int):
+        states.add(state_name(state))
     for f in src.iterdir():
-        if f.name == META or f.name == TAIL or f.suffix == ".pages":
+        if f.name in states or f.suffix == ".pages":
             try:
                 put(f, dst / f.name)
             except OSError:   # a filesystem without hard links
@@ -622,3 +811,8 @@ def _atomic(path: Path, write) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+    fd = os.open(path.parent, os.O_RDONLY)   # the rename itself durable (a power loss, not only kill -9)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -13,6 +13,7 @@ import psutil
 from prometheus_client import CollectorRegistry, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from ..backends.paging import FAULTS
 from ..sessions.diskbudget import dir_bytes
 from .services import Services
 
@@ -156,6 +157,12 @@ class MetricsCollector:
              svc.store.disk.reclaimed.sessions),
             ("disk_reclaimed_bytes", "bytes freed in the sessions directory to stay inside --disk-total",
              svc.store.disk.reclaimed.bytes),
+            ("pages_corrupt", "page records that failed their check when read (tombstoned; recall went on without them)",
+             FAULTS.pages_corrupt),
+            ("recall_failed", "questions (or layers of one) answered without recall after an internal failure of it",
+             FAULTS.recall_failed),
+            ("sessions_rebuilt", "sessions whose unreadable heap or page store was rebuilt from their tokens",
+             svc.store.rebuilt),
         ]
         for name, help_, value in counters:
             yield CounterMetricFamily(f"localheap_{name}", help_, value=value)

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
+from .. import faults
 from ..heap import HeapConfig
 from ..heap.pages import link_tree
 from ..heap.private import FILE_MODE, private_dir, write_private
@@ -71,11 +72,13 @@ class Checkpoints:
         private_dir(path.parent)
         try:
             _write_tokens(path.with_suffix(".tokens"), s.fed)   # tokens first: the heap file marks it complete
+            faults.step("checkpoint.tokens")
             self.backend.save_cache(s.cache, path, snapshot=True)   # written atomically by the backend
         except BaseException:
             _unlink(path)
             path.with_name(path.with_suffix(".tokens").name + ".tmp").unlink(missing_ok=True)
             raise
+        faults.step("checkpoint.heap")
         return self._add(s, Checkpoint(s.id, token_array(s.fed), path))
 
     def load(self, c: Checkpoint, cfg: HeapConfig, pages_dir: Optional[Path] = None) -> Any:
@@ -111,27 +114,44 @@ class Checkpoints:
         shutil.rmtree(self.root / session_id, ignore_errors=True)
 
     def load_persisted(self, sessions: Iterable[Session]) -> int:
-        """Register the checkpoints on disk of known sessions; remove those of unknown ones."""
+        """Register the checkpoints on disk of known sessions (each lists them again); remove those
+        of unknown ones, and what a checkpoint interrupted by a crash left (a token file or page
+        links without the heap file that completes it, temp files). Never raises on the content."""
         if not self.root.is_dir():
             return 0
         known = {s.id: s for s in sessions}
         found = 0
-        for folder in self.root.iterdir():
+        for folder in sorted(self.root.iterdir()):
             s = known.get(folder.name)
-            if s is None:
-                shutil.rmtree(folder, ignore_errors=True)
+            if s is None or not folder.is_dir():
+                log.info("removing checkpoints %s: they belong to no session", folder)
+                shutil.rmtree(folder, ignore_errors=True) if folder.is_dir() else folder.unlink(missing_ok=True)
                 continue
+            kept = set()
             for path in sorted(folder.glob("*.safetensors"), key=lambda p: int(p.stem) if p.stem.isdigit() else -1):
                 tokens_file = path.with_suffix(".tokens")
                 if not path.stem.isdigit() or not tokens_file.exists():
                     continue
                 tokens = token_array()
-                tokens.frombytes(tokens_file.read_bytes())
+                try:
+                    data = tokens_file.read_bytes()
+                    if len(data) % tokens.itemsize:
+                        raise ValueError("a torn token file")
+                    tokens.frombytes(data)
+                except (OSError, ValueError) as e:
+                    log.warning("checkpoint %s: unreadable token file (%s); removed", path, e)
+                    continue
                 if len(tokens) != int(path.stem):
-                    log.warning("checkpoint %s: token file does not match its name; skipped", path)
+                    log.warning("checkpoint %s: token file does not match its name; removed", path)
                     continue
                 self._add(s, Checkpoint(s.id, tokens, path))
+                kept.add(path.stem)
                 found += 1
+            for leftover in sorted(folder.iterdir()):
+                if leftover.name.split(".")[0] not in kept or leftover.name.endswith(".tmp") or ".tmp." in leftover.name:
+                    log.info("removing %s: left by a checkpoint that never completed", leftover)
+                    shutil.rmtree(leftover, ignore_errors=True) if leftover.is_dir() else leftover.unlink(missing_ok=True)
+            s.refresh()
         return found
 
     def _add(self, s: Session, c: Checkpoint) -> Checkpoint:
@@ -143,9 +163,14 @@ class Checkpoints:
             _unlink(kept.pop(1).path)   # keep the first (often a document) and the newest ones
         self._by_session[s.id] = kept
         s.checkpoints = [x.n for x in kept]
+        s.refresh()   # the snapshot lists them (a restarted session too)
         while len(self.all()) > self.max_total:
             self._remove(min((x for x in self.all() if x is not c), key=lambda x: x.seq))
         return c
+
+    def discard(self, c: Checkpoint) -> None:
+        """Forget a checkpoint found unreadable, and remove its files."""
+        self._remove(c)
 
     def _remove(self, c: Checkpoint) -> None:
         _unlink(c.path)

@@ -17,6 +17,7 @@ import os
 import re
 import time
 import uuid
+import zlib
 from array import array
 from pathlib import Path
 from typing import Callable, Optional
@@ -41,6 +42,15 @@ def valid_id(session_id: object) -> bool:
 
 def new_id() -> str:
     return f"sess_{uuid.uuid4().hex[:20]}"
+
+
+def file_crc(path: Path) -> int:
+    """CRC-32 of a file's bytes (a saved heap's, kept in the index: a flipped byte is caught on restore)."""
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            crc = zlib.crc32(chunk, crc)
+    return crc
 
 
 def _fsync(path: Path) -> None:

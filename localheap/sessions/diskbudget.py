@@ -241,11 +241,12 @@ class DiskTotal:
                 return Reclaims()
             release_pages(cache)
         try:
-            dropped, freed = compact_store(root, 0)   # dropped slots first: that loses nothing
+            # at the state its committed heap file names (no saved turn: nothing of it is kept)
+            dropped, freed = compact_store(root, 0, s.saved_gen)   # dropped slots first: that loses nothing
             if freed < need:
-                more = compact_store(root, need - freed)
+                more = compact_store(root, need - freed, s.saved_gen)
                 dropped, freed = dropped + more[0], freed + more[1]
-        except (OSError, ValueError, KeyError) as e:
+        except (OSError, ValueError, KeyError) as e:   # CorruptPageState too: rebuilt when used
             log.warning("--disk-total: pages of session %s not compacted: %s", s.id, e)
             return Reclaims()
         if dropped or freed:

@@ -3,7 +3,11 @@
 The index names the generation in force for each session; files of other generations are
 a turn that was in flight (removed), files of sessions the index does not name are adopted
 (the index was lost), temp files are removed, and anything unreadable is moved aside with a
-log line. Nothing here raises on the directory's content: a bad file costs its session only.
+log line. A session's page store keeps only the state its generation names (a newer one was
+never committed); the page store of a session with no saved turn, or of no session, goes.
+A session whose token file is intact but whose heap file is missing comes back and is rebuilt
+from its tokens when first used (store.restore). Nothing here raises on the directory's
+content: a bad file costs its session only.
 """
 
 from __future__ import annotations
@@ -13,7 +17,10 @@ import time
 import zlib
 from typing import Optional
 
+import shutil
+
 from ..heap import HeapConfig
+from ..heap.pages import prune_store
 from .disk import INDEX, SessionDir, valid_id
 from .session import ORIGINS, Session
 
@@ -54,7 +61,25 @@ def recover_sessions(d: SessionDir, model_id: str, cfg: HeapConfig, skip: set[st
             lost[sid], s = "saved files missing" if isinstance(e, LookupError) else "unreadable token file", None
         if s is not None:
             found.append(s)
+    _prune_page_stores(d, {s.id: s for s in found}, skip)
     return found
+
+
+def _prune_page_stores(d: SessionDir, sessions: dict, skip: set[str]) -> None:
+    """Each session's page store at its committed state; the stores of no session removed."""
+    for entry in sorted(d.root.glob("sess_*.pages")):
+        sid = entry.name[: -len(".pages")]
+        if sid in skip or not valid_id(sid):
+            continue
+        s = sessions.get(sid)
+        try:
+            if s is None:
+                log.info("removing the page store %s: it belongs to no session", entry)
+                shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
+            else:
+                prune_store(entry, s.saved_gen)
+        except OSError as e:
+            log.warning("page store %s not pruned: %s", entry, e)
 
 
 def _recover_one(d: SessionDir, sid: str, entry: Optional[dict], gens: dict[int, set[str]],
@@ -65,8 +90,11 @@ def _recover_one(d: SessionDir, sid: str, entry: Optional[dict], gens: dict[int,
         if gen is None:   # committed as a session never fed: later files are an uncommitted turn
             d.remove(sid)
             return _session(d, sid, cfg, entry, None, None)
-        if not isinstance(gen, int) or gen not in complete:
-            raise LookupError("its saved files are missing or incomplete")
+        # the tokens are the truth: a missing heap file is rebuilt from them (store.restore)
+        if not isinstance(gen, int) or "tokens" not in gens.get(gen, ()):
+            raise LookupError("its saved token file is missing")
+        if gen not in complete:
+            log.warning("session %s: heap file of generation %d missing; rebuilt from its tokens when used", sid, gen)
     elif complete:
         gen = complete[-1]
         log.info("session %s: not in the index; adopted from its files (generation %d)", sid, gen)
@@ -95,5 +123,7 @@ def _session(d: SessionDir, sid: str, cfg: HeapConfig, entry: dict, gen: Optiona
                 turns=int(number("turns", 0)), origin=origin, title=title, owner=owner)
     if gen is not None:
         s.fed, s.spill_path, s.saved_gen, s.saved_tokens = tokens, d.heap_path(sid, gen), gen, len(tokens)
+        crc = entry.get("heap_crc")
+        s.heap_crc = crc if isinstance(crc, int) and not isinstance(crc, bool) else None
     s.refresh()
     return s

@@ -46,6 +46,7 @@ class Session:
     spill_path: Optional[Path] = None                  # heap file of the saved copy on disk, if any
     saved_gen: Optional[int] = None                    # generation of that copy (sessions/disk.py)
     saved_tokens: int = 0                              # len(fed) when it was saved
+    heap_crc: Optional[int] = None                     # CRC-32 of that heap file (checked on restore)
     dirty: bool = False                                # the cache changed since it was saved
     busy: bool = False
     owner: Optional[str] = None                        # id of the API key that created it (None: no keys)

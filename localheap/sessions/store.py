@@ -15,10 +15,11 @@ import zlib
 from pathlib import Path
 from typing import Any, Optional
 
-from ..backends.paging import release_pages
+from .. import faults
+from ..backends.paging import commit_pages, release_pages
 from ..heap import HeapConfig
 from .checkpoints import Checkpoints
-from .disk import SessionDir, new_id, valid_id
+from .disk import SessionDir, file_crc, new_id, valid_id
 from .diskbudget import DiskTotal
 from .errors import SessionBusy, SessionLost, SessionNotFound, SpillFailed
 from .recover import recover_sessions
@@ -56,6 +57,7 @@ class SessionStore:
         self.checkpoints = Checkpoints(self.spill_dir / "checkpoints", backend)
         self.disk = DiskTotal(self, disk_total)   # --disk-total (0: none) and page-out faults
         self.degraded: dict[str, str] = {}        # what /health reports: key -> reason
+        self.rebuilt = 0                          # heaps rebuilt from their tokens (unreadable heap or pages)
 
     def mark_degraded(self, key: str, reason: str) -> None:
         if self.degraded.get(key) != reason:
@@ -185,43 +187,91 @@ class SessionStore:
 
     def save(self, s: Session) -> None:
         """Write the session's heap and tokens as a new generation and commit it (durable: in
-        the index). The previous generation stays in force until the commit succeeds."""
+        the index). The heap file names the page store's state of the same generation (written
+        by the backend's save, heap/pages.py), so the index's rename is the one commit point of
+        the heap, the tokens and the pages; the previous generation stays in force until then.
+        Raises SpillFailed when the directory refuses a write (nothing of the turn is in force)."""
         assert s.cache is not None
         gen = 0 if s.saved_gen is None else s.saved_gen + 1
-        old = (s.spill_path, s.saved_gen, s.saved_tokens, s.dirty)
+        old = (s.spill_path, s.saved_gen, s.saved_tokens, s.dirty, s.heap_crc)
         try:
             # a backend that writes several files (one per rank) makes them whole itself
             write = self.dir.write_by if getattr(self.backend, "writes_own_files", False) else self.dir.write_with
             write(self.dir.heap_path(s.id, gen), lambda path: self.backend.save_cache(s.cache, path))
+            faults.step("save.heap")
+            crc = file_crc(self.dir.heap_path(s.id, gen))
             self.dir.write_tokens(s.id, gen, s.fed)
+            faults.step("save.tokens")
             s.spill_path, s.saved_gen, s.saved_tokens, s.dirty = self.dir.heap_path(s.id, gen), gen, len(s.fed), False
+            s.heap_crc = crc
             self._commit()
-        except BaseException:
-            s.spill_path, s.saved_gen, s.saved_tokens, s.dirty = old
+            faults.step("save.index")
+        except BaseException as e:
+            s.spill_path, s.saved_gen, s.saved_tokens, s.dirty, s.heap_crc = old
             self._remove_gen(s.id, gen)
+            if isinstance(e, OSError):   # reading the heap file back
+                raise SpillFailed(self.spill_dir, e) from e
             raise
         self._remove_files(s, keep_gen=gen)   # the old generation: no longer in force
+        commit_pages(s.cache, s.spill_path)    # nor the page store's states other than this one
+        faults.step("save.prune")
 
     def restore(self, session_id: str) -> Session:
         """Load a spilled session's heap back (bit-identical to when it was saved). A copy that
-        cannot be read is moved aside and the session dropped: SessionLost."""
+        cannot be read (its CRC, its file, its page store's state) is moved aside and the heap
+        rebuilt from the session's tokens; a session without tokens is dropped: SessionLost."""
         s = self.get(session_id)
         if s.cache is not None or s.spill_path is None:
             return s
+        cache = None
         try:
+            if s.heap_crc is not None and file_crc(s.spill_path) != s.heap_crc:
+                raise ValueError("its checksum does not match the index")
             cache = self.backend.load_cache(s.cfg, s.spill_path)
             if self.backend.tokens_in_cache(cache) != len(s.fed):
                 raise ValueError(f"heap holds {self.backend.tokens_in_cache(cache)} tokens, history {len(s.fed)}")
+            s.cache, s.dirty = cache, False
+            s.cfg = getattr(cache, "cfg", s.cfg)   # the heap as it was saved (settings may have changed)
         except Exception as e:
-            self._lose(s, f"unreadable heap file: {type(e).__name__}: {e}")
-        s.cache, s.dirty = cache, False
-        s.cfg = getattr(cache, "cfg", s.cfg)   # the heap as it was saved (settings may have changed)
+            if cache is not None:   # loaded, but not this session's: its page files closed first
+                release_pages(cache)
+            if not s.fed:
+                self._lose(s, f"unreadable heap file: {type(e).__name__}: {e}")
+            self._rebuild(s, f"{type(e).__name__}: {e}")
+            cache = s.cache
         if not self.durable:                   # the copy only served this spill: free the disk
             self._remove_files(s)
             s.spill_path, s.saved_gen = None, None
         self.restores += 1
         s.refresh(self.backend.stats(cache))
         return s
+
+    def _rebuild(self, s: Session, why: str) -> None:
+        """The heap file or the page store's state is unreadable but the tokens are intact (checked
+        against the index at startup): read them through a new heap again (the turns' recalls are
+        not replayed: the heap is the one a single prefill of the history leaves), and save it."""
+        log.warning("session %s: saved heap or pages unreadable (%s); rebuilding from its %d tokens",
+                    s.id, why, len(s.fed))
+        if s.spill_path is not None and s.spill_path.exists():
+            self.dir.move_aside([s.spill_path], f"session {s.id}: unreadable heap file")
+        extra = {"pages_dir": self.pages_dir(s)} if s.cfg.recall else {}
+        cache = self.backend.new_cache(s.cfg, **extra)   # a new page store: the unreadable one is discarded
+        t0, said = time.monotonic(), [time.monotonic()]
+
+        def progress(done: int, total: int) -> None:
+            if time.monotonic() - said[0] >= 5 or done == total:
+                said[0] = time.monotonic()
+                log.info("session %s: rebuilding its heap: %d of %d tokens (%.0f s)", s.id, done, total,
+                         said[0] - t0)
+
+        self.backend.prefill(cache, list(s.fed), progress=progress)
+        s.cache, s.dirty, s.heap_crc = cache, True, None
+        self.rebuilt += 1
+        if self.durable:
+            try:
+                self.save(s)
+            except SpillFailed as e:
+                log.error("session %s: rebuilt heap not saved: %s", s.id, e)
 
     def rollback(self, s: Session, fed_before: int) -> bool:
         """After a failed step the cache cannot be trusted: fall back to the copy on disk, or
@@ -294,11 +344,13 @@ class SessionStore:
         return len(found)
 
     def _entries(self) -> list[dict]:
+        # every session a client was told of (201, or its reply's first token), busy ones too: one
+        # whose first turn is in flight comes back with no tokens (gen None), not as a 404
         return [{"id": s.id, "gen": s.saved_gen, "tokens": s.saved_tokens,
-                 "crc": zlib.crc32(s.fed[:s.saved_tokens].tobytes()),
+                 "crc": zlib.crc32(s.fed[:s.saved_tokens].tobytes()), "heap_crc": s.heap_crc,
                  "created": s.created, "last_used": s.last_used, "turns": s.turns,
                  "origin": s.origin, "title": s.title, "owner": s.owner}   # owner: the API key's digest
-                for s in self.sessions() if (s.saved_gen is not None or not s.fed) and not s.ephemeral]
+                for s in self.sessions() if not s.ephemeral]
 
     def _commit(self, force: bool = False) -> None:
         """Rewrite the index (durable stores, or forced): the generations it names are in force."""
@@ -308,6 +360,7 @@ class SessionStore:
     def _try_commit(self, force: bool = False) -> None:
         try:
             self._commit(force)
+            faults.step("index")
         except SpillFailed as e:
             log.error("session index not updated: %s", e)
 

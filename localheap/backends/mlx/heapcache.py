@@ -111,12 +111,13 @@ class HeapPromptCache(HeapRollback, list):
 
 
 def make_heap_cache(model, cfg: HeapConfig, pages_dir: Optional[Path] = None,
-                    budgets: Optional[list] = None) -> HeapPromptCache:
+                    budgets: Optional[list] = None, pages_state=None) -> HeapPromptCache:
     """Build the heap for `model`: heap layers where mlx-lm would use a plain KVCache;
     sliding-window layers keep mlx-lm's own (already bounded) rotating cache. With recall on,
     its page store lives in `pages_dir` (default: a temp dir that goes with the cache).
     `budgets`: the heap layers' budgets (default: cfg's profile over them; a pipeline stage
-    passes its share of the whole model's)."""
+    passes its share of the whole model's). `pages_state`: the saved state its page store opens
+    at (a saved heap's; None: a new store)."""
     attention.install()
     layers = list(model.layers)
     stock = model.make_cache() if hasattr(model, "make_cache") else [KVCache() for _ in layers]
@@ -137,5 +138,5 @@ def make_heap_cache(model, cfg: HeapConfig, pages_dir: Optional[Path] = None,
         caches[i] = HeapKVCache(LayerHeap(cfg, n_kv, budgets[j], layer=j), spec)
     cache = HeapPromptCache(caches, cfg)
     if cfg.recall:
-        paging.attach_pages(cache, n_kv, head_dim, pages_dir)
+        paging.attach_pages(cache, n_kv, head_dim, pages_dir, pages_state)
     return cache

@@ -12,7 +12,7 @@ import numpy as np
 
 from ...heap import HeapConfig
 from ...heap.private import FILE_MODE, private_dir
-from ..paging import checkpoint_pages, saved_pages_root
+from ..paging import checkpoint_pages, saved_pages_root, saved_pages_state
 from .cache import HeapKVCache
 from .heapcache import HeapPromptCache, make_heap_cache
 
@@ -86,7 +86,8 @@ def load_heap(model, path: Path, pages_dir: Optional[Path] = None, budgets: Opti
                          f"{layout['ranks']} ranks)")
     meta = json.loads(metadata["localheap"])
     cfg = HeapConfig(**meta["config"])
-    cache = make_heap_cache(model, cfg, saved_pages_root(path, meta, pages_dir) if cfg.recall else None, budgets)
+    cache = make_heap_cache(model, cfg, saved_pages_root(path, meta, pages_dir) if cfg.recall else None, budgets,
+                            saved_pages_state(meta))
     cache.recall_log = list(meta.get("recall_log", []))
     for i, (c, entry) in enumerate(zip(cache, meta["layers"])):
         if entry["kind"] == "heap":

@@ -134,10 +134,11 @@ def kv_geometry(model) -> tuple[int, int]:
     return attn.k_proj.out_features // head_dim, head_dim
 
 
-def make_heap_cache(model, cfg: HeapConfig, pages_dir: Optional[Path] = None) -> HeapCache:
+def make_heap_cache(model, cfg: HeapConfig, pages_dir: Optional[Path] = None, pages_state=None) -> HeapCache:
     """Build the heap for `model`: heap layers where transformers would use a full-attention
     layer; sliding-window layers keep transformers' own bounded cache layer. With recall on,
-    its page store lives in `pages_dir` (default: a temp dir that goes with the cache)."""
+    its page store lives in `pages_dir` (default: a temp dir that goes with the cache), opened at
+    `pages_state` (a saved heap's; None: a new store)."""
     attention.install(model)
     layer_types, layer_kwargs = get_layer_types_and_kwargs(model.config.get_text_config())
     heap_ids = [i for i, t in enumerate(layer_types) if t == "full_attention"]
@@ -160,6 +161,6 @@ def make_heap_cache(model, cfg: HeapConfig, pages_dir: Optional[Path] = None) ->
             raise HeapConfigError(f"layer type {kind!r} ({type(model).__name__}) is not supported by the heap")
     cache = HeapCache(layers, cfg)
     if cfg.recall:
-        paging.attach_pages(cache, n_kv, head_dim, pages_dir)
+        paging.attach_pages(cache, n_kv, head_dim, pages_dir, pages_state)
     return cache
 

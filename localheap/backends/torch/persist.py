@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 
 from ...heap import HeapConfig
 from ...heap.private import FILE_MODE, private_dir
-from ..paging import checkpoint_pages, saved_pages_root
+from ..paging import checkpoint_pages, saved_pages_root, saved_pages_state
 from .cache import HeapCache, make_heap_cache
 from .layer import HeapLayer
 
@@ -69,7 +69,8 @@ def load_heap(model, path: Path, pages_dir: Optional[Path] = None) -> HeapCache:
         meta = json.loads(f.metadata()["localheap"])
     tensors = load_file(str(path))
     cfg = HeapConfig(**meta["config"])
-    cache = make_heap_cache(model, cfg, saved_pages_root(path, meta, pages_dir) if cfg.recall else None)
+    cache = make_heap_cache(model, cfg, saved_pages_root(path, meta, pages_dir) if cfg.recall else None,
+                            saved_pages_state(meta))
     cache.recall_log = list(meta.get("recall_log", []))
     device = cache.device
     for i, (layer, entry) in enumerate(zip(cache.layers, meta["layers"])):

@@ -1,0 +1,163 @@
+"""The page store's part of a turn's one commit point (numpy only): versioned states that a heap
+file names, records past the committed state discarded on open, stale states removed, bad
+records tombstoned when read, a corrupt state refused (the session is rebuilt), and recall
+that degrades instead of failing."""
+
+import numpy as np
+import pytest
+
+from localheap.backends import paging
+from localheap.heap import HeapConfig, LayerHeap
+from localheap.heap.pages import CorruptPageState, PageCorrupt, PageStore, compact_store
+
+from test_pages import H, P, evicted, store
+
+
+def states(s):
+    return sorted(f.name for f in s.root.glob("state.*.npz"))
+
+
+def test_a_reopen_at_the_committed_state_drops_what_a_later_uncommitted_turn_wrote(tmp_path):
+    rng = np.random.default_rng(0)
+    s = store(tmp_path)
+    s.append(0, *evicted(rng, 2 * P + 1))
+    assert s.checkpoint(3) == 3
+    s.committed(3)
+    s.append(0, *evicted(rng, 2 * P, 100))   # the next turn: pages and a state, never committed
+    s.checkpoint(4)
+    assert states(s) == ["state.3.npz", "state.4.npz"]
+    s.close()
+    r = store(tmp_path, state=3)              # what a crash before the index's rename reopens
+    assert r.pages == 2 and r.layers[0].tail_pos.shape == (H, 1) and states(r) == ["state.3.npz"]
+    assert set(r.load(0, np.array([r.summaries(0)[0]] * H))[0][0]) == set(range(2 * P))
+    r.append(0, *evicted(rng, P, 200))        # the slots the lost turn used are reused
+    r.checkpoint(4)
+    r.committed(4)
+    r.close()
+    again = store(tmp_path, state=4)
+    assert again.pages == 3 and states(again) == ["state.4.npz"]
+    assert 100 not in again.load(0, np.array([again.summaries(0)[0]] * H))[0]
+
+
+def test_a_new_store_discards_what_its_directory_held(tmp_path):
+    s = store(tmp_path)
+    s.append(0, *evicted(np.random.default_rng(1), 2 * P))
+    s.checkpoint(0)
+    s.close()
+    fresh = store(tmp_path, state=None)   # a session whose first turn never committed
+    assert fresh.pages == 0 and states(fresh) == [] and (tmp_path / "pages" / "layer000.pages").stat().st_size == 0
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "delete"])
+def test_a_corrupt_or_missing_state_is_refused(tmp_path, damage):
+    s = store(tmp_path)
+    s.append(0, *evicted(np.random.default_rng(2), 2 * P + 3))
+    s.checkpoint(0)
+    s.close()
+    path = tmp_path / "pages" / "state.0.npz"
+    data = bytearray(path.read_bytes())
+    if damage == "flip":   # inside the partial page's keys
+        data[data.find(s.layers[0].tail_k.tobytes()[:64]) + 5] ^= 0xFF
+        path.write_bytes(bytes(data))
+    elif damage == "truncate":
+        path.write_bytes(bytes(data[: len(data) // 2]))
+    else:
+        path.unlink()
+    with pytest.raises(CorruptPageState):
+        store(tmp_path, state=0)
+
+
+def test_a_record_that_fails_its_check_when_read_is_tombstoned_and_counted(tmp_path):
+    rng = np.random.default_rng(3)
+    s = store(tmp_path)
+    s.append(0, *evicted(rng, 3 * P))
+    s.checkpoint(0)
+    with open(tmp_path / "pages" / "layer000.pages", "r+b") as f:   # bit rot in page 1's payload
+        f.seek(2 * s.record_bytes - 1)
+        f.write(b"\xff")
+    with pytest.raises(PageCorrupt):
+        s.load(0, np.array([[0, 1], [0, 1]]))
+    assert s.corrupt == 1 and s.pages == 2 and 1 not in s.summaries(0)[0]
+    assert s.stats()["pages_corrupt"] == 1
+    pos, _, _ = s.load(0, np.array([[0, 2], [0, 2]]))   # the others still load
+    assert set(pos[0]) == set(range(P)) | set(range(2 * P, 3 * P))
+
+
+def test_compaction_reads_the_committed_state(tmp_path):
+    rng = np.random.default_rng(4)
+    s = store(tmp_path)
+    s.append(0, *evicted(rng, 2 * P), value=np.tile(np.repeat([0.0, 1.0], P).astype(np.float32), (H, 1)))
+    s.checkpoint(0)
+    s.committed(0)
+    s.close()
+    assert compact_store(tmp_path / "pages", s.record_bytes, state=0) == (1, s.record_bytes)
+    r = store(tmp_path, state=0)
+    assert r.pages == 1 and r.dropped == 1
+
+
+def _cache_with_pages(tmp_path, resident_positions):
+    cfg = HeapConfig(budget=32, slack=8, recent=4, recall=True, recall_budget=16, page_size=P)
+    heap = LayerHeap(cfg, H, 32, layer=0)
+    n = resident_positions.shape[1]
+    heap.positions[:, :n], heap.resident = resident_positions, n
+
+    class Layer:
+        pass
+
+    layer = Layer()
+    layer.heap = heap
+
+    class Cache:
+        pass
+
+    cache = Cache()
+    cache.cfg, cache.heap_layers = cfg, [layer]
+    return cache
+
+
+def test_recall_goes_on_without_a_pick_it_cannot_merge(tmp_path, monkeypatch):
+    """A recalled token already resident (what bad bytes once made a 500): the layer goes without
+    recall, logged and counted; an error inside the pick: the whole question does."""
+    cache = _cache_with_pages(tmp_path, np.broadcast_to(np.arange(8), (H, 8)).copy())
+    clash = np.broadcast_to(np.arange(4, 4 + P), (H, P)).copy()
+    fine = np.broadcast_to(np.arange(40, 40 + P), (H, P)).copy()
+    zeros = np.zeros((H, P, 8), np.float32)
+    before = paging.FAULTS.recall_failed
+    monkeypatch.setattr(paging, "pick_spans", lambda *a: {0: (clash, zeros, zeros)})
+    assert paging.pick_checked(cache, None, {}) == {} and paging.FAULTS.recall_failed == before + 1
+    monkeypatch.setattr(paging, "pick_spans", lambda *a: {0: (fine, zeros, zeros)})
+    assert list(paging.pick_checked(cache, None, {})) == [0]
+
+    def broken(*a):
+        raise IndexError("a bug")
+
+    monkeypatch.setattr(paging, "pick_spans", broken)
+    assert paging.pick_checked(cache, None, {}) == {} and paging.FAULTS.recall_failed == before + 2
+    tries = []
+
+    def corrupt_then_fine(*a):
+        tries.append(1)
+        if len(tries) == 1:
+            raise PageCorrupt(2)
+        return {0: (fine, zeros, zeros)}
+
+    monkeypatch.setattr(paging, "pick_spans", corrupt_then_fine)
+    assert list(paging.pick_checked(cache, None, {})) == [0] and len(tries) == 2
+
+
+def test_a_heap_file_names_its_state_by_its_version():
+    assert paging.file_version("sess_ab.3.safetensors") == 3
+    assert paging.file_version(".sess_ab.3.safetensors.1234.tmp") == 3   # a save's temp file
+    assert paging.file_version("120.safetensors") == 120                 # a checkpoint
+    assert paging.file_version("sess_ab.7.tensor-rank1of2.safetensors") == 7
+    assert paging.file_version("heap.safetensors") is None
+
+
+def test_store_opened_at_latest_takes_the_newest_state(tmp_path):
+    s = store(tmp_path)
+    s.append(0, *evicted(np.random.default_rng(5), 2 * P))
+    s.checkpoint()
+    s.append(0, *evicted(np.random.default_rng(6), P, 50))
+    s.checkpoint()
+    s.close()
+    assert PageStore(s.root, s.g, summary="minmax").pages == 3
