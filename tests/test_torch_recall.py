@@ -113,3 +113,29 @@ def test_needle_bench_has_a_recall_column(llama, tmp_path, capsys):
 
 def llama_path(backend):
     return backend.model.config._name_or_path
+
+
+def test_a_question_whose_probe_fails_is_answered_without_recall(llama, monkeypatch):
+    """An internal failure before the pick (the question's probe here) degrades that question to
+    no recall, counted, and leaves the heap as a question with nothing to recall would: the reply
+    is the one the same heap gives with an empty pick, and the next question recalls again."""
+    from localheap.backends import paging
+
+    tokens = prompt(llama, 300, seed=1)
+    params = SamplingParams(max_tokens=4)
+    empty = llama.new_cache(CFG)
+    monkeypatch.setattr(paging, "pick_spans", lambda *a: {})
+    want = list(generate_tokens(llama.model, empty, tokens, params))
+    monkeypatch.undo()
+
+    def broken(*a):
+        raise RuntimeError("a bug in the probe")
+
+    before = paging.FAULTS.recall_failed
+    cache = llama.new_cache(CFG)
+    monkeypatch.setattr(recall_mod, "probe", broken)
+    assert list(generate_tokens(llama.model, cache, tokens, params)) == want
+    assert paging.FAULTS.recall_failed == before + 1 and cache.recall_log[-1]["tokens"] == 0
+    monkeypatch.undo()
+    list(generate_tokens(llama.model, cache, prompt(llama, 8, seed=2), SamplingParams(max_tokens=1)))
+    assert cache.recall_log[-1]["tokens"] > 0

@@ -288,9 +288,7 @@ def recall(cache, n_question: int, probe: Callable[[], dict]) -> dict:
     if full:
         cache.evict(full)   # down to the policy's share: the recall region is free again
     cache.make_room(n_question)
-    queries = probe()
-    cache.writer.drain()
-    picked = pick_checked(cache, store, queries)
+    picked = pick_checked(cache, store, probe)
     if picked:
         flat = cache.to_device(np.concatenate([a.reshape(-1) for _, k, v in picked.values() for a in (k, v)]))
         at = 0
@@ -310,12 +308,17 @@ def recall(cache, n_question: int, probe: Callable[[], dict]) -> dict:
     return event
 
 
-def pick_checked(cache, store, queries: dict) -> dict:
+def pick_checked(cache, store, queries) -> dict:
     """What `cfg.recall_select` picks, read back whole: a page that fails its check is tombstoned
     and the pick made again without it; a layer whose pick cannot be merged, or any other failure
-    inside, leaves it (or the whole question) without recall: logged and counted, never raised."""
+    inside (the question's probe, the page writes drained before reading included), leaves it (or
+    the whole question) without recall: logged and counted, never raised. `queries`: the probe's
+    {layer: queries}, or the probe itself (called here, then the writer drained)."""
     pick = pick_spans if cache.cfg.recall_select == "spans" else pick_pages
     try:
+        if callable(queries):   # probe() rolls the heap back whatever happens: nothing to undo
+            queries = queries()
+            cache.writer.drain()
         for _ in range(PICK_TRIES):
             try:
                 picked = pick(cache, store, queries)
