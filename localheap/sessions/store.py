@@ -203,6 +203,8 @@ class SessionStore:
             if self.backend.tokens_in_cache(cache) != len(s.fed):
                 raise ValueError(f"heap holds {self.backend.tokens_in_cache(cache)} tokens, history {len(s.fed)}")
         except Exception as e:
+            if getattr(e, "heap_file_intact", False):   # it failed elsewhere (another rank): try again later
+                raise
             self._lose(s, f"unreadable heap file: {type(e).__name__}: {e}")
         s.cache, s.dirty = cache, False
         s.cfg = getattr(cache, "cfg", s.cfg)   # the heap as it was saved (settings may have changed)
