@@ -48,7 +48,7 @@ def free_ports(n: int) -> list[int]:
 class Ranks:
     """Two `localheap serve --distributed` processes; rank 0's URL once /health answers."""
 
-    def __init__(self, tmp: Path, model_dir, mode: str, sessions: Path, *extra: str):
+    def __init__(self, tmp: Path, model_dir, mode: str, sessions: Path, *extra: str, follower_env: dict = None):
         ring, ring2, http = free_ports(3)
         hosts = tmp / f"hosts-{ring}.json"
         hosts.write_text(json.dumps([[f"127.0.0.1:{ring}"], [f"127.0.0.1:{ring2}"]]))
@@ -58,8 +58,10 @@ class Ranks:
                *(extra or RECALL["off"])]
         self.url = f"http://127.0.0.1:{http}"
         self.logs = [open(tmp / f"rank{r}-{ring}.log", "w+") for r in (0, 1)]
-        self.procs = [subprocess.Popen(cmd, env={**os.environ, "MLX_RANK": str(r), "MLX_HOSTFILE": str(hosts)},
-                                       stdout=self.logs[r], stderr=subprocess.STDOUT) for r in (0, 1)]
+        env = lambda r: {**os.environ, "MLX_RANK": str(r), "MLX_HOSTFILE": str(hosts),   # noqa: E731
+                         **((follower_env or {}) if r else {})}
+        self.procs = [subprocess.Popen(cmd, env=env(r), stdout=self.logs[r], stderr=subprocess.STDOUT)
+                      for r in (0, 1)]
 
     def log(self) -> str:
         out = []
@@ -181,7 +183,7 @@ def test_serve_on_two_ranks_gives_the_single_process_replies_and_restores_them(m
         metrics = httpx.get(ranks.url + "/metrics").text
         assert "localheap_session_restores_total 1.0" in metrics, metrics   # restored from both ranks' shards
         health = httpx.get(ranks.url + "/health").json()
-        assert health["ranks"] == {"size": 2, "mode": mode, "lost": None}
+        assert health["ranks"] == {"size": 2, "mode": mode, "lost": None, "failed_calls": 0, "last_failure": None}
     codes = ranks.stop()   # rank 0: uvicorn ends by re-raising the SIGTERM it handled
     assert codes[0] in (0, -signal.SIGTERM) and codes[1] == 0, (codes, ranks.log())
     assert got == want[:2], ranks.log()
@@ -229,6 +231,85 @@ def test_a_killed_rank_fails_requests_clearly_and_health_says_so(tmp_path):
     # what the first turn saved is intact: its index still names it, with its shards
     index = json.loads((sessions / "index.json").read_text())
     assert len(index["sessions"]) == 1 and index["sessions"][0]["gen"] == 0
+
+
+FAIL_BOUND_S = 60   # a failed step answers within this
+
+
+def test_a_call_failing_on_a_follower_alone_fails_the_request_and_the_ranks_go_on(tmp_path):
+    """Rank 1 alone cannot start its first prefill, then fails its first restore (a heap read):
+    each time the request fails at once with 503 rank_failed naming rank 1, the step and the error,
+    /health counts it, the session's saved copy is kept, and the same request again gives the
+    single-process reply. Rank 1 logs each failure with its traceback."""
+    model_dir = demo_model_dir()
+    if model_dir is None:
+        pytest.skip("no bundled demo model in this installation")
+    want = single_process(model_dir, HEAP + RECALL["off"])
+    with Ranks(tmp_path, model_dir, "tensor", tmp_path / "sessions",
+               follower_env={"LOCALHEAP_TEST_FOLLOWER_FAULT": "prefill:1,load:1"}) as ranks:
+        def post(path, json, headers={}):
+            return httpx.post(ranks.url + path, json=json, timeout=FAIL_BOUND_S)
+
+        def fails(history: list, text: str, step: str, count: int) -> None:
+            began = time.monotonic()
+            r = post("/v1/chat/completions", {"model": ranks.model, "max_tokens": MAX_TOKENS, "temperature": 0,
+                                              "messages": [*history, {"role": "user", "content": text}]})
+            assert time.monotonic() - began < FAIL_BOUND_S
+            assert r.status_code == 503 and r.json()["error"]["code"] == "rank_failed", (r.text, ranks.log())
+            message = r.json()["error"]["message"]
+            assert f"rank 1 failed the {step} step" in message and "InjectedFault" in message, message
+            health = httpx.get(ranks.url + "/health", timeout=5)
+            assert health.status_code == 200 and health.json()["status"] == "ok", health.text
+            assert health.json()["ranks"]["failed_calls"] == count and health.json()["ranks"]["lost"] is None
+            assert f"rank 1: {step}: InjectedFault" in health.json()["ranks"]["last_failure"]
+
+        history: list = []
+        fails(history, TURNS[0], "prefill", 1)
+        first = chat(post, history, TURNS[0], ranks.model)   # the same request again: in step
+        chat(post, [], "Hello!", ranks.model)   # spills the first session (one resident)
+        fails(history, TURNS[1], "load", 2)
+        second = chat(post, history, TURNS[1], ranks.model)   # restored on both ranks this time
+        assert ranks.procs[1].poll() is None
+    assert [first, second] == want[:2], ranks.log()
+    ranks.logs[1].seek(0)
+    follower_log = ranks.logs[1].read()
+    for step in ("prefill", "load"):
+        assert f"InjectedFault: injected failure of {step} #1" in follower_log, follower_log
+    assert follower_log.count("Traceback") >= 2, follower_log
+
+
+def test_a_follower_failing_inside_a_forward_logs_it_and_leaves_the_ring(tmp_path, caplog):
+    """A forward that fails on a follower once started (rank 0 is inside its collectives): the
+    follower cannot get back in step, so it logs the traceback and says the process must exit."""
+    from localheap.backends.mlx import follow as follow_mod
+
+    class Shard:
+        rank = 1
+
+        class ranks:
+            any = staticmethod(lambda flag: flag)
+            notes = staticmethod(lambda note: [note])
+
+        def new_cache(self, cfg, pages_dir):
+            return object()
+
+        def prefill(self, cache, tokens):
+            raise MemoryError("out of memory on this host")
+
+    from localheap.heap import HeapConfig
+    cfg = HeapConfig(budget=48, recent=8).to_dict()
+    commands = [{"op": "new", "drop": [], "handle": 1, "cfg": cfg, "pages_dir": None},
+                {"op": "prefill", "drop": [], "handle": 1, "tokens": [1, 2, 3]},
+                {"op": "stop", "drop": []}]
+    sent = iter(commands)
+    follow_mod_broadcast = follow_mod.broadcast
+    try:
+        follow_mod.broadcast = lambda ranks, payload: json.dumps(next(sent)).encode()
+        with caplog.at_level("ERROR", logger="localheap.distributed"):
+            assert follow_mod.follow(Shard(), tmp_path) == follow_mod.OUT_OF_STEP_EXIT
+    finally:
+        follow_mod.broadcast = follow_mod_broadcast
+    assert "prefill failed on this rank mid-step" in caplog.text and "MemoryError" in caplog.text
 
 
 def test_chat_on_two_ranks_gives_the_single_process_reply(tmp_path):

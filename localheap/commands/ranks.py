@@ -81,13 +81,20 @@ def layout_of(backend) -> Optional[dict]:
 
 def follower(backend, sessions_dir: Optional[Path]) -> int:
     """A follower rank until rank 0 stops: its own sessions directory (the same flag, on its
-    host) or a temp dir when sessions are not kept."""
-    from ..backends.mlx.follow import follow
+    host) or a temp dir when sessions are not kept. A step it failed mid-forward ends the process
+    at once, which closes its ring connections: rank 0's collectives fail instead of waiting."""
+    from ..backends.mlx.follow import OUT_OF_STEP_EXIT, follow
 
     root = Path(sessions_dir) if sessions_dir is not None else Path(tempfile.mkdtemp(prefix="localheap-rank-"))
     root.mkdir(parents=True, exist_ok=True)
     log.info("rank %d follows rank 0 (sessions in %s)", backend.rank, root)
-    return follow(backend, root, remove_files)
+    code = follow(backend, root, remove_files)
+    if code == OUT_OF_STEP_EXIT:   # leave the ring now: a normal exit may wait on it, rank 0 with it
+        for handler in logging.getLogger().handlers + log.handlers:
+            handler.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
 
 
 def remove_files(root: Path, session_id: str, keep_gen: Optional[int], whole: bool) -> None:

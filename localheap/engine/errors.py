@@ -41,3 +41,15 @@ class InvalidTokens(ValueError):
 class RankLost(RuntimeError):
     """A rank of a model sharded across processes (--distributed) is gone: nothing can run until
     every rank is restarted."""
+
+
+class RankFailed(RuntimeError):
+    """A heap call failed on another rank of a sharded model (--distributed) while it went
+    through on rank 0; every rank dropped what that call made, and the ranks go on."""
+
+    def __init__(self, rank: int, op: str, error: str):
+        super().__init__(f"rank {rank} failed the {op} step of this request ({error}); the request was "
+                         f"rolled back on every rank: retry it (rank {rank}'s log has the traceback)")
+        self.rank, self.op, self.error = rank, op, error
+
+    heap_file_intact = True   # a restore that fails so keeps the session's saved copy (store.restore)

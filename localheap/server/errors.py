@@ -14,7 +14,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..engine import EngineFailed, EngineStopped, InvalidTokens, OverBudget, Overloaded, RankLost
+from ..engine import EngineFailed, EngineStopped, InvalidTokens, OverBudget, Overloaded, RankFailed, RankLost
 from ..heap import HeapConfigError
 from ..sessions import DiskTotalExceeded, SessionBusy, SessionLost, SessionNotFound, SpillFailed
 
@@ -88,6 +88,8 @@ def to_response(exc: Exception) -> JSONResponse:
         log.error("%s", exc)
         return error_response(507, str(exc), "server_error", None, "sessions_dir_unwritable",
                               headers={"Retry-After": "30"})
+    if isinstance(exc, RankFailed):
+        return error_response(503, str(exc), "server_error", None, "rank_failed", headers={"Retry-After": "1"})
     if isinstance(exc, RankLost):
         return error_response(503, str(exc), "server_error", None, "rank_lost", headers={"Retry-After": "30"})
     if isinstance(exc, OSError) and exc.errno in DISK_REFUSED:   # e.g. a checkpoint's own write
@@ -175,7 +177,7 @@ def install(app: FastAPI) -> None:
         return for_path(request.url.path, to_response(exc))
 
     for cls in (ApiError, SessionNotFound, SessionBusy, SessionLost, SpillFailed, DiskTotalExceeded, OSError, EngineFailed,
-                InvalidTokens, RankLost,
+                InvalidTokens, RankFailed, RankLost,
                 Overloaded, OverBudget, EngineStopped,
                 RequestValidationError, StarletteHTTPException, HeapConfigError, ValueError, Exception):
         app.add_exception_handler(cls, handle)

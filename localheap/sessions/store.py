@@ -235,6 +235,8 @@ class SessionStore:
         except Exception as e:
             if cache is not None:   # loaded, but not this session's: its page files closed first
                 release_pages(cache)
+            if getattr(e, "heap_file_intact", False):   # it failed elsewhere (another rank): try again later
+                raise
             if not s.fed:
                 self._lose(s, f"unreadable heap file: {type(e).__name__}: {e}")
             self._rebuild(s, f"{type(e).__name__}: {e}")

@@ -68,6 +68,13 @@ class Ranks:
         """Every rank's `n`, in rank order."""
         return [int(v) for v in self._gather(np.array([n], np.int64)).ravel()]
 
+    def notes(self, note: str, width: int = 160) -> list[str]:
+        """Every rank's short text (utf-8, cut to `width` bytes), in rank order."""
+        raw = np.zeros(width, np.uint8)
+        b = note.encode()[:width]
+        raw[: len(b)] = np.frombuffer(b, np.uint8)
+        return [bytes(r).rstrip(b"\0").decode(errors="replace") for r in self._gather(raw)]
+
     def max(self, n: int) -> int:
         return int(self._gather(np.array([n], np.int64)).max())
 

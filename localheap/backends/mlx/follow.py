@@ -10,6 +10,18 @@ agreement) then meet on every rank. Admission, spill and eviction timing are ran
 decisions (its governor and store), which reach the followers as these calls.
 A lost rank fails the call in flight, and every later one, with RankLost.
 
+A call that fails on a follower alone: after a call that makes a heap (a new one, a restore's
+read), every rank says how its call went (`Ranks.notes`, one small all_gather); before a prefill
+chunk or a generation's start, every rank says whether it can start it (one flag each). A
+follower's failure there fails the request with RankFailed (that heap dropped on every rank) and
+the ranks go on. A generated token has no such check: decoding costs what it did. A follower
+that fails inside a forward it started has left collectives that rank 0 is waiting in: it
+cannot get back in step, so it logs the traceback and exits, which closes its ring connections:
+rank 0's collective fails and it reports the rank lost (RankLost). (MLX 0.32's ring can leave a
+forward that was already running waiting instead: a supervisor must restart the ranks.) A save
+agrees already (DistributedMLXBackend.save_cache); other failures (a rollback, removing files)
+are logged with their traceback on the follower, which goes on.
+
 Knows nothing about HTTP or sessions: heaps are numbered, paths are sent relative to the
 sessions directory (each rank resolves them against its own).
 """
@@ -18,6 +30,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import weakref
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -26,13 +39,18 @@ from typing import Optional
 import mlx.core as mx
 import numpy as np
 
-from ...engine.errors import RankLost
+from ...engine.errors import RankFailed, RankLost
 from ...generation import SamplingParams
 from ...heap import HeapConfig
 from ..paging import release_pages
 from .distributed import DistributedMLXBackend
 
 log = logging.getLogger("localheap.distributed")
+CHECKED = ("new", "load")   # a heap made or read: every rank reports how the call went
+OUT_OF_STEP = ("prefill", "generate", "next")   # forwards: a follower failing inside one exits
+START_CHECKED = ("prefill", "generate")         # every rank says it can start these first
+OUT_OF_STEP_EXIT = 3   # follow's status when this rank must leave the ring at once
+FAULT_ENV = "LOCALHEAP_TEST_FOLLOWER_FAULT"     # "OP:N": a follower's N-th OP raises (tests)
 
 
 def broadcast(ranks, payload: Optional[bytes]) -> bytes:
@@ -57,6 +75,8 @@ class Leader:
         self.backend = backend
         self.root = Path(root) if root is not None else None   # the sessions directory
         self.lost: Optional[str] = None   # why the ranks cannot go on (a rank was lost)
+        self.failures = 0                  # calls that failed on a follower only (RankFailed)
+        self.last_failure: Optional[str] = None
         self.stopped = False
         self._handles = 0
         self._dropped: list[int] = []     # heaps rank 0 let go of: the followers free theirs
@@ -83,10 +103,44 @@ class Leader:
         except Exception as e:
             if not (lost(e) or lost(e.__cause__)):   # distributed.lost_rank_errors says it too
                 raise
-            self.lost = (f"rank lost: {e}; the ranks cannot go on: restart every rank (mlx.launch), "
-                         f"saved sessions restore with the same layout")
+            self.lost = (f"rank lost: {e} (a rank exited, or failed mid-step: its log says which); the ranks "
+                         f"cannot go on: restart every rank (mlx.launch), saved sessions restore with the same layout")
             log.error("%s", self.lost)
             raise RankLost(self.lost) from e
+
+    def _checked(self, op: str, work, **args):
+        """A call with no collective of its own: sent, run here, then every rank says how it went.
+        Rank 0's own error is raised as it is; a follower's becomes RankFailed (the followers
+        dropped the heap the call was on, and rank 0's caller drops its own)."""
+        self.send(op, **args)
+        try:
+            result, error = work(), None
+        except RankLost:
+            raise
+        except Exception as e:   # the others must hear of it before anyone goes on
+            result, error = None, e
+        notes = self._guard(lambda: self.ranks.notes(error_note(error)))
+        if error is not None:
+            raise error
+        self._raise_failed(op, notes)
+        return result
+
+    def _step(self, op: str, **args) -> None:
+        """A forward (a prefill chunk, a generation's start): sent, then every rank says whether it could
+        start it (one flag each) before anyone enters its collectives; a follower that could
+        not becomes RankFailed here, with the ranks still in step."""
+        self.send(op, **args)
+        if self._guard(lambda: self.ranks.any(False)):
+            self._raise_failed(op, self._guard(lambda: self.ranks.notes("")))
+
+    def _raise_failed(self, op: str, notes: list[str]) -> None:
+        failed = [(r, note) for r, note in enumerate(notes) if note]
+        if failed:
+            rank, note = failed[0]
+            self.failures += 1
+            self.last_failure = f"rank {rank}: {op}: {note}"
+            log.error("rank %d failed the %s call (%s): the request fails, the ranks go on", rank, op, note)
+            raise RankFailed(rank, op, note)
 
     def ping(self) -> None:
         """A command that does nothing: finds a lost rank while the server is idle."""
@@ -125,20 +179,21 @@ class Leader:
     # --- heap calls, mirrored ---
 
     def new_cache(self, cfg: HeapConfig, pages_dir: Optional[Path] = None):
-        self.send("new", handle=self._handles + 1, cfg=cfg.to_dict(), pages_dir=self._path(pages_dir))
-        return self._adopt(self.backend.new_cache(cfg, pages_dir))
+        make = lambda: self.backend.new_cache(cfg, pages_dir)   # noqa: E731
+        return self._adopt(self._checked("new", make, handle=self._handles + 1, cfg=cfg.to_dict(),
+                                         pages_dir=self._path(pages_dir)))
 
     def load_cache(self, cfg: HeapConfig, path: Path, pages_dir: Optional[Path] = None):
-        self.send("load", handle=self._handles + 1, cfg=cfg.to_dict(), path=self._path(path),
-                  pages_dir=self._path(pages_dir))
-        return self._adopt(self._guard(lambda: self.backend.load_cache(cfg, path, pages_dir)))
+        read = lambda: self._guard(lambda: self.backend.load_cache(cfg, path, pages_dir))   # noqa: E731
+        return self._adopt(self._checked("load", read, handle=self._handles + 1, cfg=cfg.to_dict(),
+                                         path=self._path(path), pages_dir=self._path(pages_dir)))
 
     def save_cache(self, cache, path: Path, snapshot: bool = False) -> None:
         self.send("save", handle=cache.handle, path=self._path(path), snapshot=snapshot)
         self._guard(lambda: self.backend.save_cache(cache, path, snapshot))
 
     def prefill(self, cache, tokens, progress=None, cancelled=None) -> None:
-        self.send("prefill", handle=cache.handle, tokens=[int(t) for t in tokens])
+        self._step("prefill", handle=cache.handle, tokens=[int(t) for t in tokens])
         self._guard(lambda: self.backend.prefill(cache, tokens, progress))
 
     def truncate(self, cache, tokens: int) -> None:
@@ -151,14 +206,14 @@ class Leader:
         self._handles += 1
         gen_id = self._handles
         sent = {k: v for k, v in asdict(replace(params, constraint=None)).items() if k != "constraint"}
-        self.send("generate", handle=cache.handle, gen=gen_id, tokens=[int(t) for t in new_tokens], params=sent)
+        self._step("generate", handle=cache.handle, gen=gen_id, tokens=[int(t) for t in new_tokens], params=sent)
         inner = self._guard(lambda: self.backend.generate(cache, new_tokens, params, progress))
         return self._tokens(gen_id, inner)
 
     def _tokens(self, gen_id: int, inner):
         try:
             while True:
-                self.send("next", gen=gen_id)
+                self.send("next", gen=gen_id)   # no start check: the decode path stays one broadcast
                 try:
                     token = self._guard(lambda: next(inner))
                 except StopIteration:
@@ -173,14 +228,59 @@ class Leader:
             inner.close()
 
 
+def error_note(e: Optional[BaseException]) -> str:
+    """What a rank tells the others of a failed call: the error's class and the start of its text."""
+    return "" if e is None else f"{type(e).__name__}: {e}"[:160]
+
+
+class InjectedFault(RuntimeError):
+    """A follower's failure made on purpose (FAULT_ENV), to test that rank 0 does not hang."""
+
+
+class Faults:
+    """FAULT_ENV="OP:N[,OP:N...]": the N-th OP command on this follower raises InjectedFault, where
+    a real failure of it would: before its work (a forward: before it starts), or for a restore
+    after the ranks agreed that every shard is there (reading this rank's shard failed)."""
+
+    def __init__(self, spec: Optional[str]):
+        self.at = {op: int(n) for op, _, n in (part.partition(":") for part in (spec or "").split(",") if part)}
+        self.seen: dict[str, int] = {}
+
+    def check(self, op: str) -> None:
+        if op in self.at:
+            self.seen[op] = self.seen.get(op, 0) + 1
+            if self.seen[op] == self.at[op]:
+                raise InjectedFault(f"injected failure of {op} #{self.at[op]} ({FAULT_ENV})")
+
+
+def start_step(backend, cmd: dict, op: str, faults: Faults, caches: dict) -> bool:
+    """Can this rank start the forward `cmd` asks for (its heap or generator here, its params
+    read)? Every rank says so before anyone enters its collectives (Leader._step)."""
+    error = None
+    try:
+        faults.check(op)
+        caches[cmd["handle"]]
+        if op == "generate":
+            SamplingParams(**cmd["params"])
+    except Exception as e:   # noqa: BLE001 - told to rank 0, which fails the request
+        log.error("%s cannot start on this rank", op, exc_info=True)
+        error = e
+    if backend.ranks.any(error is not None):
+        backend.ranks.notes(error_note(error))
+        return False
+    return True
+
+
 def follow(backend: DistributedMLXBackend, root: Path, remove_files=None) -> int:
     """A follower rank's loop: rank 0's heap calls on this rank's shard, until it says stop;
     `remove_files(root, session_id, keep_gen, whole)` removes this rank's files of a session.
-    Returns the exit status (1: rank 0 was lost)."""
+    Returns the exit status (1: rank 0 was lost; OUT_OF_STEP_EXIT: a forward failed here, see the
+    log, and the process must exit now)."""
     assert backend.rank != 0
     root = Path(root)
     caches: dict[int, object] = {}
     gens: dict[int, object] = {}
+    faults = Faults(os.environ.get(FAULT_ENV))
     path = lambda p: None if p is None else root / p   # noqa: E731  (an absolute p stays as it is)
     while True:
         try:
@@ -191,16 +291,25 @@ def follow(backend: DistributedMLXBackend, root: Path, remove_files=None) -> int
                 return 1
             raise
         for h in cmd["drop"]:
-            release_pages(caches.pop(h, None))
+            try:
+                release_pages(caches.pop(h, None))
+            except Exception:   # noqa: BLE001 - its files only; the ranks stay in step
+                log.exception("releasing heap %d's pages failed on this rank", h)
         op = cmd["op"]
         if op == "stop":
             return 0
+        if op in START_CHECKED and not start_step(backend, cmd, op, faults, caches):
+            continue   # this rank could not start it: every rank heard so, and the request fails
+        error = None
         try:
+            if op not in ("load", *START_CHECKED):
+                faults.check(op)
             if op == "new":
                 caches[cmd["handle"]] = backend.new_cache(HeapConfig(**cmd["cfg"]), path(cmd["pages_dir"]))
             elif op == "load":
-                caches[cmd["handle"]] = backend.load_cache(HeapConfig(**cmd["cfg"]), path(cmd["path"]),
-                                                           path(cmd["pages_dir"]))
+                cache = backend.load_cache(HeapConfig(**cmd["cfg"]), path(cmd["path"]), path(cmd["pages_dir"]))
+                faults.check(op)
+                caches[cmd["handle"]] = cache
             elif op == "save":
                 backend.save_cache(caches[cmd["handle"]], path(cmd["path"]), cmd["snapshot"])
             elif op == "prefill":
@@ -216,8 +325,16 @@ def follow(backend: DistributedMLXBackend, root: Path, remove_files=None) -> int
                 gens.pop(cmd["gen"]).close()
             elif op == "remove" and remove_files is not None:
                 remove_files(root, cmd["session"], cmd["keep_gen"], cmd["whole"])
-        except Exception as e:   # rank 0 fails the same call (its collectives agree on it): go on
+        except Exception as e:
             if lost(e) or lost(e.__cause__):
                 log.error("a rank was lost (%s): this rank stops", e)
                 return 1
-            log.warning("%s failed on this rank: %s", op, e)
+            if op in OUT_OF_STEP:   # rank 0 waits in collectives this rank skipped: break the ring
+                log.critical("%s failed on this rank mid-step; it cannot get back in step with rank 0, so it "
+                             "exits (rank 0 then reports the rank lost)", op, exc_info=True)
+                return OUT_OF_STEP_EXIT
+            log.error("%s failed on this rank", op, exc_info=True)   # save: the ranks agreed on it
+            error = e
+        if op in CHECKED:
+            if any(backend.ranks.notes(error_note(error))):   # rank 0 does not keep that heap either
+                release_pages(caches.pop(cmd["handle"], None))

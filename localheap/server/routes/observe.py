@@ -30,7 +30,9 @@ async def health(svc: Services = Depends(services)):
         body["status"], body["degraded"] = "degraded", degraded
     ranks = getattr(svc.backend, "ranks", None)   # --distributed: the ranks, and a lost one
     if ranks is not None:
-        body["ranks"] = {"size": ranks.size, "mode": svc.backend.mode, "lost": getattr(svc.backend, "lost", None)}
+        body["ranks"] = {"size": ranks.size, "mode": svc.backend.mode, "lost": getattr(svc.backend, "lost", None),
+                         "failed_calls": getattr(svc.backend, "failures", 0),   # RankFailed: the ranks went on
+                         "last_failure": getattr(svc.backend, "last_failure", None)}
     if not svc.engine.healthy or (ranks is not None and body["ranks"]["lost"]):
         body["status"] = "failed"
         return JSONResponse(body, status_code=503)
