@@ -58,16 +58,22 @@ def test_explicit_session_continues_with_rest_or_continuation():
     assert m.new_tokens == encode("user: more") and m.cached == len("<s>user: hi")
 
 
-def test_spill_restore_round_trip_and_limits(tmp_path):
-    store = SessionStore(FakeBackend(), CFG, tmp_path, max_resident=2, max_sessions=3)
+def resident_sessions(store, n):
+    """n resident sessions holding "session i", touched in order (the first is least recent)."""
     sessions = []
-    for i in range(3):
+    for i in range(n):
         s = store.create()
         store.make_resident(s)
         s.extend(encode(f"session {i}"))
         s.cache.tokens = encode(f"session {i}")
         store.touch(s)
         sessions.append(s)
+    return sessions
+
+
+def test_spill_restore_round_trip_and_limits(tmp_path):
+    store = SessionStore(FakeBackend(), CFG, tmp_path, max_resident=2, max_sessions=3)
+    sessions = resident_sessions(store, 3)
     store.enforce_limits()
     assert [s.state for s in sessions] == ["spilled", "resident", "resident"]
     assert store.info(sessions[0].id)["state"] == "spilled" and store.spills == 1
@@ -143,14 +149,7 @@ def test_a_heap_the_disk_refuses_stays_resident_and_the_next_is_spilled(tmp_path
 
     backend = FakeBackend()
     store = SessionStore(backend, CFG, tmp_path, max_resident=2, max_sessions=8)
-    sessions = []
-    for i in range(3):
-        s = store.create()
-        store.make_resident(s)
-        s.extend(encode(f"session {i}"))
-        s.cache.tokens = encode(f"session {i}")
-        store.touch(s)
-        sessions.append(s)
+    sessions = resident_sessions(store, 3)
     save = backend.save_cache
 
     def refuse_first(cache, path, **kw):
