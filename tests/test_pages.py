@@ -396,3 +396,28 @@ def test_page_positions_are_read_from_headers_and_spans_kept_in_ram(tmp_path):
     again = store(tmp_path)                                     # reopened: spans rebuilt from the records
     np.testing.assert_array_equal(again.spans(0, slots), s.spans(0, slots))
     again.close()
+
+
+def test_batched_header_reads_match_the_per_field_crc_and_flag_bad_records(tmp_path):
+    """positions() reads many headers at once and checks one CRC over the header's run of bytes:
+    it must accept exactly the records the per-field CRC accepts (-1 for a corrupt, tombstoned or
+    missing record), for every page format."""
+    from localheap.heap.pages import _META_FIELDS, MAGIC, _crc
+
+    rng = np.random.default_rng(6)
+    for fmt in ("f32", "f16", "int8"):
+        s = store(tmp_path / fmt, fmt=fmt)
+        pos = np.stack([np.arange(24), rng.permutation(24)])
+        s.append(0, pos, *evicted(rng, 24)[1:])
+        want = pos.reshape(H, 6, P).transpose(1, 0, 2)
+        rb, fd = s.record_bytes, s._fds[0]
+        for slot in range(6):
+            rec = s.read(0, np.array([slot]))[0]
+            assert rec["magic"] == MAGIC and _crc(rec, _META_FIELDS) == rec["crc_meta"]
+        os.pwrite(fd, b"\x7f", 1 * rb + s.dtype.fields["kmax"][1])    # page 1: a summary byte flipped
+        os.pwrite(fd, b"\x00" * 4, 3 * rb)                             # page 3: tombstoned (magic 0)
+        got = s.positions(0, np.array([5, 1, 3, 0, 9, 2]))             # slot 9: past the file's end
+        for i, slot in enumerate([5, 1, 3, 0, 9, 2]):
+            np.testing.assert_array_equal(got[i], want[slot] if slot in (0, 2, 5) else -1)
+        assert s.positions(0, np.array([], np.int64)).shape == (0, H, P)
+        s.close()

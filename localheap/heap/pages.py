@@ -162,6 +162,8 @@ class PageStore:
         self.header_dtype = np.dtype({"names": list(names), "formats": [self.dtype.fields[n][0] for n in names],
                                       "offsets": [self.dtype.fields[n][1] for n in names],
                                       "itemsize": self.dtype.fields["kmean"][1] + self.dtype["kmean"].itemsize})
+        assert sum(self.dtype[f].itemsize for f in _META_FIELDS) == \
+            self.header_dtype.itemsize - self.dtype.fields[_META_FIELDS[0]][1], "CRC'd header fields not contiguous"
         self.summary = summary
         self.layers = [_Layer(geometry, SUMMARY_FIELDS[summary]) for _ in range(geometry.n_layers)]
         self.seq = 0                # next record's sequence number
@@ -423,14 +425,24 @@ class PageStore:
     def positions(self, layer: int, slots: np.ndarray) -> np.ndarray:
         """[n, H, P] token positions of the given pages, read from the records' headers only (the
         payload stays on disk); a torn record's positions come back as -1."""
-        head = self.header_dtype
-        out = np.full((len(slots), self.g.n_kv_heads, self.g.page_size), -1, np.int64)
-        for i, slot in enumerate(slots):
-            buf = os.pread(self._fds[layer], head.itemsize, int(slot) * self.record_bytes)
-            if len(buf) == head.itemsize:
-                rec = np.frombuffer(buf, head)[0]
-                if rec["magic"] == MAGIC and _crc(rec, _META_FIELDS) == rec["crc_meta"]:
-                    out[i] = rec["positions"]
+        head, n = self.header_dtype, len(slots)
+        out = np.full((n, self.g.n_kv_heads, self.g.page_size), -1, np.int64)
+        if not n:
+            return out
+        # One pread per page into one buffer, then the checks and the positions for all pages at once.
+        # The CRC'd fields (seq .. kmean) are one contiguous run of bytes in the record, so one crc32
+        # over that run is _crc(rec, _META_FIELDS) (test_pages checks the two agree).
+        size, fd, rb = head.itemsize, self._fds[layer], self.record_bytes
+        raw = bytearray(n * size)
+        view = memoryview(raw)
+        full = np.zeros(n, bool)
+        for i, slot in enumerate(slots.tolist() if isinstance(slots, np.ndarray) else slots):
+            full[i] = os.preadv(fd, [view[i * size: (i + 1) * size]], int(slot) * rb) == size
+        recs = np.frombuffer(raw, head)
+        lo = self.dtype.fields[_META_FIELDS[0]][1]
+        crc = np.fromiter((zlib.crc32(view[i * size + lo: (i + 1) * size]) for i in range(n)), np.uint32, n)
+        ok = full & (recs["magic"] == MAGIC) & (crc == recs["crc_meta"])
+        out[ok] = recs["positions"][ok]
         return out
 
     def tail(self, layer: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
