@@ -34,7 +34,8 @@ def test_lean_step_matches_the_full_forward(model_dirs, family, cfg, monkeypatch
     backend = TorchBackend.load(model_dirs(family), dtype=torch.float32)
     full_tokens, full_logits, full_calls, full_stats = decode(backend, cfg, False, monkeypatch)
     lean_tokens, lean_logits, lean_calls, lean_stats = decode(backend, cfg, True, monkeypatch)
-    assert full_calls == 0 and lean_calls == 59, "the lean step ran every decode step (not the last token's)"
+    # every decode step (not the last token's), and once more for the check against the full forward
+    assert full_calls == 0 and lean_calls == 59 + 1, "the lean step ran every decode step"
     assert lean_tokens == full_tokens
     assert torch.equal(lean_logits, full_logits)
     assert lean_stats.tokens_seen == full_stats.tokens_seen and lean_stats.evictions == full_stats.evictions
@@ -47,6 +48,22 @@ def test_sampled_tokens_match(model_dirs, monkeypatch):
     full = decode(backend, cfg, False, monkeypatch, params)
     lean_run = decode(backend, cfg, True, monkeypatch, params)
     assert lean_run[0] == full[0] and torch.equal(lean_run[1], full[1])
+
+
+def test_a_lean_step_that_differs_here_is_switched_off(model_dirs, monkeypatch, caplog):
+    """Where it runs (a device, dtype or kernels the tests never saw), the lean step is checked
+    once against the full forward; a difference in the last bit sends every step through the
+    full forward, with a warning."""
+    backend = TorchBackend.load(model_dirs("llama"), dtype=torch.float32)
+    real = lean._rms_norm
+    monkeypatch.setattr(lean, "_rms_norm", lambda x, w, eps: real(x, w, eps * 1.0001))
+    cache = backend.new_cache(HeapConfig(budget=512))
+    with caplog.at_level("WARNING", logger="localheap.torch"):
+        assert lean.lean_step(backend.model, cache) is None
+    assert "differ" in caplog.text and backend.model.__dict__["_localheap_lean"] is None
+    monkeypatch.undo()
+    again = TorchBackend.load(model_dirs("llama"), dtype=torch.float32)
+    assert lean.lean_step(again.model, again.new_cache(HeapConfig(budget=512))) is not None
 
 
 def test_other_families_keep_the_full_forward(model_dirs):

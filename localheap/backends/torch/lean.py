@@ -10,6 +10,7 @@ the Llama family's layer layout only; anything else keeps the full forward.
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Optional
 
@@ -18,6 +19,7 @@ import torch.nn.functional as F
 
 from . import attention
 
+log = logging.getLogger("localheap.torch")
 FAMILIES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 ENABLED = os.environ.get("LOCALHEAP_LEAN_DECODE", "1") != "0"   # 0: every step through the full forward
 
@@ -96,5 +98,28 @@ def lean_step(model, cache) -> Optional[LeanDecode]:
     lean = model.__dict__.get("_localheap_lean", False)
     if lean is False:
         lean = LeanDecode(model) if LeanDecode.supports(model) else None
-        model.__dict__["_localheap_lean"] = lean
+        model.__dict__["_localheap_lean"] = lean   # set before the check: its own steps find it
+        if lean is not None and not agrees(model):
+            log.warning("the lean decode step's logits differ from transformers' forward on this model, device "
+                        "and dtype; every decode step goes through the full forward")
+            lean = model.__dict__["_localheap_lean"] = None
     return lean
+
+
+def agrees(model, n: int = 9) -> bool:
+    """Whether the lean step gives the full forward's logits bit for bit here (this device, dtype
+    and kernels: the tests hold it on the CPU only), on a scratch heap: n - 1 tokens fed, then
+    the n-th token through each path on its own copy of that heap. Run once per model."""
+    from ...heap import HeapConfig
+    from .cache import make_heap_cache
+    from .generate import forward
+
+    ids = torch.arange(n, device=model.device) % model.config.vocab_size
+    logits = []
+    for use_lean in (False, True):
+        cache = make_heap_cache(model, HeapConfig(budget=64, recent=8, slack=16, recall=False))
+        cache.lean_decode = False
+        forward(model, cache, ids[:-1])
+        cache.lean_decode = use_lean
+        logits.append(forward(model, cache, ids[-1:]))
+    return torch.equal(*logits)
