@@ -24,13 +24,14 @@ pytest.importorskip("torch")
 
 GRACE_S = 3.0
 DOC = " ".join(f"Paragraph {i}: the heap keeps sinks, heavy hitters and a recent window." for i in range(2000))
+LONG_DOC = " ".join([DOC] * 8)   # ~740K tokens: about 40 s to read here, so no machine ends it within the grace
 
 
 def start(sessions_dir, umask: int) -> tuple[subprocess.Popen, str]:
     url = f"http://127.0.0.1:{free_port()}"
     cmd = [sys.executable, "-m", "localheap.cli", "serve", "--model", MODEL, "--backend", "torch",
            "--port", url.rsplit(":", 1)[1], "--sessions-dir", str(sessions_dir), "--log-level", "warning",
-           "--max-tokens-limit", "1000000", "--max-prompt-tokens", "200000", "--shutdown-grace", str(GRACE_S),
+           "--max-tokens-limit", "1000000", "--max-prompt-tokens", "1000000", "--shutdown-grace", str(GRACE_S),
            "--recall", "on", "--page-size", "8", *HEAP]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             preexec_fn=lambda: os.umask(umask))
@@ -109,7 +110,7 @@ def test_sigterm_mid_stream_ends_each_stream_with_what_was_kept(tmp_path):
 
         reply = Stream(url, "/v1/chat/completions", {"model": MODEL, "max_tokens": 1000000, "stream": True,
                        "messages": [{"role": "user", "content": "Never stop."}]}, {"X-Session-Id": chat_sid})
-        doc = Stream(url, f"/v1/sessions/{doc_sid}/documents", {"text": DOC}, {})
+        doc = Stream(url, f"/v1/sessions/{doc_sid}/documents", {"text": LONG_DOC}, {})
         view = HeapView(url)
         reply.start()
         view.start()
