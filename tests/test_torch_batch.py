@@ -9,7 +9,7 @@ from recall_checks import CFG as RECALL_CFG
 from recall_checks import load_all
 
 from localheap.backends.torch import TorchBackend
-from localheap.backends.torch.batch import leave_slab, start_row, step_rows
+from localheap.backends.torch.batch import leave_slab, make_rooms, start_row, step_rows
 from localheap.backends.torch.generate import generate_steps
 from localheap.generation import SamplingParams
 from localheap.heap import HeapConfig
@@ -176,7 +176,7 @@ def test_a_row_that_cannot_make_room_leaves_the_others_untouched(demo, monkeypat
     def fail(n):
         raise OSError("page writer: disk full")
 
-    monkeypatch.setattr(broken, "make_room", fail)
+    monkeypatch.setattr(broken, "due", fail)
     seen = broken.tokens_seen
     tokens = [rows[1].token]
     for _ in range(29):
@@ -236,3 +236,42 @@ def test_one_token_turns_ride_in_the_slab_as_alone(demo):
         assert_same_heap(want, cache, atol=1e-4)
         for a, b in zip(want.heap_layers, cache.heap_layers):
             torch.testing.assert_close(a.scores, b.scores, atol=1e-4, rtol=1e-5)
+
+
+def test_eviction_events_of_one_step_are_planned_together_as_alone(llama, monkeypatch):
+    """Sessions due an eviction on the same step are scored and selected in one batched plan; each
+    heap (slots, keys bit for bit, pages) is what its own event gives it. Three sessions have the
+    same sizes (one stacked selection; one of them keeps another recent window, which the
+    selection reads), one pages out (recall on), and one fails without touching the others."""
+    cfgs = [SMALL, SMALL.with_(recent=12, policy="h2o"), SMALL, RECALL_CFG, SMALL]
+    ps = prompts(llama, (100, 100, 100, 300, 90), seed=13)
+
+    def fed():
+        caches = [llama.new_cache(c) for c in cfgs]
+        for c, p in zip(caches, ps):
+            llama.prefill(c, p)
+        return caches
+
+    want, got = fed(), fed()
+    for c in want[:4]:
+        assert c.make_room(c.cfg.append_room) > 0, "each is due an event"
+    plans = []
+    real = make_rooms.__globals__["plan_eviction"]
+    monkeypatch.setitem(make_rooms.__globals__, "plan_eviction", lambda layers: plans.append(layers) or real(layers))
+    monkeypatch.setattr(got[4], "due", lambda n: (_ for _ in ()).throw(OSError("disk full")))
+    seen = got[4].tokens_seen
+    errors = make_rooms([(c, c.cfg.append_room) for c in got])
+    assert errors[:4] == [None] * 4 and isinstance(errors[4], OSError) and got[4].tokens_seen == seen
+    assert len(plans) == 1 and len(plans[0]) == 4 * len(got[0].heap_layers), "one plan for the four events"
+    assert len({layer.heap.resident for c in got[:3] for layer in c.heap_layers}) == 1
+    for a, b in zip(want[:4], got[:4]):
+        assert_same_heap(a, b)
+        for la, lb in zip(a.heap_layers, b.heap_layers):
+            n = la.heap.resident
+            assert torch.equal(la.values[0, :, :n], lb.values[0, :, :n])
+    for c in (want[3], got[3]):
+        c.writer.drain()
+    assert got[3].pages.tokens == want[3].pages.tokens > 0
+    for layer in range(len(got[3].heap_layers)):
+        for a, b in zip(load_all(got[3].pages, layer), load_all(want[3].pages, layer)):
+            np.testing.assert_array_equal(a, b)

@@ -88,7 +88,7 @@ def test_profile_splits_decode_steps(model_dirs):
 
 def test_batch_step_tables(model_dirs):
     """bench batch-step: a row per batch size and per mixed chunk, the rows' heaps out of the slab after."""
-    from localheap.bench.batch_step import beside_table, rows_table
+    from localheap.bench.batch_step import beside_table, events_table, rows_table
 
     backend = TorchBackend.load(model_dirs("llama"), dtype=torch.float32)
     cfg = HeapConfig(budget=64, sinks=4, recent=16, slack=16, prefill_chunk=48)
@@ -99,3 +99,5 @@ def test_batch_step_tables(model_dirs):
     side = beside_table(backend, cfg, 100, [8, 16], repeats=1)
     assert [r["chunk"] for r in side] == [8, 16]
     assert all(0 < r["chat_kept"] and 0 < r["doc_kept"] for r in side)
+    events = events_table(backend, cfg, 100, [1, 3], repeats=1)
+    assert [r["rows"] for r in events] == [1, 3] and all(r["batched_ms"] > 0 < r["alone_ms"] for r in events)

@@ -7,6 +7,9 @@ shared machine disturb far less than wall time (they still share its caches and 
 - beside: one chat decoding beside a document read, per `--mixed-chunk` size c: the step that
   carries the chat's token and c document tokens, against a decode step alone and 512-token
   chunks alone; "kept" is the share of its alone rate each keeps at that step cost.
+- events: B sessions due an eviction event on the same step, their events planned as one batched
+  selection (batch.make_rooms) against one session's event after another (make_room), each timed
+  on fresh copies of the same heaps, interleaved.
 Knows nothing about HTTP: `bench serve` measures what a client sees.
 """
 
@@ -98,6 +101,40 @@ def beside_table(backend, cfg, context: int, chunks: list[int], repeats: int) ->
     return out
 
 
+def events_table(backend, cfg, context: int, batch: list[int], repeats: int) -> list[dict]:
+    import copy
+
+    from ..backends.torch.batch import make_rooms
+
+    caches = []
+    for i in range(max(batch)):
+        c = backend.new_cache(cfg.with_(recall=False))   # the selection and repack, not the page writer
+        backend.prefill(c, _tokens(context, seed=200 + i))
+        while not c.due(cfg.append_room):   # fill the slack: the next append evicts
+            backend.prefill(c, _tokens(16, seed=300 + c.tokens_seen))
+        caches.append(c)
+    n = cfg.append_room
+    times: dict = {}
+    for _ in range(repeats):
+        for b in batch:
+            for mode in ("batched", "one by one"):
+                heaps = copy.deepcopy(caches[:b])
+                t = time.thread_time()
+                if mode == "batched":
+                    assert make_rooms([(c, n) for c in heaps]) == [None] * b
+                else:
+                    for c in heaps:
+                        c.make_room(n)
+                times.setdefault((b, mode), []).append(time.thread_time() - t)
+    out = []
+    for b in batch:
+        batched, alone = (float(np.median(times[(b, m)])) for m in ("batched", "one by one"))
+        out.append({"rows": b, "batched_ms": 1e3 * batched, "alone_ms": 1e3 * alone, "gain": alone / batched})
+    return out
+
+
+EVENT_COLUMNS = [("rows", "sessions due", "d"), ("batched_ms", "batched CPU ms", ".1f"),
+                 ("alone_ms", "one by one CPU ms", ".1f"), ("gain", "x", ".2f")]
 ROW_COLUMNS = [("rows", "rows", "d"), ("step_ms", "step CPU ms", ".2f"), ("tok_s", "tok / CPU s", ",.0f"),
                ("vs_one", "x 1 row", ".2f")]
 BESIDE_COLUMNS = [("chunk", "mixed chunk", "d"), ("decode_ms", "decode alone ms", ".2f"),
@@ -124,5 +161,9 @@ def run(args) -> int:
     if side:
         text += "\n\na chat's decode step with a document's chunk in it (512-token chunks alone: the doc's rate)\n"
         text += table(side, BESIDE_COLUMNS)
-    emit("batch-step", text, {"model": backend.model_name, "rows": rows, "beside": side})
+    events = events_table(backend, cfg, args.context, args.rows, args.repeats) if args.events else []
+    if events:
+        text += "\n\neviction events due on the same step (recall off): one batched plan against one by one\n"
+        text += table(events, EVENT_COLUMNS)
+    emit("batch-step", text, {"model": backend.model_name, "rows": rows, "beside": side, "events": events})
     return 0

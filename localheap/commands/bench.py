@@ -188,6 +188,8 @@ def add_parser(sub) -> None:
     step.add_argument("--repeats", type=_positive, default=3, help="interleaved rounds, median (default 3)")
     step.add_argument("--mixed-chunks", type=_ints, default=[16, 32, 64, 128],
                       help="document tokens riding beside a decoding chat (0: skip that table; default 16,32,64,128)")
+    step.add_argument("--events", action="store_true",
+                      help="also time eviction events due on the same step: one batched plan against one by one")
     add_threads_arg(step)
     step.set_defaults(func=run_batch_step_bench, model="demo")
 

@@ -24,6 +24,7 @@ from .. import paging
 from . import attention
 from .cache import HeapCache
 from .generate import Sampler, prefill_turn
+from .select import plan_eviction
 from .slab import DecodeSlab, slab_key
 
 
@@ -167,15 +168,22 @@ def step_rows(model, rows: list[DecodeRow], chunks: Sequence[tuple[HeapCache, Se
     stopped it before the forward (making room: an eviction event or its page-out), which leaves
     the others untouched. An error in the forward itself raises (every part is suspect).
     One host read per step: the rows' sampled ids together."""
-    errors: list[Optional[Exception]] = []
+    errors: list[Optional[Exception]] = [None] * (len(rows) + len(chunks))
+    feeding: list[int] = []
+    for i, row in enumerate(rows):
+        if row.prompt is not None and not _rides(row):   # fed alone (recall first): the row has its first token
+            errors[i] = _work(lambda: row.sampled(prefill_turn(model, row.cache, row.prompt)))
+        else:
+            feeding.append(i)
+    needs = [(rows[i].cache, 1 if rows[i].prompt is None else len(rows[i].prompt)) for i in feeding]
+    needs += [(cache, len(ids)) for cache, ids in chunks]
+    for i, error in zip(feeding + list(range(len(rows), len(errors))), make_rooms(needs)):
+        errors[i] = error
     live: list[DecodeRow] = []
     starting: list[DecodeRow] = []   # deferred prompts riding as lone parts
-    for row in rows:
-        if row.prompt is not None and not _rides(row):
-            errors.append(_work(lambda: row.sampled(prefill_turn(model, row.cache, row.prompt))))
-            continue   # fed alone (recall first): the row has its first token
-        errors.append(_make_room(row.cache, 1 if row.prompt is None else len(row.prompt)))
-        if errors[-1] is not None:
+    for i in feeding:
+        row = rows[i]
+        if errors[i] is not None:
             leave_slab(row)
         elif row.prompt is not None and (len(row.prompt) > 1 or slabs is None):
             starting.append(row)
@@ -198,9 +206,8 @@ def step_rows(model, rows: list[DecodeRow], chunks: Sequence[tuple[HeapCache, Se
             tokens.append(row.next if row.prompt is None else
                           torch.as_tensor(row.prompt, dtype=torch.long, device=row.cache.device))
             order.append(row)
-    for cache, ids in chunks:
-        errors.append(_make_room(cache, len(ids)))
-        if errors[-1] is None:
+    for (cache, ids), error in zip(chunks, errors[len(rows):]):
+        if error is None:
             parts.append(cache)
             tokens.append(torch.as_tensor(list(ids), dtype=torch.long, device=cache.device))
     if not parts:
@@ -264,8 +271,31 @@ def leave_slab(row: DecodeRow) -> None:
     row.slab = None
 
 
-def _make_room(cache: HeapCache, n: int) -> Optional[Exception]:
-    return _work(lambda: cache.make_room(n))
+def make_rooms(needs: list[tuple[HeapCache, int]]) -> list[Optional[Exception]]:
+    """cache.make_room(n) for each (cache, n), the sessions' eviction events of this step scored
+    and selected as one batched pass (plan_eviction over all their layers; the selection is per
+    row, so each heap keeps exactly the slots it would alone), then applied heap by heap.
+    Returns each one's error or None: a heap that fails leaves the others untouched."""
+    errors: list[Optional[Exception]] = [None] * len(needs)
+    due: dict[int, list] = {}
+    for i, (cache, n) in enumerate(needs):
+        try:
+            layers = cache.due(n)
+        except Exception as e:
+            errors[i] = e
+            continue
+        if layers:
+            due[i] = layers
+    plan = None
+    if len(due) > 1:
+        try:
+            plan = plan_eviction([layer for layers in due.values() for layer in layers])
+        except Exception:
+            plan = None   # each heap then plans its own event, and keeps its own error
+    for i, layers in due.items():
+        cache = needs[i][0]
+        errors[i] = _work(lambda: cache.repack(plan_eviction(layers) if plan is None else plan.part(layers)))
+    return errors
 
 
 def _work(fn) -> Optional[Exception]:

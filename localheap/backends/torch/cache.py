@@ -64,13 +64,17 @@ class HeapCache(HeapRollback, Cache):
         """Evict where n_new more tokens would not fit; returns how many layers repacked.
 
         All evicting layers are scored and selected in one batched pass on the device."""
-        if n_new > self.cfg.append_room:
-            raise HeapConfigError(f"{n_new} tokens at once exceed the append room ({self.cfg.append_room}: "
-                                  f"max of slack and prefill chunk); chunk them")
-        todo = [layer for layer in self.heap_layers if layer.heap.needs_repack(n_new)]
+        todo = self.due(n_new)
         if todo:
             self.repack(plan_eviction(todo))
         return len(todo)
+
+    def due(self, n_new: int) -> list:
+        """The heap layers that must evict before n_new more tokens fit (make_room's event)."""
+        if n_new > self.cfg.append_room:
+            raise HeapConfigError(f"{n_new} tokens at once exceed the append room ({self.cfg.append_room}: "
+                                  f"max of slack and prefill chunk); chunk them")
+        return [layer for layer in self.heap_layers if layer.heap.needs_repack(n_new)]
 
     def repack(self, plan: EvictionPlan) -> None:
         """The one place an eviction event is applied: every layer's gather and re-rotation on the

@@ -109,17 +109,43 @@ class EvictionPlan:
     def layers(self) -> list:
         return [layer for g in self.groups for layer in g.layers]
 
+    def part(self, layers: list) -> "EvictionPlan":
+        """The plan of `layers` alone (one session's, from an event planned over several):
+        each group's rows for them, as `plan_eviction(layers)` would have planned them."""
+        wanted = {id(layer) for layer in layers}
+        groups = []
+        for g in self.groups:
+            rows = [b for b, layer in enumerate(g.layers) if id(layer) in wanted]
+            if len(rows) == len(g.layers):
+                groups.append(g)
+            elif rows:
+                at = torch.tensor(rows, device=g.keep_indices.device)
+                pick = (lambda t: None if t is None else t.index_select(0, at))
+                groups.append(EvictionGroup([g.layers[b] for b in rows], pick(g.keep_indices),
+                                            pick(g.deltas), pick(g.scores)))
+        return EvictionPlan(groups)
+
 
 def plan_eviction(layers: list) -> EvictionPlan:
     """Score and select for all `layers` at once: one stacked sort per (resident, keep) group."""
     groups = []
-    for (_, keep), members in group_by_shape(layers, policy_keep).items():
-        cfg = members[0].heap.cfg
-        scores = torch.stack([pinned_scores(layer) for layer in members])         # [B, H_kv, n]
-        idx = select_keep(scores, keep, cfg.sinks, cfg.recent)
-        deltas = torch.arange(idx.shape[-1], device=idx.device) - idx if cfg.positions == "compact" else None
-        groups.append(EvictionGroup(members, idx, deltas, scores))
+    for (_, keep), shaped in group_by_shape(layers, policy_keep).items():
+        for members in _same_rule(shaped):
+            cfg = members[0].heap.cfg
+            scores = torch.stack([pinned_scores(layer) for layer in members])         # [B, H_kv, n]
+            idx = select_keep(scores, keep, cfg.sinks, cfg.recent)
+            deltas = torch.arange(idx.shape[-1], device=idx.device) - idx if cfg.positions == "compact" else None
+            groups.append(EvictionGroup(members, idx, deltas, scores))
     return EvictionPlan(groups)
+
+
+def _same_rule(layers: list) -> list[list]:
+    """Layers split by what the selection reads from their config (sessions may differ in it)."""
+    rules: dict[tuple, list] = {}
+    for layer in layers:
+        cfg = layer.heap.cfg
+        rules.setdefault((cfg.sinks, cfg.recent, cfg.positions), []).append(layer)
+    return list(rules.values())
 
 
 def pinned_scores(layer) -> torch.Tensor:
