@@ -42,6 +42,8 @@ class DecodeSlab:
         self.members: list[HeapCache] = []
         self.buffers: list[dict] = []    # per heap layer: name -> [R, ...] tensor
         self.rows = 0                    # allocated rows (R)
+        self._index_of: Optional[list[int]] = None   # the step's slots that `_index` was built for
+        self._index: tuple = ()
 
     # -- membership: one copy in, one copy out ------------------------------------------
     def join(self, cache: HeapCache) -> int:
@@ -118,7 +120,7 @@ class DecodeSlab:
         """(rows [B], slots [B], mask) for this step's appends; the layers of a step share them
         (uniform budgets: every layer appends at the same slot), so they are built once per step.
         mask: None when every row holds T slots, else [B, 1, 1, T] bool, True past a row's slots."""
-        if getattr(self, "_index_of", None) != slots:
+        if self._index_of != slots:
             B, T = len(slots), max(slots) + 1
             resident = torch.tensor(slots, device=device) + 1
             mask = None
