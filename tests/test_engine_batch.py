@@ -5,6 +5,7 @@ tokens as they would be alone; a batch smaller than the decoding runs serves the
 from __future__ import annotations
 
 import queue
+import threading
 
 import numpy as np
 import pytest
@@ -210,7 +211,7 @@ def test_a_document_read_rides_with_the_decoding_chat(demo, REQUESTS, monkeypatc
     """A chat decodes while a document is fed: chunks ride in the decode steps, the chat's tokens
     interleave with the document's progress, and both end as they would alone."""
     log = StepLog(demo, monkeypatch)
-    eng = engine(demo, mixed_chunk=16)
+    eng = engine(demo, mixed_chunk=16, lane=False)
     doc = ids(600, 12)
     try:
         chat_job, chat_q = submit(eng, REQUESTS[2][0], max_tokens=40)
@@ -223,3 +224,84 @@ def test_a_document_read_rides_with_the_decoding_chat(demo, REQUESTS, monkeypatc
     assert any(rode for _, rode in log.steps), "document chunks rode in decode steps"
     assert sum(isinstance(e, Progress) for e in doc_evs) > 5
     assert text(chat_evs) == alone_texts(demo, [REQUESTS[2]])[0]
+
+
+class LaneLog:
+    """Wraps backend.prefill and step_rows: the thread each chunk was read on, and whether a
+    decode step ran while the lane held a chunk."""
+
+    def __init__(self, backend, monkeypatch):
+        self.threads: list[str] = []
+        self.eng = None
+        self.steps_beside = 0
+        prefill, step_rows = backend.prefill, backend.step_rows
+
+        def spy_prefill(cache, tokens, *a, **k):
+            self.threads.append(threading.current_thread().name)
+            return prefill(cache, tokens, *a, **k)
+
+        def spy_step(rows, chunks=()):
+            self.steps_beside += bool(self.eng is not None and self.eng.lane.busy and rows)
+            return step_rows(rows, chunks)
+
+        monkeypatch.setattr(backend, "prefill", spy_prefill)
+        monkeypatch.setattr(backend, "step_rows", spy_step)
+
+
+def test_a_document_read_on_the_prefill_lane_beside_the_decoding_chat(demo, REQUESTS, monkeypatch):
+    """With the lane (the torch CPU default) a document's chunks are read on a second thread while
+    the chat decodes; the chat's tokens and the document's heap are exactly theirs alone."""
+    log = LaneLog(demo, monkeypatch)
+    eng = log.eng = engine(demo)
+    doc = ids(600, 12)
+    try:
+        chat_job, chat_q = submit(eng, REQUESTS[2][0], max_tokens=40)
+        seen = until_deltas(chat_q, 1)
+        doc_job, doc_q = submit(eng, doc, feed=True)
+        doc_evs, chat_evs = drain(doc_q), drain(chat_q, out=seen)
+        got = eng.store.get(doc_evs[-1].session_id).cache
+    finally:
+        eng.stop()
+    assert doc_evs[-1].finish_reason == "fed" and doc_evs[-1].usage.prompt_tokens == 600
+    assert sum(t.startswith("localheap-prefill") for t in log.threads) >= 5, log.threads
+    assert log.steps_beside > 0, "the chat decoded while a chunk was read"
+    assert text(chat_evs) == alone_texts(demo, [REQUESTS[2]])[0]
+    want = demo.new_cache(CFG)
+    demo.prefill(want, doc)
+    for a, b in zip(want.heap_layers, got.heap_layers):
+        n = a.heap.resident
+        assert n == b.heap.resident and np.array_equal(a.heap.view_positions(), b.heap.view_positions())
+        assert torch.equal(a.keys[0, :, :n], b.keys[0, :, :n]) and torch.equal(a.values[0, :, :n], b.values[0, :, :n])
+
+
+def test_a_document_cancelled_or_deleted_while_the_lane_reads_it(demo, REQUESTS):
+    """A cancel lands between chunks: the session keeps whole chunks, its history matching its
+    cache; deleting a session whose chunk is in flight waits for the chunk, then forgets it."""
+    eng = engine(demo)
+    try:
+        chat_job, chat_q = submit(eng, REQUESTS[2][0], max_tokens=10**6)
+        seen = until_deltas(chat_q, 1)
+        doc_job, doc_q = submit(eng, ids(3000, 13), feed=True)
+        evs = []
+        while sum(isinstance(e, Progress) for e in evs) < 3:
+            evs.append(doc_q.get(timeout=60))
+        doc_job.cancel()
+        evs = drain(doc_q, out=evs)
+        assert evs[-1].finish_reason == "cancelled", evs[-1]
+        eng.call(lambda: None).result(60)   # a command: the lane has given back any chunk
+        s = eng.store.get(evs[-1].session_id)
+        read = len(s.fed)
+        assert 0 < read < 3000 and read % CFG.chunk == 0 and demo.tokens_in_cache(s.cache) == read
+        assert evs[-1].prompt_read == read, "the cancelled reply says what the session kept"
+        other_job, other_q = submit(eng, ids(3000, 14), feed=True)
+        first = []
+        while not any(isinstance(e, Progress) for e in first):
+            first.append(other_q.get(timeout=60))
+        sid = next(e.session_id for e in first if isinstance(e, Started))
+        eng.call(lambda: eng.delete_session(sid)).result(60)
+        assert drain(other_q, out=first)[-1].finish_reason == "cancelled"
+        assert sid not in eng.store
+        chat_job.cancel()
+        assert text(drain(chat_q, out=seen))[1] == "cancelled"
+    finally:
+        eng.stop()

@@ -280,7 +280,7 @@ def _ingest_rate(progress: list, start: float, end: float) -> Optional[float]:
     return float((np.interp(end, at, done) - np.interp(start, at, done)) / (end - start))
 
 
-ENGINE_FLAGS = {"batched": [], "round-robin": ["--round-robin"]}
+ENGINE_FLAGS = {"batched": [], "mixed": ["--prefill-lane", "off"], "round-robin": ["--round-robin"]}
 CLIENT_COLUMNS = [("clients", "clients", "d"), ("engine", "engine", ""), ("decode_tok_s", "decode tok/s", ",.1f"),
                   ("vs_one", "x 1 client", ".2f"), ("vs_round_robin", "x round-robin", ".2f"),
                   ("ttft_ms", "TTFT ms (p50)", ",.0f"), ("itl_p50_ms", "ITL p50 ms", ".1f"),
@@ -311,6 +311,7 @@ def run(args) -> int:
     own = {"batched": [f"--max-batch={args.max_batch}"] if args.max_batch else [], "round-robin": []}
     if args.mixed_chunk:
         own["batched"].append(f"--mixed-chunk={args.mixed_chunk}")
+    own["mixed"] = own["batched"]
     servers = {}
     try:
         for name in engines:

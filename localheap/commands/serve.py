@@ -51,6 +51,10 @@ def add_parser(sub) -> None:
     p.add_argument("--mixed-chunk", type=int, default=64, metavar="N",
                    help="prefill tokens a document read feeds per step while other sessions decode "
                         "(its chunk rides in their forward pass; alone it uses --prefill-chunk)")
+    p.add_argument("--prefill-lane", choices=("auto", "on", "off"), default="auto",
+                   help="read a prompt's chunks on a second thread while other sessions decode (auto: where "
+                        "the backend can, the torch CPU backend; off: chunks ride in the decode pass, "
+                        "--mixed-chunk tokens a step; README: the decode batch)")
     p.add_argument("--round-robin", action="store_true",
                    help="serve one run per forward pass in turn, without batching (for comparison)")
     p.add_argument("--max-queue", type=int, default=32, help="requests waiting beyond those (503 beyond)")
@@ -104,6 +108,7 @@ def settings_from_args(args):
         admission_timeout=args.admission_timeout, max_observers=args.max_observers,
         max_body_bytes=parse_bytes(args.max_body), max_active=args.max_active, max_queued=args.max_queue,
         max_batch=args.max_batch, batched=not args.round_robin, mixed_chunk=args.mixed_chunk,
+        prefill_lane={"auto": None, "on": True, "off": False}[args.prefill_lane],
         max_sessions=max(args.max_sessions, args.max_resident_sessions),
         max_resident_sessions=args.max_resident_sessions, persist_sessions=args.persist,
         sessions_dir=args.sessions_dir,

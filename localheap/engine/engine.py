@@ -4,7 +4,9 @@ Requests come in on a queue; events go out through each request's emit callable.
 backend that batches (`step_rows`), each engine step advances every decoding run by one token
 in ONE forward pass (at most `max_batch` runs, those that waited longest first) and one
 prefilling runs, in turn, feed chunks that ride in the same pass, `mixed_chunk` tokens in all
-while others decode, so a document read never freezes a chat. Otherwise (or with
+while others decode, so a document read never freezes a chat; with a prefill lane (lane.py:
+backends whose forward passes may run on two threads, the torch CPU backend) a prefilling run
+instead reads whole chunks on a second thread beside the decode batch. Otherwise (or with
 `batched=False`) active runs are served round-robin, one step each per round: a decode token
 or a prefill chunk.
 Which waiting job starts next and on which session is admission.py's: under a RAM budget, jobs
@@ -28,6 +30,7 @@ from .admission import AdmissionQueue
 from .errors import EngineFailed, EngineStopped, OverBudget, Overloaded
 from .events import Failed, Feed, Job, Started
 from .governor import AdmitAll, Governor
+from .lane import PrefillLane
 from .runs import Run
 from .telemetry import Counters
 
@@ -42,7 +45,7 @@ class Engine:
     def __init__(self, backend: Any, store: SessionStore, governor: Optional[Governor] = None,
                  max_active: int = 8, max_queued: int = 32, admission_timeout: float = 30.0,
                  batched: Optional[bool] = None, max_batch: int = 8, mixed_chunk: int = MIXED_CHUNK,
-                 batch_slice: int = BATCH_SLICE):
+                 batch_slice: int = BATCH_SLICE, lane: Optional[bool] = None):
         assert max_active >= 1 and max_queued >= 0 and admission_timeout >= 0
         assert max_batch >= 1 and mixed_chunk >= 1 and batch_slice >= 1
         self.backend, self.store = backend, store
@@ -51,6 +54,10 @@ class Engine:
             raise ValueError(f"the {getattr(backend, 'name', '?')} backend has no batched decode")
         self.batched = can_batch if batched is None else batched
         self.max_batch, self.mixed_chunk, self.batch_slice = max_batch, mixed_chunk, batch_slice
+        if lane and not getattr(backend, "concurrent_prefill", False):
+            raise ValueError(f"the {getattr(backend, 'name', '?')} backend cannot read a prompt beside the decode batch")
+        use_lane = self.batched and (getattr(backend, "concurrent_prefill", False) if lane is None else lane)
+        self.lane: Optional[PrefillLane] = PrefillLane(backend) if use_lane else None
         self._steps = 0   # batched engine steps so far (a run's advanced_at is one of them)
         self.governor = governor or AdmitAll()
         self.max_active, self.max_queued = max_active, max_queued
@@ -206,6 +213,7 @@ class Engine:
                 self.admission.waiting.append(item)
             else:
                 fn, fut = item
+                self._harvest(block=True)   # a command may touch the lane's session
                 if fut.set_running_or_notify_cancel():
                     try:
                         fut.set_result(fn())
@@ -279,10 +287,12 @@ class Engine:
         token, and prefilling runs (in turn) feed up to mixed_chunk tokens, all in one forward pass.
         With no run decoding, a prefilling run feeds a full chunk on its own."""
         self._steps += 1
+        if self.lane is not None and self.lane.busy and self.lane.run.job.cancelled:
+            self._harvest(block=True)
         for run in [r for r in self._active if r.job.cancelled]:
             self._finish(run)
         pauses = [self._throttle(r) for r in self._active]
-        prefilling = [r for r in self._active if r.prefilling]
+        prefilling = [r for r in self._active if r.prefilling and (self.lane is None or r is not self.lane.run)]
         pause = max(pauses, default=0.0)
         if pause:
             time.sleep(pause if prefilling else pause / 10)
@@ -292,6 +302,16 @@ class Engine:
             else:
                 self._step(run)   # a heap the batch cannot take (sliding layers): its own generator
         batch = self._seats([r for r in self._active if r.row is not None])
+        if self.lane is not None:
+            if not batch:   # no one decodes: the engine thread reads the chunks itself
+                self._harvest(block=True)
+                prefilling = [r for r in self._active if r.prefilling]
+            elif not self.lane.busy and prefilling:
+                self.lane.submit(prefilling[0], prefilling[0].next_chunk(prefilling[0].chunk))
+                self._rotate(prefilling[0])
+                prefilling = []
+            else:
+                prefilling = []
         rides = [r for r in prefilling if self.backend.batchable(r.session.cache)]
         if not batch or not rides:
             if prefilling:   # no one to ride with: one full chunk on its own, in turn
@@ -326,6 +346,23 @@ class Engine:
                 self.counters.prefill.add(len(chunk), took=took)
                 self.counters.prefill_tokens += len(chunk)
             self._guarded(run, lambda run=run, chunk=chunk: self._chunk_fed(run, chunk), error)
+        self._harvest(block=False)
+
+    def _harvest(self, block: bool) -> None:
+        """Take back the lane's chunk once it is read (waiting for it with `block`): the run
+        advances, fails or ends here, on the engine thread."""
+        got = self.lane.take(block) if self.lane is not None else None
+        if got is None:
+            return
+        run, chunk, error, took = got
+        if error is None:
+            self.counters.prefill.add(len(chunk), took=took)
+            self.counters.prefill_tokens += len(chunk)
+            if run.session.cfg.recall:
+                self.store.disk.grew()   # its pages grew: --disk-total
+        elif not isinstance(error, Exception):
+            raise error   # not a request's failure: the engine stops (_die)
+        self._guarded(run, lambda: self._chunk_fed(run, chunk), error)
 
     def _rotate(self, run: Run) -> None:
         """The next step's prefill chunks start with another run."""
@@ -473,6 +510,9 @@ class Engine:
             job.cancel()
 
     def _shutdown(self) -> None:
+        self._harvest(block=True)
+        if self.lane is not None:
+            self.lane.close()
         for run in list(self._active):
             run.job.cancel()
             self._finish(run)

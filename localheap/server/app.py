@@ -44,7 +44,8 @@ def create_app(backend: Any, settings: Optional[ServerSettings] = None, governor
                          disk_total=settings.disk_total or 0)
     engine = Engine(backend, store, governor, max_active=settings.max_active, max_queued=settings.max_queued,
                     admission_timeout=settings.admission_timeout, max_batch=settings.max_batch,
-                    batched=None if settings.batched else False, mixed_chunk=settings.mixed_chunk)
+                    batched=None if settings.batched else False, mixed_chunk=settings.mixed_chunk,
+                    lane=settings.prefill_lane if settings.batched else None)
     if settings.max_prompt_tokens is None:
         plan = getattr(governor, "plan", None)
         settings.max_prompt_tokens = (plan or MemoryPlan(0, 0, 0, 0, request_room(default_budget()))).max_prompt_tokens

@@ -29,6 +29,7 @@ class ServerSettings:
     max_batch: int = 8                         # decoding runs advanced in one forward pass per step
     batched: bool = True                       # False: the round-robin engine (one run per forward)
     mixed_chunk: int = 64                      # prefill tokens per step riding beside decoding runs
+    prefill_lane: Optional[bool] = None        # a second thread reads prompts beside the batch (None: backend's)
     max_queued: int = 32                       # waiting beyond those; more -> 503
     max_sessions: int = 256
     max_resident_sessions: int = 8             # more idle sessions are spilled to disk

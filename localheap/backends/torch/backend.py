@@ -54,6 +54,9 @@ class TorchBackend:
         self.vocab_size = model.get_input_embeddings().num_embeddings   # ids a prompt may use
         self.slabs: dict = {}          # the decode batch's heap buffers, by slab key (slab.py)
         self.batch_slabs = True        # False: every row of a batch attends on its own (per-heap sdpa)
+        # the engine may read a prompt chunk on a second thread beside the decode batch (engine/lane.py):
+        # forward passes share no state but their caches; on CUDA both would queue on one stream (untested)
+        self.concurrent_prefill = self.device.type == "cpu"
 
     @classmethod
     def load(cls, path: str | Path, model_name: Optional[str] = None, device: Optional[str] = None,
