@@ -222,7 +222,7 @@ def test_checkpoints_go_after_pages_and_before_sessions(backend, tmp_path):
             ids.append(sid)
         sessions = {s["id"]: s for s in http.get("/v1/sessions").json()["data"]}
         m = metrics(http)
-    assert du.peak <= 3 << 20
+    assert du.peak <= 3 << 20, du.peak
     assert m["localheap_disk_reclaimed_checkpoints_total"] > 0 and m["localheap_disk_reclaimed_sessions_total"] == 0
     assert sessions[ids[0]]["checkpoints"] == [] and sessions[ids[0]]["reclaimed"]["checkpoints"] == 1
     assert sessions[ids[-1]]["checkpoints"] and sessions[ids[-1]]["reclaimed"] is None

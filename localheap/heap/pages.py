@@ -518,6 +518,16 @@ class PageStore:
             return 0
 
     @property
+    def state_bytes(self) -> int:
+        """Most a commit's new state file takes while the last one still exists: the last one's size,
+        grown by at most a partial page per layer."""
+        try:
+            last = max((e.stat().st_size for e in os.scandir(self.root) if STATE.fullmatch(e.name)), default=0)
+        except OSError:
+            last = 0
+        return last + self.g.n_layers * self.record_bytes
+
+    @property
     def file_bytes(self) -> int:
         """Bytes the layer files take (dropped slots included: reused, never given back while open)."""
         try:

@@ -26,11 +26,13 @@ from typing import Any, Optional
 from ..backends.paging import release_pages
 from ..heap import format_bytes
 from ..heap.pages import compact_store
+from .disk import INDEX
 from .errors import DiskTotalExceeded, SpillFailed
 from .session import Reclaims, Session
 
 log = logging.getLogger("localheap.sessions")
 TOKEN_BYTES = 4           # a saved token: one int32
+INDEX_ENTRY_BYTES = 1024  # more than one session's entry in index.json takes
 LOOK_INTERVAL_S = 0.25    # while a prompt is read, the directory is measured at most this often,
 LOOK_SHARE = 0.05         # and for at most this share of the time (256 sessions of an 8B model: ~40 ms a look)
 
@@ -160,6 +162,14 @@ class DiskTotal:
         self._look_s = self._looked_at - t0
         return self.used
 
+    def _index_rewrite(self) -> int:
+        """A commit writes the index beside the old one, then renames it: room for a second copy
+        (grown by an entry)."""
+        try:
+            return (self.store.spill_dir / INDEX).stat().st_size + INDEX_ENTRY_BYTES
+        except OSError:
+            return INDEX_ENTRY_BYTES
+
     def reserve(self, s: Session, pages: bool = True) -> int:
         """What a running session may still add: its next save and a checkpoint (a document's), each
         a heap and its tokens, its own copy of the page files a checkpoint links (taken before a
@@ -168,7 +178,7 @@ class DiskTotal:
         need = 2 * (self.store.heap_bytes() + TOKEN_BYTES * tokens)
         store = self._pages(s)
         if store is not None:
-            need += store.shared_bytes
+            need += store.shared_bytes + store.state_bytes   # a commit writes its next state beside the last
         if pages and store is not None:
             grow = int((tokens - len(s.fed) + s.cfg.chunk) * store.disk_bytes_per_token())
             if s.cfg.disk_budget:   # never more than its own --disk-budget
@@ -184,10 +194,10 @@ class DiskTotal:
             return
         running = [s for s in self.store.sessions() if s.busy or s is keep]
         ids = {s.id for s in running}
-        need = sum(self.reserve(s) for s in running)
+        need = sum(self.reserve(s) for s in running) + self._index_rewrite()
         over = self.usage() + need - self.total
         # the least it can run with: its save, without pages (it pages out only what room is left)
-        least = sum(self.reserve(s, pages=False) for s in running)
+        least = sum(self.reserve(s, pages=False) for s in running) + self._index_rewrite()
         if over > 0 and strict:   # refused before anything is taken back when even all of it would not do
             held = self.used - sum(b for sid, b in self.by_session.items() if sid not in ids and sid in self.store)
             if held + least > self.total:
