@@ -236,12 +236,17 @@ class LaneLog:
         self.steps_beside = 0
         prefill, step_rows = backend.prefill, backend.step_rows
 
+        self.cores: list[tuple[str, bool, int]] = []   # (thread, lane busy, intra-op threads)
+
         def spy_prefill(cache, tokens, *a, **k):
             self.threads.append(threading.current_thread().name)
+            self.cores.append((self.threads[-1], True, torch.get_num_threads()))
             return prefill(cache, tokens, *a, **k)
 
         def spy_step(rows, chunks=()):
-            self.steps_beside += bool(self.eng is not None and self.eng.lane.busy and rows)
+            busy = self.eng is not None and self.eng.lane.busy
+            self.steps_beside += bool(busy and rows)
+            self.cores.append(("engine", busy, torch.get_num_threads()))
             return step_rows(rows, chunks)
 
         monkeypatch.setattr(backend, "prefill", spy_prefill)
@@ -305,3 +310,26 @@ def test_a_document_cancelled_or_deleted_while_the_lane_reads_it(demo, REQUESTS)
         assert text(drain(chat_q, out=seen))[1] == "cancelled"
     finally:
         eng.stop()
+
+
+def test_the_lane_and_the_engine_thread_split_the_cores(demo, REQUESTS, monkeypatch):
+    """With 4 intra-op threads: 2 on the lane and 2 on the engine thread while a chunk is in
+    flight, 4 on the engine thread when the lane is idle."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(4)
+    try:
+        log = LaneLog(demo, monkeypatch)
+        eng = log.eng = engine(demo)
+        try:
+            chat_job, chat_q = submit(eng, REQUESTS[2][0], max_tokens=60)
+            seen = until_deltas(chat_q, 1)
+            doc_job, doc_q = submit(eng, ids(400, 15), feed=True)
+            drain(doc_q), drain(chat_q, out=seen)
+        finally:
+            eng.stop()
+    finally:
+        torch.set_num_threads(before)
+    lane = {n for t, _, n in log.cores if t.startswith("localheap-prefill")}
+    beside = {n for t, busy, n in log.cores if t == "engine" and busy}
+    idle = {n for t, busy, n in log.cores if t == "engine" and not busy}
+    assert lane == {2} and beside == {2} and idle == {4}, (lane, beside, idle)

@@ -305,6 +305,7 @@ class Engine:
         if self.lane is not None:
             if not batch:   # no one decodes: the engine thread reads the chunks itself
                 self._harvest(block=True)
+                self.lane.engine_threads()
                 prefilling = [r for r in self._active if r.prefilling]
             elif not self.lane.busy and prefilling:
                 self.lane.submit(prefilling[0], prefilling[0].next_chunk(prefilling[0].chunk))
@@ -327,6 +328,8 @@ class Engine:
             chunks.append((run, run.next_chunk(room)))
             room -= len(chunks[-1][1])
             self._rotate(run)
+        if self.lane is not None:
+            self.lane.engine_threads()
         began = time.monotonic()
         try:
             errors = self.backend.step_rows([r.row for r in batch], [(r.session.cache, c) for r, c in chunks])

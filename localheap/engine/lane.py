@@ -8,6 +8,11 @@ before anything that could touch that session (a command, a cancellation, shutdo
 whenever no one decodes. The chunk is read exactly as the round-robin engine reads it
 (backend.prefill), so the heap is what it would be alone. Knows nothing about HTTP or sessions
 beyond the run it carries.
+
+Threads: where the backend has intra-op threads (torch on the CPU), the lane and the engine thread
+split them while a chunk is in flight (the lane half, the engine the rest), and the engine
+thread takes them all back when the lane is idle, so the two never ask for more cores than the
+process was given.
 """
 
 from __future__ import annotations
@@ -20,7 +25,10 @@ from typing import Any, Optional
 class PrefillLane:
     def __init__(self, backend: Any):
         self.backend = backend
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="localheap-prefill")
+        self.total = backend.get_threads() if hasattr(backend, "get_threads") else None
+        lane = None if self.total is None else max(1, self.total // 2)
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="localheap-prefill",
+                                        initializer=None if lane is None else (lambda: backend.set_threads(lane)))
         self.run: Any = None                  # the Run whose chunk is in flight, if any
         self._chunk: list[int] = []
         self._future: Optional[Future] = None
@@ -44,6 +52,12 @@ class PrefillLane:
         out = (self.run, self._chunk, error, time.monotonic() - self._began)
         self.run, self._chunk, self._future = None, [], None
         return out
+
+    def engine_threads(self) -> None:
+        """On the engine thread, before a step: the cores the lane leaves while a chunk is in
+        flight, all of them otherwise."""
+        if self.total is not None:
+            self.backend.set_threads(max(1, self.total - self.total // 2) if self.busy else self.total)
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)

@@ -91,6 +91,14 @@ class TorchBackend:
         return generate_tokens(self.model, cache, new_tokens, params, progress, cancelled)
 
     # -- the decode batch (engine.py): one forward pass for every decoding session --
+    def get_threads(self) -> int:
+        """The calling thread's intra-op threads (the prefill lane splits them: engine/lane.py)."""
+        return torch.get_num_threads()
+
+    def set_threads(self, n: int) -> None:
+        if torch.get_num_threads() != n:
+            torch.set_num_threads(n)
+
     def batchable(self, cache: HeapCache) -> bool:
         return batch.batchable(cache)
 
