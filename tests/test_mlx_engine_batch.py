@@ -74,3 +74,19 @@ def test_a_document_read_rides_with_the_decoding_chat(demo, REQUESTS, monkeypatc
     assert any(rode for _, rode in log.steps), "document chunks rode in decode steps"
     assert sum(isinstance(e, Progress) for e in doc_evs) > 5
     assert text(chat_evs) == alone_texts(demo, [REQUESTS[2]])[0]
+
+
+def test_sessions_with_sliding_layers_decode_on_their_own_path(model_dirs, monkeypatch):
+    """gemma3's sliding-window layers keep mlx-lm's own cache: such heaps are not batchable, and
+    the batched engine serves them through the single-session generator, with their tokens alone."""
+    gemma = MLXBackend.load(model_dirs("gemma3_text"))
+    requests = [(ids(40, 1), {"max_tokens": 12}), (ids(25, 2), {"max_tokens": 9})]
+    want = alone_texts(gemma, requests)
+    log = StepLog(gemma, monkeypatch)
+    eng = engine(gemma)
+    try:
+        got = replies(eng, requests)
+    finally:
+        eng.stop()
+    assert [t for t, _ in got] == want
+    assert not any(rows for rows, _ in log.steps), "no row of theirs went through step_rows"
