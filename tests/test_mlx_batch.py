@@ -14,6 +14,7 @@ from recall_checks import load_all  # noqa: E402
 from localheap.backends.mlx import MLXBackend  # noqa: E402
 from localheap.backends.mlx.batch import start_row, step_rows  # noqa: E402
 from localheap.backends.mlx.generate import generate_steps  # noqa: E402
+from localheap.backends.mlx.heapcache import HeapPromptCache  # noqa: E402
 from localheap.generation import SamplingParams  # noqa: E402
 from localheap.heap import HeapConfig  # noqa: E402
 from localheap.models import demo_model_dir  # noqa: E402
@@ -173,7 +174,7 @@ def test_a_row_that_cannot_make_room_leaves_the_others_untouched(demo, monkeypat
     def fail(n):
         raise OSError("page writer: disk full")
 
-    monkeypatch.setattr(broken, "make_room", fail)
+    monkeypatch.setattr(broken, "room_plan", fail)
     seen = broken.tokens_seen
     tokens = [rows[1].token]
     for _ in range(29):
@@ -182,6 +183,35 @@ def test_a_row_that_cannot_make_room_leaves_the_others_untouched(demo, monkeypat
         tokens.append(rows[1].token)
     assert broken.tokens_seen == seen
     assert tokens == alone(demo, SMALL, ps[1], params)[0]
+
+
+@pytest.mark.parametrize("cfg", [SMALL, RECALL_CFG], ids=["snapkv", "recall"])
+def test_eviction_events_on_one_step_are_evaluated_together(llama, monkeypatch, cfg):
+    """Rows of one length evict on the same steps: their events are staged, evaluated together and
+    finished each on its own heap (never a heap's own repack), with pages and heaps as alone."""
+    ps = prompts(llama, (150, 150, 150), seed=6)
+    params = [SamplingParams(max_tokens=60)] * 3
+    want = [alone(llama, cfg, p, sp) for p, sp in zip(ps, params)]
+    rows = [start_row(llama.model, llama.new_cache(cfg), p, sp) for p, sp in zip(ps, params)]
+    finished = []
+    real = HeapPromptCache.finish_repack
+    monkeypatch.setattr(HeapPromptCache, "finish_repack", lambda self, s: (finished.append(id(self)), real(self, s)))
+    monkeypatch.setattr(HeapPromptCache, "repack", lambda self, plan: pytest.fail("a heap evaluated its own event"))
+    tokens, together = [[r.token] for r in rows], 0
+    for _ in range(59):
+        finished.clear()
+        assert step_rows(llama.model, rows) == [None] * 3
+        together = max(together, len(set(finished)))
+        for t, r in zip(tokens, rows):
+            t.append(r.token)
+    assert together == 3, "three heaps' events in one step"
+    for (want_tokens, _, want_cache), got, row in zip(want, tokens, rows):
+        assert got == want_tokens
+        assert_same_heap(want_cache, row.cache)
+        if cfg.recall:
+            for c in (want_cache, row.cache):
+                c.writer.drain()
+            assert row.cache.pages.tokens == want_cache.pages.tokens > 0
 
 
 def test_batch_step_bench_tables(llama):

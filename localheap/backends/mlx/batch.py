@@ -104,14 +104,15 @@ def step_rows(model, rows: list[DecodeRow], chunks: Sequence[tuple[HeapPromptCac
     stopped it before the forward (its prompt, or making room: an eviction event or its page-out),
     which leaves the others untouched. An error in the forward itself raises (every part is
     suspect). One evaluation and one host read per step."""
-    errors, live, pending = [], [], []
-    for row in rows:
-        errors.append(_work(lambda: (row.feed_prompt(model), row.cache.make_room(1))))
-        if errors[-1] is None:
-            live.append(row)
-    for cache, ids in chunks:
-        errors.append(_work(lambda: cache.make_room(len(ids))))
-        if errors[-1] is None:
+    errors = [_work(lambda: row.feed_prompt(model)) for row in rows] + [None] * len(chunks)
+    needs = [(i, row.cache, 1) for i, row in enumerate(rows) if errors[i] is None]
+    needs += [(len(rows) + j, cache, len(ids)) for j, (cache, ids) in enumerate(chunks)]
+    for (i, _, _), error in zip(needs, make_room([(cache, n) for _, cache, n in needs])):
+        errors[i] = error
+    live = [row for row, error in zip(rows, errors) if error is None]
+    pending = []
+    for (cache, ids), error in zip(chunks, errors[len(rows):]):
+        if error is None:
             model(mx.array(list(ids), dtype=mx.uint32)[None], cache=cache)   # lazy: evaluated below
             pending += [c.state for c in cache]
     if not live:
@@ -126,6 +127,28 @@ def step_rows(model, rows: list[DecodeRow], chunks: Sequence[tuple[HeapPromptCac
     mx.eval(tokens, logprobs, pending, [c.score_arrays() for c in caches])
     for b, (row, token) in enumerate(zip(live, tokens.tolist())):
         row.next, row.token, row.logprobs = tokens[b: b + 1], token, logprobs[b]
+    return errors
+
+
+def make_room(needs: list[tuple[HeapPromptCache, int]]) -> list[Optional[Exception]]:
+    """Room in each heap for its n new tokens, as its make_room would make it; the eviction
+    events that fall on this step (several heaps') are evaluated together, one evaluation, then
+    each heap reads its own back. Per heap: None, or the error that stopped its event."""
+    staged: dict = {}
+
+    def stage(i: int, cache: HeapPromptCache, n: int) -> None:
+        plan = cache.room_plan(n)
+        if plan is not None:
+            staged[i] = cache.stage_repack(plan)
+
+    errors = [_work(lambda: stage(i, cache, n)) for i, (cache, n) in enumerate(needs)]
+    if staged:
+        try:
+            mx.eval([s.arrays for s in staged.values()])
+        except Exception:
+            pass   # whose event failed: each heap's own evaluation below says, alone
+        for i, s in staged.items():
+            errors[i] = _work(lambda: (mx.eval(s.arrays), needs[i][0].finish_repack(s)))
     return errors
 
 
