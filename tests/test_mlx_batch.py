@@ -124,6 +124,31 @@ def test_random_model_logprobs_within_tolerance_and_sampling_per_row(llama, poli
         assert_same_heap(cache, got_cache)
 
 
+class EvenIds:
+    """A constraint (a grammar's stand-in): only even ids; it sees every id sampled."""
+
+    def __init__(self, vocab: int):
+        self.mask, self.seen = np.arange(vocab) % 2 == 0, []
+
+    def allowed(self):
+        return self.mask
+
+    def advance(self, token: int) -> None:
+        self.seen.append(token)
+
+
+def test_a_constrained_row_samples_on_its_own_beside_greedy_rows(llama):
+    ps = prompts(llama, (30, 12, 50), seed=9)
+    make = lambda c=None: [SamplingParams(max_tokens=20), SamplingParams(max_tokens=20, constraint=c),   # noqa: E731
+                           SamplingParams(max_tokens=20)]
+    want = [alone(llama, SMALL, p, sp)[0] for p, sp in zip(ps, make(EvenIds(llama.vocab_size)))]
+    params = make(EvenIds(llama.vocab_size))
+    got, _, _ = batched(llama, SMALL, ps, params)
+    assert got == want
+    assert all(t % 2 == 0 for t in got[1]) and params[1].constraint.seen == got[1]
+    assert any(t % 2 for t in got[0] + got[2]), "the other rows were not constrained"
+
+
 def test_recall_rows_page_out_as_alone(llama):
     """Rows with recall on: the long ones recall at their turn's start (fed alone by the first
     step) and page out their own evictions during the batch; the short one never evicts."""
