@@ -170,22 +170,36 @@ def test_recall_rows_page_out_as_alone(llama):
                 np.testing.assert_allclose(a, b, atol=1e-5)
 
 
-def test_a_prefill_chunk_in_the_step_feeds_as_alone(demo):
-    doc = prompts(demo, (200,), seed=7)[0]
-    chunks = [doc[i:i + 24] for i in range(0, len(doc), 24)]
-    solo = demo.new_cache(SMALL)
-    for c in chunks:
-        demo.prefill(solo, c)
+@pytest.mark.parametrize("cfg", [SMALL, RECALL_CFG], ids=["snapkv", "recall"])
+def test_prefill_chunks_riding_in_the_step_feed_as_alone(demo, cfg):
+    """Two documents' chunks ride packed with two decoding rows (a last step with no row left):
+    each document's heap, scores and pages end as its chunks fed alone; the rows' tokens too."""
+    docs = prompts(demo, (300, 230), seed=7)
+    chunks = [[d[i:i + 24] for i in range(0, len(d), 24)] for d in docs]
+    solos = [demo.new_cache(cfg) for _ in docs]
+    for solo, cs in zip(solos, chunks):
+        for c in cs:
+            demo.prefill(solo, c)
     chat = prompts(demo, (10, 50), seed=8)
     rows = [start_row(demo.model, demo.new_cache(SMALL), p, SamplingParams(max_tokens=100)) for p in chat]
-    reader = demo.new_cache(SMALL)
+    readers = [demo.new_cache(cfg) for _ in docs]
     tokens = [[r.token] for r in rows]
-    for c in chunks:
-        assert step_rows(demo.model, rows, [(reader, c)]) == [None, None, None]
-        for t, r in zip(tokens, rows):
+    for step in range(len(chunks[0])):
+        riding = [(reader, cs[step]) for reader, cs in zip(readers, chunks) if step < len(cs)]
+        stepping = rows if step + 1 < len(chunks[0]) else []
+        assert step_rows(demo.model, stepping, riding) == [None] * (len(stepping) + len(riding))
+        for t, r in zip(tokens, stepping):
             t.append(r.token)
-    assert reader.heap_layers[0].heap.evictions > 0
-    assert_same_heap(solo, reader)
+    for solo, reader in zip(solos, readers):
+        assert reader.heap_layers[0].heap.evictions > 0
+        assert_same_heap(solo, reader, atol=0)
+        if cfg.recall:
+            for c in (solo, reader):
+                c.writer.drain()
+            assert reader.pages.tokens == solo.pages.tokens > 0
+            for layer in range(len(reader.heap_layers)):
+                for a, b in zip(load_all(reader.pages, layer), load_all(solo.pages, layer)):
+                    np.testing.assert_array_equal(a, b)
     for t, p in zip(tokens, chat):
         assert t == alone(demo, SMALL, p, SamplingParams(max_tokens=len(t)))[0]
 

@@ -1,20 +1,21 @@
-"""Many heaps in one forward pass on MLX: the decode batch.
+"""Many heaps in one forward pass on MLX: the decode batch, with prefill chunks riding in it.
 
-The decoding sessions' next tokens are stacked as rows [B, 1]: every per-token part of the
-model (embeddings, norms, projections, MLP, logits) runs once over the B rows, RoPE rotates each
-row at its own heap's offset (an offset array [B]: mlx's rope takes one per row, bit for bit the
-scalar offset), and attention runs per row over that session's own heap exactly as the
-single-session path runs it (attention.heap_sdpa: same formulation, same scores for the policy).
-So each heap keeps its own buffers, slots, positions, eviction events, scores, recall region and
-page store; only the per-token matmuls may sum in another order with B (greedy tokens equal in
-float32, logits within a tolerance: tests/test_mlx_batch.py).
-A prefill chunk in the step cannot stack with one-token rows: it runs as its own forward, built
-lazily beside the batch and evaluated with it (one evaluation per step, no shared matmuls).
+Every token of the step is a row of its own, [N, 1] (a decode token per decoding session, and the
+n tokens of each riding prefill chunk): every per-token part of the model (embeddings, norms,
+projections, MLP, logits) runs once over the N rows, RoPE rotates each token at its own position
+(an offset array [N]: mlx's rope takes one per row, bit for bit the scalar offset), and attention
+runs per part over that session's own heap exactly as the single-session path runs it
+(attention.heap_sdpa; a chunk with the causal mask its heap gives alone). So each heap keeps its
+own buffers, slots, positions, eviction events, scores, recall region and page store; only the
+per-token matmuls may sum in another order with N (mlx's CPU backend: bit for bit; tests allow
+1e-4 elsewhere: tests/test_mlx_batch.py). The logits of a chunk's tokens are computed with the
+rest (the model's head runs over all N rows) but never read.
 Knows nothing about sessions or requests: rows are (cache, sampler, next token).
 """
 
 from __future__ import annotations
 
+from itertools import accumulate
 from typing import Optional, Sequence
 
 import mlx.core as mx
@@ -70,35 +71,46 @@ def batchable(cache: HeapPromptCache) -> bool:
 
 
 class RowsLayer:
-    """Layer i of a stacked step: mlx-lm's cache protocol over the B rows' heap layer i. The
-    model rotates row b at offset[b], hands each row's new K/V to its heap, then attends here."""
+    """Layer i of a packed step: mlx-lm's cache protocol over its parts' heap layer i. Every token
+    is a row of its own ([N, 1] in, so RoPE takes a position per token: `offset` [N]); a part is
+    one decode token or a prefill chunk's n tokens, whose K/V go into its heap and whose queries
+    attend over it (a chunk causally, with the mask its heap gives alone)."""
 
-    def __init__(self, layers: list):
-        self.layers = layers
-        self.offset = mx.array([layer.offset for layer in layers])   # [B], read before the append
+    def __init__(self, layers: list, lengths: list[int]):
+        self.layers, self.lengths = layers, lengths
+        # read before the layer appends anything: positions and masks as each heap alone
+        self.offset = mx.concatenate([mx.arange(layer.offset, layer.offset + n) for layer, n in zip(layers, lengths)])
+        self.masks = [layer.make_mask(n) for layer, n in zip(layers, lengths)]
+        self.bounds = [(e - n, e) for e, n in zip(accumulate(lengths), lengths)]
         self.fetched: list = []
 
     def make_mask(self, N: int, return_array: bool = False, window_size=None):
-        assert N == 1, "a stacked step feeds one token per row"
-        return None
+        assert N == 1, "a packed step feeds one token per row"
+        return None   # each part masks its own
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
-        """keys/values: [B, H_kv, 1, D]; row b's go into heap b (its own buffer and slots)."""
-        self.fetched = [layer.update_and_fetch(keys[b: b + 1], values[b: b + 1])
-                        for b, layer in enumerate(self.layers)]
+        """keys/values: [N, H_kv, 1, D], each token rotated at its own position; a part's go into
+        its heap as [1, H_kv, n, D]."""
+        self.fetched = [layer.update_and_fetch(_part(keys, a, b), _part(values, a, b))
+                        for layer, (a, b) in zip(self.layers, self.bounds)]
         return keys, values
 
     def attend_rows(self, queries: mx.array, scale: float, **kwargs) -> mx.array:
-        """queries: [B, H_q, 1, D] -> [B, H_q, 1, D]: each row over its own heap, as alone."""
-        outs = [attention.heap_sdpa(queries[b: b + 1], k, v, layer, scale, None, **kwargs)
-                for b, ((k, v), layer) in enumerate(zip(self.fetched, self.layers))]
-        return mx.concatenate(outs, axis=0)
+        """queries: [N, H_q, 1, D] -> [N, H_q, 1, D]: each part over its own heap, as alone."""
+        outs = [attention.heap_sdpa(_part(queries, a, b), k, v, layer, scale, mask, **kwargs)
+                for (k, v), layer, mask, (a, b) in zip(self.fetched, self.layers, self.masks, self.bounds)]
+        return mx.concatenate([out.transpose(2, 1, 0, 3) for out in outs], axis=0)
+
+
+def _part(x: mx.array, a: int, b: int) -> mx.array:
+    """Rows a..b of a packed [N, H, 1, D] as one sequence [1, H, b - a, D]."""
+    return x[a:b].transpose(2, 1, 0, 3)
 
 
 def step_rows(model, rows: list[DecodeRow], chunks: Sequence[tuple[HeapPromptCache, Sequence[int]]] = ()
               ) -> list[Optional[Exception]]:
-    """Feed each row's pending token in one forward (and `chunks`: (cache, ids) of prefills,
-    evaluated with it); each row then samples its next token with its own sampler.
+    """Feed each row's pending token and `chunks` ((cache, ids) of prefills riding along) in one
+    forward; each row then samples its next token with its own sampler.
 
     Returns one entry per row, then one per chunk: None when it advanced, else the error that
     stopped it before the forward (its prompt, or making room: an eviction event or its page-out),
@@ -110,21 +122,21 @@ def step_rows(model, rows: list[DecodeRow], chunks: Sequence[tuple[HeapPromptCac
     for (i, _, _), error in zip(needs, make_room([(cache, n) for _, cache, n in needs])):
         errors[i] = error
     live = [row for row, error in zip(rows, errors) if error is None]
-    pending = []
-    for (cache, ids), error in zip(chunks, errors[len(rows):]):
-        if error is None:
-            model(mx.array(list(ids), dtype=mx.uint32)[None], cache=cache)   # lazy: evaluated below
-            pending += [c.state for c in cache]
-    if not live:
-        mx.eval(pending)
+    riding = [(cache, ids) for (cache, ids), error in zip(chunks, errors[len(rows):]) if error is None]
+    caches = [row.cache for row in live] + [cache for cache, _ in riding]
+    if not caches:
         return errors
-    caches = [row.cache for row in live]
-    layers = [RowsLayer([c[i] for c in caches]) for i in range(len(caches[0]))]
-    ids = mx.concatenate([row.next for row in live])[:, None]                    # [B, 1]
-    logits = model(ids, cache=layers)[:, -1, :]                                 # [B, vocab]
+    lengths = [1] * len(live) + [len(ids) for _, ids in riding]
+    layers = [RowsLayer([c[i] for c in caches], lengths) for i in range(len(caches[0]))]
+    ids = mx.concatenate([row.next for row in live] + [mx.array(list(t), dtype=mx.uint32) for _, t in riding])
+    logits = model(ids[:, None], cache=layers)[: len(live), -1, :]             # [B, vocab]
+    fed = [[c.state for c in cache] for cache in caches]
+    if not live:   # chunks alone: their logits are never evaluated
+        mx.eval(fed)
+        return errors
     logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
     tokens = sample_rows([row.sample for row in live], logprobs)                 # [B]
-    mx.eval(tokens, logprobs, pending, [c.score_arrays() for c in caches])
+    mx.eval(tokens, logprobs, fed, [c.score_arrays() for c in caches])
     for b, (row, token) in enumerate(zip(live, tokens.tolist())):
         row.next, row.token, row.logprobs = tokens[b: b + 1], token, logprobs[b]
     return errors
