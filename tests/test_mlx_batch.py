@@ -113,7 +113,8 @@ def test_random_model_logprobs_within_tolerance_and_sampling_per_row(llama, poli
     """Per row its own sampler: greedy rows, and a seeded top-k/top-p row (the global generator,
     seeded at its turn's start as alone: the only row that draws)."""
     ps = prompts(llama, (20, 64, 9), seed=3)
-    params = [SamplingParams(max_tokens=30), SamplingParams(max_tokens=30, temperature=0.8, top_k=20, top_p=0.9, seed=5),
+    params = [SamplingParams(max_tokens=30),
+              SamplingParams(max_tokens=30, temperature=0.8, top_k=20, top_p=0.9, seed=5),
               SamplingParams(max_tokens=24)]
     cfg = SMALL.with_(policy=policy, h2o_normalize=policy == "h2o")
     want = [alone(llama, cfg, p, sp) for p, sp in zip(ps, params)]

@@ -8,7 +8,8 @@ import pytest
 pytest.importorskip("mlx.core", reason="mlx is not installed (a CUDA machine has none)")
 pytest.importorskip("mlx_lm")
 
-from engine_checks import StepLog, alone_texts, drain, engine, ids, replies, requests_for, submit, text, until_deltas  # noqa: E402,E501
+from engine_checks import (StepLog, alone_texts, drain, engine, ids, replies, requests_for,  # noqa: E402
+                           submit, text, until_deltas)
 
 from localheap.backends.mlx import MLXBackend  # noqa: E402
 from localheap.engine import Progress, wait_idle  # noqa: E402
