@@ -121,7 +121,10 @@ def chat(post, history: list, text: str, model: str, session: str = None) -> dic
 
 
 def single_process(model_dir, heap: list) -> list[dict]:
-    """The same conversation on one process's server (the reference)."""
+    """The same conversation on one process's server (the reference), round-robin as `serve
+    --distributed` is: a batched turn that ends leaves its last sampled token (EOS) unfed, where
+    the round-robin generator has fed it already, so the next turn's chunks (and, with evictions,
+    its tokens) differ between the two engines."""
     from localheap.backends.mlx import MLXBackend
     from localheap.commands.common import heap_config
     from localheap.commands.serve import add_parser, settings_from_args
@@ -131,7 +134,7 @@ def single_process(model_dir, heap: list) -> list[dict]:
     parser = argparse.ArgumentParser()
     add_parser(parser.add_subparsers())
     args = parser.parse_args(["serve", "--model", str(model_dir), "--no-persist", "--ram-budget", "4G",
-                              "--max-resident-sessions", "1", *heap])
+                              "--max-resident-sessions", "1", "--round-robin", *heap])
     settings = settings_from_args(args)
     settings.heap = heap_config(args)
     backend = MLXBackend.load(model_dir)

@@ -1,7 +1,9 @@
-"""`localheap bench batch-step`: what one step of the torch decode batch costs, without a server.
+"""`localheap bench batch-step`: what one step of a backend's decode batch costs, without a server.
 
-Two tables, timed in the engine thread's CPU time (time.thread_time), which other processes on a
-shared machine disturb far less than wall time (they still share its caches and memory bandwidth):
+Two tables, timed in CPU time, which other processes on a shared machine disturb far less than wall
+time (they still share its caches and memory bandwidth): torch, the engine thread's
+(time.thread_time); MLX, the process's (time.process_time: MLX evaluates on a stream thread of its
+own, and the process runs nothing else):
 - rows: one decode step of B sessions holding `context` tokens each (step_rows over a slab),
   B = 1, 2, 4, 8..., interleaved over `repeats` rounds (median); aggregate tokens per CPU second.
 - beside: one chat decoding beside a document read, per `--mixed-chunk` size c: the step that
@@ -26,17 +28,21 @@ def _tokens(n: int, seed: int) -> list[int]:
     return np.random.default_rng(seed).integers(10, 1000, n).tolist()
 
 
-def _cpu(fn, n: int) -> float:
-    """CPU seconds of this thread per call of fn, over n calls."""
-    t = time.thread_time()
+def cpu_clock(backend):
+    """The clock a step's CPU cost is read on: MLX computes on its own stream thread."""
+    return time.process_time if backend.name == "mlx" else time.thread_time
+
+
+def _cpu(fn, n: int, clock=time.thread_time) -> float:
+    """CPU seconds per call of fn, over n calls."""
+    t = clock()
     for _ in range(n):
         fn()
-    return (time.thread_time() - t) / n
+    return (clock() - t) / n
 
 
 def rows_table(backend, cfg, context: int, batch: list[int], steps: int, repeats: int) -> list[dict]:
-    from ..backends.torch.batch import leave_slab, start_row, step_rows
-
+    clock = cpu_clock(backend)
     most = max(batch)
     caches = []
     for i in range(most):
@@ -44,20 +50,20 @@ def rows_table(backend, cfg, context: int, batch: list[int], steps: int, repeats
         backend.prefill(c, _tokens(context + i * 8, seed=i))   # lengths differ: each row its own mask
         caches.append(c)
     params = SamplingParams(max_tokens=10**9)
-    rows = [start_row(backend.model, c, [5], params) for c in caches]
+    rows = [backend.start_row(c, [5], params) for c in caches]
 
     def step(n: int) -> None:
-        assert step_rows(backend.model, rows[:n], slabs=backend.slabs) == [None] * n
+        assert backend.step_rows(rows[:n]) == [None] * n
 
     times: dict[int, list[float]] = {n: [] for n in batch}
     for _ in range(repeats):
         for n in batch:
             for r in rows[n:]:
-                leave_slab(r)
+                backend.end_row(r)
             step(n)   # joins, then steady steps
-            times[n].append(_cpu(lambda n=n: step(n), steps))
+            times[n].append(_cpu(lambda n=n: step(n), steps, clock))
     for r in rows:
-        leave_slab(r)
+        backend.end_row(r)
     one = float(np.median(times[min(batch)])) / min(batch)
     out = []
     for n in batch:
@@ -67,8 +73,7 @@ def rows_table(backend, cfg, context: int, batch: list[int], steps: int, repeats
 
 
 def beside_table(backend, cfg, context: int, chunks: list[int], repeats: int) -> list[dict]:
-    from ..backends.torch.batch import leave_slab, start_row, step_rows
-
+    clock = cpu_clock(backend)
     chat = backend.new_cache(cfg)
     backend.prefill(chat, _tokens(300, seed=100))
     doc = backend.new_cache(cfg)
@@ -76,22 +81,22 @@ def beside_table(backend, cfg, context: int, chunks: list[int], repeats: int) ->
     text = _tokens(context + repeats * (4 * big + sum(max(4, 1024 // c) * c for c in chunks)), seed=101)
     backend.prefill(doc, text[:context])
     at = [context]
-    row = start_row(backend.model, chat, [5], SamplingParams(max_tokens=10**9))
+    row = backend.start_row(chat, [5], SamplingParams(max_tokens=10**9))
 
     def take(n: int) -> list[int]:
         at[0] += n
         return text[at[0] - n: at[0]]
 
-    decode = lambda: step_rows(backend.model, [row], slabs=backend.slabs)                         # noqa: E731
-    alone = lambda c: backend.prefill(doc, take(c))                                               # noqa: E731
-    mixed = lambda c: step_rows(backend.model, [row], [(doc, take(c))], slabs=backend.slabs)      # noqa: E731
+    decode = lambda: backend.step_rows([row])                                  # noqa: E731
+    alone = lambda c: backend.prefill(doc, take(c))                            # noqa: E731
+    mixed = lambda c: backend.step_rows([row], [(doc, take(c))])               # noqa: E731
     t = {"decode": [], "chunk": []}
     for _ in range(repeats):
-        t["decode"].append(_cpu(decode, 32))
-        t["chunk"].append(_cpu(lambda: alone(big), 4) / big)
+        t["decode"].append(_cpu(decode, 32, clock))
+        t["chunk"].append(_cpu(lambda: alone(big), 4, clock) / big)
         for c in chunks:
-            t.setdefault(("mixed", c), []).append(_cpu(lambda c=c: mixed(c), max(4, 1024 // c)))
-    leave_slab(row)
+            t.setdefault(("mixed", c), []).append(_cpu(lambda c=c: mixed(c), max(4, 1024 // c), clock))
+    backend.end_row(row)
     dec, per_token = float(np.median(t["decode"])), float(np.median(t["chunk"]))
     out = []
     for c in chunks:
@@ -149,14 +154,16 @@ def run(args) -> int:
     from .report import emit, table
 
     backend = load_backend(model_spec(args), args.backend)
-    if not hasattr(backend, "step_rows"):
+    if getattr(backend, "step_rows", None) is None:
         raise SystemExit(f"the {backend.name} backend has no decode batch")
     set_threads(backend, args)
     cfg = heap_config(args, backend)
     rows = rows_table(backend, cfg, args.context, args.rows, args.steps, args.repeats)
     side = beside_table(backend, cfg, args.context, args.mixed_chunks, args.repeats) if args.mixed_chunks != [0] else []
     head = (f"model {backend.model_name} | context {args.context:,} tokens per session | policy {cfg.policy}"
-            f" | recall {'on' if cfg.recall else 'off'} | threads {args.threads or 'default'} | engine thread CPU time")
+            f" | recall {'on' if cfg.recall else 'off'} | {backend.name}"
+            + (f" | threads {args.threads or 'default'} | engine thread CPU time" if backend.name == "torch"
+               else " | process CPU time"))
     text = head + "\n" + table(rows, ROW_COLUMNS)
     if side:
         text += "\n\na chat's decode step with a document's chunk in it (512-token chunks alone: the doc's rate)\n"

@@ -179,7 +179,8 @@ def add_parser(sub) -> None:
                       help=f"what runs (default: {','.join(PEER_PATHS)}; also {','.join(PEER_MORE_PATHS)})")
     peer.set_defaults(func=run_peer_bench)
 
-    step = bsub.add_parser("batch-step", help="CPU cost of one torch decode-batch step by rows, and of a chunk beside a decode")
+    step = bsub.add_parser("batch-step", help="CPU cost of one decode-batch step (torch or MLX) by rows, "
+                                              "and of a chunk beside a decode")
     add_model_args(step)
     add_heap_args(step, recall=True)
     step.add_argument("--context", type=int, default=4096, help="tokens each session holds (default 4096)")

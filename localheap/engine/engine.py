@@ -49,7 +49,7 @@ class Engine:
         assert max_active >= 1 and max_queued >= 0 and admission_timeout >= 0
         assert max_batch >= 1 and mixed_chunk >= 1 and batch_slice >= 1
         self.backend, self.store = backend, store
-        can_batch = hasattr(backend, "step_rows")
+        can_batch = getattr(backend, "step_rows", None) is not None
         if batched and not can_batch:
             raise ValueError(f"the {getattr(backend, 'name', '?')} backend has no batched decode")
         self.batched = can_batch if batched is None else batched

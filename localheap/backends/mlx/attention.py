@@ -72,6 +72,9 @@ def explicit_matches_stock(dtype_name: str, device: str) -> bool:
 
 
 def heap_sdpa(queries, keys, values, cache, scale, mask, sinks=None, **kwargs):
+    rows = getattr(cache, "attend_rows", None)
+    if rows is not None:   # a decode batch's layer (batch.py): each row over its own heap
+        return rows(queries, scale, sinks=sinks, **kwargs)
     if isinstance(cache, HeapKVCache) and cache.heap.cfg.needs_attention and sinks is None \
             and not kwargs and explicit_matches_stock(str(queries.dtype).split(".")[-1], str(mx.default_device())):
         out, probs = explicit_attention(queries, keys, values, scale, mask)

@@ -11,6 +11,7 @@ from mlx.utils import tree_flatten
 from ...generation import ProgressFn, SamplingParams
 from ...heap import HeapConfig, HeapStats, kv_bytes_per_token
 from ..base import ModelShapes
+from . import batch
 from .generate import generate_tokens, prefill
 from .heapcache import HeapPromptCache, attention_module, kv_geometry, make_heap_cache
 from .persist import load_heap, save_heap
@@ -56,6 +57,25 @@ class MLXBackend:
                  progress: Optional[ProgressFn] = None,
                  cancelled: Optional[Callable[[], bool]] = None) -> Iterator[int]:
         return generate_tokens(self.model, cache, new_tokens, params, progress, cancelled)
+
+    # -- the decode batch (engine.py): one forward pass for every decoding session --
+    def batchable(self, cache) -> bool:
+        return batch.batchable(cache)
+
+    def start_row(self, cache, new_tokens: Sequence[int], params: SamplingParams,
+                  progress: Optional[ProgressFn] = None, cancelled: Optional[Callable[[], bool]] = None,
+                  defer: bool = False) -> batch.DecodeRow:
+        """A row for `step_rows`: a turn's last prompt tokens fed and its first token sampled, now
+        or (`defer`) in the row's first step."""
+        return batch.start_row(self.model, cache, new_tokens, params, progress, cancelled, defer)
+
+    def step_rows(self, rows: list, chunks=()) -> list:
+        """Feed each row's token (and `chunks`: (cache, ids) of prefills) in one step; per row,
+        then per chunk: None (advanced) or the error that stopped it alone."""
+        return batch.step_rows(self.model, rows, chunks)
+
+    def end_row(self, row: batch.DecodeRow) -> None:
+        """The row's run ended (its last sampled token stays unfed); its heap holds nothing shared."""
 
     def tokens_in_cache(self, cache) -> int:
         return cache.tokens_seen

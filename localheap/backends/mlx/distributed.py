@@ -158,6 +158,8 @@ def shard(model, mode: str, group) -> None:
 class DistributedMLXBackend(MLXBackend):
     """MLXBackend over one rank's shard; every rank runs the same calls (rank 0 prints)."""
 
+    step_rows = None   # no decode batch: the ranks' protocol carries one session's step at a time
+
     def __init__(self, model, tokenizer, model_name: str, mode: str, ranks: Ranks, first_layer: int,
                  total_layers: int):
         super().__init__(ShardedModel(model, ranks), tokenizer, model_name)

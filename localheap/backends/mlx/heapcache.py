@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
@@ -12,7 +13,7 @@ from mlx_lm.models.cache import KVCache
 from ...heap import HeapConfig, HeapConfigError, LayerHeap, RepackPlan, combine
 from ...heap.stats import HeapStats
 from .. import paging
-from ..slots import HeapRollback
+from ..slots import HeapRollback, split_keep_indices
 from . import attention, recall
 from .cache import HeapKVCache
 from .rope import RopeSpec
@@ -36,6 +37,17 @@ def kv_geometry(attn) -> tuple[int, int]:
     return int(n_kv), int(head_dim)
 
 
+@dataclass
+class StagedRepack:
+    """An eviction event staged on the device: `arrays` to evaluate, `wire` the one read back."""
+
+    plan: EvictionPlan
+    outgoing: Optional[list]     # the page-out's gathers (recall on), else None
+    wire: mx.array               # keep indices (and, with recall, the evicted K/V) as one array
+    parts: Optional[list]        # the wire's (dtype, count) parts, with recall
+    arrays: list
+
+
 class HeapPromptCache(HeapRollback, list):
     """List of per-layer caches (mlx-lm's prompt-cache shape) plus heap-wide operations."""
 
@@ -52,27 +64,47 @@ class HeapPromptCache(HeapRollback, list):
         """Evict where n_new more tokens would not fit; returns how many layers repacked.
 
         All evicting layers are scored and selected in one batched, lazy pass on the device."""
+        plan = self.room_plan(n_new)
+        if plan is not None:
+            self.repack(plan)
+        return 0 if plan is None else len(plan.layers)
+
+    def room_plan(self, n_new: int) -> Optional[EvictionPlan]:
+        """The eviction event n_new more tokens need (lazy), or None where they fit."""
         if n_new > self.cfg.append_room:
             raise HeapConfigError(f"{n_new} tokens at once exceed the append room ({self.cfg.append_room}: "
                                   f"max of slack and prefill chunk); chunk them")
         todo = [c for c in self.heap_layers if c.heap.needs_repack(n_new)]
-        if todo:
-            self.repack(plan_eviction(todo))
-        return len(todo)
+        return plan_eviction(todo) if todo else None
 
     def repack(self, plan: EvictionPlan) -> None:
         """The one place an eviction event is applied: every layer's gather and re-rotation (lazy),
         evaluated together with the one transfer of keep indices the host's position tables need
         (with recall on, the same transfer carries the evicted K/V to the page store)."""
+        staged = self.stage_repack(plan)
+        mx.eval(staged.arrays)
+        self.finish_repack(staged)
+
+    def stage_repack(self, plan: EvictionPlan) -> "StagedRepack":
+        """The device half of an eviction event, lazy: a decode batch evaluates several heaps'
+        events at once (batch.py), then each finishes its own."""
         outgoing = recall.gather_evicted(self, plan) if self.pages is not None else None
         for group in plan.groups:
             for b, cache in enumerate(group.layers):
                 cache.gather_kept(group.keep_indices[b], None if group.deltas is None else group.deltas[b])
         if outgoing is None:
-            mx.eval([c.state for c in plan.layers])
-            indices = plan.host_indices()
+            wire, parts = mx.concatenate([g.keep_indices.reshape(-1) for g in plan.groups]), None
         else:
-            indices = recall.page_out(self, plan, outgoing)
+            wire, parts = recall.page_out_blob(plan, outgoing)
+        return StagedRepack(plan, outgoing, wire, parts, [c.state for c in plan.layers] + [wire])
+
+    def finish_repack(self, staged: "StagedRepack") -> None:
+        """The host half, once `staged.arrays` are evaluated: one transfer, then the position tables."""
+        plan, host = staged.plan, np.array(staged.wire)
+        if staged.outgoing is None:
+            indices = split_keep_indices(host, [g.keep_indices.shape for g in plan.groups])
+        else:
+            indices = recall.page_out_host(self, plan, staged.outgoing, host, staged.parts)
         for cache, idx in zip(plan.layers, indices):
             cache.heap.apply(RepackPlan(keep_indices=idx, deltas=None))
 

@@ -39,15 +39,19 @@ def gather_evicted(cache, plan) -> list[tuple]:
     return paging.gather_evicted(plan, take)
 
 
-def page_out(cache, plan, outgoing: list[tuple]) -> list[np.ndarray]:
-    """Evaluate the event (the layers' gathers and the page-out) and make its ONE device-to-host
-    transfer: the keep indices (returned, per layer, as EvictionPlan.host_indices gives them)
-    and the evicted K/V, queued for the page writer."""
+def page_out_blob(plan, outgoing: list[tuple]) -> tuple:
+    """The device half of a page-out, lazy: the event's ONE device-to-host transfer as (blob uint8,
+    its (dtype, count) parts): the keep indices, then the evicted K/V (every layer's)."""
     arrays = [mx.concatenate([g.keep_indices.reshape(-1) for g in plan.groups])]
     arrays += [a.reshape(-1) for o in outgoing for a in o[1:]]
     blob = mx.concatenate([mx.view(a, mx.uint8) for a in arrays])
-    mx.eval([c.state for c in plan.layers], blob)
-    host = paging.split_blob(np.array(blob), [(_NUMPY[a.dtype], a.size) for a in arrays])
+    return blob, [(_NUMPY[a.dtype], a.size) for a in arrays]
+
+
+def page_out_host(cache, plan, outgoing: list[tuple], blob: np.ndarray, parts: list) -> list[np.ndarray]:
+    """The host half, from the blob read back: the evicted K/V queued for the page writer; returns
+    the keep indices per layer (as EvictionPlan.host_indices gives them)."""
+    host = paging.split_blob(blob, parts)
     paging.queue_page_out(cache, [o[0] for o in outgoing], host[1:])
     return split_keep_indices(host[0], [g.keep_indices.shape for g in plan.groups])
 

@@ -1,0 +1,181 @@
+"""Many heaps in one forward pass on MLX: the decode batch, with prefill chunks riding in it.
+
+Every token of the step is a row of its own, [N, 1] (a decode token per decoding session, and the
+n tokens of each riding prefill chunk): every per-token part of the model (embeddings, norms,
+projections, MLP, logits) runs once over the N rows, RoPE rotates each token at its own position
+(an offset array [N]: mlx's rope takes one per row, bit for bit the scalar offset), and attention
+runs per part over that session's own heap exactly as the single-session path runs it
+(attention.heap_sdpa; a chunk with the causal mask its heap gives alone). So each heap keeps its
+own buffers, slots, positions, eviction events, scores, recall region and page store; only the
+per-token matmuls may sum in another order with N (mlx's CPU backend: bit for bit; tests allow
+1e-4 elsewhere: tests/test_mlx_batch.py). The logits of a chunk's tokens are computed with the
+rest (the model's head runs over all N rows) but never read.
+Knows nothing about sessions or requests: rows are (cache, sampler, next token).
+"""
+
+from __future__ import annotations
+
+from itertools import accumulate
+from typing import Optional, Sequence
+
+import mlx.core as mx
+from mlx_lm.sample_utils import greedy_sampler
+
+from ...generation import ProgressFn, SamplingParams
+from . import attention
+from .generate import prefill_turn, sampler_for
+from .heapcache import HeapPromptCache
+
+
+class DecodeRow:
+    """One session in the decode batch: its heap, its sampler, and the token it feeds next
+    (`next` [1] on the device; `token` its host copy once sampled). A row made with `prompt` has
+    no token yet: its first step feeds the prompt (all but the last token as alone, recall
+    included; the last one rides in the batch)."""
+
+    def __init__(self, cache: HeapPromptCache, params: SamplingParams, prompt: Sequence[int]):
+        if params.seed is not None:   # the global generator, seeded at the turn's start as alone
+            mx.random.seed(params.seed)
+        self.cache, self.sample = cache, sampler_for(params)
+        self.prompt: Optional[list[int]] = list(prompt)
+        self.next: Optional[mx.array] = None
+        self.token: Optional[int] = None
+        self.logprobs: Optional[mx.array] = None   # [vocab] the last token was sampled from
+
+    def feed_prompt(self, model, progress: Optional[ProgressFn] = None, cancelled=None) -> None:
+        """The prompt's head into the heap (prefill_turn: chunks, recall), its last token pending."""
+        if self.prompt is not None:
+            prompt, self.prompt = self.prompt, None
+            prefill_turn(model, self.cache, prompt, self.cache.cfg.chunk, progress, cancelled)
+            self.next = mx.array(prompt[-1:], dtype=mx.uint32)
+
+
+def start_row(model, cache: HeapPromptCache, prompt: Sequence[int], params: SamplingParams,
+              progress: Optional[ProgressFn] = None, cancelled=None, defer: bool = False) -> DecodeRow:
+    """A turn's last prompt tokens (>= 1) and the first token sampled after them: fed now on its
+    own, or with `defer` by the row's first step_rows."""
+    if len(prompt) == 0:
+        raise ValueError("generation needs at least one new prompt token")
+    row = DecodeRow(cache, params, prompt)
+    if not defer:
+        row.feed_prompt(model, progress, cancelled)
+        error = step_rows(model, [row])[0]
+        if error is not None:
+            raise error
+    return row
+
+
+def batchable(cache: HeapPromptCache) -> bool:
+    """Caches whose every layer is a heap (a sliding-window layer's cache is mlx-lm's own)."""
+    return cache.only_heap_layers
+
+
+class RowsLayer:
+    """Layer i of a packed step: mlx-lm's cache protocol over its parts' heap layer i. Every token
+    is a row of its own ([N, 1] in, so RoPE takes a position per token: `offset` [N]); a part is
+    one decode token or a prefill chunk's n tokens, whose K/V go into its heap and whose queries
+    attend over it (a chunk causally, with the mask its heap gives alone)."""
+
+    def __init__(self, layers: list, lengths: list[int]):
+        self.layers, self.lengths = layers, lengths
+        # read before the layer appends anything: positions and masks as each heap alone
+        self.offset = mx.concatenate([mx.arange(layer.offset, layer.offset + n) for layer, n in zip(layers, lengths)])
+        self.masks = [layer.make_mask(n) for layer, n in zip(layers, lengths)]
+        self.bounds = [(e - n, e) for e, n in zip(accumulate(lengths), lengths)]
+        self.fetched: list = []
+
+    def make_mask(self, N: int, return_array: bool = False, window_size=None):
+        assert N == 1, "a packed step feeds one token per row"
+        return None   # each part masks its own
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        """keys/values: [N, H_kv, 1, D], each token rotated at its own position; a part's go into
+        its heap as [1, H_kv, n, D]."""
+        self.fetched = [layer.update_and_fetch(_part(keys, a, b), _part(values, a, b))
+                        for layer, (a, b) in zip(self.layers, self.bounds)]
+        return keys, values
+
+    def attend_rows(self, queries: mx.array, scale: float, **kwargs) -> mx.array:
+        """queries: [N, H_q, 1, D] -> [N, H_q, 1, D]: each part over its own heap, as alone."""
+        outs = [attention.heap_sdpa(_part(queries, a, b), k, v, layer, scale, mask, **kwargs)
+                for (k, v), layer, mask, (a, b) in zip(self.fetched, self.layers, self.masks, self.bounds)]
+        return mx.concatenate([out.transpose(2, 1, 0, 3) for out in outs], axis=0)
+
+
+def _part(x: mx.array, a: int, b: int) -> mx.array:
+    """Rows a..b of a packed [N, H, 1, D] as one sequence [1, H, b - a, D]."""
+    return x[a:b].transpose(2, 1, 0, 3)
+
+
+def step_rows(model, rows: list[DecodeRow], chunks: Sequence[tuple[HeapPromptCache, Sequence[int]]] = ()
+              ) -> list[Optional[Exception]]:
+    """Feed each row's pending token and `chunks` ((cache, ids) of prefills riding along) in one
+    forward; each row then samples its next token with its own sampler.
+
+    Returns one entry per row, then one per chunk: None when it advanced, else the error that
+    stopped it before the forward (its prompt, or making room: an eviction event or its page-out),
+    which leaves the others untouched. An error in the forward itself raises (every part is
+    suspect). One evaluation and one host read per step."""
+    errors = [_work(lambda: row.feed_prompt(model)) for row in rows] + [None] * len(chunks)
+    needs = [(i, row.cache, 1) for i, row in enumerate(rows) if errors[i] is None]
+    needs += [(len(rows) + j, cache, len(ids)) for j, (cache, ids) in enumerate(chunks)]
+    for (i, _, _), error in zip(needs, make_room([(cache, n) for _, cache, n in needs])):
+        errors[i] = error
+    live = [row for row, error in zip(rows, errors) if error is None]
+    riding = [(cache, ids) for (cache, ids), error in zip(chunks, errors[len(rows):]) if error is None]
+    caches = [row.cache for row in live] + [cache for cache, _ in riding]
+    if not caches:
+        return errors
+    lengths = [1] * len(live) + [len(ids) for _, ids in riding]
+    layers = [RowsLayer([c[i] for c in caches], lengths) for i in range(len(caches[0]))]
+    ids = mx.concatenate([row.next for row in live] + [mx.array(list(t), dtype=mx.uint32) for _, t in riding])
+    logits = model(ids[:, None], cache=layers)[: len(live), -1, :]             # [B, vocab]
+    fed = [[c.state for c in cache] for cache in caches]
+    if not live:   # chunks alone: their logits are never evaluated
+        mx.eval(fed)
+        return errors
+    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    tokens = sample_rows([row.sample for row in live], logprobs)                 # [B]
+    mx.eval(tokens, logprobs, fed, [c.score_arrays() for c in caches])
+    for b, (row, token) in enumerate(zip(live, tokens.tolist())):
+        row.next, row.token, row.logprobs = tokens[b: b + 1], token, logprobs[b]
+    return errors
+
+
+def make_room(needs: list[tuple[HeapPromptCache, int]]) -> list[Optional[Exception]]:
+    """Room in each heap for its n new tokens, as its make_room would make it; the eviction
+    events that fall on this step (several heaps') are evaluated together, one evaluation, then
+    each heap reads its own back. Per heap: None, or the error that stopped its event."""
+    staged: dict = {}
+
+    def stage(i: int, cache: HeapPromptCache, n: int) -> None:
+        plan = cache.room_plan(n)
+        if plan is not None:
+            staged[i] = cache.stage_repack(plan)
+
+    errors = [_work(lambda: stage(i, cache, n)) for i, (cache, n) in enumerate(needs)]
+    if staged:
+        try:
+            mx.eval([s.arrays for s in staged.values()])
+        except Exception:
+            pass   # whose event failed: each heap's own evaluation below says, alone
+        for i, s in staged.items():
+            errors[i] = _work(lambda: (mx.eval(s.arrays), needs[i][0].finish_repack(s)))
+    return errors
+
+
+def sample_rows(samplers: list, logprobs: mx.array) -> mx.array:
+    """Each row's next token [B] from logprobs [B, vocab]: greedy rows in one argmax, the others
+    (temperature, top-p/k, constraints) with their own sampler, in row order."""
+    if all(s is greedy_sampler for s in samplers):
+        return greedy_sampler(logprobs)
+    return mx.concatenate([s(logprobs[b: b + 1]).reshape(1) for b, s in enumerate(samplers)])
+
+
+def _work(fn) -> Optional[Exception]:
+    """Run one row's own host-side work; its error, if any (the others still step)."""
+    try:
+        fn()
+    except Exception as e:
+        return e
+    return None

@@ -1,0 +1,107 @@
+"""What the batched-engine tests of both backends share: an engine over a store, requests
+submitted with their event queues, replies read back as text, and a spy on step_rows."""
+
+from __future__ import annotations
+
+import queue
+
+import numpy as np
+
+from localheap.engine import Delta, Engine, Failed, Feed, Finished, Generate, Started
+from localheap.generation import SamplingParams
+from localheap.heap import HeapConfig
+from localheap.sessions import Prompt, SessionStore
+
+CFG = HeapConfig(budget=48, sinks=4, recent=8, slack=16, prefill_chunk=32)
+
+
+class StepLog:
+    """Wraps step_rows: which sessions' rows each batched step advanced, and whether a chunk rode."""
+
+    def __init__(self, backend, monkeypatch):
+        self.steps: list[tuple[list[int], bool]] = []
+        real = backend.step_rows
+
+        def spy(rows, chunks=()):
+            self.steps.append(([id(r.cache) for r in rows], bool(chunks)))
+            return real(rows, chunks)
+
+        monkeypatch.setattr(backend, "step_rows", spy)
+
+
+def engine(backend, tmp_path=None, **kw):
+    store = SessionStore(backend, CFG, spill_dir=tmp_path)
+    return Engine(backend, store, **kw).start()
+
+
+def ids(n, seed):
+    return np.random.default_rng(seed).integers(10, 1000, n).tolist()
+
+
+def submit(eng, tokens, session_id=None, feed=False, starts=None, **params):
+    """(job, its event queue); `starts` (a list) gets the request when it starts, in engine order."""
+    events = queue.Queue()
+
+    def emit(ev):
+        if starts is not None and isinstance(ev, Started):
+            starts.append(req)
+        events.put(ev)
+
+    prompt = Prompt(tokens)
+    if feed:
+        req = Feed(prompt, emit, session_id)
+    else:
+        req = Generate(prompt, SamplingParams(**{"max_tokens": 20, **params}), emit, session_id)
+    return eng.submit(req), events
+
+
+def until_deltas(events, n: int, timeout=60.0) -> list:
+    """Events up to the n-th Delta (hand them to drain after)."""
+    out = []
+    while sum(isinstance(e, Delta) for e in out) < n:
+        out.append(events.get(timeout=timeout))
+        assert not isinstance(out[-1], (Finished, Failed)), out[-1]
+    return out
+
+
+def drain(events, timeout=60.0, out=None):
+    out = [] if out is None else out
+    while True:
+        ev = events.get(timeout=timeout)
+        out.append(ev)
+        if isinstance(ev, (Finished, Failed)):
+            return out
+
+
+def text(evs):
+    """The reply's text, how it ended and its token count."""
+    end = evs[-1]
+    assert isinstance(end, Finished), end
+    return "".join(e.text for e in evs if isinstance(e, Delta)), end.finish_reason, end.usage.completion_tokens
+
+
+def replies(eng, requests):
+    """Submit all, then drain all: (text, finish event) per request."""
+    queues = [submit(eng, toks, **params)[1] for toks, params in requests]
+    outs = [drain(q) for q in queues]
+    return [(text(evs), evs[-1]) for evs in outs]
+
+
+TEXTS = ("The pass key of honey is 44444. The pass key of river is",
+         "Remember this. " * 12 + "The pass key of stone is 12345. The pass key of moon is",
+         "The pass key of cloud is 777. The pass key of lamp is 31. The pass key of",
+         "The pass key")
+
+
+def requests_for(backend) -> list:
+    """The four chat requests (token ids, params) with different lengths and max_tokens."""
+    encode = lambda t: backend.tokenizer.encode(t, add_special_tokens=False)   # noqa: E731
+    return [(encode(t), {"max_tokens": m}) for t, m in zip(TEXTS, (30, 18, 40, 25))]
+
+
+def alone_texts(demo, requests):
+    eng = engine(demo, batched=False, max_active=1)
+    try:
+        return [text for text, _ in (replies(eng, [r])[0] for r in requests)]
+    finally:
+        eng.stop()

@@ -1,0 +1,267 @@
+"""The MLX decode batch: each session's tokens in a batch are its tokens alone, and its heap
+(evictions, positions, scores, pages) is what it would be alone; a prefill chunk in the step feeds
+the document's heap as a chunk on its own would; the engine batches MLX sessions."""
+
+import numpy as np
+import pytest
+
+mx = pytest.importorskip("mlx.core", reason="mlx is not installed (a CUDA machine has none)")
+pytest.importorskip("mlx_lm")
+
+from recall_checks import CFG as RECALL_CFG  # noqa: E402
+from recall_checks import load_all  # noqa: E402
+
+from localheap.backends.mlx import MLXBackend  # noqa: E402
+from localheap.backends.mlx.batch import start_row, step_rows  # noqa: E402
+from localheap.backends.mlx.generate import generate_steps  # noqa: E402
+from localheap.backends.mlx.heapcache import HeapPromptCache  # noqa: E402
+from localheap.generation import SamplingParams  # noqa: E402
+from localheap.heap import HeapConfig  # noqa: E402
+from localheap.models import demo_model_dir  # noqa: E402
+
+SMALL = HeapConfig(budget=48, sinks=4, recent=8, slack=16, policy="snapkv", prefill_chunk=32)
+# Logprobs of a row in a batch against the session alone, float32. Attention runs per heap as
+# alone and RoPE per row is bit for bit the scalar offset; only the per-token matmuls see B rows
+# instead of 1, so a BLAS may sum in another order (~1e-6 relative per matmul, compounded over
+# layers and steps). mlx's CPU backend gave identical logprobs here (difference 0.0); the margin
+# is for Metal's kernels, which may tile [B, D] and [1, D] products differently.
+LOGPROBS_ATOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def demo():
+    path = demo_model_dir()
+    if path is None:
+        pytest.skip("no bundled demo model in this installation")
+    return MLXBackend.load(path)
+
+
+@pytest.fixture(scope="module")
+def llama(model_dirs):
+    return MLXBackend.load(model_dirs("llama"))
+
+
+def prompts(backend, lengths, seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(10, backend.vocab_size, n).tolist() for n in lengths]
+
+
+def alone(backend, cfg, prompt, params):
+    cache = backend.new_cache(cfg)
+    steps = list(generate_steps(backend.model, cache, prompt, params))
+    return [t for t, _ in steps], [lp for _, lp in steps], cache
+
+
+def batched(backend, cfg, prompt_list, params_list, defer=True):
+    """Rows start one by one (`defer`: their prompt is fed by the first step), then step together;
+    a row leaves once it has its max_tokens."""
+    rows = [start_row(backend.model, backend.new_cache(cfg), p, sp, defer=defer)
+            for p, sp in zip(prompt_list, params_list)]
+    tokens, logprobs = [[] for _ in rows], [[] for _ in rows]
+
+    def record(i):
+        tokens[i].append(rows[i].token)
+        logprobs[i].append(rows[i].logprobs)
+
+    live = list(range(len(rows)))
+    if not defer:
+        for i in live:
+            record(i)
+    live = [i for i in live if len(tokens[i]) < params_list[i].max_tokens]
+    while live:
+        assert step_rows(backend.model, [rows[i] for i in live]) == [None] * len(live)
+        for i in live:
+            record(i)
+        live = [i for i in live if len(tokens[i]) < params_list[i].max_tokens]
+    return tokens, logprobs, [r.cache for r in rows]
+
+
+def assert_same_heap(a, b, atol=1e-5):
+    """Positions, eviction counts, tokens seen, keys and the policy's scores, layer by layer."""
+    for la, lb in zip(a.heap_layers, b.heap_layers):
+        np.testing.assert_array_equal(la.heap.view_positions(), lb.heap.view_positions())
+        assert (la.heap.evictions, la.heap.seen) == (lb.heap.evictions, lb.heap.seen)
+        n = la.heap.resident
+        np.testing.assert_allclose(np.array(la.keys[0, :, :n]), np.array(lb.keys[0, :, :n]), atol=atol)
+        for name in ("scores", "counts", "window"):
+            if getattr(la, name) is not None:
+                np.testing.assert_allclose(np.array(getattr(la, name)), np.array(getattr(lb, name)),
+                                           atol=atol, rtol=1e-5)
+
+
+def max_diff(xs, ys):
+    return max(mx.abs(x - y).max().item() for x, y in zip(xs, ys))
+
+
+@pytest.mark.parametrize("defer", [True, False], ids=["deferred", "started-alone"])
+def test_demo_model_greedy_tokens_in_a_batch_equal_alone(demo, defer):
+    """Rows of different lengths evict at different steps and finish at different steps."""
+    lengths, maxes = (5, 30, 77, 140), (40, 12, 33, 25)
+    ps = prompts(demo, lengths)
+    params = [SamplingParams(max_tokens=m) for m in maxes]
+    want = [alone(demo, SMALL, p, sp) for p, sp in zip(ps, params)]
+    got_tokens, got_lps, caches = batched(demo, SMALL, ps, params, defer)
+    assert got_tokens == [w[0] for w in want]
+    assert len({c.heap_layers[0].heap.evictions for c in caches} - {0}) >= 2, "rows evicted, at different steps"
+    for (_, lps, cache), got_lp, got in zip(want, got_lps, caches):
+        assert max_diff(lps, got_lp) <= LOGPROBS_ATOL
+        assert_same_heap(cache, got)
+
+
+@pytest.mark.parametrize("policy", ["snapkv", "h2o"])
+def test_random_model_logprobs_within_tolerance_and_sampling_per_row(llama, policy):
+    """Per row its own sampler: greedy rows, and a seeded top-k/top-p row (the global generator,
+    seeded at its turn's start as alone: the only row that draws)."""
+    ps = prompts(llama, (20, 64, 9), seed=3)
+    params = [SamplingParams(max_tokens=30),
+              SamplingParams(max_tokens=30, temperature=0.8, top_k=20, top_p=0.9, seed=5),
+              SamplingParams(max_tokens=24)]
+    cfg = SMALL.with_(policy=policy, h2o_normalize=policy == "h2o")
+    want = [alone(llama, cfg, p, sp) for p, sp in zip(ps, params)]
+    got_tokens, got_lps, caches = batched(llama, cfg, ps, params)
+    for (tokens, lps, cache), got, got_lp, got_cache in zip(want, got_tokens, got_lps, caches):
+        assert got == tokens
+        assert max_diff(lps, got_lp) <= LOGPROBS_ATOL
+        assert_same_heap(cache, got_cache)
+
+
+class EvenIds:
+    """A constraint (a grammar's stand-in): only even ids; it sees every id sampled."""
+
+    def __init__(self, vocab: int):
+        self.mask, self.seen = np.arange(vocab) % 2 == 0, []
+
+    def allowed(self):
+        return self.mask
+
+    def advance(self, token: int) -> None:
+        self.seen.append(token)
+
+
+def test_a_constrained_row_samples_on_its_own_beside_greedy_rows(llama):
+    ps = prompts(llama, (30, 12, 50), seed=9)
+    make = lambda c=None: [SamplingParams(max_tokens=20), SamplingParams(max_tokens=20, constraint=c),   # noqa: E731
+                           SamplingParams(max_tokens=20)]
+    want = [alone(llama, SMALL, p, sp)[0] for p, sp in zip(ps, make(EvenIds(llama.vocab_size)))]
+    params = make(EvenIds(llama.vocab_size))
+    got, _, _ = batched(llama, SMALL, ps, params)
+    assert got == want
+    assert all(t % 2 == 0 for t in got[1]) and params[1].constraint.seen == got[1]
+    assert any(t % 2 for t in got[0] + got[2]), "the other rows were not constrained"
+
+
+def test_recall_rows_page_out_as_alone(llama):
+    """Rows with recall on: the long ones recall at their turn's start (fed alone by the first
+    step) and page out their own evictions during the batch; the short one never evicts."""
+    ps = prompts(llama, (300, 180, 12), seed=4)
+    params = [SamplingParams(max_tokens=70), SamplingParams(max_tokens=45), SamplingParams(max_tokens=20)]
+    got_tokens, _, caches = batched(llama, RECALL_CFG, ps, params)
+    for p, sp, tokens, cache in zip(ps, params, got_tokens, caches):
+        want_tokens, _, want = alone(llama, RECALL_CFG, p, sp)
+        assert tokens == want_tokens
+        assert len(cache.recall_log) == len(want.recall_log) == (len(p) > 100)
+        if len(p) < 100:
+            continue
+        assert_same_heap(want, cache)
+        for c in (cache, want):
+            c.writer.drain()
+        assert cache.pages.tokens == want.pages.tokens > 0
+        for layer in range(len(cache.heap_layers)):
+            for a, b in zip(load_all(cache.pages, layer), load_all(want.pages, layer)):
+                np.testing.assert_allclose(a, b, atol=1e-5)
+
+
+@pytest.mark.parametrize("cfg", [SMALL, RECALL_CFG], ids=["snapkv", "recall"])
+def test_prefill_chunks_riding_in_the_step_feed_as_alone(demo, cfg):
+    """Two documents' chunks ride packed with two decoding rows (a last step with no row left):
+    each document's heap, scores and pages end as its chunks fed alone; the rows' tokens too."""
+    docs = prompts(demo, (300, 230), seed=7)
+    chunks = [[d[i:i + 24] for i in range(0, len(d), 24)] for d in docs]
+    solos = [demo.new_cache(cfg) for _ in docs]
+    for solo, cs in zip(solos, chunks):
+        for c in cs:
+            demo.prefill(solo, c)
+    chat = prompts(demo, (10, 50), seed=8)
+    rows = [start_row(demo.model, demo.new_cache(SMALL), p, SamplingParams(max_tokens=100)) for p in chat]
+    readers = [demo.new_cache(cfg) for _ in docs]
+    tokens = [[r.token] for r in rows]
+    for step in range(len(chunks[0])):
+        riding = [(reader, cs[step]) for reader, cs in zip(readers, chunks) if step < len(cs)]
+        stepping = rows if step + 1 < len(chunks[0]) else []
+        assert step_rows(demo.model, stepping, riding) == [None] * (len(stepping) + len(riding))
+        for t, r in zip(tokens, stepping):
+            t.append(r.token)
+    for solo, reader in zip(solos, readers):
+        assert reader.heap_layers[0].heap.evictions > 0
+        assert_same_heap(solo, reader, atol=0)
+        if cfg.recall:
+            for c in (solo, reader):
+                c.writer.drain()
+            assert reader.pages.tokens == solo.pages.tokens > 0
+            for layer in range(len(reader.heap_layers)):
+                for a, b in zip(load_all(reader.pages, layer), load_all(solo.pages, layer)):
+                    np.testing.assert_array_equal(a, b)
+    for t, p in zip(tokens, chat):
+        assert t == alone(demo, SMALL, p, SamplingParams(max_tokens=len(t)))[0]
+
+
+def test_a_row_that_cannot_make_room_leaves_the_others_untouched(demo, monkeypatch):
+    ps = prompts(demo, (40, 60), seed=2)
+    params = SamplingParams(max_tokens=30)
+    rows = [start_row(demo.model, demo.new_cache(SMALL), p, params) for p in ps]
+    broken = rows[0].cache
+
+    def fail(n):
+        raise OSError("page writer: disk full")
+
+    monkeypatch.setattr(broken, "room_plan", fail)
+    seen = broken.tokens_seen
+    tokens = [rows[1].token]
+    for _ in range(29):
+        errors = step_rows(demo.model, rows)
+        assert isinstance(errors[0], OSError) and errors[1] is None
+        tokens.append(rows[1].token)
+    assert broken.tokens_seen == seen
+    assert tokens == alone(demo, SMALL, ps[1], params)[0]
+
+
+@pytest.mark.parametrize("cfg", [SMALL, RECALL_CFG], ids=["snapkv", "recall"])
+def test_eviction_events_on_one_step_are_evaluated_together(llama, monkeypatch, cfg):
+    """Rows of one length evict on the same steps: their events are staged, evaluated together and
+    finished each on its own heap (never a heap's own repack), with pages and heaps as alone."""
+    ps = prompts(llama, (150, 150, 150), seed=6)
+    params = [SamplingParams(max_tokens=60)] * 3
+    want = [alone(llama, cfg, p, sp) for p, sp in zip(ps, params)]
+    rows = [start_row(llama.model, llama.new_cache(cfg), p, sp) for p, sp in zip(ps, params)]
+    finished = []
+    real = HeapPromptCache.finish_repack
+    monkeypatch.setattr(HeapPromptCache, "finish_repack", lambda self, s: (finished.append(id(self)), real(self, s)))
+    monkeypatch.setattr(HeapPromptCache, "repack", lambda self, plan: pytest.fail("a heap evaluated its own event"))
+    tokens, together = [[r.token] for r in rows], 0
+    for _ in range(59):
+        finished.clear()
+        assert step_rows(llama.model, rows) == [None] * 3
+        together = max(together, len(set(finished)))
+        for t, r in zip(tokens, rows):
+            t.append(r.token)
+    assert together == 3, "three heaps' events in one step"
+    for (want_tokens, _, want_cache), got, row in zip(want, tokens, rows):
+        assert got == want_tokens
+        assert_same_heap(want_cache, row.cache)
+        if cfg.recall:
+            for c in (want_cache, row.cache):
+                c.writer.drain()
+            assert row.cache.pages.tokens == want_cache.pages.tokens > 0
+
+
+def test_batch_step_bench_tables(llama):
+    """bench batch-step on MLX: a row per batch size and per mixed chunk, in process CPU time."""
+    from localheap.bench.batch_step import beside_table, rows_table
+
+    cfg = HeapConfig(budget=64, sinks=4, recent=16, slack=16, prefill_chunk=48)
+    rows = rows_table(llama, cfg, 100, [1, 2, 3], steps=3, repeats=2)
+    assert [r["rows"] for r in rows] == [1, 2, 3] and rows[0]["vs_one"] == 1.0
+    assert all(r["step_ms"] > 0 for r in rows)
+    side = beside_table(llama, cfg, 100, [8, 16], repeats=1)
+    assert [r["chunk"] for r in side] == [8, 16]
+    assert all(0 < r["chat_kept"] and 0 < r["doc_kept"] for r in side)
