@@ -120,3 +120,48 @@ def test_picks_on_a_fixed_store_are_the_reference_picks(tmp_path):
         for a, b in zip(got[0], want[0]):
             np.testing.assert_array_equal(a, b, err_msg=select)
     s.close()
+
+
+def test_best_first_is_the_stable_argsort_prefix():
+    """vote's and select_pages' top pages by a partition: the first k of np.argsort(-scores,
+    kind="stable"), ties (many, signed zeros among them) to the lower index, NaN rows included."""
+    from localheap.heap.recall import best_first
+
+    rng = np.random.default_rng(2)
+    for trial in range(200):
+        H, N = int(rng.integers(1, 4)), int(rng.integers(1, 300))
+        scores = np.round(rng.standard_normal((H, N)), int(rng.integers(0, 3))).astype(np.float32)
+        scores[rng.random(scores.shape) < 0.1] = -0.0
+        if trial % 7 == 0:
+            scores[0, rng.integers(0, N)] = np.nan
+        for k in (1, 5, 32, N, N + 3):
+            np.testing.assert_array_equal(best_first(scores, k), np.argsort(-scores, axis=1, kind="stable")[:, :k])
+
+
+def test_vote_order_is_the_stable_argsort():
+    from localheap.heap.recall import vote_order
+
+    rng = np.random.default_rng(3)
+    for trial in range(100):
+        votes = np.zeros(int(rng.integers(1, 500)))
+        hit = rng.random(len(votes)) < 0.05
+        votes[hit] = np.round(rng.random(hit.sum()) * 4, 1)      # ties among the voted bins
+        if trial % 9 == 0:
+            votes[0] = np.nan
+        np.testing.assert_array_equal(vote_order(votes), np.argsort(-votes, kind="stable"))
+
+
+def test_pages_meeting_is_the_page_by_window_test():
+    """take_windows' candidate pages: the spans [first, last] that meet any window [lo, hi),
+    windows overlapping, adjacent, nested or apart, in any order."""
+    from localheap.heap.recall import pages_meeting
+
+    rng = np.random.default_rng(4)
+    for trial in range(300):
+        N, B = int(rng.integers(1, 200)), int(rng.integers(0, 20))
+        first = rng.integers(0, 1000, N)
+        last = first + rng.integers(0, int(rng.choice([2, 40, 400])), N)
+        lo = rng.integers(-10, 1000, B) // 8 * 8
+        hi = lo + rng.choice([8, 16, 32], B)
+        want = np.flatnonzero(((first[None] < hi[:, None]) & (last[None] >= lo[:, None])).any(axis=0))
+        np.testing.assert_array_equal(pages_meeting(first, last, lo, hi), want)

@@ -29,7 +29,7 @@ import numpy as np
 from ..heap import LayerHeap, PageGeometry, PageStore, PageWriter, select_pages
 from ..heap.pagecodec import decode
 from ..heap.pages import LATEST, PageCorrupt, copy_tree
-from ..heap.recall import WINDOW, take_windows, vote
+from ..heap.recall import WINDOW, take_windows, vote, vote_order
 from ..heap.scoring import lanes_exact, score_pages_by_dim
 
 log = logging.getLogger("localheap.pages")
@@ -225,7 +225,7 @@ def pick_spans(cache, store, queries: dict) -> dict:
     if top < 0:
         return {}
     votes = agree.sum(vote(scores, lambda i, idx: read[i](idx), top // WINDOW + 2))
-    order = np.argsort(-votes, kind="stable")
+    order = vote_order(votes)
     picked = {}
     for layer in cache.heap_layers:
         i = layer.heap.layer
