@@ -165,3 +165,62 @@ def test_pages_meeting_is_the_page_by_window_test():
         hi = lo + rng.choice([8, 16, 32], B)
         want = np.flatnonzero(((first[None] < hi[:, None]) & (last[None] >= lo[:, None])).any(axis=0))
         np.testing.assert_array_equal(pages_meeting(first, last, lo, hi), want)
+
+
+def take_windows_by_token(order, want, spans, read_positions, tail_pos, bin_size):
+    """take_windows as it was written first: token by token (the reference for the vectorized walk)."""
+    N, H = spans.shape[0], spans.shape[1]
+    margin = bin_size // 2
+    first, last = spans[:, :, 0].min(axis=1), spans[:, :, 1].max(axis=1)
+    taken, seen = [[] for _ in range(H)], [set() for _ in range(H)]
+    step, at = max(8, 2 * want // (2 * bin_size)), 0
+    while at < len(order) and min(map(len, taken)) < want:
+        batch = order[at: at + step]
+        at += step
+        lo, hi = batch * bin_size - margin, (batch + 1) * bin_size + margin
+        cand = np.flatnonzero(((first[None] < hi[:, None]) & (last[None] >= lo[:, None])).any(axis=0))
+        pages = read_positions(cand)
+        P = pages.shape[2]
+        for h in range(H):
+            if len(taken[h]) >= want:
+                continue
+            t = tail_pos[h]
+            pos = np.concatenate([pages[:, h].reshape(-1), t])
+            src = np.concatenate([np.repeat(cand, P), np.full(len(t), -1)])
+            off = np.concatenate([np.tile(np.arange(P), len(cand)), np.arange(len(t))])
+            srt = np.argsort(pos, kind="stable")
+            pos, src, off = pos[srt], src[srt], off[srt]
+            for a, b in zip(lo.tolist(), hi.tolist()):
+                if len(taken[h]) >= want:
+                    break
+                i0, i1 = np.searchsorted(pos, [max(0, a), b])
+                for k in range(i0, i1):
+                    p = int(pos[k])
+                    if p not in seen[h]:
+                        seen[h].add(p)
+                        taken[h].append((int(src[k]), int(off[k])))
+    return [t[:want] for t in taken]
+
+
+def test_take_windows_takes_what_the_token_by_token_walk_takes():
+    """Random documents: pages with wide spans, a position in two pages, unknown positions (-1, a
+    torn header), a partial page, bins in any order, small and large wants."""
+    from localheap.heap.recall import take_windows
+
+    rng = np.random.default_rng(8)
+    for trial in range(60):
+        H, P, bin_size = int(rng.integers(1, 4)), 8, 16
+        n = int(rng.integers(1, 60)) * P
+        pos = np.stack([rng.permutation(n * 2)[:n] for _ in range(H)])
+        pos[0, : P // 2] = pos[0, P: P + P // 2] if n > P else pos[0, : P // 2]   # duplicates across pages
+        pages = pos.reshape(H, -1, P).transpose(1, 0, 2).copy()                  # [N, H, P]
+        if trial % 3 == 0:
+            pages[0, 0, :2] = -1
+        spans = np.stack([pages.max(axis=2) * 0 + np.where(pages >= 0, pages, 10**9).min(axis=2),
+                          pages.max(axis=2)], axis=2)
+        tail = np.stack([rng.permutation(n * 2)[:3] + n * 2 for _ in range(H)])
+        order = rng.permutation(n * 2 // bin_size + 2)
+        for want in (1, 20, 64, 300):
+            read = lambda idx: pages[idx]  # noqa: E731
+            got = take_windows(order, want, spans, read, tail, bin_size)
+            assert got == take_windows_by_token(order, want, spans, read, tail, bin_size), (trial, want)

@@ -137,7 +137,7 @@ def take_windows(order: np.ndarray, want: int, spans: np.ndarray, read_positions
     margin = bin_size // 2
     first, last = spans[:, :, 0].min(axis=1), spans[:, :, 1].max(axis=1)   # [N], any head
     taken: list[list] = [[] for _ in range(H)]
-    seen: list[set] = [set() for _ in range(H)]
+    seen = [np.zeros(0, bool) for _ in range(H)]   # per head: positions taken (a bitmap, grown as needed)
     step = window_batch(want, bin_size)
     at = 0
     while at < len(order) and min(map(len, taken)) < want:
@@ -157,15 +157,18 @@ def take_windows(order: np.ndarray, want: int, spans: np.ndarray, read_positions
             off = np.concatenate([np.tile(np.arange(P), len(cand)), np.arange(len(t))])
             srt = np.argsort(pos, kind="stable")
             pos, src, off = pos[srt], src[srt], off[srt]
-            for a, b in zip(lo.tolist(), hi.tolist()):
+            if len(pos) and pos[-1] >= len(seen[h]):
+                seen[h] = np.concatenate([seen[h], np.zeros(int(pos[-1]) + 1 - len(seen[h]), bool)])
+            starts, ends = np.searchsorted(pos, np.maximum(lo, 0)), np.searchsorted(pos, hi)
+            for i0, i1 in zip(starts.tolist(), ends.tolist()):
                 if len(taken[h]) >= want:
                     break
-                i0, i1 = np.searchsorted(pos, [max(0, a), b])
-                for k in range(i0, i1):
-                    p = int(pos[k])
-                    if p not in seen[h]:
-                        seen[h].add(p)
-                        taken[h].append((int(src[k]), int(off[k])))
+                # the window's tokens in position order, each position once, none taken before
+                seg = pos[i0:i1]
+                new = ~seen[h][seg]
+                new[1:] &= seg[1:] != seg[:-1]
+                seen[h][seg[new]] = True
+                taken[h].extend(zip(src[i0:i1][new].tolist(), off[i0:i1][new].tolist()))
     return [t[:want] for t in taken]
 
 
