@@ -169,7 +169,7 @@ def test_pages_meeting_is_the_page_by_window_test():
 
 def take_windows_by_token(order, want, spans, read_positions, tail_pos, bin_size):
     """take_windows as it was written first: token by token (the reference for the vectorized walk)."""
-    N, H = spans.shape[0], spans.shape[1]
+    H = spans.shape[1]
     margin = bin_size // 2
     first, last = spans[:, :, 0].min(axis=1), spans[:, :, 1].max(axis=1)
     taken, seen = [[] for _ in range(H)], [set() for _ in range(H)]

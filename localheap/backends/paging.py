@@ -194,7 +194,8 @@ def pick_pages(cache, store, queries: dict) -> dict:
         n_pages = recall_room(layer.heap, store) // store.g.page_size
         if len(slots) == 0 or n_pages == 0:
             continue
-        best = select_pages(score_pages_by_dim(queries[i], tuple(summary), cache.cfg.recall_score), n_pages)  # [H_kv, k]
+        scores = score_pages_by_dim(queries[i], tuple(summary), cache.cfg.recall_score)
+        best = select_pages(scores, n_pages)                                              # [H_kv, k]
         picked[i] = store.load(i, slots[best])
     return picked
 

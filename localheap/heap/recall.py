@@ -133,7 +133,7 @@ def take_windows(order: np.ndarray, want: int, spans: np.ndarray, read_positions
     pages whose span meets a window, batch after batch: memoize it, as paging.positions_reader
     does), tail_pos [H, t] (the partial page).
     Returns per head the taken tokens as (page index or -1 for the tail, offset), in rank order."""
-    N, H = spans.shape[0], spans.shape[1]
+    H = spans.shape[1]
     margin = bin_size // 2
     first, last = spans[:, :, 0].min(axis=1), spans[:, :, 1].max(axis=1)   # [N], any head
     taken: list[list] = [[] for _ in range(H)]
