@@ -135,7 +135,6 @@ def take_windows(order: np.ndarray, want: int, spans: np.ndarray, read_positions
     Returns per head the taken tokens as (page index or -1 for the tail, offset), in rank order."""
     H = spans.shape[1]
     margin = bin_size // 2
-    first, last = spans[:, :, 0].min(axis=1), spans[:, :, 1].max(axis=1)   # [N], any head
     taken: list[list] = [[] for _ in range(H)]
     seen = [np.zeros(0, bool) for _ in range(H)]   # per head: positions taken (a bitmap, grown as needed)
     step = window_batch(want, bin_size)
@@ -144,7 +143,8 @@ def take_windows(order: np.ndarray, want: int, spans: np.ndarray, read_positions
         batch = order[at: at + step]
         at += step
         lo, hi = batch * bin_size - margin, (batch + 1) * bin_size + margin
-        cand = pages_meeting(first, last, lo, hi)
+        # the pages where some head's own span meets a window (only those hold a window's token)
+        cand = np.unique(np.concatenate([pages_meeting(spans[:, h, 0], spans[:, h, 1], lo, hi) for h in range(H)]))
         pages = read_positions(cand)                                        # [c, H, P]
         P = pages.shape[2]
         for h in range(H):
