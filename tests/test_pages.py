@@ -402,6 +402,9 @@ def test_batched_header_reads_match_the_per_field_crc_and_flag_bad_records(tmp_p
     """positions() reads many headers at once and checks one CRC over the header's run of bytes:
     it must accept exactly the records the per-field CRC accepts (-1 for a corrupt, tombstoned or
     missing record), for every page format."""
+    import zlib
+
+    from localheap.heap.pagecodec import payload_names
     from localheap.heap.pages import _META_FIELDS, MAGIC, _crc
 
     rng = np.random.default_rng(6)
@@ -414,6 +417,10 @@ def test_batched_header_reads_match_the_per_field_crc_and_flag_bad_records(tmp_p
         for slot in range(6):
             rec = s.read(0, np.array([slot]))[0]
             assert rec["magic"] == MAGIC and _crc(rec, _META_FIELDS) == rec["crc_meta"]
+            # read() checks both CRCs over byte runs: the per-field CRCs of the same record
+            raw = rec.tobytes()
+            assert zlib.crc32(raw[s._meta_run]) == _crc(rec, _META_FIELDS)
+            assert zlib.crc32(raw[s._data_run]) == _crc(rec, payload_names(fmt)) == rec["crc_data"]
         os.pwrite(fd, b"\x7f", 1 * rb + s.dtype.fields["kmax"][1])    # page 1: a summary byte flipped
         os.pwrite(fd, b"\x00" * 4, 3 * rb)                             # page 3: tombstoned (magic 0)
         got = s.positions(0, np.array([5, 1, 3, 0, 9, 2]))             # slot 9: past the file's end

@@ -95,8 +95,8 @@ def test_recall_scores_every_page_it_makes_room_with(llama):
         cache = llama.new_cache(CFG)
         store = cache.pages
         at_scoring = []
-        summaries = store.summaries
-        store.summaries = lambda layer: (at_scoring.append(store.written), summaries(layer))[1]
+        summaries = store.summaries_by_dim   # what the pick reads its summaries with
+        store.summaries_by_dim = lambda layer: (at_scoring.append(store.written), summaries(layer))[1]
         before = []
         evict = cache.evict
         cache.evict = lambda layers: (before.append(len(at_scoring)), evict(layers))[1]

@@ -26,10 +26,11 @@ from typing import Any, Callable, Optional, Sequence, Union
 
 import numpy as np
 
-from ..heap import LayerHeap, PageGeometry, PageStore, PageWriter, score_pages, select_pages
+from ..heap import LayerHeap, PageGeometry, PageStore, PageWriter, select_pages
 from ..heap.pagecodec import decode
 from ..heap.pages import LATEST, PageCorrupt, copy_tree
-from ..heap.recall import WINDOW, take_windows, vote
+from ..heap.recall import WINDOW, take_windows, vote, vote_order
+from ..heap.scoring import lanes_exact, score_pages_by_dim
 
 log = logging.getLogger("localheap.pages")
 PICK_TRIES = 8   # a recall picks again this often when what it read failed its check
@@ -60,6 +61,7 @@ def attach_pages(cache, n_kv_heads: int, head_dim: int, root: Optional[Path] = N
     cache.pages = PageStore(root, geometry, cfg.disk_budget, cfg.recall_summary, max_pages, state=state)
     FAULTS.pages_corrupt += cache.pages.corrupt
     cache.writer = PageWriter()
+    lanes_exact(head_dim)   # the page scorer's one check per process, here rather than inside a question
 
 
 def policy_keep(heap: LayerHeap) -> int:
@@ -188,11 +190,12 @@ def pick_pages(cache, store, queries: dict) -> dict:
     picked = {}
     for layer in cache.heap_layers:
         i = layer.heap.layer
-        slots, *summary = store.summaries(i)
+        slots, *summary = store.summaries_by_dim(i)
         n_pages = recall_room(layer.heap, store) // store.g.page_size
         if len(slots) == 0 or n_pages == 0:
             continue
-        best = select_pages(score_pages(queries[i], tuple(summary), cache.cfg.recall_score), n_pages)  # [H_kv, k]
+        scores = score_pages_by_dim(queries[i], tuple(summary), cache.cfg.recall_score)
+        best = select_pages(scores, n_pages)                                              # [H_kv, k]
         picked[i] = store.load(i, slots[best])
     return picked
 
@@ -207,14 +210,14 @@ def pick_spans(cache, store, queries: dict) -> dict:
     top = 0
     for layer in cache.heap_layers:
         i = layer.heap.layer
-        slots, *summary = store.summaries(i)
+        slots, *summary = store.summaries_by_dim(i)
         room = recall_room(layer.heap, store)
         tail_pos = store.tail(i)[0]
         if room == 0 or (len(slots) == 0 and tail_pos.size == 0):
             continue
         live[i], rooms[i], spans[i], read[i] = slots, room, store.spans(i, slots), positions_reader(store, i, slots)
         if len(slots):
-            scores[i] = score_pages(queries[i], tuple(summary), cache.cfg.recall_score)
+            scores[i] = score_pages_by_dim(queries[i], tuple(summary), cache.cfg.recall_score)
             top = max(top, int(spans[i][..., 1].max()))
         if tail_pos.size:
             top = max(top, int(tail_pos.max()))
@@ -223,7 +226,7 @@ def pick_spans(cache, store, queries: dict) -> dict:
     if top < 0:
         return {}
     votes = agree.sum(vote(scores, lambda i, idx: read[i](idx), top // WINDOW + 2))
-    order = np.argsort(-votes, kind="stable")
+    order = vote_order(votes)
     picked = {}
     for layer in cache.heap_layers:
         i = layer.heap.layer

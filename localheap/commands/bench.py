@@ -17,8 +17,8 @@ from ..bench.peer import PATHS as PEER_PATHS
 from ..bench.report import emit, table
 from ..heap.stats import format_bytes
 from ..models import resolve_model
-from .common import (add_distributed_arg, add_heap_args, add_model_args, heap_config, load_model_backend,
-                     model_spec)
+from .common import (add_decode_arg, add_distributed_arg, add_heap_args, add_model_args, apply_decode_attention,
+                     heap_config, load_model_backend, model_spec)
 from .progress import ProgressBar
 
 
@@ -68,6 +68,7 @@ def add_parser(sub) -> None:
     speed = bsub.add_parser("speed", help="prefill and decode tokens/s: heap vs stock caches")
     add_model_args(speed)
     add_heap_args(speed)
+    add_decode_arg(speed)
     speed.add_argument("--contexts", type=_ints, default=[2048, 8192, 32768], help="prompt lengths measured (8k, 1m accepted)")
     speed.add_argument("--decode-tokens", type=int, default=64, help="tokens decoded per cell")
     speed.add_argument("--repeats", type=int, default=1, help="best of N per cell")
@@ -230,6 +231,8 @@ def run_speed(args) -> int:
     if cfg.recall:   # paging on against off, same run
         extra["paths"] = ("stock-full", "heap", "heap-paging")
         cfg = cfg.with_(recall=False)
+    if apply_decode_attention(backend, args):   # the fused step beside the default one, same run
+        extra["paths"] = (*extra.get("paths", ("stock-full", "heap")), "heap-fused")
     bench = _bench_module(backend)
     if args.distributed:   # the shards against one process (on rank 0), same run; rank 0 reports
         from ..backends.mlx import distributed as bench

@@ -10,7 +10,8 @@ import sys
 from pathlib import Path
 
 from ..generation import SamplingParams
-from .common import add_distributed_arg, add_heap_args, add_model_args, heap_config, model_spec, with_backend_chunk
+from .common import (add_decode_arg, add_distributed_arg, add_heap_args, add_model_args, apply_decode_attention,
+                     heap_config, model_spec, with_backend_chunk)
 from .progress import ProgressBar
 
 PROMPT, MORE = ">>> ", "... "
@@ -30,6 +31,7 @@ def add_parser(sub) -> None:
                        description=__doc__)
     add_model_args(p)
     add_heap_args(p, recall=True)
+    add_decode_arg(p)
     p.add_argument("--system", default=None, help="system prompt of the conversation (default: none)")
     p.add_argument("--max-tokens", type=int, default=512, help="longest reply in tokens")
     p.add_argument("--temperature", type=float, default=0.7, help="0 samples greedily")
@@ -81,11 +83,13 @@ def run(args) -> int:
         from . import ranks
 
         backend = ranks.load_rank(args)
+        apply_decode_attention(backend, args)
         if backend.rank != 0:
             return ranks.follower(backend, None)
         backend = Leader(backend)
     else:
         backend = load_backend(model_spec(args), args.backend)
+        apply_decode_attention(backend, args)
     cfg = with_backend_chunk(cfg, args, backend)
     try:
         return chat_on(backend, cfg, args)

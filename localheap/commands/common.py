@@ -24,6 +24,26 @@ def add_model_args(p: argparse.ArgumentParser, required: bool = False) -> None:
                    help="auto: mlx on Apple Silicon, torch where it is installed, else mlx")
 
 
+DECODE_ATTENTION = ("sdpa", "fused")
+
+
+def add_decode_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--decode-attention", default="sdpa", choices=DECODE_ATTENTION,
+                   help="torch backend: a heap's decode step attends with torch's sdpa (the stock path's tokens bit "
+                        "for bit) or fused (output and heap scores in one pass, kernels/decode_attention: faster on "
+                        "small models, not bit-identical to stock) (default: sdpa)")
+
+
+def apply_decode_attention(backend, args) -> bool:
+    """--decode-attention onto a loaded backend (before its first cache). Returns whether fused."""
+    if getattr(args, "decode_attention", "sdpa") != "fused":
+        return False
+    if not hasattr(backend, "fused_decode"):
+        raise SystemExit(f"--decode-attention fused is a torch backend option (this is the {backend.name} backend)")
+    backend.fused_decode = True
+    return True
+
+
 def add_distributed_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--distributed", default=None, choices=("tensor", "pipeline"),
                    help="run one shard per rank under `mlx.launch` (mlx backend): tensor splits every layer's "

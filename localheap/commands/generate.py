@@ -8,7 +8,8 @@ import time
 from pathlib import Path
 
 from ..generation import SamplingParams, StopMatcher
-from .common import add_distributed_arg, add_heap_args, add_model_args, heap_config, load_model_backend
+from .common import (add_decode_arg, add_distributed_arg, add_heap_args, add_model_args, apply_decode_attention,
+                     heap_config, load_model_backend)
 from .progress import ProgressBar
 
 
@@ -16,6 +17,7 @@ def add_parser(sub) -> None:
     p = sub.add_parser("generate", help="generate text from a prompt file through the heap")
     add_model_args(p)
     add_heap_args(p, recall=True)
+    add_decode_arg(p)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt-file", type=Path, help="read the prompt from this file")
     src.add_argument("--prompt", help="the prompt text")
@@ -34,6 +36,7 @@ def run(args) -> int:
     text = args.prompt if args.prompt is not None else args.prompt_file.read_text()
     heap_config(args)   # bad heap flags fail before the model loads
     backend = load_model_backend(args)
+    apply_decode_attention(backend, args)
     if getattr(backend, "rank", 0) != 0:   # a follower rank: the same steps, rank 0 prints
         sys.stdout = sys.stderr = open(os.devnull, "w")
     cfg = heap_config(args, backend)

@@ -10,8 +10,8 @@ import tempfile
 from pathlib import Path
 
 from . import ranks
-from .common import (TOTAL_SHARE, add_distributed_arg, add_heap_args, add_model_args, disk_total, heap_config,
-                     model_spec, with_backend_chunk)
+from .common import (TOTAL_SHARE, add_decode_arg, add_distributed_arg, add_heap_args, add_model_args,
+                     apply_decode_attention, disk_total, heap_config, model_spec, with_backend_chunk)
 
 
 def add_parser(sub) -> None:
@@ -20,6 +20,7 @@ def add_parser(sub) -> None:
                                    "heap-event and metrics routes.")
     add_model_args(p)
     add_heap_args(p, recall=True)
+    add_decode_arg(p)
     p.add_argument("--ram-budget", default=None, metavar="SIZE",
                    help="RAM budget for weights + heaps + runtime, e.g. 12G, 512M or bytes "
                         "(default: 75%% of this machine's RAM)")
@@ -145,6 +146,7 @@ def run(args) -> int:
     settings = settings_from_args(args)   # bad flags fail before the model loads
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s:     %(name)s: %(message)s")
     backend = ranks.load_rank(args) if args.distributed else load_backend(model_spec(args), args.backend)
+    apply_decode_attention(backend, args)
     settings.heap = with_backend_chunk(settings.heap, args, backend)
     if settings.persist_sessions and settings.sessions_dir is None:
         settings.sessions_dir = default_sessions_dir(backend.model_name)

@@ -49,6 +49,7 @@ import numpy as np
 
 from .. import faults
 from .pagecodec import FORMATS, decode, encode, payload_fields, payload_names
+from .scoring import lane_order
 from .private import FILE_MODE, open_private, private_dir, write_private
 
 log = logging.getLogger("localheap.pages")
@@ -110,6 +111,17 @@ def _crc(rec: np.ndarray, fields) -> int:
     return crc
 
 
+def _byte_run(dtype: np.dtype, fields) -> slice:
+    """Where `fields` lie in a record of `dtype`, as one slice of its bytes: they must be contiguous
+    and in order, so that one crc32 over the slice is _crc over the fields (crc32 chains)."""
+    start = dtype.fields[fields[0]][1]
+    end = start
+    for f in fields:
+        assert dtype.fields[f][1] == end, f"{f} is not next to the field before it"
+        end += dtype[f].itemsize
+    return slice(start, end)
+
+
 SUMMARY_FIELDS = {"minmax": ("kmin", "kmax"), "mean": ("kmean",)}
 
 
@@ -118,7 +130,10 @@ class _Layer:
 
     def __init__(self, g: PageGeometry, fields: tuple[str, ...]):
         H, D, P = g.n_kv_heads, g.head_dim, g.page_size
-        self.sums = {f: np.zeros((0, H, D), np.float16) for f in fields}   # [slots, H, D] each
+        # [H, D, slots] each, the dims in the page scorer's order (scoring.lane_order): a question
+        # reads every live page's summary dimension-major, without a transpose
+        self.sums = {f: np.zeros((H, D, 0), np.float16) for f in fields}
+        self.dims = lane_order(D)
         self.span = np.zeros((0, H, 2), np.int64)      # [slots, H, (first, last position)]
         self.live = np.zeros(0, bool)                  # [slots]
         self.value = np.zeros(0, np.float32)
@@ -136,10 +151,16 @@ class _Layer:
             return
         extra = max(slots - n, n // 8, 64)   # geometric, so RAM stays within 1/8 of the live pages
         pad = lambda a: np.concatenate([a, np.zeros((extra, *a.shape[1:]), a.dtype)])   # noqa: E731
-        self.sums = {f: pad(a) for f, a in self.sums.items()}
+        self.sums = {f: np.concatenate([a, np.zeros((*a.shape[:2], extra), a.dtype)], axis=2)
+                     for f, a in self.sums.items()}
         self.live, self.value, self.span = pad(self.live), pad(self.value), pad(self.span)
         self.free.extend(range(n + extra - 1, n - 1, -1))   # lowest slot popped first
         self.free.sort(reverse=True)
+
+    def put_summaries(self, slot: int, rec: np.ndarray) -> None:
+        """A record's summaries ([H, D] each) into the RAM columns of `slot`."""
+        for f, a in self.sums.items():
+            a[:, :, slot] = rec[f][:, self.dims]
 
 
 class PageStore:
@@ -158,6 +179,8 @@ class PageStore:
         self.max_pages = max_pages              # pages, all layers; 0 = unbounded
         self.dtype = record_dtype(geometry)
         self.record_bytes = self.dtype.itemsize
+        self._meta_run = _byte_run(self.dtype, _META_FIELDS)
+        self._data_run = _byte_run(self.dtype, payload_names(geometry.fmt))
         names = ("magic", "crc_meta", *_META_FIELDS)   # a record's header .. summaries, without the payload
         self.header_dtype = np.dtype({"names": list(names), "formats": [self.dtype.fields[n][0] for n in names],
                                       "offsets": [self.dtype.fields[n][1] for n in names],
@@ -289,8 +312,7 @@ class PageStore:
         self.fault = None   # page-out works (again)
         faults.step("pages.write")
         # RAM summaries read back from the record, so a reopened store scores identically
-        for f, a in L.sums.items():
-            a[slot] = rec[f]
+        L.put_summaries(slot, rec)
         L.live[slot], L.value[slot] = True, value
         L.span[slot] = np.stack([pos.min(axis=1), pos.max(axis=1)], axis=1)
         self.seq += 1
@@ -413,10 +435,20 @@ class PageStore:
     # -- reading --------------------------------------------------------------------
     def summaries(self, layer: int) -> tuple[np.ndarray, ...]:
         """(slots [N], then kmin, kmax [N, H, D] (minmax) or kmean [N, H, D] (mean)) of the live
-        pages, float32."""
+        pages, float32, C-contiguous (what recall.score_pages scores)."""
+        slots, *by_dim = self.summaries_by_dim(layer)
+        inverse = np.argsort(self.layers[layer].dims)
+        return (slots, *(np.ascontiguousarray(a[:, inverse].transpose(2, 0, 1)) for a in by_dim))
+
+    def summaries_by_dim(self, layer: int) -> tuple[np.ndarray, ...]:
+        """(slots [N], then kmin, kmax (minmax) or kmean (mean), each [H, D, N] float32 with the
+        dims in scoring.lane_order) of the live pages: what scoring.score_pages_by_dim scores."""
         L = self.layers[layer]
         slots = np.flatnonzero(L.live)
-        return (slots, *(L.sums[f][slots].astype(np.float32) for f in SUMMARY_FIELDS[self.summary]))
+        n = len(slots)
+        whole = n == 0 or slots[-1] == n - 1   # the live pages are slots 0 .. n-1: a slice, no gather
+        return (slots, *((a[:, :, :n] if whole else a.take(slots, axis=2)).astype(np.float32)
+                         for a in (L.sums[f] for f in SUMMARY_FIELDS[self.summary])))
 
     def spans(self, layer: int, slots: np.ndarray) -> np.ndarray:
         """[n, H, 2]: each page's first and last token position per KV head (kept in RAM)."""
@@ -459,8 +491,8 @@ class PageStore:
         for i, slot in enumerate(slots):
             buf = os.pread(self._fds[layer], self.record_bytes, int(slot) * self.record_bytes)
             rec = np.frombuffer(buf, self.dtype)[0] if len(buf) == self.record_bytes else None
-            if (rec is not None and rec["magic"] == MAGIC and _crc(rec, _META_FIELDS) == rec["crc_meta"]
-                    and _crc(rec, payload_names(self.g.fmt)) == rec["crc_data"]):
+            if (rec is not None and rec["magic"] == MAGIC and zlib.crc32(buf[self._meta_run]) == rec["crc_meta"]
+                    and zlib.crc32(buf[self._data_run]) == rec["crc_data"]):   # _crc over the fields, in one run
                 out[i] = rec
             elif self.layers[layer].live[int(slot)]:
                 bad.append(int(slot))
@@ -613,8 +645,7 @@ class PageStore:
                 if _crc(rec, _META_FIELDS) != rec["crc_meta"]:
                     self.corrupt += 1
                     continue
-                for f, a in L.sums.items():
-                    a[slot] = rec[f]
+                L.put_summaries(slot, rec)
                 L.live[slot], L.value[slot] = True, rec["value"]
                 L.span[slot] = np.stack([rec["positions"].min(axis=1), rec["positions"].max(axis=1)], axis=1)
             L.free = sorted((int(s) for s in np.flatnonzero(~L.live[: len(L.live)])), reverse=True)

@@ -44,13 +44,28 @@ def score_pages(queries: np.ndarray, summary: tuple[np.ndarray, ...], how: str =
     return bound.max(axis=1)
 
 
+def best_first(scores: np.ndarray, k: int) -> np.ndarray:
+    """np.argsort(-scores, axis=-1, kind="stable")[..., :k] (best first, ties to the lower index),
+    without sorting all N: the k-th best by a partition, then a stable sort of the candidates at
+    least as good, which hold the first k in the same relative order. scores: [..., N]."""
+    keys = -scores
+    N = keys.shape[-1]
+    if k >= N or k <= 0 or np.isnan(keys).any():
+        return np.argsort(keys, axis=-1, kind="stable")[..., :k]
+    kth = np.partition(keys, k - 1, axis=-1)[..., k - 1: k]
+    out = np.empty((*keys.shape[:-1], k), np.int64)
+    for row in np.ndindex(*keys.shape[:-1]):
+        cand = np.flatnonzero(keys[row] <= kth[row])
+        out[row] = cand[np.argsort(keys[row][cand], kind="stable")[:k]]
+    return out
+
+
 def select_pages(scores: np.ndarray, n_pages: int) -> np.ndarray:
     """scores: [H, N] -> indices [H, k] (k = min(n_pages, N)) of each head's best pages,
     ascending; ties go to the older page."""
     H, N = scores.shape
     k = min(n_pages, N)
-    order = np.argsort(-scores, axis=1, kind="stable")[:, :k]
-    return np.sort(order, axis=1)
+    return np.sort(best_first(scores, k), axis=1)
 
 
 def vote(scores: dict, read_positions: Callable, n_bins: int, bin_size: int = WINDOW,
@@ -63,7 +78,7 @@ def vote(scores: dict, read_positions: Callable, n_bins: int, bin_size: int = WI
     votes = np.zeros(n_bins)
     for layer, z in scores.items():
         H, N = z.shape
-        top = np.argsort(-z, axis=1, kind="stable")[:, :voters]            # [H, C]
+        top = best_first(z, voters)                                        # [H, C]
         uniq, inv = np.unique(top, return_inverse=True)
         pos = read_positions(layer, uniq)                                  # [u, H, P]
         inv = inv.reshape(top.shape)
@@ -76,6 +91,32 @@ def vote(scores: dict, read_positions: Callable, n_bins: int, bin_size: int = WI
                 b, cnt = np.unique(p // bin_size, return_counts=True)
                 votes[b] += max(float(z[h, top[h, c]]), 0.0) * cnt / cnt.sum()
     return votes
+
+
+def vote_order(votes: np.ndarray) -> np.ndarray:
+    """np.argsort(-votes, kind="stable") for votes >= 0 (vote's): the bins with a vote, best first,
+    then the bins without one in order, with one sort of the few that have a vote."""
+    if np.isnan(votes).any():
+        return np.argsort(-votes, kind="stable")
+    voted = np.flatnonzero(votes > 0)
+    return np.concatenate([voted[np.argsort(-votes[voted], kind="stable")], np.flatnonzero(votes <= 0)])
+
+
+def pages_meeting(first: np.ndarray, last: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+    """Indices (ascending) of the pages whose span [first, last] meets one of the windows
+    [lo, hi): the windows merged into disjoint runs, then one search per page (a page meets the
+    union iff the first run ending after its first position starts at or before its last)."""
+    if not len(lo):
+        return np.zeros(0, np.int64)
+    srt = np.argsort(lo, kind="stable")
+    lo, hi = lo[srt], np.maximum.accumulate(hi[srt])
+    new = np.concatenate([[True], lo[1:] > hi[:-1]])                   # a gap before this window
+    starts = lo[new]
+    ends = np.concatenate([hi[np.flatnonzero(new)[1:] - 1], hi[-1:]])  # each run's end
+    run = np.searchsorted(ends, first, side="right")                   # first run with end > first
+    meets = run < len(ends)
+    meets[meets] = starts[run[meets]] <= last[meets]
+    return np.flatnonzero(meets)
 
 
 def window_batch(want: int, bin_size: int = WINDOW) -> int:
@@ -92,18 +133,18 @@ def take_windows(order: np.ndarray, want: int, spans: np.ndarray, read_positions
     pages whose span meets a window, batch after batch: memoize it, as paging.positions_reader
     does), tail_pos [H, t] (the partial page).
     Returns per head the taken tokens as (page index or -1 for the tail, offset), in rank order."""
-    N, H = spans.shape[0], spans.shape[1]
+    H = spans.shape[1]
     margin = bin_size // 2
-    first, last = spans[:, :, 0].min(axis=1), spans[:, :, 1].max(axis=1)   # [N], any head
     taken: list[list] = [[] for _ in range(H)]
-    seen: list[set] = [set() for _ in range(H)]
+    seen = [np.zeros(0, bool) for _ in range(H)]   # per head: positions taken (a bitmap, grown as needed)
     step = window_batch(want, bin_size)
     at = 0
     while at < len(order) and min(map(len, taken)) < want:
         batch = order[at: at + step]
         at += step
         lo, hi = batch * bin_size - margin, (batch + 1) * bin_size + margin
-        cand = np.flatnonzero(((first[None] < hi[:, None]) & (last[None] >= lo[:, None])).any(axis=0))
+        # the pages where some head's own span meets a window (only those hold a window's token)
+        cand = np.unique(np.concatenate([pages_meeting(spans[:, h, 0], spans[:, h, 1], lo, hi) for h in range(H)]))
         pages = read_positions(cand)                                        # [c, H, P]
         P = pages.shape[2]
         for h in range(H):
@@ -116,15 +157,18 @@ def take_windows(order: np.ndarray, want: int, spans: np.ndarray, read_positions
             off = np.concatenate([np.tile(np.arange(P), len(cand)), np.arange(len(t))])
             srt = np.argsort(pos, kind="stable")
             pos, src, off = pos[srt], src[srt], off[srt]
-            for a, b in zip(lo.tolist(), hi.tolist()):
+            if len(pos) and pos[-1] >= len(seen[h]):
+                seen[h] = np.concatenate([seen[h], np.zeros(int(pos[-1]) + 1 - len(seen[h]), bool)])
+            starts, ends = np.searchsorted(pos, np.maximum(lo, 0)), np.searchsorted(pos, hi)
+            for i0, i1 in zip(starts.tolist(), ends.tolist()):
                 if len(taken[h]) >= want:
                     break
-                i0, i1 = np.searchsorted(pos, [max(0, a), b])
-                for k in range(i0, i1):
-                    p = int(pos[k])
-                    if p not in seen[h]:
-                        seen[h].add(p)
-                        taken[h].append((int(src[k]), int(off[k])))
+                # the window's tokens in position order, each position once, none taken before
+                seg = pos[i0:i1]
+                new = ~seen[h][seg]
+                new[1:] &= seg[1:] != seg[:-1]
+                seen[h][seg[new]] = True
+                taken[h].extend(zip(src[i0:i1][new].tolist(), off[i0:i1][new].tolist()))
     return [t[:want] for t in taken]
 
 
