@@ -380,6 +380,47 @@ def test_a_call_failing_on_a_follower_alone_fails_the_request_and_the_ranks_go_o
     assert follower_log.count("Traceback") >= 2, follower_log
 
 
+ROLLBACK_HEAP = ["--budget", "48", "--recent", "8", "--slack", "256", "--prefill-chunk", "32"]   # a reply rolls back
+
+
+def regenerate(post, model: str) -> list[dict]:
+    """Turn 1, another session (spilling this one), turn 2, then turn 2 again: its reply rolled back
+    (the heap cut back to the prompt on every rank) and written anew."""
+    history: list = []
+    replies = conversation(post, history, TURNS[:2], model)
+    return replies + [chat(post, history[:-2], TURNS[1], model)]
+
+
+def test_a_request_failing_after_the_followers_advanced_leaves_every_rank_at_the_same_turn(tmp_path):
+    """Rank 1 fails the generation of turn 2 after every rank read its prompt, then fails a rollback
+    (a regenerate cutting every rank's heap back to the prompt): each request fails with rank_failed,
+    and the same request again gives the single-process reply, so every rank's heap was back at the
+    same turn (a rank left a turn ahead or behind answers differently). The reference is the same
+    conversation on 2 ranks with no fault: tensor sharding sums the heads' outputs across ranks, and
+    with this heap (no eviction) the sums' rounding makes the replies part from one process's."""
+    model_dir = demo_model_dir()
+    if model_dir is None:
+        pytest.skip("no bundled demo model in this installation")
+    with Ranks(tmp_path, model_dir, "tensor", tmp_path / "reference", heap=ROLLBACK_HEAP) as ranks:
+        want = regenerate(lambda path, json, headers={}: httpx.post(ranks.url + path, json=json, timeout=120),
+                          ranks.model)
+    assert want[2]["text"] == want[1]["text"] and want[2]["usage"]["prompt_tokens_details"]["cached_tokens"] == \
+        want[2]["usage"]["prompt_tokens"] - 1, want   # a rollback, not a fresh session
+    with Ranks(tmp_path, model_dir, "tensor", tmp_path / "sessions", heap=ROLLBACK_HEAP,
+               follower_env={"LOCALHEAP_TEST_FOLLOWER_FAULT": "generate:3,truncate:1"}) as ranks:
+        post = lambda path, json, headers={}: httpx.post(ranks.url + path, json=json, timeout=120)  # noqa: E731
+        history: list = []
+        got = [chat(post, history, TURNS[0], ranks.model)]
+        chat(post, [], "Hello!", ranks.model)   # spills the first session
+        asked = [*history, {"role": "user", "content": TURNS[1]}]
+        fails(ranks, asked, "generate", 1)   # after every rank restored the session and read the prompt
+        got.append(chat(post, history, TURNS[1], ranks.model))
+        fails(ranks, asked, "truncate", 2)   # the regenerate's rollback
+        got.append(chat(post, history[:-2], TURNS[1], ranks.model))
+        assert ranks.procs[1].poll() is None
+    assert got == want, ranks.log()
+
+
 def test_a_follower_failing_inside_a_forward_logs_it_and_leaves_the_ring(tmp_path, caplog):
     """A forward that fails on a follower once started (rank 0 is inside its collectives): the
     follower cannot get back in step, so it logs the traceback and says the process must exit."""

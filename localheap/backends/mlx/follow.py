@@ -3,7 +3,8 @@
 `follow` receives each command rank 0's Leader sends (leader.py) and makes the same call on the
 same heap of this rank's shard, until rank 0 says stop or is lost.
 
-A call that fails here alone: after a call that makes a heap (a new one, a restore's read),
+A call that fails here alone: after a call that makes a heap (a new one, a restore's read) or
+cuts one back (a rollback),
 every rank says how its call went (`Ranks.notes`, one small all_gather); before a prefill chunk
 or a generation's start, every rank says whether it can start it (one flag each). A failure
 there fails the request on rank 0 with RankFailed (that heap dropped on every rank) and the
@@ -11,8 +12,8 @@ ranks go on. A generated token has no such check: decoding costs what it did. A 
 fails inside a forward it started has left collectives that rank 0 is waiting in: it cannot get
 back in step, so it logs the traceback and exits; rank 0's heartbeat (liveness.py) sees its
 connection close and reports the rank lost, even where MLX's ring leaves rank 0's collective
-waiting. A save agrees already (DistributedMLXBackend.save_cache); other failures (a rollback,
-removing files) are logged with their traceback here, and this rank goes on.
+waiting. A save agrees already (DistributedMLXBackend.save_cache); other failures (removing
+files, dropping a heap) are logged with their traceback here, and this rank goes on.
 """
 
 from __future__ import annotations

@@ -39,7 +39,7 @@ from ...heap import HeapConfig
 from .distributed import DistributedMLXBackend
 
 log = logging.getLogger("localheap.distributed")
-CHECKED = ("new", "load")   # a heap made or read: every rank reports how the call went
+CHECKED = ("new", "load", "truncate")   # a heap made, read or cut back: every rank reports how the call went
 START_CHECKED = ("prefill", "generate")   # every rank says it can start these first
 STUCK_GRACE_S = 2.0   # a rank is gone: how long a collective in flight may take to fail by itself
 HEARD_S = 1.0         # a ring error: how long the heartbeat may take to say which rank is gone
@@ -229,8 +229,10 @@ class Leader:
         self._guard(lambda: self.backend.prefill(cache, tokens, progress))
 
     def truncate(self, cache, tokens: int) -> None:
-        self.send("truncate", handle=cache.handle, tokens=int(tokens))
-        self.backend.truncate(cache, tokens)
+        """A rollback: checked, since a rank whose heap was not cut back would answer from another turn
+        (on a failure every rank drops this heap; the caller falls back to the saved copy)."""
+        self._checked("truncate", lambda: self.backend.truncate(cache, tokens), handle=cache.handle,
+                      tokens=int(tokens))
 
     def generate(self, cache, new_tokens, params: SamplingParams, progress=None, cancelled=None):
         """Each token is one command (the followers step their generator with this one); a
