@@ -333,6 +333,32 @@ def test_a_rank_killed_mid_step_fails_the_request_within_a_bound_and_disk_stays_
     assert second == want[1], ranks.log()
 
 
+def test_a_follower_failing_mid_decode_leaves_the_ring_and_rank_0_says_so(tmp_path):
+    """Rank 1 fails its 5th generated token (rank 0 is inside that token's collectives): rank 1 logs
+    the traceback and exits (status 3), and the request fails with rank_lost naming rank 1 within
+    LOST_BOUND_S instead of waiting in the collective."""
+    model_dir = demo_model_dir()
+    if model_dir is None:
+        pytest.skip("no bundled demo model in this installation")
+    ranks = Ranks(tmp_path, model_dir, "tensor", tmp_path / "sessions",
+                  follower_env={"LOCALHEAP_TEST_FOLLOWER_FAULT": "next:5"}).wait_ready()
+    try:
+        began = time.monotonic()
+        r = httpx.post(ranks.url + "/v1/chat/completions", timeout=120, json={
+            "model": ranks.model, "max_tokens": MAX_TOKENS, "temperature": 0,
+            "messages": [{"role": "user", "content": TURNS[0]}]})
+        assert time.monotonic() - began < LOST_BOUND_S + 30, ranks.log()   # + the prefill
+        assert r.status_code == 503 and r.json()["error"]["code"] == "rank_lost", (r.text, ranks.log())
+        assert "rank 1" in r.json()["error"]["message"], r.text
+        assert ranks.procs[1].wait(10) == 3, ranks.log()
+        assert httpx.get(ranks.url + "/health", timeout=5).status_code == 503
+    finally:
+        ranks.stop()
+    ranks.logs[1].seek(0)
+    follower_log = ranks.logs[1].read()
+    assert "next failed on this rank mid-step" in follower_log and "InjectedFault" in follower_log, follower_log
+
+
 FAIL_BOUND_S = 60   # a failed step answers within this
 
 
