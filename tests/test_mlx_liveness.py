@@ -4,6 +4,7 @@ not lost; a call stuck in a collective with a lost rank is handed to `on_stuck`.
 
 import json
 import socket
+import struct
 import threading
 import time
 
@@ -89,3 +90,54 @@ def test_beats_keep_their_own_clock():
             pass
     assert 2 <= got <= 4 and not reports, got
     beat.close()
+
+
+class ThreadRanks:
+    """Two ranks as threads: `each` is an all_gather through a barrier."""
+
+    def __init__(self, shared, rank):
+        self.shared, self.rank, self.size = shared, rank, 2
+
+    def each(self, n):
+        self.shared["values"][self.rank] = n
+        self.shared["barrier"].wait()
+        out = list(self.shared["values"])
+        self.shared["barrier"].wait()
+        return out
+
+
+def test_connect_pairs_the_ranks_and_closes_a_stranger(monkeypatch):
+    """Rank 0 listens, the port and a key go through the collective, rank 1 connects; a connection
+    that does not say the key (here, one made before rank 1's) is closed, not taken for rank 1."""
+    from localheap.backends.mlx import liveness
+
+    shared = {"values": [0, 0], "barrier": threading.Barrier(2)}
+    env = {"LOCALHEAP_RANK0_HOST": "127.0.0.1"}
+    beats = {}
+    real_connection = socket.create_connection
+    strangers = []
+
+    def stranger_first(address, timeout=None):
+        strangers.append(real_connection(address, timeout=5))   # someone else on the network, first
+        strangers[0].sendall(struct.pack(liveness.HELLO, 1, 12345))
+        return real_connection(address, timeout=timeout)
+
+    monkeypatch.setattr(liveness.socket, "create_connection", stranger_first)
+
+    def run(rank):
+        beats[rank] = liveness.connect(ThreadRanks(shared, rank), timeout=30, environ=env)
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    assert set(beats[0].peers) == {1} and set(beats[1].peers) == {0}
+    assert strangers[0].recv(16) == b""   # rank 0 closed the stranger
+    reports = []
+    heard = threading.Event()
+    beats[0].on_lost = lambda rank, why: (reports.append((rank, why)), heard.set())
+    beats[0].start()
+    beats[1].peers[0].close()   # the real rank 1 ends
+    assert heard.wait(5) and reports[0][0] == 1
+    beats[0].close()

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import secrets
 import select
 import socket
 import struct
@@ -27,6 +28,7 @@ TIMEOUT_S = 30.0    # (default) a rank silent this long is lost
 CONNECT_S = 30.0    # a follower's connect at start
 BEAT, BYE = b".", b"x"   # BYE: an orderly end, not a loss
 HOST_ENV = "LOCALHEAP_RANK0_HOST"
+HELLO = "<iq"   # a follower's first words: its rank and the key rank 0 sent through a collective
 
 
 def rank0_host(environ=os.environ) -> Optional[str]:
@@ -141,10 +143,11 @@ class Heartbeat:
 
 
 def connect(ranks, timeout: float = TIMEOUT_S, environ=os.environ) -> Optional[Heartbeat]:
-    """Every rank, at start: rank 0 listens on its address, the port reaches the followers through
-    a collective, each follower connects and says its rank. Returns this rank's Heartbeat (not
-    started), or None on every rank when one of them could not connect (a warning says that a
-    rank's death may then leave rank 0 waiting)."""
+    """Every rank, at start: rank 0 listens on its address, the port and a random key reach the
+    followers through collectives, each follower connects and says its rank and the key (rank 0
+    closes a connection that does not). Returns this rank's Heartbeat (not started), or None on
+    every rank when one of them could not connect (a warning says that a rank's death may then
+    leave rank 0 waiting)."""
     host = rank0_host(environ)
     server = None
     if ranks.rank == 0 and host is not None:
@@ -153,11 +156,12 @@ def connect(ranks, timeout: float = TIMEOUT_S, environ=os.environ) -> Optional[H
         except OSError as e:
             log.warning("heartbeat: cannot listen on %s: %s", host, e)
     port = ranks.each(server.getsockname()[1] if server is not None else 0)[0]
+    key = ranks.each(secrets.randbits(62) if ranks.rank == 0 else 0)[0]
     mine = None
     if ranks.rank != 0 and port and host is not None:
         try:
             mine = socket.create_connection((host, port), timeout=CONNECT_S)
-            mine.sendall(struct.pack("<i", ranks.rank))
+            mine.sendall(struct.pack(HELLO, ranks.rank, key))
         except OSError as e:
             log.warning("heartbeat: cannot reach rank 0 at %s:%d: %s", host, port, e)
             mine = None
@@ -172,13 +176,28 @@ def connect(ranks, timeout: float = TIMEOUT_S, environ=os.environ) -> Optional[H
     if ranks.rank != 0:
         mine.settimeout(None)
         return Heartbeat({0: mine}, timeout)
-    peers = {}
-    server.settimeout(CONNECT_S)
-    for _ in range(ranks.size - 1):
-        s, _ = server.accept()
-        s.settimeout(CONNECT_S)
-        (rank,) = struct.unpack("<i", s.recv(4, socket.MSG_WAITALL))
+    try:
+        return Heartbeat(_accept(server, ranks.size, key), timeout)
+    finally:
+        server.close()
+
+
+def _accept(server: socket.socket, size: int, key: int) -> dict[int, socket.socket]:
+    """Rank 0: every follower's connection (rank -> socket), the ones that say the key; others closed."""
+    peers: dict[int, socket.socket] = {}
+    deadline = time.monotonic() + CONNECT_S
+    while len(peers) < size - 1:
+        server.settimeout(max(0.1, deadline - time.monotonic()))
+        s, addr = server.accept()
+        s.settimeout(5.0)
+        try:
+            rank, said = struct.unpack(HELLO, s.recv(struct.calcsize(HELLO), socket.MSG_WAITALL))
+        except (OSError, struct.error):
+            rank, said = -1, None
+        if said != key or not 0 < rank < size or rank in peers:
+            log.warning("heartbeat: a connection from %s is not a rank's: closed", addr[0])
+            s.close()
+            continue
         s.settimeout(None)
         peers[rank] = s
-    server.close()
-    return Heartbeat(peers, timeout)
+    return peers
