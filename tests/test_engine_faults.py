@@ -150,3 +150,52 @@ def test_a_bug_in_the_loop_fails_everything_and_reports(tmp_path):
         eng.call(lambda: 1).result(timeout=1)
     assert eng.in_flight == 0
     assert not eng.stop(timeout=1)
+
+
+def test_abandon_fails_what_waits_on_a_stuck_backend_call(tmp_path):
+    """A backend call that never returns (--distributed: a collective with a rank that is gone):
+    `abandon` from another thread fails the running and the queued request with its error, refuses
+    later ones with it, /health's engine is unhealthy, and stop() does not wait for the thread. What
+    was saved stays saved: the stuck turn is never committed, even when the call comes back later."""
+    import threading
+
+    from localheap.engine import RankLost
+
+    backend = FakeBackend()
+    eng, _ = engine_on(tmp_path, backend, durable=True)
+    release = threading.Event()
+    try:
+        sid = finished(drain(run(eng, Generate, "saved turn", max_tokens=3)[1])).session_id
+        fed = list(eng.store.get(sid).fed)
+        stuck_in = threading.Event()
+        real_prefill = backend.prefill
+
+        def stuck(cache, tokens, progress=None, cancelled=None):
+            stuck_in.set()
+            release.wait()
+            raise RuntimeError("[ring] connection to a peer was lost")
+
+        backend.prefill = stuck
+        _, running = run(eng, Generate, "saved turn and more", session_id=sid, max_tokens=3)
+        assert stuck_in.wait(5)
+        _, queued = run(eng, Generate, "another", max_tokens=3)
+        eng.abandon(RankLost("rank lost: rank 1 ended"))
+        for events in (running, queued):
+            last = drain(events)[-1]
+            assert isinstance(last, Failed) and isinstance(last.error, RankLost), last
+        with pytest.raises(RankLost, match="rank 1 ended"):
+            run(eng, Generate, "later", max_tokens=3)
+        assert eng.call(lambda: None).exception(1) is not None
+        assert not eng.healthy and eng.in_flight == 0
+        began = time.monotonic()
+        assert eng.stop() is False and time.monotonic() - began < 1
+        release.set()   # the call comes back after all: its job is over, its turn is not saved
+        backend.prefill = real_prefill
+        time.sleep(0.2)
+        assert eng.in_flight == 0
+        reopened = SessionStore(FakeBackend(), CFG, tmp_path / "sessions", durable=True)
+        assert reopened.load_persisted("fake-model") == 1
+        assert list(reopened.get(sid).fed) == fed
+    finally:
+        release.set()
+        eng.stop()

@@ -48,13 +48,14 @@ def free_ports(n: int) -> list[int]:
 class Ranks:
     """Two `localheap serve --distributed` processes; rank 0's URL once /health answers."""
 
-    def __init__(self, tmp: Path, model_dir, mode: str, sessions: Path, *extra: str, follower_env: dict = None):
+    def __init__(self, tmp: Path, model_dir, mode: str, sessions: Path, *extra: str, follower_env: dict = None,
+                 heap: list = HEAP):
         ring, ring2, http = free_ports(3)
         hosts = tmp / f"hosts-{ring}.json"
         hosts.write_text(json.dumps([[f"127.0.0.1:{ring}"], [f"127.0.0.1:{ring2}"]]))
         cmd = [sys.executable, "-m", "localheap.cli", "serve", "--distributed", mode, "--model", str(model_dir),
                "--port", str(http), "--sessions-dir", str(sessions), "--ram-budget", "4G",
-               "--max-resident-sessions", "1", *HEAP,
+               "--max-resident-sessions", "1", *heap,
                *(extra or RECALL["off"])]
         self.url = f"http://127.0.0.1:{http}"
         self.logs = [open(tmp / f"rank{r}-{ring}.log", "w+") for r in (0, 1)]
@@ -125,6 +126,18 @@ def single_process(model_dir, heap: list) -> list[dict]:
     --distributed` is: a batched turn that ends leaves its last sampled token (EOS) unfed, where
     the round-robin generator has fed it already, so the next turn's chunks (and, with evictions,
     its tokens) differ between the two engines."""
+    def script(post, model: str) -> list[dict]:
+        history: list = []
+        replies = conversation(post, history, TURNS[:2], model)
+        forked = fork_and_ask(post, history, model)
+        return replies + [chat(post, history, TURNS[2], model), forked]
+
+    return on_one_process(model_dir, heap, script)
+
+
+def on_one_process(model_dir, heap: list, script):
+    """`script(post, model)` against one process's server (no sessions kept on disk), on the
+    round-robin engine, as `serve --distributed` runs."""
     from localheap.backends.mlx import MLXBackend
     from localheap.commands.common import heap_config
     from localheap.commands.serve import add_parser, settings_from_args
@@ -138,12 +151,9 @@ def single_process(model_dir, heap: list) -> list[dict]:
     settings = settings_from_args(args)
     settings.heap = heap_config(args)
     backend = MLXBackend.load(model_dir)
-    history: list = []
     with TestClient(create_app(backend, settings), base_url="http://127.0.0.1:8000") as client:
-        post = lambda path, json, headers={}: client.post(path, json=json, headers=headers)  # noqa: E731
-        replies = conversation(post, history, TURNS[:2], backend.model_name)
-        forked = fork_and_ask(post, history, backend.model_name)
-        return replies + [chat(post, history, TURNS[2], backend.model_name), forked]
+        return script(lambda path, json, headers={}: client.post(path, json=json, headers=headers),
+                      backend.model_name)
 
 
 def conversation(post, history: list, turns: list, model: str) -> list[dict]:
@@ -236,7 +246,139 @@ def test_a_killed_rank_fails_requests_clearly_and_health_says_so(tmp_path):
     assert len(index["sessions"]) == 1 and index["sessions"][0]["gen"] == 0
 
 
+LOST_BOUND_S = 20   # a killed rank: the request in flight fails within this (heartbeat: at once; +2 s grace)
+LONG_PROMPT = " ".join(f"The lighthouse keeper counted {n} waves and {n + 1} gulls before the night."
+                       for n in range(150))   # ~3K tokens: a prefill of many chunks
+
+
+def stream_until(ranks, messages: list, max_tokens: int, kill_after_tokens: int) -> dict:
+    """A streamed chat request; rank 1 is killed (SIGKILL) after `kill_after_tokens` content deltas
+    (mid-decode), or with 0 as soon as the request started (its first chunk: its session admitted,
+    the prompt's prefill under way). Returns what the stream said."""
+    seen = {"deltas": 0, "error": None, "killed_at": None, "ended_at": None}
+
+    def kill() -> None:
+        ranks.procs[1].kill()
+        seen["killed_at"] = time.monotonic()
+
+    body = {"model": ranks.model, "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True}
+    with httpx.stream("POST", ranks.url + "/v1/chat/completions", json=body, timeout=120) as r:
+        assert r.status_code == 200, r.read()
+        lines = r.iter_lines()
+        while True:
+            if seen["killed_at"] is not None and time.monotonic() - seen["killed_at"] > LOST_BOUND_S:
+                break   # hung (the stream's keep-alive pings come every 15 s): the assert below says so
+            try:
+                line = next(lines)
+            except StopIteration:
+                break
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[len("data: "):])
+            if seen["killed_at"] is None and not kill_after_tokens:
+                kill()
+            if "error" in chunk:
+                seen["error"] = chunk["error"]
+                continue
+            if chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
+                seen["deltas"] += 1
+                if seen["killed_at"] is None and kill_after_tokens and seen["deltas"] >= kill_after_tokens:
+                    kill()
+    seen["ended_at"] = time.monotonic()
+    return seen
+
+
+@pytest.mark.parametrize("when", ["decode", "prefill"])
+def test_a_rank_killed_mid_step_fails_the_request_within_a_bound_and_disk_stays_whole(model_dirs, tmp_path, when):
+    """kill -9 of rank 1 while rank 0 is inside a forward's collectives (a decode step, or a long
+    prefill): the heartbeat finds it, the request fails with rank_lost within LOST_BOUND_S, /health
+    says which rank, later requests fail at once, and SIGTERM ends rank 0 (status 1, saying why).
+    The session's saved turn is untouched: a fresh pair of ranks restores it and the next turn is
+    the single-process reply."""
+    model_dir = demo_model_dir()
+    if model_dir is None:
+        pytest.skip("no bundled demo model in this installation")
+    want = single_process(model_dir, HEAP + RECALL["off"])
+    sessions = tmp_path / "sessions"
+    history: list = []
+    ranks = Ranks(tmp_path, model_dir, "tensor", sessions).wait_ready()
+    try:
+        post = lambda path, json, headers={}: httpx.post(ranks.url + path, json=json, timeout=120)  # noqa: E731
+        chat(post, history, TURNS[0], ranks.model)
+        if when == "decode":
+            seen = stream_until(ranks, [*history, {"role": "user", "content": TURNS[1]}], 4000, 3)
+            assert seen["deltas"] >= 3, (seen, ranks.log())
+        else:   # killed as the long prompt's prefill starts
+            seen = stream_until(ranks, [*history, {"role": "user", "content": LONG_PROMPT}], 8, 0)
+            assert seen["deltas"] == 0, (seen, ranks.log())
+        assert seen["killed_at"] is not None and seen["error"] is not None, (seen, ranks.log())
+        print(f"killed mid-{when}: the request failed {seen['ended_at'] - seen['killed_at']:.2f} s after the kill")
+        assert seen["ended_at"] - seen["killed_at"] < LOST_BOUND_S, (seen, ranks.log())
+        assert seen["error"]["code"] == "rank_lost" and "rank 1" in seen["error"]["message"], seen
+        health = httpx.get(ranks.url + "/health", timeout=5)
+        assert health.status_code == 503 and health.json()["status"] == "failed", health.text
+        assert "rank 1" in health.json()["ranks"]["lost"], health.text
+        began = time.monotonic()
+        r = post("/v1/chat/completions", {"model": ranks.model, "messages": [{"role": "user", "content": "hi"}],
+                                          "max_tokens": 4})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "rank_lost", r.text
+        assert time.monotonic() - began < 5
+        ranks.procs[0].send_signal(signal.SIGTERM)
+        assert ranks.procs[0].wait(LOST_BOUND_S + 20) == 1, ranks.log()
+        assert "exiting with status 1: rank lost: rank 1" in ranks.log(), ranks.log()
+    finally:
+        ranks.stop()
+    index = json.loads((sessions / "index.json").read_text())["sessions"]
+    assert [e["gen"] for e in index] == [0], index   # turn 1's save; nothing of the failed turn
+    with Ranks(tmp_path, model_dir, "tensor", sessions) as ranks:
+        second = chat(lambda path, json, headers: httpx.post(ranks.url + path, json=json, timeout=120), history,
+                      TURNS[1], ranks.model)
+    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] > 0, ranks.log()   # restored from disk
+    assert second == want[1], ranks.log()
+
+
+def test_a_follower_failing_mid_decode_leaves_the_ring_and_rank_0_says_so(tmp_path):
+    """Rank 1 fails its 5th generated token (rank 0 is inside that token's collectives): rank 1 logs
+    the traceback and exits (status 3), and the request fails with rank_lost naming rank 1 within
+    LOST_BOUND_S instead of waiting in the collective."""
+    model_dir = demo_model_dir()
+    if model_dir is None:
+        pytest.skip("no bundled demo model in this installation")
+    ranks = Ranks(tmp_path, model_dir, "tensor", tmp_path / "sessions",
+                  follower_env={"LOCALHEAP_TEST_FOLLOWER_FAULT": "next:5"}).wait_ready()
+    try:
+        began = time.monotonic()
+        r = httpx.post(ranks.url + "/v1/chat/completions", timeout=120, json={
+            "model": ranks.model, "max_tokens": MAX_TOKENS, "temperature": 0,
+            "messages": [{"role": "user", "content": TURNS[0]}]})
+        assert time.monotonic() - began < LOST_BOUND_S + 30, ranks.log()   # + the prefill
+        assert r.status_code == 503 and r.json()["error"]["code"] == "rank_lost", (r.text, ranks.log())
+        assert "rank 1" in r.json()["error"]["message"], r.text
+        assert ranks.procs[1].wait(10) == 3, ranks.log()
+        assert httpx.get(ranks.url + "/health", timeout=5).status_code == 503
+    finally:
+        ranks.stop()
+    ranks.logs[1].seek(0)
+    follower_log = ranks.logs[1].read()
+    assert "next failed on this rank mid-step" in follower_log and "InjectedFault" in follower_log, follower_log
+
+
 FAIL_BOUND_S = 60   # a failed step answers within this
+
+
+def fails(ranks, messages: list, step: str, count: int) -> None:
+    """The request fails at once on rank 1's injected fault in `step`; the ranks go on (/health ok)."""
+    began = time.monotonic()
+    r = httpx.post(ranks.url + "/v1/chat/completions", timeout=FAIL_BOUND_S,
+                   json={"model": ranks.model, "max_tokens": MAX_TOKENS, "temperature": 0, "messages": messages})
+    assert time.monotonic() - began < FAIL_BOUND_S
+    assert r.status_code == 503 and r.json()["error"]["code"] == "rank_failed", (r.text, ranks.log())
+    message = r.json()["error"]["message"]
+    assert f"rank 1 failed the {step} step" in message and "InjectedFault" in message, message
+    health = httpx.get(ranks.url + "/health", timeout=5)
+    assert health.status_code == 200 and health.json()["status"] == "ok", health.text
+    assert health.json()["ranks"]["failed_calls"] == count and health.json()["ranks"]["lost"] is None
+    assert f"rank 1: {step}: InjectedFault" in health.json()["ranks"]["last_failure"]
 
 
 def test_a_call_failing_on_a_follower_alone_fails_the_request_and_the_ranks_go_on(tmp_path):
@@ -253,24 +395,11 @@ def test_a_call_failing_on_a_follower_alone_fails_the_request_and_the_ranks_go_o
         def post(path, json, headers={}):
             return httpx.post(ranks.url + path, json=json, timeout=FAIL_BOUND_S)
 
-        def fails(history: list, text: str, step: str, count: int) -> None:
-            began = time.monotonic()
-            r = post("/v1/chat/completions", {"model": ranks.model, "max_tokens": MAX_TOKENS, "temperature": 0,
-                                              "messages": [*history, {"role": "user", "content": text}]})
-            assert time.monotonic() - began < FAIL_BOUND_S
-            assert r.status_code == 503 and r.json()["error"]["code"] == "rank_failed", (r.text, ranks.log())
-            message = r.json()["error"]["message"]
-            assert f"rank 1 failed the {step} step" in message and "InjectedFault" in message, message
-            health = httpx.get(ranks.url + "/health", timeout=5)
-            assert health.status_code == 200 and health.json()["status"] == "ok", health.text
-            assert health.json()["ranks"]["failed_calls"] == count and health.json()["ranks"]["lost"] is None
-            assert f"rank 1: {step}: InjectedFault" in health.json()["ranks"]["last_failure"]
-
         history: list = []
-        fails(history, TURNS[0], "prefill", 1)
+        fails(ranks, [*history, {"role": "user", "content": TURNS[0]}], "prefill", 1)
         first = chat(post, history, TURNS[0], ranks.model)   # the same request again: in step
         chat(post, [], "Hello!", ranks.model)   # spills the first session (one resident)
-        fails(history, TURNS[1], "load", 2)
+        fails(ranks, [*history, {"role": "user", "content": TURNS[1]}], "load", 2)
         second = chat(post, history, TURNS[1], ranks.model)   # restored on both ranks this time
         assert ranks.procs[1].poll() is None
     assert [first, second] == want[:2], ranks.log()
@@ -279,6 +408,47 @@ def test_a_call_failing_on_a_follower_alone_fails_the_request_and_the_ranks_go_o
     for step in ("prefill", "load"):
         assert f"InjectedFault: injected failure of {step} #1" in follower_log, follower_log
     assert follower_log.count("Traceback") >= 2, follower_log
+
+
+ROLLBACK_HEAP = ["--budget", "48", "--recent", "8", "--slack", "256", "--prefill-chunk", "32"]   # a reply rolls back
+
+
+def regenerate(post, model: str) -> list[dict]:
+    """Turn 1, another session (spilling this one), turn 2, then turn 2 again: its reply rolled back
+    (the heap cut back to the prompt on every rank) and written anew."""
+    history: list = []
+    replies = conversation(post, history, TURNS[:2], model)
+    return replies + [chat(post, history[:-2], TURNS[1], model)]
+
+
+def test_a_request_failing_after_the_followers_advanced_leaves_every_rank_at_the_same_turn(tmp_path):
+    """Rank 1 fails the generation of turn 2 after every rank read its prompt, then fails a rollback
+    (a regenerate cutting every rank's heap back to the prompt): each request fails with rank_failed,
+    and the same request again gives the single-process reply, so every rank's heap was back at the
+    same turn (a rank left a turn ahead or behind answers differently). The reference is the same
+    conversation on 2 ranks with no fault: tensor sharding sums the heads' outputs across ranks, and
+    with this heap (no eviction) the sums' rounding makes the replies part from one process's."""
+    model_dir = demo_model_dir()
+    if model_dir is None:
+        pytest.skip("no bundled demo model in this installation")
+    with Ranks(tmp_path, model_dir, "tensor", tmp_path / "reference", heap=ROLLBACK_HEAP) as ranks:
+        want = regenerate(lambda path, json, headers={}: httpx.post(ranks.url + path, json=json, timeout=120),
+                          ranks.model)
+    assert want[2]["text"] == want[1]["text"] and want[2]["usage"]["prompt_tokens_details"]["cached_tokens"] == \
+        want[2]["usage"]["prompt_tokens"] - 1, want   # a rollback, not a fresh session
+    with Ranks(tmp_path, model_dir, "tensor", tmp_path / "sessions", heap=ROLLBACK_HEAP,
+               follower_env={"LOCALHEAP_TEST_FOLLOWER_FAULT": "generate:3,truncate:1"}) as ranks:
+        post = lambda path, json, headers={}: httpx.post(ranks.url + path, json=json, timeout=120)  # noqa: E731
+        history: list = []
+        got = [chat(post, history, TURNS[0], ranks.model)]
+        chat(post, [], "Hello!", ranks.model)   # spills the first session
+        asked = [*history, {"role": "user", "content": TURNS[1]}]
+        fails(ranks, asked, "generate", 1)   # after every rank restored the session and read the prompt
+        got.append(chat(post, history, TURNS[1], ranks.model))
+        fails(ranks, asked, "truncate", 2)   # the regenerate's rollback
+        got.append(chat(post, history[:-2], TURNS[1], ranks.model))
+        assert ranks.procs[1].poll() is None
+    assert got == want, ranks.log()
 
 
 def test_a_follower_failing_inside_a_forward_logs_it_and_leaves_the_ring(tmp_path, caplog):
@@ -412,3 +582,13 @@ def test_serve_and_chat_distributed_outside_mlx_launch_say_how(capsys, command):
 
     assert main([*command, "--distributed", "tensor"]) == 2
     assert "mlx.launch" in capsys.readouterr().err
+
+
+def test_serve_distributed_refuses_a_disk_total_and_says_why(capsys):
+    from localheap.cli import main
+
+    assert main(["serve", "--no-persist", "--distributed", "tensor", "--disk-total", "10G"]) == 2
+    err = capsys.readouterr().err
+    assert "--disk-total does not run with --distributed" in err and "recall vote" in err, err
+    assert "mlx.launch" not in err   # refused before anything loads
+

@@ -167,3 +167,26 @@ def test_a_heap_the_disk_refuses_stays_resident_and_the_next_is_spilled(tmp_path
     with pytest.raises(SpillFailed):
         store.enforce_limits(keep=s)   # s is about to run; the refused heap is the only idle one
     assert sessions[0].state == "resident"
+
+
+@pytest.mark.parametrize("error", ["RankLost", "RankFailed"])
+def test_a_restore_stopped_by_another_rank_keeps_the_saved_copy(tmp_path, error):
+    """--distributed: a restore that fails because a rank is gone (or failed its part) says nothing
+    about the files here: the saved copy stays where the index says, to be read after a restart."""
+    from localheap.engine import RankFailed, RankLost
+
+    backend = FakeBackend()
+    store = SessionStore(backend, CFG, tmp_path, durable=True)
+    s = resident_sessions(store, 1)[0]
+    store.spill(s.id)
+    saved = s.spill_path
+    raised = RankLost("rank lost: rank 1 ended") if error == "RankLost" else RankFailed(1, "load", "OSError: x")
+
+    def gone(cfg, path, pages_dir=None):
+        raise raised
+
+    backend.load_cache = gone
+    with pytest.raises(type(raised)):
+        store.restore(s.id)
+    assert s.cache is None and s.spill_path == saved and saved.exists()
+    assert not (tmp_path / "aside").exists() or not list((tmp_path / "aside").iterdir())

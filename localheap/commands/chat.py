@@ -37,7 +37,7 @@ def add_parser(sub) -> None:
     p.add_argument("--temperature", type=float, default=0.7, help="0 samples greedily")
     p.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling mass")
     p.add_argument("--seed", type=int, default=None, help="sampling seed (default: random)")
-    add_distributed_arg(p)
+    add_distributed_arg(p, watched=True)
     p.set_defaults(func=run)
 
 
@@ -79,14 +79,16 @@ def run(args) -> int:
     cfg = heap_config(args)   # bad flags fail before the model loads
     print("loading the model...", file=sys.stderr, flush=True)
     if args.distributed:   # rank 0 chats on a Leader; the other ranks follow its heap calls
-        from ..backends.mlx.follow import Leader
+        from ..backends.mlx.leader import Leader
         from . import ranks
 
         backend = ranks.load_rank(args)
         apply_decode_attention(backend, args)
+        beat = ranks.heartbeat(backend, args.rank_timeout)
         if backend.rank != 0:
-            return ranks.follower(backend, None)
+            return ranks.follower(backend, None, beat)
         backend = Leader(backend)
+        ranks.lead(backend, beat)   # a rank gone mid-reply: rank 0 says so and exits
     else:
         backend = load_backend(model_spec(args), args.backend)
         apply_decode_attention(backend, args)

@@ -44,11 +44,15 @@ def apply_decode_attention(backend, args) -> bool:
     return True
 
 
-def add_distributed_arg(p: argparse.ArgumentParser) -> None:
+def add_distributed_arg(p: argparse.ArgumentParser, watched: bool = False) -> None:
     p.add_argument("--distributed", default=None, choices=("tensor", "pipeline"),
                    help="run one shard per rank under `mlx.launch` (mlx backend): tensor splits every layer's "
                         "heads, pipeline splits the layers; each rank keeps the heap of what it holds "
                         "(default: one process)")
+    if watched:
+        p.add_argument("--rank-timeout", type=float, default=30.0, metavar="SECONDS",
+                       help="--distributed: a rank whose heartbeat is silent this long counts as lost (a rank "
+                            "whose process ends counts at once); README: a lost rank")
 
 
 def load_model_backend(args):

@@ -69,9 +69,11 @@ def check_layout(sessions_dir: Optional[Path], layout: Optional[dict]) -> None:
             f"--distributed {x['mode']} on {x['ranks']} ranks"   # noqa: E731
         raise SystemExit(f"localheap: the sessions in {sessions_dir} were saved by {said(saved)}; this run is "
                          f"{said(layout)}: restart with that layout, or give another --sessions-dir")
-    if layout is not None and saved is None:
+    if layout is not None and saved is None:   # atomically: ranks sharing the directory read it meanwhile
         Path(sessions_dir).mkdir(parents=True, exist_ok=True)
-        marker.write_text(json.dumps(layout))
+        tmp = marker.with_name(f".{LAYOUT_FILE}.{os.getpid()}")
+        tmp.write_text(json.dumps(layout))
+        os.replace(tmp, marker)
 
 
 def layout_of(backend) -> Optional[dict]:
@@ -79,21 +81,53 @@ def layout_of(backend) -> Optional[dict]:
     return None if ranks is None else {"mode": backend.mode, "ranks": ranks.size}
 
 
-def follower(backend, sessions_dir: Optional[Path]) -> int:
+def heartbeat(backend, timeout: float):
+    """Every rank at start: the heartbeat between rank 0 and each follower (liveness.py), or None."""
+    from ..backends.mlx.liveness import connect
+
+    if timeout <= 0:
+        raise SystemExit("localheap: --rank-timeout must be > 0 seconds")
+    return connect(backend.ranks, timeout)
+
+
+def lead(leader, beat, on_stuck=None) -> None:
+    """Rank 0: the heartbeat reports a rank gone to the Leader; `on_stuck` fails what waits on a
+    collective that cannot end (Engine.abandon), by default rank 0 exits."""
+    leader.on_stuck = on_stuck or (lambda error: exit_now(f"localheap: {error}", 1))
+    if beat is not None:
+        leader.heartbeat = beat
+        beat.on_lost = leader.rank_gone
+        beat.start()
+
+
+def exit_now(message: str, code: int) -> None:
+    """End this process at once (a thread may wait in a collective for ever: a normal exit could too)."""
+    log.critical("%s", message)
+    for handler in logging.getLogger().handlers + log.handlers:
+        handler.flush()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def follower(backend, sessions_dir: Optional[Path], beat=None) -> int:
     """A follower rank until rank 0 stops: its own sessions directory (the same flag, on its
     host) or a temp dir when sessions are not kept. A step it failed mid-forward ends the process
-    at once, which closes its ring connections: rank 0's collectives fail instead of waiting."""
+    at once, which closes its ring connections and heartbeat: rank 0 knows. A rank 0 that is gone
+    (its heartbeat ended) ends this process: it may be waiting in a collective for ever."""
     from ..backends.mlx.follow import OUT_OF_STEP_EXIT, follow
 
     root = Path(sessions_dir) if sessions_dir is not None else Path(tempfile.mkdtemp(prefix="localheap-rank-"))
     root.mkdir(parents=True, exist_ok=True)
     log.info("rank %d follows rank 0 (sessions in %s)", backend.rank, root)
+    if beat is not None:
+        beat.on_lost = lambda rank, why: exit_now(f"rank 0 {why}: this rank exits", 1)
+        beat.start()
     code = follow(backend, root, remove_files)
     if code == OUT_OF_STEP_EXIT:   # leave the ring now: a normal exit may wait on it, rank 0 with it
-        for handler in logging.getLogger().handlers + log.handlers:
-            handler.flush()
-        sys.stderr.flush()
-        os._exit(code)
+        exit_now(f"rank {backend.rank} leaves the ring (exit status {code})", code)
+    if beat is not None:
+        beat.close()
     return code
 
 

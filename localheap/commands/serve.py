@@ -77,10 +77,16 @@ def add_parser(sub) -> None:
                         "with a final event saying what was kept, sessions are saved, and the server exits 0")
     p.add_argument("--tool-format", default="auto", choices=("auto", "hermes", "mistral", "llama3_json", "prompted"),
                    help="how the model writes tool calls (default: auto, recognised from its chat template)")
-    add_distributed_arg(p)
+    add_distributed_arg(p, watched=True)
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"),
                    help="server log detail")
     p.set_defaults(func=run)
+
+
+# README (Past one machine): why --disk-total is off under --distributed
+DISK_TOTAL_RANKS = ("--disk-total does not run with --distributed: it takes space back by dropping a session's "
+                    "lowest-value pages, and each rank would rank and drop its own, so the ranks' page stores (and the "
+                    "recall vote summed across them) would part; leave it out or give 0")
 
 
 def default_sessions_dir(model_name: str) -> Path:
@@ -103,6 +109,8 @@ def settings_from_args(args):
         raise ValueError("--admission-timeout must be >= 0 and --max-observers >= 1")
     if not 0 <= args.shutdown_grace <= 3600:
         raise ValueError("--shutdown-grace must be between 0 and 3600 seconds")
+    if args.distributed and args.disk_total.strip().lower() != "auto" and disk_total(args.disk_total):
+        raise ValueError(DISK_TOTAL_RANKS)
     return ServerSettings(
         host=args.host, port=args.port, api_keys=api_keys(args), cors_origins=list(args.cors_origin),
         allowed_hosts=list(args.allow_host), max_prompt_tokens=args.max_prompt_tokens,
@@ -161,29 +169,32 @@ def run(args) -> int:
 
 def serve_ranks(backend, settings, args) -> int:
     """--distributed: every rank plans its RAM; rank 0 serves on a Leader, the others follow."""
-    from ..backends.mlx.follow import Leader
+    from ..backends.mlx.leader import Leader
     from ..governor import governor_for
     from ..server import create_app
 
     plan = ranks.agreed_plan(backend, settings.heap, settings.ram_budget)   # BudgetTooSmall on any rank: all stop
-    # --disk-total takes pages back from rank 0's page stores alone, which would split the ranks'
-    # recall votes: off until every rank takes the same back (README)
-    settings.disk_total = 0
+    settings.disk_total = 0   # auto is off: DISK_TOTAL_RANKS (an explicit bound was refused)
     sessions_dir = settings.sessions_dir if settings.persist_sessions else None
     ranks.check_layout(sessions_dir, ranks.layout_of(backend))   # every rank: each has its own disk
+    beat = ranks.heartbeat(backend, args.rank_timeout)
     if backend.rank != 0:
         governor_for(backend, plan)   # this rank's allocator limits
-        return ranks.follower(backend, sessions_dir)
+        return ranks.follower(backend, sessions_dir, beat)
     leader = Leader(backend)
     try:
         app = create_app(leader, settings, governor=governor_for(leader, plan), on_close=leader.stop)
         leader.root = app.state.services.store.spill_dir
+        ranks.lead(leader, beat, on_stuck=app.state.services.engine.abandon)
         ranks.keep_pinging(app.state.services.engine, leader)
         print(f"localheap: --distributed {backend.mode} on {backend.ranks.size} ranks: this is rank 0 (HTTP); "
               f"the heap of every rank counts as the tightest rank's", file=sys.stderr)
-        return serve_built(app, leader, settings, args)
+        code = serve_built(app, leader, settings, args)
     finally:
         leader.stop()   # also when the app never started (at most once: it says stop once)
+    if leader.lost is not None:   # the engine thread may wait in a collective for ever: do not wait for it
+        ranks.exit_now(f"localheap: exiting with status 1: {leader.lost}", 1)
+    return code
 
 
 def serve_built(app, backend, settings, args) -> int:

@@ -190,7 +190,7 @@ class AdmissionQueue:
             # --disk-total: room (its page store gets its share), or 507 before the session is rolled back
             self.store.disk.admit(s, match.cached + len(match.new_tokens))
             if match.rollback is not None:
-                branching.roll_back(self.backend, s, match.rollback)
+                branching.roll_back(self.backend, s, match.rollback, self.store)
         except Exception:
             if created:
                 self.store.delete(s.id)

@@ -26,10 +26,18 @@ def settle(backend: Any, s: Session, reply_start: Optional[int] = None) -> None:
     s.reply_start = len(s.fed) if reply_start is None else reply_start
 
 
-def roll_back(backend: Any, s: Session, tokens: int) -> None:
-    """Forget the session's tokens after the first `tokens` (exact: see match.py)."""
+def roll_back(backend: Any, s: Session, tokens: int, store: Optional[SessionStore] = None) -> None:
+    """Forget the session's tokens after the first `tokens` (exact: see match.py). When that fails
+    the cache cannot be trusted (--distributed: a rank's heap may be cut back and another's not):
+    the session falls back to its saved copy, or is dropped without one, and the error is raised."""
     if tokens < len(s.fed):
-        backend.truncate(s.cache, tokens)
+        try:
+            backend.truncate(s.cache, tokens)
+        except Exception:
+            if store is not None and not store.rollback(s, fed_before=len(s.fed)):
+                log.error("session %s dropped: a rollback failed and it has no saved copy", s.id)
+                store.delete(s.id)
+            raise
         s.truncate(tokens)
     assert backend.tokens_in_cache(s.cache) == len(s.fed)
     settle(backend, s)

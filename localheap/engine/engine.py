@@ -74,6 +74,7 @@ class Engine:
         self._save_tried_at = 0.0
         self._thermal = "unknown"
         self.failure: Optional[BaseException] = None      # set when the thread died on an internal error
+        self.abandoned: Optional[Exception] = None   # set when the thread is stuck for good (abandon)
         self.on_fatal: Optional[Callable[[BaseException], None]] = None   # e.g. make the server exit
 
     # --- any thread ---
@@ -89,6 +90,9 @@ class Engine:
         still inside a backend call after `timeout` (the backend is not this caller's yet)."""
         if self._thread is None:
             return self.failure is None
+        if self.abandoned is not None:   # it will not come back: nothing to wait for
+            self._thread = None
+            return False
         with self._lock:
             self._stopping = True
             self._inbox.put(None)   # under the lock: no job can land behind the sentinel
@@ -103,6 +107,8 @@ class Engine:
         """Queue a Generate or Feed request; raises Overloaded when the queue is full."""
         with self._lock:
             limit = self.max_active + self.max_queued
+            if self.abandoned is not None:
+                raise type(self.abandoned)(*self.abandoned.args)
             if self.failure is not None:
                 raise EngineFailed()
             if self._stopping or self._draining:
@@ -120,7 +126,9 @@ class Engine:
         """Run fn on the engine thread between steps (it may touch sessions and the backend)."""
         fut: Future = Future()
         with self._lock:   # never behind a dead thread: the fatal handler drains under this lock
-            if self.failure is not None:
+            if self.abandoned is not None:
+                fut.set_exception(type(self.abandoned)(*self.abandoned.args))
+            elif self.failure is not None:
                 fut.set_exception(EngineFailed())
             else:
                 self._inbox.put((fn, fut))
@@ -183,6 +191,23 @@ class Engine:
         log.critical("the engine thread stopped on an internal error", exc_info=error)
         with self._lock:
             self.failure = error
+        self._fail_all(EngineFailed)
+        if self.on_fatal is not None:
+            self.on_fatal(error)
+
+    def abandon(self, error: Exception) -> None:
+        """The engine thread is inside a backend call that will not return (--distributed: a
+        collective waiting for a rank that is gone). From any thread: fail every job and pending
+        call with `error`, and every later one; /health says failed. Nothing is saved or rolled
+        back here (the stuck thread holds the sessions): on disk each session keeps its last
+        saved turn. Should the call come back after all, its job is already over."""
+        log.critical("the engine is stuck in a backend call: failing every request (%s)", error)
+        with self._lock:
+            self.abandoned = error
+            self.failure = error
+        self._fail_all(lambda: type(error)(*error.args))
+
+    def _fail_all(self, make_error: Callable[[], Exception]) -> None:
         jobs = [r.job for r in self._active] + list(self.admission.waiting)
         while True:
             try:
@@ -192,12 +217,9 @@ class Engine:
             if isinstance(item, Job):
                 jobs.append(item)
             elif item is not None and item[1].set_running_or_notify_cancel():
-                item[1].set_exception(EngineFailed())
+                item[1].set_exception(make_error())
         for job in jobs:
-            if not job.done.is_set():
-                self._end(job, Failed(EngineFailed()), "failed")
-        if self.on_fatal is not None:
-            self.on_fatal(error)
+            self._end(job, Failed(make_error()), "failed")
 
     def _drain(self, timeout: Optional[float]) -> bool:
         """Take everything in the inbox (waiting up to `timeout` for the first item, None:
@@ -497,7 +519,12 @@ class Engine:
         self._end(job, Failed(error), "rejected" if isinstance(error, (OverBudget, Overloaded)) else "failed")
 
     def _end(self, job: Job, event, outcome: str) -> None:
-        """Every job ends here exactly once: finished, cancelled or failed."""
+        """Every job ends here exactly once: finished, cancelled or failed (a second end, after
+        `abandon` ended it from another thread, does nothing)."""
+        with self._lock:
+            if job.ended:
+                return
+            job.ended = True
         if event is not None:
             self._emit(job, event)
         setattr(self.counters, outcome, getattr(self.counters, outcome) + 1)

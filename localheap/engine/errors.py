@@ -42,6 +42,8 @@ class RankLost(RuntimeError):
     """A rank of a model sharded across processes (--distributed) is gone: nothing can run until
     every rank is restarted."""
 
+    heap_file_intact = True   # a restore it stops keeps the session's saved copy (store.restore)
+
 
 class RankFailed(RuntimeError):
     """A heap call failed on another rank of a sharded model (--distributed) while it went

@@ -102,6 +102,7 @@ class Job:
     submitted: float = field(default_factory=time.monotonic)
 
     cancel_reason: Optional[str] = None
+    ended: bool = False   # the engine ended it (Engine._end, once)
 
     def cancel(self, reason: str = "client") -> None:
         """reason: "client" (gone, or a stop sequence) or "shutdown" (the server is stopping)."""

@@ -1,0 +1,143 @@
+"""The heartbeat beside the ring (liveness.py) and what rank 0's Leader does with its report:
+a peer whose process ends is lost at once, a silent one after the timeout, one that says BYE is
+not lost; a call stuck in a collective with a lost rank is handed to `on_stuck`."""
+
+import json
+import socket
+import struct
+import threading
+import time
+
+import pytest
+
+pytest.importorskip("mlx.core", reason="mlx is not installed (a CUDA machine has none)")
+
+from localheap.backends.mlx import leader as leader_mod  # noqa: E402
+from localheap.backends.mlx.leader import Leader  # noqa: E402
+from localheap.backends.mlx.liveness import BYE, Heartbeat, rank0_host  # noqa: E402
+from localheap.engine import RankLost  # noqa: E402
+
+
+def watched(timeout=30.0):
+    mine, theirs = socket.socketpair()
+    reports = []
+    heard = threading.Event()
+    beat = Heartbeat({1: mine}, timeout, on_lost=lambda rank, why: (reports.append((rank, why)), heard.set()))
+    return beat.start(), theirs, reports, heard
+
+
+def test_a_peer_whose_process_ends_is_lost_at_once():
+    beat, theirs, reports, heard = watched()
+    theirs.recv(1)   # rank 0 beats
+    began = time.monotonic()
+    theirs.close()   # what the kernel does for a killed process
+    assert heard.wait(5) and time.monotonic() - began < 2.5
+    assert reports == [(1, reports[0][1])] and "ended" in reports[0][1]
+    assert beat.wait_gone(0) == f"rank 1 {reports[0][1]}"
+    beat.close()
+
+
+def test_a_silent_peer_is_lost_after_the_timeout_and_one_that_says_bye_is_not():
+    beat, theirs, reports, heard = watched(timeout=1.5)
+    assert heard.wait(6) and "silent for 2 s" in reports[0][1]   # open, never beating: a host gone
+    beat.close()
+    beat, theirs, reports, heard = watched(timeout=30)
+    theirs.sendall(b"." + BYE)
+    theirs.close()
+    assert not heard.wait(2.5) and reports == [] and beat.wait_gone(0) is None
+    beat.close()
+
+
+def test_rank0_host_from_the_launcher(tmp_path):
+    hosts = tmp_path / "hosts.json"
+    hosts.write_text(json.dumps([["10.0.0.5:5000", "10.0.0.5:5001"], ["10.0.0.6:5000"]]))
+    assert rank0_host({"MLX_HOSTFILE": str(hosts)}) == "10.0.0.5"
+    assert rank0_host({"MLX_HOSTFILE": str(hosts), "LOCALHEAP_RANK0_HOST": "192.168.1.2"}) == "192.168.1.2"
+    assert rank0_host({"MLX_JACCL_COORDINATOR": "10.0.0.7:32323"}) == "10.0.0.7"
+    assert rank0_host({}) is None
+
+
+class Shard:
+    rank = 0
+
+
+@pytest.mark.parametrize("stuck", [True, False])
+def test_a_lost_rank_fails_every_later_call_and_hands_a_stuck_one_to_on_stuck(monkeypatch, stuck):
+    monkeypatch.setattr(leader_mod, "STUCK_GRACE_S", 0.3)
+    leader = Leader(Shard())
+    handed = []
+    leader.on_stuck = handed.append
+    if stuck:
+        leader._inside = 1   # the engine thread waits in a collective
+    leader.rank_gone(1, "ended (its process is gone)")
+    assert leader.lost.startswith("rank lost: rank 1 ended") and "restart every rank" in leader.lost
+    with pytest.raises(RankLost, match="rank 1 ended"):
+        leader.send("ping")
+    assert [str(e) for e in handed] == ([leader.lost] if stuck else [])
+
+
+def test_beats_keep_their_own_clock():
+    """A peer that beats often does not make this side beat more often (no ping-pong)."""
+    beat, theirs, reports, heard = watched()
+    theirs.settimeout(0.01)
+    got = 0
+    began = time.monotonic()
+    while time.monotonic() - began < 2.5:
+        theirs.sendall(b".")
+        try:
+            got += len(theirs.recv(4096))
+        except socket.timeout:
+            pass
+    assert 2 <= got <= 4 and not reports, got
+    beat.close()
+
+
+class ThreadRanks:
+    """Two ranks as threads: `each` is an all_gather through a barrier."""
+
+    def __init__(self, shared, rank):
+        self.shared, self.rank, self.size = shared, rank, 2
+
+    def each(self, n):
+        self.shared["values"][self.rank] = n
+        self.shared["barrier"].wait()
+        out = list(self.shared["values"])
+        self.shared["barrier"].wait()
+        return out
+
+
+def test_connect_pairs_the_ranks_and_closes_a_stranger(monkeypatch):
+    """Rank 0 listens, the port and a key go through the collective, rank 1 connects; a connection
+    that does not say the key (here, one made before rank 1's) is closed, not taken for rank 1."""
+    from localheap.backends.mlx import liveness
+
+    shared = {"values": [0, 0], "barrier": threading.Barrier(2)}
+    env = {"LOCALHEAP_RANK0_HOST": "127.0.0.1"}
+    beats = {}
+    real_connection = socket.create_connection
+    strangers = []
+
+    def stranger_first(address, timeout=None):
+        strangers.append(real_connection(address, timeout=5))   # someone else on the network, first
+        strangers[0].sendall(struct.pack(liveness.HELLO, 1, 12345))
+        return real_connection(address, timeout=timeout)
+
+    monkeypatch.setattr(liveness.socket, "create_connection", stranger_first)
+
+    def run(rank):
+        beats[rank] = liveness.connect(ThreadRanks(shared, rank), timeout=30, environ=env)
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    assert set(beats[0].peers) == {1} and set(beats[1].peers) == {0}
+    assert strangers[0].recv(16) == b""   # rank 0 closed the stranger
+    reports = []
+    heard = threading.Event()
+    beats[0].on_lost = lambda rank, why: (reports.append((rank, why)), heard.set())
+    beats[0].start()
+    beats[1].peers[0].close()   # the real rank 1 ends
+    assert heard.wait(5) and reports[0][0] == 1
+    beats[0].close()
