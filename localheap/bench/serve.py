@@ -33,7 +33,8 @@ WORDS = ("river stone cloud lamp honey mango quartz jasper kite umber amber ceda
 class Server:
     """A `localheap serve` subprocess on a free port; samples its RSS while it runs."""
 
-    def __init__(self, name: str, serve_args: list[str], threads: Optional[int], log: Callable[[str], None]):
+    def __init__(self, name: str, serve_args: list[str], threads: Optional[int], log: Callable[[str], None],
+                 extra_env: Optional[dict] = None):
         self.name = name
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -41,6 +42,7 @@ class Server:
         env = dict(os.environ, LOCALHEAP_CACHE=self.dir.name)
         if threads:
             env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
+        env.update(extra_env or {})
         cmd = [sys.executable, "-m", "localheap.cli", "serve", "--port", str(self.port), "--no-persist",
                "--log-level", "warning", *serve_args]
         log(f"[{name}] {' '.join(cmd[2:])}")
@@ -280,7 +282,8 @@ def _ingest_rate(progress: list, start: float, end: float) -> Optional[float]:
     return float((np.interp(end, at, done) - np.interp(start, at, done)) / (end - start))
 
 
-ENGINE_FLAGS = {"batched": [], "mixed": ["--prefill-lane", "off"], "round-robin": ["--round-robin"]}
+ENGINE_FLAGS = {"batched": [], "mixed": ["--prefill-lane", "off"], "passive": [], "round-robin": ["--round-robin"]}
+ENGINE_ENV = {"passive": {"OMP_WAIT_POLICY": "PASSIVE"}}   # batched, OpenMP workers sleeping between steps
 CLIENT_COLUMNS = [("clients", "clients", "d"), ("engine", "engine", ""), ("decode_tok_s", "decode tok/s", ",.1f"),
                   ("vs_one", "x 1 client", ".2f"), ("vs_round_robin", "x round-robin", ".2f"),
                   ("ttft_ms", "TTFT ms (p50)", ",.0f"), ("itl_p50_ms", "ITL p50 ms", ".1f"),
@@ -311,11 +314,11 @@ def run(args) -> int:
     own = {"batched": [f"--max-batch={args.max_batch}"] if args.max_batch else [], "round-robin": []}
     if args.mixed_chunk:
         own["batched"].append(f"--mixed-chunk={args.mixed_chunk}")
-    own["mixed"] = own["batched"]
+    own["mixed"] = own["passive"] = own["batched"]
     servers = {}
     try:
         for name in engines:
-            servers[name] = Server(name, common + ENGINE_FLAGS[name] + own[name], args.threads, log)
+            servers[name] = Server(name, common + ENGINE_FLAGS[name] + own[name], args.threads, log, ENGINE_ENV.get(name))
         prompt = " The pass key of river is"
         sessions = {}
         for name, server in servers.items():

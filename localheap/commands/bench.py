@@ -161,7 +161,7 @@ def add_parser(sub) -> None:
     serve.add_argument("--doc-tokens", type=_ints, default=[65536],
                        help="the document read beside a decoding chat (0: skip that table)")
     serve.add_argument("--engines", default="batched,round-robin",
-                       help="engines compared, interleaved per round: batched (serve's default), mixed (batched, --prefill-lane off), round-robin (default: batched,round-robin)")
+                       help="engines compared, interleaved per round: batched (serve's default), mixed (batched, --prefill-lane off), passive (batched, OMP_WAIT_POLICY=PASSIVE), round-robin (default: batched,round-robin)")
     serve.add_argument("--max-batch", type=_positive, default=None, help="the batched server's --max-batch (default: serve's default)")
     serve.add_argument("--mixed-chunk", type=_positive, default=None, help="the batched server's --mixed-chunk (default: serve's default)")
     serve.add_argument("--serve-args", default="", metavar="ARGS",
