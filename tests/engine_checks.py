@@ -7,7 +7,7 @@ import queue
 
 import numpy as np
 
-from localheap.engine import Delta, Engine, Failed, Feed, Finished, Generate, Started
+from localheap.engine import Delta, Engine, Failed, Feed, Finished, Generate, Progress, Started, wait_idle
 from localheap.generation import SamplingParams
 from localheap.heap import HeapConfig
 from localheap.sessions import Prompt, SessionStore
@@ -105,3 +105,47 @@ def alone_texts(demo, requests):
         return [text for text, _ in (replies(eng, [r])[0] for r in requests)]
     finally:
         eng.stop()
+
+
+def chat_beside_document(eng, chat_tokens, doc, max_tokens: int = 40) -> tuple[list, list]:
+    """A chat decodes; after its first token a document is fed beside it. (document's events,
+    chat's events), both to their end."""
+    _, chat_q = submit(eng, chat_tokens, max_tokens=max_tokens)
+    seen = until_deltas(chat_q, 1)
+    _, doc_q = submit(eng, doc, feed=True)
+    return drain(doc_q), drain(chat_q, out=seen)
+
+
+def check_cancel_mid_batch(backend, requests) -> None:
+    """Three runs decode in one batch; the middle one is cancelled mid-stream: the others' texts
+    are theirs alone, and the cancelled session's history matches its cache."""
+    requests = requests[:3]
+    want = alone_texts(backend, requests)
+    eng = engine(backend)
+    try:
+        jobs = [submit(eng, toks, **p) for toks, p in requests]
+        seen = until_deltas(jobs[1][1], 5)   # the victim is mid-stream, in the batch with the others
+        jobs[1][0].cancel()
+        outs = [drain(q, out=seen if i == 1 else None) for i, (_, q) in enumerate(jobs)]
+        assert text(outs[1])[1] == "cancelled"
+        assert [text(outs[0]), text(outs[2])] == [want[0], want[2]]
+        assert wait_idle(eng)
+        s = eng.store.get(outs[1][-1].session_id)
+        assert not s.busy and len(s.fed) == backend.tokens_in_cache(s.cache)
+    finally:
+        eng.stop()
+
+
+def check_document_rides(backend, requests, monkeypatch, **kw) -> None:
+    """A chat decodes while a document is fed: chunks ride in the decode steps, the document
+    reports its progress, and the chat's text is its text alone."""
+    log = StepLog(backend, monkeypatch)
+    eng = engine(backend, mixed_chunk=16, **kw)
+    try:
+        doc_evs, chat_evs = chat_beside_document(eng, requests[2][0], ids(600, 12))
+    finally:
+        eng.stop()
+    assert doc_evs[-1].finish_reason == "fed" and doc_evs[-1].usage.prompt_tokens == 600
+    assert any(rode for _, rode in log.steps), "document chunks rode in decode steps"
+    assert sum(isinstance(e, Progress) for e in doc_evs) > 5
+    assert text(chat_evs) == alone_texts(backend, [requests[2]])[0]

@@ -9,10 +9,11 @@ import threading
 import numpy as np
 import pytest
 import torch
-from engine_checks import CFG, StepLog, alone_texts, drain, engine, ids, replies, requests_for, submit, text, until_deltas
+from engine_checks import (CFG, StepLog, alone_texts, chat_beside_document, check_cancel_mid_batch, check_document_rides,
+                           drain, engine, ids, replies, requests_for, submit, text, until_deltas)
 
 from localheap.backends.torch import TorchBackend
-from localheap.engine import Finished, Progress, Started, wait_idle
+from localheap.engine import Finished, Progress, Started
 from localheap.models import demo_model_dir
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
@@ -42,21 +43,7 @@ def test_batched_engine_gives_each_session_its_tokens_alone(demo, REQUESTS, monk
 
 
 def test_cancel_mid_batch_leaves_the_others_untouched(demo, REQUESTS):
-    requests = REQUESTS[:3]
-    want = alone_texts(demo, requests)
-    eng = engine(demo)
-    try:
-        jobs = [submit(eng, toks, **p) for toks, p in requests]
-        seen = until_deltas(jobs[1][1], 5)   # the victim is mid-stream, in the batch with the others
-        jobs[1][0].cancel()
-        outs = [drain(q, out=seen if i == 1 else None) for i, (_, q) in enumerate(jobs)]
-        assert text(outs[1])[1] == "cancelled"
-        assert [text(outs[0]), text(outs[2])] == [want[0], want[2]]
-        assert wait_idle(eng)
-        s = eng.store.get(outs[1][-1].session_id)
-        assert not s.busy and len(s.fed) == demo.tokens_in_cache(s.cache)
-    finally:
-        eng.stop()
+    check_cancel_mid_batch(demo, REQUESTS)
 
 
 def test_a_session_spilled_while_others_decode(demo, REQUESTS, tmp_path):
@@ -116,22 +103,7 @@ def test_queued_requests_start_in_arrival_order(demo, REQUESTS):
 
 
 def test_a_document_read_rides_with_the_decoding_chat(demo, REQUESTS, monkeypatch):
-    """A chat decodes while a document is fed: chunks ride in the decode steps, the chat's tokens
-    interleave with the document's progress, and both end as they would alone."""
-    log = StepLog(demo, monkeypatch)
-    eng = engine(demo, mixed_chunk=16, lane=False)
-    doc = ids(600, 12)
-    try:
-        chat_job, chat_q = submit(eng, REQUESTS[2][0], max_tokens=40)
-        seen = until_deltas(chat_q, 1)
-        doc_job, doc_q = submit(eng, doc, feed=True)
-        doc_evs, chat_evs = drain(doc_q), drain(chat_q, out=seen)
-    finally:
-        eng.stop()
-    assert doc_evs[-1].finish_reason == "fed" and doc_evs[-1].usage.prompt_tokens == 600
-    assert any(rode for _, rode in log.steps), "document chunks rode in decode steps"
-    assert sum(isinstance(e, Progress) for e in doc_evs) > 5
-    assert text(chat_evs) == alone_texts(demo, [REQUESTS[2]])[0]
+    check_document_rides(demo, REQUESTS, monkeypatch, lane=False)   # the lane off: chunks ride in the step
 
 
 class LaneLog:
@@ -168,10 +140,7 @@ def test_a_document_read_on_the_prefill_lane_beside_the_decoding_chat(demo, REQU
     eng = log.eng = engine(demo)
     doc = ids(600, 12)
     try:
-        chat_job, chat_q = submit(eng, REQUESTS[2][0], max_tokens=40)
-        seen = until_deltas(chat_q, 1)
-        doc_job, doc_q = submit(eng, doc, feed=True)
-        doc_evs, chat_evs = drain(doc_q), drain(chat_q, out=seen)
+        doc_evs, chat_evs = chat_beside_document(eng, REQUESTS[2][0], doc)
         got = eng.store.get(doc_evs[-1].session_id).cache
     finally:
         eng.stop()
@@ -229,10 +198,7 @@ def test_the_lane_and_the_engine_thread_split_the_cores(demo, REQUESTS, monkeypa
         log = LaneLog(demo, monkeypatch)
         eng = log.eng = engine(demo)
         try:
-            chat_job, chat_q = submit(eng, REQUESTS[2][0], max_tokens=60)
-            seen = until_deltas(chat_q, 1)
-            doc_job, doc_q = submit(eng, ids(400, 15), feed=True)
-            drain(doc_q), drain(chat_q, out=seen)
+            chat_beside_document(eng, REQUESTS[2][0], ids(400, 15), max_tokens=60)
         finally:
             eng.stop()
     finally:

@@ -8,11 +8,10 @@ import pytest
 pytest.importorskip("mlx.core", reason="mlx is not installed (a CUDA machine has none)")
 pytest.importorskip("mlx_lm")
 
-from engine_checks import (StepLog, alone_texts, drain, engine, ids, replies, requests_for,  # noqa: E402
-                           submit, text, until_deltas)
+from engine_checks import (StepLog, alone_texts, check_cancel_mid_batch, check_document_rides, engine,  # noqa: E402
+                           ids, replies, requests_for)
 
 from localheap.backends.mlx import MLXBackend  # noqa: E402
-from localheap.engine import Progress, wait_idle  # noqa: E402
 from localheap.models import demo_model_dir  # noqa: E402
 
 
@@ -43,38 +42,11 @@ def test_the_engine_batches_mlx_sessions_with_their_tokens_alone(demo, REQUESTS,
 
 
 def test_cancel_mid_batch_leaves_the_others_untouched(demo, REQUESTS):
-    requests = REQUESTS[:3]
-    want = alone_texts(demo, requests)
-    eng = engine(demo)
-    try:
-        jobs = [submit(eng, toks, **p) for toks, p in requests]
-        seen = until_deltas(jobs[1][1], 5)   # the victim is mid-stream, in the batch with the others
-        jobs[1][0].cancel()
-        outs = [drain(q, out=seen if i == 1 else None) for i, (_, q) in enumerate(jobs)]
-        assert text(outs[1])[1] == "cancelled"
-        assert [text(outs[0]), text(outs[2])] == [want[0], want[2]]
-        assert wait_idle(eng)
-        s = eng.store.get(outs[1][-1].session_id)
-        assert not s.busy and len(s.fed) == demo.tokens_in_cache(s.cache)
-    finally:
-        eng.stop()
+    check_cancel_mid_batch(demo, REQUESTS)
 
 
 def test_a_document_read_rides_with_the_decoding_chat(demo, REQUESTS, monkeypatch):
-    log = StepLog(demo, monkeypatch)
-    eng = engine(demo, mixed_chunk=16)
-    doc = ids(600, 12)
-    try:
-        _, chat_q = submit(eng, REQUESTS[2][0], max_tokens=40)
-        seen = until_deltas(chat_q, 1)
-        _, doc_q = submit(eng, doc, feed=True)
-        doc_evs, chat_evs = drain(doc_q), drain(chat_q, out=seen)
-    finally:
-        eng.stop()
-    assert doc_evs[-1].finish_reason == "fed" and doc_evs[-1].usage.prompt_tokens == 600
-    assert any(rode for _, rode in log.steps), "document chunks rode in decode steps"
-    assert sum(isinstance(e, Progress) for e in doc_evs) > 5
-    assert text(chat_evs) == alone_texts(demo, [REQUESTS[2]])[0]
+    check_document_rides(demo, REQUESTS, monkeypatch)
 
 
 def test_sessions_with_sliding_layers_decode_on_their_own_path(model_dirs, monkeypatch):
