@@ -1,9 +1,21 @@
 """What both backends' heap layers and caches share: handing their score buffers to a SlotView,
-rolling back their newest tokens, and splitting an eviction event into stacked groups."""
+rolling back their newest tokens, splitting an eviction event into stacked groups, and keeping a
+decode batch row's own failure apart from the others'."""
 
 from __future__ import annotations
 
+from typing import Callable, Optional
+
 import numpy as np
+
+
+def row_error(fn: Callable[[], object]) -> Optional[Exception]:
+    """Run one batch row's own host-side work: its error, if any (the other rows still step)."""
+    try:
+        fn()
+    except Exception as e:
+        return e
+    return None
 
 
 def group_by_shape(layers: list, keep_of) -> dict:

@@ -22,6 +22,7 @@ import mlx.core as mx
 from mlx_lm.sample_utils import greedy_sampler
 
 from ...generation import ProgressFn, SamplingParams
+from ..slots import row_error
 from . import attention
 from .generate import prefill_turn, sampler_for
 from .heapcache import HeapPromptCache
@@ -116,7 +117,7 @@ def step_rows(model, rows: list[DecodeRow], chunks: Sequence[tuple[HeapPromptCac
     stopped it before the forward (its prompt, or making room: an eviction event or its page-out),
     which leaves the others untouched. An error in the forward itself raises (every part is
     suspect). One evaluation and one host read per step."""
-    errors = [_work(lambda: row.feed_prompt(model)) for row in rows] + [None] * len(chunks)
+    errors = [row_error(lambda: row.feed_prompt(model)) for row in rows] + [None] * len(chunks)
     needs = [(i, row.cache, 1) for i, row in enumerate(rows) if errors[i] is None]
     needs += [(len(rows) + j, cache, len(ids)) for j, (cache, ids) in enumerate(chunks)]
     for (i, _, _), error in zip(needs, make_room([(cache, n) for _, cache, n in needs])):
@@ -153,14 +154,14 @@ def make_room(needs: list[tuple[HeapPromptCache, int]]) -> list[Optional[Excepti
         if plan is not None:
             staged[i] = cache.stage_repack(plan)
 
-    errors = [_work(lambda: stage(i, cache, n)) for i, (cache, n) in enumerate(needs)]
+    errors = [row_error(lambda: stage(i, cache, n)) for i, (cache, n) in enumerate(needs)]
     if staged:
         try:
             mx.eval([s.arrays for s in staged.values()])
         except Exception:
             pass   # whose event failed: each heap's own evaluation below says, alone
         for i, s in staged.items():
-            errors[i] = _work(lambda: (mx.eval(s.arrays), needs[i][0].finish_repack(s)))
+            errors[i] = row_error(lambda: (mx.eval(s.arrays), needs[i][0].finish_repack(s)))
     return errors
 
 
@@ -170,12 +171,3 @@ def sample_rows(samplers: list, logprobs: mx.array) -> mx.array:
     if all(s is greedy_sampler for s in samplers):
         return greedy_sampler(logprobs)
     return mx.concatenate([s(logprobs[b: b + 1]).reshape(1) for b, s in enumerate(samplers)])
-
-
-def _work(fn) -> Optional[Exception]:
-    """Run one row's own host-side work; its error, if any (the others still step)."""
-    try:
-        fn()
-    except Exception as e:
-        return e
-    return None

@@ -21,6 +21,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ...generation import ProgressFn, SamplingParams
 from .. import paging
+from ..slots import row_error
 from . import attention
 from .cache import HeapCache
 from .generate import Sampler, prefill_turn
@@ -172,7 +173,7 @@ def step_rows(model, rows: list[DecodeRow], chunks: Sequence[tuple[HeapCache, Se
     feeding: list[int] = []
     for i, row in enumerate(rows):
         if row.prompt is not None and not _rides(row):   # fed alone (recall first): the row has its first token
-            errors[i] = _work(lambda: row.sampled(prefill_turn(model, row.cache, row.prompt)))
+            errors[i] = row_error(lambda: row.sampled(prefill_turn(model, row.cache, row.prompt)))
         else:
             feeding.append(i)
     needs = [(rows[i].cache, 1 if rows[i].prompt is None else len(rows[i].prompt)) for i in feeding]
@@ -294,14 +295,5 @@ def make_rooms(needs: list[tuple[HeapCache, int]]) -> list[Optional[Exception]]:
             plan = None   # each heap then plans its own event, and keeps its own error
     for i, layers in due.items():
         cache = needs[i][0]
-        errors[i] = _work(lambda: cache.repack(plan_eviction(layers) if plan is None else plan.part(layers)))
+        errors[i] = row_error(lambda: cache.repack(plan_eviction(layers) if plan is None else plan.part(layers)))
     return errors
-
-
-def _work(fn) -> Optional[Exception]:
-    """Run one row's own host-side work; its error, if any (the others still step)."""
-    try:
-        fn()
-    except Exception as e:
-        return e
-    return None
