@@ -64,11 +64,11 @@ def rows_table(backend, cfg, context: int, batch: list[int], steps: int, repeats
             times[n].append(_cpu(lambda n=n: step(n), steps, clock))
     for r in rows:
         backend.end_row(r)
-    one = float(np.median(times[min(batch)])) / min(batch)
+    one_rate = min(batch) / float(np.median(times[min(batch)]))   # tokens per CPU second at the smallest batch
     out = []
     for n in batch:
         t = float(np.median(times[n]))
-        out.append({"rows": n, "step_ms": 1e3 * t, "tok_s": n / t, "vs_one": n / t * one})
+        out.append({"rows": n, "step_ms": 1e3 * t, "tok_s": n / t, "vs_one": (n / t) / one_rate})
     return out
 
 
