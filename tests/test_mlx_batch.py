@@ -1,6 +1,8 @@
 """The MLX decode batch: each session's tokens in a batch are its tokens alone, and its heap
-(evictions, positions, scores, pages) is what it would be alone; a prefill chunk in the step feeds
-the document's heap as a chunk on its own would; the engine batches MLX sessions."""
+(evictions, positions, scores, pages) is what it would be alone, whether its rows attend one by one
+or as one batch from a slab (slab.py: rows join, sit out, leave, and a seated heap still evicts,
+recalls and rolls back through its row); a prefill chunk in the step feeds the document's heap as a
+chunk on its own would; the engine batches MLX sessions."""
 
 import numpy as np
 import pytest
@@ -12,7 +14,7 @@ from recall_checks import CFG as RECALL_CFG  # noqa: E402
 from recall_checks import load_all  # noqa: E402
 
 from localheap.backends.mlx import MLXBackend  # noqa: E402
-from localheap.backends.mlx.batch import start_row, step_rows  # noqa: E402
+from localheap.backends.mlx.batch import leave_slab, start_row, step_rows  # noqa: E402
 from localheap.backends.mlx.generate import generate_steps  # noqa: E402
 from localheap.backends.mlx.heapcache import HeapPromptCache  # noqa: E402
 from localheap.generation import SamplingParams  # noqa: E402
@@ -24,8 +26,12 @@ SMALL = HeapConfig(budget=48, sinks=4, recent=8, slack=16, policy="snapkv", pref
 # alone and RoPE per row is bit for bit the scalar offset; only the per-token matmuls see B rows
 # instead of 1, so a BLAS may sum in another order (~1e-6 relative per matmul, compounded over
 # layers and steps). mlx's CPU backend gave identical logprobs here (difference 0.0); the margin
-# is for Metal's kernels, which may tile [B, D] and [1, D] products differently.
+# is for Metal's kernels, which may tile [B, D] and [1, D] products differently. A slab attends
+# all rows over the longest row's slots, masked (exp of the mask's floor is exactly 0): on the CPU
+# that is mlx's own formulation and came out bit for bit too; on Metal it is the fused sdpa with a
+# mask and a float32 side pass for the scores, within the same margin (not measured here).
 LOGPROBS_ATOL = 1e-4
+SLABS = pytest.mark.parametrize("slabs", [None, {}], ids=["per-heap", "slab"])
 
 
 @pytest.fixture(scope="module")
@@ -52,9 +58,10 @@ def alone(backend, cfg, prompt, params):
     return [t for t, _ in steps], [lp for _, lp in steps], cache
 
 
-def batched(backend, cfg, prompt_list, params_list, defer=True):
+def batched(backend, cfg, prompt_list, params_list, defer=True, slabs=None):
     """Rows start one by one (`defer`: their prompt is fed by the first step), then step together;
-    a row leaves once it has its max_tokens."""
+    a row leaves once it has its max_tokens (with `slabs` ({}): its heap leaves the slab, the last
+    row moving into its place)."""
     rows = [start_row(backend.model, backend.new_cache(cfg), p, sp, defer=defer)
             for p, sp in zip(prompt_list, params_list)]
     tokens, logprobs = [[] for _ in rows], [[] for _ in rows]
@@ -69,10 +76,14 @@ def batched(backend, cfg, prompt_list, params_list, defer=True):
             record(i)
     live = [i for i in live if len(tokens[i]) < params_list[i].max_tokens]
     while live:
-        assert step_rows(backend.model, [rows[i] for i in live]) == [None] * len(live)
+        assert step_rows(backend.model, [rows[i] for i in live], slabs=slabs) == [None] * len(live)
         for i in live:
             record(i)
+            if len(tokens[i]) == params_list[i].max_tokens:
+                leave_slab(rows[i].cache)
         live = [i for i in live if len(tokens[i]) < params_list[i].max_tokens]
+    if slabs:
+        assert all(not slab.members and not slab.buffers for slab in slabs.values()), "every heap left"
     return tokens, logprobs, [r.cache for r in rows]
 
 
@@ -93,14 +104,15 @@ def max_diff(xs, ys):
     return max(mx.abs(x - y).max().item() for x, y in zip(xs, ys))
 
 
+@SLABS
 @pytest.mark.parametrize("defer", [True, False], ids=["deferred", "started-alone"])
-def test_demo_model_greedy_tokens_in_a_batch_equal_alone(demo, defer):
+def test_demo_model_greedy_tokens_in_a_batch_equal_alone(demo, defer, slabs):
     """Rows of different lengths evict at different steps and finish at different steps."""
     lengths, maxes = (5, 30, 77, 140), (40, 12, 33, 25)
     ps = prompts(demo, lengths)
     params = [SamplingParams(max_tokens=m) for m in maxes]
     want = [alone(demo, SMALL, p, sp) for p, sp in zip(ps, params)]
-    got_tokens, got_lps, caches = batched(demo, SMALL, ps, params, defer)
+    got_tokens, got_lps, caches = batched(demo, SMALL, ps, params, defer, slabs)
     assert got_tokens == [w[0] for w in want]
     assert len({c.heap_layers[0].heap.evictions for c in caches} - {0}) >= 2, "rows evicted, at different steps"
     for (_, lps, cache), got_lp, got in zip(want, got_lps, caches):
@@ -108,8 +120,9 @@ def test_demo_model_greedy_tokens_in_a_batch_equal_alone(demo, defer):
         assert_same_heap(cache, got)
 
 
-@pytest.mark.parametrize("policy", ["snapkv", "h2o"])
-def test_random_model_logprobs_within_tolerance_and_sampling_per_row(llama, policy):
+@SLABS
+@pytest.mark.parametrize("policy", ["snapkv", "h2o", "streaming", "geometry"])
+def test_random_model_logprobs_within_tolerance_and_sampling_per_row(llama, policy, slabs):
     """Per row its own sampler: greedy rows, and a seeded top-k/top-p row (the global generator,
     seeded at its turn's start as alone: the only row that draws)."""
     ps = prompts(llama, (20, 64, 9), seed=3)
@@ -118,7 +131,7 @@ def test_random_model_logprobs_within_tolerance_and_sampling_per_row(llama, poli
               SamplingParams(max_tokens=24)]
     cfg = SMALL.with_(policy=policy, h2o_normalize=policy == "h2o")
     want = [alone(llama, cfg, p, sp) for p, sp in zip(ps, params)]
-    got_tokens, got_lps, caches = batched(llama, cfg, ps, params)
+    got_tokens, got_lps, caches = batched(llama, cfg, ps, params, slabs=slabs)
     for (tokens, lps, cache), got, got_lp, got_cache in zip(want, got_tokens, got_lps, caches):
         assert got == tokens
         assert max_diff(lps, got_lp) <= LOGPROBS_ATOL
@@ -138,24 +151,26 @@ class EvenIds:
         self.seen.append(token)
 
 
-def test_a_constrained_row_samples_on_its_own_beside_greedy_rows(llama):
+@SLABS
+def test_a_constrained_row_samples_on_its_own_beside_greedy_rows(llama, slabs):
     ps = prompts(llama, (30, 12, 50), seed=9)
     make = lambda c=None: [SamplingParams(max_tokens=20), SamplingParams(max_tokens=20, constraint=c),   # noqa: E731
                            SamplingParams(max_tokens=20)]
     want = [alone(llama, SMALL, p, sp)[0] for p, sp in zip(ps, make(EvenIds(llama.vocab_size)))]
     params = make(EvenIds(llama.vocab_size))
-    got, _, _ = batched(llama, SMALL, ps, params)
+    got, _, _ = batched(llama, SMALL, ps, params, slabs=slabs)
     assert got == want
     assert all(t % 2 == 0 for t in got[1]) and params[1].constraint.seen == got[1]
     assert any(t % 2 for t in got[0] + got[2]), "the other rows were not constrained"
 
 
-def test_recall_rows_page_out_as_alone(llama):
+@SLABS
+def test_recall_rows_page_out_as_alone(llama, slabs):
     """Rows with recall on: the long ones recall at their turn's start (fed alone by the first
     step) and page out their own evictions during the batch; the short one never evicts."""
     ps = prompts(llama, (300, 180, 12), seed=4)
     params = [SamplingParams(max_tokens=70), SamplingParams(max_tokens=45), SamplingParams(max_tokens=20)]
-    got_tokens, _, caches = batched(llama, RECALL_CFG, ps, params)
+    got_tokens, _, caches = batched(llama, RECALL_CFG, ps, params, slabs=slabs)
     for p, sp, tokens, cache in zip(ps, params, got_tokens, caches):
         want_tokens, _, want = alone(llama, RECALL_CFG, p, sp)
         assert tokens == want_tokens
@@ -225,8 +240,9 @@ def test_a_row_that_cannot_make_room_leaves_the_others_untouched(demo, monkeypat
     assert tokens == alone(demo, SMALL, ps[1], params)[0]
 
 
+@SLABS
 @pytest.mark.parametrize("cfg", [SMALL, RECALL_CFG], ids=["snapkv", "recall"])
-def test_eviction_events_on_one_step_are_evaluated_together(llama, monkeypatch, cfg):
+def test_eviction_events_on_one_step_are_evaluated_together(llama, monkeypatch, cfg, slabs):
     """Rows of one length evict on the same steps: their events are staged, evaluated together and
     finished each on its own heap (never a heap's own repack), with pages and heaps as alone."""
     ps = prompts(llama, (150, 150, 150), seed=6)
@@ -240,7 +256,7 @@ def test_eviction_events_on_one_step_are_evaluated_together(llama, monkeypatch, 
     tokens, together = [[r.token] for r in rows], 0
     for _ in range(59):
         finished.clear()
-        assert step_rows(llama.model, rows) == [None] * 3
+        assert step_rows(llama.model, rows, slabs=slabs) == [None] * 3
         together = max(together, len(set(finished)))
         for t, r in zip(tokens, rows):
             t.append(r.token)
@@ -252,6 +268,77 @@ def test_eviction_events_on_one_step_are_evaluated_together(llama, monkeypatch, 
             for c in (want_cache, row.cache):
                 c.writer.drain()
             assert row.cache.pages.tokens == want_cache.pages.tokens > 0
+
+
+def test_slab_rows_sit_out_join_and_leave_as_alone(demo):
+    """Rows that sit out steps leave the slab (a middle row: the last one moves into its place)
+    and join again; the rows still in keep stepping untouched; an empty slab frees its buffers."""
+    ps = prompts(demo, (20, 70, 33, 110), seed=11)
+    rows = [start_row(demo.model, demo.new_cache(SMALL), p, SamplingParams(max_tokens=40)) for p in ps]
+    got, slabs = [[r.token] for r in rows], {}
+    out = {1: range(5, 12), 0: range(8, 10), 3: range(20, 39)}   # row -> the steps it sits out
+    for step in range(39):
+        live = [r for i, r in enumerate(rows) if step not in out.get(i, ())]
+        assert step_rows(demo.model, live, slabs=slabs) == [None] * len(live)
+        slab = next(iter(slabs.values()))
+        assert [id(c) for c in slab.members] and {id(c) for c in slab.members} == {id(r.cache) for r in live}
+        assert all(c.heap_layers[0].seat.r == i for i, c in enumerate(slab.members)), "rows stay dense"
+        for i, r in enumerate(rows):
+            if r in live:
+                got[i].append(r.token)
+    for r in rows:
+        leave_slab(r.cache)
+    assert not next(iter(slabs.values())).buffers, "an empty slab frees its buffers"
+    for p, tokens, r in zip(ps, got, rows):
+        want_tokens, _, want = alone(demo, SMALL, p, SamplingParams(max_tokens=len(tokens)))
+        assert tokens == want_tokens
+        assert_same_heap(want, r.cache)
+
+
+def test_a_seated_heap_recalls_evicts_and_rolls_back_through_its_row(llama):
+    """mlx has no views: a heap in a slab is read and written through its row. Row 0 takes a new
+    turn while still seated (its recall merge and page-out), evicts, then rolls back: each heap
+    ends as the same calls made on it with no slab, row by row, and the other rows never see it."""
+    ps = prompts(llama, (300, 180, 40), seed=12)
+    question = prompts(llama, (9,), seed=13)[0]
+
+    def run(slabs):
+        caches = [llama.new_cache(RECALL_CFG) for _ in ps]
+        rows = [start_row(llama.model, c, p, SamplingParams(max_tokens=10**6), defer=True) for c, p in zip(caches, ps)]
+        tokens = [[] for _ in rows]
+
+        def steps(n):
+            for _ in range(n):
+                groups = [rows] if slabs is not None else [[r] for r in rows]   # no slab: each row alone
+                for group in groups:
+                    assert step_rows(llama.model, group, slabs=slabs) == [None] * len(group)
+                for t, r in zip(tokens, rows):
+                    t.append(r.token)
+
+        steps(12)
+        rows[0] = start_row(llama.model, caches[0], question, SamplingParams(max_tokens=10**6), defer=True)
+        steps(40)
+        seated = slabs is not None and all(layer.seat is not None for c in caches for layer in c.heap_layers)
+        floor = caches[0].rollback_floor()
+        assert floor < caches[0].tokens_seen - 1
+        caches[0].truncate(max(floor, caches[0].tokens_seen - 5))
+        steps(6)
+        for c in caches:
+            leave_slab(c)
+            c.writer.drain()
+        return tokens, caches, seated
+
+    want_tokens, want, _ = run(None)
+    got_tokens, got, seated = run({})
+    assert seated, "every heap was in the slab throughout"
+    assert len(got[0].recall_log) == len(want[0].recall_log) == 2 and got[0].recall_log[1]["tokens"] > 0
+    assert got_tokens == want_tokens
+    for a, b in zip(got, want):
+        assert_same_heap(b, a, atol=0)
+        assert a.pages.tokens == b.pages.tokens
+        for layer in range(len(a.heap_layers)):
+            for x, y in zip(load_all(a.pages, layer), load_all(b.pages, layer)):
+                np.testing.assert_array_equal(x, y)
 
 
 def test_batch_step_bench_tables(llama):

@@ -89,6 +89,7 @@ class PendingView:
             arr = getattr(self, name)
             if arr is not None and new < old:
                 arr[:, new:old] = 0
+                setattr(self, name, arr)   # an MLX slab row is a copy: write it back (a torch view: no-op)
 
     def snapshot(self) -> dict:
         """What a recall probe's forward changes, for `rollback` (slots past `resident` are free anyway)."""

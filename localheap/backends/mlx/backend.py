@@ -34,6 +34,8 @@ class MLXBackend:
         self.eos_token_ids = set(getattr(tokenizer, "eos_token_ids", None) or [tokenizer.eos_token_id])
         self.weights_bytes = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
         self.vocab_size = getattr(getattr(model, "args", None), "vocab_size", None)   # ids a prompt may use
+        self.slabs: dict = {}          # the decode batch's heap buffers, by slab key (slab.py)
+        self.batch_slabs = True        # False: every row of a batch attends on its own (per-heap sdpa)
 
     @classmethod
     def load(cls, path: str | Path, model_name: Optional[str] = None) -> "MLXBackend":
@@ -72,10 +74,11 @@ class MLXBackend:
     def step_rows(self, rows: list, chunks=()) -> list:
         """Feed each row's token (and `chunks`: (cache, ids) of prefills) in one step; per row,
         then per chunk: None (advanced) or the error that stopped it alone."""
-        return batch.step_rows(self.model, rows, chunks)
+        return batch.step_rows(self.model, rows, chunks, self.slabs if self.batch_slabs else None)
 
     def end_row(self, row: batch.DecodeRow) -> None:
-        """The row's run ended (its last sampled token stays unfed); its heap holds nothing shared."""
+        """The row's run ended (its last sampled token stays unfed): its heap leaves the batch."""
+        batch.leave_slab(row.cache)
 
     def tokens_in_cache(self, cache) -> int:
         return cache.tokens_seen

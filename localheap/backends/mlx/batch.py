@@ -26,6 +26,7 @@ from ..slots import row_error
 from . import attention
 from .generate import prefill_turn, sampler_for
 from .heapcache import HeapPromptCache
+from .slab import DecodeSlab, seated_slab, slab_key
 
 
 class DecodeRow:
@@ -72,17 +73,22 @@ def batchable(cache: HeapPromptCache) -> bool:
 
 
 class RowsLayer:
-    """Layer i of a packed step: mlx-lm's cache protocol over its parts' heap layer i. Every token
-    is a row of its own ([N, 1] in, so RoPE takes a position per token: `offset` [N]); a part is
-    one decode token or a prefill chunk's n tokens, whose K/V go into its heap and whose queries
-    attend over it (a chunk causally, with the mask its heap gives alone)."""
+    """Layer i of a packed step: mlx-lm's cache protocol over its parts. Every token is a row of
+    its own ([N, 1] in, so RoPE takes a position per token: `offset` [N]). The first rows are the
+    slabs' (one token per seated heap, in row order: appended and attended as one batch each);
+    then lone parts, a decode token or a prefill chunk's n tokens into its own heap layer, whose
+    queries attend over it as alone (a chunk causally, with the mask its heap gives alone)."""
 
-    def __init__(self, layers: list, lengths: list[int]):
-        self.layers, self.lengths = layers, lengths
+    def __init__(self, index: int, slabs: list, layers: list, lengths: list[int]):
+        self.index, self.slabs, self.layers = index, slabs, layers
+        seated = [len(slab.members) for slab in slabs]
         # read before the layer appends anything: positions and masks as each heap alone
-        self.offset = mx.concatenate([mx.arange(layer.offset, layer.offset + n) for layer, n in zip(layers, lengths)])
+        offsets = [o for slab in slabs for o in slab.offsets(index)]
+        offsets += [o for layer, n in zip(layers, lengths) for o in range(layer.offset, layer.offset + n)]
+        self.offset = mx.array(offsets, dtype=mx.int32)
         self.masks = [layer.make_mask(n) for layer, n in zip(layers, lengths)]
-        self.bounds = [(e - n, e) for e, n in zip(accumulate(lengths), lengths)]
+        ends = list(accumulate(seated + lengths))
+        self.bounds = [(e - n, e) for e, n in zip(ends, seated + lengths)]
         self.fetched: list = []
 
     def make_mask(self, N: int, return_array: bool = False, window_size=None):
@@ -90,17 +96,23 @@ class RowsLayer:
         return None   # each part masks its own
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
-        """keys/values: [N, H_kv, 1, D], each token rotated at its own position; a part's go into
-        its heap as [1, H_kv, n, D]."""
+        """keys/values: [N, H_kv, 1, D], each token rotated at its own position: a slab's rows go
+        into its buffers in one scatter, a lone part's into its heap as [1, H_kv, n, D]."""
+        lone = self.bounds[len(self.slabs):]
+        for slab, (a, b) in zip(self.slabs, self.bounds):
+            slab.append(self.index, keys[a:b], values[a:b])
         self.fetched = [layer.update_and_fetch(_part(keys, a, b), _part(values, a, b))
-                        for layer, (a, b) in zip(self.layers, self.bounds)]
+                        for layer, (a, b) in zip(self.layers, lone)]
         return keys, values
 
     def attend_rows(self, queries: mx.array, scale: float, **kwargs) -> mx.array:
-        """queries: [N, H_q, 1, D] -> [N, H_q, 1, D]: each part over its own heap, as alone."""
-        outs = [attention.heap_sdpa(_part(queries, a, b), k, v, layer, scale, mask, **kwargs)
-                for (k, v), layer, mask, (a, b) in zip(self.fetched, self.layers, self.masks, self.bounds)]
-        return mx.concatenate([out.transpose(2, 1, 0, 3) for out in outs], axis=0)
+        """queries: [N, H_q, 1, D] -> [N, H_q, 1, D]: a slab's rows as one batch, a lone part over
+        its own heap as alone."""
+        outs = [slab.attend(self.index, queries[a:b], scale, **kwargs) for slab, (a, b) in zip(self.slabs, self.bounds)]
+        lone = self.bounds[len(self.slabs):]
+        outs += [attention.heap_sdpa(_part(queries, a, b), k, v, layer, scale, mask, **kwargs).transpose(2, 1, 0, 3)
+                 for (k, v), layer, mask, (a, b) in zip(self.fetched, self.layers, self.masks, lone)]
+        return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0)
 
 
 def _part(x: mx.array, a: int, b: int) -> mx.array:
@@ -108,11 +120,13 @@ def _part(x: mx.array, a: int, b: int) -> mx.array:
     return x[a:b].transpose(2, 1, 0, 3)
 
 
-def step_rows(model, rows: list[DecodeRow], chunks: Sequence[tuple[HeapPromptCache, Sequence[int]]] = ()
-              ) -> list[Optional[Exception]]:
+def step_rows(model, rows: list[DecodeRow], chunks: Sequence[tuple[HeapPromptCache, Sequence[int]]] = (),
+              slabs: Optional[dict] = None) -> list[Optional[Exception]]:
     """Feed each row's pending token and `chunks` ((cache, ids) of prefills riding along) in one
     forward; each row then samples its next token with its own sampler.
 
+    With `slabs` (slab_key -> DecodeSlab, kept by the caller between steps) rows whose heaps can
+    share a buffer are read as one batch (slab.py); the others attend one by one.
     Returns one entry per row, then one per chunk: None when it advanced, else the error that
     stopped it before the forward (its prompt, or making room: an eviction event or its page-out),
     which leaves the others untouched. An error in the forward itself raises (every part is
@@ -124,23 +138,57 @@ def step_rows(model, rows: list[DecodeRow], chunks: Sequence[tuple[HeapPromptCac
         errors[i] = error
     live = [row for row, error in zip(rows, errors) if error is None]
     riding = [(cache, ids) for (cache, ids), error in zip(chunks, errors[len(rows):]) if error is None]
-    caches = [row.cache for row in live] + [cache for cache, _ in riding]
-    if not caches:
+    if slabs is not None:
+        _seat(live, slabs)
+    used = list({id(s): s for s in (seated_slab(row.cache) for row in live) if s is not None}.values())
+    by_cache = {id(row.cache): row for row in live}
+    order = [by_cache[id(c)] for slab in used for c in slab.members]     # the slabs' rows, in row order
+    order += [row for row in live if seated_slab(row.cache) is None]
+    lone = order[sum(len(slab.members) for slab in used):]
+    caches = [row.cache for row in lone] + [cache for cache, _ in riding]
+    if not order and not caches:
         return errors
-    lengths = [1] * len(live) + [len(ids) for _, ids in riding]
-    layers = [RowsLayer([c[i] for c in caches], lengths) for i in range(len(caches[0]))]
-    ids = mx.concatenate([row.next for row in live] + [mx.array(list(t), dtype=mx.uint32) for _, t in riding])
-    logits = model(ids[:, None], cache=layers)[: len(live), -1, :]             # [B, vocab]
-    fed = [[c.state for c in cache] for cache in caches]
-    if not live:   # chunks alone: their logits are never evaluated
+    lengths = [1] * len(lone) + [len(ids) for _, ids in riding]
+    n_layers = len((order[0].cache if order else caches[0]))
+    layers = [RowsLayer(i, used, [c[i] for c in caches], lengths) for i in range(n_layers)]
+    ids = mx.concatenate([row.next for row in order] + [mx.array(list(t), dtype=mx.uint32) for _, t in riding])
+    logits = model(ids[:, None], cache=layers)[: len(order), -1, :]            # [B, vocab]
+    fed = [[c.state for c in cache] for cache in caches] + [slab.arrays() for slab in used]
+    if not order:   # chunks alone: their logits are never evaluated
         mx.eval(fed)
         return errors
     logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-    tokens = sample_rows([row.sample for row in live], logprobs)                 # [B]
+    tokens = sample_rows([row.sample for row in order], logprobs)                # [B]
     mx.eval(tokens, logprobs, fed, [c.score_arrays() for c in caches])
-    for b, (row, token) in enumerate(zip(live, tokens.tolist())):
+    for b, (row, token) in enumerate(zip(order, tokens.tolist())):
         row.next, row.token, row.logprobs = tokens[b: b + 1], token, logprobs[b]
     return errors
+
+
+def _seat(rows: list[DecodeRow], slabs: dict) -> None:
+    """Make each slab's members exactly this step's rows of it: heaps not stepping leave, rows
+    that can join do (a heap never fed yet joins on its next step)."""
+    stepping = {id(r.cache) for r in rows}
+    for slab in slabs.values():
+        for cache in [c for c in slab.members if id(c) not in stepping]:
+            slab.leave(cache)
+    joining: dict = {}
+    for row in rows:
+        key = slab_key(row.cache)   # None when seated already
+        if key is not None:
+            joining.setdefault(key, []).append(row.cache)
+    for key, incoming in joining.items():
+        slab = slabs.setdefault(key, DecodeSlab(key))
+        slab.reserve(len(slab.members) + len(incoming))
+        for cache in incoming:
+            slab.join(cache)
+
+
+def leave_slab(cache: HeapPromptCache) -> None:
+    """The heap gets buffers of its own again (its run ended, or it waits a step)."""
+    slab = seated_slab(cache)
+    if slab is not None:
+        slab.leave(cache)
 
 
 def make_room(needs: list[tuple[HeapPromptCache, int]]) -> list[Optional[Exception]]:

@@ -2,7 +2,9 @@
 
 mlx-lm's model code runs unchanged: it rotates q/k at `cache.offset`, calls
 `update_and_fetch`, then attention (patched in attention.py to also call `observe`).
-Buffers are allocated once at capacity; eviction is a gather to the front.
+Buffers are allocated once at capacity; eviction is a gather to the front. While the layer's
+session decodes in a batch its buffers are a row of a DecodeSlab's (slab.py): the same attributes
+read and write that row, so every operation below works the same on it.
 """
 
 from __future__ import annotations
@@ -19,14 +21,44 @@ from ...kernels.decode_attention import mlx_ops as decode_kernel
 from .rope import RopeSpec
 
 
+class RowArray:
+    """A heap layer's buffer: its own array, or while the layer is seated in a decode slab its row
+    of the slab's. Reading gives that row; assigning replaces it whole; a range of slots is
+    written with HeapKVCache.put (an mx array's `a[i] = v` rebinds `a`, so writing into what a
+    read returned would be lost when seated)."""
+
+    def __set_name__(self, owner, name: str) -> None:
+        self.name = name
+
+    def __get__(self, layer, owner=None):
+        if layer is None:
+            return self
+        return layer.own[self.name] if layer.seat is None else layer.seat.row(self.name)
+
+    def __set__(self, layer, value) -> None:
+        if layer.seat is None:
+            layer.own[self.name] = value
+        else:
+            layer.seat.put(self.name, slice(None), value)
+
+
+BUFFERS = ("keys", "values", "scores", "window", "counts")
+
+
 class HeapKVCache(PendingView, _BaseCache):
-    _copy = staticmethod(mx.array)
+    _copy = staticmethod(mx.array)   # a real copy (a slab row's included)
+    keys = RowArray()    # [1, H_kv, capacity, D]
+    values = RowArray()  # [1, H_kv, capacity, Dv]
+    scores = RowArray()  # [H_kv, capacity] (h2o)
+    window = RowArray()  # [H_kv, capacity] (snapkv)
+    counts = RowArray()  # [H_kv, capacity] (h2o normalized)
 
     def __init__(self, heap: LayerHeap, rope: Optional[RopeSpec]):
         self.heap = heap
         self.rope = rope
-        self.keys: Optional[mx.array] = None    # [1, H_kv, capacity, D]
-        self.values: Optional[mx.array] = None  # [1, H_kv, capacity, Dv]
+        self.own: dict = {}
+        self.seat = None    # slab.Seat while the layer's session decodes in a slab
+        self.keys = self.values = None
         cap, H = heap.capacity, heap.n_kv_heads
         cfg = heap.cfg
         self.scores = mx.zeros((H, cap), mx.float32) if cfg.policy == "h2o" else None
@@ -50,9 +82,19 @@ class HeapKVCache(PendingView, _BaseCache):
             self.keys = mx.zeros((1, H, cap, D), keys.dtype)
             self.values = mx.zeros((1, H, cap, values.shape[3]), values.dtype)
         start, stop = self.heap.append(L)
-        self.keys[..., start:stop, :] = keys
-        self.values[..., start:stop, :] = values
+        self.put("keys", slice(start, stop), keys)
+        self.put("values", slice(start, stop), values)
         return self.keys[..., :stop, :], self.values[..., :stop, :]
+
+    def put(self, name: str, slots: slice, value: mx.array) -> None:
+        """buffer[..., slots] = value along the slot axis (keys/values: [1, H_kv, n, D]; score
+        arrays: [H_kv, n]), in the layer's own array or its slab row, in place."""
+        if self.seat is not None:
+            self.seat.put(name, slots, value)
+        elif name in ("keys", "values"):
+            self.own[name][:, :, slots, :] = value
+        else:
+            self.own[name][:, slots] = value
 
     def make_mask(self, N: int, return_array: bool = False, window_size=None):
         return create_attention_mask(N, self.heap.resident, return_array, window_size)
@@ -114,15 +156,12 @@ class HeapKVCache(PendingView, _BaseCache):
             probs = probs[0, :, :, L - w:, :].reshape(H, G * w, T)
         mass = probs.astype(mx.float32).sum(axis=1)                   # [H, T]
         if self.scores is not None:
-            self.scores[:, :T] = self.scores[:, :T] + mass
+            self.put("scores", slice(0, T), self.scores[:, :T] + mass)
         if self.counts is not None:
             seen_by = mx.minimum(T - mx.arange(T), w).astype(mx.float32) * G
-            self.counts[:, :T] = self.counts[:, :T] + seen_by[None, :]
+            self.put("counts", slice(0, T), self.counts[:, :T] + seen_by[None, :])
         if self.window is not None:
-            if L > 1:
-                self.window[:, :T] = mass
-            else:
-                self.window[:, :T] = self.window[:, :T] + mass
+            self.put("window", slice(0, T), mass if L > 1 else self.window[:, :T] + mass)
 
     @staticmethod
     def _side_pass(q: mx.array, keys: mx.array, scale: float, T: int, w: int) -> mx.array:
@@ -185,8 +224,8 @@ class HeapKVCache(PendingView, _BaseCache):
         values = mx.take_along_axis(self.values[0, :, :n, :], idx[..., None], axis=1)
         if deltas is not None and self.rope is not None:
             keys = self.rope.rotate(keys, deltas).astype(self.keys.dtype)
-        self.keys[:, :, :k, :] = keys[None]
-        self.values[:, :, :k, :] = values[None]
+        self.put("keys", slice(0, k), keys[None])
+        self.put("values", slice(0, k), values[None])
         for name in ("scores", "counts"):
             arr = getattr(self, name)
             if arr is not None:
@@ -205,10 +244,10 @@ class HeapKVCache(PendingView, _BaseCache):
         v = mx.concatenate([self.values[0, :, :n, :].astype(mx.float32), values], axis=1)
         k = mx.take_along_axis(k, order[..., None], axis=1)
         v = mx.take_along_axis(v, order[..., None], axis=1)
-        self.keys[:, :, :total, :] = self.rope.rotate(k, plan.rotate_by).astype(self.keys.dtype)[None]
-        self.values[:, :, :total, :] = v.astype(self.values.dtype)[None]
+        self.put("keys", slice(0, total), self.rope.rotate(k, plan.rotate_by).astype(self.keys.dtype)[None])
+        self.put("values", slice(0, total), v.astype(self.values.dtype)[None])
         for name in SCORE_ARRAYS:
             arr = getattr(self, name)
             if arr is not None:   # recalled slots start unscored (they are pinned until released)
                 padded = mx.concatenate([arr[:, :n], mx.zeros((arr.shape[0], total - n), arr.dtype)], axis=1)
-                arr[:, :total] = mx.take_along_axis(padded, order, axis=1)
+                self.put(name, slice(0, total), mx.take_along_axis(padded, order, axis=1))

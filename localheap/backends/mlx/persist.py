@@ -102,11 +102,11 @@ def load_heap(model, path: Path, pages_dir: Optional[Path] = None, budgets: Opti
                 cap = c.heap.capacity
                 c.keys = mx.zeros((1, k.shape[1], cap, k.shape[3]), k.dtype)
                 c.values = mx.zeros((1, v.shape[1], cap, v.shape[3]), v.dtype)
-                c.keys[..., :n, :] = k
-                c.values[..., :n, :] = v
+                c.put("keys", slice(0, n), k)
+                c.put("values", slice(0, n), v)
                 for name in _OPTIONAL:
                     if f"{i}.{name}" in arrays:
-                        getattr(c, name)[:, :n] = arrays[f"{i}.{name}"]
+                        c.put(name, slice(0, n), arrays[f"{i}.{name}"])
                 c.qsum = arrays.get(f"{i}.qsum")
         elif entry["meta_state"] is not None:
             n_state = sum(1 for key in arrays if key.startswith(f"{i}.state"))
