@@ -12,6 +12,7 @@ from engine_checks import (StepLog, alone_texts, check_cancel_mid_batch, check_d
                            ids, replies, requests_for)
 
 from localheap.backends.mlx import MLXBackend  # noqa: E402
+from localheap.backends.mlx.slab import DecodeSlab  # noqa: E402
 from localheap.models import demo_model_dir  # noqa: E402
 
 
@@ -31,6 +32,8 @@ def REQUESTS(demo):
 def test_the_engine_batches_mlx_sessions_with_their_tokens_alone(demo, REQUESTS, monkeypatch):
     want = alone_texts(demo, REQUESTS)
     log = StepLog(demo, monkeypatch)
+    attended, attend = [], DecodeSlab.attend
+    monkeypatch.setattr(DecodeSlab, "attend", lambda self, i, q, *a, **k: (attended.append(q.shape[0]), attend(self, i, q, *a, **k))[1])
     eng = engine(demo)
     try:
         assert eng.batched
@@ -39,6 +42,8 @@ def test_the_engine_batches_mlx_sessions_with_their_tokens_alone(demo, REQUESTS,
         eng.stop()
     assert [t for t, _ in got] == want
     assert max(len(rows) for rows, _ in log.steps) == len(REQUESTS), "all four decoded in one step"
+    assert max(attended) == len(REQUESTS), "their heaps attended as one batch from a slab"
+    assert not any(slab.members for slab in demo.slabs.values()), "every run's heap left the slab"
 
 
 def test_cancel_mid_batch_leaves_the_others_untouched(demo, REQUESTS):
