@@ -42,7 +42,7 @@ class RowArray:
             layer.seat.put(self.name, slice(None), value)
 
 
-BUFFERS = ("keys", "values", "scores", "window", "counts")
+KV = ("keys", "values")
 
 
 class HeapKVCache(PendingView, _BaseCache):
@@ -91,7 +91,7 @@ class HeapKVCache(PendingView, _BaseCache):
         arrays: [H_kv, n]), in the layer's own array or its slab row, in place."""
         if self.seat is not None:
             self.seat.put(name, slots, value)
-        elif name in ("keys", "values"):
+        elif name in KV:
             self.own[name][:, :, slots, :] = value
         else:
             self.own[name][:, slots] = value
@@ -218,21 +218,33 @@ class HeapKVCache(PendingView, _BaseCache):
 
         idx: [H, keep] ascending slot indices, deltas: [H, keep] or None. Lazy, no host sync:
         a zero delta rotates by cos 0 = 1, sin 0 = 0, leaving a key bit for bit."""
-        k = idx.shape[1]
+        self.write_kept(self.take_kept(idx, deltas))
+
+    def take_kept(self, idx: mx.array, deltas: Optional[mx.array]) -> dict:
+        """gather_kept's reads, lazy: the kept slots' keys (re-rotated) and values [1, H_kv, keep, D],
+        and scores [H_kv, keep]. A seated layer's are evaluated before write_kept: a view of the
+        slab alive at a write makes mlx copy the whole slab instead of updating it in place."""
         n = self.heap.resident
         keys = mx.take_along_axis(self.keys[0, :, :n, :], idx[..., None], axis=1)
         values = mx.take_along_axis(self.values[0, :, :n, :], idx[..., None], axis=1)
         if deltas is not None and self.rope is not None:
-            keys = self.rope.rotate(keys, deltas).astype(self.keys.dtype)
-        self.put("keys", slice(0, k), keys[None])
-        self.put("values", slice(0, k), values[None])
+            keys = self.rope.rotate(keys, deltas).astype(keys.dtype)
+        kept = {"keys": keys[None], "values": values[None]}
         for name in ("scores", "counts"):
             arr = getattr(self, name)
             if arr is not None:
-                kept = mx.take_along_axis(arr[:, :n], idx, axis=1)
-                setattr(self, name, mx.concatenate([kept, mx.zeros((arr.shape[0], arr.shape[1] - k), arr.dtype)], axis=1))
-        if self.window is not None:
-            self.window = mx.zeros_like(self.window)  # the next observation window starts now
+                kept[name] = mx.take_along_axis(arr[:, :n], idx, axis=1)
+        return kept
+
+    def write_kept(self, kept: dict) -> None:
+        """gather_kept's writes: the kept slots to the front, the scores past them cleared."""
+        k = kept["keys"].shape[2]
+        for name, value in kept.items():
+            self.put(name, slice(0, k), value)
+            if name not in KV:
+                self.put(name, slice(k, None), mx.array(0, value.dtype))
+        if self.window is not None:   # the next observation window starts now
+            self.put("window", slice(None), mx.array(0, mx.float32))
 
     # -- recall ---------------------------------------------------------------------
     def merge(self, plan: MergePlan, keys: mx.array, values: mx.array) -> None:
@@ -244,10 +256,14 @@ class HeapKVCache(PendingView, _BaseCache):
         v = mx.concatenate([self.values[0, :, :n, :].astype(mx.float32), values], axis=1)
         k = mx.take_along_axis(k, order[..., None], axis=1)
         v = mx.take_along_axis(v, order[..., None], axis=1)
-        self.put("keys", slice(0, total), self.rope.rotate(k, plan.rotate_by).astype(self.keys.dtype)[None])
-        self.put("values", slice(0, total), v.astype(self.values.dtype)[None])
+        merged = {"keys": self.rope.rotate(k, plan.rotate_by).astype(self.keys.dtype)[None],
+                  "values": v.astype(self.values.dtype)[None]}
         for name in SCORE_ARRAYS:
             arr = getattr(self, name)
             if arr is not None:   # recalled slots start unscored (they are pinned until released)
                 padded = mx.concatenate([arr[:, :n], mx.zeros((arr.shape[0], total - n), arr.dtype)], axis=1)
-                self.put(name, slice(0, total), mx.take_along_axis(padded, order, axis=1))
+                merged[name] = mx.take_along_axis(padded, order, axis=1)
+        if self.seat is not None:   # reads before writes in a slab (see take_kept)
+            mx.eval(merged)
+        for name, value in merged.items():
+            self.put(name, slice(0, total), value)

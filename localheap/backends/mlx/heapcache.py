@@ -89,9 +89,12 @@ class HeapPromptCache(HeapRollback, list):
         """The device half of an eviction event, lazy: a decode batch evaluates several heaps'
         events at once (batch.py), then each finishes its own."""
         outgoing = recall.gather_evicted(self, plan) if self.pages is not None else None
-        for group in plan.groups:
-            for b, cache in enumerate(group.layers):
-                cache.gather_kept(group.keep_indices[b], None if group.deltas is None else group.deltas[b])
+        kept = [cache.take_kept(group.keep_indices[b], None if group.deltas is None else group.deltas[b])
+                for group in plan.groups for b, cache in enumerate(group.layers)]
+        if any(c.seat is not None for c in plan.layers):   # in a slab: reads first (cache.take_kept)
+            mx.eval(kept, outgoing or [])
+        for cache, k in zip((c for group in plan.groups for c in group.layers), kept):
+            cache.write_kept(k)
         if outgoing is None:
             wire, parts = mx.concatenate([g.keep_indices.reshape(-1) for g in plan.groups]), None
         else:

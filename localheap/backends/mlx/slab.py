@@ -201,8 +201,8 @@ class DecodeSlab:
         names = [n for n in ("scores", "window") if n in bufs]
         if names:
             mass = probs.astype(mx.float32).sum(axis=2)                          # [B, H_kv, T]
-            for name in names:
-                bufs[name][:B, :, :T] = bufs[name][:B, :, :T] + mass
+            for name in names:   # .at[].add: no view of the buffer is alive at the write, so it is in place
+                bufs[name] = bufs[name].at[:B, :, :T].add(mass)
         if "counts" in bufs:
             seen = mx.full((B, 1, T), float(G)) if mask is None else mx.where(mask[:, 0], float(G), 0.0)
-            bufs["counts"][:B, :, :T] = bufs["counts"][:B, :, :T] + seen
+            bufs["counts"] = bufs["counts"].at[:B, :, :T].add(seen)
