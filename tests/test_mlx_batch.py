@@ -295,6 +295,28 @@ def test_slab_rows_sit_out_join_and_leave_as_alone(demo):
         assert_same_heap(want, r.cache)
 
 
+def test_two_slabs_and_a_lone_heap_in_one_step_as_alone(demo):
+    """Heaps of two configs sit in a slab each, and a geometry heap (query statistics: no slab)
+    attends on its own, all in one forward: each row's tokens and heap as alone."""
+    h2o = SMALL.with_(budget=40, policy="h2o", h2o_normalize=True)
+    cfgs = [SMALL, h2o, SMALL, h2o, SMALL.with_(policy="geometry")]
+    ps = prompts(demo, (40, 90, 60, 120, 70), seed=14)
+    params = SamplingParams(max_tokens=30)
+    rows = [start_row(demo.model, demo.new_cache(c), p, params, defer=True) for c, p in zip(cfgs, ps)]
+    slabs, got = {}, [[] for _ in rows]
+    for _ in range(30):
+        assert step_rows(demo.model, rows, slabs=slabs) == [None] * len(rows)
+        for t, r in zip(got, rows):
+            t.append(r.token)
+    assert sorted(len(s.members) for s in slabs.values()) == [2, 2]
+    for c, p, tokens, r in zip(cfgs, ps, got, rows):
+        leave_slab(r.cache)
+        want_tokens, _, want = alone(demo, c, p, params)
+        assert tokens == want_tokens
+        assert want.heap_layers[0].heap.evictions > 0
+        assert_same_heap(want, r.cache)
+
+
 def test_a_seated_heap_recalls_evicts_and_rolls_back_through_its_row(llama):
     """mlx has no views: a heap in a slab is read and written through its row. Row 0 takes a new
     turn while still seated (its recall merge and page-out), evicts, then rolls back: each heap
