@@ -33,7 +33,12 @@ def test_the_engine_batches_mlx_sessions_with_their_tokens_alone(demo, REQUESTS,
     want = alone_texts(demo, REQUESTS)
     log = StepLog(demo, monkeypatch)
     attended, attend = [], DecodeSlab.attend
-    monkeypatch.setattr(DecodeSlab, "attend", lambda self, i, q, *a, **k: (attended.append(q.shape[0]), attend(self, i, q, *a, **k))[1])
+
+    def spy(self, i, queries, *args, **kwargs):
+        attended.append(queries.shape[0])
+        return attend(self, i, queries, *args, **kwargs)
+
+    monkeypatch.setattr(DecodeSlab, "attend", spy)
     eng = engine(demo)
     try:
         assert eng.batched

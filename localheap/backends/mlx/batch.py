@@ -3,12 +3,14 @@
 Every token of the step is a row of its own, [N, 1] (a decode token per decoding session, and the
 n tokens of each riding prefill chunk): every per-token part of the model (embeddings, norms,
 projections, MLP, logits) runs once over the N rows, RoPE rotates each token at its own position
-(an offset array [N]: mlx's rope takes one per row, bit for bit the scalar offset), and attention
-runs per part over that session's own heap exactly as the single-session path runs it
-(attention.heap_sdpa; a chunk with the causal mask its heap gives alone). So each heap keeps its
-own buffers, slots, positions, eviction events, scores, recall region and page store; only the
-per-token matmuls may sum in another order with N (mlx's CPU backend: bit for bit; tests allow
-1e-4 elsewhere: tests/test_mlx_batch.py). The logits of a chunk's tokens are computed with the
+(an offset array [N]: mlx's rope takes one per row, bit for bit the scalar offset). Attention:
+with `slabs`, the decoding rows whose heaps can share a buffer are read as one batch from a
+DecodeSlab (slab.py: one scatter and one masked pass per layer for all of them); the other parts
+(a heap that cannot join a slab, a prefill chunk) attend over their own heap exactly as the
+single-session path does (attention.heap_sdpa; a chunk with the causal mask its heap gives alone).
+Either way each heap keeps its own slots, positions, eviction events, scores, recall region and
+page store (mlx's CPU backend: tokens, logprobs and heaps bit for bit as alone; tests allow 1e-4 on
+logprobs elsewhere: tests/test_mlx_batch.py). The logits of a chunk's tokens are computed with the
 rest (the model's head runs over all N rows) but never read.
 Knows nothing about sessions or requests: rows are (cache, sampler, next token).
 """

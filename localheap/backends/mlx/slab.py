@@ -98,7 +98,8 @@ class DecodeSlab:
         last = len(self.members) - 1
         out = [{name: mx.array(buf[r: r + 1] if name in KV else buf[r]) for name, buf in bufs.items()}
                for bufs in self.buffers]                           # copies, not views of the slab
-        moved = [{name: mx.array(buf[last]) for name, buf in bufs.items()} for bufs in self.buffers] if r != last else []
+        moved = [] if r == last else [{name: mx.array(buf[last]) for name, buf in bufs.items()}
+                                      for bufs in self.buffers]
         mx.eval(out, moved)   # before the move, which then updates the slab's buffers in place
         for layer, own in zip(cache.heap_layers, out):
             layer.seat = None
