@@ -270,6 +270,24 @@ def test_eviction_events_on_one_step_are_evaluated_together(llama, monkeypatch, 
             assert row.cache.pages.tokens == want_cache.pages.tokens > 0
 
 
+@pytest.mark.parametrize("policy", ["snapkv", "h2o"])
+def test_the_slab_off_mlx_formulation_fused_sdpa_and_side_pass(llama, monkeypatch, policy):
+    """Where explicit attention is not mlx's own (Metal), a session alone runs the fused sdpa and a
+    side pass for its scores, and so does the slab, batched and masked: forced here on the CPU."""
+    from localheap.backends.mlx import attention
+    monkeypatch.setattr(attention, "explicit_matches_stock", lambda *args: False)
+    ps = prompts(llama, (40, 64, 50), seed=15)
+    params = [SamplingParams(max_tokens=30), SamplingParams(max_tokens=26), SamplingParams(max_tokens=24)]
+    cfg = SMALL.with_(policy=policy, h2o_normalize=policy == "h2o")
+    want = [alone(llama, cfg, p, sp) for p, sp in zip(ps, params)]
+    got_tokens, got_lps, caches = batched(llama, cfg, ps, params, slabs={})
+    for (tokens, lps, cache), got, got_lp, got_cache in zip(want, got_tokens, got_lps, caches):
+        assert got == tokens
+        assert max_diff(lps, got_lp) <= LOGPROBS_ATOL
+        assert cache.heap_layers[0].heap.evictions > 0
+        assert_same_heap(cache, got_cache)
+
+
 def test_slab_rows_sit_out_join_and_leave_as_alone(demo):
     """Rows that sit out steps leave the slab (a middle row: the last one moves into its place)
     and join again; the rows still in keep stepping untouched; an empty slab frees its buffers."""
