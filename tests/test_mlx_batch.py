@@ -288,9 +288,10 @@ def test_the_slab_off_mlx_formulation_fused_sdpa_and_side_pass(llama, monkeypatc
         assert_same_heap(cache, got_cache)
 
 
-def test_slab_rows_sit_out_join_and_leave_as_alone(demo):
+def test_slab_rows_sit_out_join_and_leave_as_alone(demo, tmp_path):
     """Rows that sit out steps leave the slab (a middle row: the last one moves into its place)
-    and join again; the rows still in keep stepping untouched; an empty slab frees its buffers."""
+    and join again; the rows still in keep stepping untouched; an empty slab frees its buffers.
+    A seated heap saves as it loads back once it has left."""
     ps = prompts(demo, (20, 70, 33, 110), seed=11)
     rows = [start_row(demo.model, demo.new_cache(SMALL), p, SamplingParams(max_tokens=40)) for p in ps]
     got, slabs = [[r.token] for r in rows], {}
@@ -304,9 +305,16 @@ def test_slab_rows_sit_out_join_and_leave_as_alone(demo):
         for i, r in enumerate(rows):
             if r in live:
                 got[i].append(r.token)
-    for r in rows:
+    saved = []
+    for i, r in enumerate(rows):
+        if r.cache.heap_layers[0].seat is not None:
+            demo.save_cache(r.cache, tmp_path / f"{i}.safetensors")
+            saved.append(i)
         leave_slab(r.cache)
     assert not next(iter(slabs.values())).buffers, "an empty slab frees its buffers"
+    assert len(saved) == 3
+    for i in saved:
+        assert_same_heap(demo.load_cache(SMALL, tmp_path / f"{i}.safetensors"), rows[i].cache, atol=0)
     for p, tokens, r in zip(ps, got, rows):
         want_tokens, _, want = alone(demo, SMALL, p, SamplingParams(max_tokens=len(tokens)))
         assert tokens == want_tokens
