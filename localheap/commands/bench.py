@@ -233,6 +233,9 @@ def run_speed(args) -> int:
         cfg = cfg.with_(recall=False)
     if apply_decode_attention(backend, args):   # the fused step beside the default one, same run
         extra["paths"] = (*extra.get("paths", ("stock-full", "heap")), "heap-fused")
+    if args.compile_decode:   # the compiled step beside each eager one, same run
+        paths = extra.get("paths", ("stock-full", "heap"))
+        extra["paths"] = (*paths, *(p + "-compiled" for p in paths if p in ("heap", "heap-fused")))
     bench = _bench_module(backend)
     if args.distributed:   # the shards against one process (on rank 0), same run; rank 0 reports
         from ..backends.mlx import distributed as bench

@@ -32,10 +32,20 @@ def add_decode_arg(p: argparse.ArgumentParser) -> None:
                    help="torch backend: a heap's decode step attends with torch's sdpa (the stock path's tokens bit "
                         "for bit) or fused (output and heap scores in one pass, kernels/decode_attention: faster on "
                         "small models, not bit-identical to stock) (default: sdpa)")
+    p.add_argument("--compile-decode", action="store_true",
+                   help="torch backend: run a decode step's per-token parts (embedding, norms, projections, rotary, "
+                        "MLP, head) as graphs compiled ahead of time by torch inductor (needs a C++ compiler; the "
+                        "first use compiles for tens of seconds, cached on disk by the model's shapes); the heap's "
+                        "attention and bookkeeping stay as they are")
 
 
 def apply_decode_attention(backend, args) -> bool:
-    """--decode-attention onto a loaded backend (before its first cache). Returns whether fused."""
+    """--decode-attention and --compile-decode onto a loaded backend (before its first cache).
+    Returns whether fused."""
+    if getattr(args, "compile_decode", False):
+        if not hasattr(backend, "compile_decode"):
+            raise SystemExit(f"--compile-decode is a torch backend option (this is the {backend.name} backend)")
+        backend.compile_decode = True
     if getattr(args, "decode_attention", "sdpa") != "fused":
         return False
     if not hasattr(backend, "fused_decode"):
