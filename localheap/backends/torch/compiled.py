@@ -155,19 +155,21 @@ class CompiledDecode(LeanDecode):
         n = len(self.layers)
         with torch.no_grad():
             cos, sin = self.rotary(self.embed.weight[:1][None], pos)   # the eager rotary: stock cos/sin
-            h, qs, ks, vs = self.first(token, self.embed.weight, cos, sin, *self.pre[0])
+            h, qs, ks, vs = self.first([token, self.embed.weight, cos, sin, *self.pre[0]])
             for i, (a, *_) in enumerate(self.layers):
                 ks, vs = cache.layers[i].update(ks, vs)
                 out, _ = attention.heap_sdpa(a, qs, ks, vs, None, heap=cache, dropout=0.0, scaling=a.scaling)
                 out = out.contiguous()                                # [1, 1, H_q, D]
                 if i + 1 < n:
-                    h, qs, ks, vs = self.middle(h, out, *self.post[i], *self.pre[i + 1], cos, sin)
+                    h, qs, ks, vs = self.middle([h, out, *self.post[i], *self.pre[i + 1], cos, sin])
                 else:
-                    return self.last(h, out, *self.post[i], self.norm[0], self.head.weight)
+                    return self.last([h, out, *self.post[i], self.norm[0], self.head.weight])[0]
 
 
 def _load(path: Path, module: torch.nn.Module, example: tuple):
-    """The compiled graph at `path`, exported and compiled there first when it is not on disk yet."""
+    """The compiled graph at `path` (exported and compiled there first when it is not on disk yet),
+    as a function of the list of its inputs, None left out, returning the list of its outputs:
+    the loader's own call, without the package's per-call (un)flattening of argument trees."""
     with _LOCK:
         if not path.exists():
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -178,10 +180,17 @@ def _load(path: Path, module: torch.nn.Module, example: tuple):
                 program = torch.export.export(module, example)
                 tmp = path.with_suffix(f".{os.getpid()}.tmp.pt2")
                 # RMSNorm's mean through aten's own kernel: inductor's reduction sums in another order
-                with force_fallback(torch.ops.aten.mean.dim):
-                    torch._inductor.aoti_compile_and_package(program, package_path=str(tmp))
+                quiet = logging.getLogger("torch._inductor.ir")   # its "no c-shim for mean" warning
+                level = quiet.level
+                quiet.setLevel(logging.ERROR)
+                try:
+                    with force_fallback(torch.ops.aten.mean.dim):
+                        torch._inductor.aoti_compile_and_package(program, package_path=str(tmp))
+                finally:
+                    quiet.setLevel(level)
             os.replace(tmp, path)
-        return torch._inductor.aoti_load_package(str(path))
+        run = torch._inductor.aoti_load_package(str(path)).loader.boxed_run
+        return lambda inputs: run([x for x in inputs if x is not None])
 
 
 def compiled_step(model) -> Optional[CompiledDecode]:
