@@ -51,9 +51,15 @@ def test_generate_decodes_through_the_fused_kernel_only_when_asked(flag, torch_o
     assert (len(calls) > 0) == (flag == "fused"), calls
 
 
-@pytest.mark.parametrize("command", COMMANDS, ids=lambda c: " ".join(c[:2]))
-def test_every_decoding_command_takes_compile_decode_off_by_default(command):
+@pytest.mark.parametrize("command", COMMANDS + (["bench", "profile"],), ids=lambda c: " ".join(c[:2]))
+def test_compile_decode_is_off_by_default_where_a_step_runs_alone(command):
+    """generate and the benches decode one sequence (the compiled step); serve and chat decode in
+    batches, which stay uncompiled, so they do not take the flag."""
     parser = build_parser()
+    if command[0] in ("serve", "chat"):
+        with pytest.raises(SystemExit):
+            parser.parse_args([*command, "--compile-decode"])
+        return
     assert parser.parse_args(command).compile_decode is False
     assert parser.parse_args([*command, "--compile-decode"]).compile_decode is True
 
@@ -67,3 +73,17 @@ def test_compile_decode_reaches_the_torch_backend_and_its_caches(torch_one_threa
     assert backend.new_cache(HeapConfig(recall=False)).compile_decode is False
     assert apply_decode_attention(backend, SimpleNamespace(decode_attention="sdpa", compile_decode=True)) is False
     assert backend.compile_decode is True and backend.new_cache(HeapConfig(recall=False)).compile_decode is True
+    with pytest.raises(SystemExit, match="distributed"):
+        apply_decode_attention(backend, SimpleNamespace(decode_attention="sdpa", compile_decode=True,
+                                                        distributed="tensor"))
+
+
+def test_compile_decode_reaches_the_mlx_backend_and_its_caches():
+    pytest.importorskip("mlx.core")
+    from localheap.heap import HeapConfig
+    from localheap.models import load_backend
+
+    backend = load_backend("demo", "mlx")
+    assert backend.new_cache(HeapConfig(recall=False)).compile_decode is False
+    apply_decode_attention(backend, SimpleNamespace(decode_attention="sdpa", compile_decode=True))
+    assert backend.new_cache(HeapConfig(recall=False)).compile_decode is True

@@ -67,6 +67,9 @@ def profile_decode(backend, cfg, context: int, steps: int = 128, seed: int = 0) 
         "matmuls (linear: projections, MLP, head)": _sum(st, "<built-in method torch._C._nn.linear>", "~", own=True),
         "attention (sdpa)": _sum(st, "<built-in method torch._C._nn.scaled_dot_product_attention>", "~",
                                  own=True),
+        "fused attention and scores (--decode-attention fused)": _sum(st, "_fused_decode", "backends/torch/attention.py"),
+        "compiled graphs (--compile-decode: norms, projections, RoPE, MLP, head)":
+            _sum(st, "graph", "backends/torch/compiled.py"),
         "heap scoring side pass (observe)": _sum(st, "observe", "/backends/"),
         "heap appends (cache layer update)": _sum(st, "update", "backends/torch/layer.py"),
         "heap eviction events (make_room)": _sum(st, "make_room", "/backends/"),

@@ -32,19 +32,24 @@ def add_decode_arg(p: argparse.ArgumentParser) -> None:
                    help="torch backend: a heap's decode step attends with torch's sdpa (the stock path's tokens bit "
                         "for bit) or fused (output and heap scores in one pass, kernels/decode_attention: faster on "
                         "small models, not bit-identical to stock) (default: sdpa)")
+
+
+def add_compile_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compile-decode", action="store_true",
-                   help="torch backend: run a decode step's per-token parts (embedding, norms, projections, rotary, "
-                        "MLP, head) as graphs compiled ahead of time by torch inductor (needs a C++ compiler; the "
-                        "first use compiles for tens of seconds, cached on disk by the model's shapes); the heap's "
-                        "attention and bookkeeping stay as they are")
+                   help="run a decode step's per-token parts (embedding, norms, projections, rotary, MLP, head) "
+                        "compiled: torch, as graphs compiled ahead of time by inductor (needs a C++ compiler; the "
+                        "first use compiles for tens of seconds, cached on disk by the model's shapes); mlx, with "
+                        "mx.compile. The heap's attention and bookkeeping stay as they are; Llama-shaped models "
+                        "(llama, mistral, qwen2), one sequence at a time (serve and chat decode in batches, which "
+                        "stay uncompiled)")
 
 
 def apply_decode_attention(backend, args) -> bool:
     """--decode-attention and --compile-decode onto a loaded backend (before its first cache).
     Returns whether fused."""
     if getattr(args, "compile_decode", False):
-        if not hasattr(backend, "compile_decode"):
-            raise SystemExit(f"--compile-decode is a torch backend option (this is the {backend.name} backend)")
+        if getattr(args, "distributed", None):
+            raise SystemExit("--compile-decode runs one process's decode step; it is not available with --distributed")
         backend.compile_decode = True
     if getattr(args, "decode_attention", "sdpa") != "fused":
         return False

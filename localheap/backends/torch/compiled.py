@@ -190,7 +190,10 @@ def _load(path: Path, module: torch.nn.Module, example: tuple):
                     quiet.setLevel(level)
             os.replace(tmp, path)
         run = torch._inductor.aoti_load_package(str(path)).loader.boxed_run
-        return lambda inputs: run([x for x in inputs if x is not None])
+
+        def graph(inputs: list) -> list:
+            return run([x for x in inputs if x is not None])
+        return graph
 
 
 def compiled_step(model) -> Optional[CompiledDecode]:
