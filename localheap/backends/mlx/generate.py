@@ -77,7 +77,7 @@ def prefill_turn(model, cache: HeapPromptCache, prompt: list, chunk: int,
 
 
 def _step(model, cache: HeapPromptCache, tokens: mx.array, sampler, share=None):
-    compiled = compiled_step(model, cache) if cache.compile_decode and tokens.shape[0] == 1 else None
+    compiled = compiled_step(model, cache) if getattr(cache, "compile_decode", False) and tokens.shape[0] == 1 else None
     if compiled is not None:
         logits = compiled(cache, tokens)   # [1, vocab]; the heap's own work inside, uncompiled
     else:
