@@ -103,3 +103,19 @@ def test_the_compiled_graphs_are_cached_by_shape_and_reloaded(backend, tmp_path,
     comp = run(other, cfg, ids, True, max_tokens=16, monkeypatch=pytest.MonkeyPatch())
     assert comp[2] == 15 and torch.equal(comp[1], eager[1])
     assert not torch.equal(comp[1], run(backend, cfg, ids, True, max_tokens=16, monkeypatch=pytest.MonkeyPatch())[1])
+
+
+def test_a_compiled_step_that_differs_here_keeps_the_eager_step(backend, monkeypatch, caplog):
+    """Where the once-per-model check finds other logits (a dtype or kernels the tests never saw),
+    every step stays eager, with a warning."""
+    from localheap.models import demo_model_dir
+
+    other = TorchBackend.load(demo_model_dir(), model_name="demo", dtype=torch.float32)
+    monkeypatch.setattr(compiled, "agrees", lambda *a, **k: False)
+    with caplog.at_level("WARNING", logger="localheap.torch"):
+        assert compiled.compiled_step(other.model) is None
+    assert "differ" in caplog.text and other.model.__dict__["_localheap_compiled"] is None
+    monkeypatch.undo()
+    tokens, _, calls = run(other, HeapConfig(budget=512), text_ids(other, 64), True, max_tokens=8,
+                           monkeypatch=pytest.MonkeyPatch())
+    assert calls == 0 and len(tokens) == 8

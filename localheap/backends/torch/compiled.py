@@ -6,7 +6,7 @@ three fixed-shape graphs, compiles each once with inductor into a C++ library, a
 between the heap's own work (append, attention, scoring, eviction), which stays eager and
 unchanged:
 
-- `first`:  token, positions -> h, cos, sin, and layer 0's rotated q, k and v
+- `first`:  token (and the eager rotary's cos, sin) -> h and layer 0's rotated q, k and v
 - `middle`: layer i's output projection, residual, norm and MLP, then layer i + 1's norm,
             projections and rotary (one graph for every i: the weights are inputs)
 - `last`:   the last layer's output projection and MLP, the final norm and the head
@@ -16,7 +16,7 @@ cached on disk by those shapes, the torch version and this file (`LOCALHEAP_COMP
 ~/.cache/localheap/compiled; the first use compiles: tens of seconds). RMSNorm's mean is left to
 aten's own kernel (inductor's reduction sums in another order) and the rotary cos/sin are the eager
 module's, so on the CPU the logits are the eager step's bit for bit; `compiled_step` checks that
-once per model and warns where it does not hold. Opt-in (`--compile-decode`) for the compile time
+once per model and keeps the eager step where it does not hold. Opt-in (`--compile-decode`) for the compile time
 and the C++ compiler it needs. Only the single-sequence step: a packed batch (batch.py) stays eager.
 """
 
@@ -60,9 +60,10 @@ class _Shape:
         self.bias = q[1] is not None                       # q/k/v biases (qwen2)
         self.act = lean.layers[0][10]
         cfg = lean.model.config
-        self.key = repr((type(lean.model).__name__, cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads,
-                         cfg.num_key_value_heads, a.head_dim, cfg.vocab_size, self.eps, self.bias, type(self.act).__name__,
-                         str(lean.head.weight.dtype), str(lean.head.weight.device), torch.__version__,
+        self.key = repr((type(lean.model).__name__, cfg.hidden_size, cfg.intermediate_size,
+                         cfg.num_attention_heads, cfg.num_key_value_heads, a.head_dim, cfg.vocab_size, self.eps,
+                         self.bias, type(self.act).__name__, str(lean.head.weight.dtype),
+                         str(lean.head.weight.device), torch.__version__,
                          hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:16]))
 
 
@@ -173,7 +174,8 @@ def _load(path: Path, module: torch.nn.Module, example: tuple):
     with _LOCK:
         if not path.exists():
             path.parent.mkdir(parents=True, exist_ok=True)
-            log.info("compiling the decode step's %s graph (once per model shape) into %s", path.stem, path)
+            log.warning("--compile-decode: compiling the decode step's %s graph, once per model shape (tens of "
+                        "seconds), into %s", path.stem, path)
             from torch._inductor.lowering import force_fallback
 
             with torch.no_grad():
@@ -184,7 +186,9 @@ def _load(path: Path, module: torch.nn.Module, example: tuple):
                 level = quiet.level
                 quiet.setLevel(logging.ERROR)
                 try:
-                    with force_fallback(torch.ops.aten.mean.dim):
+                    # half-precision models: round where eager rounds (each op's output), not only at the end
+                    with force_fallback(torch.ops.aten.mean.dim), \
+                            torch._inductor.config.patch(emulate_precision_casts=True):
                         torch._inductor.aoti_compile_and_package(program, package_path=str(tmp))
                 finally:
                     quiet.setLevel(level)
@@ -212,8 +216,9 @@ def compiled_step(model) -> Optional[CompiledDecode]:
     if why:
         log.warning("--compile-decode: the decode step stays eager (%s)", why)
     elif not agrees(model, setting="compile_decode"):
-        log.warning("--compile-decode: the compiled step's logits differ from the eager step's in the last bits "
-                    "on this model, device and dtype (it stays on: greedy tokens may differ where two are near a tie)")
+        log.warning("--compile-decode: the compiled step's logits differ from the eager step's on this model, "
+                    "device and dtype; the decode step stays eager")
+        step = model.__dict__["_localheap_compiled"] = None
     else:
         log.info("--compile-decode: the compiled step's logits are the eager step's, bit for bit")
     return step
