@@ -34,8 +34,23 @@ def add_decode_arg(p: argparse.ArgumentParser) -> None:
                         "small models, not bit-identical to stock) (default: sdpa)")
 
 
+def add_compile_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--compile-decode", action="store_true",
+                   help="run a decode step's per-token parts (embedding, norms, projections, rotary, MLP, head) "
+                        "compiled: torch, as graphs compiled ahead of time by inductor (needs a C++ compiler; the "
+                        "first use compiles for tens of seconds, cached on disk by the model's shapes); mlx, with "
+                        "mx.compile. The heap's attention and bookkeeping stay as they are; Llama-shaped models "
+                        "(llama, mistral, qwen2), one sequence at a time (serve and chat decode in batches, which "
+                        "stay uncompiled)")
+
+
 def apply_decode_attention(backend, args) -> bool:
-    """--decode-attention onto a loaded backend (before its first cache). Returns whether fused."""
+    """--decode-attention and --compile-decode onto a loaded backend (before its first cache).
+    Returns whether fused."""
+    if getattr(args, "compile_decode", False):
+        if getattr(args, "distributed", None):
+            raise SystemExit("--compile-decode runs one process's decode step; it is not available with --distributed")
+        backend.compile_decode = True
     if getattr(args, "decode_attention", "sdpa") != "fused":
         return False
     if not hasattr(backend, "fused_decode"):

@@ -8,8 +8,8 @@ import time
 from pathlib import Path
 
 from ..generation import SamplingParams, StopMatcher
-from .common import (add_decode_arg, add_distributed_arg, add_heap_args, add_model_args, apply_decode_attention,
-                     heap_config, load_model_backend)
+from .common import (add_compile_arg, add_decode_arg, add_distributed_arg, add_heap_args, add_model_args,
+                     apply_decode_attention, heap_config, load_model_backend)
 from .progress import ProgressBar
 
 
@@ -18,6 +18,7 @@ def add_parser(sub) -> None:
     add_model_args(p)
     add_heap_args(p, recall=True)
     add_decode_arg(p)
+    add_compile_arg(p)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt-file", type=Path, help="read the prompt from this file")
     src.add_argument("--prompt", help="the prompt text")

@@ -122,23 +122,28 @@ def _lean(model) -> Optional[LeanDecode]:
             log.warning("the lean decode step's logits differ from transformers' forward on this model, device "
                         "and dtype; every decode step goes through the full forward")
             lean = model.__dict__["_localheap_lean"] = None
+    if lean is not None and getattr(cache, "compile_decode", False):
+        from .compiled import compiled_step
+
+        return compiled_step(model) or lean
     return lean
 
 
-def agrees(model, n: int = 9) -> bool:
+def agrees(model, n: int = 9, setting: str = "lean_decode") -> bool:
     """Whether the lean step gives the full forward's logits bit for bit here (this device, dtype
     and kernels: the tests hold it on the CPU only), on a scratch heap: n - 1 tokens fed, then
-    the n-th token through each path on its own copy of that heap. Run once per model."""
+    the n-th token through each path on its own copy of that heap. Run once per model.
+    setting="compile_decode": the compiled step (compiled.py) against the lean one, the same way."""
     from ...heap import HeapConfig
     from .cache import make_heap_cache
     from .generate import forward
 
     ids = torch.arange(n, device=model.device) % model.config.vocab_size
     logits = []
-    for use_lean in (False, True):
+    for on in (False, True):
         cache = make_heap_cache(model, HeapConfig(budget=64, recent=8, slack=16, recall=False))
-        cache.lean_decode = False
+        cache.lean_decode = setting != "lean_decode"
         forward(model, cache, ids[:-1])
-        cache.lean_decode = use_lean
+        setattr(cache, setting, on)
         logits.append(forward(model, cache, ids[-1:]))
     return torch.equal(*logits)
