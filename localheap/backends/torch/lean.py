@@ -99,18 +99,27 @@ class LeanDecode:
 def lean_step(model, cache) -> Optional[LeanDecode]:
     """The model's lean step when this cache can take it (heap layers only, no recall probe, no
     packed batch), else None: the caller runs the full forward."""
-    if (not ENABLED or not getattr(cache, "lean_decode", True) or cache.capture is not None or not cache.only_heap_layers or getattr(cache, "packed", False)
-            or model.config._attn_implementation != attention.ATTN_IMPLEMENTATION):
+    if not _takes_lean(model, cache):
         return None
-    return _lean(model)
+    lean = _lean(model)
+    if lean is not None and getattr(cache, "compile_decode", False):
+        from .compiled import compiled_step
+
+        return compiled_step(model) or lean
+    return lean
 
 
 def lean_packed(model, caches: list) -> Optional[LeanDecode]:
     """The lean forward for a packed step (batch.py) whose every heap could take the lean step
     on its own, else None."""
-    if not caches or any(lean_step(model, c) is None for c in caches):
+    if not caches or not all(_takes_lean(model, c) for c in caches):
         return None
     return _lean(model)
+
+
+def _takes_lean(model, cache) -> bool:
+    return (ENABLED and getattr(cache, "lean_decode", True) and cache.capture is None and cache.only_heap_layers
+            and not getattr(cache, "packed", False) and model.config._attn_implementation == attention.ATTN_IMPLEMENTATION)
 
 
 def _lean(model) -> Optional[LeanDecode]:
@@ -122,10 +131,6 @@ def _lean(model) -> Optional[LeanDecode]:
             log.warning("the lean decode step's logits differ from transformers' forward on this model, device "
                         "and dtype; every decode step goes through the full forward")
             lean = model.__dict__["_localheap_lean"] = None
-    if lean is not None and getattr(cache, "compile_decode", False):
-        from .compiled import compiled_step
-
-        return compiled_step(model) or lean
     return lean
 
 
