@@ -363,6 +363,47 @@ def test_a_follower_failing_mid_decode_leaves_the_ring_and_rank_0_says_so(tmp_pa
     assert "next failed on this rank mid-step" in follower_log and "InjectedFault" in follower_log, follower_log
 
 
+STEP_TIMEOUT_S = 5   # the test's --step-timeout: far above one step of the demo model, even on a busy CPU
+
+
+def test_a_follower_alive_but_stuck_mid_step_fails_the_request_within_the_step_timeout(tmp_path):
+    """Rank 1 stays alive, its heartbeat beating, but never ends its second generation (a test
+    stall): rank 0 waits in that step's collective. Past --step-timeout the request fails with
+    rank_lost saying the ranks did not answer within it, /health says so, and SIGTERM ends rank 0
+    (status 1), whose end ends rank 1. The first turn, with the same bound, runs as usual."""
+    from localheap.backends.mlx.follow import STALL_ENV
+
+    model_dir = demo_model_dir()
+    if model_dir is None:
+        pytest.skip("no bundled demo model in this installation")
+    ranks = Ranks(tmp_path, model_dir, "tensor", tmp_path / "sessions", *RECALL["off"],
+                  "--step-timeout", str(STEP_TIMEOUT_S), follower_env={STALL_ENV: "generate:2"}).wait_ready()
+    try:
+        post = lambda path, json, headers={}: httpx.post(ranks.url + path, json=json, timeout=120)  # noqa: E731
+        history: list = []
+        chat(post, history, TURNS[0], ranks.model)
+        began = time.monotonic()
+        try:
+            r = httpx.post(ranks.url + "/v1/chat/completions", timeout=STEP_TIMEOUT_S + 30, json={
+                "model": ranks.model, "max_tokens": MAX_TOKENS, "temperature": 0,
+                "messages": [*history, {"role": "user", "content": TURNS[1]}]})
+        except httpx.ReadTimeout:
+            pytest.fail("the request hung on the stuck rank\n" + ranks.log())
+        took = time.monotonic() - began
+        print(f"a stuck follower: the request failed {took:.2f} s after it was sent (--step-timeout {STEP_TIMEOUT_S})")
+        assert r.status_code == 503 and r.json()["error"]["code"] == "rank_lost", (r.text, ranks.log())
+        message = r.json()["error"]["message"]
+        assert f"did not answer within {STEP_TIMEOUT_S} s" in message and "--step-timeout" in message, message
+        assert ranks.procs[1].poll() is None, ranks.log()   # alive: its heartbeat alone could not tell
+        health = httpx.get(ranks.url + "/health", timeout=5)
+        assert health.status_code == 503 and "did not answer within" in health.json()["ranks"]["lost"], health.text
+        ranks.procs[0].send_signal(signal.SIGTERM)
+        assert ranks.procs[0].wait(30) == 1, ranks.log()
+        assert ranks.procs[1].wait(30) == 1, ranks.log()   # its rank 0 gone: it exits, stuck or not
+    finally:
+        ranks.stop()
+
+
 FAIL_BOUND_S = 60   # a failed step answers within this
 
 
@@ -512,6 +553,40 @@ def test_chat_on_two_ranks_gives_the_single_process_reply(tmp_path):
            for r, p in enumerate(procs)]
     assert [p.returncode for p in procs] == [0, 0], out
     assert all(w.strip() and w in out[0][0] for w in want), (want, out[0])
+
+
+@pytest.mark.parametrize("fault", ["stuck", "exits"])
+def test_chat_on_two_ranks_whose_follower_is_stuck_or_exits_says_why_and_exits_1(tmp_path, fault):
+    """`chat --distributed`, rank 1 alive but stuck in the first reply's generation (past
+    --step-timeout), or leaving the ring at its 5th generated token (exit 3): rank 0 prints why the
+    ranks are lost and exits with status 1 instead of hanging or chatting on; rank 1 exits too."""
+    from localheap.backends.mlx.follow import FAULT_ENV, STALL_ENV
+
+    model_dir = demo_model_dir()
+    if model_dir is None:
+        pytest.skip("no bundled demo model in this installation")
+    ring, ring2 = free_ports(2)
+    hosts = tmp_path / "hosts.json"
+    hosts.write_text(json.dumps([[f"127.0.0.1:{ring}"], [f"127.0.0.1:{ring2}"]]))
+    cmd = [sys.executable, "-m", "localheap.cli", "chat", "--distributed", "tensor", "--model", str(model_dir),
+           "--max-tokens", "24", "--temperature", "0", "--step-timeout", str(STEP_TIMEOUT_S), *HEAP, *RECALL["off"]]
+    follower = {STALL_ENV: "generate:1"} if fault == "stuck" else {FAULT_ENV: "next:5"}
+    procs = [subprocess.Popen(cmd, env={**os.environ, "MLX_RANK": str(r), "MLX_HOSTFILE": str(hosts),
+                                        **(follower if r else {})},
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for r in (0, 1)]
+    try:
+        out = [p.communicate("\n".join([*TURNS[:2], "/quit", ""]) if r == 0 else "", timeout=START_S)
+               for r, p in enumerate(procs)]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    said = out[0][0] + out[0][1]
+    assert [p.returncode for p in procs] == [1, 1 if fault == "stuck" else 3], out
+    want = f"did not answer within {STEP_TIMEOUT_S} s" if fault == "stuck" else "rank lost: rank 1"
+    assert want in said and "restart every rank" in said, out
+    assert TURNS[1] not in said, out   # echo-free, but to be sure: nothing after the first turn
 
 
 class FakeRanks:

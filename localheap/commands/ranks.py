@@ -81,19 +81,24 @@ def layout_of(backend) -> Optional[dict]:
     return None if ranks is None else {"mode": backend.mode, "ranks": ranks.size}
 
 
-def heartbeat(backend, timeout: float):
-    """Every rank at start: the heartbeat between rank 0 and each follower (liveness.py), or None."""
+def heartbeat(backend, timeout: float, step_timeout: float):
+    """Every rank at start: the heartbeat between rank 0 and each follower (liveness.py), or None
+    (both flags checked first)."""
     from ..backends.mlx.liveness import connect
 
     if timeout <= 0:
         raise SystemExit("localheap: --rank-timeout must be > 0 seconds")
+    if step_timeout <= 0:
+        raise SystemExit("localheap: --step-timeout must be > 0 seconds")
     return connect(backend.ranks, timeout)
 
 
-def lead(leader, beat, on_stuck=None) -> None:
-    """Rank 0: the heartbeat reports a rank gone to the Leader; `on_stuck` fails what waits on a
-    collective that cannot end (Engine.abandon), by default rank 0 exits."""
+def lead(leader, beat, step_timeout: float, on_stuck=None) -> None:
+    """Rank 0: the heartbeat reports a rank gone to the Leader, and the step watch a step that has
+    run `step_timeout` s; `on_stuck` fails what waits on a collective that cannot end
+    (Engine.abandon), by default rank 0 exits."""
     leader.on_stuck = on_stuck or (lambda error: exit_now(f"localheap: {error}", 1))
+    leader.watch(step_timeout)
     if beat is not None:
         leader.heartbeat = beat
         beat.on_lost = leader.rank_gone
