@@ -48,20 +48,21 @@ def free_ports(n: int) -> list[int]:
 class Ranks:
     """Two `localheap serve --distributed` processes; rank 0's URL once /health answers."""
 
-    def __init__(self, tmp: Path, model_dir, mode: str, sessions: Path, *extra: str, follower_env: dict = None,
+    def __init__(self, tmp: Path, model_dir, mode: str, sessions, *extra: str, follower_env: dict = None,
                  heap: list = HEAP):
+        """`sessions`: the sessions directory of both ranks, or a list of one per rank (as on two hosts)."""
         ring, ring2, http = free_ports(3)
         hosts = tmp / f"hosts-{ring}.json"
         hosts.write_text(json.dumps([[f"127.0.0.1:{ring}"], [f"127.0.0.1:{ring2}"]]))
-        cmd = [sys.executable, "-m", "localheap.cli", "serve", "--distributed", mode, "--model", str(model_dir),
-               "--port", str(http), "--sessions-dir", str(sessions), "--ram-budget", "4G",
-               "--max-resident-sessions", "1", *heap,
-               *(extra or RECALL["off"])]
+        dirs = sessions if isinstance(sessions, list) else [sessions, sessions]
+        cmd = lambda r: [sys.executable, "-m", "localheap.cli", "serve", "--distributed", mode,   # noqa: E731
+                         "--model", str(model_dir), "--port", str(http), "--sessions-dir", str(dirs[r]),
+                         "--ram-budget", "4G", "--max-resident-sessions", "1", *heap, *(extra or RECALL["off"])]
         self.url = f"http://127.0.0.1:{http}"
         self.logs = [open(tmp / f"rank{r}-{ring}.log", "w+") for r in (0, 1)]
         env = lambda r: {**os.environ, "MLX_RANK": str(r), "MLX_HOSTFILE": str(hosts),   # noqa: E731
                          **((follower_env or {}) if r else {})}
-        self.procs = [subprocess.Popen(cmd, env=env(r), stdout=self.logs[r], stderr=subprocess.STDOUT)
+        self.procs = [subprocess.Popen(cmd(r), env=env(r), stdout=self.logs[r], stderr=subprocess.STDOUT)
                       for r in (0, 1)]
 
     def log(self) -> str:
@@ -649,6 +650,39 @@ def test_a_follower_removes_its_own_files_of_a_session(tmp_path, monkeypatch):
     assert follow_mod.follow(shard, tmp_path, remove_files) == 0
     left = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if p.is_file())
     assert left == ["sess_other.0.tensor-rank1of2.safetensors"]
+
+
+def test_a_checkpoint_the_cap_drops_leaves_no_file_on_any_rank(tmp_path):
+    """Each rank with a sessions directory of its own (as on two hosts): a session checkpointed
+    more times than the per-session cap keeps its newest checkpoints (and its first); the one the
+    cap drops is removed on rank 0 and, through the step stream, on rank 1. What is kept is on both."""
+    from localheap.sessions.checkpoints import PER_SESSION
+
+    model_dir = demo_model_dir()
+    if model_dir is None:
+        pytest.skip("no bundled demo model in this installation")
+    dirs = [tmp_path / "host0", tmp_path / "host1"]
+    made = []
+    with Ranks(tmp_path, model_dir, "tensor", dirs) as ranks:
+        history: list = []
+        for n in range(PER_SESSION + 1):
+            history.append({"role": "user", "content": f"Say a word about the number {n}."})
+            r = httpx.post(ranks.url + "/v1/chat/completions", timeout=120, json={
+                "model": ranks.model, "messages": history, "max_tokens": 2, "temperature": 0})
+            assert r.status_code == 200, (r.text, ranks.log())
+            sid = r.json()["localheap"]["session_id"]
+            history.append({"role": "assistant", "content": r.json()["choices"][0]["message"]["content"]})
+            c = httpx.post(f"{ranks.url}/v1/sessions/{sid}/checkpoint", timeout=120)
+            assert c.status_code == 201, (c.text, ranks.log())
+            made.append(c.json()["tokens"])
+            kept = c.json()["session"]["checkpoints"]
+        shards = lambda d, r: sorted(int(p.name.split(".")[0]) for p in   # noqa: E731
+                                     (d / "checkpoints" / sid).glob(f"*.tensor-rank{r}of2.safetensors"))
+        held = [shards(dirs[0], 0), shards(dirs[1], 1)]
+        assert ranks.procs[1].poll() is None, ranks.log()
+    assert len(set(made)) == PER_SESSION + 1 and kept == [made[0], *made[2:]], (made, kept)
+    assert held == [kept, kept], (held, kept, made)   # made[1] dropped on every rank
+    assert not list((dirs[1] / "checkpoints" / sid).glob(f"{made[1]}.*")), sorted((dirs[1] / "checkpoints").rglob("*"))
 
 
 @pytest.mark.parametrize("command", [["serve", "--no-persist"], ["chat"]])

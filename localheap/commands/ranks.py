@@ -136,12 +136,18 @@ def follower(backend, sessions_dir: Optional[Path], beat=None) -> int:
     return code
 
 
-def remove_files(root: Path, session_id: str, keep_gen: Optional[int], whole: bool) -> None:
+def remove_files(root: Path, session_id: str, keep_gen: Optional[int], whole: bool,
+                 checkpoint: Optional[int] = None) -> None:
     """A follower's part of the store removing a session's files: its shards of other generations
-    (or of all, and its pages and checkpoints, with `whole`) under its own sessions directory."""
+    (or of all, and its pages and checkpoints, with `whole`) under its own sessions directory; with
+    `checkpoint` (its token count), only that checkpoint's files."""
+    from ..sessions.checkpoints import remove_checkpoint_files
     from ..sessions.disk import SessionDir, valid_id
 
     if not valid_id(session_id):
+        return
+    if checkpoint is not None:
+        remove_checkpoint_files(root / "checkpoints" / session_id / f"{int(checkpoint)}.safetensors")
         return
     SessionDir(root).remove(session_id, keep_gen)
     if whole:

@@ -84,7 +84,8 @@ def start_step(backend, cmd: dict, op: str, faults: Faults, caches: dict) -> boo
 
 def follow(backend: DistributedMLXBackend, root: Path, remove_files=None) -> int:
     """A follower rank's loop: rank 0's heap calls on this rank's shard, until it says stop;
-    `remove_files(root, session_id, keep_gen, whole)` removes this rank's files of a session.
+    `remove_files(root, session_id, keep_gen, whole, checkpoint)` removes this rank's files of a
+    session (or of one of its checkpoints).
     Returns the exit status (1: rank 0 was lost; OUT_OF_STEP_EXIT: a forward failed here, see the
     log, and the process must exit now)."""
     assert backend.rank != 0
@@ -137,7 +138,7 @@ def follow(backend: DistributedMLXBackend, root: Path, remove_files=None) -> int
             elif op == "close":
                 gens.pop(cmd["gen"]).close()
             elif op == "remove" and remove_files is not None:
-                remove_files(root, cmd["session"], cmd["keep_gen"], cmd["whole"])
+                remove_files(root, cmd["session"], cmd["keep_gen"], cmd["whole"], cmd.get("checkpoint"))
         except Exception as e:
             if lost(e) or lost(e.__cause__):
                 log.error("a rank was lost (%s): this rank stops", e)

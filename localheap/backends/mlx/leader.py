@@ -250,6 +250,11 @@ class Leader:
         `whole`): the followers remove theirs."""
         self.send("remove", session=session_id, keep_gen=keep_gen, whole=whole)
 
+    def remove_checkpoint_files(self, session_id: str, tokens: int) -> None:
+        """The checkpoints removed one of a session's checkpoints here (a cap dropped it, or it was
+        unreadable): the followers remove their shards of it."""
+        self.send("remove", session=session_id, keep_gen=None, whole=False, checkpoint=int(tokens))
+
     # --- heap calls, mirrored ---
 
     def new_cache(self, cfg: HeapConfig, pages_dir: Optional[Path] = None):
