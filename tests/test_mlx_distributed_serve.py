@@ -685,6 +685,51 @@ def test_a_checkpoint_the_cap_drops_leaves_no_file_on_any_rank(tmp_path):
     assert not list((dirs[1] / "checkpoints" / sid).glob(f"{made[1]}.*")), sorted((dirs[1] / "checkpoints").rglob("*"))
 
 
+def test_rank_0s_governor_spills_for_a_follower_past_its_ram_budget(tmp_path, monkeypatch):
+    """At an admission rank 0's governor reads every rank's memory (a "reading" command, then one
+    collective each): a follower past its own RAM budget, or a host short of memory, makes rank 0
+    spill an idle session as its own would; rank 0's own reading alone would admit with no spill."""
+    from localheap.backends.mlx import follow as follow_mod
+    from localheap.commands.ranks import RankSensors, own_reading
+    from localheap.governor import MemoryPlan
+    from localheap.governor.governor import Governor, MemoryReading
+
+    class Sensors:
+        def __init__(self, rss, available):
+            self.r = MemoryReading(rss=rss, allocator_active=0, allocator_cache=0, available=available, swap_used=0)
+
+        def memory(self):
+            return self.r
+
+        def thermal(self):
+            return "nominal"
+
+    GiB = 1 << 30
+    plan = MemoryPlan(budget=4 * GiB, weights=GiB, heap=GiB // 8, overhead=GiB // 2)   # room for 20 heaps
+    follower_said = []
+
+    class Leader:   # rank 1's answer comes from its own loop, fed the command rank 0 sent
+        def __init__(self, rank1):
+            self.rank1 = rank1
+
+        def readings(self, over, available):
+            commands = [{"op": "reading", "drop": []}, {"op": "stop", "drop": []}]
+            monkeypatch.setattr(follow_mod, "broadcast", lambda ranks, payload: json.dumps(commands.pop(0)).encode())
+            shard = type("Shard", (), {"rank": 1})()
+            shard.ranks = type("R", (), {"each": staticmethod(follower_said.append)})()
+            assert follow_mod.follow(shard, tmp_path, None, own_reading(self.rank1, plan.budget)) == 0
+            return [(over, available), tuple(follower_said[-2:])]
+
+    calm = Sensors(rss=2 * GiB, available=8 * GiB)
+    for rank1, spills in [(Sensors(rss=2 * GiB, available=8 * GiB), 0),          # every rank within its budget
+                          (Sensors(rss=4 * GiB - GiB // 16, available=8 * GiB), 1),   # rank 1 past its budget with one more heap
+                          (Sensors(rss=2 * GiB, available=64 << 20), 1)]:            # rank 1's host short of RAM
+        alone = Governor(plan, calm).admit(3, ["a", "b"])
+        assert alone.action == "admit" and alone.spill == []
+        decision = Governor(plan, RankSensors(calm, Leader(rank1), plan.budget)).admit(3, ["a", "b"])
+        assert decision.action == "admit" and decision.spill == ["a", "b"][:spills], (rank1.r, decision)
+
+
 @pytest.mark.parametrize("command", [["serve", "--no-persist"], ["chat"]])
 def test_serve_and_chat_distributed_outside_mlx_launch_say_how(capsys, command):
     from localheap.cli import main

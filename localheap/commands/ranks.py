@@ -115,11 +115,48 @@ def exit_now(message: str, code: int) -> None:
     os._exit(code)
 
 
-def follower(backend, sessions_dir: Optional[Path], beat=None) -> int:
+class RankSensors:
+    """Rank 0's governor sensors on ranks: at an admission, every rank's memory (one collective,
+    Leader.readings), so that the governor spills for the rank furthest past its RAM budget and the
+    host with the least memory available; elsewhere (/health) rank 0's own reading."""
+
+    def __init__(self, mine, leader, budget: int):
+        self.mine, self.leader, self.budget = mine, leader, budget
+
+    def memory(self):
+        return self.mine.memory()
+
+    def thermal(self) -> str:
+        return self.mine.thermal()
+
+    def admission_memory(self):
+        """Rank 0's reading with the RSS of the rank furthest past its budget (as if its budget were
+        rank 0's) and the least available memory of any host."""
+        from ..engine.errors import RankLost
+
+        r = self.mine.memory()
+        try:
+            seen = self.leader.readings(r.rss - self.budget, r.available)
+        except RankLost:   # the request fails at its first heap call
+            return r
+        return dataclasses.replace(r, rss=self.budget + max(over for over, _ in seen),
+                                   available=min(free for _, free in seen))
+
+
+def own_reading(sensors, budget: int):
+    """A follower's answer to rank 0's admission reading: (RSS past its budget, its host's available bytes)."""
+    def read() -> tuple[int, int]:
+        r = sensors.memory()
+        return r.rss - budget, r.available
+    return read
+
+
+def follower(backend, sessions_dir: Optional[Path], beat=None, reading=None) -> int:
     """A follower rank until rank 0 stops: its own sessions directory (the same flag, on its
     host) or a temp dir when sessions are not kept. A step it failed mid-forward ends the process
     at once, which closes its ring connections and heartbeat: rank 0 knows. A rank 0 that is gone
-    (its heartbeat ended) ends this process: it may be waiting in a collective for ever."""
+    (its heartbeat ended) ends this process: it may be waiting in a collective for ever. `reading`:
+    this rank's memory for rank 0's admissions (own_reading)."""
     from ..backends.mlx.follow import OUT_OF_STEP_EXIT, follow
 
     root = Path(sessions_dir) if sessions_dir is not None else Path(tempfile.mkdtemp(prefix="localheap-rank-"))
@@ -128,7 +165,7 @@ def follower(backend, sessions_dir: Optional[Path], beat=None) -> int:
     if beat is not None:
         beat.on_lost = lambda rank, why: exit_now(f"rank 0 {why}: this rank exits", 1)
         beat.start()
-    code = follow(backend, root, remove_files)
+    code = follow(backend, root, remove_files, reading)
     if code == OUT_OF_STEP_EXIT:   # leave the ring now: a normal exit may wait on it, rank 0 with it
         exit_now(f"rank {backend.rank} leaves the ring (exit status {code})", code)
     if beat is not None:

@@ -179,11 +179,13 @@ def serve_ranks(backend, settings, args) -> int:
     ranks.check_layout(sessions_dir, ranks.layout_of(backend))   # every rank: each has its own disk
     beat = ranks.heartbeat(backend, args.rank_timeout, args.step_timeout)
     if backend.rank != 0:
-        governor_for(backend, plan)   # this rank's allocator limits
-        return ranks.follower(backend, sessions_dir, beat)
+        sensors = governor_for(backend, plan).sensors   # this rank's allocator limits; its memory for admissions
+        return ranks.follower(backend, sessions_dir, beat, ranks.own_reading(sensors, plan.budget))
     leader = Leader(backend)
     try:
-        app = create_app(leader, settings, governor=governor_for(leader, plan), on_close=leader.stop)
+        governor = governor_for(leader, plan)
+        governor.sensors = ranks.RankSensors(governor.sensors, leader, plan.budget)   # admissions: every rank's RAM
+        app = create_app(leader, settings, governor=governor, on_close=leader.stop)
         leader.root = app.state.services.store.spill_dir
         ranks.lead(leader, beat, args.step_timeout, on_stuck=app.state.services.engine.abandon)
         ranks.keep_pinging(app.state.services.engine, leader)

@@ -82,10 +82,23 @@ def start_step(backend, cmd: dict, op: str, faults: Faults, caches: dict) -> boo
     return True
 
 
-def follow(backend: DistributedMLXBackend, root: Path, remove_files=None) -> int:
+def memory_reading(reading) -> tuple[int, int]:
+    """This rank's (RSS past its budget, available bytes); one that cannot be read counts as no pressure."""
+    if reading is None:
+        return -(1 << 62), 1 << 62
+    try:
+        over, free = reading()
+        return int(over), int(free)
+    except Exception:   # noqa: BLE001 - the ranks must still meet in the reading's collectives
+        log.warning("this rank's memory reading failed", exc_info=True)
+        return -(1 << 62), 1 << 62
+
+
+def follow(backend: DistributedMLXBackend, root: Path, remove_files=None, reading=None) -> int:
     """A follower rank's loop: rank 0's heap calls on this rank's shard, until it says stop;
     `remove_files(root, session_id, keep_gen, whole, checkpoint)` removes this rank's files of a
-    session (or of one of its checkpoints).
+    session (or of one of its checkpoints); `reading()` is this rank's (RSS past its RAM budget,
+    available bytes) for rank 0's admissions.
     Returns the exit status (1: rank 0 was lost; OUT_OF_STEP_EXIT: a forward failed here, see the
     log, and the process must exit now)."""
     assert backend.rank != 0
@@ -137,6 +150,10 @@ def follow(backend: DistributedMLXBackend, root: Path, remove_files=None) -> int
                 next(gens[cmd["gen"]], None)
             elif op == "close":
                 gens.pop(cmd["gen"]).close()
+            elif op == "reading":
+                over, free = memory_reading(reading)
+                backend.ranks.each(over)
+                backend.ranks.each(free)
             elif op == "remove" and remove_files is not None:
                 remove_files(root, cmd["session"], cmd["keep_gen"], cmd["whole"], cmd.get("checkpoint"))
         except Exception as e:

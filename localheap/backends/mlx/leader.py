@@ -218,6 +218,13 @@ class Leader:
         """A command that does nothing: finds a lost rank while the server is idle."""
         self.send("ping")
 
+    def readings(self, over: int, available: int) -> list[tuple[int, int]]:
+        """Every rank's memory at an admission, in rank order: (its RSS past its RAM budget, its
+        host's available bytes); this rank's are given."""
+        self.send("reading")
+        overs, free = self._guard(lambda: (self.ranks.each(over), self.ranks.each(available)))
+        return list(zip(overs, free))
+
     def stop(self) -> None:
         """The followers leave their loop (the server is exiting)."""
         if self.stopped:
