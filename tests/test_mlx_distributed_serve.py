@@ -220,6 +220,41 @@ def test_serve_on_two_ranks_gives_the_single_process_replies_and_restores_them(m
         check_layout(sessions, {"mode": "tensor", "ranks": 4})
 
 
+PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age"],
+          "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer", "maximum": 120}}}
+
+
+def test_structured_output_on_two_ranks_binds_every_rank(tmp_path):
+    """A json_schema reply, greedy: the constraint lives on rank 0, whose sampled token every rank
+    feeds; the reply validates and equals one process's (a rank that fed its own unconstrained
+    token would hold other keys and values and answer differently)."""
+    jsonschema = pytest.importorskip("jsonschema")
+    pytest.importorskip("llguidance")
+    model_dir = demo_model_dir()
+    if model_dir is None:
+        pytest.skip("no bundled demo model in this installation")
+    asks = [[{"role": "user", "content": "Describe a person as JSON."}],
+            [{"role": "user", "content": "Tell me about the lighthouse keeper, as JSON."}]]
+
+    def script(post, model: str) -> list[str]:
+        out = []
+        for messages in asks:
+            r = post("/v1/chat/completions", json={
+                "model": model, "messages": messages, "max_tokens": 60, "temperature": 0,
+                "response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": PERSON}}})
+            assert r.status_code == 200, r.text
+            out.append(r.json()["choices"][0]["message"]["content"])
+        return out
+
+    want = on_one_process(model_dir, HEAP + RECALL["off"], script)
+    with Ranks(tmp_path, model_dir, "tensor", tmp_path / "sessions") as ranks:
+        got = script(lambda path, json, headers={}: httpx.post(ranks.url + path, json=json, timeout=120),
+                     ranks.model)
+    for text in got:
+        jsonschema.validate(json.loads(text), PERSON)
+    assert got == want, (got, want)
+
+
 def test_a_killed_rank_fails_requests_clearly_and_health_says_so(tmp_path):
     model_dir = demo_model_dir()
     if model_dir is None:
