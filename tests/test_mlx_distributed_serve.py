@@ -718,6 +718,15 @@ def test_a_checkpoint_the_cap_drops_leaves_no_file_on_any_rank(tmp_path):
     assert len(set(made)) == PER_SESSION + 1 and kept == [made[0], *made[2:]], (made, kept)
     assert held == [kept, kept], (held, kept, made)   # made[1] dropped on every rank
     assert not list((dirs[1] / "checkpoints" / sid).glob(f"{made[1]}.*")), sorted((dirs[1] / "checkpoints").rglob("*"))
+    # a restart on the same directories restores the session from each rank's own, and forks from a checkpoint
+    with Ranks(tmp_path, model_dir, "tensor", dirs) as ranks:
+        history.append({"role": "user", "content": "And one more word."})
+        r = httpx.post(ranks.url + "/v1/chat/completions", timeout=120, json={
+            "model": ranks.model, "messages": history, "max_tokens": 2, "temperature": 0})
+        assert r.status_code == 200 and r.json()["localheap"]["session_id"] == sid, (r.text, ranks.log())
+        assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= made[-1], r.text   # from disk
+        fork = httpx.post(f"{ranks.url}/v1/sessions/{sid}/fork", json={"tokens": made[0]}, timeout=120)
+        assert fork.status_code == 201 and fork.json()["forked_from"]["tokens"] == made[0], (fork.text, ranks.log())
 
 
 def test_rank_0s_governor_spills_for_a_follower_past_its_ram_budget(tmp_path, monkeypatch):
