@@ -690,7 +690,9 @@ def test_a_follower_removes_its_own_files_of_a_session(tmp_path, monkeypatch):
 def test_a_checkpoint_the_cap_drops_leaves_no_file_on_any_rank(tmp_path):
     """Each rank with a sessions directory of its own (as on two hosts): a session checkpointed
     more times than the per-session cap keeps its newest checkpoints (and its first); the one the
-    cap drops is removed on rank 0 and, through the step stream, on rank 1. What is kept is on both."""
+    cap drops is removed on rank 0 and, through the step stream, on rank 1. What is kept is on both:
+    a restart restores the session and forks from a checkpoint; at that start rank 1 removes its
+    files that no saved session holds (a crash's leftovers), and only its own."""
     from localheap.sessions.checkpoints import PER_SESSION
 
     model_dir = demo_model_dir()
@@ -711,6 +713,9 @@ def test_a_checkpoint_the_cap_drops_leaves_no_file_on_any_rank(tmp_path):
             assert c.status_code == 201, (c.text, ranks.log())
             made.append(c.json()["tokens"])
             kept = c.json()["session"]["checkpoints"]
+        r = httpx.post(ranks.url + "/v1/chat/completions", timeout=120, json={   # rank 1 has done each command
+            "model": ranks.model, "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 1})
+        assert r.status_code == 200, (r.text, ranks.log())
         shards = lambda d, r: sorted(int(p.name.split(".")[0]) for p in   # noqa: E731
                                      (d / "checkpoints" / sid).glob(f"*.tensor-rank{r}of2.safetensors"))
         held = [shards(dirs[0], 0), shards(dirs[1], 1)]
@@ -718,6 +723,15 @@ def test_a_checkpoint_the_cap_drops_leaves_no_file_on_any_rank(tmp_path):
     assert len(set(made)) == PER_SESSION + 1 and kept == [made[0], *made[2:]], (made, kept)
     assert held == [kept, kept], (held, kept, made)   # made[1] dropped on every rank
     assert not list((dirs[1] / "checkpoints" / sid).glob(f"{made[1]}.*")), sorted((dirs[1] / "checkpoints").rglob("*"))
+    # what rank 1 could have kept on its host from a crash, or from removals it never heard of
+    orphan = "sess_0rphan"
+    stale = [f"{orphan}.0.tensor-rank1of2.safetensors", f"{sid}.99.tensor-rank1of2.safetensors",
+             f"{orphan}.pages/rank1/meta.json", f"checkpoints/{orphan}/22.tensor-rank1of2.safetensors",
+             f"checkpoints/{sid}/{made[1]}.tensor-rank1of2.safetensors"]
+    others = [f"{orphan}.0.tensor-rank0of2.safetensors"]   # another rank's file in a shared directory: not rank 1's
+    for name in stale + others:
+        (dirs[1] / name).parent.mkdir(parents=True, exist_ok=True)
+        (dirs[1] / name).write_bytes(b"x")
     # a restart on the same directories restores the session from each rank's own, and forks from a checkpoint
     with Ranks(tmp_path, model_dir, "tensor", dirs) as ranks:
         history.append({"role": "user", "content": "And one more word."})
@@ -727,6 +741,9 @@ def test_a_checkpoint_the_cap_drops_leaves_no_file_on_any_rank(tmp_path):
         assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= made[-1], r.text   # from disk
         fork = httpx.post(f"{ranks.url}/v1/sessions/{sid}/fork", json={"tokens": made[0]}, timeout=120)
         assert fork.status_code == 201 and fork.json()["forked_from"]["tokens"] == made[0], (fork.text, ranks.log())
+    left = [name for name in stale + others if (dirs[1] / name).exists()]
+    assert left == others, left   # rank 1 pruned its files that no saved session holds, at start
+    assert not (dirs[1] / f"{orphan}.pages").exists() and not (dirs[1] / "checkpoints" / orphan).exists()
 
 
 def test_rank_0s_governor_spills_for_a_follower_past_its_ram_budget(tmp_path, monkeypatch):

@@ -165,7 +165,7 @@ def follower(backend, sessions_dir: Optional[Path], beat=None, reading=None) -> 
     if beat is not None:
         beat.on_lost = lambda rank, why: exit_now(f"rank 0 {why}: this rank exits", 1)
         beat.start()
-    code = follow(backend, root, remove_files, reading)
+    code = follow(backend, root, remove_files, reading, prune_files)
     if code == OUT_OF_STEP_EXIT:   # leave the ring now: a normal exit may wait on it, rank 0 with it
         exit_now(f"rank {backend.rank} leaves the ring (exit status {code})", code)
     if beat is not None:
@@ -190,6 +190,40 @@ def remove_files(root: Path, session_id: str, keep_gen: Optional[int], whole: bo
     if whole:
         shutil.rmtree(root / f"{session_id}.pages", ignore_errors=True)
         shutil.rmtree(root / "checkpoints" / session_id, ignore_errors=True)
+
+
+def prune_files(root: Path, keep: dict, tag: str) -> None:
+    """A follower at start: rank 0's saved sessions are `keep` (id -> {"gen", "checkpoints"}); this
+    rank's files (named with `tag`, e.g. "tensor-rank1of2") of any other session, generation or
+    checkpoint go from its sessions directory. Another rank's files sharing the directory stay."""
+    from ..sessions.disk import SHARD_FILE, valid_id
+
+    for path in sorted(root.glob(f"sess_*.{tag}.safetensors")):   # heap shards: the saved generation only
+        m = SHARD_FILE.fullmatch(path.name)
+        if m is not None and (keep.get(m.group(1)) or {}).get("gen") != int(m.group(2)):
+            log.info("removing %s: no saved session holds it", path.name)
+            path.unlink(missing_ok=True)
+    rank_dir = tag.rsplit("-", 1)[1].split("of")[0]   # "rank1": its page store under <id>.pages/
+    for pages in sorted(root.glob(f"sess_*.pages/{rank_dir}")):
+        sid = pages.parent.name[: -len(".pages")]
+        if valid_id(sid) and sid not in keep:
+            shutil.rmtree(pages, ignore_errors=True)
+            _rmdir_if_empty(pages.parent)
+    for folder in sorted((root / "checkpoints").glob("sess_*")):   # listed now: rank 0 may be making new ones
+        held = (keep.get(folder.name) or {}).get("checkpoints") or []
+        for path in sorted(folder.glob(f"*.{tag}.*")):
+            n = path.name.split(".")[0]
+            if not (n.isdigit() and int(n) in held):
+                shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
+        if folder.name not in keep:
+            _rmdir_if_empty(folder)
+
+
+def _rmdir_if_empty(path: Path) -> None:
+    try:
+        path.rmdir()
+    except OSError:
+        pass
 
 
 def keep_pinging(engine, leader, every: float = PING_S) -> threading.Thread:

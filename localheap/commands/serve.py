@@ -185,7 +185,7 @@ def serve_ranks(backend, settings, args) -> int:
     try:
         governor = governor_for(leader, plan)
         governor.sensors = ranks.RankSensors(governor.sensors, leader, plan.budget)   # admissions: every rank's RAM
-        app = create_app(leader, settings, governor=governor, on_close=leader.stop)
+        app = create_app(leader, settings, governor=governor, on_close=leader.stop, on_start=leader.prune_files)
         leader.root = app.state.services.store.spill_dir
         ranks.lead(leader, beat, args.step_timeout, on_stuck=app.state.services.engine.abandon)
         ranks.keep_pinging(app.state.services.engine, leader)

@@ -94,11 +94,12 @@ def memory_reading(reading) -> tuple[int, int]:
         return -(1 << 62), 1 << 62
 
 
-def follow(backend: DistributedMLXBackend, root: Path, remove_files=None, reading=None) -> int:
+def follow(backend: DistributedMLXBackend, root: Path, remove_files=None, reading=None, prune_files=None) -> int:
     """A follower rank's loop: rank 0's heap calls on this rank's shard, until it says stop;
     `remove_files(root, session_id, keep_gen, whole, checkpoint)` removes this rank's files of a
     session (or of one of its checkpoints); `reading()` is this rank's (RSS past its RAM budget,
-    available bytes) for rank 0's admissions.
+    available bytes) for rank 0's admissions; `prune_files(root, keep, tag)` removes this rank's
+    files (named with `tag`) of what rank 0's saved sessions do not hold, at start.
     Returns the exit status (1: rank 0 was lost; OUT_OF_STEP_EXIT: a forward failed here, see the
     log, and the process must exit now)."""
     assert backend.rank != 0
@@ -156,6 +157,8 @@ def follow(backend: DistributedMLXBackend, root: Path, remove_files=None, readin
                 backend.ranks.each(free)
             elif op == "remove" and remove_files is not None:
                 remove_files(root, cmd["session"], cmd["keep_gen"], cmd["whole"], cmd.get("checkpoint"))
+            elif op == "prune" and prune_files is not None:
+                prune_files(root, cmd["keep"], f"{backend.mode}-rank{backend.rank}of{backend.ranks.size}")
         except Exception as e:
             if lost(e) or lost(e.__cause__):
                 log.error("a rank was lost (%s): this rank stops", e)

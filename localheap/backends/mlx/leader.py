@@ -257,6 +257,14 @@ class Leader:
         `whole`): the followers remove theirs."""
         self.send("remove", session=session_id, keep_gen=keep_gen, whole=whole)
 
+    def prune_files(self, store) -> None:
+        """At start, the saved sessions read (rank 0's store recovered them): the followers remove
+        their files of any other session, generation or checkpoint (a crash's leftovers, or removals
+        they never heard of), each under its own sessions directory."""
+        keep = {s.id: {"gen": s.saved_gen, "checkpoints": [c.n for c in store.checkpoints.of(s.id)]}
+                for s in store.sessions()}
+        self.send("prune", keep=keep)
+
     def remove_checkpoint_files(self, session_id: str, tokens: int) -> None:
         """The checkpoints removed one of a session's checkpoints here (a cap dropped it, or it was
         unreadable): the followers remove their shards of it."""
