@@ -48,7 +48,8 @@ STUCK_GRACE_S = 2.0   # a rank is gone: how long a collective in flight may take
 HEARD_S = 1.0         # a ring error: how long the heartbeat may take to say which rank is gone
 STEPS = {"new": "a new heap", "load": "a restore", "save": "a save", "prefill": "a prefill chunk",
          "truncate": "a rollback", "generate": "a generation's start", "next": "a generated token",
-         "close": "a generation's end", "remove": "removing files", "ping": "a ping"}   # for --step-timeout's error
+         "close": "a generation's end", "remove": "removing files", "ping": "a ping",
+         "reading": "a memory reading", "prune": "pruning files at start"}   # for --step-timeout's error
 
 
 def broadcast(ranks, payload: Optional[bytes]) -> bytes:
