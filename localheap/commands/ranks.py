@@ -15,6 +15,7 @@ import shutil
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -113,6 +114,33 @@ def exit_now(message: str, code: int) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+class StepWatch:
+    """`generate --distributed`, on every rank: no step done (a prefill chunk, a token) for
+    `step_timeout` s means this rank waits in a collective with a rank that is stuck or gone, which
+    MLX's ring may never end: it says so and exits (status 1). `tick` after each step, `end` when done."""
+
+    def __init__(self, step_timeout: float, rank: int):
+        if step_timeout <= 0:
+            raise SystemExit("localheap: --step-timeout must be > 0 seconds")
+        self.step_timeout, self.rank = step_timeout, rank
+        self.last = time.monotonic()
+        self.done = False
+        threading.Thread(target=self._run, name="localheap-step-watch", daemon=True).start()
+
+    def tick(self, *_) -> None:
+        self.last = time.monotonic()
+
+    def end(self) -> None:
+        self.done = True
+
+    def _run(self) -> None:
+        while not self.done:
+            time.sleep(min(1.0, self.step_timeout / 4))
+            if not self.done and time.monotonic() - self.last > self.step_timeout:
+                exit_now(f"localheap: rank {self.rank}: the ranks did not answer within {self.step_timeout:g} s "
+                         f"(--step-timeout): a rank is stuck or gone, its log says which", 1)
 
 
 class RankSensors:
