@@ -625,6 +625,44 @@ def test_chat_on_two_ranks_whose_follower_is_stuck_or_exits_says_why_and_exits_1
     assert TURNS[1] not in said, out   # echo-free, but to be sure: nothing after the first turn
 
 
+def test_chat_ends_with_status_1_when_a_reply_finds_the_ranks_lost(monkeypatch, capsys):
+    """A reply that fails with RankLost (the ring failed the collective itself) ends the chat with
+    status 1 and the reason: every later message would fail the same way."""
+    import argparse
+
+    from localheap.commands import chat as chat_cmd
+    from localheap.commands import chat_engine
+    from localheap.engine import RankLost
+    from localheap.heap import HeapConfig
+
+    asked = []
+
+    class LostChat:
+        store = type("Store", (), {"spill_dir": None})()
+
+        def __init__(self, backend, cfg, system=None):
+            pass
+
+        def ask(self, text, params, on_text):
+            asked.append(text)
+            raise RankLost("rank lost: rank 1 ended (its process is gone); the ranks cannot go on: restart every rank")
+
+        def ensure_session(self):
+            return True
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(chat_engine, "ChatEngine", LostChat)
+    typed = iter(["hello", "again", "/quit"])
+    monkeypatch.setattr(chat_cmd, "read_message", lambda: next(typed))
+    args = argparse.Namespace(distributed="tensor", system=None, max_tokens=4, temperature=0.0, top_p=1.0, seed=None)
+    backend = type("Leader", (), {"model_name": "demo", "name": "mlx"})()
+    assert chat_cmd.chat_on(backend, HeapConfig(budget=48, recent=8), args) == 1
+    assert asked == ["hello"]
+    assert "error: rank lost: rank 1 ended" in capsys.readouterr().out
+
+
 class FakeRanks:
     def __init__(self, fits: list[int]):
         self.fits = fits
