@@ -59,7 +59,12 @@ def apply_decode_attention(backend, args) -> bool:
     return True
 
 
-def add_distributed_arg(p: argparse.ArgumentParser, watched: bool = False) -> None:
+STEP_TIMEOUT_S = 300.0   # --step-timeout: ~5x the slowest legitimate step we can think of (help)
+
+
+def add_distributed_arg(p: argparse.ArgumentParser, watched: bool = False, steps: bool = False) -> None:
+    """--distributed; with `watched` (serve, chat) --rank-timeout and --step-timeout, with `steps`
+    (generate) --step-timeout alone."""
     p.add_argument("--distributed", default=None, choices=("tensor", "pipeline"),
                    help="run one shard per rank under `mlx.launch` (mlx backend): tensor splits every layer's "
                         "heads, pipeline splits the layers; each rank keeps the heap of what it holds "
@@ -68,6 +73,14 @@ def add_distributed_arg(p: argparse.ArgumentParser, watched: bool = False) -> No
         p.add_argument("--rank-timeout", type=float, default=30.0, metavar="SECONDS",
                        help="--distributed: a rank whose heartbeat is silent this long counts as lost (a rank "
                             "whose process ends counts at once); README: a lost rank")
+    if watched or steps:
+        p.add_argument("--step-timeout", type=float, default=STEP_TIMEOUT_S, metavar="SECONDS",
+                       help="--distributed: one step (a prefill chunk, a generated token, a save or restore) rank 0 "
+                            "has waited in this long counts as the ranks lost: a rank alive but stuck. A 2048-token "
+                            "chunk of a 70B model across two Macs should take seconds, up to about a minute on slow "
+                            "hosts or 1 Gb Ethernet (an estimate); raise it for slower ones or a larger "
+                            "--prefill-chunk (default: "
+                            f"{STEP_TIMEOUT_S:g})")
 
 
 def load_model_backend(args):
