@@ -1,5 +1,6 @@
-"""--decode-attention: the fused decode step is opt-in on serve, generate, chat and bench speed, and
-the flag reaches the backend (its caches, and the decode steps of a real generate run)."""
+"""--decode-attention and --compile-decode: the fused and the compiled decode steps are opt-in on serve,
+generate, chat and bench speed, and the flags reach the backend (its caches, and the decode steps of a
+real generate run)."""
 
 from __future__ import annotations
 
@@ -48,3 +49,41 @@ def test_generate_decodes_through_the_fused_kernel_only_when_asked(flag, torch_o
                  "--recall", "off", "--decode-attention", flag]) == 0
     assert capsys.readouterr().out.strip()
     assert (len(calls) > 0) == (flag == "fused"), calls
+
+
+@pytest.mark.parametrize("command", COMMANDS + (["bench", "profile"],), ids=lambda c: " ".join(c[:2]))
+def test_compile_decode_is_off_by_default_where_a_step_runs_alone(command):
+    """generate and the benches decode one sequence (the compiled step); serve and chat decode in
+    batches, which stay uncompiled, so they do not take the flag."""
+    parser = build_parser()
+    if command[0] in ("serve", "chat"):
+        with pytest.raises(SystemExit):
+            parser.parse_args([*command, "--compile-decode"])
+        return
+    assert parser.parse_args(command).compile_decode is False
+    assert parser.parse_args([*command, "--compile-decode"]).compile_decode is True
+
+
+def test_compile_decode_reaches_the_torch_backend_and_its_caches(torch_one_thread):
+    from localheap.backends.torch import TorchBackend
+    from localheap.heap import HeapConfig
+
+    backend = TorchBackend.load("localheap/demo_model", model_name="demo")
+    apply_decode_attention(backend, SimpleNamespace(decode_attention="sdpa", compile_decode=False))
+    assert backend.new_cache(HeapConfig(recall=False)).compile_decode is False
+    assert apply_decode_attention(backend, SimpleNamespace(decode_attention="sdpa", compile_decode=True)) is False
+    assert backend.compile_decode is True and backend.new_cache(HeapConfig(recall=False)).compile_decode is True
+    with pytest.raises(SystemExit, match="distributed"):
+        apply_decode_attention(backend, SimpleNamespace(decode_attention="sdpa", compile_decode=True,
+                                                        distributed="tensor"))
+
+
+def test_compile_decode_reaches_the_mlx_backend_and_its_caches():
+    pytest.importorskip("mlx.core")
+    from localheap.heap import HeapConfig
+    from localheap.models import load_backend
+
+    backend = load_backend("demo", "mlx")
+    assert backend.new_cache(HeapConfig(recall=False)).compile_decode is False
+    apply_decode_attention(backend, SimpleNamespace(decode_attention="sdpa", compile_decode=True))
+    assert backend.new_cache(HeapConfig(recall=False)).compile_decode is True

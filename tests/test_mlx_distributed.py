@@ -6,8 +6,12 @@ model's own mlx-lm cache), with eviction and with recall; a session saved on 2 r
 error, never a hang. The rank program and its cases: distributed_cases.py."""
 
 import json
+import os
+import signal
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -139,3 +143,44 @@ def test_bench_speed_distributed_reports_shards_against_one_process(tmp_path):
     rows = reports[0]["rows"]
     assert [r["path"] for r in rows] == ["stock-full", "heap", "tensor:stock-full", "tensor:heap"]
     assert all(r["prefill_tok_s"] > 0 and r["decode_tok_s"] > 0 for r in rows)
+
+
+def test_generate_with_a_rank_stuck_mid_run_exits_within_the_step_timeout(tmp_path):
+    """Rank 1 stopped (SIGSTOP: alive, never answering) once rank 0 has printed text: rank 0, waiting
+    in a collective MLX's ring would never end, says the ranks did not answer and exits with status 1
+    within --step-timeout (without the watch it waits for ever)."""
+    model_dir = demo_model_dir()
+    if model_dir is None:
+        pytest.skip("no bundled demo model in this installation")
+    socks = [socket.socket() for _ in range(2)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    hosts = tmp_path / "hosts.json"
+    hosts.write_text(json.dumps([[f"127.0.0.1:{ports[0]}"], [f"127.0.0.1:{ports[1]}"]]))
+    cmd = [sys.executable, "-m", "localheap.cli", "generate", "--distributed", "tensor", "--model", str(model_dir),
+           "--prompt", "Tell me a long story about a lighthouse.", "--max-tokens", "5000", "--temperature", "0",
+           "--budget", "48", "--recent", "8", "--slack", "16", "--recall", "off", "--step-timeout", "3"]
+    out = tmp_path / "rank0.out"   # a file, not a pipe: a full pipe would stop rank 0 too
+    with open(out, "wb") as f:
+        procs = [subprocess.Popen(cmd, env={**os.environ, "MLX_RANK": str(r), "MLX_HOSTFILE": str(hosts)},
+                                  stdout=f if r == 0 else subprocess.DEVNULL, stderr=subprocess.PIPE) for r in (0, 1)]
+    try:
+        deadline = time.monotonic() + TIMEOUT
+        while not out.stat().st_size and procs[0].poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert out.stat().st_size and procs[0].poll() is None, procs[0].stderr.read().decode()   # generating
+        os.kill(procs[1].pid, signal.SIGSTOP)
+        try:
+            code = procs[0].wait(40)
+        except subprocess.TimeoutExpired:
+            pytest.fail("rank 0 waited on the stopped rank past its --step-timeout")
+        err = procs[0].stderr.read().decode()
+        assert code == 1 and "the ranks did not answer within 3 s (--step-timeout)" in err, err[-3000:]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()

@@ -48,20 +48,21 @@ def free_ports(n: int) -> list[int]:
 class Ranks:
     """Two `localheap serve --distributed` processes; rank 0's URL once /health answers."""
 
-    def __init__(self, tmp: Path, model_dir, mode: str, sessions: Path, *extra: str, follower_env: dict = None,
+    def __init__(self, tmp: Path, model_dir, mode: str, sessions, *extra: str, follower_env: dict = None,
                  heap: list = HEAP):
+        """`sessions`: the sessions directory of both ranks, or a list of one per rank (as on two hosts)."""
         ring, ring2, http = free_ports(3)
         hosts = tmp / f"hosts-{ring}.json"
         hosts.write_text(json.dumps([[f"127.0.0.1:{ring}"], [f"127.0.0.1:{ring2}"]]))
-        cmd = [sys.executable, "-m", "localheap.cli", "serve", "--distributed", mode, "--model", str(model_dir),
-               "--port", str(http), "--sessions-dir", str(sessions), "--ram-budget", "4G",
-               "--max-resident-sessions", "1", *heap,
-               *(extra or RECALL["off"])]
+        dirs = sessions if isinstance(sessions, list) else [sessions, sessions]
+        cmd = lambda r: [sys.executable, "-m", "localheap.cli", "serve", "--distributed", mode,   # noqa: E731
+                         "--model", str(model_dir), "--port", str(http), "--sessions-dir", str(dirs[r]),
+                         "--ram-budget", "4G", "--max-resident-sessions", "1", *heap, *(extra or RECALL["off"])]
         self.url = f"http://127.0.0.1:{http}"
         self.logs = [open(tmp / f"rank{r}-{ring}.log", "w+") for r in (0, 1)]
         env = lambda r: {**os.environ, "MLX_RANK": str(r), "MLX_HOSTFILE": str(hosts),   # noqa: E731
                          **((follower_env or {}) if r else {})}
-        self.procs = [subprocess.Popen(cmd, env=env(r), stdout=self.logs[r], stderr=subprocess.STDOUT)
+        self.procs = [subprocess.Popen(cmd(r), env=env(r), stdout=self.logs[r], stderr=subprocess.STDOUT)
                       for r in (0, 1)]
 
     def log(self) -> str:
@@ -219,6 +220,41 @@ def test_serve_on_two_ranks_gives_the_single_process_replies_and_restores_them(m
         check_layout(sessions, {"mode": "tensor", "ranks": 4})
 
 
+PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age"],
+          "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer", "maximum": 120}}}
+
+
+def test_structured_output_on_two_ranks_binds_every_rank(tmp_path):
+    """A json_schema reply, greedy: the constraint lives on rank 0, whose sampled token every rank
+    feeds; the reply validates and equals one process's (a rank that fed its own unconstrained
+    token would hold other keys and values and answer differently)."""
+    jsonschema = pytest.importorskip("jsonschema")
+    pytest.importorskip("llguidance")
+    model_dir = demo_model_dir()
+    if model_dir is None:
+        pytest.skip("no bundled demo model in this installation")
+    asks = [[{"role": "user", "content": "Describe a person as JSON."}],
+            [{"role": "user", "content": "Tell me about the lighthouse keeper, as JSON."}]]
+
+    def script(post, model: str) -> list[str]:
+        out = []
+        for messages in asks:
+            r = post("/v1/chat/completions", json={
+                "model": model, "messages": messages, "max_tokens": 60, "temperature": 0,
+                "response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": PERSON}}})
+            assert r.status_code == 200, r.text
+            out.append(r.json()["choices"][0]["message"]["content"])
+        return out
+
+    want = on_one_process(model_dir, HEAP + RECALL["off"], script)
+    with Ranks(tmp_path, model_dir, "tensor", tmp_path / "sessions") as ranks:
+        got = script(lambda path, json, headers={}: httpx.post(ranks.url + path, json=json, timeout=120),
+                     ranks.model)
+    for text in got:
+        jsonschema.validate(json.loads(text), PERSON)
+    assert got == want, (got, want)
+
+
 def test_a_killed_rank_fails_requests_clearly_and_health_says_so(tmp_path):
     model_dir = demo_model_dir()
     if model_dir is None:
@@ -361,6 +397,47 @@ def test_a_follower_failing_mid_decode_leaves_the_ring_and_rank_0_says_so(tmp_pa
     ranks.logs[1].seek(0)
     follower_log = ranks.logs[1].read()
     assert "next failed on this rank mid-step" in follower_log and "InjectedFault" in follower_log, follower_log
+
+
+STEP_TIMEOUT_S = 5   # the test's --step-timeout: far above one step of the demo model, even on a busy CPU
+
+
+def test_a_follower_alive_but_stuck_mid_step_fails_the_request_within_the_step_timeout(tmp_path):
+    """Rank 1 stays alive, its heartbeat beating, but never ends its second generation (a test
+    stall): rank 0 waits in that step's collective. Past --step-timeout the request fails with
+    rank_lost saying the ranks did not answer within it, /health says so, and SIGTERM ends rank 0
+    (status 1), whose end ends rank 1. The first turn, with the same bound, runs as usual."""
+    from localheap.backends.mlx.follow import STALL_ENV
+
+    model_dir = demo_model_dir()
+    if model_dir is None:
+        pytest.skip("no bundled demo model in this installation")
+    ranks = Ranks(tmp_path, model_dir, "tensor", tmp_path / "sessions", *RECALL["off"],
+                  "--step-timeout", str(STEP_TIMEOUT_S), follower_env={STALL_ENV: "generate:2"}).wait_ready()
+    try:
+        post = lambda path, json, headers={}: httpx.post(ranks.url + path, json=json, timeout=120)  # noqa: E731
+        history: list = []
+        chat(post, history, TURNS[0], ranks.model)
+        began = time.monotonic()
+        try:
+            r = httpx.post(ranks.url + "/v1/chat/completions", timeout=STEP_TIMEOUT_S + 30, json={
+                "model": ranks.model, "max_tokens": MAX_TOKENS, "temperature": 0,
+                "messages": [*history, {"role": "user", "content": TURNS[1]}]})
+        except httpx.ReadTimeout:
+            pytest.fail("the request hung on the stuck rank\n" + ranks.log())
+        took = time.monotonic() - began
+        print(f"a stuck follower: the request failed {took:.2f} s after it was sent (--step-timeout {STEP_TIMEOUT_S})")
+        assert r.status_code == 503 and r.json()["error"]["code"] == "rank_lost", (r.text, ranks.log())
+        message = r.json()["error"]["message"]
+        assert f"did not answer within {STEP_TIMEOUT_S} s" in message and "--step-timeout" in message, message
+        assert ranks.procs[1].poll() is None, ranks.log()   # alive: its heartbeat alone could not tell
+        health = httpx.get(ranks.url + "/health", timeout=5)
+        assert health.status_code == 503 and "did not answer within" in health.json()["ranks"]["lost"], health.text
+        ranks.procs[0].send_signal(signal.SIGTERM)
+        assert ranks.procs[0].wait(30) == 1, ranks.log()
+        assert ranks.procs[1].wait(30) == 1, ranks.log()   # its rank 0 gone: it exits, stuck or not
+    finally:
+        ranks.stop()
 
 
 FAIL_BOUND_S = 60   # a failed step answers within this
@@ -514,6 +591,78 @@ def test_chat_on_two_ranks_gives_the_single_process_reply(tmp_path):
     assert all(w.strip() and w in out[0][0] for w in want), (want, out[0])
 
 
+@pytest.mark.parametrize("fault", ["stuck", "exits"])
+def test_chat_on_two_ranks_whose_follower_is_stuck_or_exits_says_why_and_exits_1(tmp_path, fault):
+    """`chat --distributed`, rank 1 alive but stuck in the first reply's generation (past
+    --step-timeout), or leaving the ring at its 5th generated token (exit 3): rank 0 prints why the
+    ranks are lost and exits with status 1 instead of hanging or chatting on; rank 1 exits too."""
+    from localheap.backends.mlx.follow import FAULT_ENV, STALL_ENV
+
+    model_dir = demo_model_dir()
+    if model_dir is None:
+        pytest.skip("no bundled demo model in this installation")
+    ring, ring2 = free_ports(2)
+    hosts = tmp_path / "hosts.json"
+    hosts.write_text(json.dumps([[f"127.0.0.1:{ring}"], [f"127.0.0.1:{ring2}"]]))
+    cmd = [sys.executable, "-m", "localheap.cli", "chat", "--distributed", "tensor", "--model", str(model_dir),
+           "--max-tokens", "24", "--temperature", "0", "--step-timeout", str(STEP_TIMEOUT_S), *HEAP, *RECALL["off"]]
+    follower = {STALL_ENV: "generate:1"} if fault == "stuck" else {FAULT_ENV: "next:5"}
+    procs = [subprocess.Popen(cmd, env={**os.environ, "MLX_RANK": str(r), "MLX_HOSTFILE": str(hosts),
+                                        **(follower if r else {})},
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for r in (0, 1)]
+    try:
+        out = [p.communicate("\n".join([*TURNS[:2], "/quit", ""]) if r == 0 else "", timeout=START_S)
+               for r, p in enumerate(procs)]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    said = out[0][0] + out[0][1]
+    assert [p.returncode for p in procs] == [1, 1 if fault == "stuck" else 3], out
+    want = f"did not answer within {STEP_TIMEOUT_S} s" if fault == "stuck" else "rank lost: rank 1"
+    assert want in said and "restart every rank" in said, out
+    assert TURNS[1] not in said, out   # echo-free, but to be sure: nothing after the first turn
+
+
+def test_chat_ends_with_status_1_when_a_reply_finds_the_ranks_lost(monkeypatch, capsys):
+    """A reply that fails with RankLost (the ring failed the collective itself) ends the chat with
+    status 1 and the reason: every later message would fail the same way."""
+    import argparse
+
+    from localheap.commands import chat as chat_cmd
+    from localheap.commands import chat_engine
+    from localheap.engine import RankLost
+    from localheap.heap import HeapConfig
+
+    asked = []
+
+    class LostChat:
+        store = type("Store", (), {"spill_dir": None})()
+
+        def __init__(self, backend, cfg, system=None):
+            pass
+
+        def ask(self, text, params, on_text):
+            asked.append(text)
+            raise RankLost("rank lost: rank 1 ended (its process is gone); the ranks cannot go on: restart every rank")
+
+        def ensure_session(self):
+            return True
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(chat_engine, "ChatEngine", LostChat)
+    typed = iter(["hello", "again", "/quit"])
+    monkeypatch.setattr(chat_cmd, "read_message", lambda: next(typed))
+    args = argparse.Namespace(distributed="tensor", system=None, max_tokens=4, temperature=0.0, top_p=1.0, seed=None)
+    backend = type("Leader", (), {"model_name": "demo", "name": "mlx"})()
+    assert chat_cmd.chat_on(backend, HeapConfig(budget=48, recent=8), args) == 1
+    assert asked == ["hello"]
+    assert "error: rank lost: rank 1 ended" in capsys.readouterr().out
+
+
 class FakeRanks:
     def __init__(self, fits: list[int]):
         self.fits = fits
@@ -574,6 +723,110 @@ def test_a_follower_removes_its_own_files_of_a_session(tmp_path, monkeypatch):
     assert follow_mod.follow(shard, tmp_path, remove_files) == 0
     left = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if p.is_file())
     assert left == ["sess_other.0.tensor-rank1of2.safetensors"]
+
+
+def test_a_checkpoint_the_cap_drops_leaves_no_file_on_any_rank(tmp_path):
+    """Each rank with a sessions directory of its own (as on two hosts): a session checkpointed
+    more times than the per-session cap keeps its newest checkpoints (and its first); the one the
+    cap drops is removed on rank 0 and, through the step stream, on rank 1. What is kept is on both:
+    a restart restores the session and forks from a checkpoint; at that start rank 1 removes its
+    files that no saved session holds (a crash's leftovers), and only its own."""
+    from localheap.sessions.checkpoints import PER_SESSION
+
+    model_dir = demo_model_dir()
+    if model_dir is None:
+        pytest.skip("no bundled demo model in this installation")
+    dirs = [tmp_path / "host0", tmp_path / "host1"]
+    made = []
+    with Ranks(tmp_path, model_dir, "tensor", dirs) as ranks:
+        history: list = []
+        for n in range(PER_SESSION + 1):
+            history.append({"role": "user", "content": f"Say a word about the number {n}."})
+            r = httpx.post(ranks.url + "/v1/chat/completions", timeout=120, json={
+                "model": ranks.model, "messages": history, "max_tokens": 2, "temperature": 0})
+            assert r.status_code == 200, (r.text, ranks.log())
+            sid = r.json()["localheap"]["session_id"]
+            history.append({"role": "assistant", "content": r.json()["choices"][0]["message"]["content"]})
+            c = httpx.post(f"{ranks.url}/v1/sessions/{sid}/checkpoint", timeout=120)
+            assert c.status_code == 201, (c.text, ranks.log())
+            made.append(c.json()["tokens"])
+            kept = c.json()["session"]["checkpoints"]
+        r = httpx.post(ranks.url + "/v1/chat/completions", timeout=120, json={   # rank 1 has done each command
+            "model": ranks.model, "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 1})
+        assert r.status_code == 200, (r.text, ranks.log())
+        shards = lambda d, r: sorted(int(p.name.split(".")[0]) for p in   # noqa: E731
+                                     (d / "checkpoints" / sid).glob(f"*.tensor-rank{r}of2.safetensors"))
+        held = [shards(dirs[0], 0), shards(dirs[1], 1)]
+        assert ranks.procs[1].poll() is None, ranks.log()
+    assert len(set(made)) == PER_SESSION + 1 and kept == [made[0], *made[2:]], (made, kept)
+    assert held == [kept, kept], (held, kept, made)   # made[1] dropped on every rank
+    assert not list((dirs[1] / "checkpoints" / sid).glob(f"{made[1]}.*")), sorted((dirs[1] / "checkpoints").rglob("*"))
+    # what rank 1 could have kept on its host from a crash, or from removals it never heard of
+    orphan = "sess_0rphan"
+    stale = [f"{orphan}.0.tensor-rank1of2.safetensors", f"{sid}.99.tensor-rank1of2.safetensors",
+             f"{orphan}.pages/rank1/meta.json", f"checkpoints/{orphan}/22.tensor-rank1of2.safetensors",
+             f"checkpoints/{sid}/{made[1]}.tensor-rank1of2.safetensors"]
+    others = [f"{orphan}.0.tensor-rank0of2.safetensors"]   # another rank's file in a shared directory: not rank 1's
+    for name in stale + others:
+        (dirs[1] / name).parent.mkdir(parents=True, exist_ok=True)
+        (dirs[1] / name).write_bytes(b"x")
+    # a restart on the same directories restores the session from each rank's own, and forks from a checkpoint
+    with Ranks(tmp_path, model_dir, "tensor", dirs) as ranks:
+        history.append({"role": "user", "content": "And one more word."})
+        r = httpx.post(ranks.url + "/v1/chat/completions", timeout=120, json={
+            "model": ranks.model, "messages": history, "max_tokens": 2, "temperature": 0})
+        assert r.status_code == 200 and r.json()["localheap"]["session_id"] == sid, (r.text, ranks.log())
+        assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= made[-1], r.text   # from disk
+        fork = httpx.post(f"{ranks.url}/v1/sessions/{sid}/fork", json={"tokens": made[0]}, timeout=120)
+        assert fork.status_code == 201 and fork.json()["forked_from"]["tokens"] == made[0], (fork.text, ranks.log())
+    left = [name for name in stale + others if (dirs[1] / name).exists()]
+    assert left == others, left   # rank 1 pruned its files that no saved session holds, at start
+    assert not (dirs[1] / f"{orphan}.pages").exists() and not (dirs[1] / "checkpoints" / orphan).exists()
+
+
+def test_rank_0s_governor_spills_for_a_follower_past_its_ram_budget(tmp_path, monkeypatch):
+    """At an admission rank 0's governor reads every rank's memory (a "reading" command, then one
+    collective each): a follower past its own RAM budget, or a host short of memory, makes rank 0
+    spill an idle session as its own would; rank 0's own reading alone would admit with no spill."""
+    from localheap.backends.mlx import follow as follow_mod
+    from localheap.commands.ranks import RankSensors, own_reading
+    from localheap.governor import MemoryPlan
+    from localheap.governor.governor import Governor, MemoryReading
+
+    class Sensors:
+        def __init__(self, rss, available):
+            self.r = MemoryReading(rss=rss, allocator_active=0, allocator_cache=0, available=available, swap_used=0)
+
+        def memory(self):
+            return self.r
+
+        def thermal(self):
+            return "nominal"
+
+    GiB = 1 << 30
+    plan = MemoryPlan(budget=4 * GiB, weights=GiB, heap=GiB // 8, overhead=GiB // 2)   # room for 20 heaps
+    follower_said = []
+
+    class Leader:   # rank 1's answer comes from its own loop, fed the command rank 0 sent
+        def __init__(self, rank1):
+            self.rank1 = rank1
+
+        def readings(self, over, available):
+            commands = [{"op": "reading", "drop": []}, {"op": "stop", "drop": []}]
+            monkeypatch.setattr(follow_mod, "broadcast", lambda ranks, payload: json.dumps(commands.pop(0)).encode())
+            shard = type("Shard", (), {"rank": 1})()
+            shard.ranks = type("R", (), {"each": staticmethod(follower_said.append)})()
+            assert follow_mod.follow(shard, tmp_path, None, own_reading(self.rank1, plan.budget)) == 0
+            return [(over, available), tuple(follower_said[-2:])]
+
+    calm = Sensors(rss=2 * GiB, available=8 * GiB)
+    for rank1, spills in [(Sensors(rss=2 * GiB, available=8 * GiB), 0),          # every rank within its budget
+                          (Sensors(rss=4 * GiB - GiB // 16, available=8 * GiB), 1),   # rank 1 past its budget with one more heap
+                          (Sensors(rss=2 * GiB, available=64 << 20), 1)]:            # rank 1's host short of RAM
+        alone = Governor(plan, calm).admit(3, ["a", "b"])
+        assert alone.action == "admit" and alone.spill == []
+        decision = Governor(plan, RankSensors(calm, Leader(rank1), plan.budget)).admit(3, ["a", "b"])
+        assert decision.action == "admit" and decision.spill == ["a", "b"][:spills], (rank1.r, decision)
 
 
 @pytest.mark.parametrize("command", [["serve", "--no-persist"], ["chat"]])

@@ -141,3 +141,30 @@ def test_connect_pairs_the_ranks_and_closes_a_stranger(monkeypatch):
     beats[1].peers[0].close()   # the real rank 1 ends
     assert heard.wait(5) and reports[0][0] == 1
     beats[0].close()
+
+
+@pytest.mark.parametrize("step_s", [None, 0.05, 5.0])
+def test_a_step_that_runs_past_the_step_timeout_counts_as_the_ranks_lost(step_s):
+    """A rank alive but stuck: its heartbeat beats, but the step rank 0 waits in never ends. The step
+    watch marks the ranks lost past the bound and hands the call to on_stuck; a short step, or an
+    idle rank 0 (None: no step), is not lost."""
+    leader = Leader(Shard())
+    handed = []
+    leader.on_stuck = handed.append
+    leader._op = "prefill"
+    released = threading.Event()
+    if step_s is not None:
+        worker = threading.Thread(target=leader._guard, args=(lambda: released.wait(step_s),), daemon=True)
+        worker.start()
+    leader.watch(0.5, every=0.05)
+    time.sleep(1.2)
+    released.set()
+    if step_s == 5.0:
+        assert leader.lost.startswith("rank lost: the ranks did not answer within 0.5 s (rank 0 waited that long "
+                                      "in one step, a prefill chunk; --step-timeout)"), leader.lost
+        assert [str(e) for e in handed] == [leader.lost]
+        with pytest.raises(RankLost, match="did not answer within 0.5 s"):
+            leader.send("ping")
+    else:
+        assert leader.lost is None and not handed
+    leader.stopped = True

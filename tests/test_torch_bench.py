@@ -93,8 +93,8 @@ def test_batch_step_tables(model_dirs):
     backend = TorchBackend.load(model_dirs("llama"), dtype=torch.float32)
     cfg = HeapConfig(budget=64, sinks=4, recent=16, slack=16, prefill_chunk=48)
     rows = rows_table(backend, cfg, 100, [1, 2, 3], steps=3, repeats=2)
-    assert [r["rows"] for r in rows] == [1, 2, 3] and rows[0]["vs_one"] == 1.0
-    assert all(r["step_ms"] > 0 for r in rows)
+    assert [r["rows"] for r in rows] == [1, 2, 3] and rows[0]["vs_one"] == rows[0]["vs_one_wall"] == 1.0
+    assert all(r["step_ms"] > 0 and r["wall_ms"] > 0 for r in rows)
     assert all(not slab.members for slab in backend.slabs.values())
     side = beside_table(backend, cfg, 100, [8, 16], repeats=1)
     assert [r["chunk"] for r in side] == [8, 16]

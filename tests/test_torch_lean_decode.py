@@ -86,3 +86,41 @@ def test_fused_decode_gives_the_stock_tokens_on_the_demo_model(monkeypatch):
             cache = backend.new_cache(cfg)
             runs[fused] = [t for t, _ in generate_steps(backend.model, cache, ids, SamplingParams(max_tokens=96))]
         assert runs[True] == runs[False]
+
+
+@pytest.mark.parametrize("slabs", [None, {}], ids=["per-heap", "slab"])
+def test_a_packed_step_through_the_lean_forward_matches_the_full_forward(model_dirs, slabs, monkeypatch):
+    """The decode batch (batch.step_rows) runs its packed forward through the lean ops: rows of
+    different lengths, a one-token turn and a prefill chunk riding beside them, evicting, give
+    the full forward's logits and heaps bit for bit, step after step."""
+    from localheap.backends.torch.batch import leave_slab, start_row, step_rows
+
+    backend = TorchBackend.load(model_dirs("llama"), dtype=torch.float32)
+    cfg = HeapConfig(budget=48, sinks=4, recent=8, slack=16, policy="snapkv", prefill_chunk=32)
+    rng = np.random.default_rng(3)
+    doc = rng.integers(10, backend.vocab_size, 900).tolist()
+    runs = {}
+    for enabled in (False, True):
+        monkeypatch.setattr(lean, "ENABLED", enabled)
+        calls = []
+        original = lean.LeanDecode.run
+        monkeypatch.setattr(lean.LeanDecode, "run", lambda self, *a: calls.append(1) or original(self, *a))
+        rows = [start_row(backend.model, backend.new_cache(cfg), p, SamplingParams(max_tokens=100), defer=d)
+                for p, d in ((prompt(20), False), (prompt(70), False), ([7], True))]
+        reader = backend.new_cache(cfg)
+        logits = []
+        for i in range(0, len(doc), 10):
+            assert step_rows(backend.model, rows, [(reader, doc[i:i + 10])], slabs=slabs) == [None] * 4
+            logits.append(torch.stack([r.logits for r in rows]))
+        for r in rows:
+            leave_slab(r)
+        runs[enabled] = (torch.stack(logits), [r.cache for r in rows] + [reader], len(calls))
+        monkeypatch.undo()
+    (full, full_caches, full_calls), (lean_logits, lean_caches, lean_calls) = runs[False], runs[True]
+    assert full_calls == 0 and lean_calls >= len(doc) // 10, "every packed step went through the lean forward"
+    assert torch.equal(lean_logits, full)
+    for a, b in zip(full_caches, lean_caches):
+        assert a.stats().evictions == b.stats().evictions > 0
+        for la, lb in zip(a.heap_layers, b.heap_layers):
+            np.testing.assert_array_equal(la.heap.view_positions(), lb.heap.view_positions())
+            assert torch.equal(la.keys, lb.keys) and torch.equal(la.values, lb.values)

@@ -1,9 +1,10 @@
 """`localheap bench batch-step`: what one step of a backend's decode batch costs, without a server.
 
-Two tables, timed in CPU time, which other processes on a shared machine disturb far less than wall
-time (they still share its caches and memory bandwidth): torch, the engine thread's
-(time.thread_time); MLX, the process's (time.process_time: MLX evaluates on a stream thread of its
-own, and the process runs nothing else):
+Timed in CPU time, which other processes on a shared machine disturb far less than wall time (they
+still share its caches and memory bandwidth): torch, the engine thread's (time.thread_time); MLX, the
+process's (time.process_time: MLX evaluates on a stream thread of its own, and the process runs
+nothing else). The rows table also gives wall time: with torch at more than one thread the engine
+thread's CPU time leaves out its intra-op workers, so there read the wall columns (on a quiet machine).
 - rows: one decode step of B sessions holding `context` tokens each (step_rows over a slab),
   B = 1, 2, 4, 8..., interleaved over `repeats` rounds (median); aggregate tokens per CPU second.
 - beside: one chat decoding beside a document read, per `--mixed-chunk` size c: the step that
@@ -56,19 +57,25 @@ def rows_table(backend, cfg, context: int, batch: list[int], steps: int, repeats
         assert backend.step_rows(rows[:n]) == [None] * n
 
     times: dict[int, list[float]] = {n: [] for n in batch}
+    walls: dict[int, list[float]] = {n: [] for n in batch}
     for _ in range(repeats):
         for n in batch:
             for r in rows[n:]:
                 backend.end_row(r)
             step(n)   # joins, then steady steps
+            w = time.perf_counter()
             times[n].append(_cpu(lambda n=n: step(n), steps, clock))
+            walls[n].append((time.perf_counter() - w) / steps)
     for r in rows:
         backend.end_row(r)
-    one_rate = min(batch) / float(np.median(times[min(batch)]))   # tokens per CPU second at the smallest batch
+    smallest = min(batch)
+    one_rate = smallest / float(np.median(times[smallest]))   # tokens per CPU second at the smallest batch
+    one_wall = smallest / float(np.median(walls[smallest]))
     out = []
     for n in batch:
-        t = float(np.median(times[n]))
-        out.append({"rows": n, "step_ms": 1e3 * t, "tok_s": n / t, "vs_one": (n / t) / one_rate})
+        t, w = float(np.median(times[n])), float(np.median(walls[n]))
+        out.append({"rows": n, "step_ms": 1e3 * t, "tok_s": n / t, "vs_one": (n / t) / one_rate,
+                    "wall_ms": 1e3 * w, "vs_one_wall": (n / w) / one_wall})
     return out
 
 
@@ -141,7 +148,7 @@ def events_table(backend, cfg, context: int, batch: list[int], repeats: int) -> 
 EVENT_COLUMNS = [("rows", "sessions due", "d"), ("batched_ms", "batched CPU ms", ".1f"),
                  ("alone_ms", "one by one CPU ms", ".1f"), ("gain", "x", ".2f")]
 ROW_COLUMNS = [("rows", "rows", "d"), ("step_ms", "step CPU ms", ".2f"), ("tok_s", "tok / CPU s", ",.0f"),
-               ("vs_one", "x 1 row", ".2f")]
+               ("vs_one", "x 1 row", ".2f"), ("wall_ms", "step wall ms", ".2f"), ("vs_one_wall", "x 1 row (wall)", ".2f")]
 BESIDE_COLUMNS = [("chunk", "mixed chunk", "d"), ("decode_ms", "decode alone ms", ".2f"),
                   ("mixed_ms", "decode + chunk ms", ".2f"), ("chat_kept", "chat kept", ".2f"),
                   ("doc_kept", "doc kept", ".2f"), ("sum", "sum", ".2f")]

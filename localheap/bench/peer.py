@@ -22,7 +22,9 @@ from typing import Callable, Optional
 import numpy as np
 
 PATHS = ("heap", "heap-recall", "llama.cpp-f16", "llama.cpp-f16-fa", "llama.cpp-f16-q8kv")
-MORE_PATHS = ("heap-fused",)   # decode attention and scores in one pass: not bit-identical to stock sdpa
+# heap-fused: decode attention and scores in one pass (not bit-identical to stock sdpa);
+# -compiled: the decode step's per-token parts compiled ahead of time (--compile-decode)
+MORE_PATHS = ("heap-fused", "heap-compiled", "heap-fused-compiled")
 LLAMA_BATCH = 512   # llama.cpp's prefill batch (its default n_batch / n_ubatch)
 
 
@@ -102,7 +104,8 @@ class LlamaCpp:
 class LocalHeap:
     """The heap through the torch backend's own generation loop (greedy)."""
 
-    def __init__(self, model_spec: Optional[str], threads: int, recall: bool, heap: dict, fused: bool = False):
+    def __init__(self, model_spec: Optional[str], threads: int, recall: bool, heap: dict, fused: bool = False,
+                 compiled: bool = False):
         import torch
 
         from ..heap import HeapConfig
@@ -111,6 +114,7 @@ class LocalHeap:
         torch.set_num_threads(threads)
         self.backend = load_backend(model_spec, "torch")
         self.backend.fused_decode = fused
+        self.backend.compile_decode = compiled
         self.cfg = HeapConfig(**heap).with_(recall=recall)
         if not self.cfg.prefill_chunk:
             self.cfg = self.cfg.with_(prefill_chunk=self.backend.default_prefill_chunk())
@@ -147,7 +151,7 @@ def run_cell(cell: dict) -> dict:
         extra = {"flash_attn": eng.flash_attn}
     else:
         eng = LocalHeap(cell["model_spec"], cell["threads"], cell["path"] == "heap-recall", cell["heap"],
-                        fused=cell["path"] == "heap-fused")
+                        fused=cell["path"].startswith("heap-fused"), compiled=cell["path"].endswith("-compiled"))
         for _ in eng.generate(prompt[:64], 4):   # warm-up
             pass
         load_s, rss_loaded = time.perf_counter() - t_load, _rss()
@@ -177,7 +181,7 @@ def _stepper(cell: dict, path: str, prompt: list[int], n: int):
             state[0] = eng.step(state[0])
         return step
     gen = LocalHeap(cell["model_spec"], cell["threads"], path == "heap-recall", cell["heap"],
-                    fused=path == "heap-fused").generate(prompt, n + 1)
+                    fused=path.startswith("heap-fused"), compiled=path.endswith("-compiled")).generate(prompt, n + 1)
     next(gen)
     return lambda: next(gen)
 

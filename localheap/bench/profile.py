@@ -43,8 +43,9 @@ def profile_decode(backend, cfg, context: int, steps: int = 128, seed: int = 0) 
     parts). Shares: the model's matmuls (torch's linear, own time), attention (sdpa, own time),
     the heap's scoring side pass (observe), its appends (the torch layer's update), eviction
     events (make_room), sampling with the host sync, and the rest (Python, the transformers
-    layers' glue, RoPE, norms). The op-level parts are torch's; on MLX the lazy graph puts the
-    device work where it is evaluated (sampling)."""
+    layers' glue, RoPE, norms). With --decode-attention fused, the fused kernel's attention and
+    scores; with --compile-decode, the compiled graphs (their matmuls inside). The op-level parts
+    are torch's; on MLX the lazy graph puts the device work where it is evaluated (sampling)."""
     tokens = _random_tokens(backend, context + 1, seed)
     cache = backend.new_cache(cfg)
     backend.prefill(cache, tokens[:-1])
@@ -67,6 +68,9 @@ def profile_decode(backend, cfg, context: int, steps: int = 128, seed: int = 0) 
         "matmuls (linear: projections, MLP, head)": _sum(st, "<built-in method torch._C._nn.linear>", "~", own=True),
         "attention (sdpa)": _sum(st, "<built-in method torch._C._nn.scaled_dot_product_attention>", "~",
                                  own=True),
+        "fused attention and scores (--decode-attention fused)": _sum(st, "_fused_decode", "backends/torch/attention.py"),
+        "compiled graphs (--compile-decode: norms, projections, RoPE, MLP, head, their matmuls)":
+            _sum(st, "graph", "backends/torch/compiled.py"),
         "heap scoring side pass (observe)": _sum(st, "observe", "/backends/"),
         "heap appends (cache layer update)": _sum(st, "update", "backends/torch/layer.py"),
         "heap eviction events (make_room)": _sum(st, "make_room", "/backends/"),
@@ -82,7 +86,7 @@ def report_decode(row: dict, backend) -> str:
     lines = [f"model {backend.model_name} | backend {backend.name} | decode after {row['context']:,} tokens: "
              f"{row['ms_per_step']:.2f} ms/token ({steps} steps), {row['ms_per_step_profiled']:.2f} under cProfile"]
     lines += [f"  {name:46s} {1000 * s / steps:6.2f} ms  {100 * s / wall:5.1f}%"
-              for name, s in row["parts_s"].items()]
+              for name, s in row["parts_s"].items() if s > 0]   # a part this step does not run: left out
     return "\n".join(lines)
 
 

@@ -17,8 +17,8 @@ from ..bench.peer import PATHS as PEER_PATHS
 from ..bench.report import emit, table
 from ..heap.stats import format_bytes
 from ..models import resolve_model
-from .common import (add_decode_arg, add_distributed_arg, add_heap_args, add_model_args, apply_decode_attention,
-                     heap_config, load_model_backend, model_spec)
+from .common import (add_compile_arg, add_decode_arg, add_distributed_arg, add_heap_args, add_model_args,
+                     apply_decode_attention, heap_config, load_model_backend, model_spec)
 from .progress import ProgressBar
 
 
@@ -69,6 +69,7 @@ def add_parser(sub) -> None:
     add_model_args(speed)
     add_heap_args(speed)
     add_decode_arg(speed)
+    add_compile_arg(speed)
     speed.add_argument("--contexts", type=_ints, default=[2048, 8192, 32768], help="prompt lengths measured (8k, 1m accepted)")
     speed.add_argument("--decode-tokens", type=int, default=64, help="tokens decoded per cell")
     speed.add_argument("--repeats", type=int, default=1, help="best of N per cell")
@@ -126,6 +127,8 @@ def add_parser(sub) -> None:
     prof.add_argument("--context", type=_ints, default=[65536], help="prompt length profiled (64k, 1m accepted)")
     prof.add_argument("--decode-tokens", type=int, default=0,
                       help="profile this many decode steps after the prompt instead of the prefill")
+    add_decode_arg(prof)
+    add_compile_arg(prof)
     add_threads_arg(prof)
     prof.set_defaults(func=run_profile_bench, model="demo")
 
@@ -233,6 +236,9 @@ def run_speed(args) -> int:
         cfg = cfg.with_(recall=False)
     if apply_decode_attention(backend, args):   # the fused step beside the default one, same run
         extra["paths"] = (*extra.get("paths", ("stock-full", "heap")), "heap-fused")
+    if args.compile_decode:   # the compiled step beside each eager one, same run
+        paths = extra.get("paths", ("stock-full", "heap"))
+        extra["paths"] = (*paths, *(p + "-compiled" for p in paths if p in ("heap", "heap-fused")))
     bench = _bench_module(backend)
     if args.distributed:   # the shards against one process (on rank 0), same run; rank 0 reports
         from ..backends.mlx import distributed as bench
@@ -342,6 +348,7 @@ def run_profile_bench(args) -> int:
 
     backend = load_backend(model_spec(args), args.backend)
     set_threads(backend, args)
+    apply_decode_attention(backend, args)
     cfg = heap_config(args, backend)
     for context in args.context:
         if args.decode_tokens > 0:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from ..engine.errors import RankLost
 from ..generation import SamplingParams
 from .common import (add_decode_arg, add_distributed_arg, add_heap_args, add_model_args, apply_decode_attention,
                      heap_config, model_spec, with_backend_chunk)
@@ -84,11 +85,11 @@ def run(args) -> int:
 
         backend = ranks.load_rank(args)
         apply_decode_attention(backend, args)
-        beat = ranks.heartbeat(backend, args.rank_timeout)
+        beat = ranks.heartbeat(backend, args.rank_timeout, args.step_timeout)
         if backend.rank != 0:
             return ranks.follower(backend, None, beat)
         backend = Leader(backend)
-        ranks.lead(backend, beat)   # a rank gone mid-reply: rank 0 says so and exits
+        ranks.lead(backend, beat, args.step_timeout)   # a rank gone or stuck mid-reply: rank 0 says so, exits
     else:
         backend = load_backend(model_spec(args), args.backend)
         apply_decode_attention(backend, args)
@@ -128,6 +129,9 @@ def chat_on(backend, cfg, args) -> int:
             except KeyboardInterrupt:
                 print("\n[stopped]", flush=True)
                 print(chat.status(), flush=True)
+            except RankLost as e:   # --distributed: the ranks cannot go on (a stuck reply exits in ranks.lead)
+                print(f"\nerror: {e}", flush=True)
+                return 1
             except Exception as e:   # one failed request never ends the chat
                 print(f"\nerror: {type(e).__name__}: {e}", flush=True)
                 if chat.ensure_session():

@@ -34,8 +34,23 @@ def add_decode_arg(p: argparse.ArgumentParser) -> None:
                         "small models, not bit-identical to stock) (default: sdpa)")
 
 
+def add_compile_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--compile-decode", action="store_true",
+                   help="run a decode step's per-token parts (embedding, norms, projections, rotary, MLP, head) "
+                        "compiled: torch, as graphs compiled ahead of time by inductor (needs a C++ compiler; the "
+                        "first use compiles for tens of seconds, cached on disk by the model's shapes); mlx, with "
+                        "mx.compile. The heap's attention and bookkeeping stay as they are; Llama-shaped models "
+                        "(llama, mistral, qwen2), one sequence at a time (serve and chat decode in batches, which "
+                        "stay uncompiled)")
+
+
 def apply_decode_attention(backend, args) -> bool:
-    """--decode-attention onto a loaded backend (before its first cache). Returns whether fused."""
+    """--decode-attention and --compile-decode onto a loaded backend (before its first cache).
+    Returns whether fused."""
+    if getattr(args, "compile_decode", False):
+        if getattr(args, "distributed", None):
+            raise SystemExit("--compile-decode runs one process's decode step; it is not available with --distributed")
+        backend.compile_decode = True
     if getattr(args, "decode_attention", "sdpa") != "fused":
         return False
     if not hasattr(backend, "fused_decode"):
@@ -44,7 +59,12 @@ def apply_decode_attention(backend, args) -> bool:
     return True
 
 
-def add_distributed_arg(p: argparse.ArgumentParser, watched: bool = False) -> None:
+STEP_TIMEOUT_S = 300.0   # --step-timeout: ~5x the slowest legitimate step we can think of (help)
+
+
+def add_distributed_arg(p: argparse.ArgumentParser, watched: bool = False, steps: bool = False) -> None:
+    """--distributed; with `watched` (serve, chat) --rank-timeout and --step-timeout, with `steps`
+    (generate) --step-timeout alone."""
     p.add_argument("--distributed", default=None, choices=("tensor", "pipeline"),
                    help="run one shard per rank under `mlx.launch` (mlx backend): tensor splits every layer's "
                         "heads, pipeline splits the layers; each rank keeps the heap of what it holds "
@@ -53,6 +73,14 @@ def add_distributed_arg(p: argparse.ArgumentParser, watched: bool = False) -> No
         p.add_argument("--rank-timeout", type=float, default=30.0, metavar="SECONDS",
                        help="--distributed: a rank whose heartbeat is silent this long counts as lost (a rank "
                             "whose process ends counts at once); README: a lost rank")
+    if watched or steps:
+        p.add_argument("--step-timeout", type=float, default=STEP_TIMEOUT_S, metavar="SECONDS",
+                       help="--distributed: one step (a prefill chunk, a generated token, a save or restore) rank 0 "
+                            "has waited in this long counts as the ranks lost: a rank alive but stuck. A 2048-token "
+                            "chunk of a 70B model across two Macs should take seconds, up to about a minute on slow "
+                            "hosts or 1 Gb Ethernet (an estimate); raise it for slower ones or a larger "
+                            "--prefill-chunk (default: "
+                            f"{STEP_TIMEOUT_S:g})")
 
 
 def load_model_backend(args):

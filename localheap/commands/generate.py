@@ -8,9 +8,10 @@ import time
 from pathlib import Path
 
 from ..generation import SamplingParams, StopMatcher
-from .common import (add_decode_arg, add_distributed_arg, add_heap_args, add_model_args, apply_decode_attention,
-                     heap_config, load_model_backend)
+from .common import (add_compile_arg, add_decode_arg, add_distributed_arg, add_heap_args, add_model_args,
+                     apply_decode_attention, heap_config, load_model_backend)
 from .progress import ProgressBar
+from .ranks import StepWatch
 
 
 def add_parser(sub) -> None:
@@ -18,6 +19,7 @@ def add_parser(sub) -> None:
     add_model_args(p)
     add_heap_args(p, recall=True)
     add_decode_arg(p)
+    add_compile_arg(p)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt-file", type=Path, help="read the prompt from this file")
     src.add_argument("--prompt", help="the prompt text")
@@ -28,7 +30,7 @@ def add_parser(sub) -> None:
     p.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest, 0: all")
     p.add_argument("--seed", type=int, default=None, help="sampling seed (default: random)")
     p.add_argument("--stop", action="append", default=[], help="stop sequence, repeatable (default: none)")
-    add_distributed_arg(p)
+    add_distributed_arg(p, steps=True)
     p.set_defaults(func=run)
 
 
@@ -49,12 +51,18 @@ def run(args) -> int:
                             top_k=args.top_k, seed=args.seed, stop=args.stop)
     cache = backend.new_cache(cfg)
     bar = ProgressBar("prefill", stream=sys.stderr) if len(tokens) > 4 * cfg.chunk else None
+    watch = StepWatch(args.step_timeout, backend.rank) if getattr(backend, "ranks", None) is not None else None
+    progress = bar.update if bar else None
+    if watch is not None:   # every prefill chunk is a step
+        progress = (lambda *a: (watch.tick(), bar.update(*a))) if bar else watch.tick
     t0 = time.perf_counter()
     generated: list[int] = []
     stops = StopMatcher(params.stop)
     shown = ""
     t_first = None
-    for token in backend.generate(cache, tokens, params, progress=bar.update if bar else None):
+    for token in backend.generate(cache, tokens, params, progress=progress):
+        if watch is not None:
+            watch.tick()
         if t_first is None:
             t_first = time.perf_counter()
             if bar:
@@ -72,6 +80,8 @@ def run(args) -> int:
     else:
         sys.stdout.write(stops.flush())
     t_end = time.perf_counter()
+    if watch is not None:
+        watch.end()
     sys.stdout.write("\n")
     stats = backend.stats(cache)
     prefill_s = (t_first or t_end) - t0

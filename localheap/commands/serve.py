@@ -177,15 +177,17 @@ def serve_ranks(backend, settings, args) -> int:
     settings.disk_total = 0   # auto is off: DISK_TOTAL_RANKS (an explicit bound was refused)
     sessions_dir = settings.sessions_dir if settings.persist_sessions else None
     ranks.check_layout(sessions_dir, ranks.layout_of(backend))   # every rank: each has its own disk
-    beat = ranks.heartbeat(backend, args.rank_timeout)
+    beat = ranks.heartbeat(backend, args.rank_timeout, args.step_timeout)
     if backend.rank != 0:
-        governor_for(backend, plan)   # this rank's allocator limits
-        return ranks.follower(backend, sessions_dir, beat)
+        sensors = governor_for(backend, plan).sensors   # this rank's allocator limits; its memory for admissions
+        return ranks.follower(backend, sessions_dir, beat, ranks.own_reading(sensors, plan.budget))
     leader = Leader(backend)
     try:
-        app = create_app(leader, settings, governor=governor_for(leader, plan), on_close=leader.stop)
+        governor = governor_for(leader, plan)
+        governor.sensors = ranks.RankSensors(governor.sensors, leader, plan.budget)   # admissions: every rank's RAM
+        app = create_app(leader, settings, governor=governor, on_close=leader.stop, on_start=leader.prune_files)
         leader.root = app.state.services.store.spill_dir
-        ranks.lead(leader, beat, on_stuck=app.state.services.engine.abandon)
+        ranks.lead(leader, beat, args.step_timeout, on_stuck=app.state.services.engine.abandon)
         ranks.keep_pinging(app.state.services.engine, leader)
         print(f"localheap: --distributed {backend.mode} on {backend.ranks.size} ranks: this is rank 0 (HTTP); "
               f"the heap of every rank counts as the tightest rank's", file=sys.stderr)

@@ -107,7 +107,7 @@ class Governor:
             self.spilled_total += need
             return Admission("admit", spill=list(idle_lru[:need]),
                              reason=f"recall summaries grew: spilling {need} idle session(s)" if need else "")
-        reading = self.sensors.memory()
+        reading = getattr(self.sensors, "admission_memory", self.sensors.memory)()   # every rank's, on ranks
         while reading.rss + add - freed > self.plan.budget and need < len(idle_lru):  # by measurement
             freed += cost(idle_lru[need])
             need += 1

@@ -28,9 +28,12 @@ log = logging.getLogger("localheap.server")
 
 
 def create_app(backend: Any, settings: Optional[ServerSettings] = None, governor: Optional[Governor] = None,
-               on_close: Optional[Callable[[], None]] = None) -> FastAPI:
+               on_close: Optional[Callable[[], None]] = None,
+               on_start: Optional[Callable[[SessionStore], None]] = None) -> FastAPI:
     """The server for one loaded backend. The engine thread starts and stops with the app;
-    `on_close` runs last (--distributed: the other ranks stop following)."""
+    `on_start(store)` runs once the saved sessions are read, before the engine starts
+    (--distributed: the other ranks prune what no saved session holds); `on_close` runs last
+    (the other ranks stop following)."""
     settings = settings or ServerSettings()
     if governor is None:
         plan = plan_for(backend, settings.heap, settings.ram_budget)   # BudgetTooSmall when nothing fits
@@ -59,6 +62,8 @@ def create_app(backend: Any, settings: Optional[ServerSettings] = None, governor
             store.checkpoints.load_persisted(store.sessions())
             if n:
                 log.info("restored %d saved session(s) from %s", n, store.spill_dir)
+            if on_start is not None:
+                on_start(store)
         engine.start()
         sampler = asyncio.create_task(svc.throughput.run(svc))
         try:

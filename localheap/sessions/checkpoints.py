@@ -75,7 +75,7 @@ class Checkpoints:
             faults.step("checkpoint.tokens")
             self.backend.save_cache(s.cache, path, snapshot=True)   # written atomically by the backend
         except BaseException:
-            _unlink(path)
+            remove_checkpoint_files(path)
             path.with_name(path.with_suffix(".tokens").name + ".tmp").unlink(missing_ok=True)
             raise
         faults.step("checkpoint.heap")
@@ -160,7 +160,7 @@ class Checkpoints:
         self._owners[s.id] = s
         kept = sorted(self.of(s.id) + [c], key=lambda x: x.n)
         if len(kept) > self.per_session:
-            _unlink(kept.pop(1).path)   # keep the first (often a document) and the newest ones
+            self._remove_files(kept.pop(1))   # keep the first (often a document) and the newest ones
         self._by_session[s.id] = kept
         s.checkpoints = [x.n for x in kept]
         s.refresh()   # the snapshot lists them (a restarted session too)
@@ -173,15 +173,27 @@ class Checkpoints:
         self._remove(c)
 
     def _remove(self, c: Checkpoint) -> None:
-        _unlink(c.path)
+        self._remove_files(c)
         left = [x for x in self._by_session.get(c.session_id, []) if x is not c]
         self._by_session[c.session_id] = left
         if c.session_id in self._owners:
             self._owners[c.session_id].checkpoints = [x.n for x in left]
 
 
-def _unlink(path: Path) -> None:
-    """A checkpoint's files: the heap file at `path`, its tokens and its pages."""
+    def _remove_files(self, c: Checkpoint) -> None:
+        """A checkpoint's files here, and where other ranks keep theirs (--distributed), theirs."""
+        remove_checkpoint_files(c.path)
+        remove = getattr(self.backend, "remove_checkpoint_files", None)
+        if remove is not None:
+            try:
+                remove(c.session_id, c.n)
+            except Exception as e:   # a lost rank: what it kept stays on its disk
+                log.warning("checkpoint %s: the other ranks' files not removed: %s", c.path, e)
+
+
+def remove_checkpoint_files(path: Path) -> None:
+    """A checkpoint's files: the heap file at `path`, its tokens and its pages, and the shards of
+    the ranks that keep theirs on this host (--distributed)."""
     path.unlink(missing_ok=True)
     path.with_suffix(".tokens").unlink(missing_ok=True)
     shutil.rmtree(path.with_suffix(".pages"), ignore_errors=True)

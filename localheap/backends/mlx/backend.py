@@ -36,6 +36,7 @@ class MLXBackend:
         self.vocab_size = getattr(getattr(model, "args", None), "vocab_size", None)   # ids a prompt may use
         self.slabs: dict = {}          # the decode batch's heap buffers, by slab key (slab.py)
         self.batch_slabs = True        # False: every row of a batch attends on its own (per-heap sdpa)
+        self.compile_decode = False   # decode steps with their per-token parts mx.compile'd (compiled.py)
 
     @classmethod
     def load(cls, path: str | Path, model_name: Optional[str] = None) -> "MLXBackend":
@@ -49,7 +50,9 @@ class MLXBackend:
 
     def new_cache(self, cfg: HeapConfig, pages_dir: Optional[Path] = None) -> HeapPromptCache:
         """A fresh heap; with recall on its page store lives in `pages_dir` (default: a temp dir)."""
-        return make_heap_cache(self.model, cfg, pages_dir)
+        cache = make_heap_cache(self.model, cfg, pages_dir)
+        cache.compile_decode = self.compile_decode
+        return cache
 
     def prefill(self, cache, tokens: Sequence[int], progress: Optional[ProgressFn] = None,
                 cancelled: Optional[Callable[[], bool]] = None) -> None:
@@ -131,7 +134,9 @@ class MLXBackend:
         save_heap(cache, path, snapshot)
 
     def load_cache(self, cfg: HeapConfig, path: Path, pages_dir: Optional[Path] = None):
-        return load_heap(self.model, path, pages_dir)
+        cache = load_heap(self.model, path, pages_dir)
+        cache.compile_decode = self.compile_decode
+        return cache
 
     def apply_limits(self, limits: dict) -> None:
         """Cap MLX's allocator from the RAM budget (the wired limit only exists on Metal)."""

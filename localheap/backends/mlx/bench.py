@@ -50,8 +50,9 @@ def time_path(backend, kind: str, prompt: list[int], n_decode: int, cfg: HeapCon
     model = backend.model
     mx.clear_cache()
     mx.reset_peak_memory()
-    if kind in ("heap", "heap-paging"):   # paging: the recall tier on
+    if kind in ("heap", "heap-paging", "heap-compiled"):   # paging: the recall tier on
         cache = backend.new_cache(cfg.with_(recall=True) if kind == "heap-paging" else cfg)
+        cache.compile_decode = kind == "heap-compiled"   # per-token parts mx.compile'd (compiled.py)
         it = generate_tokens(model, cache, prompt, SamplingParams(max_tokens=n_decode + 1))
     else:
         cache = _stock_caches(model, kind, cfg.sinks + cfg.budget, cfg.sinks)

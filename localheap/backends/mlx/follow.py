@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
 from pathlib import Path
 from typing import Optional
 
@@ -34,6 +35,7 @@ log = logging.getLogger("localheap.distributed")
 OUT_OF_STEP = ("prefill", "generate", "next")   # forwards: a follower failing inside one exits
 OUT_OF_STEP_EXIT = 3   # follow's status when this rank must leave the ring at once
 FAULT_ENV = "LOCALHEAP_TEST_FOLLOWER_FAULT"     # "OP:N": a follower's N-th OP raises (tests)
+STALL_ENV = "LOCALHEAP_TEST_FOLLOWER_STALL"     # "OP:N": a follower's N-th OP never ends (tests)
 
 
 class InjectedFault(RuntimeError):
@@ -43,15 +45,21 @@ class InjectedFault(RuntimeError):
 class Faults:
     """FAULT_ENV="OP:N[,OP:N...]": the N-th OP command on this follower raises InjectedFault, where
     a real failure of it would: before its work (a forward: before it starts), or for a restore
-    after the ranks agreed that every shard is there (reading this rank's shard failed)."""
+    after the ranks agreed that every shard is there (reading this rank's shard failed). With
+    `stall` (STALL_ENV), the N-th OP waits for ever in the call itself, after any start check: a
+    rank alive but stuck, which rank 0's step watch must find (Leader.watch)."""
 
-    def __init__(self, spec: Optional[str]):
+    def __init__(self, spec: Optional[str], stall: bool = False):
         self.at = {op: int(n) for op, _, n in (part.partition(":") for part in (spec or "").split(",") if part)}
         self.seen: dict[str, int] = {}
+        self.stall = stall   # STALL_ENV: the N-th OP waits for ever instead (this rank alive, its heartbeat on)
 
     def check(self, op: str) -> None:
         if op in self.at:
             self.seen[op] = self.seen.get(op, 0) + 1
+            if self.seen[op] == self.at[op] and self.stall:
+                log.error("stalling in %s #%d for ever (%s)", op, self.at[op], STALL_ENV)
+                threading.Event().wait()
             if self.seen[op] == self.at[op]:
                 raise InjectedFault(f"injected failure of {op} #{self.at[op]} ({FAULT_ENV})")
 
@@ -74,9 +82,24 @@ def start_step(backend, cmd: dict, op: str, faults: Faults, caches: dict) -> boo
     return True
 
 
-def follow(backend: DistributedMLXBackend, root: Path, remove_files=None) -> int:
+def memory_reading(reading) -> tuple[int, int]:
+    """This rank's (RSS past its budget, available bytes); one that cannot be read counts as no pressure."""
+    if reading is None:
+        return -(1 << 62), 1 << 62
+    try:
+        over, free = reading()
+        return int(over), int(free)
+    except Exception:   # noqa: BLE001 - the ranks must still meet in the reading's collectives
+        log.warning("this rank's memory reading failed", exc_info=True)
+        return -(1 << 62), 1 << 62
+
+
+def follow(backend: DistributedMLXBackend, root: Path, remove_files=None, reading=None, prune_files=None) -> int:
     """A follower rank's loop: rank 0's heap calls on this rank's shard, until it says stop;
-    `remove_files(root, session_id, keep_gen, whole)` removes this rank's files of a session.
+    `remove_files(root, session_id, keep_gen, whole, checkpoint)` removes this rank's files of a
+    session (or of one of its checkpoints); `reading()` is this rank's (RSS past its RAM budget,
+    available bytes) for rank 0's admissions; `prune_files(root, keep, tag)` removes this rank's
+    files (named with `tag`) of what rank 0's saved sessions do not hold, at start.
     Returns the exit status (1: rank 0 was lost; OUT_OF_STEP_EXIT: a forward failed here, see the
     log, and the process must exit now)."""
     assert backend.rank != 0
@@ -84,6 +107,7 @@ def follow(backend: DistributedMLXBackend, root: Path, remove_files=None) -> int
     caches: dict[int, object] = {}
     gens: dict[int, object] = {}
     faults = Faults(os.environ.get(FAULT_ENV))
+    stalls = Faults(os.environ.get(STALL_ENV), stall=True)   # in the call itself, after any start check
     path = lambda p: None if p is None else root / p   # noqa: E731  (an absolute p stays as it is)
     while True:
         try:
@@ -107,6 +131,7 @@ def follow(backend: DistributedMLXBackend, root: Path, remove_files=None) -> int
         try:
             if op not in ("load", *START_CHECKED):
                 faults.check(op)
+            stalls.check(op)
             if op == "new":
                 caches[cmd["handle"]] = backend.new_cache(HeapConfig(**cmd["cfg"]), path(cmd["pages_dir"]))
             elif op == "load":
@@ -126,8 +151,14 @@ def follow(backend: DistributedMLXBackend, root: Path, remove_files=None) -> int
                 next(gens[cmd["gen"]], None)
             elif op == "close":
                 gens.pop(cmd["gen"]).close()
+            elif op == "reading":
+                over, free = memory_reading(reading)
+                backend.ranks.each(over)
+                backend.ranks.each(free)
             elif op == "remove" and remove_files is not None:
-                remove_files(root, cmd["session"], cmd["keep_gen"], cmd["whole"])
+                remove_files(root, cmd["session"], cmd["keep_gen"], cmd["whole"], cmd.get("checkpoint"))
+            elif op == "prune" and prune_files is not None:
+                prune_files(root, cmd["keep"], f"{backend.mode}-rank{backend.rank}of{backend.ranks.size}")
         except Exception as e:
             if lost(e) or lost(e.__cause__):
                 log.error("a rank was lost (%s): this rank stops", e)

@@ -17,6 +17,7 @@ from mlx_lm.sample_utils import make_sampler
 from ...generation import ProgressFn, SamplingParams
 from .. import paging
 from . import recall
+from .compiled import compiled_step
 from .heapcache import HeapPromptCache
 
 
@@ -76,8 +77,12 @@ def prefill_turn(model, cache: HeapPromptCache, prompt: list, chunk: int,
 
 
 def _step(model, cache: HeapPromptCache, tokens: mx.array, sampler, share=None):
-    cache.make_room(tokens.shape[0])
-    logits = model(tokens[None], cache=cache)[:, -1, :]
+    compiled = compiled_step(model, cache) if getattr(cache, "compile_decode", False) and tokens.shape[0] == 1 else None
+    if compiled is not None:
+        logits = compiled(cache, tokens)   # [1, vocab]; the heap's own work inside, uncompiled
+    else:
+        cache.make_room(tokens.shape[0])
+        logits = model(tokens[None], cache=cache)[:, -1, :]
     logprobs = logits - mx.logsumexp(logits, keepdims=True)
     y = sampler(logprobs)
     return (y if share is None else share(y)), logprobs.squeeze(0)

@@ -57,6 +57,7 @@ class HeapPromptCache(HeapRollback, list):
         self.heap_layers = [c for c in caches if isinstance(c, HeapKVCache)]
         self.only_heap_layers = len(self.heap_layers) == len(caches)
         self.pages = None           # PageStore when recall is on (paging.attach_pages)
+        self.compile_decode = False   # decode steps through compiled.py (--compile-decode)
         self.writer = None          # its background PageWriter
         self.recall_log: list[dict] = []      # one entry per recall: tokens, pages, ms
 

@@ -13,6 +13,9 @@ A lost rank fails the call in flight, and every later one, with RankLost: found 
 in a collective, or by the heartbeat (liveness.py) while a collective waits for a rank that is
 gone. In that case the engine thread cannot come out of the collective (MLX's ring calls cannot
 be interrupted): after STUCK_GRACE_S, `on_stuck` fails what the engine holds (Engine.abandon).
+A rank that is alive (its heartbeat beating) but never answers a step is found by the step
+watch (`watch`): one call that meets the other ranks running longer than --step-timeout counts
+as the ranks lost, the same way.
 A call that fails on a follower alone fails the request with RankFailed (see follow.py).
 
 Knows nothing about HTTP or sessions: heaps are numbered, paths are sent relative to the
@@ -43,6 +46,10 @@ CHECKED = ("new", "load", "truncate")   # a heap made, read or cut back: every r
 START_CHECKED = ("prefill", "generate")   # every rank says it can start these first
 STUCK_GRACE_S = 2.0   # a rank is gone: how long a collective in flight may take to fail by itself
 HEARD_S = 1.0         # a ring error: how long the heartbeat may take to say which rank is gone
+STEPS = {"new": "a new heap", "load": "a restore", "save": "a save", "prefill": "a prefill chunk",
+         "truncate": "a rollback", "generate": "a generation's start", "next": "a generated token",
+         "close": "a generation's end", "remove": "removing files", "ping": "a ping",
+         "reading": "a memory reading", "prune": "pruning files at start"}   # for --step-timeout's error
 
 
 def broadcast(ranks, payload: Optional[bytes]) -> bytes:
@@ -78,6 +85,8 @@ class Leader:
         self.heartbeat = None              # liveness.Heartbeat, when the ranks have one
         self.on_stuck: Optional[Callable[[RankLost], None]] = None   # the engine thread cannot come back
         self._inside = 0                   # > 0 while this rank is in a call that meets the others
+        self._since: Optional[float] = None   # when that call began (time.monotonic)
+        self._op = ""                      # the command it belongs to (the last one sent)
         self._lock = threading.Lock()
         self._handles = 0
         self._dropped: list[int] = []     # heaps rank 0 let go of: the followers free theirs
@@ -95,12 +104,15 @@ class Leader:
         if self.lost is not None:
             raise RankLost(self.lost)
         drop, self._dropped = self._dropped, []
+        self._op = op
         self._guard(lambda: broadcast(self.ranks, json.dumps({"op": op, "drop": drop, **args}).encode()))
 
     def _guard(self, work):
         """`work()`; a peer's loss there becomes RankLost, here and for every later call."""
         with self._lock:
             self._inside += 1
+            if self._inside == 1:
+                self._since = time.monotonic()
         try:
             return work()
         except Exception as e:
@@ -112,6 +124,8 @@ class Leader:
         finally:
             with self._lock:
                 self._inside -= 1
+                if self._inside == 0:
+                    self._since = None
 
     def _mark_lost(self, cause: str) -> str:
         with self._lock:
@@ -137,6 +151,35 @@ class Leader:
             log.critical("rank 0 is stuck in a collective with a rank that is gone: failing the requests in flight")
             if self.on_stuck is not None:
                 self.on_stuck(RankLost(message))
+
+    def watch(self, step_timeout: float, every: Optional[float] = None) -> threading.Thread:
+        """Watch the steps (a thread of its own): a call that meets the other ranks and has run
+        `step_timeout` s (a rank alive but stuck: its heartbeat beats, its step never answers)
+        marks the ranks lost and hands the call to `on_stuck`, as a rank that is gone does."""
+        every = every or min(1.0, step_timeout / 4)
+
+        def loop() -> None:
+            while self.lost is None and not self.stopped:
+                time.sleep(every)
+                with self._lock:
+                    since, op = self._since, self._op
+                if since is not None and time.monotonic() - since > step_timeout and not self.stopped:
+                    self.step_stuck(op, step_timeout)
+
+        t = threading.Thread(target=loop, name="localheap-step-watch", daemon=True)
+        t.start()
+        return t
+
+    def step_stuck(self, op: str, step_timeout: float) -> None:
+        """One step has run `step_timeout` s: the ranks are lost, the call is handed to `on_stuck`."""
+        if self.lost is not None:   # the heartbeat said so first, and handed it on
+            return
+        message = self._mark_lost(f"the ranks did not answer within {step_timeout:g} s (rank 0 waited that long in "
+                                  f"one step, {STEPS.get(op, op)}; --step-timeout): a rank is alive but stuck, "
+                                  f"its log says where")
+        log.critical("rank 0 is stuck in a step (%s): failing the requests in flight", STEPS.get(op, op))
+        if self.on_stuck is not None:
+            self.on_stuck(RankLost(message))
 
     def _checked(self, op: str, work, **args):
         """A call with no collective of its own: sent, run here, then every rank says how it went.
@@ -176,13 +219,20 @@ class Leader:
         """A command that does nothing: finds a lost rank while the server is idle."""
         self.send("ping")
 
+    def readings(self, over: int, available: int) -> list[tuple[int, int]]:
+        """Every rank's memory at an admission, in rank order: (its RSS past its RAM budget, its
+        host's available bytes); this rank's are given."""
+        self.send("reading")
+        overs, free = self._guard(lambda: (self.ranks.each(over), self.ranks.each(available)))
+        return list(zip(overs, free))
+
     def stop(self) -> None:
         """The followers leave their loop (the server is exiting)."""
         if self.stopped:
             return
         self.stopped = True   # from here a follower's end is expected, not a loss
-        if self.heartbeat is not None:   # first: the followers end their watch quietly
-            self.heartbeat.close()
+        if self.heartbeat is not None:   # first: the followers end their watch quietly, or, lost, exit
+            self.heartbeat.close(bye=self.lost is None)   # (a stuck one too: it never reads a "stop")
         if self.lost is None:
             try:
                 self.send("stop")
@@ -207,6 +257,19 @@ class Leader:
         """The store removed a session's files here (another generation's, or all of them with
         `whole`): the followers remove theirs."""
         self.send("remove", session=session_id, keep_gen=keep_gen, whole=whole)
+
+    def prune_files(self, store) -> None:
+        """At start, the saved sessions read (rank 0's store recovered them): the followers remove
+        their files of any other session, generation or checkpoint (a crash's leftovers, or removals
+        they never heard of), each under its own sessions directory."""
+        keep = {s.id: {"gen": s.saved_gen, "checkpoints": [c.n for c in store.checkpoints.of(s.id)]}
+                for s in store.sessions()}
+        self.send("prune", keep=keep)
+
+    def remove_checkpoint_files(self, session_id: str, tokens: int) -> None:
+        """The checkpoints removed one of a session's checkpoints here (a cap dropped it, or it was
+        unreadable): the followers remove their shards of it."""
+        self.send("remove", session=session_id, keep_gen=None, whole=False, checkpoint=int(tokens))
 
     # --- heap calls, mirrored ---
 

@@ -67,8 +67,9 @@ class Heartbeat:
         self._thread.start()
         return self
 
-    def close(self) -> None:
-        """An orderly end: the peers hear BYE (not a loss), then the connections close."""
+    def close(self, bye: bool = True) -> None:
+        """An orderly end: the peers hear BYE (not a loss), then the connections close. Without
+        `bye` the peers see the connection end, as if this process had: a follower then exits."""
         if self._closed.is_set():
             return
         self._closed.set()
@@ -76,7 +77,8 @@ class Heartbeat:
             self._thread.join(BEAT_S + 1.0)   # its loop ends within a beat: the sockets are this thread's
         for s in list(self.peers.values()):
             try:
-                s.sendall(BYE)
+                if bye:
+                    s.sendall(BYE)
                 s.close()
             except OSError:
                 pass

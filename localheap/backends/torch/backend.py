@@ -44,6 +44,7 @@ class TorchBackend:
         self.tokenizer = tokenizer   # Hugging Face tokenizer
         self.model_name = model_name
         self.fused_decode = fused_decode   # decode outputs from the fused kernel: not bit-identical to stock
+        self.compile_decode = False        # the lean decode step's per-token parts compiled (compiled.py)
         self.device = next(model.parameters()).device
         eos = model.generation_config.eos_token_id
         eos = [eos] if isinstance(eos, int) else list(eos or [])
@@ -79,6 +80,7 @@ class TorchBackend:
         """A fresh heap; with recall on its page store lives in `pages_dir` (default: a temp dir)."""
         cache = make_heap_cache(self.model, cfg, pages_dir)
         cache.fused_decode = self.fused_decode
+        cache.compile_decode = self.compile_decode
         return cache
 
     def prefill(self, cache: HeapCache, tokens: Sequence[int], progress: Optional[ProgressFn] = None,
@@ -165,6 +167,7 @@ class TorchBackend:
     def load_cache(self, cfg: HeapConfig, path: Path, pages_dir: Optional[Path] = None) -> HeapCache:
         cache = load_heap(self.model, path, pages_dir)
         cache.fused_decode = self.fused_decode
+        cache.compile_decode = self.compile_decode
         return cache
 
     def synchronize(self) -> None:

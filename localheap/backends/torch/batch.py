@@ -25,6 +25,7 @@ from ..slots import row_error
 from . import attention
 from .cache import HeapCache
 from .generate import Sampler, prefill_turn
+from .lean import lean_packed
 from .select import plan_eviction
 from .slab import DecodeSlab, slab_key
 
@@ -152,9 +153,13 @@ def forward_packed(model, parts: list, tokens: list[torch.Tensor]) -> torch.Tens
         keep += list(range(a, b)) if isinstance(part, DecodeSlab) else [b - 1]
     first = parts[0].members[0] if isinstance(parts[0], DecodeSlab) else parts[0]
     step = PackedStep(parts, lengths, len(first.layers))
+    keep = torch.tensor(keep, device=ids.device)
+    caches = [c for part in parts for c in (part.members if isinstance(part, DecodeSlab) else [part])]
+    if (lean := lean_packed(model, caches)) is not None:   # the same ops without transformers' module glue
+        return lean.run(step, ids, positions, keep)[0].to(dtype=torch.float32)
     with torch.no_grad():
         out = model(input_ids=ids, position_ids=positions, past_key_values=step, use_cache=True,
-                    logits_to_keep=torch.tensor(keep, device=ids.device), heap=step)
+                    logits_to_keep=keep, heap=step)
     return out.logits[0].to(dtype=torch.float32)
 
 

@@ -57,12 +57,14 @@ def _stock_kv_bytes(cache: DynamicCache) -> int:
 def _session(backend, path: str, prompt: list[int], max_tokens: int, cfg: HeapConfig):
     """(token iterator, KV bytes function) for `stock-full` (DynamicCache), `heap`,
     `heap-fused` (decode outputs from the fused kernel), `heap-paging` (the recall tier on) or
-    `heap-transformers` (every decode step through transformers' forward, not the lean step)."""
+    `heap-transformers` (every decode step through transformers' forward, not the lean step);
+    `-compiled` after heap or heap-fused: the lean step's per-token parts compiled (compiled.py)."""
     if path == "stock-full":
         cache = DynamicCache(config=backend.model.config)
         return stock_tokens(backend.model, cache, prompt, max_tokens), lambda: _stock_kv_bytes(cache)
     heap = backend.new_cache(cfg.with_(recall=True) if path == "heap-paging" else cfg)   # paging: recall tier on
-    heap.fused_decode = path == "heap-fused"
+    heap.fused_decode = path.startswith("heap-fused")
+    heap.compile_decode = path.endswith("-compiled")
     heap.lean_decode = path != "heap-transformers"
     tokens = generate_tokens(backend.model, heap, prompt, SamplingParams(max_tokens=max_tokens))
     return tokens, lambda: heap.kv_nbytes
@@ -258,7 +260,7 @@ def main(argv=None) -> None:
         print(f"{args.random_model} | {backend.device} | threads {args.threads} | budget {budget} | "
               f"decode tok/s = 1 / median step, paths interleaved step by step")
         for r in rows:
-            print(f"  ctx {r['context']:>6,} {r['path']:<11} decode {r['decode_tok_s']:7.1f} tok/s "
+            print(f"  ctx {r['context']:>6,} {r['path']:<19} decode {r['decode_tok_s']:7.1f} tok/s "
                   f"(x {paths[0]} {r['decode_vs_stock']:.2f}, mean-based {r['decode_tok_s_mean']:.1f})  "
                   f"prefill {r['prefill_tok_s']:7.0f} tok/s (x {paths[0]} {r['prefill_vs_stock']:.2f})  "
                   f"KV {r['kv_bytes'] / 2**20:.1f} MiB")

@@ -69,32 +69,60 @@ class LeanDecode:
         """token: [1] id on the device. Returns the next logits [vocab] fp32 (what generate.forward returns)."""
         cache.make_room(1)
         pos = cache.position_ids(1)                                   # [1, 1]; sets each layer's rope_delta
+        logits = self.run(cache, token[None], pos, None)
+        return logits[0, -1].to(dtype=torch.float32, copy=True)
+
+    def run(self, cache, ids: torch.Tensor, pos: torch.Tensor, keep: Optional[torch.Tensor]) -> torch.Tensor:
+        """ids, pos: [1, N]; cache: a heap cache or a packed step (batch.PackedStep), room made and
+        rope deltas set. Returns the logits [1, K, vocab] in the model's dtype of the last position
+        (keep None) or of the positions in `keep` [K] (transformers' logits_to_keep)."""
+        N = ids.shape[1]
         with torch.no_grad():
-            h = self.embed(token[None])                               # [1, 1, hidden]
+            h = self.embed(ids)                                       # [1, N, hidden]
             cos, sin = self.rotary(h, pos)
             for i, (a, ln1, q, k, v, o, ln2, gate, up, down, act) in enumerate(self.layers):
                 x = _rms_norm(h, *ln1)
-                shape = (1, 1, -1, a.head_dim)
-                qs = F.linear(x, *q).view(shape).transpose(1, 2)      # [1, H_q, 1, D]
-                ks = F.linear(x, *k).view(shape).transpose(1, 2)      # [1, H_kv, 1, D]
+                shape = (1, N, -1, a.head_dim)
+                qs = F.linear(x, *q).view(shape).transpose(1, 2)      # [1, H_q, N, D]
+                ks = F.linear(x, *k).view(shape).transpose(1, 2)      # [1, H_kv, N, D]
                 vs = F.linear(x, *v).view(shape).transpose(1, 2)
                 qs, ks = self.rope(qs, ks, cos, sin)
                 ks, vs = cache.layers[i].update(ks, vs)
                 out, _ = attention.heap_sdpa(a, qs, ks, vs, None, heap=cache, dropout=0.0, scaling=a.scaling)
-                h = h + F.linear(out.reshape(1, 1, -1).contiguous(), *o)
+                h = h + F.linear(out.reshape(1, N, -1).contiguous(), *o)
                 x = _rms_norm(h, *ln2)
                 h = h + F.linear(act(F.linear(x, gate)) * F.linear(x, up), down)
             h = _rms_norm(h, *self.norm)
-            logits = self.head(h[:, -1:, :])
-        return logits[0, -1].to(dtype=torch.float32, copy=True)
+            return self.head(h[:, -1:, :] if keep is None else h[:, keep, :])
 
 
 def lean_step(model, cache) -> Optional[LeanDecode]:
     """The model's lean step when this cache can take it (heap layers only, no recall probe, no
     packed batch), else None: the caller runs the full forward."""
-    if (not ENABLED or not getattr(cache, "lean_decode", True) or cache.capture is not None or not cache.only_heap_layers or getattr(cache, "packed", False)
-            or model.config._attn_implementation != attention.ATTN_IMPLEMENTATION):
+    if not _takes_lean(model, cache):
         return None
+    lean = _lean(model)
+    if lean is not None and getattr(cache, "compile_decode", False):
+        from .compiled import compiled_step
+
+        return compiled_step(model) or lean
+    return lean
+
+
+def lean_packed(model, caches: list) -> Optional[LeanDecode]:
+    """The lean forward for a packed step (batch.py) whose every heap could take the lean step
+    on its own, else None."""
+    if not caches or not all(_takes_lean(model, c) for c in caches):
+        return None
+    return _lean(model)
+
+
+def _takes_lean(model, cache) -> bool:
+    return (ENABLED and getattr(cache, "lean_decode", True) and cache.capture is None and cache.only_heap_layers
+            and not getattr(cache, "packed", False) and model.config._attn_implementation == attention.ATTN_IMPLEMENTATION)
+
+
+def _lean(model) -> Optional[LeanDecode]:
     lean = model.__dict__.get("_localheap_lean", False)
     if lean is False:
         lean = LeanDecode(model) if LeanDecode.supports(model) else None
@@ -106,20 +134,21 @@ def lean_step(model, cache) -> Optional[LeanDecode]:
     return lean
 
 
-def agrees(model, n: int = 9) -> bool:
+def agrees(model, n: int = 9, setting: str = "lean_decode") -> bool:
     """Whether the lean step gives the full forward's logits bit for bit here (this device, dtype
     and kernels: the tests hold it on the CPU only), on a scratch heap: n - 1 tokens fed, then
-    the n-th token through each path on its own copy of that heap. Run once per model."""
+    the n-th token through each path on its own copy of that heap. Run once per model.
+    setting="compile_decode": the compiled step (compiled.py) against the lean one, the same way."""
     from ...heap import HeapConfig
     from .cache import make_heap_cache
     from .generate import forward
 
     ids = torch.arange(n, device=model.device) % model.config.vocab_size
     logits = []
-    for use_lean in (False, True):
+    for on in (False, True):
         cache = make_heap_cache(model, HeapConfig(budget=64, recent=8, slack=16, recall=False))
-        cache.lean_decode = False
+        cache.lean_decode = setting != "lean_decode"
         forward(model, cache, ids[:-1])
-        cache.lean_decode = use_lean
+        setattr(cache, setting, on)
         logits.append(forward(model, cache, ids[-1:]))
     return torch.equal(*logits)
