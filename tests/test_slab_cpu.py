@@ -34,14 +34,14 @@ def _case(B, H, G, D, T, spare=5, seed=0):
 @pytest.mark.parametrize("B,H,T", [(1, 1, 1), (1, 2, 8), (3, 2, 37), (4, 3, 130)])
 def test_kernel_matches_the_reference(B, H, G, D, T):
     args = _case(B, H, G, D, T)
-    (out, probs), (want_out, want_probs) = _kernel(*args), attend_reference(*args)
+    (out, mass), (want_out, want_mass) = _kernel(*args), attend_reference(*args)
     torch.testing.assert_close(out, want_out, atol=1e-5, rtol=1e-4)
-    torch.testing.assert_close(probs, want_probs, atol=1e-6, rtol=1e-4)
+    torch.testing.assert_close(mass, want_mass, atol=1e-6, rtol=1e-4)
     resident = args[3]
-    for b in range(B):   # the policy's mass: zero past a row's slots, each query's sums to one
-        assert (probs[b, ..., resident[b]:] == 0).all()
-    torch.testing.assert_close(probs.sum(-1), torch.ones(B, H, G))
-    assert _agree((out, probs), (want_out, want_probs), None)
+    for b in range(B):   # the policy's mass: zero past a row's slots, G queries' probabilities in all
+        assert (mass[b, :, resident[b]:] == 0).all()
+    torch.testing.assert_close(mass.sum(-1), torch.full((B, H), float(G)))
+    assert _agree((out, mass), (want_out, want_mass), None)
 
 
 @pytest.mark.usefixtures("kernel")

@@ -146,22 +146,21 @@ class DecodeSlab:
         q = query[0].transpose(0, 1).reshape(B, H, Hq // H, D) * scale            # [B, H_kv, G, D]
         args = (q, bufs["keys"], bufs["values"], self._resident, T, self._mask)
         if slab_cpu.fits(q.dtype, bufs["keys"], Hq // H) and slab_cpu.load() is not None:
-            out, probs = _KERNEL((H, Hq // H, D), *args)
+            out, mass = _KERNEL((H, Hq // H, D), *args)
         else:
-            out, probs = attend_reference(*args)
-        self._accumulate(bufs, probs, Hq // H, T)
+            out, mass = attend_reference(*args)
+        self._accumulate(bufs, mass, Hq // H, T)
         return out.reshape(B, Hq, D)[None]
 
-    def _accumulate(self, bufs: dict, probs: torch.Tensor, G: int, T: int) -> None:
-        """HeapLayer.accumulate for one query per row: probs [B, H_kv, G, T] (zero past a row's slots)."""
-        B = probs.shape[0]
-        names = [n for n in ("scores", "window") if n in bufs]
-        if names:
-            mass = probs.sum(dim=2) if G > 1 else probs[:, :, 0]                   # [B, H_kv, T]
-            for name in names:
+    def _accumulate(self, bufs: dict, mass: torch.Tensor, G: int, T: int) -> None:
+        """HeapLayer.accumulate for one query per row: mass [B, H_kv, T], the G query heads'
+        probabilities summed (zero past a row's slots)."""
+        B = mass.shape[0]
+        for name in ("scores", "window"):
+            if name in bufs:
                 bufs[name][:B, :, :T] += mass
         if "counts" in bufs:
-            seen = torch.full((B, 1, T), float(G), device=probs.device)
+            seen = torch.full((B, 1, T), float(G), device=mass.device)
             if self._mask is not None:
                 seen.masked_fill_(self._mask[:, 0], 0.0)
             bufs["counts"][:B, :, :T] += seen
@@ -171,14 +170,16 @@ def attend_reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
                      T: int, mask: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """q: [B, H_kv, G, D] scaled; keys, values: the slab's [R, H_kv, capacity, D]; row b attends its
     slots 0..resident[b]-1 (mask: [B, 1, 1, T] True past them, None when all hold T).
-    Returns out [B, H_kv, G, D] and probs [B, H_kv, G, T] float32 (zero past a row's slots)."""
+    Returns out [B, H_kv, G, D] and the attention mass [B, H_kv, T] float32: the G queries'
+    probabilities summed (zero past a row's slots)."""
     B = q.shape[0]
     keys, values = keys[:B, :, :T], values[:B, :, :T]                         # [B, H_kv, T, D]
     logits = torch.matmul(q, keys.transpose(-1, -2)).float()                  # [B, H_kv, G, T]
     if mask is not None:
         logits.masked_fill_(mask, float("-inf"))
     probs = torch.softmax(logits, dim=-1)
-    return torch.matmul(probs.to(values.dtype), values), probs
+    mass = probs.sum(dim=2) if probs.shape[2] > 1 else probs[:, :, 0]            # [B, H_kv, T]
+    return torch.matmul(probs.to(values.dtype), values), mass
 
 
 def _kernel(q, keys, values, resident, T, mask):

@@ -5,7 +5,7 @@ them (G query heads per KV head), so on the CPU its speed is the speed it stream
 batched matmul streams [G, D] x [D, T] at about two thirds of what a plain sum of the same buffers
 reaches; this kernel computes q.K for 8 slots at once (AVX2 FMAs and one horizontal-sum tree, prefetching 2 KB ahead), the
 softmax in L1 (aten's vectorized exp), then p.V with the G outputs in registers, per (row, KV
-head), and writes each row's probabilities (zero past its slots) for the policy's attention mass.
+head), and writes each row's attention mass for the policy (its G queries' probabilities summed).
 It is the same one-pass formulation as slab.py's reference (scaled logits, max-subtracted softmax,
 normalized probabilities times V), summed in another order: within a few float32 ulps of it.
 
@@ -99,7 +99,7 @@ static void weighted(const float* P, const float* V, int64_t n, int64_t T, float
 }
 
 template <int D, int G>
-static void head(const float* Q, const float* K, const float* V, int64_t n, int64_t T, float* P, float* O) {
+static void head(const float* Q, const float* K, const float* V, int64_t n, int64_t T, float* P, float* O, float* M) {
   logits<D, G>(Q, K, n, T, P);
   for (int g = 0; g < G; ++g) {   // softmax over the row's n slots, in L1; zero past them
     float* p = P + g * T;
@@ -107,12 +107,14 @@ static void head(const float* Q, const float* K, const float* V, int64_t n, int6
     at::vec::map([m](Vec x) { return (x - Vec(m)).exp_u20(); }, p, p, n);
     const float inv = 1.f / at::vec::reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, p, n);
     at::vec::map([inv](Vec x) { return x * Vec(inv); }, p, p, n);
-    std::fill(p + n, p + T, 0.f);
   }
   weighted<D, G>(P, V, n, T, O);
+  std::copy(P, P + n, M);   // the row's attention mass: its G queries' probabilities summed, zero past n
+  for (int g = 1; g < G; ++g) at::vec::map2([](Vec a, Vec b) { return a + b; }, M, M, P + g * T, n);
+  std::fill(M + n, M + T, 0.f);
 }
 
-using HeadFn = void (*)(const float*, const float*, const float*, int64_t, int64_t, float*, float*);
+using HeadFn = void (*)(const float*, const float*, const float*, int64_t, int64_t, float*, float*, float*);
 
 template <int D>
 static HeadFn pick_g(int64_t G) {
@@ -126,7 +128,8 @@ static HeadFn pick(int64_t D, int64_t G) {
 }
 
 // q: [B, H, G, D] scaled, contiguous; keys, values: [R >= B, H, capacity >= T, D] (slot rows contiguous);
-// resident: int64 [B], row b's slots 0..resident[b]-1. Returns out [B, H, G, D], probs [B, H, G, T].
+// resident: int64 [B], row b's slots 0..resident[b]-1. Returns out [B, H, G, D] and mass [B, H, T]: the
+// G queries' probabilities summed per slot (zero past a row's slots).
 std::vector<torch::Tensor> attend(torch::Tensor q, torch::Tensor keys, torch::Tensor values,
                                   torch::Tensor resident, int64_t T) {
   const int64_t B = q.size(0), H = q.size(1), G = q.size(2), D = q.size(3);
@@ -140,17 +143,18 @@ std::vector<torch::Tensor> attend(torch::Tensor q, torch::Tensor keys, torch::Te
   const int64_t* n = resident.data_ptr<int64_t>();
   for (int64_t b = 0; b < B; ++b) TORCH_CHECK(n[b] >= 1 && n[b] <= T, "resident out of range");
   auto out = torch::empty({B, H, G, D}, q.options());
-  auto probs = torch::empty({B, H, G, T}, q.options());
+  auto mass = torch::empty({B, H, T}, q.options());
   const float *qp = q.data_ptr<float>(), *kp = keys.data_ptr<float>(), *vp = values.data_ptr<float>();
-  float *op = out.data_ptr<float>(), *pp = probs.data_ptr<float>();
+  float *op = out.data_ptr<float>(), *mp = mass.data_ptr<float>();
   const int64_t kR = keys.stride(0), kH = keys.stride(1), vR = values.stride(0), vH = values.stride(1);
   at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> P(G * T);   // one (row, head)'s probabilities: L1/L2-resident scratch
     for (int64_t bh = begin; bh < end; ++bh) {
       const int64_t b = bh / H, h = bh % H;
-      fn(qp + bh * G * D, kp + b * kR + h * kH, vp + b * vR + h * vH, n[b], T, pp + bh * G * T, op + bh * G * D);
+      fn(qp + bh * G * D, kp + b * kR + h * kH, vp + b * vR + h * vH, n[b], T, P.data(), op + bh * G * D, mp + bh * T);
     }
   });
-  return {out, probs};
+  return {out, mass};
 }
 """
 
