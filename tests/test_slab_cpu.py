@@ -57,3 +57,21 @@ def test_switched_off_by_the_environment(monkeypatch):
     monkeypatch.setenv("LOCALHEAP_SLAB_KERNEL", "0")
     assert slab_cpu.unavailable() == "LOCALHEAP_SLAB_KERNEL=0"
     assert slab_cpu.load() is None
+
+
+def test_a_failed_build_leaves_the_torch_code(monkeypatch):
+    """No compiler (or a failed build): load answers None and says why, for good (slab.attend
+    then takes torch's matmuls, slab.attend_reference: the slab-torch cases of test_torch_batch)."""
+    import torch.utils.cpp_extension as cpp
+
+    def no_compiler(*args, **kwargs):
+        raise RuntimeError("no C++ compiler")
+
+    monkeypatch.delenv("LOCALHEAP_SLAB_KERNEL", raising=False)
+    monkeypatch.setattr(cpp, "load_inline", no_compiler)
+    for name, value in (("_module", None), ("_why_not", None), ("_building", None)):
+        monkeypatch.setattr(slab_cpu, name, value)
+    monkeypatch.setattr(slab_cpu, "_CAPABILITY", "AVX2")
+    assert slab_cpu.load(wait=True) is None
+    assert "no C++ compiler" in slab_cpu.unavailable()
+    assert slab_cpu.load() is None
