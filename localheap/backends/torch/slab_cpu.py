@@ -2,18 +2,18 @@
 
 A decode step's attention over a slab reads every row's K and V once and does little arithmetic on
 them (G query heads per KV head), so on the CPU its speed is the speed it streams them at. aten's
-batched matmul streams [G, D] x [D, T] at about two thirds of what a plain sum of the same buffers
-reaches; this kernel computes q.K for 8 slots at once (AVX2 FMAs and one horizontal-sum tree, prefetching 2 KB ahead), the
-softmax in L1 (aten's vectorized exp), then p.V with the G outputs in registers, per (row, KV
-head), and writes each row's attention mass for the policy (its G queries' probabilities summed).
-It is the same one-pass formulation as slab.py's reference (scaled logits, max-subtracted softmax,
-normalized probabilities times V), summed in another order: within a few float32 ulps of it.
+batched matmul streams [G, D] x [D, T] at about half to two thirds of what a plain sum of the same
+buffers reaches; this kernel, per (row, KV head), computes q.K for 8 slots at once (AVX2 FMAs, one
+horizontal-sum tree, prefetching 2 KB ahead), the softmax in cache (aten's vectorized exp), then p.V
+with the G outputs in registers, and writes the row's attention mass for the policy (its G queries'
+probabilities summed). It is slab.py's one-pass formulation (scaled logits, max-subtracted softmax,
+normalized probabilities times V) summed in another order: float32 rounding apart (tests: 1e-5).
 
-Built once with torch.utils.cpp_extension (a C++ compiler; tens of seconds, cached on disk by the
-source's hash) on a background thread, so the first decode steps never wait for it: until it is
-loaded, and where it cannot be (no compiler, no AVX2, another dtype or shape), slab.py's torch code
-answers. The first call per shape is checked against that code (kernels/dispatch.CheckedKernel).
-`LOCALHEAP_SLAB_KERNEL=0` turns it off.
+Built once with torch.utils.cpp_extension (a C++ compiler and ninja; tens of seconds, cached on
+disk by the source's hash) on a background thread, so the first decode steps never wait for it:
+until it is loaded, and where it cannot be (no compiler, no AVX2, another dtype or shape), slab.py's
+torch code answers. The first call per shape is checked against that code (kernels/dispatch's
+CheckedKernel). `LOCALHEAP_SLAB_KERNEL=0` turns it off.
 """
 
 from __future__ import annotations
@@ -68,9 +68,10 @@ static void logits(const float* Q, const float* K, int64_t n, int64_t T, float* 
     if ((t + 8) * D + PREFETCH <= n * D)
       for (int c = 0; c < 8 * D; c += 16) _mm_prefetch((const char*)(k + PREFETCH + c), _MM_HINT_T0);
     for (int g = 0; g < G; ++g)
-      _mm256_storeu_ps(P + g * T + t, hsum8(dot8<D>(k, q[g]), dot8<D>(k + D, q[g]), dot8<D>(k + 2 * D, q[g]),
-                                            dot8<D>(k + 3 * D, q[g]), dot8<D>(k + 4 * D, q[g]), dot8<D>(k + 5 * D, q[g]),
-                                            dot8<D>(k + 6 * D, q[g]), dot8<D>(k + 7 * D, q[g])));
+      _mm256_storeu_ps(P + g * T + t,
+                       hsum8(dot8<D>(k, q[g]), dot8<D>(k + D, q[g]), dot8<D>(k + 2 * D, q[g]), dot8<D>(k + 3 * D, q[g]),
+                             dot8<D>(k + 4 * D, q[g]), dot8<D>(k + 5 * D, q[g]), dot8<D>(k + 6 * D, q[g]),
+                             dot8<D>(k + 7 * D, q[g])));
   }
   for (; t < n; ++t)
     for (int g = 0; g < G; ++g) {
@@ -118,12 +119,16 @@ using HeadFn = void (*)(const float*, const float*, const float*, int64_t, int64
 
 template <int D>
 static HeadFn pick_g(int64_t G) {
-  switch (G) { case 1: return head<D, 1>; case 2: return head<D, 2>; case 4: return head<D, 4>; case 8: return head<D, 8>; }
+  switch (G) {
+    case 1: return head<D, 1>; case 2: return head<D, 2>; case 4: return head<D, 4>; case 8: return head<D, 8>;
+  }
   return nullptr;
 }
 
 static HeadFn pick(int64_t D, int64_t G) {
-  switch (D) { case 16: return pick_g<16>(G); case 32: return pick_g<32>(G); case 64: return pick_g<64>(G); case 128: return pick_g<128>(G); }
+  switch (D) {
+    case 16: return pick_g<16>(G); case 32: return pick_g<32>(G); case 64: return pick_g<64>(G); case 128: return pick_g<128>(G);
+  }
   return nullptr;
 }
 
@@ -147,6 +152,7 @@ std::vector<torch::Tensor> attend(torch::Tensor q, torch::Tensor keys, torch::Te
   const float *qp = q.data_ptr<float>(), *kp = keys.data_ptr<float>(), *vp = values.data_ptr<float>();
   float *op = out.data_ptr<float>(), *mp = mass.data_ptr<float>();
   const int64_t kR = keys.stride(0), kH = keys.stride(1), vR = values.stride(0), vH = values.stride(1);
+  pybind11::gil_scoped_release no_gil;   // the server's threads run meanwhile, as around aten's ops
   at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> P(G * T);   // one (row, head)'s probabilities: L1/L2-resident scratch
     for (int64_t bh = begin; bh < end; ++bh) {
