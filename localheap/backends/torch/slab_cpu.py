@@ -4,10 +4,10 @@ A decode step's attention over a slab reads every row's K and V once and does li
 them (G query heads per KV head), so on the CPU its speed is the speed it streams them at. aten's
 batched matmul streams [G, D] x [D, T] at about half to two thirds of what a plain sum of the same
 buffers reaches; this kernel, per (row, KV head), computes q.K for 8 slots at once (AVX2 FMAs, one
-horizontal-sum tree, prefetching 2 KB ahead), the softmax in cache (aten's vectorized exp), then p.V
-with the G outputs in registers, and writes the row's attention mass for the policy (its G queries'
-probabilities summed). It is slab.py's one-pass formulation (scaled logits, max-subtracted softmax,
-normalized probabilities times V) summed in another order: float32 rounding apart (tests: 1e-5).
+horizontal-sum tree, prefetching 2 KB ahead), the softmax's exponentials in cache (aten's vectorized
+exp), then p.V with the G outputs in registers (normalized once at the end), and writes the row's
+attention mass for the policy (its G queries' probabilities summed). It is slab.py's one-pass formulation (scaled logits, max-subtracted softmax,
+probabilities times V) in another order of operations: float32 rounding apart (tests: 1e-5).
 
 Built once with torch.utils.cpp_extension (a C++ compiler and ninja; tens of seconds, cached on
 disk by the source's hash) on a background thread, so the first decode steps never wait for it:
@@ -102,16 +102,30 @@ static void weighted(const float* P, const float* V, int64_t n, int64_t T, float
 template <int D, int G>
 static void head(const float* Q, const float* K, const float* V, int64_t n, int64_t T, float* P, float* O, float* M) {
   logits<D, G>(Q, K, n, T, P);
-  for (int g = 0; g < G; ++g) {   // softmax over the row's n slots, in L1; zero past them
+  float inv[G];
+  for (int g = 0; g < G; ++g) {   // softmax over the row's n slots, in cache: exp and sum in one pass
     float* p = P + g * T;
     const float m = at::vec::reduce_all<float>([](Vec& x, Vec& y) { return at::vec::maximum(x, y); }, p, n);
-    at::vec::map([m](Vec x) { return (x - Vec(m)).exp_u20(); }, p, p, n);
-    const float inv = 1.f / at::vec::reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, p, n);
-    at::vec::map([inv](Vec x) { return x * Vec(inv); }, p, p, n);
+    Vec acc(0.f);
+    int64_t t = 0;
+    for (; t + Vec::size() <= n; t += Vec::size()) {
+      const Vec e = (Vec::loadu(p + t) - Vec(m)).exp_u20();
+      e.store(p + t);
+      acc = acc + e;
+    }
+    float s = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, acc);
+    for (; t < n; ++t) {
+      p[t] = std::exp(p[t] - m);
+      s += p[t];
+    }
+    inv[g] = 1.f / s;
   }
-  weighted<D, G>(P, V, n, T, O);
-  std::copy(P, P + n, M);   // the row's attention mass: its G queries' probabilities summed, zero past n
-  for (int g = 1; g < G; ++g) at::vec::map2([](Vec a, Vec b) { return a + b; }, M, M, P + g * T, n);
+  weighted<D, G>(P, V, n, T, O);   // over the unnormalized weights: the output scaled once after
+  for (int g = 0; g < G; ++g) for (int d = 0; d < D; ++d) O[g * D + d] *= inv[g];
+  // the row's attention mass: its G queries' probabilities summed, zero past n
+  at::vec::map([i0 = inv[0]](Vec x) { return x * Vec(i0); }, M, P, n);
+  for (int g = 1; g < G; ++g)
+    at::vec::map2([ig = inv[g]](Vec a, Vec b) { return a + b * Vec(ig); }, M, M, P + g * T, n);
   std::fill(M + n, M + T, 0.f);
 }
 
