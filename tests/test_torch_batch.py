@@ -8,7 +8,7 @@ import torch
 from recall_checks import CFG as RECALL_CFG
 from recall_checks import load_all
 
-from localheap.backends.torch import TorchBackend
+from localheap.backends.torch import TorchBackend, slab, slab_cpu
 from localheap.backends.torch.batch import leave_slab, make_rooms, start_row, step_rows
 from localheap.backends.torch.generate import generate_steps
 from localheap.generation import SamplingParams
@@ -85,11 +85,28 @@ def assert_same_heap(a, b, atol=0.0):
         torch.testing.assert_close(la.keys[0, :, :n], lb.keys[0, :, :n], atol=atol, rtol=0)
 
 
-SLABS = pytest.mark.parametrize("slabs", [None, {}], ids=["per-heap", "slab"])
+@pytest.fixture(scope="module", autouse=True)
+def slab_kernel():
+    """The slab's CPU attention kernel built before the first step (it builds in the background
+    otherwise, and early steps would run the torch code); None where it cannot be built here."""
+    return slab_cpu.load(wait=True)
+
+
+SLABS = pytest.mark.parametrize("slabs", [None, {}, "torch"], ids=["per-heap", "slab", "slab-torch"], indirect=True)
+
+
+@pytest.fixture
+def slabs(request, monkeypatch):
+    """per-heap: every row attends its own heap; slab: one batch, the kernel where it is built;
+    slab-torch: one batch through torch's matmuls."""
+    if request.param == "torch":
+        monkeypatch.setenv("LOCALHEAP_SLAB_KERNEL", "0")
+        return {}
+    return request.param
 
 
 @SLABS
-def test_demo_model_greedy_tokens_in_a_batch_equal_alone(demo, slabs):
+def test_demo_model_greedy_tokens_in_a_batch_equal_alone(demo, slabs, slab_kernel):
     """Rows of different lengths evict at different steps and finish at different steps."""
     lengths, maxes = (5, 30, 77, 140), (40, 12, 33, 25)
     ps = prompts(demo, lengths)
@@ -101,6 +118,8 @@ def test_demo_model_greedy_tokens_in_a_batch_equal_alone(demo, slabs):
     assert len(evictions - {0}) >= 2, "rows evicted, at different steps"
     for (_, _, cache), got in zip(want, caches):
         assert_same_heap(cache, got, atol=1e-4)
+    if slabs is not None and slab_kernel is not None and not slab_cpu.unavailable():
+        assert list(slab._KERNEL.verdicts.values()) == [True], "the kernel ran and agreed with torch"
 
 
 @SLABS

@@ -164,11 +164,15 @@ def run(args) -> int:
     if getattr(backend, "step_rows", None) is None:
         raise SystemExit(f"the {backend.name} backend has no decode batch")
     set_threads(backend, args)
+    kernel = ""
+    if backend.name == "torch":   # time the steady state: the slab's CPU kernel built (or not) before the first step
+        from ..backends.torch import slab_cpu
+        kernel = " | slab kernel " + ("on" if slab_cpu.load(wait=True) is not None else "off")
     cfg = heap_config(args, backend)
     rows = rows_table(backend, cfg, args.context, args.rows, args.steps, args.repeats)
     side = beside_table(backend, cfg, args.context, args.mixed_chunks, args.repeats) if args.mixed_chunks != [0] else []
     head = (f"model {backend.model_name} | context {args.context:,} tokens per session | policy {cfg.policy}"
-            f" | recall {'on' if cfg.recall else 'off'} | {backend.name}"
+            f" | recall {'on' if cfg.recall else 'off'} | {backend.name}{kernel}"
             + (f" | threads {args.threads or 'default'} | engine thread CPU time" if backend.name == "torch"
                else " | process CPU time"))
     text = head + "\n" + table(rows, ROW_COLUMNS)

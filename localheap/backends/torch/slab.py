@@ -19,7 +19,9 @@ from typing import Optional
 import torch
 
 from ...heap import HeapConfig
+from ...kernels.dispatch import CheckedKernel
 from ..slots import SCORE_ARRAYS
+from . import slab_cpu
 from .cache import HeapCache
 
 
@@ -44,6 +46,7 @@ class DecodeSlab:
         self.rows = 0                    # allocated rows (R)
         self._index_of: Optional[list[int]] = None   # the step's slots that `_index` was built for
         self._index: tuple = ()
+        self._resident: Optional[torch.Tensor] = None   # [B] int64: each row's slots this step
 
     # -- membership: one copy in, one copy out ------------------------------------------
     def join(self, cache: HeapCache) -> int:
@@ -128,36 +131,66 @@ class DecodeSlab:
                 mask = (torch.arange(T, device=device)[None, :] >= resident[:, None])[:, None, None, :]
             self._index_of = slots
             self._index = torch.arange(B, device=device), resident - 1, mask
+            self._resident = resident
         return self._index
 
     def attend(self, layer_index: int, query: torch.Tensor, scale: float) -> torch.Tensor:
         """query: [1, H_q, B, D], row b at its own position. Returns [1, B, H_q, D] (sdpa's layout)
         and adds each row's attention mass to its policy's score arrays. One pass over the keys
-        (logits, in place: mask, softmax) and one over the values for all B rows together."""
+        (logits, mask, softmax) and one over the values for all B rows together: slab_cpu's kernel
+        where it is built and fits, else torch's batched matmuls (attend_reference)."""
         B, (_, Hq, _, D) = len(self.members), query.shape
         bufs = self.buffers[layer_index]
         T = self._T
-        keys, values = bufs["keys"][:B, :, :T], bufs["values"][:B, :, :T]         # [B, H_kv, T, D]
-        H = keys.shape[1]
+        H = bufs["keys"].shape[1]
         q = query[0].transpose(0, 1).reshape(B, H, Hq // H, D) * scale            # [B, H_kv, G, D]
-        logits = torch.matmul(q, keys.transpose(-1, -2)).float()                  # [B, H_kv, G, T]
-        if self._mask is not None:
-            logits.masked_fill_(self._mask, float("-inf"))
-        probs = torch.softmax(logits, dim=-1)
-        out = torch.matmul(probs.to(values.dtype), values)                        # [B, H_kv, G, D]
-        self._accumulate(bufs, probs, Hq // H, T)
+        args = (q, bufs["keys"], bufs["values"], self._resident, T, self._mask)
+        if slab_cpu.fits(q.dtype, bufs["keys"], Hq // H) and slab_cpu.load() is not None:
+            out, mass = _KERNEL((H, Hq // H, D), *args)
+        else:
+            out, mass = attend_reference(*args)
+        self._accumulate(bufs, mass, Hq // H, T)
         return out.reshape(B, Hq, D)[None]
 
-    def _accumulate(self, bufs: dict, probs: torch.Tensor, G: int, T: int) -> None:
-        """HeapLayer.accumulate for one query per row: probs [B, H_kv, G, T] (zero past a row's slots)."""
-        B = probs.shape[0]
-        names = [n for n in ("scores", "window") if n in bufs]
-        if names:
-            mass = probs.sum(dim=2) if G > 1 else probs[:, :, 0]                   # [B, H_kv, T]
-            for name in names:
+    def _accumulate(self, bufs: dict, mass: torch.Tensor, G: int, T: int) -> None:
+        """HeapLayer.accumulate for one query per row: mass [B, H_kv, T], the G query heads'
+        probabilities summed (zero past a row's slots)."""
+        B = mass.shape[0]
+        for name in ("scores", "window"):
+            if name in bufs:
                 bufs[name][:B, :, :T] += mass
         if "counts" in bufs:
-            seen = torch.full((B, 1, T), float(G), device=probs.device)
+            seen = torch.full((B, 1, T), float(G), device=mass.device)
             if self._mask is not None:
                 seen.masked_fill_(self._mask[:, 0], 0.0)
             bufs["counts"][:B, :, :T] += seen
+
+
+def attend_reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, resident: torch.Tensor,
+                     T: int, mask: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """q: [B, H_kv, G, D] scaled; keys, values: the slab's [R, H_kv, capacity, D]; row b attends its
+    slots 0..resident[b]-1 (mask: [B, 1, 1, T] True past them, None when all hold T).
+    Returns out [B, H_kv, G, D] and the attention mass [B, H_kv, T] float32: the G queries'
+    probabilities summed (zero past a row's slots)."""
+    B = q.shape[0]
+    keys, values = keys[:B, :, :T], values[:B, :, :T]                         # [B, H_kv, T, D]
+    logits = torch.matmul(q, keys.transpose(-1, -2)).float()                  # [B, H_kv, G, T]
+    if mask is not None:
+        logits.masked_fill_(mask, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    mass = probs.sum(dim=2) if probs.shape[2] > 1 else probs[:, :, 0]            # [B, H_kv, T]
+    return torch.matmul(probs.to(values.dtype), values), mass
+
+
+def _kernel(q, keys, values, resident, T, mask):
+    return tuple(slab_cpu.load().attend(q.contiguous(), keys, values, resident, T))
+
+
+def _agree(got, want, key) -> bool:
+    """The kernel sums in another order than the matmuls: float32 ulps, far inside the batch's
+    1e-4 logits tolerance (tests/test_torch_batch.py)."""
+    return (torch.allclose(got[0], want[0], rtol=1e-4, atol=1e-5)
+            and torch.allclose(got[1], want[1], rtol=1e-3, atol=1e-6))
+
+
+_KERNEL = CheckedKernel("slab attention", _kernel, attend_reference, _agree)

@@ -1,0 +1,77 @@
+"""The slab's CPU attention kernel (slab_cpu.py) against its torch reference (slab.attend_reference):
+odd lengths (not a multiple of the kernel's 8-slot blocks), rows holding different numbers of slots,
+every instantiated head_dim and group. Skipped where the kernel cannot be built (no C++ compiler, no
+AVX2)."""
+
+import pytest
+import torch
+
+from localheap.backends.torch import slab_cpu
+from localheap.backends.torch.slab import _agree, _kernel, attend_reference
+
+pytestmark = pytest.mark.usefixtures("torch_one_thread")
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    if slab_cpu.unavailable() or slab_cpu.load(wait=True) is None:
+        pytest.skip(f"slab kernel unavailable: {slab_cpu.unavailable()}")
+
+
+def _case(B, H, G, D, T, spare=5, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    keys = torch.randn(B + 1, H, T + spare, D, generator=gen)      # a spare row and slots: the slab's capacity
+    values = torch.randn(B + 1, H, T + spare, D, generator=gen)
+    q = torch.randn(B, H, G, D, generator=gen) * D ** -0.5
+    resident = torch.tensor([T - (5 * b) % T for b in range(B)])   # row 0 holds T, the others fewer
+    mask = (torch.arange(T)[None, :] >= resident[:, None])[:, None, None, :] if B > 1 else None
+    return q, keys, values, resident, T, mask
+
+
+@pytest.mark.usefixtures("kernel")
+@pytest.mark.parametrize("D", slab_cpu.HEAD_DIMS)
+@pytest.mark.parametrize("G", slab_cpu.GROUPS)
+@pytest.mark.parametrize("B,H,T", [(1, 1, 1), (1, 2, 8), (3, 2, 37), (4, 3, 130)])
+def test_kernel_matches_the_reference(B, H, G, D, T):
+    args = _case(B, H, G, D, T)
+    (out, mass), (want_out, want_mass) = _kernel(*args), attend_reference(*args)
+    torch.testing.assert_close(out, want_out, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(mass, want_mass, atol=1e-6, rtol=1e-4)
+    resident = args[3]
+    for b in range(B):   # the policy's mass: zero past a row's slots, G queries' probabilities in all
+        assert (mass[b, :, resident[b]:] == 0).all()
+    torch.testing.assert_close(mass.sum(-1), torch.full((B, H), float(G)))
+    assert _agree((out, mass), (want_out, want_mass), None)
+
+
+@pytest.mark.usefixtures("kernel")
+def test_kernel_refuses_what_it_has_no_instance_for():
+    q, keys, values, resident, T, _ = _case(2, 2, 3, 32, 9)    # G = 3
+    with pytest.raises(RuntimeError):
+        _kernel(q, keys, values, resident, T, None)
+    assert not slab_cpu.fits(torch.float32, keys, 3)
+    assert not slab_cpu.fits(torch.bfloat16, keys.bfloat16(), 2)
+
+
+def test_switched_off_by_the_environment(monkeypatch):
+    monkeypatch.setenv("LOCALHEAP_SLAB_KERNEL", "0")
+    assert slab_cpu.unavailable() == "LOCALHEAP_SLAB_KERNEL=0"
+    assert slab_cpu.load() is None
+
+
+def test_a_failed_build_leaves_the_torch_code(monkeypatch):
+    """No compiler (or a failed build): load answers None and says why, for good (slab.attend
+    then takes torch's matmuls, slab.attend_reference: the slab-torch cases of test_torch_batch)."""
+    import torch.utils.cpp_extension as cpp
+
+    def no_compiler(*args, **kwargs):
+        raise RuntimeError("no C++ compiler")
+
+    monkeypatch.delenv("LOCALHEAP_SLAB_KERNEL", raising=False)
+    monkeypatch.setattr(cpp, "load_inline", no_compiler)
+    for name, value in (("_module", None), ("_why_not", None), ("_building", None)):
+        monkeypatch.setattr(slab_cpu, name, value)
+    monkeypatch.setattr(slab_cpu, "_CAPABILITY", "AVX2")
+    assert slab_cpu.load(wait=True) is None
+    assert "no C++ compiler" in slab_cpu.unavailable()
+    assert slab_cpu.load() is None
