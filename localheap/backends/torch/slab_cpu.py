@@ -200,12 +200,26 @@ def _build() -> None:
     global _module, _why_not
     try:
         from torch.utils.cpp_extension import load_inline
+        _ninja_on_path()
         _module = load_inline("localheap_slab_cpu", cpp_sources=[_SOURCE], functions=["attend"],
                               extra_cflags=["-O3", "-mavx2", "-mfma", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"])
         log.info("slab attention kernel loaded")
     except Exception as e:   # no compiler, a failed build: the torch code answers
         _why_not = f"slab attention kernel not built ({type(e).__name__}: {str(e)[:200]})"
         log.warning(_why_not)
+
+
+def _ninja_on_path() -> None:
+    """torch's extension builder runs `ninja` from PATH; the `ninja` package (the torch extra)
+    installs it beside the interpreter, which is not on PATH when the venv is not activated."""
+    import shutil
+
+    if shutil.which("ninja") is None:
+        try:
+            import ninja
+        except ImportError:
+            return
+        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
 
 
 def load(wait: bool = False):
