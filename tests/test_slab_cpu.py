@@ -75,3 +75,18 @@ def test_a_failed_build_leaves_the_torch_code(monkeypatch):
     assert slab_cpu.load(wait=True) is None
     assert "no C++ compiler" in slab_cpu.unavailable()
     assert slab_cpu.load() is None
+
+
+@pytest.mark.usefixtures("kernel")
+def test_rows_split_across_threads_give_what_one_thread_gives():
+    """The kernel splits (row, KV head) pairs over torch's intra-op threads (built with OpenMP):
+    each pair is one thread's whole work, so the results are bit for bit the one-thread ones."""
+    args = _case(8, 2, 2, 32, 4100)
+    one = _kernel(*args)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        two = _kernel(*args)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one[0], two[0]) and torch.equal(one[1], two[1])

@@ -9,6 +9,8 @@ exp), then p.V with the G outputs in registers (normalized once at the end), and
 attention mass for the policy (its G queries' probabilities summed). It is slab.py's one-pass formulation (scaled logits, max-subtracted softmax,
 probabilities times V) in another order of operations: float32 rounding apart (tests: 1e-5).
 
+The (row, KV head) pairs are split over torch's intra-op threads (at::parallel_for; the module is
+built with OpenMP, without which ATen's parallel_for runs serially in an extension).
 Built once with torch.utils.cpp_extension (a C++ compiler and ninja; tens of seconds, cached on
 disk by the source's hash) on a background thread, so the first decode steps never wait for it:
 until it is loaded, and where it cannot be (no compiler, no AVX2, another dtype or shape), slab.py's
@@ -202,7 +204,8 @@ def _build() -> None:
         from torch.utils.cpp_extension import load_inline
         _ninja_on_path()
         _module = load_inline("localheap_slab_cpu", cpp_sources=[_SOURCE], functions=["attend"],
-                              extra_cflags=["-O3", "-mavx2", "-mfma", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"])
+                              extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"],
+                              extra_ldflags=["-fopenmp"])
         log.info("slab attention kernel loaded")
     except Exception as e:   # no compiler, a failed build: the torch code answers
         _why_not = f"slab attention kernel not built ({type(e).__name__}: {str(e)[:200]})"
