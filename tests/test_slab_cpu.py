@@ -59,7 +59,7 @@ def test_switched_off_by_the_environment(monkeypatch):
     assert slab_cpu.load() is None
 
 
-def test_a_failed_build_leaves_the_torch_code(monkeypatch):
+def test_a_failed_build_leaves_the_torch_code(monkeypatch, tmp_path):
     """No compiler (or a failed build): load answers None and says why, for good (slab.attend
     then takes torch's matmuls, slab.attend_reference: the slab-torch cases of test_torch_batch)."""
     import torch.utils.cpp_extension as cpp
@@ -68,6 +68,7 @@ def test_a_failed_build_leaves_the_torch_code(monkeypatch):
         raise RuntimeError("no C++ compiler")
 
     monkeypatch.delenv("LOCALHEAP_SLAB_KERNEL", raising=False)
+    monkeypatch.setenv("LOCALHEAP_KERNEL_CACHE", str(tmp_path))   # nothing built there yet
     monkeypatch.setattr(cpp, "load_inline", no_compiler)
     for name, value in (("_module", None), ("_why_not", None), ("_building", None)):
         monkeypatch.setattr(slab_cpu, name, value)
@@ -90,3 +91,56 @@ def test_rows_split_across_threads_give_what_one_thread_gives():
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(one[0], two[0]) and torch.equal(one[1], two[1])
+
+
+class _FakeModule:
+    __file__ = "unused"
+
+
+def test_a_build_killed_midway_does_not_block_the_next(monkeypatch, tmp_path):
+    """A server killed while it builds leaves torch's build lock (a file) behind and may hold the
+    build's flock when it dies: the next process neither waits for ever on the file nor on the
+    dead process's flock, and builds."""
+    import subprocess
+    import sys
+    import time
+
+    import torch.utils.cpp_extension as cpp
+
+    where = tmp_path / "slab"
+    where.mkdir()
+    (where / "lock").touch()   # torch's baton, as a killed build leaves it
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import fcntl, sys, time; f = open(sys.argv[1], 'w'); fcntl.flock(f, fcntl.LOCK_EX); "
+        "print('held', flush=True); time.sleep(600)"), str(where / "build.lock")], stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "held"
+    builds = []
+
+    def fake_build(name, **kwargs):
+        builds.append((kwargs["build_directory"], (where / "lock").exists()))
+        return _FakeModule()
+
+    monkeypatch.setattr(cpp, "load_inline", fake_build)
+    holder.kill()   # dies holding the flock (and the build "half done")
+    holder.wait()
+    started = time.monotonic()
+    assert isinstance(slab_cpu._built_module(where), _FakeModule)
+    assert time.monotonic() - started < 10
+    assert builds == [(str(where), False)], "built once, with the stale torch lock cleared first"
+    assert (where / "built").exists()
+
+
+@pytest.mark.usefixtures("kernel")
+def test_a_finished_build_is_imported_without_building(monkeypatch):
+    """Once built (the `kernel` fixture), a process imports the library: no build tool, no lock."""
+    import torch.utils.cpp_extension as cpp
+
+    def no_build(*args, **kwargs):
+        raise AssertionError("built again")
+
+    monkeypatch.setattr(cpp, "load_inline", no_build)
+    module = slab_cpu._built_module(slab_cpu.build_dir())
+    q, keys, values, resident, T, mask = _case(2, 2, 2, 32, 37)
+    got = tuple(module.attend(q.contiguous(), keys, values, resident, T))
+    want = _kernel(q, keys, values, resident, T, mask)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])

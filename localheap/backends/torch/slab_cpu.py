@@ -12,7 +12,8 @@ probabilities times V) in another order of operations: float32 rounding apart (t
 The (row, KV head) pairs are split over torch's intra-op threads (at::parallel_for; the module is
 built with OpenMP, without which ATen's parallel_for runs serially in an extension).
 Built once with torch.utils.cpp_extension (a C++ compiler and ninja; tens of seconds, cached on
-disk by the source's hash) on a background thread, so the first decode steps never wait for it:
+disk by the source's, flags' and torch's hash under ~/.cache/localheap/kernels, or
+$LOCALHEAP_KERNEL_CACHE) on a background thread, so the first decode steps never wait for it:
 until it is loaded, and where it cannot be (no compiler, no AVX2, another dtype or shape), slab.py's
 torch code answers. The first call per shape is checked against that code (kernels/dispatch's
 CheckedKernel). `LOCALHEAP_SLAB_KERNEL=0` turns it off.
@@ -20,9 +21,12 @@ CheckedKernel). `LOCALHEAP_SLAB_KERNEL=0` turns it off.
 
 from __future__ import annotations
 
+import hashlib
+import importlib.util
 import logging
 import os
 import threading
+from pathlib import Path
 from typing import Optional
 
 import torch
@@ -198,18 +202,54 @@ def unavailable() -> Optional[str]:
     return _why_not
 
 
+NAME = "localheap_slab_cpu"
+CFLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2")
+LDFLAGS = ("-fopenmp",)
+BUILD_TIMEOUT_S = 600.0   # load(wait=True) gives up (the torch code answers) after this
+
+
+def build_dir() -> Path:
+    """One directory per source, flags and torch: a build never rewrites another's, and a finished
+    one is imported without running the build tool (or taking any lock) again."""
+    key = hashlib.sha256(repr((_SOURCE, CFLAGS, LDFLAGS, torch.__version__)).encode()).hexdigest()[:16]
+    root = os.environ.get("LOCALHEAP_KERNEL_CACHE") or Path.home() / ".cache" / "localheap" / "kernels"
+    return Path(root) / f"slab_cpu-{key}"
+
+
 def _build() -> None:
     global _module, _why_not
     try:
-        from torch.utils.cpp_extension import load_inline
-        _ninja_on_path()
-        _module = load_inline("localheap_slab_cpu", cpp_sources=[_SOURCE], functions=["attend"],
-                              extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"],
-                              extra_ldflags=["-fopenmp"])
+        _module = _built_module(build_dir())
         log.info("slab attention kernel loaded")
     except Exception as e:   # no compiler, a failed build: the torch code answers
         _why_not = f"slab attention kernel not built ({type(e).__name__}: {str(e)[:200]})"
         log.warning(_why_not)
+
+
+def _built_module(where: Path):
+    """Build (once per machine) and import the module. Processes building at once wait on an
+    flock, which the kernel releases when its holder dies: a server killed while it builds leaves
+    nothing that blocks the next one (torch's own build lock, a file, would stay behind and make
+    every later build wait for ever, so it is cleared while this lock is held)."""
+    import fcntl
+
+    where.mkdir(parents=True, exist_ok=True)
+    done = where / "built"   # written once a build imported cleanly: a half-written library never counts
+    with open(where / "build.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not done.exists():
+            from torch.utils.cpp_extension import load_inline
+
+            (where / "lock").unlink(missing_ok=True)   # torch's baton, left by a build that died
+            _ninja_on_path()
+            module = load_inline(NAME, cpp_sources=[_SOURCE], functions=["attend"], build_directory=str(where),
+                                 extra_cflags=list(CFLAGS), extra_ldflags=list(LDFLAGS))
+            done.write_text(module.__file__)
+            return module
+    spec = importlib.util.spec_from_file_location(NAME, Path(done.read_text()))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def _ninja_on_path() -> None:
@@ -238,7 +278,7 @@ def load(wait: bool = False):
             _building = threading.Thread(target=_build, name="localheap-slab-kernel", daemon=True)
             _building.start()
     if wait:
-        _building.join()
+        _building.join(BUILD_TIMEOUT_S)
     return _module
 
 
