@@ -93,8 +93,10 @@ def test_a_packed_step_through_the_lean_forward_matches_the_full_forward(model_d
     """The decode batch (batch.step_rows) runs its packed forward through the lean ops: rows of
     different lengths, a one-token turn and a prefill chunk riding beside them, evicting, give
     the full forward's logits and heaps bit for bit, step after step."""
+    from localheap.backends.torch import slab_cpu
     from localheap.backends.torch.batch import leave_slab, start_row, step_rows
 
+    slab_cpu.load(wait=True)   # the slab's attention kernel (where it builds) settled: both runs take the same path
     backend = TorchBackend.load(model_dirs("llama"), dtype=torch.float32)
     cfg = HeapConfig(budget=48, sinks=4, recent=8, slack=16, policy="snapkv", prefill_chunk=32)
     rng = np.random.default_rng(3)
