@@ -138,6 +138,57 @@ def test_best_first_is_the_stable_argsort_prefix():
             np.testing.assert_array_equal(best_first(scores, k), np.argsort(-scores, axis=1, kind="stable")[:, :k])
 
 
+def vote_by_voter(scores, read_positions, n_bins, bin_size, voters):
+    """vote as it was written first: voter by voter (the reference for the vectorized sums)."""
+    from localheap.heap.recall import best_first
+
+    votes = np.zeros(n_bins)
+    for layer, z in scores.items():
+        H, N = z.shape
+        top = best_first(z, voters)
+        uniq, inv = np.unique(top, return_inverse=True)
+        pos = read_positions(layer, uniq)
+        inv = inv.reshape(top.shape)
+        for h in range(H):
+            for c in range(top.shape[1]):
+                p = pos[inv[h, c], h]
+                p = p[p >= 0]
+                if not len(p):
+                    continue
+                b, cnt = np.unique(p // bin_size, return_counts=True)
+                votes[b] += max(float(z[h, top[h, c]]), 0.0) * cnt / cnt.sum()
+    return votes
+
+
+def test_vote_adds_what_the_voter_by_voter_loop_adds():
+    """The span vote's sums bit for bit, in the loop's order: pages whose tokens straddle bins,
+    unknown (-1) positions, empty pages, negative, tied and signed-zero scores, several layers."""
+    from localheap.heap.recall import vote
+
+    rng = np.random.default_rng(4)
+    for trial in range(150):
+        H, P, bin_size = int(rng.integers(1, 4)), int(rng.choice([4, 16, 32])), int(rng.choice([8, 16]))
+        n_tokens = int(rng.integers(P, 3000))
+        scores, pages = {}, {}
+        for layer in range(int(rng.integers(1, 4))):
+            N = int(rng.integers(1, 80))
+            z = np.round(rng.standard_normal((H, N)), int(rng.integers(0, 3))).astype(np.float32)
+            z[rng.random(z.shape) < 0.1] = -0.0
+            scores[layer] = z
+            start = rng.integers(0, n_tokens - P + 1, (N, H))[..., None]
+            pos = start + np.sort(rng.integers(0, 3 * P, (N, H, P)), axis=-1)
+            pos[rng.random(pos.shape) < 0.1] = -1
+            pos[rng.random((N, H)) < 0.05] = -1     # a page with none of this head's tokens known
+            pages[layer] = pos.astype(np.int64)
+        read = lambda layer, idx: pages[layer][idx]   # noqa: E731
+        n_bins = (n_tokens + 3 * P) // bin_size + 2
+        voters = int(rng.choice([1, 5, 32]))
+        got = vote(scores, read, n_bins, bin_size, voters)
+        np.testing.assert_array_equal(got, vote_by_voter(scores, read, n_bins, bin_size, voters), err_msg=str(trial))
+    with pytest.raises(IndexError):
+        vote({0: np.ones((1, 1), np.float32)}, lambda layer, idx: np.full((1, 1, 4), 100), 3, 16, 1)
+
+
 def test_vote_order_is_the_stable_argsort():
     from localheap.heap.recall import vote_order
 
@@ -222,5 +273,5 @@ def test_take_windows_takes_what_the_token_by_token_walk_takes():
         order = rng.permutation(n * 2 // bin_size + 2)
         for want in (1, 20, 64, 300):
             read = lambda idx: pages[idx]  # noqa: E731
-            got = take_windows(order, want, spans, read, tail, bin_size)
+            got = [list(zip(s.tolist(), o.tolist())) for s, o in take_windows(order, want, spans, read, tail, bin_size)]
             assert got == take_windows_by_token(order, want, spans, read, tail, bin_size), (trial, want)

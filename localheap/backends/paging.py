@@ -230,13 +230,13 @@ def pick_spans(cache, store, queries: dict) -> dict:
     picked = {}
     for layer in cache.heap_layers:
         i = layer.heap.layer
-        taken = take_windows(order, rooms[i], spans[i], read[i], store.tail(i)[0]) if i in live else [[]]
-        r = agree.layer_min(min(map(len, taken)))   # all of a layer's heads, on every rank, take as many
+        taken = take_windows(order, rooms[i], spans[i], read[i], store.tail(i)[0]) if i in live else []
+        r = agree.layer_min(min((len(s) for s, _ in taken), default=0))   # all of a layer's heads, on every rank, take as many
         if r == 0:
             continue
         slots, (tail_pos, tail_k, tail_v) = live[i], store.tail(i)
-        src = np.array([[u for u, _ in t[:r]] for t in taken])            # [H, r]: page index, -1 = tail
-        off = np.array([[j for _, j in t[:r]] for t in taken])
+        src = np.stack([s[:r] for s, _ in taken])                           # [H, r]: page index, -1 = tail
+        off = np.stack([o[:r] for _, o in taken])
         heads = np.broadcast_to(np.arange(len(taken))[:, None], src.shape)
         tail = src < 0
         pos = np.zeros(src.shape, np.int64)
@@ -252,8 +252,8 @@ def pick_spans(cache, store, queries: dict) -> dict:
             at = np.searchsorted(pages, src[~tail]), heads[~tail], off[~tail]
             pos[~tail], ks[~tail], vs[~tail] = recs["positions"][at], keys[at], values[at]
         order_h = np.argsort(pos, axis=1, kind="stable")
-        picked[i] = (np.take_along_axis(pos, order_h, 1), np.take_along_axis(ks, order_h[..., None], 1),
-                     np.take_along_axis(vs, order_h[..., None], 1))
+        rows = np.arange(len(taken))[:, None]
+        picked[i] = (pos[rows, order_h], ks[rows, order_h], vs[rows, order_h])   # each head's in position order
     return picked
 
 

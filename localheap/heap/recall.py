@@ -82,14 +82,18 @@ def vote(scores: dict, read_positions: Callable, n_bins: int, bin_size: int = WI
         uniq, inv = np.unique(top, return_inverse=True)
         pos = read_positions(layer, uniq)                                  # [u, H, P]
         inv = inv.reshape(top.shape)
-        for h in range(H):
-            for c in range(top.shape[1]):
-                p = pos[inv[h, c], h]
-                p = p[p >= 0]
-                if not len(p):
-                    continue
-                b, cnt = np.unique(p // bin_size, return_counts=True)
-                votes[b] += max(float(z[h, top[h, c]]), 0.0) * cnt / cnt.sum()
+        C = top.shape[1]
+        mine = pos[inv, np.arange(H)[:, None]]                             # [H, C, P]: each voter's page, its head's tokens
+        weight = np.maximum(np.take_along_axis(z, top, axis=1).astype(np.float64), 0.0)   # [H, C]
+        valid = mine >= 0
+        if valid.any() and int(mine[valid].max()) // bin_size >= n_bins:
+            raise IndexError(f"a page position past the {n_bins} vote bins")
+        voter = np.broadcast_to(np.arange(H * C).reshape(H, C, 1), mine.shape)[valid]
+        # (voter, bin) pairs sorted voter-major, bins ascending: the order the per-voter loop added them
+        pair, cnt = np.unique(voter * n_bins + mine[valid] // bin_size, return_counts=True)
+        who, b = pair // n_bins, pair % n_bins
+        total = np.bincount(voter, minlength=H * C)
+        np.add.at(votes, b, weight.reshape(-1)[who] * cnt / total[who])   # one by one, in order: the same sums
     return votes
 
 
@@ -125,30 +129,37 @@ def window_batch(want: int, bin_size: int = WINDOW) -> int:
 
 
 def take_windows(order: np.ndarray, want: int, spans: np.ndarray, read_positions: Callable,
-                 tail_pos: np.ndarray, bin_size: int = WINDOW) -> list[list[tuple[int, int]]]:
+                 tail_pos: np.ndarray, bin_size: int = WINDOW) -> list[tuple[np.ndarray, np.ndarray]]:
     """Span recall, step two, for one layer: walk the bins in `order` (best first) and take, per
     KV head, the evicted tokens inside each bin's window ([bin - margin, bin end + margin),
     margin = bin_size // 2; in position order) until the head has `want`. spans [N, H, 2] (first,
     last position of each live page, in RAM), read_positions(idx) -> [n, H, P] (asked only for
     pages whose span meets a window, batch after batch: memoize it, as paging.positions_reader
     does), tail_pos [H, t] (the partial page).
-    Returns per head the taken tokens as (page index or -1 for the tail, offset), in rank order."""
+    Returns per head the taken tokens as (page indices, -1 for the tail; offsets), in rank order.
+    A batch of windows at once: each token goes to the best-ranked window holding it (a token sits
+    in at most three windows), each position once and none taken in an earlier batch; the tokens
+    then in (window rank, position) order, which is the order walking the windows one by one takes."""
     H = spans.shape[1]
     margin = bin_size // 2
-    taken: list[list] = [[] for _ in range(H)]
+    srcs: list[list] = [[] for _ in range(H)]
+    offs: list[list] = [[] for _ in range(H)]
+    counts = [0] * H
     seen = [np.zeros(0, bool) for _ in range(H)]   # per head: positions taken (a bitmap, grown as needed)
+    rank = np.full(int(order.max()) + 1 if len(order) else 0, np.iinfo(np.int64).max, np.int64)
     step = window_batch(want, bin_size)
     at = 0
-    while at < len(order) and min(map(len, taken)) < want:
+    while at < len(order) and min(counts) < want:
         batch = order[at: at + step]
         at += step
         lo, hi = batch * bin_size - margin, (batch + 1) * bin_size + margin
+        rank[batch] = np.arange(at - step, at - step + len(batch))
         # the pages where some head's own span meets a window (only those hold a window's token)
         cand = np.unique(np.concatenate([pages_meeting(spans[:, h, 0], spans[:, h, 1], lo, hi) for h in range(H)]))
         pages = read_positions(cand)                                        # [c, H, P]
         P = pages.shape[2]
         for h in range(H):
-            if len(taken[h]) >= want:
+            if counts[h] >= want:
                 continue
             # this batch's candidate tokens of head h, by position: (position, page or -1, offset)
             t = tail_pos[h]
@@ -159,17 +170,23 @@ def take_windows(order: np.ndarray, want: int, spans: np.ndarray, read_positions
             pos, src, off = pos[srt], src[srt], off[srt]
             if len(pos) and pos[-1] >= len(seen[h]):
                 seen[h] = np.concatenate([seen[h], np.zeros(int(pos[-1]) + 1 - len(seen[h]), bool)])
-            starts, ends = np.searchsorted(pos, np.maximum(lo, 0)), np.searchsorted(pos, hi)
-            for i0, i1 in zip(starts.tolist(), ends.tolist()):
-                if len(taken[h]) >= want:
-                    break
-                # the window's tokens in position order, each position once, none taken before
-                seg = pos[i0:i1]
-                new = ~seen[h][seg]
-                new[1:] &= seg[1:] != seg[:-1]
-                seen[h][seg[new]] = True
-                taken[h].extend(zip(src[i0:i1][new].tolist(), off[i0:i1][new].tolist()))
-    return [t[:want] for t in taken]
+            best = np.full(len(pos), np.iinfo(np.int64).max, np.int64)   # the best window rank holding each token
+            top = (pos + margin) // bin_size
+            for b in (top, top - 1, top - 2):
+                inside = (b >= 0) & (b < len(rank)) & (b * bin_size - margin <= pos) & (pos < (b + 1) * bin_size + margin)
+                best[inside] = np.minimum(best[inside], rank[b[inside]])
+            new = (pos >= 0) & (best < at)   # in one of this batch's windows (or an earlier one: seen)
+            new[1:] &= pos[1:] != pos[:-1]   # each position once
+            new[new] &= ~seen[h][pos[new]]
+            sel = np.flatnonzero(new)
+            sel = sel[np.argsort(best[sel], kind="stable")]   # by window rank, then position
+            seen[h][pos[sel]] = True
+            srcs[h].append(src[sel])
+            offs[h].append(off[sel])
+            counts[h] += len(sel)
+    empty = np.zeros(0, np.int64)
+    return [(np.concatenate(srcs[h])[:want] if srcs[h] else empty, np.concatenate(offs[h])[:want] if offs[h] else empty)
+            for h in range(H)]
 
 
 class PageWriter:
