@@ -41,6 +41,17 @@ def long_prompt(tokenizer, n):
     return tokenizer.encode(text)[:n]
 
 
+@pytest.mark.parametrize("base,D", [(10000.0, 32), (500000.0, 64), (1e6, 128)])
+def test_the_table_rotation_is_the_rotation_bit_for_bit(base, D):
+    """shift_back (cached cos/sin of whole shifts: eviction's re-rotation and the page-out's
+    un-rotation of slot-rotated keys) gives rotate's bits for every shift it is asked for."""
+    rope = RopeSpec(1.0 / base ** (torch.arange(0, D, 2, dtype=torch.float32) / D))
+    n = 8192
+    x = torch.randn(2, n, D, generator=torch.Generator().manual_seed(3))
+    shifts = torch.stack([torch.arange(n), torch.randperm(n, generator=torch.Generator().manual_seed(4))])
+    assert torch.equal(rope.shift_back(x, shifts, n), rope.rotate(x, -shifts))
+
+
 @pytest.mark.parametrize("rope_name", list(ROPES))
 def test_compact_repack_equals_fresh_rotation(model_dirs, rope_name):
     """After repacks, every cached key equals its raw key rotated at its new slot by the model's own RoPE."""

@@ -28,11 +28,13 @@ def gather_evicted(cache, plan) -> list[tuple]:
         gather_idx = idx[..., None].expand(-1, -1, layer.keys.shape[-1])
         keys = torch.gather(layer.keys[0, :, :n], 1, gather_idx).float()
         values = torch.gather(layer.values[0, :, :n], 1, gather_idx)
-        rotated_at = idx
+        value = torch.gather(scores, 1, idx).float()
         if layer.heap.cfg.positions == "absolute":
             rotated_at = torch.gather(torch.as_tensor(layer.heap.positions[:, :n], device=layer.device), 1, idx)
-        value = torch.gather(scores, 1, idx).float()
-        return layer.rope.rotate(keys, -rotated_at).to(wire), values.to(wire), value
+            pre = layer.rope.rotate(keys, -rotated_at)
+        else:   # a key sits rotated at its slot: the cached table of the slot range, the same bits
+            pre = layer.rope.shift_back(keys, idx, layer.keys.shape[2])
+        return pre.to(wire), values.to(wire), value
 
     return paging.gather_evicted(plan, take)
 
