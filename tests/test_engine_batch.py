@@ -5,6 +5,7 @@ tokens as they would be alone; a batch smaller than the decoding runs serves the
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -154,6 +155,41 @@ def test_a_document_read_on_the_prefill_lane_beside_the_decoding_chat(demo, REQU
         n = a.heap.resident
         assert n == b.heap.resident and np.array_equal(a.heap.view_positions(), b.heap.view_positions())
         assert torch.equal(a.keys[0, :, :n], b.keys[0, :, :n]) and torch.equal(a.values[0, :, :n], b.values[0, :, :n])
+
+
+def test_turns_that_start_together_read_their_prompts_in_one_pass(demo, REQUESTS, monkeypatch):
+    """Four chats arriving together on the lane engine (the torch CPU default): the three prompts
+    shorter than a mixed chunk are read in one forward before any decodes (none waits for the
+    lane, which reads one chunk at a time); the longer one goes to the lane once the others
+    decode, until what is left of it rides too; each reply is its reply alone."""
+    calls, threads = [], []
+    step_rows, prefill = demo.step_rows, demo.prefill
+
+    def spy_step(rows, chunks=()):
+        calls.append((len(rows), len(chunks)))
+        return step_rows(rows, chunks)
+
+    def spy_prefill(cache, tokens, *a, **k):
+        threads.append((threading.current_thread().name, len(tokens)))
+        return prefill(cache, tokens, *a, **k)
+
+    monkeypatch.setattr(demo, "step_rows", spy_step)
+    monkeypatch.setattr(demo, "prefill", spy_prefill)
+    lengths = [len(toks) - 1 for toks, _ in REQUESTS]   # each prompt's last token starts its decode
+    assert sorted(n > 64 for n in lengths) == [False, False, False, True], lengths
+    eng = engine(demo)
+    try:
+        hold = eng.call(lambda: time.sleep(0.5))   # the four land in the inbox together
+        jobs = [submit(eng, toks, **p) for toks, p in REQUESTS]
+        hold.result(30)
+        got = [text(drain(q)) for _, q in jobs]
+    finally:
+        eng.stop()
+    assert calls[0] == (0, 3), calls[:3]
+    assert [t for t, _ in threads] and all(t.startswith("localheap-prefill") for t, _ in threads), threads
+    # the lane reads the long prompt while more than a mixed chunk of it is left; the rest rides
+    assert [n for _, n in threads] == [max(lengths) - 64], threads
+    assert got == alone_texts(demo, REQUESTS)
 
 
 def test_a_document_cancelled_or_deleted_while_the_lane_reads_it(demo, REQUESTS):

@@ -2,13 +2,15 @@
 
 Requests come in on a queue; events go out through each request's emit callable. With a
 backend that batches (`step_rows`), each engine step advances every decoding run by one token
-in ONE forward pass (at most `max_batch` runs, those that waited longest first) and one
+in ONE forward pass (at most `max_batch` runs, those that waited longest first) and
 prefilling runs, in turn, feed chunks that ride in the same pass, `mixed_chunk` tokens in all
 while others decode, so a document read never freezes a chat; with a prefill lane (lane.py:
-backends whose forward passes may run on two threads, the torch CPU backend) a prefilling run
-instead reads whole chunks on a second thread beside the decode batch. Otherwise (or with
-`batched=False`) active runs are served round-robin, one step each per round: a decode token
-or a prefill chunk.
+backends whose forward passes may run on two threads, the torch CPU backend) a prompt with more
+than `mixed_chunk` tokens left instead reads whole chunks on a second thread beside the decode
+batch, while a turn's few new tokens still ride. Turns that start together when no one decodes
+read their short prompts in one pass (so their decoding starts in the same step). Otherwise (or
+with `batched=False`) active runs are served round-robin, one step each per round: a decode
+token or a prefill chunk.
 Which waiting job starts next and on which session is admission.py's: under a RAM budget, jobs
 that need a heap wait in arrival order (FIFO) for room, up to `admission_timeout` seconds, then
 fail with OverBudget (503); later jobs never overtake them.
@@ -329,20 +331,25 @@ class Engine:
                 self._harvest(block=True)
                 self.lane.engine_threads()
                 prefilling = [r for r in self._active if r.prefilling]
-            elif not self.lane.busy and prefilling:
-                self.lane.submit(prefilling[0], prefilling[0].next_chunk(prefilling[0].chunk))
-                self._rotate(prefilling[0])
-                prefilling = []
-            else:
-                prefilling = []
+            else:   # documents (more than a mixed chunk left) on the lane; a turn's few new tokens ride
+                reads = [r for r in prefilling if r.left > self.mixed_chunk]
+                if not self.lane.busy and reads:
+                    self.lane.submit(reads[0], reads[0].next_chunk(reads[0].chunk))
+                    self._rotate(reads[0])
+                prefilling = [r for r in prefilling if r.left <= self.mixed_chunk]
         rides = [r for r in prefilling if self.backend.batchable(r.session.cache)]
-        if not batch or not rides:
+        if not batch:
+            rides = [r for r in rides if r.left <= self.mixed_chunk]
+            if len(rides) < 2:   # one full chunk on its own, in turn
+                if prefilling:
+                    self._rotate(prefilling[0])
+                    self._step(prefilling[0])
+                return
+            # several turns start at once and no one decodes yet: their prompts in one pass
+        elif not rides:
             if prefilling:   # no one to ride with: one full chunk on its own, in turn
                 self._rotate(prefilling[0])
                 self._step(prefilling[0])
-            if not batch:
-                return
-            rides = []
         chunks, room = [], self.mixed_chunk   # prefill tokens per step beside the decoding runs
         for run in rides:
             if room <= 0:
@@ -362,7 +369,8 @@ class Engine:
                 self._fail(run.job, e, run)
             return
         took = time.monotonic() - began
-        self.counters.decode.add(sum(e is None for e in errors[: len(batch)]), took=took)
+        if batch:
+            self.counters.decode.add(sum(e is None for e in errors[: len(batch)]), took=took)
         for run, error in zip(batch, errors):
             run.advanced_at = self._steps
             self._guarded(run, lambda run=run: run.take(run.row.token), error)

@@ -47,6 +47,11 @@ class Run:
         return self.prefilled < len(self.to_prefill)
 
     @property
+    def left(self) -> int:
+        """Prompt tokens still to prefill."""
+        return len(self.to_prefill) - self.prefilled
+
+    @property
     def request(self):
         return self.job.request
 
