@@ -35,6 +35,52 @@ def test_pages_hold_the_evicted_kv_exactly(tmp_path):
     np.testing.assert_array_equal(got_v, v[:, :8])
 
 
+def page_record(s, seq, pos, k, v, value):
+    """One page's record as the store first built it, page by page (the reference for _records)."""
+    from localheap.heap.pagecodec import encode, payload_names
+    from localheap.heap.pages import _META_FIELDS, MAGIC, _crc
+
+    rec = np.zeros((), s.dtype)
+    rec["magic"], rec["seq"], rec["value"], rec["n"] = MAGIC, seq, value, pos.shape[1]
+    rec["positions"] = pos
+    rec["kmin"], rec["kmax"], rec["kmean"] = k.min(axis=1), k.max(axis=1), k.mean(axis=1)
+    encode(rec, s.g.fmt, k, v)
+    rec["crc_meta"] = _crc(rec, _META_FIELDS)
+    rec["crc_data"] = _crc(rec, payload_names(s.g.fmt))
+    return rec.tobytes()
+
+
+@pytest.mark.parametrize("fmt", ["f32", "f16", "int8"])
+def test_pages_written_together_are_the_pages_written_one_by_one(tmp_path, fmt):
+    """Appends of many pages at once (an eviction event) write, page for page, the bytes that
+    building each page alone gives: summaries, payload, value, seq and checksums; and the RAM
+    spans and values are each page's."""
+    rng = np.random.default_rng(11)
+    s = PageStore(tmp_path / "pages", PageGeometry(1, 3, 16, 8, fmt), summary="minmax")
+    H, D, P = 3, 16, 8
+    pos_all, k_all, v_all, val_all = [], [], [], []
+    start = 0
+    for n in (5, 37, 64, 3, 70):                 # partial pages carried over between appends
+        pos = np.stack([rng.permutation(np.arange(start, start + 3 * n))[:n] for _ in range(H)])
+        k = (rng.standard_normal((H, n, D)) * rng.choice([0.01, 1, 100])).astype(np.float32)
+        v = rng.standard_normal((H, n, D)).astype(np.float32)
+        value = rng.standard_normal((H, n)).astype(np.float32)
+        s.append(0, pos, k, v, value)
+        for a, b in ((pos_all, pos), (k_all, k), (v_all, v), (val_all, value)):
+            a.append(b)
+        start += 3 * n
+    pos, k, v, value = (np.concatenate(a, axis=1) for a in (pos_all, k_all, v_all, val_all))
+    m = pos.shape[1] // P
+    assert s.pages == m
+    raw = (tmp_path / "pages" / "layer000.pages").read_bytes()
+    for j in range(m):
+        t = slice(j * P, (j + 1) * P)
+        want = page_record(s, j, pos[:, t], k[:, t], v[:, t], float(value[:, t].max()))
+        assert raw[j * s.record_bytes: (j + 1) * s.record_bytes] == want, j
+        np.testing.assert_array_equal(s.layers[0].span[j], np.stack([pos[:, t].min(axis=1), pos[:, t].max(axis=1)], axis=1))
+        assert s.layers[0].value[j] == np.float32(value[:, t].max())
+
+
 def test_int8_pages_within_the_stated_error(tmp_path):
     rng = np.random.default_rng(1)
     s = store(tmp_path, fmt="int8")

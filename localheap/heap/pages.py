@@ -268,17 +268,40 @@ class PageStore:
         L.tail_v = np.concatenate([L.tail_v, values.astype(np.float32)], axis=1)
         L.tail_value = np.concatenate([L.tail_value, value], axis=1)
         P, written = self.g.page_size, 0
-        while L.tail_pos.shape[1] >= P:
-            written += self._write(layer, L.tail_pos[:, :P], L.tail_k[:, :P], L.tail_v[:, :P],
-                                   float(L.tail_value[:, :P].max()))
+        m = L.tail_pos.shape[1] // P   # full pages: their records built together, written one by one
+        if m:
+            recs, spans = self._records(L.tail_pos[:, :m * P], L.tail_k[:, :m * P], L.tail_v[:, :m * P],
+                                        L.tail_value[:, :m * P])
+            for j in range(m):
+                written += self._write(layer, recs[j: j + 1], spans[j])
             L.tail_pos, L.tail_k, L.tail_v, L.tail_value = (
-                a[:, P:] for a in (L.tail_pos, L.tail_k, L.tail_v, L.tail_value))
+                a[:, m * P:] for a in (L.tail_pos, L.tail_k, L.tail_v, L.tail_value))
         if written:
             self.enforce_budget()
         return written
 
-    def _write(self, layer: int, pos: np.ndarray, k: np.ndarray, v: np.ndarray, value: float) -> bool:
-        """Write one page; a page the disk refuses is counted and left out (see `fault`)."""
+    def _records(self, pos: np.ndarray, k: np.ndarray, v: np.ndarray, value: np.ndarray) -> tuple:
+        """m full pages (pos, value [H, m P]; k, v [H, m P, D]) as m records, all but their seq and
+        checksums (set as each is written), and their spans [m, H, 2]. Each page's summaries and
+        payload are what building that page alone gives (the same reductions over the same P
+        tokens, tested bit for bit)."""
+        H, n = pos.shape
+        P = self.g.page_size
+        m = n // P
+        pos = np.ascontiguousarray(pos.reshape(H, m, P).transpose(1, 0, 2))                # [m, H, P]
+        k = np.ascontiguousarray(k.reshape(H, m, P, -1).transpose(1, 0, 2, 3))            # [m, H, P, D]
+        v = np.ascontiguousarray(v.reshape(H, m, P, -1).transpose(1, 0, 2, 3))
+        recs = np.zeros(m, self.dtype)
+        recs["magic"], recs["n"] = MAGIC, P
+        recs["value"] = value.reshape(H, m, P).max(axis=(0, 2))
+        recs["positions"] = pos
+        recs["kmin"], recs["kmax"], recs["kmean"] = k.min(axis=2), k.max(axis=2), k.mean(axis=2)   # [m, H, D] each
+        encode(recs, self.g.fmt, k, v)
+        return recs, np.stack([pos.min(axis=2), pos.max(axis=2)], axis=2)
+
+    def _write(self, layer: int, rec: np.ndarray, span: np.ndarray) -> bool:
+        """Write one page (rec: a one-record array from _records); a page the disk refuses is
+        counted and left out (see `fault`)."""
         try:
             self._ready()
         except OSError as e:
@@ -289,14 +312,12 @@ class PageStore:
         if not L.free:
             L.grow(len(L.live) + 1)
         slot = L.free.pop()
-        rec = np.zeros((), self.dtype)
-        rec["magic"], rec["seq"], rec["value"], rec["n"] = MAGIC, self.seq, value, pos.shape[1]
-        rec["positions"] = pos
-        kmin, kmax, kmean = k.min(axis=1), k.max(axis=1), k.mean(axis=1)   # [H, D] each
-        rec["kmin"], rec["kmax"], rec["kmean"] = kmin, kmax, kmean
-        encode(rec, self.g.fmt, k, v)
-        rec["crc_meta"] = _crc(rec, _META_FIELDS)
-        rec["crc_data"] = _crc(rec, payload_names(self.g.fmt))
+        rec["seq"] = self.seq
+        raw = rec.view(np.uint8)
+        rec["crc_meta"] = zlib.crc32(raw[self._meta_run])   # _crc over the fields, in one run
+        rec["crc_data"] = zlib.crc32(raw[self._data_run])
+        value = float(rec["value"][0])
+        rec = rec[0]
         try:
             self._pwrite(layer, rec.tobytes(), slot * self.record_bytes)
         except OSError as e:
@@ -314,7 +335,7 @@ class PageStore:
         # RAM summaries read back from the record, so a reopened store scores identically
         L.put_summaries(slot, rec)
         L.live[slot], L.value[slot] = True, value
-        L.span[slot] = np.stack([pos.min(axis=1), pos.max(axis=1)], axis=1)
+        L.span[slot] = span
         self.seq += 1
         self.written += 1
         return True
