@@ -37,6 +37,31 @@ def test_a_full_disk_loses_pages_not_the_store(tmp_path, monkeypatch):
     assert again.pages == 3 and again.failed == 0
 
 
+def test_a_disk_that_fills_midway_through_an_event_keeps_the_pages_that_fit(tmp_path, monkeypatch):
+    """An event's pages go out in one write; when the disk has room for only some of them, each
+    page that fits is kept and each that does not is counted, as with a write per page."""
+    rng = np.random.default_rng(3)
+    s = store(tmp_path)
+    write = s._pwrite
+    room = 2 * s.record_bytes
+
+    def filling(layer, data, offset):
+        if offset + len(data) > room:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return write(layer, data, offset)
+
+    monkeypatch.setattr(s, "_pwrite", filling)
+    pos, k, v = evicted(rng, 4 * P)
+    assert s.append(0, pos, k, v) == 2
+    assert s.pages == 2 and s.failed == 2 and "No space left" in s.fault
+    got, got_k, _ = s.load(0, np.array([[0, 1], [0, 1]]))
+    np.testing.assert_array_equal(got, pos[:, : 2 * P])
+    np.testing.assert_array_equal(got_k, k[:, : 2 * P])
+    s.checkpoint()
+    again = PageStore(s.root, s.g, summary="minmax")
+    assert again.pages == 2
+
+
 def test_a_removed_directory_is_started_over(tmp_path):
     rng = np.random.default_rng(1)
     s = store(tmp_path)

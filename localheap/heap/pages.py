@@ -272,8 +272,7 @@ class PageStore:
         if m:
             recs, spans = self._records(L.tail_pos[:, :m * P], L.tail_k[:, :m * P], L.tail_v[:, :m * P],
                                         L.tail_value[:, :m * P])
-            for j in range(m):
-                written += self._write(layer, recs[j: j + 1], spans[j])
+            written = self._write_pages(layer, recs, spans)
             L.tail_pos, L.tail_k, L.tail_v, L.tail_value = (
                 a[:, m * P:] for a in (L.tail_pos, L.tail_k, L.tail_v, L.tail_value))
         if written:
@@ -298,6 +297,45 @@ class PageStore:
         recs["kmin"], recs["kmax"], recs["kmean"] = k.min(axis=2), k.max(axis=2), k.mean(axis=2)   # [m, H, D] each
         encode(recs, self.g.fmt, k, v)
         return recs, np.stack([pos.min(axis=2), pos.max(axis=2)], axis=2)
+
+    def _write_pages(self, layer: int, recs: np.ndarray, spans: np.ndarray) -> int:
+        """Write _records' pages into the lowest free slots, in order: each run of consecutive slots
+        in one write (an eviction event's pages are mostly one run), then their RAM side at once.
+        A run the disk refuses is written again page by page (_write), so that each page it
+        refuses is counted and left out as when every page had its own write."""
+        try:
+            self._ready()
+        except OSError:
+            return sum(self._write(layer, recs[j: j + 1], spans[j]) for j in range(len(recs)))
+        L = self.layers[layer]
+        m = len(recs)
+        if len(L.free) < m:
+            L.grow(len(L.live) + m - len(L.free))
+        slots = np.array([L.free.pop() for _ in range(m)], np.int64)
+        recs["seq"] = self.seq + np.arange(m)
+        raw = recs.view(np.uint8).reshape(m, -1)
+        recs["crc_meta"] = [zlib.crc32(raw[j, self._meta_run]) for j in range(m)]   # _crc over the fields, in one run
+        recs["crc_data"] = [zlib.crc32(raw[j, self._data_run]) for j in range(m)]
+        cuts = [0, *(np.flatnonzero(np.diff(slots) != 1) + 1).tolist(), m]
+        written = 0
+        for a, b in zip(cuts[:-1], cuts[1:]):
+            try:
+                self._pwrite(layer, recs[a:b].tobytes(), int(slots[a]) * self.record_bytes)
+            except OSError:
+                L.free.extend(slots[a:].tolist())   # this run and the rest, page by page
+                L.free.sort(reverse=True)
+                return written + sum(self._write(layer, recs[j: j + 1], spans[j]) for j in range(a, m))
+            self.fault = None   # page-out works (again)
+            for _ in range(b - a):
+                faults.step("pages.write")
+            run = slots[a:b]   # RAM summaries read back from the records, so a reopened store scores identically
+            for f, arr in L.sums.items():
+                arr[:, :, run] = recs[f][a:b][:, :, L.dims].transpose(1, 2, 0)
+            L.live[run], L.value[run], L.span[run] = True, recs["value"][a:b], spans[a:b]
+            self.seq += b - a
+            self.written += b - a
+            written += b - a
+        return written
 
     def _write(self, layer: int, rec: np.ndarray, span: np.ndarray) -> bool:
         """Write one page (rec: a one-record array from _records); a page the disk refuses is
