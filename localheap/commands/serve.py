@@ -53,9 +53,10 @@ def add_parser(sub) -> None:
                    help="prefill tokens a document read feeds per step while other sessions decode "
                         "(its chunk rides in their forward pass; alone it uses --prefill-chunk)")
     p.add_argument("--prefill-lane", choices=("auto", "on", "off"), default="auto",
-                   help="read a prompt's chunks on a second thread while other sessions decode (auto: where "
-                        "the backend can, the torch CPU backend; off: chunks ride in the decode pass, "
-                        "--mixed-chunk tokens a step; README: the decode batch)")
+                   help="read a prompt's chunks on a second thread while other sessions decode, while more "
+                        "than --mixed-chunk of its tokens are left (shorter prompts ride in the decode pass) "
+                        "(auto: where the backend can, the torch CPU backend; off: chunks ride in the decode "
+                        "pass, --mixed-chunk tokens a step; README: the decode batch)")
     p.add_argument("--round-robin", action="store_true",
                    help="serve one run per forward pass in turn, without batching (for comparison)")
     p.add_argument("--max-queue", type=int, default=32, help="requests waiting beyond those (503 beyond)")
