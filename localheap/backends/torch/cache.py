@@ -139,6 +139,17 @@ def kv_geometry(model) -> tuple[int, int]:
     return attn.k_proj.out_features // head_dim, head_dim
 
 
+def model_ropes(model, kinds: set, head_dim: int) -> dict:
+    """The model's rotation per layer kind, one RopeSpec shared by all its caches, so that the
+    cos/sin tables of re-rotation and page-out are built once per model, not in each session's
+    first eviction."""
+    have = model.__dict__.setdefault("_localheap_ropes", {})
+    for kind in kinds:
+        if (kind, head_dim) not in have:
+            have[(kind, head_dim)] = RopeSpec.from_model(model, kind, head_dim)
+    return {kind: have[(kind, head_dim)] for kind in kinds}
+
+
 def make_heap_cache(model, cfg: HeapConfig, pages_dir: Optional[Path] = None, pages_state=None) -> HeapCache:
     """Build the heap for `model`: heap layers where transformers would use a full-attention
     layer; sliding-window layers keep transformers' own bounded cache layer. With recall on,
@@ -154,7 +165,7 @@ def make_heap_cache(model, cfg: HeapConfig, pages_dir: Optional[Path] = None, pa
     weight = decoder_layers(model)[0].self_attn.k_proj.weight
     # compact positions shift keys (repacks, per-layer offsets); geometry un-rotates queries
     wants_rope = cfg.positions == "compact" or cfg.needs_query_stats or cfg.recall   # recall: pre-RoPE pages
-    ropes = {kind: RopeSpec.from_model(model, kind, head_dim) for kind in set(layer_types)} if wants_rope else {}
+    ropes = model_ropes(model, set(layer_types), head_dim) if wants_rope else {}
     layers = []
     for kind, kwargs in zip(layer_types, layer_kwargs):
         if kind == "full_attention":
