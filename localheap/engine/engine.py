@@ -308,8 +308,10 @@ class Engine:
     def _batch_step(self) -> None:
         """One step of the batched engine: every decoding run with a seat in the batch (max_batch
         seats, see _seats) advances one token, runs that start decoding feed their prompt's last
-        token, and prefilling runs (in turn) feed up to mixed_chunk tokens, all in one forward pass.
-        With no run decoding, a prefilling run feeds a full chunk on its own."""
+        token, and prefilling runs (in turn) feed up to mixed_chunk tokens, all in one forward pass
+        (with the lane, only runs with at most mixed_chunk prompt tokens left ride; the lane reads
+        the others, one chunk at a time). With no run decoding, a prefilling run feeds a full chunk
+        on its own, unless several have short prompts left: those ride together."""
         self._steps += 1
         if self.lane is not None and self.lane.busy and self.lane.run.job.cancelled:
             self._harvest(block=True)
