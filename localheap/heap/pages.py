@@ -157,10 +157,10 @@ class _Layer:
         self.free.extend(range(n + extra - 1, n - 1, -1))   # lowest slot popped first
         self.free.sort(reverse=True)
 
-    def put_summaries(self, slot: int, rec: np.ndarray) -> None:
-        """A record's summaries ([H, D] each) into the RAM columns of `slot`."""
+    def put_summaries(self, slots, recs: np.ndarray) -> None:
+        """The summaries ([H, D] each) of records `recs` [k] into the RAM columns of `slots` [k]."""
         for f, a in self.sums.items():
-            a[:, :, slot] = rec[f][:, self.dims]
+            a[:, :, slots] = recs[f][:, :, self.dims].transpose(1, 2, 0)
 
 
 class PageStore:
@@ -306,16 +306,13 @@ class PageStore:
         try:
             self._ready()
         except OSError:
-            return sum(self._write(layer, recs[j: j + 1], spans[j]) for j in range(len(recs)))
+            return sum(self._write(layer, recs[j: j + 1], spans[j: j + 1]) for j in range(len(recs)))
         L = self.layers[layer]
         m = len(recs)
         if len(L.free) < m:
             L.grow(len(L.live) + m - len(L.free))
         slots = np.array([L.free.pop() for _ in range(m)], np.int64)
-        recs["seq"] = self.seq + np.arange(m)
-        raw = recs.view(np.uint8).reshape(m, -1)
-        recs["crc_meta"] = [zlib.crc32(raw[j, self._meta_run]) for j in range(m)]   # _crc over the fields, in one run
-        recs["crc_data"] = [zlib.crc32(raw[j, self._data_run]) for j in range(m)]
+        self._seal(recs)
         cuts = [0, *(np.flatnonzero(np.diff(slots) != 1) + 1).tolist(), m]
         written = 0
         for a, b in zip(cuts[:-1], cuts[1:]):
@@ -324,21 +321,13 @@ class PageStore:
             except OSError:
                 L.free.extend(slots[a:].tolist())   # this run and the rest, page by page
                 L.free.sort(reverse=True)
-                return written + sum(self._write(layer, recs[j: j + 1], spans[j]) for j in range(a, m))
-            self.fault = None   # page-out works (again)
-            for _ in range(b - a):
-                faults.step("pages.write")
-            run = slots[a:b]   # RAM summaries read back from the records, so a reopened store scores identically
-            for f, arr in L.sums.items():
-                arr[:, :, run] = recs[f][a:b][:, :, L.dims].transpose(1, 2, 0)
-            L.live[run], L.value[run], L.span[run] = True, recs["value"][a:b], spans[a:b]
-            self.seq += b - a
-            self.written += b - a
+                return written + sum(self._write(layer, recs[j: j + 1], spans[j: j + 1]) for j in range(a, m))
+            self._landed(L, slots[a:b], recs[a:b], spans[a:b])
             written += b - a
         return written
 
     def _write(self, layer: int, rec: np.ndarray, span: np.ndarray) -> bool:
-        """Write one page (rec: a one-record array from _records); a page the disk refuses is
+        """Write one page (rec, span: one-record arrays from _records); a page the disk refuses is
         counted and left out (see `fault`)."""
         try:
             self._ready()
@@ -350,12 +339,7 @@ class PageStore:
         if not L.free:
             L.grow(len(L.live) + 1)
         slot = L.free.pop()
-        rec["seq"] = self.seq
-        raw = rec.view(np.uint8)
-        rec["crc_meta"] = zlib.crc32(raw[self._meta_run])   # _crc over the fields, in one run
-        rec["crc_data"] = zlib.crc32(raw[self._data_run])
-        value = float(rec["value"][0])
-        rec = rec[0]
+        self._seal(rec)
         try:
             self._pwrite(layer, rec.tobytes(), slot * self.record_bytes)
         except OSError as e:
@@ -368,15 +352,27 @@ class PageStore:
             except OSError:
                 pass
             return False
-        self.fault = None   # page-out works (again)
-        faults.step("pages.write")
-        # RAM summaries read back from the record, so a reopened store scores identically
-        L.put_summaries(slot, rec)
-        L.live[slot], L.value[slot] = True, value
-        L.span[slot] = span
-        self.seq += 1
-        self.written += 1
+        self._landed(L, np.array([slot]), rec, span)
         return True
+
+    def _seal(self, recs: np.ndarray) -> None:
+        """Number records [k] from the store's next sequence number and set their checksums (_crc
+        over the fields, as one run of bytes each)."""
+        recs["seq"] = self.seq + np.arange(len(recs))
+        raw = recs.view(np.uint8).reshape(len(recs), -1)
+        recs["crc_meta"] = [zlib.crc32(raw[j, self._meta_run]) for j in range(len(recs))]
+        recs["crc_data"] = [zlib.crc32(raw[j, self._data_run]) for j in range(len(recs))]
+
+    def _landed(self, L: _Layer, slots: np.ndarray, recs: np.ndarray, spans: np.ndarray) -> None:
+        """Records [k] are on disk in `slots`: their RAM side, the summaries read back from the
+        records so that a reopened store scores identically."""
+        self.fault = None   # page-out works (again)
+        for _ in range(len(slots)):
+            faults.step("pages.write")
+        L.put_summaries(slots, recs)
+        L.live[slots], L.value[slots], L.span[slots] = True, recs["value"], spans
+        self.seq += len(slots)
+        self.written += len(slots)
 
     def _pwrite(self, layer: int, data: bytes, offset: int) -> None:
         """Every write into a layer file goes through here (a short write is an error)."""
@@ -704,7 +700,7 @@ class PageStore:
                 if _crc(rec, _META_FIELDS) != rec["crc_meta"]:
                     self.corrupt += 1
                     continue
-                L.put_summaries(slot, rec)
+                L.put_summaries([slot], recs[slot: slot + 1])
                 L.live[slot], L.value[slot] = True, rec["value"]
                 L.span[slot] = np.stack([rec["positions"].min(axis=1), rec["positions"].max(axis=1)], axis=1)
             L.free = sorted((int(s) for s in np.flatnonzero(~L.live[: len(L.live)])), reverse=True)
