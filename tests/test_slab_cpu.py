@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from localheap.backends.torch import slab_cpu
+from localheap.backends.torch.rope import RopeSpec
 from localheap.backends.torch.slab import _agree, _kernel, attend_reference
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
@@ -144,3 +145,95 @@ def test_a_finished_build_is_imported_without_building(monkeypatch):
     got = tuple(module.attend(q.contiguous(), keys, values, resident, T))
     want = _kernel(q, keys, values, resident, T, mask)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+# -- the eviction kernels: take_rotated (page-out) and compact (repack), bit for bit the torch code --
+def _layer(H, cap, D, seed):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(H, cap, D, generator=gen), torch.randn(H, cap, D, generator=gen), gen
+
+
+def _ascending(H, n, k, gen, sinks=2):
+    """[H, k] ascending slots of 0..n-1 (the first `sinks` always in), a different set per head."""
+    rows = [torch.cat([torch.arange(sinks), torch.randperm(n - sinks, generator=gen)[: k - sinks].sort().values + sinks])
+            for _ in range(H)]
+    return torch.stack(rows)
+
+
+def _rope(D, base=10000.0):
+    return RopeSpec(1.0 / base ** (torch.arange(0, D, 2, dtype=torch.float32) / D))
+
+
+@pytest.mark.usefixtures("kernel")
+@pytest.mark.parametrize("D", [16, 32, 64, 80, 128])
+@pytest.mark.parametrize("H,cap,n,k", [(1, 40, 40, 17), (2, 300, 290, 100), (3, 4356, 4356, 2052)])
+def test_eviction_kernels_give_the_torch_bits(D, H, cap, n, k):
+    keys, values, gen = _layer(H, cap, D, seed=D + k)
+    rope, module = _rope(D), slab_cpu.load()
+    keep = _ascending(H, n, k, gen)
+    gone = torch.stack([torch.tensor(sorted(set(range(n)) - set(row.tolist()))) for row in keep])
+    # page-out: the evicted slots' keys rotated back by their slot, and their values
+    want_k = rope.shift_back(torch.gather(keys, 1, gone[..., None].expand(-1, -1, D)), gone, cap)
+    want_v = torch.gather(values, 1, gone[..., None].expand(-1, -1, D))
+    cos, sin = rope.table(keys.device, cap)
+    got_k, got_v = module.take_rotated(keys, values, gone, cos, sin, True)
+    assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
+    raw_k, _ = module.take_rotated(keys, values, gone, cos, sin, False)
+    assert torch.equal(raw_k, torch.gather(keys, 1, gone[..., None].expand(-1, -1, D)))
+    # repack: the kept slots to the front, rotated back by how far each moves; slots past keep untouched
+    deltas = torch.arange(k) - keep
+    want_keys = rope.shift_back(torch.gather(keys, 1, keep[..., None].expand(-1, -1, D)), -deltas, n - k)
+    for rotate in (True, False):
+        k_buf, v_buf = keys.clone(), values.clone()
+        cos, sin = rope.table(keys.device, n - k)
+        module.compact(k_buf, v_buf, keep, cos, sin, rotate)
+        want = want_keys if rotate else torch.gather(keys, 1, keep[..., None].expand(-1, -1, D))
+        assert torch.equal(k_buf[:, :k], want)
+        assert torch.equal(v_buf[:, :k], torch.gather(values, 1, keep[..., None].expand(-1, -1, D)))
+        assert torch.equal(k_buf[:, n:], keys[:, n:]) and torch.equal(v_buf[:, n:], values[:, n:])
+
+
+@pytest.mark.usefixtures("kernel")
+def test_compact_refuses_slots_out_of_order():
+    keys, values, _ = _layer(1, 10, 8, seed=0)
+    cos, sin = _rope(8).table(keys.device, 10)
+    with pytest.raises(RuntimeError, match="ascending"):
+        slab_cpu.load().compact(keys, values, torch.tensor([[0, 5, 3]]), cos, sin, True)
+    with pytest.raises(RuntimeError, match="out of range"):
+        slab_cpu.load().take_rotated(keys, values, torch.tensor([[0, 10]]), cos, sin, True)
+
+
+@pytest.mark.usefixtures("kernel")
+def test_a_heap_evicts_the_same_with_and_without_the_kernels(model_dirs, monkeypatch):
+    """A session with recall on (f32 pages) through many eviction events: the heap's buffers and
+    every page on disk equal, bit for bit, what the torch code leaves."""
+    import numpy as np
+    from recall_checks import CFG, load_all, prompt
+
+    from localheap.backends.torch import TorchBackend
+    from localheap.backends.torch.generate import prefill
+
+    llama = TorchBackend.load(model_dirs("llama"))
+    runs = {}
+    calls = {"compact": 0, "take_rotated": 0}
+    module = slab_cpu.load()
+
+    class Counted:   # the module's kernels, counted: the kernel run must have used them
+        def __getattr__(self, name):
+            calls[name] += 1
+            return getattr(module, name)
+
+    for name, evicts in (("torch", lambda keys: None), ("kernel", lambda keys: Counted())):
+        monkeypatch.setattr(slab_cpu, "evicts", evicts)
+        cache = llama.new_cache(CFG)
+        prefill(llama.model, cache, prompt(llama, 400))
+        cache.writer.drain()
+        assert cache.heap_layers[0].heap.evictions > 3
+        runs[name] = ([(layer.keys.clone(), layer.values.clone()) for layer in cache.heap_layers],
+                      [load_all(cache.pages, layer.heap.layer) for layer in cache.heap_layers])
+    assert calls["compact"] > 3 and calls["take_rotated"] > 3
+    (heaps, pages), (heaps_k, pages_k) = runs["torch"], runs["kernel"]
+    for (k, v), (kk, vk) in zip(heaps, heaps_k):
+        assert torch.equal(k, kk) and torch.equal(v, vk)
+    for a, b in zip(pages, pages_k):
+        assert len(a[0][0]) > 0 and all(np.array_equal(x, y) for x, y in zip(a, b))

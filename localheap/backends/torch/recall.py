@@ -14,6 +14,7 @@ import torch
 
 from .. import paging
 from ..slots import split_keep_indices
+from . import slab_cpu
 
 _NUMPY = {torch.int64: np.int64, torch.float32: np.float32, torch.float16: np.float16}
 
@@ -25,10 +26,15 @@ def gather_evicted(cache, plan) -> list[tuple]:
 
     def take(layer, idx: torch.Tensor, scores: torch.Tensor) -> tuple:
         n = layer.heap.resident
+        value = torch.gather(scores, 1, idx).float()
+        kernel = slab_cpu.evicts(layer.keys) if layer.heap.cfg.positions != "absolute" else None
+        if kernel is not None:   # gathered and un-rotated in one pass, the same bits
+            cos, sin = layer.rope.table(layer.device, layer.keys.shape[2])
+            pre, values = kernel.take_rotated(layer.keys[0], layer.values[0], idx.contiguous(), cos, sin, True)
+            return pre.to(wire), values.to(wire), value
         gather_idx = idx[..., None].expand(-1, -1, layer.keys.shape[-1])
         keys = torch.gather(layer.keys[0, :, :n], 1, gather_idx).float()
         values = torch.gather(layer.values[0, :, :n], 1, gather_idx)
-        value = torch.gather(scores, 1, idx).float()
         if layer.heap.cfg.positions == "absolute":
             rotated_at = torch.gather(torch.as_tensor(layer.heap.positions[:, :n], device=layer.device), 1, idx)
             pre = layer.rope.rotate(keys, -rotated_at)
@@ -41,11 +47,15 @@ def gather_evicted(cache, plan) -> list[tuple]:
 
 def page_out(cache, plan, outgoing: list[tuple]) -> list[np.ndarray]:
     """The event's ONE device-to-host transfer: the keep indices (returned, per layer, as
-    EvictionPlan.host_indices gives them) and the evicted K/V, queued for the page writer."""
+    EvictionPlan.host_indices gives them) and the evicted K/V, queued for the page writer.
+    On the CPU there is nothing to transfer: the host arrays are views of the tensors."""
     tensors = [torch.cat([g.keep_indices.reshape(-1) for g in plan.groups])]
     tensors += [t.reshape(-1) for o in outgoing for t in o[1:]]
-    blob = torch.cat([t.contiguous().view(torch.uint8) for t in tensors]).cpu().numpy()
-    host = paging.split_blob(blob, [(_NUMPY[t.dtype], t.numel()) for t in tensors])
+    if tensors[0].device.type == "cpu":   # host memory already (fresh tensors nothing else writes): views
+        host = [t.contiguous().numpy() for t in tensors]
+    else:
+        blob = torch.cat([t.contiguous().view(torch.uint8) for t in tensors]).cpu().numpy()
+        host = paging.split_blob(blob, [(_NUMPY[t.dtype], t.numel()) for t in tensors])
     paging.queue_page_out(cache, [o[0] for o in outgoing], host[1:])
     return split_keep_indices(host[0], [tuple(g.keep_indices.shape) for g in plan.groups])
 

@@ -62,14 +62,15 @@ class RopeSpec:
         """`rotate(x, -shifts)` for integer shifts in [0, max_shift] (a repack moves keys towards the
         front by at most the evicted count), from a cached cos/sin table: the same float32 angles
         as `rotate`, so the same bits, without a cos and sin per key."""
-        cos, sin = self._table(x.device, max_shift)
+        cos, sin = self.table(x.device, max_shift)
         c, s = cos[shifts], -sin[shifts]                        # [..., n, D/2]; sin is odd
         xf = x.float()
         half = xf.shape[-1] // 2
         lo, hi = xf[..., :half], xf[..., half:]
         return torch.cat((lo * c - hi * s, hi * c + lo * s), dim=-1).to(x.dtype)
 
-    def _table(self, device: torch.device, max_shift: int):
+    def table(self, device: torch.device, max_shift: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) [>= max_shift + 1, D/2] float32 of the shifts 0, 1, ...: cached, grown on demand."""
         table = self._tables.get(device)
         if table is None or table[0].shape[0] <= max_shift:
             size = max(max_shift + 1, 2 * (table[0].shape[0] if table is not None else 256))

@@ -17,6 +17,13 @@ $LOCALHEAP_KERNEL_CACHE) on a background thread, so the first decode steps never
 until it is loaded, and where it cannot be (no compiler, no AVX2, another dtype or shape), slab.py's
 torch code answers. The first call per shape is checked against that code (kernels/dispatch's
 CheckedKernel). `LOCALHEAP_SLAB_KERNEL=0` turns it off.
+
+The same module carries the eviction event's two passes over a heap layer on the CPU in float32
+(`evicts`): `take_rotated`, the page-out's evicted slots un-rotated to pre-RoPE keys, and `compact`,
+the repack's kept slots moved to the front in place and re-rotated. They replace torch's gathers,
+the cos/sin table lookups and the rotation's five temporaries with one pass, and give the torch code's
+bits (RopeSpec.shift_back's float32 ops in its order: the module is built with -ffp-contract=off,
+so no product is fused into an FMA; tests/test_slab_cpu.py compares them bit for bit).
 """
 
 from __future__ import annotations
@@ -182,6 +189,89 @@ std::vector<torch::Tensor> attend(torch::Tensor q, torch::Tensor keys, torch::Te
   });
   return {out, mass};
 }
+
+// -- eviction: the page-out's take and the repack's compaction, each one pass over a layer's slots --
+// A key moved from RoPE position p to p - shift, from the cos/sin table row of `shift`: RopeSpec.shift_back's
+// float32 ops in its order (lo*c - hi*s, hi*c + lo*s with s = -sin), each product rounded on its own (the
+// module is built with -ffp-contract=off), so the same bits as the torch code.
+static inline void shift_back_row(const float* src, float* dst, const float* cos, const float* sin, int64_t half) {
+  float tmp[1024];   // the source row first: dst may be src (a slot that does not move)
+  std::copy(src, src + 2 * half, tmp);
+  for (int64_t i = 0; i < half; ++i) {
+    const float c = cos[i], s = -sin[i], lo = tmp[i], hi = tmp[half + i];
+    dst[i] = lo * c - hi * s;
+    dst[half + i] = hi * c + lo * s;
+  }
+}
+
+static void check_layer(const torch::Tensor& keys, const torch::Tensor& values, const torch::Tensor& idx,
+                        const torch::Tensor& cos, const torch::Tensor& sin, bool rotate) {
+  TORCH_CHECK(keys.dim() == 3 && keys.is_contiguous() && values.is_contiguous() && values.sizes() == keys.sizes() &&
+              keys.scalar_type() == at::kFloat && values.scalar_type() == at::kFloat);
+  TORCH_CHECK(idx.dim() == 2 && idx.size(0) == keys.size(0) && idx.is_contiguous() && idx.scalar_type() == at::kLong);
+  TORCH_CHECK(keys.size(2) % 2 == 0 && keys.size(2) <= 1024);
+  TORCH_CHECK(!rotate || (cos.dim() == 2 && cos.is_contiguous() && sin.is_contiguous() && cos.scalar_type() == at::kFloat &&
+                          sin.scalar_type() == at::kFloat && sin.sizes() == cos.sizes() && cos.size(1) * 2 == keys.size(2)),
+              "cos/sin: [shifts, D/2] float32 tables");
+  const int64_t* ix = idx.data_ptr<int64_t>();
+  for (int64_t i = 0; i < idx.numel(); ++i) TORCH_CHECK(ix[i] >= 0 && ix[i] < keys.size(1), "slot out of range");
+}
+
+// keys, values: [H, capacity, D]; slots: [H, e] (ascending). Returns the slots' keys rotated back by their
+// slot index (compact positions: a key sits rotated at its slot; `rotate` false: as stored) and their values,
+// both [H, e, D] float32 copies.
+std::vector<torch::Tensor> take_rotated(torch::Tensor keys, torch::Tensor values, torch::Tensor slots,
+                                        torch::Tensor cos, torch::Tensor sin, bool rotate) {
+  check_layer(keys, values, slots, cos, sin, rotate);
+  const int64_t H = keys.size(0), cap = keys.size(1), D = keys.size(2), e = slots.size(1), half = D / 2;
+  TORCH_CHECK(!rotate || cos.size(0) >= cap, "cos/sin table shorter than the capacity");
+  auto k_out = torch::empty({H, e, D}, keys.options()), v_out = torch::empty({H, e, D}, keys.options());
+  const float *kp = keys.data_ptr<float>(), *vp = values.data_ptr<float>();
+  const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
+  float *ko = k_out.data_ptr<float>(), *vo = v_out.data_ptr<float>();
+  const int64_t* ix = slots.data_ptr<int64_t>();
+  pybind11::gil_scoped_release no_gil;
+  at::parallel_for(0, H, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t h = begin; h < end; ++h)
+      for (int64_t j = 0; j < e; ++j) {
+        const int64_t t = ix[h * e + j];
+        const float* src = kp + (h * cap + t) * D;
+        float* dst = ko + (h * e + j) * D;
+        if (rotate) shift_back_row(src, dst, cp + t * half, sp + t * half, half);
+        else std::copy(src, src + D, dst);
+        std::copy(vp + (h * cap + t) * D, vp + (h * cap + t + 1) * D, vo + (h * e + j) * D);
+      }
+  });
+  return {k_out, v_out};
+}
+
+// In place: slot j of each head takes slot keep[h, j] (ascending, so keep[h, j] >= j: a slot is read before
+// anything is written over it), its key rotated back by keep[h, j] - j where `rotate` (compact positions).
+void compact(torch::Tensor keys, torch::Tensor values, torch::Tensor keep, torch::Tensor cos, torch::Tensor sin,
+             bool rotate) {
+  check_layer(keys, values, keep, cos, sin, rotate);
+  const int64_t H = keys.size(0), cap = keys.size(1), D = keys.size(2), k = keep.size(1), half = D / 2;
+  const int64_t* ix = keep.data_ptr<int64_t>();
+  for (int64_t h = 0; h < H; ++h)
+    for (int64_t j = 0; j < k; ++j)
+      TORCH_CHECK(ix[h * k + j] >= j && (j == 0 || ix[h * k + j] > ix[h * k + j - 1]), "keep slots not ascending");
+  int64_t most = 0;   // the largest shift: keep[h, j] - j grows with j
+  for (int64_t h = 0; h < H && k; ++h) most = std::max(most, ix[h * k + k - 1] - (k - 1));
+  TORCH_CHECK(!rotate || cos.size(0) > most, "cos/sin table too short");
+  float *kp = keys.data_ptr<float>(), *vp = values.data_ptr<float>();
+  const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
+  pybind11::gil_scoped_release no_gil;
+  at::parallel_for(0, H, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t h = begin; h < end; ++h)
+      for (int64_t j = 0; j < k; ++j) {
+        const int64_t t = ix[h * k + j], shift = t - j;
+        float* dst = kp + (h * cap + j) * D;
+        if (rotate) shift_back_row(kp + (h * cap + t) * D, dst, cp + shift * half, sp + shift * half, half);
+        else if (shift) std::copy(kp + (h * cap + t) * D, kp + (h * cap + t + 1) * D, dst);
+        if (shift) std::copy(vp + (h * cap + t) * D, vp + (h * cap + t + 1) * D, vp + (h * cap + j) * D);
+      }
+  });
+}
 """
 
 _module = None
@@ -203,7 +293,8 @@ def unavailable() -> Optional[str]:
 
 
 NAME = "localheap_slab_cpu"
-CFLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2")
+FUNCTIONS = ["attend", "take_rotated", "compact"]
+CFLAGS = ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2")
 LDFLAGS = ("-fopenmp",)
 BUILD_TIMEOUT_S = 600.0   # load(wait=True) gives up (the torch code answers) after this
 
@@ -242,7 +333,7 @@ def _built_module(where: Path):
 
             (where / "lock").unlink(missing_ok=True)   # torch's baton, left by a build that died
             _ninja_on_path()
-            module = load_inline(NAME, cpp_sources=[_SOURCE], functions=["attend"], build_directory=str(where),
+            module = load_inline(NAME, cpp_sources=[_SOURCE], functions=FUNCTIONS, build_directory=str(where),
                                  extra_cflags=list(CFLAGS), extra_ldflags=list(LDFLAGS))
             done.write_text(module.__file__)
             return module
@@ -286,3 +377,12 @@ def fits(query_dtype: torch.dtype, keys: torch.Tensor, G: int) -> bool:
     """Whether the kernel has an instance for this slab: float32 on the CPU, D and G instantiated."""
     return (keys.device.type == "cpu" and keys.dtype == torch.float32 == query_dtype
             and keys.shape[-1] in HEAD_DIMS and G in GROUPS)
+
+
+def evicts(keys: torch.Tensor):
+    """The built module where its eviction kernels (take_rotated, compact) take this heap layer's
+    buffers ([1, H_kv, capacity, D] float32 on the CPU, whole rows), else None (the torch code)."""
+    if not (keys.device.type == "cpu" and keys.dtype == torch.float32 and keys.shape[-1] % 2 == 0
+            and keys.shape[-1] <= 1024 and keys[0].is_contiguous()):
+        return None
+    return load()
