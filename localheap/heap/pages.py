@@ -262,19 +262,21 @@ class PageStore:
     def _append(self, layer: int, positions: np.ndarray, keys: np.ndarray, values: np.ndarray,
                 value: Optional[np.ndarray]) -> int:
         L = self.layers[layer]
-        value = np.zeros(positions.shape, np.float32) if value is None else value.astype(np.float32)
-        L.tail_pos = np.concatenate([L.tail_pos, positions.astype(np.int64)], axis=1)
-        L.tail_k = np.concatenate([L.tail_k, keys.astype(np.float32)], axis=1)
-        L.tail_v = np.concatenate([L.tail_v, values.astype(np.float32)], axis=1)
-        L.tail_value = np.concatenate([L.tail_value, value], axis=1)
+        value = np.zeros(positions.shape, np.float32) if value is None else value
+        incoming = (positions, keys, values, value)
+        tails = (L.tail_pos, L.tail_k, L.tail_v, L.tail_value)
         P, written = self.g.page_size, 0
-        m = L.tail_pos.shape[1] // P   # full pages: their records built together, written one by one
+        m = (L.tail_pos.shape[1] + positions.shape[1]) // P   # full pages: their records built together
+        cut = 0
         if m:
-            recs, spans = self._records(L.tail_pos[:, :m * P], L.tail_k[:, :m * P], L.tail_v[:, :m * P],
-                                        L.tail_value[:, :m * P])
+            cut = m * P - L.tail_pos.shape[1]   # the incoming tokens that complete them
+            # the partial page and the incoming tokens in one copy each (cast to the tail's dtype on the way)
+            full = [np.concatenate([t, x[:, :cut]], axis=1, dtype=t.dtype) for t, x in zip(tails, incoming)]
+            recs, spans = self._records(*full)
             written = self._write_pages(layer, recs, spans)
-            L.tail_pos, L.tail_k, L.tail_v, L.tail_value = (
-                a[:, m * P:] for a in (L.tail_pos, L.tail_k, L.tail_v, L.tail_value))
+            tails = tuple(t[:, :0] for t in tails)
+        L.tail_pos, L.tail_k, L.tail_v, L.tail_value = (
+            np.concatenate([t, x[:, cut:]], axis=1, dtype=t.dtype) for t, x in zip(tails, incoming))
         if written:
             self.enforce_budget()
         return written
@@ -283,20 +285,22 @@ class PageStore:
         """m full pages (pos, value [H, m P]; k, v [H, m P, D]) as m records, all but their seq and
         checksums (set as each is written), and their spans [m, H, 2]. Each page's summaries and
         payload are what building that page alone gives (the same reductions over the same P
-        tokens, tested bit for bit)."""
+        tokens, tested bit for bit). The reductions run over the [H, m, P, D] views of the inputs
+        and are written into the records' [m, H, ...] fields through transposed views: no copy of
+        the pages in between."""
         H, n = pos.shape
         P = self.g.page_size
         m = n // P
-        pos = np.ascontiguousarray(pos.reshape(H, m, P).transpose(1, 0, 2))                # [m, H, P]
-        k = np.ascontiguousarray(k.reshape(H, m, P, -1).transpose(1, 0, 2, 3))            # [m, H, P, D]
-        v = np.ascontiguousarray(v.reshape(H, m, P, -1).transpose(1, 0, 2, 3))
+        pos = pos.reshape(H, m, P)
+        k, v = k.reshape(H, m, P, -1), v.reshape(H, m, P, -1)
         recs = np.zeros(m, self.dtype)
         recs["magic"], recs["n"] = MAGIC, P
         recs["value"] = value.reshape(H, m, P).max(axis=(0, 2))
-        recs["positions"] = pos
-        recs["kmin"], recs["kmax"], recs["kmean"] = k.min(axis=2), k.max(axis=2), k.mean(axis=2)   # [m, H, D] each
-        encode(recs, self.g.fmt, k, v)
-        return recs, np.stack([pos.min(axis=2), pos.max(axis=2)], axis=2)
+        recs["positions"] = pos.transpose(1, 0, 2)
+        for f, reduce in (("kmin", np.min), ("kmax", np.max), ("kmean", np.mean)):
+            recs[f] = reduce(k, axis=2).transpose(1, 0, 2)                            # [m, H, D] each
+        encode(recs, self.g.fmt, k.transpose(1, 0, 2, 3), v.transpose(1, 0, 2, 3))
+        return recs, np.stack([pos.min(axis=2), pos.max(axis=2)], axis=2).transpose(1, 0, 2)
 
     def _write_pages(self, layer: int, recs: np.ndarray, spans: np.ndarray) -> int:
         """Write _records' pages into the lowest free slots, in order: each run of consecutive slots
@@ -317,7 +321,7 @@ class PageStore:
         written = 0
         for a, b in zip(cuts[:-1], cuts[1:]):
             try:
-                self._pwrite(layer, recs[a:b].tobytes(), int(slots[a]) * self.record_bytes)
+                self._pwrite(layer, recs[a:b].view(np.uint8), int(slots[a]) * self.record_bytes)
             except OSError:
                 L.free.extend(slots[a:].tolist())   # this run and the rest, page by page
                 L.free.sort(reverse=True)
@@ -341,7 +345,7 @@ class PageStore:
         slot = L.free.pop()
         self._seal(rec)
         try:
-            self._pwrite(layer, rec.tobytes(), slot * self.record_bytes)
+            self._pwrite(layer, rec.view(np.uint8), slot * self.record_bytes)
         except OSError as e:
             L.free.append(slot)
             L.free.sort(reverse=True)
