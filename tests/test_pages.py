@@ -2,6 +2,7 @@
 scoring, and the recall bookkeeping of LayerHeap."""
 
 import os
+import sys
 
 import numpy as np
 import pytest
@@ -329,6 +330,24 @@ def test_page_writer_runs_jobs_in_order_and_reports_errors():
     w.submit(lambda: 1 / 0)
     with pytest.raises(ZeroDivisionError):
         w.drain()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="thread priorities: Linux only")
+@pytest.mark.parametrize("nice", [0, 5, 19])
+def test_page_writer_runs_below_the_engine_threads(monkeypatch, nice):
+    """The writer's thread takes a core only when the engine's threads leave one (Linux: its nice
+    value raised by WRITER_NICE, capped at 19); the thread that submits keeps its own."""
+    import threading
+
+    from localheap.heap import recall
+
+    monkeypatch.setattr(recall, "WRITER_NICE", nice)
+    here = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    w, seen = PageWriter(), []
+    w.submit(lambda: seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id())))
+    w.close()
+    assert seen == [min(19, here + nice)]
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == here
 
 
 def test_heap_pins_recalled_slots_and_releases_them():

@@ -10,6 +10,8 @@ the best over the question's queries (any query head of the KV head's group).
 from __future__ import annotations
 
 import atexit
+import os
+import sys
 import threading
 import time
 import weakref
@@ -238,6 +240,7 @@ class PageWriter:
             raise err
 
     def _run(self) -> None:
+        _lower_priority()
         while True:
             with self._cv:
                 while not self._jobs:
@@ -258,6 +261,23 @@ class PageWriter:
 
 
 _WRITERS: "weakref.WeakSet[PageWriter]" = weakref.WeakSet()
+
+WRITER_NICE = int(os.environ.get("LOCALHEAP_WRITER_NICE", "19"))
+
+
+def _lower_priority() -> None:
+    """Linux: the calling thread's nice value raised by WRITER_NICE (19, the lowest priority, by
+    default; `LOCALHEAP_WRITER_NICE` sets it, 0 leaves it). The writer then takes a core when the
+    engine's threads leave one free, instead of halving the decode steps beside an eviction on a
+    machine whose cores the engine uses (docs/serve_bench.md, "Sixth round"). It cannot starve a
+    drain: the engine thread waiting on one leaves its core to the writer. Elsewhere (macOS) the
+    thread keeps the process's priority."""
+    if WRITER_NICE and sys.platform.startswith("linux"):
+        try:
+            tid = threading.get_native_id()
+            os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + WRITER_NICE))
+        except OSError:
+            pass
 
 
 @atexit.register
