@@ -332,6 +332,27 @@ def test_page_writer_runs_jobs_in_order_and_reports_errors():
         w.drain()
 
 
+def test_page_writer_bounds_the_jobs_waiting_behind_it():
+    """A writer that falls behind (a low-priority thread on busy cores) makes submit wait once
+    MAX_QUEUED jobs wait, so evicted K/V cannot pile up in RAM; every job still runs, in order."""
+    import threading
+
+    w, seen, gate, running = PageWriter(), [], threading.Event(), threading.Event()
+    w.submit(lambda: (running.set(), gate.wait()))   # the running job, held
+    assert running.wait(5)
+    for i in range(PageWriter.MAX_QUEUED):
+        w.submit(lambda i=i: seen.append(i))
+    extra = threading.Thread(target=lambda: w.submit(lambda: seen.append("extra")))
+    extra.start()
+    extra.join(0.3)
+    assert extra.is_alive() and seen == []   # the queue is full: submit waits
+    gate.set()
+    extra.join(5)
+    assert not extra.is_alive()
+    w.drain()
+    assert seen == [*range(PageWriter.MAX_QUEUED), "extra"]
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="thread priorities: Linux only")
 @pytest.mark.parametrize("nice", [0, 5, 19])
 def test_page_writer_runs_below_the_engine_threads(monkeypatch, nice):

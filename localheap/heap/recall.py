@@ -202,6 +202,7 @@ class PageWriter:
     """
 
     IDLE_S = 5.0
+    MAX_QUEUED = 4   # jobs waiting behind the running one before submit waits
 
     def __init__(self):
         self._jobs: deque[Callable[[], None]] = deque()
@@ -224,7 +225,12 @@ class PageWriter:
             self._closed = False
 
     def submit(self, job: Callable[[], None]) -> None:
+        """Queue `job`; with MAX_QUEUED jobs already waiting, first wait until one has run: the
+        engine thread then lends its core to the writer, which runs at a low priority (a long
+        document read, all cores busy, must not pile its evicted K/V up in RAM behind it)."""
         with self._cv:
+            while len(self._jobs) >= self.MAX_QUEUED and self._thread is not None and self._thread.is_alive():
+                self._cv.wait()
             self._jobs.append(job)
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._run, name="localheap-pages", daemon=True)
