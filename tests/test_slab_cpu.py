@@ -176,10 +176,8 @@ def test_eviction_kernels_give_the_torch_bits(D, H, cap, n, k):
     want_k = rope.shift_back(torch.gather(keys, 1, gone[..., None].expand(-1, -1, D)), gone, cap)
     want_v = torch.gather(values, 1, gone[..., None].expand(-1, -1, D))
     cos, sin = rope.table(keys.device, cap)
-    got_k, got_v = module.take_rotated(keys, values, gone, cos, sin, True)
+    got_k, got_v = module.take_rotated(keys, values, gone, cos, sin)
     assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
-    raw_k, _ = module.take_rotated(keys, values, gone, cos, sin, False)
-    assert torch.equal(raw_k, torch.gather(keys, 1, gone[..., None].expand(-1, -1, D)))
     # repack: the kept slots to the front, rotated back by how far each moves; slots past keep untouched
     deltas = torch.arange(k) - keep
     want_keys = rope.shift_back(torch.gather(keys, 1, keep[..., None].expand(-1, -1, D)), -deltas, n - k)
@@ -200,7 +198,7 @@ def test_compact_refuses_slots_out_of_order():
     with pytest.raises(RuntimeError, match="ascending"):
         slab_cpu.load().compact(keys, values, torch.tensor([[0, 5, 3]]), cos, sin, True)
     with pytest.raises(RuntimeError, match="out of range"):
-        slab_cpu.load().take_rotated(keys, values, torch.tensor([[0, 10]]), cos, sin, True)
+        slab_cpu.load().take_rotated(keys, values, torch.tensor([[0, 10]]), cos, sin)
 
 
 @pytest.mark.usefixtures("kernel")

@@ -25,13 +25,13 @@ def gather_evicted(cache, plan) -> list[tuple]:
     wire = torch.float32 if cache.cfg.page_format == "f32" else torch.float16
 
     def take(layer, idx: torch.Tensor, scores: torch.Tensor) -> tuple:
-        n = layer.heap.resident
         value = torch.gather(scores, 1, idx).float()
         kernel = slab_cpu.evicts(layer.keys) if layer.heap.cfg.positions != "absolute" else None
         if kernel is not None:   # gathered and un-rotated in one pass, the same bits
             cos, sin = layer.rope.table(layer.device, layer.keys.shape[2])
-            pre, values = kernel.take_rotated(layer.keys[0], layer.values[0], idx.contiguous(), cos, sin, True)
+            pre, values = kernel.take_rotated(layer.keys[0], layer.values[0], idx.contiguous(), cos, sin)
             return pre.to(wire), values.to(wire), value
+        n = layer.heap.resident
         gather_idx = idx[..., None].expand(-1, -1, layer.keys.shape[-1])
         keys = torch.gather(layer.keys[0, :, :n], 1, gather_idx).float()
         values = torch.gather(layer.values[0, :, :n], 1, gather_idx)

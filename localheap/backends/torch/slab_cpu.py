@@ -218,13 +218,12 @@ static void check_layer(const torch::Tensor& keys, const torch::Tensor& values, 
 }
 
 // keys, values: [H, capacity, D]; slots: [H, e] (ascending). Returns the slots' keys rotated back by their
-// slot index (compact positions: a key sits rotated at its slot; `rotate` false: as stored) and their values,
-// both [H, e, D] float32 copies.
+// slot index (compact positions: a key sits rotated at its slot) and their values, both [H, e, D] float32 copies.
 std::vector<torch::Tensor> take_rotated(torch::Tensor keys, torch::Tensor values, torch::Tensor slots,
-                                        torch::Tensor cos, torch::Tensor sin, bool rotate) {
-  check_layer(keys, values, slots, cos, sin, rotate);
+                                        torch::Tensor cos, torch::Tensor sin) {
+  check_layer(keys, values, slots, cos, sin, true);
   const int64_t H = keys.size(0), cap = keys.size(1), D = keys.size(2), e = slots.size(1), half = D / 2;
-  TORCH_CHECK(!rotate || cos.size(0) >= cap, "cos/sin table shorter than the capacity");
+  TORCH_CHECK(cos.size(0) >= cap, "cos/sin table shorter than the capacity");
   auto k_out = torch::empty({H, e, D}, keys.options()), v_out = torch::empty({H, e, D}, keys.options());
   const float *kp = keys.data_ptr<float>(), *vp = values.data_ptr<float>();
   const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
@@ -237,8 +236,7 @@ std::vector<torch::Tensor> take_rotated(torch::Tensor keys, torch::Tensor values
         const int64_t t = ix[h * e + j];
         const float* src = kp + (h * cap + t) * D;
         float* dst = ko + (h * e + j) * D;
-        if (rotate) shift_back_row(src, dst, cp + t * half, sp + t * half, half);
-        else std::copy(src, src + D, dst);
+        shift_back_row(src, dst, cp + t * half, sp + t * half, half);
         std::copy(vp + (h * cap + t) * D, vp + (h * cap + t + 1) * D, vo + (h * e + j) * D);
       }
   });
