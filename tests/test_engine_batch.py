@@ -30,6 +30,12 @@ def REQUESTS(demo):
     return requests_for(demo)
 
 
+def needs_lane(backend):
+    """The prefill lane is the torch CPU default (engine/lane.py); on CUDA chunks ride in the step."""
+    if not getattr(backend, "concurrent_prefill", False):
+        pytest.skip(f"the prefill lane runs on the CPU only (this backend is on {backend.device})")
+
+
 def test_batched_engine_gives_each_session_its_tokens_alone(demo, REQUESTS, monkeypatch):
     want = alone_texts(demo, REQUESTS)
     log = StepLog(demo, monkeypatch)
@@ -137,6 +143,7 @@ class LaneLog:
 def test_a_document_read_on_the_prefill_lane_beside_the_decoding_chat(demo, REQUESTS, monkeypatch):
     """With the lane (the torch CPU default) a document's chunks are read on a second thread while
     the chat decodes; the chat's tokens and the document's heap are exactly theirs alone."""
+    needs_lane(demo)
     log = LaneLog(demo, monkeypatch)
     eng = log.eng = engine(demo)
     doc = ids(600, 12)
@@ -162,6 +169,7 @@ def test_turns_that_start_together_read_their_prompts_in_one_pass(demo, REQUESTS
     shorter than a mixed chunk are read in one forward before any decodes (none waits for the
     lane, which reads one chunk at a time); the longer one goes to the lane once the others
     decode, until what is left of it rides too; each reply is its reply alone."""
+    needs_lane(demo)
     calls, threads = [], []
     step_rows, prefill = demo.step_rows, demo.prefill
 
@@ -228,6 +236,7 @@ def test_a_document_cancelled_or_deleted_while_the_lane_reads_it(demo, REQUESTS)
 def test_the_lane_and_the_engine_thread_split_the_cores(demo, REQUESTS, monkeypatch):
     """With 4 intra-op threads: 2 on the lane and 2 on the engine thread while a chunk is in
     flight, 4 on the engine thread when the lane is idle."""
+    needs_lane(demo)
     before = torch.get_num_threads()
     torch.set_num_threads(4)
     try:

@@ -118,7 +118,7 @@ def test_demo_model_greedy_tokens_in_a_batch_equal_alone(demo, slabs, slab_kerne
     assert len(evictions - {0}) >= 2, "rows evicted, at different steps"
     for (_, _, cache), got in zip(want, caches):
         assert_same_heap(cache, got, atol=1e-4)
-    if slabs is not None and slab_kernel is not None and not slab_cpu.unavailable():
+    if slabs is not None and slab_kernel is not None and not slab_cpu.unavailable() and demo.device.type == "cpu":
         cfg = demo.model.config   # earlier tests in this process may have run it on other shapes
         key = (cfg.num_key_value_heads, cfg.num_attention_heads // cfg.num_key_value_heads, cfg.head_dim)
         assert slab._KERNEL.verdicts.get(key) is True, "the kernel ran and agreed with torch"

@@ -162,7 +162,9 @@ def test_cuda_allocated_bytes_constant(model_dirs):
     before = backend.memory()["active"]
     prefill(backend.model, cache, tokens[500:])
     torch.cuda.synchronize()
-    assert backend.memory()["active"] == before
+    # 2,500 more tokens through a full heap: nothing grows (an H200 run ended 8 KiB below, a
+    # temporary of the first chunks freed); one KV row kept per token would add megabytes
+    assert backend.memory()["active"] <= before
 
 
 @pytest.mark.parametrize("family,policy", [("llama", "h2o"), ("llama", "snapkv"), ("llama", "geometry"),

@@ -19,7 +19,8 @@ pytestmark = pytest.mark.usefixtures("torch_one_thread")
 
 @pytest.fixture(scope="module")
 def llama(model_dirs):
-    return TorchBackend.load(model_dirs("llama"))
+    # the CPU in float32 on every machine: these compare the pages' bits with numpy
+    return TorchBackend.load(model_dirs("llama"), device="cpu", dtype=torch.float32)
 
 
 def stock_kv(backend, tokens):
