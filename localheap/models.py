@@ -115,8 +115,13 @@ def load_backend(spec: Optional[str], backend: str = "auto"):
     from . import randbig
 
     if spec is not None and spec.startswith("random:") and randbig.is_real_shape(spec[len("random:"):]):
-        if detect_backend(backend) != "torch":
+        if backend == "mlx":
             raise ModelNotFound(f"{spec} is built in memory by the torch backend only; pass --backend torch")
+        try:   # auto picks torch for these shapes wherever torch loads (an Apple machine too)
+            from .backends import torch as _  # noqa: F401
+        except ImportError as e:
+            raise ModelNotFound(f"{spec} is built in memory by the torch backend, which is unavailable ({e}); "
+                                f"pip install 'localheap[torch]'") from e
         return randbig.load_torch_backend(spec[len("random:"):])
     path, name = resolve_model(spec)
     kind = detect_backend(backend)

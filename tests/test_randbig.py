@@ -30,9 +30,25 @@ def test_in_memory_backend_generates(monkeypatch, torch_one_thread):
     small = dict(fields, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                  head_dim=16, intermediate_size=128, vocab_size=2048)
     monkeypatch.setitem(randbig.SHAPES, "llama:8b", (family, small))
-    backend = load_backend("random:llama:8b", "torch")
+    backend = load_backend("random:llama:8b", "auto")   # auto takes torch for these shapes
     assert backend.device.type == ("cuda" if torch.cuda.is_available() else "cpu")
     cache = backend.new_cache(HeapConfig(budget=32, sinks=4, recent=8, slack=8, prefill_chunk=16))
     out = list(backend.generate(cache, list(range(10, 110)), SamplingParams(max_tokens=5)))
     assert len(out) == 5 and cache.stats().evicted > 0
     assert "in memory" in backend.model_name
+
+
+def test_the_backend_choice_for_in_memory_shapes(monkeypatch):
+    """--backend mlx is refused; auto says why torch cannot load rather than falling back to mlx."""
+    import sys
+
+    from localheap.models import ModelNotFound, load_backend
+
+    with pytest.raises(ModelNotFound, match="torch backend only"):
+        load_backend("random:llama:8b", "mlx")
+    import localheap.backends
+
+    monkeypatch.setitem(sys.modules, "localheap.backends.torch", None)   # import fails as without torch
+    monkeypatch.delattr(localheap.backends, "torch", raising=False)
+    with pytest.raises(ModelNotFound, match="unavailable"):
+        load_backend("random:llama:8b", "auto")
