@@ -51,11 +51,13 @@ def page_record(s, seq, pos, k, v, value):
     return rec.tobytes()
 
 
+@pytest.mark.parametrize("wire", ["float32", "float16"])
 @pytest.mark.parametrize("fmt", ["f32", "f16", "int8"])
-def test_pages_written_together_are_the_pages_written_one_by_one(tmp_path, fmt):
+def test_pages_written_together_are_the_pages_written_one_by_one(tmp_path, fmt, wire):
     """Appends of many pages at once (an eviction event) write, page for page, the bytes that
     building each page alone gives: summaries, payload, value, seq and checksums; and the RAM
-    spans and values are each page's."""
+    spans and values are each page's. K/V that come in as float16 (the backends' wire for the f16
+    and int8 formats) give the pages of their float32 values."""
     rng = np.random.default_rng(11)
     s = PageStore(tmp_path / "pages", PageGeometry(1, 3, 16, 8, fmt), summary="minmax")
     H, D, P = 3, 16, 8
@@ -63,10 +65,11 @@ def test_pages_written_together_are_the_pages_written_one_by_one(tmp_path, fmt):
     start = 0
     for n in (5, 37, 64, 3, 70):                 # partial pages carried over between appends
         pos = np.stack([rng.permutation(np.arange(start, start + 3 * n))[:n] for _ in range(H)])
-        k = (rng.standard_normal((H, n, D)) * rng.choice([0.01, 1, 100])).astype(np.float32)
-        v = rng.standard_normal((H, n, D)).astype(np.float32)
+        k = (rng.standard_normal((H, n, D)) * rng.choice([0.01, 1, 100])).astype(wire)
+        v = rng.standard_normal((H, n, D)).astype(wire)
         value = rng.standard_normal((H, n)).astype(np.float32)
         s.append(0, pos, k, v, value)
+        k, v = k.astype(np.float32), v.astype(np.float32)   # the reference: float32 values
         for a, b in ((pos_all, pos), (k_all, k), (v_all, v), (val_all, value)):
             a.append(b)
         start += 3 * n
@@ -80,6 +83,39 @@ def test_pages_written_together_are_the_pages_written_one_by_one(tmp_path, fmt):
         assert raw[j * s.record_bytes: (j + 1) * s.record_bytes] == want, j
         np.testing.assert_array_equal(s.layers[0].span[j], np.stack([pos[:, t].min(axis=1), pos[:, t].max(axis=1)], axis=1))
         assert s.layers[0].value[j] == np.float32(value[:, t].max())
+
+
+@pytest.mark.parametrize("fmt", ["f16", "int8"])
+def test_float16_partial_pages_checkpoint_and_reopen_as_float32_ones(tmp_path, fmt):
+    """A store fed float16 K/V keeps its partial page in float16; checkpointed and reopened
+    mid-page it goes on to write the bytes, tails and state of a store fed the same values as float32."""
+    stores = {}
+    for wire in ("float16", "float32"):
+        root = tmp_path / wire
+        s = PageStore(root / "pages", PageGeometry(2, H, D, P, fmt), summary="minmax")
+        data = np.random.default_rng(5)
+        start = 0
+        for i, n in enumerate((3, 6, 1, 9, 2)):   # 21 tokens: whole pages and a partial one each time
+            pos, k, v = evicted(data, n, start)
+            k = k.astype(np.float16).astype(wire)
+            v = v.astype(np.float16).astype(wire)
+            for layer in range(2):
+                s.append(layer, pos, k, v)
+            start += n
+            if i == 2:   # reopen from a checkpoint taken with a partial page pending
+                s.checkpoint()
+                s.close()
+                s = PageStore(root / "pages", PageGeometry(2, H, D, P, fmt), summary="minmax")
+        stores[wire] = s
+    a, b = stores["float16"], stores["float32"]
+    assert a.pages == b.pages > 0
+    for layer in range(2):
+        name = f"layer{layer:03d}.pages"
+        assert (tmp_path / "float16" / "pages" / name).read_bytes() == (tmp_path / "float32" / "pages" / name).read_bytes()
+        for x, y in zip(a.tail(layer), b.tail(layer)):
+            assert x.dtype == y.dtype and np.array_equal(x, y)
+        for f in a.layers[layer].sums:
+            np.testing.assert_array_equal(a.layers[layer].sums[f], b.layers[layer].sums[f])
 
 
 def test_int8_pages_within_the_stated_error(tmp_path):

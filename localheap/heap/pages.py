@@ -125,6 +125,14 @@ def _byte_run(dtype: np.dtype, fields) -> slice:
 SUMMARY_FIELDS = {"minmax": ("kmin", "kmax"), "mean": ("kmean",)}
 
 
+def _join(tail: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """The partial page followed by incoming tokens (axis 1), one copy. An empty tail takes the
+    incoming dtype (float16 K/V from the wire stay float16: the f16 format stores them as they
+    are); otherwise the wider of the two (float16 -> float32 is exact)."""
+    dtype = x.dtype if tail.shape[1] == 0 else np.result_type(tail.dtype, x.dtype)
+    return np.concatenate([tail, x], axis=1, dtype=dtype)
+
+
 class _Layer:
     """RAM side of one layer's file: summaries of the live records, the partial page, free slots."""
 
@@ -270,13 +278,12 @@ class PageStore:
         cut = 0
         if m:
             cut = m * P - L.tail_pos.shape[1]   # the incoming tokens that complete them
-            # the partial page and the incoming tokens in one copy each (cast to the tail's dtype on the way)
-            full = [np.concatenate([t, x[:, :cut]], axis=1, dtype=t.dtype) for t, x in zip(tails, incoming)]
+            # the partial page and the incoming tokens in one copy each
+            full = [_join(t, x[:, :cut]) for t, x in zip(tails, incoming)]
             recs, spans = self._records(*full)
             written = self._write_pages(layer, recs, spans)
             tails = tuple(t[:, :0] for t in tails)
-        L.tail_pos, L.tail_k, L.tail_v, L.tail_value = (
-            np.concatenate([t, x[:, cut:]], axis=1, dtype=t.dtype) for t, x in zip(tails, incoming))
+        L.tail_pos, L.tail_k, L.tail_v, L.tail_value = (_join(t, x[:, cut:]) for t, x in zip(tails, incoming))
         if written:
             self.enforce_budget()
         return written
@@ -297,9 +304,12 @@ class PageStore:
         recs["magic"], recs["n"] = MAGIC, P
         recs["value"] = value.reshape(H, m, P).max(axis=(0, 2))
         recs["positions"] = pos.transpose(1, 0, 2)
+        k32 = k.astype(np.float32, copy=False)   # float16 keys (the wire's) upcast exactly: the same sums
         for f, reduce in (("kmin", np.min), ("kmax", np.max), ("kmean", np.mean)):
-            recs[f] = reduce(k, axis=2).transpose(1, 0, 2)                            # [m, H, D] each
-        encode(recs, self.g.fmt, k.transpose(1, 0, 2, 3), v.transpose(1, 0, 2, 3))
+            recs[f] = reduce(k32, axis=2).transpose(1, 0, 2)                          # [m, H, D] each
+        if self.g.fmt == "int8":   # quantized from float32, whatever came in
+            k, v = k32, v.astype(np.float32, copy=False)
+        encode(recs, self.g.fmt, k.transpose(1, 0, 2, 3), v.transpose(1, 0, 2, 3))   # float16 in: copied as is
         return recs, np.stack([pos.min(axis=2), pos.max(axis=2)], axis=2).transpose(1, 0, 2)
 
     def _write_pages(self, layer: int, recs: np.ndarray, spans: np.ndarray) -> int:
@@ -539,7 +549,7 @@ class PageStore:
     def tail(self, layer: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The layer's partial page (evicted, not yet written): positions [H, t], keys, values [H, t, D]."""
         L = self.layers[layer]
-        return L.tail_pos, L.tail_k, L.tail_v
+        return L.tail_pos, L.tail_k.astype(np.float32, copy=False), L.tail_v.astype(np.float32, copy=False)
 
     def read(self, layer: int, slots: np.ndarray, strict: bool = False) -> np.ndarray:
         """Records of the given slots. One that fails its check (torn, overwritten, bit rot) comes
