@@ -28,6 +28,18 @@ def test_run_speed_rows_and_ratios(model_dirs):
     assert torch.is_grad_enabled(), "the stock loop must not leak no_grad"
 
 
+def test_paging_rows_time_the_next_questions_recall(model_dirs):
+    """bench speed --recall on: the paging row gets the next question's recall (it recalled the
+    full region after 400 tokens through a 96-slot heap), the others none."""
+    backend = TorchBackend.load(model_dirs("llama"))
+    cfg = HeapConfig(budget=96, sinks=4, recent=16, slack=32, recall_budget=32, page_size=8)
+    rows = run_speed(backend, [400], cfg, decode_tokens=4, paths=("stock-full", "heap", "heap-paging"), threads=1)
+    by = {r["path"]: r for r in rows}
+    paging = by["heap-paging"]
+    assert paging["recalled_tokens"] == 32 and 0 < paging["recall_ms"] <= paging["question_ms"]
+    assert "question_ms" not in by["heap"] and "question_ms" not in by["stock-full"]
+
+
 def test_bandwidth_bound(model_dirs):
     """The bound's arithmetic (on CUDA by default; forced here on the CPU)."""
     backend = TorchBackend.load(model_dirs("llama"))

@@ -256,6 +256,8 @@ def run_speed(args) -> int:
     cols = [("context", "context", ","), ("path", "path", ""), ("prefill_tok_s", "prefill tok/s", ",.0f"),
             ("decode_tok_s", "decode tok/s", ",.1f"), ("prefill_vs_stock", "prefill x stock", ".2f"),
             ("decode_vs_stock", "decode x stock", ".2f")]
+    if any("question_ms" in r for r in rows):   # paging rows: the next question's recall, after the decode
+        cols += [("recall_ms", "recall ms", ".1f"), ("question_ms", "question ms", ".1f")]
     bound = ""
     if rows and "bound_tok_s" in rows[0]:   # CUDA: the memory-bandwidth bound, measured in this run
         cols += [("bound_tok_s", "bandwidth bound tok/s", ",.0f"), ("share_of_bound", "share of bound", ".2f")]

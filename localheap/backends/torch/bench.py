@@ -61,13 +61,33 @@ def _session(backend, path: str, prompt: list[int], max_tokens: int, cfg: HeapCo
     `-compiled` after heap or heap-fused: the lean step's per-token parts compiled (compiled.py)."""
     if path == "stock-full":
         cache = DynamicCache(config=backend.model.config)
-        return stock_tokens(backend.model, cache, prompt, max_tokens), lambda: _stock_kv_bytes(cache)
+        return stock_tokens(backend.model, cache, prompt, max_tokens), lambda: _stock_kv_bytes(cache), None
     heap = backend.new_cache(cfg.with_(recall=True) if path == "heap-paging" else cfg)   # paging: recall tier on
     heap.fused_decode = path.startswith("heap-fused")
     heap.compile_decode = path.endswith("-compiled")
     heap.lean_decode = path != "heap-transformers"
     tokens = generate_tokens(backend.model, heap, prompt, SamplingParams(max_tokens=max_tokens))
-    return tokens, lambda: heap.kv_nbytes
+    return tokens, lambda: heap.kv_nbytes, heap
+
+
+QUESTION_TOKENS = 16
+
+
+def time_question(backend, heap, seed: int) -> dict:
+    """After a paging session's decode: one more turn, a 16-token question answered with one
+    token, as a chat's next question. The recall tier runs at the turn's start (when the heap has
+    evicted): its own time (recall_ms, from the heap's recall log) and the turn's first token
+    (question_ms: recall, the question's prefill, the first sample)."""
+    before = len(heap.recall_log)
+    question = random_prompt(backend.model.config.get_text_config().vocab_size, QUESTION_TOKENS, seed=seed)
+    t0 = time.perf_counter()
+    for _ in generate_tokens(backend.model, heap, question, SamplingParams(max_tokens=1)):
+        pass
+    _sync(backend.device)
+    took = time.perf_counter() - t0
+    recalled = heap.recall_log[before:]
+    return {"question_ms": 1e3 * took, "recall_ms": recalled[-1]["ms"] if recalled else None,
+            "recalled_tokens": recalled[-1]["tokens"] if recalled else 0}
 
 
 def time_paths(backend, paths, prompt: list[int], n_decode: int, cfg: HeapConfig) -> list[dict]:
@@ -96,12 +116,21 @@ def time_paths(backend, paths, prompt: list[int], n_decode: int, cfg: HeapConfig
                 next(sessions[path][0])
                 _sync(device)
                 steps[path].append(time.perf_counter() - t0)
+        use("heap")
+        asked = {}
+        for path in paths:   # paging sessions: the next question's recall
+            heap = sessions[path][2]
+            if heap is not None and heap.pages is not None:
+                for _ in sessions[path][0]:   # the decode turn ends
+                    pass
+                asked[path] = time_question(backend, heap, seed=len(prompt))
     finally:
         use("heap")
     rows = [{"path": p, "context": len(prompt), "prefill_tok_s": len(prompt) / prefill_s[p],
              # the median step resists load bursts; the mean includes eviction steps
              "decode_tok_s": 1.0 / float(np.median(steps[p])), "decode_tok_s_mean": n_decode / sum(steps[p]),
-             "kv_bytes": sessions[p][1](), "peak_bytes": backend.memory()["peak"]} for p in paths]
+             "kv_bytes": sessions[p][1](), "peak_bytes": backend.memory()["peak"], **asked.get(p, {})}
+            for p in paths]
     del sessions
     gc.collect()
     return rows
