@@ -52,14 +52,10 @@ def test_generate_decodes_through_the_fused_kernel_only_when_asked(flag, torch_o
 
 
 @pytest.mark.parametrize("command", COMMANDS + (["bench", "profile"],), ids=lambda c: " ".join(c[:2]))
-def test_compile_decode_is_off_by_default_where_a_step_runs_alone(command):
+def test_compile_decode_is_off_by_default_on_every_command(command):
     """generate and the benches decode one sequence (the compiled step); serve and chat decode in
-    batches, which stay uncompiled, so they do not take the flag."""
+    batches (the compiled packed step); every command takes the flag, off by default."""
     parser = build_parser()
-    if command[0] in ("serve", "chat"):
-        with pytest.raises(SystemExit):
-            parser.parse_args([*command, "--compile-decode"])
-        return
     assert parser.parse_args(command).compile_decode is False
     assert parser.parse_args([*command, "--compile-decode"]).compile_decode is True
 

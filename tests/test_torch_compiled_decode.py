@@ -89,8 +89,8 @@ def test_the_compiled_graphs_are_cached_by_shape_and_reloaded(backend, tmp_path,
     from localheap.models import demo_model_dir
 
     folder = compiled._cache_dir()
-    packages = sorted(folder.rglob("*.pt2"))
-    assert [p.name for p in packages] == ["first.pt2", "last.pt2", "middle.pt2"]
+    packages = {p.name for p in folder.rglob("*.pt2")}
+    assert {"first.pt2", "last.pt2", "middle.pt2"} <= packages
     other = TorchBackend.load(demo_model_dir(), model_name="demo", dtype=torch.float32)
     with torch.no_grad():
         for p in other.model.parameters():
@@ -119,3 +119,95 @@ def test_a_compiled_step_that_differs_here_keeps_the_eager_step(backend, monkeyp
     tokens, _, calls = run(other, HeapConfig(budget=512), text_ids(other, 64), True, max_tokens=8,
                            monkeypatch=pytest.MonkeyPatch())
     assert calls == 0 and len(tokens) == 8
+
+
+def test_the_decode_batch_compiled_is_the_eager_batch(backend, monkeypatch):
+    """serve's and chat's packed step: three rows of different lengths in a slab, evicting at
+    different steps, and a document's chunks riding beside them for half the steps. Every step's
+    logits through the packed graphs equal the eager packed step's, bit for bit."""
+    from localheap.backends.torch.batch import start_row, step_rows
+
+    cfg = HeapConfig(budget=64, sinks=4, recent=8, slack=16, prefill_chunk=32, recall=False)
+    ids = text_ids(backend, 300)
+    prompts = [ids[:40], ids[10:100], ids[50:170]]
+
+    def run_batch(on: bool):
+        backend.compile_decode = on
+        try:
+            caches = [backend.new_cache(cfg) for _ in prompts]
+            rows = [start_row(backend.model, c, p, SamplingParams(max_tokens=10**6)) for c, p in zip(caches, prompts)]
+            doc = backend.new_cache(cfg)
+            backend.prefill(doc, ids[:60])
+            slabs, out = {}, []
+            for step in range(40):
+                chunks = [(doc, ids[100 + 3 * step: 103 + 3 * step])] if step < 20 else []
+                assert step_rows(backend.model, rows, chunks, slabs=slabs) == [None] * (len(rows) + len(chunks))
+                out.append(torch.stack([r.logits for r in rows]))
+            return torch.stack(out), [c.heap_layers[0].heap.evictions for c in caches + [doc]]
+        finally:
+            backend.compile_decode = False
+
+    assert compiled.compiled_packed(backend.model) is not None   # built and checked before counting
+    calls = []
+    original = compiled.CompiledDecode.run
+    monkeypatch.setattr(compiled.CompiledDecode, "run", lambda self, *a: calls.append(1) or original(self, *a))
+    eager, evictions = run_batch(False)
+    assert not calls
+    comp, again = run_batch(True)
+    assert len(calls) == 40, "every step through the packed graphs"
+    assert torch.equal(comp, eager) and again == evictions
+    assert len(set(evictions[:3]) - {0}) >= 2 and evictions[3] > 0, "rows and the document evicted"
+
+
+def test_serve_and_chat_build_the_batch_graphs_at_startup(backend, monkeypatch, caplog):
+    """--compile-decode on serve or chat builds and checks the packed graphs before the first
+    request (torch); on a backend without them (mlx) it says the batch stays uncompiled."""
+    from types import SimpleNamespace
+
+    from localheap.cli import build_parser
+    from localheap.commands.common import apply_decode_attention
+
+    built = []
+    monkeypatch.setattr(compiled, "compiled_packed", lambda model: built.append(model) or object())
+    for command in ("serve", "chat"):
+        args = build_parser().parse_args([command, "--compile-decode"])
+        try:
+            apply_decode_attention(backend, args, batched=True)
+            assert backend.compile_decode
+        finally:
+            backend.compile_decode = False
+    assert built == [backend.model, backend.model]
+    mlx = SimpleNamespace(name="mlx", compile_decode=False)
+    with caplog.at_level("WARNING", logger="localheap"):
+        apply_decode_attention(mlx, build_parser().parse_args(["serve", "--compile-decode"]), batched=True)
+    assert mlx.compile_decode and "stays uncompiled on the mlx backend" in caplog.text
+
+
+def test_a_packed_step_that_differs_here_stays_eager(backend, monkeypatch, caplog):
+    """Where the packed graphs' check finds other logits, packed steps run the eager lean step."""
+    from localheap.models import demo_model_dir
+
+    other = TorchBackend.load(demo_model_dir(), model_name="demo", dtype=torch.float32)
+    monkeypatch.setattr(compiled, "agrees_packed", lambda *a, **k: False)
+    with caplog.at_level("WARNING", logger="localheap.torch"):
+        assert compiled.compiled_packed(other.model) is None
+    assert "packed step stays eager" in caplog.text
+    other.compile_decode = True
+    cache = other.new_cache(HeapConfig(budget=64, recent=8, slack=16))
+    step = lean.lean_packed(other.model, [cache])
+    assert step is not None and not isinstance(step, compiled.CompiledDecode)
+
+
+def test_batch_step_bench_times_the_compiled_packed_step(backend, monkeypatch):
+    """bench batch-step --compile-decode: each batch size eager and through the packed graphs,
+    and every heap back to eager after."""
+    from localheap.bench.batch_step import rows_table
+
+    assert compiled.compiled_packed(backend.model) is not None
+    calls = []
+    original = compiled.CompiledDecode.run
+    monkeypatch.setattr(compiled.CompiledDecode, "run", lambda self, *a: calls.append(1) or original(self, *a))
+    cfg = HeapConfig(budget=64, sinks=4, recent=16, slack=16, prefill_chunk=48, recall=False)
+    rows = rows_table(backend, cfg, 100, [1, 2], steps=2, repeats=2, compiled=True)
+    assert [r["rows"] for r in rows] == [1, 2] and all(r["compiled_ms"] > 0 and r["compiled_x"] > 0 for r in rows)
+    assert len(calls) == 2 * 2 * (1 + 2), "rounds x sizes x (the joining step + the timed ones)"

@@ -42,7 +42,10 @@ def _cpu(fn, n: int, clock=time.thread_time) -> float:
     return (clock() - t) / n
 
 
-def rows_table(backend, cfg, context: int, batch: list[int], steps: int, repeats: int) -> list[dict]:
+def rows_table(backend, cfg, context: int, batch: list[int], steps: int, repeats: int,
+               compiled: bool = False) -> list[dict]:
+    """`compiled` (torch, --compile-decode): each batch size also through the compiled packed
+    step, interleaved with the eager one in every round (columns `compiled ms`, `x eager`)."""
     clock = cpu_clock(backend)
     most = max(batch)
     caches = []
@@ -58,16 +61,27 @@ def rows_table(backend, cfg, context: int, batch: list[int], steps: int, repeats
 
     times: dict[int, list[float]] = {n: [] for n in batch}
     walls: dict[int, list[float]] = {n: [] for n in batch}
-    for _ in range(repeats):
+    comp: dict[int, list[float]] = {n: [] for n in batch}
+    for k in range(repeats):
         for n in batch:
             for r in rows[n:]:
                 backend.end_row(r)
-            step(n)   # joins, then steady steps
-            w = time.perf_counter()
-            times[n].append(_cpu(lambda n=n: step(n), steps, clock))
-            walls[n].append((time.perf_counter() - w) / steps)
+            modes = [False, True] if compiled else [False]
+            for on in modes if k % 2 == 0 else modes[::-1]:
+                for c in caches:
+                    c.compile_decode = on
+                step(n)   # joins, then steady steps
+                w = time.perf_counter()
+                t = _cpu(lambda n=n: step(n), steps, clock)
+                if on:
+                    comp[n].append(t)
+                else:
+                    times[n].append(t)
+                    walls[n].append((time.perf_counter() - w) / steps)
     for r in rows:
         backend.end_row(r)
+    for c in caches:
+        c.compile_decode = False
     smallest = min(batch)
     one_rate = smallest / float(np.median(times[smallest]))   # tokens per CPU second at the smallest batch
     one_wall = smallest / float(np.median(walls[smallest]))
@@ -76,6 +90,9 @@ def rows_table(backend, cfg, context: int, batch: list[int], steps: int, repeats
         t, w = float(np.median(times[n])), float(np.median(walls[n]))
         out.append({"rows": n, "step_ms": 1e3 * t, "tok_s": n / t, "vs_one": (n / t) / one_rate,
                     "wall_ms": 1e3 * w, "vs_one_wall": (n / w) / one_wall})
+        if compiled:
+            c = float(np.median(comp[n]))
+            out[-1].update(compiled_ms=1e3 * c, compiled_x=t / c)
     return out
 
 
@@ -169,13 +186,20 @@ def run(args) -> int:
         from ..backends.torch import slab_cpu
         kernel = " | slab kernel " + ("on" if slab_cpu.load(wait=True) is not None else "off")
     cfg = heap_config(args, backend)
-    rows = rows_table(backend, cfg, args.context, args.rows, args.steps, args.repeats)
+    compiled = bool(getattr(args, "compile_decode", False))
+    if compiled:
+        if backend.name != "torch" or not backend.prepare_compiled():
+            raise SystemExit("--compile-decode: the compiled packed step is not available here "
+                             "(torch backend, Llama-shaped models, a C++ compiler; see the warning above)")
+    rows = rows_table(backend, cfg, args.context, args.rows, args.steps, args.repeats, compiled)
     side = beside_table(backend, cfg, args.context, args.mixed_chunks, args.repeats) if args.mixed_chunks != [0] else []
     head = (f"model {backend.model_name} | context {args.context:,} tokens per session | policy {cfg.policy}"
             f" | recall {'on' if cfg.recall else 'off'} | {backend.name}{kernel}"
             + (f" | threads {args.threads or 'default'} | engine thread CPU time" if backend.name == "torch"
                else " | process CPU time"))
-    text = head + "\n" + table(rows, ROW_COLUMNS)
+    cols = ROW_COLUMNS + ([("compiled_ms", "compiled CPU ms", ".2f"), ("compiled_x", "x eager", ".2f")]
+                          if compiled else [])
+    text = head + "\n" + table(rows, cols)
     if side:
         text += "\n\na chat's decode step with a document's chunk in it (512-token chunks alone: the doc's rate)\n"
         text += table(side, BESIDE_COLUMNS)

@@ -195,6 +195,9 @@ def add_parser(sub) -> None:
                       help="document tokens riding beside a decoding chat (0: skip that table; default 16,32,64,128)")
     step.add_argument("--events", action="store_true",
                       help="also time eviction events due on the same step: one batched plan against one by one")
+    step.add_argument("--compile-decode", action="store_true",
+                      help="torch: also time each batch size through the compiled packed step (serve's "
+                           "--compile-decode), interleaved with the eager one")
     add_threads_arg(step)
     step.set_defaults(func=run_batch_step_bench, model="demo")
 

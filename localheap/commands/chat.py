@@ -11,7 +11,7 @@ from pathlib import Path
 
 from ..engine.errors import RankLost
 from ..generation import SamplingParams
-from .common import (add_decode_arg, add_distributed_arg, add_heap_args, add_model_args, apply_decode_attention,
+from .common import (add_compile_arg, add_decode_arg, add_distributed_arg, add_heap_args, add_model_args, apply_decode_attention,
                      heap_config, model_spec, with_backend_chunk)
 from .progress import ProgressBar
 
@@ -33,6 +33,7 @@ def add_parser(sub) -> None:
     add_model_args(p)
     add_heap_args(p, recall=True)
     add_decode_arg(p)
+    add_compile_arg(p)
     p.add_argument("--system", default=None, help="system prompt of the conversation (default: none)")
     p.add_argument("--max-tokens", type=int, default=512, help="longest reply in tokens")
     p.add_argument("--temperature", type=float, default=0.7, help="0 samples greedily")
@@ -92,7 +93,7 @@ def run(args) -> int:
         ranks.lead(backend, beat, args.step_timeout)   # a rank gone or stuck mid-reply: rank 0 says so, exits
     else:
         backend = load_backend(model_spec(args), args.backend)
-        apply_decode_attention(backend, args)
+        apply_decode_attention(backend, args, batched=True)
     cfg = with_backend_chunk(cfg, args, backend)
     try:
         return chat_on(backend, cfg, args)

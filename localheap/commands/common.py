@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import shutil
+import sys
 from pathlib import Path
 from typing import Optional
 
 from ..heap import POLICIES, POSITION_MODES, HeapConfig
 from ..heap.config import PAGE_FORMATS, RECALL_SCORES, RECALL_SELECTS, RECALL_SUMMARIES
+
+log = logging.getLogger("localheap")
 
 
 def add_model_args(p: argparse.ArgumentParser, required: bool = False) -> None:
@@ -40,17 +44,26 @@ def add_compile_arg(p: argparse.ArgumentParser) -> None:
                         "compiled: torch, as graphs compiled ahead of time by inductor (needs a C++ compiler; the "
                         "first use compiles for tens of seconds, cached on disk by the model's shapes); mlx, with "
                         "mx.compile. The heap's attention and bookkeeping stay as they are; Llama-shaped models "
-                        "(llama, mistral, qwen2), one sequence at a time (serve and chat decode in batches, which "
-                        "stay uncompiled)")
+                        "(llama, mistral, qwen2). torch: serve's and chat's decode batch too (its graphs built "
+                        "and checked at startup); mlx: one sequence at a time (serve and chat decode in batches, "
+                        "which stay uncompiled there)")
 
 
-def apply_decode_attention(backend, args) -> bool:
+def apply_decode_attention(backend, args, batched: bool = False) -> bool:
     """--decode-attention and --compile-decode onto a loaded backend (before its first cache).
-    Returns whether fused."""
+    `batched`: the command decodes in the engine's batches (serve, chat): torch builds the packed
+    step's graphs now; mlx says they stay uncompiled. Returns whether fused."""
     if getattr(args, "compile_decode", False):
         if getattr(args, "distributed", None):
             raise SystemExit("--compile-decode runs one process's decode step; it is not available with --distributed")
         backend.compile_decode = True
+        if batched and hasattr(backend, "prepare_compiled"):
+            print("--compile-decode: building the decode batch's compiled graphs (tens of seconds the first time "
+                  "for a model's shapes, cached on disk)...", file=sys.stderr, flush=True)
+            backend.prepare_compiled()
+        elif batched:
+            log.warning("--compile-decode: the decode batch stays uncompiled on the %s backend (it compiles one "
+                        "sequence's step: generate, bench)", backend.name)
     if getattr(args, "decode_attention", "sdpa") != "fused":
         return False
     if not hasattr(backend, "fused_decode"):

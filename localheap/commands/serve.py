@@ -10,7 +10,7 @@ import tempfile
 from pathlib import Path
 
 from . import ranks
-from .common import (TOTAL_SHARE, add_decode_arg, add_distributed_arg, add_heap_args, add_model_args,
+from .common import (TOTAL_SHARE, add_compile_arg, add_decode_arg, add_distributed_arg, add_heap_args, add_model_args,
                      apply_decode_attention, disk_total, heap_config, model_spec, with_backend_chunk)
 
 
@@ -21,6 +21,7 @@ def add_parser(sub) -> None:
     add_model_args(p)
     add_heap_args(p, recall=True)
     add_decode_arg(p)
+    add_compile_arg(p)
     p.add_argument("--ram-budget", default=None, metavar="SIZE",
                    help="RAM budget for weights + heaps + runtime, e.g. 12G, 512M or bytes "
                         "(default: 75%% of this machine's RAM)")
@@ -155,7 +156,7 @@ def run(args) -> int:
     settings = settings_from_args(args)   # bad flags fail before the model loads
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s:     %(name)s: %(message)s")
     backend = ranks.load_rank(args) if args.distributed else load_backend(model_spec(args), args.backend)
-    apply_decode_attention(backend, args)
+    apply_decode_attention(backend, args, batched=True)
     settings.heap = with_backend_chunk(settings.heap, args, backend)
     if settings.persist_sessions and settings.sessions_dir is None:
         settings.sessions_dir = default_sessions_dir(backend.model_name)

@@ -72,6 +72,14 @@ class TorchBackend:
         tokenizer = AutoTokenizer.from_pretrained(str(path))
         return cls(model, tokenizer, model_name or Path(str(path)).name, fused_decode=fused_decode)
 
+    def prepare_compiled(self) -> bool:
+        """--compile-decode for the engine's decode batch: build (or load) and check the packed
+        step's graphs now, before the first request, rather than inside its first step. Whether
+        the compiled packed step will run (False: a warning said why; the eager step runs)."""
+        from .compiled import compiled_packed
+
+        return compiled_packed(self.model) is not None
+
     def default_prefill_chunk(self) -> int:
         """The CLI's --prefill-chunk when not given (a HeapConfig without one prefills by the slack)."""
         return default_prefill_chunk(self.device)

@@ -17,7 +17,9 @@ cached on disk by those shapes, the torch version and this file (`LOCALHEAP_COMP
 aten's own kernel (inductor's reduction sums in another order) and the rotary cos/sin are the eager
 module's, so on the CPU the logits are the eager step's bit for bit; `compiled_step` checks that
 once per model and keeps the eager step where it does not hold. Opt-in (`--compile-decode`) for the compile time
-and the C++ compiler it needs. Only the single-sequence step: a packed batch (batch.py) stays eager.
+and the C++ compiler it needs. A packed step (batch.py: serve's and chat's decode batch with its
+riding chunks) runs through three more graphs whose token count is a dynamic dimension
+(`compiled_packed`), checked once the same way against the eager packed step.
 """
 
 from __future__ import annotations
@@ -68,19 +70,19 @@ class _Shape:
 
 
 def _qkv(s: _Shape, h, ln, qw, kw, vw, qb, kb, vb, cos, sin, rope):
-    """Layer input norm, projections and rotary: the lean step's ops (h: [1, 1, hidden])."""
+    """Layer input norm, projections and rotary: the lean step's ops (h: [1, N, hidden])."""
     x = _rms_norm(h, ln, s.eps[0])
-    shape = (1, 1, -1, s.head_dim)
-    qs = F.linear(x, qw, qb).view(shape).transpose(1, 2)    # [1, H_q, 1, D]
-    ks = F.linear(x, kw, kb).view(shape).transpose(1, 2)    # [1, H_kv, 1, D]
+    shape = (1, h.shape[1], -1, s.head_dim)
+    qs = F.linear(x, qw, qb).view(shape).transpose(1, 2)    # [1, H_q, N, D]
+    ks = F.linear(x, kw, kb).view(shape).transpose(1, 2)    # [1, H_kv, N, D]
     vs = F.linear(x, vw, vb).view(shape).transpose(1, 2)
     qs, ks = rope(qs, ks, cos, sin)
     return qs, ks, vs
 
 
 def _mlp(s: _Shape, h, out, ow, ob, ln, gate, up, down):
-    """Attention output projection, residual, norm, MLP, residual (out: [1, 1, H_q, D])."""
-    h = h + F.linear(out.reshape(1, 1, -1), ow, ob)
+    """Attention output projection, residual, norm, MLP, residual (out: [1, N, H_q, D])."""
+    h = h + F.linear(out.reshape(1, h.shape[1], -1), ow, ob)
     x = _rms_norm(h, ln, s.eps[1])
     return h + F.linear(s.act(F.linear(x, gate)) * F.linear(x, up), down)
 
@@ -103,6 +105,30 @@ class _Middle(torch.nn.Module):
     def forward(self, h, out, ow, ob, ln2, gate, up, down, ln, qw, kw, vw, qb, kb, vb, cos, sin):
         h = _mlp(self.s, h, out, ow, ob, ln2, gate, up, down)
         return (h, *_qkv(self.s, h, ln, qw, kw, vw, qb, kb, vb, cos, sin, self.rope))
+
+
+class _FirstN(torch.nn.Module):
+    """`first` for the N tokens of a packed step (ids [1, N])."""
+
+    def __init__(self, s: _Shape, rope):
+        super().__init__()
+        self.s, self.rope = s, rope
+
+    def forward(self, ids, embed, cos, sin, ln, qw, kw, vw, qb, kb, vb):
+        h = F.embedding(ids, embed)                         # [1, N, hidden]
+        return (h, *_qkv(self.s, h, ln, qw, kw, vw, qb, kb, vb, cos, sin, self.rope))
+
+
+class _LastN(torch.nn.Module):
+    """`last` for a packed step, without the head: the final norm's output [1, N, hidden] (the
+    head then runs on the positions whose logits are read, as the eager step does)."""
+
+    def __init__(self, s: _Shape):
+        super().__init__()
+        self.s = s
+
+    def forward(self, h, out, ow, ob, ln2, gate, up, down, norm):
+        return _rms_norm(_mlp(self.s, h, out, ow, ob, ln2, gate, up, down), norm, self.s.eps[2])
 
 
 class _Last(torch.nn.Module):
@@ -140,6 +166,50 @@ class CompiledDecode(LeanDecode):
         self.last = _load(folder / "last.pt2", _Last(s), last)
         self.pre = [self._pre(i) for i in range(len(self.layers))]
         self.post = [self._post(i) for i in range(len(self.layers))]
+        self.folder, self.packed = folder, None
+
+    def _packed_graphs(self) -> tuple:
+        """first, middle and last over N packed tokens (N a dynamic dimension), compiled (or
+        loaded) on a packed step's first use."""
+        if self.packed is None:
+            s = self.shape
+            a = self.layers[0][0]
+            cfg = self.model.config
+            x = torch.zeros(1, 2, cfg.hidden_size, dtype=self.head.weight.dtype, device=self.head.weight.device)
+            ids = torch.zeros(1, 2, dtype=torch.long, device=x.device)
+            cos, sin = self.rotary(x, torch.zeros(1, 2, dtype=torch.long, device=x.device))
+            out = torch.zeros(1, 2, cfg.num_attention_heads, a.head_dim, dtype=x.dtype, device=x.device)
+            n = torch.export.Dim("n", min=1, max=1 << 16)
+            pre = [None] * len(self._pre(0))
+            post = [None] * len(self._post(0))
+            first = (ids, self.embed.weight, cos, sin, *self._pre(0))
+            middle = (x, out, *self._post(0), *self._pre(0), cos, sin)
+            last = (x, out, *self._post(0), self.norm[0])
+            dims = ({1: n}, None, {1: n}, {1: n}, *pre)
+            self.packed = (
+                _load(self.folder / "first_n.pt2", _FirstN(s, self.rope), first, dims),
+                _load(self.folder / "middle_n.pt2", _Middle(s, self.rope), middle,
+                      ({1: n}, {1: n}, *post, *pre, {1: n}, {1: n})),
+                _load(self.folder / "last_n.pt2", _LastN(s), last, ({1: n}, {1: n}, *post, None)),
+            )
+        return self.packed
+
+    def run(self, cache, ids: torch.Tensor, pos: torch.Tensor, keep: Optional[torch.Tensor]) -> torch.Tensor:
+        """LeanDecode.run (a packed step's N tokens) with the per-token parts in the packed graphs."""
+        first, middle, last = self._packed_graphs()
+        n = len(self.layers)
+        with torch.no_grad():
+            cos, sin = self.rotary(self.embed.weight[:1][None], pos)   # [1, N, D]: the eager rotary's
+            h, qs, ks, vs = first([ids, self.embed.weight, cos, sin, *self.pre[0]])
+            for i, (a, *_) in enumerate(self.layers):
+                ks, vs = cache.layers[i].update(ks, vs)
+                out, _ = attention.heap_sdpa(a, qs, ks, vs, None, heap=cache, dropout=0.0, scaling=a.scaling)
+                out = out.contiguous()                                # [1, N, H_q, D]
+                if i + 1 < n:
+                    h, qs, ks, vs = middle([h, out, *self.post[i], *self.pre[i + 1], cos, sin])
+                else:
+                    h = last([h, out, *self.post[i], self.norm[0]])[0]
+            return self.head(h[:, -1:, :] if keep is None else h[:, keep, :])
 
     def _pre(self, i: int) -> tuple:
         _, ln1, q, k, v, *_ = self.layers[i]
@@ -167,10 +237,11 @@ class CompiledDecode(LeanDecode):
                     return self.last([h, out, *self.post[i], self.norm[0], self.head.weight])[0]
 
 
-def _load(path: Path, module: torch.nn.Module, example: tuple):
+def _load(path: Path, module: torch.nn.Module, example: tuple, dynamic: Optional[tuple] = None):
     """The compiled graph at `path` (exported and compiled there first when it is not on disk yet),
     as a function of the list of its inputs, None left out, returning the list of its outputs:
-    the loader's own call, without the package's per-call (un)flattening of argument trees."""
+    the loader's own call, without the package's per-call (un)flattening of argument trees.
+    `dynamic`: torch.export's dynamic_shapes, one entry per input."""
     with _LOCK:
         if not path.exists():
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -179,7 +250,7 @@ def _load(path: Path, module: torch.nn.Module, example: tuple):
             from torch._inductor.lowering import force_fallback
 
             with torch.no_grad():
-                program = torch.export.export(module, example)
+                program = torch.export.export(module, example, dynamic_shapes=dynamic)
                 tmp = path.with_suffix(f".{os.getpid()}.tmp.pt2")
                 # RMSNorm's mean through aten's own kernel: inductor's reduction sums in another order
                 quiet = logging.getLogger("torch._inductor.ir")   # its "no c-shim for mean" warning
@@ -222,3 +293,52 @@ def compiled_step(model) -> Optional[CompiledDecode]:
     else:
         log.info("--compile-decode: the compiled step's logits are the eager step's, bit for bit")
     return step
+
+
+def compiled_packed(model) -> Optional[CompiledDecode]:
+    """The compiled step for packed steps (batch.py: a decode batch and its riding chunks), its N
+    a dynamic dimension: the single-token step's model, with three more graphs built on first
+    use and checked once against the eager packed step (agrees_packed); None where either check
+    fails or the graphs cannot be built: the eager packed step runs."""
+    step = model.__dict__.get("_localheap_compiled_packed", False)
+    if step is not False:
+        return step
+    step = compiled_step(model)
+    if step is not None:
+        try:
+            step._packed_graphs()
+        except Exception as e:   # export or inductor refused the dynamic graphs
+            log.warning("--compile-decode: the packed decode step stays eager (%s: %s)", type(e).__name__, e)
+            step = None
+    model.__dict__["_localheap_compiled_packed"] = step   # set before the check: its steps find it
+    if step is not None and not agrees_packed(model):
+        log.warning("--compile-decode: the compiled packed step's logits differ from the eager packed step's on "
+                    "this model, device and dtype; the packed step stays eager")
+        step = model.__dict__["_localheap_compiled_packed"] = None
+    elif step is not None:
+        log.info("--compile-decode: the compiled packed step's logits are the eager packed step's, bit for bit")
+    return step
+
+
+def agrees_packed(model) -> bool:
+    """Whether a packed step of three scratch heaps (two decode tokens and a 3-token chunk, each
+    heap at its own length) gives the same logits compiled and eager, bit for bit."""
+    from ...heap import HeapConfig
+    from .batch import forward_packed
+    from .cache import make_heap_cache
+    from .generate import forward
+
+    ids = torch.arange(12, device=model.device) % model.config.vocab_size
+    logits = []
+    for on in (False, True):
+        caches = []
+        for j in range(3):
+            cache = make_heap_cache(model, HeapConfig(budget=64, recent=8, slack=16, recall=False))
+            forward(model, cache, ids[: 4 + j])
+            cache.compile_decode = on
+            caches.append(cache)
+        tokens = [ids[6:7], ids[7:8], ids[8:11]]
+        for cache, t in zip(caches, tokens):
+            cache.make_room(len(t))
+        logits.append(forward_packed(model, caches, tokens))
+    return torch.equal(*logits)

@@ -114,7 +114,12 @@ def lean_packed(model, caches: list) -> Optional[LeanDecode]:
     on its own, else None."""
     if not caches or not all(_takes_lean(model, c) for c in caches):
         return None
-    return _lean(model)
+    lean = _lean(model)
+    if lean is not None and all(getattr(c, "compile_decode", False) for c in caches):
+        from .compiled import compiled_packed
+
+        return compiled_packed(model) or lean
+    return lean
 
 
 def _takes_lean(model, cache) -> bool:
