@@ -136,3 +136,22 @@ def test_tokenizing_in_pieces_gives_the_ids_of_one_call(demo_tokenizer):
         encode_bounded(demo_tokenizer, text, len(whole) - 1)
     with pytest.raises(PromptTooLong):                   # refused from its length alone, before any piece
         encode_bounded(demo_tokenizer, "a" * 10_000_000, 1000)
+
+
+def test_max_batch_and_max_active_default_by_device():
+    """--max-batch: 16 on CUDA (measured on an H200), 8 elsewhere; --max-active follows it, at least 8;
+    either flag given wins, and 0 is refused."""
+    from types import SimpleNamespace
+
+    from localheap.cli import build_parser
+    from localheap.commands.serve import default_max_batch
+
+    parse = lambda *flags: settings_from_args(build_parser().parse_args(["serve", *flags]))   # noqa: E731
+    assert (parse().max_batch, parse().max_active) == (8, 8)
+    assert (parse("--max-batch", "12").max_batch, parse("--max-batch", "12").max_active) == (12, 12)
+    assert parse("--max-batch", "4").max_active == 8 and parse("--max-active", "3").max_active == 3
+    assert default_max_batch(SimpleNamespace(device=SimpleNamespace(type="cuda"))) == 16
+    assert default_max_batch(SimpleNamespace(device=SimpleNamespace(type="cpu"))) == 8
+    assert default_max_batch(SimpleNamespace()) == 8   # mlx: no torch device
+    with pytest.raises(ValueError, match="max-batch"):
+        parse("--max-batch", "0")
