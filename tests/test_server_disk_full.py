@@ -55,15 +55,17 @@ def small_disk(tmp_path, monkeypatch):
 
 
 def fill(root) -> object:
-    """Write a ballast file until the disk is full; returns its path."""
+    """Write a ballast file until the disk is full; returns its path. Unbuffered, in ever smaller
+    pieces: a buffered file kept the piece the disk refused and raised ENOSPC again at close,
+    depending on how many bytes the disk had left (the float16 page-state files moved that)."""
     path = root / "ballast"
-    with open(path, "wb") as f:
-        try:
-            while True:
-                f.write(b"\0" * 65536)
-                f.flush()
-        except OSError:
-            pass
+    with open(path, "wb", buffering=0) as f:
+        for size in (65536, 4096, 1):
+            try:
+                while True:
+                    f.write(b"\0" * size)
+            except OSError:
+                pass
     return path
 
 
