@@ -82,8 +82,8 @@ class TorchBackend:
 
         # On a thread of its own: torch's intra-op regions (OpenMP) run ~10x slower on the engine's
         # thread once the main thread has run one (measured: a packed graph 31 us on the main thread,
-        # 334 us on another after it; served decode 280 tok/s against 860 with the build off the main
-        # thread, eager 690). A thread that ends takes its pool with it; the main thread keeps none.
+        # 334 us on another after it; one served client 260-304 tok/s against 773-903 with the build
+        # off the main thread, eager 610-698). A thread that ends takes its pool with it.
         done: dict = {}
         worker = threading.Thread(target=lambda: done.setdefault("step", compiled_packed(self.model)),
                                   name="localheap-compile")
