@@ -144,7 +144,7 @@ def test_max_batch_and_max_active_default_by_device():
     from types import SimpleNamespace
 
     from localheap.cli import build_parser
-    from localheap.commands.serve import default_max_batch
+    from localheap.commands.serve import batch_limits, default_max_batch
 
     parse = lambda *flags: settings_from_args(build_parser().parse_args(["serve", *flags]))   # noqa: E731
     assert (parse().max_batch, parse().max_active) == (8, 8)
@@ -153,5 +153,9 @@ def test_max_batch_and_max_active_default_by_device():
     assert default_max_batch(SimpleNamespace(device=SimpleNamespace(type="cuda"))) == 16
     assert default_max_batch(SimpleNamespace(device=SimpleNamespace(type="cpu"))) == 8
     assert default_max_batch(SimpleNamespace()) == 8   # mlx: no torch device
+    args = lambda *flags: build_parser().parse_args(["serve", *flags])   # noqa: E731
+    assert batch_limits(args(), 16) == (16, 16)   # run(): the CUDA default, and room for it
+    assert batch_limits(args("--max-active", "3"), 16) == (16, 3)
+    assert batch_limits(args("--max-batch", "4"), 16) == (4, 8)
     with pytest.raises(ValueError, match="max-batch"):
         parse("--max-batch", "0")

@@ -109,6 +109,13 @@ def default_max_batch(backend) -> int:
     return CUDA_MAX_BATCH if getattr(device, "type", None) == "cuda" else DEFAULT_MAX_BATCH
 
 
+def batch_limits(args, device_max_batch: int = DEFAULT_MAX_BATCH) -> tuple[int, int]:
+    """(max_batch, max_active): a flag given wins; --max-batch defaults to the device's, and
+    --max-active to --max-batch (at least 8), so that many requests can run at once."""
+    max_batch = args.max_batch or device_max_batch
+    return max_batch, args.max_active or max(DEFAULT_MAX_BATCH, max_batch)
+
+
 def settings_from_args(args):
     from ..server import ServerSettings, parse_bytes
 
@@ -125,13 +132,13 @@ def settings_from_args(args):
         raise ValueError("--shutdown-grace must be between 0 and 3600 seconds")
     if args.distributed and args.disk_total.strip().lower() != "auto" and disk_total(args.disk_total):
         raise ValueError(DISK_TOTAL_RANKS)
+    max_batch, max_active = batch_limits(args)   # run() sets the device's default once it is loaded
     return ServerSettings(
         host=args.host, port=args.port, api_keys=api_keys(args), cors_origins=list(args.cors_origin),
         allowed_hosts=list(args.allow_host), max_prompt_tokens=args.max_prompt_tokens,
         admission_timeout=args.admission_timeout, max_observers=args.max_observers,
         max_body_bytes=parse_bytes(args.max_body), max_queued=args.max_queue,
-        max_active=args.max_active or max(DEFAULT_MAX_BATCH, args.max_batch or 0),
-        max_batch=args.max_batch or DEFAULT_MAX_BATCH, batched=not args.round_robin, mixed_chunk=args.mixed_chunk,
+        max_batch=max_batch, max_active=max_active, batched=not args.round_robin, mixed_chunk=args.mixed_chunk,
         prefill_lane={"auto": None, "on": True, "off": False}[args.prefill_lane],
         max_sessions=max(args.max_sessions, args.max_resident_sessions),
         max_resident_sessions=args.max_resident_sessions, persist_sessions=args.persist,
@@ -171,10 +178,7 @@ def run(args) -> int:
     backend = ranks.load_rank(args) if args.distributed else load_backend(model_spec(args), args.backend)
     apply_decode_attention(backend, args, batched=True)
     settings.heap = with_backend_chunk(settings.heap, args, backend)
-    if args.max_batch is None:   # the device's default, and room for that many requests at once
-        settings.max_batch = default_max_batch(backend)
-        if args.max_active is None:
-            settings.max_active = max(settings.max_active, settings.max_batch)
+    settings.max_batch, settings.max_active = batch_limits(args, default_max_batch(backend))
     if settings.persist_sessions and settings.sessions_dir is None:
         settings.sessions_dir = default_sessions_dir(backend.model_name)
     if settings.disk_total is None:   # auto: measured where the sessions directory is (or a temp dir goes)
