@@ -8,7 +8,7 @@ import torch
 from recall_checks import CFG as RECALL_CFG
 from recall_checks import load_all
 
-from localheap.backends.torch import TorchBackend, slab, slab_cpu
+from localheap.backends.torch import TorchBackend, graphed, slab, slab_cpu
 from localheap.backends.torch.batch import leave_slab, make_rooms, start_row, step_rows
 from localheap.backends.torch.generate import generate_steps
 from localheap.generation import SamplingParams
@@ -92,15 +92,48 @@ def slab_kernel():
     return slab_cpu.load(wait=True)
 
 
-SLABS = pytest.mark.parametrize("slabs", [None, {}, "torch"], ids=["per-heap", "slab", "slab-torch"], indirect=True)
+SLABS = pytest.mark.parametrize("slabs", [None, {}, "torch", "graphed"],
+                                ids=["per-heap", "slab", "slab-torch", "slab-graphed"], indirect=True)
+
+
+class ReplayGraph:
+    """graphed.py's capture off CUDA: records nothing, and a replay runs the static step again
+    into the same output tensor (a CUDA graph's replay semantics, its control flow tested here)."""
+
+    def __init__(self, fn):
+        self.fn, self.out, self.replays = fn, torch.empty(0), 0
+
+    def replay(self):
+        got = self.fn()
+        self.out.resize_(got.shape).copy_(got)
+        self.replays += 1
+
+
+def replay_capture(fn):
+    graph = ReplayGraph(fn)
+    replay_capture.graphs.append(graph)
+    return fn(), graph, graph.out
 
 
 @pytest.fixture
 def slabs(request, monkeypatch):
     """per-heap: every row attends its own heap; slab: one batch, the kernel where it is built;
-    slab-torch: one batch through torch's matmuls."""
+    slab-torch: one batch through torch's matmuls; slab-graphed: each step the static step of
+    graphed.py (--cuda-graphs), captured and replayed (ReplayGraph on the CPU)."""
     if request.param == "torch":
         monkeypatch.setenv("LOCALHEAP_SLAB_KERNEL", "0")
+        return {}
+    if request.param == "graphed":
+        new_cache = TorchBackend.new_cache
+
+        def graphed_cache(self, *args, **kwargs):
+            cache = new_cache(self, *args, **kwargs)
+            cache.cuda_graphs = True
+            return cache
+
+        monkeypatch.setattr(TorchBackend, "new_cache", graphed_cache)
+        monkeypatch.setattr(graphed, "CAPTURE", replay_capture)
+        monkeypatch.setattr(replay_capture, "graphs", [], raising=False)
         return {}
     return request.param
 
@@ -118,7 +151,9 @@ def test_demo_model_greedy_tokens_in_a_batch_equal_alone(demo, slabs, slab_kerne
     assert len(evictions - {0}) >= 2, "rows evicted, at different steps"
     for (_, _, cache), got in zip(want, caches):
         assert_same_heap(cache, got, atol=1e-4)
-    if slabs is not None and slab_kernel is not None and not slab_cpu.unavailable() and demo.device.type == "cpu":
+    if graphed.CAPTURE is not None:   # slab-graphed: every step after a slab size's first replayed
+        assert sum(g.replays for g in replay_capture.graphs) >= 20
+    elif slabs is not None and slab_kernel is not None and not slab_cpu.unavailable() and demo.device.type == "cpu":
         cfg = demo.model.config   # earlier tests in this process may have run it on other shapes
         key = (cfg.num_key_value_heads, cfg.num_attention_heads // cfg.num_key_value_heads, cfg.head_dim)
         assert slab._KERNEL.verdicts.get(key) is True, "the kernel ran and agreed with torch"
@@ -297,3 +332,121 @@ def test_eviction_events_of_one_step_are_planned_together_as_alone(llama, monkey
     for layer in range(len(got[3].heap_layers)):
         for a, b in zip(load_all(got[3].pages, layer), load_all(want[3].pages, layer)):
             np.testing.assert_array_equal(a, b)
+
+
+def graphed_caches(backend, monkeypatch, capture=replay_capture):
+    """backend.new_cache's heaps decode their slab steps through graphed.py, captured by `capture`."""
+    monkeypatch.setattr(backend, "cuda_graphs", True)
+    monkeypatch.setattr(graphed, "CAPTURE", capture)
+    monkeypatch.setattr(replay_capture, "graphs", [], raising=False)
+
+
+def test_graphed_slab_sizes_rows_sitting_out_and_joining_as_alone(demo, monkeypatch):
+    """--cuda-graphs' static step (graphed.py) as the slab grows 1 -> 2 -> 4 -> 8 rows and rows sit
+    out: one graph per slab size, dropped when the slab's buffers are reallocated, the first step
+    at a size run eagerly and the next ones replayed; every session's tokens are its tokens alone."""
+    graphed_caches(demo, monkeypatch)
+    cfg = SMALL.with_(policy="h2o")
+    ps, params = prompts(demo, (30, 70, 120, 5, 44, 9, 61, 17), seed=13), SamplingParams(max_tokens=30)
+    rows = [start_row(demo.model, demo.new_cache(cfg), p, params) for p in ps]
+    got, slabs, sizes = [[r.token] for r in rows], {}, []
+    for i in range(29):
+        live = rows[: min(len(rows), 1 << (i // 4))]            # 1, 2, 4, 8 rows joining
+        live = [r for j, r in enumerate(live) if (i + j + 1) % 6]   # and each sits out every 6th step
+        assert step_rows(demo.model, live, slabs=slabs) == [None] * len(live)
+        slab = next(iter(slabs.values()))
+        assert list(slab.graphs) == [slab.rows], "graphs of the slab's current buffers only"
+        sizes.append(slab.rows)
+        for r in live:
+            got[rows.index(r)].append(r.token)
+    assert sorted(set(sizes)) == [1, 2, 4, 8]
+    assert sum(g.replays for g in replay_capture.graphs) >= 15
+    for r in rows:
+        leave_slab(r)
+    for p, g in zip(ps, got):
+        assert g == alone(demo, cfg, p, SamplingParams(max_tokens=len(g)))[0]
+
+
+def test_graphed_steps_leave_prompts_and_chunks_to_the_eager_step(demo, monkeypatch):
+    """A step with a document's chunk riding in it, or a row's prompt, is not a slab-only step: it
+    runs eagerly, and the graphed steps around it still give the tokens alone."""
+    graphed_caches(demo, monkeypatch)
+    calls = []
+    step = graphed.step
+    monkeypatch.setattr(graphed, "step", lambda *a: calls.append(len(a[1].members)) or step(*a))
+    rows = [start_row(demo.model, demo.new_cache(SMALL), p, SamplingParams(max_tokens=40))
+            for p in prompts(demo, (10, 50), seed=8)]
+    reader = demo.new_cache(SMALL)
+    doc = prompts(demo, (96,), seed=7)[0]
+    tokens, slabs = [[r.token] for r in rows], {}
+    for i in range(12):
+        chunks = [(reader, doc[i // 3 * 24: (i // 3 + 1) * 24])] if i % 3 == 0 else []
+        assert step_rows(demo.model, rows, chunks, slabs=slabs) == [None] * (2 + len(chunks))
+        for t, r in zip(tokens, rows):
+            t.append(r.token)
+    assert len(calls) == 8, "the 8 steps without a chunk were static steps"
+    for t, p in zip(tokens, prompts(demo, (10, 50), seed=8)):
+        assert t == alone(demo, SMALL, p, SamplingParams(max_tokens=len(t)))[0]
+
+
+def test_graphs_are_checked_against_the_eager_static_step(demo, monkeypatch):
+    """graphed.agrees: replays that give the eager step's bits pass; a replay one ulp off fails."""
+    monkeypatch.setattr(graphed, "CAPTURE", replay_capture)
+    monkeypatch.setattr(replay_capture, "graphs", [], raising=False)
+    assert graphed.agrees(demo.model)
+    assert sum(g.replays for g in replay_capture.graphs) == 3
+
+    class OffByAnUlp(ReplayGraph):
+        def replay(self):
+            super().replay()
+            self.out[0, 0] = torch.nextafter(self.out[0, 0], torch.tensor(float("inf")))
+
+    def skewed(fn):
+        graph = OffByAnUlp(fn)
+        return fn(), graph, graph.out
+
+    monkeypatch.setattr(graphed, "CAPTURE", skewed)
+    assert not graphed.agrees(demo.model)
+
+
+def test_cuda_graphs_off_cuda_warn_and_stay_eager(demo, caplog, capsys):
+    if demo.device.type == "cuda":
+        pytest.skip("the model is on CUDA here")
+    assert demo.prepare_graphs() is False and demo.cuda_graphs is False
+    assert "not a CUDA device" in caplog.text
+    from localheap.cli import main
+    with pytest.raises(SystemExit, match="--cuda-graphs: replayed CUDA graphs are not available here"):
+        main(["bench", "batch-step", "--rows", "1", "--steps", "1", "--repeats", "1", "--mixed-chunks", "0",
+              "--cuda-graphs"])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+def test_cuda_graphs_replay_on_the_card_as_alone(monkeypatch):
+    """On a CUDA device: the startup check passes, real graphs are captured and replayed, and the
+    demo model's greedy tokens in a graphed batch equal each session's alone (float32)."""
+    backend = TorchBackend.load(demo_model_dir(), device="cuda", dtype=torch.float32)
+    assert backend.prepare_graphs() and backend.cuda_graphs
+    ps, params = prompts(backend, (30, 70, 120), seed=14), SamplingParams(max_tokens=30)
+    rows = [start_row(backend.model, backend.new_cache(SMALL), p, params) for p in ps]
+    got, slabs = [[r.token] for r in rows], {}
+    for _ in range(29):
+        assert step_rows(backend.model, rows, slabs=slabs) == [None] * len(rows)
+        for t, r in zip(got, rows):
+            t.append(r.token)
+    slab = next(iter(slabs.values()))
+    assert isinstance(slab.graphs[slab.rows].graph, torch.cuda.CUDAGraph)
+    for r in rows:
+        leave_slab(r)
+    for p, g in zip(ps, got):
+        assert g == alone(backend, SMALL, p, SamplingParams(max_tokens=len(g)))[0]
+
+
+def test_batch_step_bench_times_the_graphed_step_beside_the_eager_one(demo, monkeypatch):
+    from localheap.bench.batch_step import rows_table
+
+    monkeypatch.setattr(graphed, "CAPTURE", replay_capture)
+    monkeypatch.setattr(replay_capture, "graphs", [], raising=False)
+    rows = rows_table(demo, SMALL, 40, [1, 2], steps=3, repeats=2, graphs=True)
+    assert [r["rows"] for r in rows] == [1, 2]
+    assert all(r["graphed_ms"] > 0 and r["graphed_wall_ms"] > 0 and r["graphed_wall_x"] > 0 for r in rows)
+    assert sum(g.replays for g in replay_capture.graphs) >= 2 * 2 * 3

@@ -43,9 +43,11 @@ def _cpu(fn, n: int, clock=time.thread_time) -> float:
 
 
 def rows_table(backend, cfg, context: int, batch: list[int], steps: int, repeats: int,
-               compiled: bool = False) -> list[dict]:
+               compiled: bool = False, graphs: bool = False) -> list[dict]:
     """`compiled` (torch, --compile-decode): each batch size also through the compiled packed
-    step, interleaved with the eager one in every round (columns `compiled ms`, `x eager`)."""
+    step, interleaved with the eager one in every round (columns `compiled ms`, `x eager`).
+    `graphs` (torch on CUDA, --cuda-graphs): each batch size also as replayed CUDA graphs, the
+    same way (`graphed ms`, and wall time: a graph's kernels run on the card, not the thread)."""
     clock = cpu_clock(backend)
     most = max(batch)
     caches = []
@@ -55,33 +57,35 @@ def rows_table(backend, cfg, context: int, batch: list[int], steps: int, repeats
         caches.append(c)
     params = SamplingParams(max_tokens=10**9)
     rows = [backend.start_row(c, [5], params) for c in caches]
+    variant = "compile_decode" if compiled else "cuda_graphs" if graphs else None
 
     def step(n: int) -> None:
         assert backend.step_rows(rows[:n]) == [None] * n
 
     times: dict[int, list[float]] = {n: [] for n in batch}
     walls: dict[int, list[float]] = {n: [] for n in batch}
-    comp: dict[int, list[float]] = {n: [] for n in batch}
+    other: dict[int, list[float]] = {n: [] for n in batch}
+    other_walls: dict[int, list[float]] = {n: [] for n in batch}
     for k in range(repeats):
         for n in batch:
             for r in rows[n:]:
                 backend.end_row(r)
-            modes = [False, True] if compiled else [False]
+            modes = [False, True] if variant else [False]
             for on in modes if k % 2 == 0 else modes[::-1]:
                 for c in caches:
-                    c.compile_decode = on
-                step(n)   # joins, then steady steps
+                    if variant:
+                        setattr(c, variant, on)
+                step(n)   # joins (a graph: its first step at this size captures), then steady steps
                 w = time.perf_counter()
                 t = _cpu(lambda n=n: step(n), steps, clock)
-                if on:
-                    comp[n].append(t)
-                else:
-                    times[n].append(t)
-                    walls[n].append((time.perf_counter() - w) / steps)
+                w = (time.perf_counter() - w) / steps
+                (other if on else times)[n].append(t)
+                (other_walls if on else walls)[n].append(w)
     for r in rows:
         backend.end_row(r)
     for c in caches:
-        c.compile_decode = False
+        if variant:
+            setattr(c, variant, False)
     smallest = min(batch)
     one_rate = smallest / float(np.median(times[smallest]))   # tokens per CPU second at the smallest batch
     one_wall = smallest / float(np.median(walls[smallest]))
@@ -90,9 +94,11 @@ def rows_table(backend, cfg, context: int, batch: list[int], steps: int, repeats
         t, w = float(np.median(times[n])), float(np.median(walls[n]))
         out.append({"rows": n, "step_ms": 1e3 * t, "tok_s": n / t, "vs_one": (n / t) / one_rate,
                     "wall_ms": 1e3 * w, "vs_one_wall": (n / w) / one_wall})
-        if compiled:
-            c = float(np.median(comp[n]))
-            out[-1].update(compiled_ms=1e3 * c, compiled_x=t / c)
+        if variant:
+            c, cw = float(np.median(other[n])), float(np.median(other_walls[n]))
+            name = "compiled" if compiled else "graphed"
+            out[-1].update({f"{name}_ms": 1e3 * c, f"{name}_x": t / c, f"{name}_wall_ms": 1e3 * cw,
+                            f"{name}_wall_x": w / cw})
     return out
 
 
@@ -191,7 +197,11 @@ def run(args) -> int:
         if backend.name != "torch" or not backend.prepare_compiled():
             raise SystemExit("--compile-decode: the compiled packed step is not available here "
                              "(torch backend, Llama-shaped models, a C++ compiler; see the warning above)")
-    rows = rows_table(backend, cfg, args.context, args.rows, args.steps, args.repeats, compiled)
+    graphs = bool(getattr(args, "cuda_graphs", False))
+    if graphs and (compiled or backend.name != "torch" or not backend.prepare_graphs()):
+        raise SystemExit("--cuda-graphs: replayed CUDA graphs are not available here (torch on a CUDA device, "
+                         "Llama-shaped models, and not with --compile-decode; see the warning above)")
+    rows = rows_table(backend, cfg, args.context, args.rows, args.steps, args.repeats, compiled, graphs)
     side = beside_table(backend, cfg, args.context, args.mixed_chunks, args.repeats) if args.mixed_chunks != [0] else []
     head = (f"model {backend.model_name} | context {args.context:,} tokens per session | policy {cfg.policy}"
             f" | recall {'on' if cfg.recall else 'off'} | {backend.name}{kernel}"
@@ -199,6 +209,8 @@ def run(args) -> int:
                else " | process CPU time"))
     cols = ROW_COLUMNS + ([("compiled_ms", "compiled CPU ms", ".2f"), ("compiled_x", "x eager", ".2f")]
                           if compiled else [])
+    cols += ([("graphed_ms", "graphed CPU ms", ".2f"), ("graphed_wall_ms", "graphed wall ms", ".2f"),
+              ("graphed_wall_x", "x eager (wall)", ".2f")] if graphs else [])
     text = head + "\n" + table(rows, cols)
     if side:
         text += "\n\na chat's decode step with a document's chunk in it (512-token chunks alone: the doc's rate)\n"

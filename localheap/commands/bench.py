@@ -198,6 +198,9 @@ def add_parser(sub) -> None:
     step.add_argument("--compile-decode", action="store_true",
                       help="torch: also time each batch size through the compiled packed step (serve's "
                            "--compile-decode), interleaved with the eager one")
+    step.add_argument("--cuda-graphs", action="store_true",
+                      help="torch on CUDA: also time each batch size as replayed CUDA graphs (serve's --cuda-graphs), "
+                           "interleaved with the eager step; read the wall columns")
     add_threads_arg(step)
     step.set_defaults(func=run_batch_step_bench, model="demo")
 

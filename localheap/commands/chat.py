@@ -11,8 +11,8 @@ from pathlib import Path
 
 from ..engine.errors import RankLost
 from ..generation import SamplingParams
-from .common import (add_compile_arg, add_decode_arg, add_distributed_arg, add_heap_args, add_model_args, apply_decode_attention,
-                     heap_config, model_spec, with_backend_chunk)
+from .common import (add_compile_arg, add_decode_arg, add_distributed_arg, add_graphs_arg, add_heap_args, add_model_args,
+                     apply_decode_attention, heap_config, model_spec, with_backend_chunk)
 from .progress import ProgressBar
 
 PROMPT, MORE = ">>> ", "... "
@@ -34,6 +34,7 @@ def add_parser(sub) -> None:
     add_heap_args(p, recall=True)
     add_decode_arg(p)
     add_compile_arg(p)
+    add_graphs_arg(p)
     p.add_argument("--system", default=None, help="system prompt of the conversation (default: none)")
     p.add_argument("--max-tokens", type=int, default=512, help="longest reply in tokens")
     p.add_argument("--temperature", type=float, default=0.7, help="0 samples greedily")

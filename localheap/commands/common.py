@@ -49,6 +49,15 @@ def add_compile_arg(p: argparse.ArgumentParser) -> None:
                         "which stay uncompiled there)")
 
 
+def add_graphs_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--cuda-graphs", action="store_true",
+                   help="torch on CUDA: run the decode batch's steps (sessions decoding together, no prompt riding "
+                        "in the step) as CUDA graphs captured once per batch size and replayed, so the host issues "
+                        "one launch a step instead of one a kernel (graphed.py). Checked at startup against the same "
+                        "step run eagerly; logits within float ulps of the eager batch (attention masked over each "
+                        "heap's whole capacity). Elsewhere a warning, and the batch stays eager (default: off)")
+
+
 def apply_decode_attention(backend, args, batched: bool = False) -> bool:
     """--decode-attention and --compile-decode onto a loaded backend (before its first cache).
     `batched`: the command decodes in the engine's batches (serve, chat): torch builds the packed
@@ -64,6 +73,13 @@ def apply_decode_attention(backend, args, batched: bool = False) -> bool:
         elif batched:
             log.warning("--compile-decode: the decode batch stays uncompiled on the %s backend (it compiles one "
                         "sequence's step: generate, bench)", backend.name)
+    if getattr(args, "cuda_graphs", False):
+        if not hasattr(backend, "prepare_graphs"):
+            raise SystemExit(f"--cuda-graphs is a torch backend option (this is the {backend.name} backend)")
+        if getattr(args, "distributed", None):
+            raise SystemExit("--cuda-graphs runs one process's decode batch; it is not available with --distributed")
+        print("--cuda-graphs: checking a captured decode step against the eager one...", file=sys.stderr, flush=True)
+        backend.prepare_graphs()
     if getattr(args, "decode_attention", "sdpa") != "fused":
         return False
     if not hasattr(backend, "fused_decode"):

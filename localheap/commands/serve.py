@@ -10,8 +10,8 @@ import tempfile
 from pathlib import Path
 
 from . import ranks
-from .common import (TOTAL_SHARE, add_compile_arg, add_decode_arg, add_distributed_arg, add_heap_args, add_model_args,
-                     apply_decode_attention, disk_total, heap_config, model_spec, with_backend_chunk)
+from .common import (TOTAL_SHARE, add_compile_arg, add_decode_arg, add_distributed_arg, add_graphs_arg, add_heap_args,
+                     add_model_args, apply_decode_attention, disk_total, heap_config, model_spec, with_backend_chunk)
 
 
 def add_parser(sub) -> None:
@@ -22,6 +22,7 @@ def add_parser(sub) -> None:
     add_heap_args(p, recall=True)
     add_decode_arg(p)
     add_compile_arg(p)
+    add_graphs_arg(p)
     p.add_argument("--ram-budget", default=None, metavar="SIZE",
                    help="RAM budget for weights + heaps + runtime, e.g. 12G, 512M or bytes "
                         "(default: 75%% of this machine's RAM)")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import sys
 from pathlib import Path
 from typing import Callable, Iterator, Optional, Sequence
@@ -15,6 +16,8 @@ from . import attention, batch
 from .cache import HeapCache, decoder_layers, kv_geometry, make_heap_cache
 from .generate import generate_tokens, prefill
 from .persist import load_heap, save_heap
+
+log = logging.getLogger("localheap.torch")
 
 
 def default_device() -> torch.device:
@@ -45,6 +48,7 @@ class TorchBackend:
         self.model_name = model_name
         self.fused_decode = fused_decode   # decode outputs from the fused kernel: not bit-identical to stock
         self.compile_decode = False        # the lean decode step's per-token parts compiled (compiled.py)
+        self.cuda_graphs = False           # the decode batch's slab steps as CUDA graphs (graphed.py)
         self.device = next(model.parameters()).device
         eos = model.generation_config.eos_token_id
         eos = [eos] if isinstance(eos, int) else list(eos or [])
@@ -91,6 +95,37 @@ class TorchBackend:
         worker.join()
         return done.get("step") is not None
 
+    def prepare_graphs(self) -> bool:
+        """--cuda-graphs: check once that a replayed graph gives the eager static step's bits on
+        this card (graphed.agrees, on a scratch slab, on a thread of its own as prepare_compiled
+        does). Whether the decode batch's slab steps will run as graphs (False: a warning said why)."""
+        import threading
+
+        from . import graphed
+
+        if self.device.type != "cuda":
+            log.warning("--cuda-graphs: the model is on %s, not a CUDA device; the decode batch stays eager",
+                        self.device.type)
+            return False
+        done: dict = {}
+
+        def check() -> None:
+            try:
+                done["ok"] = graphed.agrees(self.model)
+            except Exception as e:   # capture refused (an op that syncs, an unsupported kernel)
+                done["error"] = e
+
+        worker = threading.Thread(target=check, name="localheap-graphs")
+        worker.start()
+        worker.join()
+        if not done.get("ok"):
+            log.warning("--cuda-graphs: %s; the decode batch stays eager",
+                        f"capture failed ({done['error']!r})" if "error" in done
+                        else "a replayed graph's logits differ from the same step run eagerly")
+            return False
+        self.cuda_graphs = True
+        return True
+
     def default_prefill_chunk(self) -> int:
         """The CLI's --prefill-chunk when not given (a HeapConfig without one prefills by the slack)."""
         return default_prefill_chunk(self.device)
@@ -100,6 +135,7 @@ class TorchBackend:
         cache = make_heap_cache(self.model, cfg, pages_dir)
         cache.fused_decode = self.fused_decode
         cache.compile_decode = self.compile_decode
+        cache.cuda_graphs = self.cuda_graphs
         return cache
 
     def prefill(self, cache: HeapCache, tokens: Sequence[int], progress: Optional[ProgressFn] = None,
@@ -187,6 +223,7 @@ class TorchBackend:
         cache = load_heap(self.model, path, pages_dir)
         cache.fused_decode = self.fused_decode
         cache.compile_decode = self.compile_decode
+        cache.cuda_graphs = self.cuda_graphs
         return cache
 
     def synchronize(self) -> None:

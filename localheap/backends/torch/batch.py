@@ -22,10 +22,10 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from ...generation import ProgressFn, SamplingParams
 from .. import paging
 from ..slots import row_error
-from . import attention
+from . import attention, graphed
 from .cache import HeapCache
 from .generate import Sampler, prefill_turn
-from .lean import lean_packed
+from .lean import lean_packed, lean_static
 from .select import plan_eviction
 from .slab import DecodeSlab, slab_key
 
@@ -141,6 +141,11 @@ def forward_packed(model, parts: list, tokens: list[torch.Tensor]) -> torch.Tens
     """parts: DecodeSlab (one token per row, `tokens` [B] in row order) or HeapCache (`tokens`
     [n] ids), every heap with room made. Returns fp32 logits [N_parts', vocab]: each slab row's,
     then each lone heap's last token."""
+    if len(parts) == 1 and isinstance(parts[0], DecodeSlab) and all(getattr(c, "cuda_graphs", False)
+                                                                   for c in parts[0].members):
+        lean = lean_static(model, parts[0].members)
+        if lean is not None and graphed.takes(parts[0]):   # the slab's step as a replayed CUDA graph
+            return graphed.step(lean, parts[0], tokens[0])
     lengths = [int(t.shape[0]) for t in tokens]
     positions = []
     for part, n in zip(parts, lengths):

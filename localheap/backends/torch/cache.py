@@ -56,6 +56,7 @@ class HeapCache(HeapRollback, Cache):
         self.fused_decode = False   # decode outputs from kernels/decode_attention instead of stock sdpa
         self.lean_decode = True     # decode steps through lean.py where the model allows (False: transformers' forward)
         self.compile_decode = False   # the lean step's per-token parts compiled (compiled.py; opt-in)
+        self.cuda_graphs = False      # a slab's decode step as a replayed CUDA graph (graphed.py; opt-in)
         self.pages = None           # PageStore when recall is on (paging.attach_pages)
         self.writer = None          # its background PageWriter
         self.capture: Optional[dict] = None   # a recall probe's queries per heap layer, while it runs

@@ -122,6 +122,12 @@ def lean_packed(model, caches: list) -> Optional[LeanDecode]:
     return lean
 
 
+def lean_static(model, caches: list) -> Optional[LeanDecode]:
+    """The plain lean forward (never the compiled one) where lean_packed would run one: what a
+    static step (graphed.py) records into a CUDA graph."""
+    return _lean(model) if caches and all(_takes_lean(model, c) for c in caches) else None
+
+
 def _takes_lean(model, cache) -> bool:
     return (ENABLED and getattr(cache, "lean_decode", True) and cache.capture is None and cache.only_heap_layers
             and not getattr(cache, "packed", False) and model.config._attn_implementation == attention.ATTN_IMPLEMENTATION)

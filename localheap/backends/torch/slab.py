@@ -47,6 +47,7 @@ class DecodeSlab:
         self._index_of: Optional[list[int]] = None   # the step's slots that `_index` was built for
         self._index: tuple = ()
         self._resident: Optional[torch.Tensor] = None   # [B] int64: each row's slots this step
+        self.graphs: dict = {}           # rows -> graphed.SlabGraph over these buffers (--cuda-graphs)
 
     # -- membership: one copy in, one copy out ------------------------------------------
     def join(self, cache: HeapCache) -> int:
@@ -76,7 +77,7 @@ class DecodeSlab:
             self._bind(r)
         self.members.pop()
         if not self.members:   # an idle slab holds no memory
-            self.buffers, self.rows = [], 0
+            self.buffers, self.rows, self.graphs = [], 0, {}
 
     def reserve(self, rows: int) -> None:
         """Room for `rows` members: one allocation for the rows joining in one step (a power of
@@ -86,7 +87,7 @@ class DecodeSlab:
 
     def _grow(self, rows: int) -> None:
         old = self.buffers
-        self.buffers = []
+        self.buffers, self.graphs = [], {}   # graphs read the buffers they were captured over
         for i in range(len(self.key[1])):
             shape, dtype, device, scores = self.key[1][i]
             _, H, cap, D = shape
