@@ -418,6 +418,8 @@ def test_cuda_graphs_off_cuda_warn_and_stay_eager(demo, caplog, capsys):
     with pytest.raises(SystemExit, match="--cuda-graphs: replayed CUDA graphs are not available here"):
         main(["bench", "batch-step", "--rows", "1", "--steps", "1", "--repeats", "1", "--mixed-chunks", "0",
               "--cuda-graphs"])
+    with pytest.raises(SystemExit, match="--cuda-graphs: replayed CUDA graphs are not available here"):
+        main(["bench", "speed", "--contexts", "64", "--decode-tokens", "2", "--cuda-graphs"])
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
@@ -450,3 +452,20 @@ def test_batch_step_bench_times_the_graphed_step_beside_the_eager_one(demo, monk
     assert [r["rows"] for r in rows] == [1, 2]
     assert all(r["graphed_ms"] > 0 and r["graphed_wall_ms"] > 0 and r["graphed_wall_x"] > 0 for r in rows)
     assert sum(g.replays for g in replay_capture.graphs) >= 2 * 2 * 3
+
+
+def test_bench_speed_decodes_one_session_through_the_batch_and_its_graphs(demo, monkeypatch):
+    """bench speed --cuda-graphs' paths: one session decoding as a row of serve's batch, eagerly
+    (heap-batch) and graphed (heap-graphed): the heap path's greedy tokens, timed beside it."""
+    from localheap.backends.torch import bench
+
+    monkeypatch.setattr(graphed, "CAPTURE", replay_capture)
+    monkeypatch.setattr(replay_capture, "graphs", [], raising=False)
+    prompt = prompts(demo, (120,), seed=15)[0]
+    want = list(bench._session(demo, "heap", prompt, 30, SMALL)[0])
+    for path in ("heap-batch", "heap-graphed"):
+        assert list(bench._session(demo, path, prompt, 30, SMALL)[0]) == want, path
+    assert sum(g.replays for g in replay_capture.graphs) >= 25
+    rows = bench.time_paths(demo, ("heap", "heap-batch", "heap-graphed"), prompt, 8, SMALL)
+    assert [r["path"] for r in rows] == ["heap", "heap-batch", "heap-graphed"]
+    assert all(r["decode_tok_s"] > 0 and r["kv_bytes"] == rows[0]["kv_bytes"] for r in rows)

@@ -70,6 +70,9 @@ def add_parser(sub) -> None:
     add_heap_args(speed)
     add_decode_arg(speed)
     add_compile_arg(speed)
+    speed.add_argument("--cuda-graphs", action="store_true",
+                       help="torch on CUDA: also decode as serve's engine does for one session, eagerly (heap-batch) "
+                            "and as replayed CUDA graphs (heap-graphed, serve's --cuda-graphs), in the same run")
     speed.add_argument("--contexts", type=_ints, default=[2048, 8192, 32768], help="prompt lengths measured (8k, 1m accepted)")
     speed.add_argument("--decode-tokens", type=int, default=64, help="tokens decoded per cell")
     speed.add_argument("--repeats", type=int, default=1, help="best of N per cell")
@@ -245,6 +248,11 @@ def run_speed(args) -> int:
     if args.compile_decode:   # the compiled step beside each eager one, same run
         paths = extra.get("paths", ("stock-full", "heap"))
         extra["paths"] = (*paths, *(p + "-compiled" for p in paths if p in ("heap", "heap-fused")))
+    if getattr(args, "cuda_graphs", False):
+        if backend.name != "torch" or args.distributed or not backend.prepare_graphs():
+            raise SystemExit("--cuda-graphs: replayed CUDA graphs are not available here (torch on a CUDA device, "
+                             "Llama-shaped models; see the warning above)")
+        extra["paths"] = (*extra.get("paths", ("stock-full", "heap")), "heap-batch", "heap-graphed")
     bench = _bench_module(backend)
     if args.distributed:   # the shards against one process (on rank 0), same run; rank 0 reports
         from ..backends.mlx import distributed as bench

@@ -73,7 +73,7 @@ def apply_decode_attention(backend, args, batched: bool = False) -> bool:
         elif batched:
             log.warning("--compile-decode: the decode batch stays uncompiled on the %s backend (it compiles one "
                         "sequence's step: generate, bench)", backend.name)
-    if getattr(args, "cuda_graphs", False):
+    if batched and getattr(args, "cuda_graphs", False):   # (the benches check it themselves)
         if not hasattr(backend, "prepare_graphs"):
             raise SystemExit(f"--cuda-graphs is a torch backend option (this is the {backend.name} backend)")
         if getattr(args, "distributed", None):

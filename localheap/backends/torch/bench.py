@@ -58,16 +58,35 @@ def _session(backend, path: str, prompt: list[int], max_tokens: int, cfg: HeapCo
     """(token iterator, KV bytes function) for `stock-full` (DynamicCache), `heap`,
     `heap-fused` (decode outputs from the fused kernel), `heap-paging` (the recall tier on) or
     `heap-transformers` (every decode step through transformers' forward, not the lean step);
-    `-compiled` after heap or heap-fused: the lean step's per-token parts compiled (compiled.py)."""
+    `-compiled` after heap or heap-fused: the lean step's per-token parts compiled (compiled.py);
+    `heap-batch` (decode as serve's engine runs one session: a row of the decode batch, its heap
+    in a one-row slab) and `heap-graphed` (the same with --cuda-graphs: replayed CUDA graphs)."""
     if path == "stock-full":
         cache = DynamicCache(config=backend.model.config)
         return stock_tokens(backend.model, cache, prompt, max_tokens), lambda: _stock_kv_bytes(cache), None
     heap = backend.new_cache(cfg.with_(recall=True) if path == "heap-paging" else cfg)   # paging: recall tier on
+    if path in ("heap-batch", "heap-graphed"):
+        return _batch_tokens(backend, heap, prompt, max_tokens, path == "heap-graphed"), lambda: heap.kv_nbytes, heap
     heap.fused_decode = path.startswith("heap-fused")
     heap.compile_decode = path.endswith("-compiled")
     heap.lean_decode = path != "heap-transformers"
     tokens = generate_tokens(backend.model, heap, prompt, SamplingParams(max_tokens=max_tokens))
     return tokens, lambda: heap.kv_nbytes, heap
+
+
+def _batch_tokens(backend, heap, prompt: list[int], max_tokens: int, graphs: bool) -> Iterator[int]:
+    from .batch import leave_slab, start_row, step_rows
+
+    heap.cuda_graphs = graphs
+    row = start_row(backend.model, heap, prompt, SamplingParams(max_tokens=max_tokens))
+    slabs: dict = {}
+    try:
+        yield row.token
+        for _ in range(max_tokens - 1):
+            assert step_rows(backend.model, [row], slabs=slabs) == [None]
+            yield row.token
+    finally:
+        leave_slab(row)
 
 
 QUESTION_TOKENS = 16
