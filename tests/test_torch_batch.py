@@ -133,6 +133,7 @@ def slabs(request, monkeypatch):
 
         monkeypatch.setattr(TorchBackend, "new_cache", graphed_cache)
         monkeypatch.setattr(graphed, "CAPTURE", replay_capture)
+        monkeypatch.setattr(graphed, "SLOTS_STEP", 16)   # several spans of slots on these small heaps
         monkeypatch.setattr(replay_capture, "graphs", [], raising=False)
         return {}
     return request.param
@@ -338,6 +339,7 @@ def graphed_caches(backend, monkeypatch, capture=replay_capture):
     """backend.new_cache's heaps decode their slab steps through graphed.py, captured by `capture`."""
     monkeypatch.setattr(backend, "cuda_graphs", True)
     monkeypatch.setattr(graphed, "CAPTURE", capture)
+    monkeypatch.setattr(graphed, "SLOTS_STEP", 16)
     monkeypatch.setattr(replay_capture, "graphs", [], raising=False)
 
 
@@ -349,17 +351,19 @@ def test_graphed_slab_sizes_rows_sitting_out_and_joining_as_alone(demo, monkeypa
     cfg = SMALL.with_(policy="h2o")
     ps, params = prompts(demo, (30, 70, 120, 5, 44, 9, 61, 17), seed=13), SamplingParams(max_tokens=30)
     rows = [start_row(demo.model, demo.new_cache(cfg), p, params) for p in ps]
-    got, slabs, sizes = [[r.token] for r in rows], {}, []
+    got, slabs, sizes, spans = [[r.token] for r in rows], {}, [], set()
     for i in range(29):
         live = rows[: min(len(rows), 1 << (i // 4))]            # 1, 2, 4, 8 rows joining
         live = [r for j, r in enumerate(live) if (i + j + 1) % 6]   # and each sits out every 6th step
         assert step_rows(demo.model, live, slabs=slabs) == [None] * len(live)
         slab = next(iter(slabs.values()))
-        assert list(slab.graphs) == [slab.rows], "graphs of the slab's current buffers only"
+        assert {rows for rows, _ in slab.graphs} == {slab.rows}, "graphs of the slab's current buffers only"
+        spans.update(T for _, T in slab.graphs)
         sizes.append(slab.rows)
         for r in live:
             got[rows.index(r)].append(r.token)
     assert sorted(set(sizes)) == [1, 2, 4, 8]
+    assert len(spans) >= 3, "graphs read the rows' slots rounded up (SLOTS_STEP), not the whole capacity"
     assert sum(g.replays for g in replay_capture.graphs) >= 15
     for r in rows:
         leave_slab(r)
@@ -436,7 +440,7 @@ def test_cuda_graphs_replay_on_the_card_as_alone(monkeypatch):
         for t, r in zip(got, rows):
             t.append(r.token)
     slab = next(iter(slabs.values()))
-    assert isinstance(slab.graphs[slab.rows].graph, torch.cuda.CUDAGraph)
+    assert all(isinstance(g.graph, torch.cuda.CUDAGraph) for g in slab.graphs.values())
     for r in rows:
         leave_slab(r)
     for p, g in zip(ps, got):

@@ -1,18 +1,19 @@
-"""The decode batch as one CUDA graph per slab size (`--cuda-graphs`; torch on CUDA).
+"""The decode batch as CUDA graphs, a few per slab size (`--cuda-graphs`; torch on CUDA).
 
 On a GPU a decode step is bound by the host issuing its kernels, not by the card (docs/speed.md,
 "On a GPU": about 54 launching ops a layer, a step of the 8B shape 26-77 ms where reading its
 weights and K/V takes 4-8 ms). The slab step (batch.py, slab.py) has fixed shapes but for three
 host values per row (its token, its position, the slot its new token goes to) and where each
-row's resident slots end, so it can be captured once per slab size and replayed:
+row's resident slots end, so it can be captured once per slab size and span of slots, and replayed:
 
 - the rows are the slab's allocated rows R (a power of two), not its members B: rows past the
   members compute a token of their own at slot 0 and attend to it alone (their buffers are
   rewritten whole when a heap joins, slab.py), so one graph serves every B <= R;
-- attention reads every row over the whole capacity, each masked past its own slots (the eager
-  step reads up to the longest row): the same logits per slot, summed over more exact zeros, so
-  logits within float ulps of the eager slab step, which is itself within tolerance of the heap
-  alone (tests/test_torch_batch.py, its slab-graphed cases, holds tokens and logits to it);
+- attention reads every row's first T slots, each masked past its own slots, T the longest row's
+  rounded up to SLOTS_STEP (the eager step reads exactly to the longest row), one graph per
+  (slab size, T): the same logits per slot, summed over more exact zeros, so logits within float
+  ulps of the eager slab step, which is itself within tolerance of the heap alone
+  (tests/test_torch_batch.py, its slab-graphed cases, holds tokens and logits to it);
 - the heap's bookkeeping (LayerHeap.append) stays on the host, before the replay; evictions,
   recall and joins happen between steps, in place, so a graph stays valid until the slab's
   buffers are reallocated (slab.py drops its graphs then).
@@ -37,18 +38,17 @@ log = logging.getLogger("localheap.torch")
 
 class StaticSlab:
     """past_key_values (and heap=) of a static step over a slab's R rows: each layer writes the
-    rows' new K/V at their slots (static tensors) and attends over the full capacity."""
+    rows' new K/V at their slots (static tensors) and attends over its first T slots."""
 
     packed = True
 
-    def __init__(self, slab: DecodeSlab, device: torch.device):
+    def __init__(self, slab: DecodeSlab, T: int, device: torch.device):
         R = slab.rows
-        self.slab = slab
+        self.slab, self.T = slab, T
         self.inputs = torch.zeros(3, R, dtype=torch.long, device=device)   # ids, positions, slots
         self.host = torch.zeros(3, R, dtype=torch.long, pin_memory=device.type == "cuda")
         self.rows = torch.arange(R, device=device)
-        cap = slab.buffers[0]["keys"].shape[2]
-        self.past = torch.arange(cap, device=device)[None, :]   # [1, cap]
+        self.past = torch.arange(T, device=device)[None, :]   # [1, T]
         self.layers = [_StaticLayer(self, i) for i in range(len(slab.buffers))]
 
     @property
@@ -76,17 +76,17 @@ class StaticSlab:
         """query: [1, H_q, R, D] -> [1, R, H_q, D]; adds each row's attention mass to its scores."""
         bufs = self.slab.buffers[module.layer_idx]
         R, (_, Hq, _, D) = self.rows.shape[0], query.shape
-        H, cap = bufs["keys"].shape[1], bufs["keys"].shape[2]
+        H, T = bufs["keys"].shape[1], self.T
         G = Hq // H
         scale = kwargs.get("scaling") or D ** -0.5
         q = query[0].transpose(0, 1).reshape(R, H, G, D) * scale
-        hidden = self.past > self.slots[:, None]                          # [R, cap]: True past a row's slots
-        out, mass = attend_reference(q, bufs["keys"], bufs["values"], None, cap, hidden[:, None, None, :])
+        hidden = self.past > self.slots[:, None]                          # [R, T]: True past a row's slots
+        out, mass = attend_reference(q, bufs["keys"], bufs["values"], None, T, hidden[:, None, None, :])
         for name in ("scores", "window"):
             if name in bufs:
-                bufs[name][:R] += mass
+                bufs[name][:R, :, :T] += mass
         if "counts" in bufs:
-            bufs["counts"][:R] += (~hidden).float()[:, None, :] * float(G)
+            bufs["counts"][:R, :, :T] += (~hidden).float()[:, None, :] * float(G)
         return out.reshape(R, Hq, D)[None]
 
 
@@ -104,11 +104,11 @@ class _StaticLayer:
 
 
 class SlabGraph:
-    """One slab size's static step and, on CUDA, its captured graph."""
+    """One (slab size, slots read) static step and, on CUDA, its captured graph."""
 
-    def __init__(self, lean, slab: DecodeSlab, capture: Callable):
+    def __init__(self, lean, slab: DecodeSlab, T: int, capture: Callable):
         device = slab.buffers[0]["keys"].device
-        self.static = StaticSlab(slab, device)
+        self.static = StaticSlab(slab, T, device)
         self.keep = torch.arange(slab.rows, device=device)
         self.lean, self.capture = lean, capture
         self.graph = None
@@ -163,6 +163,11 @@ def _capture_stream():
 
 _STREAM = None
 CAPTURE: Optional[Callable] = None   # tests: an eager stand-in for cuda_capture on the CPU
+# A graph reads its rows' first T slots, T the longest row's rounded up to a multiple of this: a
+# heap's rows between its evictions span about `slack` slots (with recall on, the whole budget
+# less the recall region), so a few graphs per slab size, each reading little past the rows'
+# slots. One graph over the whole capacity would read up to 3x the K/V bytes of the eager step.
+SLOTS_STEP = 512
 EAGER = object()                      # CAPTURE = EAGER: the static step runs eagerly every step (agrees)
 
 
@@ -186,11 +191,12 @@ def step(lean, slab: DecodeSlab, tokens: torch.Tensor) -> torch.Tensor:
         at = {layer.heap.append(1)[0] for layer in cache.heap_layers}
         assert len(at) == 1, "a static step needs every layer at the same slot (graphed.takes)"
         slots.append(at.pop())
-    graphs = slab.graphs
-    graph = graphs.get(slab.rows)
+    cap = slab.buffers[0]["keys"].shape[2]
+    T = min(cap, -(-(max(slots) + 1) // SLOTS_STEP) * SLOTS_STEP)   # the slots read: the longest row's, rounded up
+    graph = slab.graphs.get((slab.rows, T))
     if graph is None:
         capture = CAPTURE if CAPTURE is not None else (cuda_capture if slab.buffers[0]["keys"].is_cuda else EAGER)
-        graph = graphs[slab.rows] = SlabGraph(lean, slab, None if capture is EAGER else capture)
+        graph = slab.graphs[(slab.rows, T)] = SlabGraph(lean, slab, T, None if capture is EAGER else capture)
     graph.static.set_inputs(tokens, positions, slots)
     return graph.step()[:B].clone()
 
