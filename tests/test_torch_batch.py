@@ -183,16 +183,19 @@ def test_random_model_logits_within_tolerance_and_sampling_per_row(llama, slabs,
 
 
 @SLABS
-@pytest.mark.parametrize("defer", [False, True], ids=["started-alone", "deferred"])
-def test_recall_rows_page_out_as_alone(llama, slabs, defer):
+@pytest.mark.parametrize("defer,stagger", [(False, False), (True, False), (True, True)],
+                         ids=["started-alone", "deferred", "deferred-staggered"])
+def test_recall_rows_page_out_as_alone(llama, slabs, defer, stagger):
     """Rows with recall on: each recalls at its turn's start (a deferred start due a recall is fed
     alone) and pages out its own evictions during the batch; its page store ends as alone. A third
-    row, too short to have evicted, starts riding in the batch."""
+    row, too short to have evicted, starts riding in the batch. Staggered: one layer's page-out
+    at a time."""
+    cfg = RECALL_CFG.with_(stagger=stagger)
     ps = prompts(llama, (300, 180, 12), seed=4)
     params = [SamplingParams(max_tokens=70), SamplingParams(max_tokens=45), SamplingParams(max_tokens=20)]
-    got_tokens, _, caches = batched(llama, RECALL_CFG, ps, params, slabs, defer)
+    got_tokens, _, caches = batched(llama, cfg, ps, params, slabs, defer)
     for p, sp, tokens, cache in zip(ps, params, got_tokens, caches):
-        want_tokens, _, want = alone(llama, RECALL_CFG, p, sp)
+        want_tokens, _, want = alone(llama, cfg, p, sp)
         assert tokens == want_tokens
         assert len(cache.recall_log) == len(want.recall_log) == (len(p) > 100)
         if len(p) < 100:
@@ -473,3 +476,50 @@ def test_bench_speed_decodes_one_session_through_the_batch_and_its_graphs(demo, 
     rows = bench.time_paths(demo, ("heap", "heap-batch", "heap-graphed"), prompt, 8, SMALL)
     assert [r["path"] for r in rows] == ["heap", "heap-batch", "heap-graphed"]
     assert all(r["decode_tok_s"] > 0 and r["kv_bytes"] == rows[0]["kv_bytes"] for r in rows)
+
+
+@SLABS
+def test_staggered_evictions_in_a_batch_as_alone(demo, slabs):
+    """cfg.stagger: a heap's decode evictions one layer a step, so for the L - 1 steps of each
+    spread its layers sit at different positions (compact mode); in a batch each row's layers are
+    then rotated on by their own shifts, and every session's tokens and heap are its own alone."""
+    cfg = SMALL.with_(stagger=True)
+    lengths, maxes = (5, 30, 77, 140), (60, 45, 50, 40)
+    ps = prompts(demo, lengths, seed=16)
+    params = [SamplingParams(max_tokens=m) for m in maxes]
+    want = [alone(demo, cfg, p, sp) for p, sp in zip(ps, params)]
+    got_tokens, _, caches = batched(demo, cfg, ps, params, slabs)
+    assert got_tokens == [w[0] for w in want]
+    for (_, _, cache), got in zip(want, caches):
+        assert_same_heap(cache, got, atol=1e-4)
+    assert all(layer.heap.evictions >= 1 for c in caches[1:] for layer in c.heap_layers)
+
+
+def test_staggered_evictions_fall_one_layer_a_step(demo):
+    """Decoding alone with cfg.stagger: no step evicts more than one layer, every layer evicts once
+    per slack of tokens as unstaggered, and the layers line up again after each spread (L - 1
+    steps), holding as many slots as the unstaggered heap."""
+    cfg = SMALL.with_(stagger=True, recall=False)
+    cache = demo.new_cache(cfg)
+    demo.prefill(cache, prompts(demo, (40,), seed=17)[0])
+    plain = demo.new_cache(cfg.with_(stagger=False))
+    demo.prefill(plain, prompts(demo, (40,), seed=17)[0])
+    L, events, apart = len(cache.heap_layers), [], 0
+    for step in range(6 * cfg.slack):
+        before = [layer.heap.evictions for layer in cache.heap_layers]
+        cache.make_room(1)
+        plain.make_room(1)
+        events.append([i for i, layer in enumerate(cache.heap_layers) if layer.heap.evictions > before[i]])
+        for layer in cache.heap_layers + plain.heap_layers:
+            layer.heap.append(1)
+        residents = {layer.heap.resident for layer in cache.heap_layers}
+        apart += len(residents) > 1
+        if len(residents) == 1:   # lined up again: where the unstaggered heap is
+            assert residents == {plain.heap_layers[0].heap.resident}
+    firsts = [next(s for s, e in enumerate(events) if i in e) for i in range(L)]
+    assert max(firsts) - min(firsts) == L - 1, "the first events spread over L steps"
+    assert all(len(e) <= 1 for e in events), "one layer a step"
+    for i in range(L):
+        steps = [s for s, e in enumerate(events) if i in e]
+        assert len(steps) >= 4 and set(np.diff(steps)) == {cfg.slack}
+    assert 0 < apart <= (L - 1) * len([s for s, e in enumerate(events) if 0 in e]), "apart only while spreading"

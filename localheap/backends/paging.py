@@ -65,8 +65,9 @@ def attach_pages(cache, n_kv_heads: int, head_dim: int, root: Optional[Path] = N
 
 
 def policy_keep(heap: LayerHeap) -> int:
-    """Slots an eviction event keeps: LayerHeap.plan's rule (the recall region holds only recalled pages)."""
-    return heap.keep - heap.recall_slots + heap.n_recalled
+    """Slots an eviction event keeps: LayerHeap.plan's rule (the recall region holds only recalled
+    pages; a staggered event `early` steps ahead of its due step keeps that many fewer)."""
+    return heap.keep - heap.recall_slots + heap.n_recalled - heap.early
 
 
 # -- page-out -----------------------------------------------------------------------------

@@ -140,6 +140,10 @@ def add_heap_args(p: argparse.ArgumentParser, recall: bool = False) -> None:
     p.add_argument("--prefill-chunk", type=int, default=None, metavar="N",
                    help="tokens per prefill forward, evicting before each (default: the backend's for its "
                         "device, e.g. 2048 on CUDA); the heap holds sinks + budget + max(slack, chunk)")
+    p.add_argument("--evict-stagger", default="off", choices=("off", "on"),
+                   help="torch: a heap's decode evictions one layer a step instead of every layer at once "
+                        "(the same slots kept per layer, each layer's event on its own step: a decode batch's "
+                        "rows all wait for an event) (default: off)")
     p.add_argument("--policy", default=d.policy, choices=POLICIES, help="how the tokens to keep are ranked")
     p.add_argument("--positions", default=d.positions, choices=POSITION_MODES,
                    help="compact: RoPE positions follow slot order; absolute: original positions")
@@ -185,7 +189,7 @@ def heap_config(args, backend=None, **overrides) -> HeapConfig:
                   recall=recall, recall_budget=region or HeapConfig.recall_budget, page_size=args.page_size,
                   page_format=args.page_format, recall_summary=args.recall_summary,
                   recall_score=args.recall_score, recall_select=args.recall_select,
-                  disk_budget=disk if recall else 0)
+                  disk_budget=disk if recall else 0, stagger=getattr(args, "evict_stagger", "off") == "on")
     fields.update(overrides)
     return HeapConfig(**fields)
 

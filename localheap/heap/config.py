@@ -33,6 +33,7 @@ class HeapConfig:
     recent: int = 256            # most recent tokens, never evicted
     slack: int = 256             # decode append room = the decode eviction interval
     prefill_chunk: int = 0       # tokens per prefill forward (evict before each); 0 = the slack
+    stagger: bool = False        # decode evictions spread one layer a step (torch; HeapCache.due), not all at once
     policy: str = "snapkv"       # the default keeps facts that h2o loses (docs/needle.md)
     positions: str = "compact"   # compact: RoPE positions follow slot order; absolute: original positions
     profile: str = "uniform"     # per-layer budget profile

@@ -72,7 +72,7 @@ class LayerHeap:
         self.evicted = 0
         self.evictions = 0
         self.repacked_at = 0   # `seen` at the latest repack or recall: the heap rolls back exactly to here
-        self.repacked_at = 0   # `seen` at the latest repack: the heap can roll back exactly to here
+        self.early = 0         # a staggered event's steps ahead of its due one: it keeps that many fewer
 
     # -- appends -------------------------------------------------------------------
     def needs_repack(self, n_new: int) -> bool:
@@ -107,7 +107,7 @@ class LayerHeap:
         pinned = self.recalled[:, :n]
         n_pinned = self.n_recalled
         if keep is None:
-            keep = self.keep - self.recall_slots + n_pinned
+            keep = self.keep - self.recall_slots + n_pinned - self.early
         if n_pinned:
             # recalled pages stay until the next question's recall replaces them
             scores = np.where(pinned, np.inf, scores)
@@ -183,6 +183,7 @@ class LayerHeap:
             self.evictions += 1
         self.resident = k
         self.repacked_at = self.seen
+        self.early = 0
 
     # -- rollback ------------------------------------------------------------------
     def truncate(self, seen: int) -> int:

@@ -76,7 +76,33 @@ class HeapCache(HeapRollback, Cache):
         if n_new > self.cfg.append_room:
             raise HeapConfigError(f"{n_new} tokens at once exceed the append room ({self.cfg.append_room}: "
                                   f"max of slack and prefill chunk); chunk them")
-        return [layer for layer in self.heap_layers if layer.heap.needs_repack(n_new)]
+        due = [layer for layer in self.heap_layers if layer.heap.needs_repack(n_new)]
+        if n_new == 1 and self.cfg.stagger and len(self.heap_layers) > 1:
+            return self._staggered()
+        return due
+
+    def _staggered(self) -> list:
+        """A decode step's evicting layers with events spread one layer a step (cfg.stagger). Layers
+        due together (their slack full on the same step) evict on consecutive steps ending at
+        that one, the first L - 1 early; a layer `e` steps early keeps `e` slots fewer, so that on
+        its due step it holds what it would have and the layers line up again (the same slots and
+        positions in every layer between events: no per-layer position shift, nothing to rotate).
+        Each layer gets the latest step at or before its due one that no layer after it in that
+        order has taken, and evicts when that step is this one. One layer's event costs a step
+        about 1/L of a whole one: in a decode batch every row waits for every event
+        (docs/serve_bench.md, "Eighth round")."""
+        layers = self.heap_layers
+        due_in = [max(0, layer.heap.keep + self.cfg.slack - layer.heap.resident) for layer in layers]
+        if min(due_in) >= len(due_in):   # nothing due within as many steps as there are layers
+            return []
+        at, later = [0] * len(due_in), None
+        for i in sorted(range(len(due_in)), key=lambda i: (due_in[i], i), reverse=True):
+            later = due_in[i] if later is None else min(due_in[i], later - 1)
+            at[i] = later
+        now = [i for i, step in enumerate(at) if step <= 0]
+        for i in now:
+            layers[i].heap.early = due_in[i]
+        return [layers[i] for i in now]
 
     def repack(self, plan: EvictionPlan) -> None:
         """The one place an eviction event is applied: every layer's gather and re-rotation on the

@@ -26,8 +26,9 @@ from .cache import HeapCache
 
 
 def slab_key(cache: HeapCache) -> Optional[tuple]:
-    """What rows of one slab share; None where a heap cannot join one (a per-layer position shift:
-    pyramid budgets; query statistics: the geometry policy; sliding layers)."""
+    """What rows of one slab share; None where a heap cannot join one (per-layer buffer shapes:
+    pyramid budgets; query statistics: the geometry policy; sliding layers). Rows whose layers sit
+    at other positions than their session's (staggered evictions) are rotated on per layer."""
     cfg: HeapConfig = cache.cfg
     if not cache.only_heap_layers or cfg.profile != "uniform" or cfg.needs_query_stats:
         return None
@@ -115,10 +116,26 @@ class DecodeSlab:
         B = len(self.members)
         slots = tuple(cache.heap_layers[layer_index].heap.append(1)[0] for cache in self.members)
         bufs = self.buffers[layer_index]
+        key_states = self._own_positions(layer_index, key_states)
         rows, at, self._mask = self._step_index(slots, key_states.device)
         bufs["keys"][rows, :, at] = key_states[0].transpose(0, 1)       # [B, H_kv, D]
         bufs["values"][rows, :, at] = value_states[0].transpose(0, 1)
         self._T = max(slots) + 1
+
+    def _own_positions(self, layer_index: int, x: torch.Tensor) -> torch.Tensor:
+        """x: [1, heads, B, D], row b rotated at its session's model-wide position. A row whose
+        layer sits at another position (HeapCache.position_ids' rope_delta: staggered evictions)
+        is rotated on by it, as the heap alone rotates its keys and query (one rotation per
+        distinct shift, with the same call: the same bits)."""
+        layers = [cache.heap_layers[layer_index] for cache in self.members]
+        shifts = {layer.rope_delta for layer in layers} - {0}
+        if not shifts:
+            return x
+        x = x.clone()
+        for shift in shifts:
+            rows = torch.tensor([b for b, layer in enumerate(layers) if layer.rope_delta == shift], device=x.device)
+            x[:, :, rows] = layers[0].rope.rotate(x[:, :, rows], shift)
+        return x
 
     def _step_index(self, slots: tuple, device) -> tuple:
         """(rows [B], slots [B], mask) for this step's appends; the layers of a step share them
@@ -142,6 +159,7 @@ class DecodeSlab:
         where it is built and fits, else torch's batched matmuls (attend_reference)."""
         B, (_, Hq, _, D) = len(self.members), query.shape
         bufs = self.buffers[layer_index]
+        query = self._own_positions(layer_index, query)
         T = self._T
         H = bufs["keys"].shape[1]
         q = query[0].transpose(0, 1).reshape(B, H, Hq // H, D) * scale            # [B, H_kv, G, D]
