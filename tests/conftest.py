@@ -5,6 +5,9 @@ import os
 import pytest
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# serve and chat freeze what is alive when they start (commands/common.freeze_startup_objects): in
+# this process that would keep every earlier test's cycles for ever (test_cli.py tests it unfrozen)
+os.environ.setdefault("LOCALHEAP_GC_FREEZE", "0")
 
 
 @pytest.fixture(scope="session")

@@ -12,7 +12,7 @@ from pathlib import Path
 from ..engine.errors import RankLost
 from ..generation import SamplingParams
 from .common import (add_compile_arg, add_decode_arg, add_distributed_arg, add_graphs_arg, add_heap_args, add_model_args,
-                     apply_decode_attention, heap_config, model_spec, with_backend_chunk)
+                     apply_decode_attention, freeze_startup_objects, heap_config, model_spec, with_backend_chunk)
 from .progress import ProgressBar
 
 PROMPT, MORE = ">>> ", "... "
@@ -113,6 +113,7 @@ def chat_on(backend, cfg, args) -> int:
                             seed=args.seed)
     print(f"localheap chat: {backend.model_name} on {backend.name} | heap {cfg.sinks} sinks + {cfg.budget} "
           f"budget + {cfg.slack} slack, policy {cfg.policy} | /help for commands, /quit to leave", flush=True)
+    freeze_startup_objects()
     try:
         while True:
             try:

@@ -11,7 +11,8 @@ from pathlib import Path
 
 from . import ranks
 from .common import (TOTAL_SHARE, add_compile_arg, add_decode_arg, add_distributed_arg, add_graphs_arg, add_heap_args,
-                     add_model_args, apply_decode_attention, disk_total, heap_config, model_spec, with_backend_chunk)
+                     add_model_args, apply_decode_attention, disk_total, freeze_startup_objects, heap_config, model_spec,
+                     with_backend_chunk)
 
 
 def add_parser(sub) -> None:
@@ -248,4 +249,5 @@ def serve_built(app, backend, settings, args) -> int:
           file=sys.stderr)
     print(f"localheap: serving http://{settings.host}:{settings.port}  (OpenAI base_url: "
           f"http://{settings.host}:{settings.port}/v1)", file=sys.stderr)
+    freeze_startup_objects()
     return serve_app(app, settings, args.log_level)
