@@ -98,3 +98,25 @@ def test_torch_snapkv_window_scored_when_read_equals_every_chunk(model_dirs, tor
         assert ea == eb
         np.testing.assert_array_equal(pa, pb)
         assert torch.equal(ka, kb) and torch.equal(wa, wb)
+
+
+def test_cli_evict_stagger_is_a_torch_option(caplog):
+    import argparse
+
+    from localheap.commands.common import add_heap_args, heap_config, with_backend_chunk
+
+    class Backend:
+        def __init__(self, name):
+            self.name = name
+
+        def default_prefill_chunk(self):
+            return 512
+
+    p = argparse.ArgumentParser()
+    add_heap_args(p)
+    assert heap_config(p.parse_args([])).stagger is False
+    args = p.parse_args(["--evict-stagger", "on"])
+    assert heap_config(args).stagger is True
+    assert with_backend_chunk(heap_config(args), args, Backend("torch")).stagger is True
+    assert with_backend_chunk(heap_config(args), args, Backend("mlx")).stagger is False
+    assert "--evict-stagger: the mlx backend evicts every layer at once" in caplog.text

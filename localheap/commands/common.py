@@ -260,7 +260,11 @@ def default_recall_budget(budget: int, recent: int, page_size: int) -> int:
 
 
 def with_backend_chunk(cfg: HeapConfig, args, backend) -> HeapConfig:
-    """cfg with the backend's default prefill chunk when --prefill-chunk was not given."""
+    """cfg with the backend's default prefill chunk when --prefill-chunk was not given, and
+    without --evict-stagger where the backend does not spread its events (MLX: it says so)."""
+    if cfg.stagger and getattr(backend, "name", "torch") != "torch":
+        log.warning("--evict-stagger: the %s backend evicts every layer at once; the flag is ignored", backend.name)
+        cfg = cfg.with_(stagger=False)
     if getattr(args, "prefill_chunk", None) is None and not cfg.prefill_chunk:
         return cfg.with_(prefill_chunk=backend.default_prefill_chunk())
     return cfg

@@ -7,7 +7,7 @@ this module makes (gather `keep_indices`, rotate keys by `deltas`).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 
@@ -62,17 +62,70 @@ class LayerHeap:
         # recall: part of the budget holds recalled pages; the policy keeps the rest
         page = cfg.page_size
         self.recall_slots = min(cfg.recall_slots, (budget - cfg.recent) // page * page) if cfg.recall else 0
-        self.recalled = np.zeros((n_kv_heads, self.capacity), dtype=bool)   # [h, s]: slot holds a recalled token
+        self._recalled = np.zeros((n_kv_heads, self.capacity), dtype=bool)   # [h, s]: slot holds a recalled token
         self.policy: Policy = make_policy(cfg, layer)
         self.noise_rng = np.random.default_rng(cfg.seed * 7919 + layer)
         # positions[h, s]: original position of the token in slot s of KV head h
-        self.positions = np.zeros((n_kv_heads, self.capacity), dtype=np.int64)
+        self._positions = np.zeros((n_kv_heads, self.capacity), dtype=np.int64)
+        self._later: Optional[tuple] = None   # an event whose kept slots the device has not told yet (apply_later)
+        self._spare: Optional[tuple] = None   # the other pair of position/recalled tables
         self.resident = 0
         self.seen = 0
         self.evicted = 0
         self.evictions = 0
         self.repacked_at = 0   # `seen` at the latest repack or recall: the heap rolls back exactly to here
         self.early = 0         # a staggered event's steps ahead of its due one: it keeps that many fewer
+
+    # -- the position table, possibly one event behind -------------------------------
+    @property
+    def positions(self) -> np.ndarray:
+        """[kv_heads, capacity] original position of the token in each slot (settled first)."""
+        self.settle()
+        return self._positions
+
+    @property
+    def recalled(self) -> np.ndarray:
+        """[kv_heads, capacity] whether each slot holds a recalled token (settled first)."""
+        self.settle()
+        return self._recalled
+
+    def apply_later(self, keep: int, resolve: Callable[[], np.ndarray], evicting: bool = True) -> None:
+        """An eviction event's bookkeeping without its keep indices yet: the counts now, the
+        position table when first read (`resolve()` gives the [kv_heads, keep] indices then: a
+        device's copy of them, started at the event, is done by the time anything needs them, so
+        nothing waits for the device between events). Appends meanwhile go to the other pair of
+        tables; `settle` fills in the kept slots' part from the old pair."""
+        self.settle()
+        assert keep <= self.resident
+        old = (self._positions, self._recalled, self.resident)
+        if self._spare is None:
+            self._spare = (np.zeros_like(self._positions), np.zeros_like(self._recalled))
+        (self._positions, self._recalled), self._spare = self._spare, None
+        self._later = (resolve, old, evicting)
+        self._count(keep, evicting)
+
+    def settle(self) -> None:
+        """The pending event's kept slots into the position table (apply_later)."""
+        if self._later is None:
+            return
+        resolve, (positions, recalled, n), evicting = self._later
+        self._later = None
+        keep_indices = resolve()
+        k = keep_indices.shape[1]
+        kept = np.take_along_axis(positions[:, :n], keep_indices, axis=1)
+        assert (np.diff(kept, axis=1) > 0).all(), "repack must preserve token order"
+        self._positions[:, :k] = kept
+        self._recalled[:, :k] = np.take_along_axis(recalled[:, :n], keep_indices, axis=1)
+        self._recalled[:, k:] = False
+        self._spare = (positions, recalled)
+
+    def _count(self, k: int, evicting: bool) -> None:
+        if evicting:
+            self.evicted += self.resident - k
+            self.evictions += 1
+        self.resident = k
+        self.repacked_at = self.seen
+        self.early = 0
 
     # -- appends -------------------------------------------------------------------
     def needs_repack(self, n_new: int) -> bool:
@@ -92,7 +145,7 @@ class LayerHeap:
                 f"({self.resident} resident, capacity {self.capacity}); make room first"
             )
         start = self.resident
-        self.positions[:, start:start + n_new] = np.arange(self.seen, self.seen + n_new)
+        self._positions[:, start:start + n_new] = np.arange(self.seen, self.seen + n_new)   # no wait for a pending event
         self.resident += n_new
         self.seen += n_new
         return start, self.resident
@@ -174,16 +227,11 @@ class LayerHeap:
         assert k <= self.resident
         kept = np.take_along_axis(self.positions[:, : self.resident], plan.keep_indices, axis=1)
         assert (np.diff(kept, axis=1) > 0).all(), "repack must preserve token order"
-        self.positions[:, :k] = kept
-        flags = np.take_along_axis(self.recalled[:, : self.resident], plan.keep_indices, axis=1)
-        self.recalled[:, :k] = flags
-        self.recalled[:, k:] = False
-        if evicting:
-            self.evicted += self.resident - k
-            self.evictions += 1
-        self.resident = k
-        self.repacked_at = self.seen
-        self.early = 0
+        self._positions[:, :k] = kept
+        flags = np.take_along_axis(self._recalled[:, : self.resident], plan.keep_indices, axis=1)
+        self._recalled[:, :k] = flags
+        self._recalled[:, k:] = False
+        self._count(k, evicting)
 
     # -- rollback ------------------------------------------------------------------
     def truncate(self, seen: int) -> int:
@@ -223,6 +271,7 @@ class LayerHeap:
         counters = [int(x) for x in state["counters"]]
         resident, seen, evicted, evictions = counters[:4]
         assert resident <= self.capacity
+        self._later = None   # replaced whole
         self.positions[:, :resident] = state["positions"]
         self.recalled[:] = False
         if "recalled" in state:

@@ -9,6 +9,7 @@ before anything is rotated; layers whose position differs from the model-wide on
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Optional
 
@@ -112,6 +113,11 @@ class HeapCache(HeapRollback, Cache):
         for group in plan.groups:
             for b, layer in enumerate(group.layers):
                 layer.gather_kept(group.keep_indices[b], None if group.deltas is None else group.deltas[b])
+        if (outgoing is None or not outgoing) and defers_positions(self.device):
+            resolve = plan.host_indices_later()   # nothing to page out: the host's tables wait, not the host
+            for j, (layer, keep) in enumerate(zip(plan.layers, plan.keeps())):
+                layer.heap.apply_later(keep, lambda j=j: resolve()[j])
+            return
         indices = plan.host_indices() if outgoing is None else recall.page_out(self, plan, outgoing)
         for layer, idx in zip(plan.layers, indices):
             layer.heap.apply(RepackPlan(keep_indices=idx, deltas=None))
@@ -153,6 +159,17 @@ class HeapCache(HeapRollback, Cache):
 
     def page_stats(self) -> Optional[dict]:
         return paging.page_stats(self)
+
+
+DEFER_POSITIONS = os.environ.get("LOCALHEAP_DEFER_POSITIONS", "cuda")   # cuda, always (tests), never
+
+
+def defers_positions(device: torch.device) -> bool:
+    """Whether an eviction event leaves the host's position tables to settle when first read
+    (LayerHeap.apply_later) instead of waiting for the device's keep indices: on CUDA, where that
+    wait drains the stream at every prefill chunk and the host then launches the next chunk's
+    kernels onto an idle card. On the CPU the indices are host memory already: nothing to wait for."""
+    return DEFER_POSITIONS == "always" or (DEFER_POSITIONS == "cuda" and device.type == "cuda")
 
 
 def decoder_layers(model) -> list:

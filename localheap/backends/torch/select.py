@@ -10,7 +10,7 @@ transfer of an event (keep indices for the host's position table) is `EvictionPl
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -104,6 +104,35 @@ class EvictionPlan:
         """Keep indices per layer as numpy arrays, in ONE device-to-host transfer for the event."""
         flat = torch.cat([g.keep_indices.reshape(-1) for g in self.groups]).cpu().numpy()
         return split_keep_indices(flat, [tuple(g.keep_indices.shape) for g in self.groups])
+
+    def host_indices_later(self) -> Callable[[], list]:
+        """host_indices without waiting: on CUDA the copy to pinned memory starts now, behind the
+        event's work on the stream, and the returned function waits for that copy alone (done
+        long before, by the time the next event or anything else reads positions)."""
+        flat = torch.cat([g.keep_indices.reshape(-1) for g in self.groups])
+        shapes = [tuple(g.keep_indices.shape) for g in self.groups]
+        done = None
+        if flat.device.type == "cuda":
+            host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
+            host.copy_(flat, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record()
+        else:
+            host = flat
+        got: list = []
+
+        def resolve() -> list:
+            if not got:
+                if done is not None:
+                    done.synchronize()
+                got.append(split_keep_indices(host.numpy(), shapes))
+            return got[0]
+
+        return resolve
+
+    def keeps(self) -> list[int]:
+        """Each layer's kept slot count (host_indices' widths), known on the host."""
+        return [int(g.keep_indices.shape[-1]) for g in self.groups for _ in g.layers]
 
     @property
     def layers(self) -> list:
