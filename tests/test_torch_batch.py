@@ -422,10 +422,10 @@ def test_cuda_graphs_off_cuda_warn_and_stay_eager(demo, caplog, capsys):
     assert demo.prepare_graphs() is False and demo.cuda_graphs is False
     assert "not a CUDA device" in caplog.text
     from localheap.cli import main
-    with pytest.raises(SystemExit, match="--cuda-graphs: replayed CUDA graphs are not available here"):
+    with pytest.raises(SystemExit, match="--cuda-graphs: replayed CUDA graphs are for torch on a CUDA device"):
         main(["bench", "batch-step", "--rows", "1", "--steps", "1", "--repeats", "1", "--mixed-chunks", "0",
               "--cuda-graphs"])
-    with pytest.raises(SystemExit, match="--cuda-graphs: replayed CUDA graphs are not available here"):
+    with pytest.raises(SystemExit, match="--cuda-graphs: replayed CUDA graphs are for torch on a CUDA device"):
         main(["bench", "speed", "--contexts", "64", "--decode-tokens", "2", "--cuda-graphs"])
 
 
