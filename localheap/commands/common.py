@@ -52,10 +52,11 @@ def add_compile_arg(p: argparse.ArgumentParser) -> None:
 def add_graphs_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cuda-graphs", action="store_true",
                    help="torch on CUDA: run the decode batch's steps (sessions decoding together, no prompt riding "
-                        "in the step) as CUDA graphs captured once per batch size and replayed, so the host issues "
-                        "one launch a step instead of one a kernel (graphed.py). Checked at startup against the same "
-                        "step run eagerly; logits within float ulps of the eager batch (attention masked over each "
-                        "heap's whole capacity). Elsewhere a warning, and the batch stays eager (default: off)")
+                        "in the step) as CUDA graphs, captured on first use per batch size and span of slots read "
+                        "and replayed, so the host issues one launch a step instead of one a kernel (graphed.py). "
+                        "Checked at startup against the same step run eagerly; logits within float ulps of the "
+                        "eager batch (attention masked over the rows' slots rounded up to 512). Elsewhere a "
+                        "warning, and the batch stays eager (default: off)")
 
 
 def apply_decode_attention(backend, args, batched: bool = False) -> bool:
@@ -158,9 +159,9 @@ def add_heap_args(p: argparse.ArgumentParser, recall: bool = False) -> None:
                    help="tokens per prefill forward, evicting before each (default: the backend's for its "
                         "device, e.g. 2048 on CUDA); the heap holds sinks + budget + max(slack, chunk)")
     p.add_argument("--evict-stagger", default="off", choices=("off", "on"),
-                   help="torch: a heap's decode evictions one layer a step instead of every layer at once "
-                        "(the same slots kept per layer, each layer's event on its own step: a decode batch's "
-                        "rows all wait for an event) (default: off)")
+                   help="torch: a heap's decode evictions one layer a step instead of every layer at once (a "
+                        "decode batch's rows all wait for an event); each layer still evicts once per slack, one "
+                        "evicting early keeping as many slots fewer until its due step (default: off)")
     p.add_argument("--policy", default=d.policy, choices=POLICIES, help="how the tokens to keep are ranked")
     p.add_argument("--positions", default=d.positions, choices=POSITION_MODES,
                    help="compact: RoPE positions follow slot order; absolute: original positions")
