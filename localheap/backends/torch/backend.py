@@ -20,6 +20,30 @@ from .persist import load_heap, save_heap
 log = logging.getLogger("localheap.torch")
 
 
+def _off_main_thread(fn: Callable, name: str):
+    """fn() on a thread of its own, which then ends; its result, or its exception raised here.
+    torch's intra-op regions (OpenMP) run ~10x slower on the engine's thread once the main
+    thread has run one (measured: a packed graph 31 us on the main thread, 334 us on another
+    after it; one served client 260-304 tok/s against 773-903 with the build off the main
+    thread, eager 610-698). A thread that ends takes its pool with it."""
+    import threading
+
+    done: dict = {}
+
+    def run() -> None:
+        try:
+            done["result"] = fn()
+        except BaseException as e:   # noqa: BLE001 - raised on the caller's thread
+            done["error"] = e
+
+    worker = threading.Thread(target=run, name=name)
+    worker.start()
+    worker.join()
+    if "error" in done:
+        raise done["error"]
+    return done.get("result")
+
+
 def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -80,48 +104,28 @@ class TorchBackend:
         """--compile-decode for the engine's decode batch: build (or load) and check the packed
         step's graphs now, before the first request, rather than inside its first step. Whether
         the compiled packed step will run (False: a warning said why; the eager step runs)."""
-        import threading
-
         from .compiled import compiled_packed
 
-        # On a thread of its own: torch's intra-op regions (OpenMP) run ~10x slower on the engine's
-        # thread once the main thread has run one (measured: a packed graph 31 us on the main thread,
-        # 334 us on another after it; one served client 260-304 tok/s against 773-903 with the build
-        # off the main thread, eager 610-698). A thread that ends takes its pool with it.
-        done: dict = {}
-        worker = threading.Thread(target=lambda: done.setdefault("step", compiled_packed(self.model)),
-                                  name="localheap-compile")
-        worker.start()
-        worker.join()
-        return done.get("step") is not None
+        return _off_main_thread(lambda: compiled_packed(self.model), "localheap-compile") is not None
 
     def prepare_graphs(self) -> bool:
         """--cuda-graphs: check once that a replayed graph gives the eager static step's bits on
         this card (graphed.agrees, on a scratch slab, on a thread of its own as prepare_compiled
         does). Whether the decode batch's slab steps will run as graphs (False: a warning said why)."""
-        import threading
-
         from . import graphed
 
         if self.device.type != "cuda":
             log.warning("--cuda-graphs: the model is on %s, not a CUDA device; the decode batch stays eager",
                         self.device.type)
             return False
-        done: dict = {}
-
-        def check() -> None:
-            try:
-                done["ok"] = graphed.agrees(self.model)
-            except Exception as e:   # capture refused (an op that syncs, an unsupported kernel)
-                done["error"] = e
-
-        worker = threading.Thread(target=check, name="localheap-graphs")
-        worker.start()
-        worker.join()
-        if not done.get("ok"):
-            log.warning("--cuda-graphs: %s; the decode batch stays eager",
-                        f"capture failed ({done['error']!r})" if "error" in done
-                        else "a replayed graph's logits differ from the same step run eagerly")
+        try:
+            ok = _off_main_thread(lambda: graphed.agrees(self.model), "localheap-graphs")
+        except Exception as e:   # capture refused (an op that syncs, an unsupported kernel)
+            log.warning("--cuda-graphs: capture failed (%r); the decode batch stays eager", e)
+            return False
+        if not ok:
+            log.warning("--cuda-graphs: a replayed graph's logits differ from the same step run eagerly; "
+                        "the decode batch stays eager")
             return False
         self.cuda_graphs = True
         return True

@@ -144,8 +144,9 @@ def forward_packed(model, parts: list, tokens: list[torch.Tensor]) -> torch.Tens
     if len(parts) == 1 and isinstance(parts[0], DecodeSlab) and all(getattr(c, "cuda_graphs", False)
                                                                    for c in parts[0].members):
         lean = lean_static(model, parts[0].members)
-        if lean is not None and graphed.takes(parts[0]):   # the slab's step as a replayed CUDA graph
-            return graphed.step(lean, parts[0], tokens[0])
+        logits = None if lean is None else graphed.step(lean, parts[0], tokens[0])   # as a replayed CUDA graph
+        if logits is not None:
+            return logits
     lengths = [int(t.shape[0]) for t in tokens]
     positions = []
     for part, n in zip(parts, lengths):

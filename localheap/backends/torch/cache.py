@@ -77,10 +77,9 @@ class HeapCache(HeapRollback, Cache):
         if n_new > self.cfg.append_room:
             raise HeapConfigError(f"{n_new} tokens at once exceed the append room ({self.cfg.append_room}: "
                                   f"max of slack and prefill chunk); chunk them")
-        due = [layer for layer in self.heap_layers if layer.heap.needs_repack(n_new)]
         if n_new == 1 and self.cfg.stagger and len(self.heap_layers) > 1:
             return self._staggered()
-        return due
+        return [layer for layer in self.heap_layers if layer.heap.needs_repack(n_new)]
 
     def _staggered(self) -> list:
         """A decode step's evicting layers with events spread one layer a step (cfg.stagger). Layers

@@ -93,7 +93,6 @@ class StaticSlab:
 class _StaticLayer:
     def __init__(self, step: StaticSlab, index: int):
         self.step, self.index = step, index
-        self.rope_delta = 0
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """key_states/value_states: [1, H_kv, R, D], row r's new token -> its slot."""
@@ -171,26 +170,22 @@ SLOTS_STEP = 512
 EAGER = object()                      # CAPTURE = EAGER: the static step runs eagerly every step (agrees)
 
 
-def takes(slab: DecodeSlab) -> bool:
-    """Whether a step of this slab's members can run static: every layer of a heap at the same
-    slot (uniform budgets, as slab_key requires, keep them so; checked, not assumed)."""
-    for cache in slab.members:
-        first = cache.heap_layers[0].heap.resident
-        if any(layer.heap.resident != first for layer in cache.heap_layers):
-            return False
-    return True
-
-
-def step(lean, slab: DecodeSlab, tokens: torch.Tensor) -> torch.Tensor:
-    """One decode step of the slab's members (tokens [B] in row order, room made, graphed.takes):
-    the heaps' bookkeeping on the host, then the static step. Returns fp32 logits [B, vocab]."""
+def step(lean, slab: DecodeSlab, tokens: torch.Tensor) -> Optional[torch.Tensor]:
+    """One decode step of the slab's members (tokens [B] in row order, room made): the heaps'
+    bookkeeping on the host, then the static step. Returns fp32 logits [B, vocab], or None,
+    touching nothing, where a heap's layers sit at different slots (a staggered eviction's spread,
+    a recall that filled layers unevenly): the eager step takes those."""
     B = len(slab.members)
-    positions = [c.heap_layers[0].heap.rope_offset() for c in slab.members]
     slots = []
     for cache in slab.members:
-        at = {layer.heap.append(1)[0] for layer in cache.heap_layers}
-        assert len(at) == 1, "a static step needs every layer at the same slot (graphed.takes)"
-        slots.append(at.pop())
+        heaps = [layer.heap for layer in cache.heap_layers]
+        if any(heap.resident != heaps[0].resident for heap in heaps):
+            return None
+        slots.append(heaps[0].resident)
+    positions = [c.heap_layers[0].heap.rope_offset() for c in slab.members]
+    for cache in slab.members:
+        for layer in cache.heap_layers:
+            layer.heap.append(1)
     cap = slab.buffers[0]["keys"].shape[2]
     T = min(cap, -(-(max(slots) + 1) // SLOTS_STEP) * SLOTS_STEP)   # the slots read: the longest row's, rounded up
     graph = slab.graphs.get((slab.rows, T))

@@ -126,7 +126,10 @@ class DecodeSlab:
         """x: [1, heads, B, D], row b rotated at its session's model-wide position. A row whose
         layer sits at another position (HeapCache.position_ids' rope_delta: staggered evictions)
         is rotated on by it, as the heap alone rotates its keys and query (one rotation per
-        distinct shift, with the same call: the same bits)."""
+        distinct shift, with the same call: the same bits). Only staggered heaps shift (slab_key
+        keeps pyramid budgets out), so an unstaggered slab's step skips the look."""
+        if not self.key[0].stagger:
+            return x
         layers = [cache.heap_layers[layer_index] for cache in self.members]
         shifts = {layer.rope_delta for layer in layers} - {0}
         if not shifts:
