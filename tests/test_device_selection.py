@@ -29,15 +29,33 @@ def mlx_or_skip():
     return pytest.importorskip("mlx.core")
 
 
+@pytest.mark.parametrize("by_sort", [True, False], ids=["sort", "select"])
 @pytest.mark.parametrize("levels", [2, 5, 10_000])
 @pytest.mark.parametrize("case", CASES)
-def test_torch_rule_equals_numpy_rule(case, levels):
+def test_torch_rule_equals_numpy_rule(case, levels, by_sort):
+    """Both torch rules (the sort, the default off the CPU; the selection, the CPU's) keep the spec's slots."""
     n, keep, sinks, recent = case
     rng = np.random.default_rng(levels * 1000 + n)
     scores = tied_scores(rng, (3, 2, n), levels)                       # [layers, heads, n]
-    got = torch_select(torch.from_numpy(scores), keep, sinks, recent).numpy()
+    scores[0, 0, rng.random(n) < 0.1] = np.inf                         # pinned (recalled) slots
+    got = torch_select(torch.from_numpy(scores), keep, sinks, recent, by_sort=by_sort).numpy()
     want = np.stack([select_keep(s.astype(np.float64), keep, sinks, recent) for s in scores])
     assert got.dtype == np.int64 and np.array_equal(got, want)
+
+
+@pytest.mark.parametrize("by_sort", [True, False], ids=["sort", "select"])
+@pytest.mark.parametrize("keep", [60, 100, 150, 200, 280, 295])
+def test_torch_rule_ranks_nan_scores_below_minus_inf_as_the_spec(keep, by_sort):
+    """NaN scores (none should occur) rank last, below -inf, as the numpy spec's stable sort ranks them;
+    the keep sizes put the cut among the numbers, the -inf, the ties with them and the NaN."""
+    rng = np.random.default_rng(keep)
+    scores = tied_scores(rng, (2, 2, 300), 5)
+    scores[:, :, rng.random(300) < 0.3] = np.nan
+    scores[:, :, rng.random(300) < 0.15] = -np.inf
+    scores[:, 1, rng.random(300) < 0.1] = np.inf
+    got = torch_select(torch.from_numpy(scores), keep, 4, 16, by_sort=by_sort).numpy()
+    want = np.stack([select_keep(s.astype(np.float64), keep, 4, 16) for s in scores])
+    assert np.array_equal(got, want)
 
 
 @pytest.mark.parametrize("levels", [2, 5, 10_000])

@@ -20,9 +20,12 @@ from ..paging import policy_keep
 from ..slots import group_by_shape, split_keep_indices
 
 
-def select_keep(scores: torch.Tensor, keep: int, sinks: int, recent: int) -> torch.Tensor:
+def select_keep(scores: torch.Tensor, keep: int, sinks: int, recent: int,
+                by_sort: Optional[bool] = None) -> torch.Tensor:
     """scores: [..., n] (higher = keep). Returns [..., min(n, keep)] ascending int64 slot indices:
-    the first `sinks` and last `recent` slots, plus the best-scoring others (older wins ties)."""
+    the first `sinks` and last `recent` slots, plus the best-scoring others (older wins ties).
+    `by_sort`: rank by a stable sort (the default off the CPU) or pick by selection (the default
+    on the CPU: the same slots, in a quarter of the time there)."""
     n = scores.shape[-1]
     lead = scores.shape[:-1]
     arange = torch.arange(n, device=scores.device)
@@ -32,9 +35,35 @@ def select_keep(scores: torch.Tensor, keep: int, sinks: int, recent: int) -> tor
     hi = max(lo, n - recent) if recent > 0 else n
     n_free = keep - (n - (hi - lo))
     assert n_free >= 0, f"keep={keep} smaller than protected slots={n - (hi - lo)}"
+    if not (scores.device.type != "cpu" if by_sort is None else by_sort):
+        return _keep_mask(scores[..., lo:hi], n_free, lo, n).nonzero()[:, -1].reshape(*lead, keep)
     order = torch.sort(-scores[..., lo:hi], dim=-1, stable=True).indices[..., :n_free] + lo
     fixed = torch.cat([arange[:lo], arange[hi:]]).expand(*lead, n - (hi - lo))
     return torch.sort(torch.cat([fixed, order], dim=-1), dim=-1).values
+
+
+def _keep_mask(cands: torch.Tensor, n_free: int, lo: int, n: int) -> torch.Tensor:
+    """[..., n] bool: the slots outside the candidates [lo, lo + m) and the n_free best candidates,
+    the stable sort's pick without a sort: the n_free-th best score found by selection, every
+    candidate better than it, then of those tied with it the oldest that fit, then (as the sort
+    ranks NaN below -inf) the oldest NaN scores that still fit. No host read."""
+    mask = torch.ones(*cands.shape[:-1], n, dtype=torch.bool, device=cands.device)
+    m = cands.shape[-1]
+    if n_free < m:
+        key = -cands   # ascending: the better first, as the sort ranks them
+        nan = key.isnan()
+        key = key.masked_fill(nan, float("inf"))
+        if n_free == 0:
+            pick = torch.zeros_like(nan)
+        else:
+            kth = torch.kthvalue(key, n_free, dim=-1, keepdim=True).values
+            better, tied = key < kth, (key == kth) & ~nan
+            room = n_free - better.sum(-1, keepdim=True)   # places left after the better ones
+            pick = better | (tied & (tied.cumsum(-1) <= room))
+            room = room - tied.sum(-1, keepdim=True)      # (only where kth is +inf: every number is in)
+            pick |= nan & (nan.cumsum(-1) <= room)
+        mask[..., lo: lo + m] = pick
+    return mask
 
 
 def layer_scores(layer) -> torch.Tensor:
@@ -90,6 +119,8 @@ class EvictionGroup:
     def evicted_slots(self) -> torch.Tensor:
         """[B, H_kv, resident - keep] ascending slots this event drops (for a page-out)."""
         n, keep = self.layers[0].heap.resident, self.keep_indices.shape[-1]
+        if self.keep_indices.device.type == "cpu":   # each row has n - keep of them, in order
+            return self.evicted.nonzero()[:, -1].reshape(*self.keep_indices.shape[:2], n - keep)
         # a stable sort puts the True (evicted) slots first, in order
         return torch.sort(self.evicted.to(torch.int8), dim=-1, descending=True, stable=True).indices[..., : n - keep]
 
