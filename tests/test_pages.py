@@ -85,6 +85,72 @@ def test_pages_written_together_are_the_pages_written_one_by_one(tmp_path, fmt, 
         assert s.layers[0].value[j] == np.float32(value[:, t].max())
 
 
+@pytest.mark.parametrize("budget_pages", [0, 9])
+@pytest.mark.parametrize("fmt", ["f16", "int8"])
+def test_an_events_layers_built_on_threads_give_the_store_of_appends_in_turn(tmp_path, fmt, budget_pages):
+    """append_many with a pool (an eviction event's layers built on the page builders' threads)
+    writes the files, tails, RAM summaries, spans, values and counts that one append per layer in
+    job order gives, partial pages carried between events, layers in any order, with a disk budget
+    that drops pages between one layer's write and the next."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    L = 3
+    stores = {}
+    with ThreadPoolExecutor(3) as pool:
+        for way in ("in turn", "threads"):
+            g = PageGeometry(L, H, D, P, fmt)
+            s = PageStore(tmp_path / way, g, summary="minmax")
+            s.disk_budget = budget_pages * s.record_bytes
+            rng = np.random.default_rng(3)
+            start = 0
+            for n in (5, 11, 2, 9, 16):
+                jobs = []
+                for layer in rng.permutation(L).tolist():
+                    pos, k, v = evicted(rng, n, start)
+                    jobs.append((layer, pos, k.astype(np.float16), v.astype(np.float16), rng.random((H, n)).astype(np.float32)))
+                if way == "in turn":
+                    got = sum(s.append(*job) for job in jobs)
+                else:
+                    got = s.append_many(jobs, pool)
+                stores.setdefault(way, []).append(got)
+                start += n
+            stores[way].append(s)
+    a, b = stores["in turn"][-1], stores["threads"][-1]
+    assert stores["in turn"][:-1] == stores["threads"][:-1]          # pages written per event
+    assert (a.pages, a.seq, a.written, a.dropped) == (b.pages, b.seq, b.written, b.dropped) and a.written > 9
+    assert a.dropped == (0 if budget_pages == 0 else a.written - 9)
+    for layer in range(L):
+        name = f"layer{layer:03d}.pages"
+        assert (tmp_path / "in turn" / name).read_bytes() == (tmp_path / "threads" / name).read_bytes()
+        x, y = a.layers[layer], b.layers[layer]
+        for f in x.sums:
+            np.testing.assert_array_equal(x.sums[f], y.sums[f])
+        for name in ("live", "value", "span", "tail_pos", "tail_k", "tail_v", "tail_value"):
+            np.testing.assert_array_equal(getattr(x, name), getattr(y, name))
+
+
+@pytest.mark.parametrize("threads", [True, False], ids=["pool", "in turn"])
+def test_an_events_layer_that_fails_to_build_raises_after_the_others_are_written(tmp_path, monkeypatch, threads):
+    """A layer whose pages fail to build raises from append_many once the other layers' pages are
+    written: only that layer's tokens are lost."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    s = PageStore(tmp_path / "pages", PageGeometry(3, H, D, P, "f16"), summary="minmax")
+    real = PageStore._records
+
+    def records(self, pos, *rest):
+        if pos[0, 0] == 100:
+            raise MemoryError("no room")
+        return real(self, pos, *rest)
+
+    monkeypatch.setattr(PageStore, "_records", records)
+    rng = np.random.default_rng(0)
+    jobs = [(layer, *evicted(rng, 8, 100 if layer == 1 else 0)) for layer in range(3)]
+    with ThreadPoolExecutor(3) as pool, pytest.raises(MemoryError):
+        s.append_many(jobs, pool if threads else None)
+    assert [int(L.live.sum()) for L in s.layers] == [2, 0, 2] and s.seq == 4
+
+
 @pytest.mark.parametrize("fmt", ["f16", "int8"])
 def test_float16_partial_pages_checkpoint_and_reopen_as_float32_ones(tmp_path, fmt):
     """A store fed float16 K/V keeps its partial page in float16; checkpointed and reopened

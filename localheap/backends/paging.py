@@ -29,7 +29,7 @@ import numpy as np
 from ..heap import LayerHeap, PageGeometry, PageStore, PageWriter, select_pages
 from ..heap.pagecodec import decode
 from ..heap.pages import LATEST, PageCorrupt, copy_tree
-from ..heap.recall import WINDOW, take_windows, vote, vote_order
+from ..heap.recall import WINDOW, page_builders, take_windows, vote, vote_order
 from ..heap.scoring import lanes_exact, score_pages_by_dim
 
 log = logging.getLogger("localheap.pages")
@@ -113,8 +113,7 @@ def queue_page_out(cache, layers: list, host: list[np.ndarray]) -> None:
     store = cache.pages
 
     def write() -> None:
-        for job in jobs:
-            store.append(*job)
+        store.append_many(jobs, page_builders())
 
     if jobs:
         cache.writer.submit(write)

@@ -43,7 +43,8 @@ import weakref
 import zlib
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Optional, Union
+from concurrent.futures import Executor
+from typing import Optional, Sequence, Union
 
 import numpy as np
 
@@ -264,33 +265,70 @@ class PageStore:
         """Evicted tokens of one layer: positions [H, n]; keys (pre-RoPE), values [H, n, D];
         value [H, n] (the policy's score at eviction, for the disk budget). Full pages are
         written; the rest waits in RAM. Returns how many pages were written."""
-        with self._appending:
-            return self._append(layer, positions, keys, values, value)
+        return self.append_many([(layer, positions, keys, values, value)])
 
-    def _append(self, layer: int, positions: np.ndarray, keys: np.ndarray, values: np.ndarray,
-                value: Optional[np.ndarray]) -> int:
+    def append_many(self, jobs: Sequence[tuple], pool: Optional[Executor] = None) -> int:
+        """One eviction event's layers: each job is `append`'s arguments for one layer, the layers
+        distinct. The same records, files and RAM side as one `append` per job in order. With
+        `pool`, the pages are built (summaries, payload and its checksum: most of a page-out's CPU)
+        on its threads, a layer each; the writes run here, in job order, as `append` runs them.
+        A layer whose pages fail to build raises once the others are written. Returns how many
+        pages were written."""
+        layers = [job[0] for job in jobs]
+        assert len(set(layers)) == len(layers), "one job per layer"
+        with self._appending:
+            built = self._build_all(jobs, pool if len(jobs) > 1 else None)
+            written, error = 0, None
+            for layer, pages in zip(layers, built):
+                if isinstance(pages, BaseException):
+                    error = error or pages
+                    continue
+                n = 0 if pages is None else self._write_pages(layer, *pages)
+                if n:
+                    written += n
+                    self.enforce_budget()
+            if error is not None:
+                raise error
+            return written
+
+    def _build_all(self, jobs: Sequence[tuple], pool: Optional[Executor]) -> list:
+        """_build of every job (its result, or the exception it raised), on `pool`'s threads where
+        there is one that takes work (at interpreter exit it takes none: here then)."""
+        def build(job):
+            try:
+                return self._build(*job)
+            except Exception as e:   # noqa: BLE001 - raised by append_many after the others' writes
+                return e
+
+        futures = []
+        for job in jobs:
+            try:
+                futures.append(None if pool is None else pool.submit(build, job))
+            except RuntimeError:   # the pool is shut down
+                futures.append(None)
+        return [build(job) if f is None else f.result() for f, job in zip(futures, jobs)]
+
+    def _build(self, layer: int, positions: np.ndarray, keys: np.ndarray, values: np.ndarray,
+               value: Optional[np.ndarray] = None) -> Optional[tuple]:
+        """The full pages one layer's evicted tokens complete, as (records, spans) from _records
+        (None if none); the rest joins the layer's partial page. Touches that layer's tail alone."""
         L = self.layers[layer]
         value = np.zeros(positions.shape, np.float32) if value is None else value
         incoming = (positions, keys, values, value)
         tails = (L.tail_pos, L.tail_k, L.tail_v, L.tail_value)
-        P, written = self.g.page_size, 0
-        m = (L.tail_pos.shape[1] + positions.shape[1]) // P   # full pages: their records built together
-        cut = 0
+        m = (L.tail_pos.shape[1] + positions.shape[1]) // self.g.page_size   # full pages: built together
+        cut, pages = 0, None
         if m:
-            cut = m * P - L.tail_pos.shape[1]   # the incoming tokens that complete them
+            cut = m * self.g.page_size - L.tail_pos.shape[1]   # the incoming tokens that complete them
             # the partial page and the incoming tokens in one copy each
-            full = [_join(t, x[:, :cut]) for t, x in zip(tails, incoming)]
-            recs, spans = self._records(*full)
-            written = self._write_pages(layer, recs, spans)
+            pages = self._records(*(_join(t, x[:, :cut]) for t, x in zip(tails, incoming)))
             tails = tuple(t[:, :0] for t in tails)
         L.tail_pos, L.tail_k, L.tail_v, L.tail_value = (_join(t, x[:, cut:]) for t, x in zip(tails, incoming))
-        if written:
-            self.enforce_budget()
-        return written
+        return pages
 
     def _records(self, pos: np.ndarray, k: np.ndarray, v: np.ndarray, value: np.ndarray) -> tuple:
         """m full pages (pos, value [H, m P]; k, v [H, m P, D]) as m records, all but their seq and
-        checksums (set as each is written), and their spans [m, H, 2]. Each page's summaries and
+        header checksum (set as each is written: _seal), and their spans [m, H, 2]. Each page's summaries and
         payload are what building that page alone gives (the same reductions over the same P
         tokens, tested bit for bit). The reductions run over the [H, m, P, D] views of the inputs
         and are written into the records' [m, H, ...] fields through transposed views: no copy of
@@ -310,6 +348,8 @@ class PageStore:
         if self.g.fmt == "int8":   # quantized from float32, whatever came in
             k, v = k32, v.astype(np.float32, copy=False)
         encode(recs, self.g.fmt, k.transpose(1, 0, 2, 3), v.transpose(1, 0, 2, 3))   # float16 in: copied as is
+        raw = recs.view(np.uint8).reshape(m, -1)
+        recs["crc_data"] = [zlib.crc32(raw[j, self._data_run]) for j in range(m)]
         return recs, np.stack([pos.min(axis=2), pos.max(axis=2)], axis=2).transpose(1, 0, 2)
 
     def _write_pages(self, layer: int, recs: np.ndarray, spans: np.ndarray) -> int:
@@ -370,12 +410,11 @@ class PageStore:
         return True
 
     def _seal(self, recs: np.ndarray) -> None:
-        """Number records [k] from the store's next sequence number and set their checksums (_crc
-        over the fields, as one run of bytes each)."""
+        """Number records [k] from the store's next sequence number and set their header checksum
+        (_crc over the fields, as one run of bytes; _records set the payload's)."""
         recs["seq"] = self.seq + np.arange(len(recs))
         raw = recs.view(np.uint8).reshape(len(recs), -1)
         recs["crc_meta"] = [zlib.crc32(raw[j, self._meta_run]) for j in range(len(recs))]
-        recs["crc_data"] = [zlib.crc32(raw[j, self._data_run]) for j in range(len(recs))]
 
     def _landed(self, L: _Layer, slots: np.ndarray, recs: np.ndarray, spans: np.ndarray) -> None:
         """Records [k] are on disk in `slots`: their RAM side, the summaries read back from the

@@ -16,6 +16,7 @@ import threading
 import time
 import weakref
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Optional
 
 import numpy as np
@@ -267,6 +268,25 @@ class PageWriter:
 
 
 _WRITERS: "weakref.WeakSet[PageWriter]" = weakref.WeakSet()
+
+# threads that build an eviction event's pages, a layer each (PageStore.append_many), shared by every
+# session's writer; LOCALHEAP_PAGE_BUILDERS sets how many (1: none, the writer builds them itself)
+PAGE_BUILDERS = int(os.environ.get("LOCALHEAP_PAGE_BUILDERS", "0")) or min(8, os.cpu_count() or 1)
+_builders: Optional[ThreadPoolExecutor] = None
+_builders_lock = threading.Lock()
+
+
+def page_builders() -> Optional[ThreadPoolExecutor]:
+    """The process's page-building threads (at the writer's low priority), started on first use;
+    None where PAGE_BUILDERS is 1."""
+    global _builders
+    if PAGE_BUILDERS <= 1:
+        return None
+    with _builders_lock:
+        if _builders is None:
+            _builders = ThreadPoolExecutor(PAGE_BUILDERS, thread_name_prefix="localheap-page-build",
+                                           initializer=_lower_priority)
+        return _builders
 
 WRITER_NICE = int(os.environ.get("LOCALHEAP_WRITER_NICE", "19"))
 
