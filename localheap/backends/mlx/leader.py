@@ -209,6 +209,11 @@ class Leader:
     def _raise_failed(self, op: str, notes: list[str]) -> None:
         failed = [(r, note) for r, note in enumerate(notes) if note]
         if failed:
+            # a rank killed inside the collective can leave the ring handing back bytes, not an
+            # error: what reads as a failure note is then garbage. The heartbeat says if one is gone.
+            who = self.heartbeat.wait_gone(HEARD_S) if self.heartbeat is not None else None
+            if who:
+                raise RankLost(self._mark_lost(f"{who} (in {STEPS.get(op, op)})"))
             rank, note = failed[0]
             self.failures += 1
             self.last_failure = f"rank {rank}: {op}: {note}"
