@@ -14,7 +14,7 @@ from engine_checks import (CFG, StepLog, alone_texts, chat_beside_document, chec
                            drain, engine, ids, replies, requests_for, submit, text, until_deltas)
 
 from localheap.backends.torch import TorchBackend
-from localheap.engine import Finished, Progress, Started
+from localheap.engine import Engine, Finished, Progress, Started
 from localheap.models import demo_model_dir
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
@@ -252,3 +252,54 @@ def test_the_lane_and_the_engine_thread_split_the_cores(demo, REQUESTS, monkeypa
     beside = {n for t, busy, n in log.cores if t == "engine" and busy}
     idle = {n for t, busy, n in log.cores if t == "engine" and not busy}
     assert lane == {2} and beside == {2} and idle == {4}, (lane, beside, idle)
+
+
+@pytest.mark.parametrize("policy", ["snapkv", "h2o"])
+def test_page_outs_between_steps_write_the_pages_of_the_writer_thread(demo, REQUESTS, policy):
+    """With recall on, a session evicts while it decodes in the batch. Its page-outs run between the
+    engine's steps (page_out "steps", the CPU default) or on its writer's thread ("thread"): the same
+    tokens, and the same page files byte for byte (one session at a time: which rows share a step
+    depends on timing, and a row's K/V bits with it, so concurrent runs need not match bytes; so does
+    whether the slab kernel is built yet, so it is built first). In
+    "steps" the parts ran on the engine thread; in "thread" none was left to it."""
+    from localheap.engine import engine as engine_module
+    from localheap.heap.recall import PageWriter
+    from localheap.sessions import SessionStore
+
+    from localheap.backends.torch import slab_cpu
+
+    assert engine_module.page_out_mode(demo) == "steps"   # the CPU's default
+    slab_cpu.load(wait=True)   # steps before the kernel is built attend through torch: other bits
+    cfg = CFG.with_(recall=True, recall_budget=16, page_size=4, policy=policy)
+    runs = {}
+    for mode in ("steps", "thread"):
+        ran_on = []
+        real = PageWriter.run_parts
+
+        def spy(self, until=float("inf"), real=real, ran_on=ran_on):
+            before = len(self._parts)
+            real(self, until)
+            if before > len(self._parts):
+                ran_on.append((threading.current_thread().name, before - len(self._parts), until))
+
+        PageWriter.run_parts = spy
+        try:
+            eng = Engine(demo, SessionStore(demo, cfg), page_out=mode).start()
+            try:
+                got = [replies(eng, [(toks, {**p, "max_tokens": 100})])[0] for toks, p in REQUESTS]
+                texts = [t for t, _ in got]
+                files = {}
+                for i, (_, end) in enumerate(got):
+                    cache = eng.store.get(end.session_id).cache
+                    cache.writer.drain()
+                    files[i] = [p.read_bytes() for p in sorted(cache.pages.root.glob("layer*.pages"))]
+                    assert cache.pages.written > 0, "the session paged out while it decoded"
+            finally:
+                eng.stop()
+        finally:
+            PageWriter.run_parts = real
+        runs[mode] = texts, files, ran_on
+    assert runs["steps"][:2] == runs["thread"][:2]
+    between = [r for r in runs["steps"][2] if r[2] != float("inf")]
+    assert between and all(name == "localheap-engine" for name, _, _ in between)
+    assert not [r for r in runs["thread"][2] if r[2] != float("inf")], "no parts left to the engine in thread mode"

@@ -455,6 +455,50 @@ def test_page_writer_bounds_the_jobs_waiting_behind_it():
     assert seen == [*range(PageWriter.MAX_QUEUED), "extra"]
 
 
+def test_page_writer_parts_run_between_steps_in_order_with_the_jobs():
+    """Parts (a page-out left to the engine thread between its steps) run on the calling thread, at
+    least one per run_parts and more until its deadline; never while a job of the thread's waits or
+    runs; a job submitted after parts runs after them; drain runs what is left and raises a part's
+    error; release_parts hands what is left to the thread."""
+    import threading
+    import time
+
+    w, seen, where = PageWriter(), [], []
+    me = threading.get_ident()
+    w.submit_parts([lambda i=i: (seen.append(i), where.append(threading.get_ident())) for i in range(4)])
+    w.run_parts(until=0.0)                                   # the deadline long past: one part
+    assert seen == [0] and where == [me]
+    w.run_parts(until=time.monotonic() + 60)                 # the rest, here
+    assert seen == [0, 1, 2, 3] and set(where) == {me}
+
+    gate, running = threading.Event(), threading.Event()
+    w.submit(lambda: (running.set(), gate.wait()))          # a job of the thread's, held
+    assert running.wait(5)
+    w.submit_parts([lambda: seen.append("after the job")])
+    w.run_parts(until=time.monotonic() + 60)
+    assert seen[-1] == 3                                     # not while the job runs
+    gate.set()
+    w.drain()                                                # runs the part, here
+    assert seen[-1] == "after the job"
+
+    w.submit_parts([lambda: seen.append("part")])
+    w.submit(lambda: seen.append("job"))                     # queued after the part: runs after it
+    w.drain()
+    assert seen[-2:] == ["part", "job"]
+
+    w.submit_parts([lambda: 1 / 0, lambda: seen.append("still runs")])
+    with pytest.raises(ZeroDivisionError):
+        w.drain()
+    assert seen[-1] == "still runs"
+
+    w.between_steps = True
+    w.submit_parts([lambda: where.append(threading.get_ident())])
+    w.release_parts()                                        # the session left the batch
+    assert not w.between_steps
+    w.drain()
+    assert where[-1] != me                                   # the thread ran it
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="thread priorities: Linux only")
 @pytest.mark.parametrize("nice", [0, 5, 19])
 def test_page_writer_runs_below_the_engine_threads(monkeypatch, nice):

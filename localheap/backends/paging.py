@@ -115,7 +115,11 @@ def queue_page_out(cache, layers: list, host: list[np.ndarray]) -> None:
     def write() -> None:
         store.append_many(jobs, page_builders())
 
-    if jobs:
+    if not jobs:
+        return
+    if cache.writer.between_steps:   # the engine runs them between its decode steps, a layer at a time
+        cache.writer.submit_parts([lambda job=job: store.append_many([job]) for job in jobs])
+    else:
         cache.writer.submit(write)
 
 

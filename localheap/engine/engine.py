@@ -20,6 +20,7 @@ The engine knows nothing about HTTP; it tokenizes nothing but the text it detoke
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
@@ -41,13 +42,26 @@ IDLE_POLL_S = 0.05     # with nothing running, how often waiting jobs are looked
 MIXED_CHUNK = 64       # prefill tokens riding in a decode step (README: prefill beside decode)
 BATCH_SLICE = 32       # steps a run keeps its batch seat while others wait for one (a swap copies two heaps)
 RETRY_SAVE_S = 5.0     # how often a turn the disk refused (full, read-only) is tried again
+PAGE_OUT_SLICE_S = 0.0005   # page-out run between two decode steps (at least one layer's): page_out "steps"
+
+
+def page_out_mode(backend: Any, asked: Optional[str] = None) -> str:
+    """Where the decode batch's page-outs run: "steps" (on the engine thread, a slice between its
+    steps: where the batch computes on the CPU's cores) or "thread" (the session's page writer,
+    beside the steps). `asked` or LOCALHEAP_PAGE_OUT: steps, thread or auto (the default)."""
+    asked = asked or os.environ.get("LOCALHEAP_PAGE_OUT") or "auto"
+    if asked == "auto":
+        return "steps" if getattr(backend, "computes_on_cpu", False) else "thread"
+    if asked not in ("steps", "thread"):
+        raise ValueError(f"page-out mode must be steps, thread or auto, not {asked!r}")
+    return asked
 
 
 class Engine:
     def __init__(self, backend: Any, store: SessionStore, governor: Optional[Governor] = None,
                  max_active: int = 8, max_queued: int = 32, admission_timeout: float = 30.0,
                  batched: Optional[bool] = None, max_batch: int = 8, mixed_chunk: int = MIXED_CHUNK,
-                 batch_slice: int = BATCH_SLICE, lane: Optional[bool] = None):
+                 batch_slice: int = BATCH_SLICE, lane: Optional[bool] = None, page_out: Optional[str] = None):
         assert max_active >= 1 and max_queued >= 0 and admission_timeout >= 0
         assert max_batch >= 1 and mixed_chunk >= 1 and batch_slice >= 1
         self.backend, self.store = backend, store
@@ -60,6 +74,8 @@ class Engine:
             raise ValueError(f"the {getattr(backend, 'name', '?')} backend cannot read a prompt beside the decode batch")
         use_lane = self.batched and (getattr(backend, "concurrent_prefill", False) if lane is None else lane)
         self.lane: Optional[PrefillLane] = PrefillLane(backend) if use_lane else None
+        self.page_out = page_out_mode(backend, page_out)
+        self._writers: dict = {}   # id -> PageWriter of the batch's sessions, their page-outs left to us
         self._steps = 0   # batched engine steps so far (a run's advanced_at is one of them)
         self.governor = governor or AdmitAll()
         self.max_active, self.max_queued = max_active, max_queued
@@ -328,6 +344,7 @@ class Engine:
             else:
                 self._step(run)   # a heap the batch cannot take (sliding layers): its own generator
         batch = self._seats([r for r in self._active if r.row is not None])
+        writers = self._between_steps(batch)
         if self.lane is not None:
             if not batch:   # no one decodes: the engine thread reads the chunks itself
                 self._harvest(block=True)
@@ -371,6 +388,13 @@ class Engine:
                 self._fail(run.job, e, run)
             return
         took = time.monotonic() - began
+        # a slice of page-out before the tokens go out: after, the server's threads sending them
+        # would contend with it for the cores (measured: docs/serve_bench.md, "Ninth round")
+        until = time.monotonic() + PAGE_OUT_SLICE_S
+        for writer in writers:
+            writer.run_parts(until)
+            if time.monotonic() >= until:
+                break
         if batch:
             self.counters.decode.add(sum(e is None for e in errors[: len(batch)]), took=took)
         for run, error in zip(batch, errors):
@@ -382,6 +406,23 @@ class Engine:
                 self.counters.prefill_tokens += len(chunk)
             self._guarded(run, lambda run=run, chunk=chunk: self._chunk_fed(run, chunk), error)
         self._harvest(block=False)
+
+    def _between_steps(self, batch: list[Run]) -> list:
+        """With page_out "steps": the page writers of the batch's sessions leave their page-outs to
+        this thread (PageWriter.between_steps); a writer whose session left the batch gets what it
+        still holds back. Returns the batch's writers."""
+        if self.page_out != "steps":
+            return []
+        now = {}
+        for run in batch:
+            writer = getattr(run.session.cache, "writer", None)
+            if writer is not None:
+                writer.between_steps = True
+                now[id(writer)] = writer
+        for key in self._writers.keys() - now.keys():
+            self._writers[key].release_parts()
+        self._writers = now
+        return list(now.values())
 
     def _harvest(self, block: bool) -> None:
         """Take back the lane's chunk once it is read (waiting for it with `block`): the run

@@ -200,6 +200,12 @@ class PageWriter:
     and raised at the next `drain()`, on the engine thread. The thread ends after IDLE_S
     without work, at `close()`, and at interpreter exit (joined: a daemon thread still
     waiting when the interpreter finalizes is killed inside the runtime).
+
+    While its session decodes in the engine's batch on a CPU (`between_steps`), a page-out is
+    queued as parts instead, a layer each, and the engine thread runs them between its steps
+    (`run_parts`, a slice a step): on cores the batch keeps busy, the writer's work beside the
+    steps stalled them as much as the same work inside one step (docs/serve_bench.md, "Ninth
+    round"). Jobs and parts run one at a time, in the order they were queued.
     """
 
     IDLE_S = 5.0
@@ -207,6 +213,10 @@ class PageWriter:
 
     def __init__(self):
         self._jobs: deque[Callable[[], None]] = deque()
+        # between_steps: the session decodes in the engine's batch on a CPU, and its page-outs are
+        # left as parts (a layer each) that the engine thread runs between its steps (run_parts)
+        self.between_steps = False
+        self._parts: deque[Callable[[], None]] = deque()
         self._cv = threading.Condition()
         self._busy = False
         self._closed = False
@@ -215,7 +225,8 @@ class PageWriter:
         _WRITERS.add(self)
 
     def close(self, timeout: Optional[float] = None) -> None:
-        """Finish the queued jobs and end the thread (joined; a later submit starts a new one)."""
+        """Finish the queued jobs and parts and end the thread (joined; a later submit starts a new one)."""
+        self.release_parts()
         with self._cv:
             self._closed = True
             thread = self._thread
@@ -232,17 +243,72 @@ class PageWriter:
         with self._cv:
             while len(self._jobs) >= self.MAX_QUEUED and self._thread is not None and self._thread.is_alive():
                 self._cv.wait()
+            self._queue_parts()   # parts queued before this job run before it
             self._jobs.append(job)
-            if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=self._run, name="localheap-pages", daemon=True)
-                self._thread.start()
-            self._cv.notify_all()
+            self._start()
+
+    def _start(self) -> None:   # holding self._cv: a thread for the queued jobs
+        if self._thread is None or not self._thread.is_alive():
+            self._thread = threading.Thread(target=self._run, name="localheap-pages", daemon=True)
+            self._thread.start()
+        self._cv.notify_all()
+
+    def submit_parts(self, parts: list[Callable[[], None]]) -> None:
+        """Queue one page-out as parts, in order, for run_parts (between the engine's steps) or drain."""
+        with self._cv:
+            self._parts.extend(parts)
+
+    def run_parts(self, until: float = float("inf")) -> None:
+        """Run queued parts on the calling thread (the engine's, after a decode step): at least one,
+        then more while time.monotonic() < `until`. None while a job of the thread's waits or runs
+        (the order stays the order they were queued in). A part's error is kept for drain()."""
+        while True:
+            with self._cv:
+                if not self._parts or self._jobs or self._busy:
+                    return
+                part = self._parts.popleft()
+                self._busy = True
+            try:
+                part()
+            except BaseException as e:   # noqa: BLE001 - raised at drain(), as a job's is
+                with self._cv:
+                    self._error = self._error or e
+            finally:
+                with self._cv:
+                    self._busy = False
+                    self._cv.notify_all()
+            if time.monotonic() >= until:
+                return
+
+    def release_parts(self) -> None:
+        """The session left the batch: the parts still queued go to the thread, as one job."""
+        with self._cv:
+            self.between_steps = False
+            if self._parts:
+                self._queue_parts()
+                self._start()
+
+    def _queue_parts(self) -> None:   # holding self._cv
+        if self._parts:
+            parts = list(self._parts)
+            self._parts.clear()
+
+            def job() -> None:
+                for part in parts:
+                    part()
+
+            self._jobs.append(job)
 
     def drain(self) -> None:
-        with self._cv:
-            while self._jobs or self._busy:
-                self._cv.wait()
-            err, self._error = self._error, None
+        """Wait for every job and part queued (the parts run here); a job's or part's error is raised."""
+        while True:
+            with self._cv:
+                while self._jobs or self._busy:
+                    self._cv.wait()
+                if not self._parts:
+                    err, self._error = self._error, None
+                    break
+            self.run_parts()
         if err is not None:
             raise err
 

@@ -36,6 +36,7 @@ class MLXBackend:
         self.vocab_size = getattr(getattr(model, "args", None), "vocab_size", None)   # ids a prompt may use
         self.slabs: dict = {}          # the decode batch's heap buffers, by slab key (slab.py)
         self.batch_slabs = True        # False: every row of a batch attends on its own (per-heap sdpa)
+        self.computes_on_cpu = mx.default_device().type == mx.cpu   # the engine runs page-outs between steps
         self.compile_decode = False   # decode steps with their per-token parts mx.compile'd (compiled.py)
 
     @classmethod

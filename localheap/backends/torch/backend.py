@@ -86,6 +86,7 @@ class TorchBackend:
         # the engine may read a prompt chunk on a second thread beside the decode batch (engine/lane.py):
         # forward passes share no state but their caches; on CUDA both would queue on one stream (untested)
         self.concurrent_prefill = self.device.type == "cpu"
+        self.computes_on_cpu = self.device.type == "cpu"   # the engine runs page-outs between steps
 
     @classmethod
     def load(cls, path: str | Path, model_name: Optional[str] = None, device: Optional[str] = None,
