@@ -41,9 +41,9 @@ import sys
 import threading
 import weakref
 import zlib
+from concurrent.futures import Executor
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from concurrent.futures import Executor
 from typing import Optional, Sequence, Union
 
 import numpy as np
