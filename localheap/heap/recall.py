@@ -262,23 +262,27 @@ class PageWriter:
         """Run queued parts on the calling thread (the engine's, after a decode step): at least one,
         then more while time.monotonic() < `until`. None while a job of the thread's waits or runs
         (the order stays the order they were queued in). A part's error is kept for drain()."""
-        while True:
+        while self._parts:   # (read unlocked: none queued is the common case, after every step)
             with self._cv:
                 if not self._parts or self._jobs or self._busy:
                     return
                 part = self._parts.popleft()
                 self._busy = True
-            try:
-                part()
-            except BaseException as e:   # noqa: BLE001 - raised at drain(), as a job's is
-                with self._cv:
-                    self._error = self._error or e
-            finally:
-                with self._cv:
-                    self._busy = False
-                    self._cv.notify_all()
+            self._execute(part)
             if time.monotonic() >= until:
                 return
+
+    def _execute(self, work: Callable[[], None]) -> None:
+        """A job or part popped with _busy set: run it; its error is kept for drain()."""
+        try:
+            work()
+        except BaseException as e:   # noqa: BLE001 - handed to the engine thread at drain()
+            with self._cv:
+                self._error = self._error or e
+        finally:
+            with self._cv:
+                self._busy = False
+                self._cv.notify_all()
 
     def release_parts(self) -> None:
         """The session left the batch: the parts still queued go to the thread, as one job."""
@@ -322,15 +326,7 @@ class PageWriter:
                         return
                 job = self._jobs.popleft()
                 self._busy = True
-            try:
-                job()
-            except BaseException as e:   # noqa: BLE001 - handed to the engine thread at drain()
-                with self._cv:
-                    self._error = self._error or e
-            finally:
-                with self._cv:
-                    self._busy = False
-                    self._cv.notify_all()
+            self._execute(job)
 
 
 _WRITERS: "weakref.WeakSet[PageWriter]" = weakref.WeakSet()

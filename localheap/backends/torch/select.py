@@ -35,7 +35,9 @@ def select_keep(scores: torch.Tensor, keep: int, sinks: int, recent: int,
     hi = max(lo, n - recent) if recent > 0 else n
     n_free = keep - (n - (hi - lo))
     assert n_free >= 0, f"keep={keep} smaller than protected slots={n - (hi - lo)}"
-    if not (scores.device.type != "cpu" if by_sort is None else by_sort):
+    if by_sort is None:
+        by_sort = scores.device.type != "cpu"
+    if not by_sort:
         return _keep_mask(scores[..., lo:hi], n_free, lo, n).nonzero()[:, -1].reshape(*lead, keep)
     order = torch.sort(-scores[..., lo:hi], dim=-1, stable=True).indices[..., :n_free] + lo
     fixed = torch.cat([arange[:lo], arange[hi:]]).expand(*lead, n - (hi - lo))
