@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from localheap.backends.torch.select import layer_scores as torch_layer_scores
+from localheap.backends.torch.select import select_and_drop
 from localheap.backends.torch.select import select_keep as torch_select
 from localheap.heap import HeapConfig, LayerHeap, SlotView, select_keep
 
@@ -29,23 +30,42 @@ def mlx_or_skip():
     return pytest.importorskip("mlx.core")
 
 
-@pytest.mark.parametrize("by_sort", [True, False], ids=["sort", "select"])
+# the torch rules: a stable sort (off the CPU), the selection by kthvalue and masks, the C++ selection (the CPU's)
+RULES = {"sort": dict(by_sort=True), "select": dict(by_sort=False, kernel=False), "kernel": dict(by_sort=False, kernel=True)}
+
+
+def torch_rule(name: str) -> dict:
+    if name == "kernel":
+        from localheap.backends.torch import slab_cpu
+        if slab_cpu.load(wait=True) is None:
+            pytest.skip(f"slab kernel unavailable: {slab_cpu.unavailable()}")
+    return RULES[name]
+
+
+@pytest.mark.parametrize("rule", list(RULES))
 @pytest.mark.parametrize("levels", [2, 5, 10_000])
 @pytest.mark.parametrize("case", CASES)
-def test_torch_rule_equals_numpy_rule(case, levels, by_sort):
-    """Both torch rules (the sort, the default off the CPU; the selection, the CPU's) keep the spec's slots."""
+def test_torch_rule_equals_numpy_rule(case, levels, rule):
+    """Every torch rule (the sort, the default off the CPU; the selections, the CPU's) keeps the spec's slots;
+    the kernel's dropped slots are the rest, in order, in float64 scores as in float32."""
     n, keep, sinks, recent = case
     rng = np.random.default_rng(levels * 1000 + n)
     scores = tied_scores(rng, (3, 2, n), levels)                       # [layers, heads, n]
     scores[0, 0, rng.random(n) < 0.1] = np.inf                         # pinned (recalled) slots
-    got = torch_select(torch.from_numpy(scores), keep, sinks, recent, by_sort=by_sort).numpy()
+    got = torch_select(torch.from_numpy(scores), keep, sinks, recent, **torch_rule(rule)).numpy()
     want = np.stack([select_keep(s.astype(np.float64), keep, sinks, recent) for s in scores])
     assert got.dtype == np.int64 and np.array_equal(got, want)
+    if rule == "kernel":
+        for dtype in (torch.float32, torch.float64):
+            kept, dropped = select_and_drop(torch.from_numpy(scores).to(dtype), keep, sinks, recent, **RULES[rule])
+            assert np.array_equal(kept.numpy(), want)
+            if dropped is not None:   # (None where every slot fits)
+                assert np.array_equal(dropped.numpy(), np.stack([np.setdiff1d(np.arange(n), w) for w in want.reshape(-1, want.shape[-1])]).reshape(3, 2, -1))
 
 
-@pytest.mark.parametrize("by_sort", [True, False], ids=["sort", "select"])
+@pytest.mark.parametrize("rule", list(RULES))
 @pytest.mark.parametrize("keep", [60, 100, 150, 200, 280, 295])
-def test_torch_rule_ranks_nan_scores_below_minus_inf_as_the_spec(keep, by_sort):
+def test_torch_rule_ranks_nan_scores_below_minus_inf_as_the_spec(keep, rule):
     """NaN scores (none should occur) rank last, below -inf, as the numpy spec's stable sort ranks them;
     the keep sizes put the cut among the numbers, the -inf, the ties with them and the NaN."""
     rng = np.random.default_rng(keep)
@@ -53,7 +73,7 @@ def test_torch_rule_ranks_nan_scores_below_minus_inf_as_the_spec(keep, by_sort):
     scores[:, :, rng.random(300) < 0.3] = np.nan
     scores[:, :, rng.random(300) < 0.15] = -np.inf
     scores[:, 1, rng.random(300) < 0.1] = np.inf
-    got = torch_select(torch.from_numpy(scores), keep, 4, 16, by_sort=by_sort).numpy()
+    got = torch_select(torch.from_numpy(scores), keep, 4, 16, **torch_rule(rule)).numpy()
     want = np.stack([select_keep(s.astype(np.float64), keep, 4, 16) for s in scores])
     assert np.array_equal(got, want)
 

@@ -18,19 +18,28 @@ import torch.nn.functional as F
 from ...heap import LayerHeap
 from ..paging import policy_keep
 from ..slots import group_by_shape, split_keep_indices
+from . import slab_cpu
 
 
 def select_keep(scores: torch.Tensor, keep: int, sinks: int, recent: int,
-                by_sort: Optional[bool] = None) -> torch.Tensor:
+                by_sort: Optional[bool] = None, kernel: Optional[bool] = None) -> torch.Tensor:
     """scores: [..., n] (higher = keep). Returns [..., min(n, keep)] ascending int64 slot indices:
     the first `sinks` and last `recent` slots, plus the best-scoring others (older wins ties).
     `by_sort`: rank by a stable sort (the default off the CPU) or pick by selection (the default
-    on the CPU: the same slots, in a quarter of the time there)."""
+    on the CPU: the same slots, in a quarter of the time there). `kernel` (the selection on the
+    CPU): the C++ one of slab_cpu (None: where it is built; True: required; False: torch's)."""
+    return select_and_drop(scores, keep, sinks, recent, by_sort, kernel)[0]
+
+
+def select_and_drop(scores: torch.Tensor, keep: int, sinks: int, recent: int, by_sort: Optional[bool] = None,
+                    kernel: Optional[bool] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """select_keep's slots, and where the CPU kernel picked them also the dropped ones ([..., n - keep]
+    ascending, what EvictionGroup.evicted_slots gives; else None): one pass for both."""
     n = scores.shape[-1]
     lead = scores.shape[:-1]
     arange = torch.arange(n, device=scores.device)
     if n <= keep:
-        return arange.expand(*lead, n).clone()
+        return arange.expand(*lead, n).clone(), None
     lo = min(sinks, n)                                       # candidates are the contiguous middle [lo, hi)
     hi = max(lo, n - recent) if recent > 0 else n
     n_free = keep - (n - (hi - lo))
@@ -38,10 +47,16 @@ def select_keep(scores: torch.Tensor, keep: int, sinks: int, recent: int,
     if by_sort is None:
         by_sort = scores.device.type != "cpu"
     if not by_sort:
-        return _keep_mask(scores[..., lo:hi], n_free, lo, n).nonzero()[:, -1].reshape(*lead, keep)
+        module = slab_cpu.selects(scores) if kernel is not False else None
+        if kernel and module is None:
+            raise RuntimeError(f"the selection kernel is not available: {slab_cpu.unavailable() or 'not built yet'}")
+        if module is not None:   # one pass per row: nth_element, then the kept and the dropped slots in order
+            kept, dropped = module.select_rows(scores.reshape(-1, n).contiguous(), keep, lo, hi)
+            return kept.reshape(*lead, keep), dropped.reshape(*lead, n - keep)
+        return _keep_mask(scores[..., lo:hi], n_free, lo, n).nonzero()[:, -1].reshape(*lead, keep), None
     order = torch.sort(-scores[..., lo:hi], dim=-1, stable=True).indices[..., :n_free] + lo
     fixed = torch.cat([arange[:lo], arange[hi:]]).expand(*lead, n - (hi - lo))
-    return torch.sort(torch.cat([fixed, order], dim=-1), dim=-1).values
+    return torch.sort(torch.cat([fixed, order], dim=-1), dim=-1).values, None
 
 
 def _keep_mask(cands: torch.Tensor, n_free: int, lo: int, n: int) -> torch.Tensor:
@@ -110,6 +125,7 @@ class EvictionGroup:
     keep_indices: torch.Tensor           # [B, H_kv, keep] int64, ascending, on the device
     deltas: Optional[torch.Tensor]       # [B, H_kv, keep] RoPE position change (compact), else None
     scores: Optional[torch.Tensor] = None   # [B, H_kv, resident] what the selection ranked (page values)
+    dropped: Optional[torch.Tensor] = None  # [B, H_kv, resident - keep] evicted_slots, where the selection gave them
 
     @property
     def evicted(self) -> torch.Tensor:
@@ -120,6 +136,8 @@ class EvictionGroup:
 
     def evicted_slots(self) -> torch.Tensor:
         """[B, H_kv, resident - keep] ascending slots this event drops (for a page-out)."""
+        if self.dropped is not None:
+            return self.dropped
         n, keep = self.layers[0].heap.resident, self.keep_indices.shape[-1]
         if self.keep_indices.device.type == "cpu":   # each row has n - keep of them, in order
             return self.evicted.nonzero()[:, -1].reshape(*self.keep_indices.shape[:2], n - keep)
@@ -184,7 +202,7 @@ class EvictionPlan:
                 at = torch.tensor(rows, device=g.keep_indices.device)
                 pick = (lambda t: None if t is None else t.index_select(0, at))
                 groups.append(EvictionGroup([g.layers[b] for b in rows], pick(g.keep_indices),
-                                            pick(g.deltas), pick(g.scores)))
+                                            pick(g.deltas), pick(g.scores), pick(g.dropped)))
         return EvictionPlan(groups)
 
 
@@ -195,9 +213,9 @@ def plan_eviction(layers: list) -> EvictionPlan:
         for members in _same_rule(shaped):
             cfg = members[0].heap.cfg
             scores = torch.stack([pinned_scores(layer) for layer in members])         # [B, H_kv, n]
-            idx = select_keep(scores, keep, cfg.sinks, cfg.recent)
+            idx, dropped = select_and_drop(scores, keep, cfg.sinks, cfg.recent)
             deltas = torch.arange(idx.shape[-1], device=idx.device) - idx if cfg.positions == "compact" else None
-            groups.append(EvictionGroup(members, idx, deltas, scores))
+            groups.append(EvictionGroup(members, idx, deltas, scores, dropped))
     return EvictionPlan(groups)
 
 

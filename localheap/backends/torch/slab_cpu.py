@@ -23,7 +23,11 @@ The same module carries the eviction event's two passes over a heap layer on the
 the repack's kept slots moved to the front in place and re-rotated. They replace torch's gathers,
 the cos/sin table lookups and the rotation's five temporaries with one pass, and give the torch code's
 bits (RopeSpec.shift_back's float32 ops in its order: the module is built with -ffp-contract=off,
-so no product is fused into an FMA; tests/test_slab_cpu.py compares them bit for bit).
+so no product is fused into an FMA; tests/test_slab_cpu.py compares them bit for bit). And the
+event's selection (`select_rows`): per row, std::nth_element under the specification's order (the
+higher score first, NaN last, the older slot first in a tie), then the kept and the dropped slots in
+one pass: select.select_keep's slots (tests/test_device_selection.py), in a quarter of the time of
+torch's kthvalue and masks.
 """
 
 from __future__ import annotations
@@ -49,6 +53,9 @@ _SOURCE = r"""
 #include <ATen/cpu/vec/vec.h>
 #include <ATen/cpu/vec/functional.h>
 #include <immintrin.h>
+#include <algorithm>
+#include <cmath>
+#include <vector>
 using Vec = at::vec::Vectorized<float>;
 
 // Floats ahead that the K and V loops prefetch (2 KB; within the row's slots): the hardware's own
@@ -270,6 +277,67 @@ void compact(torch::Tensor keys, torch::Tensor values, torch::Tensor keep, torch
       }
   });
 }
+
+// -- eviction: the selection of each row's kept slots, the numpy specification's stable sort without a sort --
+// A strict order on a row's candidate slots: the higher score first, NaN below everything (as the spec's
+// stable sort of the negated scores ranks it), ties (and NaN among themselves) the older slot first.
+template <typename T>
+static inline bool better(const T* s, int64_t a, int64_t b) {
+  const T x = s[a], y = s[b];
+  const bool nx = std::isnan(x), ny = std::isnan(y);
+  if (nx || ny) return nx != ny ? ny : a < b;
+  return x != y ? x > y : a < b;
+}
+
+template <typename T>
+static void select_row(const T* s, int64_t n, int64_t lo, int64_t hi, int64_t n_free, int64_t* keep, int64_t* drop,
+                       std::vector<int64_t>& cand, std::vector<uint8_t>& kept) {
+  // kept: slots outside the candidates [lo, hi), and the n_free best candidates in that order
+  kept.assign(n, 1);
+  const int64_t m = hi - lo;
+  if (n_free < m) {
+    std::fill(kept.begin() + lo, kept.begin() + hi, 0);
+    if (n_free > 0) {
+      cand.resize(m);
+      for (int64_t i = 0; i < m; ++i) cand[i] = lo + i;
+      auto cmp = [s](int64_t a, int64_t b) { return better<T>(s, a, b); };
+      std::nth_element(cand.begin(), cand.begin() + (n_free - 1), cand.end(), cmp);
+      const int64_t pivot = cand[n_free - 1];   // the n_free-th best: it and every better one stay
+      for (int64_t t = lo; t < hi; ++t) kept[t] = (t == pivot || better<T>(s, t, pivot)) ? 1 : 0;
+    }
+  }
+  int64_t k = 0, d = 0;
+  for (int64_t t = 0; t < n; ++t) {
+    if (kept[t]) keep[k++] = t;
+    else drop[d++] = t;
+  }
+}
+
+// scores: [R, n] float32 or float64, contiguous; each row keeps `keep` slots: the first `lo`, those from `hi`
+// on, and the best keep - (n - (hi - lo)) of [lo, hi). Returns keep [R, keep] and drop [R, n - keep], int64,
+// ascending: the torch rule's (select.select_keep) slots.
+std::vector<torch::Tensor> select_rows(torch::Tensor scores, int64_t keep, int64_t lo, int64_t hi) {
+  TORCH_CHECK(scores.dim() == 2 && scores.is_contiguous() &&
+              (scores.scalar_type() == at::kFloat || scores.scalar_type() == at::kDouble));
+  const int64_t R = scores.size(0), n = scores.size(1), n_free = keep - (n - (hi - lo));
+  TORCH_CHECK(0 <= lo && lo <= hi && hi <= n && keep <= n && n_free >= 0, "bad keep/lo/hi");
+  auto opts = scores.options().dtype(at::kLong);
+  auto keep_idx = torch::empty({R, keep}, opts), drop_idx = torch::empty({R, n - keep}, opts);
+  int64_t *kp = keep_idx.data_ptr<int64_t>(), *dp = drop_idx.data_ptr<int64_t>();
+  const bool f32 = scores.scalar_type() == at::kFloat;
+  const float* sf = f32 ? scores.data_ptr<float>() : nullptr;
+  const double* sd = f32 ? nullptr : scores.data_ptr<double>();
+  pybind11::gil_scoped_release no_gil;
+  at::parallel_for(0, R, 1, [&](int64_t begin, int64_t end) {
+    std::vector<int64_t> cand;
+    std::vector<uint8_t> kept;
+    for (int64_t r = begin; r < end; ++r) {
+      if (f32) select_row<float>(sf + r * n, n, lo, hi, n_free, kp + r * keep, dp + r * (n - keep), cand, kept);
+      else select_row<double>(sd + r * n, n, lo, hi, n_free, kp + r * keep, dp + r * (n - keep), cand, kept);
+    }
+  });
+  return {keep_idx, drop_idx};
+}
 """
 
 _module = None
@@ -291,7 +359,7 @@ def unavailable() -> Optional[str]:
 
 
 NAME = "localheap_slab_cpu"
-FUNCTIONS = ["attend", "take_rotated", "compact"]
+FUNCTIONS = ["attend", "take_rotated", "compact", "select_rows"]
 CFLAGS = ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2")
 LDFLAGS = ("-fopenmp",)
 BUILD_TIMEOUT_S = 600.0   # load(wait=True) gives up (the torch code answers) after this
@@ -382,5 +450,13 @@ def evicts(keys: torch.Tensor):
     buffers ([1, H_kv, capacity, D] float32 on the CPU, whole rows), else None (the torch code)."""
     if not (keys.device.type == "cpu" and keys.dtype == torch.float32 and keys.shape[-1] % 2 == 0
             and keys.shape[-1] <= 1024 and keys[0].is_contiguous()):
+        return None
+    return load()
+
+
+def selects(scores: torch.Tensor):
+    """The built module where its selection (select_rows) takes these scores (float32 or float64 on
+    the CPU), else None (the torch code)."""
+    if not (scores.device.type == "cpu" and scores.dtype in (torch.float32, torch.float64)):
         return None
     return load()
