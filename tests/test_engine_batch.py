@@ -261,7 +261,8 @@ def test_page_outs_between_steps_write_the_pages_of_the_writer_thread(demo, REQU
     tokens, and the same page files byte for byte (one session at a time: which rows share a step
     depends on timing, and a row's K/V bits with it, so concurrent runs need not match bytes; so does
     whether the slab kernel is built yet, so it is built first). In
-    "steps" the parts ran on the engine thread; in "thread" none was left to it."""
+    "steps" the parts ran on the engine thread, never in the step whose eviction event queued them
+    (that step is the long one); in "thread" none was left to it."""
     from localheap.engine import engine as engine_module
     from localheap.heap.recall import PageWriter
     from localheap.sessions import SessionStore
@@ -273,18 +274,26 @@ def test_page_outs_between_steps_write_the_pages_of_the_writer_thread(demo, REQU
     cfg = CFG.with_(recall=True, recall_budget=16, page_size=4, policy=policy)
     runs = {}
     for mode in ("steps", "thread"):
-        ran_on = []
-        real = PageWriter.run_parts
+        ran_on, steps, engines = [], {"queued": set(), "ran": set()}, []
+        real, real_submit = PageWriter.run_parts, PageWriter.submit_parts
 
-        def spy(self, until=float("inf"), real=real, ran_on=ran_on):
+        def spy(self, until=float("inf"), real=real, ran_on=ran_on, steps=steps, engines=engines):
             before = len(self._parts)
             real(self, until)
             if before > len(self._parts):
                 ran_on.append((threading.current_thread().name, before - len(self._parts), until))
+                if until != float("inf"):
+                    steps["ran"].add(engines[0]._steps)
 
-        PageWriter.run_parts = spy
+        def spy_submit(self, parts, real=real_submit, steps=steps, engines=engines):
+            steps["queued"].add(engines[0]._steps)
+            real(self, parts)
+
+        PageWriter.run_parts, PageWriter.submit_parts = spy, spy_submit
         try:
-            eng = Engine(demo, SessionStore(demo, cfg), page_out=mode).start()
+            eng = Engine(demo, SessionStore(demo, cfg), page_out=mode)
+            engines.append(eng)
+            eng.start()
             try:
                 got = [replies(eng, [(toks, {**p, "max_tokens": 100})])[0] for toks, p in REQUESTS]
                 texts = [t for t, _ in got]
@@ -297,8 +306,10 @@ def test_page_outs_between_steps_write_the_pages_of_the_writer_thread(demo, REQU
             finally:
                 eng.stop()
         finally:
-            PageWriter.run_parts = real
+            PageWriter.run_parts, PageWriter.submit_parts = real, real_submit
         runs[mode] = texts, files, ran_on
+        if mode == "steps":
+            assert steps["queued"] and steps["ran"] and not steps["queued"] & steps["ran"], steps
     assert runs["steps"][:2] == runs["thread"][:2]
     between = [r for r in runs["steps"][2] if r[2] != float("inf")]
     assert between and all(name == "localheap-engine" for name, _, _ in between)

@@ -455,6 +455,19 @@ def test_page_writer_bounds_the_jobs_waiting_behind_it():
     assert seen == [*range(PageWriter.MAX_QUEUED), "extra"]
 
 
+def test_page_writer_says_once_that_parts_were_queued():
+    """fresh_parts: True once after parts were queued (the engine leaves that step's slice out), then False."""
+    from localheap.heap.recall import PageWriter
+
+    w = PageWriter()
+    assert not w.fresh_parts()
+    w.submit_parts([lambda: None, lambda: None])
+    assert w.fresh_parts() and not w.fresh_parts()
+    w.run_parts()
+    assert not w.fresh_parts()
+    w.close()
+
+
 def test_page_writer_parts_run_between_steps_in_order_with_the_jobs():
     """Parts (a page-out left to the engine thread between its steps) run on the calling thread, at
     least one per run_parts and more until its deadline; never while a job of the thread's waits or

@@ -76,6 +76,7 @@ class Engine:
         self.lane: Optional[PrefillLane] = PrefillLane(backend) if use_lane else None
         self.page_out = page_out_mode(backend, page_out)
         self._writers: dict = {}   # id -> PageWriter of the batch's sessions, their page-outs left to us
+        self._parts_waited = False   # the last step ran no page-out part (its event queued one)
         self._steps = 0   # batched engine steps so far (a run's advanced_at is one of them)
         self.governor = governor or AdmitAll()
         self.max_active, self.max_queued = max_active, max_queued
@@ -389,12 +390,19 @@ class Engine:
             return
         took = time.monotonic() - began
         # a slice of page-out before the tokens go out: after, the server's threads sending them
-        # would contend with it for the cores (measured: docs/serve_bench.md, "Ninth round")
-        until = time.monotonic() + PAGE_OUT_SLICE_S
-        for writer in writers:
-            writer.run_parts(until)
-            if time.monotonic() >= until:
-                break
+        # would contend with it for the cores (measured: docs/serve_bench.md, "Ninth round"). Not in
+        # a step whose eviction event queued a page-out (that step is the long one already), unless
+        # the step before left its slice out too
+        fresh = [writer.fresh_parts() for writer in writers]
+        if any(fresh) and not self._parts_waited:
+            self._parts_waited = True
+        else:
+            self._parts_waited = False
+            until = time.monotonic() + PAGE_OUT_SLICE_S
+            for writer in writers:
+                writer.run_parts(until)
+                if time.monotonic() >= until:
+                    break
         if batch:
             self.counters.decode.add(sum(e is None for e in errors[: len(batch)]), took=took)
         for run, error in zip(batch, errors):

@@ -217,6 +217,7 @@ class PageWriter:
         # left as parts (a layer each) that the engine thread runs between its steps (run_parts)
         self.between_steps = False
         self._parts: deque[Callable[[], None]] = deque()
+        self._fresh = False   # parts queued since fresh_parts() last looked
         self._cv = threading.Condition()
         self._busy = False
         self._closed = False
@@ -257,6 +258,13 @@ class PageWriter:
         """Queue one page-out as parts, in order, for run_parts (between the engine's steps) or drain."""
         with self._cv:
             self._parts.extend(parts)
+            self._fresh = True
+
+    def fresh_parts(self) -> bool:
+        """Whether a page-out was queued as parts since the last call (the engine's step that just
+        ran had this session's eviction event)."""
+        fresh, self._fresh = self._fresh, False
+        return fresh
 
     def run_parts(self, until: float = float("inf")) -> None:
         """Run queued parts on the calling thread (the engine's, after a decode step): at least one,
