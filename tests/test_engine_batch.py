@@ -10,11 +10,11 @@ import time
 import numpy as np
 import pytest
 import torch
-from engine_checks import (CFG, StepLog, alone_texts, chat_beside_document, check_cancel_mid_batch, check_document_rides,
+from engine_checks import (CFG, TEXTS, StepLog, alone_texts, chat_beside_document, check_cancel_mid_batch, check_document_rides,
                            drain, engine, ids, replies, requests_for, submit, text, until_deltas)
 
 from localheap.backends.torch import TorchBackend
-from localheap.engine import Engine, Finished, Progress, Started
+from localheap.engine import Delta, Engine, Failed, Finished, Progress, Started
 from localheap.models import demo_model_dir
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
@@ -314,3 +314,72 @@ def test_page_outs_between_steps_write_the_pages_of_the_writer_thread(demo, REQU
     between = [r for r in runs["steps"][2] if r[2] != float("inf")]
     assert between and all(name == "localheap-engine" for name, _, _ in between)
     assert not [r for r in runs["thread"][2] if r[2] != float("inf")], "no parts left to the engine in thread mode"
+
+
+def timed_submit(eng, tokens, **params):
+    """(job, events): every event with the monotonic time it was emitted."""
+    from localheap.sessions import Prompt
+
+    events: list = []
+    done = threading.Event()
+
+    def emit(ev):
+        events.append((time.monotonic(), ev))
+        if isinstance(ev, (Finished, Failed)):
+            done.set()
+
+    from localheap.engine import Generate
+    from localheap.generation import SamplingParams
+    job = eng.submit(Generate(Prompt(tokens), SamplingParams(**{"max_tokens": 20, **params}), emit))
+    return job, events, done
+
+
+@pytest.mark.parametrize("fail", [False, True], ids=["saved", "refused"])
+def test_a_finished_turn_is_saved_off_the_engine_thread_while_the_others_decode(demo, tmp_path, monkeypatch, fail):
+    """A durable store: a finished turn's heap file is written on the saver thread (slowed here to
+    0.4 s, a big heap on a slow disk) while the other session keeps decoding; its reply ends only
+    once the turn is committed (or says why not: a write the disk refused), and a command issued
+    meanwhile waits for the save. The other session's tokens are its tokens alone. The saver computes
+    on one thread (a second OpenMP team beside the engine's halved its decode speed here)."""
+    from localheap.sessions import SessionStore
+
+    store = SessionStore(demo, CFG, tmp_path / "sessions", durable=True)
+    real, spans, entered = store.write_heap, [], [threading.Event(), threading.Event()]
+
+    def slow(s):
+        entered[len(spans)].set()
+        began = time.monotonic()
+        time.sleep(0.4)
+        try:
+            if fail:
+                raise OSError(28, "No space left on device")
+            return real(s)
+        finally:
+            spans.append((threading.current_thread().name, began, time.monotonic(), torch.get_num_threads()))
+
+    monkeypatch.setattr(store, "write_heap", slow)
+    eng = Engine(demo, store).start()
+    try:
+        long_tokens = demo.tokenizer.encode(TEXTS[2], add_special_tokens=False)   # 400 tokens greedy, no stop
+        _, short, short_done = timed_submit(eng, ids(30, 4), max_tokens=3)
+        _, long, long_done = timed_submit(eng, long_tokens, max_tokens=400)
+        assert short_done.wait(60) and entered[1].wait(120)   # the long one's turn is being saved
+        sid, long_sid = short[0][1].session_id, long[0][1].session_id
+        # a command waits for the save in flight (the session is busy until then)
+        assert eng.call(lambda: eng.store.get(long_sid).busy).result(timeout=30) is False
+        assert long_done.is_set()
+    finally:
+        eng.stop()
+    name, began, ended, threads = spans[0]
+    assert name.startswith("localheap-saver") and threads == 1   # no second OpenMP team beside the engine's
+    during = [t for t, ev in long if isinstance(ev, Delta) and began < t < ended]
+    assert len(during) >= 10, f"{len(during)} tokens of the other session while the turn was saved"
+    t_end, end = short[-1]
+    assert isinstance(end, Finished) and t_end >= ended
+    if fail:
+        assert end.saved is False and "No space left" in end.save_error
+        assert sid in eng.unsaved and not store.get(sid).saved
+    else:
+        assert end.saved is True and store.get(sid).saved and store.get(sid).spill_path.exists()
+    got = "".join(ev.text for _, ev in long if isinstance(ev, Delta))
+    assert got == alone_texts(demo, [(long_tokens, {"max_tokens": 400})])[0][0]

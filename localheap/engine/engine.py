@@ -24,7 +24,7 @@ import os
 import queue
 import threading
 import time
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Optional
 
 from ..sessions import Session, SessionNotFound, SessionStore
@@ -43,6 +43,7 @@ MIXED_CHUNK = 64       # prefill tokens riding in a decode step (README: prefill
 BATCH_SLICE = 32       # steps a run keeps its batch seat while others wait for one (a swap copies two heaps)
 RETRY_SAVE_S = 5.0     # how often a turn the disk refused (full, read-only) is tried again
 PAGE_OUT_SLICE_S = 0.0005   # page-out run between two decode steps (at least one layer's): page_out "steps"
+SAVE_POLL_S = 0.002    # with nothing running but a turn's save on the saver thread, how often it is looked at
 
 
 def page_out_mode(backend: Any, asked: Optional[str] = None) -> str:
@@ -91,6 +92,11 @@ class Engine:
         self._draining = False   # interrupt(): new jobs are refused, running ones were stopped
         self.unsaved: dict[str, str] = {}   # session id -> why its latest turn is not on disk
         self._save_tried_at = 0.0
+        # a finished turn's heap file is written on the saver thread while the others decode (backends
+        # that allow it: torch); the run ends when it is on disk (_settle_saves), its session busy till then
+        self.saves_off_thread = bool(getattr(backend, "saves_off_thread", False))
+        self._saver: Optional[ThreadPoolExecutor] = None
+        self._saving: list[tuple[Future, Run]] = []
         self._thermal = "unknown"
         self.failure: Optional[BaseException] = None      # set when the thread died on an internal error
         self.abandoned: Optional[Exception] = None   # set when the thread is stuck for good (abandon)
@@ -189,10 +195,13 @@ class Engine:
             while True:
                 # running: just look; only waiting (for RAM or a busy session): poll; idle: sleep
                 timeout = 0.0 if self._active else IDLE_POLL_S if self.admission.waiting else None
+                if self._saving:
+                    timeout = min(timeout if timeout is not None else SAVE_POLL_S, SAVE_POLL_S)
                 if timeout is None and self.unsaved:
                     timeout = RETRY_SAVE_S
                 if not self._drain(timeout):
                     break
+                self._settle_saves(block=False)
                 if self.unsaved and time.monotonic() - self._save_tried_at >= RETRY_SAVE_S:
                     self._retry_saves()
                 self._admit()
@@ -255,6 +264,7 @@ class Engine:
             else:
                 fn, fut = item
                 self._harvest(block=True)   # a command may touch the lane's session
+                self._settle_saves(block=True)   # or a session whose turn is being saved
                 if fut.set_running_or_notify_cancel():
                     try:
                         fut.set_result(fn())
@@ -510,7 +520,20 @@ class Engine:
         if s.ephemeral:
             self.store.delete(s.id)   # before the reply ends: the client sees it end with nothing kept
         elif self.store.durable:
-            saved = self._save(s)     # before the reply ends: a turn the client saw finish survives kill -9
+            # before the reply ends: a turn the client saw finish survives kill -9
+            if self.saves_off_thread and self._needs_save(s) and not self._stopping:
+                if self._saver is None:
+                    self._saver = ThreadPoolExecutor(1, thread_name_prefix="localheap-saver", initializer=self._saver_threads)
+                s.busy = True   # nothing touches its heap until the file is written (_settle_saves)
+                getattr(self.backend, "ready_to_save", lambda cache: None)(s.cache)
+                self._saving.append((self._saver.submit(self.store.write_heap, s), run))
+                return
+            saved = self._save(s)
+        self._finished(run, saved)
+
+    def _finished(self, run: Run, saved) -> None:
+        """The rest of _finish, once the turn is saved (True), not saved (why) or not to be (None)."""
+        s = run.session
         self.store.disk.ended(s)   # page-out faults reported; --disk-total kept
         s.refresh()
         self.counters.completion_tokens += len(run.completion)
@@ -526,26 +549,59 @@ class Engine:
             log.error("%s (sessions stay in memory)", e)
         self._room_freed()
 
+    def _settle_saves(self, block: bool) -> None:
+        """Turns whose heap file the saver thread wrote (all of them, waiting, with `block`): each is
+        committed here (tokens, index; store.commit_save) and its run ends (_finished)."""
+        while self._saving and (block or self._saving[0][0].done()):
+            future, run = self._saving.pop(0)
+            s = run.session
+            try:
+                written = future.result()
+                self.store.commit_save(s, written)
+            except Exception as e:
+                saved = self._save_failed(s, e)
+            else:
+                self._saved(s.id)
+                saved = True
+            s.busy = False
+            self._finished(run, saved)
+
+    def _saver_threads(self) -> None:
+        """The saver computes on one thread: a second OpenMP team beside the engine's (torch on a
+        CPU) makes libgomp, with more of its threads than cores, stop spinning between parallel
+        regions, and every decode step then waits on its workers' wake-ups (measured: the demo's
+        one-client decode at half speed once the first save had run)."""
+        set_threads = getattr(self.backend, "set_threads", None)
+        if set_threads is not None:
+            set_threads(1)
+
+    def _needs_save(self, s: Session) -> bool:
+        return bool(self.store.durable and s.fed and s.cache is not None) and not s.saved
+
     def _save(self, s: Session):
         """Write-through in a durable store: True when the session's turn is on disk, else why not
         (logged; the session stays resident and unsaved, /health degraded, and is tried again every
         RETRY_SAVE_S and after its next turn)."""
-        if not (self.store.durable and s.fed and s.cache is not None) or s.saved:
+        if not self._needs_save(s):
             self._saved(s.id)
             return True
         try:
             self.store.save(s)
         except Exception as e:
-            reason = str(e) or type(e).__name__
-            log.error("session %s: turn not saved: %s", s.id, reason)
-            self.counters.save_failures += 1
-            if s.id not in self.unsaved:
-                self._save_tried_at = time.monotonic()   # the first retry a full period from now
-            self.unsaved[s.id] = reason
-            self.store.mark_degraded(f"{s.id}:unsaved", f"session {s.id}: latest turn not saved: {reason}")
-            return reason
+            return self._save_failed(s, e)
         self._saved(s.id)
         return True
+
+    def _save_failed(self, s: Session, e: Exception) -> str:
+        """A turn the disk refused: logged, counted, the store degraded; returns why."""
+        reason = str(e) or type(e).__name__
+        log.error("session %s: turn not saved: %s", s.id, reason)
+        self.counters.save_failures += 1
+        if s.id not in self.unsaved:
+            self._save_tried_at = time.monotonic()   # the first retry a full period from now
+        self.unsaved[s.id] = reason
+        self.store.mark_degraded(f"{s.id}:unsaved", f"session {s.id}: latest turn not saved: {reason}")
+        return reason
 
     def _saved(self, session_id: str) -> None:
         if self.unsaved.pop(session_id, None) is not None:
@@ -600,11 +656,15 @@ class Engine:
 
     def _shutdown(self) -> None:
         self._harvest(block=True)
+        self._settle_saves(block=True)
         if self.lane is not None:
             self.lane.close()
         for run in list(self._active):
             run.job.cancel()
             self._finish(run)
+        self._settle_saves(block=True)
+        if self._saver is not None:
+            self._saver.shutdown()
         while self.admission.waiting:
             self._end(self.admission.waiting.popleft(), Failed(EngineStopped()), "failed")
         while True:

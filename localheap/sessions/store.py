@@ -191,15 +191,33 @@ class SessionStore:
         by the backend's save, heap/pages.py), so the index's rename is the one commit point of
         the heap, the tokens and the pages; the previous generation stays in force until then.
         Raises SpillFailed when the directory refuses a write (nothing of the turn is in force)."""
+        self.commit_save(s, self.write_heap(s))
+
+    def write_heap(self, s: Session) -> tuple[int, int]:
+        """save's first half: the next generation's heap file, written and read back for its CRC;
+        returns (generation, crc) for commit_save. It reads the session's cache and writes that
+        file alone (nothing of the store), so another thread may run it while the session is busy
+        and out of the batch (the engine's saver). On failure what it wrote is removed."""
         assert s.cache is not None
         gen = 0 if s.saved_gen is None else s.saved_gen + 1
-        old = (s.spill_path, s.saved_gen, s.saved_tokens, s.dirty, s.heap_crc)
         try:
             # a backend that writes several files (one per rank) makes them whole itself
             write = self.dir.write_by if getattr(self.backend, "writes_own_files", False) else self.dir.write_with
             write(self.dir.heap_path(s.id, gen), lambda path: self.backend.save_cache(s.cache, path))
             faults.step("save.heap")
-            crc = file_crc(self.dir.heap_path(s.id, gen))
+            return gen, file_crc(self.dir.heap_path(s.id, gen))
+        except BaseException as e:
+            self._remove_gen(s.id, gen)
+            if isinstance(e, OSError):   # reading the heap file back
+                raise SpillFailed(self.spill_dir, e) from e
+            raise
+
+    def commit_save(self, s: Session, written: tuple[int, int]) -> None:
+        """save's second half, after write_heap: the tokens, the index (the commit), then the
+        previous generation's files removed."""
+        gen, crc = written
+        old = (s.spill_path, s.saved_gen, s.saved_tokens, s.dirty, s.heap_crc)
+        try:
             self.dir.write_tokens(s.id, gen, s.fed)
             faults.step("save.tokens")
             s.spill_path, s.saved_gen, s.saved_tokens, s.dirty = self.dir.heap_path(s.id, gen), gen, len(s.fed), False
@@ -209,7 +227,7 @@ class SessionStore:
         except BaseException as e:
             s.spill_path, s.saved_gen, s.saved_tokens, s.dirty, s.heap_crc = old
             self._remove_gen(s.id, gen)
-            if isinstance(e, OSError):   # reading the heap file back
+            if isinstance(e, OSError):
                 raise SpillFailed(self.spill_dir, e) from e
             raise
         self._remove_files(s, keep_gen=gen)   # the old generation: no longer in force

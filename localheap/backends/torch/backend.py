@@ -86,6 +86,9 @@ class TorchBackend:
         # the engine may read a prompt chunk on a second thread beside the decode batch (engine/lane.py):
         # forward passes share no state but their caches; on CUDA both would queue on one stream (untested)
         self.concurrent_prefill = self.device.type == "cpu"
+        # a finished turn's heap file may be written on another thread while the batch steps
+        # (engine.Engine._finish: its session is busy and out of the batch meanwhile)
+        self.saves_off_thread = True
         self.computes_on_cpu = self.device.type == "cpu"   # the engine runs page-outs between steps
 
     @classmethod
@@ -223,6 +226,16 @@ class TorchBackend:
 
     def save_cache(self, cache: HeapCache, path: Path, snapshot: bool = False) -> None:
         save_heap(cache, path, snapshot)
+
+    def ready_to_save(self, cache: HeapCache) -> None:
+        """Before save_cache runs on another thread (the engine's saver): what it reads that is
+        still to be computed is computed here, on the calling thread with its intra-op threads (a
+        prefill chunk's window scores, left to be scored when read; the position tables of an
+        event whose kept slots the device has not told yet), so that the saver only copies and
+        writes and the session's scores are the bits they would have been."""
+        for layer in cache.heap_layers:
+            layer.window
+            layer.heap.positions
 
     def load_cache(self, cfg: HeapConfig, path: Path, pages_dir: Optional[Path] = None) -> HeapCache:
         cache = load_heap(self.model, path, pages_dir)
