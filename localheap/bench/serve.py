@@ -34,7 +34,9 @@ class Server:
     """A `localheap serve` subprocess on a free port; samples its RSS while it runs."""
 
     def __init__(self, name: str, serve_args: list[str], threads: Optional[int], log: Callable[[str], None],
-                 extra_env: Optional[dict] = None):
+                 extra_env: Optional[dict] = None, persist: bool = False):
+        """persist: the server saves every turn (serve's default), its sessions directory in the
+        server's own temp dir; else --no-persist."""
         self.name = name
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -43,8 +45,8 @@ class Server:
         if threads:
             env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
         env.update(extra_env or {})
-        cmd = [sys.executable, "-m", "localheap.cli", "serve", "--port", str(self.port), "--no-persist",
-               "--log-level", "warning", *serve_args]
+        cmd = [sys.executable, "-m", "localheap.cli", "serve", "--port", str(self.port),
+               *([] if persist else ["--no-persist"]), "--log-level", "warning", *serve_args]
         log(f"[{name}] {' '.join(cmd[2:])}")
         self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self.peak_rss = 0
@@ -318,7 +320,8 @@ def run(args) -> int:
     servers = {}
     try:
         for name in engines:
-            servers[name] = Server(name, common + ENGINE_FLAGS[name] + own[name], args.threads, log, ENGINE_ENV.get(name))
+            servers[name] = Server(name, common + ENGINE_FLAGS[name] + own[name], args.threads, log, ENGINE_ENV.get(name),
+                                   persist=args.persist)
         prompt = " The pass key of river is"
         sessions = {}
         for name, server in servers.items():

@@ -170,6 +170,9 @@ def add_parser(sub) -> None:
                        help="engines compared, interleaved per round: batched (serve's default), mixed (batched, --prefill-lane off), passive (batched, OMP_WAIT_POLICY=PASSIVE), round-robin (default: batched,round-robin)")
     serve.add_argument("--max-batch", type=_positive, default=None, help="the batched server's --max-batch (default: serve's default)")
     serve.add_argument("--mixed-chunk", type=_positive, default=None, help="the batched server's --mixed-chunk (default: serve's default)")
+    serve.add_argument("--persist", action="store_true",
+                       help="the servers save every turn to their sessions directory, as serve does by default "
+                            "(default: --no-persist, nothing written)")
     serve.add_argument("--serve-args", default="", metavar="ARGS",
                        help="more flags for both servers, one string, e.g. \"--budget 2048\" (default: none)")
     add_threads_arg(serve)
