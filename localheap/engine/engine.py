@@ -236,7 +236,7 @@ class Engine:
         self._fail_all(lambda: type(error)(*error.args))
 
     def _fail_all(self, make_error: Callable[[], Exception]) -> None:
-        jobs = [r.job for r in self._active] + list(self.admission.waiting)
+        jobs = [r.job for r in self._active] + [r.job for _, r in self._saving] + list(self.admission.waiting)
         while True:
             try:
                 item = self._inbox.get_nowait()
