@@ -338,8 +338,8 @@ def timed_submit(eng, tokens, **params):
 def test_a_finished_turn_is_saved_off_the_engine_thread_while_the_others_decode(demo, tmp_path, monkeypatch, fail):
     """A durable store: a finished turn's heap file is written on the saver thread (slowed here to
     0.4 s, a big heap on a slow disk) while the other session keeps decoding; its reply ends only
-    once the turn is committed (or says why not: a write the disk refused), and a command issued
-    meanwhile waits for the save. The other session's tokens are its tokens alone. The saver computes
+    once the turn is committed (or says why not: a write the disk refused), and a checkpoint asked
+    for meanwhile waits for the save. The other session's tokens are its tokens alone. The saver computes
     on one thread (a second OpenMP team beside the engine's halved its decode speed here)."""
     from localheap.sessions import SessionStore
 
@@ -365,8 +365,8 @@ def test_a_finished_turn_is_saved_off_the_engine_thread_while_the_others_decode(
         _, long, long_done = timed_submit(eng, long_tokens, max_tokens=400)
         assert short_done.wait(60) and entered[1].wait(120)   # the long one's turn is being saved
         sid, long_sid = short[0][1].session_id, long[0][1].session_id
-        # a command waits for the save in flight (the session is busy until then)
-        assert eng.call(lambda: eng.store.get(long_sid).busy).result(timeout=30) is False
+        # a checkpoint waits for the save in flight (the session is busy until then)
+        assert eng.call(lambda: eng.checkpoint_session(long_sid)).result(timeout=30).n > 0
         assert long_done.is_set()
     finally:
         eng.stop()
@@ -383,3 +383,25 @@ def test_a_finished_turn_is_saved_off_the_engine_thread_while_the_others_decode(
         assert end.saved is True and store.get(sid).saved and store.get(sid).spill_path.exists()
     got = "".join(ev.text for _, ev in long if isinstance(ev, Delta))
     assert got == alone_texts(demo, [(long_tokens, {"max_tokens": 400})])[0][0]
+
+
+def test_deleting_a_decoding_session_of_a_durable_store(demo, tmp_path):
+    """DELETE while the session decodes: its run is cancelled, and the save that ending it starts
+    (on the saver thread) is waited for before the session is removed: the delete succeeds and
+    leaves none of its files."""
+    from localheap.sessions import SessionStore
+
+    store = SessionStore(demo, CFG, tmp_path / "sessions", durable=True)
+    eng = Engine(demo, store).start()
+    try:
+        tokens = demo.tokenizer.encode(TEXTS[2], add_special_tokens=False)
+        _, events, done = timed_submit(eng, tokens, max_tokens=400)
+        deadline = time.monotonic() + 60
+        while sum(isinstance(ev, Delta) for _, ev in events) < 3 and time.monotonic() < deadline:
+            time.sleep(0.001)
+        sid = events[0][1].session_id
+        eng.call(lambda: eng.delete_session(sid)).result(timeout=30)
+        assert done.wait(30) and events[-1][1].finish_reason == "cancelled"
+        assert sid not in store and not list((tmp_path / "sessions").glob(f"{sid}*"))
+    finally:
+        eng.stop()

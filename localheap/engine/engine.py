@@ -264,7 +264,6 @@ class Engine:
             else:
                 fn, fut = item
                 self._harvest(block=True)   # a command may touch the lane's session
-                self._settle_saves(block=True)   # or a session whose turn is being saved
                 if fut.set_running_or_notify_cancel():
                     try:
                         fut.set_result(fn())
@@ -656,13 +655,12 @@ class Engine:
 
     def _shutdown(self) -> None:
         self._harvest(block=True)
-        self._settle_saves(block=True)
         if self.lane is not None:
             self.lane.close()
         for run in list(self._active):
             run.job.cancel()
             self._finish(run)
-        self._settle_saves(block=True)
+        self._settle_saves(block=True)   # (the runs above saved here: stop() set _stopping)
         if self._saver is not None:
             self._saver.shutdown()
         while self.admission.waiting:
@@ -679,10 +677,16 @@ class Engine:
 
     # --- session commands (engine thread, via call) ---
 
+    # A session whose turn is being saved is busy until the turn is committed: the commands that
+    # checkpoint or remove one wait for the saves in flight first (the store's other commands,
+    # a title or a new session, never touch the heap file the saver writes, and do not wait).
+
     def checkpoint_session(self, session_id: str):
+        self._settle_saves(block=True)
         return branching.checkpoint(self.store, session_id)
 
     def fork_session(self, session_id: str, tokens: Optional[int] = None) -> Session:
+        self._settle_saves(block=True)   # (tokens None: the source is checkpointed now)
         return branching.fork(self.store, session_id, tokens, self.admission.admit_heap)
 
     def delete_session(self, session_id: str) -> None:
@@ -691,6 +695,7 @@ class Engine:
         for run in [r for r in self._active if r.session is s]:
             run.job.cancel()
             self._finish(run)
+        self._settle_saves(block=True)   # its save, from a run cancelled just now or ended before
         for job in [j for j in self.admission.waiting if j.request.session_id == session_id]:
             self.admission.waiting.remove(job)
             self._end(job, Failed(SessionNotFound(session_id)), "failed")
