@@ -196,7 +196,7 @@ class Engine:
                 # running: just look; only waiting (for RAM or a busy session): poll; idle: sleep
                 timeout = 0.0 if self._active else IDLE_POLL_S if self.admission.waiting else None
                 if self._saving:
-                    timeout = min(timeout if timeout is not None else SAVE_POLL_S, SAVE_POLL_S)
+                    timeout = SAVE_POLL_S if timeout is None else min(timeout, SAVE_POLL_S)
                 if timeout is None and self.unsaved:
                     timeout = RETRY_SAVE_S
                 if not self._drain(timeout):
@@ -524,7 +524,7 @@ class Engine:
                 if self._saver is None:
                     self._saver = ThreadPoolExecutor(1, thread_name_prefix="localheap-saver", initializer=self._saver_threads)
                 s.busy = True   # nothing touches its heap until the file is written (_settle_saves)
-                getattr(self.backend, "ready_to_save", lambda cache: None)(s.cache)
+                self.backend.ready_to_save(s.cache)   # (what the save reads, computed on this thread)
                 self._saving.append((self._saver.submit(self.store.write_heap, s), run))
                 return
             saved = self._save(s)
@@ -554,14 +554,7 @@ class Engine:
         while self._saving and (block or self._saving[0][0].done()):
             future, run = self._saving.pop(0)
             s = run.session
-            try:
-                written = future.result()
-                self.store.commit_save(s, written)
-            except Exception as e:
-                saved = self._save_failed(s, e)
-            else:
-                self._saved(s.id)
-                saved = True
+            saved = self._saving_outcome(s, lambda: self.store.commit_save(s, future.result()))
             s.busy = False
             self._finished(run, saved)
 
@@ -584,8 +577,12 @@ class Engine:
         if not self._needs_save(s):
             self._saved(s.id)
             return True
+        return self._saving_outcome(s, lambda: self.store.save(s))
+
+    def _saving_outcome(self, s: Session, save: Callable[[], None]):
+        """Run `save` (the session's turn to disk): True when it is there, else why not (_save_failed)."""
         try:
-            self.store.save(s)
+            save()
         except Exception as e:
             return self._save_failed(s, e)
         self._saved(s.id)
