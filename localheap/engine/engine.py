@@ -559,13 +559,11 @@ class Engine:
             self._finished(run, saved)
 
     def _saver_threads(self) -> None:
-        """The saver computes on one thread: a second OpenMP team beside the engine's (torch on a
-        CPU) makes libgomp, with more of its threads than cores, stop spinning between parallel
-        regions, and every decode step then waits on its workers' wake-ups (measured: the demo's
-        one-client decode at half speed once the first save had run)."""
-        set_threads = getattr(self.backend, "set_threads", None)
-        if set_threads is not None:
-            set_threads(1)
+        """The saver computes on one intra-op thread: with two, a second OpenMP team beside the
+        engine's (torch on a CPU), one client's decode ran at half speed once the first save had
+        run, the speed OMP_WAIT_POLICY=PASSIVE gives (libgomp, more of its threads than cores, by
+        all appearances stops spinning between parallel regions; docs/serve_bench.md, tenth round)."""
+        self.backend.set_threads(1)
 
     def _needs_save(self, s: Session) -> bool:
         return bool(self.store.durable and s.fed and s.cache is not None) and not s.saved
