@@ -92,16 +92,16 @@ def slab_kernel():
     return slab_cpu.load(wait=True)
 
 
-SLABS = pytest.mark.parametrize("slabs", [None, {}, "torch", "graphed"],
-                                ids=["per-heap", "slab", "slab-torch", "slab-graphed"], indirect=True)
+SLABS = pytest.mark.parametrize("slabs", [None, {}, "torch", "graphed", "cuda-graphs"],
+                                ids=["per-heap", "slab", "slab-torch", "slab-graphed", "slab-cuda-graphs"], indirect=True)
 
 
 class ReplayGraph:
     """graphed.py's capture off CUDA: records nothing, and a replay runs the static step again
     into the same output tensor (a CUDA graph's replay semantics, its control flow tested here)."""
 
-    def __init__(self, fn):
-        self.fn, self.out, self.replays = fn, torch.empty(0), 0
+    def __init__(self, fn, device):
+        self.fn, self.out, self.replays = fn, torch.empty(0, device=device), 0
 
     def replay(self):
         got = self.fn()
@@ -110,20 +110,24 @@ class ReplayGraph:
 
 
 def replay_capture(fn):
-    graph = ReplayGraph(fn)
+    result = fn()
+    graph = ReplayGraph(fn, result.device)   # the output where a CUDA graph's would be: the step's device
     replay_capture.graphs.append(graph)
-    return fn(), graph, graph.out
+    return result, graph, graph.out
 
 
 @pytest.fixture
 def slabs(request, monkeypatch):
     """per-heap: every row attends its own heap; slab: one batch, the kernel where it is built;
     slab-torch: one batch through torch's matmuls; slab-graphed: each step the static step of
-    graphed.py (--cuda-graphs), captured and replayed (ReplayGraph on the CPU)."""
+    graphed.py (--cuda-graphs), captured and replayed (ReplayGraph, on any device);
+    slab-cuda-graphs: the same through real CUDA graphs (CUDA only)."""
     if request.param == "torch":
         monkeypatch.setenv("LOCALHEAP_SLAB_KERNEL", "0")
         return {}
-    if request.param == "graphed":
+    if request.param in ("graphed", "cuda-graphs"):
+        if request.param == "cuda-graphs" and not torch.cuda.is_available():
+            pytest.skip("real CUDA graphs need CUDA (slab-graphed runs their control flow here)")
         new_cache = TorchBackend.new_cache
 
         def graphed_cache(self, *args, **kwargs):
@@ -132,7 +136,8 @@ def slabs(request, monkeypatch):
             return cache
 
         monkeypatch.setattr(TorchBackend, "new_cache", graphed_cache)
-        monkeypatch.setattr(graphed, "CAPTURE", replay_capture)
+        if request.param == "graphed":   # cuda-graphs: graphed.py's own capture, recorded and replayed
+            monkeypatch.setattr(graphed, "CAPTURE", replay_capture)
         monkeypatch.setattr(graphed, "SLOTS_STEP", 16)   # several spans of slots on these small heaps
         monkeypatch.setattr(replay_capture, "graphs", [], raising=False)
         return {}
@@ -406,11 +411,12 @@ def test_graphs_are_checked_against_the_eager_static_step(demo, monkeypatch):
     class OffByAnUlp(ReplayGraph):
         def replay(self):
             super().replay()
-            self.out[0, 0] = torch.nextafter(self.out[0, 0], torch.tensor(float("inf")))
+            self.out[0, 0] = torch.nextafter(self.out[0, 0], torch.tensor(float("inf"), device=self.out.device))
 
     def skewed(fn):
-        graph = OffByAnUlp(fn)
-        return fn(), graph, graph.out
+        result = fn()
+        graph = OffByAnUlp(fn, result.device)
+        return result, graph, graph.out
 
     monkeypatch.setattr(graphed, "CAPTURE", skewed)
     assert not graphed.agrees(demo.model)
