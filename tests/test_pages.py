@@ -673,3 +673,72 @@ def test_batched_header_reads_match_the_per_field_crc_and_flag_bad_records(tmp_p
             np.testing.assert_array_equal(got[i], want[slot] if slot in (0, 2, 5) else -1)
         assert s.positions(0, np.array([], np.int64)).shape == (0, H, P)
         s.close()
+
+
+@pytest.mark.parametrize("fmt", ["f32", "f16", "int8"])
+@pytest.mark.parametrize("with_tail", [False, True])
+def test_recall_gathers_only_the_taken_tokens_as_the_whole_records_decode_them(tmp_path, fmt, with_tail):
+    """paging.gather_taken reads the taken tokens out of the records: the same positions and K/V
+    bits as decoding the pages whole and indexing them, float16 pages left float16 (float32 where
+    the tail, kept float32, or int8 pages are among them), each head's in position order."""
+    from localheap.backends.paging import gather_taken
+    from localheap.heap.pagecodec import decode
+
+    rng = np.random.default_rng(11)
+    s = store(tmp_path, fmt)
+    s.append(0, *evicted(rng, 30))                               # 7 pages, 2 tokens in the tail
+    slots = np.flatnonzero(s.layers[0].live)
+    taken, r = [], 9
+    for h in range(H):                                           # a head's picks, out of position order
+        src = rng.choice(len(slots), r, replace=True)
+        off = rng.permutation(P * len(slots))[:r] % P
+        src, off = (np.unique(src * P + off)[:r] // P, np.unique(src * P + off)[:r] % P)
+        src, off = src[::-1].copy(), off[::-1].copy()
+        if with_tail:
+            src[1], off[1] = -1, h % 2
+        taken.append((src, off))
+    r = min(len(t[0]) for t in taken)
+    pos, keys, values = gather_taken(s, 0, slots, taken, r)
+    recs = s.read(0, slots)
+    k_all, v_all = decode(recs, fmt)
+    tail_pos, tail_k, tail_v = s.tail(0)
+    for h, (src, off) in enumerate(taken):
+        want = [(tail_pos[h, o], tail_k[h, o], tail_v[h, o]) if p < 0 else
+                (recs["positions"][p, h, o], k_all[p, h, o], v_all[p, h, o]) for p, o in zip(src[:r], off[:r])]
+        want.sort(key=lambda x: x[0])
+        np.testing.assert_array_equal(pos[h], [w[0] for w in want])
+        np.testing.assert_array_equal(keys[h].astype(np.float32), np.stack([w[1] for w in want]))
+        np.testing.assert_array_equal(values[h].astype(np.float32), np.stack([w[2] for w in want]))
+    assert keys.dtype == (np.float16 if fmt == "f16" and not with_tail else np.float32)
+
+
+@pytest.mark.parametrize("readers", [1, 3])
+def test_a_recalls_bad_records_in_several_layers_are_all_tombstoned_and_counted_once(tmp_path, monkeypatch, readers):
+    """paging.read_taken reads every layer (on the readers, or in turn) before it raises: one
+    PageCorrupt counting the bad records of all of them, each tombstoned; the good layers' pages
+    read as they are."""
+    from localheap.backends import paging
+    from localheap.heap.pages import PageCorrupt
+
+    monkeypatch.setattr(paging, "RECALL_READERS", readers)
+    monkeypatch.setattr(paging, "_readers", None)
+    rng = np.random.default_rng(5)
+    s = store(tmp_path, layers=3)
+    for layer in range(3):
+        s.append(layer, *evicted(rng, 16))                          # 4 pages a layer
+    slots = np.arange(4)
+    taken = [(np.array([0, 1, 2, 3]), np.array([0, 1, 2, 3]))] * H
+    jobs = [(layer, slots, taken, 4) for layer in range(3)]
+    want = paging.read_taken(s, jobs)
+    rb = s.record_bytes
+    for layer, slot in ((0, 1), (2, 3)):                            # one bad record in layers 0 and 2
+        os.pwrite(s._fds[layer], b"\xff" * 8, slot * rb + rb // 2)
+    with pytest.raises(PageCorrupt) as e:
+        paging.read_taken(s, jobs)
+    assert e.value.n == 2 and s.corrupt == 2
+    assert not s.layers[0].live[1] and not s.layers[2].live[3] and s.layers[1].live[:4].all()
+    again = paging.read_taken(s, [jobs[1]])
+    for a, b in zip(again[1], want[1]):
+        np.testing.assert_array_equal(a, b)
+    if readers > 1:
+        assert paging._readers is not None

@@ -8,7 +8,7 @@ so both backends page out, score, select and merge alike.
 A cache with recall on provides: `cfg`, `heap_layers` (each with `heap`,
 `repack(plan, evicting)` and `merge(plan, keys, values)`), `pages` / `writer` / `pages_owned` /
 `recall_log` (set by `attach_pages`), `make_room(n)`, `evict(layers)`, `to_device(host)` (a
-numpy array onto the device) and `settle()` (wait for queued device work).
+float16 or float32 numpy array onto the device as float32) and `settle()` (wait for queued device work).
 """
 
 from __future__ import annotations
@@ -18,8 +18,10 @@ import os
 import re
 import shutil
 import tempfile
+import threading
 import time
 import weakref
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence, Union
@@ -27,7 +29,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 import numpy as np
 
 from ..heap import LayerHeap, PageGeometry, PageStore, PageWriter, select_pages
-from ..heap.pagecodec import decode
+from ..heap.pagecodec import dequantize
 from ..heap.pages import LATEST, PageCorrupt, copy_tree
 from ..heap.recall import WINDOW, page_builders, take_windows, vote, vote_order
 from ..heap.scoring import lanes_exact, score_pages_by_dim
@@ -231,34 +233,101 @@ def pick_spans(cache, store, queries: dict) -> dict:
         return {}
     votes = agree.sum(vote(scores, lambda i, idx: read[i](idx), top // WINDOW + 2))
     order = vote_order(votes)
-    picked = {}
+    jobs = []
     for layer in cache.heap_layers:
         i = layer.heap.layer
         taken = take_windows(order, rooms[i], spans[i], read[i], store.tail(i)[0]) if i in live else []
         r = agree.layer_min(min((len(s) for s, _ in taken), default=0))   # all of a layer's heads, on every rank, take as many
-        if r == 0:
-            continue
-        slots, (tail_pos, tail_k, tail_v) = live[i], store.tail(i)
-        src = np.stack([s[:r] for s, _ in taken])                           # [H, r]: page index, -1 = tail
-        off = np.stack([o[:r] for _, o in taken])
-        heads = np.broadcast_to(np.arange(len(taken))[:, None], src.shape)
-        tail = src < 0
-        pos = np.zeros(src.shape, np.int64)
-        ks = np.zeros((*src.shape, store.g.head_dim), np.float32)
-        vs = np.zeros_like(ks)
-        if tail.any():
-            at = heads[tail], off[tail]
-            pos[tail], ks[tail], vs[tail] = tail_pos[at], tail_k[at], tail_v[at]
-        if (~tail).any():
-            pages = np.unique(src[~tail])
-            recs = store.read(i, slots[pages], strict=True)
-            keys, values = decode(recs, store.g.fmt)                        # [u, H, P, D]
-            at = np.searchsorted(pages, src[~tail]), heads[~tail], off[~tail]
-            pos[~tail], ks[~tail], vs[~tail] = recs["positions"][at], keys[at], values[at]
-        order_h = np.argsort(pos, axis=1, kind="stable")
-        rows = np.arange(len(taken))[:, None]
-        picked[i] = (pos[rows, order_h], ks[rows, order_h], vs[rows, order_h])   # each head's in position order
-    return picked
+        if r:
+            jobs.append((i, live[i], taken, r))
+    return read_taken(store, jobs)
+
+
+def read_taken(store, jobs: list) -> dict:
+    """{layer: gather_taken(store, *job)} for jobs (layer, slots, taken, r), the layers read at
+    once on the recall's readers (reads, checksums and gathers let go of the GIL). Records that
+    fail their check raise one PageCorrupt for all the layers, after every layer is read (each
+    tombstoned what it found)."""
+    def attempt(job):
+        try:
+            return gather_taken(store, *job)
+        except PageCorrupt as e:
+            return e
+
+    pool = recall_readers()
+    if pool is None or len(jobs) < 2:
+        got = [attempt(job) for job in jobs]
+    else:
+        futures = [pool.submit(attempt, job) for job in jobs]
+        wait(futures)
+        got = [f.result() for f in futures]
+    corrupt = sum(g.n for g in got if isinstance(g, PageCorrupt))
+    if corrupt:
+        raise PageCorrupt(corrupt)
+    return {job[0]: g for job, g in zip(jobs, got)}
+
+
+# threads reading a recall's pages (as many as cores, at most 8; LOCALHEAP_RECALL_READERS=1: none,
+# the caller reads them); at the caller's priority: the question's turn waits for them
+RECALL_READERS = int(os.environ.get("LOCALHEAP_RECALL_READERS", "0")) or min(8, os.cpu_count() or 1)
+_readers: Optional[ThreadPoolExecutor] = None
+_readers_lock = threading.Lock()
+
+
+def recall_readers() -> Optional[ThreadPoolExecutor]:
+    global _readers
+    if RECALL_READERS <= 1:
+        return None
+    with _readers_lock:
+        if _readers is None:
+            _readers = ThreadPoolExecutor(RECALL_READERS, thread_name_prefix="localheap-recall-read")
+        return _readers
+
+
+def gather_taken(store, layer: int, slots: np.ndarray, taken: list, r: int) -> tuple:
+    """The first `r` tokens each head took (take_windows' (page indices into `slots`, -1 for the
+    tail; offsets)) -> (positions [H, r], keys, values [H, r, D]), each head's in position order.
+    Only the taken tokens are read out of the records, once each; keys and values in the pages'
+    own float type (float16 pages stay float16: the device widens them, exactly), float32 where
+    the tail (kept float32) or int8 pages are among them."""
+    tail_pos, tail_k, tail_v = store.tail(layer)
+    src = np.stack([s[:r] for s, _ in taken])                              # [H, r]: page index, -1 = tail
+    off = np.stack([o[:r] for _, o in taken])
+    heads = np.broadcast_to(np.arange(len(taken))[:, None], src.shape)
+    tail = src < 0
+    pos = np.zeros(src.shape, np.int64)
+    if tail.any():
+        pos[tail] = tail_pos[heads[tail], off[tail]]
+    recs, u = None, None
+    if (~tail).any():
+        pages = np.unique(src[~tail])
+        recs = store.read(layer, slots[pages], strict=True)
+        u = np.zeros(src.shape, np.int64)
+        u[~tail] = np.searchsorted(pages, src[~tail])
+        pos[~tail] = recs["positions"][u[~tail], heads[~tail], off[~tail]]
+    order_h = np.argsort(pos, axis=1, kind="stable")                      # each head's in position order
+    rows = np.arange(len(taken))[:, None]
+    tail, off = tail[rows, order_h], off[rows, order_h]
+    heads = np.broadcast_to(rows, src.shape)
+    fmt = store.g.fmt
+    dtype = np.float16 if fmt == "f16" and not tail.any() else np.float32
+    some = tail.any()
+    if recs is not None:
+        u = u[rows, order_h]
+        at = (u[~tail], heads[~tail], off[~tail]) if some else (u, heads, off)   # no tail: one gather, no mask
+    out = []
+    for name, tail_x in (("keys", tail_k), ("values", tail_v)):
+        x = None
+        if recs is not None:
+            x = (dequantize(recs[name][at], recs[name[0] + "scale"][at]) if fmt == "int8" else recs[name][at])
+        if some:
+            whole = np.empty((*src.shape, store.g.head_dim), dtype)
+            whole[tail] = tail_x[heads[tail], off[tail]]
+            if x is not None:
+                whole[~tail] = x
+            x = whole
+        out.append(x.astype(dtype, copy=False))
+    return (pos[rows, order_h], *out)
 
 
 def positions_reader(store, layer: int, slots: np.ndarray) -> Callable[[np.ndarray], np.ndarray]:
@@ -297,7 +366,8 @@ def recall(cache, n_question: int, probe: Callable[[], dict]) -> dict:
     cache.make_room(n_question)
     picked = pick_checked(cache, store, probe)
     if picked:
-        flat = cache.to_device(np.concatenate([a.reshape(-1) for _, k, v in picked.values() for a in (k, v)]))
+        parts = [a.reshape(-1) for _, k, v in picked.values() for a in (k, v)]   # float16 when every part is
+        flat = cache.to_device(np.concatenate(parts, dtype=np.result_type(*parts)))
         at = 0
         for layer in cache.heap_layers:
             if layer.heap.layer not in picked:

@@ -117,7 +117,8 @@ class HeapPromptCache(HeapRollback, list):
         self.repack(plan_eviction(layers))
 
     def to_device(self, host: np.ndarray) -> mx.array:
-        return mx.array(host)
+        """float16 or float32 on the host -> float32 on the device."""
+        return mx.array(host).astype(mx.float32)
 
     def settle(self) -> None:
         mx.eval([c.state for c in self.heap_layers])

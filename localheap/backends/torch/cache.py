@@ -126,7 +126,8 @@ class HeapCache(HeapRollback, Cache):
         self.repack(plan_eviction(layers))
 
     def to_device(self, host: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(host).to(self.device)
+        """float16 or float32 on the host -> float32 on the device (float16 crosses as float16)."""
+        return torch.from_numpy(host).to(self.device).float()
 
     def settle(self) -> None:
         if self.device.type == "cuda":
