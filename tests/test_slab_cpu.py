@@ -235,3 +235,54 @@ def test_a_heap_evicts_the_same_with_and_without_the_kernels(model_dirs, monkeyp
         assert torch.equal(k, kk) and torch.equal(v, vk)
     for a, b in zip(pages, pages_k):
         assert len(a[0][0]) > 0 and all(np.array_equal(x, y) for x, y in zip(a, b))
+
+
+@pytest.mark.usefixtures("kernel")
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("D,Q,N", [(32, 64, 9000), (32, 2, 37), (64, 9, 2000), (128, 64, 1500), (20, 11, 500)])
+def test_the_page_scorer_gives_the_einsum_scores_bit_for_bit(D, Q, N, threads, monkeypatch):
+    """slab_cpu.page_bounds, heap/scoring's native scorer, against recall.score_pages: both
+    summaries and both scores, pages not a multiple of its 16-page blocks, head sizes whose lanes
+    are unequal (20), one thread and the pairs split over two."""
+    import numpy as np
+    from test_page_scoring import by_dim, random_scoring_case
+
+    from localheap.heap import scoring
+    from localheap.heap.recall import score_pages
+
+    monkeypatch.setattr(scoring, "_NATIVE", slab_cpu.bounds_pages)
+    torch.set_num_threads(threads)
+    rng = np.random.default_rng(D * 1000 + N)
+    q, kmin, kmax = random_scoring_case(rng, 3, Q, N, D)
+    for summary in ((kmin, kmax), (kmax,)):
+        for how in ("bound", "zscore"):
+            got = scoring._scores_native(q, by_dim(summary, D), how)
+            np.testing.assert_array_equal(got, score_pages(q, summary, how), err_msg=f"{len(summary)} summaries, {how}")
+
+
+def test_a_native_scorer_that_rounds_otherwise_or_is_not_built_leaves_numpy_scoring(monkeypatch):
+    """scoring.native_exact checks a registered scorer once per head size: one that sums in another
+    order (a float64 matmul) is refused and numpy scores; one not built yet (None) is asked again."""
+    import numpy as np
+    from test_page_scoring import by_dim, random_scoring_case
+
+    from localheap.heap import scoring
+    from localheap.heap.recall import score_pages
+
+    D, asked = 32, []
+
+    def other_order(qs, ks, cut):
+        asked.append(1)
+        return sum(np.einsum("hqd,hdn->hqn", a.astype(np.float64), b.astype(np.float64)) for a, b in zip(qs, ks)).astype(np.float32)
+
+    rng = np.random.default_rng(3)
+    q, kmin, kmax = random_scoring_case(rng, 2, 9, 700, D)
+    want = score_pages(q, (kmin, kmax), "zscore")
+    monkeypatch.setattr(scoring, "_NATIVE", other_order)
+    monkeypatch.setattr(scoring, "_native_verdicts", {})
+    assert not scoring.native_exact(D) and asked
+    np.testing.assert_array_equal(scoring.score_pages_by_dim(q, by_dim((kmin, kmax), D), "zscore"), want)
+    monkeypatch.setattr(scoring, "_NATIVE", lambda qs, ks, cut: None)
+    monkeypatch.setattr(scoring, "_native_verdicts", {})
+    assert not scoring.native_exact(D) and D not in scoring._native_verdicts
+    np.testing.assert_array_equal(scoring.score_pages_by_dim(q, by_dim((kmin, kmax), D), "zscore"), want)

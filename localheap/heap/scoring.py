@@ -18,12 +18,18 @@ contiguous row gives the same bits whatever the rows around it), and the best ov
 a maximum, exact in any order. So every score equals score_pages' bit for bit; `lanes_exact` checks that on this numpy
 build once per head size (a build whose einsum loops differ falls back to the reference), and
 tests/test_page_scoring.py holds it on stores of real sizes.
+
+A backend may register a compiled scorer of the same arithmetic (`use_native`; the torch backend's
+CPU module, backends/torch/slab_cpu.page_bounds: AVX2 without fused multiply-adds, 16 pages a block
+in registers, the heads and blocks over the threads). It scores once it gave score_pages' bits on the
+same check (`native_exact`), and numpy scores wherever it is not built or disagrees.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+from typing import Callable, Optional
 
 import numpy as np
 
@@ -106,11 +112,11 @@ def _scores_lanes(q: np.ndarray, summary_t: tuple[np.ndarray, ...], how: str, ch
     return best
 
 
-@functools.lru_cache(maxsize=None)
-def lanes_exact(head_dim: int) -> bool:
-    """Whether the kernel gives score_pages' bits on this numpy build for this head size: checked
-    once on random queries and summaries (zeros and both signs; a query block and a page chunk
-    left over; both summaries and both scores; rows longer than numpy's reduction buffer)."""
+def _agrees(head_dim: int, scorer: Callable) -> Optional[bool]:
+    """Whether scorer(q, summary_t, how, chunk) gives score_pages' bits for this head size, checked
+    on random queries and summaries (zeros and both signs; a query block and a page chunk left over;
+    both summaries and both scores; rows longer than numpy's reduction buffer). None: the scorer
+    had no answer (a native kernel not built yet)."""
     rng = np.random.default_rng(head_dim)
     for H, Q, N, chunk, cases in ((2, QUERY_BLOCK + 1, 300, 128, (("minmax", "zscore"), ("minmax", "bound"),
                                                                     ("mean", "bound"))),
@@ -122,11 +128,71 @@ def lanes_exact(head_dim: int) -> bool:
         for summary, how in cases:
             summary = (kmin, kmax) if summary == "minmax" else (kmin,)
             by_dim = tuple(np.ascontiguousarray(s.transpose(1, 2, 0)[:, lane_order(head_dim)]) for s in summary)
-            if not np.array_equal(score_pages(q, summary, how), _scores_lanes(q, by_dim, how, chunk)):
-                log.warning("page scoring: this numpy's einsum rounds differently from the lane kernel "
-                            "(head_dim %d); scoring pages with the reference einsum", head_dim)
+            got = scorer(q, by_dim, how, chunk)
+            if got is None:
+                return None
+            if not np.array_equal(score_pages(q, summary, how), got):
                 return False
     return True
+
+
+@functools.lru_cache(maxsize=None)
+def lanes_exact(head_dim: int) -> bool:
+    """Whether the kernel gives score_pages' bits on this numpy build for this head size (_agrees)."""
+    if not _agrees(head_dim, _scores_lanes):
+        log.warning("page scoring: this numpy's einsum rounds differently from the lane kernel "
+                    "(head_dim %d); scoring pages with the reference einsum", head_dim)
+        return False
+    return True
+
+
+# A compiled scorer of _scores_lanes' arithmetic, registered by a backend that has one (the torch
+# backend's CPU module, backends/torch/slab_cpu.bounds_pages): (qs, ks, lane cuts) -> the bounds
+# [H, Q, N], None while it is not built. It answers for a head size once it gave score_pages' bits.
+_NATIVE: Optional[Callable] = None
+_native_verdicts: dict[int, bool] = {}
+
+
+def use_native(kernel: Optional[Callable]) -> None:
+    global _NATIVE
+    _NATIVE = kernel
+    _native_verdicts.clear()
+
+
+def _scores_native(q: np.ndarray, summary_t: tuple[np.ndarray, ...], how: str, chunk: int = 0) -> Optional[np.ndarray]:
+    """_scores_lanes' numbers with the bounds from the native kernel (all heads and queries in one
+    call, the threads sharing them), the z-score and the best over the queries in numpy as there."""
+    D = q.shape[2]
+    perm = lane_order(D)
+    if len(summary_t) == 2:
+        qs, ks = [np.maximum(q, 0)[..., perm], np.minimum(q, 0)[..., perm]], [summary_t[1], summary_t[0]]
+    else:
+        qs, ks = [q[..., perm]], [summary_t[0]]
+    b = _NATIVE(qs, ks, lane_bounds(D))                   # [H, Q, N]: q+ . kmax + q- . kmin
+    if b is None:
+        return None
+    if how == "zscore":
+        mean = b.mean(axis=2, keepdims=True)
+        std = b.std(axis=2, keepdims=True, mean=mean)
+        np.subtract(b, mean, out=b)
+        np.divide(b, std + 1e-6, out=b)
+    return b.max(axis=1)
+
+
+def native_exact(head_dim: int) -> bool:
+    """Whether the registered native scorer answers for this head size: built, and agreeing."""
+    if _NATIVE is None:
+        return False
+    verdict = _native_verdicts.get(head_dim)
+    if verdict is None:
+        verdict = _agrees(head_dim, _scores_native)
+        if verdict is None:   # not built yet: asked again at the next question
+            return False
+        _native_verdicts[head_dim] = verdict
+        if not verdict:
+            log.warning("page scoring: the native scorer differs from the reference (head_dim %d); "
+                        "scoring pages with numpy", head_dim)
+    return verdict
 
 
 def score_pages_by_dim(queries: np.ndarray, summary_t: tuple[np.ndarray, ...], how: str = "bound") -> np.ndarray:
@@ -141,7 +207,12 @@ def score_pages_by_dim(queries: np.ndarray, summary_t: tuple[np.ndarray, ...], h
         return np.zeros((H, 0), np.float32)
     # One query over several heads: numpy's einsum lays the reference's bound out [Q, N, H], and its
     # mean and std then sum each row in another order (and the einsum is 1/Q of the usual cost).
-    if (q.shape[1] > 1 or H == 1) and lanes_exact(D):
-        return _scores_lanes(q, summary_t, how)
+    if q.shape[1] > 1 or H == 1:
+        if native_exact(D):
+            got = _scores_native(q, summary_t, how)
+            if got is not None:
+                return got
+        if lanes_exact(D):
+            return _scores_lanes(q, summary_t, how)
     inverse = np.argsort(lane_order(D))
     return score_pages(q, tuple(np.ascontiguousarray(s[:, inverse].transpose(2, 0, 1)) for s in summary_t), how)

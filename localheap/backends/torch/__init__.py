@@ -1,7 +1,11 @@
 """Torch backend: Hugging Face transformers models running through the heap."""
 
+from ...heap import scoring
+from . import slab_cpu
 from .backend import TorchBackend
 from .cache import HeapCache, make_heap_cache
 from .layer import HeapLayer
+
+scoring.use_native(slab_cpu.bounds_pages)   # page scores of a recall in the CPU module where it is built
 
 __all__ = ["TorchBackend", "HeapCache", "HeapLayer", "make_heap_cache"]

@@ -27,7 +27,9 @@ so no product is fused into an FMA; tests/test_slab_cpu.py compares them bit for
 event's selection (`select_rows`): per row, std::nth_element under the specification's order (the
 higher score first, NaN last, the older slot first in a tie), then the kept and the dropped slots in
 one pass: select.select_keep's slots (tests/test_device_selection.py), in a quarter of the time of
-torch's kthvalue and masks.
+torch's kthvalue and masks. And a recall's page bounds (`page_bounds`, heap/scoring's native scorer):
+heap/scoring._scores_lanes' float32 sums in their order, 16 pages at a time (tests/test_slab_cpu.py
+holds them to recall.score_pages bit for bit).
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ import threading
 from pathlib import Path
 from typing import Optional
 
+import numpy as np
 import torch
 
 log = logging.getLogger("localheap.torch")
@@ -338,6 +341,91 @@ std::vector<torch::Tensor> select_rows(torch::Tensor scores, int64_t keep, int64
   });
   return {keep_idx, drop_idx};
 }
+
+// Page bounds in heap/scoring._scores_lanes' arithmetic. qs: [P, H, Q, D] float32 (P = 2: q+ and q-, or
+// 1: q), ks: [P, H, D, N] float32 (kmax and kmin, or kmean), dims in scoring.lane_order, cut: the 5 lane
+// offsets. Per output (h, q, n) and part: lane l accumulates 0 + q[d] * k[d, n] over its dims in order (a
+// product rounded, then a sum rounded: no FMA), then (l0 + l1) + (l2 + l3); two parts are then added.
+// 16 pages at a time in registers (two vectors per lane), the (head, block) pairs over the threads.
+static inline void lane_step(__m256* a, const float* qv, const float* kb, int64_t N, int64_t d) {
+  const __m256 w = _mm256_set1_ps(qv[d]);
+  const float* kd = kb + d * N;
+  a[0] = _mm256_add_ps(a[0], _mm256_mul_ps(w, _mm256_loadu_ps(kd)));
+  a[1] = _mm256_add_ps(a[1], _mm256_mul_ps(w, _mm256_loadu_ps(kd + 8)));
+}
+
+static inline void lane_block(const float* qv, const float* kb, int64_t N, const int64_t* cut, float* o) {
+  __m256 a[4][2];
+  for (int l = 0; l < 4; ++l) a[l][0] = a[l][1] = _mm256_setzero_ps();
+  const int64_t len = cut[1] - cut[0];
+  int64_t j = 0;
+  if (cut[2] - cut[1] == len && cut[3] - cut[2] == len && cut[4] - cut[3] == len) {
+    // the four lanes' j-th dims together: eight independent sums in flight, each lane's in its order
+    for (; j < len; ++j)
+      for (int l = 0; l < 4; ++l) lane_step(a[l], qv, kb, N, cut[l] + j);
+  }
+  for (int l = 0; l < 4; ++l)
+    for (int64_t d = cut[l] + j; d < cut[l + 1]; ++d) lane_step(a[l], qv, kb, N, d);
+  for (int j = 0; j < 2; ++j)
+    _mm256_storeu_ps(o + 8 * j, _mm256_add_ps(_mm256_add_ps(a[0][j], a[1][j]), _mm256_add_ps(a[2][j], a[3][j])));
+}
+
+static inline void lane_tail(const float* qv, const float* kb, int64_t N, const int64_t* cut, int64_t m, float* o) {
+  for (int64_t n = 0; n < m; ++n) {
+    float a[4];
+    for (int l = 0; l < 4; ++l) {
+      a[l] = 0.0f;
+      for (int64_t d = cut[l]; d < cut[l + 1]; ++d) a[l] = a[l] + qv[d] * kb[d * N + n];
+    }
+    o[n] = (a[0] + a[1]) + (a[2] + a[3]);
+  }
+}
+
+torch::Tensor page_bounds(std::vector<torch::Tensor> qs, std::vector<torch::Tensor> ks, std::vector<int64_t> cut) {
+  const int64_t P = qs.size();
+  TORCH_CHECK((P == 1 || P == 2) && ks.size() == qs.size() && cut.size() == 5);
+  const int64_t H = qs[0].size(0), Q = qs[0].size(1), D = qs[0].size(2), N = ks[0].size(2);
+  const float* q[2];
+  const float* k[2];
+  for (int64_t p = 0; p < P; ++p) {
+    TORCH_CHECK(qs[p].dim() == 3 && ks[p].dim() == 3 && qs[p].is_contiguous() && ks[p].is_contiguous() &&
+                qs[p].scalar_type() == at::kFloat && ks[p].scalar_type() == at::kFloat);
+    TORCH_CHECK(qs[p].size(0) == H && qs[p].size(1) == Q && qs[p].size(2) == D && ks[p].size(0) == H &&
+                ks[p].size(1) == D && ks[p].size(2) == N && cut[4] == D);
+    q[p] = qs[p].data_ptr<float>();
+    k[p] = ks[p].data_ptr<float>();
+  }
+  auto out = torch::empty({H, Q, N}, qs[0].options());
+  float* o = out.data_ptr<float>();
+  const int64_t* c = cut.data();
+  const int64_t blocks = (N + 15) / 16;
+  pybind11::gil_scoped_release no_gil;
+  at::parallel_for(0, H * blocks, 1, [&](int64_t begin, int64_t end) {
+    float part[16];
+    std::vector<float> block(2 * D * 16);   // the block's summaries, [D][16] a part: in L1 for every query
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t h = i / blocks, n0 = (i % blocks) * 16, m = std::min<int64_t>(16, N - n0);
+      for (int64_t p = 0; p < P; ++p) {
+        const float* src = k[p] + h * D * N + n0;
+        float* dst = block.data() + p * D * 16;
+        for (int64_t d = 0; d < D; ++d) std::copy(src + d * N, src + d * N + m, dst + d * 16);
+      }
+      for (int64_t qi = 0; qi < Q; ++qi) {
+        float* dst = o + (h * Q + qi) * N + n0;
+        for (int64_t p = 0; p < P; ++p) {
+          const float* qv = q[p] + (h * Q + qi) * D;
+          const float* kb = block.data() + p * D * 16;
+          float* w = p == 0 ? dst : part;
+          if (m == 16) lane_block(qv, kb, 16, c, w);
+          else lane_tail(qv, kb, 16, c, m, w);
+        }
+        if (P == 2)
+          for (int64_t n = 0; n < m; ++n) dst[n] = dst[n] + part[n];
+      }
+    }
+  });
+  return out;
+}
 """
 
 _module = None
@@ -359,7 +447,7 @@ def unavailable() -> Optional[str]:
 
 
 NAME = "localheap_slab_cpu"
-FUNCTIONS = ["attend", "take_rotated", "compact", "select_rows"]
+FUNCTIONS = ["attend", "take_rotated", "compact", "select_rows", "page_bounds"]
 CFLAGS = ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2")
 LDFLAGS = ("-fopenmp",)
 BUILD_TIMEOUT_S = 600.0   # load(wait=True) gives up (the torch code answers) after this
@@ -452,6 +540,16 @@ def evicts(keys: torch.Tensor):
             and keys.shape[-1] <= 1024 and keys[0].is_contiguous()):
         return None
     return load()
+
+
+def bounds_pages(qs: list, ks: list, cut: tuple):
+    """heap/scoring's native page bounds (scoring.use_native): qs, ks numpy float32 ([H, Q, D] and
+    [H, D, N] each, one or two parts) -> [H, Q, N], or None while the module is not built here."""
+    module = load()
+    if module is None:
+        return None
+    return module.page_bounds([torch.from_numpy(np.ascontiguousarray(x)) for x in qs],
+                              [torch.from_numpy(np.ascontiguousarray(x)) for x in ks], list(cut)).numpy()
 
 
 def selects(scores: torch.Tensor):
