@@ -32,7 +32,7 @@ from ..heap import LayerHeap, PageGeometry, PageStore, PageWriter, select_pages
 from ..heap.pagecodec import dequantize
 from ..heap.pages import LATEST, PageCorrupt, copy_tree
 from ..heap.recall import WINDOW, page_builders, take_windows, vote, vote_order
-from ..heap.scoring import lanes_exact, score_pages_by_dim
+from ..heap.scoring import lanes_exact, native_exact, score_pages_by_dim
 
 log = logging.getLogger("localheap.pages")
 PICK_TRIES = 8   # a recall picks again this often when what it read failed its check
@@ -64,6 +64,7 @@ def attach_pages(cache, n_kv_heads: int, head_dim: int, root: Optional[Path] = N
     FAULTS.pages_corrupt += cache.pages.corrupt
     cache.writer = PageWriter()
     lanes_exact(head_dim)   # the page scorer's one check per process, here rather than inside a question
+    native_exact(head_dim)  # a compiled scorer's too where it is built (this starts its build where it is not)
 
 
 def policy_keep(heap: LayerHeap) -> int:
