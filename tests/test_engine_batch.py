@@ -406,3 +406,41 @@ def test_deleting_a_decoding_session_of_a_durable_store(demo, tmp_path):
         assert sid not in store and not list((tmp_path / "sessions").glob(f"{sid}*"))
     finally:
         eng.stop()
+
+
+def test_runs_ending_in_one_step_all_send_their_last_token_before_any_run_ends(demo, REQUESTS, monkeypatch):
+    """A run's end (closing its row, settling its session, the reply's last event) costs a few ms;
+    in a step where several runs finish, every run's last token goes out first, then they end
+    (before, the k-th run's last token waited for the k-1 ends before it)."""
+    from localheap.engine.runs import Run
+
+    order, engines = [], []
+    real_take, real_finish = Run.take, Engine._finish
+
+    def take(self, token):
+        real_take(self, token)
+        if engines and engines[0]._steps >= 12 and self.finish_reason is None:   # all end in one step
+            self._finish_text("length")
+        order.append(("take", id(self), engines[0]._steps if engines else -1))
+
+    def finish(self, run):
+        order.append(("end", id(run), self._steps))
+        real_finish(self, run)
+
+    monkeypatch.setattr(Run, "take", take)
+    monkeypatch.setattr(Engine, "_finish", finish)
+    eng = engine(demo, batched=True)
+    engines.append(eng)
+    try:
+        got = replies(eng, [(toks, {**p, "max_tokens": 60}) for toks, p in REQUESTS[:3]])
+    finally:
+        eng.stop()
+    assert all(f.finish_reason == "length" for _, f in got)
+    ends = {}
+    for kind, _, step in order:
+        if kind == "end":
+            ends[step] = ends.get(step, 0) + 1
+    step = max(ends, key=ends.get)
+    assert ends[step] >= 2, "runs ended together in a batched step"
+    in_step = [kind for kind, _, s in order if s == step]
+    assert in_step == sorted(in_step, key=lambda k: k == "end"), in_step   # every take, then every end

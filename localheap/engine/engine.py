@@ -414,9 +414,12 @@ class Engine:
                     break
         if batch:
             self.counters.decode.add(sum(e is None for e in errors[: len(batch)]), took=took)
+        ended: list[Run] = []   # every run's token goes out before any run's end is done (a few ms each)
         for run, error in zip(batch, errors):
             run.advanced_at = self._steps
-            self._guarded(run, lambda run=run: run.take(run.row.token), error)
+            self._guarded(run, lambda run=run: run.take(run.row.token), error, ended)
+        for run in ended:
+            self._finish(run)
         for (run, chunk), error in zip(chunks, errors[len(batch):]):
             if error is None:
                 self.counters.prefill.add(len(chunk), took=took)
@@ -484,9 +487,11 @@ class Engine:
         if run.session.cfg.recall:
             self.admission.fit_grown()   # its page summaries grew with the chunk
 
-    def _guarded(self, run: Run, work: Callable[[], None], error: Optional[Exception] = None) -> None:
+    def _guarded(self, run: Run, work: Callable[[], None], error: Optional[Exception] = None,
+                 ended: Optional[list] = None) -> None:
         """Do `work` for one run of the batch (unless the backend already failed it with `error`):
-        a failure fails that run alone; a finished run ends."""
+        a failure fails that run alone; a finished run ends (or goes into `ended`, to end once the
+        step's other runs have taken their tokens)."""
         if error is None:
             try:
                 work()
@@ -497,7 +502,10 @@ class Engine:
             self._active.remove(run)
             self._fail(run.job, error, run)
         elif run.finish_reason is not None:
-            self._finish(run)
+            if ended is None:
+                self._finish(run)
+            else:
+                ended.append(run)
 
     def _finish(self, run: Run) -> None:
         self._active.remove(run)
