@@ -251,6 +251,7 @@ def test_the_page_scorer_gives_the_einsum_scores_bit_for_bit(D, Q, N, threads, m
     from localheap.heap.recall import score_pages
 
     monkeypatch.setattr(scoring, "_NATIVE", slab_cpu.bounds_pages)
+    assert slab_cpu.bounds_ready() is True
     torch.set_num_threads(threads)
     rng = np.random.default_rng(D * 1000 + N)
     q, kmin, kmax = random_scoring_case(rng, 3, Q, N, D)
@@ -261,8 +262,9 @@ def test_the_page_scorer_gives_the_einsum_scores_bit_for_bit(D, Q, N, threads, m
 
 
 def test_a_native_scorer_that_rounds_otherwise_or_is_not_built_leaves_numpy_scoring(monkeypatch):
-    """scoring.native_exact checks a registered scorer once per head size: one that sums in another
-    order (a float64 matmul) is refused and numpy scores; one not built yet (None) is asked again."""
+    """scoring.native_exact checks a registered scorer once per head size, once it is built: one
+    that sums in another order (a float64 matmul) is refused and numpy scores; one building or not
+    to be had here is not asked, and one that answers None is asked again later."""
     import numpy as np
     from test_page_scoring import by_dim, random_scoring_case
 
@@ -280,7 +282,11 @@ def test_a_native_scorer_that_rounds_otherwise_or_is_not_built_leaves_numpy_scor
     want = score_pages(q, (kmin, kmax), "zscore")
     monkeypatch.setattr(scoring, "_NATIVE", other_order)
     monkeypatch.setattr(scoring, "_native_verdicts", {})
-    assert not scoring.native_exact(D) and asked
+    for ready in (None, False):   # building, or never here: not asked, no verdict kept
+        monkeypatch.setattr(scoring, "_native_ready", lambda ready=ready: ready)
+        assert not scoring.native_exact(D) and not asked and D not in scoring._native_verdicts
+    monkeypatch.setattr(scoring, "_native_ready", lambda: True)
+    assert not scoring.native_exact(D) and asked and scoring._native_verdicts[D] is False
     np.testing.assert_array_equal(scoring.score_pages_by_dim(q, by_dim((kmin, kmax), D), "zscore"), want)
     monkeypatch.setattr(scoring, "_NATIVE", lambda qs, ks, cut: None)
     monkeypatch.setattr(scoring, "_native_verdicts", {})

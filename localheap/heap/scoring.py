@@ -150,12 +150,16 @@ def lanes_exact(head_dim: int) -> bool:
 # backend's CPU module, backends/torch/slab_cpu.bounds_pages): (qs, ks, lane cuts) -> the bounds
 # [H, Q, N], None while it is not built. It answers for a head size once it gave score_pages' bits.
 _NATIVE: Optional[Callable] = None
+_native_ready: Callable[[], Optional[bool]] = lambda: True   # True: built, None: building, False: never here
 _native_verdicts: dict[int, bool] = {}
 
 
-def use_native(kernel: Optional[Callable]) -> None:
-    global _NATIVE
+def use_native(kernel: Optional[Callable], ready: Optional[Callable[[], Optional[bool]]] = None) -> None:
+    """Register a compiled scorer (None: none); `ready()` says whether it is built (True), still
+    building (None) or cannot be here (False)."""
+    global _NATIVE, _native_ready
     _NATIVE = kernel
+    _native_ready = ready or (lambda: True)
     _native_verdicts.clear()
 
 
@@ -185,6 +189,9 @@ def native_exact(head_dim: int) -> bool:
         return False
     verdict = _native_verdicts.get(head_dim)
     if verdict is None:
+        ready = _native_ready()
+        if not ready:   # building (asked again at the next question) or never
+            return False
         verdict = _agrees(head_dim, _scores_native)
         if verdict is None:   # not built yet: asked again at the next question
             return False

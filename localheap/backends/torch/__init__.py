@@ -6,6 +6,6 @@ from .backend import TorchBackend
 from .cache import HeapCache, make_heap_cache
 from .layer import HeapLayer
 
-scoring.use_native(slab_cpu.bounds_pages)   # page scores of a recall in the CPU module where it is built
+scoring.use_native(slab_cpu.bounds_pages, slab_cpu.bounds_ready)   # page scores of a recall in the CPU module where it is built
 
 __all__ = ["TorchBackend", "HeapCache", "HeapLayer", "make_heap_cache"]

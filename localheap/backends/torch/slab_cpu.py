@@ -552,6 +552,14 @@ def bounds_pages(qs: list, ks: list, cut: tuple):
                               [torch.from_numpy(np.ascontiguousarray(x)) for x in ks], list(cut)).numpy()
 
 
+def bounds_ready() -> Optional[bool]:
+    """For scoring.use_native: the module built (True), building (None; starts the build), or
+    not to be had here (False)."""
+    if unavailable():
+        return False
+    return True if load() is not None else None
+
+
 def selects(scores: torch.Tensor):
     """The built module where its selection (select_rows) takes these scores (float32 or float64 on
     the CPU), else None (the torch code)."""
