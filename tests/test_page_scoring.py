@@ -108,7 +108,7 @@ def test_picks_on_a_fixed_store_are_the_reference_picks(tmp_path):
         if not reference:
             return pick(cache, s, queries)
         real, score = s.summaries_by_dim, paging.score_pages_by_dim
-        s.summaries_by_dim, paging.score_pages_by_dim = lambda layer: (slots, *summary), score_pages
+        s.summaries_by_dim, paging.score_pages_by_dim = lambda layer, **kw: (slots, *summary), score_pages
         try:
             return pick(cache, s, queries)
         finally:

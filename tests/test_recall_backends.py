@@ -96,7 +96,7 @@ def test_recall_scores_every_page_it_makes_room_with(llama):
         store = cache.pages
         at_scoring = []
         summaries = store.summaries_by_dim   # what the pick reads its summaries with
-        store.summaries_by_dim = lambda layer: (at_scoring.append(store.written), summaries(layer))[1]
+        store.summaries_by_dim = lambda layer, **kw: (at_scoring.append(store.written), summaries(layer, **kw))[1]
         before = []
         evict = cache.evict
         cache.evict = lambda layers: (before.append(len(at_scoring)), evict(layers))[1]

@@ -243,7 +243,8 @@ def test_a_heap_evicts_the_same_with_and_without_the_kernels(model_dirs, monkeyp
 def test_the_page_scorer_gives_the_einsum_scores_bit_for_bit(D, Q, N, threads, monkeypatch):
     """slab_cpu.page_bounds, heap/scoring's native scorer, against recall.score_pages: both
     summaries and both scores, pages not a multiple of its 16-page blocks, head sizes whose lanes
-    are unequal (20), one thread and the pairs split over two."""
+    are unequal (20), one thread and the pairs split over two, the summaries in float32 and as the
+    store keeps them (float16, a view of a longer buffer)."""
     import numpy as np
     from test_page_scoring import by_dim, random_scoring_case
 
@@ -255,10 +256,20 @@ def test_the_page_scorer_gives_the_einsum_scores_bit_for_bit(D, Q, N, threads, m
     torch.set_num_threads(threads)
     rng = np.random.default_rng(D * 1000 + N)
     q, kmin, kmax = random_scoring_case(rng, 3, Q, N, D)
+    kmax = kmax.astype(np.float16).astype(np.float32)   # summaries as the store keeps them: float16 values
     for summary in ((kmin, kmax), (kmax,)):
+        f32 = by_dim(summary, D)
+        # as the store keeps them: float16, the first N slots of a longer buffer (a strided view)
+        f16 = tuple(np.concatenate([a, np.ones((*a.shape[:2], 7), a.dtype)], axis=2).astype(np.float16)[:, :, :N]
+                    for a in f32)
         for how in ("bound", "zscore"):
-            got = scoring._scores_native(q, by_dim(summary, D), how)
-            np.testing.assert_array_equal(got, score_pages(q, summary, how), err_msg=f"{len(summary)} summaries, {how}")
+            want = score_pages(q, summary, how)
+            for given in (f32, f16):
+                got = scoring._scores_native(q, given, how)
+                np.testing.assert_array_equal(got, want, err_msg=f"{len(summary)} summaries, {how}, {given[0].dtype}")
+    monkeypatch.setattr(scoring, "_native_ready", slab_cpu.bounds_ready)
+    monkeypatch.setattr(scoring, "_native_verdicts", {})
+    assert scoring.native_exact(D), "its own check passes too: recalls score with it"
 
 
 def test_a_native_scorer_that_rounds_otherwise_or_is_not_built_leaves_numpy_scoring(monkeypatch):

@@ -197,7 +197,7 @@ def pick_pages(cache, store, queries: dict) -> dict:
     picked = {}
     for layer in cache.heap_layers:
         i = layer.heap.layer
-        slots, *summary = store.summaries_by_dim(i)
+        slots, *summary = store.summaries_by_dim(i, widen=not native_exact(store.g.head_dim))
         n_pages = recall_room(layer.heap, store) // store.g.page_size
         if len(slots) == 0 or n_pages == 0:
             continue
@@ -217,7 +217,7 @@ def pick_spans(cache, store, queries: dict) -> dict:
     top = 0
     for layer in cache.heap_layers:
         i = layer.heap.layer
-        slots, *summary = store.summaries_by_dim(i)
+        slots, *summary = store.summaries_by_dim(i, widen=not native_exact(store.g.head_dim))
         room = recall_room(layer.heap, store)
         tail_pos = store.tail(i)[0]
         if room == 0 or (len(slots) == 0 and tail_pos.size == 0):

@@ -548,15 +548,17 @@ class PageStore:
         inverse = np.argsort(self.layers[layer].dims)
         return (slots, *(np.ascontiguousarray(a[:, inverse].transpose(2, 0, 1)) for a in by_dim))
 
-    def summaries_by_dim(self, layer: int) -> tuple[np.ndarray, ...]:
+    def summaries_by_dim(self, layer: int, widen: bool = True) -> tuple[np.ndarray, ...]:
         """(slots [N], then kmin, kmax (minmax) or kmean (mean), each [H, D, N] float32 with the
-        dims in scoring.lane_order) of the live pages: what scoring.score_pages_by_dim scores."""
+        dims in scoring.lane_order) of the live pages: what scoring.score_pages_by_dim scores.
+        `widen=False`: as stored, float16 (a view of the store's buffer where the live pages are
+        its first slots: read it before the store appends again)."""
         L = self.layers[layer]
         slots = np.flatnonzero(L.live)
         n = len(slots)
         whole = n == 0 or slots[-1] == n - 1   # the live pages are slots 0 .. n-1: a slice, no gather
-        return (slots, *((a[:, :, :n] if whole else a.take(slots, axis=2)).astype(np.float32)
-                         for a in (L.sums[f] for f in SUMMARY_FIELDS[self.summary])))
+        raw = ((a[:, :, :n] if whole else a.take(slots, axis=2)) for a in (L.sums[f] for f in SUMMARY_FIELDS[self.summary]))
+        return (slots, *((a.astype(np.float32) for a in raw) if widen else raw))
 
     def spans(self, layer: int, slots: np.ndarray) -> np.ndarray:
         """[n, H, 2]: each page's first and last token position per KV head (kept in RAM)."""

@@ -112,7 +112,7 @@ def _scores_lanes(q: np.ndarray, summary_t: tuple[np.ndarray, ...], how: str, ch
     return best
 
 
-def _agrees(head_dim: int, scorer: Callable) -> Optional[bool]:
+def _agrees(head_dim: int, scorer: Callable, halves: bool = False) -> Optional[bool]:
     """Whether scorer(q, summary_t, how, chunk) gives score_pages' bits for this head size, checked
     on random queries and summaries (zeros and both signs; a query block and a page chunk left over;
     both summaries and both scores; rows longer than numpy's reduction buffer). None: the scorer
@@ -124,15 +124,17 @@ def _agrees(head_dim: int, scorer: Callable) -> Optional[bool]:
         q = rng.standard_normal((H, Q, head_dim)).astype(np.float32)
         q[rng.random(q.shape) < 0.1] = 0
         kmin = rng.standard_normal((N, H, head_dim)).astype(np.float16).astype(np.float32)
-        kmax = kmin + np.abs(rng.standard_normal((N, H, head_dim))).astype(np.float16).astype(np.float32)
+        kmax = (kmin + np.abs(rng.standard_normal((N, H, head_dim)))).astype(np.float16).astype(np.float32)   # as stored
         for summary, how in cases:
             summary = (kmin, kmax) if summary == "minmax" else (kmin,)
             by_dim = tuple(np.ascontiguousarray(s.transpose(1, 2, 0)[:, lane_order(head_dim)]) for s in summary)
-            got = scorer(q, by_dim, how, chunk)
-            if got is None:
-                return None
-            if not np.array_equal(score_pages(q, summary, how), got):
-                return False
+            want = score_pages(q, summary, how)
+            for given in (by_dim, tuple(a.astype(np.float16) for a in by_dim)) if halves else (by_dim,):
+                got = scorer(q, given, how, chunk)   # halves: the same summaries as the store keeps them too
+                if got is None:
+                    return None
+                if not np.array_equal(want, got):
+                    return False
     return True
 
 
@@ -192,7 +194,7 @@ def native_exact(head_dim: int) -> bool:
         ready = _native_ready()
         if not ready:   # building (asked again at the next question) or never
             return False
-        verdict = _agrees(head_dim, _scores_native)
+        verdict = _agrees(head_dim, _scores_native, halves=True)
         if verdict is None:   # not built yet: asked again at the next question
             return False
         _native_verdicts[head_dim] = verdict
@@ -204,7 +206,8 @@ def native_exact(head_dim: int) -> bool:
 
 def score_pages_by_dim(queries: np.ndarray, summary_t: tuple[np.ndarray, ...], how: str = "bound") -> np.ndarray:
     """score_pages(queries, summary, how) for summaries given dimension-major: summary_t is
-    (kmin, kmax) or (kmean,), each [H, D, N] float32 with dims in lane_order(D) (PageStore's
+    (kmin, kmax) or (kmean,), each [H, D, N] float32 (or float16, as the store keeps them: widened
+    here unless the compiled scorer reads them) with dims in lane_order(D) (PageStore's
     summaries_by_dim). queries: [H, Q, D]. Returns [H, N], the same numbers as score_pages on
     the C-contiguous [N, H, D] summaries (the lane kernel where lanes_exact, else the reference)."""
     q = queries.astype(np.float32)
@@ -214,12 +217,13 @@ def score_pages_by_dim(queries: np.ndarray, summary_t: tuple[np.ndarray, ...], h
         return np.zeros((H, 0), np.float32)
     # One query over several heads: numpy's einsum lays the reference's bound out [Q, N, H], and its
     # mean and std then sum each row in another order (and the einsum is 1/Q of the usual cost).
-    if q.shape[1] > 1 or H == 1:
-        if native_exact(D):
-            got = _scores_native(q, summary_t, how)
-            if got is not None:
-                return got
-        if lanes_exact(D):
-            return _scores_lanes(q, summary_t, how)
+    lanes = q.shape[1] > 1 or H == 1
+    if lanes and native_exact(D):
+        got = _scores_native(q, summary_t, how)
+        if got is not None:
+            return got
+    summary_t = tuple(a.astype(np.float32, copy=False) for a in summary_t)   # the store's float16, for numpy
+    if lanes and lanes_exact(D):
+        return _scores_lanes(q, summary_t, how)
     inverse = np.argsort(lane_order(D))
     return score_pages(q, tuple(np.ascontiguousarray(s[:, inverse].transpose(2, 0, 1)) for s in summary_t), how)

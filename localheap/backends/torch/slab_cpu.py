@@ -381,19 +381,26 @@ static inline void lane_tail(const float* qv, const float* kb, int64_t N, const 
   }
 }
 
+// ks: float32 or float16 (the store's own summaries, widened here exactly), each [H, D, N] with the
+// pages contiguous (a slice of a longer buffer: any head and dim strides).
 torch::Tensor page_bounds(std::vector<torch::Tensor> qs, std::vector<torch::Tensor> ks, std::vector<int64_t> cut) {
   const int64_t P = qs.size();
   TORCH_CHECK((P == 1 || P == 2) && ks.size() == qs.size() && cut.size() == 5);
   const int64_t H = qs[0].size(0), Q = qs[0].size(1), D = qs[0].size(2), N = ks[0].size(2);
+  const bool half = ks[0].scalar_type() == at::kHalf;
   const float* q[2];
-  const float* k[2];
+  const void* k[2];
+  int64_t ksh[2], ksd[2];   // head and dim strides of ks, in elements
   for (int64_t p = 0; p < P; ++p) {
-    TORCH_CHECK(qs[p].dim() == 3 && ks[p].dim() == 3 && qs[p].is_contiguous() && ks[p].is_contiguous() &&
-                qs[p].scalar_type() == at::kFloat && ks[p].scalar_type() == at::kFloat);
+    TORCH_CHECK(qs[p].dim() == 3 && ks[p].dim() == 3 && qs[p].is_contiguous() && ks[p].stride(2) == 1 &&
+                qs[p].scalar_type() == at::kFloat &&
+                ks[p].scalar_type() == (half ? at::kHalf : at::kFloat));
     TORCH_CHECK(qs[p].size(0) == H && qs[p].size(1) == Q && qs[p].size(2) == D && ks[p].size(0) == H &&
                 ks[p].size(1) == D && ks[p].size(2) == N && cut[4] == D);
     q[p] = qs[p].data_ptr<float>();
-    k[p] = ks[p].data_ptr<float>();
+    k[p] = ks[p].data_ptr();
+    ksh[p] = ks[p].stride(0);
+    ksd[p] = ks[p].stride(1);
   }
   auto out = torch::empty({H, Q, N}, qs[0].options());
   float* o = out.data_ptr<float>();
@@ -406,9 +413,22 @@ torch::Tensor page_bounds(std::vector<torch::Tensor> qs, std::vector<torch::Tens
     for (int64_t i = begin; i < end; ++i) {
       const int64_t h = i / blocks, n0 = (i % blocks) * 16, m = std::min<int64_t>(16, N - n0);
       for (int64_t p = 0; p < P; ++p) {
-        const float* src = k[p] + h * D * N + n0;
         float* dst = block.data() + p * D * 16;
-        for (int64_t d = 0; d < D; ++d) std::copy(src + d * N, src + d * N + m, dst + d * 16);
+        if (half) {
+          const at::Half* src = static_cast<const at::Half*>(k[p]) + h * ksh[p] + n0;
+          for (int64_t d = 0; d < D; ++d) {
+            const at::Half* row = src + d * ksd[p];
+            if (m == 16) {   // F16C: 8 halves to 8 floats, exactly
+              _mm256_storeu_ps(dst + d * 16, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row))));
+              _mm256_storeu_ps(dst + d * 16 + 8, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 8))));
+            } else {
+              for (int64_t n = 0; n < m; ++n) dst[d * 16 + n] = static_cast<float>(row[n]);
+            }
+          }
+        } else {
+          const float* src = static_cast<const float*>(k[p]) + h * ksh[p] + n0;
+          for (int64_t d = 0; d < D; ++d) std::copy(src + d * ksd[p], src + d * ksd[p] + m, dst + d * 16);
+        }
       }
       for (int64_t qi = 0; qi < Q; ++qi) {
         float* dst = o + (h * Q + qi) * N + n0;
@@ -448,7 +468,7 @@ def unavailable() -> Optional[str]:
 
 NAME = "localheap_slab_cpu"
 FUNCTIONS = ["attend", "take_rotated", "compact", "select_rows", "page_bounds"]
-CFLAGS = ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2")
+CFLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2")
 LDFLAGS = ("-fopenmp",)
 BUILD_TIMEOUT_S = 600.0   # load(wait=True) gives up (the torch code answers) after this
 
@@ -543,13 +563,15 @@ def evicts(keys: torch.Tensor):
 
 
 def bounds_pages(qs: list, ks: list, cut: tuple):
-    """heap/scoring's native page bounds (scoring.use_native): qs, ks numpy float32 ([H, Q, D] and
-    [H, D, N] each, one or two parts) -> [H, Q, N], or None while the module is not built here."""
+    """heap/scoring's native page bounds (scoring.use_native): qs numpy float32 [H, Q, D], ks float32
+    or float16 [H, D, N] (a slice of the store's buffer will do), one or two parts -> [H, Q, N], or
+    None while the module is not built here."""
     module = load()
     if module is None:
         return None
     return module.page_bounds([torch.from_numpy(np.ascontiguousarray(x)) for x in qs],
-                              [torch.from_numpy(np.ascontiguousarray(x)) for x in ks], list(cut)).numpy()
+                              [torch.from_numpy(x if x.strides[2] == x.itemsize else np.ascontiguousarray(x)) for x in ks],
+                              list(cut)).numpy()
 
 
 def bounds_ready() -> Optional[bool]:
