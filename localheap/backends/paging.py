@@ -352,6 +352,7 @@ def recall(cache, n_question: int, probe: Callable[[], dict]) -> dict:
     rolled back after), load what `cfg.recall_select` picks (pick_spans or pick_pages) in one
     transfer. Returns the stats entry."""
     t0 = time.perf_counter()
+    parts: dict[str, float] = {}   # ms by phase: evict, probe, drain, pick, load (the event's "parts")
     for layer in cache.heap_layers:
         release = layer.heap.release_plan()
         if release is not None:
@@ -365,10 +366,12 @@ def recall(cache, n_question: int, probe: Callable[[], dict]) -> dict:
     if full:
         cache.evict(full)   # down to the policy's share: the recall region is free again
     cache.make_room(n_question)
-    picked = pick_checked(cache, store, probe)
+    parts["evict"] = time.perf_counter() - t0
+    picked = pick_checked(cache, store, probe, parts)
+    t1 = time.perf_counter()
     if picked:
-        parts = [a.reshape(-1) for _, k, v in picked.values() for a in (k, v)]   # float16 when every part is
-        flat = cache.to_device(np.concatenate(parts, dtype=np.result_type(*parts)))
+        host = [a.reshape(-1) for _, k, v in picked.values() for a in (k, v)]   # float16 when every part is
+        flat = cache.to_device(np.concatenate(host, dtype=np.result_type(*host)))
         at = 0
         for layer in cache.heap_layers:
             if layer.heap.layer not in picked:
@@ -379,24 +382,33 @@ def recall(cache, n_question: int, probe: Callable[[], dict]) -> dict:
             at += 2 * k.size
             layer.merge(layer.heap.merge(pos), keys, values)
     cache.settle()
+    parts["load"] = time.perf_counter() - t1
     tokens = sum(p[0].shape[1] for p in picked.values()) // max(1, len(cache.heap_layers))
     event = {"tokens": tokens, "pages": -(-tokens // store.g.page_size),
-             "ms": round(1000 * (time.perf_counter() - t0), 2)}
+             "ms": round(1000 * (time.perf_counter() - t0), 2),
+             "parts": {k: round(1000 * v, 2) for k, v in parts.items()}}
     cache.recall_log.append(event)
     return event
 
 
-def pick_checked(cache, store, queries) -> dict:
+def pick_checked(cache, store, queries, times: Optional[dict] = None) -> dict:
     """What `cfg.recall_select` picks, read back whole: a page that fails its check is tombstoned
     and the pick made again without it; a layer whose pick cannot be merged, or any other failure
     inside (the question's probe, the page writes drained before reading included), leaves it (or
     the whole question) without recall: logged and counted, never raised. `queries`: the probe's
-    {layer: queries}, or the probe itself (called here, then the writer drained)."""
+    {layer: queries}, or the probe itself (called here, then the writer drained). `times` gets
+    the seconds of the probe, the drain and the pick."""
     pick = pick_spans if cache.cfg.recall_select == "spans" else pick_pages
+    times = {} if times is None else times
     try:
+        t = time.perf_counter()
         if callable(queries):   # probe() rolls the heap back whatever happens: nothing to undo
             queries = queries()
+            times["probe"] = time.perf_counter() - t
+            t = time.perf_counter()
             cache.writer.drain()
+            times["drain"] = time.perf_counter() - t
+            t = time.perf_counter()
         for _ in range(PICK_TRIES):
             try:
                 picked = pick(cache, store, queries)
@@ -408,6 +420,7 @@ def pick_checked(cache, store, queries) -> dict:
             log.error("recall: the pages picked still failed their check after %d picks; this question goes on "
                       "without recall", PICK_TRIES)
             return {}
+        times["pick"] = time.perf_counter() - t
         heaps = {layer.heap.layer: layer.heap for layer in cache.heap_layers}
         for i in [i for i, (pos, _, _) in picked.items() if not mergeable(heaps[i], pos)]:
             FAULTS.recall_failed += 1

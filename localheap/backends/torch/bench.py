@@ -106,6 +106,7 @@ def time_question(backend, heap, seed: int) -> dict:
     took = time.perf_counter() - t0
     recalled = heap.recall_log[before:]
     return {"question_ms": 1e3 * took, "recall_ms": recalled[-1]["ms"] if recalled else None,
+            "recall_parts": recalled[-1].get("parts") if recalled else None,
             "recalled_tokens": recalled[-1]["tokens"] if recalled else 0}
 
 
