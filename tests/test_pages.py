@@ -689,15 +689,12 @@ def test_recall_gathers_only_the_taken_tokens_as_the_whole_records_decode_them(t
     s.append(0, *evicted(rng, 30))                               # 7 pages, 2 tokens in the tail
     slots = np.flatnonzero(s.layers[0].live)
     taken, r = [], 9
-    for h in range(H):                                           # a head's picks, out of position order
-        src = rng.choice(len(slots), r, replace=True)
-        off = rng.permutation(P * len(slots))[:r] % P
-        src, off = (np.unique(src * P + off)[:r] // P, np.unique(src * P + off)[:r] % P)
-        src, off = src[::-1].copy(), off[::-1].copy()
+    for h in range(H):                                           # a head's picks: distinct, out of position order
+        tok = rng.choice(P * len(slots), r, replace=False)
+        src, off = tok // P, tok % P
         if with_tail:
             src[1], off[1] = -1, h % 2
         taken.append((src, off))
-    r = min(len(t[0]) for t in taken)
     pos, keys, values = gather_taken(s, 0, slots, taken, r)
     recs = s.read(0, slots)
     k_all, v_all = decode(recs, fmt)

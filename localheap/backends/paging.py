@@ -195,9 +195,10 @@ def pick_pages(cache, store, queries: dict) -> dict:
     """--recall-select pages: each layer and KV head loads its own best-scored pages.
     Returns {layer: (positions [H, r], keys, values [H, r, D])}."""
     picked = {}
+    widen = not native_exact(store.g.head_dim)   # the compiled scorer reads the store's float16 itself
     for layer in cache.heap_layers:
         i = layer.heap.layer
-        slots, *summary = store.summaries_by_dim(i, widen=not native_exact(store.g.head_dim))
+        slots, *summary = store.summaries_by_dim(i, widen=widen)
         n_pages = recall_room(layer.heap, store) // store.g.page_size
         if len(slots) == 0 or n_pages == 0:
             continue
@@ -215,9 +216,10 @@ def pick_spans(cache, store, queries: dict) -> dict:
     Returns {layer: (positions [H, r], keys, values [H, r, D])}, r the same for every head."""
     scores, live, spans, rooms, read = {}, {}, {}, {}, {}
     top = 0
+    widen = not native_exact(store.g.head_dim)   # the compiled scorer reads the store's float16 itself
     for layer in cache.heap_layers:
         i = layer.heap.layer
-        slots, *summary = store.summaries_by_dim(i, widen=not native_exact(store.g.head_dim))
+        slots, *summary = store.summaries_by_dim(i, widen=widen)
         room = recall_room(layer.heap, store)
         tail_pos = store.tail(i)[0]
         if room == 0 or (len(slots) == 0 and tail_pos.size == 0):
@@ -310,9 +312,8 @@ def gather_taken(store, layer: int, slots: np.ndarray, taken: list, r: int) -> t
     rows = np.arange(len(taken))[:, None]
     tail, off = tail[rows, order_h], off[rows, order_h]
     heads = np.broadcast_to(rows, src.shape)
-    fmt = store.g.fmt
-    dtype = np.float16 if fmt == "f16" and not tail.any() else np.float32
-    some = tail.any()
+    fmt, some = store.g.fmt, tail.any()
+    dtype = np.float16 if fmt == "f16" and not some else np.float32
     if recs is not None:
         u = u[rows, order_h]
         at = (u[~tail], heads[~tail], off[~tail]) if some else (u, heads, off)   # no tail: one gather, no mask

@@ -342,11 +342,12 @@ std::vector<torch::Tensor> select_rows(torch::Tensor scores, int64_t keep, int64
   return {keep_idx, drop_idx};
 }
 
-// Page bounds in heap/scoring._scores_lanes' arithmetic. qs: [P, H, Q, D] float32 (P = 2: q+ and q-, or
-// 1: q), ks: [P, H, D, N] float32 (kmax and kmin, or kmean), dims in scoring.lane_order, cut: the 5 lane
-// offsets. Per output (h, q, n) and part: lane l accumulates 0 + q[d] * k[d, n] over its dims in order (a
+// Page bounds in heap/scoring._scores_lanes' arithmetic. qs: P parts [H, Q, D] float32 (P = 2: q+ and q-,
+// or 1: q), ks: P parts [H, D, N] (kmax and kmin, or kmean; below), dims in scoring.lane_order, cut: the 5
+// lane offsets. Per output (h, q, n) and part: lane l accumulates 0 + q[d] * k[d, n] over its dims in order (a
 // product rounded, then a sum rounded: no FMA), then (l0 + l1) + (l2 + l3); two parts are then added.
 // 16 pages at a time in registers (two vectors per lane), the (head, block) pairs over the threads.
+// kb: a block's summaries, dim d's 16 pages at kb + d * N
 static inline void lane_step(__m256* a, const float* qv, const float* kb, int64_t N, int64_t d) {
   const __m256 w = _mm256_set1_ps(qv[d]);
   const float* kd = kb + d * N;
