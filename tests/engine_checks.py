@@ -149,3 +149,39 @@ def check_document_rides(backend, requests, monkeypatch, **kw) -> None:
     assert any(rode for _, rode in log.steps), "document chunks rode in decode steps"
     assert sum(isinstance(e, Progress) for e in doc_evs) > 5
     assert text(chat_evs) == alone_texts(backend, [requests[2]])[0]
+
+
+def check_recall_probes_the_question(backend, tmp_path) -> None:
+    """With recall on, a turn after a document that paged out recalls what `generate` on the whole
+    turn recalls (its probe is the turn's question, the last obs_window tokens, not only the
+    prompt's last token): the same recalled positions in every layer, and the same reply, on the
+    batched and the round-robin engine."""
+    cfg = CFG.with_(recall=True, recall_budget=16, page_size=4)
+    doc = ids(400, 11)
+    turn = backend.tokenizer.encode(TEXTS[1], add_special_tokens=False)
+    assert len(turn) > cfg.slack   # the question (the last min(obs_window, slack) tokens) is part of it
+
+    def recalled(cache):
+        return [layer.heap.positions[layer.heap.recalled].tolist() for layer in cache.heap_layers]
+
+    ref = backend.new_cache(cfg, pages_dir=tmp_path / "ref")
+    backend.prefill(ref, doc)
+    want_tokens = []
+    for token in backend.generate(ref, turn, SamplingParams(max_tokens=12)):
+        if token in backend.eos_token_ids:   # the engine's reply ends there
+            break
+        want_tokens.append(token)
+    want = recalled(ref)
+    assert sum(map(len, want)) > 0, "the question recalled nothing: the check would say nothing"
+    for batched in (True, False):
+        store = SessionStore(backend, cfg, spill_dir=tmp_path / f"spill-{batched}")
+        eng = Engine(backend, store, batched=batched).start()
+        try:
+            fed = drain(submit(eng, doc, feed=True)[1])
+            sid = fed[-1].session_id
+            out = drain(submit(eng, turn, session_id=sid, max_tokens=12)[1])
+            got = eng.call(lambda: recalled(store.get(sid).cache)).result(timeout=30)
+        finally:
+            eng.stop()
+        assert text(out)[0] == backend.tokenizer.decode(want_tokens), batched
+        assert got == want, batched

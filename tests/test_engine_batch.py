@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 from engine_checks import (CFG, TEXTS, StepLog, alone_texts, chat_beside_document, check_cancel_mid_batch, check_document_rides,
+                           check_recall_probes_the_question,
                            drain, engine, ids, replies, requests_for, submit, text, until_deltas)
 
 from localheap.backends.torch import TorchBackend
@@ -262,7 +263,8 @@ def test_page_outs_between_steps_write_the_pages_of_the_writer_thread(demo, REQU
     depends on timing, and a row's K/V bits with it, so concurrent runs need not match bytes; so does
     whether the slab kernel is built yet, so it is built first). In
     "steps" the parts ran on the engine thread, never in the step whose eviction event queued them
-    (that step is the long one); in "thread" none was left to it."""
+    (that step is the long one) unless the step before it had left its slice out too; in "thread"
+    none was left to it."""
     from localheap.engine import engine as engine_module
     from localheap.heap.recall import PageWriter
     from localheap.sessions import SessionStore
@@ -310,7 +312,10 @@ def test_page_outs_between_steps_write_the_pages_of_the_writer_thread(demo, REQU
             PageWriter.run_parts, PageWriter.submit_parts = real, real_submit
         runs[mode] = texts, files, ran_on
         if mode == "steps":
-            assert steps["queued"] and steps["ran"] and not steps["queued"] & steps["ran"], steps
+            assert steps["queued"] and steps["ran"], steps
+            # a step that queued parts runs none, unless the step before it left its slice out too
+            assert all(s - 1 in steps["queued"] and s - 1 not in steps["ran"]
+                       for s in steps["queued"] & steps["ran"]), steps
     assert runs["steps"][:2] == runs["thread"][:2]
     between = [r for r in runs["steps"][2] if r[2] != float("inf")]
     assert between and all(name == "localheap-engine" for name, _, _ in between)
@@ -444,3 +449,7 @@ def test_runs_ending_in_one_step_all_send_their_last_token_before_any_run_ends(d
     assert ends[step] >= 2, "runs ended together in a batched step"
     in_step = [kind for kind, _, s in order if s == step]
     assert in_step == sorted(in_step, key=lambda k: k == "end"), in_step   # every take, then every end
+
+
+def test_a_turn_after_a_paged_out_document_recalls_for_its_question(demo, tmp_path):
+    check_recall_probes_the_question(demo, tmp_path)

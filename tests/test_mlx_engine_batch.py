@@ -8,7 +8,8 @@ import pytest
 pytest.importorskip("mlx.core", reason="mlx is not installed (a CUDA machine has none)")
 pytest.importorskip("mlx_lm")
 
-from engine_checks import (StepLog, alone_texts, check_cancel_mid_batch, check_document_rides, engine,  # noqa: E402
+from engine_checks import (StepLog, alone_texts, check_cancel_mid_batch, check_document_rides, check_recall_probes_the_question,  # noqa: E402
+                           engine,
                            ids, replies, requests_for)
 
 from localheap.backends.mlx import MLXBackend  # noqa: E402
@@ -73,3 +74,7 @@ def test_sessions_with_sliding_layers_decode_on_their_own_path(model_dirs, monke
         eng.stop()
     assert [t for t, _ in got] == want
     assert not any(rows for rows, _ in log.steps), "no row of theirs went through step_rows"
+
+
+def test_a_turn_after_a_paged_out_document_recalls_for_its_question(demo, tmp_path):
+    check_recall_probes_the_question(demo, tmp_path)

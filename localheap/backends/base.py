@@ -49,6 +49,11 @@ class Backend(Protocol):
     def prefill(self, cache: Any, tokens: Sequence[int], progress: Optional[ProgressFn] = None,
                 cancelled: Optional[Callable[[], bool]] = None) -> None: ...
 
+    def question_tokens(self, cache: Any, n: int) -> int:
+        """How many of a turn's `n` new prompt tokens (>= 1 of them) the engine feeds in the turn's
+        first step rather than as prefill: the question a recall probes with (1 without recall)."""
+        ...
+
     def tokens_in_cache(self, cache: Any) -> int: ...
 
     def rollback_floor(self, cache: Any) -> int:

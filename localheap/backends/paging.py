@@ -177,8 +177,16 @@ def prefill_chunks(n: int, chunk: int) -> list[int]:
 
 def split_question(cache, tokens: Sequence[int]) -> tuple[list, list]:
     """(body, question): the question is the turn's last `obs_window` tokens (at most the slack)."""
-    w = min(len(tokens), max(1, cache.cfg.obs_window), cache.cfg.slack)
+    w = question_length(cache, len(tokens))
     return list(tokens[: len(tokens) - w]), list(tokens[len(tokens) - w:])
+
+
+def question_length(cache, n: int) -> int:
+    """How many of a turn's `n` new prompt tokens a recall probes with: its question, the last
+    `obs_window` (at most the slack). 1 where the heap has no page store (recall off)."""
+    if getattr(cache, "pages", None) is None:
+        return min(n, 1)
+    return min(n, max(1, cache.cfg.obs_window), cache.cfg.slack)
 
 
 def progress_from(progress, offset: int, total: int):

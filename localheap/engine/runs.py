@@ -19,6 +19,12 @@ from .events import Delta, Feed, Finished, Generate, Job, Progress, Usage
 STATS_INTERVAL_S = 0.1   # how often a busy session republishes its heap stats
 
 
+def question_tokens(backend: Any, cache: Any, n: int) -> int:
+    """Backend.question_tokens, 1 for a backend without it (or no cache yet)."""
+    ask = getattr(backend, "question_tokens", None)
+    return 1 if ask is None or cache is None else max(1, min(n, ask(cache, n)))
+
+
 class Run:
     """The work left on one admitted job; step() advances it by one unit."""
 
@@ -29,8 +35,12 @@ class Run:
         self.created = False                            # the session was made for this run
         self.prompt_tokens = cached + len(new_tokens)
         self.chunk = session.cfg.chunk                 # prefill chunk (the heap evicts before each)
-        self.to_prefill = new_tokens if isinstance(job.request, Feed) else new_tokens[:-1]
-        self.last = None if isinstance(job.request, Feed) else new_tokens[-1]
+        if isinstance(job.request, Feed):
+            self.to_prefill, self.last = new_tokens, None
+        else:   # the turn's first step feeds its question (a recall probes with it), else its last token
+            held = question_tokens(backend, session.cache, len(new_tokens))
+            self.to_prefill = new_tokens[: len(new_tokens) - held]
+            self.last = [int(t) for t in new_tokens[len(new_tokens) - held:]]
         self.prefilled = 0
         self.gen: Optional[Iterator[int]] = None
         self.row: Any = None                            # the backend's decode row (batched engine)
@@ -84,11 +94,12 @@ class Run:
         self._publish_stats(force=self.finish_reason is not None)
 
     def begin(self) -> None:
-        """Batched engine: a decode row whose first batch step feeds the prompt's last token
-        (alone first where a recall is due); every token then comes from the batch (`take`)."""
+        """Batched engine: a decode row whose first batch step feeds the turn's held-back tokens
+        (its question, alone first where a recall is due; else its last token); every token then
+        comes from the batch (`take`)."""
         req: Generate = self.request
         defer = req.params.max_tokens > 0   # the first step feeds it, in the batch where it can
-        self.row = self.backend.start_row(self.session.cache, [self.last], req.params, defer=defer)
+        self.row = self.backend.start_row(self.session.cache, self.last, req.params, defer=defer)
         self.stream = TextStream(self.backend.tokenizer.decode, req.params.stop)
         if not defer:
             self.finish_reason = "length"   # sampled but not taken: the token is not fed either
@@ -97,7 +108,7 @@ class Run:
     def _decode_one(self) -> None:
         req: Generate = self.request
         if self.gen is None:
-            self.gen = self.backend.generate(self.session.cache, [self.last], req.params)
+            self.gen = self.backend.generate(self.session.cache, self.last, req.params)
             self.stream = TextStream(self.backend.tokenizer.decode, req.params.stop)
         token = next(self.gen, None)
         if token is None:
@@ -150,7 +161,7 @@ class Run:
         """Extend the session's history by the tokens of this run the cache holds."""
         in_cache = self.backend.tokens_in_cache(self.session.cache)
         fed_here = in_cache - len(self.session.fed)
-        candidates = [self.last] + self.completion
+        candidates = self.last + self.completion
         assert 0 <= fed_here <= len(candidates), (in_cache, len(self.session.fed), len(candidates))
         self.session.extend(candidates[:fed_here])
 

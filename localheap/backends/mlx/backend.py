@@ -10,6 +10,7 @@ from mlx.utils import tree_flatten
 
 from ...generation import ProgressFn, SamplingParams
 from ...heap import HeapConfig, HeapStats, kv_bytes_per_token
+from .. import paging
 from ..base import ModelShapes
 from . import batch
 from .generate import generate_tokens, prefill
@@ -83,6 +84,12 @@ class MLXBackend:
     def end_row(self, row: batch.DecodeRow) -> None:
         """The row's run ended (its last sampled token stays unfed): its heap leaves the batch."""
         batch.leave_slab(row.cache)
+
+    def question_tokens(self, cache, n: int) -> int:
+        """How many of a turn's `n` new prompt tokens the engine holds back for the turn's first
+        step (start_row, generate): the question a recall probes with, as `generate` on the whole
+        turn would (paging.question_length)."""
+        return paging.question_length(cache, n)
 
     def tokens_in_cache(self, cache) -> int:
         return cache.tokens_seen

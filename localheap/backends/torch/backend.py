@@ -12,6 +12,7 @@ import torch
 from ...generation import ProgressFn, SamplingParams
 from ...heap import HeapConfig, HeapStats, kv_bytes_per_token
 from ..base import ModelShapes
+from .. import paging
 from . import attention, batch
 from .cache import HeapCache, decoder_layers, kv_geometry, make_heap_cache
 from .generate import generate_tokens, prefill
@@ -182,6 +183,12 @@ class TorchBackend:
     def end_row(self, row: batch.DecodeRow) -> None:
         """The row's run ended (its last sampled token stays unfed): its heap leaves the batch."""
         batch.leave_slab(row)
+
+    def question_tokens(self, cache: HeapCache, n: int) -> int:
+        """How many of a turn's `n` new prompt tokens the engine holds back for the turn's first
+        step (start_row, generate): the question a recall probes with, as `generate` on the whole
+        turn would (paging.question_length)."""
+        return paging.question_length(cache, n)
 
     def tokens_in_cache(self, cache: HeapCache) -> int:
         return cache.tokens_seen
