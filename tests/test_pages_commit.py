@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from localheap.backends import paging
-from localheap.heap import HeapConfig, LayerHeap
+from localheap.heap import HeapConfig, LayerHeap, PageWriter
 from localheap.heap.pages import CorruptPageState, PageCorrupt, PageStore, compact_store
 
 from test_pages import H, P, evicted, store
@@ -112,6 +112,7 @@ def _cache_with_pages(tmp_path, resident_positions):
 
     cache = Cache()
     cache.cfg, cache.heap_layers = cfg, [layer]
+    cache.writer = PageWriter()
     return cache
 
 
@@ -123,16 +124,17 @@ def test_recall_goes_on_without_a_pick_it_cannot_merge(tmp_path, monkeypatch):
     fine = np.broadcast_to(np.arange(40, 40 + P), (H, P)).copy()
     zeros = np.zeros((H, P, 8), np.float32)
     before = paging.FAULTS.recall_failed
+    pick = lambda: paging.mergeable_only(cache, paging.pick_checked(cache, None, {}))   # noqa: E731 - as recall does
     monkeypatch.setattr(paging, "pick_spans", lambda *a: {0: (clash, zeros, zeros)})
-    assert paging.pick_checked(cache, None, {}) == {} and paging.FAULTS.recall_failed == before + 1
+    assert pick() == {} and paging.FAULTS.recall_failed == before + 1
     monkeypatch.setattr(paging, "pick_spans", lambda *a: {0: (fine, zeros, zeros)})
-    assert list(paging.pick_checked(cache, None, {})) == [0]
+    assert list(pick()) == [0]
 
     def broken(*a):
         raise IndexError("a bug")
 
     monkeypatch.setattr(paging, "pick_spans", broken)
-    assert paging.pick_checked(cache, None, {}) == {} and paging.FAULTS.recall_failed == before + 2
+    assert pick() == {} and paging.FAULTS.recall_failed == before + 2
     tries = []
 
     def corrupt_then_fine(*a):
@@ -142,7 +144,7 @@ def test_recall_goes_on_without_a_pick_it_cannot_merge(tmp_path, monkeypatch):
         return {0: (fine, zeros, zeros)}
 
     monkeypatch.setattr(paging, "pick_spans", corrupt_then_fine)
-    assert list(paging.pick_checked(cache, None, {})) == [0] and len(tries) == 2
+    assert list(pick()) == [0] and len(tries) == 2
 
 
 def test_a_heap_file_names_its_state_by_its_version():

@@ -359,9 +359,28 @@ def recall(cache, n_question: int, probe: Callable[[], dict]) -> dict:
     """Before a question of `n_question` tokens (<= slack) is fed: release the last recall, probe
     the question for its queries (`probe()` -> {layer: [H_kv, Q, D] pre-RoPE float32}, the heap
     rolled back after), load what `cfg.recall_select` picks (pick_spans or pick_pages) in one
-    transfer. Returns the stats entry."""
+    transfer. Returns the stats entry. The three phases, for a caller that picks on another
+    thread meanwhile (the decode batch): recall_begin, recall_pick, recall_end."""
+    recalling = recall_begin(cache, n_question, probe)
+    recall_pick(cache, recalling)
+    return recall_end(cache, recalling)
+
+
+@dataclass
+class Recalling:
+    """A recall between its phases. `queries` None: the probe failed, the question goes on
+    without recall. `parts`: seconds by phase (evict, probe, drain, pick, load)."""
+    began: float
+    parts: dict
+    queries: Optional[dict]
+    picked: Optional[dict] = None
+
+
+def recall_begin(cache, n_question: int, probe: Callable[[], dict]) -> Recalling:
+    """The heap's part before the pick, on the thread that steps the heap: the last recall
+    released, room made for the question and a full recall region, the question probed."""
     t0 = time.perf_counter()
-    parts: dict[str, float] = {}   # ms by phase: evict, probe, drain, pick, load (the event's "parts")
+    parts: dict[str, float] = {}
     for layer in cache.heap_layers:
         release = layer.heap.release_plan()
         if release is not None:
@@ -376,8 +395,32 @@ def recall(cache, n_question: int, probe: Callable[[], dict]) -> dict:
         cache.evict(full)   # down to the policy's share: the recall region is free again
     cache.make_room(n_question)
     parts["evict"] = time.perf_counter() - t0
-    picked = pick_checked(cache, store, probe, parts)
+    t = time.perf_counter()
+    try:   # probe() rolls the heap back whatever happens: nothing to undo
+        queries = probe()
+    except Exception:   # noqa: BLE001 - a question answered without recall, not a failed request
+        FAULTS.recall_failed += 1
+        log.exception("recall: the question's probe failed; this question goes on without recall")
+        queries = None
+    parts["probe"] = time.perf_counter() - t
+    cache.settle()   # nothing of the heap is left to resolve while another thread picks
+    return Recalling(t0, parts, queries)
+
+
+def recall_pick(cache, recalling: Recalling) -> Recalling:
+    """The pick: the session's page writes drained, the pages scored, voted and read back. Host
+    work on the page store that reads nothing of the heap but its layer numbers and recall
+    room, so it may run on another thread while the heap waits (not stepped, not saved)."""
+    if recalling.queries is not None:
+        recalling.picked = pick_checked(cache, cache.pages, recalling.queries, recalling.parts)
+    return recalling
+
+
+def recall_end(cache, recalling: Recalling) -> dict:
+    """The pick merged into the heap (one transfer to the device), on the thread that steps the
+    heap. Returns the stats entry; its ms run from recall_begin (the question waited that long)."""
     t1 = time.perf_counter()
+    picked, store = mergeable_only(cache, recalling.picked or {}), cache.pages
     if picked:
         host = [a.reshape(-1) for _, k, v in picked.values() for a in (k, v)]   # float16 when every part is
         flat = cache.to_device(np.concatenate(host, dtype=np.result_type(*host)))
@@ -391,33 +434,29 @@ def recall(cache, n_question: int, probe: Callable[[], dict]) -> dict:
             at += 2 * k.size
             layer.merge(layer.heap.merge(pos), keys, values)
     cache.settle()
+    parts = recalling.parts
     parts["load"] = time.perf_counter() - t1
     tokens = sum(p[0].shape[1] for p in picked.values()) // max(1, len(cache.heap_layers))
     event = {"tokens": tokens, "pages": -(-tokens // store.g.page_size),
-             "ms": round(1000 * (time.perf_counter() - t0), 2),
+             "ms": round(1000 * (time.perf_counter() - recalling.began), 2),
              "parts": {k: round(1000 * v, 2) for k, v in parts.items()}}
     cache.recall_log.append(event)
     return event
 
 
-def pick_checked(cache, store, queries, times: Optional[dict] = None) -> dict:
-    """What `cfg.recall_select` picks, read back whole: a page that fails its check is tombstoned
-    and the pick made again without it; a layer whose pick cannot be merged, or any other failure
-    inside (the question's probe, the page writes drained before reading included), leaves it (or
-    the whole question) without recall: logged and counted, never raised. `queries`: the probe's
-    {layer: queries}, or the probe itself (called here, then the writer drained). `times` gets
-    the seconds of the probe, the drain and the pick."""
+def pick_checked(cache, store, queries: dict, times: Optional[dict] = None) -> dict:
+    """What `cfg.recall_select` picks for the probe's {layer: queries}, read back whole, after the
+    session's queued page writes are drained: a page that fails its check is tombstoned and the
+    pick made again without it; any other failure inside (the drain included) leaves the question
+    without recall: logged and counted, never raised. `times` gets the seconds of the drain and
+    the pick. (Whether a layer's pick can be merged is recall_end's check, on the heap's thread.)"""
     pick = pick_spans if cache.cfg.recall_select == "spans" else pick_pages
     times = {} if times is None else times
     try:
         t = time.perf_counter()
-        if callable(queries):   # probe() rolls the heap back whatever happens: nothing to undo
-            queries = queries()
-            times["probe"] = time.perf_counter() - t
-            t = time.perf_counter()
-            cache.writer.drain()
-            times["drain"] = time.perf_counter() - t
-            t = time.perf_counter()
+        cache.writer.drain()
+        times["drain"] = time.perf_counter() - t
+        t = time.perf_counter()
         for _ in range(PICK_TRIES):
             try:
                 picked = pick(cache, store, queries)
@@ -430,17 +469,23 @@ def pick_checked(cache, store, queries, times: Optional[dict] = None) -> dict:
                       "without recall", PICK_TRIES)
             return {}
         times["pick"] = time.perf_counter() - t
-        heaps = {layer.heap.layer: layer.heap for layer in cache.heap_layers}
-        for i in [i for i, (pos, _, _) in picked.items() if not mergeable(heaps[i], pos)]:
-            FAULTS.recall_failed += 1
-            log.error("recall: layer %d's pick cannot be merged (a recalled token is already resident, "
-                      "or out of order); this question goes on without it", i)
-            del picked[i]
         return picked
     except Exception:   # noqa: BLE001 - a question answered without recall, not a failed request
         FAULTS.recall_failed += 1
         log.exception("recall failed; this question goes on without recall")
         return {}
+
+
+def mergeable_only(cache, picked: dict) -> dict:
+    """`picked` without the layers whose pick cannot be merged into the heap (logged and counted:
+    that layer goes on without recall)."""
+    heaps = {layer.heap.layer: layer.heap for layer in cache.heap_layers}
+    for i in [i for i, (pos, _, _) in picked.items() if not mergeable(heaps[i], pos)]:
+        FAULTS.recall_failed += 1
+        log.error("recall: layer %d's pick cannot be merged (a recalled token is already resident, "
+                  "or out of order); this question goes on without it", i)
+        del picked[i]
+    return picked
 
 
 def mergeable(heap: LayerHeap, positions: np.ndarray) -> bool:

@@ -412,10 +412,14 @@ class Engine:
                 writer.run_parts(until)
                 if time.monotonic() >= until:
                     break
+        # a row waiting for its recall's pick (picked on another thread) did not advance
+        waiting = [error is None and getattr(run.row, "waiting", False) for run, error in zip(batch, errors)]
         if batch:
-            self.counters.decode.add(sum(e is None for e in errors[: len(batch)]), took=took)
+            self.counters.decode.add(sum(e is None and not w for e, w in zip(errors, waiting)), took=took)
         ended: list[Run] = []   # every run's token goes out before any run's end is done (a few ms each)
-        for run, error in zip(batch, errors):
+        for run, error, wait in zip(batch, errors, waiting):
+            if wait:
+                continue
             run.advanced_at = self._steps
             self._guarded(run, lambda run=run: run.take(run.row.token), error, ended)
         for run in ended:

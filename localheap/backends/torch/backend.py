@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import logging
+import os
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable, Iterator, Optional, Sequence
 
@@ -64,6 +66,10 @@ def default_prefill_chunk(device: torch.device) -> int:
     return 2048 if device.type == "cuda" else 512
 
 
+# where a decode row's recall picks its pages (engine batch): "thread", on a thread of its own while
+# the other rows step; "step", inside the step that feeds the row's prompt (every other row waits)
+RECALL_PICKER = os.environ.get("LOCALHEAP_RECALL_PICKER", "thread")
+
 class TorchBackend:
     name = "torch"
 
@@ -84,6 +90,7 @@ class TorchBackend:
         self.vocab_size = model.get_input_embeddings().num_embeddings   # ids a prompt may use
         self.slabs: dict = {}          # the decode batch's heap buffers, by slab key (slab.py)
         self.batch_slabs = True        # False: every row of a batch attends on its own (per-heap sdpa)
+        self.recall_picker: Optional[ThreadPoolExecutor] = None   # see _picker
         # the engine may read a prompt chunk on a second thread beside the decode batch (engine/lane.py):
         # forward passes share no state but their caches; on CUDA both would queue on one stream (untested)
         self.concurrent_prefill = self.device.type == "cpu"
@@ -178,7 +185,19 @@ class TorchBackend:
     def step_rows(self, rows: list, chunks=()) -> list:
         """Feed each row's token (and `chunks`: (cache, ids) of prefills) in one forward; per row,
         then per chunk: None (advanced) or the error that stopped it alone."""
-        return batch.step_rows(self.model, rows, chunks, self.slabs if self.batch_slabs else None)
+        return batch.step_rows(self.model, rows, chunks, self.slabs if self.batch_slabs else None, self._picker())
+
+    def _picker(self) -> Optional[ThreadPoolExecutor]:
+        """The thread a decode row's recall picks on while the batch steps (RECALL_PICKER "thread",
+        the default), started on first use; None ("step"): the pick runs inside the step, as alone."""
+        if RECALL_PICKER != "thread":
+            return None
+        if self.recall_picker is None:
+            # one intra-op thread there (its own OpenMP team, beside the engine thread's): the page
+            # scorer's parallel_for then runs serially while the batch keeps the cores
+            self.recall_picker = ThreadPoolExecutor(1, thread_name_prefix="localheap-recall-pick",
+                                                    initializer=lambda: torch.set_num_threads(1))
+        return self.recall_picker
 
     def end_row(self, row: batch.DecodeRow) -> None:
         """The row's run ended (its last sampled token stays unfed): its heap leaves the batch."""

@@ -13,6 +13,7 @@ Knows nothing about sessions or requests: rows are (cache, sampler, next token).
 
 from __future__ import annotations
 
+from concurrent.futures import FIRST_COMPLETED, Executor, Future, wait
 from itertools import accumulate
 from typing import Optional, Sequence
 
@@ -24,7 +25,7 @@ from .. import paging
 from ..slots import row_error
 from . import attention, graphed
 from .cache import HeapCache
-from .generate import Sampler, prefill_turn
+from .generate import Question, Sampler, prefill_turn, recall_begin, recall_due, recall_end
 from .lean import lean_packed, lean_static
 from .select import plan_eviction
 from .slab import DecodeSlab, slab_key
@@ -40,6 +41,7 @@ class DecodeRow:
         self.cache, self.sampler = cache, sampler
         self.slab: Optional[DecodeSlab] = None   # the slab its heap is a row of, while it is
         self.prompt = prompt                     # tokens to feed before the first sample
+        self.recalling: Optional[Future] = None  # its prompt's recall, picking on another thread
         self.logits = self.next = self.token = None
         if logits is not None:
             self.sampled(logits)
@@ -50,6 +52,11 @@ class DecodeRow:
         self.next = self.sampler.sample(logits) if token is None else token
         self.token = int(self.next) if host is None else host
         self.prompt = None
+
+    @property
+    def waiting(self) -> bool:
+        """It did not advance in the last step: its prompt's recall is still picking."""
+        return self.recalling is not None
 
 
 def start_row(model, cache: HeapCache, prompt: Sequence[int], params: SamplingParams,
@@ -170,23 +177,34 @@ def forward_packed(model, parts: list, tokens: list[torch.Tensor]) -> torch.Tens
 
 
 def step_rows(model, rows: list[DecodeRow], chunks: Sequence[tuple[HeapCache, Sequence[int]]] = (),
-              slabs: Optional[dict] = None) -> list[Optional[Exception]]:
+              slabs: Optional[dict] = None, picker: Optional[Executor] = None) -> list[Optional[Exception]]:
     """Feed each row's pending token (and `chunks`: (cache, ids) of prefills, riding in the same
     forward) in one pass; each row then samples its next token with its own sampler.
 
     With `slabs` (slab_key -> DecodeSlab, kept by the caller between steps) rows whose heaps can
     share a buffer are read as one batch (slab.py); the others attend one by one.
-    Returns one entry per row, then one per chunk: None when it advanced, else the error that
-    stopped it before the forward (making room: an eviction event or its page-out), which leaves
-    the others untouched. An error in the forward itself raises (every part is suspect).
-    One host read per step: the rows' sampled ids together."""
+    With `picker`, a prompt due a recall is probed in the step (recall_begin) and its pick runs on
+    the picker while this and later steps go on without it (row.waiting); the step that finds the
+    pick done merges it and feeds the prompt alone, as prefill_turn would have.
+    Returns one entry per row, then one per chunk: None when it advanced (or waits), else the
+    error that stopped it before the forward (making room: an eviction event or its page-out),
+    which leaves the others untouched. An error in the forward itself raises (every part is
+    suspect). One host read per step: the rows' sampled ids together."""
     errors: list[Optional[Exception]] = [None] * (len(rows) + len(chunks))
     feeding: list[int] = []
+    alone = [i for i, row in enumerate(rows) if row.prompt is not None and not _rides(row)]
+    if picker is not None and alone and len(alone) == len(rows) and not chunks:
+        # nothing else to step: wait for a pick rather than spin beside it
+        picks = [rows[i].recalling for i in alone if rows[i].recalling is not None]
+        if len(picks) == len(alone):
+            wait(picks, return_when=FIRST_COMPLETED)
     for i, row in enumerate(rows):
-        if row.prompt is not None and not _rides(row):   # fed alone (recall first): the row has its first token
+        if i not in alone:
+            feeding.append(i)
+        elif picker is None:   # fed alone (recall first): the row has its first token
             errors[i] = row_error(lambda: row.sampled(prefill_turn(model, row.cache, row.prompt)))
         else:
-            feeding.append(i)
+            errors[i] = row_error(lambda: _recall_row(model, row, picker))
     needs = [(rows[i].cache, 1 if rows[i].prompt is None else len(rows[i].prompt)) for i in feeding]
     needs += [(cache, len(ids)) for cache, ids in chunks]
     for i, error in zip(feeding + list(range(len(rows), len(errors))), make_rooms(needs)):
@@ -233,6 +251,27 @@ def step_rows(model, rows: list[DecodeRow], chunks: Sequence[tuple[HeapCache, Se
     return errors
 
 
+def _recall_row(model, row: DecodeRow, picker: Executor) -> None:
+    """A prompt fed alone, its recall's pick on `picker`: begun in one step, ended in the first
+    step after the pick is done (the row has its first token then)."""
+    if row.recalling is None:
+        if not recall_due(row.cache, row.prompt):   # no recall after all: as prefill_turn
+            row.sampled(prefill_turn(model, row.cache, row.prompt))
+            return
+        question = recall_begin(model, row.cache, row.prompt)
+
+        def pick() -> Question:
+            paging.recall_pick(row.cache, question.recalling)
+            return question
+
+        row.recalling = picker.submit(pick)
+        return
+    if not row.recalling.done():
+        return
+    question, row.recalling = row.recalling.result(), None
+    row.sampled(recall_end(model, row.cache, question))
+
+
 def sample_rows(samplers: list, logits: torch.Tensor) -> torch.Tensor:
     """Each row's next token [rows] from logits [rows, vocab]: the plain greedy rows in one argmax
     (argmax per row either way), the others (warpers, seeds, constraints) with their own sampler."""
@@ -277,7 +316,11 @@ def in_slab(row: DecodeRow) -> bool:
 
 
 def leave_slab(row: DecodeRow) -> None:
-    """The row's heap gets buffers of its own again (its run ended, failed, or waits a step)."""
+    """The row's heap gets buffers of its own again (its run ended, failed, or waits a step);
+    a pick still running for it is waited for (it reads the heap's page store) and dropped."""
+    if row.recalling is not None:
+        wait([row.recalling])
+        row.recalling = None
     if in_slab(row):
         row.slab.leave(row.cache)
     row.slab = None

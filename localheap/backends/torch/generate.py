@@ -55,13 +55,43 @@ def prefill_turn(model, cache: HeapCache, tokens: Sequence[int], progress: Optio
     """A turn's prompt. With recall on and something evicted, the last `obs_window` tokens (the
     question) are held back: the rest is fed, the question recalls pages, then is fed itself.
     Otherwise exactly `prefill` (so a heap that never evicts stays the stock cache)."""
-    if not paging.needs_recall(cache, paging.prefill_chunks(len(tokens), cache.cfg.chunk)):
+    if not recall_due(cache, tokens):
         return prefill(model, cache, tokens, progress, cancelled)
+    question = recall_begin(model, cache, tokens, progress, cancelled)
+    paging.recall_pick(cache, question.recalling)
+    return recall_end(model, cache, question, progress, cancelled)
+
+
+def recall_due(cache: HeapCache, tokens: Sequence[int]) -> bool:
+    """Whether prefill_turn(tokens) recalls (something was or will be evicted)."""
+    return paging.needs_recall(cache, paging.prefill_chunks(len(tokens), cache.cfg.chunk))
+
+
+class Question:
+    """A turn's question between the phases of its recall (prefill_turn's, split for the decode
+    batch: its pick runs on another thread while the other rows step)."""
+
+    def __init__(self, tokens: list[int], fed: int, total: int, recalling: paging.Recalling):
+        self.tokens, self.fed, self.total, self.recalling = tokens, fed, total, recalling
+
+
+def recall_begin(model, cache: HeapCache, tokens: Sequence[int], progress: Optional[ProgressFn] = None,
+                 cancelled=None) -> Question:
+    """The turn's body fed, the question probed (paging.recall_begin); the pick is next."""
     body, question = paging.split_question(cache, tokens)
     if body:
         prefill(model, cache, body, paging.progress_from(progress, 0, len(tokens)), cancelled)
-    recall.recall(model, cache, torch.as_tensor(question, dtype=torch.long, device=cache.device))
-    return prefill(model, cache, question, paging.progress_from(progress, len(body), len(tokens)), cancelled)
+    ids = torch.as_tensor(question, dtype=torch.long, device=cache.device)
+    began = paging.recall_begin(cache, len(question), lambda: recall.probe(model, cache, ids))
+    return Question(question, len(body), len(tokens), began)
+
+
+def recall_end(model, cache: HeapCache, question: Question, progress: Optional[ProgressFn] = None,
+               cancelled=None) -> Optional[torch.Tensor]:
+    """The pick merged (paging.recall_end), then the question fed: its last logits."""
+    paging.recall_end(cache, question.recalling)
+    return prefill(model, cache, question.tokens, paging.progress_from(progress, question.fed, question.total),
+                   cancelled)
 
 
 class Sampler:

@@ -80,8 +80,3 @@ def probe(model, cache, question: torch.Tensor) -> dict:
             vars(layer).clear()
             vars(layer).update(attrs)
     return queries
-
-
-def recall(model, cache, question: torch.Tensor) -> dict:
-    """Before `question` ([L] ids, L <= slack) is fed: paging.recall with this backend's probe."""
-    return paging.recall(cache, question.shape[0], lambda: probe(model, cache, question))
