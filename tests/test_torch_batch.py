@@ -262,7 +262,7 @@ def test_recall_picks_on_another_thread_while_the_batch_steps_as_alone(llama, mo
 
 def test_a_row_ended_while_its_recall_picks_waits_for_the_pick_and_drops_it(llama, monkeypatch):
     """A run cancelled while its pick runs: leave_slab waits for the pick (it reads the page store)
-    and drops it; the heap is left as before a recall (nothing merged), and a later turn recalls."""
+    and drops it: nothing is merged, the prompt's question is not fed, and a later turn recalls."""
     from concurrent.futures import ThreadPoolExecutor
     import threading
 
@@ -274,16 +274,19 @@ def test_a_row_ended_while_its_recall_picks_waits_for_the_pick_and_drops_it(llam
                     SamplingParams(max_tokens=5), defer=True)
     with ThreadPoolExecutor(1) as picker:
         assert step_rows(llama.model, [row], picker=picker) == [None] and row.waiting
+        before = llama.tokens_in_cache(row.cache)   # the turn's body (all but its question) is in
         threading.Timer(0.2, go.set).start()
         leave_slab(row)
         assert not row.waiting and row.token is None
-        assert row.cache.recall_log == [] and all(layer.heap.recalled.sum() == 0 for layer in row.cache.heap_layers)
+        assert llama.tokens_in_cache(row.cache) == before and row.cache.recall_log == []
+        assert all(layer.heap.recalled.sum() == 0 for layer in row.cache.heap_layers)
         monkeypatch.undo()
         again = start_row(llama.model, row.cache, prompts(llama, (8,), seed=6)[0], SamplingParams(max_tokens=2),
                           defer=True)
         while step_rows(llama.model, [again], picker=picker) == [None] and again.waiting:
             pass
-    assert again.token is not None and len(again.cache.recall_log) == 1 and again.cache.recall_log[0]["tokens"] > 0
+    assert again.token is not None and again.cache.recall_log[-1]["tokens"] > 0
+    assert llama.tokens_in_cache(again.cache) == before + 8
 
 
 def test_a_prefill_chunk_riding_in_the_batch_feeds_as_alone(demo):
