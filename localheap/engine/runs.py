@@ -20,9 +20,10 @@ STATS_INTERVAL_S = 0.1   # how often a busy session republishes its heap stats
 
 
 def question_tokens(backend: Any, cache: Any, n: int) -> int:
-    """Backend.question_tokens, 1 for a backend without it (or no cache yet)."""
+    """Backend.question_tokens (the session's heap is resident once its run starts), 1 for a
+    backend without it."""
     ask = getattr(backend, "question_tokens", None)
-    return 1 if ask is None or cache is None else max(1, min(n, ask(cache, n)))
+    return 1 if ask is None else ask(cache, n)
 
 
 class Run:

@@ -70,6 +70,7 @@ def default_prefill_chunk(device: torch.device) -> int:
 # the other rows step; "step", inside the step that feeds the row's prompt (every other row waits)
 RECALL_PICKER = os.environ.get("LOCALHEAP_RECALL_PICKER", "thread")
 
+
 class TorchBackend:
     name = "torch"
 

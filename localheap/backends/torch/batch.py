@@ -25,7 +25,7 @@ from .. import paging
 from ..slots import row_error
 from . import attention, graphed
 from .cache import HeapCache
-from .generate import Question, Sampler, prefill_turn, recall_begin, recall_due, recall_end
+from .generate import Question, Sampler, prefill, prefill_turn, recall_begin, recall_due, recall_end
 from .lean import lean_packed, lean_static
 from .select import plan_eviction
 from .slab import DecodeSlab, slab_key
@@ -255,8 +255,8 @@ def _recall_row(model, row: DecodeRow, picker: Executor) -> None:
     """A prompt fed alone, its recall's pick on `picker`: begun in one step, ended in the first
     step after the pick is done (the row has its first token then)."""
     if row.recalling is None:
-        if not recall_due(row.cache, row.prompt):   # no recall after all: as prefill_turn
-            row.sampled(prefill_turn(model, row.cache, row.prompt))
+        if not recall_due(row.cache, row.prompt):   # fed alone for its length: prefill_turn without recall
+            row.sampled(prefill(model, row.cache, row.prompt))
             return
         question = recall_begin(model, row.cache, row.prompt)
 
