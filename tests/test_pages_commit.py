@@ -95,6 +95,59 @@ def test_compaction_reads_the_committed_state(tmp_path):
     assert r.pages == 1 and r.dropped == 1
 
 
+def _four_pages(tmp_path):
+    """A committed, closed store of four pages of one layer, page j worth j (page 0 goes first)."""
+    rng = np.random.default_rng(5)
+    s = store(tmp_path)
+    s.append(0, *evicted(rng, 4 * P), value=np.tile(np.repeat(np.arange(4.0), P).astype(np.float32), (H, 1)))
+    s.checkpoint(0)
+    s.committed(0)
+    s.close()
+    return s, tmp_path / "pages" / "layer000.pages"
+
+
+def _positions(r):
+    """Every live page's positions, in slot order (a page twice would show twice)."""
+    slots = np.flatnonzero(r.layers[0].live)
+    pos = r.load(0, np.array([slots] * H))[0][0]
+    return sorted(pos.tolist())
+
+
+def test_compaction_works_in_place(tmp_path):
+    """--disk-total compacts while the directory is at its bound: the layer file is compacted where
+    it lies (same inode, never larger), not rewritten beside itself, and keeps every other page."""
+    s, f = _four_pages(tmp_path)
+    before = f.stat()
+    assert compact_store(tmp_path / "pages", s.record_bytes, state=0) == (1, s.record_bytes)
+    after = f.stat()
+    assert after.st_ino == before.st_ino and after.st_size == before.st_size - s.record_bytes
+    assert sorted(p.name for p in (tmp_path / "pages").iterdir()) == ["layer000.pages", "state.0.npz"]
+    r = store(tmp_path, state=0)
+    assert r.pages == 3 and r.dropped == 1 and _positions(r) == list(range(P, 4 * P))
+
+
+def test_a_compaction_cut_short_loses_nothing_it_kept_and_counts_nothing_twice(tmp_path, monkeypatch):
+    """Killed after the moved records are copied and before the file is cut: each moved page is on
+    disk twice; a reopen keeps one of each (and tombstones the other), and compacts again later."""
+    import localheap.heap.pages as pages_mod
+
+    s, f = _four_pages(tmp_path)
+
+    def killed(fd, size):
+        raise KeyboardInterrupt("kill -9 before the cut")
+    monkeypatch.setattr(pages_mod.os, "ftruncate", killed)
+    with pytest.raises(KeyboardInterrupt):
+        compact_store(tmp_path / "pages", s.record_bytes, state=0)
+    monkeypatch.undo()
+    assert f.stat().st_size == 4 * s.record_bytes   # page 3 copied over page 0, and still at slot 3
+    r = store(tmp_path, state=0)
+    assert r.pages == 3 and _positions(r) == list(range(P, 4 * P))
+    r.close()
+    assert compact_store(tmp_path / "pages", 0, state=0) == (0, s.record_bytes)   # the tombstoned copy's slot
+    again = store(tmp_path, state=0)
+    assert again.pages == 3 and _positions(again) == list(range(P, 4 * P))
+
+
 def _cache_with_pages(tmp_path, resident_positions):
     cfg = HeapConfig(budget=32, slack=8, recent=4, recall=True, recall_budget=16, page_size=P)
     heap = LayerHeap(cfg, H, 32, layer=0)

@@ -751,12 +751,17 @@ class PageStore:
             n = size // self.record_bytes                      # a torn last record is ignored
             recs = np.fromfile(self._file(i), self.dtype, count=n) if n else np.zeros(0, self.dtype)
             L.grow(n)
+            ok = np.zeros(n, bool)
             for slot, rec in enumerate(recs):
                 if rec["magic"] != MAGIC or rec["seq"] >= self.seq:
                     continue
                 if _crc(rec, _META_FIELDS) != rec["crc_meta"]:
                     self.corrupt += 1
                     continue
+                ok[slot] = True
+            ok[_copies(recs["seq"], ok)] = False   # an interrupted compaction's copies: tombstoned below
+            for slot in np.flatnonzero(ok):
+                rec = recs[slot]
                 L.put_summaries([slot], recs[slot: slot + 1])
                 L.live[slot], L.value[slot] = True, rec["value"]
                 L.span[slot] = np.stack([rec["positions"].min(axis=1), rec["positions"].max(axis=1)], axis=1)
@@ -845,10 +850,11 @@ def prune_store(root: Path, keep: Optional[int]) -> None:
 
 def compact_store(root: Path, drop_bytes: int, state: Union[int, str, None] = LATEST) -> tuple[int, int]:
     """A closed (not open anywhere) store's lowest-value pages, at least `drop_bytes` of them, removed, and each layer
-    file rewritten with only its valid records (what a reopen keeps), so the space comes back.
-    A layer file other links share (a checkpoint's) is left as it is: rewriting it would free
-    nothing. `state`: the version in force (its session's committed one; None: no saved turn).
-    Returns (pages dropped, bytes freed)."""
+    file compacted in place to its valid records (what a reopen keeps), so the space comes back
+    without the directory ever holding more than it did (--disk-total: a rewrite beside the old
+    file would double it for a moment). A layer file other links share (a checkpoint's) is left as
+    it is: compacting it would free nothing. `state`: the version in force (its session's
+    committed one; None: no saved turn). Returns (pages dropped, bytes freed)."""
     root = Path(root)
     if state == LATEST:
         state = newest_state(root)
@@ -870,6 +876,7 @@ def compact_store(root: Path, drop_bytes: int, state: Union[int, str, None] = LA
         ok = (r["magic"] == MAGIC) & (r["seq"] < meta["seq"])
         for i in np.flatnonzero(ok):
             ok[i] = _crc(r[i], _META_FIELDS) == r[i]["crc_meta"]
+        ok[_copies(r["seq"], ok)] = False
         recs.append(r)
         valid.append(ok)
     shared = [f.exists() and f.stat().st_nlink > 1 for f in files]
@@ -886,12 +893,7 @@ def compact_store(root: Path, drop_bytes: int, state: Union[int, str, None] = LA
         if linked or ok.all():
             continue
         before = f.stat().st_size
-        keep = np.flatnonzero(ok)
-
-        def write(out, r=r, keep=keep):
-            for at in range(0, len(keep), 64):   # a few MB at a time, not the whole file in RAM
-                out.write(np.ascontiguousarray(r[keep[at: at + 64]]).tobytes())
-        _atomic(f, write)
+        _compact_file(f, r, ok)
         freed += before - f.stat().st_size
     del recs
     if dropped:
@@ -967,6 +969,36 @@ def _close_all(fds: list) -> None:
     for fd in fds:
         os.close(fd)
     fds.clear()
+
+
+def _copies(seq: np.ndarray, ok: np.ndarray) -> np.ndarray:
+    """Slots of valid records whose sequence number a later slot's valid record also holds: the
+    copies an interrupted compaction left (_compact_file). The later one, never written to, stays."""
+    slots = np.flatnonzero(ok)
+    last = {}
+    for slot, s in zip(slots, seq[slots]):
+        last[int(s)] = slot
+    return np.array(sorted(set(slots.tolist()) - set(last.values())), np.int64)
+
+
+def _compact_file(path: Path, recs: np.ndarray, ok: np.ndarray) -> None:
+    """Compact a layer file in place to its `ok` records: each one past the first ok.sum() slots
+    is copied into a free slot below, then the file is cut there. A crash before the cut leaves
+    the moved records twice, both valid and with the same sequence number: a reopen keeps the
+    later one (_copies), so nothing is lost and nothing counts twice; the file never grows."""
+    n = int(ok.sum())
+    holes, movers = np.flatnonzero(~ok[:n]), np.flatnonzero(ok[n:]) + n
+    assert len(holes) == len(movers)
+    size = recs.dtype.itemsize
+    fd = os.open(path, os.O_RDWR)
+    try:
+        for hole, mover in zip(holes, movers):
+            os.pwrite(fd, recs[mover: mover + 1].tobytes(), int(hole) * size)
+        os.fsync(fd)   # the copies durable before the originals go
+        os.ftruncate(fd, n * size)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _atomic(path: Path, write) -> None:

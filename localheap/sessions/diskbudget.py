@@ -39,14 +39,16 @@ LOOK_SHARE = 0.05         # and for at most this share of the time (256 sessions
 
 def dir_bytes(root: Path) -> int:
     """Bytes under `root` as `du -sb` counts them: every file and directory's size, a file with
-    several hard links once."""
+    several hard links once (and one renamed while we walk)."""
     return scan(root)[0]
 
 
 def scan(root: Path) -> tuple[int, dict[str, int]]:
     """(bytes under `root`, bytes by session id): a session's own files are `<id>.*` (heaps,
     tokens, its `.pages/`) and `checkpoints/<id>/`; a file linked from several places counts
-    once, for the first session seen with it."""
+    once, for the first session seen with it. Every file's inode is remembered, not only a linked
+    one's: a file renamed (an atomic write's last step) or unlinked from a checkpoint while we walk
+    would otherwise count twice, and a sampler would see bytes that were never there."""
     seen: set = set()
     by_session: dict[str, int] = {}
     total = _size(str(root))
@@ -65,9 +67,9 @@ def scan(root: Path) -> tuple[int, dict[str, int]]:
                 st = e.stat(follow_symlinks=False)
                 if e.is_dir(follow_symlinks=False):
                     stack.append((e.path, sid, depth + 1))
-                elif st.st_nlink > 1:
-                    if (st.st_dev, st.st_ino) in seen:
-                        continue
+                elif (st.st_dev, st.st_ino) in seen:
+                    continue
+                else:
                     seen.add((st.st_dev, st.st_ino))
             except OSError:
                 continue
