@@ -4,6 +4,8 @@ submitted with their event queues, replies read back as text, and a spy on step_
 from __future__ import annotations
 
 import queue
+import threading
+import time
 
 import numpy as np
 
@@ -185,3 +187,64 @@ def check_recall_probes_the_question(backend, tmp_path) -> None:
             eng.stop()
         assert text(out)[0] == backend.tokenizer.decode(want_tokens), batched
         assert got == want, batched
+
+
+def timed_submit(eng, tokens, **params):
+    """(job, events): every event with the monotonic time it was emitted."""
+    events: list = []
+    done = threading.Event()
+
+    def emit(ev):
+        events.append((time.monotonic(), ev))
+        if isinstance(ev, (Finished, Failed)):
+            done.set()
+
+    job = eng.submit(Generate(Prompt(tokens), SamplingParams(**{"max_tokens": 20, **params}), emit))
+    return job, events, done
+
+
+def check_turn_recalls_beside_the_batch(demo, tmp_path, monkeypatch) -> None:
+    """A session that paged a document out starts a turn while another session decodes: its
+    recall's pick runs on the backend's picker thread, and the decoding session keeps getting
+    tokens until the pick is done (with the pick inside the step it would get none: the test
+    holds the pick until the chat has sent 5 more). The turn's reply is then generate's."""
+    from localheap.backends import paging
+
+    cfg = CFG.with_(recall=True, recall_budget=16, page_size=4)
+    doc, turn = ids(400, 11), demo.tokenizer.encode(TEXTS[1], add_special_tokens=False)
+    ref = demo.new_cache(cfg, pages_dir=tmp_path / "ref")
+    demo.prefill(ref, doc)
+    want = []
+    for token in demo.generate(ref, turn, SamplingParams(max_tokens=12)):
+        if token in demo.eos_token_ids:
+            break
+        want.append(token)
+    held_at, go, real = [], threading.Event(), paging.recall_pick
+
+    def held(cache, recalling):
+        held_at.append(time.monotonic())
+        assert go.wait(60), "the test never let the pick go"
+        return real(cache, recalling)
+
+    store = SessionStore(demo, cfg, spill_dir=tmp_path / "spill")
+    eng = Engine(demo, store).start()
+    try:
+        sid = drain(submit(eng, doc, feed=True)[1])[-1].session_id
+        chat_prompt = demo.tokenizer.encode("1, 2, 3, 4, 5, 6, 7,", add_special_tokens=False)   # no early end
+        _, chat, chat_done = timed_submit(eng, chat_prompt, max_tokens=300)
+        monkeypatch.setattr(paging, "recall_pick", held)
+        _, asked = submit(eng, turn, session_id=sid, max_tokens=12)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not (
+                held_at and sum(isinstance(e, Delta) and t > held_at[0] for t, e in list(chat)) >= 5):
+            time.sleep(0.01)
+        during = sum(isinstance(e, Delta) and t > held_at[0] for t, e in list(chat)) if held_at else 0
+        go.set()
+        out = drain(asked)
+        assert chat_done.wait(60)
+    finally:
+        go.set()
+        eng.stop()
+    assert len(held_at) == 1 and during >= 5, "the chat decoded while the pick was held"
+    assert text(out)[0] == demo.tokenizer.decode(want)
+    assert isinstance(chat[-1][1], Finished)

@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 import torch
 from engine_checks import (CFG, TEXTS, StepLog, alone_texts, chat_beside_document, check_cancel_mid_batch, check_document_rides,
-                           check_recall_probes_the_question,
-                           drain, engine, ids, replies, requests_for, submit, text, until_deltas)
+                           check_recall_probes_the_question, check_turn_recalls_beside_the_batch,
+                           drain, engine, ids, replies, requests_for, submit, text, timed_submit, until_deltas)
 
 from localheap.backends.torch import TorchBackend
-from localheap.engine import Delta, Engine, Failed, Finished, Progress, Started
+from localheap.engine import Delta, Engine, Finished, Progress, Started
 from localheap.models import demo_model_dir
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
@@ -322,24 +322,6 @@ def test_page_outs_between_steps_write_the_pages_of_the_writer_thread(demo, REQU
     assert not [r for r in runs["thread"][2] if r[2] != float("inf")], "no parts left to the engine in thread mode"
 
 
-def timed_submit(eng, tokens, **params):
-    """(job, events): every event with the monotonic time it was emitted."""
-    from localheap.sessions import Prompt
-
-    events: list = []
-    done = threading.Event()
-
-    def emit(ev):
-        events.append((time.monotonic(), ev))
-        if isinstance(ev, (Finished, Failed)):
-            done.set()
-
-    from localheap.engine import Generate
-    from localheap.generation import SamplingParams
-    job = eng.submit(Generate(Prompt(tokens), SamplingParams(**{"max_tokens": 20, **params}), emit))
-    return job, events, done
-
-
 @pytest.mark.parametrize("fail", [False, True], ids=["saved", "refused"])
 def test_a_finished_turn_is_saved_off_the_engine_thread_while_the_others_decode(demo, tmp_path, monkeypatch, fail):
     """A durable store: a finished turn's heap file is written on the saver thread (slowed here to
@@ -456,49 +438,4 @@ def test_a_turn_after_a_paged_out_document_recalls_for_its_question(demo, tmp_pa
 
 
 def test_a_turn_recalls_while_the_other_sessions_decode(demo, tmp_path, monkeypatch):
-    """A session that paged a document out starts a turn while another session decodes: its
-    recall's pick runs on the backend's picker thread, and the decoding session keeps getting
-    tokens until the pick is done (with the pick inside the step it would get none: the test
-    holds the pick until the chat has sent 5 more). The turn's reply is then generate's."""
-    from localheap.backends import paging
-    from localheap.generation import SamplingParams
-    from localheap.sessions import SessionStore
-
-    cfg = CFG.with_(recall=True, recall_budget=16, page_size=4)
-    doc, turn = ids(400, 11), demo.tokenizer.encode(TEXTS[1], add_special_tokens=False)
-    ref = demo.new_cache(cfg, pages_dir=tmp_path / "ref")
-    demo.prefill(ref, doc)
-    want = []
-    for token in demo.generate(ref, turn, SamplingParams(max_tokens=12)):
-        if token in demo.eos_token_ids:
-            break
-        want.append(token)
-    held_at, go, real = [], threading.Event(), paging.recall_pick
-
-    def held(cache, recalling):
-        held_at.append(time.monotonic())
-        assert go.wait(60), "the test never let the pick go"
-        return real(cache, recalling)
-
-    store = SessionStore(demo, cfg, spill_dir=tmp_path / "spill")
-    eng = Engine(demo, store).start()
-    try:
-        sid = drain(submit(eng, doc, feed=True)[1])[-1].session_id
-        chat_prompt = demo.tokenizer.encode("1, 2, 3, 4, 5, 6, 7,", add_special_tokens=False)   # no early end
-        _, chat, chat_done = timed_submit(eng, chat_prompt, max_tokens=300)
-        monkeypatch.setattr(paging, "recall_pick", held)
-        _, asked = submit(eng, turn, session_id=sid, max_tokens=12)
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and not (
-                held_at and sum(isinstance(e, Delta) and t > held_at[0] for t, e in list(chat)) >= 5):
-            time.sleep(0.01)
-        during = sum(isinstance(e, Delta) and t > held_at[0] for t, e in list(chat)) if held_at else 0
-        go.set()
-        out = drain(asked)
-        assert chat_done.wait(60)
-    finally:
-        go.set()
-        eng.stop()
-    assert len(held_at) == 1 and during >= 5, "the chat decoded while the pick was held"
-    assert text(out)[0] == demo.tokenizer.decode(want)
-    assert isinstance(chat[-1][1], Finished)
+    check_turn_recalls_beside_the_batch(demo, tmp_path, monkeypatch)

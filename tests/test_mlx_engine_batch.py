@@ -9,7 +9,7 @@ pytest.importorskip("mlx.core", reason="mlx is not installed (a CUDA machine has
 pytest.importorskip("mlx_lm")
 
 from engine_checks import (StepLog, alone_texts, check_cancel_mid_batch, check_document_rides, check_recall_probes_the_question,  # noqa: E402
-                           engine,
+                           check_turn_recalls_beside_the_batch, engine,
                            ids, replies, requests_for)
 
 from localheap.backends.mlx import MLXBackend  # noqa: E402
@@ -78,3 +78,7 @@ def test_sessions_with_sliding_layers_decode_on_their_own_path(model_dirs, monke
 
 def test_a_turn_after_a_paged_out_document_recalls_for_its_question(demo, tmp_path):
     check_recall_probes_the_question(demo, tmp_path)
+
+
+def test_a_turn_recalls_while_the_other_sessions_decode(demo, tmp_path, monkeypatch):
+    check_turn_recalls_beside_the_batch(demo, tmp_path, monkeypatch)

@@ -35,6 +35,19 @@ from ..heap.recall import WINDOW, page_builders, take_windows, vote, vote_order
 from ..heap.scoring import lanes_exact, native_exact, score_pages_by_dim
 
 log = logging.getLogger("localheap.pages")
+# where a decode row's recall picks its pages (engine batch, both backends): "thread", on a thread of
+# its own while the other rows step; "step", inside the step that feeds the row's prompt (every other
+# row waits)
+RECALL_PICKER = os.environ.get("LOCALHEAP_RECALL_PICKER", "thread")
+
+
+def new_picker(initializer: Optional[Callable[[], None]] = None) -> Optional[ThreadPoolExecutor]:
+    """The thread a decode row's recall picks on while the batch steps (RECALL_PICKER "thread", the
+    default); None ("step"): the pick runs inside the step, as alone. The pick (recall_pick) is
+    host work on the page store: it touches no framework array."""
+    if RECALL_PICKER != "thread":
+        return None
+    return ThreadPoolExecutor(1, thread_name_prefix="localheap-recall-pick", initializer=initializer)
 PICK_TRIES = 8   # a recall picks again this often when what it read failed its check
 
 

@@ -17,6 +17,7 @@ Knows nothing about sessions or requests: rows are (cache, sampler, next token).
 
 from __future__ import annotations
 
+from concurrent.futures import FIRST_COMPLETED, Executor, Future, wait
 from itertools import accumulate
 from typing import Optional, Sequence
 
@@ -24,9 +25,10 @@ import mlx.core as mx
 from mlx_lm.sample_utils import greedy_sampler
 
 from ...generation import ProgressFn, SamplingParams
+from .. import paging
 from ..slots import row_error
-from . import attention
-from .generate import prefill_turn, sampler_for
+from . import attention, recall
+from .generate import prefill, prefill_turn, sampler_for
 from .heapcache import HeapPromptCache
 from .slab import DecodeSlab, seated_slab, slab_key
 
@@ -45,13 +47,41 @@ class DecodeRow:
         self.next: Optional[mx.array] = None
         self.token: Optional[int] = None
         self.logprobs: Optional[mx.array] = None   # [vocab] the last token was sampled from
+        self.recalling: Optional[Future] = None   # its prompt's recall, picking on another thread
+        self.question: Optional[list[int]] = None   # the prompt's part fed once that pick is merged
 
-    def feed_prompt(self, model, progress: Optional[ProgressFn] = None, cancelled=None) -> None:
-        """The prompt's head into the heap (prefill_turn: chunks, recall), its last token pending."""
-        if self.prompt is not None:
-            prompt, self.prompt = self.prompt, None
-            prefill_turn(model, self.cache, prompt, self.cache.cfg.chunk, progress, cancelled)
+    @property
+    def waiting(self) -> bool:
+        """It did not advance in the last step: its prompt's recall is still picking."""
+        return self.recalling is not None
+
+    def feed_prompt(self, model, progress: Optional[ProgressFn] = None, cancelled=None,
+                    picker: Optional[Executor] = None) -> None:
+        """The prompt's head into the heap (prefill_turn: chunks, recall), its last token pending.
+        With `picker`, a prompt due a recall is fed up to its question and probed now, its pick
+        runs on the picker (the row waits), and the call that finds the pick done merges it and
+        feeds the question: what prefill_turn does, in three parts."""
+        if self.recalling is not None:
+            if not self.recalling.done():
+                return
+            recalling, self.recalling = self.recalling.result(), None
+            paging.recall_end(self.cache, recalling)
+            question, self.question = self.question, None
+            prefill(model, self.cache, question[:-1], self.cache.cfg.chunk)
+            self.next = mx.array(question[-1:], dtype=mx.uint32)
+            return
+        if self.prompt is None:
+            return
+        prompt, self.prompt, chunk = self.prompt, None, self.cache.cfg.chunk
+        if picker is None or not paging.needs_recall(self.cache, paging.prefill_chunks(len(prompt) - 1, chunk) + [1]):
+            prefill_turn(model, self.cache, prompt, chunk, progress, cancelled)
             self.next = mx.array(prompt[-1:], dtype=mx.uint32)
+            return
+        body, question = paging.split_question(self.cache, prompt)
+        prefill(model, self.cache, body, chunk, progress, cancelled)
+        began = paging.recall_begin(self.cache, len(question), lambda: recall.probe(model, self.cache, question))
+        self.question = question
+        self.recalling = picker.submit(lambda: paging.recall_pick(self.cache, began))
 
 
 def start_row(model, cache: HeapPromptCache, prompt: Sequence[int], params: SamplingParams,
@@ -123,22 +153,27 @@ def _part(x: mx.array, a: int, b: int) -> mx.array:
 
 
 def step_rows(model, rows: list[DecodeRow], chunks: Sequence[tuple[HeapPromptCache, Sequence[int]]] = (),
-              slabs: Optional[dict] = None) -> list[Optional[Exception]]:
+              slabs: Optional[dict] = None, picker: Optional[Executor] = None) -> list[Optional[Exception]]:
     """Feed each row's pending token and `chunks` ((cache, ids) of prefills riding along) in one
     forward; each row then samples its next token with its own sampler.
 
     With `slabs` (slab_key -> DecodeSlab, kept by the caller between steps) rows whose heaps can
     share a buffer are read as one batch (slab.py); the others attend one by one.
-    Returns one entry per row, then one per chunk: None when it advanced, else the error that
-    stopped it before the forward (its prompt, or making room: an eviction event or its page-out),
-    which leaves the others untouched. An error in the forward itself raises (every part is
-    suspect). One evaluation and one host read per step."""
-    errors = [row_error(lambda: row.feed_prompt(model)) for row in rows] + [None] * len(chunks)
-    needs = [(i, row.cache, 1) for i, row in enumerate(rows) if errors[i] is None]
+    With `picker`, a prompt due a recall is probed in the step and its pick runs on the picker
+    while this and later steps go on without it (row.waiting, out of its slab); the step that
+    finds the pick done merges it, feeds the question and samples as alone.
+    Returns one entry per row, then one per chunk: None when it advanced (or waits), else the
+    error that stopped it before the forward (its prompt, or making room: an eviction event or
+    its page-out), which leaves the others untouched. An error in the forward itself raises
+    (every part is suspect). One evaluation and one host read per step."""
+    if picker is not None and not chunks and rows and all(row.waiting for row in rows):
+        wait([row.recalling for row in rows], return_when=FIRST_COMPLETED)   # nothing else to step
+    errors = [row_error(lambda: row.feed_prompt(model, picker=picker)) for row in rows] + [None] * len(chunks)
+    needs = [(i, row.cache, 1) for i, row in enumerate(rows) if errors[i] is None and not row.waiting]
     needs += [(len(rows) + j, cache, len(ids)) for j, (cache, ids) in enumerate(chunks)]
     for (i, _, _), error in zip(needs, make_room([(cache, n) for _, cache, n in needs])):
         errors[i] = error
-    live = [row for row, error in zip(rows, errors) if error is None]
+    live = [row for row, error in zip(rows, errors) if error is None and not row.waiting]
     riding = [(cache, ids) for (cache, ids), error in zip(chunks, errors[len(rows):]) if error is None]
     if slabs is not None:
         _seat(live, slabs)
@@ -191,6 +226,15 @@ def leave_slab(cache: HeapPromptCache) -> None:
     slab = seated_slab(cache)
     if slab is not None:
         slab.leave(cache)
+
+
+def end_row(row: DecodeRow) -> None:
+    """The row's run ended (or failed): a pick still running for it is waited for (it reads the
+    heap's page store) and dropped, and its heap leaves the batch."""
+    if row.recalling is not None:
+        wait([row.recalling])
+        row.recalling = row.question = None
+    leave_slab(row.cache)
 
 
 def make_room(needs: list[tuple[HeapPromptCache, int]]) -> list[Optional[Exception]]:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -64,11 +63,6 @@ def default_prefill_chunk(device: torch.device) -> int:
     CUDA: 2048 (snapkv at 32K on an H100 ran 1,060 tok/s at 256-token chunks and 9,204 at 4,096,
     issue 11; 2048 keeps the extra KV under ~0.3 GB for an 8B model). CPU: 512 (measured, README)."""
     return 2048 if device.type == "cuda" else 512
-
-
-# where a decode row's recall picks its pages (engine batch): "thread", on a thread of its own while
-# the other rows step; "step", inside the step that feeds the row's prompt (every other row waits)
-RECALL_PICKER = os.environ.get("LOCALHEAP_RECALL_PICKER", "thread")
 
 
 class TorchBackend:
@@ -189,15 +183,11 @@ class TorchBackend:
         return batch.step_rows(self.model, rows, chunks, self.slabs if self.batch_slabs else None, self._picker())
 
     def _picker(self) -> Optional[ThreadPoolExecutor]:
-        """The thread a decode row's recall picks on while the batch steps (RECALL_PICKER "thread",
-        the default), started on first use; None ("step"): the pick runs inside the step, as alone."""
-        if RECALL_PICKER != "thread":
-            return None
+        """paging.new_picker, started on first use (None: LOCALHEAP_RECALL_PICKER=step)."""
         if self.recall_picker is None:
             # one intra-op thread there (its own OpenMP team, beside the engine thread's): the page
             # scorer's parallel_for then runs serially while the batch keeps the cores
-            self.recall_picker = ThreadPoolExecutor(1, thread_name_prefix="localheap-recall-pick",
-                                                    initializer=lambda: torch.set_num_threads(1))
+            self.recall_picker = paging.new_picker(initializer=lambda: torch.set_num_threads(1))
         return self.recall_picker
 
     def end_row(self, row: batch.DecodeRow) -> None:
