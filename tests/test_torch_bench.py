@@ -37,6 +37,7 @@ def test_paging_rows_time_the_next_questions_recall(model_dirs):
     by = {r["path"]: r for r in rows}
     paging = by["heap-paging"]
     assert paging["recalled_tokens"] == 32 and 0 < paging["recall_ms"] <= paging["question_ms"]
+    assert paging["question_again_ms"] > 0
     parts = paging["recall_parts"]   # where the recall's time went, phase by phase, inside its total
     assert set(parts) == {"evict", "probe", "drain", "pick", "load"} and all(v >= 0 for v in parts.values())
     assert sum(parts.values()) <= paging["recall_ms"] + 0.05

@@ -144,6 +144,10 @@ def time_paths(backend, paths, prompt: list[int], n_decode: int, cfg: HeapConfig
                 for _ in sessions[path][0]:   # the decode turn ends
                     pass
                 asked[path] = time_question(backend, heap, seed=len(prompt))
+                # the same again, right after: a first question that takes far longer than this one
+                # paid a warm-up (a new shape's kernels), not the recall (JSON only)
+                again = time_question(backend, heap, seed=len(prompt) + 1)
+                asked[path]["question_again_ms"] = again["question_ms"]
     finally:
         use("heap")
     rows = [{"path": p, "context": len(prompt), "prefill_tok_s": len(prompt) / prefill_s[p],
