@@ -975,10 +975,8 @@ def _copies(seq: np.ndarray, ok: np.ndarray) -> np.ndarray:
     """Slots of valid records whose sequence number a later slot's valid record also holds: the
     copies an interrupted compaction left (_compact_file). The later one, never written to, stays."""
     slots = np.flatnonzero(ok)
-    last = {}
-    for slot, s in zip(slots, seq[slots]):
-        last[int(s)] = slot
-    return np.array(sorted(set(slots.tolist()) - set(last.values())), np.int64)
+    _, from_end = np.unique(seq[slots][::-1], return_index=True)   # each number's last slot, counted from the end
+    return np.setdiff1d(slots, slots[len(slots) - 1 - from_end])
 
 
 def _compact_file(path: Path, recs: np.ndarray, ok: np.ndarray) -> None:
