@@ -21,7 +21,7 @@ import tempfile
 import threading
 import time
 import weakref
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import Executor, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence, Union
@@ -35,20 +35,11 @@ from ..heap.recall import WINDOW, page_builders, take_windows, vote, vote_order
 from ..heap.scoring import lanes_exact, native_exact, score_pages_by_dim
 
 log = logging.getLogger("localheap.pages")
+PICK_TRIES = 8   # a recall picks again this often when what it read failed its check
 # where a decode row's recall picks its pages (engine batch, both backends): "thread", on a thread of
 # its own while the other rows step; "step", inside the step that feeds the row's prompt (every other
 # row waits)
 RECALL_PICKER = os.environ.get("LOCALHEAP_RECALL_PICKER", "thread")
-
-
-def new_picker(initializer: Optional[Callable[[], None]] = None) -> Optional[ThreadPoolExecutor]:
-    """The thread a decode row's recall picks on while the batch steps (RECALL_PICKER "thread", the
-    default); None ("step"): the pick runs inside the step, as alone. The pick (recall_pick) is
-    host work on the page store: it touches no framework array."""
-    if RECALL_PICKER != "thread":
-        return None
-    return ThreadPoolExecutor(1, thread_name_prefix="localheap-recall-pick", initializer=initializer)
-PICK_TRIES = 8   # a recall picks again this often when what it read failed its check
 
 
 @dataclass
@@ -418,6 +409,31 @@ def recall_begin(cache, n_question: int, probe: Callable[[], dict]) -> Recalling
     parts["probe"] = time.perf_counter() - t
     cache.settle()   # nothing of the heap is left to resolve while another thread picks
     return Recalling(t0, parts, queries)
+
+
+@dataclass
+class Question:
+    """A turn's question between the phases of its recall (a backend's prefill_turn, split for the
+    decode batch): its tokens, how many of the turn's `total` were fed before it (`fed`, for
+    progress), and the recall begun for it."""
+    tokens: list
+    fed: int
+    total: int
+    recalling: Recalling
+
+
+def new_picker(initializer: Optional[Callable[[], None]] = None) -> Optional[ThreadPoolExecutor]:
+    """The thread a decode row's recall picks on while the batch steps (RECALL_PICKER "thread", the
+    default); None ("step"): the pick runs inside the step, as alone. The pick (recall_pick) is
+    host work on the page store: it touches no framework array."""
+    if RECALL_PICKER != "thread":
+        return None
+    return ThreadPoolExecutor(1, thread_name_prefix="localheap-recall-pick", initializer=initializer)
+
+
+def pick_beside(picker: Executor, cache, question: Question) -> Future:
+    """The question's pick (recall_pick) on `picker`; the future gives the question back."""
+    return picker.submit(lambda: (recall_pick(cache, question.recalling), question)[1])
 
 
 def recall_pick(cache, recalling: Recalling) -> Recalling:

@@ -27,8 +27,8 @@ from mlx_lm.sample_utils import greedy_sampler
 from ...generation import ProgressFn, SamplingParams
 from .. import paging
 from ..slots import row_error
-from . import attention, recall
-from .generate import prefill, prefill_turn, sampler_for
+from . import attention
+from .generate import prefill_turn, recall_begin, recall_due, recall_end, sampler_for
 from .heapcache import HeapPromptCache
 from .slab import DecodeSlab, seated_slab, slab_key
 
@@ -48,7 +48,6 @@ class DecodeRow:
         self.token: Optional[int] = None
         self.logprobs: Optional[mx.array] = None   # [vocab] the last token was sampled from
         self.recalling: Optional[Future] = None   # its prompt's recall, picking on another thread
-        self.question: Optional[list[int]] = None   # the prompt's part fed once that pick is merged
 
     @property
     def waiting(self) -> bool:
@@ -60,28 +59,24 @@ class DecodeRow:
         """The prompt's head into the heap (prefill_turn: chunks, recall), its last token pending.
         With `picker`, a prompt due a recall is fed up to its question and probed now, its pick
         runs on the picker (the row waits), and the call that finds the pick done merges it and
-        feeds the question: what prefill_turn does, in three parts."""
+        feeds the question: prefill_turn's three parts."""
+        chunk = self.cache.cfg.chunk
         if self.recalling is not None:
             if not self.recalling.done():
                 return
-            recalling, self.recalling = self.recalling.result(), None
-            paging.recall_end(self.cache, recalling)
-            question, self.question = self.question, None
-            prefill(model, self.cache, question[:-1], self.cache.cfg.chunk)
-            self.next = mx.array(question[-1:], dtype=mx.uint32)
+            question, self.recalling = self.recalling.result(), None
+            recall_end(model, self.cache, question, chunk)
+            self.next = mx.array(question.tokens[-1:], dtype=mx.uint32)
             return
         if self.prompt is None:
             return
-        prompt, self.prompt, chunk = self.prompt, None, self.cache.cfg.chunk
-        if picker is None or not paging.needs_recall(self.cache, paging.prefill_chunks(len(prompt) - 1, chunk) + [1]):
+        prompt, self.prompt = self.prompt, None
+        if picker is None or not recall_due(self.cache, prompt, chunk):
             prefill_turn(model, self.cache, prompt, chunk, progress, cancelled)
             self.next = mx.array(prompt[-1:], dtype=mx.uint32)
             return
-        body, question = paging.split_question(self.cache, prompt)
-        prefill(model, self.cache, body, chunk, progress, cancelled)
-        began = paging.recall_begin(self.cache, len(question), lambda: recall.probe(model, self.cache, question))
-        self.question = question
-        self.recalling = picker.submit(lambda: paging.recall_pick(self.cache, began))
+        self.recalling = paging.pick_beside(picker, self.cache, recall_begin(model, self.cache, prompt, chunk,
+                                                                             progress, cancelled))
 
 
 def start_row(model, cache: HeapPromptCache, prompt: Sequence[int], params: SamplingParams,
@@ -233,7 +228,7 @@ def end_row(row: DecodeRow) -> None:
     heap's page store) and dropped, and its heap leaves the batch."""
     if row.recalling is not None:
         wait([row.recalling])
-        row.recalling = row.question = None
+        row.recalling = None
     leave_slab(row.cache)
 
 

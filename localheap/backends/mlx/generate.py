@@ -67,13 +67,35 @@ def prefill_turn(model, cache: HeapPromptCache, prompt: list, chunk: int,
     something evicted, the last `obs_window` tokens (the question) are held back: the rest is
     fed, the question recalls pages, then is fed itself. Otherwise exactly `prefill` of
     prompt[:-1] (so a heap that never evicts stays mlx-lm's cache)."""
-    head = prompt[:-1]
-    if paging.needs_recall(cache, paging.prefill_chunks(len(head), chunk) + [1]):
-        body, question = paging.split_question(cache, prompt)
-        prefill(model, cache, body, chunk, paging.progress_from(progress, 0, len(head)), cancelled)
-        recall.recall(model, cache, question)
-        progress, head = paging.progress_from(progress, len(body), len(head)), question[:-1]
-    prefill(model, cache, head, chunk, progress, cancelled)
+    if not recall_due(cache, prompt, chunk):
+        prefill(model, cache, prompt[:-1], chunk, progress, cancelled)
+        return
+    question = recall_begin(model, cache, prompt, chunk, progress, cancelled)
+    paging.recall_pick(cache, question.recalling)
+    recall_end(model, cache, question, chunk, progress, cancelled)
+
+
+def recall_due(cache: HeapPromptCache, prompt: list, chunk: int) -> bool:
+    """Whether prefill_turn(prompt) recalls (something was or will be evicted)."""
+    return paging.needs_recall(cache, paging.prefill_chunks(len(prompt) - 1, chunk) + [1])
+
+
+def recall_begin(model, cache: HeapPromptCache, prompt: list, chunk: int, progress: Optional[ProgressFn] = None,
+                 cancelled=None) -> paging.Question:
+    """The turn's body fed, its question probed (paging.recall_begin); the pick is next."""
+    body, question = paging.split_question(cache, prompt)
+    prefill(model, cache, body, chunk, paging.progress_from(progress, 0, len(prompt) - 1), cancelled)
+    began = paging.recall_begin(cache, len(question), lambda: recall.probe(model, cache, question))
+    return paging.Question(question, len(body), len(prompt) - 1, began)
+
+
+def recall_end(model, cache: HeapPromptCache, question: paging.Question, chunk: int,
+               progress: Optional[ProgressFn] = None, cancelled=None) -> None:
+    """The pick merged (paging.recall_end), then the question fed but its last token (the first
+    step's)."""
+    paging.recall_end(cache, question.recalling)
+    prefill(model, cache, question.tokens[:-1], chunk, paging.progress_from(progress, question.fed, question.total),
+            cancelled)
 
 
 def _step(model, cache: HeapPromptCache, tokens: mx.array, sampler, share=None):

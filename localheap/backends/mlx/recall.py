@@ -77,8 +77,3 @@ def probe(model, cache, question: Sequence[int]) -> dict:
             vars(c).clear()
             vars(c).update(attrs)
     return queries
-
-
-def recall(model, cache, question: Sequence[int]) -> dict:
-    """Before `question` (L <= slack ids) is fed: paging.recall with this backend's probe."""
-    return paging.recall(cache, len(question), lambda: probe(model, cache, question))

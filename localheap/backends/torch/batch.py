@@ -25,7 +25,7 @@ from .. import paging
 from ..slots import row_error
 from . import attention, graphed
 from .cache import HeapCache
-from .generate import Question, Sampler, prefill, prefill_turn, recall_begin, recall_due, recall_end
+from .generate import Sampler, prefill, prefill_turn, recall_begin, recall_due, recall_end
 from .lean import lean_packed, lean_static
 from .select import plan_eviction
 from .slab import DecodeSlab, slab_key
@@ -258,13 +258,7 @@ def _recall_row(model, row: DecodeRow, picker: Executor) -> None:
         if not recall_due(row.cache, row.prompt):   # fed alone for its length: prefill_turn without recall
             row.sampled(prefill(model, row.cache, row.prompt))
             return
-        question = recall_begin(model, row.cache, row.prompt)
-
-        def pick() -> Question:
-            paging.recall_pick(row.cache, question.recalling)
-            return question
-
-        row.recalling = picker.submit(pick)
+        row.recalling = paging.pick_beside(picker, row.cache, recall_begin(model, row.cache, row.prompt))
         return
     if not row.recalling.done():
         return

@@ -67,26 +67,18 @@ def recall_due(cache: HeapCache, tokens: Sequence[int]) -> bool:
     return paging.needs_recall(cache, paging.prefill_chunks(len(tokens), cache.cfg.chunk))
 
 
-class Question:
-    """A turn's question between the phases of its recall (prefill_turn's, split for the decode
-    batch: its pick runs on another thread while the other rows step)."""
-
-    def __init__(self, tokens: list[int], fed: int, total: int, recalling: paging.Recalling):
-        self.tokens, self.fed, self.total, self.recalling = tokens, fed, total, recalling
-
-
 def recall_begin(model, cache: HeapCache, tokens: Sequence[int], progress: Optional[ProgressFn] = None,
-                 cancelled=None) -> Question:
+                 cancelled=None) -> paging.Question:
     """The turn's body fed, the question probed (paging.recall_begin); the pick is next."""
     body, question = paging.split_question(cache, tokens)
     if body:
         prefill(model, cache, body, paging.progress_from(progress, 0, len(tokens)), cancelled)
     ids = torch.as_tensor(question, dtype=torch.long, device=cache.device)
     began = paging.recall_begin(cache, len(question), lambda: recall.probe(model, cache, ids))
-    return Question(question, len(body), len(tokens), began)
+    return paging.Question(question, len(body), len(tokens), began)
 
 
-def recall_end(model, cache: HeapCache, question: Question, progress: Optional[ProgressFn] = None,
+def recall_end(model, cache: HeapCache, question: paging.Question, progress: Optional[ProgressFn] = None,
                cancelled=None) -> Optional[torch.Tensor]:
     """The pick merged (paging.recall_end), then the question fed: its last logits."""
     paging.recall_end(cache, question.recalling)
