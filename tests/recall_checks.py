@@ -48,3 +48,98 @@ def assert_recorded_pages(cache, recorded, unrotate) -> None:
         keys = np.concatenate([unrotate(r[2], r[4]) for r in mine], axis=1)
         values = np.concatenate([np.asarray(r[3]) for r in mine], axis=1)
         assert_pages_hold(cache.pages, layer_id, pos, keys, values)
+
+
+class BatchKit:
+    """A backend's decode batch for the shared checks below: its functions (start_row, step_rows,
+    end_row) and its test module's helpers (prompts, alone, same_heap(want, got))."""
+
+    def __init__(self, backend, start_row, step_rows, end_row, prompts, alone, same_heap):
+        self.backend, self.start_row, self.step_rows, self.end_row = backend, start_row, step_rows, end_row
+        self.prompts, self.alone, self.same_heap = prompts, alone, same_heap
+
+
+def held_pick(monkeypatch):
+    """paging.recall_pick held until the returned event is set; the list gets each pick's thread name."""
+    import threading
+
+    from localheap.backends import paging
+
+    go, picking, real = threading.Event(), [], paging.recall_pick
+
+    def held(cache, recalling):
+        picking.append(threading.current_thread().name)
+        assert go.wait(60), "the test never let the pick go"
+        return real(cache, recalling)
+
+    monkeypatch.setattr(paging, "recall_pick", held)
+    return go, picking
+
+
+def check_picks_beside_the_batch(kit: BatchKit, monkeypatch, slabs=None) -> None:
+    """With a picker, a prompt due a recall is probed in its step and picked on the picker's thread:
+    the row waits (no token) while the others keep stepping, for as many steps as the pick takes;
+    the step after it is done merges it and feeds the prompt. Each row's tokens, recall and heap
+    are then what they are alone."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from localheap.generation import SamplingParams
+
+    go, picking = held_pick(monkeypatch)
+    b = kit.backend
+    ps = kit.prompts(b, (300, 180, 12), seed=4)
+    params = [SamplingParams(max_tokens=30), SamplingParams(max_tokens=20), SamplingParams(max_tokens=40)]
+    rows = [kit.start_row(b.model, b.new_cache(CFG), p, sp, defer=True) for p, sp in zip(ps, params)]
+    tokens = [[] for _ in rows]
+    with ThreadPoolExecutor(1, thread_name_prefix="picker") as picker:
+        live, steps = list(range(len(rows))), 0
+        while live:
+            assert kit.step_rows(b.model, [rows[i] for i in live], slabs=slabs, picker=picker) == [None] * len(live)
+            steps += 1
+            for i in live:
+                if not rows[i].waiting:
+                    tokens[i].append(rows[i].token)
+            if steps == 5:   # four steps without the long prompts: only the short one advanced
+                assert [len(t) for t in tokens] == [0, 0, 5] and rows[0].waiting and rows[1].waiting
+                go.set()
+            for i in live:
+                if len(tokens[i]) == params[i].max_tokens:
+                    kit.end_row(rows[i])
+            live = [i for i in live if len(tokens[i]) < params[i].max_tokens]
+    assert picking == ["picker_0", "picker_0"]
+    if slabs:
+        assert all(not slab.members for slab in slabs.values()), "every heap left"
+    for p, sp, got, row in zip(ps, params, tokens, rows):
+        want_tokens, _, want = kit.alone(b, CFG, p, sp)
+        assert got == want_tokens
+        assert [e["tokens"] for e in row.cache.recall_log] == [e["tokens"] for e in want.recall_log]
+        kit.same_heap(want, row.cache)
+
+
+def check_row_ended_mid_pick(kit: BatchKit, monkeypatch) -> None:
+    """A run cancelled while its pick runs: end_row waits for the pick (it reads the page store) and
+    drops it: nothing is merged, the prompt's question is not fed, and a later turn recalls."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from localheap.generation import SamplingParams
+
+    go, _ = held_pick(monkeypatch)
+    b = kit.backend
+    row = kit.start_row(b.model, b.new_cache(CFG), kit.prompts(b, (300,), seed=5)[0], SamplingParams(max_tokens=5),
+                        defer=True)
+    with ThreadPoolExecutor(1) as picker:
+        assert kit.step_rows(b.model, [row], picker=picker) == [None] and row.waiting
+        before = b.tokens_in_cache(row.cache)   # the turn's body (all but its question) is in
+        threading.Timer(0.2, go.set).start()
+        kit.end_row(row)
+        assert not row.waiting and row.token is None
+        assert b.tokens_in_cache(row.cache) == before and row.cache.recall_log == []
+        assert all(layer.heap.recalled.sum() == 0 for layer in row.cache.heap_layers)
+        monkeypatch.undo()
+        again = kit.start_row(b.model, row.cache, kit.prompts(b, (8,), seed=6)[0], SamplingParams(max_tokens=2),
+                              defer=True)
+        while kit.step_rows(b.model, [again], picker=picker) == [None] and again.waiting:
+            pass
+    assert again.token is not None and again.cache.recall_log[-1]["tokens"] > 0
+    assert b.tokens_in_cache(again.cache) == before + 8

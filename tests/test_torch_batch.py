@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 from recall_checks import CFG as RECALL_CFG
-from recall_checks import load_all
+from recall_checks import BatchKit, check_picks_beside_the_batch, check_row_ended_mid_pick, load_all
 
 from localheap.backends.torch import TorchBackend, graphed, slab, slab_cpu
 from localheap.backends.torch.batch import leave_slab, make_rooms, start_row, step_rows
@@ -214,79 +214,17 @@ def test_recall_rows_page_out_as_alone(llama, slabs, defer, stagger):
                 np.testing.assert_allclose(a, b, atol=1e-4)
 
 
+def kit(backend) -> BatchKit:
+    return BatchKit(backend, start_row, step_rows, leave_slab, prompts, alone,
+                    lambda want, got: assert_same_heap(want, got, atol=1e-4))
+
+
 def test_recall_picks_on_another_thread_while_the_batch_steps_as_alone(llama, monkeypatch):
-    """With a picker, a prompt due a recall is probed in its step and picked on the picker's thread:
-    the row waits (no token) while the others keep stepping, for as many steps as the pick takes;
-    the step after it is done merges it and feeds the prompt. Each row's tokens, recall and heap
-    are then what they are alone."""
-    from concurrent.futures import ThreadPoolExecutor
-    import threading
-
-    from localheap.backends import paging
-
-    go, picking = threading.Event(), []
-    real = paging.recall_pick
-
-    def held(cache, recalling):
-        picking.append(threading.current_thread().name)
-        assert go.wait(60), "the test never let the pick go"
-        return real(cache, recalling)
-
-    monkeypatch.setattr(paging, "recall_pick", held)
-    ps = prompts(llama, (300, 180, 12), seed=4)
-    params = [SamplingParams(max_tokens=30), SamplingParams(max_tokens=20), SamplingParams(max_tokens=40)]
-    rows = [start_row(llama.model, llama.new_cache(RECALL_CFG), p, sp, defer=True) for p, sp in zip(ps, params)]
-    tokens = [[] for _ in rows]
-    with ThreadPoolExecutor(1, thread_name_prefix="picker") as picker:
-        live = list(range(len(rows)))
-        steps = 0
-        while live:
-            assert step_rows(llama.model, [rows[i] for i in live], picker=picker) == [None] * len(live)
-            steps += 1
-            for i in live:
-                if not rows[i].waiting:
-                    tokens[i].append(rows[i].token)
-            if steps == 5:   # four steps without the long prompts: only the short one advanced
-                assert [len(t) for t in tokens] == [0, 0, 5] and rows[0].waiting and rows[1].waiting
-                go.set()
-            live = [i for i in live if len(tokens[i]) < params[i].max_tokens]
-    assert picking == ["picker_0", "picker_0"]
-    for r in rows:
-        leave_slab(r)
-    for p, sp, got, row in zip(ps, params, tokens, rows):
-        want_tokens, _, want = alone(llama, RECALL_CFG, p, sp)
-        assert got == want_tokens
-        assert [e["tokens"] for e in row.cache.recall_log] == [e["tokens"] for e in want.recall_log]
-        assert_same_heap(want, row.cache, atol=1e-4)
+    check_picks_beside_the_batch(kit(llama), monkeypatch)
 
 
 def test_a_row_ended_while_its_recall_picks_waits_for_the_pick_and_drops_it(llama, monkeypatch):
-    """A run cancelled while its pick runs: leave_slab waits for the pick (it reads the page store)
-    and drops it: nothing is merged, the prompt's question is not fed, and a later turn recalls."""
-    from concurrent.futures import ThreadPoolExecutor
-    import threading
-
-    from localheap.backends import paging
-
-    go, real = threading.Event(), paging.recall_pick
-    monkeypatch.setattr(paging, "recall_pick", lambda cache, r: (go.wait(60), real(cache, r))[1])
-    row = start_row(llama.model, llama.new_cache(RECALL_CFG), prompts(llama, (300,), seed=5)[0],
-                    SamplingParams(max_tokens=5), defer=True)
-    with ThreadPoolExecutor(1) as picker:
-        assert step_rows(llama.model, [row], picker=picker) == [None] and row.waiting
-        before = llama.tokens_in_cache(row.cache)   # the turn's body (all but its question) is in
-        threading.Timer(0.2, go.set).start()
-        leave_slab(row)
-        assert not row.waiting and row.token is None
-        assert llama.tokens_in_cache(row.cache) == before and row.cache.recall_log == []
-        assert all(layer.heap.recalled.sum() == 0 for layer in row.cache.heap_layers)
-        monkeypatch.undo()
-        again = start_row(llama.model, row.cache, prompts(llama, (8,), seed=6)[0], SamplingParams(max_tokens=2),
-                          defer=True)
-        while step_rows(llama.model, [again], picker=picker) == [None] and again.waiting:
-            pass
-    assert again.token is not None and again.cache.recall_log[-1]["tokens"] > 0
-    assert llama.tokens_in_cache(again.cache) == before + 8
+    check_row_ended_mid_pick(kit(llama), monkeypatch)
 
 
 def test_a_prefill_chunk_riding_in_the_batch_feeds_as_alone(demo):
