@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Optional
 
 
@@ -49,13 +49,20 @@ class HeapStats:
     pages: Optional[dict] = None       # the page store's counters (recall on), else None
 
     def to_dict(self, per_layer: bool = True) -> dict:
-        d = asdict(self)
-        if per_layer:
-            for ld, ls in zip(d["layers"], self.layers):
-                ld["heavy_hitters"] = ls.heavy_hitters
-                ld["free"] = ls.free
-        else:
-            d.pop("layers")
+        """dataclasses.asdict's dict (the pages' nested values copied too), with each layer's
+        heavy_hitters and free, or without the layers. Built field by field: a busy session
+        republishes its stats ten times a second, and asdict's generic walk took ~0.1 ms of the
+        engine thread each time."""
+        d: dict = {}
+        for name in _HEAP_FIELDS:
+            if name == "layers":
+                if per_layer:
+                    d["layers"] = [{**{n: getattr(ls, n) for n in _LAYER_FIELDS},
+                                    "heavy_hitters": ls.heavy_hitters, "free": ls.free} for ls in self.layers]
+            elif name == "pages":
+                d["pages"] = _copied(self.pages)
+            else:
+                d[name] = getattr(self, name)
         return d
 
     def summary(self) -> str:
@@ -70,6 +77,19 @@ class HeapStats:
             if last:
                 text += f" in {last['ms']:.0f} ms"
         return text
+
+
+_HEAP_FIELDS = tuple(f.name for f in fields(HeapStats))
+_LAYER_FIELDS = tuple(f.name for f in fields(LayerStats))
+
+
+def _copied(value):
+    """A copy of plain data (dicts, lists, tuples of numbers and strings), as asdict makes of it."""
+    if isinstance(value, dict):
+        return {k: _copied(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_copied(v) for v in value)
+    return value
 
 
 def combine(layer_stats: list[LayerStats], kv_bytes: int, pages: Optional[dict] = None) -> HeapStats:

@@ -4,6 +4,8 @@ them when the client goes away. Nothing here blocks the event loop."""
 from __future__ import annotations
 
 import asyncio
+import threading
+import weakref
 from typing import AsyncIterator, Callable
 
 from fastapi import Request
@@ -13,15 +15,63 @@ from ..engine import Delta, Emit, Engine, Event, Failed, Finished, Job, Started
 DISCONNECT_POLL_S = 0.2
 
 
+class Mailbox:
+    """Events from other threads into one event loop's queues, in the order they were posted,
+    with one wake-up of the loop for all that arrive before it runs. A batched engine step emits a
+    token for each of its rows; a wake-up each (`call_soon_threadsafe` writes to the loop's
+    self-pipe, a system call that lets the loop's thread take a core and the GIL from the engine
+    mid-step) cost ~0.15 ms apiece at 8 rows on two cores."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self._lock = threading.Lock()
+        self._posted: list = []
+        self._waking = False   # a drain is scheduled and has not taken the posts yet
+
+    def post(self, queue: asyncio.Queue, event: Event) -> None:   # any thread
+        with self._lock:
+            self._posted.append((queue, event))
+            if self._waking:
+                return
+            self._waking = True
+        try:
+            self.loop.call_soon_threadsafe(self._drain)
+        except BaseException:   # the loop is closed: nobody reads these queues any more
+            with self._lock:
+                self._waking = False
+            raise
+
+    def _drain(self) -> None:   # the loop's thread
+        with self._lock:
+            posted, self._posted = self._posted, []
+            self._waking = False
+        for queue, event in posted:
+            queue.put_nowait(event)
+
+
+_MAILBOXES: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Mailbox]" = weakref.WeakKeyDictionary()
+_MAILBOXES_LOCK = threading.Lock()
+
+
+def mailbox(loop: asyncio.AbstractEventLoop) -> Mailbox:
+    """The loop's one mailbox (one per loop, so that posts to all its queues share wake-ups)."""
+    with _MAILBOXES_LOCK:
+        box = _MAILBOXES.get(loop)
+        if box is None:
+            box = _MAILBOXES[loop] = Mailbox(loop)
+        return box
+
+
 class JobEvents:
     """One job's events, handed from the engine thread to the event loop."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop):
         self.loop = loop
         self.queue: asyncio.Queue[Event] = asyncio.Queue()
+        self._mailbox = mailbox(loop)
 
     def emit(self, event: Event) -> None:   # engine thread
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
+        self._mailbox.post(self.queue, event)
 
     async def get(self) -> Event:
         return await self.queue.get()

@@ -99,6 +99,7 @@ class Session:
         if stats is not None:
             self.stats = stats
             self._record(stats)
+        reclaimed = asdict(self.reclaimed)
         self.snapshot = {
             "id": self.id,
             "object": "session",
@@ -112,7 +113,7 @@ class Session:
             "title": self.title,
             "heap": self.stats.to_dict() if self.stats is not None else None,
             "checkpoints": list(self.checkpoints),
-            "reclaimed": asdict(self.reclaimed) if any(asdict(self.reclaimed).values()) else None,
+            "reclaimed": reclaimed if any(reclaimed.values()) else None,
         }
 
     def _record(self, stats: HeapStats) -> None:
