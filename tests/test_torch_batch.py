@@ -8,7 +8,7 @@ import torch
 from recall_checks import CFG as RECALL_CFG
 from recall_checks import BatchKit, check_picks_beside_the_batch, check_row_ended_mid_pick, load_all
 
-from localheap.backends.torch import TorchBackend, graphed, slab, slab_cpu
+from localheap.backends.torch import TorchBackend, graphed, lean, slab, slab_cpu
 from localheap.backends.torch.batch import leave_slab, make_rooms, start_row, step_rows
 from localheap.backends.torch.generate import generate_steps
 from localheap.generation import SamplingParams
@@ -92,8 +92,9 @@ def slab_kernel():
     return slab_cpu.load(wait=True)
 
 
-SLABS = pytest.mark.parametrize("slabs", [None, {}, "torch", "graphed", "cuda-graphs"],
-                                ids=["per-heap", "slab", "slab-torch", "slab-graphed", "slab-cuda-graphs"], indirect=True)
+SLABS = pytest.mark.parametrize("slabs", [None, {}, "torch", "onednn", "graphed", "cuda-graphs"],
+                                ids=["per-heap", "slab", "slab-torch", "slab-onednn", "slab-graphed", "slab-cuda-graphs"],
+                                indirect=True)
 
 
 class ReplayGraph:
@@ -119,11 +120,20 @@ def replay_capture(fn):
 @pytest.fixture
 def slabs(request, monkeypatch):
     """per-heap: every row attends its own heap; slab: one batch, the kernel where it is built;
-    slab-torch: one batch through torch's matmuls; slab-graphed: each step the static step of
+    slab-torch: one batch through torch's matmuls; slab-onednn: one batch whose projections all go
+    through oneDNN (lean.batch_linear, which takes only large weights otherwise: these models' are
+    all under its threshold); slab-graphed: each step the static step of
     graphed.py (--cuda-graphs), captured and replayed (ReplayGraph, on any device);
     slab-cuda-graphs: the same through real CUDA graphs (CUDA only)."""
     if request.param == "torch":
         monkeypatch.setenv("LOCALHEAP_SLAB_KERNEL", "0")
+        return {}
+    if request.param == "onednn":
+        if lean.batch_linear(torch.zeros(1)) is torch.nn.functional.linear:
+            pytest.skip("no oneDNN linear in this torch")
+        monkeypatch.setattr(lean, "ONEDNN_MIN_WEIGHTS", 0)
+        monkeypatch.setattr(lean, "_ONEDNN", lean.CheckedKernel("oneDNN batch linear", lean._onednn,
+                                                                torch.nn.functional.linear, lean._close))
         return {}
     if request.param in ("graphed", "cuda-graphs"):
         if request.param == "cuda-graphs" and not torch.cuda.is_available():
@@ -157,6 +167,8 @@ def test_demo_model_greedy_tokens_in_a_batch_equal_alone(demo, slabs, slab_kerne
     assert len(evictions - {0}) >= 2, "rows evicted, at different steps"
     for (_, _, cache), got in zip(want, caches):
         assert_same_heap(cache, got, atol=1e-4)
+    if lean.ONEDNN_MIN_WEIGHTS == 0:  # slab-onednn: every weight shape went through oneDNN and agreed
+        assert len(lean._ONEDNN.verdicts) >= 4 and all(lean._ONEDNN.verdicts.values())
     if graphed.CAPTURE is not None:   # slab-graphed: every step after a slab size's first replayed
         assert sum(g.replays for g in replay_capture.graphs) >= 20
     elif slabs is not None and slab_kernel is not None and not slab_cpu.unavailable() and demo.device.type == "cpu":
@@ -264,6 +276,26 @@ def test_a_row_that_cannot_make_room_leaves_the_others_untouched(demo, monkeypat
         tokens.append(rows[1].token)
     assert broken.tokens_seen == seen
     assert tokens == alone(demo, SMALL, ps[1], params)[0]
+
+
+def test_only_a_step_of_several_sessions_takes_the_batch_matmul(demo, monkeypatch):
+    """lean.batch_linear (oneDNN on the CPU) is for packed steps of several sessions; a step of one
+    session keeps aten's linear, the op stock transformers runs."""
+    calls = []
+
+    def recording(x, weight, bias=None):
+        calls.append(tuple(x.shape))
+        return torch.nn.functional.linear(x, weight, bias)
+
+    monkeypatch.setattr(lean, "_checked_onednn", recording)
+    if lean.batch_linear(torch.zeros(1)) is not recording:
+        pytest.skip("no oneDNN linear in this torch")
+    ps = prompts(demo, (30, 41))
+    params = SamplingParams(max_tokens=4)
+    batched(demo, SMALL, ps[:1], [params], {})
+    assert calls == []
+    batched(demo, SMALL, ps, [params, params], {})
+    assert calls and all(shape[1] == 2 for shape in calls)   # [1, rows, hidden]: the two rows' tokens
 
 
 def test_slab_rows_sit_out_join_and_leave_as_alone(demo):

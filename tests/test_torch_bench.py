@@ -102,7 +102,7 @@ def test_profile_splits_decode_steps(model_dirs):
     assert "ms/token" in report_decode(row, backend)
 
 
-def test_batch_step_tables(model_dirs):
+def test_batch_step_tables(model_dirs, monkeypatch):
     """bench batch-step: a row per batch size and per mixed chunk, the rows' heaps out of the slab after."""
     from localheap.bench.batch_step import beside_table, events_table, rows_table
 
@@ -117,3 +117,15 @@ def test_batch_step_tables(model_dirs):
     assert all(0 < r["chat_kept"] and 0 < r["doc_kept"] for r in side)
     events = events_table(backend, cfg, 100, [1, 3], repeats=1)
     assert [r["rows"] for r in events] == [1, 3] and all(r["batched_ms"] > 0 < r["alone_ms"] for r in events)
+    from localheap.backends.torch import batch, lean
+
+    before, seen = lean.BATCH_GEMM, set()
+
+    def watching(weight):   # which matmul each step of several sessions asked for
+        seen.add(lean.BATCH_GEMM)
+        return lean.batch_linear(weight)
+
+    monkeypatch.setattr(batch, "batch_linear", watching)
+    rows = rows_table(backend, cfg, 100, [1, 2], steps=2, repeats=2, aten=True)   # --aten-gemm
+    assert seen == {before, "aten"} and lean.BATCH_GEMM == before
+    assert all(r["aten_ms"] > 0 and r["aten_x"] > 0 for r in rows) and rows[0]["aten_vs_one"] == 1.0

@@ -44,11 +44,14 @@ def _cpu(fn, n: int, clock=time.thread_time) -> float:
 
 
 def rows_table(backend, cfg, context: int, batch: list[int], steps: int, repeats: int,
-               compiled: bool = False, graphs: bool = False) -> list[dict]:
+               compiled: bool = False, graphs: bool = False, aten: bool = False) -> list[dict]:
     """`compiled` (torch, --compile-decode): each batch size also through the compiled packed
     step, interleaved with the eager one in every round (columns `compiled ms`, `x eager`).
     `graphs` (torch on CUDA, --cuda-graphs): each batch size also as replayed CUDA graphs, the
-    same way (`graphed ms`, and wall time: a graph's kernels run on the card, not the thread)."""
+    same way (`graphed ms`, and wall time: a graph's kernels run on the card, not the thread).
+    `aten` (torch, --aten-gemm): each batch size also with aten's linear for the projections of a
+    step of several sessions instead of lean.batch_linear's (`aten ms`, `x aten`: the default's
+    speed over it)."""
     clock = cpu_clock(backend)
     most = max(batch)
     caches = []
@@ -58,7 +61,19 @@ def rows_table(backend, cfg, context: int, batch: list[int], steps: int, repeats
         caches.append(c)
     params = SamplingParams(max_tokens=10**9)
     rows = [backend.start_row(c, [5], params) for c in caches]
-    variant = "compile_decode" if compiled else "cuda_graphs" if graphs else None
+    variant = "compile_decode" if compiled else "cuda_graphs" if graphs else "aten" if aten else None
+
+    def switch(on: bool) -> None:
+        if variant == "aten":
+            from ..backends.torch import lean
+            lean.BATCH_GEMM = "aten" if on else gemm
+        else:
+            for c in caches:
+                setattr(c, variant, on)
+
+    if aten:
+        from ..backends.torch import lean
+        gemm = lean.BATCH_GEMM
 
     def step(n: int) -> None:
         assert backend.step_rows(rows[:n]) == [None] * n
@@ -73,9 +88,8 @@ def rows_table(backend, cfg, context: int, batch: list[int], steps: int, repeats
                 backend.end_row(r)
             modes = [False, True] if variant else [False]
             for on in modes if k % 2 == 0 else modes[::-1]:
-                for c in caches:
-                    if variant:
-                        setattr(c, variant, on)
+                if variant:
+                    switch(on)
                 step(n)   # joins (a graph: its first step at this size captures), then steady steps
                 w = time.perf_counter()
                 t = _cpu(lambda n=n: step(n), steps, clock)
@@ -84,9 +98,8 @@ def rows_table(backend, cfg, context: int, batch: list[int], steps: int, repeats
                 (other_walls if on else walls)[n].append(w)
     for r in rows:
         backend.end_row(r)
-    for c in caches:
-        if variant:
-            setattr(c, variant, False)
+    if variant:
+        switch(False)
     smallest = min(batch)
     one_rate = smallest / float(np.median(times[smallest]))   # tokens per CPU second at the smallest batch
     one_wall = smallest / float(np.median(walls[smallest]))
@@ -97,9 +110,12 @@ def rows_table(backend, cfg, context: int, batch: list[int], steps: int, repeats
                     "wall_ms": 1e3 * w, "vs_one_wall": (n / w) / one_wall})
         if variant:
             c, cw = float(np.median(other[n])), float(np.median(other_walls[n]))
-            name = "compiled" if compiled else "graphed"
+            name = "compiled" if compiled else "graphed" if graphs else "aten"
             out[-1].update({f"{name}_ms": 1e3 * c, f"{name}_x": t / c, f"{name}_wall_ms": 1e3 * cw,
                             f"{name}_wall_x": w / cw})
+            if aten:   # the default against aten's: aten's time over the default's
+                out[-1].update({"aten_x": c / t, "aten_wall_x": cw / w,
+                                "aten_vs_one": (n / c) / (smallest / float(np.median(other[smallest])))})
     return out
 
 
@@ -205,7 +221,10 @@ def run(args) -> int:
     if graphs and not backend.prepare_graphs():   # on the card, but the check failed: the eager rows still
         print("--cuda-graphs: no graphed column (the warning above says why)", file=sys.stderr)
         graphs = False
-    rows = rows_table(backend, cfg, args.context, args.rows, args.steps, args.repeats, compiled, graphs)
+    aten = bool(getattr(args, "aten_gemm", False))
+    if aten and (compiled or graphs or backend.name != "torch"):
+        raise SystemExit("--aten-gemm: the torch backend's eager step only (not with --compile-decode or --cuda-graphs)")
+    rows = rows_table(backend, cfg, args.context, args.rows, args.steps, args.repeats, compiled, graphs, aten)
     side = beside_table(backend, cfg, args.context, args.mixed_chunks, args.repeats) if args.mixed_chunks != [0] else []
     head = (f"model {backend.model_name} | context {args.context:,} tokens per session | policy {cfg.policy}"
             f" | recall {'on' if cfg.recall else 'off'} | {backend.name}{kernel}"
@@ -213,6 +232,8 @@ def run(args) -> int:
                else " | process CPU time"))
     cols = ROW_COLUMNS + ([("compiled_ms", "compiled CPU ms", ".2f"), ("compiled_x", "x eager", ".2f")]
                           if compiled else [])
+    cols += ([("aten_ms", "aten CPU ms", ".2f"), ("aten_vs_one", "aten x 1 row", ".2f"), ("aten_x", "x aten", ".2f")]
+             if aten else [])
     cols += ([("graphed_ms", "graphed CPU ms", ".2f"), ("graphed_wall_ms", "graphed wall ms", ".2f"),
               ("graphed_wall_x", "x eager (wall)", ".2f")] if graphs else [])
     text = head + "\n" + table(rows, cols)

@@ -204,6 +204,9 @@ def add_parser(sub) -> None:
     step.add_argument("--compile-decode", action="store_true",
                       help="torch: also time each batch size through the compiled packed step (serve's "
                            "--compile-decode), interleaved with the eager one")
+    step.add_argument("--aten-gemm", action="store_true",
+                      help="torch: also time each batch size with aten's matmuls for a step of several sessions "
+                           "(LOCALHEAP_BATCH_GEMM=aten) instead of oneDNN's, interleaved with the default")
     step.add_argument("--cuda-graphs", action="store_true",
                       help="torch on CUDA: also time each batch size as replayed CUDA graphs (serve's --cuda-graphs), "
                            "interleaved with the eager step; read the wall columns")

@@ -18,6 +18,7 @@ from itertools import accumulate
 from typing import Optional, Sequence
 
 import torch
+import torch.nn.functional as F
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ...generation import ProgressFn, SamplingParams
@@ -26,7 +27,7 @@ from ..slots import row_error
 from . import attention, graphed
 from .cache import HeapCache
 from .generate import Sampler, prefill, prefill_turn, recall_begin, recall_due, recall_end
-from .lean import lean_packed, lean_static
+from .lean import batch_linear, lean_packed, lean_static
 from .select import plan_eviction
 from .slab import DecodeSlab, slab_key
 
@@ -169,7 +170,8 @@ def forward_packed(model, parts: list, tokens: list[torch.Tensor]) -> torch.Tens
     keep = torch.tensor(keep, device=ids.device)
     caches = [c for part in parts for c in (part.members if isinstance(part, DecodeSlab) else [part])]
     if (lean := lean_packed(model, caches)) is not None:   # the same ops without transformers' module glue
-        return lean.run(step, ids, positions, keep)[0].to(dtype=torch.float32)
+        linear = batch_linear(lean.embed.weight) if len(caches) > 1 else F.linear   # one session: stock's op
+        return lean.run(step, ids, positions, keep, linear)[0].to(dtype=torch.float32)
     with torch.no_grad():
         out = model(input_ids=ids, position_ids=positions, past_key_values=step, use_cache=True,
                     logits_to_keep=keep, heap=step)

@@ -12,16 +12,19 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
 
+from ...kernels.dispatch import CheckedKernel
 from . import attention
 
 log = logging.getLogger("localheap.torch")
 FAMILIES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 ENABLED = os.environ.get("LOCALHEAP_LEAN_DECODE", "1") != "0"   # 0: every step through the full forward
+BATCH_GEMM = os.environ.get("LOCALHEAP_BATCH_GEMM", "onednn")     # aten: a batch's matmuls as one session's
+ONEDNN_MIN_WEIGHTS = 1 << 20   # batch_linear: oneDNN for weights of this many elements or more
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -30,6 +33,41 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     x = x.to(torch.float32)
     x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
     return weight * x.to(dtype)
+
+
+def _onednn(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, key) -> bool:
+    """Another summation order over the same float32 products: ulps of the largest output."""
+    return got.shape == want.shape and bool((got - want).abs().max() <= 1e-5 * (1.0 + want.abs().max()))
+
+
+_ONEDNN = CheckedKernel("oneDNN batch linear", _onednn, F.linear, _close)
+
+
+def _checked_onednn(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    if weight.numel() < ONEDNN_MIN_WEIGHTS:
+        return F.linear(x, weight, bias)
+    return _ONEDNN((tuple(weight.shape), bias is not None), x, weight, bias)
+
+
+def batch_linear(weight: torch.Tensor) -> Callable:
+    """The matmul of a packed step that carries several sessions' tokens, for a model whose weights
+    are like `weight`. aten's `linear` on the CPU (MKL's sgemm) takes a few rows little better than
+    many: on 2 cores, 8 rows of an 8,192 x 2,048 float32 projection took 3.4x one row's time, where
+    oneDNN's linear on the same weights (as they are: no packed copy) took 1.4x; a step of 8
+    sessions of a Llama-3.2-1B-shaped model 1,099 ms against 513 (docs/serve_bench.md, "Fourteenth
+    round"). So on the CPU a batch's large matmuls go to oneDNN, each weight shape checked once
+    against aten (another summation order: ulps, inside the batch's logits tolerance); small ones
+    (under ONEDNN_MIN_WEIGHTS elements) stay aten's, where oneDNN's ~50 us a call costs more than
+    it saves. One session's step keeps aten's, the op stock transformers runs, so its tokens stay
+    stock's bit for bit."""
+    if (BATCH_GEMM == "onednn" and weight.device.type == "cpu" and weight.dtype == torch.float32
+            and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
+        return _checked_onednn
+    return F.linear
 
 
 class LeanDecode:
@@ -72,10 +110,12 @@ class LeanDecode:
         logits = self.run(cache, token[None], pos, None)
         return logits[0, -1].to(dtype=torch.float32, copy=True)
 
-    def run(self, cache, ids: torch.Tensor, pos: torch.Tensor, keep: Optional[torch.Tensor]) -> torch.Tensor:
+    def run(self, cache, ids: torch.Tensor, pos: torch.Tensor, keep: Optional[torch.Tensor],
+            linear: Callable = F.linear) -> torch.Tensor:
         """ids, pos: [1, N]; cache: a heap cache or a packed step (batch.PackedStep), room made and
         rope deltas set. Returns the logits [1, K, vocab] in the model's dtype of the last position
-        (keep None) or of the positions in `keep` [K] (transformers' logits_to_keep)."""
+        (keep None) or of the positions in `keep` [K] (transformers' logits_to_keep). `linear`: the
+        projections' matmul (batch_linear for a step of several sessions)."""
         N = ids.shape[1]
         with torch.no_grad():
             h = self.embed(ids)                                       # [1, N, hidden]
@@ -83,17 +123,17 @@ class LeanDecode:
             for i, (a, ln1, q, k, v, o, ln2, gate, up, down, act) in enumerate(self.layers):
                 x = _rms_norm(h, *ln1)
                 shape = (1, N, -1, a.head_dim)
-                qs = F.linear(x, *q).view(shape).transpose(1, 2)      # [1, H_q, N, D]
-                ks = F.linear(x, *k).view(shape).transpose(1, 2)      # [1, H_kv, N, D]
-                vs = F.linear(x, *v).view(shape).transpose(1, 2)
+                qs = linear(x, *q).view(shape).transpose(1, 2)      # [1, H_q, N, D]
+                ks = linear(x, *k).view(shape).transpose(1, 2)      # [1, H_kv, N, D]
+                vs = linear(x, *v).view(shape).transpose(1, 2)
                 qs, ks = self.rope(qs, ks, cos, sin)
                 ks, vs = cache.layers[i].update(ks, vs)
                 out, _ = attention.heap_sdpa(a, qs, ks, vs, None, heap=cache, dropout=0.0, scaling=a.scaling)
-                h = h + F.linear(out.reshape(1, N, -1).contiguous(), *o)
+                h = h + linear(out.reshape(1, N, -1).contiguous(), *o)
                 x = _rms_norm(h, *ln2)
-                h = h + F.linear(act(F.linear(x, gate)) * F.linear(x, up), down)
+                h = h + linear(act(linear(x, gate)) * linear(x, up), down)
             h = _rms_norm(h, *self.norm)
-            return self.head(h[:, -1:, :] if keep is None else h[:, keep, :])
+            return linear(h[:, -1:, :] if keep is None else h[:, keep, :], self.head.weight, self.head.bias)
 
 
 def lean_step(model, cache) -> Optional[LeanDecode]:
