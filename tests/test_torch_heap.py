@@ -10,7 +10,7 @@ from heap_checks import assert_stream_invariants
 
 from localheap.backends.torch import HeapLayer, TorchBackend
 from localheap.backends.torch.generate import generate_steps, generate_tokens, prefill
-from localheap.backends.torch.rope import RopeSpec
+from localheap.backends.torch.rope import TABLE_LIMIT, RopeSpec
 from localheap.generation import SamplingParams
 from localheap.heap import POLICIES, HeapConfig, HeapConfigError, LayerHeap, SlotView
 
@@ -50,6 +50,13 @@ def test_the_table_rotation_is_the_rotation_bit_for_bit(base, D):
     x = torch.randn(2, n, D, generator=torch.Generator().manual_seed(3))
     shifts = torch.stack([torch.arange(n), torch.randperm(n, generator=torch.Generator().manual_seed(4))])
     assert torch.equal(rope.shift_back(x, shifts, n), rope.rotate(x, -shifts))
+    # rotate_ahead (a recall's merge: whole deltas >= 0) from the same table, also in float16
+    assert torch.equal(rope.rotate_ahead(x, shifts.numpy()), rope.rotate(x, shifts.numpy()))
+    assert torch.equal(rope.rotate_ahead(x.half(), shifts), rope.rotate(x.half(), shifts))
+    # past the table's limit, or a negative delta: rotate itself
+    far = shifts + TABLE_LIMIT
+    assert torch.equal(rope.rotate_ahead(x, far), rope.rotate(x, far))
+    assert torch.equal(rope.rotate_ahead(x, shifts - 5), rope.rotate(x, shifts - 5))
 
 
 @pytest.mark.parametrize("rope_name", list(ROPES))

@@ -257,7 +257,7 @@ class HeapLayer(PendingView, CacheLayerMixin):
         gather_idx = idx[..., None].expand(-1, -1, D)
         k = torch.gather(torch.cat([self.keys[0, :, :n].float(), keys], dim=1), 1, gather_idx)
         v = torch.gather(torch.cat([self.values[0, :, :n].float(), values], dim=1), 1, gather_idx)
-        self.keys[0, :, :total] = self.rope.rotate(k, plan.rotate_by).to(self.dtype)
+        self.keys[0, :, :total] = self.rope.rotate_ahead(k, plan.rotate_by).to(self.dtype)
         self.values[0, :, :total] = v.to(self.dtype)
         for name in SCORE_ARRAYS:
             arr = getattr(self, name)

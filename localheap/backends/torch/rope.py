@@ -17,6 +17,7 @@ import torch
 
 # inv_freq depends on the sequence length: a delta is not a fixed rotation
 _POSITION_DEPENDENT = ("dynamic", "longrope")
+TABLE_LIMIT = 1 << 16   # rotate_ahead's largest delta from the table (its cos/sin: 2 x 65,536 x D/2 floats)
 
 
 class UnsupportedRope(ValueError):
@@ -64,6 +65,22 @@ class RopeSpec:
         as `rotate`, so the same bits, without a cos and sin per key."""
         cos, sin = self.table(x.device, max_shift)
         c, s = cos[shifts], -sin[shifts]                        # [..., n, D/2]; sin is odd
+        xf = x.float()
+        half = xf.shape[-1] // 2
+        lo, hi = xf[..., :half], xf[..., half:]
+        return torch.cat((lo * c - hi * s, hi * c + lo * s), dim=-1).to(x.dtype)
+
+    def rotate_ahead(self, x: torch.Tensor, deltas: Union[np.ndarray, torch.Tensor]) -> torch.Tensor:
+        """`rotate(x, deltas)` bit for bit, for whole deltas >= 0 (a recall's merge: recalled keys
+        rotated to their slots, resident ones moved later by what lands before them), from the
+        cached cos/sin table where the largest delta is within TABLE_LIMIT, else `rotate`. The
+        table's angles are `rotate`'s float32 ones, and lo*c + (-hi)*s is lo*c - hi*s exactly."""
+        d = torch.as_tensor(deltas, device=x.device)
+        top = int(d.max()) if d.numel() else 0
+        if d.numel() == 0 or top > TABLE_LIMIT or int(d.min()) < 0:
+            return self.rotate(x, deltas)
+        cos, sin = self.table(x.device, top)
+        c, s = cos[d], sin[d]                                   # [..., n, D/2]
         xf = x.float()
         half = xf.shape[-1] // 2
         lo, hi = xf[..., :half], xf[..., half:]
