@@ -3,7 +3,10 @@
 `--random-model llama:8b` gives a model with Llama-3-8B's shape (layers, heads, KV heads,
 head dim, MLP width, vocabulary) and random weights, for `bench speed` and `bench memory` on
 a GPU: speed and memory depend on the shape, not on the weights. The tokenizer is the small
-trained one of `randmodel` (its ids are a subset of the model's vocabulary). torch only.
+trained one of `randmodel` (its ids are a subset of the model's vocabulary); the output head's rows
+past it are zero, so that greedy decoding picks ids the tokenizer can spell (a random head would pick
+ids past it nearly always, and a served reply would stream no text: `bench serve` counts text).
+The arithmetic is the same: a zero row costs what any row does. torch only.
 """
 
 from __future__ import annotations
@@ -68,6 +71,9 @@ def build(spec: str, device: str = "cuda", dtype: str = "bfloat16"):
         from .randmodel import BOS, CHAT_TEMPLATE, EOS, PAD
         tokenizer = AutoTokenizer.from_pretrained(tmp, bos_token=BOS, eos_token=EOS, pad_token=PAD)
         tokenizer.chat_template = CHAT_TEMPLATE
+    if device != "meta":
+        with torch.no_grad():   # (tied heads: the embedding rows of ids the tokenizer never gives)
+            model.get_output_embeddings().weight[len(tokenizer):].zero_()
     return model.eval(), tokenizer
 
 

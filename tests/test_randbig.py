@@ -36,6 +36,10 @@ def test_in_memory_backend_generates(monkeypatch, torch_one_thread):
     out = list(backend.generate(cache, list(range(10, 110)), SamplingParams(max_tokens=5)))
     assert len(out) == 5 and cache.stats().evicted > 0
     assert "in memory" in backend.model_name
+    vocab = len(backend.tokenizer)   # the head's rows past the tokenizer are zero: replies are text
+    assert vocab < small["vocab_size"] and not backend.model.lm_head.weight[vocab:].any()
+    assert backend.model.lm_head.weight[:vocab].abs().sum() > 0
+    assert all(t < vocab for t in out)
 
 
 def test_the_backend_choice_for_in_memory_shapes(monkeypatch):
