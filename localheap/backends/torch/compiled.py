@@ -194,8 +194,10 @@ class CompiledDecode(LeanDecode):
             )
         return self.packed
 
-    def run(self, cache, ids: torch.Tensor, pos: torch.Tensor, keep: Optional[torch.Tensor]) -> torch.Tensor:
-        """LeanDecode.run (a packed step's N tokens) with the per-token parts in the packed graphs."""
+    def run(self, cache, ids: torch.Tensor, pos: torch.Tensor, keep: Optional[torch.Tensor],
+            linear=None) -> torch.Tensor:
+        """LeanDecode.run (a packed step's N tokens) with the per-token parts in the packed graphs
+        (their matmuls compiled in them: `linear`, the eager step's choice, is not theirs)."""
         first, middle, last = self._packed_graphs()
         n = len(self.layers)
         with torch.no_grad():
