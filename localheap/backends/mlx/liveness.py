@@ -27,6 +27,7 @@ BEAT_S = 1.0        # one byte each way this often
 TIMEOUT_S = 30.0    # (default) a rank silent this long is lost
 CONNECT_S = 30.0    # a follower's connect at start
 BEAT, BYE = b".", b"x"   # BYE: an orderly end, not a loss
+GRACE_S = 2.0       # an orderly close waits this long at most for the peers to close their side
 HOST_ENV = "LOCALHEAP_RANK0_HOST"
 HELLO = "<iq"   # a follower's first words: its rank and the key rank 0 sent through a collective
 
@@ -69,19 +70,27 @@ class Heartbeat:
 
     def close(self, bye: bool = True) -> None:
         """An orderly end: the peers hear BYE (not a loss), then the connections close. Without
-        `bye` the peers see the connection end, as if this process had: a follower then exits."""
+        `bye` the peers see the connection end, as if this process had: a follower then exits.
+
+        After BYE this side stops sending and reads the peer's beats until the peer closes (at
+        most GRACE_S): a TCP socket closed with bytes unread sends a reset, not an end, and the
+        peer then reads "connection reset" (the BYE possibly lost with it) and takes this orderly
+        end for a loss: a follower exited with status 1 at serve's shutdown that way."""
         if self._closed.is_set():
             return
         self._closed.set()
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(BEAT_S + 1.0)   # its loop ends within a beat: the sockets are this thread's
+        deadline = time.monotonic() + GRACE_S
         for s in list(self.peers.values()):
             try:
                 if bye:
                     s.sendall(BYE)
+                    s.shutdown(socket.SHUT_WR)
+                    _read_to_end(s, deadline)
                 s.close()
             except OSError:
-                pass
+                s.close()
 
     def wait_gone(self, timeout: float) -> Optional[str]:
         """"rank R WHY" for the first rank found gone, waiting up to `timeout` s for one (a ring
@@ -142,6 +151,17 @@ class Heartbeat:
         self._any_gone.set()
         if self.on_lost is not None:
             self.on_lost(rank, why)
+
+
+def _read_to_end(s: socket.socket, deadline: float) -> None:
+    """Read and drop what the peer sends until it closes its side, or until `deadline`."""
+    while (left := deadline - time.monotonic()) > 0:
+        s.settimeout(left)
+        try:
+            if not s.recv(4096):
+                return
+        except OSError:   # the deadline (a timeout), or the peer reset
+            return
 
 
 def connect(ranks, timeout: float = TIMEOUT_S, environ=os.environ) -> Optional[Heartbeat]:
