@@ -64,27 +64,19 @@ class RopeSpec:
         front by at most the evicted count), from a cached cos/sin table: the same float32 angles
         as `rotate`, so the same bits, without a cos and sin per key."""
         cos, sin = self.table(x.device, max_shift)
-        c, s = cos[shifts], -sin[shifts]                        # [..., n, D/2]; sin is odd
-        xf = x.float()
-        half = xf.shape[-1] // 2
-        lo, hi = xf[..., :half], xf[..., half:]
-        return torch.cat((lo * c - hi * s, hi * c + lo * s), dim=-1).to(x.dtype)
+        return _turned(x, cos[shifts], -sin[shifts])          # sin is odd
 
     def rotate_ahead(self, x: torch.Tensor, deltas: Union[np.ndarray, torch.Tensor]) -> torch.Tensor:
         """`rotate(x, deltas)` bit for bit, for whole deltas >= 0 (a recall's merge: recalled keys
         rotated to their slots, resident ones moved later by what lands before them), from the
         cached cos/sin table where the largest delta is within TABLE_LIMIT, else `rotate`. The
-        table's angles are `rotate`'s float32 ones, and lo*c + (-hi)*s is lo*c - hi*s exactly."""
-        d = torch.as_tensor(deltas, device=x.device)
-        top = int(d.max()) if d.numel() else 0
-        if d.numel() == 0 or top > TABLE_LIMIT or int(d.min()) < 0:
+        table's angles are `rotate`'s float32 ones, and lo*c + (-hi)*s is lo*c - hi*s exactly.
+        The deltas' bounds are read where they are (the merge's are host numpy) before they move."""
+        if len(deltas.reshape(-1)) == 0 or int(deltas.min()) < 0 or int(deltas.max()) > TABLE_LIMIT:
             return self.rotate(x, deltas)
-        cos, sin = self.table(x.device, top)
-        c, s = cos[d], sin[d]                                   # [..., n, D/2]
-        xf = x.float()
-        half = xf.shape[-1] // 2
-        lo, hi = xf[..., :half], xf[..., half:]
-        return torch.cat((lo * c - hi * s, hi * c + lo * s), dim=-1).to(x.dtype)
+        cos, sin = self.table(x.device, int(deltas.max()))
+        d = torch.as_tensor(deltas, device=x.device)
+        return _turned(x, cos[d], sin[d])
 
     def table(self, device: torch.device, max_shift: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, sin) [>= max_shift + 1, D/2] float32 of the shifts 0, 1, ...: cached, grown on demand."""
@@ -94,6 +86,15 @@ class RopeSpec:
             angles = torch.arange(size, device=device).to(torch.float32)[:, None] * self.inv_freq.to(device)
             table = self._tables[device] = (angles.cos(), angles.sin())
         return table
+
+
+def _turned(x: torch.Tensor, c: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """x [..., D] rotated by angles whose cos and sin are c, s [..., D/2] (rotate_half's layout), in
+    float32, in `rotate`'s order of operations; x's dtype out."""
+    xf = x.float()
+    half = xf.shape[-1] // 2
+    lo, hi = xf[..., :half], xf[..., half:]
+    return torch.cat((lo * c - hi * s, hi * c + lo * s), dim=-1).to(x.dtype)
 
 
 def _rotary_module(model):
