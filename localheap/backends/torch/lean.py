@@ -10,6 +10,7 @@ the Llama family's layer layout only; anything else keeps the full forward.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from typing import Callable, Optional
@@ -64,10 +65,14 @@ def batch_linear(weight: torch.Tensor) -> Callable:
     (under ONEDNN_MIN_WEIGHTS elements) stay aten's, where oneDNN's ~50 us a call costs more than
     it saves. One session's step keeps aten's, the op stock transformers runs, so its tokens stay
     stock's bit for bit."""
-    if (BATCH_GEMM == "onednn" and weight.device.type == "cpu" and weight.dtype == torch.float32
-            and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
+    if BATCH_GEMM == "onednn" and weight.device.type == "cpu" and weight.dtype == torch.float32 and _has_onednn():
         return _checked_onednn
     return F.linear
+
+
+@functools.cache
+def _has_onednn() -> bool:   # asked once per process, not at every step
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
 class LeanDecode:
