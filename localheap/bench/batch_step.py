@@ -62,18 +62,16 @@ def rows_table(backend, cfg, context: int, batch: list[int], steps: int, repeats
     params = SamplingParams(max_tokens=10**9)
     rows = [backend.start_row(c, [5], params) for c in caches]
     variant = "compile_decode" if compiled else "cuda_graphs" if graphs else "aten" if aten else None
+    if aten:
+        from ..backends.torch import lean
+        default_gemm = lean.BATCH_GEMM
 
     def switch(on: bool) -> None:
-        if variant == "aten":
-            from ..backends.torch import lean
-            lean.BATCH_GEMM = "aten" if on else gemm
+        if aten:   # a process-wide choice (lean.BATCH_GEMM), not a cache's
+            lean.BATCH_GEMM = "aten" if on else default_gemm
         else:
             for c in caches:
                 setattr(c, variant, on)
-
-    if aten:
-        from ..backends.torch import lean
-        gemm = lean.BATCH_GEMM
 
     def step(n: int) -> None:
         assert backend.step_rows(rows[:n]) == [None] * n
@@ -108,14 +106,16 @@ def rows_table(backend, cfg, context: int, batch: list[int], steps: int, repeats
         t, w = float(np.median(times[n])), float(np.median(walls[n]))
         out.append({"rows": n, "step_ms": 1e3 * t, "tok_s": n / t, "vs_one": (n / t) / one_rate,
                     "wall_ms": 1e3 * w, "vs_one_wall": (n / w) / one_wall})
-        if variant:
-            c, cw = float(np.median(other[n])), float(np.median(other_walls[n]))
-            name = "compiled" if compiled else "graphed" if graphs else "aten"
+        if not variant:
+            continue
+        c, cw = float(np.median(other[n])), float(np.median(other_walls[n]))
+        if aten:   # the default against aten's: aten's time over the default's
+            out[-1].update({"aten_ms": 1e3 * c, "aten_x": c / t, "aten_wall_ms": 1e3 * cw, "aten_wall_x": cw / w,
+                            "aten_vs_one": (n / c) / (smallest / float(np.median(other[smallest])))})
+        else:
+            name = "compiled" if compiled else "graphed"
             out[-1].update({f"{name}_ms": 1e3 * c, f"{name}_x": t / c, f"{name}_wall_ms": 1e3 * cw,
                             f"{name}_wall_x": w / cw})
-            if aten:   # the default against aten's: aten's time over the default's
-                out[-1].update({"aten_x": c / t, "aten_wall_x": cw / w,
-                                "aten_vs_one": (n / c) / (smallest / float(np.median(other[smallest])))})
     return out
 
 
