@@ -66,7 +66,6 @@ class JobEvents:
     """One job's events, handed from the engine thread to the event loop."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop):
-        self.loop = loop
         self.queue: asyncio.Queue[Event] = asyncio.Queue()
         self._mailbox = mailbox(loop)
 
