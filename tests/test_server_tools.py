@@ -167,6 +167,30 @@ def test_a_forced_tool_choice_is_enforced_by_the_grammar(client):
     assert r.choices[0].message.tool_calls and r.choices[0].finish_reason == "tool_calls"
 
 
+def test_a_forced_call_cut_by_max_tokens_returns_no_markup_as_content(client):
+    """The grammar's call cut short: no content (its markup is not the model's text), finish_reason length;
+    the call comes back, flagged, once its name is written."""
+    for max_tokens in (2, 6, 12, 20):
+        for stream in (False, True):
+            kw = dict(tool_choice="required", temperature=1.0, seed=max_tokens, max_tokens=max_tokens)
+            if not stream:
+                r = ask(client, [{"role": "user", "content": "any city"}], **kw)
+                msg, finish = r.choices[0].message, r.choices[0].finish_reason
+                content, calls = msg.content, msg.tool_calls or []
+            else:
+                content, calls, finish = "", {}, None
+                for chunk in ask(client, [{"role": "user", "content": "any city"}], stream=True, **kw):
+                    for choice in chunk.choices:
+                        content += choice.delta.content or ""
+                        for d in choice.delta.tool_calls or []:
+                            calls.setdefault(d.index, d.function.name)
+                        finish = choice.finish_reason or finish
+            assert not content, (max_tokens, stream, content)
+            assert finish == "length", (max_tokens, stream, finish)
+            names = [c.function.name for c in calls] if not stream else list(calls.values())
+            assert set(names) <= {"get_weather", "get_time"}, names
+
+
 def _agent(client, force, turns: int = 30):
     """An agent's session: history resent every turn, with calls and results. Every turn after the
     first finds the session and reuses all it holds (the rendered history is what was generated)."""

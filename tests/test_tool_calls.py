@@ -157,6 +157,30 @@ def test_replies_parse_the_same_in_pieces_of_every_size(tokenizers, family):
         assert _parse_in_pieces(fmt, text, size) == want, size
 
 
+CUT = {   # a reply held to calls (tool_choice "required"), cut by max_tokens: (text, the pieces it gives)
+    "qwen": [('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n<tool_',
+              [("get_weather", {"city": "Paris"}, False)]),   # a second call's marker, not yet whole
+             ('<tool_call>\n{"na', []),                        # a call before its name
+             ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa',
+              [("get_weather", '{"city": "Pa', True)])],       # its name known: the call as written, flagged
+    "mistral": [('[TOOL_CALLS][{"name": "get_weather", "arguments": {"ci', [("get_weather", '{"ci', True)]),
+                ('[TOOL_CALLS][{"na', []), ('[TOOL_CA', [])],
+    "llama3.1": [('{"name": "get_weather", "parameters": {"city": "Paris"}}; {"na',   # one JSON reply: as written
+                  [("get_weather", '{"city": "Paris"}}; {"na', True)]),
+                 ('{"na', [])],
+}
+
+
+@pytest.mark.parametrize("family", sorted(CUT))
+def test_a_forced_reply_cut_short_gives_no_markup_as_content(tokenizers, family):
+    fmt = tool_format(tokenizers[family])
+    for text, want in CUT[family]:
+        for size in range(1, len(text) + 1):
+            assert _parse_in_pieces(fmt, text, size, forced=True) == want, (text, size)
+        unforced = _parse_in_pieces(fmt, text, len(text))   # with tool_choice auto the text stays the model's
+        assert any(p[0] == "content" for p in unforced) or any(len(p) == 3 for p in unforced), unforced
+
+
 @pytest.mark.parametrize("text,want", [
     ("Just text, with <b> and {braces}.", [("content", "Just text, with <b> and {braces}.")]),
     ("<tool_call>not json</tool_call> then", [("content", "<tool_call>not json</tool_call> then")]),

@@ -38,10 +38,16 @@ class ChatPlan:
 
     def parser(self, opts: ChatOptions, prompt: Prompt) -> OutputParser:
         """Tool calls are looked for when there are tools and tool_choice is not none; reasoning
-        always (only a reply that opens with <think>, or a prompt that ends inside one, has any)."""
+        always (only a reply that opens with <think>, or a prompt that ends inside one, has any).
+        A forced choice (the grammar's calls) has no content."""
         in_think = prompt.text is not None and prompt.text.rstrip().endswith(THINK)
         fmt = opts.fmt if self.tools and self.choice != "none" else None
-        return OutputParser(fmt, reasoning=True, in_think=in_think)
+        return OutputParser(fmt, reasoning=True, in_think=in_think, forced=self.forced)
+
+    @property
+    def forced(self) -> bool:
+        """Whether the reply is held to tool calls by the grammar (tool_choice required or a name)."""
+        return bool(self.tools) and self.choice not in ("auto", "none")
 
     def constraint(self, svc: Services, opts: ChatOptions) -> Any:
         """The request's grammar: the JSON it must answer with, or the call it must make; a test's
@@ -50,7 +56,7 @@ class ChatPlan:
             return svc.force_tokens()
         if self.json_schema is not None:
             grammar = json_grammar(self.json_schema or None)
-        elif self.tools and self.choice not in ("auto", "none"):
+        elif self.forced:
             grammar = call_grammar(opts.fmt, self.tools, self.choice, self.parallel, svc.tokenizer)
         else:
             return None

@@ -44,10 +44,17 @@ class OutputParser:
     """Feed text deltas; get back pieces of content, reasoning and whole tool calls, in order.
 
     Text that could be the start of a marker is held back until it is known not to be one; a
-    reply is therefore split the same way whatever the sizes of the pieces it arrives in."""
+    reply is therefore split the same way whatever the sizes of the pieces it arrives in.
 
-    def __init__(self, fmt: Optional[ToolFormat], reasoning: bool = True, in_think: bool = False):
+    `forced`: the reply is held to tool calls (tool_choice "required" or a named function: the
+    grammar allows calls and their separators, nothing else), so it has no content. A reply that
+    max_tokens cut inside a call's markup (a marker not yet whole, or a call before its name)
+    then returns no call for it rather than its markup as content."""
+
+    def __init__(self, fmt: Optional[ToolFormat], reasoning: bool = True, in_think: bool = False,
+                 forced: bool = False):
         self.fmt = fmt
+        self.forced = forced
         self.reasoning = reasoning
         self.mode = "think" if in_think else "text"     # text | think | call | rest
         self.pending = ""
@@ -79,7 +86,7 @@ class OutputParser:
             pass
         if self.mode == "think" and self.pending:
             out.append(Text("reasoning", self.pending))
-        elif self.mode == "text" and self.pending:
+        elif self.mode == "text" and self.pending and not self.forced:
             out.append(Text("content", self.pending))
         elif self.mode in ("call", "rest"):
             self._close_call(self.body + self.pending, out)
@@ -132,6 +139,8 @@ class OutputParser:
         return False
 
     def _emit(self, kind: str, text: str, out: list[Piece]) -> None:
+        if kind == "content" and self.forced:   # the calls' separators, or the markup of a call cut short
+            return
         if kind == "content" and self.strip:   # the blank line after </think>
             text = text.lstrip()
         if not text:
