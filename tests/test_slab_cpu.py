@@ -303,3 +303,95 @@ def test_a_native_scorer_that_rounds_otherwise_or_is_not_built_leaves_numpy_scor
     monkeypatch.setattr(scoring, "_native_verdicts", {})
     assert not scoring.native_exact(D) and D not in scoring._native_verdicts
     np.testing.assert_array_equal(scoring.score_pages_by_dim(q, by_dim((kmin, kmax), D), "zscore"), want)
+
+
+@pytest.mark.usefixtures("kernel")
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+@pytest.mark.parametrize("H,m,P,D", [(8, 64, 32, 128), (2, 3, 32, 32), (3, 5, 7, 20), (1, 2, 1, 9), (2, 1, 4, 64)])
+def test_page_summaries_give_numpys_bits(dtype, H, m, P, D):
+    """slab_cpu.summarize_pages, heap/pages' native summaries, against pages.page_summaries (numpy's
+    min, max and mean): random keys, pages of one repeated token, ties of +0 and -0 in either order
+    (numpy keeps the later), a NaN (it stays), head sizes not a multiple of 8."""
+    import numpy as np
+
+    from localheap.heap import pages
+
+    rng = np.random.default_rng(H * 100 + P * 10 + D)
+    k = (rng.standard_normal((H, m, P, D)) * 3).astype(dtype)
+    k[0, 0] = k[0, 0, :1]
+    k[-1, -1, ::2] = np.round(k[-1, -1, ::2] / 8)   # zeros of both signs among small integers
+    if P > 1:
+        k[0, -1, 0, 0], k[0, -1, 1:, 0] = np.nan, 1.0   # a NaN first, then numbers
+        k[0, -1, :, 1] = np.where(np.arange(P) % 2, 0.0, -0.0)
+    got, want = slab_cpu.summarize_pages(k), pages.page_summaries(k)
+    for a, b, name in zip(got, want, ("kmin", "kmax", "kmean")):
+        assert a.shape == b.shape == (m, H, D) and a.dtype == np.float32
+        nan = np.isnan(b)
+        assert np.array_equal(np.isnan(a), nan), name
+        assert np.array_equal(a[~nan].view(np.uint32), b[~nan].view(np.uint32)), name
+
+
+@pytest.mark.usefixtures("kernel")
+def test_a_page_store_writes_the_same_records_with_the_native_summaries(tmp_path, monkeypatch):
+    """An eviction event's pages (f16 and int8 formats, a partial page carried between events) with the
+    registered kernel and with numpy's reductions: the same bytes on disk."""
+    import numpy as np
+
+    from localheap.heap import pages
+    from localheap.heap.pages import PageGeometry, PageStore
+
+    H, D, P = 2, 64, 32
+    rng = np.random.default_rng(5)
+    events = [(np.tile(np.arange(a, a + n), (H, 1)), rng.standard_normal((H, n, D)).astype(np.float16),
+               rng.standard_normal((H, n, D)).astype(np.float16), rng.random((H, n)).astype(np.float32))
+              for a, n in ((0, 100), (100, 77), (177, 300))]
+    monkeypatch.setattr(pages, "_summaries_verdicts", {})
+    monkeypatch.setattr(pages, "_SUMMARIES", slab_cpu.summarize_pages)
+    monkeypatch.setattr(pages, "_summaries_ready", slab_cpu.bounds_ready)
+    calls = []
+    real = pages.summaries
+    monkeypatch.setattr(pages, "summaries", lambda k: calls.append(k.dtype) or real(k))
+    for fmt in ("f16", "int8"):
+        files = {}
+        for native in (True, False):
+            if not native:
+                monkeypatch.setattr(pages, "_SUMMARIES", None)
+            store = PageStore(tmp_path / f"{fmt}-{native}", PageGeometry(2, H, D, P, fmt))
+            for pos, k, v, val in events:
+                store.append_many([(layer, pos, k, v, val) for layer in range(2)])
+            store.close()
+            files[native] = [(tmp_path / f"{fmt}-{native}" / f"layer{i:03d}.pages").read_bytes() for i in range(2)]
+        assert files[True] == files[False] and len(files[True][0]) > 0
+        assert pages._summaries_verdicts, "the kernel answered (its check passed)"
+        monkeypatch.setattr(pages, "_SUMMARIES", slab_cpu.summarize_pages)
+    assert calls
+
+
+def test_native_summaries_that_differ_or_are_not_built_leave_numpys(monkeypatch):
+    """pages.summaries asks a registered kernel only once it is built, and checks it once per dtype and
+    page shape: one that sums in another order is refused and numpy's reductions answer."""
+    import numpy as np
+
+    from localheap.heap import pages
+
+    asked = []
+
+    def other_order(k):   # the mean summed pairwise in float64
+        asked.append(1)
+        k32 = k.astype(np.float32)
+        return (k32.min(axis=2).transpose(1, 0, 2), k32.max(axis=2).transpose(1, 0, 2),
+                k.astype(np.float64).mean(axis=2).astype(np.float32).transpose(1, 0, 2))
+
+    k = np.random.default_rng(0).standard_normal((2, 3, 32, 16)).astype(np.float16)
+    want = pages.page_summaries(k)
+    monkeypatch.setattr(pages, "_SUMMARIES", other_order)
+    monkeypatch.setattr(pages, "_summaries_verdicts", {})
+    for ready in (None, False):   # building, or never here: not asked, no verdict kept
+        monkeypatch.setattr(pages, "_summaries_ready", lambda ready=ready: ready)
+        got = pages.summaries(k)
+        assert not asked and not pages._summaries_verdicts
+        assert all(np.array_equal(a, b) for a, b in zip(got, want))
+    monkeypatch.setattr(pages, "_summaries_ready", lambda: True)
+    got = pages.summaries(k)
+    assert asked and list(pages._summaries_verdicts.values()) == [False]
+    assert all(np.array_equal(a, b) for a, b in zip(got, want))

@@ -44,7 +44,7 @@ import zlib
 from concurrent.futures import Executor
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Optional, Sequence, Union
+from typing import Callable, Optional, Sequence, Union
 
 import numpy as np
 
@@ -124,6 +124,72 @@ def _byte_run(dtype: np.dtype, fields) -> slice:
 
 
 SUMMARY_FIELDS = {"minmax": ("kmin", "kmax"), "mean": ("kmean",)}
+
+
+def page_summaries(k: np.ndarray) -> tuple[np.ndarray, ...]:
+    """Keys [H, m, P, D] of m pages -> (kmin, kmax, kmean) float32 [m, H, D]: numpy's reductions
+    over each page's P tokens, the float16 widened exactly first (the reference)."""
+    k32 = k.astype(np.float32, copy=False)
+    return tuple(reduce(k32, axis=2).transpose(1, 0, 2) for reduce in (np.min, np.max, np.mean))
+
+
+# Compiled summaries registered by a backend that has them (the torch backend's CPU module,
+# backends/torch/slab_cpu.summarize_pages): page_summaries' values in one pass over the keys, with no
+# float32 copy of them (an event of the 8B shape widens 134 MB of float16 keys to 268 MB otherwise).
+# None while not built. They answer for a dtype and page shape once they gave page_summaries' bits.
+_SUMMARIES: Optional[Callable] = None
+_summaries_ready: Callable[[], Optional[bool]] = lambda: True
+_summaries_verdicts: dict[tuple, bool] = {}
+_summaries_lock = threading.Lock()
+
+
+def use_summaries(kernel: Optional[Callable], ready: Optional[Callable[[], Optional[bool]]] = None) -> None:
+    """Register compiled page summaries (None: numpy's); `ready()`: built (True), still building
+    (None) or not to be had here (False)."""
+    global _SUMMARIES, _summaries_ready
+    _SUMMARIES = kernel
+    _summaries_ready = ready or (lambda: True)
+    _summaries_verdicts.clear()
+
+
+def summaries(k: np.ndarray) -> tuple[np.ndarray, ...]:
+    """page_summaries(k), from the registered kernel where it answers for k's dtype and shape."""
+    if _SUMMARIES is not None and k.dtype in (np.float16, np.float32) and _summaries_agree(k.dtype, *k.shape[2:]):
+        out = _SUMMARIES(k)
+        if out is not None:
+            return out
+    return page_summaries(k)
+
+
+def _summaries_agree(dtype: np.dtype, P: int, D: int) -> bool:
+    """Whether the registered kernel gives page_summaries' bits for pages of P tokens x D in `dtype`
+    (checked once, on random keys with repeated values; False while it is not built)."""
+    key = (np.dtype(dtype).str, P, D)
+    verdict = _summaries_verdicts.get(key)
+    if verdict is not None:
+        return verdict
+    with _summaries_lock:
+        if key in _summaries_verdicts:
+            return _summaries_verdicts[key]
+        if not _summaries_ready():
+            return False   # building (asked again at the next page-out) or never here
+        rng = np.random.default_rng(P * 1009 + D)
+        k = (rng.standard_normal((3, 5, P, D)) * rng.choice([1e-3, 1.0, 300.0], (3, 5, 1, 1))).astype(dtype)
+        k[0, 0] = k[0, 0, :1]                                          # a page of one repeated token
+        k[1, 1] = np.round(k[1, 1] / 4)                                # ties, zeros of both signs
+        k[1, 2] = np.where(rng.random((P, D)) < 0.5, 0.0, -0.0)         # nothing but zeros
+        k[2, 3] = rng.standard_normal((P, D)) * np.exp2(rng.integers(-12, 10, (P, D)))   # sums that round
+        got = _SUMMARIES(k)
+        if got is None:
+            return False
+        want = page_summaries(k)
+        verdict = all(np.array_equal(np.asarray(a).view(np.uint32), np.ascontiguousarray(b).view(np.uint32))
+                      for a, b in zip(got, want))
+        if not verdict:
+            log.warning("page summaries: the compiled kernel differs from numpy's reductions (%s, %d x %d); "
+                        "numpy builds the pages", np.dtype(dtype).name, P, D)
+        _summaries_verdicts[key] = verdict
+        return verdict
 
 
 def _join(tail: np.ndarray, x: np.ndarray) -> np.ndarray:
@@ -330,9 +396,8 @@ class PageStore:
         """m full pages (pos, value [H, m P]; k, v [H, m P, D]) as m records, all but their seq and
         header checksum (set as each is written: _seal), and their spans [m, H, 2]. Each page's summaries and
         payload are what building that page alone gives (the same reductions over the same P
-        tokens, tested bit for bit). The reductions run over the [H, m, P, D] views of the inputs
-        and are written into the records' [m, H, ...] fields through transposed views: no copy of
-        the pages in between."""
+        tokens, tested bit for bit). The summaries come from `summaries` over the [H, m, P, D] view
+        of the keys (a registered kernel's, or numpy's reductions: the same bits) as [m, H, D]."""
         H, n = pos.shape
         P = self.g.page_size
         m = n // P
@@ -342,11 +407,9 @@ class PageStore:
         recs["magic"], recs["n"] = MAGIC, P
         recs["value"] = value.reshape(H, m, P).max(axis=(0, 2))
         recs["positions"] = pos.transpose(1, 0, 2)
-        k32 = k.astype(np.float32, copy=False)   # float16 keys (the wire's) upcast exactly: the same sums
-        for f, reduce in (("kmin", np.min), ("kmax", np.max), ("kmean", np.mean)):
-            recs[f] = reduce(k32, axis=2).transpose(1, 0, 2)                          # [m, H, D] each
         if self.g.fmt == "int8":   # quantized from float32, whatever came in
-            k, v = k32, v.astype(np.float32, copy=False)
+            k, v = k.astype(np.float32, copy=False), v.astype(np.float32, copy=False)
+        recs["kmin"], recs["kmax"], recs["kmean"] = summaries(k)                      # [m, H, D] each
         encode(recs, self.g.fmt, k.transpose(1, 0, 2, 3), v.transpose(1, 0, 2, 3))   # float16 in: copied as is
         raw = recs.view(np.uint8).reshape(m, -1)
         recs["crc_data"] = [zlib.crc32(raw[j, self._data_run]) for j in range(m)]

@@ -29,7 +29,9 @@ higher score first, NaN last, the older slot first in a tie), then the kept and 
 one pass: select.select_keep's slots (tests/test_device_selection.py), in a quarter of the time of
 torch's kthvalue and masks. And a recall's page bounds (`page_bounds`, heap/scoring's native scorer):
 heap/scoring._scores_lanes' float32 sums in their order, 16 pages at a time (tests/test_slab_cpu.py
-holds them to recall.score_pages bit for bit).
+holds them to recall.score_pages bit for bit). And a page-out's page summaries (`page_summaries`,
+heap/pages' native summaries): the min, max and mean of each page's keys in one pass over them, the
+float16 widened in registers, where numpy widens the whole event's keys to a float32 copy first.
 """
 
 from __future__ import annotations
@@ -447,6 +449,82 @@ torch::Tensor page_bounds(std::vector<torch::Tensor> qs, std::vector<torch::Tens
   });
   return out;
 }
+
+// A page-out's page summaries: keys [H, M, P, D] (float16, widened exactly with F16C, or float32;
+// contiguous) -> kmin, kmax, kmean float32 [M, H, D]: per page and dim the least, the greatest and the
+// mean of its P tokens, as heap/pages' numpy reductions give them: numpy's minimum (a < x or a is NaN ?
+// a : x, so of equal values the later one, +0 or -0, and a NaN stays), its maximum alike, and the sum
+// from +0 in token order, then divided by P. One pass over the keys, no float32 copy of them; serial
+// (a page builder's thread per layer, or the engine's between its steps), without the GIL.
+static inline __m256 numpy_min(__m256 a, __m256 x) {
+  const __m256 keep = _mm256_or_ps(_mm256_cmp_ps(a, x, _CMP_LT_OQ), _mm256_cmp_ps(a, a, _CMP_UNORD_Q));
+  return _mm256_blendv_ps(x, a, keep);
+}
+
+static inline __m256 numpy_max(__m256 a, __m256 x) {
+  const __m256 keep = _mm256_or_ps(_mm256_cmp_ps(a, x, _CMP_GT_OQ), _mm256_cmp_ps(a, a, _CMP_UNORD_Q));
+  return _mm256_blendv_ps(x, a, keep);
+}
+
+std::vector<torch::Tensor> page_summaries(torch::Tensor k) {
+  TORCH_CHECK(k.dim() == 4 && k.is_contiguous() && (k.scalar_type() == at::kHalf || k.scalar_type() == at::kFloat));
+  const int64_t H = k.size(0), M = k.size(1), P = k.size(2), D = k.size(3);
+  TORCH_CHECK(P >= 1 && D >= 1);
+  const bool half = k.scalar_type() == at::kHalf;
+  auto opts = k.options().dtype(at::kFloat);
+  auto kmin = torch::empty({M, H, D}, opts), kmax = torch::empty({M, H, D}, opts), kmean = torch::empty({M, H, D}, opts);
+  float* lo = kmin.data_ptr<float>();
+  float* hi = kmax.data_ptr<float>();
+  float* sum = kmean.data_ptr<float>();
+  const void* keys = k.data_ptr();
+  const float count = static_cast<float>(P);
+  pybind11::gil_scoped_release no_gil;
+  std::vector<float> wide(D);
+  for (int64_t h = 0; h < H; ++h) {
+    for (int64_t m = 0; m < M; ++m) {
+      float* a = lo + (m * H + h) * D;
+      float* b = hi + (m * H + h) * D;
+      float* s = sum + (m * H + h) * D;
+      std::fill(s, s + D, 0.0f);
+      for (int64_t p = 0; p < P; ++p) {
+        const int64_t at = ((h * M + m) * P + p) * D;
+        const float* x;
+        if (half) {
+          const at::Half* row = static_cast<const at::Half*>(keys) + at;
+          int64_t d = 0;
+          for (; d + 8 <= D; d += 8)
+            _mm256_storeu_ps(wide.data() + d, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + d))));
+          for (; d < D; ++d) wide[d] = static_cast<float>(row[d]);
+          x = wide.data();
+        } else {
+          x = static_cast<const float*>(keys) + at;
+        }
+        if (p == 0) {
+          std::copy(x, x + D, a);
+          std::copy(x, x + D, b);
+        }
+        int64_t d = 0;
+        for (; d + 8 <= D; d += 8) {
+          const __m256 v = _mm256_loadu_ps(x + d);
+          if (p > 0) {
+            _mm256_storeu_ps(a + d, numpy_min(_mm256_loadu_ps(a + d), v));
+            _mm256_storeu_ps(b + d, numpy_max(_mm256_loadu_ps(b + d), v));
+          }
+          _mm256_storeu_ps(s + d, _mm256_add_ps(_mm256_loadu_ps(s + d), v));
+        }
+        for (; d < D; ++d) {
+          if (p > 0) {
+            a[d] = (a[d] < x[d] || std::isnan(a[d])) ? a[d] : x[d];
+            b[d] = (b[d] > x[d] || std::isnan(b[d])) ? b[d] : x[d];
+          }
+          s[d] = s[d] + x[d];
+        }
+      }
+      for (int64_t d = 0; d < D; ++d) s[d] = s[d] / count;
+    }
+  }
+  return {kmin, kmax, kmean};
+}
 """
 
 _module = None
@@ -468,7 +546,7 @@ def unavailable() -> Optional[str]:
 
 
 NAME = "localheap_slab_cpu"
-FUNCTIONS = ["attend", "take_rotated", "compact", "select_rows", "page_bounds"]
+FUNCTIONS = ["attend", "take_rotated", "compact", "select_rows", "page_bounds", "page_summaries"]
 CFLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2")
 LDFLAGS = ("-fopenmp",)
 BUILD_TIMEOUT_S = 600.0   # load(wait=True) gives up (the torch code answers) after this
@@ -573,6 +651,15 @@ def bounds_pages(qs: list, ks: list, cut: tuple):
     return module.page_bounds([torch.from_numpy(np.ascontiguousarray(x)) for x in qs],
                               [torch.from_numpy(x if x.strides[2] == x.itemsize else np.ascontiguousarray(x)) for x in ks],
                               list(cut)).numpy()
+
+
+def summarize_pages(keys: np.ndarray):
+    """heap/pages' native page summaries (pages.use_summaries): keys numpy float16 or float32
+    [H, M, P, D] -> (kmin, kmax, kmean) float32 [M, H, D], or None while the module is not built here."""
+    module = load()
+    if module is None:
+        return None
+    return tuple(t.numpy() for t in module.page_summaries(torch.from_numpy(np.ascontiguousarray(keys))))
 
 
 def bounds_ready() -> Optional[bool]:
