@@ -32,6 +32,9 @@ class SamplingParams:
     seed: Optional[int] = None
     stop: list[str] = field(default_factory=list)
     constraint: Optional[Constraint] = None   # structured output; sampled ids are masked by it
+    min_p: float = 0.0            # 0 = off: ids under min_p x the likeliest id's probability are dropped
+    presence_penalty: float = 0.0   # OpenAI's: taken off the logit of each id this reply has written
+    frequency_penalty: float = 0.0  # OpenAI's: times the number of times this reply has written the id
 
     def __post_init__(self) -> None:
         if self.max_tokens < 0:
@@ -42,10 +45,23 @@ class SamplingParams:
             raise ValueError("top_p must be in (0, 1]")
         if self.top_k < 0:
             raise ValueError("top_k must be >= 0")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError("min_p must be in [0, 1]")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2]")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def penalized(self) -> bool:
+        """Whether the logits depend on what the reply has written (presence or frequency penalty):
+        before each sample, logit[id] -= presence * (count[id] > 0) + frequency * count[id], count
+        being how many times this reply has sampled the id (its prompt does not count), as OpenAI
+        and vLLM define them; applied before temperature, top-k/p and min-p, greedy rows included."""
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
 
 class StopMatcher:

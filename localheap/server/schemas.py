@@ -122,11 +122,12 @@ class SamplingFields(Strict):
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=0)                  # extension (OpenAI has none)
+    min_p: float = Field(0.0, ge=0.0, le=1.0)    # extension (vLLM's, llama.cpp's): 0 = off
     seed: Optional[int] = None
     stop: Optional[Union[str, list[str]]] = None
     n: int = 1
-    presence_penalty: Optional[float] = None
-    frequency_penalty: Optional[float] = None
+    presence_penalty: Optional[float] = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: Optional[float] = Field(None, ge=-2.0, le=2.0)
     logit_bias: Optional[dict[str, float]] = None
     user: Optional[str] = None                   # accepted, unused (an end-user id for abuse tracking)
     metadata: Optional[dict[str, str]] = None    # accepted, unused
@@ -143,9 +144,6 @@ class SamplingFields(Strict):
     def common_unsupported(self) -> Optional[tuple[str, str]]:
         if self.n != 1:
             return "n", "n must be 1: this server returns one choice per request"
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name):
-                return name, f"{name} is not supported"
         if self.logit_bias:
             return "logit_bias", "logit_bias is not supported"
         if self.stream_options is not None and not self.stream:

@@ -22,7 +22,9 @@ from .heapcache import HeapPromptCache
 
 
 def sampler_for(params: SamplingParams):
-    sample = make_sampler(temp=params.temperature, top_p=params.top_p, top_k=params.top_k)
+    sample = make_sampler(temp=params.temperature, top_p=params.top_p, top_k=params.top_k, min_p=params.min_p)
+    if params.penalized:
+        sample = penalized(sample, params.presence_penalty, params.frequency_penalty)
     constraint = params.constraint
     if constraint is None:
         return sample
@@ -41,6 +43,25 @@ def sampler_for(params: SamplingParams):
         return y
 
     return constrained
+
+
+def penalized(sample, presence: float, frequency: float):
+    """`sample` after OpenAI's presence and frequency penalties (SamplingParams.penalized): the
+    reply's counts per id kept as an array beside the step (lazily updated, no host sync). Taken off
+    logprobs, which is taking them off the logits: the two differ by one constant per row."""
+    counts = None
+
+    def sample_penalized(logprobs: mx.array) -> mx.array:
+        nonlocal counts
+        if counts is not None:
+            logprobs = logprobs - (presence * (counts > 0).astype(mx.float32) + frequency * counts)
+        y = sample(logprobs)
+        if counts is None:
+            counts = mx.zeros((logprobs.shape[-1],), dtype=mx.float32)
+        counts = counts.at[y.reshape(-1)].add(1.0)
+        return y
+
+    return sample_penalized
 
 
 def prefill(model, cache: HeapPromptCache, tokens: Sequence[int], chunk: int,

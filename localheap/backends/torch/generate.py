@@ -12,7 +12,8 @@ from __future__ import annotations
 from typing import Iterator, Optional, Sequence
 
 import torch
-from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+from transformers.generation.logits_process import (MinPLogitsWarper, TemperatureLogitsWarper, TopKLogitsWarper,
+                                                    TopPLogitsWarper)
 
 from ...generation import ProgressFn, SamplingParams
 from .. import paging
@@ -99,6 +100,11 @@ class Sampler:
                 self.warpers.append(TopKLogitsWarper(params.top_k))
             if params.top_p < 1.0:
                 self.warpers.append(TopPLogitsWarper(params.top_p))
+            if params.min_p > 0.0:
+                self.warpers.append(MinPLogitsWarper(params.min_p))
+        self.penalized = params.penalized
+        self.presence, self.frequency = params.presence_penalty, params.frequency_penalty
+        self.counts: Optional[torch.Tensor] = None   # [vocab] float32: how often this reply sampled each id
         self.generator = None
         if params.seed is not None:
             self.generator = torch.Generator(device=device).manual_seed(params.seed)
@@ -107,6 +113,8 @@ class Sampler:
     def sample(self, logits: torch.Tensor) -> torch.Tensor:
         """[1] int64 token id on the logits' device (no host sync, unless a constraint must see it)."""
         scores = logits[None]                          # [1, vocab]
+        if self.counts is not None:                    # penalized, once the reply has a token
+            scores = scores - (self.presence * (self.counts > 0) + self.frequency * self.counts)
         if self.constraint is not None:
             scores = _masked(scores, self.constraint.allowed())
         if self.greedy:
@@ -116,6 +124,10 @@ class Sampler:
                 scores = warp(None, scores)
             probs = torch.softmax(scores, dim=-1)
             token = torch.multinomial(probs, num_samples=1, generator=self.generator)[0]
+        if self.penalized:   # counted on the device: no host sync
+            if self.counts is None:
+                self.counts = torch.zeros(scores.shape[-1], dtype=torch.float32, device=scores.device)
+            self.counts.index_put_((token.reshape(-1),), torch.ones(1, device=scores.device), accumulate=True)
         if self.constraint is not None:
             self.constraint.advance(int(token))
         return token

@@ -88,7 +88,9 @@ def _plan(body: ChatCompletionRequest) -> ChatPlan:
 
 def _params(body: SamplingFields, max_tokens: int, constraint=None) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
-                          top_k=body.top_k, seed=body.seed, stop=list(body.stop or []), constraint=constraint)
+                          top_k=body.top_k, seed=body.seed, stop=list(body.stop or []), constraint=constraint,
+                          min_p=body.min_p, presence_penalty=body.presence_penalty or 0.0,
+                          frequency_penalty=body.frequency_penalty or 0.0)
 
 
 async def _respond(reply: Reply, body: SamplingFields, prompt: Prompt, params: SamplingParams, request: Request,
