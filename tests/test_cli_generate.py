@@ -39,3 +39,19 @@ def test_generate_bad_heap_setting_is_a_clear_error(model_path, capsys):
     rc = main(["generate", "--model", model_path, "--prompt", "x", "--budget", "0", "--backend", "mlx"])
     assert rc == 2
     assert "budget must be >= 1" in capsys.readouterr().err
+
+
+def test_generate_takes_the_penalties_and_checks_their_range(capsys):
+    """The bundled model, greedy: a strong presence penalty stops the reply repeating a token it wrote;
+    a penalty out of OpenAI's range is a usage error."""
+    args = ["generate", "--backend", "torch", "--prompt", "The pass key", "--max-tokens", "12"]
+    pytest.importorskip("torch")
+    outs = []
+    for extra in ([], ["--presence-penalty", "2", "--frequency-penalty", "1", "--min-p", "0.1"]):
+        assert main(args + extra) == 0
+        outs.append(capsys.readouterr().out)
+    assert outs[0] != outs[1]
+    with pytest.raises(SystemExit) as e:
+        main(args + ["--presence-penalty", "3"])
+    assert e.value.code == 2
+    assert "not in [-2, 2]" in capsys.readouterr().err

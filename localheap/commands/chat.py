@@ -12,7 +12,8 @@ from pathlib import Path
 from ..engine.errors import RankLost
 from ..generation import SamplingParams
 from .common import (add_compile_arg, add_decode_arg, add_distributed_arg, add_graphs_arg, add_heap_args, add_model_args,
-                     apply_decode_attention, freeze_startup_objects, heap_config, model_spec, with_backend_chunk)
+                     add_penalty_args, apply_decode_attention, freeze_startup_objects, heap_config, model_spec,
+                     penalty_params, with_backend_chunk)
 from .progress import ProgressBar
 
 PROMPT, MORE = ">>> ", "... "
@@ -39,6 +40,7 @@ def add_parser(sub) -> None:
     p.add_argument("--max-tokens", type=int, default=512, help="longest reply in tokens")
     p.add_argument("--temperature", type=float, default=0.7, help="0 samples greedily")
     p.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling mass")
+    add_penalty_args(p)
     p.add_argument("--seed", type=int, default=None, help="sampling seed (default: random)")
     add_distributed_arg(p, watched=True)
     p.set_defaults(func=run)
@@ -110,7 +112,7 @@ def chat_on(backend, cfg, args) -> int:
     if args.distributed:
         backend.root = chat.store.spill_dir   # the followers keep their pages under their own temp dir
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                            seed=args.seed)
+                            seed=args.seed, **penalty_params(args))
     print(f"localheap chat: {backend.model_name} on {backend.name} | heap {cfg.sinks} sinks + {cfg.budget} "
           f"budget + {cfg.slack} slack, policy {cfg.policy} | /help for commands, /quit to leave", flush=True)
     freeze_startup_objects()

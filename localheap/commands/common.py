@@ -49,6 +49,31 @@ def add_compile_arg(p: argparse.ArgumentParser) -> None:
                         "which stay uncompiled there)")
 
 
+def _ranged(lo: float, hi: float):
+    def parse(text: str) -> float:
+        x = float(text)
+        if not lo <= x <= hi:
+            raise argparse.ArgumentTypeError(f"{x} is not in [{lo:g}, {hi:g}]")
+        return x
+    return parse
+
+
+def add_penalty_args(p: argparse.ArgumentParser) -> None:
+    """min-p and OpenAI's presence and frequency penalties (generation.SamplingParams)."""
+    p.add_argument("--min-p", type=_ranged(0.0, 1.0), default=0.0,
+                   help="drop tokens under this fraction of the likeliest token's probability, 0: off (default: 0)")
+    p.add_argument("--presence-penalty", type=_ranged(-2.0, 2.0), default=0.0,
+                   help="taken off the logit of every token the reply has written, -2 to 2 (default: 0)")
+    p.add_argument("--frequency-penalty", type=_ranged(-2.0, 2.0), default=0.0,
+                   help="times the number of times the reply has written a token, off its logit, -2 to 2 "
+                        "(default: 0)")
+
+
+def penalty_params(args) -> dict:
+    return {"min_p": args.min_p, "presence_penalty": args.presence_penalty,
+            "frequency_penalty": args.frequency_penalty}
+
+
 def add_graphs_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cuda-graphs", action="store_true",
                    help="torch on CUDA: run the decode batch's steps (sessions decoding together, no prompt riding "

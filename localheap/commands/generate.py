@@ -9,7 +9,7 @@ from pathlib import Path
 
 from ..generation import SamplingParams, StopMatcher
 from .common import (add_compile_arg, add_decode_arg, add_distributed_arg, add_heap_args, add_model_args,
-                     apply_decode_attention, heap_config, load_model_backend)
+                     add_penalty_args, apply_decode_attention, heap_config, load_model_backend, penalty_params)
 from .progress import ProgressBar
 from .ranks import StepWatch
 
@@ -28,6 +28,7 @@ def add_parser(sub) -> None:
     p.add_argument("--temperature", type=float, default=0.0, help="0 samples greedily")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
     p.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest, 0: all")
+    add_penalty_args(p)
     p.add_argument("--seed", type=int, default=None, help="sampling seed (default: random)")
     p.add_argument("--stop", action="append", default=[], help="stop sequence, repeatable (default: none)")
     add_distributed_arg(p, steps=True)
@@ -48,7 +49,7 @@ def run(args) -> int:
     else:
         tokens = tok.encode(text)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                            top_k=args.top_k, seed=args.seed, stop=args.stop)
+                            top_k=args.top_k, seed=args.seed, stop=args.stop, **penalty_params(args))
     cache = backend.new_cache(cfg)
     bar = ProgressBar("prefill", stream=sys.stderr) if len(tokens) > 4 * cfg.chunk else None
     watch = StepWatch(args.step_timeout, backend.rank) if getattr(backend, "ranks", None) is not None else None
