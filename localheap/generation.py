@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Protocol
 
 ProgressFn = Callable[[int, int], None]   # (tokens done, tokens total)
+PENALTY_RANGE = (-2.0, 2.0)   # presence_penalty, frequency_penalty (OpenAI's range)
+MIN_P_RANGE = (0.0, 1.0)
 
 
 class Constraint(Protocol):
@@ -45,11 +47,10 @@ class SamplingParams:
             raise ValueError("top_p must be in (0, 1]")
         if self.top_k < 0:
             raise ValueError("top_k must be >= 0")
-        if not 0.0 <= self.min_p <= 1.0:
-            raise ValueError("min_p must be in [0, 1]")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if not -2.0 <= getattr(self, name) <= 2.0:
-                raise ValueError(f"{name} must be in [-2, 2]")
+        for name, (lo, hi) in (("min_p", MIN_P_RANGE), ("presence_penalty", PENALTY_RANGE),
+                               ("frequency_penalty", PENALTY_RANGE)):
+            if not lo <= getattr(self, name) <= hi:
+                raise ValueError(f"{name} must be in [{lo:g}, {hi:g}]")
 
     @property
     def greedy(self) -> bool:

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 from typing import Optional
 
+from ..generation import MIN_P_RANGE, PENALTY_RANGE
 from ..heap import POLICIES, POSITION_MODES, HeapConfig
 from ..heap.config import PAGE_FORMATS, RECALL_SCORES, RECALL_SELECTS, RECALL_SUMMARIES
 
@@ -60,11 +61,11 @@ def _ranged(lo: float, hi: float):
 
 def add_penalty_args(p: argparse.ArgumentParser) -> None:
     """min-p and OpenAI's presence and frequency penalties (generation.SamplingParams)."""
-    p.add_argument("--min-p", type=_ranged(0.0, 1.0), default=0.0,
+    p.add_argument("--min-p", type=_ranged(*MIN_P_RANGE), default=0.0,
                    help="drop tokens under this fraction of the likeliest token's probability, 0: off (default: 0)")
-    p.add_argument("--presence-penalty", type=_ranged(-2.0, 2.0), default=0.0,
+    p.add_argument("--presence-penalty", type=_ranged(*PENALTY_RANGE), default=0.0,
                    help="taken off the logit of every token the reply has written, -2 to 2 (default: 0)")
-    p.add_argument("--frequency-penalty", type=_ranged(-2.0, 2.0), default=0.0,
+    p.add_argument("--frequency-penalty", type=_ranged(*PENALTY_RANGE), default=0.0,
                    help="times the number of times the reply has written a token, off its logit, -2 to 2 "
                         "(default: 0)")
 

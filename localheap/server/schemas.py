@@ -7,6 +7,8 @@ from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from ..generation import MIN_P_RANGE, PENALTY_RANGE
+
 
 TITLE_MAX_CHARS = 200
 TOKENIZE_MAX_CHARS = 4_000_000
@@ -122,12 +124,12 @@ class SamplingFields(Strict):
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=0)                  # extension (OpenAI has none)
-    min_p: float = Field(0.0, ge=0.0, le=1.0)    # extension (vLLM's, llama.cpp's): 0 = off
+    min_p: float = Field(0.0, ge=MIN_P_RANGE[0], le=MIN_P_RANGE[1])   # extension (vLLM's, llama.cpp's): 0 = off
     seed: Optional[int] = None
     stop: Optional[Union[str, list[str]]] = None
     n: int = 1
-    presence_penalty: Optional[float] = Field(None, ge=-2.0, le=2.0)
-    frequency_penalty: Optional[float] = Field(None, ge=-2.0, le=2.0)
+    presence_penalty: Optional[float] = Field(None, ge=PENALTY_RANGE[0], le=PENALTY_RANGE[1])
+    frequency_penalty: Optional[float] = Field(None, ge=PENALTY_RANGE[0], le=PENALTY_RANGE[1])
     logit_bias: Optional[dict[str, float]] = None
     user: Optional[str] = None                   # accepted, unused (an end-user id for abuse tracking)
     metadata: Optional[dict[str, str]] = None    # accepted, unused
