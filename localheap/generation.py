@@ -5,12 +5,14 @@ Knows nothing about tensors or tokenizers' internals: text in, text out.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Optional, Protocol
 
 ProgressFn = Callable[[int, int], None]   # (tokens done, tokens total)
 PENALTY_RANGE = (-2.0, 2.0)   # presence_penalty, frequency_penalty (OpenAI's range)
 MIN_P_RANGE = (0.0, 1.0)
+LOGIT_BIAS_RANGE = (-100.0, 100.0)   # OpenAI's, per id
+TOP_LOGPROBS_MAX = 20                # alternatives per token a reply's logprobs may list (OpenAI's limit)
 
 
 class Constraint(Protocol):
@@ -26,6 +28,40 @@ class Constraint(Protocol):
 
 
 @dataclass
+class TokenLogprob:
+    """A sampled token's log probability and the `top` likeliest ids' (id, log probability), the
+    likeliest first. The distribution is the model's own: log-softmax of the raw logits, before
+    logit_bias, penalties, a constraint, temperature and top-k/p/min-p (vLLM's default)."""
+    token: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+class LogprobRecorder:
+    """A request's logprobs (its `logprobs` field): each backend's sampler adds one entry per
+    sample, in order, as a callable that reads the entry off the device when asked (`get`), so
+    sampling itself never waits for the host. Entry i belongs to the reply's i-th token."""
+
+    def __init__(self, top: int = 0):
+        if not 0 <= top <= TOP_LOGPROBS_MAX:
+            raise ValueError(f"top logprobs must be in [0, {TOP_LOGPROBS_MAX}]")
+        self.top = top
+        self._entries: list = []   # TokenLogprob, or a callable that makes it
+
+    def add(self, read: Callable[[], TokenLogprob]) -> None:
+        self._entries.append(read)
+
+    def get(self, i: int) -> TokenLogprob:
+        entry = self._entries[i]
+        if not isinstance(entry, TokenLogprob):
+            entry = self._entries[i] = entry()
+        return entry
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+@dataclass
 class SamplingParams:
     max_tokens: int = 256
     temperature: float = 0.0      # 0 = greedy
@@ -37,6 +73,8 @@ class SamplingParams:
     min_p: float = 0.0            # 0 = off: ids under min_p x the likeliest id's probability are dropped
     presence_penalty: float = 0.0   # OpenAI's: taken off the logit of each id this reply has written
     frequency_penalty: float = 0.0  # OpenAI's: times the number of times this reply has written the id
+    logit_bias: dict[int, float] = field(default_factory=dict)   # OpenAI's: added to the id's logit
+    logprobs: Optional[LogprobRecorder] = None   # each sampled token's logprob (and the top ids') go here
 
     def __post_init__(self) -> None:
         if self.max_tokens < 0:
@@ -51,6 +89,16 @@ class SamplingParams:
                                ("frequency_penalty", PENALTY_RANGE)):
             if not lo <= getattr(self, name) <= hi:
                 raise ValueError(f"{name} must be in [{lo:g}, {hi:g}]")
+        self.logit_bias = {int(k): float(v) for k, v in (self.logit_bias or {}).items()}   # (JSON: keys as text)
+        lo, hi = LOGIT_BIAS_RANGE
+        for k, v in self.logit_bias.items():
+            if k < 0 or not lo <= v <= hi:
+                raise ValueError(f"logit_bias: ids must be >= 0 and biases in [{lo:g}, {hi:g}] (id {k}: {v:g})")
+
+    def portable(self) -> dict:
+        """The plain fields, as JSON can carry them to another rank (no constraint, no recorder:
+        those stay with the rank that samples)."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("constraint", "logprobs")}
 
     @property
     def greedy(self) -> bool:
@@ -63,6 +111,12 @@ class SamplingParams:
         being how many times this reply has sampled the id (its prompt does not count), as OpenAI
         and vLLM define them; applied before temperature, top-k/p and min-p, greedy rows included."""
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    @property
+    def plain_greedy(self) -> bool:
+        """Greedy with nothing between the logits and the argmax (a batch argmaxes such rows together)."""
+        return self.greedy and self.constraint is None and not self.penalized and not self.logit_bias \
+            and self.logprobs is None
 
 
 class StopMatcher:

@@ -33,6 +33,8 @@ class Progress:
 class Delta:
     text: str
     tokens: int          # completion tokens so far
+    logprobs: Optional[list] = None   # a request with a logprobs recorder: TokenLogprob of each reply token
+                                      # since the last Delta (the text may be "" then: a last one, or a stop's)
 
 
 @dataclass

@@ -48,6 +48,8 @@ class Run:
         self.advanced_at = 0                            # engine step of its last token (batch fairness)
         self.seated_at: Optional[int] = None            # engine step it took its seat in the batch
         self.completion: list[int] = []
+        self.logprobs_sent = 0                          # reply tokens whose logprobs went out in a Delta
+        self.logprobs_due = 0                           # reply tokens that have logprobs (not an EOS)
         self.stream: Optional[TextStream] = None
         self.finish_reason: Optional[str] = None
         self._stats_at = 0.0
@@ -129,9 +131,9 @@ class Run:
         if token in self.backend.eos_token_ids:
             self._finish_text("stop")
             return
+        self.logprobs_due = len(self.completion)
         text, stopped = self.stream.add(token)
-        if text:
-            req.emit(Delta(text, len(self.completion)))
+        self._delta(text, last=stopped)
         if stopped:
             self.finish_reason = "stop"
         elif len(self.completion) >= req.params.max_tokens:
@@ -139,9 +141,20 @@ class Run:
 
     def _finish_text(self, reason: str) -> None:
         text, stopped = self.stream.flush()
-        if text:
-            self.request.emit(Delta(text, len(self.completion)))
+        self._delta(text, last=True)
         self.finish_reason = "stop" if stopped else reason
+
+    def _delta(self, text: str, last: bool) -> None:
+        """Send `text` with the logprobs of the tokens taken since the last Delta (their text may
+        be held back still: they go with the next); the `last` one goes out for its logprobs alone.
+        The tokens of a stop sequence have logprobs, though their text is cut (as vLLM's)."""
+        recorder = self.request.params.logprobs
+        entries = None
+        if recorder is not None and (text or last) and self.logprobs_due > self.logprobs_sent:
+            entries = [recorder.get(i) for i in range(self.logprobs_sent, self.logprobs_due)]
+            self.logprobs_sent = self.logprobs_due
+        if text or entries:
+            self.request.emit(Delta(text, len(self.completion), entries))
 
     def close(self) -> None:
         """Stop generating and bring the session's history in line with its cache."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import weakref
-from typing import AsyncIterator, Callable
+from typing import AsyncIterator, Callable, Optional
 
 from fastapi import Request
 
@@ -107,16 +107,21 @@ async def follow(job: Job, events: JobEvents) -> AsyncIterator[Event]:
         job.cancel()
 
 
-async def collect(request: Request, job: Job, events: JobEvents) -> tuple[str, Finished]:
-    """Run a job to the end for a non-streamed response, cancelling it if the client leaves."""
+async def collect(request: Request, job: Job, events: JobEvents) -> tuple[str, Finished, Optional[list]]:
+    """Run a job to the end for a non-streamed response, cancelling it if the client leaves:
+    (text, Finished, the TokenLogprob entries of its tokens, or None where it has no recorder)."""
     watcher = asyncio.create_task(watch_disconnect(request, job))
     parts: list[str] = []
+    logprobs: Optional[list] = None
     try:
         async for event in follow(job, events):
             if isinstance(event, Delta):
                 parts.append(event.text)
+                if event.logprobs is not None:
+                    logprobs = (logprobs or [])
+                    logprobs.extend(event.logprobs)
             elif isinstance(event, Finished):
-                return "".join(parts), event
+                return "".join(parts), event, logprobs
         raise RuntimeError("job ended without a Finished event")
     finally:
         watcher.cancel()

@@ -9,17 +9,21 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from ..engine import Finished, Usage
+from .logprobs import TokenText, chat_logprobs, completion_logprobs
 from .toolcalls import Piece, Text
 from .toolformats import ToolCall
 
 
 @dataclass
 class Reply:
-    """One response being built: chat ("chat.completion") or text ("text_completion")."""
+    """One response being built: chat ("chat.completion") or text ("text_completion"). With
+    `token_text` the request asked for logprobs: the reply and its chunks carry them."""
     kind: str                 # "chat" | "text"
     model: str
     id: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
+    token_text: Optional[TokenText] = None
+    sent_chars: int = 0       # a text stream's characters so far (its chunks' logprobs text_offset)
 
     def __post_init__(self) -> None:
         self.id = self.id or ("chatcmpl-" if self.kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
@@ -40,13 +44,27 @@ class Reply:
         return {"index": 0, "message": {"role": "assistant", "content": text, "refusal": None},
                 "logprobs": None, "finish_reason": finish}
 
+    def logprobs(self, entries: Optional[list]) -> Optional[dict]:
+        """A choice's `logprobs` for these entries (None where the request asked for none)."""
+        if self.token_text is None:
+            return None
+        if self.kind == "chat":
+            return chat_logprobs(self.token_text, entries or [])
+        return completion_logprobs(self.token_text, entries or [], self.sent_chars)
+
     def chunk(self, text: Optional[str], finish: Optional[str] = None, first: bool = False,
-              extension: Optional[dict] = None, with_usage_field: bool = False, delta: Optional[dict] = None) -> dict:
-        """A stream chunk: `text` as content, or (chat) a `delta` of its own."""
+              extension: Optional[dict] = None, with_usage_field: bool = False, delta: Optional[dict] = None,
+              logprobs: Optional[list] = None) -> dict:
+        """A stream chunk: `text` as content, or (chat) a `delta` of its own; `logprobs`: the
+        TokenLogprob entries it carries."""
         body = self._head(self.chunk_object)
         choice = self._choice(text, finish, stream=True, first=first)
         if delta is not None:
             choice["delta"] = delta
+        if logprobs:
+            choice["logprobs"] = self.logprobs(logprobs)
+        if self.kind == "text":
+            self.sent_chars += len(text or "")
         body["choices"] = [choice]
         if with_usage_field:
             body["usage"] = None
@@ -59,11 +77,14 @@ class Reply:
         body.update(choices=[], usage=usage_dict(usage), localheap=extension)
         return body
 
-    def full(self, text: str, done: Finished, pieces: Optional[list[Piece]] = None) -> dict:
-        """The whole reply; for chat, `pieces` (content, reasoning, tool calls) make the message."""
+    def full(self, text: str, done: Finished, pieces: Optional[list[Piece]] = None,
+             logprobs: Optional[list] = None) -> dict:
+        """The whole reply; for chat, `pieces` (content, reasoning, tool calls) make the message;
+        `logprobs`: the TokenLogprob entries of all its tokens."""
         body = self._head("chat.completion" if self.kind == "chat" else "text_completion")
         calls = [p for p in pieces or [] if isinstance(p, ToolCall)]
         choice = self._choice(text, finish_reason(done, bool(calls)), stream=False)
+        choice["logprobs"] = self.logprobs(logprobs)
         ext = extension(done)
         if pieces is not None:
             message = choice["message"]

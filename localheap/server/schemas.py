@@ -7,11 +7,12 @@ from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from ..generation import MIN_P_RANGE, PENALTY_RANGE
+from ..generation import LOGIT_BIAS_RANGE, MIN_P_RANGE, PENALTY_RANGE, TOP_LOGPROBS_MAX
 
 
 TITLE_MAX_CHARS = 200
 TOKENIZE_MAX_CHARS = 4_000_000
+COMPLETION_LOGPROBS_MAX = 5   # the legacy completions' logprobs (top ids per token): OpenAI's limit
 
 
 class Strict(BaseModel):
@@ -130,10 +131,21 @@ class SamplingFields(Strict):
     n: int = 1
     presence_penalty: Optional[float] = Field(None, ge=PENALTY_RANGE[0], le=PENALTY_RANGE[1])
     frequency_penalty: Optional[float] = Field(None, ge=PENALTY_RANGE[0], le=PENALTY_RANGE[1])
-    logit_bias: Optional[dict[str, float]] = None
+    logit_bias: Optional[dict[str, float]] = None   # token id (as text) -> bias added to its logit
     user: Optional[str] = None                   # accepted, unused (an end-user id for abuse tracking)
     metadata: Optional[dict[str, str]] = None    # accepted, unused
     store: Optional[bool] = None
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias(cls, v):
+        lo, hi = LOGIT_BIAS_RANGE
+        for key, bias in (v or {}).items():
+            if not key.strip().isdigit():
+                raise ValueError(f"logit_bias keys are token ids (as text), not {key!r}")
+            if not lo <= bias <= hi:
+                raise ValueError(f"logit_bias values must be in [{lo:g}, {hi:g}] (token {key}: {bias:g})")
+        return v
 
     @field_validator("stop")
     @classmethod
@@ -146,8 +158,6 @@ class SamplingFields(Strict):
     def common_unsupported(self) -> Optional[tuple[str, str]]:
         if self.n != 1:
             return "n", "n must be 1: this server returns one choice per request"
-        if self.logit_bias:
-            return "logit_bias", "logit_bias is not supported"
         if self.stream_options is not None and not self.stream:
             return "stream_options", "stream_options is only allowed when stream is true"
         return None
@@ -158,7 +168,7 @@ class ChatCompletionRequest(SamplingFields):
     max_tokens: Optional[int] = Field(None, ge=1)
     max_completion_tokens: Optional[int] = Field(None, ge=1)
     logprobs: Optional[bool] = None
-    top_logprobs: Optional[int] = None
+    top_logprobs: Optional[int] = Field(None, ge=0, le=TOP_LOGPROBS_MAX)
     response_format: Optional[ResponseFormat] = None
     tools: Optional[list[Tool]] = None
     tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
@@ -186,8 +196,8 @@ class ChatCompletionRequest(SamplingFields):
         if self.response_format is not None and self.response_format.type != "text" and \
                 self.tool_choice not in (None, "none", "auto"):
             return "response_format", "response_format and a forced tool_choice cannot be combined"
-        if self.logprobs or self.top_logprobs is not None:
-            return "logprobs", "logprobs are not supported"
+        if self.top_logprobs and not self.logprobs:
+            return "top_logprobs", "top_logprobs needs logprobs set to true"
         return self.common_unsupported()
 
     def limit(self, default: int) -> int:
@@ -198,7 +208,7 @@ class CompletionRequest(SamplingFields):
     prompt: Union[str, list[str], list[int]]
     max_tokens: int = Field(16, ge=1)
     echo: bool = False
-    logprobs: Optional[int] = None
+    logprobs: Optional[int] = Field(None, ge=0, le=COMPLETION_LOGPROBS_MAX)
     suffix: Optional[str] = None
     best_of: Optional[int] = None
 
@@ -207,8 +217,6 @@ class CompletionRequest(SamplingFields):
             return "prompt", "one prompt per request: batches of prompts are not supported"
         if self.echo:
             return "echo", "echo is not supported"
-        if self.logprobs is not None:
-            return "logprobs", "logprobs are not supported"
         if self.suffix:
             return "suffix", "suffix (insertion) is not supported"
         if self.best_of not in (None, 1):

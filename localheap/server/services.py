@@ -13,6 +13,7 @@ from ..engine import Engine
 from ..sessions import SessionNotFound, SessionStore
 from ..sessions.session import short_title
 from .errors import UnknownModel
+from .logprobs import TokenText
 from .middleware import request_owner
 from .settings import ServerSettings
 
@@ -32,6 +33,7 @@ class Services:
     observers: int = 0                   # open /v1/heap/events streams (event loop only)
     draining: bool = False               # shutting down: the grace period is over, endless streams end
     force_tokens: Any = None             # tests only: () -> a Constraint for each chat request
+    _token_text: Optional[TokenText] = None
 
     @property
     def model_id(self) -> str:
@@ -40,6 +42,13 @@ class Services:
     @property
     def tokenizer(self) -> Any:
         return self.backend.tokenizer
+
+    @property
+    def token_text(self) -> TokenText:
+        """Each token id's text and bytes, for replies' logprobs (made once, cached per id)."""
+        if self._token_text is None:
+            self._token_text = TokenText(self.tokenizer)
+        return self._token_text
 
     async def name_session(self, session_id: str, text: Optional[str]) -> None:
         """Title an untitled session after its first message (on the engine thread, which

@@ -14,7 +14,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.sample_utils import make_sampler
 
-from ...generation import ProgressFn, SamplingParams
+from ...generation import LogprobRecorder, ProgressFn, SamplingParams, TokenLogprob
 from .. import paging
 from . import recall
 from .compiled import compiled_step
@@ -22,16 +22,26 @@ from .heapcache import HeapPromptCache
 
 
 def sampler_for(params: SamplingParams):
+    """mlx-lm's sampler for the params (greedy: its greedy_sampler itself), wrapped by what mlx-lm
+    does not do: penalties, a constraint, logit_bias (outside them: added first), and outermost
+    the logprobs recorder, which sees the raw logprobs."""
     sample = make_sampler(temp=params.temperature, top_p=params.top_p, top_k=params.top_k, min_p=params.min_p)
     if params.penalized:
         sample = penalized(sample, params.presence_penalty, params.frequency_penalty)
-    constraint = params.constraint
-    if constraint is None:
-        return sample
+    if params.constraint is not None:
+        sample = constrained(sample, params.constraint)
+    if params.logit_bias:
+        sample = biased(sample, params.logit_bias)
+    if params.logprobs is not None:
+        sample = recorded(sample, params.logprobs)
+    return sample
 
-    def constrained(logprobs: mx.array) -> mx.array:
-        """Disallowed ids at -inf before mlx-lm's sampler; the constraint sees each sampled id
-        (which evaluates the step: a constrained request decodes without the async overlap)."""
+
+def constrained(sample, constraint):
+    """Disallowed ids at -inf before `sample`; the constraint sees each sampled id (which
+    evaluates the step: a constrained request decodes without the async overlap)."""
+
+    def sample_constrained(logprobs: mx.array) -> mx.array:
         allowed = constraint.allowed()
         if allowed is not None:
             keep = np.zeros(logprobs.shape[-1], dtype=bool)
@@ -42,7 +52,53 @@ def sampler_for(params: SamplingParams):
         constraint.advance(y.item())
         return y
 
-    return constrained
+    return sample_constrained
+
+
+def biased(sample, bias: dict[int, float]):
+    """`sample` after OpenAI's logit_bias, added to the logprobs (the logits up to one constant per row)."""
+    vector = None
+
+    def sample_biased(logprobs: mx.array) -> mx.array:
+        nonlocal vector
+        if vector is None:
+            vocab = logprobs.shape[-1]
+            if max(bias) >= vocab:
+                raise ValueError(f"logit_bias names token id {max(bias)}; this model's ids are 0..{vocab - 1}")
+            dense = np.zeros(vocab, dtype=np.float32)
+            dense[list(bias)] = list(bias.values())
+            vector = mx.array(dense)
+        return sample(logprobs + vector)
+
+    return sample_biased
+
+
+def recorded(sample, recorder: LogprobRecorder):
+    """`sample`, each sampled token's entry added to `recorder` from the raw logprobs it was given:
+    a few values, evaluated asynchronously beside the step (so that nothing keeps the [vocab] row
+    alive) and read when the engine asks."""
+    top = recorder.top
+
+    def sample_recorded(logprobs: mx.array) -> mx.array:
+        y = sample(logprobs)
+        row = logprobs.reshape(-1).astype(mx.float32)
+        token = y.reshape(-1)[:1]
+        chosen = row[token]
+        ids = mx.zeros((0,), dtype=mx.uint32)
+        if top:
+            k = min(top, row.shape[0])
+            ids = mx.argpartition(-row, kth=k - 1)[:k]
+            ids = ids[mx.argsort(-row[ids])]   # the likeliest first
+        values = row[ids]
+        mx.async_eval(token, chosen, ids, values)
+
+        def read() -> TokenLogprob:
+            return TokenLogprob(int(token.item()), float(chosen.item()), list(zip(ids.tolist(), values.tolist())))
+
+        recorder.add(read)
+        return y
+
+    return sample_recorded
 
 
 def penalized(sample, presence: float, frequency: float):

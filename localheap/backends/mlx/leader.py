@@ -29,7 +29,6 @@ import logging
 import threading
 import time
 import weakref
-from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -304,11 +303,11 @@ class Leader:
 
     def generate(self, cache, new_tokens, params: SamplingParams, progress=None, cancelled=None):
         """Each token is one command (the followers step their generator with this one); a
-        constraint stays on rank 0, whose sampled token every rank takes."""
+        constraint (and a logprobs recorder) stays on rank 0, whose sampled token every rank takes."""
         self._handles += 1
         gen_id = self._handles
-        sent = {k: v for k, v in asdict(replace(params, constraint=None)).items() if k != "constraint"}
-        self._step("generate", handle=cache.handle, gen=gen_id, tokens=[int(t) for t in new_tokens], params=sent)
+        self._step("generate", handle=cache.handle, gen=gen_id, tokens=[int(t) for t in new_tokens],
+                   params=params.portable())
         inner = self._guard(lambda: self.backend.generate(cache, new_tokens, params, progress))
         return self._tokens(gen_id, inner)
 

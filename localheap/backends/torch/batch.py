@@ -270,8 +270,9 @@ def _recall_row(model, row: DecodeRow, picker: Executor) -> None:
 
 def sample_rows(samplers: list, logits: torch.Tensor) -> torch.Tensor:
     """Each row's next token [rows] from logits [rows, vocab]: the plain greedy rows in one argmax
-    (argmax per row either way), the others (warpers, seeds, constraints) with their own sampler."""
-    plain = [i for i, s in enumerate(samplers) if s.greedy and s.constraint is None and not s.penalized]
+    (argmax per row either way), the others (warpers, seeds, constraints, penalties, logit_bias,
+    logprobs) with their own sampler."""
+    plain = [i for i, s in enumerate(samplers) if s.plain]
     if len(plain) == len(samplers):
         return torch.argmax(logits, dim=-1)
     tokens = torch.empty(len(samplers), dtype=torch.long, device=logits.device)

@@ -15,7 +15,7 @@ import torch
 from transformers.generation.logits_process import (MinPLogitsWarper, TemperatureLogitsWarper, TopKLogitsWarper,
                                                     TopPLogitsWarper)
 
-from ...generation import ProgressFn, SamplingParams
+from ...generation import ProgressFn, SamplingParams, TokenLogprob
 from .. import paging
 from . import recall
 from .cache import HeapCache
@@ -109,10 +109,18 @@ class Sampler:
         if params.seed is not None:
             self.generator = torch.Generator(device=device).manual_seed(params.seed)
         self.constraint = params.constraint
+        self.logit_bias = params.logit_bias
+        self.bias: Optional[torch.Tensor] = None   # [vocab] float32, made at the first sample
+        self.recorder = params.logprobs
+        self.plain = params.plain_greedy           # the batch argmaxes it with the others
 
     def sample(self, logits: torch.Tensor) -> torch.Tensor:
         """[1] int64 token id on the logits' device (no host sync, unless a constraint must see it)."""
         scores = logits[None]                          # [1, vocab]
+        if self.logit_bias:
+            if self.bias is None:
+                self.bias = bias_vector(self.logit_bias, scores.shape[-1], scores.device)
+            scores = scores + self.bias
         if self.counts is not None:                    # penalized, once the reply has a token
             scores = scores - (self.presence * (self.counts > 0) + self.frequency * self.counts)
         if self.constraint is not None:
@@ -128,12 +136,38 @@ class Sampler:
             if self.counts is None:
                 self.counts = torch.zeros(scores.shape[-1], dtype=torch.float32, device=scores.device)
             self.counts.index_put_((token.reshape(-1),), torch.ones(1, device=scores.device), accumulate=True)
+        if self.recorder is not None:
+            self.recorder.add(logprob_entry(logits, token, self.recorder.top))
         if self.constraint is not None:
             self.constraint.advance(int(token))
         return token
 
     def __call__(self, logits: torch.Tensor) -> int:
         return int(self.sample(logits))
+
+
+def bias_vector(bias: dict[int, float], vocab: int, device: torch.device) -> torch.Tensor:
+    """OpenAI's logit_bias as a [vocab] float32 vector (an id past the vocabulary is an error)."""
+    if max(bias) >= vocab:
+        raise ValueError(f"logit_bias names token id {max(bias)}; this model's ids are 0..{vocab - 1}")
+    out = torch.zeros(vocab, dtype=torch.float32)
+    out[list(bias)] = torch.tensor(list(bias.values()), dtype=torch.float32)
+    return out.to(device)
+
+
+def logprob_entry(logits: torch.Tensor, token: torch.Tensor, top: int):
+    """The sampled token's entry (generation.TokenLogprob) from the raw logits [vocab], computed
+    on the device now (a CUDA graph's logits buffer is overwritten by the next replay) and read off
+    it when the engine asks."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    chosen = logprobs[token.reshape(-1)]
+    values, ids = torch.topk(logprobs, min(top, logprobs.shape[-1])) if top else (None, None)
+
+    def read() -> TokenLogprob:
+        alternatives = list(zip(ids.tolist(), values.tolist())) if top else []
+        return TokenLogprob(int(token.reshape(-1)[0]), float(chosen[0]), alternatives)
+
+    return read
 
 
 def _masked(scores: torch.Tensor, allowed) -> torch.Tensor:

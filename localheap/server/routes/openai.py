@@ -11,11 +11,11 @@ from fastapi.responses import JSONResponse
 from sse_starlette import EventSourceResponse
 
 from ...engine import Delta, Finished, Job, Started
-from ...generation import SamplingParams
+from ...generation import LogprobRecorder, SamplingParams
 from ...sessions import Prompt
 from ..bridge import JobEvents, collect, follow
 from ..chat import ChatPlan, start
-from ..errors import Unsupported, to_response
+from ..errors import BadRequest, Unsupported, to_response
 from ..formats import Reply, add_call_errors, extension, finish_reason, saved_headers, tool_call_dict
 from ..prompts import chat_prompt, completion_prompt, tokenize
 from ..schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
@@ -48,9 +48,11 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, svc: S
                             opts=opts)
     first_user = next((m.text() for m in body.messages if m.role == "user"), None)
     default = min(svc.settings.default_max_tokens, svc.settings.max_tokens_limit)
-    params = _params(body, body.limit(default), plan.constraint(svc, opts))
-    return await _respond(Reply("chat", svc.model_id), body, prompt, params, request, svc, x_session_id,
-                          first_user, plan.parser(opts, prompt))
+    params = _params(body, svc, body.limit(default), plan.constraint(svc, opts),
+                     top_logprobs=body.top_logprobs or 0 if body.logprobs else None)
+    reply = Reply("chat", svc.model_id, token_text=svc.token_text if body.logprobs else None)
+    return await _respond(reply, body, prompt, params, request, svc, x_session_id, first_user,
+                          plan.parser(opts, prompt))
 
 
 @router.post("/v1/completions")
@@ -59,8 +61,9 @@ async def completions(body: CompletionRequest, request: Request, svc: Services =
     _check(body, svc)
     prompt = await tokenize(completion_prompt, svc.tokenizer, body, limit=svc.settings.max_prompt_tokens)
     text = body.prompt if isinstance(body.prompt, str) else None
-    return await _respond(Reply("text", svc.model_id), body, prompt, _params(body, body.max_tokens), request, svc,
-                          x_session_id, text)
+    reply = Reply("text", svc.model_id, token_text=svc.token_text if body.logprobs is not None else None)
+    params = _params(body, svc, body.max_tokens, top_logprobs=body.logprobs)
+    return await _respond(reply, body, prompt, params, request, svc, x_session_id, text)
 
 
 def _check(body, svc: Services) -> None:
@@ -86,11 +89,19 @@ def _plan(body: ChatCompletionRequest) -> ChatPlan:
     return ChatPlan(tools, choice, body.parallel_tool_calls is not False, schema, body.chat_template_kwargs)
 
 
-def _params(body: SamplingFields, max_tokens: int, constraint=None) -> SamplingParams:
+def _params(body: SamplingFields, svc: Services, max_tokens: int, constraint=None,
+            top_logprobs: Optional[int] = None) -> SamplingParams:
+    """The request's sampling; `top_logprobs` not None: each token's logprobs recorded, with that
+    many alternatives."""
+    bias = {int(k): v for k, v in (body.logit_bias or {}).items()}
+    vocab = svc.backend.vocab_size
+    if vocab is not None and bias and max(bias) >= vocab:
+        raise BadRequest(f"logit_bias names token id {max(bias)}; this model's ids are 0..{vocab - 1}", "logit_bias")
     return SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
                           top_k=body.top_k, seed=body.seed, stop=list(body.stop or []), constraint=constraint,
                           min_p=body.min_p, presence_penalty=body.presence_penalty or 0.0,
-                          frequency_penalty=body.frequency_penalty or 0.0)
+                          frequency_penalty=body.frequency_penalty or 0.0, logit_bias=bias,
+                          logprobs=None if top_logprobs is None else LogprobRecorder(top_logprobs))
 
 
 async def _respond(reply: Reply, body: SamplingFields, prompt: Prompt, params: SamplingParams, request: Request,
@@ -100,9 +111,9 @@ async def _respond(reply: Reply, body: SamplingFields, prompt: Prompt, params: S
     job, events, started = await start(svc, request, prompt, params, session_id, title, ephemeral)
     headers = {SESSION_HEADER: started.session_id}
     if not body.stream:
-        text, done = await collect(request, job, events)
+        text, done, logprobs = await collect(request, job, events)
         pieces = parser.feed(text) + parser.finish() if parser is not None else None
-        return JSONResponse(reply.full(text, done, pieces), headers={**headers, **saved_headers(done)})
+        return JSONResponse(reply.full(text, done, pieces, logprobs), headers={**headers, **saved_headers(done)})
     usage = bool(body.stream_options and body.stream_options.include_usage)
     return EventSourceResponse(_stream(reply, job, events, started, usage, parser), headers=headers, sep="\n")
 
@@ -112,6 +123,7 @@ async def _stream(reply: Reply, job: Job, events: JobEvents, started: Started, u
     first_ext = {"session_id": started.session_id}
     first_token_at: Optional[float] = None
     calls = 0
+    logprobs: list = []   # chat: entries whose tokens' text the parser holds back still
     try:
         if reply.kind == "chat":
             yield _data(reply.chunk("", first=True, extension=first_ext, with_usage_field=usage))
@@ -120,19 +132,23 @@ async def _stream(reply: Reply, job: Job, events: JobEvents, started: Started, u
             if isinstance(event, Delta):
                 first_token_at = first_token_at or time.monotonic()
                 if parser is None:
-                    yield _data(reply.chunk(event.text, extension=first_ext, with_usage_field=usage))
+                    yield _data(reply.chunk(event.text, extension=first_ext, with_usage_field=usage,
+                                            logprobs=event.logprobs))
                     first_ext = None
                     continue
+                logprobs += event.logprobs or []
             if parser is not None and isinstance(event, (Delta, Finished)):   # chat: the reply in its parts
                 for piece in parser.feed(event.text) if isinstance(event, Delta) else parser.finish():
-                    chunk = _piece_chunk(reply, piece, calls, usage)
+                    chunk = _piece_chunk(reply, piece, calls, usage, logprobs)
                     if chunk is not None:
                         yield chunk
+                        logprobs = []   # they went with it
                     calls += isinstance(piece, ToolCall)
             if isinstance(event, Finished):
                 decode_s = time.monotonic() - first_token_at if first_token_at is not None else None
                 ext = extension(event, decode_s)
-                yield _data(reply.chunk(None, finish_reason(event, calls > 0), extension=ext, with_usage_field=usage))
+                yield _data(reply.chunk(None, finish_reason(event, calls > 0), extension=ext, with_usage_field=usage,
+                                        logprobs=logprobs))
                 if usage:
                     yield _data(reply.usage_chunk(event.usage, ext))
     except Exception as e:   # headers are gone: report in the stream, as OpenAI does
@@ -140,12 +156,15 @@ async def _stream(reply: Reply, job: Job, events: JobEvents, started: Started, u
     yield {"data": "[DONE]"}
 
 
-def _piece_chunk(reply: Reply, piece: Piece, index: int, usage: bool) -> Optional[dict]:
+def _piece_chunk(reply: Reply, piece: Piece, index: int, usage: bool, logprobs: list) -> Optional[dict]:
     """A reply piece as a chunk: content, reasoning_content, or a tool call (index: its place in the
-    reply), whole or as it is written (its id and name, then its arguments in parts)."""
+    reply), whole or as it is written (its id and name, then its arguments in parts); it carries
+    `logprobs` (the entries of the tokens read since the last chunk) unless it is None."""
     errors = _call_errors(piece, index)
     if isinstance(piece, ToolCall) and piece.streamed:
-        return _data(reply.chunk(None, delta={}, with_usage_field=usage, extension=errors)) if errors else None
+        if not errors:
+            return None
+        return _data(reply.chunk(None, delta={}, with_usage_field=usage, extension=errors, logprobs=logprobs))
     if isinstance(piece, ToolCall):
         delta = {"tool_calls": [tool_call_dict(piece, index)]}
     elif isinstance(piece, CallStart):
@@ -155,7 +174,7 @@ def _piece_chunk(reply: Reply, piece: Piece, index: int, usage: bool) -> Optiona
         delta = {"tool_calls": [{"index": index, "function": {"arguments": piece.text}}]}
     else:
         delta = {"content" if piece.kind == "content" else "reasoning_content": piece.text}
-    return _data(reply.chunk(None, delta=delta, with_usage_field=usage, extension=errors))
+    return _data(reply.chunk(None, delta=delta, with_usage_field=usage, extension=errors, logprobs=logprobs))
 
 
 def _call_errors(piece: Piece, index: int) -> Optional[dict]:

@@ -1,0 +1,106 @@
+"""OpenAI's logprobs in a reply: the engine's TokenLogprob entries (ids and log probabilities) as
+chat's `logprobs.content` and the legacy completions' `logprobs` object, with each token's text
+and bytes as the tokenizer writes them."""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Any, Optional
+
+from ..generation import TokenLogprob
+
+_SP_BYTE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+def _byte_level_table() -> dict[str, int]:
+    """The byte-level BPE alphabet (GPT-2's): each byte is written as one printable character, the
+    printable Latin-1 bytes as themselves and the others as the characters from U+0100 on, in order."""
+    kept = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    table, shifted = {}, 0
+    for b in range(256):
+        if b in kept:
+            table[chr(b)] = b
+        else:
+            table[chr(256 + shifted)] = b
+            shifted += 1
+    return table
+
+
+class TokenText:
+    """Each id's (text, UTF-8 bytes) as a reply's logprobs give them: the bytes the token stands for
+    (byte-level BPE: its characters mapped back to bytes; SentencePiece: `▁` a space, `<0xNN>` that
+    byte), the text those bytes decode to (a token that ends inside a character has U+FFFD there),
+    so that the tokens' texts joined give the reply's text. Cached per id."""
+
+    def __init__(self, tokenizer: Any):
+        self.tokenizer = tokenizer
+        self._cache: dict[int, tuple[str, list[int]]] = {}
+        decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
+        self.byte_level = type(decoder).__name__ == "ByteLevel"
+        self._table = _byte_level_table() if self.byte_level else {}
+        self._specials = set(getattr(tokenizer, "all_special_ids", []) or [])
+
+    def __call__(self, token: int) -> tuple[str, list[int]]:
+        got = self._cache.get(token)
+        if got is None:
+            got = self._cache[token] = self._lookup(token)
+        return got
+
+    def _lookup(self, token: int) -> tuple[str, list[int]]:
+        try:
+            piece = self.tokenizer.convert_ids_to_tokens(token)
+        except Exception:   # noqa: BLE001 - an id past the tokenizer's vocabulary (a padded head)
+            piece = None
+        if piece is None:
+            return "", []
+        if token in self._specials:
+            data = piece.encode()
+        elif self.byte_level and all(c in self._table for c in piece):
+            data = bytes(self._table[c] for c in piece)
+        elif (m := _SP_BYTE.fullmatch(piece)) is not None:
+            data = bytes([int(m.group(1), 16)])
+        else:
+            data = piece.replace("\u2581", " ").encode()
+        return data.decode("utf-8", errors="replace"), list(data)
+
+
+def _number(x: float) -> float:
+    """JSON has no infinities: an impossible id's log probability is written as -9999.0 (OpenAI's floor)."""
+    return x if math.isfinite(x) else -9999.0
+
+
+def chat_content(text_of: TokenText, entries: list[TokenLogprob]) -> list[dict]:
+    """`logprobs.content` of a chat reply (or of one stream chunk)."""
+    out = []
+    for e in entries:
+        token, data = text_of(e.token)
+        top = []
+        for i, lp in e.top:
+            t, b = text_of(i)
+            top.append({"token": t, "logprob": _number(lp), "bytes": b})
+        out.append({"token": token, "logprob": _number(e.logprob), "bytes": data, "top_logprobs": top})
+    return out
+
+
+def chat_logprobs(text_of: TokenText, entries: Optional[list[TokenLogprob]]) -> Optional[dict]:
+    return None if entries is None else {"content": chat_content(text_of, entries), "refusal": None}
+
+
+def completion_logprobs(text_of: TokenText, entries: Optional[list[TokenLogprob]], offset: int = 0) -> Optional[dict]:
+    """The legacy completions' `logprobs`: tokens, their logprobs, each position's top ids (the
+    sampled one always among them: up to logprobs + 1, as OpenAI's) and each token's offset in the
+    text, counted from `offset` (a stream chunk's: the characters sent before it)."""
+    if entries is None:
+        return None
+    tokens, values, tops, offsets = [], [], [], []
+    for e in entries:
+        token, _ = text_of(e.token)
+        tokens.append(token)
+        values.append(_number(e.logprob))
+        top = {text_of(i)[0]: _number(lp) for i, lp in e.top}
+        top.setdefault(token, _number(e.logprob))
+        tops.append(top)
+        offsets.append(offset)
+        offset += len(token)
+    return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
