@@ -1,0 +1,414 @@
+"""OpenAI's Responses API in localheap's terms: request bodies (pydantic, unknown fields refused),
+their conversion to the chat messages the chat route renders (so every API shares templates,
+sessions, heap, recall and prefix reuse), and the reply as output items (reasoning, message,
+function_call) and the Responses stream's events.
+
+Stateless, as Codex and the Agents SDK use it with `store: false`: the whole conversation comes in
+`input` each time (the session the prompt extends is found and reused, as for chat), so
+`previous_response_id` and `conversation` are refused with a message saying so."""
+
+from __future__ import annotations
+
+import secrets
+import time
+from typing import Any, Callable, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from ..engine import Finished
+from .chat import ChatPlan
+from .errors import BadRequest
+from .schemas import ChatMessage, Strict
+from .toolcalls import CallArgs, CallStart, Piece, Text
+from .toolformats import ToolCall
+
+
+class InputText(Strict):
+    type: Literal["input_text", "output_text", "text"]
+    text: str
+    annotations: Optional[list[Any]] = None   # (an output_text sent back)
+    logprobs: Optional[list[Any]] = None
+
+
+class InputMedia(BaseModel):
+    """Images, files and audio: recognised, so that they are refused by name."""
+    model_config = ConfigDict(extra="allow")
+    type: Literal["input_image", "input_file", "input_audio", "refusal"]
+
+
+ContentPart = Union[InputText, InputMedia]
+
+
+class MessageItem(Strict):
+    type: Optional[Literal["message"]] = None
+    role: Literal["user", "assistant", "system", "developer"]
+    content: Union[str, list[ContentPart]]
+    id: Optional[str] = None
+    status: Optional[str] = None
+    phase: Optional[str] = None
+
+
+class FunctionCallItem(Strict):
+    type: Literal["function_call"]
+    call_id: str
+    name: str
+    arguments: str
+    id: Optional[str] = None
+    status: Optional[str] = None
+    namespace: Optional[str] = None              # (fields an SDK's output item carries, sent back)
+    caller: Optional[dict[str, Any]] = None
+    async_: Optional[bool] = Field(None, alias="async")
+
+
+class FunctionCallOutputItem(Strict):
+    type: Literal["function_call_output"]
+    call_id: str
+    output: Union[str, list[ContentPart]]
+    id: Optional[str] = None
+    status: Optional[str] = None
+
+
+class ReasoningPart(Strict):
+    type: Literal["summary_text", "reasoning_text"]
+    text: str
+
+
+class ReasoningItem(Strict):
+    type: Literal["reasoning"]
+    id: Optional[str] = None
+    summary: list[ReasoningPart] = []
+    content: Optional[list[ReasoningPart]] = None
+    encrypted_content: Optional[str] = None
+    status: Optional[str] = None
+
+
+class OtherItem(BaseModel):
+    """Items of hosted tools (web search, file search, computer use, ...) and item references:
+    recognised, so that they are refused by name."""
+    model_config = ConfigDict(extra="allow")
+    type: str
+
+
+Item = Union[MessageItem, FunctionCallItem, FunctionCallOutputItem, ReasoningItem, OtherItem]
+
+
+class FunctionTool(Strict):
+    type: Literal["function"]
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    description: Optional[str] = None
+    parameters: Optional[dict[str, Any]] = None
+    strict: Optional[bool] = None
+
+
+class HostedTool(BaseModel):
+    """web_search, file_search, code_interpreter, mcp, ...: refused by name."""
+    model_config = ConfigDict(extra="allow")
+    type: str
+
+
+class NamedFunction(Strict):
+    type: Literal["function"]
+    name: str
+
+
+class TextFormat(Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    name: Optional[str] = None
+    schema_: Optional[dict[str, Any]] = Field(None, alias="schema")
+    description: Optional[str] = None
+    strict: Optional[bool] = None
+
+
+class TextConfig(Strict):
+    format: Optional[TextFormat] = None
+    verbosity: Optional[str] = None              # accepted, unused
+
+
+class ReasoningConfig(Strict):
+    effort: Optional[str] = None                 # "none" turns a thinking template's thinking off
+    summary: Optional[str] = None                # accepted: reasoning comes back as written
+    generate_summary: Optional[str] = None
+
+
+class StreamOptions(Strict):
+    include_obfuscation: Optional[bool] = None
+
+
+class ResponsesRequest(Strict):
+    model: str
+    input: Union[str, list[Item]]
+    instructions: Optional[str] = None
+    tools: Optional[list[Union[FunctionTool, HostedTool]]] = None
+    tool_choice: Union[Literal["auto", "none", "required"], NamedFunction, None] = None
+    parallel_tool_calls: Optional[bool] = None
+    max_output_tokens: Optional[int] = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+    text: Optional[TextConfig] = None
+    reasoning: Optional[ReasoningConfig] = None
+    store: Optional[bool] = None                 # false: a session of its own, not kept (as chat's)
+    metadata: Optional[dict[str, str]] = None    # accepted, returned
+    user: Optional[str] = None                   # accepted, unused
+    safety_identifier: Optional[str] = None      # accepted, unused
+    prompt_cache_key: Optional[str] = None       # accepted: prefix reuse is automatic here
+    prompt_cache_retention: Optional[str] = None
+    service_tier: Optional[str] = None           # accepted, unused
+    truncation: Optional[Literal["auto", "disabled"]] = None   # the heap keeps any length: nothing to truncate
+    include: Optional[list[str]] = None          # accepted (reasoning comes back as text; nothing encrypted)
+    previous_response_id: Optional[str] = None   # refused (stateless: send the conversation)
+    conversation: Optional[Any] = None           # refused, likewise
+    background: Optional[bool] = None            # refused when true
+    top_logprobs: Optional[int] = None           # refused when > 0
+    max_tool_calls: Optional[int] = None         # refused when set
+
+    def unsupported(self) -> Optional[tuple[str, str]]:
+        """(param, message) for the first field set to something this server cannot do."""
+        if self.previous_response_id is not None or self.conversation is not None:
+            name = "previous_response_id" if self.previous_response_id is not None else "conversation"
+            return name, (f"{name} is not supported: this server keeps no responses; send the whole "
+                          "conversation in input (its prefix is reused from the session that holds it)")
+        if self.background:
+            return "background", "background responses are not supported"
+        if self.top_logprobs:
+            return "top_logprobs", "top_logprobs is not supported on /v1/responses (use /v1/chat/completions)"
+        if self.max_tool_calls is not None:
+            return "max_tool_calls", "max_tool_calls is not supported"
+        for i, t in enumerate(self.tools or []):
+            if isinstance(t, HostedTool):
+                return f"tools.{i}", f"{t.type!r} tools are hosted by OpenAI; this server runs function tools only"
+        items = [] if isinstance(self.input, str) else self.input
+        for i, item in enumerate(items):
+            if isinstance(item, OtherItem):
+                return f"input.{i}", f"{item.type!r} input items are not supported (messages, function_call, " \
+                    "function_call_output and reasoning are)"
+            parts = item.content if isinstance(item, MessageItem) else \
+                item.output if isinstance(item, FunctionCallOutputItem) else None
+            for j, p in enumerate(parts if isinstance(parts, list) else []):
+                if isinstance(p, InputMedia):
+                    return f"input.{i}.content.{j}", f"this model reads text only: {p.type!r} parts are not supported"
+        if isinstance(self.tool_choice, NamedFunction) and \
+                self.tool_choice.name not in {t.name for t in self.function_tools}:
+            return "tool_choice", f"tool_choice names {self.tool_choice.name!r}, which is not in tools"
+        if self.tool_choice in ("required",) and not self.function_tools:
+            return "tool_choice", "tool_choice needs tools"
+        return None
+
+    @property
+    def function_tools(self) -> list[FunctionTool]:
+        return [t for t in self.tools or [] if isinstance(t, FunctionTool)]
+
+    def chat_messages(self) -> list[ChatMessage]:
+        """The conversation as chat messages: instructions a system message; an assistant's
+        message, reasoning and function calls one assistant message; each call's output a tool
+        message."""
+        out: list[ChatMessage] = []
+        if self.instructions:
+            out.append(ChatMessage(role="system", content=self.instructions))
+        items = [MessageItem(role="user", content=self.input)] if isinstance(self.input, str) else self.input
+        turn: Optional[dict] = None   # the assistant message being gathered
+
+        def close() -> None:
+            nonlocal turn
+            if turn is not None:
+                out.append(ChatMessage(role="assistant", content=turn["content"] or (None if turn["calls"] else ""),
+                                       tool_calls=turn["calls"] or None, reasoning_content=turn["reasoning"] or None))
+                turn = None
+
+        def assistant() -> dict:
+            nonlocal turn
+            if turn is None:
+                turn = {"content": "", "calls": [], "reasoning": ""}
+            return turn
+
+        for item in items:
+            if isinstance(item, ReasoningItem):
+                t = assistant()
+                if t["content"] or t["calls"]:   # a new step of the reply: reasoning opens it
+                    close()
+                    t = assistant()
+                t["reasoning"] += "".join(p.text for p in item.content or item.summary)
+            elif isinstance(item, FunctionCallItem):
+                assistant()["calls"].append({"id": item.call_id, "type": "function",
+                                             "function": {"name": item.name, "arguments": item.arguments}})
+            elif isinstance(item, MessageItem) and item.role == "assistant":
+                t = assistant()
+                if t["calls"]:
+                    close()
+                    t = assistant()
+                t["content"] += _text(item.content)
+            else:
+                close()
+                if isinstance(item, FunctionCallOutputItem):
+                    out.append(ChatMessage(role="tool", tool_call_id=item.call_id, content=_text(item.output)))
+                else:
+                    out.append(ChatMessage(role=item.role, content=_text(item.content)))
+        close()
+        return out
+
+    def plan(self) -> ChatPlan:
+        tools = [{"type": "function", "function": {"name": t.name, "parameters": t.parameters or {"type": "object"},
+                                                   **({"description": t.description} if t.description else {})}}
+                 for t in self.function_tools] or None
+        choice = self.tool_choice or "auto"
+        if isinstance(choice, NamedFunction):
+            choice = choice.name
+        fmt = self.text.format if self.text is not None else None
+        schema = None
+        if fmt is not None and fmt.type == "json_object":
+            schema = {}
+        elif fmt is not None and fmt.type == "json_schema":
+            if fmt.schema_ is None:
+                raise BadRequest("text.format of type json_schema needs a schema", "text.format")
+            schema = fmt.schema_
+        if schema is not None and choice not in ("auto", "none"):
+            raise BadRequest("text.format and a forced tool_choice cannot be combined", "text.format")
+        kwargs = None
+        if self.reasoning is not None and self.reasoning.effort is not None:
+            kwargs = {"enable_thinking": self.reasoning.effort != "none"}
+        return ChatPlan(tools, choice, self.parallel_tool_calls is not False, schema, kwargs)
+
+
+def _text(content: Union[str, list]) -> str:
+    return content if isinstance(content, str) else "".join(p.text for p in content if isinstance(p, InputText))
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}_{secrets.token_hex(12)}"
+
+
+class Built:
+    """A response's output items as the reply's pieces arrive, and the events that tell a stream
+    about them (each with its sequence number): an item is added, its text or arguments grow,
+    it is done."""
+
+    def __init__(self, request: ResponsesRequest, model: str, count: Callable[[str], int]):
+        self.request, self.model = request, model
+        self.count = count                    # tokens of a text (the reasoning's, for usage)
+        self.id, self.created = new_id("resp"), int(time.time())
+        self.items: list[dict] = []
+        self.open: Optional[dict] = None      # the item still being written
+        self.sequence = 0
+        self.calls = 0
+        self.call_errors: list[dict] = []     # calls whose arguments are not JSON
+
+    def event(self, type_: str, **data) -> dict:
+        body = {"type": type_, "sequence_number": self.sequence, **data}
+        self.sequence += 1
+        return body
+
+    def response(self, status: str, done: Optional[Finished] = None, extension: Optional[dict] = None) -> dict:
+        r = self.request
+        fmt = r.text.format.model_dump(by_alias=True, exclude_none=True) if r.text and r.text.format else {"type": "text"}
+        body = {"id": self.id, "object": "response", "created_at": self.created, "status": status,
+                "error": None, "incomplete_details": None, "instructions": r.instructions,
+                "max_output_tokens": r.max_output_tokens, "model": self.model, "output": self.items,
+                "parallel_tool_calls": r.parallel_tool_calls is not False, "previous_response_id": None,
+                "reasoning": {"effort": r.reasoning.effort if r.reasoning else None, "summary": None},
+                "store": r.store is not False, "temperature": r.temperature, "text": {"format": fmt},
+                "tool_choice": r.tool_choice.model_dump() if isinstance(r.tool_choice, NamedFunction)
+                else r.tool_choice or "auto",
+                "tools": [t.model_dump(exclude_none=True) for t in r.function_tools], "top_p": r.top_p,
+                "truncation": r.truncation or "disabled", "usage": None, "user": r.user, "metadata": r.metadata or {}}
+        if done is not None:
+            u = done.usage
+            reasoning = "".join(i["content"][0]["text"] for i in self.items if i["type"] == "reasoning")
+            body["usage"] = {"input_tokens": u.prompt_tokens, "input_tokens_details": {"cached_tokens": u.cached_tokens},
+                             "output_tokens": u.completion_tokens,
+                             "output_tokens_details": {"reasoning_tokens": self.count(reasoning) if reasoning else 0},
+                             "total_tokens": u.total_tokens}
+            if done.finish_reason == "length":
+                body["incomplete_details"] = {"reason": "max_output_tokens"}
+        if extension is not None:
+            body["localheap"] = {**extension, **({"tool_call_errors": self.call_errors} if self.call_errors else {})}
+        return body
+
+    def feed(self, piece: Piece) -> list[dict]:
+        """The events of one piece of the reply."""
+        out: list[dict] = []
+        if isinstance(piece, Text):
+            kind = "message" if piece.kind == "content" else "reasoning"
+            if self.open is None or self.open["type"] != kind:
+                out += self.close()
+                out += self._add(kind)
+            item = self.open
+            part = item["content"][0]
+            part["text"] += piece.text
+            name = "response.output_text.delta" if kind == "message" else "response.reasoning_text.delta"
+            extra = {"logprobs": []} if kind == "message" else {}
+            out.append(self.event(name, item_id=item["id"], output_index=len(self.items) - 1, content_index=0,
+                                  delta=piece.text, **extra))
+        elif isinstance(piece, CallStart):
+            out += self.close()
+            out += self._add("function_call", call_id=piece.id, name=piece.name)
+        elif isinstance(piece, CallArgs):
+            item = self.open
+            item["arguments"] += piece.text
+            out.append(self.event("response.function_call_arguments.delta", item_id=item["id"],
+                                  output_index=len(self.items) - 1, delta=piece.text))
+        elif isinstance(piece, ToolCall):
+            if not piece.streamed:   # a call that comes out whole: added, its arguments in one delta
+                out += self.close()
+                out += self._add("function_call", call_id=piece.id, name=piece.name)
+                out += self.feed(CallArgs(piece.arguments))
+            item = self.open
+            item["arguments"] = piece.arguments
+            if piece.error is not None:   # returned as written, named in the response's `localheap`
+                self.call_errors.append({"index": self.calls, "call_id": piece.id, "error": piece.error})
+            self.calls += 1
+            out += self.close()
+        return out
+
+    def _add(self, kind: str, **fields) -> list[dict]:
+        if kind == "function_call":
+            item = {"type": "function_call", "id": new_id("fc"), "status": "in_progress", "arguments": "", **fields}
+        elif kind == "message":
+            item = {"type": "message", "id": new_id("msg"), "status": "in_progress", "role": "assistant",
+                    "content": [{"type": "output_text", "text": "", "annotations": [], "logprobs": []}]}
+        else:
+            item = {"type": "reasoning", "id": new_id("rs"), "status": "in_progress", "summary": [],
+                    "content": [{"type": "reasoning_text", "text": ""}]}
+        self.items.append(item)
+        self.open = item
+        index = len(self.items) - 1
+        added = {**item, "content": []} if kind != "function_call" else dict(item)
+        out = [self.event("response.output_item.added", output_index=index, item=added)]
+        if kind != "function_call":
+            out.append(self.event("response.content_part.added", item_id=item["id"], output_index=index,
+                                  content_index=0, part={**item["content"][0], "text": ""}))
+        return out
+
+    def close(self, status: str = "completed") -> list[dict]:
+        """The open item's done events (none open: nothing)."""
+        item, self.open = self.open, None
+        if item is None:
+            return []
+        index = self.items.index(item)
+        item["status"] = status
+        out = []
+        if item["type"] == "function_call":
+            out.append(self.event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
+                                  name=item["name"], arguments=item["arguments"]))
+        else:
+            part = item["content"][0]
+            if item["type"] == "message":
+                out.append(self.event("response.output_text.done", item_id=item["id"], output_index=index,
+                                      content_index=0, text=part["text"], logprobs=[]))
+            else:
+                out.append(self.event("response.reasoning_text.done", item_id=item["id"], output_index=index,
+                                      content_index=0, text=part["text"]))
+            out.append(self.event("response.content_part.done", item_id=item["id"], output_index=index,
+                                  content_index=0, part=dict(part)))
+        out.append(self.event("response.output_item.done", output_index=index, item=dict(item)))
+        return out
+
+    def finish(self, done: Finished, extension: dict) -> tuple[dict, list[dict]]:
+        """(the whole response, the events that end its stream): the open item closed (incomplete
+        where max_output_tokens cut it), then response.completed or response.incomplete."""
+        cut = done.finish_reason == "length"
+        events = self.close("incomplete" if cut else "completed")
+        status = "incomplete" if cut else "completed"
+        body = self.response(status, done, extension)
+        events.append(self.event("response.incomplete" if cut else "response.completed", response=body))
+        return body, events

@@ -1,0 +1,89 @@
+"""OpenAI's Responses API: POST /v1/responses, whole or streamed with its typed events. The same
+sessions, heap, recall and prefix reuse as the chat route: the conversation is rendered by the
+same chat template into the same prompt."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import AsyncIterator, Optional
+
+from fastapi import APIRouter, Depends, Header, Request
+from fastapi.responses import JSONResponse
+from sse_starlette import EventSourceResponse
+
+from ...engine import Delta, Finished, Job
+from ...generation import SamplingParams
+from ..bridge import JobEvents, collect, follow
+from ..chat import start
+from ..errors import Unsupported, to_response
+from ..formats import extension, saved_headers
+from ..prompts import chat_prompt, tokenize
+from ..responses import Built, ResponsesRequest
+from ..services import Services, services
+from ..toolcalls import OutputParser
+from .openai import SESSION_HEADER
+
+router = APIRouter()
+
+
+@router.post("/v1/responses")
+async def create_response(body: ResponsesRequest, request: Request, svc: Services = Depends(services),
+                          x_session_id: Optional[str] = Header(None)):
+    svc.check_model(body.model)
+    bad = body.unsupported()
+    if bad is not None:
+        raise Unsupported(bad[1], bad[0])
+    plan = body.plan()
+    opts = plan.options(svc)
+    messages = body.chat_messages()
+    prompt = await tokenize(chat_prompt, svc.tokenizer, messages, limit=svc.settings.max_prompt_tokens, opts=opts)
+    default = min(svc.settings.default_max_tokens, svc.settings.max_tokens_limit)
+    params = SamplingParams(max_tokens=body.max_output_tokens or default, temperature=body.temperature,
+                            top_p=body.top_p, constraint=plan.constraint(svc, opts))
+    title = next((m.text() for m in messages if m.role == "user"), None)
+    # `store: false` (Codex sends it on every turn) keeps the session: OpenAI's store is about fetching
+    # the response later, which this server never offers; the session is its prompt cache
+    job, events, started = await start(svc, request, prompt, params, x_session_id, title)
+    built = Built(body, svc.model_id, lambda text: len(svc.tokenizer.encode(text, add_special_tokens=False)))
+    parser = plan.parser(opts, prompt)
+    headers = {SESSION_HEADER: started.session_id}
+    if not body.stream:
+        text, done, _ = await collect(request, job, events)
+        for piece in parser.feed(text) + parser.finish():
+            built.feed(piece)
+        whole, _ = built.finish(done, extension(done))
+        return JSONResponse(whole, headers={**headers, **saved_headers(done)})
+    return EventSourceResponse(_stream(built, parser, job, events, started.session_id), headers=headers, sep="\n")
+
+
+async def _stream(built: Built, parser: OutputParser, job: Job, events: JobEvents,
+                  session_id: str) -> AsyncIterator[dict]:
+    """response.created and .in_progress; per output item: added, its content part, its text or
+    arguments in deltas, done; then response.completed (or .incomplete: max_output_tokens)."""
+    yield _sse(built.event("response.created", response={**built.response("in_progress"),
+                                                         "localheap": {"session_id": session_id}}))
+    yield _sse(built.event("response.in_progress", response=built.response("in_progress")))
+    first_token_at: Optional[float] = None
+    try:
+        async for event in follow(job, events):
+            if isinstance(event, Delta):
+                first_token_at = first_token_at or time.monotonic()
+                for piece in parser.feed(event.text):
+                    for e in built.feed(piece):
+                        yield _sse(e)
+            elif isinstance(event, Finished):
+                for piece in parser.finish():
+                    for e in built.feed(piece):
+                        yield _sse(e)
+                decode_s = time.monotonic() - first_token_at if first_token_at is not None else None
+                for e in built.finish(event, extension(event, decode_s))[1]:
+                    yield _sse(e)
+    except Exception as e:   # headers are gone: an error event, as OpenAI sends one
+        err = json.loads(to_response(e).body)["error"]
+        yield _sse(built.event("error", code=err["code"], message=err["message"], param=err["param"]))
+
+
+def _sse(event: dict) -> dict:
+    return {"event": event["type"], "data": json.dumps(event, separators=(",", ":"))}
+

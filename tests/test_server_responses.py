@@ -1,0 +1,221 @@
+"""OpenAI's Responses API (POST /v1/responses) through the real server (uvicorn in a thread, a tiny
+torch model carrying a Qwen-style template) driven by the official OpenAI SDK, unmodified: text,
+reasoning and function calls as output items, whole and streamed with the typed events; a
+conversation sent back as input items renders the prompt the chat route renders (and finds its
+session); structured output and forced calls held by the grammar; what it cannot do refused.
+
+A random model will not choose to call a tool, so some tests force the sampled tokens (the
+server's test-only `force_tokens` hook), while the template, the parser, the stream and the
+session run for real."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from family_templates import QWEN, with_template
+
+openai = pytest.importorskip("openai")
+jsonschema = pytest.importorskip("jsonschema")
+
+from localheap.grammar import ForcedTokens  # noqa: E402
+from localheap.heap import HeapConfig  # noqa: E402
+from localheap.server import ServerSettings, create_app  # noqa: E402
+from localheap.server.prompts import ChatOptions, chat_prompt  # noqa: E402
+from localheap.server.responses import ResponsesRequest  # noqa: E402
+from localheap.server.schemas import ChatMessage  # noqa: E402
+from localheap.server.testing import ServerThread  # noqa: E402
+from localheap.server.toolformats import tool_format  # noqa: E402
+
+HEAP = HeapConfig(budget=64, slack=32, recent=16)
+CITY = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Lyon", "Nice"]}},
+        "required": ["city"], "additionalProperties": False}
+TOOLS = [{"type": "function", "name": "get_weather", "description": "Weather in a city", "parameters": CITY},
+         {"type": "function", "name": "get_time", "parameters": {"type": "object", "properties": {}}}]
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+
+
+@pytest.fixture(scope="module")
+def server(model_dirs, tmp_path_factory, torch_one_thread):
+    from localheap.models import load_backend
+
+    model_dir = with_template(model_dirs("qwen2"), tmp_path_factory.mktemp("qwen") / "m", QWEN)
+    app = create_app(load_backend(str(model_dir), "torch"), ServerSettings(heap=HEAP, web_dir=None))
+    with ServerThread(app) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture
+def force(server):
+    """force(text): every request until the test ends samples exactly `text`'s tokens, then EOS."""
+    svc = server.services
+
+    def set_text(text: str) -> None:
+        ids = svc.tokenizer.encode(text, add_special_tokens=False)
+        svc.force_tokens = lambda: ForcedTokens(ids, svc.backend.eos_token_ids)
+
+    yield set_text
+    svc.force_tokens = None
+
+
+def model(server) -> str:
+    return server.services.model_id
+
+
+def events_of(client, **kw) -> list:
+    with client.responses.create(stream=True, **kw) as stream:
+        return list(stream)
+
+
+def test_text_whole_and_streamed(server, client, force):
+    kw = dict(model=model(server), input="The pass key", max_output_tokens=12, temperature=0)
+    whole = client.responses.create(**kw)
+    chat = client.chat.completions.create(model=model(server), messages=[{"role": "user", "content": "The pass key"}],
+                                          max_tokens=12, temperature=0)
+    assert whole.output_text == chat.choices[0].message.content, "the chat route's prompt and reply"
+    assert whole.status == "incomplete" and whole.incomplete_details.reason == "max_output_tokens"
+    assert whole.usage.output_tokens == 12 and whole.usage.input_tokens == chat.usage.prompt_tokens
+    (item,) = whole.output
+    assert item.type == "message" and item.role == "assistant" and item.status == "incomplete"
+    events = events_of(client, **kw)
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    types = [e.type for e in events]
+    assert types[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]
+    assert types[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
+                          "response.incomplete"]
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert text == whole.output_text == events[-1].response.output_text
+    assert events[0].response.id == events[-1].response.id
+    force("Hello there.")   # then the end of the turn
+    done = client.responses.create(model=model(server), input="The pass key", max_output_tokens=40)
+    assert done.status == "completed" and done.incomplete_details is None and done.output_text == "Hello there."
+    assert done.output[0].status == "completed"
+
+
+def test_a_function_call_and_its_output_sent_back(server, client, force):
+    force(CALL)
+    first = client.responses.create(model=model(server), input="What is the weather in Paris?", tools=TOOLS,
+                                    instructions="You are a weather agent.", max_output_tokens=80)
+    (call,) = first.output
+    assert first.usage.output_tokens_details.reasoning_tokens == 0
+    assert call.type == "function_call" and call.name == "get_weather" and call.call_id.startswith("call_")
+    assert json.loads(call.arguments) == {"city": "Paris"} and first.status == "completed"
+    assert first.output_text == ""
+    force("It is sunny in Paris.")
+    history = [{"role": "user", "content": "What is the weather in Paris?"}] + \
+        [item.model_dump(mode="json", by_alias=True) for item in first.output] + \
+        [{"type": "function_call_output", "call_id": call.call_id, "output": '{"sky": "sunny"}'}]
+    second = client.responses.create(model=model(server), input=history, tools=TOOLS,
+                                     instructions="You are a weather agent.", max_output_tokens=40)
+    assert second.output_text == "It is sunny in Paris."
+    assert second.localheap["session_id"] == first.localheap["session_id"], "the session found again"
+    assert second.usage.input_tokens_details.cached_tokens >= first.usage.input_tokens
+
+
+def test_the_input_items_render_as_the_chat_messages(server):
+    """Items (a reasoning item, the message and two calls of one reply, their outputs) become the chat
+    messages an OpenAI chat client would send: the same prompt, token for token."""
+    items = [{"role": "user", "content": [{"type": "input_text", "text": "Weather in Paris and Lyon?"}]},
+             {"type": "reasoning", "id": "rs_1", "summary": [], "content": [{"type": "reasoning_text", "text": "two"}]},
+             {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Checking."}]},
+             {"type": "function_call", "call_id": "call_a", "name": "get_weather", "arguments": '{"city": "Paris"}'},
+             {"type": "function_call", "call_id": "call_b", "name": "get_weather", "arguments": '{"city": "Lyon"}'},
+             {"type": "function_call_output", "call_id": "call_a", "output": "sunny"},
+             {"type": "function_call_output", "call_id": "call_b", "output": [{"type": "input_text", "text": "rain"}]},
+             {"role": "developer", "content": "Be brief."}]
+    req = ResponsesRequest(model="m", input=items, instructions="You are a weather agent.", tools=TOOLS)
+    calls = [{"id": f"call_{c}", "type": "function", "function": {"name": "get_weather", "arguments": f'{{"city": "{n}"}}'}}
+             for c, n in (("a", "Paris"), ("b", "Lyon"))]
+    want = [ChatMessage(role="system", content="You are a weather agent."),
+            ChatMessage(role="user", content="Weather in Paris and Lyon?"),
+            ChatMessage(role="assistant", content="Checking.", tool_calls=calls, reasoning_content="two"),
+            ChatMessage(role="tool", tool_call_id="call_a", content="sunny"),
+            ChatMessage(role="tool", tool_call_id="call_b", content="rain"),
+            ChatMessage(role="developer", content="Be brief.")]
+    assert req.chat_messages() == want
+    tok = server.services.tokenizer
+    plan = req.plan()
+    opts = ChatOptions(plan.tools, tool_format(tok, None), {})
+    assert chat_prompt(tok, req.chat_messages(), opts=opts).tokens == chat_prompt(tok, want, opts=opts).tokens
+
+
+def test_streamed_function_calls_and_reasoning(server, client, force):
+    force("<think>\nplan\n</think>\n\n" + CALL + "\n" + CALL.replace("Paris", "Lyon"))
+    events = events_of(client, model=model(server), input="Paris and Lyon?", tools=TOOLS, max_output_tokens=120)
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    added = [e.item for e in events if e.type == "response.output_item.added"]
+    assert [i.type for i in added] == ["reasoning", "function_call", "function_call"]
+    assert [i.name for i in added[1:]] == ["get_weather", "get_weather"]
+    final = events[-1].response
+    assert events[-1].type == "response.completed"
+    for index, city in ((1, "Paris"), (2, "Lyon")):
+        deltas = "".join(e.delta for e in events
+                         if e.type == "response.function_call_arguments.delta" and e.output_index == index)
+        assert json.loads(deltas) == {"city": city} == json.loads(final.output[index].arguments)
+        (done,) = [e for e in events if e.type == "response.function_call_arguments.done" and e.output_index == index]
+        assert done.arguments == final.output[index].arguments
+    thought = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
+    assert thought == final.output[0].content[0].text == "\nplan\n"
+    reasoning = server.services.tokenizer.encode("\nplan\n", add_special_tokens=False)
+    assert final.usage.output_tokens_details.reasoning_tokens == len(reasoning)   # (its text re-tokenized)
+    whole = client.responses.create(model=model(server), input="Paris and Lyon?", tools=TOOLS, max_output_tokens=120)
+    assert [(i.type, getattr(i, "arguments", None)) for i in whole.output] == \
+        [(i.type, getattr(i, "arguments", None)) for i in final.output]
+
+
+def test_structured_output_and_forced_calls_hold(server, client):
+    """No forced tokens: the random model is held by the grammar to the schema, and to a call."""
+    for seed in range(2):
+        r = client.responses.create(model=model(server), input="a city", temperature=1.0, max_output_tokens=60,
+                                    text={"format": {"type": "json_schema", "name": "city", "schema": CITY,
+                                                     "strict": True}})
+        jsonschema.validate(json.loads(r.output_text), CITY)
+    r = client.responses.create(model=model(server), input="any city", tools=TOOLS, temperature=1.0,
+                                max_output_tokens=60, tool_choice={"type": "function", "name": "get_weather"})
+    (call,) = [i for i in r.output if i.type == "function_call"]
+    assert call.name == "get_weather"
+    jsonschema.validate(json.loads(call.arguments), CITY)
+
+
+@pytest.mark.parametrize("fields,param", [
+    ({"previous_response_id": "resp_1"}, "previous_response_id"),
+    ({"conversation": "conv_1"}, "conversation"),
+    ({"tools": [{"type": "web_search"}]}, "tools.0"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}]}, "input.0.content.0"),
+    ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input.0"),
+    ({"tool_choice": {"type": "function", "name": "nope"}, "tools": TOOLS}, "tool_choice"),
+    ({"background": True}, "background"),
+    ({"frobnicate": 1}, "frobnicate"),
+    ({"max_output_tokens": 0}, "max_output_tokens"),
+    ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format"),
+])
+def test_what_it_cannot_do_is_a_400(server, fields, param):
+    import httpx
+
+    body = {"model": model(server), "input": "hi", "max_output_tokens": 4, **fields}
+    r = httpx.post(server.url + "/v1/responses", json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param
+
+
+def test_an_unknown_model_is_a_404(server):
+    import httpx
+
+    r = httpx.post(server.url + "/v1/responses", json={"model": "gpt-9", "input": "hi"}, timeout=60)
+    assert r.status_code == 404 and r.json()["error"]["param"] == "model"
+
+
+def test_arguments_that_are_not_json_come_back_flagged(server, client, force):
+    force('<tool_call>\n{"name": "get_weather", "arguments": {city: Paris}}\n</tool_call>')
+    r = client.responses.create(model=model(server), input="Paris?", tools=TOOLS, max_output_tokens=60)
+    (call,) = r.output
+    assert call.type == "function_call" and call.arguments == "{city: Paris}"
+    (err,) = r.localheap["tool_call_errors"]
+    assert err["call_id"] == call.call_id and err["index"] == 0
