@@ -184,8 +184,69 @@ def test_structured_output_and_forced_calls_hold(server, client):
     jsonschema.validate(json.loads(call.arguments), CITY)
 
 
+def test_previous_response_id_continues_a_kept_response(server, client, force):
+    """Three turns by previous_response_id (a call, its output, a question): each renders the prompt
+    the whole conversation sent as input renders, and finds the session; GET returns a kept
+    response, DELETE forgets it (its continuation is then a 404), store: false keeps none."""
+    force(CALL)
+    first = client.responses.create(model=model(server), input="Weather in Paris?", tools=TOOLS, max_output_tokens=60)
+    (call,) = first.output
+    force("Sunny.")
+    second = client.responses.create(model=model(server), previous_response_id=first.id, tools=TOOLS,
+                                     input=[{"type": "function_call_output", "call_id": call.call_id, "output": "sun"}])
+    assert second.previous_response_id == first.id and second.output_text == "Sunny."
+    assert second.localheap["session_id"] == first.localheap["session_id"]
+    force("Nice too.")
+    third = client.responses.create(model=model(server), previous_response_id=second.id, tools=TOOLS,
+                                    input="And Nice?", max_output_tokens=20)
+    assert third.localheap["session_id"] == first.localheap["session_id"]
+    assert third.usage.input_tokens_details.cached_tokens >= second.usage.input_tokens
+    # the same conversation sent whole: the same prompt (its length), the same session
+    whole = [{"role": "user", "content": "Weather in Paris?"}, call.model_dump(mode="json", by_alias=True),
+             {"type": "function_call_output", "call_id": call.call_id, "output": "sun"},
+             {"role": "assistant", "content": "Sunny."}, {"role": "user", "content": "And Nice?"}]
+    again = client.responses.create(model=model(server), input=whole, tools=TOOLS, max_output_tokens=20)
+    assert again.usage.input_tokens == third.usage.input_tokens
+    assert again.localheap["session_id"] == first.localheap["session_id"]
+    got = client.responses.retrieve(second.id)
+    assert got.id == second.id and got.output_text == "Sunny."
+    assert client.responses.delete(second.id) is None
+    for gone in (lambda: client.responses.retrieve(second.id),
+                 lambda: client.responses.create(model=model(server), previous_response_id=third.id, input="x")):
+        with pytest.raises(openai.NotFoundError):   # the chain through the deleted one is broken
+            gone()
+    unkept = client.responses.create(model=model(server), input="hi", store=False, max_output_tokens=4)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(unkept.id)
+
+
+def test_the_log_drops_its_oldest_and_says_so():
+    from localheap.server.responses import ResponseLog, ResponseNotFound
+
+    log = ResponseLog(max_kept=3)
+    ids = []
+    for i in range(5):
+        req = ResponsesRequest(model="m", input=f"turn {i}", previous_response_id=ids[-1] if ids else None)
+        body = {"id": f"resp_{i}", "output": [{"type": "message", "id": f"msg_{i}", "role": "assistant",
+                                               "status": "completed",
+                                               "content": [{"type": "output_text", "text": f"reply {i}"}]}]}
+        log.add(body, req, owner=None)
+        ids.append(body["id"])
+    kept = log.get("resp_3", None).items + log.get("resp_4", None).items
+    assert [m.content for m in ResponsesRequest(model="m", input="x").chat_messages(kept)] == \
+        ["turn 3", "reply 3", "turn 4", "reply 4", "x"]
+    assert [m.role for m in ResponsesRequest(model="m", input="x").chat_messages(kept)] == \
+        ["user", "assistant", "user", "assistant", "user"]
+    with pytest.raises(ResponseNotFound):   # resp_0 and resp_1 were dropped: the chain says so
+        log.conversation("resp_4", None)
+    with pytest.raises(ResponseNotFound):   # another key's response is not this one's
+        log.get("resp_4", owner="someone")
+    assert len(log._kept) == 3 and log.chars == sum(k.chars for k in log._kept.values())
+
+
 @pytest.mark.parametrize("fields,param", [
     ({"previous_response_id": "resp_1"}, "previous_response_id"),
+    ({"previous_response_id": "resp_1", "store": False}, "store"),
     ({"conversation": "conv_1"}, "conversation"),
     ({"tools": [{"type": "web_search"}]}, "tools.0"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}]}, "input.0.content.0"),
@@ -201,7 +262,7 @@ def test_what_it_cannot_do_is_a_400(server, fields, param):
 
     body = {"model": model(server), "input": "hi", "max_output_tokens": 4, **fields}
     r = httpx.post(server.url + "/v1/responses", json=body, timeout=60)
-    assert r.status_code == 400, r.text
+    assert r.status_code == (404 if param == "previous_response_id" else 400), r.text
     assert r.json()["error"]["param"] == param
 
 

@@ -3,21 +3,24 @@ their conversion to the chat messages the chat route renders (so every API share
 sessions, heap, recall and prefix reuse), and the reply as output items (reasoning, message,
 function_call) and the Responses stream's events.
 
-Stateless, as Codex and the Agents SDK use it with `store: false`: the whole conversation comes in
-`input` each time (the session the prompt extends is found and reused, as for chat), so
-`previous_response_id` and `conversation` are refused with a message saying so."""
+Codex and the Agents SDK send the whole conversation in `input` each time (`store: false`): the
+session the prompt extends is found and reused, as for chat. A stored response (ResponseLog, in
+memory) can be continued by `previous_response_id` instead: its chain's items come first."""
 
 from __future__ import annotations
 
+import json
 import secrets
 import time
+from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Any, Callable, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..engine import Finished
 from .chat import ChatPlan
-from .errors import BadRequest
+from .errors import ApiError, BadRequest
 from .schemas import ChatMessage, Strict
 from .toolcalls import CallArgs, CallStart, Piece, Text
 from .toolformats import ToolCall
@@ -157,18 +160,19 @@ class ResponsesRequest(Strict):
     service_tier: Optional[str] = None           # accepted, unused
     truncation: Optional[Literal["auto", "disabled"]] = None   # the heap keeps any length: nothing to truncate
     include: Optional[list[str]] = None          # accepted (reasoning comes back as text; nothing encrypted)
-    previous_response_id: Optional[str] = None   # refused (stateless: send the conversation)
-    conversation: Optional[Any] = None           # refused, likewise
+    previous_response_id: Optional[str] = None   # continue a response kept in memory (ResponseLog)
+    conversation: Optional[Any] = None           # refused
     background: Optional[bool] = None            # refused when true
     top_logprobs: Optional[int] = None           # refused when > 0
     max_tool_calls: Optional[int] = None         # refused when set
 
     def unsupported(self) -> Optional[tuple[str, str]]:
         """(param, message) for the first field set to something this server cannot do."""
-        if self.previous_response_id is not None or self.conversation is not None:
-            name = "previous_response_id" if self.previous_response_id is not None else "conversation"
-            return name, (f"{name} is not supported: this server keeps no responses; send the whole "
-                          "conversation in input (its prefix is reused from the session that holds it)")
+        if self.conversation is not None:
+            return "conversation", ("conversation objects are not supported: send the whole conversation in "
+                                    "input, or previous_response_id")
+        if self.previous_response_id is not None and self.store is False:
+            return "store", "previous_response_id continues a stored response; this request has store: false"
         if self.background:
             return "background", "background responses are not supported"
         if self.top_logprobs:
@@ -199,14 +203,18 @@ class ResponsesRequest(Strict):
     def function_tools(self) -> list[FunctionTool]:
         return [t for t in self.tools or [] if isinstance(t, FunctionTool)]
 
-    def chat_messages(self) -> list[ChatMessage]:
-        """The conversation as chat messages: instructions a system message; an assistant's
-        message, reasoning and function calls one assistant message; each call's output a tool
-        message."""
+    @property
+    def input_items(self) -> list:
+        return [MessageItem(role="user", content=self.input)] if isinstance(self.input, str) else list(self.input)
+
+    def chat_messages(self, before: list = ()) -> list[ChatMessage]:
+        """The conversation (the items `before` this request's: a previous response's chain) as chat
+        messages: instructions a system message; an assistant's message, reasoning and function
+        calls one assistant message; each call's output a tool message."""
         out: list[ChatMessage] = []
         if self.instructions:
             out.append(ChatMessage(role="system", content=self.instructions))
-        items = [MessageItem(role="user", content=self.input)] if isinstance(self.input, str) else self.input
+        items = list(before) + self.input_items
         turn: Optional[dict] = None   # the assistant message being gathered
 
         def close() -> None:
@@ -270,6 +278,71 @@ class ResponsesRequest(Strict):
         return ChatPlan(tools, choice, self.parallel_tool_calls is not False, schema, kwargs)
 
 
+class ResponseNotFound(ApiError):
+    status, code = 404, "response_not_found"
+
+
+@dataclass
+class Kept:
+    """A stored response: its body as returned, the items it added to the conversation (its own
+    input, then its output) and the response it continued."""
+    body: dict
+    items: list
+    previous: Optional[str]
+    owner: Optional[str]
+    chars: int
+
+
+class ResponseLog:
+    """The responses kept for previous_response_id and GET /v1/responses/{id}: in memory (a
+    restart forgets them: the conversations' sessions stay), the oldest dropped past `max_kept`
+    responses or `max_chars` characters. Each keeps only what it added, so a long conversation
+    costs its length once; a chain whose start was dropped says so. Event loop only."""
+
+    def __init__(self, max_kept: int = 4096, max_chars: int = 16_000_000):
+        self.max_kept, self.max_chars = max_kept, max_chars
+        self._kept: OrderedDict[str, Kept] = OrderedDict()
+        self.chars = 0
+
+    def add(self, body: dict, request: ResponsesRequest, owner: Optional[str]) -> None:
+        items = request.input_items + [_output_item(i) for i in body["output"]]
+        chars = len(json.dumps(body)) + sum(len(i.model_dump_json()) for i in request.input_items)
+        self._kept[body["id"]] = Kept(body, items, request.previous_response_id, owner, chars)
+        self.chars += chars
+        while self._kept and (len(self._kept) > self.max_kept or self.chars > self.max_chars):
+            self.chars -= self._kept.popitem(last=False)[1].chars
+
+    def get(self, response_id: str, owner: Optional[str], param: str = "response_id") -> Kept:
+        kept = self._kept.get(response_id)
+        if kept is None or kept.owner != owner:
+            raise ResponseNotFound(f"no response {response_id!r} is kept here (responses are kept in memory, the "
+                                   f"latest {self.max_kept}, until the server restarts; the conversation's "
+                                   f"session is not lost: send the whole conversation in input)", param)
+        self._kept.move_to_end(response_id)
+        return kept
+
+    def conversation(self, response_id: str, owner: Optional[str]) -> list:
+        """The items of the chain that ends with `response_id`, oldest first."""
+        chain, at = [], response_id
+        while at is not None:
+            kept = self.get(at, owner, "previous_response_id")
+            chain.append(kept.items)
+            at = kept.previous
+        return [item for items in reversed(chain) for item in items]
+
+    def delete(self, response_id: str, owner: Optional[str]) -> None:
+        self.get(response_id, owner)
+        self.chars -= self._kept.pop(response_id).chars
+
+
+_OUTPUT_ITEMS = {"message": MessageItem, "function_call": FunctionCallItem, "reasoning": ReasoningItem}
+
+
+def _output_item(item: dict):
+    """An output item as the input item a client would send back."""
+    return _OUTPUT_ITEMS[item["type"]].model_validate(item)
+
+
 def _text(content: Union[str, list]) -> str:
     return content if isinstance(content, str) else "".join(p.text for p in content if isinstance(p, InputText))
 
@@ -304,7 +377,8 @@ class Built:
         body = {"id": self.id, "object": "response", "created_at": self.created, "status": status,
                 "error": None, "incomplete_details": None, "instructions": r.instructions,
                 "max_output_tokens": r.max_output_tokens, "model": self.model, "output": self.items,
-                "parallel_tool_calls": r.parallel_tool_calls is not False, "previous_response_id": None,
+                "parallel_tool_calls": r.parallel_tool_calls is not False,
+                "previous_response_id": r.previous_response_id,
                 "reasoning": {"effort": r.reasoning.effort if r.reasoning else None, "summary": None},
                 "store": r.store is not False, "temperature": r.temperature, "text": {"format": fmt},
                 "tool_choice": r.tool_choice.model_dump() if isinstance(r.tool_choice, NamedFunction)

@@ -34,6 +34,7 @@ class Services:
     draining: bool = False               # shutting down: the grace period is over, endless streams end
     force_tokens: Any = None             # tests only: () -> a Constraint for each chat request
     _token_text: Optional[TokenText] = None
+    _responses: Any = None
 
     @property
     def model_id(self) -> str:
@@ -42,6 +43,15 @@ class Services:
     @property
     def tokenizer(self) -> Any:
         return self.backend.tokenizer
+
+    @property
+    def responses(self) -> Any:
+        """The /v1/responses kept for previous_response_id and GET (responses.ResponseLog)."""
+        if self._responses is None:
+            from .responses import ResponseLog   # (it imports chat.py, which imports this module)
+
+            self._responses = ResponseLog()
+        return self._responses
 
     @property
     def token_text(self) -> TokenText:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import time
-from typing import AsyncIterator, Optional
+from typing import AsyncIterator, Callable, Optional
 
 from fastapi import APIRouter, Depends, Header, Request
 from fastapi.responses import JSONResponse
@@ -20,7 +20,7 @@ from ..errors import Unsupported, to_response
 from ..formats import extension, saved_headers
 from ..prompts import chat_prompt, tokenize
 from ..responses import Built, ResponsesRequest
-from ..services import Services, services
+from ..services import Services, owner, services
 from ..toolcalls import OutputParser
 from .openai import SESSION_HEADER
 
@@ -36,7 +36,9 @@ async def create_response(body: ResponsesRequest, request: Request, svc: Service
         raise Unsupported(bad[1], bad[0])
     plan = body.plan()
     opts = plan.options(svc)
-    messages = body.chat_messages()
+    who = owner(request)
+    before = svc.responses.conversation(body.previous_response_id, who) if body.previous_response_id else []
+    messages = body.chat_messages(before)
     prompt = await tokenize(chat_prompt, svc.tokenizer, messages, limit=svc.settings.max_prompt_tokens, opts=opts)
     default = min(svc.settings.default_max_tokens, svc.settings.max_tokens_limit)
     params = SamplingParams(max_tokens=body.max_output_tokens or default, temperature=body.temperature,
@@ -48,17 +50,32 @@ async def create_response(body: ResponsesRequest, request: Request, svc: Service
     built = Built(body, svc.model_id, lambda text: len(svc.tokenizer.encode(text, add_special_tokens=False)))
     parser = plan.parser(opts, prompt)
     headers = {SESSION_HEADER: started.session_id}
+    keep = (lambda whole: svc.responses.add(whole, body, who)) if body.store is not False else (lambda whole: None)
     if not body.stream:
         text, done, _ = await collect(request, job, events)
         for piece in parser.feed(text) + parser.finish():
             built.feed(piece)
         whole, _ = built.finish(done, extension(done))
+        keep(whole)
         return JSONResponse(whole, headers={**headers, **saved_headers(done)})
-    return EventSourceResponse(_stream(built, parser, job, events, started.session_id), headers=headers, sep="\n")
+    return EventSourceResponse(_stream(built, parser, job, events, started.session_id, keep), headers=headers,
+                               sep="\n")
 
 
-async def _stream(built: Built, parser: OutputParser, job: Job, events: JobEvents,
-                  session_id: str) -> AsyncIterator[dict]:
+@router.get("/v1/responses/{response_id}")
+async def get_response(response_id: str, request: Request, svc: Services = Depends(services)) -> dict:
+    return svc.responses.get(response_id, owner(request)).body
+
+
+@router.delete("/v1/responses/{response_id}")
+async def delete_response(response_id: str, request: Request, svc: Services = Depends(services)) -> dict:
+    """Forget a kept response (its conversation's session stays: DELETE /v1/sessions/{id} for that)."""
+    svc.responses.delete(response_id, owner(request))
+    return {"id": response_id, "object": "response", "deleted": True}
+
+
+async def _stream(built: Built, parser: OutputParser, job: Job, events: JobEvents, session_id: str,
+                  keep: Callable[[dict], None]) -> AsyncIterator[dict]:
     """response.created and .in_progress; per output item: added, its content part, its text or
     arguments in deltas, done; then response.completed (or .incomplete: max_output_tokens)."""
     yield _sse(built.event("response.created", response={**built.response("in_progress"),
@@ -77,7 +94,9 @@ async def _stream(built: Built, parser: OutputParser, job: Job, events: JobEvent
                     for e in built.feed(piece):
                         yield _sse(e)
                 decode_s = time.monotonic() - first_token_at if first_token_at is not None else None
-                for e in built.finish(event, extension(event, decode_s))[1]:
+                whole, ending = built.finish(event, extension(event, decode_s))
+                keep(whole)
+                for e in ending:
                     yield _sse(e)
     except Exception as e:   # headers are gone: an error event, as OpenAI sends one
         err = json.loads(to_response(e).body)["error"]
