@@ -2,7 +2,8 @@
 each sampled token's logprob and top alternatives are the stock model's own log-softmax (a full
 forward of prompt and reply, with a budget that never evicts), logit_bias moves the sample but
 not the logprobs, the batched engine gives each request the entries it gets alone, and the
-OpenAI routes return them (chat's logprobs.content, completions' legacy object) whole or streamed."""
+OpenAI routes return them (chat's logprobs.content, completions' legacy object) whole or streamed;
+n choices decode together, each sampled on its own."""
 
 from __future__ import annotations
 
@@ -234,8 +235,9 @@ def _post(srv, path: str, **body):
 
 
 def _chat(srv, **kw) -> dict:
-    r = _post(srv, "/v1/chat/completions", messages=[{"role": "user", "content": "The pass key"}], max_tokens=16,
-              temperature=0, store=False, **kw)
+    body = {"messages": [{"role": "user", "content": "The pass key"}], "max_tokens": 16, "temperature": 0,
+            "store": False, **kw}
+    r = _post(srv, "/v1/chat/completions", **body)
     assert r.status_code == 200, r.text
     return r.json()
 
@@ -341,3 +343,41 @@ def test_the_openai_sdk_reads_them(server):
     legacy = client.completions.create(model=server.services.model_id, prompt="The pass key", max_tokens=4,
                                        temperature=0, logprobs=1)
     assert len(legacy.choices[0].logprobs.tokens) == 4
+
+
+def test_n_choices_decode_together(server, monkeypatch):
+    """n: the choices decode in one batch, each with its own sampling (seed + index) and logprobs;
+    greedy choices are the one reply; whole and streamed give the same choices; the usage counts
+    the prompt once."""
+    one = _chat(server, temperature=1.0, seed=5, logprobs=True)
+    backend, rows = server.services.backend, []
+    real = backend.step_rows
+    monkeypatch.setattr(backend, "step_rows", lambda batch, chunks=(): rows.append(len(batch)) or real(batch, chunks))
+    three = _chat(server, temperature=1.0, seed=5, logprobs=True, n=3)
+    monkeypatch.undo()
+    assert max(rows) == 3, rows
+    texts = [c["message"]["content"] for c in sorted(three["choices"], key=lambda c: c["index"])]
+    assert [c["index"] for c in three["choices"]] == [0, 1, 2]
+    assert texts[0] == one["choices"][0]["message"]["content"], "choice 0 samples with the request's seed"
+    assert len(set(texts)) == 3, texts
+    assert texts[1] == _chat(server, temperature=1.0, seed=6)["choices"][0]["message"]["content"]
+    assert three["usage"]["prompt_tokens"] == one["usage"]["prompt_tokens"]
+    assert three["usage"]["completion_tokens"] == 3 * 16
+    for c in three["choices"]:
+        assert "".join(e["token"] for e in c["logprobs"]["content"]) == c["message"]["content"]
+    greedy = _chat(server, n=2)
+    assert greedy["choices"][0]["message"] == greedy["choices"][1]["message"]
+    chunks = _stream(server, "/v1/chat/completions", messages=[{"role": "user", "content": "The pass key"}],
+                     max_tokens=16, temperature=1.0, seed=5, store=False, n=3, stream_options={"include_usage": True})
+    streamed = {i: "" for i in range(3)}
+    finished = set()
+    for c in chunks:
+        for ch in c["choices"]:
+            streamed[ch["index"]] += ch["delta"].get("content") or ""
+            if ch["finish_reason"]:
+                finished.add(ch["index"])
+    assert [streamed[i] for i in range(3)] == texts and finished == {0, 1, 2}
+    assert chunks[-1]["usage"]["completion_tokens"] == 3 * 16 and chunks[-1]["choices"] == []
+    text = _post(server, "/v1/completions", prompt="The pass key", max_tokens=6, temperature=1.0, seed=2, n=2).json()
+    assert [c["index"] for c in text["choices"]] == [0, 1] and text["usage"]["completion_tokens"] == 12
+    assert server.services.engine.in_flight == 0

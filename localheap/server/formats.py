@@ -23,7 +23,7 @@ class Reply:
     id: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
     token_text: Optional[TokenText] = None
-    sent_chars: int = 0       # a text stream's characters so far (its chunks' logprobs text_offset)
+    sent_chars: dict = field(default_factory=dict)   # choice -> a text stream's characters so far (text_offset)
 
     def __post_init__(self) -> None:
         self.id = self.id or ("chatcmpl-" if self.kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
@@ -35,36 +35,37 @@ class Reply:
     def _head(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "system_fingerprint": None}
 
-    def _choice(self, text: Optional[str], finish: Optional[str], stream: bool, first: bool = False) -> dict:
+    def _choice(self, text: Optional[str], finish: Optional[str], stream: bool, first: bool = False,
+                index: int = 0) -> dict:
         if self.kind == "text":
-            return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+            return {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish}
         if stream:
             delta = {"role": "assistant", "content": text or ""} if first else ({"content": text} if text else {})
-            return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
-        return {"index": 0, "message": {"role": "assistant", "content": text, "refusal": None},
+            return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
+        return {"index": index, "message": {"role": "assistant", "content": text, "refusal": None},
                 "logprobs": None, "finish_reason": finish}
 
-    def logprobs(self, entries: Optional[list]) -> Optional[dict]:
+    def logprobs(self, entries: Optional[list], index: int = 0) -> Optional[dict]:
         """A choice's `logprobs` for these entries (None where the request asked for none)."""
         if self.token_text is None:
             return None
         if self.kind == "chat":
             return chat_logprobs(self.token_text, entries or [])
-        return completion_logprobs(self.token_text, entries or [], self.sent_chars)
+        return completion_logprobs(self.token_text, entries or [], self.sent_chars.get(index, 0))
 
     def chunk(self, text: Optional[str], finish: Optional[str] = None, first: bool = False,
               extension: Optional[dict] = None, with_usage_field: bool = False, delta: Optional[dict] = None,
-              logprobs: Optional[list] = None) -> dict:
-        """A stream chunk: `text` as content, or (chat) a `delta` of its own; `logprobs`: the
-        TokenLogprob entries it carries."""
+              logprobs: Optional[list] = None, index: int = 0) -> dict:
+        """A stream chunk of choice `index`: `text` as content, or (chat) a `delta` of its own;
+        `logprobs`: the TokenLogprob entries it carries."""
         body = self._head(self.chunk_object)
-        choice = self._choice(text, finish, stream=True, first=first)
+        choice = self._choice(text, finish, stream=True, first=first, index=index)
         if delta is not None:
             choice["delta"] = delta
         if logprobs:
-            choice["logprobs"] = self.logprobs(logprobs)
+            choice["logprobs"] = self.logprobs(logprobs, index)
         if self.kind == "text":
-            self.sent_chars += len(text or "")
+            self.sent_chars[index] = self.sent_chars.get(index, 0) + len(text or "")
         body["choices"] = [choice]
         if with_usage_field:
             body["usage"] = None
@@ -77,27 +78,44 @@ class Reply:
         body.update(choices=[], usage=usage_dict(usage), localheap=extension)
         return body
 
-    def full(self, text: str, done: Finished, pieces: Optional[list[Piece]] = None,
-             logprobs: Optional[list] = None) -> dict:
-        """The whole reply; for chat, `pieces` (content, reasoning, tool calls) make the message;
-        `logprobs`: the TokenLogprob entries of all its tokens."""
+    def full(self, outs: list["Out"]) -> dict:
+        """The whole reply, a choice per Out (the first one's session in `localheap`; usage: the
+        prompt once, every choice's completion tokens)."""
         body = self._head("chat.completion" if self.kind == "chat" else "text_completion")
-        calls = [p for p in pieces or [] if isinstance(p, ToolCall)]
-        choice = self._choice(text, finish_reason(done, bool(calls)), stream=False)
-        choice["logprobs"] = self.logprobs(logprobs)
-        ext = extension(done)
-        if pieces is not None:
-            message = choice["message"]
-            content = "".join(p.text for p in pieces if isinstance(p, Text) and p.kind == "content")
-            message["content"] = content or (None if calls else "")
-            reasoning = "".join(p.text for p in pieces if isinstance(p, Text) and p.kind == "reasoning")
-            if reasoning:
-                message["reasoning_content"] = reasoning
-            if calls:
-                message["tool_calls"] = [tool_call_dict(c) for c in calls]
-                add_call_errors(ext, calls)
-        body.update(choices=[choice], usage=usage_dict(done.usage), localheap=ext)
+        ext = extension(outs[0].done)
+        choices = []
+        for i, out in enumerate(outs):
+            calls = [p for p in out.pieces or [] if isinstance(p, ToolCall)]
+            choice = self._choice(out.text, finish_reason(out.done, bool(calls)), stream=False, index=i)
+            choice["logprobs"] = self.logprobs(out.logprobs)
+            if out.pieces is not None:
+                message = choice["message"]
+                content = "".join(p.text for p in out.pieces if isinstance(p, Text) and p.kind == "content")
+                message["content"] = content or (None if calls else "")
+                reasoning = "".join(p.text for p in out.pieces if isinstance(p, Text) and p.kind == "reasoning")
+                if reasoning:
+                    message["reasoning_content"] = reasoning
+                if calls:
+                    message["tool_calls"] = [tool_call_dict(c) for c in calls]
+                    add_call_errors(ext, calls)
+            choices.append(choice)
+        body.update(choices=choices, usage=usage_dict(total_usage([out.done for out in outs])), localheap=ext)
         return body
+
+
+@dataclass
+class Out:
+    """One choice's reply: its text, how it ended, its pieces (chat) and logprobs (if asked)."""
+    text: str
+    done: Finished
+    pieces: Optional[list[Piece]] = None
+    logprobs: Optional[list] = None
+
+
+def total_usage(dones: list[Finished]) -> Usage:
+    """n choices of one prompt: the prompt (and its reuse) counted once, every choice's tokens."""
+    first = dones[0].usage
+    return Usage(first.prompt_tokens, sum(d.usage.completion_tokens for d in dones), first.cached_tokens)
 
 
 def tool_call_dict(call: ToolCall, index: Optional[int] = None) -> dict:

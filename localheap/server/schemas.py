@@ -13,6 +13,7 @@ from ..generation import LOGIT_BIAS_RANGE, MIN_P_RANGE, PENALTY_RANGE, TOP_LOGPR
 TITLE_MAX_CHARS = 200
 TOKENIZE_MAX_CHARS = 4_000_000
 COMPLETION_LOGPROBS_MAX = 5   # the legacy completions' logprobs (top ids per token): OpenAI's limit
+MAX_CHOICES = 8               # n: the engine's default decode batch
 
 
 class Strict(BaseModel):
@@ -128,7 +129,7 @@ class SamplingFields(Strict):
     min_p: float = Field(0.0, ge=MIN_P_RANGE[0], le=MIN_P_RANGE[1])   # extension (vLLM's, llama.cpp's): 0 = off
     seed: Optional[int] = None
     stop: Optional[Union[str, list[str]]] = None
-    n: int = 1
+    n: int = Field(1, ge=1, le=MAX_CHOICES)      # choices: they decode together in the batch
     presence_penalty: Optional[float] = Field(None, ge=PENALTY_RANGE[0], le=PENALTY_RANGE[1])
     frequency_penalty: Optional[float] = Field(None, ge=PENALTY_RANGE[0], le=PENALTY_RANGE[1])
     logit_bias: Optional[dict[str, float]] = None   # token id (as text) -> bias added to its logit
@@ -156,8 +157,6 @@ class SamplingFields(Strict):
         return stops
 
     def common_unsupported(self) -> Optional[tuple[str, str]]:
-        if self.n != 1:
-            return "n", "n must be 1: this server returns one choice per request"
         if self.stream_options is not None and not self.stream:
             return "stream_options", "stream_options is only allowed when stream is true"
         return None

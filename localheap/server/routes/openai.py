@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
-from typing import AsyncIterator, Optional
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Callable, Optional
 
 from fastapi import APIRouter, Depends, Header, Request
 from fastapi.responses import JSONResponse
@@ -16,7 +18,7 @@ from ...sessions import Prompt
 from ..bridge import JobEvents, collect, follow
 from ..chat import ChatPlan, start
 from ..errors import BadRequest, Unsupported, to_response
-from ..formats import Reply, add_call_errors, extension, finish_reason, saved_headers, tool_call_dict
+from ..formats import Out, Reply, add_call_errors, extension, finish_reason, saved_headers, tool_call_dict, total_usage
 from ..prompts import chat_prompt, completion_prompt, tokenize
 from ..schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
 from ..services import Services, services
@@ -48,11 +50,11 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, svc: S
                             opts=opts)
     first_user = next((m.text() for m in body.messages if m.role == "user"), None)
     default = min(svc.settings.default_max_tokens, svc.settings.max_tokens_limit)
-    params = _params(body, svc, body.limit(default), plan.constraint(svc, opts),
-                     top_logprobs=body.top_logprobs or 0 if body.logprobs else None)
+    top = body.top_logprobs or 0 if body.logprobs else None
     reply = Reply("chat", svc.model_id, token_text=svc.token_text if body.logprobs else None)
-    return await _respond(reply, body, prompt, params, request, svc, x_session_id, first_user,
-                          plan.parser(opts, prompt))
+    return await _respond(reply, body, prompt, request, svc, x_session_id, first_user,
+                          lambda i: _params(body, svc, body.limit(default), i, plan.constraint(svc, opts), top),
+                          lambda: plan.parser(opts, prompt))
 
 
 @router.post("/v1/completions")
@@ -62,8 +64,8 @@ async def completions(body: CompletionRequest, request: Request, svc: Services =
     prompt = await tokenize(completion_prompt, svc.tokenizer, body, limit=svc.settings.max_prompt_tokens)
     text = body.prompt if isinstance(body.prompt, str) else None
     reply = Reply("text", svc.model_id, token_text=svc.token_text if body.logprobs is not None else None)
-    params = _params(body, svc, body.max_tokens, top_logprobs=body.logprobs)
-    return await _respond(reply, body, prompt, params, request, svc, x_session_id, text)
+    return await _respond(reply, body, prompt, request, svc, x_session_id, text,
+                          lambda i: _params(body, svc, body.max_tokens, i, top_logprobs=body.logprobs))
 
 
 def _check(body, svc: Services) -> None:
@@ -89,82 +91,137 @@ def _plan(body: ChatCompletionRequest) -> ChatPlan:
     return ChatPlan(tools, choice, body.parallel_tool_calls is not False, schema, body.chat_template_kwargs)
 
 
-def _params(body: SamplingFields, svc: Services, max_tokens: int, constraint=None,
+def _params(body: SamplingFields, svc: Services, max_tokens: int, choice: int = 0, constraint=None,
             top_logprobs: Optional[int] = None) -> SamplingParams:
-    """The request's sampling; `top_logprobs` not None: each token's logprobs recorded, with that
-    many alternatives."""
+    """Choice `choice`'s sampling (its seed: the request's plus its index); `top_logprobs` not
+    None: each token's logprobs recorded, with that many alternatives."""
     bias = {int(k): v for k, v in (body.logit_bias or {}).items()}
-    vocab = svc.backend.vocab_size
-    if vocab is not None and bias and max(bias) >= vocab:
+    vocab = getattr(svc.backend, "vocab_size", None) if bias else None
+    if vocab is not None and max(bias) >= vocab:
         raise BadRequest(f"logit_bias names token id {max(bias)}; this model's ids are 0..{vocab - 1}", "logit_bias")
     return SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
-                          top_k=body.top_k, seed=body.seed, stop=list(body.stop or []), constraint=constraint,
+                          top_k=body.top_k, seed=None if body.seed is None else body.seed + choice, stop=list(body.stop or []), constraint=constraint,
                           min_p=body.min_p, presence_penalty=body.presence_penalty or 0.0,
                           frequency_penalty=body.frequency_penalty or 0.0, logit_bias=bias,
                           logprobs=None if top_logprobs is None else LogprobRecorder(top_logprobs))
 
 
-async def _respond(reply: Reply, body: SamplingFields, prompt: Prompt, params: SamplingParams, request: Request,
-                   svc: Services, session_id: Optional[str], title: Optional[str],
-                   parser: Optional[OutputParser] = None):
-    ephemeral = body.store is False   # absent: kept, so the next turn reuses this one (see README)
-    job, events, started = await start(svc, request, prompt, params, session_id, title, ephemeral)
-    headers = {SESSION_HEADER: started.session_id}
-    if not body.stream:
-        text, done, logprobs = await collect(request, job, events)
-        pieces = parser.feed(text) + parser.finish() if parser is not None else None
-        return JSONResponse(reply.full(text, done, pieces, logprobs), headers={**headers, **saved_headers(done)})
-    usage = bool(body.stream_options and body.stream_options.include_usage)
-    return EventSourceResponse(_stream(reply, job, events, started, usage, parser), headers=headers, sep="\n")
-
-
-async def _stream(reply: Reply, job: Job, events: JobEvents, started: Started, usage: bool,
-                  parser: Optional[OutputParser]) -> AsyncIterator[dict]:
-    first_ext = {"session_id": started.session_id}
+@dataclass
+class Choice:
+    """One of a request's n choices: its job and the state of its stream."""
+    index: int
+    job: Job
+    events: JobEvents
+    parser: Optional[OutputParser] = None
+    calls: int = 0
+    logprobs: list = field(default_factory=list)   # chat: entries whose tokens' text the parser holds back
     first_token_at: Optional[float] = None
-    calls = 0
-    logprobs: list = []   # chat: entries whose tokens' text the parser holds back still
+
+
+async def _respond(reply: Reply, body: SamplingFields, prompt: Prompt, request: Request, svc: Services,
+                   session_id: Optional[str], title: Optional[str], make_params: Callable[[int], SamplingParams],
+                   make_parser: Callable[[], Optional[OutputParser]] = lambda: None):
+    """Start the request's n choices and answer with them: the first on the session the prompt
+    extends (or `session_id`), the others each in a session of its own that is not kept; they
+    decode together in the engine's batch."""
+    ephemeral = body.store is False   # absent: kept, so the next turn reuses this one (see README)
+    choices: list[Choice] = []
+    starts: list[Started] = []
+    try:
+        for i in range(body.n):
+            job, events, started = await start(svc, request, prompt, make_params(i), session_id if i == 0 else None,
+                                               title if i == 0 else None, ephemeral or i > 0)
+            choices.append(Choice(i, job, events, make_parser()))
+            starts.append(started)
+    except BaseException:
+        for c in choices:   # one choice refused (the queue, the budget): none runs
+            c.job.cancel()
+        raise
+    first = starts[0]
+    headers = {SESSION_HEADER: first.session_id}
+    if not body.stream:
+        try:
+            got = await asyncio.gather(*(collect(request, c.job, c.events) for c in choices))
+        finally:
+            for c in choices:
+                c.job.cancel()   # (a choice that failed: the others stop too; ended ones ignore it)
+        outs = []
+        for c, (text, done, logprobs) in zip(choices, got):
+            pieces = c.parser.feed(text) + c.parser.finish() if c.parser is not None else None
+            outs.append(Out(text, done, pieces, logprobs))
+        return JSONResponse(reply.full(outs), headers={**headers, **saved_headers(outs[0].done)})
+    usage = bool(body.stream_options and body.stream_options.include_usage)
+    return EventSourceResponse(_stream(reply, choices, first, usage), headers=headers, sep="\n")
+
+
+async def _stream(reply: Reply, choices: list[Choice], started: Started, usage: bool) -> AsyncIterator[dict]:
+    """The choices' chunks as their events come (each chunk names its choice's index); the last
+    chunk of each has its finish_reason, then (include_usage) one usage chunk for them all."""
+    first_ext = {"session_id": started.session_id}
+    arrived: asyncio.Queue = asyncio.Queue()
+
+    async def pump(c: Choice) -> None:
+        try:
+            async for event in follow(c.job, c.events):
+                arrived.put_nowait((c, event))
+        except Exception as e:   # noqa: BLE001 - reported in the stream
+            arrived.put_nowait((c, e))
+
+    pumps = [asyncio.create_task(pump(c)) for c in choices]
     try:
         if reply.kind == "chat":
-            yield _data(reply.chunk("", first=True, extension=first_ext, with_usage_field=usage))
-            first_ext = None
-        async for event in follow(job, events):
+            for c in choices:
+                yield _data(reply.chunk("", first=True, extension=first_ext, with_usage_field=usage, index=c.index))
+                first_ext = None
+        ended: dict[int, Finished] = {}
+        exts: dict[int, dict] = {}
+        while len(ended) < len(choices):
+            c, event = await arrived.get()
+            if isinstance(event, Exception):
+                raise event
             if isinstance(event, Delta):
-                first_token_at = first_token_at or time.monotonic()
-                if parser is None:
+                c.first_token_at = c.first_token_at or time.monotonic()
+                if c.parser is None:
                     yield _data(reply.chunk(event.text, extension=first_ext, with_usage_field=usage,
-                                            logprobs=event.logprobs))
+                                            logprobs=event.logprobs, index=c.index))
                     first_ext = None
                     continue
-                logprobs += event.logprobs or []
-            if parser is not None and isinstance(event, (Delta, Finished)):   # chat: the reply in its parts
-                for piece in parser.feed(event.text) if isinstance(event, Delta) else parser.finish():
-                    chunk = _piece_chunk(reply, piece, calls, usage, logprobs)
+                c.logprobs += event.logprobs or []
+            if c.parser is not None and isinstance(event, (Delta, Finished)):   # chat: the reply in its parts
+                for piece in c.parser.feed(event.text) if isinstance(event, Delta) else c.parser.finish():
+                    chunk = _piece_chunk(reply, piece, c, usage)
                     if chunk is not None:
                         yield chunk
-                        logprobs = []   # they went with it
-                    calls += isinstance(piece, ToolCall)
+                        c.logprobs = []   # they went with it
+                    c.calls += isinstance(piece, ToolCall)
             if isinstance(event, Finished):
-                decode_s = time.monotonic() - first_token_at if first_token_at is not None else None
-                ext = extension(event, decode_s)
-                yield _data(reply.chunk(None, finish_reason(event, calls > 0), extension=ext, with_usage_field=usage,
-                                        logprobs=logprobs))
-                if usage:
-                    yield _data(reply.usage_chunk(event.usage, ext))
+                ended[c.index] = event
+                decode_s = time.monotonic() - c.first_token_at if c.first_token_at is not None else None
+                ext = exts[c.index] = extension(event, decode_s)
+                yield _data(reply.chunk(None, finish_reason(event, c.calls > 0), extension=ext,
+                                        with_usage_field=usage, logprobs=c.logprobs, index=c.index))
+        if usage:
+            dones = [ended[i] for i in range(len(choices))]
+            yield _data(reply.usage_chunk(total_usage(dones), exts[0]))   # (the first choice's session and speed)
     except Exception as e:   # headers are gone: report in the stream, as OpenAI does
         yield {"data": to_response(e).body.decode()}
+    finally:
+        for task in pumps:   # (a client gone: each pump's follow() cancels its job)
+            task.cancel()
     yield {"data": "[DONE]"}
 
 
-def _piece_chunk(reply: Reply, piece: Piece, index: int, usage: bool, logprobs: list) -> Optional[dict]:
-    """A reply piece as a chunk: content, reasoning_content, or a tool call (index: its place in the
-    reply), whole or as it is written (its id and name, then its arguments in parts); it carries
-    `logprobs` (the entries of the tokens read since the last chunk) unless it is None."""
+def _piece_chunk(reply: Reply, piece: Piece, c: Choice, usage: bool) -> Optional[dict]:
+    """A reply piece of choice `c` as a chunk: content, reasoning_content, or a tool call (its index:
+    its place in the reply), whole or as it is written (its id and name, then its arguments in
+    parts); it carries the choice's logprobs (the entries of the tokens read since its last chunk)."""
+    index, logprobs = c.calls, c.logprobs
     errors = _call_errors(piece, index)
     if isinstance(piece, ToolCall) and piece.streamed:
         if not errors:
             return None
-        return _data(reply.chunk(None, delta={}, with_usage_field=usage, extension=errors, logprobs=logprobs))
+        return _data(reply.chunk(None, delta={}, with_usage_field=usage, extension=errors, logprobs=logprobs,
+                                 index=c.index))
     if isinstance(piece, ToolCall):
         delta = {"tool_calls": [tool_call_dict(piece, index)]}
     elif isinstance(piece, CallStart):
@@ -174,7 +231,8 @@ def _piece_chunk(reply: Reply, piece: Piece, index: int, usage: bool, logprobs: 
         delta = {"tool_calls": [{"index": index, "function": {"arguments": piece.text}}]}
     else:
         delta = {"content" if piece.kind == "content" else "reasoning_content": piece.text}
-    return _data(reply.chunk(None, delta=delta, with_usage_field=usage, extension=errors, logprobs=logprobs))
+    return _data(reply.chunk(None, delta=delta, with_usage_field=usage, extension=errors, logprobs=logprobs,
+                             index=c.index))
 
 
 def _call_errors(piece: Piece, index: int) -> Optional[dict]:
