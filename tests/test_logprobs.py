@@ -293,9 +293,9 @@ def test_completions_return_the_legacy_logprobs(server):
     for token, value, top in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"]):
         assert top[token] == value and 2 <= len(top) <= 3   # the sampled token always among them
     chunks = _stream(server, "/v1/completions", prompt="The pass key", max_tokens=8, temperature=0, logprobs=2)
-    tokens = [t for c in chunks for t in ((c["choices"][0]["logprobs"] or {}).get("tokens") or [] if c["choices"] else [])]
-    offsets = [o for c in chunks for o in ((c["choices"][0]["logprobs"] or {}).get("text_offset") or []
-                                           if c["choices"] else [])]
+    legacy = [(c["choices"][0]["logprobs"] or {}) for c in chunks if c["choices"]]
+    tokens = [t for lp in legacy for t in lp.get("tokens") or []]
+    offsets = [o for lp in legacy for o in lp.get("text_offset") or []]
     assert tokens == lp["tokens"] and offsets == lp["text_offset"]
 
 

@@ -131,7 +131,8 @@ def test_the_input_items_render_as_the_chat_messages(server):
              {"type": "function_call_output", "call_id": "call_b", "output": [{"type": "input_text", "text": "rain"}]},
              {"role": "developer", "content": "Be brief."}]
     req = ResponsesRequest(model="m", input=items, instructions="You are a weather agent.", tools=TOOLS)
-    calls = [{"id": f"call_{c}", "type": "function", "function": {"name": "get_weather", "arguments": f'{{"city": "{n}"}}'}}
+    calls = [{"id": f"call_{c}", "type": "function",
+              "function": {"name": "get_weather", "arguments": f'{{"city": "{n}"}}'}}
              for c, n in (("a", "Paris"), ("b", "Lyon"))]
     want = [ChatMessage(role="system", content="You are a weather agent."),
             ChatMessage(role="user", content="Weather in Paris and Lyon?"),

@@ -373,7 +373,9 @@ class Built:
 
     def response(self, status: str, done: Optional[Finished] = None, extension: Optional[dict] = None) -> dict:
         r = self.request
-        fmt = r.text.format.model_dump(by_alias=True, exclude_none=True) if r.text and r.text.format else {"type": "text"}
+        fmt = {"type": "text"}
+        if r.text is not None and r.text.format is not None:
+            fmt = r.text.format.model_dump(by_alias=True, exclude_none=True)
         body = {"id": self.id, "object": "response", "created_at": self.created, "status": status,
                 "error": None, "incomplete_details": None, "instructions": r.instructions,
                 "max_output_tokens": r.max_output_tokens, "model": self.model, "output": self.items,
@@ -388,7 +390,8 @@ class Built:
         if done is not None:
             u = done.usage
             reasoning = "".join(i["content"][0]["text"] for i in self.items if i["type"] == "reasoning")
-            body["usage"] = {"input_tokens": u.prompt_tokens, "input_tokens_details": {"cached_tokens": u.cached_tokens},
+            body["usage"] = {"input_tokens": u.prompt_tokens,
+                             "input_tokens_details": {"cached_tokens": u.cached_tokens},
                              "output_tokens": u.completion_tokens,
                              "output_tokens_details": {"reasoning_tokens": self.count(reasoning) if reasoning else 0},
                              "total_tokens": u.total_tokens}

@@ -99,8 +99,9 @@ def _params(body: SamplingFields, svc: Services, max_tokens: int, choice: int = 
     vocab = getattr(svc.backend, "vocab_size", None) if bias else None
     if vocab is not None and max(bias) >= vocab:
         raise BadRequest(f"logit_bias names token id {max(bias)}; this model's ids are 0..{vocab - 1}", "logit_bias")
+    seed = None if body.seed is None else body.seed + choice
     return SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
-                          top_k=body.top_k, seed=None if body.seed is None else body.seed + choice, stop=list(body.stop or []), constraint=constraint,
+                          top_k=body.top_k, seed=seed, stop=list(body.stop or []), constraint=constraint,
                           min_p=body.min_p, presence_penalty=body.presence_penalty or 0.0,
                           frequency_penalty=body.frequency_penalty or 0.0, logit_bias=bias,
                           logprobs=None if top_logprobs is None else LogprobRecorder(top_logprobs))
