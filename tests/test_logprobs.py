@@ -381,3 +381,27 @@ def test_n_choices_decode_together(server, monkeypatch):
     text = _post(server, "/v1/completions", prompt="The pass key", max_tokens=6, temperature=1.0, seed=2, n=2).json()
     assert [c["index"] for c in text["choices"]] == [0, 1] and text["usage"]["completion_tokens"] == 12
     assert server.services.engine.in_flight == 0
+
+
+def test_n_choices_all_stop_when_the_client_leaves(server):
+    """A stream of 3 choices closed early, and a whole reply of 3 the client gave up on: every
+    choice's job is cancelled (none runs on to max_tokens), and their sessions are gone."""
+    import time
+
+    import httpx
+
+    svc = server.services
+    cancelled, sessions = svc.engine.counters.cancelled, len(svc.store)
+    body = {"model": svc.model_id, "messages": [{"role": "user", "content": "Never stop."}], "max_tokens": 5000,
+            "temperature": 1.0, "n": 3, "store": False}
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json={**body, "stream": True}, timeout=60) as r:
+        for i, _ in enumerate(r.iter_lines()):
+            if i == 12:
+                break
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/v1/chat/completions", json=body, timeout=0.5)
+    deadline = time.monotonic() + 10
+    while svc.engine.in_flight and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert svc.engine.in_flight == 0 and svc.engine.counters.cancelled == cancelled + 6
+    assert len(svc.store) == sessions, "the choices' sessions (store: false) are not kept"
