@@ -48,8 +48,8 @@ def _stock_logprobs(backend, prompt: list[int], reply: list[int]) -> np.ndarray:
     ids = prompt + reply
     if backend.name == "torch":
         with torch.no_grad():
-            logits = backend.model(torch.tensor([ids])).logits[0].float()
-        out = torch.log_softmax(logits, dim=-1).numpy()
+            logits = backend.model(torch.tensor([ids], device=backend.model.device)).logits[0].float()
+        out = torch.log_softmax(logits, dim=-1).cpu().numpy()
         return out[len(prompt) - 1: len(ids) - 1]
     # mlx-lm's way: its own cache, the prompt but its last token, then one token a step, the
     # logprobs in the model's dtype (float16 here)
