@@ -189,8 +189,8 @@ def _engine_entries(backend, requests, batched: bool):
 
 
 def test_the_batch_gives_each_request_its_logprobs_alone(demo):
-    """Four chats with logprobs (one plain greedy row beside them, one with a stop string): the same
-    replies and entries batched as alone; one entry per reply token but an EOS, a stop string's
+    """Four chats with logprobs (one with a stop string): the same replies and entries batched as
+    alone; one entry per reply token but an EOS, a stop string's
     tokens included (their entries come in a Delta with no text)."""
     requests = [(_encode(demo, t), {"max_tokens": m}) for t, m in zip(TEXTS, (30, 18, 40, 25))]
     alone = _engine_entries(demo, requests, batched=False)
