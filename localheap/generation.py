@@ -27,6 +27,12 @@ class Constraint(Protocol):
         """The token just sampled."""
 
 
+def check_logit_bias(bias: dict[int, float], vocab: int) -> None:
+    """A logit_bias that names an id past the vocabulary (ids 0..vocab-1) is a ValueError."""
+    if bias and max(bias) >= vocab:
+        raise ValueError(f"logit_bias names token id {max(bias)}; this model's ids are 0..{vocab - 1}")
+
+
 @dataclass
 class TokenLogprob:
     """A sampled token's log probability and the `top` likeliest ids' (id, log probability), the

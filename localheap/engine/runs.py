@@ -49,7 +49,6 @@ class Run:
         self.seated_at: Optional[int] = None            # engine step it took its seat in the batch
         self.completion: list[int] = []
         self.logprobs_sent = 0                          # reply tokens whose logprobs went out in a Delta
-        self.logprobs_due = 0                           # reply tokens that have logprobs (not an EOS)
         self.stream: Optional[TextStream] = None
         self.finish_reason: Optional[str] = None
         self._stats_at = 0.0
@@ -131,7 +130,6 @@ class Run:
         if token in self.backend.eos_token_ids:
             self._finish_text("stop")
             return
-        self.logprobs_due = len(self.completion)
         text, stopped = self.stream.add(token)
         self._delta(text, last=stopped)
         if stopped:
@@ -150,9 +148,11 @@ class Run:
         The tokens of a stop sequence have logprobs, though their text is cut (as vLLM's)."""
         recorder = self.request.params.logprobs
         entries = None
-        if recorder is not None and (text or last) and self.logprobs_due > self.logprobs_sent:
-            entries = [recorder.get(i) for i in range(self.logprobs_sent, self.logprobs_due)]
-            self.logprobs_sent = self.logprobs_due
+        if recorder is not None and (text or last):
+            ended_by_eos = bool(self.completion) and self.completion[-1] in self.backend.eos_token_ids
+            due = len(self.completion) - ended_by_eos   # reply tokens with logprobs: an EOS has none
+            entries = [recorder.get(i) for i in range(self.logprobs_sent, due)] or None
+            self.logprobs_sent = due
         if text or entries:
             self.request.emit(Delta(text, len(self.completion), entries))
 

@@ -118,7 +118,7 @@ async def collect(request: Request, job: Job, events: JobEvents) -> tuple[str, F
             if isinstance(event, Delta):
                 parts.append(event.text)
                 if event.logprobs is not None:
-                    logprobs = (logprobs or [])
+                    logprobs = [] if logprobs is None else logprobs
                     logprobs.extend(event.logprobs)
             elif isinstance(event, Finished):
                 return "".join(parts), event, logprobs

@@ -14,7 +14,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.sample_utils import make_sampler
 
-from ...generation import LogprobRecorder, ProgressFn, SamplingParams, TokenLogprob
+from ...generation import LogprobRecorder, ProgressFn, SamplingParams, TokenLogprob, check_logit_bias
 from .. import paging
 from . import recall
 from .compiled import compiled_step
@@ -63,8 +63,7 @@ def biased(sample, bias: dict[int, float]):
         nonlocal vector
         if vector is None:
             vocab = logprobs.shape[-1]
-            if max(bias) >= vocab:
-                raise ValueError(f"logit_bias names token id {max(bias)}; this model's ids are 0..{vocab - 1}")
+            check_logit_bias(bias, vocab)
             dense = np.zeros(vocab, dtype=np.float32)
             dense[list(bias)] = list(bias.values())
             vector = mx.array(dense)

@@ -15,7 +15,7 @@ import torch
 from transformers.generation.logits_process import (MinPLogitsWarper, TemperatureLogitsWarper, TopKLogitsWarper,
                                                     TopPLogitsWarper)
 
-from ...generation import ProgressFn, SamplingParams, TokenLogprob
+from ...generation import ProgressFn, SamplingParams, TokenLogprob, check_logit_bias
 from .. import paging
 from . import recall
 from .cache import HeapCache
@@ -148,8 +148,7 @@ class Sampler:
 
 def bias_vector(bias: dict[int, float], vocab: int, device: torch.device) -> torch.Tensor:
     """OpenAI's logit_bias as a [vocab] float32 vector (an id past the vocabulary is an error)."""
-    if max(bias) >= vocab:
-        raise ValueError(f"logit_bias names token id {max(bias)}; this model's ids are 0..{vocab - 1}")
+    check_logit_bias(bias, vocab)
     out = torch.zeros(vocab, dtype=torch.float32)
     out[list(bias)] = torch.tensor(list(bias.values()), dtype=torch.float32)
     return out.to(device)

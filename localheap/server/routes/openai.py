@@ -13,7 +13,7 @@ from fastapi.responses import JSONResponse
 from sse_starlette import EventSourceResponse
 
 from ...engine import Delta, Finished, Job, Started
-from ...generation import LogprobRecorder, SamplingParams
+from ...generation import LogprobRecorder, SamplingParams, check_logit_bias
 from ...sessions import Prompt
 from ..bridge import JobEvents, collect, follow
 from ..chat import ChatPlan, start
@@ -96,9 +96,12 @@ def _params(body: SamplingFields, svc: Services, max_tokens: int, choice: int = 
     """Choice `choice`'s sampling (its seed: the request's plus its index); `top_logprobs` not
     None: each token's logprobs recorded, with that many alternatives."""
     bias = {int(k): v for k, v in (body.logit_bias or {}).items()}
-    vocab = getattr(svc.backend, "vocab_size", None) if bias else None
-    if vocab is not None and max(bias) >= vocab:
-        raise BadRequest(f"logit_bias names token id {max(bias)}; this model's ids are 0..{vocab - 1}", "logit_bias")
+    vocab = getattr(svc.backend, "vocab_size", None)
+    if vocab is not None:
+        try:
+            check_logit_bias(bias, vocab)
+        except ValueError as e:   # here, not once the reply has begun (the sampler checks it too)
+            raise BadRequest(str(e), "logit_bias") from e
     seed = None if body.seed is None else body.seed + choice
     return SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
                           top_k=body.top_k, seed=seed, stop=list(body.stop or []), constraint=constraint,
