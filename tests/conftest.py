@@ -37,3 +37,20 @@ def torch_one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+@pytest.fixture
+def force(server):
+    """force(text): every request to the module's `server` until the test ends samples exactly
+    `text`'s tokens, then EOS (the server's test-only hook; the template, parser, stream and session
+    run for real)."""
+    from localheap.grammar import ForcedTokens
+
+    svc = server.services
+
+    def set_text(text: str) -> None:
+        ids = svc.tokenizer.encode(text, add_special_tokens=False)
+        svc.force_tokens = lambda: ForcedTokens(ids, svc.backend.eos_token_ids)
+
+    yield set_text
+    svc.force_tokens = None

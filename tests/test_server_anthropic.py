@@ -9,48 +9,25 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from family_templates import QWEN, with_template
-
 anthropic = pytest.importorskip("anthropic")
 openai = pytest.importorskip("openai")
 
-from localheap.grammar import ForcedTokens  # noqa: E402
-from localheap.heap import HeapConfig  # noqa: E402
-from localheap.server import ServerSettings, create_app  # noqa: E402
-from localheap.server.testing import ServerThread  # noqa: E402
+from tool_server import CALL, qwen_model, serve  # noqa: E402
 
 KEY = "sk-test-key"
 TOOLS = [{"name": "get_weather", "description": "Weather in a city",
           "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}]
-CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 
 
 @pytest.fixture(scope="module")
 def server(model_dirs, tmp_path_factory, torch_one_thread):
-    from localheap.models import load_backend
-
-    backend = load_backend(str(with_template(model_dirs("qwen2"), tmp_path_factory.mktemp("q") / "m", QWEN)), "torch")
-    app = create_app(backend, ServerSettings(heap=HeapConfig(budget=64, slack=32, recent=16), web_dir=None,
-                                             api_key=KEY))
-    with ServerThread(app) as srv:
+    with serve(qwen_model(model_dirs, tmp_path_factory), api_key=KEY) as srv:
         yield srv
 
 
 @pytest.fixture(scope="module")
 def client(server):
     return anthropic.Anthropic(base_url=server.url, api_key=KEY, max_retries=0)
-
-
-@pytest.fixture
-def force(server):
-    svc = server.services
-
-    def set_text(text: str) -> None:
-        ids = svc.tokenizer.encode(text, add_special_tokens=False)
-        svc.force_tokens = lambda: ForcedTokens(ids, svc.backend.eos_token_ids)
-
-    yield set_text
-    svc.force_tokens = None
 
 
 def model(server):

@@ -18,46 +18,22 @@ jsonschema = pytest.importorskip("jsonschema")
 
 from localheap.grammar import ForcedTokens  # noqa: E402
 from localheap.heap import HeapConfig  # noqa: E402
-from localheap.server import ServerSettings, create_app  # noqa: E402
-from localheap.server.testing import ServerThread  # noqa: E402
+from tool_server import CALL, CITY, HEAP, qwen_model, serve  # noqa: E402
 
-HEAP = HeapConfig(budget=64, slack=32, recent=16)
-CITY = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Lyon", "Nice"]}},
-        "required": ["city"], "additionalProperties": False}
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
                                             "parameters": CITY}},
          {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}]
-CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
-
-
-def serve(model_dir, heap=HEAP):
-    from localheap.models import load_backend
-
-    return ServerThread(create_app(load_backend(str(model_dir), "torch"), ServerSettings(heap=heap, web_dir=None)))
 
 
 @pytest.fixture(scope="module")
 def server(model_dirs, tmp_path_factory, torch_one_thread):
-    with serve(with_template(model_dirs("qwen2"), tmp_path_factory.mktemp("qwen") / "m", QWEN)) as srv:
+    with serve(qwen_model(model_dirs, tmp_path_factory)) as srv:
         yield srv
 
 
 @pytest.fixture(scope="module")
 def client(server):
     return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
-
-
-@pytest.fixture
-def force(server):
-    """force(text): every chat request until the test ends samples exactly `text`'s tokens, then EOS."""
-    svc = server.services
-
-    def set_text(text: str) -> None:
-        ids = svc.tokenizer.encode(text, add_special_tokens=False)
-        svc.force_tokens = lambda: ForcedTokens(ids, svc.backend.eos_token_ids)
-
-    yield set_text
-    svc.force_tokens = None
 
 
 def model(client):
