@@ -33,6 +33,15 @@ def check_logit_bias(bias: dict[int, float], vocab: int) -> None:
         raise ValueError(f"logit_bias names token id {max(bias)}; this model's ids are 0..{vocab - 1}")
 
 
+SCORED_LOGITS_BYTES = 128 << 20   # a scored prefill's logits [rows, vocab] (as float32) at most
+
+
+def scored_rows(chunk: int, vocab: int) -> int:
+    """Tokens per forward of a scored prefill (prompt logprobs: logits for every position): the
+    prefill chunk, fewer where the logits would pass SCORED_LOGITS_BYTES (a 128K vocabulary: 256)."""
+    return max(1, min(chunk, SCORED_LOGITS_BYTES // (4 * vocab)))
+
+
 @dataclass
 class TokenLogprob:
     """A sampled token's log probability and the `top` likeliest ids' (id, log probability), the
@@ -81,6 +90,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # OpenAI's: times the number of times this reply has written the id
     logit_bias: dict[int, float] = field(default_factory=dict)   # OpenAI's: added to the id's logit
     logprobs: Optional[LogprobRecorder] = None   # each sampled token's logprob (and the top ids') go here
+    prompt_logprobs: Optional[LogprobRecorder] = None   # each new prompt token's but the first (prefill_scored)
 
     def __post_init__(self) -> None:
         if self.max_tokens < 0:
@@ -104,7 +114,8 @@ class SamplingParams:
     def portable(self) -> dict:
         """The plain fields, as JSON can carry them to another rank (no constraint, no recorder:
         those stay with the rank that samples)."""
-        return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("constraint", "logprobs")}
+        return {f.name: getattr(self, f.name) for f in fields(self)
+                if f.name not in ("constraint", "logprobs", "prompt_logprobs")}
 
     @property
     def greedy(self) -> bool:

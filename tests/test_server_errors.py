@@ -119,7 +119,7 @@ def test_400_through_the_sdk_and_for_bad_json(client, http):
     assert e.value.status_code == 400 and "less than or equal to 8" in e.value.message
     r = http.post("/v1/chat/completions", content=b"{not json", headers={"Content-Type": "application/json"})
     assert_error(r, 400)
-    assert_error(http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "echo": True}), 400, "echo")
+    assert_error(http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "suffix": "y"}), 400, "suffix")
 
 
 def test_401_without_or_with_a_wrong_key(server):

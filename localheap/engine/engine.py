@@ -337,7 +337,9 @@ class Engine:
         token, and prefilling runs (in turn) feed up to mixed_chunk tokens, all in one forward pass
         (with the lane, only runs with at most mixed_chunk prompt tokens left ride; the lane reads
         the others, one chunk at a time). With no run decoding, a prefilling run feeds a full chunk
-        on its own, unless several have short prompts left: those ride together."""
+        on its own, unless several have short prompts left: those ride together. A run that cannot
+        ride (a scored prompt: Run.rides; a heap the batch cannot take) feeds a full chunk on its
+        own beside the batch's step, one such run per step, in turn."""
         self._steps += 1
         if self.lane is not None and self.lane.busy and self.lane.run.job.cancelled:
             self._harvest(block=True)
@@ -361,12 +363,12 @@ class Engine:
                 self.lane.engine_threads()
                 prefilling = [r for r in self._active if r.prefilling]
             else:   # documents (more than a mixed chunk left) on the lane; a turn's few new tokens ride
-                reads = [r for r in prefilling if r.left > self.mixed_chunk]
+                reads = [r for r in prefilling if r.left > self.mixed_chunk and r.rides]
                 if not self.lane.busy and reads:
                     self.lane.submit(reads[0], reads[0].next_chunk(reads[0].chunk))
                     self._rotate(reads[0])
-                prefilling = [r for r in prefilling if r.left <= self.mixed_chunk]
-        rides = [r for r in prefilling if self.backend.batchable(r.session.cache)]
+                prefilling = [r for r in prefilling if r.left <= self.mixed_chunk or not r.rides]
+        rides = [r for r in prefilling if r.rides and self.backend.batchable(r.session.cache)]
         if not batch:
             rides = [r for r in rides if r.left <= self.mixed_chunk]
             if len(rides) < 2:   # one full chunk on its own, in turn
@@ -375,10 +377,11 @@ class Engine:
                     self._step(prefilling[0])
                 return
             # several turns start at once and no one decodes yet: their prompts in one pass
-        elif not rides:
-            if prefilling:   # no one to ride with: one full chunk on its own, in turn
-                self._rotate(prefilling[0])
-                self._step(prefilling[0])
+        else:   # those that cannot ride (a scored prompt, a heap the batch cannot take): a full chunk on its own, in turn
+            lone = [r for r in prefilling if r not in rides]
+            if lone:
+                self._rotate(lone[0])
+                self._step(lone[0])
         chunks, room = [], self.mixed_chunk   # prefill tokens per step beside the decoding runs
         for run in rides:
             if room <= 0:

@@ -36,10 +36,12 @@ class Run:
         self.created = False                            # the session was made for this run
         self.prompt_tokens = cached + len(new_tokens)
         self.chunk = session.cfg.chunk                 # prefill chunk (the heap evicts before each)
+        # prompt logprobs (an echo): every token but the last is read by prefill_scored, on its own
+        self.scored = None if isinstance(job.request, Feed) else job.request.params.prompt_logprobs
         if isinstance(job.request, Feed):
             self.to_prefill, self.last = new_tokens, None
         else:   # the turn's first step feeds its question (a recall probes with it), else its last token
-            held = question_tokens(backend, session.cache, len(new_tokens))
+            held = 1 if self.scored is not None else question_tokens(backend, session.cache, len(new_tokens))
             self.to_prefill = new_tokens[: len(new_tokens) - held]
             self.last = [int(t) for t in new_tokens[len(new_tokens) - held:]]
         self.prefilled = 0
@@ -76,9 +78,20 @@ class Run:
             self._publish_stats(force=self.finish_reason is not None)
         return self.finish_reason is not None
 
+    @property
+    def rides(self) -> bool:
+        """Whether its prompt's chunks may ride in the decode batch or be read on the lane (a
+        scored prompt's are read on their own, by prefill_scored)."""
+        return self.scored is None
+
     def _prefill_chunk(self) -> None:
         chunk = self.next_chunk(self.chunk)
-        self.backend.prefill(self.session.cache, chunk)
+        if self.scored is not None:   # each token's logprob of the next: after the chunk's last, the next chunk's first
+            end = self.prefilled + len(chunk)
+            following = self.to_prefill[end] if end < len(self.to_prefill) else self.last[0]
+            self.backend.prefill_scored(self.session.cache, chunk, int(following), self.scored)
+        else:
+            self.backend.prefill(self.session.cache, chunk)
         self.chunk_fed(chunk)
 
     def next_chunk(self, size: int) -> list[int]:

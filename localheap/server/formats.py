@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from ..engine import Finished, Usage
-from .logprobs import TokenText, chat_logprobs, completion_logprobs
+from ..generation import LogprobRecorder
+from .logprobs import TokenText, chat_logprobs, completion_logprobs, echo_logprobs, joined
 from .toolcalls import Piece, Text
 from .toolformats import ToolCall
 
@@ -73,6 +74,18 @@ class Reply:
             body["localheap"] = extension
         return body
 
+    def echo_chunk(self, echo: "Echo", extension: Optional[dict] = None, with_usage_field: bool = False,
+                   index: int = 0) -> dict:
+        """A text stream's first chunk of choice `index` with `echo`: the prompt (and its logprobs)."""
+        body = self.chunk(echo.text, extension=extension, with_usage_field=with_usage_field, index=index)
+        body["choices"][0]["logprobs"] = self.echo_logprobs(echo)
+        return body
+
+    def echo_logprobs(self, echo: "Echo") -> Optional[dict]:
+        if self.token_text is None:
+            return None
+        return echo_logprobs(self.token_text, echo.tokens, echo.entries(), echo.hidden)
+
     def usage_chunk(self, usage: Usage, extension: dict) -> dict:
         body = self._head(self.chunk_object)
         body.update(choices=[], usage=usage_dict(usage), localheap=extension)
@@ -88,6 +101,12 @@ class Reply:
             calls = [p for p in out.pieces or [] if isinstance(p, ToolCall)]
             choice = self._choice(out.text, finish_reason(out.done, bool(calls)), stream=False, index=i)
             choice["logprobs"] = self.logprobs(out.logprobs)
+            if out.echo is not None:   # (completions) the prompt first
+                choice["text"] = out.echo.text + out.text
+                if self.token_text is not None:
+                    choice["logprobs"] = joined([self.echo_logprobs(out.echo),
+                                                 completion_logprobs(self.token_text, out.logprobs or [],
+                                                                     len(out.echo.text))])
             if out.pieces is not None:
                 message = choice["message"]
                 content = "".join(p.text for p in out.pieces if isinstance(p, Text) and p.kind == "content")
@@ -104,12 +123,27 @@ class Reply:
 
 
 @dataclass
+class Echo:
+    """A completion's echoed prompt: its text (as sent; ids sent: decoded), its tokens and, where
+    logprobs were asked, the recorder of every token's but the first's (SamplingParams.prompt_logprobs)."""
+    text: str
+    tokens: list[int]
+    scored: Optional[LogprobRecorder] = None
+    hidden: int = 0   # leading tokens not in `text` (a BOS the server added to a text prompt)
+
+    def entries(self) -> list:
+        return [] if self.scored is None else [self.scored.get(i) for i in range(len(self.scored))]
+
+
+@dataclass
 class Out:
-    """One choice's reply: its text, how it ended, its pieces (chat) and logprobs (if asked)."""
+    """One choice's reply: its text, how it ended, its pieces (chat), logprobs (if asked) and echo
+    (completions with echo)."""
     text: str
     done: Finished
     pieces: Optional[list[Piece]] = None
     logprobs: Optional[list] = None
+    echo: Optional[Echo] = None
 
 
 def total_usage(dones: list[Finished]) -> Usage:

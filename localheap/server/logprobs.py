@@ -104,3 +104,27 @@ def completion_logprobs(text_of: TokenText, entries: Optional[list[TokenLogprob]
         offsets.append(offset)
         offset += len(token)
     return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
+
+
+def echo_logprobs(text_of: TokenText, tokens: list[int], entries: list[TokenLogprob], hidden: int = 0) -> dict:
+    """The legacy `logprobs` of an echoed prompt: every prompt token, the first with none (null,
+    as OpenAI's: nothing came before it), each other one with its entry (Run.scored: the model's
+    log-probability of it after the tokens before it, as the prefill read them). Offsets count the
+    tokens' texts; the first `hidden` (special tokens the server put before a text prompt, a BOS:
+    not in the echoed text) take no room."""
+    rest = completion_logprobs(text_of, entries)
+    texts = [text_of(tokens[0])[0]] + rest["tokens"]
+    offsets, at = [], 0
+    for i, text in enumerate(texts):
+        offsets.append(at)
+        at += len(text) if i >= hidden else 0
+    return {"tokens": texts, "token_logprobs": [None] + rest["token_logprobs"],
+            "top_logprobs": [None] + rest["top_logprobs"], "text_offset": offsets}
+
+
+def joined(parts: list[Optional[dict]]) -> Optional[dict]:
+    """Legacy `logprobs` objects one after the other as one (an echo's, then the reply's)."""
+    parts = [p for p in parts if p is not None]
+    if not parts:
+        return None
+    return {key: [x for p in parts for x in p[key]] for key in parts[0]}

@@ -206,6 +206,8 @@ def with_specials(tokenizer: Any, text: str, ids: Sequence[int]) -> Sequence[int
 
 def completion_prompt(tokenizer: Any, req: CompletionRequest, limit: Optional[int] = None) -> Prompt:
     p = req.prompt
+    if isinstance(p, list) and p and isinstance(p[0], list):   # one prompt of ids in a list (lm-eval's batch of one)
+        p = p[0]
     if isinstance(p, list) and not p:
         raise BadRequest("the prompt is empty", "prompt")
     if isinstance(p, list) and isinstance(p[0], int):

@@ -204,18 +204,19 @@ class ChatCompletionRequest(SamplingFields):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: Union[str, list[str], list[int]]
-    max_tokens: int = Field(16, ge=1)
+    prompt: Union[str, list[str], list[int], list[list[int]]]
+    max_tokens: int = Field(16, ge=0)   # 0: with echo, the prompt's logprobs alone
     echo: bool = False
     logprobs: Optional[int] = Field(None, ge=0, le=COMPLETION_LOGPROBS_MAX)
     suffix: Optional[str] = None
     best_of: Optional[int] = None
 
     def unsupported(self) -> Optional[tuple[str, str]]:
-        if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], str) and len(self.prompt) != 1:
+        if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], (str, list)) and \
+                len(self.prompt) != 1:
             return "prompt", "one prompt per request: batches of prompts are not supported"
-        if self.echo:
-            return "echo", "echo is not supported"
+        if self.max_tokens == 0 and not self.echo:
+            return "max_tokens", "max_tokens 0 (no reply) needs echo: the prompt and its logprobs are the answer"
         if self.suffix:
             return "suffix", "suffix (insertion) is not supported"
         if self.best_of not in (None, 1):

@@ -8,12 +8,12 @@ from typing import Callable, Iterator, Optional, Sequence
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from ...generation import ProgressFn, SamplingParams
+from ...generation import LogprobRecorder, ProgressFn, SamplingParams
 from ...heap import HeapConfig, HeapStats, kv_bytes_per_token
 from .. import paging
 from ..base import ModelShapes
 from . import batch
-from .generate import generate_tokens, prefill
+from .generate import generate_tokens, prefill, prefill_scored
 from .heapcache import HeapPromptCache, attention_module, kv_geometry, make_heap_cache
 from .persist import load_heap, save_heap
 
@@ -60,6 +60,11 @@ class MLXBackend:
     def prefill(self, cache, tokens: Sequence[int], progress: Optional[ProgressFn] = None,
                 cancelled: Optional[Callable[[], bool]] = None) -> None:
         prefill(self.model, cache, tokens, cache.cfg.chunk, progress, cancelled)
+
+    def prefill_scored(self, cache, tokens: Sequence[int], following: int, recorder: LogprobRecorder) -> None:
+        """Feed `tokens` as prefill does; each one's next token's logprob goes to `recorder`
+        (generate.prefill_scored: the prompt logprobs of an echo)."""
+        prefill_scored(self.model, cache, tokens, following, cache.cfg.chunk, self.vocab_size or 1 << 17, recorder)
 
     def generate(self, cache, new_tokens: Sequence[int], params: SamplingParams,
                  progress: Optional[ProgressFn] = None,

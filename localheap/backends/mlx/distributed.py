@@ -159,6 +159,7 @@ class DistributedMLXBackend(MLXBackend):
     """MLXBackend over one rank's shard; every rank runs the same calls (rank 0 prints)."""
 
     step_rows = None   # no decode batch: the ranks' protocol carries one session's step at a time
+    prefill_scored = None   # nor prompt logprobs (an echo's): the server refuses them
 
     def __init__(self, model, tokenizer, model_name: str, mode: str, ranks: Ranks, first_layer: int,
                  total_layers: int):

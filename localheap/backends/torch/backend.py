@@ -10,13 +10,13 @@ from typing import Callable, Iterator, Optional, Sequence
 
 import torch
 
-from ...generation import ProgressFn, SamplingParams
+from ...generation import LogprobRecorder, ProgressFn, SamplingParams
 from ...heap import HeapConfig, HeapStats, kv_bytes_per_token
 from ..base import ModelShapes
 from .. import paging
 from . import attention, batch
 from .cache import HeapCache, decoder_layers, kv_geometry, make_heap_cache
-from .generate import generate_tokens, prefill
+from .generate import generate_tokens, prefill, prefill_scored
 from .persist import load_heap, save_heap
 
 log = logging.getLogger("localheap.torch")
@@ -152,6 +152,12 @@ class TorchBackend:
     def prefill(self, cache: HeapCache, tokens: Sequence[int], progress: Optional[ProgressFn] = None,
                 cancelled: Optional[Callable[[], bool]] = None) -> None:
         prefill(self.model, cache, tokens, progress, cancelled)   # a document: no question to recall for
+
+    def prefill_scored(self, cache: HeapCache, tokens: Sequence[int], following: int,
+                       recorder: LogprobRecorder) -> None:
+        """Feed `tokens` as prefill does; each one's next token's logprob goes to `recorder`
+        (generate.prefill_scored: the prompt logprobs of an echo)."""
+        prefill_scored(self.model, cache, tokens, following, recorder)
 
     def generate(self, cache: HeapCache, new_tokens: Sequence[int], params: SamplingParams,
                  progress: Optional[ProgressFn] = None,

@@ -18,7 +18,7 @@ from ...sessions import Prompt
 from ..bridge import JobEvents, collect, follow
 from ..chat import ChatPlan, start
 from ..errors import BadRequest, Unsupported, to_response
-from ..formats import Out, Reply, add_call_errors, extension, finish_reason, saved_headers, tool_call_dict, total_usage
+from ..formats import Echo, Out, Reply, add_call_errors, extension, finish_reason, saved_headers, tool_call_dict, total_usage
 from ..prompts import chat_prompt, completion_prompt, tokenize
 from ..schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
 from ..services import Services, services
@@ -61,11 +61,31 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, svc: S
 async def completions(body: CompletionRequest, request: Request, svc: Services = Depends(services),
                       x_session_id: Optional[str] = Header(None)):
     _check(body, svc)
+    scored = body.echo and body.logprobs is not None   # the prompt's logprobs: read by prefill_scored
+    if scored and getattr(svc.backend, "prefill_scored", None) is None:
+        raise Unsupported(f"echo with logprobs (the prompt's logprobs) is not supported by the {svc.backend.name} "
+                          f"backend", "echo")
+    if scored and x_session_id is not None:
+        raise BadRequest("echo with logprobs scores the whole prompt in a session of its own: it cannot continue "
+                         f"session {x_session_id!r} (drop X-Session-Id)", "echo")
     prompt = await tokenize(completion_prompt, svc.tokenizer, body, limit=svc.settings.max_prompt_tokens)
     text = body.prompt if isinstance(body.prompt, str) else None
     reply = Reply("text", svc.model_id, token_text=svc.token_text if body.logprobs is not None else None)
+
+    def echo(params: SamplingParams) -> Optional[Echo]:
+        if not body.echo:
+            return None
+        tokens = list(prompt.tokens)
+        sent = body.prompt[0] if isinstance(body.prompt, list) and isinstance(body.prompt[0], str) else text
+        if sent is None:   # ids: their text, specials and all
+            return Echo(svc.tokenizer.decode(tokens), tokens, params.prompt_logprobs)
+        plain = list(prompt.continuation)
+        hidden = len(tokens) - len(plain) if tokens[len(tokens) - len(plain):] == plain else 0
+        return Echo(sent, tokens, params.prompt_logprobs, hidden)
+
     return await _respond(reply, body, prompt, request, svc, x_session_id, text,
-                          lambda i: _params(body, svc, body.max_tokens, i, top_logprobs=body.logprobs))
+                          lambda i: _params(body, svc, body.max_tokens, i, top_logprobs=body.logprobs, scored=scored),
+                          own_sessions=scored, make_echo=echo)
 
 
 def _check(body, svc: Services) -> None:
@@ -92,9 +112,9 @@ def _plan(body: ChatCompletionRequest) -> ChatPlan:
 
 
 def _params(body: SamplingFields, svc: Services, max_tokens: int, choice: int = 0, constraint=None,
-            top_logprobs: Optional[int] = None) -> SamplingParams:
+            top_logprobs: Optional[int] = None, scored: bool = False) -> SamplingParams:
     """Choice `choice`'s sampling (its seed: the request's plus its index); `top_logprobs` not
-    None: each token's logprobs recorded, with that many alternatives."""
+    None: each token's logprobs recorded, with that many alternatives (`scored`: the prompt's too)."""
     bias = {int(k): v for k, v in (body.logit_bias or {}).items()}
     vocab = getattr(svc.backend, "vocab_size", None)
     if vocab is not None:
@@ -107,7 +127,8 @@ def _params(body: SamplingFields, svc: Services, max_tokens: int, choice: int = 
                           top_k=body.top_k, seed=seed, stop=list(body.stop or []), constraint=constraint,
                           min_p=body.min_p, presence_penalty=body.presence_penalty or 0.0,
                           frequency_penalty=body.frequency_penalty or 0.0, logit_bias=bias,
-                          logprobs=None if top_logprobs is None else LogprobRecorder(top_logprobs))
+                          logprobs=None if top_logprobs is None else LogprobRecorder(top_logprobs),
+                          prompt_logprobs=LogprobRecorder(top_logprobs or 0) if scored else None)
 
 
 @dataclass
@@ -120,22 +141,25 @@ class Choice:
     calls: int = 0
     logprobs: list = field(default_factory=list)   # chat: entries whose tokens' text the parser holds back
     first_token_at: Optional[float] = None
+    echo: Optional[Echo] = None                     # completions' echo: the prompt, sent before the reply
 
 
 async def _respond(reply: Reply, body: SamplingFields, prompt: Prompt, request: Request, svc: Services,
                    session_id: Optional[str], title: Optional[str], make_params: Callable[[int], SamplingParams],
-                   make_parser: Callable[[], Optional[OutputParser]] = lambda: None):
+                   make_parser: Callable[[], Optional[OutputParser]] = lambda: None, own_sessions: bool = False,
+                   make_echo: Callable[[SamplingParams], Optional[Echo]] = lambda params: None):
     """Start the request's n choices and answer with them: the first on the session the prompt
-    extends (or `session_id`), the others each in a session of its own that is not kept; they
-    decode together in the engine's batch."""
-    ephemeral = body.store is False   # absent: kept, so the next turn reuses this one (see README)
+    extends (or `session_id`), the others (`own_sessions`: all) each in a session of its own that
+    is not kept; they decode together in the engine's batch."""
+    ephemeral = body.store is False or own_sessions   # absent: kept, so the next turn reuses this one (see README)
     choices: list[Choice] = []
     starts: list[Started] = []
     try:
         for i in range(body.n):
-            job, events, started = await start(svc, request, prompt, make_params(i), session_id if i == 0 else None,
+            params = make_params(i)
+            job, events, started = await start(svc, request, prompt, params, session_id if i == 0 else None,
                                                title if i == 0 else None, ephemeral or i > 0)
-            choices.append(Choice(i, job, events, make_parser()))
+            choices.append(Choice(i, job, events, make_parser(), echo=make_echo(params)))
             starts.append(started)
     except BaseException:
         for c in choices:   # one choice refused (the queue, the budget): none runs
@@ -152,7 +176,7 @@ async def _respond(reply: Reply, body: SamplingFields, prompt: Prompt, request: 
         outs = []
         for c, (text, done, logprobs) in zip(choices, got):
             pieces = c.parser.feed(text) + c.parser.finish() if c.parser is not None else None
-            outs.append(Out(text, done, pieces, logprobs))
+            outs.append(Out(text, done, pieces, logprobs, c.echo))
         return JSONResponse(reply.full(outs), headers={**headers, **saved_headers(outs[0].done)})
     usage = bool(body.stream_options and body.stream_options.include_usage)
     return EventSourceResponse(_stream(reply, choices, first, usage), headers=headers, sep="\n")
@@ -183,6 +207,9 @@ async def _stream(reply: Reply, choices: list[Choice], started: Started, usage: 
             c, event = await arrived.get()
             if isinstance(event, Exception):
                 raise event
+            if c.echo is not None and isinstance(event, (Delta, Finished)):   # the prompt is read: it goes first
+                yield _data(reply.echo_chunk(c.echo, extension=first_ext, with_usage_field=usage, index=c.index))
+                first_ext, c.echo = None, None
             if isinstance(event, Delta):
                 c.first_token_at = c.first_token_at or time.monotonic()
                 if c.parser is None:
