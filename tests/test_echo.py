@@ -269,5 +269,40 @@ def test_echo_without_logprobs_and_the_refusals(server):
     r = httpx.post(server.url + "/v1/completions", headers={"X-Session-Id": "s-1"}, timeout=60,
                    json={"model": server.services.model_id, "prompt": "x", "echo": True, "logprobs": 0})
     assert r.status_code == 400 and r.json()["error"]["param"] == "echo"
-    r = _post(server, prompt=[[1, 2], [3, 4]], echo=True, logprobs=0)
+    r = httpx.post(server.url + "/v1/completions", headers={"X-Session-Id": "s-1"}, timeout=60,
+                   json={"model": server.services.model_id, "prompt": ["x", "y"]})
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+
+
+def test_a_batch_of_prompts(server):
+    """Several prompts in one request (lm-eval's batch_size > 1): choice k * n + j is prompt k's
+    j-th, each what that prompt gets alone; usage counts every prompt once; all in sessions that
+    are not kept."""
+    tokenizer = server.services.backend.tokenizer
+    texts = ["The pass key is", "Once upon a time", "Paris is"]
+    batch = [tokenizer.encode(t, add_special_tokens=False) for t in texts]
+    before = len(server.services.store.sessions())
+    alone = [_post(server, prompt=[ids], temperature=0, max_tokens=3, logprobs=1, echo=True).json() for ids in batch]
+    r = _post(server, prompt=batch, temperature=0, max_tokens=3, logprobs=1, echo=True, n=2)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert [c["index"] for c in body["choices"]] == list(range(6))
+    for k, single in enumerate(alone):
+        for j in range(2):
+            got = body["choices"][2 * k + j]
+            assert got["text"] == single["choices"][0]["text"]
+            assert got["logprobs"]["token_logprobs"][1:] == \
+                pytest.approx(single["choices"][0]["logprobs"]["token_logprobs"][1:], abs=1e-5)
+    assert body["usage"]["prompt_tokens"] == sum(a["usage"]["prompt_tokens"] for a in alone)
+    assert body["usage"]["completion_tokens"] == 6 * 3
+    texts_out = _post(server, prompt=texts, temperature=0, max_tokens=3).json()["choices"]
+    plain = [_post(server, prompt=t, temperature=0, max_tokens=3, store=False).json()["choices"][0]["text"]
+             for t in texts]
+    assert [c["text"] for c in texts_out] == plain
+    from localheap.engine import wait_idle
+
+    assert wait_idle(server.services.engine) and len(server.services.store.sessions()) == before
+    r = _post(server, prompt=["x"] * 33)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+    r = _post(server, prompt=["x"] * 5, n=8)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "n"

@@ -91,9 +91,9 @@ class Reply:
         body.update(choices=[], usage=usage_dict(usage), localheap=extension)
         return body
 
-    def full(self, outs: list["Out"]) -> dict:
-        """The whole reply, a choice per Out (the first one's session in `localheap`; usage: the
-        prompt once, every choice's completion tokens)."""
+    def full(self, outs: list["Out"], n: Optional[int] = None) -> dict:
+        """The whole reply, a choice per Out (the first one's session in `localheap`; usage: each
+        prompt once, `n` choices of each, every choice's completion tokens)."""
         body = self._head("chat.completion" if self.kind == "chat" else "text_completion")
         ext = extension(outs[0].done)
         choices = []
@@ -118,7 +118,7 @@ class Reply:
                     message["tool_calls"] = [tool_call_dict(c) for c in calls]
                     add_call_errors(ext, calls)
             choices.append(choice)
-        body.update(choices=choices, usage=usage_dict(total_usage([out.done for out in outs])), localheap=ext)
+        body.update(choices=choices, usage=usage_dict(total_usage([out.done for out in outs], n)), localheap=ext)
         return body
 
 
@@ -146,10 +146,12 @@ class Out:
     echo: Optional[Echo] = None
 
 
-def total_usage(dones: list[Finished]) -> Usage:
-    """n choices of one prompt: the prompt (and its reuse) counted once, every choice's tokens."""
-    first = dones[0].usage
-    return Usage(first.prompt_tokens, sum(d.usage.completion_tokens for d in dones), first.cached_tokens)
+def total_usage(dones: list[Finished], n: Optional[int] = None) -> Usage:
+    """n choices of each prompt (default: all of one prompt), in order: each prompt (and its reuse)
+    counted once, every choice's tokens."""
+    firsts = [d.usage for d in dones[::n or len(dones)]]
+    return Usage(sum(u.prompt_tokens for u in firsts), sum(d.usage.completion_tokens for d in dones),
+                 sum(u.cached_tokens for u in firsts))
 
 
 def tool_call_dict(call: ToolCall, index: Optional[int] = None) -> dict:

@@ -7,7 +7,7 @@ import json
 import re
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence, Union
 
 from starlette.concurrency import run_in_threadpool
 
@@ -204,17 +204,15 @@ def with_specials(tokenizer: Any, text: str, ids: Sequence[int]) -> Sequence[int
     return list(tokenizer.encode(text, add_special_tokens=True))
 
 
-def completion_prompt(tokenizer: Any, req: CompletionRequest, limit: Optional[int] = None) -> Prompt:
-    p = req.prompt
-    if isinstance(p, list) and p and isinstance(p[0], list):   # one prompt of ids in a list (lm-eval's batch of one)
-        p = p[0]
+def completion_prompt(tokenizer: Any, p: Union[str, list[int]], limit: Optional[int] = None) -> Prompt:
+    """One of a completion request's prompts (CompletionRequest.prompts): text, or token ids."""
     if isinstance(p, list) and not p:
         raise BadRequest("the prompt is empty", "prompt")
     if isinstance(p, list) and isinstance(p[0], int):
         if limit is not None and len(p) > limit:
             raise PromptTooLong(limit, len(p), "prompt")
         return Prompt(list(p), None, list(p))   # ids are checked against the vocabulary by the engine
-    text = _text(p[0] if isinstance(p, list) else p, "prompt")
+    text = _text(p, "prompt")
     if not text:
         raise BadRequest("the prompt is empty", "prompt")
     plain = encode_bounded(tokenizer, text, limit, "prompt")

@@ -14,6 +14,7 @@ TITLE_MAX_CHARS = 200
 TOKENIZE_MAX_CHARS = 4_000_000
 COMPLETION_LOGPROBS_MAX = 5   # the legacy completions' logprobs (top ids per token): OpenAI's limit
 MAX_CHOICES = 8               # n: the engine's default decode batch
+MAX_PROMPTS = 32              # a completion request's batch of prompts (times n): the engine's default queue
 
 
 class Strict(BaseModel):
@@ -211,10 +212,17 @@ class CompletionRequest(SamplingFields):
     suffix: Optional[str] = None
     best_of: Optional[int] = None
 
+    def prompts(self) -> list[Union[str, list[int]]]:
+        """Its prompts: a text or a list of ids, or a batch of either (at least one)."""
+        p = self.prompt
+        return list(p) if isinstance(p, list) and p and isinstance(p[0], (str, list)) else [p]
+
     def unsupported(self) -> Optional[tuple[str, str]]:
-        if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], (str, list)) and \
-                len(self.prompt) != 1:
-            return "prompt", "one prompt per request: batches of prompts are not supported"
+        count = len(self.prompts())
+        if count > MAX_PROMPTS:
+            return "prompt", f"at most {MAX_PROMPTS} prompts per request ({count} sent)"
+        if count * self.n > MAX_PROMPTS:
+            return "n", f"{count} prompts x n {self.n} is {count * self.n} choices; at most {MAX_PROMPTS} per request"
         if self.max_tokens == 0 and not self.echo:
             return "max_tokens", "max_tokens 0 (no reply) needs echo: the prompt and its logprobs are the answer"
         if self.suffix:

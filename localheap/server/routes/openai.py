@@ -6,7 +6,7 @@ import asyncio
 import json
 import time
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Callable, Optional
+from typing import AsyncIterator, Callable, Optional, Union
 
 from fastapi import APIRouter, Depends, Header, Request
 from fastapi.responses import JSONResponse
@@ -68,24 +68,28 @@ async def completions(body: CompletionRequest, request: Request, svc: Services =
     if scored and x_session_id is not None:
         raise BadRequest("echo with logprobs scores the whole prompt in a session of its own: it cannot continue "
                          f"session {x_session_id!r} (drop X-Session-Id)", "echo")
-    prompt = await tokenize(completion_prompt, svc.tokenizer, body, limit=svc.settings.max_prompt_tokens)
-    text = body.prompt if isinstance(body.prompt, str) else None
+    sent = body.prompts()
+    if len(sent) > 1 and x_session_id is not None:
+        raise BadRequest(f"{len(sent)} prompts run each in a session of its own: they cannot continue session "
+                         f"{x_session_id!r} (drop X-Session-Id or send one prompt)", "prompt")
+    prompts = [await tokenize(completion_prompt, svc.tokenizer, p, limit=svc.settings.max_prompt_tokens)
+               for p in sent]
+    title = sent[0] if isinstance(sent[0], str) else None
     reply = Reply("text", svc.model_id, token_text=svc.token_text if body.logprobs is not None else None)
 
-    def echo(params: SamplingParams) -> Optional[Echo]:
+    def echo(params: SamplingParams, k: int) -> Optional[Echo]:
         if not body.echo:
             return None
-        tokens = list(prompt.tokens)
-        sent = body.prompt[0] if isinstance(body.prompt, list) and isinstance(body.prompt[0], str) else text
-        if sent is None:   # ids: their text, specials and all
+        tokens = list(prompts[k].tokens)
+        if not isinstance(sent[k], str):   # ids: their text, specials and all
             return Echo(svc.tokenizer.decode(tokens), tokens, params.prompt_logprobs)
-        plain = list(prompt.continuation)
+        plain = list(prompts[k].continuation)
         hidden = len(tokens) - len(plain) if tokens[len(tokens) - len(plain):] == plain else 0
-        return Echo(sent, tokens, params.prompt_logprobs, hidden)
+        return Echo(sent[k], tokens, params.prompt_logprobs, hidden)
 
-    return await _respond(reply, body, prompt, request, svc, x_session_id, text,
+    return await _respond(reply, body, prompts, request, svc, x_session_id, title,
                           lambda i: _params(body, svc, body.max_tokens, i, top_logprobs=body.logprobs, scored=scored),
-                          own_sessions=scored, make_echo=echo)
+                          own_sessions=scored or len(prompts) > 1, make_echo=echo)
 
 
 def _check(body, svc: Services) -> None:
@@ -144,23 +148,28 @@ class Choice:
     echo: Optional[Echo] = None                     # completions' echo: the prompt, sent before the reply
 
 
-async def _respond(reply: Reply, body: SamplingFields, prompt: Prompt, request: Request, svc: Services,
-                   session_id: Optional[str], title: Optional[str], make_params: Callable[[int], SamplingParams],
+async def _respond(reply: Reply, body: SamplingFields, prompts: Union[Prompt, list[Prompt]], request: Request,
+                   svc: Services, session_id: Optional[str], title: Optional[str],
+                   make_params: Callable[[int], SamplingParams],
                    make_parser: Callable[[], Optional[OutputParser]] = lambda: None, own_sessions: bool = False,
-                   make_echo: Callable[[SamplingParams], Optional[Echo]] = lambda params: None):
-    """Start the request's n choices and answer with them: the first on the session the prompt
-    extends (or `session_id`), the others (`own_sessions`: all) each in a session of its own that
-    is not kept; they decode together in the engine's batch."""
+                   make_echo: Callable[[SamplingParams, int], Optional[Echo]] = lambda params, k: None):
+    """Start the request's n choices of each prompt and answer with them (choice k * n + j: prompt
+    k's j-th, seeded as j): the first on the session its prompt extends (or `session_id`), the
+    others (`own_sessions`: all) each in a session of its own that is not kept; they decode
+    together in the engine's batch."""
+    prompts = prompts if isinstance(prompts, list) else [prompts]
     ephemeral = body.store is False or own_sessions   # absent: kept, so the next turn reuses this one (see README)
     choices: list[Choice] = []
     starts: list[Started] = []
     try:
-        for i in range(body.n):
-            params = make_params(i)
-            job, events, started = await start(svc, request, prompt, params, session_id if i == 0 else None,
-                                               title if i == 0 else None, ephemeral or i > 0)
-            choices.append(Choice(i, job, events, make_parser(), echo=make_echo(params)))
-            starts.append(started)
+        for k, prompt in enumerate(prompts):
+            for j in range(body.n):
+                i = k * body.n + j
+                params = make_params(j)
+                job, events, started = await start(svc, request, prompt, params, session_id if i == 0 else None,
+                                                   title if i == 0 else None, ephemeral or i > 0)
+                choices.append(Choice(i, job, events, make_parser(), echo=make_echo(params, k)))
+                starts.append(started)
     except BaseException:
         for c in choices:   # one choice refused (the queue, the budget): none runs
             c.job.cancel()
@@ -177,12 +186,13 @@ async def _respond(reply: Reply, body: SamplingFields, prompt: Prompt, request: 
         for c, (text, done, logprobs) in zip(choices, got):
             pieces = c.parser.feed(text) + c.parser.finish() if c.parser is not None else None
             outs.append(Out(text, done, pieces, logprobs, c.echo))
-        return JSONResponse(reply.full(outs), headers={**headers, **saved_headers(outs[0].done)})
+        return JSONResponse(reply.full(outs, body.n), headers={**headers, **saved_headers(outs[0].done)})
     usage = bool(body.stream_options and body.stream_options.include_usage)
-    return EventSourceResponse(_stream(reply, choices, first, usage), headers=headers, sep="\n")
+    return EventSourceResponse(_stream(reply, choices, first, usage, body.n), headers=headers, sep="\n")
 
 
-async def _stream(reply: Reply, choices: list[Choice], started: Started, usage: bool) -> AsyncIterator[dict]:
+async def _stream(reply: Reply, choices: list[Choice], started: Started, usage: bool,
+                  n: Optional[int] = None) -> AsyncIterator[dict]:
     """The choices' chunks as their events come (each chunk names its choice's index); the last
     chunk of each has its finish_reason, then (include_usage) one usage chunk for them all."""
     first_ext = {"session_id": started.session_id}
@@ -233,7 +243,7 @@ async def _stream(reply: Reply, choices: list[Choice], started: Started, usage: 
                                         with_usage_field=usage, logprobs=c.logprobs, index=c.index))
         if usage:
             dones = [ended[i] for i in range(len(choices))]
-            yield _data(reply.usage_chunk(total_usage(dones), exts[0]))   # (the first choice's session and speed)
+            yield _data(reply.usage_chunk(total_usage(dones, n), exts[0]))   # (the first choice's session and speed)
     except Exception as e:   # headers are gone: report in the stream, as OpenAI does
         yield {"data": to_response(e).body.decode()}
     finally:
