@@ -34,12 +34,21 @@ def check_logit_bias(bias: dict[int, float], vocab: int) -> None:
 
 
 SCORED_LOGITS_BYTES = 128 << 20   # a scored prefill's logits [rows, vocab] (as float32) at most
+SCORED_BLOCK = 64                 # rows whose log-softmax and top ids are taken at once (float32 copies)
+SCORED_BLOCK_COPIES = 4           # [block, vocab] float32 arrays those hold at once (at most: MLX's argpartition)
 
 
 def scored_rows(chunk: int, vocab: int) -> int:
     """Tokens per forward of a scored prefill (prompt logprobs: logits for every position): the
     prefill chunk, fewer where the logits would pass SCORED_LOGITS_BYTES (a 128K vocabulary: 256)."""
     return max(1, min(chunk, SCORED_LOGITS_BYTES // (4 * vocab)))
+
+
+def scored_bytes(chunk: int, vocab: int, dtype_bytes: int) -> int:
+    """The most a scored prefill's logits hold at once: one forward's [rows, vocab] in the model's
+    dtype and a block's float32 copies."""
+    rows = scored_rows(chunk, vocab)
+    return rows * vocab * dtype_bytes + min(rows, SCORED_BLOCK) * vocab * 4 * SCORED_BLOCK_COPIES
 
 
 @dataclass

@@ -208,3 +208,45 @@ def test_mlx_plan_covers_the_measured_peak(model_dirs, budget, chunk, policy):
     print(f"mlx {policy} budget {budget} chunk {chunk}: planned {planned / MiB:.1f} MiB, "
           f"measured {measured / MiB:.1f} MiB ({planned / measured:.2f}x)")
     assert measured <= planned <= 4 * measured
+
+
+def _scored(backend, cache, tokens: list[int], chunk: int) -> None:
+    """prompt logprobs (an echo's): every position's logits, in the engine's chunks."""
+    from localheap.generation import LogprobRecorder
+
+    recorder = LogprobRecorder(5)
+    for a in range(0, len(tokens) - 1, chunk):
+        piece = tokens[a:min(a + chunk, len(tokens) - 1)]
+        backend.prefill_scored(cache, piece, tokens[a + len(piece)], recorder)
+
+
+def test_the_plan_covers_a_scored_prefill(model_dirs, torch_one_thread):
+    """An echo's prompt logprobs hold logits for every position of a forward: the plan counts them."""
+    from localheap.backends.torch.backend import TorchBackend
+    from localheap.backends.torch.generate import prefill
+
+    budget, chunk = 1024, 128
+    backend = TorchBackend.load(model_dirs("llama"), device="cpu")
+    cfg = HeapConfig(budget=budget, recent=64, slack=64, prefill_chunk=chunk, policy="h2o")
+    cache = backend.new_cache(cfg)
+    prefill(backend.model, cache, prompt(budget + chunk))
+    measured = torch_peak_bytes(lambda: _scored(backend, cache, prompt(3 * chunk + 1), chunk))
+    planned = prefill_activations(backend.model_shapes(), cfg).total
+    print(f"torch scored: planned {planned / MiB:.1f} MiB, measured {measured / MiB:.1f} MiB")
+    assert measured <= planned <= 4 * measured
+    mx = pytest.importorskip("mlx.core")
+    from localheap.backends.mlx.backend import MLXBackend
+    from localheap.backends.mlx.generate import prefill as mlx_prefill
+
+    backend = MLXBackend.load(model_dirs("llama"))
+    cache = backend.new_cache(cfg)
+    mlx_prefill(backend.model, cache, prompt(budget + chunk), chunk)
+    mx.synchronize()
+    before = mx.get_active_memory()
+    mx.reset_peak_memory()
+    _scored(backend, cache, prompt(3 * chunk + 1), chunk)
+    mx.synchronize()
+    measured = mx.get_peak_memory() - before
+    planned = prefill_activations(backend.model_shapes(), cfg).total
+    print(f"mlx scored: planned {planned / MiB:.1f} MiB, measured {measured / MiB:.1f} MiB")
+    assert measured <= planned <= 4 * measured

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 from ..backends.base import ModelShapes
+from ..generation import scored_bytes
 from ..heap import HeapConfig
 from ..heap.pages import SUMMARY_FIELDS, PageGeometry, record_dtype
 from ..heap.recall import WINDOW, window_batch
@@ -34,7 +35,8 @@ class Activations:
     repack: int      # an eviction's gather and re-rotation of one layer's K/V
     mlp: int         # gate, up and their product over the chunk
     states: int      # residual stream, norms, q/k/v projections of the chunk
-    logits: int      # the last row (or every row) of logits, in the model dtype and float32
+    logits: int      # logits in the model dtype and float32: the last row, or every row (a forward that
+                     # computes them all, and a scored prefill's: echo's prompt logprobs, scored_bytes)
     recall: int = 0  # scoring every page summary of one layer against the question (recall on)
 
     @property
@@ -57,7 +59,7 @@ def prefill_activations(shapes: ModelShapes, cfg: HeapConfig) -> Activations:
         repack=3 * s.kv_heads * T * s.head_dim * 4,
         mlp=3 * L * s.intermediate * db,
         states=L * (6 * s.hidden + 2 * (s.q_heads + 2 * s.kv_heads) * s.head_dim) * db,
-        logits=(L if s.full_logits else 1) * s.vocab * (db + 4),
+        logits=max((L if s.full_logits else 1) * s.vocab * (db + 4), scored_bytes(L, s.vocab, db)),
         recall=recall_scoring_bytes(s, cfg),
     )
 

@@ -14,8 +14,8 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.sample_utils import make_sampler
 
-from ...generation import (LogprobRecorder, ProgressFn, SamplingParams, TokenLogprob, check_logit_bias,
-                           scored_rows)
+from ...generation import (SCORED_BLOCK, LogprobRecorder, ProgressFn, SamplingParams, TokenLogprob,
+                           check_logit_bias, scored_rows)
 from .. import paging
 from . import recall
 from .compiled import compiled_step
@@ -143,27 +143,31 @@ def prefill_scored(model, cache: HeapPromptCache, tokens: Sequence[int], followi
     """Feed `tokens` as `prefill` does, the logits of every position evaluated: each position's
     log-probability of the token after it (the next in `tokens`; after the last, `following`) and
     the recorder's top alternatives go into `recorder` in order, as TokenLogprob (the logits less
-    their logsumexp in the model's dtype, as a sampled token's: _step, recorded)."""
+    their logsumexp in the model's dtype, as a sampled token's: _step, recorded), SCORED_BLOCK
+    rows at a time."""
     arr = mx.array(list(tokens) + [following], dtype=mx.uint32)
     total, rows = len(tokens), scored_rows(chunk, vocab)
     for a in range(0, total, rows):
         n = min(rows, total - a)
         cache.make_room(n)
         logits = model(arr[a:a + n][None], cache=cache)[0]   # [n, vocab]
-        logprobs = (logits - mx.logsumexp(logits, axis=-1, keepdims=True)).astype(mx.float32)
-        targets = arr[a + 1:a + n + 1]
-        chosen = mx.take_along_axis(logprobs, targets[:, None].astype(mx.int32), axis=-1)[:, 0]
-        top = min(recorder.top, logprobs.shape[-1])
-        ids = values = None
-        if top:
-            ids = mx.argpartition(-logprobs, kth=top - 1, axis=-1)[:, :top]
-            values = mx.take_along_axis(logprobs, ids, axis=-1)
-            order = mx.argsort(-values, axis=-1)   # the likeliest first
-            ids, values = mx.take_along_axis(ids, order, axis=-1), mx.take_along_axis(values, order, axis=-1)
-        mx.eval([c.state for c in cache], chosen, *([ids, values] if top else []))
-        tops = zip(ids.tolist(), values.tolist()) if top else (([], []) for _ in range(n))
-        for token, value, (ids_i, values_i) in zip(targets.tolist(), chosen.tolist(), tops):
-            recorder.add(TokenLogprob(token, value, list(zip(ids_i, values_i))))
+        mx.eval(logits, [c.state for c in cache])
+        for b in range(0, n, SCORED_BLOCK):
+            block = logits[b:b + SCORED_BLOCK]
+            logprobs = (block - mx.logsumexp(block, axis=-1, keepdims=True)).astype(mx.float32)
+            targets = arr[a + b + 1:a + min(b + SCORED_BLOCK, n) + 1]
+            chosen = mx.take_along_axis(logprobs, targets[:, None].astype(mx.int32), axis=-1)[:, 0]
+            top = min(recorder.top, logprobs.shape[-1])
+            ids = values = None
+            if top:
+                ids = mx.argpartition(-logprobs, kth=top - 1, axis=-1)[:, :top]
+                values = mx.take_along_axis(logprobs, ids, axis=-1)
+                order = mx.argsort(-values, axis=-1)   # the likeliest first
+                ids, values = mx.take_along_axis(ids, order, axis=-1), mx.take_along_axis(values, order, axis=-1)
+            mx.eval(chosen, *([ids, values] if top else []))
+            tops = zip(ids.tolist(), values.tolist()) if top else (([], []) for _ in range(targets.shape[0]))
+            for token, value, (ids_i, values_i) in zip(targets.tolist(), chosen.tolist(), tops):
+                recorder.add(TokenLogprob(token, value, list(zip(ids_i, values_i))))
 
 
 def prefill_turn(model, cache: HeapPromptCache, prompt: list, chunk: int,

@@ -15,8 +15,8 @@ import torch
 from transformers.generation.logits_process import (MinPLogitsWarper, TemperatureLogitsWarper, TopKLogitsWarper,
                                                     TopPLogitsWarper)
 
-from ...generation import (LogprobRecorder, ProgressFn, SamplingParams, TokenLogprob, check_logit_bias,
-                           scored_rows)
+from ...generation import (SCORED_BLOCK, LogprobRecorder, ProgressFn, SamplingParams, TokenLogprob,
+                           check_logit_bias, scored_rows)
 from .. import paging
 from . import recall
 from .cache import HeapCache
@@ -56,7 +56,8 @@ def prefill_scored(model, cache: HeapCache, tokens: Sequence[int], following: in
     """Feed `tokens` as `prefill` does, with logits for every position: each position's
     log-probability of the token after it (the next in `tokens`; after the last, `following`) and
     the recorder's top alternatives go into `recorder` in order, as TokenLogprob (log-softmax of
-    the fp32 logits, as a sampled token's, logprob_entry). One host read per forward."""
+    the fp32 logits, as a sampled token's, logprob_entry), SCORED_BLOCK rows at a time (one host
+    read each)."""
     ids = torch.as_tensor(list(tokens) + [following], dtype=torch.long, device=cache.device)
     total = ids.shape[0] - 1
     rows = scored_rows(cache.cfg.chunk, model.get_output_embeddings().weight.shape[0])
@@ -64,17 +65,18 @@ def prefill_scored(model, cache: HeapCache, tokens: Sequence[int], following: in
         n = min(rows, total - a)
         cache.make_room(n)
         with torch.no_grad():
-            out = model(input_ids=ids[a:a + n][None], position_ids=cache.position_ids(n), past_key_values=cache,
-                        use_cache=True, logits_to_keep=0, heap=cache)
-            logprobs = torch.log_softmax(out.logits[0].float(), dim=-1)   # [n, vocab]
-            del out
-            targets = ids[a + 1:a + n + 1]
-            chosen = logprobs.gather(1, targets[:, None])[:, 0]
-            top = min(recorder.top, logprobs.shape[-1])
-            values, top_ids = torch.topk(logprobs, top, dim=-1) if top else (None, None)
-        tops = zip(top_ids.tolist(), values.tolist()) if top else (([], []) for _ in range(n))
-        for token, value, (ids_i, values_i) in zip(targets.tolist(), chosen.tolist(), tops):
-            recorder.add(TokenLogprob(token, value, list(zip(ids_i, values_i))))
+            logits = model(input_ids=ids[a:a + n][None], position_ids=cache.position_ids(n), past_key_values=cache,
+                           use_cache=True, logits_to_keep=0, heap=cache).logits[0]   # [n, vocab]
+            for b in range(0, n, SCORED_BLOCK):
+                logprobs = torch.log_softmax(logits[b:b + SCORED_BLOCK].float(), dim=-1)
+                targets = ids[a + b + 1:a + min(b + SCORED_BLOCK, n) + 1]
+                chosen = logprobs.gather(1, targets[:, None])[:, 0]
+                top = min(recorder.top, logprobs.shape[-1])
+                values, top_ids = torch.topk(logprobs, top, dim=-1) if top else (None, None)
+                del logprobs
+                tops = zip(top_ids.tolist(), values.tolist()) if top else (([], []) for _ in targets)
+                for token, value, (ids_i, values_i) in zip(targets.tolist(), chosen.tolist(), tops):
+                    recorder.add(TokenLogprob(token, value, list(zip(ids_i, values_i))))
 
 
 def prefill_turn(model, cache: HeapCache, tokens: Sequence[int], progress: Optional[ProgressFn] = None,
