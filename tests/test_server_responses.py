@@ -73,6 +73,40 @@ def test_text_whole_and_streamed(server, client, force):
     assert done.output[0].status == "completed"
 
 
+def test_logprobs_of_the_output_text(server, client, force):
+    """include message.output_text.logprobs (and top_logprobs): the message's part lists an entry
+    per token of its text, the chat route's entries for the same conversation; streamed, each
+    output_text delta carries its own and the done event all of them. Reasoning's tokens are not
+    listed: a reply that thinks first lists the message's."""
+    kw = dict(model=model(server), input="The pass key", max_output_tokens=12, temperature=0,
+              include=["message.output_text.logprobs"], top_logprobs=2)
+    whole = client.responses.create(**kw)
+    part = whole.output[0].content[0]
+    assert len(part.logprobs) == 12 and "".join(e.token for e in part.logprobs) == part.text
+    assert all(len(e.top_logprobs) == 2 and e.top_logprobs[0].logprob >= e.logprob for e in part.logprobs)
+    chat = client.chat.completions.create(model=model(server), messages=[{"role": "user", "content": "The pass key"}],
+                                          max_tokens=12, temperature=0, logprobs=True, top_logprobs=2)
+    entries = chat.choices[0].logprobs.content
+    assert [e.token for e in part.logprobs] == [e.token for e in entries]
+    assert [e.logprob for e in part.logprobs] == pytest.approx([e.logprob for e in entries], abs=1e-5)
+    events = events_of(client, **kw)
+    streamed = [x for e in events if e.type == "response.output_text.delta" for x in e.logprobs]
+    for e in events:
+        if e.type == "response.output_text.delta":
+            assert "".join(x.token for x in e.logprobs) == e.delta
+    assert [x.token for x in streamed] == [x.token for x in part.logprobs]
+    (done,) = [e for e in events if e.type == "response.output_text.done"]
+    assert [x.logprob for x in done.logprobs] == pytest.approx([x.logprob for x in part.logprobs], abs=1e-5)
+    plain = client.responses.create(**{**kw, "include": None, "top_logprobs": None})
+    assert plain.output[0].content[0].logprobs == []
+    assert client.responses.create(**{**kw, "include": None}).output[0].content[0].logprobs   # top_logprobs alone
+    force("<think>\nplan\n</think>\n\nHello there.")
+    thought = client.responses.create(**{**kw, "max_output_tokens": 60})
+    assert [i.type for i in thought.output] == ["reasoning", "message"]
+    listed = "".join(e.token for e in thought.output[1].content[0].logprobs)
+    assert listed.endswith("Hello there.") and "plan" not in listed
+
+
 def test_a_function_call_and_its_output_sent_back(server, client, force):
     force(CALL)
     first = client.responses.create(model=model(server), input="What is the weather in Paris?", tools=TOOLS,
@@ -228,6 +262,7 @@ def test_the_log_drops_its_oldest_and_says_so():
     ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input.0"),
     ({"tool_choice": {"type": "function", "name": "nope"}, "tools": TOOLS}, "tool_choice"),
     ({"background": True}, "background"),
+    ({"top_logprobs": 21}, "top_logprobs"),
     ({"frobnicate": 1}, "frobnicate"),
     ({"max_output_tokens": 0}, "max_output_tokens"),
     ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format"),

@@ -19,11 +19,16 @@ from typing import Any, Callable, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..engine import Finished
+from ..generation import TOP_LOGPROBS_MAX
 from .chat import ChatPlan
 from .errors import ApiError, BadRequest
+from .logprobs import chat_content
 from .schemas import ChatMessage, Strict
 from .toolcalls import CallArgs, CallStart, Piece, Text
 from .toolformats import ToolCall
+
+
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
 
 
 class InputText(Strict):
@@ -159,11 +164,12 @@ class ResponsesRequest(Strict):
     prompt_cache_retention: Optional[str] = None
     service_tier: Optional[str] = None           # accepted, unused
     truncation: Optional[Literal["auto", "disabled"]] = None   # the heap keeps any length: nothing to truncate
-    include: Optional[list[str]] = None          # accepted (reasoning comes back as text; nothing encrypted)
+    include: Optional[list[str]] = None          # "message.output_text.logprobs"; the rest accepted (reasoning
+                                                 # comes back as text; nothing encrypted)
     previous_response_id: Optional[str] = None   # continue a response kept in memory (ResponseLog)
     conversation: Optional[Any] = None           # refused
     background: Optional[bool] = None            # refused when true
-    top_logprobs: Optional[int] = None           # refused when > 0
+    top_logprobs: Optional[int] = Field(None, ge=0, le=TOP_LOGPROBS_MAX)   # with logprobs: alternatives per token
     max_tool_calls: Optional[int] = None         # refused when set
 
     def unsupported(self) -> Optional[tuple[str, str]]:
@@ -175,8 +181,6 @@ class ResponsesRequest(Strict):
             return "store", "previous_response_id continues a stored response; this request has store: false"
         if self.background:
             return "background", "background responses are not supported"
-        if self.top_logprobs:
-            return "top_logprobs", "top_logprobs is not supported on /v1/responses (use /v1/chat/completions)"
         if self.max_tool_calls is not None:
             return "max_tool_calls", "max_tool_calls is not supported"
         for i, t in enumerate(self.tools or []):
@@ -197,6 +201,14 @@ class ResponsesRequest(Strict):
             return "tool_choice", f"tool_choice names {self.tool_choice.name!r}, which is not in tools"
         if self.tool_choice in ("required",) and not self.function_tools:
             return "tool_choice", "tool_choice needs tools"
+        return None
+
+    @property
+    def logprobs(self) -> Optional[int]:
+        """Alternatives per token where the output text's logprobs are asked for (include
+        "message.output_text.logprobs", or top_logprobs over 0), else None."""
+        if LOGPROBS_INCLUDE in (self.include or []) or self.top_logprobs:
+            return self.top_logprobs or 0
         return None
 
     @property
@@ -365,6 +377,7 @@ class Built:
         self.sequence = 0
         self.calls = 0
         self.call_errors: list[dict] = []     # calls whose arguments are not JSON
+        self.pending: list = []               # TokenLogprob entries read since the last message text (read)
 
     def event(self, type_: str, **data) -> dict:
         body = {"type": type_, "sequence_number": self.sequence, **data}
@@ -401,8 +414,9 @@ class Built:
             body["localheap"] = {**extension, **({"tool_call_errors": self.call_errors} if self.call_errors else {})}
         return body
 
-    def feed(self, piece: Piece) -> list[dict]:
-        """The events of one piece of the reply."""
+    def feed(self, piece: Piece, logprobs: Optional[list[dict]] = None) -> list[dict]:
+        """The events of one piece of the reply; a message's text comes with `logprobs` (entries as
+        chat's logprobs.content), if asked for."""
         out: list[dict] = []
         if isinstance(piece, Text):
             kind = "message" if piece.kind == "content" else "reasoning"
@@ -413,7 +427,9 @@ class Built:
             part = item["content"][0]
             part["text"] += piece.text
             name = "response.output_text.delta" if kind == "message" else "response.reasoning_text.delta"
-            extra = {"logprobs": []} if kind == "message" else {}
+            extra = {"logprobs": list(logprobs or [])} if kind == "message" else {}
+            if logprobs:
+                part["logprobs"] += logprobs
             out.append(self.event(name, item_id=item["id"], output_index=len(self.items) - 1, content_index=0,
                                   delta=piece.text, **extra))
         elif isinstance(piece, CallStart):
@@ -471,13 +487,32 @@ class Built:
             part = item["content"][0]
             if item["type"] == "message":
                 out.append(self.event("response.output_text.done", item_id=item["id"], output_index=index,
-                                      content_index=0, text=part["text"], logprobs=[]))
+                                      content_index=0, text=part["text"], logprobs=list(part["logprobs"])))
             else:
                 out.append(self.event("response.reasoning_text.done", item_id=item["id"], output_index=index,
                                       content_index=0, text=part["text"]))
             out.append(self.event("response.content_part.done", item_id=item["id"], output_index=index,
                                   content_index=0, part=dict(part)))
         out.append(self.event("response.output_item.done", output_index=index, item=dict(item)))
+        return out
+
+    def read(self, parser, text: Optional[str], entries: Optional[list], token_text=None) -> list[dict]:
+        """The events of a Delta's `text` (None: the reply ended) through `parser`. With
+        `token_text` (logprobs asked for), the entries of the tokens read since the last message
+        text go with the next message text; those read for reasoning or a tool call alone are
+        not listed (a Delta whose text ends the reasoning and starts the message gives its tokens
+        to the message)."""
+        self.pending += entries or []
+        pieces = parser.feed(text) if text is not None else parser.finish()
+        content = [p for p in pieces if isinstance(p, Text) and p.kind == "content"]
+        out: list[dict] = []
+        for piece in pieces:
+            logprobs = None
+            if token_text is not None and content and piece is content[0]:
+                logprobs, self.pending = chat_content(token_text, self.pending), []
+            out += self.feed(piece, logprobs)
+        if pieces and not content:
+            self.pending = []
         return out
 
     def finish(self, done: Finished, extension: dict) -> tuple[dict, list[dict]]:

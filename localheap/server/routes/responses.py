@@ -4,6 +4,7 @@ same chat template into the same prompt."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from typing import AsyncIterator, Callable, Optional
@@ -13,8 +14,8 @@ from fastapi.responses import JSONResponse
 from sse_starlette import EventSourceResponse
 
 from ...engine import Delta, Finished, Job
-from ...generation import SamplingParams
-from ..bridge import JobEvents, collect, follow
+from ...generation import LogprobRecorder, SamplingParams
+from ..bridge import JobEvents, follow, watch_disconnect
 from ..chat import start
 from ..errors import Unsupported, to_response
 from ..formats import extension, saved_headers
@@ -41,8 +42,11 @@ async def create_response(body: ResponsesRequest, request: Request, svc: Service
     messages = body.chat_messages(before)
     prompt = await tokenize(chat_prompt, svc.tokenizer, messages, limit=svc.settings.max_prompt_tokens, opts=opts)
     default = min(svc.settings.default_max_tokens, svc.settings.max_tokens_limit)
+    top = body.logprobs
     params = SamplingParams(max_tokens=body.max_output_tokens or default, temperature=body.temperature,
-                            top_p=body.top_p, constraint=plan.constraint(svc, opts))
+                            top_p=body.top_p, constraint=plan.constraint(svc, opts),
+                            logprobs=None if top is None else LogprobRecorder(top))
+    token_text = svc.token_text if top is not None else None
     title = next((m.text() for m in messages if m.role == "user"), None)
     # `store: false` (Codex sends it on every turn) keeps the session: OpenAI's store is about fetching
     # the response later, which this server never offers; the session is its prompt cache
@@ -52,14 +56,21 @@ async def create_response(body: ResponsesRequest, request: Request, svc: Service
     headers = {SESSION_HEADER: started.session_id}
     keep = (lambda whole: svc.responses.add(whole, body, who)) if body.store is not False else (lambda whole: None)
     if not body.stream:
-        text, done, _ = await collect(request, job, events)
-        for piece in parser.feed(text) + parser.finish():
-            built.feed(piece)
-        whole, _ = built.finish(done, extension(done))
-        keep(whole)
-        return JSONResponse(whole, headers={**headers, **saved_headers(done)})
-    return EventSourceResponse(_stream(built, parser, job, events, started.session_id, keep), headers=headers,
-                               sep="\n")
+        watcher = asyncio.create_task(watch_disconnect(request, job))   # the client gone: the job stops
+        try:
+            async for event in follow(job, events):
+                if isinstance(event, Delta):
+                    built.read(parser, event.text, event.logprobs, token_text)
+                elif isinstance(event, Finished):
+                    built.read(parser, None, None, token_text)
+                    whole, _ = built.finish(event, extension(event))
+                    keep(whole)
+                    return JSONResponse(whole, headers={**headers, **saved_headers(event)})
+        finally:
+            watcher.cancel()
+        raise RuntimeError("job ended without a Finished event")
+    return EventSourceResponse(_stream(built, parser, job, events, started.session_id, keep, token_text),
+                               headers=headers, sep="\n")
 
 
 @router.get("/v1/responses/{response_id}")
@@ -75,7 +86,7 @@ async def delete_response(response_id: str, request: Request, svc: Services = De
 
 
 async def _stream(built: Built, parser: OutputParser, job: Job, events: JobEvents, session_id: str,
-                  keep: Callable[[dict], None]) -> AsyncIterator[dict]:
+                  keep: Callable[[dict], None], token_text=None) -> AsyncIterator[dict]:
     """response.created and .in_progress; per output item: added, its content part, its text or
     arguments in deltas, done; then response.completed (or .incomplete: max_output_tokens)."""
     yield _sse(built.event("response.created", response={**built.response("in_progress"),
@@ -86,13 +97,11 @@ async def _stream(built: Built, parser: OutputParser, job: Job, events: JobEvent
         async for event in follow(job, events):
             if isinstance(event, Delta):
                 first_token_at = first_token_at or time.monotonic()
-                for piece in parser.feed(event.text):
-                    for e in built.feed(piece):
-                        yield _sse(e)
+                for e in built.read(parser, event.text, event.logprobs, token_text):
+                    yield _sse(e)
             elif isinstance(event, Finished):
-                for piece in parser.finish():
-                    for e in built.feed(piece):
-                        yield _sse(e)
+                for e in built.read(parser, None, None, token_text):
+                    yield _sse(e)
                 decode_s = time.monotonic() - first_token_at if first_token_at is not None else None
                 whole, ending = built.finish(event, extension(event, decode_s))
                 keep(whole)
