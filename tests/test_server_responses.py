@@ -253,6 +253,75 @@ def test_the_log_drops_its_oldest_and_says_so():
     assert len(log._kept) == 3 and log.chars == sum(k.chars for k in log._kept.values())
 
 
+def _kept_turns(log, n: int, first: int = 0) -> list[str]:
+    ids = []
+    for i in range(first, first + n):
+        input_ = [{"role": "user", "content": f"turn {i}"},
+                  {"type": "function_call", "call_id": f"c{i}", "name": "f", "arguments": "{}", "async": False}]
+        req = ResponsesRequest(model="m", input=input_, previous_response_id=f"resp_{i - 1}" if i else None)
+        body = {"id": f"resp_{i}", "output": [{"type": "message", "id": f"msg_{i}", "role": "assistant",
+                                               "status": "completed",
+                                               "content": [{"type": "output_text", "text": f"reply {i}"}]}]}
+        log.add(body, req, owner="key-1")
+        ids.append(body["id"])
+    return ids
+
+
+def test_the_log_outlives_a_restart_and_a_torn_line(tmp_path):
+    """With a file (the sessions directory's): responses added and deleted are there after a
+    restart, items and chains alike; a line a crash cut short loses that response alone; the file
+    is private and rewritten when it holds mostly what is no longer kept."""
+    from localheap.server.responses import ResponseLog, ResponseNotFound
+
+    path = tmp_path / "responses.jsonl"
+    log = ResponseLog(max_kept=50, path=path)
+    ids = _kept_turns(log, 6)
+    log.delete("resp_2", "key-1")
+    log.flush()
+    assert path.stat().st_mode & 0o777 == 0o600
+    before = ResponsesRequest(model="m", input="x").chat_messages(log.get("resp_4", "key-1").items +
+                                                                  log.get("resp_5", "key-1").items)
+    log.close()
+    again = ResponseLog(max_kept=50, path=path)
+    assert list(again._kept) == [i for i in ids if i != "resp_2"] and again.chars == log.chars
+    assert again.get("resp_5", "key-1").body == log.get("resp_5", "key-1").body
+    after = ResponsesRequest(model="m", input="x").chat_messages(again.get("resp_4", "key-1").items +
+                                                                 again.get("resp_5", "key-1").items)
+    assert [m.model_dump() for m in after] == [m.model_dump() for m in before]
+    with pytest.raises(ResponseNotFound):
+        again.conversation("resp_5", "key-1")   # through the deleted one
+    with pytest.raises(ResponseNotFound):
+        again.get("resp_4", None)                # another owner's
+    _kept_turns(again, 1, first=6)
+    again.close()
+    data = path.read_bytes()
+    path.write_bytes(data[:-20])                # a crash in the middle of the last line
+    torn = ResponseLog(max_kept=50, path=path)
+    assert list(torn._kept) == [i for i in ids if i != "resp_2"]   # resp_6's line was cut: it alone is lost
+    assert path.read_bytes().endswith(b"\n") and ResponseLog(max_kept=50, path=path)._kept.keys() == torn._kept.keys()
+    torn.close()
+    small = ResponseLog(max_kept=3, path=path)   # most lines are dropped responses now
+    _kept_turns(small, 80, first=100)
+    small.close()
+    lines = path.read_bytes().count(b"\n")
+    assert lines <= 2 * 3 + 64 and list(ResponseLog(max_kept=3, path=path)._kept) == ["resp_177", "resp_178", "resp_179"]
+
+
+def test_a_restarted_server_continues_a_kept_response(model_dirs, tmp_path_factory, tmp_path, torch_one_thread):
+    model_dir = qwen_model(model_dirs, tmp_path_factory)
+    settings = dict(sessions_dir=tmp_path, persist_sessions=True)
+    with serve(model_dir, **settings) as srv:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
+        first = client.responses.create(model=model(srv), input="The pass key", max_output_tokens=8, temperature=0)
+    with serve(model_dir, **settings) as srv:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
+        assert client.responses.retrieve(first.id).output_text == first.output_text
+        second = client.responses.create(model=model(srv), previous_response_id=first.id, input="And then?",
+                                         max_output_tokens=4, temperature=0)
+        assert second.localheap["session_id"] == first.localheap["session_id"]   # its session restored too
+        assert second.usage.input_tokens_details.cached_tokens >= first.usage.input_tokens
+
+
 @pytest.mark.parametrize("fields,param", [
     ({"previous_response_id": "resp_1"}, "previous_response_id"),
     ({"previous_response_id": "resp_1", "store": False}, "store"),

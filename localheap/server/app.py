@@ -64,6 +64,7 @@ def create_app(backend: Any, settings: Optional[ServerSettings] = None, governor
                 log.info("restored %d saved session(s) from %s", n, store.spill_dir)
             if on_start is not None:
                 on_start(store)
+            svc.responses   # the kept responses read back
         engine.start()
         sampler = asyncio.create_task(svc.throughput.run(svc))
         try:
@@ -76,6 +77,8 @@ def create_app(backend: Any, settings: Optional[ServerSettings] = None, governor
                 n = store.persist_all(backend.model_name)
                 log.info("saved %d session(s) to %s", n, store.spill_dir)
             store.close()
+            if svc._responses is not None:
+                svc._responses.close()   # its queued writes done
             if on_close is not None:
                 on_close()
 

@@ -10,22 +10,29 @@ memory) can be continued by `previous_response_id` instead: its chain's items co
 from __future__ import annotations
 
 import json
+import logging
+import os
 import secrets
 import time
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
 from ..engine import Finished
 from ..generation import TOP_LOGPROBS_MAX
+from ..heap.private import open_private
 from .chat import ChatPlan
 from .errors import ApiError, BadRequest
 from .logprobs import chat_content
 from .schemas import ChatMessage, Strict
 from .toolcalls import CallArgs, CallStart, Piece, Text
 from .toolformats import ToolCall
+
+log = logging.getLogger("localheap.server")
 
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
@@ -98,6 +105,7 @@ class OtherItem(BaseModel):
 
 
 Item = Union[MessageItem, FunctionCallItem, FunctionCallOutputItem, ReasoningItem, OtherItem]
+_ITEM = TypeAdapter(Item)
 
 
 class FunctionTool(Strict):
@@ -304,32 +312,59 @@ class Kept:
     owner: Optional[str]
     chars: int
 
+    def record(self) -> dict:
+        return {"body": self.body, "items": [i.model_dump(mode="json", by_alias=True, exclude_none=True)
+                                             for i in self.items],
+                "previous": self.previous, "owner": self.owner, "chars": self.chars}
+
+    @classmethod
+    def from_record(cls, r: dict) -> "Kept":
+        return cls(r["body"], [_ITEM.validate_python(i) for i in r["items"]], r["previous"], r["owner"], r["chars"])
+
 
 class ResponseLog:
-    """The responses kept for previous_response_id and GET /v1/responses/{id}: in memory (a
-    restart forgets them: the conversations' sessions stay), the oldest dropped past `max_kept`
-    responses or `max_chars` characters. Each keeps only what it added, so a long conversation
-    costs its length once; a chain whose start was dropped says so. Event loop only."""
+    """The responses kept for previous_response_id and GET /v1/responses/{id}, the oldest dropped
+    past `max_kept` responses or `max_chars` characters. Each keeps only what it added, so a long
+    conversation costs its length once; a chain whose start was dropped says so. Event loop only.
 
-    def __init__(self, max_kept: int = 4096, max_chars: int = 16_000_000):
+    With `path` (the sessions directory's responses.jsonl) they outlive a restart or a crash: each
+    added or deleted response is a line appended and fsynced (on a thread of its own, in order,
+    so the event loop never waits on the disk), read back at start; a line a crash cut short is
+    dropped (that response alone is lost), and the file is rewritten atomically once it holds
+    twice what is kept. A write that fails is logged: the log goes on in memory. Reads are not
+    written: after a restart the oldest added are the first dropped."""
+
+    def __init__(self, max_kept: int = 4096, max_chars: int = 16_000_000, path: Optional[Path] = None):
         self.max_kept, self.max_chars = max_kept, max_chars
         self._kept: OrderedDict[str, Kept] = OrderedDict()
         self.chars = 0
+        self.path = path
+        self._lines = 0                        # lines in the file (records and deletions)
+        self._writer: Optional[ThreadPoolExecutor] = None
+        if path is not None:
+            self._load()
+            self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="localheap-responses")
 
     def add(self, body: dict, request: ResponsesRequest, owner: Optional[str]) -> None:
         items = request.input_items + [_output_item(i) for i in body["output"]]
         chars = len(json.dumps(body)) + sum(len(i.model_dump_json()) for i in request.input_items)
-        self._kept[body["id"]] = Kept(body, items, request.previous_response_id, owner, chars)
-        self.chars += chars
+        kept = Kept(body, items, request.previous_response_id, owner, chars)
+        self._keep(body["id"], kept)
+        self._append({"add": body["id"], **kept.record()})
+
+    def _keep(self, response_id: str, kept: Kept) -> None:
+        self._kept[response_id] = kept
+        self.chars += kept.chars
         while self._kept and (len(self._kept) > self.max_kept or self.chars > self.max_chars):
             self.chars -= self._kept.popitem(last=False)[1].chars
 
     def get(self, response_id: str, owner: Optional[str], param: str = "response_id") -> Kept:
         kept = self._kept.get(response_id)
         if kept is None or kept.owner != owner:
-            raise ResponseNotFound(f"no response {response_id!r} is kept here (responses are kept in memory, the "
-                                   f"latest {self.max_kept}, until the server restarts; the conversation's "
-                                   f"session is not lost: send the whole conversation in input)", param)
+            where = "kept with the sessions" if self.path is not None else "kept in memory, until the server restarts"
+            raise ResponseNotFound(f"no response {response_id!r} is kept here (responses are {where}, the latest "
+                                   f"{self.max_kept}; the conversation's session is not lost: send the whole "
+                                   f"conversation in input)", param)
         self._kept.move_to_end(response_id)
         return kept
 
@@ -345,6 +380,95 @@ class ResponseLog:
     def delete(self, response_id: str, owner: Optional[str]) -> None:
         self.get(response_id, owner)
         self.chars -= self._kept.pop(response_id).chars
+        self._append({"delete": response_id})
+
+    def flush(self) -> None:
+        """Wait for the writes queued so far (tests, shutdown)."""
+        if self._writer is not None:
+            self._writer.submit(lambda: None).result()
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.shutdown(wait=True)
+            self._writer = None
+
+    # -- the file --
+
+    def _append(self, record: dict) -> None:
+        if self._writer is None:
+            return
+        self._lines += 1
+        line = (json.dumps(record, separators=(",", ":")) + "\n").encode()
+        if self._lines > 2 * len(self._kept) + 64:   # mostly dropped and deleted ones: rewrite what is kept
+            records = [{"add": rid, **k.record()} for rid, k in self._kept.items()]
+            self._lines = len(records)
+            self._writer.submit(self._rewrite, records)
+        else:
+            self._writer.submit(self._write_line, line)
+
+    def _write_line(self, line: bytes) -> None:
+        try:
+            fd = open_private(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+            try:
+                os.write(fd, line)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        except OSError as e:
+            log.error("could not write to %s: %s (responses are kept in memory meanwhile)", self.path, e)
+
+    def _rewrite(self, records: list[dict]) -> None:
+        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
+        try:
+            fd = open_private(tmp)
+            with os.fdopen(fd, "wb") as f:
+                for r in records:
+                    f.write((json.dumps(r, separators=(",", ":")) + "\n").encode())
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.path)
+            dir_fd = os.open(self.path.parent, os.O_RDONLY)
+            try:
+                os.fsync(dir_fd)
+            finally:
+                os.close(dir_fd)
+        except OSError as e:
+            tmp.unlink(missing_ok=True)
+            log.error("could not rewrite %s: %s (responses are kept in memory meanwhile)", self.path, e)
+
+    def _load(self) -> None:
+        """The kept responses from the file: records in order, deletions applied; a line that
+        does not read (the tail a crash cut short) ends the reading, and the file is rewritten."""
+        if not self.path.exists():
+            return
+        try:
+            data = self.path.read_bytes()
+        except OSError as e:
+            log.error("could not read %s: %s (starting with no kept responses)", self.path, e)
+            return
+        lines = data.split(b"\n")
+        complete = lines[:-1] if not data.endswith(b"\n") else lines
+        bad = not data.endswith(b"\n") and bool(lines[-1])
+        for n, line in enumerate(complete, 1):
+            if not line:
+                continue
+            try:
+                r = json.loads(line)
+                if "delete" in r:
+                    kept = self._kept.pop(r["delete"], None)
+                    self.chars -= kept.chars if kept is not None else 0
+                else:
+                    self._keep(r["add"], Kept.from_record(r))
+                self._lines += 1
+            except (ValueError, KeyError, TypeError) as e:
+                log.warning("%s line %d does not read (%s): the responses from there on are dropped", self.path, n, e)
+                bad = True
+                break
+        if bad:
+            records = [{"add": rid, **k.record()} for rid, k in self._kept.items()]
+            self._lines = len(records)
+            self._rewrite(records)
+        log.info("%d kept responses read from %s", len(self._kept), self.path)
 
 
 _OUTPUT_ITEMS = {"message": MessageItem, "function_call": FunctionCallItem, "reasoning": ReasoningItem}

@@ -18,6 +18,7 @@ from .middleware import request_owner
 from .settings import ServerSettings
 
 NAME_TIMEOUT_S = 5.0
+RESPONSES_FILE = "responses.jsonl"   # the kept /v1/responses, in the sessions directory
 
 
 @dataclass
@@ -50,7 +51,9 @@ class Services:
         if self._responses is None:
             from .responses import ResponseLog   # (it imports chat.py, which imports this module)
 
-            self._responses = ResponseLog()
+            # kept with the sessions where they outlive a restart (--persist-sessions), else in memory
+            path = self.store.spill_dir / RESPONSES_FILE if self.settings.persist_sessions else None
+            self._responses = ResponseLog(path=path)
         return self._responses
 
     @property
