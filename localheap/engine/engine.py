@@ -377,7 +377,8 @@ class Engine:
                     self._step(prefilling[0])
                 return
             # several turns start at once and no one decodes yet: their prompts in one pass
-        else:   # those that cannot ride (a scored prompt, a heap the batch cannot take): a full chunk on its own, in turn
+        else:   # those that cannot ride (a scored prompt, a heap the batch cannot take): a full chunk
+            # on its own, in turn
             lone = [r for r in prefilling if r not in rides]
             if lone:
                 self._rotate(lone[0])

@@ -18,7 +18,8 @@ from ...sessions import Prompt
 from ..bridge import JobEvents, collect, follow
 from ..chat import ChatPlan, start
 from ..errors import BadRequest, Unsupported, to_response
-from ..formats import Echo, Out, Reply, add_call_errors, extension, finish_reason, saved_headers, tool_call_dict, total_usage
+from ..formats import (Echo, Out, Reply, add_call_errors, extension, finish_reason, saved_headers, tool_call_dict,
+                       total_usage)
 from ..prompts import chat_prompt, completion_prompt, tokenize
 from ..schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
 from ..services import Services, services
