@@ -55,6 +55,10 @@ def _policies(text: str) -> list[str]:
     return _choices(POLICIES)(text)
 
 
+def _texts(text: str) -> list[str]:
+    return [t.strip() for t in text.split(",") if t.strip()]
+
+
 def _fractions(text: str) -> list[float]:
     out = [float(x.strip().rstrip("%")) / (100 if x.strip().endswith("%") else 1) for x in text.split(",") if x.strip()]
     if any(not 0.0 <= x < 1.0 for x in out):
@@ -154,6 +158,17 @@ def add_parser(sub) -> None:
     mass.add_argument("--trials", type=int, default=4, help="documents (needle episodes) averaged")
     mass.add_argument("--seed", type=int, default=0, help="seed of the documents")
     mass.set_defaults(func=run_attention_mass_bench, model="demo")
+    ppl = bsub.add_parser("perplexity", help="what eviction costs the predictions of a long text, per policy and "
+                                            "budget, against the full cache")
+    add_model_args(ppl)
+    add_heap_args(ppl)
+    ppl.add_argument("--context", type=_positive, default=4096, help="tokens of each text read")
+    ppl.add_argument("--budgets", type=_ints, default=[512, 1024], help="heap budgets (each under the context)")
+    ppl.add_argument("--policies", type=_policies, default=None, help="policies to compare (default: all)")
+    ppl.add_argument("--texts", type=_texts, default=["corpus", "licenses"],
+                     help="texts, comma-separated: corpus (the demo model's training text), licenses, man, comments "
+                          "(text on this machine nobody tuned to), or a file path (default: corpus,licenses)")
+    ppl.set_defaults(func=run_perplexity_bench, model="demo")
     serve = bsub.add_parser("serve", help="N concurrent clients against servers: batched engine vs round-robin")
     add_model_args(serve)
     serve.add_argument("--clients", type=_ints, default=[1, 2, 4, 8, 16], help="concurrent clients per round")
@@ -392,6 +407,26 @@ def run_attention_mass_bench(args) -> int:
     backend = load_backend(model_spec(args), args.backend)
     result = run_attention_mass(backend, heap_config(args, backend), context=args.context, prune=args.prune,
                                 trials=args.trials, seed=args.seed, log=lambda m: print(m, file=sys.stderr))
+    report(result, backend)
+    return 0
+
+
+def run_perplexity_bench(args) -> int:
+    from ..bench.perplexity import report, run_perplexity
+    from ..models import load_backend
+
+    if args.recall == "on":
+        raise SystemExit("bench perplexity: the recall tier answers a question, not each token read; "
+                         "leave --recall off")
+    backend = load_backend(model_spec(args), args.backend)
+    if getattr(backend, "prefill_scored", None) is None:
+        raise SystemExit(f"bench perplexity: the {backend.name} backend here reads no prompt logprobs")
+    try:
+        result = run_perplexity(backend, heap_config(args, backend, recall=False), context=args.context,
+                                budgets=args.budgets, policies=args.policies, sources=args.texts,
+                                log=lambda m: print(m, file=sys.stderr))
+    except (ValueError, OSError) as e:
+        raise SystemExit(f"bench perplexity: {e}") from e
     report(result, backend)
     return 0
 
