@@ -165,11 +165,17 @@ def anthropic_body(response: JSONResponse) -> dict:
 
 
 def for_path(path: str, response: JSONResponse) -> JSONResponse:
-    """Errors of the Anthropic routes in Anthropic's shape, the rest in OpenAI's."""
-    if not path.startswith("/v1/messages"):
+    """Errors of the Anthropic routes in Anthropic's shape, of Ollama's ({"error": message}) in its,
+    the rest in OpenAI's."""
+    if path.startswith("/v1/messages"):
+        body = anthropic_body(response)
+    elif path.startswith("/api/"):
+        err = json.loads(response.body)["error"]
+        body = {"error": err["message"], "localheap": {"param": err["param"], "code": err["code"]}}
+    else:
         return response
     headers = {k: v for k, v in response.headers.items() if k.lower() not in ("content-length", "content-type")}
-    return JSONResponse(anthropic_body(response), status_code=response.status_code, headers=headers)
+    return JSONResponse(body, status_code=response.status_code, headers=headers)
 
 
 def install(app: FastAPI) -> None:

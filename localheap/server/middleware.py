@@ -18,7 +18,7 @@ from .tokens import release_freed_memory
 log = logging.getLogger("localheap.server")
 RELEASE_AFTER_BYTES = 4 << 20
 
-PROTECTED_PREFIXES = ("/v1/", "/metrics")
+PROTECTED_PREFIXES = ("/v1/", "/api/", "/metrics")
 
 
 OWNER = "localheap.owner"   # scope key: the id of the API key that authenticated the request

@@ -1,0 +1,244 @@
+"""Ollama's API in localheap's terms: /api/chat and /api/generate request bodies (pydantic, unknown
+fields refused), their conversion to the chat messages and sampling the OpenAI routes use (so
+every API shares templates, sessions, heap, recall and prefix reuse), and the reply's NDJSON lines.
+
+Ollama's clients (its Python and JavaScript libraries, Open WebUI, editors' plugins) send the whole
+conversation each turn: the session it extends is found and its prefix reused, as for chat."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from typing import Any, Literal, Optional, Union
+
+from pydantic import Field
+
+from ..engine import Finished
+from ..generation import SamplingParams
+from .chat import ChatPlan
+from .errors import BadRequest
+from .schemas import ChatMessage, Strict
+from .toolformats import ToolCall
+
+OLLAMA_VERSION = "0.12.0"   # the API version whose shapes these routes follow (GET /api/version)
+
+# options that tune the runtime, not the reply: accepted, unused (the heap replaces num_ctx: any length fits)
+RUNTIME_OPTIONS = {"num_ctx", "num_batch", "num_gpu", "main_gpu", "num_thread", "num_keep", "use_mmap", "use_mlock",
+                   "low_vram", "numa", "vocab_only", "f16_kv", "logits_all", "embedding_only"}
+# sampling options this server has no sampler for: accepted at their neutral value only
+NEUTRAL_OPTIONS = {"repeat_penalty": 1.0, "repeat_last_n": None, "mirostat": 0, "mirostat_tau": None,
+                   "mirostat_eta": None, "tfs_z": 1.0, "typical_p": 1.0, "penalize_newline": None}
+
+
+class OllamaFunction(Strict):
+    name: str
+    arguments: Union[dict[str, Any], str] = Field(default_factory=dict)
+    index: Optional[int] = None
+    description: Optional[str] = None
+
+
+class OllamaToolCall(Strict):
+    function: OllamaFunction
+    id: Optional[str] = None
+    type: Optional[Literal["function"]] = None
+
+
+class OllamaMessage(Strict):
+    role: Literal["system", "user", "assistant", "tool"]
+    content: Optional[str] = ""
+    thinking: Optional[str] = None
+    images: Optional[list[str]] = None
+    tool_calls: Optional[list[OllamaToolCall]] = None
+    tool_name: Optional[str] = None
+    tool_call_id: Optional[str] = None
+
+
+class OllamaTool(Strict):
+    type: Literal["function"] = "function"
+    function: dict[str, Any]
+
+
+class ShowRequest(Strict):
+    model: Optional[str] = None
+    name: Optional[str] = None   # (older clients)
+    verbose: Optional[bool] = None
+
+
+class OllamaRequest(Strict):
+    """What /api/chat and /api/generate share."""
+    model: str
+    format: Union[Literal["", "json"], dict[str, Any], None] = None
+    options: Optional[dict[str, Any]] = None
+    stream: bool = True
+    keep_alive: Union[str, int, float, None] = None   # accepted: the model stays loaded; sessions are on disk
+    think: Union[bool, Literal["low", "medium", "high"], None] = None
+
+    def params(self, default_max: int, constraint: Any = None) -> SamplingParams:
+        """The options as sampling (num_predict -1 or absent: the server's default reply limit)."""
+        o = dict(self.options or {})
+        for name, neutral in NEUTRAL_OPTIONS.items():
+            value = o.pop(name, None)
+            if value is not None and neutral is not None and value != neutral:
+                raise BadRequest(f"options.{name} {value!r} is not supported (this server has no {name} sampler; "
+                                 f"leave it out or {neutral})", f"options.{name}")
+        for name in RUNTIME_OPTIONS:
+            o.pop(name, None)
+        known = {"temperature", "top_p", "top_k", "min_p", "seed", "num_predict", "stop", "presence_penalty",
+                 "frequency_penalty"}
+        unknown = sorted(set(o) - known)
+        if unknown:
+            raise BadRequest(f"options.{unknown[0]} is not an option this server knows", f"options.{unknown[0]}")
+        limit = o.get("num_predict")
+        stop = o.get("stop") or []
+        try:
+            return SamplingParams(max_tokens=default_max if limit in (None, -1, -2) else int(limit),
+                                  temperature=float(o.get("temperature", 0.8)), top_p=float(o.get("top_p", 0.9)),
+                                  top_k=int(o.get("top_k", 40)), min_p=float(o.get("min_p", 0.0)),
+                                  seed=None if o.get("seed") is None else int(o["seed"]),
+                                  stop=[stop] if isinstance(stop, str) else list(stop),
+                                  presence_penalty=float(o.get("presence_penalty", 0.0)),
+                                  frequency_penalty=float(o.get("frequency_penalty", 0.0)), constraint=constraint)
+        except (TypeError, ValueError) as e:
+            raise BadRequest(f"options: {e}", "options") from e
+
+    def schema(self) -> Optional[dict]:
+        """The JSON the reply must be: {} for "json" (any object), a schema, or None."""
+        if self.format == "json":
+            return {}
+        return self.format or None
+
+    def template_kwargs(self) -> Optional[dict]:
+        return None if self.think is None else {"enable_thinking": self.think is not False}
+
+
+class ChatRequest(OllamaRequest):
+    messages: list[OllamaMessage] = Field(default_factory=list)
+    tools: Optional[list[OllamaTool]] = None
+
+    def chat_messages(self) -> list[ChatMessage]:
+        """The conversation as OpenAI-shaped chat messages. Ollama's calls carry no ids (and their
+        arguments are objects): each gets one here, and a tool message answers the earliest
+        unanswered call of its tool_name (else the earliest unanswered)."""
+        out: list[ChatMessage] = []
+        pending: list[tuple[str, str]] = []   # (id, name) of calls not answered yet
+        n = 0
+        for i, m in enumerate(self.messages):
+            if m.images:
+                raise BadRequest("images are not supported: this server serves text models", f"messages.{i}.images")
+            if m.role == "tool":
+                match = next((p for p in pending if p[1] == m.tool_name), pending[0] if pending else None)
+                if m.tool_call_id is not None:
+                    call_id = m.tool_call_id
+                elif match is not None:
+                    call_id = match[0]
+                else:
+                    raise BadRequest(f"messages[{i}] is a tool result with no tool call before it", f"messages.{i}")
+                pending = [p for p in pending if p[0] != call_id]
+                out.append(ChatMessage(role="tool", tool_call_id=call_id, content=m.content or ""))
+                continue
+            calls = []
+            for c in m.tool_calls or []:
+                call_id = c.id or f"call_{n}"
+                n += 1
+                args = c.function.arguments
+                calls.append({"id": call_id, "type": "function",
+                              "function": {"name": c.function.name,
+                                           "arguments": args if isinstance(args, str) else json.dumps(args)}})
+                pending.append((call_id, c.function.name))
+            if m.role == "assistant":
+                out.append(ChatMessage(role="assistant", content=m.content if m.content or not calls else None,
+                                       tool_calls=calls or None, reasoning_content=m.thinking or None))
+            else:
+                out.append(ChatMessage(role=m.role, content=m.content or ""))
+        if not out:
+            raise BadRequest("messages is empty", "messages")
+        return out
+
+    def plan(self) -> ChatPlan:
+        tools = [{"type": "function", "function": t.function} for t in self.tools or []] or None
+        return ChatPlan(tools, "auto", True, self.schema(), self.template_kwargs())
+
+
+class GenerateRequest(OllamaRequest):
+    prompt: str = ""
+    system: Optional[str] = None
+    raw: bool = False
+    suffix: Optional[str] = None
+    template: Optional[str] = None
+    context: Optional[list[int]] = None
+    images: Optional[list[str]] = None
+
+    def unsupported(self) -> Optional[tuple[str, str]]:
+        if self.images:
+            return "images", "images are not supported: this server serves text models"
+        if self.suffix:
+            return "suffix", "suffix (fill in the middle) is not supported"
+        if self.template:
+            return "template", "a template of the request's own is not supported: the model's chat template is used"
+        if self.context:
+            return "context", ("context (the token ids of an earlier reply) is not supported: send the text; the "
+                               "session it extends is found and its prefix reused")
+        if self.raw and self.system:
+            return "system", "raw prompts take no system message"
+        return None
+
+    def chat_messages(self) -> list[ChatMessage]:
+        system = [ChatMessage(role="system", content=self.system)] if self.system else []
+        return system + [ChatMessage(role="user", content=self.prompt)]
+
+    def plan(self) -> ChatPlan:
+        return ChatPlan(None, "auto", True, self.schema(), self.template_kwargs())
+
+
+def now_iso() -> str:
+    t = time.time()
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(t)) + f".{int(t % 1 * 1e9):09d}Z"
+
+
+def call_dict(call: ToolCall, index: int) -> dict:
+    """A tool call as Ollama writes it: arguments as an object (as written, under "arguments", when
+    they are not JSON: named in the line's `localheap`)."""
+    try:
+        args = json.loads(call.arguments)
+    except ValueError:
+        args = call.arguments
+    return {"id": call.id, "function": {"index": index, "name": call.name, "arguments": args}}
+
+
+def final_fields(done: Finished, began: float, first_token: Optional[float], ended: float) -> dict:
+    """The last line's figures: done_reason, durations (ns) and token counts."""
+    first = first_token if first_token is not None else ended
+    u = done.usage
+    return {"done": True, "done_reason": "length" if done.finish_reason == "length" else "stop",
+            "total_duration": int((ended - began) * 1e9), "load_duration": 0,
+            "prompt_eval_count": u.prompt_tokens - u.cached_tokens, "prompt_eval_duration": int((first - began) * 1e9),
+            "eval_count": u.completion_tokens, "eval_duration": int((ended - first) * 1e9)}
+
+
+def model_entry(svc) -> dict:
+    """The served model as /api/tags and /api/ps list it."""
+    b = svc.backend
+    family = _family(svc)
+    digest = hashlib.sha256(f"{svc.model_id}:{b.weights_bytes}".encode()).hexdigest()
+    return {"name": tag(svc.model_id), "model": tag(svc.model_id), "size": b.weights_bytes, "digest": digest,
+            "modified_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(svc.started)),
+            "details": {"parent_model": "", "format": "mlx" if b.name == "mlx" else "safetensors", "family": family,
+                        "families": [family], "parameter_size": _parameters(b), "quantization_level": ""}}
+
+
+def tag(model_id: str) -> str:
+    return model_id if ":" in model_id else f"{model_id}:latest"
+
+
+def _family(svc) -> str:
+    config = getattr(getattr(svc.backend, "model", None), "config", None)
+    kind = getattr(config, "model_type", None)
+    if kind is None:
+        kind = getattr(getattr(getattr(svc.backend, "model", None), "args", None), "model_type", None)
+    return str(kind or "unknown")
+
+
+def _parameters(backend) -> str:
+    n = backend.weights_bytes / max(1, backend.model_shapes().dtype_bytes)
+    return f"{n / 1e9:.1f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"

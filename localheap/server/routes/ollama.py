@@ -1,0 +1,235 @@
+"""Ollama's API: POST /api/chat and /api/generate (NDJSON lines, or one object with stream
+false), GET /api/tags, /api/ps and /api/version, POST /api/show. The same sessions, heap, recall
+and prefix reuse as the other routes: the conversation is rendered by the same chat template."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from typing import AsyncIterator, Optional
+
+from fastapi import APIRouter, Depends, Header, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from ...engine import Delta, Finished, Job
+from ..bridge import JobEvents, follow, watch_disconnect
+from ..chat import start
+from ..errors import BadRequest, Unsupported
+from ..formats import save_fields, saved_headers
+from ..ollama import (OLLAMA_VERSION, ChatRequest, GenerateRequest, ShowRequest, call_dict, final_fields, model_entry,
+                      now_iso, tag)
+from ..prompts import chat_prompt, completion_prompt, tokenize
+from ..services import Services, services
+from ..toolcalls import OutputParser, Text
+from ..toolformats import ToolCall, template_source
+from .openai import SESSION_HEADER
+
+router = APIRouter()
+NDJSON = "application/x-ndjson"
+
+
+def _check_model(svc: Services, model: str) -> None:
+    """Ollama's names carry a tag: the served model answers to its id and to id:latest."""
+    svc.check_model(svc.model_id if model == tag(svc.model_id) else model)
+
+
+@router.get("/api/version")
+async def api_version() -> dict:
+    from importlib.metadata import PackageNotFoundError, version as installed
+
+    try:
+        ours = installed("localheap")
+    except PackageNotFoundError:   # run from a checkout
+        ours = None
+    return {"version": OLLAMA_VERSION, "localheap": ours}
+
+
+@router.get("/api/tags")
+async def tags(svc: Services = Depends(services)) -> dict:
+    return {"models": [model_entry(svc)]}
+
+
+@router.get("/api/ps")
+async def ps(svc: Services = Depends(services)) -> dict:
+    return {"models": [{**model_entry(svc), "expires_at": "2318-08-29T00:00:00Z", "size_vram": 0}]}
+
+
+@router.post("/api/show")
+async def show(body: ShowRequest, svc: Services = Depends(services)) -> dict:
+    model = body.model or body.name
+    if not model:
+        raise BadRequest("show needs the model's name", "model")
+    _check_model(svc, model)
+    entry = model_entry(svc)
+    template = template_source(svc.tokenizer)
+    capabilities = ["completion"]
+    if template and "tool" in template:
+        capabilities.append("tools")
+    if "<think>" in template:
+        capabilities.append("thinking")
+    shapes = svc.backend.model_shapes()
+    family = entry["details"]["family"]
+    return {"modelfile": "", "parameters": "", "template": template, "details": entry["details"],
+            "model_info": {"general.architecture": family, f"{family}.block_count": shapes.layers,
+                           f"{family}.embedding_length": shapes.hidden,
+                           f"{family}.context_length": svc.settings.max_prompt_tokens},
+            "capabilities": capabilities, "modified_at": entry["modified_at"]}
+
+
+@router.post("/api/chat")
+async def chat(body: ChatRequest, request: Request, svc: Services = Depends(services),
+               x_session_id: Optional[str] = Header(None)):
+    _check_model(svc, body.model)
+    if not body.messages:   # Ollama's way to load a model: done at once
+        return _loaded(svc, body.stream, {"message": {"role": "assistant", "content": ""}})
+    plan = body.plan()
+    opts = plan.options(svc)
+    msgs = body.chat_messages()
+    prompt = await tokenize(chat_prompt, svc.tokenizer, msgs, limit=svc.settings.max_prompt_tokens, opts=opts)
+    return await _run(request, svc, body, prompt, plan.parser(opts, prompt), plan.constraint(svc, opts),
+                      x_session_id, next((m.text() for m in msgs if m.role == "user"), None), chat=True)
+
+
+@router.post("/api/generate")
+async def generate(body: GenerateRequest, request: Request, svc: Services = Depends(services),
+                   x_session_id: Optional[str] = Header(None)):
+    _check_model(svc, body.model)
+    bad = body.unsupported()
+    if bad is not None:
+        raise Unsupported(bad[1], bad[0])
+    if not body.prompt:   # loads the model
+        return _loaded(svc, body.stream, {"response": ""})
+    plan = body.plan()
+    opts = plan.options(svc)
+    if body.raw:
+        prompt = await tokenize(completion_prompt, svc.tokenizer, body.prompt, limit=svc.settings.max_prompt_tokens)
+    else:
+        prompt = await tokenize(chat_prompt, svc.tokenizer, body.chat_messages(), limit=svc.settings.max_prompt_tokens,
+                                opts=opts)
+    return await _run(request, svc, body, prompt, plan.parser(opts, prompt), plan.constraint(svc, opts),
+                      x_session_id, body.prompt, chat=False)
+
+
+def _loaded(svc: Services, stream: bool, reply: dict):
+    line = {"model": tag(svc.model_id), "created_at": now_iso(), **reply, "done": True, "done_reason": "load"}
+    if stream:
+        return StreamingResponse(iter([json.dumps(line) + "\n"]), media_type=NDJSON)
+    return JSONResponse(line)
+
+
+async def _run(request: Request, svc: Services, body, prompt, parser: OutputParser, constraint,
+               session_id: Optional[str], title: Optional[str], chat: bool):
+    began = time.monotonic()
+    default = min(svc.settings.default_max_tokens, svc.settings.max_tokens_limit)
+    params = body.params(default, constraint)
+    job, events, started = await start(svc, request, prompt, params, session_id, title)
+    reply = Reply(svc, parser, chat, began)
+    headers = {SESSION_HEADER: started.session_id}
+    if body.stream:
+        return StreamingResponse(_lines(reply, job, events), media_type=NDJSON, headers=headers)
+    watcher = asyncio.create_task(watch_disconnect(request, job))
+    parts: list[dict] = []
+    try:
+        async for line in reply.lines(job, events):
+            parts.append(line)
+    finally:
+        watcher.cancel()
+    whole = reply.merged(parts)
+    return JSONResponse(whole, headers={**headers, **saved_headers(reply.done)})
+
+
+async def _lines(reply: "Reply", job: Job, events: JobEvents) -> AsyncIterator[str]:
+    try:
+        async for line in reply.lines(job, events):
+            yield json.dumps(line, separators=(",", ":")) + "\n"
+    except Exception as e:   # noqa: BLE001 - the status is gone: an error line, as Ollama sends one
+        from ..errors import to_response
+
+        yield json.dumps({"error": json.loads(to_response(e).body)["error"]["message"]}) + "\n"
+
+
+class Reply:
+    """A job's Deltas as Ollama's lines: text (chat: message.content; generate: response),
+    thinking, tool calls (chat: each whole, once written), then the final line."""
+
+    def __init__(self, svc: Services, parser: OutputParser, chat: bool, began: float):
+        self.svc, self.parser, self.chat, self.began = svc, parser, chat, began
+        self.first_token: Optional[float] = None
+        self.done: Optional[Finished] = None
+        self.calls = 0
+        self.call_errors: list[dict] = []
+
+    async def lines(self, job: Job, events: JobEvents) -> AsyncIterator[dict]:
+        async for event in follow(job, events):
+            if isinstance(event, Delta):
+                self.first_token = self.first_token or time.monotonic()
+                for line in self._pieces(self.parser.feed(event.text)):
+                    yield line
+            elif isinstance(event, Finished):
+                for line in self._pieces(self.parser.finish()):
+                    yield line
+                self.done = event
+                yield self._final(event)
+                return
+
+    def _line(self, content: str = "", thinking: Optional[str] = None, calls: Optional[list] = None) -> dict:
+        head = {"model": tag(self.svc.model_id), "created_at": now_iso()}
+        if self.chat:
+            message = {"role": "assistant", "content": content}
+            if thinking is not None:
+                message["thinking"] = thinking
+            if calls:
+                message["tool_calls"] = calls
+            return {**head, "message": message, "done": False}
+        line = {**head, "response": content, "done": False}
+        if thinking is not None:
+            line["thinking"] = thinking
+        return line
+
+    def _pieces(self, pieces) -> list[dict]:
+        out = []
+        for p in pieces:
+            if isinstance(p, Text):
+                out.append(self._line(p.text) if p.kind == "content" else self._line("", thinking=p.text))
+            elif isinstance(p, ToolCall):
+                if p.error is not None:
+                    self.call_errors.append({"index": self.calls, "id": p.id, "error": p.error})
+                out.append(self._line(calls=[call_dict(p, self.calls)]))
+                self.calls += 1
+            # a call's parts as they are written (CallStart, CallArgs): it goes out whole
+        return out
+
+    def _final(self, done: Finished) -> dict:
+        line = {**self._line(), **final_fields(done, self.began, self.first_token, time.monotonic())}
+        ext = {"session_id": done.session_id, "heap": done.session.get("heap"), **save_fields(done)}
+        if self.call_errors:
+            ext["tool_call_errors"] = self.call_errors
+        line["localheap"] = ext
+        return line
+
+    def merged(self, lines: list[dict]) -> dict:
+        """stream false: one object, the lines' text, thinking and calls joined into the last one's."""
+        last = dict(lines[-1])
+        text = "".join(self._text(line) for line in lines)
+        thinking = "".join(self._thinking(line) for line in lines)
+        if self.chat:
+            calls = [c for line in lines for c in line["message"].get("tool_calls", [])]
+            message = {"role": "assistant", "content": text}
+            if thinking:
+                message["thinking"] = thinking
+            if calls:
+                message["tool_calls"] = calls
+            last["message"] = message
+        else:
+            last["response"] = text
+            if thinking:
+                last["thinking"] = thinking
+        return last
+
+    def _text(self, line: dict) -> str:
+        return line["message"]["content"] if self.chat else line["response"]
+
+    def _thinking(self, line: dict) -> str:
+        return (line["message"] if self.chat else line).get("thinking") or ""
+

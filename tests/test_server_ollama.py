@@ -1,0 +1,170 @@
+"""Ollama's API (/api/chat, /api/generate, /api/tags, /api/show, /api/ps, /api/version) through the
+real server (uvicorn in a thread, a tiny torch model carrying a Qwen-style template) driven by
+Ollama's own Python client, unmodified: the chat route's prompt and reply, whole and streamed as
+NDJSON; tool calls with their arguments as objects, and a conversation sent back with them
+(Ollama's calls carry no ids) rendering the prompt the OpenAI route renders; thinking; JSON
+format held by the grammar; options mapped or refused by name; errors in Ollama's shape."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+ollama = pytest.importorskip("ollama")
+openai = pytest.importorskip("openai")
+
+from localheap.server.ollama import ChatRequest  # noqa: E402
+from localheap.server.prompts import ChatOptions, chat_prompt  # noqa: E402
+from localheap.server.schemas import ChatMessage  # noqa: E402
+from localheap.server.toolformats import tool_format  # noqa: E402
+from tool_server import CALL, CITY, qwen_model, serve  # noqa: E402
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+                                           "parameters": CITY}}]
+
+
+@pytest.fixture(scope="module")
+def server(model_dirs, tmp_path_factory, torch_one_thread):
+    with serve(qwen_model(model_dirs, tmp_path_factory)) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return ollama.Client(host=server.url)
+
+
+def model(server) -> str:
+    return server.services.model_id
+
+
+def test_chat_is_the_chat_routes_reply_whole_and_streamed(server, client):
+    options = {"temperature": 0, "num_predict": 12}
+    msgs = [{"role": "user", "content": "The pass key"}]
+    whole = client.chat(model=model(server) + ":latest", messages=msgs, options=options)
+    chat = openai.OpenAI(base_url=server.url + "/v1", api_key="x").chat.completions.create(
+        model=model(server), messages=msgs, max_tokens=12, temperature=0)
+    assert whole.message.content == chat.choices[0].message.content
+    assert whole.done and whole.done_reason == "length" and whole.eval_count == 12
+    assert whole.prompt_eval_count + chat.usage.prompt_tokens_details.cached_tokens >= chat.usage.prompt_tokens - 1
+    assert whole.total_duration >= whole.eval_duration > 0
+    parts = list(client.chat(model=model(server), messages=msgs, options=options, stream=True))
+    assert all(not p.done for p in parts[:-1]) and parts[-1].done and parts[-1].done_reason == "length"
+    assert "".join(p.message.content for p in parts) == whole.message.content
+    raw = httpx.post(server.url + "/api/chat", json={"model": model(server), "messages": msgs, "options": options},
+                     timeout=60)
+    assert raw.headers["content-type"].startswith("application/x-ndjson")
+    lines = [json.loads(line) for line in raw.text.splitlines()]
+    assert lines[-1]["localheap"]["session_id"] == raw.headers["x-session-id"]
+
+
+def test_generate_whole_streamed_and_raw(server, client):
+    options = {"temperature": 0, "num_predict": 8}
+    whole = client.generate(model=model(server), prompt="The pass key", options=options)
+    parts = list(client.generate(model=model(server), prompt="The pass key", options=options, stream=True))
+    assert "".join(p.response for p in parts) == whole.response and parts[-1].eval_count == 8
+    chat = client.chat(model=model(server), messages=[{"role": "user", "content": "The pass key"}], options=options)
+    assert whole.response == chat.message.content   # a prompt is a user message through the template
+    raw = client.generate(model=model(server), prompt="The pass key", raw=True, options=options)
+    text = openai.OpenAI(base_url=server.url + "/v1", api_key="x").completions.create(
+        model=model(server), prompt="The pass key", max_tokens=8, temperature=0)
+    assert raw.response == text.choices[0].text   # raw: no template, as /v1/completions
+    loaded = client.generate(model=model(server), prompt="")
+    assert loaded.done and loaded.done_reason == "load" and loaded.response == ""
+
+
+def test_a_tool_call_and_its_result_sent_back(server, client, force):
+    force(CALL)
+    r = client.chat(model=model(server), messages=[{"role": "user", "content": "Weather in Paris?"}], tools=TOOLS,
+                    options={"num_predict": 60})
+    (call,) = r.message.tool_calls
+    assert call.function.name == "get_weather" and call.function.arguments == {"city": "Paris"}
+    assert r.message.content == "" and r.done_reason == "stop"
+    force(CALL)
+    streamed = [p for p in client.chat(model=model(server), messages=[{"role": "user", "content": "Weather in Paris?"}],
+                                       tools=TOOLS, stream=True) if p.message.tool_calls]
+    assert [c.function.arguments for p in streamed for c in p.message.tool_calls] == [{"city": "Paris"}]
+    # the conversation sent back as Ollama's clients send it (no call ids; the result names its tool)
+    history = [{"role": "user", "content": "Weather in Paris?"},
+               {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "get_weather",
+                                                                                 "arguments": {"city": "Paris"}}}]},
+               {"role": "tool", "tool_name": "get_weather", "content": "sunny"}]
+    force("Sunny.")
+    again = client.chat(model=model(server), messages=history, tools=TOOLS)
+    assert again.message.content == "Sunny."
+    req = ChatRequest(model="m", messages=history, tools=TOOLS)
+    ours = chat_prompt(server.services.tokenizer, req.chat_messages(),
+                       opts=ChatOptions(TOOLS, tool_format(server.services.tokenizer)))
+    theirs = chat_prompt(server.services.tokenizer, [
+        ChatMessage(role="user", content="Weather in Paris?"),
+        ChatMessage(role="assistant", content=None, tool_calls=[
+            {"id": "x", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]),
+        ChatMessage(role="tool", tool_call_id="x", content="sunny")],
+        opts=ChatOptions(TOOLS, tool_format(server.services.tokenizer)))
+    assert list(ours.tokens) == list(theirs.tokens)
+    assert again.prompt_eval_count < len(ours.tokens), "the session the conversation extends was reused"
+
+
+def test_thinking(server, client, force):
+    force("<think>\nplan\n</think>\n\nHello.")
+    r = client.chat(model=model(server), messages=[{"role": "user", "content": "Hi"}], think=True)
+    assert r.message.thinking == "\nplan\n" and r.message.content == "Hello."
+    force("<think>\nplan\n</think>\n\nHello.")
+    parts = list(client.generate(model=model(server), prompt="Hi", stream=True))
+    assert "".join(p.thinking or "" for p in parts) == "\nplan\n" and "".join(p.response for p in parts) == "Hello."
+
+
+def test_json_format_holds(server, client):
+    schema = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Lyon"]}},
+              "required": ["city"], "additionalProperties": False}
+    r = client.chat(model=model(server), messages=[{"role": "user", "content": "A city"}], format=schema,
+                    options={"num_predict": 40, "seed": 3})
+    assert json.loads(r.message.content)["city"] in ("Paris", "Lyon")
+    r = client.generate(model=model(server), prompt="A city", format=schema, options={"num_predict": 40, "seed": 4})
+    assert json.loads(r.response)["city"] in ("Paris", "Lyon")
+    r = client.generate(model=model(server), prompt="JSON please", format="json", options={"num_predict": 40})
+    assert r.response.lstrip().startswith("{")   # any object (a random model's may run past num_predict)
+    assert r.done_reason == "length" or isinstance(json.loads(r.response), dict)
+
+
+def test_tags_show_ps_version(server, client):
+    (entry,) = client.list().models
+    assert entry.model == model(server) + ":latest" and entry.size == server.services.backend.weights_bytes
+    assert entry.details.family == "qwen2"
+    shown = client.show(model(server))
+    assert "tools" in shown.capabilities and shown.template and shown.modelinfo["general.architecture"] == "qwen2"
+    assert client.ps().models[0].model == entry.model
+    v = httpx.get(server.url + "/api/version", timeout=10).json()
+    assert v["version"] and v["localheap"] is None or isinstance(v["localheap"], str)
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"options": {"repeat_penalty": 1.3}}, "options.repeat_penalty"),
+    ({"options": {"frobnicate": 1}}, "options.frobnicate"),
+    ({"messages": [{"role": "user", "content": "x", "images": ["aGk="]}]}, "messages.0.images"),
+    ({"frobnicate": 1}, None),
+])
+def test_what_it_cannot_do_is_a_400_in_ollamas_shape(server, body, param):
+    payload = {"model": model(server), "messages": [{"role": "user", "content": "hi"}], "stream": False, **body}
+    r = httpx.post(server.url + "/api/chat", json=payload, timeout=60)
+    assert r.status_code in (400, 422) and isinstance(r.json()["error"], str), r.text
+    if param is not None:
+        assert r.json()["localheap"]["param"] == param
+    with pytest.raises(ollama.ResponseError) as e:
+        ollama.Client(host=server.url).chat(model="nope", messages=[{"role": "user", "content": "x"}])
+    assert e.value.status_code == 404 and "nope" in e.value.error
+    neutral = {"repeat_penalty": 1.0, "num_ctx": 8192, "mirostat": 0, "num_predict": 2}
+    assert ollama.Client(host=server.url).chat(model=model(server), messages=[{"role": "user", "content": "x"}],
+                                               options=neutral).eval_count <= 2
+    r = httpx.post(server.url + "/api/generate", json={"model": model(server), "prompt": "x", "context": [1, 2]},
+                   timeout=60)
+    assert r.status_code == 400 and "context" in r.json()["error"]
+
+
+def test_an_api_key_guards_the_ollama_routes(model_dirs, tmp_path_factory, torch_one_thread):
+    with serve(qwen_model(model_dirs, tmp_path_factory), api_keys=["k1"]) as srv:
+        assert httpx.get(srv.url + "/api/tags", timeout=10).status_code == 401
+        keyed = ollama.Client(host=srv.url, headers={"Authorization": "Bearer k1"})
+        assert keyed.list().models
