@@ -168,3 +168,21 @@ def test_an_api_key_guards_the_ollama_routes(model_dirs, tmp_path_factory, torch
         assert httpx.get(srv.url + "/api/tags", timeout=10).status_code == 401
         keyed = ollama.Client(host=srv.url, headers={"Authorization": "Bearer k1"})
         assert keyed.list().models
+
+
+def test_a_client_that_leaves_stops_its_reply(server):
+    """A stream closed early, and a whole reply the client gave up on: both jobs are cancelled."""
+    from localheap.engine import wait_idle
+
+    svc = server.services
+    cancelled = svc.engine.counters.cancelled
+    payload = {"model": model(server), "messages": [{"role": "user", "content": "Never stop."}],
+               "options": {"num_predict": 5000, "temperature": 1.0, "seed": 7}}
+    with httpx.stream("POST", server.url + "/api/chat", json=payload, timeout=60) as r:
+        for i, line in enumerate(r.iter_lines()):
+            assert json.loads(line)["done"] is False
+            if i == 8:
+                break
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/api/chat", json={**payload, "stream": False}, timeout=0.5)
+    assert wait_idle(svc.engine) and svc.engine.counters.cancelled == cancelled + 2
