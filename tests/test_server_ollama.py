@@ -129,6 +129,17 @@ def test_json_format_holds(server, client):
     assert r.done_reason == "length" or isinstance(json.loads(r.response), dict)
 
 
+def test_a_body_posted_as_curl_posts_it(server):
+    """Ollama's own examples post JSON with `curl -d`, labelled a form: read as JSON all the same."""
+    body = json.dumps({"model": model(server), "messages": [{"role": "user", "content": "Hi"}], "stream": False,
+                       "options": {"num_predict": 3}})
+    r = httpx.post(server.url + "/api/chat", content=body, timeout=60,
+                   headers={"Content-Type": "application/x-www-form-urlencoded"})
+    assert r.status_code == 200 and r.json()["done"] and r.json()["eval_count"] <= 3, r.text
+    r = httpx.post(server.url + "/api/generate", content=b"not json", timeout=60)
+    assert r.status_code in (400, 422) and isinstance(r.json()["error"], str)
+
+
 def test_tags_show_ps_version(server, client):
     (entry,) = client.list().models
     assert entry.model == model(server) + ":latest" and entry.size == server.services.backend.weights_bytes

@@ -10,7 +10,9 @@ import time
 from typing import AsyncIterator, Optional
 
 from fastapi import APIRouter, Depends, Header, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import ValidationError
 
 from ...engine import Delta, Finished, Job
 from ..bridge import JobEvents, follow, watch_disconnect
@@ -55,8 +57,18 @@ async def ps(svc: Services = Depends(services)) -> dict:
     return {"models": [{**model_entry(svc), "expires_at": "2318-08-29T00:00:00Z", "size_vram": 0}]}
 
 
+async def _json(request: Request, cls):
+    """The body as `cls`, whatever its Content-Type: Ollama's own examples post JSON with curl -d,
+    which labels it a form."""
+    try:
+        return cls.model_validate_json(await request.body() or b"{}")
+    except ValidationError as e:
+        raise RequestValidationError(e.errors(include_url=False)) from e
+
+
 @router.post("/api/show")
-async def show(body: ShowRequest, svc: Services = Depends(services)) -> dict:
+async def show(request: Request, svc: Services = Depends(services)) -> dict:
+    body = await _json(request, ShowRequest)
     model = body.model or body.name
     if not model:
         raise BadRequest("show needs the model's name", "model")
@@ -78,8 +90,8 @@ async def show(body: ShowRequest, svc: Services = Depends(services)) -> dict:
 
 
 @router.post("/api/chat")
-async def chat(body: ChatRequest, request: Request, svc: Services = Depends(services),
-               x_session_id: Optional[str] = Header(None)):
+async def chat(request: Request, svc: Services = Depends(services), x_session_id: Optional[str] = Header(None)):
+    body = await _json(request, ChatRequest)
     _check_model(svc, body.model)
     if not body.messages:   # Ollama's way to load a model: done at once
         return _loaded(svc, body.stream, {"message": {"role": "assistant", "content": ""}})
@@ -92,8 +104,8 @@ async def chat(body: ChatRequest, request: Request, svc: Services = Depends(serv
 
 
 @router.post("/api/generate")
-async def generate(body: GenerateRequest, request: Request, svc: Services = Depends(services),
-                   x_session_id: Optional[str] = Header(None)):
+async def generate(request: Request, svc: Services = Depends(services), x_session_id: Optional[str] = Header(None)):
+    body = await _json(request, GenerateRequest)
     _check_model(svc, body.model)
     bad = body.unsupported()
     if bad is not None:
