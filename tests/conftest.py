@@ -54,3 +54,21 @@ def force(server):
 
     yield set_text
     svc.force_tokens = None
+
+
+@pytest.fixture(scope="module", params=["torch", "mlx"])
+def demo_either(request):
+    """The bundled demo model on each backend in turn (torch in float32; MLX skipped where mlx is
+    not installed, as on a CUDA machine)."""
+    from localheap.models import demo_model_dir
+
+    if request.param == "torch":
+        import torch
+
+        from localheap.backends.torch import TorchBackend
+
+        return TorchBackend.load(demo_model_dir(), dtype=torch.float32)
+    pytest.importorskip("mlx.core", reason="mlx is not installed (a CUDA machine has none)")
+    from localheap.backends.mlx import MLXBackend
+
+    return MLXBackend.load(demo_model_dir())

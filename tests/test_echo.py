@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from engine_checks import CFG, TEXTS, drain, engine, ids
+from engine_checks import TEXTS, drain, engine, ids
 from localheap.engine import Delta, Finished, Generate
 from localheap.generation import LogprobRecorder, SamplingParams, scored_rows
 from localheap.heap import HeapConfig
@@ -25,16 +25,9 @@ TOP = 3
 CHUNK = 64
 
 
-@pytest.fixture(scope="module", params=["torch", "mlx"])
-def demo(request):
-    if request.param == "torch":
-        from localheap.backends.torch import TorchBackend
-
-        return TorchBackend.load(demo_model_dir(), dtype=torch.float32)
-    pytest.importorskip("mlx.core", reason="mlx is not installed (a CUDA machine has none)")
-    from localheap.backends.mlx import MLXBackend
-
-    return MLXBackend.load(demo_model_dir())
+@pytest.fixture(scope="module")
+def demo(demo_either):
+    return demo_either
 
 
 def _stock_rows(backend, tokens: list[int], chunk: int) -> np.ndarray:

@@ -26,16 +26,9 @@ pytestmark = pytest.mark.usefixtures("torch_one_thread")
 TOP = 4
 
 
-@pytest.fixture(scope="module", params=["torch", "mlx"])
-def demo(request):
-    if request.param == "torch":
-        from localheap.backends.torch import TorchBackend
-
-        return TorchBackend.load(demo_model_dir(), dtype=torch.float32)
-    pytest.importorskip("mlx.core", reason="mlx is not installed (a CUDA machine has none)")
-    from localheap.backends.mlx import MLXBackend
-
-    return MLXBackend.load(demo_model_dir())
+@pytest.fixture(scope="module")
+def demo(demo_either):
+    return demo_either
 
 
 def _encode(backend, text: str) -> list[int]:
