@@ -83,6 +83,9 @@ def add_parser(sub) -> None:
                         "with a final event saying what was kept, sessions are saved, and the server exits 0")
     p.add_argument("--tool-format", default="auto", choices=("auto", "hermes", "mistral", "llama3_json", "prompted"),
                    help="how the model writes tool calls (default: auto, recognised from its chat template)")
+    p.add_argument("--embed-pooling", default="mean", choices=("mean", "last"),
+                   help="/v1/embeddings and /api/embed: a text's vector is the mean of the model's last hidden "
+                        "states, or the last token's (default: mean)")
     add_distributed_arg(p, watched=True)
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"),
                    help="server log detail")
@@ -149,7 +152,7 @@ def settings_from_args(args):
         default_max_tokens=args.default_max_tokens, max_tokens_limit=args.max_tokens_limit,
         shutdown_grace_s=args.shutdown_grace, heap=heap_config(args),
         disk_total=None if args.disk_total.strip().lower() == "auto" else disk_total(args.disk_total),   # auto: in run
-        tool_format=None if args.tool_format == "auto" else args.tool_format,
+        tool_format=None if args.tool_format == "auto" else args.tool_format, embed_pooling=args.embed_pooling,
     )
 
 

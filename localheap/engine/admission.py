@@ -15,6 +15,7 @@ import time
 from collections import deque
 from typing import Any, Callable, Optional
 
+from ..embedding import embedding_heap
 from ..sessions import Session, SessionLost, SessionNotFound, SessionStore, SpillFailed, continue_session, match_session
 from . import branching
 from .errors import InvalidTokens, OverBudget
@@ -80,7 +81,10 @@ class AdmissionQueue:
         encode = lambda text: tok.encode(text, add_special_tokens=False)  # noqa: E731
         self.check_tokens(req.prompt.tokens, req.prompt.continuation or ())
         if getattr(req, "ephemeral", False):   # a session of its own: nothing kept is read or changed
-            match = continue_session(self.store.create(owner=req.owner, ephemeral=True), req.prompt, encode, tok.decode)
+            pooled = getattr(req, "pool", None) is not None   # an embedding: a heap the size of its input
+            cfg = embedding_heap(self.store.cfg, len(req.prompt.tokens)) if pooled else None
+            match = continue_session(self.store.create(owner=req.owner, ephemeral=True, cfg=cfg), req.prompt, encode,
+                                     tok.decode)
             return self._prepare(match, True, room_blocked), True
         if req.session_id is not None:
             named = self.store.get(req.session_id)

@@ -528,7 +528,7 @@ class Engine:
         s.turns += 1
         fed_document = isinstance(run.request, Feed) and run.finish_reason == "fed"
         branching.settle(self.backend, s, None if fed_document else run.prompt_tokens)
-        if fed_document:
+        if fed_document and not s.ephemeral:
             branching.checkpoint_quietly(self.store, s)
         self.store.touch(s)
         saved = None

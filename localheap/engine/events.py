@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Union
 
+from ..embedding import Pooler
 from ..generation import SamplingParams
 from ..sessions import Prompt
 
@@ -83,11 +84,15 @@ class Generate:
 
 @dataclass
 class Feed:
-    """Append `prompt` (a document) to a session without generating."""
+    """Append `prompt` (a document) to a session without generating. With `pool`, its chunks
+    are read by Backend.prefill_pooled, their last hidden states going to the Pooler (an
+    embedding), each on its own (not in the decode batch)."""
     prompt: Prompt
     emit: Emit
     session_id: Optional[str] = None
     owner: Optional[str] = None
+    ephemeral: bool = False       # a session of its own, never saved, deleted with its files when the feed ends
+    pool: Optional[Pooler] = None
 
 
 _ids = itertools.count(1)

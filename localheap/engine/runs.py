@@ -38,6 +38,7 @@ class Run:
         self.chunk = session.cfg.chunk                 # prefill chunk (the heap evicts before each)
         # prompt logprobs (an echo): every token but the last is read by prefill_scored, on its own
         self.scored = None if isinstance(job.request, Feed) else job.request.params.prompt_logprobs
+        self.pooled = job.request.pool if isinstance(job.request, Feed) else None   # an embedding: prefill_pooled
         if isinstance(job.request, Feed):
             self.to_prefill, self.last = new_tokens, None
         else:   # the turn's first step feeds its question (a recall probes with it), else its last token
@@ -81,8 +82,8 @@ class Run:
     @property
     def rides(self) -> bool:
         """Whether its prompt's chunks may ride in the decode batch or be read on the lane (a
-        scored prompt's are read on their own, by prefill_scored)."""
-        return self.scored is None
+        scored prompt's are read on their own, by prefill_scored; an embedding's by prefill_pooled)."""
+        return self.scored is None and self.pooled is None
 
     def _prefill_chunk(self) -> None:
         chunk = self.next_chunk(self.chunk)
@@ -90,6 +91,8 @@ class Run:
             end = self.prefilled + len(chunk)
             following = self.to_prefill[end] if end < len(self.to_prefill) else self.last[0]
             self.backend.prefill_scored(self.session.cache, chunk, int(following), self.scored)
+        elif self.pooled is not None:
+            self.backend.prefill_pooled(self.session.cache, chunk, self.pooled)
         else:
             self.backend.prefill(self.session.cache, chunk)
         self.chunk_fed(chunk)

@@ -65,6 +65,27 @@ class ShowRequest(Strict):
     verbose: Optional[bool] = None
 
 
+class EmbedRequest(Strict):
+    """POST /api/embed: a text or a batch of texts (none: the model is loaded, nothing embedded)."""
+    model: str
+    input: Union[str, list[str]] = ""
+    truncate: bool = True                 # an input past the heap's size is cut to it (False: an error)
+    dimensions: Optional[int] = Field(None, ge=1)
+    options: Optional[dict[str, Any]] = None          # accepted: nothing in them changes a vector here
+    keep_alive: Union[str, int, float, None] = None
+
+    def inputs(self) -> list[str]:
+        return [self.input] if isinstance(self.input, str) else list(self.input)
+
+
+class LegacyEmbeddingsRequest(Strict):
+    """POST /api/embeddings (Ollama's older route): one prompt, its vector not normalized."""
+    model: str
+    prompt: str = ""
+    options: Optional[dict[str, Any]] = None
+    keep_alive: Union[str, int, float, None] = None
+
+
 class OllamaRequest(Strict):
     """What /api/chat and /api/generate share."""
     model: str

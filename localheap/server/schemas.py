@@ -251,3 +251,27 @@ class TokenizeRequest(Strict):
     """Count tokens with the served model's tokenizer (the web UI's document dialog). Bounded:
     4M characters is about a 1M-token document, the size the heap is built for."""
     text: str = Field(max_length=TOKENIZE_MAX_CHARS)
+
+
+MAX_EMBED_INPUTS = 2048   # inputs per embeddings request (OpenAI's limit)
+
+
+class EmbeddingRequest(Strict):
+    """POST /v1/embeddings: a text or a list of ids, or a batch of either."""
+    model: str
+    input: Union[str, list[str], list[int], list[list[int]]]
+    encoding_format: Literal["float", "base64"] = "float"   # base64: float32 little-endian (the OpenAI SDK's default)
+    dimensions: Optional[int] = Field(None, ge=1)            # the first N components, then unit length again
+    user: Optional[str] = None                               # accepted, unused
+
+    def inputs(self) -> list[Union[str, list[int]]]:
+        p = self.input
+        return list(p) if isinstance(p, list) and p and isinstance(p[0], (str, list)) else [p]
+
+    def unsupported(self) -> Optional[tuple[str, str]]:
+        count = len(self.inputs())
+        if isinstance(self.input, list) and not self.input:
+            return "input", "input is empty"
+        if count > MAX_EMBED_INPUTS:
+            return "input", f"at most {MAX_EMBED_INPUTS} inputs per request ({count} sent)"
+        return None

@@ -47,6 +47,7 @@ class ServerSettings:
     max_observers: int = 8                     # open /v1/heap/events streams; more -> 503
     admission_timeout: float = 30.0            # seconds a request may queue for RAM before 503
     allowed_hosts: list[str] = field(default_factory=list)   # Host names accepted beyond the bound ones
+    embed_pooling: str = "mean"                # embeddings: mean or last of the last hidden states (embedding.POOLING)
 
     @property
     def keys(self) -> list[str]:

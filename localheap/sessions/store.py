@@ -75,11 +75,14 @@ class SessionStore:
     # --- lookup (engine thread) ---
 
     def create(self, session_id: Optional[str] = None, origin: str = "api", title: Optional[str] = None,
-               owner: Optional[str] = None, ephemeral: bool = False, strict: bool = False) -> Session:
+               owner: Optional[str] = None, ephemeral: bool = False, strict: bool = False,
+               cfg: Optional[HeapConfig] = None) -> Session:
         """A new, empty session. strict: it must be in the index (durable stores) before anyone is
-        told it exists, or it is not made (SpillFailed: disk full or read-only)."""
+        told it exists, or it is not made (SpillFailed: disk full or read-only). `cfg`: an
+        ephemeral session's own heap, no larger than the store's (an embedding's, sized to its input)."""
         assert origin in ORIGINS, origin
-        s = Session(id=session_id or new_id(), cfg=self.cfg, origin=origin, title=title, owner=owner,
+        assert cfg is None or ephemeral, "only a session that is never saved has heap settings of its own"
+        s = Session(id=session_id or new_id(), cfg=cfg or self.cfg, origin=origin, title=title, owner=owner,
                     ephemeral=ephemeral)
         assert valid_id(s.id), s.id
         s.refresh()

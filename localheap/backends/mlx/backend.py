@@ -13,7 +13,7 @@ from ...heap import HeapConfig, HeapStats, kv_bytes_per_token
 from .. import paging
 from ..base import ModelShapes
 from . import batch
-from .generate import generate_tokens, prefill, prefill_scored
+from .generate import generate_tokens, prefill, prefill_pooled, prefill_scored
 from .heapcache import HeapPromptCache, attention_module, kv_geometry, make_heap_cache
 from .persist import load_heap, save_heap
 
@@ -65,6 +65,10 @@ class MLXBackend:
         """Feed `tokens` as prefill does; each one's next token's logprob goes to `recorder`
         (generate.prefill_scored: the prompt logprobs of an echo)."""
         prefill_scored(self.model, cache, tokens, following, cache.cfg.chunk, self.vocab_size or 1 << 17, recorder)
+
+    def prefill_pooled(self, cache, tokens: Sequence[int], pool) -> None:
+        """Feed `tokens` as prefill does; their last hidden states go to `pool` (an embedding)."""
+        prefill_pooled(self.model, cache, tokens, cache.cfg.chunk, pool)
 
     def generate(self, cache, new_tokens: Sequence[int], params: SamplingParams,
                  progress: Optional[ProgressFn] = None,

@@ -170,6 +170,21 @@ def prefill_scored(model, cache: HeapPromptCache, tokens: Sequence[int], followi
                 recorder.add(TokenLogprob(token, value, list(zip(ids_i, values_i))))
 
 
+def prefill_pooled(model, cache: HeapPromptCache, tokens: Sequence[int], chunk: int, pool) -> None:
+    """Feed `tokens` as `prefill` does, through the model's body alone (no output head): each
+    chunk's last hidden states (after the final norm) go to `pool` (embedding.Pooler) as their
+    float32 sum and last row."""
+    arr = mx.array(list(tokens), dtype=mx.uint32)
+    total = len(tokens)
+    for a in range(0, total, chunk):
+        n = min(chunk, total - a)
+        cache.make_room(n)
+        hidden = model.model(arr[a:a + n][None], cache=cache)[0].astype(mx.float32)   # [n, hidden]
+        summed, last = hidden.sum(axis=0), hidden[-1]
+        mx.eval(summed, last, [c.state for c in cache])
+        pool.add(np.array(summed), n, np.array(last))
+
+
 def prefill_turn(model, cache: HeapPromptCache, prompt: list, chunk: int,
                  progress: Optional[ProgressFn] = None, cancelled=None) -> None:
     """All of a turn's prompt but its last token (which the first step feeds). With recall on and

@@ -16,7 +16,7 @@ from ..base import ModelShapes
 from .. import paging
 from . import attention, batch
 from .cache import HeapCache, decoder_layers, kv_geometry, make_heap_cache
-from .generate import generate_tokens, prefill, prefill_scored
+from .generate import generate_tokens, prefill, prefill_pooled, prefill_scored
 from .persist import load_heap, save_heap
 
 log = logging.getLogger("localheap.torch")
@@ -158,6 +158,10 @@ class TorchBackend:
         """Feed `tokens` as prefill does; each one's next token's logprob goes to `recorder`
         (generate.prefill_scored: the prompt logprobs of an echo)."""
         prefill_scored(self.model, cache, tokens, following, recorder)
+
+    def prefill_pooled(self, cache: HeapCache, tokens: Sequence[int], pool) -> None:
+        """Feed `tokens` as prefill does; their last hidden states go to `pool` (an embedding)."""
+        prefill_pooled(self.model, cache, tokens, pool)
 
     def generate(self, cache: HeapCache, new_tokens: Sequence[int], params: SamplingParams,
                  progress: Optional[ProgressFn] = None,

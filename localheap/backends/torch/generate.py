@@ -79,6 +79,22 @@ def prefill_scored(model, cache: HeapCache, tokens: Sequence[int], following: in
                     recorder.add(TokenLogprob(token, value, list(zip(ids_i, values_i))))
 
 
+def prefill_pooled(model, cache: HeapCache, tokens: Sequence[int], pool) -> None:
+    """Feed `tokens` as `prefill` does, through the model's body alone (no output head): each
+    chunk's last hidden states (after the final norm) go to `pool` (embedding.Pooler) as their
+    float32 sum and last row."""
+    ids = torch.as_tensor(list(tokens), dtype=torch.long, device=cache.device)
+    body = model.base_model
+    total = ids.shape[0]
+    for a in range(0, total, cache.cfg.chunk):
+        n = min(cache.cfg.chunk, total - a)
+        cache.make_room(n)
+        with torch.no_grad():
+            hidden = body(input_ids=ids[a:a + n][None], position_ids=cache.position_ids(n), past_key_values=cache,
+                          use_cache=True, heap=cache).last_hidden_state[0].float()   # [n, hidden]
+            pool.add(hidden.sum(dim=0).cpu().numpy(), n, hidden[-1].cpu().numpy())
+
+
 def prefill_turn(model, cache: HeapCache, tokens: Sequence[int], progress: Optional[ProgressFn] = None,
                  cancelled=None) -> Optional[torch.Tensor]:
     """A turn's prompt. With recall on and something evicted, the last `obs_window` tokens (the

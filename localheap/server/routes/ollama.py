@@ -1,6 +1,7 @@
 """Ollama's API: POST /api/chat and /api/generate (NDJSON lines, or one object with stream
-false), GET /api/tags, /api/ps and /api/version, POST /api/show. The same sessions, heap, recall
-and prefix reuse as the other routes: the conversation is rendered by the same chat template."""
+false), POST /api/embed and /api/embeddings, GET /api/tags, /api/ps and /api/version, POST
+/api/show. The same sessions, heap, recall and prefix reuse as the other routes: the
+conversation is rendered by the same chat template."""
 
 from __future__ import annotations
 
@@ -14,13 +15,15 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
 
+from ...embedding import finish
 from ...engine import Delta, Finished, Job
 from ..bridge import JobEvents, follow, watch_disconnect
 from ..chat import start
 from ..errors import BadRequest, Unsupported
 from ..formats import save_fields, saved_headers
-from ..ollama import (OLLAMA_VERSION, ChatRequest, GenerateRequest, ShowRequest, call_dict, final_fields, model_entry,
-                      now_iso, tag)
+from ..embeddings import check_backend, embed, embedding_prompt, input_limit
+from ..ollama import (OLLAMA_VERSION, ChatRequest, EmbedRequest, GenerateRequest, LegacyEmbeddingsRequest, ShowRequest,
+                      call_dict, final_fields, model_entry, now_iso, tag)
 from ..prompts import chat_prompt, completion_prompt, tokenize
 from ..services import Services, services
 from ..toolcalls import OutputParser, Text
@@ -121,6 +124,42 @@ async def generate(request: Request, svc: Services = Depends(services), x_sessio
                                 opts=opts)
     return await _run(request, svc, body, prompt, plan.parser(opts, prompt), plan.constraint(svc, opts),
                       x_session_id, body.prompt, chat=False)
+
+
+@router.post("/api/embed")
+async def embed_route(request: Request, svc: Services = Depends(services)) -> dict:
+    """Each input's vector at unit length (the mean of the last hidden states: --embed-pooling);
+    an input past the heap's size is cut to it unless `truncate` is false."""
+    began = time.monotonic()
+    body = await _json(request, EmbedRequest)
+    _check_model(svc, body.model)
+    check_backend(svc)
+    hidden = svc.backend.model_shapes().hidden
+    if body.dimensions is not None and body.dimensions > hidden:
+        raise BadRequest(f"dimensions must be at most {hidden} for this model (its hidden size)", "dimensions")
+    texts = [] if body.input == "" else body.inputs()   # none: the model is loaded, as Ollama's
+    if not all(texts):
+        raise BadRequest(f"input {[bool(t) for t in texts].index(False)} is empty", "input")
+    limit = input_limit(svc)
+    prompts = [embedding_prompt(svc.tokenizer, text, i, limit, body.truncate) for i, text in enumerate(texts)]
+    vectors = await embed(svc, request, prompts) if prompts else []
+    return {"model": tag(svc.model_id), "embeddings": [finish(v, body.dimensions).tolist() for v in vectors],
+            "total_duration": int((time.monotonic() - began) * 1e9), "load_duration": 0,
+            "prompt_eval_count": sum(len(p.tokens) for p in prompts)}
+
+
+@router.post("/api/embeddings")
+async def embeddings_route(request: Request, svc: Services = Depends(services)) -> dict:
+    """Ollama's older route: one prompt's vector as the model gives it (not scaled to unit length);
+    an empty prompt loads the model and embeds nothing."""
+    body = await _json(request, LegacyEmbeddingsRequest)
+    _check_model(svc, body.model)
+    check_backend(svc)
+    if not body.prompt:
+        return {"embedding": []}
+    prompt = embedding_prompt(svc.tokenizer, body.prompt, 0, input_limit(svc), truncate=True, param="prompt")
+    vector, = await embed(svc, request, [prompt])
+    return {"embedding": finish(vector, normalize=False).tolist()}
 
 
 def _loaded(svc: Services, stream: bool, reply: dict):

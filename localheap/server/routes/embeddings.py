@@ -1,0 +1,37 @@
+"""POST /v1/embeddings (OpenAI's): each input's vector, pooled from the served model's last
+hidden states (--embed-pooling: mean by default) and scaled to unit length (embeddings.py)."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Depends, Request
+
+from ...embedding import as_base64, finish
+from ..embeddings import check_backend, embed, embedding_prompt, input_limit
+from ..errors import BadRequest
+from ..schemas import EmbeddingRequest
+from ..services import Services, services
+
+router = APIRouter()
+
+
+@router.post("/v1/embeddings")
+async def embeddings(body: EmbeddingRequest, request: Request, svc: Services = Depends(services)) -> dict:
+    svc.check_model(body.model)
+    bad = body.unsupported()
+    if bad is not None:
+        raise BadRequest(bad[1], bad[0])
+    check_backend(svc)
+    hidden = svc.backend.model_shapes().hidden
+    if body.dimensions is not None and body.dimensions > hidden:
+        raise BadRequest(f"dimensions must be at most {hidden} for this model (its hidden size)", "dimensions")
+    limit = input_limit(svc)
+    prompts = [embedding_prompt(svc.tokenizer, item, i, limit) for i, item in enumerate(body.inputs())]
+    vectors = await embed(svc, request, prompts)
+    data = []
+    for i, v in enumerate(vectors):
+        v = finish(v, body.dimensions)
+        data.append({"object": "embedding", "index": i,
+                     "embedding": as_base64(v) if body.encoding_format == "base64" else v.tolist()})
+    used = sum(len(p.tokens) for p in prompts)
+    return {"object": "list", "data": data, "model": svc.model_id,
+            "usage": {"prompt_tokens": used, "total_tokens": used}}

@@ -1,0 +1,300 @@
+"""Embeddings (embedding.Pooler, Backend.prefill_pooled, /v1/embeddings, Ollama's /api/embed):
+an input's vector is pooled from the stock model's own last hidden states (a heap that never
+evicts: bit for bit over the same chunks on both backends, and within float rounding of one
+forward over the whole input), the engine reads it on its own beside the decode batch (the same
+vector however many runs decode), and the routes speak the OpenAI and Ollama formats."""
+
+from __future__ import annotations
+
+import queue
+
+import numpy as np
+import pytest
+import torch
+
+from engine_checks import TEXTS, drain, ids
+from localheap.embedding import Pooler, as_base64, finish
+from localheap.engine import Feed, Finished, Generate
+from localheap.generation import SamplingParams
+from localheap.heap import HeapConfig
+from localheap.sessions import Prompt
+
+pytestmark = pytest.mark.usefixtures("torch_one_thread")
+
+CHUNK = 64
+
+
+@pytest.fixture(scope="module")
+def demo(demo_either):
+    return demo_either
+
+
+def _document(backend, n: int) -> list[int]:
+    return backend.tokenizer.encode(" ".join(TEXTS) * 40, add_special_tokens=False)[:n]
+
+
+def _stock_hidden(backend, tokens: list[int], chunk: int) -> np.ndarray:
+    """[len(tokens), hidden] float32: the stock model body's last hidden states, its own cache fed
+    in `chunk`-token forwards (transformers' DynamicCache; mlx-lm's cache)."""
+    rows = []
+    if backend.name == "torch":
+        from transformers import DynamicCache
+
+        cache = DynamicCache(config=backend.model.config)
+        with torch.no_grad():
+            for a in range(0, len(tokens), chunk):
+                out = backend.model.base_model(torch.tensor([tokens[a:a + chunk]]), past_key_values=cache,
+                                               use_cache=True)
+                rows.append(out.last_hidden_state[0].float().numpy())
+        return np.concatenate(rows)
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = make_prompt_cache(backend.model)
+    for a in range(0, len(tokens), chunk):
+        rows.append(np.array(backend.model.model(mx.array([tokens[a:a + chunk]]), cache=cache)[0].astype(mx.float32)))
+    return np.concatenate(rows)
+
+
+def _chunk_sum(backend, rows: np.ndarray) -> np.ndarray:
+    """A chunk's float32 sum over its positions, as the backend's own library adds them."""
+    if backend.name == "torch":
+        return torch.from_numpy(np.ascontiguousarray(rows)).sum(dim=0).numpy()
+    import mlx.core as mx
+
+    return np.array(mx.array(rows).sum(axis=0))
+
+
+def _pooled(backend, tokens: list[int], mode: str = "mean", chunk: int = CHUNK) -> np.ndarray:
+    cache = backend.new_cache(HeapConfig(budget=4096, prefill_chunk=chunk))
+    pool = Pooler(mode)
+    for a in range(0, len(tokens), chunk):
+        backend.prefill_pooled(cache, tokens[a:a + chunk], pool)
+    assert pool.count == len(tokens) and backend.tokens_in_cache(cache) == len(tokens)
+    return pool.vector()
+
+
+def test_pooled_hidden_states_are_the_stock_models_own(demo):
+    """Over the same chunks, the heap's last hidden states are the stock cache's bit for bit: the
+    last position's exactly, the mean as the per-chunk float32 sums make it; and one forward over
+    the whole input gives the same mean within float rounding."""
+    tokens = _document(demo, 300)
+    rows = _stock_hidden(demo, tokens, CHUNK)
+    assert np.array_equal(_pooled(demo, tokens, "last"), rows[-1])
+    sums = [_chunk_sum(demo, rows[a:a + CHUNK]).astype(np.float64) for a in range(0, 300, CHUNK)]
+    assert np.array_equal(_pooled(demo, tokens), (np.sum(sums, axis=0) / 300).astype(np.float32))
+    whole = _stock_hidden(demo, tokens, len(tokens)).mean(axis=0)
+    np.testing.assert_allclose(_pooled(demo, tokens), whole, rtol=1e-4, atol=1e-5)
+
+
+def test_the_vector_a_client_gets():
+    pool = Pooler("mean")
+    pool.add(np.array([2.0, 0.0, 4.0]), 2, np.array([1.0, 0.0, 3.0]))
+    pool.add(np.array([1.0, 3.0, 0.0]), 1, np.array([3.0, 4.0, 0.0]))
+    assert pool.vector().tolist() == [1.0, 1.0, pytest.approx(4 / 3)]
+    last = Pooler("last")
+    last.add(np.array([0.0, 0.0, 0.0]), 1, np.array([3.0, 4.0, 0.0]))
+    assert finish(last.vector()).tolist() == pytest.approx([0.6, 0.8, 0.0])
+    assert finish(last.vector(), dimensions=1).tolist() == [1.0]   # shortened, then unit length again
+    assert finish(last.vector(), normalize=False).tolist() == [3.0, 4.0, 0.0]
+    with pytest.raises(ValueError, match="dimensions"):
+        finish(last.vector(), dimensions=4)
+    with pytest.raises(ValueError, match="nothing"):
+        Pooler().vector()
+    with pytest.raises(ValueError, match="pooling"):
+        Pooler("cls")
+    raw = np.frombuffer(__import__("base64").b64decode(as_base64(np.array([0.5, -2.0]))), dtype="<f4")
+    assert raw.tolist() == [0.5, -2.0]
+
+
+def _embed(eng, tokens: list[int], mode: str = "mean") -> tuple[queue.Queue, Pooler]:
+    events, pool = queue.Queue(), Pooler(mode)
+    eng.submit(Feed(Prompt(tokens), events.put, ephemeral=True, pool=pool))
+    return events, pool
+
+
+def test_the_engine_embeds_on_its_own_beside_the_batch(demo):
+    """An embedding read alone and again while three chats decode: the same vector (that of the
+    backend call), its session gone once it ends (nothing kept, no checkpoint), the chats' replies
+    in full."""
+    from localheap.engine import Engine
+    from localheap.grammar import ForcedTokens
+    from localheap.sessions import SessionStore
+
+    tokens = _document(demo, 200)
+    want = _pooled(demo, tokens)
+    eng = Engine(demo, SessionStore(demo, HeapConfig(budget=256, prefill_chunk=CHUNK)), max_active=8,
+                 mixed_chunk=16).start()
+    try:
+        events, alone = _embed(eng, tokens)
+        end = drain(events)[-1]
+        assert isinstance(end, Finished) and end.finish_reason == "fed" and end.usage.prompt_tokens == 200
+        assert eng.store.sessions() == [] and eng.store.checkpoints.all() == []
+        replies = [ids(24, s) for s in (1, 2, 3)]
+        queues = []
+        for reply in replies:   # forced: no early end-of-sequence, they decode all along
+            q = queue.Queue()
+            params = SamplingParams(max_tokens=40, constraint=ForcedTokens(reply, demo.eos_token_ids))
+            eng.submit(Generate(Prompt(ids(20, len(queues))), params, q.put, ephemeral=True))
+            queues.append(q)
+        decoding = []   # per embedded chunk: how many runs held a decode row meanwhile
+        real = demo.prefill_pooled
+
+        def spy(*args):
+            decoding.append(sum(r.row is not None for r in eng._active))
+            return real(*args)
+
+        demo.prefill_pooled = spy
+        try:
+            events, beside = _embed(eng, tokens)
+            assert isinstance(drain(events)[-1], Finished)
+        finally:
+            del demo.prefill_pooled
+        ends = [drain(q)[-1] for q in queues]
+    finally:
+        eng.stop()
+    assert [e.usage.completion_tokens for e in ends] == [25] * 3   # each reply's 24 tokens and its EOS
+    assert max(decoding) >= 2, decoding   # it was read while chats decoded
+    assert np.array_equal(alone.vector(), want) and np.array_equal(beside.vector(), want)
+
+
+# -- /v1/embeddings and Ollama's /api/embed, /api/embeddings --
+
+HEAP = HeapConfig(budget=256, recent=32, slack=32, prefill_chunk=CHUNK, recall=True, recall_budget=128)
+LIMIT = 4 + 256   # sinks + budget: what the heap holds without evicting
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    pytest.importorskip("fastapi")
+    from localheap.backends.torch import TorchBackend
+    from localheap.models import demo_model_dir
+    from localheap.server import ServerSettings, create_app
+    from localheap.server.testing import ServerThread
+
+    backend = TorchBackend.load(demo_model_dir(), dtype=torch.float32)
+    settings = ServerSettings(heap=HEAP, web_dir=None, sessions_dir=tmp_path_factory.mktemp("sessions"))
+    with ServerThread(create_app(backend, settings)) as srv:
+        yield srv
+
+
+def _post(srv, path: str = "/v1/embeddings", **body):
+    import httpx
+
+    return httpx.post(srv.url + path, json={"model": srv.services.model_id, **body}, timeout=120)
+
+
+def _stock_vector(srv, tokens: list[int], dimensions=None) -> np.ndarray:
+    """The stock model's mean last hidden state over `tokens` (one forward), at unit length."""
+    with torch.no_grad():
+        hidden = srv.services.backend.model.base_model(torch.tensor([tokens])).last_hidden_state[0].float()
+    return finish(hidden.mean(dim=0).numpy(), dimensions)
+
+
+def _text_ids(srv, text: str) -> list[int]:
+    return list(srv.services.tokenizer.encode(text))   # with the BOS the tokenizer adds
+
+
+def test_the_openai_sdk_gets_the_stock_models_vectors(server):
+    """The SDK asks for base64 by default and decodes it: each text's vector is the stock
+    model's mean hidden state over the text's ids (BOS included) at unit length; a batch is in
+    order and each vector equals the same text's sent alone; usage counts every input's tokens."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=server.url + "/v1", api_key="none")
+    texts = ["The pass key of honey is 44444.", "A river runs through the old town.", "Tea, then bed."]
+    one = client.embeddings.create(model=server.services.model_id, input=texts[0])
+    got = np.array(one.data[0].embedding, dtype=np.float32)
+    assert got.shape == (server.services.backend.model_shapes().hidden,)
+    np.testing.assert_allclose(got, _stock_vector(server, _text_ids(server, texts[0])), rtol=1e-4, atol=1e-5)
+    assert abs(float(np.linalg.norm(got)) - 1.0) < 1e-5
+    batch = client.embeddings.create(model=server.services.model_id, input=texts, encoding_format="float")
+    assert [d.index for d in batch.data] == [0, 1, 2]
+    assert batch.data[0].embedding == one.data[0].embedding
+    for d, text in zip(batch.data, texts):
+        np.testing.assert_allclose(d.embedding, _stock_vector(server, _text_ids(server, text)), rtol=1e-4, atol=1e-5)
+    assert batch.usage.prompt_tokens == batch.usage.total_tokens == sum(len(_text_ids(server, t)) for t in texts)
+    assert server.services.store.sessions() == []   # nothing kept
+
+
+def test_ids_dimensions_and_the_heaps_size(server):
+    """Ids are read as sent (no BOS added); `dimensions` keeps the first N at unit length; an
+    input of exactly the heap's size (recall on) is the stock model's, one token more is a 400."""
+    ids = _document(server.services.backend, LIMIT + 1)
+    r = _post(server, input=[ids[:40], ids[40:100]], encoding_format="float", dimensions=16)
+    assert r.status_code == 200, r.text
+    vectors = [np.array(d["embedding"], dtype=np.float32) for d in r.json()["data"]]
+    np.testing.assert_allclose(vectors[0], _stock_vector(server, ids[:40], 16), rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(vectors[1], _stock_vector(server, ids[40:100], 16), rtol=1e-4, atol=1e-5)
+    assert r.json()["usage"]["prompt_tokens"] == 100
+    whole = _post(server, input=ids[:LIMIT], encoding_format="float")
+    assert whole.status_code == 200, whole.text
+    np.testing.assert_allclose(whole.json()["data"][0]["embedding"], _stock_vector(server, ids[:LIMIT]),
+                               rtol=1e-4, atol=1e-5)
+    over = _post(server, input=ids)
+    assert over.status_code == 400 and over.json()["error"]["code"] == "context_length_exceeded"
+    assert f"at most {LIMIT}" in over.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"input": ""}, "input"), ({"input": []}, "input"), ({"input": ["a", ""]}, "input"),
+    ({"input": ["a"] * 2049}, "input"), ({"input": "a", "dimensions": 100000}, "dimensions"),
+    ({"input": [[5, 10 ** 7]]}, None), ({"input": "a", "encoding_format": "int8"}, None),
+])
+def test_bad_requests_are_400s(server, body, param):
+    r = _post(server, **body)
+    assert r.status_code == 400, r.text
+    if param is not None:
+        assert r.json()["error"]["param"] == param
+
+
+def test_an_unknown_model_is_a_404(server):
+    r = _post(server, model="gpt-nothing", input="hello")
+    assert r.status_code == 404
+
+
+def test_ollamas_embed_and_embeddings(server):
+    """Ollama's client: /api/embed's vectors are the OpenAI route's (unit length), an input past
+    the heap's size is cut to it (truncate, the default) or refused; /api/embeddings gives the
+    raw mean (not normalized); empty inputs load the model and embed nothing."""
+    import ollama
+
+    client = ollama.Client(host=server.url)
+    model = server.services.model_id
+    texts = ["The pass key of honey is 44444.", "Tea, then bed."]
+    got = client.embed(model=model, input=texts)
+    want = _post(server, input=texts, encoding_format="float").json()["data"]
+    assert got.embeddings == [d["embedding"] for d in want]
+    assert got.prompt_eval_count == sum(len(_text_ids(server, t)) for t in texts)
+    legacy = client.embeddings(model=model, prompt=texts[0])
+    with torch.no_grad():
+        hidden = server.services.backend.model.base_model(torch.tensor([_text_ids(server, texts[0])]))
+    np.testing.assert_allclose(legacy.embedding, hidden.last_hidden_state[0].mean(dim=0).numpy(), rtol=1e-4, atol=1e-5)
+    long_text = " ".join(TEXTS) * 20
+    ids = _text_ids(server, long_text)
+    assert len(ids) > LIMIT
+    cut = client.embed(model=model, input=long_text)
+    np.testing.assert_allclose(cut.embeddings[0], _stock_vector(server, ids[:LIMIT]), rtol=1e-4, atol=1e-5)
+    assert cut.prompt_eval_count == LIMIT
+    with pytest.raises(ollama.ResponseError) as refused:
+        client.embed(model=model, input=long_text, truncate=False)
+    assert refused.value.status_code == 400 and "at most" in refused.value.error
+    assert client.embed(model=model, input="").embeddings == []
+    assert client.embeddings(model=model, prompt="").embedding == []
+
+
+def test_a_client_that_leaves_cancels_its_inputs(server):
+    """Many inputs, the client gone after a moment: what is left is cancelled, nothing stays in
+    flight and no session is kept."""
+    import httpx
+
+    from localheap.engine.engine import wait_idle
+
+    ids = _document(server.services.backend, LIMIT)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/v1/embeddings", json={"model": server.services.model_id, "input": [ids] * 200},
+                   timeout=0.5)
+    assert wait_idle(server.services.engine, timeout=30)
+    assert server.services.store.sessions() == []
+    finished = server.services.engine.counters.requests
+    assert finished < 200   # (every input is a request: most never started)
