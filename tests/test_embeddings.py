@@ -298,3 +298,42 @@ def test_a_client_that_leaves_cancels_its_inputs(server):
     assert server.services.store.sessions() == []
     finished = server.services.engine.counters.requests
     assert finished < 200   # (every input is a request: most never started)
+
+
+def test_last_token_pooling_from_the_command_line():
+    """serve --embed-pooling last: each vector is the input's last hidden state at unit length."""
+    import httpx
+
+    from localheap.backends.torch import TorchBackend
+    from localheap.cli import build_parser
+    from localheap.commands.serve import settings_from_args
+    from localheap.models import demo_model_dir
+    from localheap.server import create_app
+    from localheap.server.testing import ServerThread
+
+    settings = settings_from_args(build_parser().parse_args(["serve", "--embed-pooling", "last"]))
+    assert settings.embed_pooling == "last"
+    settings.web_dir = None
+    backend = TorchBackend.load(demo_model_dir(), dtype=torch.float32)
+    with ServerThread(create_app(backend, settings)) as srv:
+        ids = _document(backend, 50)
+        r = httpx.post(srv.url + "/v1/embeddings", json={"model": backend.model_name, "input": ids}, timeout=60)
+    assert r.status_code == 200, r.text
+    with torch.no_grad():
+        last = backend.model.base_model(torch.tensor([ids])).last_hidden_state[0, -1].numpy()
+    np.testing.assert_allclose(r.json()["data"][0]["embedding"], finish(last), rtol=1e-4, atol=1e-5)
+
+
+def test_a_backend_without_pooling_refuses_embeddings():
+    """(--distributed: a rank holds some layers' hidden states only) a 400 naming the backend."""
+    import httpx
+    from test_engine import FakeBackend
+
+    from localheap.server import ServerSettings, create_app
+    from localheap.server.testing import ServerThread
+
+    with ServerThread(create_app(FakeBackend(), ServerSettings(web_dir=None))) as srv:
+        r = httpx.post(srv.url + "/v1/embeddings", json={"model": FakeBackend.model_name, "input": "hello"})
+        assert r.status_code == 400 and "not supported" in r.json()["error"]["message"], r.text
+        r = httpx.post(srv.url + "/api/embed", json={"model": FakeBackend.model_name, "input": "hello"})
+        assert r.status_code == 400 and "not supported" in r.json()["error"], r.text
