@@ -100,6 +100,7 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)   # OpenAI's: added to the id's logit
     logprobs: Optional[LogprobRecorder] = None   # each sampled token's logprob (and the top ids') go here
     prompt_logprobs: Optional[LogprobRecorder] = None   # each new prompt token's but the first (prefill_scored)
+    stop_token_ids: list[int] = field(default_factory=list)   # end the reply as EOS does (vLLM's; a FIM model's end tokens)
 
     def __post_init__(self) -> None:
         if self.max_tokens < 0:
@@ -115,6 +116,9 @@ class SamplingParams:
             if not lo <= getattr(self, name) <= hi:
                 raise ValueError(f"{name} must be in [{lo:g}, {hi:g}]")
         self.logit_bias = {int(k): float(v) for k, v in (self.logit_bias or {}).items()}   # (JSON: keys as text)
+        self.stop_token_ids = [int(t) for t in self.stop_token_ids or []]
+        if any(t < 0 for t in self.stop_token_ids):
+            raise ValueError("stop_token_ids must be >= 0")
         lo, hi = LOGIT_BIAS_RANGE
         for k, v in self.logit_bias.items():
             if k < 0 or not lo <= v <= hi:

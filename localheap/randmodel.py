@@ -13,6 +13,7 @@ import random
 import shutil
 import threading
 from pathlib import Path
+from typing import Sequence
 
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gemma", "gemma3_text")
 
@@ -113,18 +114,21 @@ def _train_tokenizer(vocab_size: int, seed: int):
     return Tokenizer.from_str(cached)
 
 
-def build_tokenizer(out_dir, vocab_size: int = 1024, seed: int = 0):
+def build_tokenizer(out_dir, vocab_size: int = 1024, seed: int = 0, special: Sequence[str] = ()):
     """Train (once per process) a byte-level BPE tokenizer and save it into ``out_dir``.
 
     The training text is the stdlib ``pydoc_data.topics`` help pages, so the result is
     deterministic and needs no network. Writes ``tokenizer.json``,
     ``tokenizer_config.json`` (bos/eos/pad tokens and a Jinja ``chat_template``) and
-    ``special_tokens_map.json``. ``seed`` != 0 trains on a shuffled 90% subset.
-    Returns the ``tokenizers.Tokenizer``.
+    ``special_tokens_map.json``. ``seed`` != 0 trains on a shuffled 90% subset. ``special``:
+    more special tokens, given the ids after the trained vocabulary (e.g. a code model's
+    fill-in-the-middle tokens). Returns the ``tokenizers.Tokenizer``.
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tok = _train_tokenizer(vocab_size, seed)
+    if special:
+        tok.add_special_tokens(list(special))
     tok.save(str(out / "tokenizer.json"))
     special = {"bos_token": BOS, "eos_token": EOS, "pad_token": PAD}
     config = {
@@ -215,6 +219,7 @@ def build_random_model(
     rope_scaling: dict | None = None,
     rope_traditional: bool = False,
     dtype: str = "float32",
+    special: Sequence[str] = (),
 ) -> Path:
     """Write a random-weight ``family`` model of preset ``size`` into ``out_dir``.
 
@@ -224,7 +229,8 @@ def build_random_model(
     ``rope_scaling`` (e.g. ``{"rope_type": "llama3", ...}``) goes into config.json as is.
     ``rope_traditional`` is an mlx-lm-only key: transformers ignores it, so models built
     with it no longer match transformers; cross-library checks use the default layout.
-    ``dtype`` is a torch dtype name ("float32", "bfloat16", "float16").
+    ``dtype`` is a torch dtype name ("float32", "bfloat16", "float16"). ``special``: more
+    special tokens for the tokenizer (build_tokenizer), the vocabulary grown to hold them.
     Returns the output directory.
     """
     import torch
@@ -232,7 +238,7 @@ def build_random_model(
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tok = build_tokenizer(out)
+    tok = build_tokenizer(out, special=special)
     cfg = _model_config(family, size, tok, rope_scaling, rope_traditional, dtype)
     _write_json(out / "config.json", cfg)
     hf_config = AutoConfig.from_pretrained(out)

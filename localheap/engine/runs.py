@@ -143,7 +143,7 @@ class Run:
         req: Generate = self.request
         self.completion.append(token)
         self.last_step = ("decode", 1)
-        if token in self.backend.eos_token_ids:
+        if token in self.backend.eos_token_ids or token in req.params.stop_token_ids:
             self._finish_text("stop")
             return
         text, stopped = self.stream.add(token)
@@ -165,7 +165,8 @@ class Run:
         recorder = self.request.params.logprobs
         entries = None
         if recorder is not None and (text or last):
-            ended_by_eos = bool(self.completion) and self.completion[-1] in self.backend.eos_token_ids
+            ended_by_eos = bool(self.completion) and (self.completion[-1] in self.backend.eos_token_ids
+                                                      or self.completion[-1] in self.request.params.stop_token_ids)
             due = len(self.completion) - ended_by_eos   # reply tokens with logprobs: an EOS has none
             entries = [recorder.get(i) for i in range(self.logprobs_sent, due)] or None
             self.logprobs_sent = due

@@ -185,7 +185,7 @@ class GenerateRequest(OllamaRequest):
     prompt: str = ""
     system: Optional[str] = None
     raw: bool = False
-    suffix: Optional[str] = None
+    suffix: Optional[str] = None   # fill in the middle (a model with FIM tokens: fim.py); "" = none
     template: Optional[str] = None
     context: Optional[list[int]] = None
     images: Optional[list[str]] = None
@@ -193,8 +193,8 @@ class GenerateRequest(OllamaRequest):
     def unsupported(self) -> Optional[tuple[str, str]]:
         if self.images:
             return "images", "images are not supported: this server serves text models"
-        if self.suffix:
-            return "suffix", "suffix (fill in the middle) is not supported"
+        if self.suffix and self.system:
+            return "system", "a fill-in-the-middle prompt (suffix) has no place for a system message"
         if self.template:
             return "template", "a template of the request's own is not supported: the model's chat template is used"
         if self.context:

@@ -134,6 +134,8 @@ class SamplingFields(Strict):
     presence_penalty: Optional[float] = Field(None, ge=PENALTY_RANGE[0], le=PENALTY_RANGE[1])
     frequency_penalty: Optional[float] = Field(None, ge=PENALTY_RANGE[0], le=PENALTY_RANGE[1])
     logit_bias: Optional[dict[str, float]] = None   # token id (as text) -> bias added to its logit
+    stop_token_ids: Optional[list[Annotated[int, Field(ge=0)]]] = Field(None, max_length=64)   # extension (vLLM's):
+    # sampling one of these ends the reply as end-of-sequence does
     user: Optional[str] = None                   # accepted, unused (an end-user id for abuse tracking)
     metadata: Optional[dict[str, str]] = None    # accepted, unused
     store: Optional[bool] = None
@@ -209,7 +211,7 @@ class CompletionRequest(SamplingFields):
     max_tokens: int = Field(16, ge=0)   # 0: with echo, the prompt's logprobs alone
     echo: bool = False
     logprobs: Optional[int] = Field(None, ge=0, le=COMPLETION_LOGPROBS_MAX)
-    suffix: Optional[str] = None
+    suffix: Optional[str] = None   # fill in the middle (a model with FIM tokens: fim.py): the text after the reply
     best_of: Optional[int] = None
 
     def prompts(self) -> list[Union[str, list[int]]]:
@@ -225,8 +227,10 @@ class CompletionRequest(SamplingFields):
             return "n", f"{count} prompts x n {self.n} is {count * self.n} choices; at most {MAX_PROMPTS} per request"
         if self.max_tokens == 0 and not self.echo:
             return "max_tokens", "max_tokens 0 (no reply) needs echo: the prompt and its logprobs are the answer"
-        if self.suffix:
-            return "suffix", "suffix (insertion) is not supported"
+        if self.suffix is not None and not all(isinstance(p, str) for p in self.prompts()):
+            return "suffix", "suffix (fill in the middle) needs the prompt as text"
+        if self.suffix is not None and self.echo:
+            return "suffix", "suffix (fill in the middle) and echo cannot be combined"
         if self.best_of not in (None, 1):
             return "best_of", "best_of must be 1"
         return self.common_unsupported()

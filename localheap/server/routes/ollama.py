@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from typing import AsyncIterator, Optional
+from typing import AsyncIterator, Optional, Sequence
 
 from fastapi import APIRouter, Depends, Header, Request
 from fastapi.exceptions import RequestValidationError
@@ -20,6 +20,7 @@ from ...engine import Delta, Finished, Job
 from ..bridge import JobEvents, follow, watch_disconnect
 from ..chat import start
 from ..errors import BadRequest, Unsupported
+from ..fim import fim_format, fim_prompt
 from ..formats import save_fields, saved_headers
 from ..embeddings import check_backend, embed, embedding_prompt, input_limit
 from ..ollama import (OLLAMA_VERSION, ChatRequest, EmbedRequest, GenerateRequest, LegacyEmbeddingsRequest, ShowRequest,
@@ -117,13 +118,17 @@ async def generate(request: Request, svc: Services = Depends(services), x_sessio
         return _loaded(svc, body.stream, {"response": ""})
     plan = body.plan()
     opts = plan.options(svc)
-    if body.raw:
+    ends = ()
+    if body.suffix:   # fill in the middle: the prompt is the text before the reply, the suffix the text after
+        prompt = await tokenize(fim_prompt, svc.tokenizer, body.prompt, body.suffix, svc.settings.max_prompt_tokens)
+        ends = fim_format(svc.tokenizer).ends
+    elif body.raw:
         prompt = await tokenize(completion_prompt, svc.tokenizer, body.prompt, limit=svc.settings.max_prompt_tokens)
     else:
         prompt = await tokenize(chat_prompt, svc.tokenizer, body.chat_messages(), limit=svc.settings.max_prompt_tokens,
                                 opts=opts)
     return await _run(request, svc, body, prompt, plan.parser(opts, prompt), plan.constraint(svc, opts),
-                      x_session_id, body.prompt, chat=False)
+                      x_session_id, body.prompt, chat=False, stop_ids=ends)
 
 
 @router.post("/api/embed")
@@ -170,10 +175,11 @@ def _loaded(svc: Services, stream: bool, reply: dict):
 
 
 async def _run(request: Request, svc: Services, body, prompt, parser: OutputParser, constraint,
-               session_id: Optional[str], title: Optional[str], chat: bool):
+               session_id: Optional[str], title: Optional[str], chat: bool, stop_ids: Sequence[int] = ()):
     began = time.monotonic()
     default = min(svc.settings.default_max_tokens, svc.settings.max_tokens_limit)
     params = body.params(default, constraint)
+    params.stop_token_ids += list(stop_ids)
     job, events, started = await start(svc, request, prompt, params, session_id, title)
     reply = Reply(svc, parser, chat, began)
     headers = {SESSION_HEADER: started.session_id}

@@ -6,7 +6,7 @@ import asyncio
 import json
 import time
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Callable, Optional, Union
+from typing import AsyncIterator, Callable, Optional, Sequence, Union
 
 from fastapi import APIRouter, Depends, Header, Request
 from fastapi.responses import JSONResponse
@@ -18,6 +18,7 @@ from ...sessions import Prompt
 from ..bridge import JobEvents, collect, follow
 from ..chat import ChatPlan, start
 from ..errors import BadRequest, Unsupported, to_response
+from ..fim import fim_format, fim_prompt
 from ..formats import (Echo, Out, Reply, add_call_errors, extension, finish_reason, saved_headers, tool_call_dict,
                        total_usage)
 from ..prompts import chat_prompt, completion_prompt, tokenize
@@ -73,8 +74,13 @@ async def completions(body: CompletionRequest, request: Request, svc: Services =
     if len(sent) > 1 and x_session_id is not None:
         raise BadRequest(f"{len(sent)} prompts run each in a session of its own: they cannot continue session "
                          f"{x_session_id!r} (drop X-Session-Id or send one prompt)", "prompt")
-    prompts = [await tokenize(completion_prompt, svc.tokenizer, p, limit=svc.settings.max_prompt_tokens)
-               for p in sent]
+    if body.suffix is not None:   # fill in the middle: each prompt is the text before the reply
+        prompts = [await tokenize(fim_prompt, svc.tokenizer, p, body.suffix, svc.settings.max_prompt_tokens)
+                   for p in sent]
+    else:
+        prompts = [await tokenize(completion_prompt, svc.tokenizer, p, limit=svc.settings.max_prompt_tokens)
+                   for p in sent]
+    ends = fim_format(svc.tokenizer).ends if body.suffix is not None else ()
     title = sent[0] if isinstance(sent[0], str) else None
     reply = Reply("text", svc.model_id, token_text=svc.token_text if body.logprobs is not None else None)
 
@@ -89,7 +95,8 @@ async def completions(body: CompletionRequest, request: Request, svc: Services =
         return Echo(sent[k], tokens, params.prompt_logprobs, hidden)
 
     return await _respond(reply, body, prompts, request, svc, x_session_id, title,
-                          lambda i: _params(body, svc, body.max_tokens, i, top_logprobs=body.logprobs, scored=scored),
+                          lambda i: _params(body, svc, body.max_tokens, i, top_logprobs=body.logprobs, scored=scored,
+                                            stop_ids=ends),
                           own_sessions=scored or len(prompts) > 1, make_echo=echo)
 
 
@@ -117,7 +124,7 @@ def _plan(body: ChatCompletionRequest) -> ChatPlan:
 
 
 def _params(body: SamplingFields, svc: Services, max_tokens: int, choice: int = 0, constraint=None,
-            top_logprobs: Optional[int] = None, scored: bool = False) -> SamplingParams:
+            top_logprobs: Optional[int] = None, scored: bool = False, stop_ids: Sequence[int] = ()) -> SamplingParams:
     """Choice `choice`'s sampling (its seed: the request's plus its index); `top_logprobs` not
     None: each token's logprobs recorded, with that many alternatives (`scored`: the prompt's too)."""
     bias = {int(k): v for k, v in (body.logit_bias or {}).items()}
@@ -127,13 +134,17 @@ def _params(body: SamplingFields, svc: Services, max_tokens: int, choice: int = 
             check_logit_bias(bias, vocab)
         except ValueError as e:   # here, not once the reply has begun (the sampler checks it too)
             raise BadRequest(str(e), "logit_bias") from e
+        if any(t >= vocab for t in body.stop_token_ids or ()):
+            raise BadRequest(f"stop_token_ids names token id {max(body.stop_token_ids)}; this model's ids are "
+                             f"0..{vocab - 1}", "stop_token_ids")
     seed = None if body.seed is None else body.seed + choice
     return SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
                           top_k=body.top_k, seed=seed, stop=list(body.stop or []), constraint=constraint,
                           min_p=body.min_p, presence_penalty=body.presence_penalty or 0.0,
                           frequency_penalty=body.frequency_penalty or 0.0, logit_bias=bias,
                           logprobs=None if top_logprobs is None else LogprobRecorder(top_logprobs),
-                          prompt_logprobs=LogprobRecorder(top_logprobs or 0) if scored else None)
+                          prompt_logprobs=LogprobRecorder(top_logprobs or 0) if scored else None,
+                          stop_token_ids=list(body.stop_token_ids or []) + list(stop_ids))
 
 
 @dataclass
