@@ -3,6 +3,7 @@ submitted with their event queues, replies read back as text, and a spy on step_
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 import time
@@ -248,3 +249,21 @@ def check_turn_recalls_beside_the_batch(demo, tmp_path, monkeypatch) -> None:
     assert len(held_at) == 1 and during >= 5, "the chat decoded while the pick was held"
     assert text(out)[0] == demo.tokenizer.decode(want)
     assert isinstance(chat[-1][1], Finished)
+
+
+@contextlib.contextmanager
+def decoding_rows(eng, backend, method: str):
+    """While inside: each call of backend.<method> appends how many of the engine's runs held a
+    decode row at that moment to the list this yields (was it read beside the batch?)."""
+    rows: list[int] = []
+    real = getattr(backend, method)
+
+    def spy(*args):
+        rows.append(sum(r.row is not None for r in eng._active))
+        return real(*args)
+
+    setattr(backend, method, spy)
+    try:
+        yield rows
+    finally:
+        delattr(backend, method)

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from engine_checks import TEXTS, drain, engine, ids
+from engine_checks import TEXTS, decoding_rows, drain, engine, ids
 from localheap.engine import Delta, Finished, Generate
 from localheap.generation import LogprobRecorder, SamplingParams, scored_rows
 from localheap.heap import HeapConfig
@@ -129,19 +129,9 @@ def test_the_engine_scores_a_prompt_on_its_own_beside_the_batch(demo):
         from localheap.engine import Feed
 
         eng.submit(Feed(Prompt(ids(200, 9)), doc_q.put))
-        decoding = []   # per scored chunk: how many runs held a decode row meanwhile
-        real = demo.prefill_scored
-
-        def spy(*args):
-            decoding.append(sum(r.row is not None for r in eng._active))
-            return real(*args)
-
-        demo.prefill_scored = spy
-        try:
+        with decoding_rows(eng, demo, "prefill_scored") as decoding:   # per scored chunk
             events, beside = _scored(eng, tokens)
             text_beside, _ = _reply(events)
-        finally:
-            del demo.prefill_scored
         assert max(decoding) >= 2, decoding   # it was read while chats decoded
         assert [_reply(q)[0] for q in queues] == solo
         assert isinstance(drain(doc_q)[-1], Finished)

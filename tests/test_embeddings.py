@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from engine_checks import TEXTS, drain, ids
+from engine_checks import TEXTS, decoding_rows, drain, ids
 from localheap.embedding import Pooler, as_base64, finish
 from localheap.engine import Feed, Finished, Generate
 from localheap.generation import SamplingParams
@@ -26,7 +26,7 @@ CHUNK = 64
 
 @pytest.fixture(scope="module")
 def demo(demo_either):
-    return demo_either
+    return demo_either   # (torch and MLX in turn)
 
 
 def _document(backend, n: int) -> list[int]:
@@ -137,19 +137,9 @@ def test_the_engine_embeds_on_its_own_beside_the_batch(demo):
             params = SamplingParams(max_tokens=40, constraint=ForcedTokens(reply, demo.eos_token_ids))
             eng.submit(Generate(Prompt(ids(20, len(queues))), params, q.put, ephemeral=True))
             queues.append(q)
-        decoding = []   # per embedded chunk: how many runs held a decode row meanwhile
-        real = demo.prefill_pooled
-
-        def spy(*args):
-            decoding.append(sum(r.row is not None for r in eng._active))
-            return real(*args)
-
-        demo.prefill_pooled = spy
-        try:
+        with decoding_rows(eng, demo, "prefill_pooled") as decoding:   # per embedded chunk
             events, beside = _embed(eng, tokens)
             assert isinstance(drain(events)[-1], Finished)
-        finally:
-            del demo.prefill_pooled
         ends = [drain(q)[-1] for q in queues]
     finally:
         eng.stop()
