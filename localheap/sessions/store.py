@@ -90,7 +90,8 @@ class SessionStore:
             assert s.id not in self._sessions
             self._sessions[s.id] = s
         if not strict:
-            self._try_commit()
+            if not ephemeral:   # (the index never names an ephemeral session: nothing to rewrite)
+                self._try_commit()
             return s
         try:
             self._commit()
@@ -139,7 +140,8 @@ class SessionStore:
             del self._sessions[session_id]
         release_pages(s.cache)
         s.cache = None
-        self._try_commit()
+        if not s.ephemeral:
+            self._try_commit()
         self._remove_files(s)
         self.checkpoints.drop(session_id)
         shutil.rmtree(self.pages_dir(s), ignore_errors=True)
