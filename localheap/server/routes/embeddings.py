@@ -8,6 +8,7 @@ from fastapi import APIRouter, Depends, Request
 from ...embedding import as_base64, finish
 from ..embeddings import check_backend, embed, embedding_prompt, input_limit
 from ..errors import BadRequest
+from ..prompts import tokenize
 from ..schemas import EmbeddingRequest
 from ..services import Services, services
 
@@ -25,7 +26,8 @@ async def embeddings(body: EmbeddingRequest, request: Request, svc: Services = D
     if body.dimensions is not None and body.dimensions > hidden:
         raise BadRequest(f"dimensions must be at most {hidden} for this model (its hidden size)", "dimensions")
     limit = input_limit(svc)
-    prompts = [embedding_prompt(svc.tokenizer, item, i, limit) for i, item in enumerate(body.inputs())]
+    prompts = [await tokenize(embedding_prompt, svc.tokenizer, item, i, limit)   # off the event loop
+               for i, item in enumerate(body.inputs())]
     vectors = await embed(svc, request, prompts)
     data = []
     for i, v in enumerate(vectors):

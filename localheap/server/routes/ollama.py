@@ -146,7 +146,8 @@ async def embed_route(request: Request, svc: Services = Depends(services)) -> di
     if not all(texts):
         raise BadRequest(f"input {[bool(t) for t in texts].index(False)} is empty", "input")
     limit = input_limit(svc)
-    prompts = [embedding_prompt(svc.tokenizer, text, i, limit, body.truncate) for i, text in enumerate(texts)]
+    prompts = [await tokenize(embedding_prompt, svc.tokenizer, text, i, limit, body.truncate)
+               for i, text in enumerate(texts)]
     vectors = await embed(svc, request, prompts) if prompts else []
     return {"model": tag(svc.model_id), "embeddings": [finish(v, body.dimensions).tolist() for v in vectors],
             "total_duration": int((time.monotonic() - began) * 1e9), "load_duration": 0,
@@ -162,7 +163,8 @@ async def embeddings_route(request: Request, svc: Services = Depends(services)) 
     check_backend(svc)
     if not body.prompt:
         return {"embedding": []}
-    prompt = embedding_prompt(svc.tokenizer, body.prompt, 0, input_limit(svc), truncate=True, param="prompt")
+    prompt = await tokenize(embedding_prompt, svc.tokenizer, body.prompt, 0, input_limit(svc), truncate=True,
+                            param="prompt")
     vector, = await embed(svc, request, [prompt])
     return {"embedding": finish(vector, normalize=False).tolist()}
 
