@@ -47,6 +47,22 @@ class Pooler:
         return (self._sum / self.count).astype(np.float32)
 
 
+def batches(lengths: list[int], tokens: int) -> tuple[list[list[int]], list[int]]:
+    """How a request's inputs are read: (groups of indices, each group read in one padded forward
+    of at most `tokens` tokens, padding included; the indices read alone, in prefill chunks
+    through a heap). An input longer than half of `tokens` goes alone (a batch gains little there,
+    and its heap bounds the memory); the short ones are grouped longest first, so a group pads
+    to its first input's length."""
+    short = sorted((i for i, n in enumerate(lengths) if n <= tokens // 2), key=lambda i: (-lengths[i], i))
+    groups: list[list[int]] = []
+    for i in short:
+        if groups and (len(groups[-1]) + 1) * lengths[groups[-1][0]] <= tokens:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return groups, [i for i, n in enumerate(lengths) if n > tokens // 2]
+
+
 def embedding_heap(cfg: HeapConfig, tokens: int) -> HeapConfig:
     """The heap an embedding of `tokens` tokens is read through: the session's settings with a
     budget just large enough that nothing is evicted (so no eviction policy, no scoring side pass,

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from engine_checks import TEXTS, decoding_rows, drain, ids
-from localheap.embedding import Pooler, as_base64, finish
+from localheap.embedding import Pooler, as_base64, batches, finish
 from localheap.engine import Feed, Finished, Generate
 from localheap.generation import SamplingParams
 from localheap.heap import HeapConfig
@@ -107,6 +107,31 @@ def test_the_vector_a_client_gets():
     assert raw.tolist() == [0.5, -2.0]
 
 
+def test_short_inputs_are_grouped_into_padded_batches():
+    """Inputs of at most half the batch's tokens, longest first, each group padded to its first
+    one's length within the tokens; longer inputs alone."""
+    groups, alone = batches([10, 40, 33, 5, 32, 3], 64)
+    assert alone == [1, 2]                   # over 32 tokens
+    assert groups == [[4, 0], [3, 5]]        # 10 padded to 32: 2 x 32 = 64; a third would pass 64
+    assert batches([8] * 9, 64) == ([list(range(8)), [8]], [])
+    assert batches([], 64) == ([], [])
+
+
+def test_a_padded_batch_is_each_inputs_own_forward(demo):
+    """embed_rows: each row's sum, count and last hidden state are those of its own forward
+    (a row alone: bit for bit; in a padded batch: within float rounding)."""
+    rows = [_document(demo, n) for n in (5, 17, 30)]
+    got = demo.embed_rows(rows)
+    for row, (total, n, last) in zip(rows, got):
+        hidden = _stock_hidden(demo, row, len(row))
+        assert n == len(row)
+        np.testing.assert_allclose(total, hidden.sum(axis=0), rtol=1e-5, atol=1e-4)
+        np.testing.assert_allclose(last, hidden[-1], rtol=1e-5, atol=1e-5)
+    (total, n, last), = demo.embed_rows([rows[1]])
+    hidden = _stock_hidden(demo, rows[1], len(rows[1]))
+    assert np.array_equal(last, hidden[-1]) and np.array_equal(total, _chunk_sum(demo, hidden))
+
+
 def _embed(eng, tokens: list[int], mode: str = "mean") -> tuple[queue.Queue, Pooler]:
     events, pool = queue.Queue(), Pooler(mode)
     eng.submit(Feed(Prompt(tokens), events.put, ephemeral=True, pool=pool))
@@ -188,7 +213,8 @@ def _text_ids(srv, text: str) -> list[int]:
 def test_the_openai_sdk_gets_the_stock_models_vectors(server):
     """The SDK asks for base64 by default and decodes it: each text's vector is the stock
     model's mean hidden state over the text's ids (BOS included) at unit length; a batch is in
-    order and each vector equals the same text's sent alone; usage counts every input's tokens."""
+    order, read in one padded forward, and each vector is the same text's sent alone (within
+    float rounding); usage counts every input's tokens."""
     from openai import OpenAI
 
     client = OpenAI(base_url=server.url + "/v1", api_key="none")
@@ -198,9 +224,16 @@ def test_the_openai_sdk_gets_the_stock_models_vectors(server):
     assert got.shape == (server.services.backend.model_shapes().hidden,)
     np.testing.assert_allclose(got, _stock_vector(server, _text_ids(server, texts[0])), rtol=1e-4, atol=1e-5)
     assert abs(float(np.linalg.norm(got)) - 1.0) < 1e-5
-    batch = client.embeddings.create(model=server.services.model_id, input=texts, encoding_format="float")
+    backend, sizes = server.services.backend, []
+    real = backend.embed_rows
+    backend.embed_rows = lambda rows: (sizes.append(len(rows)), real(rows))[1]
+    try:
+        batch = client.embeddings.create(model=server.services.model_id, input=texts, encoding_format="float")
+    finally:
+        del backend.embed_rows
+    assert sizes == [3]   # short inputs: one padded forward
     assert [d.index for d in batch.data] == [0, 1, 2]
-    assert batch.data[0].embedding == one.data[0].embedding
+    np.testing.assert_allclose(batch.data[0].embedding, one.data[0].embedding, rtol=1e-5, atol=1e-6)
     for d, text in zip(batch.data, texts):
         np.testing.assert_allclose(d.embedding, _stock_vector(server, _text_ids(server, text)), rtol=1e-4, atol=1e-5)
     assert batch.usage.prompt_tokens == batch.usage.total_tokens == sum(len(_text_ids(server, t)) for t in texts)

@@ -1,6 +1,7 @@
-"""Embeddings for /v1/embeddings and Ollama's /api/embed: each input is read by the engine in a
-session of its own (never kept, never matched), its chunks through Backend.prefill_pooled, and
-its vector pooled from the model's last hidden states (embedding.py). An input may hold at most
+"""Embeddings for /v1/embeddings and Ollama's /api/embed: short inputs are read in padded batches
+(Backend.embed_rows, one forward on the engine's thread), longer ones by the engine in a session
+of their own (never kept, never matched), their chunks through Backend.prefill_pooled; each
+vector is pooled from the model's last hidden states (embedding.py). An input may hold at most
 the heap's size (sinks + the smallest layer budget), so nothing is evicted and the vector is the
 stock model's."""
 
@@ -12,7 +13,7 @@ from typing import Optional, Union
 import numpy as np
 from fastapi import Request
 
-from ..embedding import Pooler
+from ..embedding import Pooler, batches
 from ..engine import EngineStopped, Feed, Finished
 from ..sessions import Prompt
 from .bridge import DISCONNECT_POLL_S, follow, submit
@@ -74,12 +75,29 @@ def embedding_prompt(tokenizer, item: Union[str, list[int]], index: int, limit: 
 
 
 async def embed(svc: Services, request: Request, prompts: list[Prompt], pooling: Optional[str] = None) -> list[np.ndarray]:
-    """Each prompt's pooled vector (not normalized), in order. The inputs go through the engine
-    IN_FLIGHT at a time; a client that leaves cancels them all."""
+    """Each prompt's pooled vector (not normalized), in order. Short inputs are read in padded
+    batches of at most a prefill chunk's tokens, each one forward on the engine's thread between
+    its steps (embedding.batches); longer ones each as a Feed in a session of its own, in prefill
+    chunks. IN_FLIGHT at a time; a client that leaves cancels what is left."""
     who = owner(request)
     mode = pooling or svc.settings.embed_pooling
     vectors: list = [None] * len(prompts)
     slots = asyncio.Semaphore(IN_FLIGHT)
+    if getattr(svc.backend, "embed_rows", None) is not None:
+        groups, alone = batches([len(p.tokens) for p in prompts], svc.store.cfg.chunk)
+    else:
+        groups, alone = [], list(range(len(prompts)))
+    for group in groups:   # (the engine checks a Feed's ids itself)
+        svc.engine.admission.check_tokens(*(prompts[i].tokens for i in group))
+
+    async def rows(group: list[int]) -> None:
+        async with slots:
+            got = await asyncio.wrap_future(svc.engine.call(lambda: svc.backend.embed_rows([prompts[i].tokens
+                                                                                              for i in group])))
+            for i, (total, n, last) in zip(group, got):
+                pool = Pooler(mode)
+                pool.add(total, n, last)
+                vectors[i] = pool.vector()
 
     async def one(i: int) -> None:
         async with slots:
@@ -91,7 +109,7 @@ async def embed(svc: Services, request: Request, prompts: list[Prompt], pooling:
                     raise EngineStopped()
             vectors[i] = pool.vector()
 
-    tasks = [asyncio.create_task(one(i)) for i in range(len(prompts))]
+    tasks = [asyncio.create_task(rows(g)) for g in groups] + [asyncio.create_task(one(i)) for i in alone]
     watcher = asyncio.create_task(_watch(request, tasks))
     try:
         await asyncio.gather(*tasks)

@@ -13,7 +13,7 @@ from ...heap import HeapConfig, HeapStats, kv_bytes_per_token
 from .. import paging
 from ..base import ModelShapes
 from . import batch
-from .generate import generate_tokens, prefill, prefill_pooled, prefill_scored
+from .generate import embed_rows, generate_tokens, prefill, prefill_pooled, prefill_scored
 from .heapcache import HeapPromptCache, attention_module, kv_geometry, make_heap_cache
 from .persist import load_heap, save_heap
 
@@ -69,6 +69,10 @@ class MLXBackend:
     def prefill_pooled(self, cache, tokens: Sequence[int], pool) -> None:
         """Feed `tokens` as prefill does; their last hidden states go to `pool` (an embedding)."""
         prefill_pooled(self.model, cache, tokens, cache.cfg.chunk, pool)
+
+    def embed_rows(self, rows: Sequence[Sequence[int]]) -> list[tuple]:
+        """Short inputs in one padded forward, no heap (generate.embed_rows: embeddings in a batch)."""
+        return embed_rows(self.model, rows)
 
     def generate(self, cache, new_tokens: Sequence[int], params: SamplingParams,
                  progress: Optional[ProgressFn] = None,

@@ -160,7 +160,7 @@ class DistributedMLXBackend(MLXBackend):
 
     step_rows = None   # no decode batch: the ranks' protocol carries one session's step at a time
     prefill_scored = None   # nor prompt logprobs (an echo's): the server refuses them
-    prefill_pooled = None   # nor embeddings (a rank holds some layers' hidden states only)
+    prefill_pooled = embed_rows = None   # nor embeddings (a rank holds some layers' hidden states only)
 
     def __init__(self, model, tokenizer, model_name: str, mode: str, ranks: Ranks, first_layer: int,
                  total_layers: int):

@@ -185,6 +185,20 @@ def prefill_pooled(model, cache: HeapPromptCache, tokens: Sequence[int], chunk: 
         pool.add(np.array(summed), n, np.array(last))
 
 
+def embed_rows(model, rows: Sequence[Sequence[int]]) -> list[tuple]:
+    """Short inputs in one forward of the model's body, no cache: right-padded (causal attention:
+    a row's tokens never see the padding after them, their positions are their own). Each row's
+    (float32 sum of its last hidden states, tokens, last one) for an embedding.Pooler."""
+    longest = max(len(r) for r in rows)
+    ids = np.zeros((len(rows), longest), dtype=np.uint32)
+    for i, r in enumerate(rows):
+        ids[i, :len(r)] = list(r)
+    hidden = model.model(mx.array(ids)).astype(mx.float32)   # [B, L, H]
+    parts = [(hidden[i, :len(r)].sum(axis=0), hidden[i, len(r) - 1]) for i, r in enumerate(rows)]
+    mx.eval(parts)
+    return [(np.array(total), len(r), np.array(last)) for (total, last), r in zip(parts, rows)]
+
+
 def prefill_turn(model, cache: HeapPromptCache, prompt: list, chunk: int,
                  progress: Optional[ProgressFn] = None, cancelled=None) -> None:
     """All of a turn's prompt but its last token (which the first step feeds). With recall on and

@@ -16,7 +16,7 @@ from ..base import ModelShapes
 from .. import paging
 from . import attention, batch
 from .cache import HeapCache, decoder_layers, kv_geometry, make_heap_cache
-from .generate import generate_tokens, prefill, prefill_pooled, prefill_scored
+from .generate import embed_rows, generate_tokens, prefill, prefill_pooled, prefill_scored
 from .persist import load_heap, save_heap
 
 log = logging.getLogger("localheap.torch")
@@ -162,6 +162,10 @@ class TorchBackend:
     def prefill_pooled(self, cache: HeapCache, tokens: Sequence[int], pool) -> None:
         """Feed `tokens` as prefill does; their last hidden states go to `pool` (an embedding)."""
         prefill_pooled(self.model, cache, tokens, pool)
+
+    def embed_rows(self, rows: Sequence[Sequence[int]]) -> list[tuple]:
+        """Short inputs in one padded forward, no heap (generate.embed_rows: embeddings in a batch)."""
+        return embed_rows(self.model, rows, self.device)
 
     def generate(self, cache: HeapCache, new_tokens: Sequence[int], params: SamplingParams,
                  progress: Optional[ProgressFn] = None,

@@ -95,6 +95,20 @@ def prefill_pooled(model, cache: HeapCache, tokens: Sequence[int], pool) -> None
             pool.add(hidden.sum(dim=0).cpu().numpy(), n, hidden[-1].cpu().numpy())
 
 
+def embed_rows(model, rows: Sequence[Sequence[int]], device: torch.device) -> list[tuple]:
+    """Short inputs in one forward of the model's body, no cache: right-padded (causal attention:
+    a row's tokens never see the padding after them, their positions are their own). Each row's
+    (float32 sum of its last hidden states, tokens, last one) for an embedding.Pooler."""
+    longest = max(len(r) for r in rows)
+    ids = torch.zeros(len(rows), longest, dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, :len(r)] = torch.as_tensor(list(r), dtype=torch.long)
+    with torch.no_grad():
+        hidden = model.base_model(input_ids=ids.to(device), use_cache=False).last_hidden_state.float()   # [B, L, H]
+        return [(hidden[i, :len(r)].sum(dim=0).cpu().numpy(), len(r), hidden[i, len(r) - 1].cpu().numpy())
+                for i, r in enumerate(rows)]
+
+
 def prefill_turn(model, cache: HeapCache, tokens: Sequence[int], progress: Optional[ProgressFn] = None,
                  cancelled=None) -> Optional[torch.Tensor]:
     """A turn's prompt. With recall on and something evicted, the last `obs_window` tokens (the
