@@ -41,9 +41,9 @@ def _stock_rows(backend, tokens: list[int], chunk: int) -> np.ndarray:
         cache = DynamicCache(config=backend.model.config)
         with torch.no_grad():
             for a in range(0, len(tokens), chunk):
-                out = backend.model(torch.tensor([tokens[a:a + chunk]]), past_key_values=cache, use_cache=True,
+                out = backend.model(torch.tensor([tokens[a:a + chunk]], device=backend.model.device), past_key_values=cache, use_cache=True,
                                     logits_to_keep=0)
-                rows.append(torch.log_softmax(out.logits[0].float(), dim=-1).numpy())
+                rows.append(torch.log_softmax(out.logits[0].float(), dim=-1).cpu().numpy())
         return np.concatenate(rows)
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
@@ -177,7 +177,7 @@ def _stock_logprobs(srv, tokens: list[int]) -> list[float]:
     """Each token's (but the first's) log-softmax under the served model, one forward, float32."""
     model = srv.services.backend.model
     with torch.no_grad():
-        logits = model(torch.tensor([tokens])).logits[0].float()
+        logits = model(torch.tensor([tokens], device=model.device)).logits[0].float()
     rows = torch.log_softmax(logits, dim=-1)
     return [float(rows[i, tokens[i + 1]]) for i in range(len(tokens) - 1)]
 

@@ -43,9 +43,10 @@ def _stock_hidden(backend, tokens: list[int], chunk: int) -> np.ndarray:
         cache = DynamicCache(config=backend.model.config)
         with torch.no_grad():
             for a in range(0, len(tokens), chunk):
-                out = backend.model.base_model(torch.tensor([tokens[a:a + chunk]]), past_key_values=cache,
+                out = backend.model.base_model(torch.tensor([tokens[a:a + chunk]], device=backend.model.device),
+                                               past_key_values=cache,
                                                use_cache=True)
-                rows.append(out.last_hidden_state[0].float().numpy())
+                rows.append(out.last_hidden_state[0].float().cpu().numpy())
         return np.concatenate(rows)
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
@@ -59,7 +60,7 @@ def _stock_hidden(backend, tokens: list[int], chunk: int) -> np.ndarray:
 def _chunk_sum(backend, rows: np.ndarray) -> np.ndarray:
     """A chunk's float32 sum over its positions, as the backend's own library adds them."""
     if backend.name == "torch":
-        return torch.from_numpy(np.ascontiguousarray(rows)).sum(dim=0).numpy()
+        return torch.from_numpy(np.ascontiguousarray(rows)).to(backend.model.device).sum(dim=0).cpu().numpy()
     import mlx.core as mx
 
     return np.array(mx.array(rows).sum(axis=0))
@@ -202,7 +203,8 @@ def _post(srv, path: str = "/v1/embeddings", **body):
 def _stock_vector(srv, tokens: list[int], dimensions=None) -> np.ndarray:
     """The stock model's mean last hidden state over `tokens` (one forward), at unit length."""
     with torch.no_grad():
-        hidden = srv.services.backend.model.base_model(torch.tensor([tokens])).last_hidden_state[0].float()
+        model = srv.services.backend.model
+        hidden = model.base_model(torch.tensor([tokens], device=model.device)).last_hidden_state[0].float().cpu()
     return finish(hidden.mean(dim=0).numpy(), dimensions)
 
 
@@ -291,8 +293,10 @@ def test_ollamas_embed_and_embeddings(server):
     assert got.prompt_eval_count == sum(len(_text_ids(server, t)) for t in texts)
     legacy = client.embeddings(model=model, prompt=texts[0])
     with torch.no_grad():
-        hidden = server.services.backend.model.base_model(torch.tensor([_text_ids(server, texts[0])]))
-    np.testing.assert_allclose(legacy.embedding, hidden.last_hidden_state[0].mean(dim=0).numpy(), rtol=1e-4, atol=1e-5)
+        lm = server.services.backend.model
+        hidden = lm.base_model(torch.tensor([_text_ids(server, texts[0])], device=lm.device))
+    np.testing.assert_allclose(legacy.embedding, hidden.last_hidden_state[0].mean(dim=0).cpu().numpy(), rtol=1e-4,
+                               atol=1e-5)
     long_text = " ".join(TEXTS) * 20
     ids = _text_ids(server, long_text)
     assert len(ids) > LIMIT
@@ -343,7 +347,8 @@ def test_last_token_pooling_from_the_command_line():
         r = httpx.post(srv.url + "/v1/embeddings", json={"model": backend.model_name, "input": ids}, timeout=60)
     assert r.status_code == 200, r.text
     with torch.no_grad():
-        last = backend.model.base_model(torch.tensor([ids])).last_hidden_state[0, -1].numpy()
+        last = backend.model.base_model(torch.tensor([ids], device=backend.model.device)).last_hidden_state[0, -1]
+    last = last.cpu().numpy()
     np.testing.assert_allclose(r.json()["data"][0]["embedding"], finish(last), rtol=1e-4, atol=1e-5)
 
 

@@ -48,7 +48,8 @@ def _stock_middle(srv, ids: list[int], n: int) -> str:
     """transformers' greedy continuation of `ids` (its own cache), up to an end token."""
     backend = srv.services.backend
     with torch.no_grad():
-        out = backend.model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False)[0, len(ids):].tolist()
+        out = backend.model.generate(torch.tensor([ids], device=backend.model.device), max_new_tokens=n,
+                                     do_sample=False)[0, len(ids):].tolist()
     ends = set(backend.eos_token_ids) | set(fim_format(srv.services.tokenizer).ends)
     cut = next((i for i, t in enumerate(out) if t in ends), len(out))
     return srv.services.tokenizer.decode(out[:cut])
