@@ -7,12 +7,13 @@ vector however many runs decode), and the routes speak the OpenAI and Ollama for
 from __future__ import annotations
 
 import queue
+import time
 
 import numpy as np
 import pytest
 import torch
 
-from engine_checks import TEXTS, decoding_rows, drain, ids
+from engine_checks import TEXTS, decoding_rows, drain, ids, until_deltas
 from localheap.embedding import Pooler, as_base64, batches, finish
 from localheap.engine import Feed, Finished, Generate
 from localheap.generation import SamplingParams
@@ -365,3 +366,37 @@ def test_a_backend_without_pooling_refuses_embeddings():
         assert r.status_code == 400 and "not supported" in r.json()["error"]["message"], r.text
         r = httpx.post(srv.url + "/api/embed", json={"model": FakeBackend.model_name, "input": "hello"})
         assert r.status_code == 400 and "not supported" in r.json()["error"], r.text
+
+
+def test_calls_in_turn_take_one_engine_step_each(demo):
+    """Engine.call_in_turn (a batch of short embeddings): however many wait, one runs per engine
+    step, beside a chat that keeps decoding; with nothing else to do they run at once; a stopping
+    engine fails those left."""
+    from localheap.engine import Engine, EngineStopped
+    from localheap.grammar import ForcedTokens
+    from localheap.sessions import SessionStore
+
+    eng = Engine(demo, SessionStore(demo, HeapConfig(budget=256, prefill_chunk=CHUNK)), max_active=4).start()
+    try:
+        assert eng.call_in_turn(lambda: "idle").result(timeout=30) == "idle"
+        q = queue.Queue()
+        params = SamplingParams(max_tokens=60, constraint=ForcedTokens(ids(50, 4), demo.eos_token_ids))
+        eng.submit(Generate(Prompt(ids(20, 3)), params, q.put, ephemeral=True))
+        until_deltas(q, 1)   # it decodes
+        seen = []   # (engine step, reply tokens so far) at each call
+        tokens = lambda: sum(len(r.completion) for r in eng._active)   # noqa: E731
+        futures = [eng.call_in_turn(lambda: seen.append((eng._steps, tokens()))) for _ in range(5)]
+        for f in futures:
+            f.result(timeout=60)
+        assert [s for s, _ in seen] == sorted({s for s, _ in seen}) and len(seen) == 5, seen   # one a step
+        assert [t for _, t in seen] == sorted({t for _, t in seen}), seen   # the chat advanced between them
+        assert isinstance(drain(q)[-1], Finished)
+        blocker = eng.call_in_turn(lambda: time.sleep(0.5))
+        skipped = eng.call_in_turn(lambda: seen.append("skipped ran"))
+        assert skipped.cancel()   # cancelled by its caller before its turn: never run
+        left = eng.call_in_turn(lambda: seen.append("left ran"))
+    finally:
+        eng.stop()
+    assert blocker.done() and "skipped ran" not in seen and "left ran" not in seen
+    with pytest.raises(EngineStopped):
+        left.result(timeout=1)

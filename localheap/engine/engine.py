@@ -24,6 +24,7 @@ import os
 import queue
 import threading
 import time
+from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Optional
 
@@ -85,6 +86,7 @@ class Engine:
         self.counters = Counters()
         self._inbox: queue.Queue = queue.Queue()
         self._active: list[Run] = []
+        self._turns: deque = deque()   # (fn, future, "turn") from call_in_turn: one per engine step
         self._in_flight = 0
         self._lock = threading.Lock()
         self._thread: Optional[threading.Thread] = None
@@ -159,6 +161,22 @@ class Engine:
                 self._inbox.put((fn, fut))
         return fut
 
+    def call_in_turn(self, fn: Callable[[], Any]) -> Future:
+        """Run fn on the engine thread as a step's own work: one such call per engine step, in
+        order, beside the decode batch's step (a forward that is no run's: a batch of short
+        embeddings), so that however many wait, the batch waits for one of them a step."""
+        fut: Future = Future()
+        with self._lock:
+            if self.abandoned is not None:
+                fut.set_exception(type(self.abandoned)(*self.abandoned.args))
+            elif self.failure is not None:
+                fut.set_exception(EngineFailed())
+            elif self._stopping or self._draining:
+                fut.set_exception(EngineStopped())
+            else:
+                self._inbox.put((fn, fut, "turn"))
+        return fut
+
     def interrupt(self, reason: str = "shutdown") -> None:
         """Stop every running job at its next step (each ends with its Finished event, its session
         keeping and saving what it read and wrote) and fail those waiting; refuse new ones. Any thread."""
@@ -194,7 +212,7 @@ class Engine:
         try:
             while True:
                 # running: just look; only waiting (for RAM or a busy session): poll; idle: sleep
-                timeout = 0.0 if self._active else IDLE_POLL_S if self.admission.waiting else None
+                timeout = 0.0 if self._active or self._turns else IDLE_POLL_S if self.admission.waiting else None
                 if self._saving:
                     timeout = SAVE_POLL_S if timeout is None else min(timeout, SAVE_POLL_S)
                 if timeout is None and self.unsaved:
@@ -210,6 +228,8 @@ class Engine:
                 else:
                     for run in list(self._active):
                         self._step(run)
+                if self._turns:
+                    _run_call(*self._turns.popleft()[:2])
             self._shutdown()
         except BaseException as e:   # a bug outside any one request: nothing here can be trusted
             self._die(e)
@@ -237,6 +257,10 @@ class Engine:
 
     def _fail_all(self, make_error: Callable[[], Exception]) -> None:
         jobs = [r.job for r in self._active] + [r.job for _, r in self._saving] + list(self.admission.waiting)
+        while self._turns:
+            fut = self._turns.popleft()[1]
+            if fut.set_running_or_notify_cancel():
+                fut.set_exception(make_error())
         while True:
             try:
                 item = self._inbox.get_nowait()
@@ -261,14 +285,11 @@ class Engine:
                 return False
             if isinstance(item, Job):
                 self.admission.waiting.append(item)
+            elif len(item) == 3:   # call_in_turn: after the next step
+                self._turns.append(item)
             else:
-                fn, fut = item
                 self._harvest(block=True)   # a command may touch the lane's session
-                if fut.set_running_or_notify_cancel():
-                    try:
-                        fut.set_result(fn())
-                    except BaseException as e:  # handed to the caller
-                        fut.set_exception(e)
+                _run_call(*item)
             try:
                 item = self._inbox.get_nowait()
             except queue.Empty:
@@ -676,6 +697,10 @@ class Engine:
             self._saver.shutdown()
         while self.admission.waiting:
             self._end(self.admission.waiting.popleft(), Failed(EngineStopped()), "failed")
+        while self._turns:
+            fut = self._turns.popleft()[1]
+            if fut.set_running_or_notify_cancel():
+                fut.set_exception(EngineStopped())
         while True:
             try:
                 item = self._inbox.get_nowait()
@@ -683,7 +708,7 @@ class Engine:
                 break
             if isinstance(item, Job):
                 self._end(item, Failed(EngineStopped()), "failed")
-            elif item is not None:
+            elif item is not None and item[1].set_running_or_notify_cancel():   # (not one its caller cancelled)
                 item[1].set_exception(EngineStopped())
 
     # --- session commands (engine thread, via call) ---
@@ -712,6 +737,15 @@ class Engine:
             self._end(job, Failed(SessionNotFound(session_id)), "failed")
         self.store.delete(session_id)
         self._room_freed()
+
+
+def _run_call(fn: Callable[[], Any], fut: Future) -> None:
+    """fn() into its future (unless the caller cancelled it first); its exception is the caller's."""
+    if fut.set_running_or_notify_cancel():
+        try:
+            fut.set_result(fn())
+        except BaseException as e:  # handed to the caller
+            fut.set_exception(e)
 
 
 def wait_idle(engine: Engine, timeout: float = 10.0) -> bool:

@@ -76,9 +76,10 @@ def embedding_prompt(tokenizer, item: Union[str, list[int]], index: int, limit: 
 
 async def embed(svc: Services, request: Request, prompts: list[Prompt], pooling: Optional[str] = None) -> list[np.ndarray]:
     """Each prompt's pooled vector (not normalized), in order. Short inputs are read in padded
-    batches of at most a prefill chunk's tokens, each one forward on the engine's thread between
-    its steps (embedding.batches); longer ones each as a Feed in a session of its own, in prefill
-    chunks. IN_FLIGHT at a time; a client that leaves cancels what is left."""
+    batches of at most a prefill chunk's tokens, each one forward on the engine's thread beside a
+    step of the decode batch (embedding.batches, Engine.call_in_turn); longer ones each as a Feed
+    in a session of its own, in prefill chunks. IN_FLIGHT at a time; a client that leaves cancels
+    what is left."""
     who = owner(request)
     mode = pooling or svc.settings.embed_pooling
     vectors: list = [None] * len(prompts)
@@ -92,8 +93,8 @@ async def embed(svc: Services, request: Request, prompts: list[Prompt], pooling:
 
     async def rows(group: list[int]) -> None:
         async with slots:
-            got = await asyncio.wrap_future(svc.engine.call(lambda: svc.backend.embed_rows([prompts[i].tokens
-                                                                                              for i in group])))
+            rows_in = [prompts[i].tokens for i in group]   # one forward, one engine step's turn
+            got = await asyncio.wrap_future(svc.engine.call_in_turn(lambda: svc.backend.embed_rows(rows_in)))
             for i, (total, n, last) in zip(group, got):
                 pool = Pooler(mode)
                 pool.add(total, n, last)
