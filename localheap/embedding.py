@@ -68,7 +68,7 @@ def embedding_heap(cfg: HeapConfig, tokens: int) -> HeapConfig:
     budget just large enough that nothing is evicted (so no eviction policy, no scoring side pass,
     no recall), its buffers sized to the input rather than to a whole session's heap (a 16-token
     input on llama:1b allocated 300 MB of them)."""
-    budget = max(64, -(-max(tokens - cfg.sinks, 1) // 64) * 64)   # whole 64s: the allocator reuses blocks
+    budget = min(cfg.budget, max(64, -(-max(tokens - cfg.sinks, 1) // 64) * 64))   # whole 64s: blocks reused
     return cfg.with_(budget=budget, recent=min(cfg.recent, budget), slack=1, profile="uniform", policy="streaming",
                      recall=False, prefill_chunk=min(cfg.chunk, tokens), disk_budget=0, recall_ram_tokens=0)
 

@@ -265,13 +265,19 @@ def test_ids_dimensions_and_the_heaps_size(server):
 @pytest.mark.parametrize("body, param", [
     ({"input": ""}, "input"), ({"input": []}, "input"), ({"input": ["a", ""]}, "input"),
     ({"input": ["a"] * 2049}, "input"), ({"input": "a", "dimensions": 100000}, "dimensions"),
-    ({"input": [[5, 10 ** 7]]}, None), ({"input": "a", "encoding_format": "int8"}, None),
+    ({"input": [[5, 10 ** 7]]}, "input"), ({"input": "a", "encoding_format": "int8"}, None),
 ])
 def test_bad_requests_are_400s(server, body, param):
     r = _post(server, **body)
     assert r.status_code == 400, r.text
     if param is not None:
         assert r.json()["error"]["param"] == param
+
+
+@pytest.mark.parametrize("body", [{"input": ["a"] * 2049}, {"input": ["a", ""]}, {"input": "a", "dimensions": 100000}])
+def test_ollamas_bad_embed_requests_are_400s(server, body):
+    r = _post(server, "/api/embed", **body)
+    assert r.status_code == 400 and "error" in r.json(), r.text
 
 
 def test_an_unknown_model_is_a_404(server):

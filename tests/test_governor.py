@@ -102,6 +102,16 @@ def test_grown_recall_sessions_count_what_they_hold_past_the_plan():
     assert g.admit(resident=5, idle_lru=["b"], new_heap=False).spill == []
 
 
+def test_a_heap_sized_to_its_input_is_charged_its_own_bytes():
+    """An embedding's heap (sized to its input) takes the room it holds, not a session's heap:
+    a full plan makes room for it without spilling anyone; one as big as a session's spills."""
+    g = Governor(plan(), FakeSensors(rss=0))    # room for 5 heaps of 512 MiB: 4.9 of them resident
+    a = g.admit(resident=4, idle_lru=["a"], extra={"busy": 460 * MiB}, size=8 * MiB)
+    assert a.action == "admit" and a.spill == []
+    assert g.admit(resident=4, idle_lru=["a"], extra={"busy": 460 * MiB}, size=512 * MiB).spill == ["a"]
+    assert g.admit(resident=4, idle_lru=["a"], extra={"busy": 460 * MiB}, size=10 * GiB).spill == ["a"]   # (at most a heap)
+
+
 @pytest.mark.parametrize("state,chunk,paused", [("nominal", 256, False), ("fair", 256, False),
                                                 ("unknown", 256, False), ("serious", 128, True),
                                                 ("critical", 64, True)])

@@ -245,3 +245,23 @@ def test_an_ephemeral_session_leaves_the_index_alone(tmp_path, monkeypatch):
     assert writes == []
     store.delete(kept.id)
     assert len(writes) == 1 and writes[0]["sessions"] == []
+
+
+def test_sessions_that_are_never_kept_make_no_kept_session_go(tmp_path):
+    """max_sessions counts the kept sessions only, and max_resident no heap sized to one input
+    (an embedding's): making such sessions never deletes nor spills a conversation."""
+    from localheap.embedding import embedding_heap
+
+    store = SessionStore(FakeBackend(), CFG, tmp_path, durable=True, max_sessions=2, max_resident=1)
+    a, b = store.create(), store.create()
+    store.make_resident(b)
+    sized = store.create(ephemeral=True, cfg=embedding_heap(CFG, 10))
+    store.make_resident(sized)
+    store.enforce_limits(keep=sized)
+    assert b.cache is not None and a.id in store   # (before: b spilled for a heap of a few KB, a deleted)
+    brief = store.create(ephemeral=True)          # a session's whole heap: it takes b's place in RAM
+    store.enforce_limits(keep=brief)
+    assert a.id in store and b.id in store and b.cache is None
+    c = store.create()
+    store.enforce_limits(keep=c)
+    assert a.id not in store and {b.id, c.id} <= {s.id for s in store.sessions()}   # a kept one past the limit goes

@@ -121,7 +121,10 @@ class AdmissionQueue:
         resident = [x for x in self.store.sessions() if x.cache is not None]
         idle = sorted((x for x in resident if not x.busy and x is not s), key=lambda x: x.last_used)
         extra = self._recall_extra()
-        decision = self.governor.admit(len(resident), [x.id for x in idle], **({"extra": extra} if extra else {}))
+        # a heap sized to its input (an embedding's) is charged what it holds, not a session's heap
+        size = {"size": self.backend.heap_bytes(s.cfg)} if s.sized else {}
+        decision = self.governor.admit(len(resident), [x.id for x in idle], **({"extra": extra} if extra else {}),
+                                       **size)
         if decision.action != "admit":
             raise OverBudget(decision.reason, retry_after=decision.retry_after_s)
         for sid in decision.spill:

@@ -17,7 +17,8 @@ class Governor(Protocol):
         """`resident` heaps are in RAM; `idle_lru` may be spilled (least recently used first).
         A governor with a `plan` whose recall_token_bytes is set is also asked with `extra`
         (bytes by session past the planned heap) and `new_heap` False (which sessions to
-        spill after recall sessions grew); see localheap/governor/governor.py."""
+        spill after recall sessions grew); see localheap/governor/governor.py. A heap smaller
+        than a session's (an embedding's) comes with `size`, its bytes."""
         ...
 
     def throttle(self, chunk: int) -> Throttle: ...
@@ -28,7 +29,7 @@ class Governor(Protocol):
 class AdmitAll:
     """No budget: every heap is admitted, nothing is throttled."""
 
-    def admit(self, resident: int, idle_lru: Sequence[str]) -> Admission:
+    def admit(self, resident: int, idle_lru: Sequence[str], **_) -> Admission:
         return Admission("admit")
 
     def throttle(self, chunk: int) -> Throttle:

@@ -87,15 +87,17 @@ class Governor:
         self.rejected_total = 0
 
     def admit(self, resident: int, idle_lru: Sequence[str], new_heap: bool = True,
-              extra: Optional[Mapping[str, int]] = None) -> Admission:
+              extra: Optional[Mapping[str, int]] = None, size: Optional[int] = None) -> Admission:
         """May one more heap become resident? `resident` heaps are in RAM now; `idle_lru`
         are those that may be spilled (not serving a request), least recently used first;
         `extra`: bytes resident sessions hold beyond the planned heap, by id (a recall
         session's page summaries past the planned context, MemoryPlan.recall_extra). With
         `new_heap` False, which idle sessions to spill so the resident ones fit the plan
-        (a session grew); that is never refused."""
+        (a session grew); that is never refused. `size`: the new heap's bytes where it is smaller
+        than a session's (an embedding's, sized to its input)."""
         extra = extra or {}
-        heap, add, free = self.plan.heap, (self.plan.heap if new_heap else 0), self.plan.free_for_heaps
+        heap, free = self.plan.heap, self.plan.free_for_heaps
+        add = (heap if size is None else min(size, heap)) if new_heap else 0
         cost = lambda sid: heap + extra.get(sid, 0)   # noqa: E731  what spilling `sid` frees
         used = resident * heap + sum(extra.values())
         need, freed = 0, 0

@@ -14,7 +14,7 @@ import numpy as np
 from fastapi import Request
 
 from ..embedding import Pooler, batches
-from ..engine import EngineStopped, Feed, Finished
+from ..engine import EngineStopped, Feed, Finished, InvalidTokens
 from ..sessions import Prompt
 from .bridge import DISCONNECT_POLL_S, follow, submit
 from .errors import ApiError, BadRequest, PromptTooLong, Unsupported
@@ -88,8 +88,11 @@ async def embed(svc: Services, request: Request, prompts: list[Prompt], pooling:
         groups, alone = batches([len(p.tokens) for p in prompts], svc.store.cfg.chunk)
     else:
         groups, alone = [], list(range(len(prompts)))
-    for group in groups:   # (the engine checks a Feed's ids itself)
-        svc.engine.admission.check_tokens(*(prompts[i].tokens for i in group))
+    for i, p in enumerate(prompts):   # ids past the vocabulary: a 400 naming the input, before any work
+        try:
+            svc.engine.admission.check_tokens(p.tokens)
+        except InvalidTokens as e:
+            raise BadRequest(f"input {i}: {e}", "input", "invalid_token_id") from None
 
     async def rows(group: list[int]) -> None:
         async with slots:

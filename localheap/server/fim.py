@@ -16,13 +16,13 @@ from .tokens import encode_bounded, token_array
 
 # (prefix, suffix, middle) spellings, each family's own
 FIM_TOKENS = (
-    ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"),      # Qwen2.5-Coder, Qwen3-Coder
+    ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"),      # Qwen2.5-Coder, Qwen3-Coder, CodeGemma
     ("<fim_prefix>", "<fim_suffix>", "<fim_middle>"),            # StarCoder, StarCoder2, Granite Code
     ("<｜fim▁begin｜>", "<｜fim▁hole｜>", "<｜fim▁end｜>"),          # DeepSeek-Coder
 )
 # tokens such models write when the middle is done (besides their EOS): the reply stops there
 FIM_ENDS = ("<|fim_pad|>", "<|file_sep|>", "<|repo_name|>", "<|endoftext|>", "<fim_pad>", "<file_sep>",
-            "<|end_of_text|>", "<｜end▁of▁sentence｜>")
+            "<|end_of_text|>", "<｜end▁of▁sentence｜>", "<|file_separator|>")   # (the last: CodeGemma's)
 
 
 @dataclass(frozen=True)

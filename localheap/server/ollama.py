@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-from typing import Any, Literal, Optional, Union
+from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import Field
 
@@ -18,7 +18,7 @@ from ..engine import Finished
 from ..generation import SamplingParams
 from .chat import ChatPlan
 from .errors import BadRequest
-from .schemas import ChatMessage, Strict
+from .schemas import MAX_EMBED_INPUTS, ChatMessage, Strict
 from .toolformats import ToolCall
 
 OLLAMA_VERSION = "0.12.0"   # the API version whose shapes these routes follow (GET /api/version)
@@ -68,7 +68,7 @@ class ShowRequest(Strict):
 class EmbedRequest(Strict):
     """POST /api/embed: a text or a batch of texts (none: the model is loaded, nothing embedded)."""
     model: str
-    input: Union[str, list[str]] = ""
+    input: Union[str, Annotated[list[str], Field(max_length=MAX_EMBED_INPUTS)]] = ""
     truncate: bool = True                 # an input past the heap's size is cut to it (False: an error)
     dimensions: Optional[int] = Field(None, ge=1)
     options: Optional[dict[str, Any]] = None          # accepted: nothing in them changes a vector here

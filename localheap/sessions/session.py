@@ -64,6 +64,7 @@ class Session:
     checkpoints: list = field(default_factory=list)   # token counts of its saved checkpoints
     addressed: bool = False   # a client named it (X-Session-Id): never rolled back for another request
     ephemeral: bool = False   # "store": false: never saved nor matched, deleted when its reply ends
+    sized: bool = False       # ephemeral, its heap sized to one input (an embedding's): not one of max_resident
     reclaimed: Reclaims = field(default_factory=Reclaims)   # what --disk-total took back from it
     _text: Optional[str] = None
     _text_tokens: int = -1

@@ -83,7 +83,7 @@ class SessionStore:
         assert origin in ORIGINS, origin
         assert cfg is None or ephemeral, "only a session that is never saved has heap settings of its own"
         s = Session(id=session_id or new_id(), cfg=cfg or self.cfg, origin=origin, title=title, owner=owner,
-                    ephemeral=ephemeral)
+                    ephemeral=ephemeral, sized=cfg is not None)
         assert valid_id(s.id), s.id
         s.refresh()
         with self._lock:
@@ -318,9 +318,11 @@ class SessionStore:
         """Spill idle least-recently-used heaps beyond max_resident; drop the oldest idle
         sessions beyond max_sessions. `keep` is about to run and stays resident. A heap the disk
         refuses to take (its turn unsaved: full, read-only) stays resident and the next is tried;
-        SpillFailed when too many stay."""
+        SpillFailed when too many stay. Sessions that are never kept (ephemeral) do not count
+        towards max_sessions, and a heap sized to one input (an embedding's) not towards
+        max_resident: neither ever makes a kept session spill or go."""
         idle = sorted((s for s in self.sessions() if not s.busy and s is not keep), key=lambda s: s.last_used)
-        resident = [s for s in self.sessions() if s.cache is not None or s is keep]
+        resident = [s for s in self.sessions() if (s.cache is not None or s is keep) and not s.sized]
         refused: Optional[SpillFailed] = None
         for s in idle:
             if len(resident) <= self.max_resident:
@@ -334,10 +336,13 @@ class SessionStore:
                 resident.remove(s)
         if refused is not None and len(resident) > self.max_resident:
             raise refused
-        for s in idle:
-            if len(self) <= self.max_sessions:
+        kept = [s for s in idle if not s.ephemeral]
+        count = sum(1 for s in self.sessions() if not s.ephemeral)
+        for s in kept:
+            if count <= self.max_sessions:
                 break
             self.delete(s.id)
+            count -= 1
 
     def touch(self, s: Session) -> None:
         s.last_used = time.time()

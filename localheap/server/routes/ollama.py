@@ -12,7 +12,8 @@ from typing import AsyncIterator, Optional, Sequence
 
 from fastapi import APIRouter, Depends, Header, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.concurrency import run_in_threadpool
 from pydantic import ValidationError
 
 from ...embedding import finish
@@ -132,7 +133,7 @@ async def generate(request: Request, svc: Services = Depends(services), x_sessio
 
 
 @router.post("/api/embed")
-async def embed_route(request: Request, svc: Services = Depends(services)) -> dict:
+async def embed_route(request: Request, svc: Services = Depends(services)) -> Response:
     """Each input's vector at unit length (the mean of the last hidden states: --embed-pooling);
     an input past the heap's size is cut to it unless `truncate` is false."""
     began = time.monotonic()
@@ -149,9 +150,14 @@ async def embed_route(request: Request, svc: Services = Depends(services)) -> di
     prompts = [await tokenize(embedding_prompt, svc.tokenizer, text, i, limit, body.truncate)
                for i, text in enumerate(texts)]
     vectors = await embed(svc, request, prompts) if prompts else []
-    return {"model": tag(svc.model_id), "embeddings": [finish(v, body.dimensions).tolist() for v in vectors],
-            "total_duration": int((time.monotonic() - began) * 1e9), "load_duration": 0,
-            "prompt_eval_count": sum(len(p.tokens) for p in prompts)}
+
+    def answer() -> bytes:   # off the event loop (many long vectors take seconds to write)
+        out = [finish(v, body.dimensions).tolist() for v in vectors]
+        return json.dumps({"model": tag(svc.model_id), "embeddings": out, "load_duration": 0,
+                           "total_duration": int((time.monotonic() - began) * 1e9),
+                           "prompt_eval_count": sum(len(p.tokens) for p in prompts)}).encode()
+
+    return Response(await run_in_threadpool(answer), media_type="application/json")
 
 
 @router.post("/api/embeddings")
