@@ -376,26 +376,38 @@ def test_a_backend_without_pooling_refuses_embeddings():
 
 def test_calls_in_turn_take_one_engine_step_each(demo):
     """Engine.call_in_turn (a batch of short embeddings): however many wait, one runs per engine
-    step, beside a chat that keeps decoding; with nothing else to do they run at once; a stopping
-    engine fails those left."""
+    step, beside a chat that keeps decoding, and no sooner than the engine has spent as long again
+    on the chat (SIDE_SHARE 0.5); with nothing decoding they run at once, nothing deferred; a
+    stopping engine fails those left."""
     from localheap.engine import Engine, EngineStopped
+    from localheap.engine.engine import SIDE_SHARE
     from localheap.grammar import ForcedTokens
     from localheap.sessions import SessionStore
 
     eng = Engine(demo, SessionStore(demo, HeapConfig(budget=256, prefill_chunk=CHUNK)), max_active=4).start()
     try:
-        assert eng.call_in_turn(lambda: "idle").result(timeout=30) == "idle"
+        assert [eng.call_in_turn(lambda: time.sleep(0.02)).result(timeout=30) for _ in range(3)] == [None] * 3
+        assert eng._side_free_at == 0.0   # nothing decoded: nothing was deferred
         q = queue.Queue()
-        params = SamplingParams(max_tokens=60, constraint=ForcedTokens(ids(50, 4), demo.eos_token_ids))
-        eng.submit(Generate(Prompt(ids(20, 3)), params, q.put, ephemeral=True))
+        params = SamplingParams(max_tokens=2000, constraint=ForcedTokens(ids(1990, 4), demo.eos_token_ids))
+        job = eng.submit(Generate(Prompt(ids(20, 3)), params, q.put, ephemeral=True))
         until_deltas(q, 1)   # it decodes
-        seen = []   # (engine step, reply tokens so far) at each call
-        tokens = lambda: sum(len(r.completion) for r in eng._active)   # noqa: E731
-        futures = [eng.call_in_turn(lambda: seen.append((eng._steps, tokens()))) for _ in range(5)]
+        seen = []   # (engine step, reply tokens so far, start, end) of each call
+
+        def call():
+            began = time.monotonic()
+            time.sleep(0.05)
+            seen.append((eng._steps, sum(len(r.completion) for r in eng._active), began, time.monotonic()))
+
+        futures = [eng.call_in_turn(call) for _ in range(5)]
         for f in futures:
             f.result(timeout=60)
-        assert [s for s, _ in seen] == sorted({s for s, _ in seen}) and len(seen) == 5, seen   # one a step
-        assert [t for _, t in seen] == sorted({t for _, t in seen}), seen   # the chat advanced between them
+        job.cancel()
+        assert [s[0] for s in seen] == sorted({s[0] for s in seen}) and len(seen) == 5, seen   # one a step
+        assert [s[1] for s in seen] == sorted({s[1] for s in seen}), seen   # the chat advanced between them
+        assert SIDE_SHARE == 0.5
+        for a, b in zip(seen, seen[1:]):   # the chat had as long again in between
+            assert b[2] - a[3] >= 0.9 * (a[3] - a[2]), seen
         assert isinstance(drain(q)[-1], Finished)
         blocker = eng.call_in_turn(lambda: time.sleep(0.5))
         skipped = eng.call_in_turn(lambda: seen.append("skipped ran"))

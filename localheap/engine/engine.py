@@ -42,6 +42,7 @@ log = logging.getLogger("localheap.engine")
 IDLE_POLL_S = 0.05     # with nothing running, how often waiting jobs are looked at (room, timeouts)
 MIXED_CHUNK = 64       # prefill tokens riding in a decode step (README: prefill beside decode)
 BATCH_SLICE = 32       # steps a run keeps its batch seat while others wait for one (a swap copies two heaps)
+SIDE_SHARE = 0.5       # of the engine's time while runs decode, what embeddings may take (README: Embeddings)
 RETRY_SAVE_S = 5.0     # how often a turn the disk refused (full, read-only) is tried again
 PAGE_OUT_SLICE_S = 0.0005   # page-out run between two decode steps (at least one layer's): page_out "steps"
 SAVE_POLL_S = 0.002    # with nothing running but a turn's save on the saver thread, how often it is looked at
@@ -87,6 +88,7 @@ class Engine:
         self._inbox: queue.Queue = queue.Queue()
         self._active: list[Run] = []
         self._turns: deque = deque()   # (fn, future, "turn") from call_in_turn: one per engine step
+        self._side_free_at = 0.0       # while runs decode, no embedding work before this (SIDE_SHARE)
         self._in_flight = 0
         self._lock = threading.Lock()
         self._thread: Optional[threading.Thread] = None
@@ -228,8 +230,10 @@ class Engine:
                 else:
                     for run in list(self._active):
                         self._step(run)
-                if self._turns:
+                if self._turns and (self._side_due() or not self._decoding()):
+                    began = time.monotonic()
                     _run_call(*self._turns.popleft()[:2])
+                    self._side_done(time.monotonic() - began)
             self._shutdown()
         except BaseException as e:   # a bug outside any one request: nothing here can be trusted
             self._die(e)
@@ -401,9 +405,14 @@ class Engine:
         else:   # those that cannot ride (a scored prompt, a heap the batch cannot take): a full chunk
             # on its own, in turn
             lone = [r for r in prefilling if r not in rides]
+            if not self._side_due():   # an embedding's chunk waits for its share of the engine's time
+                lone = [r for r in lone if r.pooled is None]
             if lone:
                 self._rotate(lone[0])
+                began = time.monotonic()
                 self._step(lone[0])
+                if lone[0].pooled is not None:
+                    self._side_done(time.monotonic() - began)
         chunks, room = [], self.mixed_chunk   # prefill tokens per step beside the decoding runs
         for run in rides:
             if room <= 0:
@@ -455,6 +464,20 @@ class Engine:
                 self.counters.prefill_tokens += len(chunk)
             self._guarded(run, lambda run=run, chunk=chunk: self._chunk_fed(run, chunk), error)
         self._harvest(block=False)
+
+    def _decoding(self) -> bool:
+        return any(r.row is not None or r.gen is not None for r in self._active)
+
+    def _side_due(self) -> bool:
+        """Whether embedding work (a call in turn, a pooled run's lone chunk) may run now."""
+        return time.monotonic() >= self._side_free_at
+
+    def _side_done(self, took: float) -> None:
+        """Embedding work took `took` s: while runs decode, the next waits until the engine has
+        spent as much on them (SIDE_SHARE of its time), so a chat beside a batch of embeddings
+        keeps about half its speed however many are queued."""
+        if self._decoding():
+            self._side_free_at = time.monotonic() + took * (1 - SIDE_SHARE) / SIDE_SHARE
 
     def _between_steps(self, batch: list[Run]) -> list:
         """With page_out "steps": the page writers of the batch's sessions leave their page-outs to
