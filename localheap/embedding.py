@@ -10,6 +10,7 @@ stock model's.
 from __future__ import annotations
 
 import base64
+from collections import deque
 from typing import Optional
 
 import numpy as np
@@ -53,14 +54,26 @@ def batches(lengths: list[int], tokens: int) -> tuple[list[list[int]], list[int]
     through a heap). An input longer than half of `tokens` goes alone (a batch gains little there,
     and its heap bounds the memory); the short ones are grouped longest first, so a group pads
     to its first input's length."""
+    short, alone = split(lengths, tokens)
+    pending, groups = deque(short), []
+    while pending:
+        groups.append(take_group(pending, lengths, tokens))
+    return groups, alone
+
+
+def split(lengths: list[int], tokens: int) -> tuple[list[int], list[int]]:
+    """(the short inputs, longest first: at most half of `tokens`; the others, in order)."""
     short = sorted((i for i, n in enumerate(lengths) if n <= tokens // 2), key=lambda i: (-lengths[i], i))
-    groups: list[list[int]] = []
-    for i in short:
-        if groups and (len(groups[-1]) + 1) * lengths[groups[-1][0]] <= tokens:
-            groups[-1].append(i)
-        else:
-            groups.append([i])
-    return groups, [i for i, n in enumerate(lengths) if n > tokens // 2]
+    return short, [i for i, n in enumerate(lengths) if n > tokens // 2]
+
+
+def take_group(pending: deque, lengths: list[int], tokens: int) -> list[int]:
+    """The next padded group off `pending` (indices, longest first): as many as fit `tokens`
+    padded to the first one's length, and the first one whatever its length."""
+    group: list[int] = []
+    while pending and (not group or (len(group) + 1) * lengths[group[0]] <= tokens):
+        group.append(pending.popleft())
+    return group
 
 
 def embedding_heap(cfg: HeapConfig, tokens: int) -> HeapConfig:

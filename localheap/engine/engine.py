@@ -329,12 +329,15 @@ class Engine:
         run.chunk = t.chunk
         return t.pause_s
 
-    def _step(self, run: Run) -> None:
+    def _step(self, run: Run, cap: Optional[int] = None) -> None:
+        """One unit of `run` on its own (`cap`: its prefill chunk at most that many tokens)."""
         if run.job.cancelled:
             self._finish(run)
             return
         try:
             pause = self._throttle(run)
+            if cap is not None:
+                run.chunk = min(run.chunk, cap)
             if pause:
                 time.sleep(pause if run.prefilling else pause / 10)
             began = time.monotonic()
@@ -410,9 +413,11 @@ class Engine:
             if lone:
                 self._rotate(lone[0])
                 began = time.monotonic()
-                self._step(lone[0])
-                if lone[0].pooled is not None:
+                if lone[0].pooled is not None:   # an embedding's chunk beside decoding runs: a riding chunk's size,
+                    self._step(lone[0], cap=self.mixed_chunk)   # so a chat waits one small forward at most
                     self._side_done(time.monotonic() - began)
+                else:
+                    self._step(lone[0])
         chunks, room = [], self.mixed_chunk   # prefill tokens per step beside the decoding runs
         for run in rides:
             if room <= 0:
@@ -467,6 +472,11 @@ class Engine:
 
     def _decoding(self) -> bool:
         return any(r.row is not None or r.gen is not None for r in self._active)
+
+    @property
+    def decoding(self) -> bool:
+        """Whether a run is decoding now (engine thread: a call in turn sizes its work by it)."""
+        return self._decoding()
 
     def _side_due(self) -> bool:
         """Whether embedding work (a call in turn, a pooled run's lone chunk) may run now."""

@@ -8,12 +8,13 @@ stock model's."""
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 from typing import Optional, Union
 
 import numpy as np
 from fastapi import Request
 
-from ..embedding import Pooler, batches
+from ..embedding import Pooler, split, take_group
 from ..engine import EngineStopped, Feed, Finished, InvalidTokens
 from ..sessions import Prompt
 from .bridge import DISCONNECT_POLL_S, follow, submit
@@ -84,20 +85,29 @@ async def embed(svc: Services, request: Request, prompts: list[Prompt], pooling:
     mode = pooling or svc.settings.embed_pooling
     vectors: list = [None] * len(prompts)
     slots = asyncio.Semaphore(IN_FLIGHT)
+    lengths = [len(p.tokens) for p in prompts]
     if getattr(svc.backend, "embed_rows", None) is not None:
-        groups, alone = batches([len(p.tokens) for p in prompts], svc.store.cfg.chunk)
+        short, alone = split(lengths, svc.store.cfg.chunk)
     else:
-        groups, alone = [], list(range(len(prompts)))
+        short, alone = [], list(range(len(prompts)))
+    pending = deque(short)
     for i, p in enumerate(prompts):   # ids past the vocabulary: a 400 naming the input, before any work
         try:
             svc.engine.admission.check_tokens(p.tokens)
         except InvalidTokens as e:
             raise BadRequest(f"input {i}: {e}", "input", "invalid_token_id") from None
 
-    async def rows(group: list[int]) -> None:
-        async with slots:
-            rows_in = [prompts[i].tokens for i in group]   # one forward, one engine step's turn
-            got = await asyncio.wrap_future(svc.engine.call_in_turn(lambda: svc.backend.embed_rows(rows_in)))
+    def next_rows() -> tuple[list[int], list]:
+        """(On the engine thread, in turn.) The next padded group of short inputs and its rows: a
+        prefill chunk's tokens, a riding chunk's while runs decode (a chat waits one small forward)."""
+        tokens = svc.engine.mixed_chunk if svc.engine.decoding else svc.store.cfg.chunk
+        group = take_group(pending, lengths, tokens)
+        return group, (svc.backend.embed_rows([prompts[i].tokens for i in group]) if group else [])
+
+    async def rows() -> None:
+        while pending:
+            async with slots:
+                group, got = await asyncio.wrap_future(svc.engine.call_in_turn(next_rows))
             for i, (total, n, last) in zip(group, got):
                 pool = Pooler(mode)
                 pool.add(total, n, last)
@@ -113,7 +123,8 @@ async def embed(svc: Services, request: Request, prompts: list[Prompt], pooling:
                     raise EngineStopped()
             vectors[i] = pool.vector()
 
-    tasks = [asyncio.create_task(rows(g)) for g in groups] + [asyncio.create_task(one(i)) for i in alone]
+    tasks = [asyncio.create_task(rows()) for _ in range(min(IN_FLIGHT, len(short)))] + \
+        [asyncio.create_task(one(i)) for i in alone]
     watcher = asyncio.create_task(_watch(request, tasks))
     try:
         await asyncio.gather(*tasks)
