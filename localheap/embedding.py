@@ -2,9 +2,10 @@
 
 A backend's `prefill_pooled` feeds a prompt through a session's heap exactly as a prefill does
 and hands each chunk's final hidden states (after the model's last norm, before the output
-head), as a float32 sum and a last row, to a Pooler. The server reads the input in a session of
-its own whose heap holds all of it (`max_tokens`), so nothing is evicted: the vector is the
-stock model's.
+head), as a float32 sum and a last row, to a Pooler; `embed_rows` reads short inputs in one
+padded forward. The server takes at most what a heap holds whole (server/embeddings.input_limit)
+and reads a long input in a session of its own whose heap holds all of it (embedding_heap), so
+nothing is evicted: the vector is the stock model's.
 """
 
 from __future__ import annotations

@@ -77,8 +77,9 @@ def embedding_prompt(tokenizer, item: Union[str, list[int]], index: int, limit: 
 
 async def embed(svc: Services, request: Request, prompts: list[Prompt], pooling: Optional[str] = None) -> list[np.ndarray]:
     """Each prompt's pooled vector (not normalized), in order. Short inputs are read in padded
-    batches of at most a prefill chunk's tokens, each one forward on the engine's thread beside a
-    step of the decode batch (embedding.batches, Engine.call_in_turn); longer ones each as a Feed
+    batches of at most a prefill chunk's tokens (a riding chunk's while runs decode), each one
+    forward on the engine's thread beside a step of the decode batch (embedding.split and
+    take_group, Engine.call_in_turn); longer ones each as a Feed
     in a session of its own, in prefill chunks. IN_FLIGHT at a time; a client that leaves cancels
     what is left."""
     who = owner(request)
