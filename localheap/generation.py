@@ -159,6 +159,7 @@ class StopMatcher:
     def __init__(self, stops: list[str]):
         self.stops = [s for s in stops if s]
         self.pending = ""
+        self.matched: Optional[str] = None   # the stop sequence that stopped the text (the first listed, on a tie)
 
     def feed(self, text: str) -> tuple[str, bool]:
         self.pending += text
@@ -168,6 +169,7 @@ class StopMatcher:
         hits = [(self.pending.find(s), s) for s in self.stops if s in self.pending]
         if hits:
             cut = min(i for i, _ in hits)
+            self.matched = next(s for i, s in hits if i == cut)
             out, self.pending = self.pending[:cut], ""
             return out, True
         hold = 0

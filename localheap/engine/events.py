@@ -36,6 +36,7 @@ class Delta:
     tokens: int          # completion tokens so far
     logprobs: Optional[list] = None   # a request with a logprobs recorder: TokenLogprob of each reply token
                                       # since the last Delta (the text may be "" then: a last one, or a stop's)
+    ids: Optional[list] = None        # the reply's ids since the last Delta (an ending EOS or stop_token_ids id not)
 
 
 @dataclass
@@ -59,6 +60,8 @@ class Finished:
     saved: Optional[bool] = None         # the turn is on disk (None: this store keeps nothing on disk)
     save_error: Optional[str] = None     # why it is not (it stays in memory and is saved when it can be)
     interrupted: Optional[str] = None    # "shutdown": the server stopped the run (SIGTERM), not the client
+    stop_word: Optional[str] = None      # the stop sequence that ended the reply (finish_reason "stop")
+    stop_token: Optional[int] = None     # the EOS or stop_token_ids id that ended it
 
 
 @dataclass

@@ -52,8 +52,10 @@ class Run:
         self.seated_at: Optional[int] = None            # engine step it took its seat in the batch
         self.completion: list[int] = []
         self.logprobs_sent = 0                          # reply tokens whose logprobs went out in a Delta
+        self.ids_sent = 0                               # reply tokens whose ids went out in a Delta
         self.stream: Optional[TextStream] = None
         self.finish_reason: Optional[str] = None
+        self.stop_token: Optional[int] = None           # the EOS or stop_token_ids id that ended the reply
         self._stats_at = 0.0
         self.last_step = ("prefill", 0)   # (kind, tokens) of the latest step, for throughput
 
@@ -144,6 +146,7 @@ class Run:
         self.completion.append(token)
         self.last_step = ("decode", 1)
         if token in self.backend.eos_token_ids or token in req.params.stop_token_ids:
+            self.stop_token = token
             self._finish_text("stop")
             return
         text, stopped = self.stream.add(token)
@@ -164,14 +167,13 @@ class Run:
         The tokens of a stop sequence have logprobs, though their text is cut (as vLLM's)."""
         recorder = self.request.params.logprobs
         entries = None
+        due = len(self.completion) - (self.stop_token is not None)   # an ending EOS has no logprobs, no text
         if recorder is not None and (text or last):
-            ended_by_eos = bool(self.completion) and (self.completion[-1] in self.backend.eos_token_ids
-                                                      or self.completion[-1] in self.request.params.stop_token_ids)
-            due = len(self.completion) - ended_by_eos   # reply tokens with logprobs: an EOS has none
             entries = [recorder.get(i) for i in range(self.logprobs_sent, due)] or None
             self.logprobs_sent = due
         if text or entries:
-            self.request.emit(Delta(text, len(self.completion), entries))
+            ids, self.ids_sent = self.completion[self.ids_sent:due], due
+            self.request.emit(Delta(text, len(self.completion), entries, ids))
 
     def close(self) -> None:
         """Stop generating and bring the session's history in line with its cache."""
@@ -200,8 +202,9 @@ class Run:
         usage = Usage(self.prompt_tokens, len(self.completion), self.cached)
         read = max(0, min(self.prompt_tokens, len(self.session.fed)) - self.cached)
         interrupted = "shutdown" if self.finish_reason is None and self.job.cancel_reason == "shutdown" else None
+        word = self.stream.stops.matched if self.stream is not None else None
         return Finished(self.session.id, self.finish_reason or "cancelled", usage, self.session.snapshot,
-                        prompt_read=read, interrupted=interrupted)
+                        prompt_read=read, interrupted=interrupted, stop_word=word, stop_token=self.stop_token)
 
     def _publish_stats(self, force: bool) -> None:
         now = time.monotonic()

@@ -17,7 +17,7 @@ from ..governor.budget import request_room
 from ..sessions import SessionStore
 from . import errors
 from .middleware import CheckHost, LimitBody, RequireApiKey, checks_host
-from .routes import anthropic, branches, embeddings, observe, ollama, openai, responses, sessions, tokenize
+from .routes import anthropic, branches, embeddings, observe, llamacpp, ollama, openai, responses, sessions, tokenize
 from .services import Services
 from .settings import ServerSettings
 from .telemetry import ThroughputHistory, metrics_registry
@@ -85,7 +85,7 @@ def create_app(backend: Any, settings: Optional[ServerSettings] = None, governor
     app = FastAPI(title="localheap", version="0.1.0", lifespan=lifespan, docs_url="/docs", redoc_url=None)
     app.state.services = svc
     errors.install(app)
-    for module in (openai, embeddings, responses, anthropic, ollama, sessions, branches, tokenize, observe):
+    for module in (openai, embeddings, responses, anthropic, ollama, llamacpp, sessions, branches, tokenize, observe):
         app.include_router(module.router)
     app.add_middleware(LimitBody, max_bytes=settings.max_body_bytes)
     if settings.keys:

@@ -120,8 +120,10 @@ class StreamOptions(Strict):
 
 
 class SamplingFields(Strict):
-    """Fields chat and completions share."""
-    model: str
+    """Fields chat and completions share; also llama-server's extensions its clients send on these
+    routes (llama.vscode): `samplers` and `cache_prompt`, and the options of samplers this server
+    lacks, at the value that turns them off (llamacpp.check_options)."""
+    model: Optional[str] = None                  # absent: the served model (as llama-server and LM Studio)
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
     temperature: float = Field(1.0, ge=0.0, le=2.0)
@@ -139,6 +141,23 @@ class SamplingFields(Strict):
     user: Optional[str] = None                   # accepted, unused (an end-user id for abuse tracking)
     metadata: Optional[dict[str, str]] = None    # accepted, unused
     store: Optional[bool] = None
+    samplers: Union[list[str], str, None] = None   # extension (llama-server's): the samplers left out are off
+    cache_prompt: Optional[bool] = None            # extension (llama-server's): accepted (prefixes are always reused)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _llama_server_options(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        from .llamacpp import OFF, UNUSED, check_options
+
+        known = set(cls.model_fields)
+        extras = {k: v for k, v in data.items() if k not in known and (k in OFF or k in UNUSED)}
+        check_options(extras)
+        out = {k: v for k, v in data.items() if k not in extras}
+        if out.get("max_tokens") == -1 and "messages" in out:   # llama-server's "no limit": the server's default
+            out.pop("max_tokens")
+        return out
 
     @field_validator("logit_bias")
     @classmethod

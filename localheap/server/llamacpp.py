@@ -1,0 +1,361 @@
+"""llama.cpp's server API (llama-server's own routes, not its OpenAI ones) in localheap's terms:
+the /completion and /infill request body, its prompt forms (text, ids, text and ids mixed, several
+prompts), infill's prompt (repo-level where the model has the tokens), and the reply's fields
+(content, stop_type, timings, tokens_cached, completion_probabilities, response_fields).
+
+Editors' code completion (llama.vim, llama.vscode) and tools written against llama-server send
+these; they run on the same engine, sessions, heap and prefix reuse as every other API.
+
+Options are llama-server's, with its defaults (temperature 0.8, top_k 40, top_p 0.95, min_p
+0.05). Samplers this server does not have (repetition, DRY, XTC, Mirostat, typical, top-n-sigma)
+are accepted at the value that turns them off and refused otherwise; options that tune llama.cpp's
+runtime (slots, cache reuse, progress) are accepted and unused; any other field is a 400."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence, Union
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from ..generation import LOGIT_BIAS_RANGE, LogprobRecorder, SamplingParams
+from ..sessions import Prompt
+from ..sessions.session import token_array
+from .errors import BadRequest, PromptTooLong, Unsupported
+from .fim import fim_format, leading_specials
+from .logprobs import TokenText
+from .tokens import encode_bounded, encode_plain
+
+# llama-server's sampler names, and the letters of its --sampling-seq form
+SAMPLER_LETTERS = {"d": "dry", "k": "top_k", "y": "typ_p", "p": "top_p", "m": "min_p", "x": "xtc",
+                   "t": "temperature", "s": "top_n_sigma", "e": "penalties"}
+OURS = ("top_k", "top_p", "min_p", "temperature")        # samplers this server has
+OTHERS = {"dry", "typ_p", "xtc", "top_n_sigma", "penalties", "infill", "mirostat"}   # named: off unless their option says
+
+# options of samplers this server does not have: accepted only where they leave the sampler off
+OFF = {"typical_p": lambda v: v >= 1.0, "repeat_penalty": lambda v: v == 1.0, "dry_multiplier": lambda v: v == 0.0,
+       "xtc_probability": lambda v: v == 0.0, "mirostat": lambda v: v == 0, "dynatemp_range": lambda v: v == 0.0,
+       "top_n_sigma": lambda v: v <= 0.0, "post_sampling_probs": lambda v: v is False, "n_cmpl": lambda v: v == 1,
+       "lora": lambda v: not v, "penalty_last_n": lambda v: True}
+# tuning of those samplers (moot while they are off) and of llama.cpp's runtime: accepted, unused
+UNUSED = {"repeat_last_n", "dry_base", "dry_allowed_length", "dry_penalty_last_n", "dry_sequence_breakers",
+          "xtc_threshold", "mirostat_tau", "mirostat_eta", "dynatemp_exponent", "penalize_nl", "min_keep",
+          "t_max_prompt_ms", "id_slot", "n_keep", "n_discard", "n_cache_reuse", "timings_per_token",
+          "return_progress", "sse_ping_interval", "model", "id_task"}
+MAX_PROMPTS = 64
+MAX_PROBS = 20
+REPO_TOKENS = ("<|repo_name|>", "<|file_sep|>")   # Qwen2.5-Coder's repo-level format (llama.cpp's FIM_REP, FIM_SEP)
+REPO_NAME = "myproject"                           # the repository's name in that format, as llama-server writes it
+
+
+class ExtraChunk(BaseModel):
+    """One of infill's input_extra: another file's text (llama.vim also sends `time`)."""
+    model_config = ConfigDict(extra="ignore")
+    filename: str = ""
+    text: str = ""
+
+
+class LlamaRequest(BaseModel):
+    """POST /completion and /infill (infill: input_prefix, input_suffix, input_extra; its `prompt`
+    is text after the middle token, the reply's start)."""
+    model_config = ConfigDict(extra="allow")
+
+    prompt: Any = ""
+    input_prefix: str = ""
+    input_suffix: str = ""
+    input_extra: list[ExtraChunk] = Field(default_factory=list)
+    temperature: float = 0.8
+    top_k: int = 40
+    top_p: float = 0.95
+    min_p: float = 0.05
+    n_predict: int = -1
+    max_tokens: Optional[int] = None            # (llama-server's other name for n_predict)
+    seed: Optional[int] = -1
+    stop: Union[str, list[str], None] = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: Union[list, dict, None] = None
+    ignore_eos: bool = False
+    n_probs: int = Field(0, ge=0, le=MAX_PROBS)
+    grammar: Optional[str] = None
+    json_schema: Optional[dict] = None
+    samplers: Union[list[str], str, None] = None
+    stream: bool = False
+    cache_prompt: bool = True
+    return_tokens: bool = False
+    response_fields: Optional[list[str]] = None
+    n_indent: int = Field(0, ge=0)
+    t_max_predict_ms: int = Field(0, ge=0)
+
+    @model_validator(mode="after")
+    def _extras(self) -> "LlamaRequest":
+        check_options(self.model_extra or {})
+        return self
+
+    def limit(self, default: int) -> int:
+        """n_predict (or max_tokens); -1 (llama-server: no limit) is this server's default reply limit."""
+        n = self.max_tokens if self.max_tokens is not None and self.n_predict == -1 else self.n_predict
+        if n < -1:
+            raise BadRequest("n_predict must be -1 (no limit of its own) or >= 0", "n_predict")
+        return default if n == -1 else n
+
+    def params(self, default: int, vocab: Optional[int], eos: Sequence[int], tokenizer: Any, constraint: Any = None,
+               stop_ids: Sequence[int] = (), seed_offset: int = 0) -> SamplingParams:
+        temperature, top_k, top_p, min_p = switched(self.samplers, self.temperature, self.top_k, self.top_p,
+                                                    self.min_p)
+        bias = logit_bias(self.logit_bias, tokenizer, vocab)
+        if self.ignore_eos:
+            for t in eos:
+                bias[int(t)] = LOGIT_BIAS_RANGE[0]
+        seed = None if self.seed is None or self.seed < 0 or self.seed == 0xFFFFFFFF else self.seed + seed_offset
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        try:
+            return SamplingParams(max_tokens=self.limit(default), temperature=max(0.0, temperature),
+                                  top_k=max(0, top_k), top_p=min(1.0, top_p) if top_p > 0 else 1.0,
+                                  min_p=min(1.0, max(0.0, min_p)), seed=seed, stop=stop, presence_penalty=self.presence_penalty,
+                                  frequency_penalty=self.frequency_penalty, logit_bias=bias, constraint=constraint,
+                                  logprobs=LogprobRecorder(self.n_probs) if self.n_probs else None,
+                                  stop_token_ids=list(stop_ids))
+        except ValueError as e:
+            raise BadRequest(str(e), "n_predict" if "max_tokens" in str(e) else None) from e
+
+    def settings(self, params: SamplingParams, n_ctx: Optional[int], model: str) -> dict:
+        """generation_settings: the options as this request ran with them."""
+        return {"n_ctx": n_ctx, "model": model, "n_predict": self.n_predict, "max_tokens": params.max_tokens,
+                "seed": 0xFFFFFFFF if params.seed is None else params.seed, "temperature": params.temperature,
+                "top_k": params.top_k, "top_p": params.top_p, "min_p": params.min_p,
+                "presence_penalty": params.presence_penalty, "frequency_penalty": params.frequency_penalty,
+                "stop": params.stop, "ignore_eos": self.ignore_eos, "n_probs": self.n_probs, "stream": self.stream,
+                "grammar": self.grammar or "", "samplers": [s for s in OURS if params_has(params, s)],
+                "n_indent": self.n_indent, "t_max_predict_ms": self.t_max_predict_ms}
+
+
+def check_options(extras: dict) -> None:
+    """llama-server's options beyond a request's own fields: those of samplers this server lacks at
+    the value that turns them off, runtime ones (unused); anything else is a 400 naming it."""
+    for name, value in extras.items():
+        if name in UNUSED:
+            continue
+        if name not in OFF:
+            raise BadRequest(f"{name} is not an option this server knows", name)
+        try:
+            ok = OFF[name](value)
+        except TypeError:
+            ok = False
+        if not ok:
+            raise BadRequest(f"{name} {value!r} is not supported: this server has no such sampler (leave it out, "
+                             f"or send the value that turns it off)", name)
+
+
+def switched(samplers: Union[list[str], str, None], temperature: float, top_k: int, top_p: float,
+             min_p: float) -> tuple[float, int, float, float]:
+    """(temperature, top_k, top_p, min_p) with the samplers a `samplers` list leaves out turned off
+    (temperature 1: the logits as they are); the list's order is not followed (this server's is fixed)."""
+    if samplers is None:
+        return temperature, top_k, top_p, min_p
+    names = [SAMPLER_LETTERS.get(c, c) for c in samplers] if isinstance(samplers, str) else list(samplers)
+    bad = [n for n in names if n not in OURS and n not in OTHERS]
+    if bad:
+        raise BadRequest(f"samplers: {bad[0]!r} is not a sampler llama-server names", "samplers")
+    return (temperature if "temperature" in names else 1.0, top_k if "top_k" in names else 0,
+            top_p if "top_p" in names else 1.0, min_p if "min_p" in names else 0.0)
+
+
+def params_has(params: SamplingParams, sampler: str) -> bool:
+    return {"top_k": params.top_k > 0, "top_p": params.top_p < 1.0, "min_p": params.min_p > 0.0,
+            "temperature": True}[sampler]
+
+
+def logit_bias(value: Union[list, dict, None], tokenizer: Any, vocab: Optional[int]) -> dict[int, float]:
+    """llama-server's logit_bias: [[id or text, bias or false], ...] or {"id or text": bias}; a text
+    biases each of its tokens; false bans the id (-100 here, OpenAI's floor); biases past +-100 are
+    held to it (the same effect)."""
+    pairs = list(value.items()) if isinstance(value, dict) else list(value or [])
+    lo, hi = LOGIT_BIAS_RANGE
+    out: dict[int, float] = {}
+    for pair in pairs:
+        if not isinstance(pair, (list, tuple)) or len(pair) != 2:
+            raise BadRequest("logit_bias entries are [token, bias] pairs", "logit_bias")
+        key, bias = pair
+        if bias is False:
+            bias = lo
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or math.isnan(bias):
+            raise BadRequest(f"logit_bias: {bias!r} is not a bias (a number, or false)", "logit_bias")
+        if isinstance(key, str) and key.lstrip("-").isdigit() and isinstance(value, dict):
+            key = int(key)
+        ids = [key] if isinstance(key, int) and not isinstance(key, bool) else None
+        if ids is None and isinstance(key, str):
+            ids = encode_plain(tokenizer, key)
+        if ids is None:
+            raise BadRequest(f"logit_bias: {key!r} is neither a token id nor a text", "logit_bias")
+        for t in ids:
+            if t < 0 or (vocab is not None and t >= vocab):
+                raise BadRequest(f"logit_bias names token id {t}; this model's ids are 0..{(vocab or 1) - 1}",
+                                 "logit_bias")
+            out[int(t)] = min(hi, max(lo, float(bias)))
+    return out
+
+
+PromptForm = Union[str, list]
+
+
+def prompt_forms(prompt: Any) -> list[PromptForm]:
+    """The request's prompts: one text, one list of ids and texts, or several of those (a list of
+    texts, or a list holding lists); {"prompt_string": ...} objects stand for texts."""
+    def one(p: Any) -> PromptForm:
+        if isinstance(p, dict):
+            if p.get("multimodal_data"):
+                raise Unsupported("multimodal_data is not supported: this server reads text", "prompt")
+            text = p.get("prompt_string")
+            if not isinstance(text, str):
+                raise BadRequest("a prompt object needs its prompt_string", "prompt")
+            return text
+        if isinstance(p, str):
+            return p
+        if isinstance(p, list) and all(isinstance(x, str) or (isinstance(x, int) and not isinstance(x, bool))
+                                       for x in p):
+            return p
+        raise BadRequest("a prompt is a text, a list of token ids and texts, or an object with prompt_string",
+                         "prompt")
+
+    if isinstance(prompt, list) and prompt and (all(isinstance(p, str) for p in prompt)
+                                                or any(isinstance(p, (list, dict)) for p in prompt)):
+        if len(prompt) > MAX_PROMPTS:
+            raise BadRequest(f"at most {MAX_PROMPTS} prompts a request", "prompt")
+        return [one(p) for p in prompt]
+    return [one(prompt)]
+
+
+def mixed_prompt(tokenizer: Any, p: PromptForm, limit: Optional[int]) -> Prompt:
+    """A prompt of text and ids: texts tokenized without special tokens, ids as sent, and the
+    tokenizer's BOS first when the prompt starts with text (llama-server's rule)."""
+    parts = [p] if isinstance(p, str) else list(p)
+    if not parts or parts == [""]:
+        raise BadRequest("the prompt is empty", "prompt")
+    ids = token_array()
+    for part in parts:
+        if isinstance(part, str):
+            ids.extend(encode_bounded(tokenizer, part, limit, "prompt"))
+        else:
+            ids.append(int(part))
+        if limit is not None and len(ids) > limit:
+            raise PromptTooLong(limit, len(ids), "prompt")
+    head = token_array(leading_specials(tokenizer)) if isinstance(parts[0], str) else token_array()
+    return Prompt(head + ids, p if isinstance(p, str) else None, ids)
+
+
+def infill_prompt(tokenizer: Any, req: LlamaRequest, limit: Optional[int]) -> Prompt:
+    """[BOS] then, where the model has the repo-level tokens, <|repo_name|>myproject\\n and each extra
+    file as <|file_sep|>NAME\\nTEXT, then <|file_sep|>filename\\n (the file being edited); else the
+    extra texts as they are. Then <prefix> PREFIX <suffix> SUFFIX <middle> PROMPT. A 400 for a model
+    without fill-in-the-middle tokens."""
+    fmt = fim_format(tokenizer)
+    if fmt is None:
+        raise BadRequest("this model has no fill-in-the-middle tokens (such as <|fim_prefix|>, <fim_prefix> or "
+                         "<｜fim▁begin｜>): it cannot infill; use /completion", "input_prefix")
+    if not isinstance(req.prompt, str):
+        raise BadRequest("infill's prompt is a text (it follows the middle token)", "prompt")
+    vocab = tokenizer.get_vocab()
+    text = lambda s, param: encode_bounded(tokenizer, s, limit, param)   # noqa: E731
+    body = token_array()
+    if all(t in vocab for t in REPO_TOKENS):
+        repo, sep = (int(vocab[t]) for t in REPO_TOKENS)
+        body.append(repo)
+        body.extend(text(REPO_NAME + "\n", "input_extra"))
+        for chunk in req.input_extra:
+            body.append(sep)
+            body.extend(text(chunk.filename + "\n" + chunk.text, "input_extra"))
+        body.append(sep)
+        body.extend(text("filename\n", "input_extra"))
+    else:
+        for chunk in req.input_extra:
+            body.extend(text(chunk.text, "input_extra"))
+    body.append(fmt.prefix)
+    body.extend(text(req.input_prefix, "input_prefix"))
+    body.append(fmt.suffix)
+    body.extend(text(req.input_suffix, "input_suffix"))
+    body.append(fmt.middle)
+    body.extend(text(req.prompt, "prompt"))
+    if limit is not None and len(body) > limit:
+        raise PromptTooLong(limit, len(body), "prompt")
+    return Prompt(token_array(leading_specials(tokenizer)) + body, None, body)
+
+
+@dataclass
+class Cut:
+    """Where llama-server's code-completion limits end a reply early (n_indent, t_max_predict_ms)."""
+    n_indent: int
+    t_max_ms: int
+    text: str = ""
+    line_start: Optional[int] = None    # where the line being written starts (after a newline), None: first line
+
+    def feed(self, piece: str, since_first_ms: float) -> tuple[str, bool]:
+        """(the part of `piece` to keep, whether the reply ends here)."""
+        at = len(self.text)
+        self.text += piece
+        if self.n_indent > 0:
+            for i in range(at, len(self.text)):
+                c = self.text[i]
+                if c == "\n":
+                    self.line_start = i + 1
+                elif self.line_start is not None and c not in " \t":
+                    if i - self.line_start < self.n_indent:   # a line less indented than the cursor: cut there
+                        self.text = self.text[:i]
+                        return self.text[at:], True
+                    self.line_start = None   # this line is deep enough
+        timed_out = self.t_max_ms > 0 and "\n" in self.text and since_first_ms > self.t_max_ms
+        return piece, timed_out
+
+
+def probabilities(text_of: TokenText, entries: Optional[list]) -> list[dict]:
+    """completion_probabilities: each token's id, text, bytes and logprob, and its top alternatives."""
+    def item(token: int, lp: float) -> dict:
+        t, b = text_of(token)
+        return {"id": token, "token": t, "bytes": b, "logprob": lp if math.isfinite(lp) else -9999.0}
+
+    return [{**item(e.token, e.logprob), "top_logprobs": [item(i, lp) for i, lp in e.top]} for e in entries or []]
+
+
+def stop_type(finish_reason: str, stop_word: Optional[str], cut: bool) -> str:
+    if cut or finish_reason == "length":
+        return "limit"
+    if finish_reason == "stop":
+        return "word" if stop_word is not None else "eos"
+    return "none"
+
+
+def timings(prompt_n: int, prompt_s: float, predicted_n: int, predicted_s: float) -> dict:
+    def rate(n: int, s: float) -> tuple[float, float]:
+        return (s * 1e3 / n if n else 0.0), (n / s if s > 0 else 0.0)
+
+    p_tok, p_rate = rate(prompt_n, prompt_s)
+    g_tok, g_rate = rate(predicted_n, predicted_s)
+    return {"prompt_n": prompt_n, "prompt_ms": prompt_s * 1e3, "prompt_per_token_ms": p_tok,
+            "prompt_per_second": p_rate, "predicted_n": predicted_n, "predicted_ms": predicted_s * 1e3,
+            "predicted_per_token_ms": g_tok, "predicted_per_second": g_rate}
+
+
+def pick_fields(body: dict, fields: Optional[list[str]]) -> dict:
+    """response_fields: only these (a/b: body[a][b], under the key "a/b"); missing ones left out."""
+    if fields is None:
+        return body
+    out = {}
+    for name in fields:
+        value: Any = body
+        for key in name.split("/"):
+            if not isinstance(value, dict) or key not in value:
+                break
+            value = value[key]
+        else:
+            out[name] = value
+    return out
+
+
+def piece_of(text_of: TokenText, token: int) -> Union[str, list[int]]:
+    """/tokenize's piece: the token's text where its bytes are whole UTF-8, else the bytes."""
+    _, data = text_of(token)
+    try:
+        return bytes(data).decode("utf-8")
+    except UnicodeDecodeError:
+        return list(data)

@@ -1,0 +1,283 @@
+"""llama.cpp's server API (llama-server): POST /completion (and /completions), /infill, /tokenize,
+/detokenize and /apply-template, GET /props. Server-sent events for stream true (a data line a
+piece, the last with stop true and the timings; no [DONE], as llama-server's), else one object
+(an array for several prompts)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Optional
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field
+from sse_starlette import EventSourceResponse
+
+from ...engine import Delta, Finished, Job
+from ...grammar import Grammar, GrammarError, json_grammar
+from ..bridge import JobEvents, follow
+from ..chat import start
+from ..errors import BadRequest, to_response
+from ..fim import fim_format
+from ..formats import save_fields
+from ..llamacpp import (Cut, LlamaRequest, infill_prompt, mixed_prompt, pick_fields, piece_of, probabilities,
+                        prompt_forms, stop_type, timings)
+from ..prompts import chat_prompt, tokenize
+from ..schemas import ChatMessage
+from ..services import Services, services
+from ..toolformats import template_source
+from .ollama import _json
+from .openai import SESSION_HEADER
+
+router = APIRouter()
+
+
+class TokenizeBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    content: str
+    add_special: bool = False
+    parse_special: bool = True
+    with_pieces: bool = False
+
+
+class DetokenizeBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    tokens: list[int] = Field(default_factory=list)
+
+
+class TemplateBody(BaseModel):
+    model_config = ConfigDict(extra="ignore")   # (the rest of a chat request: not needed to render it)
+    messages: list[ChatMessage]
+
+
+@router.post("/completion")
+@router.post("/completions")
+async def completion(request: Request, svc: Services = Depends(services)):
+    body = await _json(request, LlamaRequest)
+    prompts = [await tokenize(mixed_prompt, svc.tokenizer, p, svc.settings.max_prompt_tokens)
+               for p in prompt_forms(body.prompt)]
+    return await _answer(request, svc, body, prompts, stop_ids=())
+
+
+@router.post("/infill")
+async def infill(request: Request, svc: Services = Depends(services)):
+    body = await _json(request, LlamaRequest)
+    prompt = await tokenize(infill_prompt, svc.tokenizer, body, svc.settings.max_prompt_tokens)
+    return await _answer(request, svc, body, [prompt], stop_ids=fim_format(svc.tokenizer).ends)
+
+
+@router.post("/tokenize")
+async def tokenize_route(body: TokenizeBody, svc: Services = Depends(services)) -> dict:
+    tok = svc.tokenizer
+
+    def ids() -> list[int]:
+        return list(tok.encode(body.content, add_special_tokens=body.add_special,
+                               split_special_tokens=not body.parse_special))
+
+    got = await asyncio.to_thread(ids)
+    if body.with_pieces:
+        return {"tokens": [{"id": t, "piece": piece_of(svc.token_text, t)} for t in got]}
+    return {"tokens": got}
+
+
+@router.post("/detokenize")
+async def detokenize(body: DetokenizeBody, svc: Services = Depends(services)) -> dict:
+    vocab = getattr(svc.backend, "vocab_size", None) or len(svc.tokenizer)
+    bad = [t for t in body.tokens if not 0 <= t < vocab]
+    if bad:
+        raise BadRequest(f"token id {bad[0]} is not in this model's vocabulary (0..{vocab - 1})", "tokens")
+    return {"content": await asyncio.to_thread(svc.tokenizer.decode, body.tokens)}
+
+
+@router.post("/apply-template")
+async def apply_template(body: TemplateBody, svc: Services = Depends(services)) -> dict:
+    prompt = await tokenize(chat_prompt, svc.tokenizer, body.messages, limit=svc.settings.max_prompt_tokens)
+    return {"prompt": prompt.text}
+
+
+@router.get("/props")
+async def props(svc: Services = Depends(services)) -> dict:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        ours = version("localheap")
+    except PackageNotFoundError:
+        ours = "checkout"
+    defaults = LlamaRequest()
+    params = defaults.params(svc.settings.default_max_tokens, None, (), svc.tokenizer)
+    settings = defaults.settings(params, svc.settings.max_prompt_tokens, svc.model_id)
+    return {"default_generation_settings": {"id": 0, "id_task": -1, "n_ctx": svc.settings.max_prompt_tokens,
+                                            "speculative": False, "is_processing": svc.engine.in_flight > 0,
+                                            "params": settings, "prompt": ""},
+            "total_slots": svc.settings.max_active, "model_path": str(svc.backend.model_name),
+            "model_alias": svc.model_id, "chat_template": template_source(svc.tokenizer), "chat_template_caps": {},
+            "modalities": {"vision": False, "audio": False}, "build_info": f"localheap {ours}", "is_sleeping": False,
+            "localheap": {"backend": svc.backend.name, "heap": svc.settings.heap.to_dict()}}
+
+
+def _constraint(svc: Services, body: LlamaRequest):
+    """grammar (GBNF, or llguidance's Lark) or json_schema ({}: any JSON object); a test's forced tokens."""
+    if body.grammar and body.json_schema is not None:
+        raise BadRequest("send grammar or json_schema, not both", "grammar")
+    if svc.force_tokens is not None:
+        return svc.force_tokens()
+    try:
+        if body.grammar:
+            import llguidance
+
+            try:
+                text = llguidance.grammar_from("gbnf", body.grammar)
+            except Exception as e:   # the converter raises on text it cannot read
+                raise GrammarError(f"the grammar cannot be read: {e}") from e
+            error = llguidance.LLMatcher.validate_grammar(text)
+            if error:
+                raise GrammarError(f"the grammar cannot be enforced: {error}")
+        elif body.json_schema is not None:
+            text = json_grammar(body.json_schema or None)
+        else:
+            return None
+        return Grammar(svc.tokenizer, svc.backend.eos_token_ids, text)
+    except GrammarError as e:
+        raise BadRequest(str(e), "grammar" if body.grammar else "json_schema") from e
+
+
+@dataclass
+class Slot:
+    """One prompt's run and what its reply has been so far."""
+    index: int
+    job: Job
+    events: JobEvents
+    session_id: str
+    prompt_tokens: int
+    cached: int
+    began: float
+    cut: Cut
+    first_at: Optional[float] = None
+    content: list[str] = field(default_factory=list)
+    ids: list[int] = field(default_factory=list)
+    probs: list[dict] = field(default_factory=list)
+    cut_short: bool = False   # n_indent or t_max_predict_ms ended it
+    done: Optional[Finished] = None
+
+
+async def _answer(request: Request, svc: Services, body: LlamaRequest, prompts: list, stop_ids) -> object:
+    vocab = getattr(svc.backend, "vocab_size", None)
+    default = min(svc.settings.default_max_tokens, svc.settings.max_tokens_limit)
+    own = len(prompts) > 1 or not body.cache_prompt   # each in a session of its own, not kept
+    slots: list[Slot] = []
+    try:
+        for i, prompt in enumerate(prompts):
+            params = body.params(default, vocab, svc.backend.eos_token_ids, svc.tokenizer, _constraint(svc, body),
+                                 stop_ids, seed_offset=i)
+            began = time.monotonic()
+            title = prompt.text if i == 0 else None
+            job, events, started = await start(svc, request, prompt, params, None, title, own)
+            slots.append(Slot(i, job, events, started.session_id, started.prompt_tokens, started.cached_tokens, began,
+                              Cut(body.n_indent, body.t_max_predict_ms)))
+    except BaseException:
+        for s in slots:
+            s.job.cancel()
+        raise
+    settings = body.settings(params, svc.settings.max_prompt_tokens, svc.model_id)
+    reply = Reply(svc, body, settings)
+    headers = {SESSION_HEADER: slots[0].session_id}
+    if body.stream:
+        return EventSourceResponse(reply.stream(request, slots), headers=headers, sep="\n")
+    try:
+        finals = await asyncio.gather(*(reply.whole(request, s) for s in slots))
+    finally:
+        for s in slots:
+            s.job.cancel()
+    return JSONResponse(finals[0] if len(finals) == 1 else finals, headers=headers)
+
+
+class Reply:
+    """A slot's events as llama-server's reply: stream pieces, and the final object."""
+
+    def __init__(self, svc: Services, body: LlamaRequest, settings: dict):
+        self.svc, self.body, self.settings = svc, body, settings
+
+    async def events(self, s: Slot) -> AsyncIterator[tuple[bool, dict]]:
+        """(last?, object): the slot's pieces ({"content", "tokens", ...}) as they come, then its final object."""
+        async for event in follow(s.job, s.events):
+            if isinstance(event, Delta) and not s.cut_short:
+                now = time.monotonic()
+                s.first_at = s.first_at or now
+                text, ended = s.cut.feed(event.text, (now - s.first_at) * 1e3)
+                ids = list(event.ids or [])
+                s.content.append(text)
+                s.ids += ids
+                probs = probabilities(self.svc.token_text, event.logprobs) if self.body.n_probs else []
+                s.probs += probs
+                if ended:
+                    s.cut_short = True
+                    s.job.cancel()   # the engine ends it at its next step; the session keeps what it fed
+                if text or ids:
+                    piece = {"index": s.index, "content": text, "tokens": ids, "stop": False, "id_slot": -1,
+                             "tokens_predicted": event.tokens, "tokens_evaluated": s.prompt_tokens}
+                    if probs:
+                        piece["completion_probabilities"] = probs
+                    yield False, piece
+            elif isinstance(event, Finished):
+                s.done = event
+                yield True, self.final(s)
+                return
+
+    def final(self, s: Slot) -> dict:
+        done, end = s.done, time.monotonic()
+        first = s.first_at or end
+        predicted = done.usage.completion_tokens
+        out = {"index": s.index, "content": "".join(s.content) if not self.body.stream else "",
+               "tokens": s.ids if self.body.return_tokens and not self.body.stream else [], "id_slot": -1,
+               "stop": True, "model": self.svc.model_id, "tokens_predicted": predicted,
+               "tokens_evaluated": s.prompt_tokens, "generation_settings": self.settings,
+               "has_new_line": "\n" in "".join(s.content), "truncated": False,
+               "stop_type": stop_type(done.finish_reason, done.stop_word, s.cut_short),
+               "stopping_word": done.stop_word or "", "tokens_cached": s.cached,
+               "timings": timings(s.prompt_tokens - s.cached, first - s.began, predicted, end - first)}
+        if self.body.n_probs and not self.body.stream:
+            out["completion_probabilities"] = s.probs
+        out = pick_fields(out, self.body.response_fields)
+        out["localheap"] = {"session_id": done.session_id, "heap": done.session.get("heap"), **save_fields(done)}
+        return out
+
+    async def whole(self, request: Request, s: Slot) -> dict:
+        from ..bridge import watch_disconnect
+
+        watcher = asyncio.create_task(watch_disconnect(request, s.job))
+        try:
+            async for last, piece in self.events(s):
+                if last:
+                    return piece
+        finally:
+            watcher.cancel()
+        raise RuntimeError("the run ended without its final event")
+
+    async def stream(self, request: Request, slots: list[Slot]) -> AsyncIterator[dict]:
+        arrived: asyncio.Queue = asyncio.Queue()
+
+        async def pump(s: Slot) -> None:
+            try:
+                async for item in self.events(s):
+                    arrived.put_nowait(item)
+            except Exception as e:   # noqa: BLE001 - reported in the stream
+                arrived.put_nowait(e)
+
+        pumps = [asyncio.create_task(pump(s)) for s in slots]
+        try:
+            ended = 0
+            while ended < len(slots):
+                item = await arrived.get()
+                if isinstance(item, Exception):
+                    raise item
+                last, piece = item
+                ended += last
+                yield {"data": json.dumps(piece, separators=(",", ":"))}
+        except Exception as e:   # the status is gone: an error event, as llama-server sends one
+            yield {"data": to_response(e).body.decode()}
+        finally:
+            for task in pumps:   # (a client gone: each pump's follow() cancels its job)
+                task.cancel()

@@ -1,0 +1,286 @@
+"""llama.cpp's server API (server/llamacpp.py, routes/llamacpp.py): /completion and /infill give
+the stock model's greedy tokens for the prompt llama-server would build (text, ids, mixed, several;
+infill's repo-level form), streamed or whole, with llama-server's fields (stop_type, stopping_word,
+tokens_cached, timings, completion_probabilities, response_fields); its code-completion limits
+(n_indent), grammars, options it refuses; /tokenize, /detokenize, /apply-template, /props."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+import torch
+
+from localheap.server.fim import FIM_TOKENS
+
+pytestmark = pytest.mark.usefixtures("torch_one_thread")
+
+SPECIAL = FIM_TOKENS[0] + ("<|fim_pad|>", "<|file_sep|>", "<|repo_name|>")
+PREFIX = "def add(a, b):\n    return "
+SUFFIX = "\n\nprint(add(1, 2))\n"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    pytest.importorskip("fastapi")
+    from localheap.backends.torch import TorchBackend
+    from localheap.randmodel import build_random_model
+    from localheap.server import ServerSettings, create_app
+    from localheap.server.testing import ServerThread
+
+    path = build_random_model("qwen2", tmp_path_factory.mktemp("coder"), special=SPECIAL)
+    backend = TorchBackend.load(path, dtype=torch.float32)
+    with ServerThread(create_app(backend, ServerSettings(web_dir=None, default_max_tokens=32))) as srv:
+        yield srv
+
+
+def _post(srv, path: str, body: dict, status: int = 200):
+    r = httpx.post(srv.url + path, json=body, timeout=120)
+    assert r.status_code == status, r.text
+    return r.json()
+
+
+def _plain(srv, text: str) -> list[int]:
+    return list(srv.services.tokenizer.encode(text, add_special_tokens=False))
+
+
+def _bos(srv) -> list[int]:
+    return list(srv.services.tokenizer.encode("a"))[:-len(_plain(srv, "a"))]
+
+
+def _special(srv, name: str) -> int:
+    return srv.services.tokenizer.get_vocab()[name]
+
+
+def _stock(srv, ids: list[int], n: int, ends=()) -> list[int]:
+    """transformers' greedy continuation of `ids` with its own cache, cut before an end token."""
+    backend = srv.services.backend
+    with torch.no_grad():
+        out = backend.model.generate(torch.tensor([ids], device=backend.model.device), max_new_tokens=n,
+                                     do_sample=False)[0, len(ids):].tolist()
+    stops = set(backend.eos_token_ids) | set(ends)
+    return out[:next((i for i, t in enumerate(out) if t in stops), len(out))]
+
+
+def test_completion_is_the_stock_models_greedy_text_and_reuses_the_prefix(server):
+    """A text prompt (BOS first, as llama-server adds it): the stock greedy tokens, their ids with
+    return_tokens, stop_type limit at n_predict; the same prompt again reads only what the session
+    does not hold (tokens_cached) and gives the same text."""
+    body = {"prompt": PREFIX, "n_predict": 10, "temperature": 0, "return_tokens": True}
+    ids = _bos(server) + _plain(server, PREFIX)
+    want = _stock(server, ids, 10)
+    got = _post(server, "/completion", body)
+    assert got["tokens"] == want and got["content"] == server.services.tokenizer.decode(want) != ""
+    assert got["tokens_evaluated"] == len(ids) and got["tokens_cached"] == 0 and got["stop"] is True
+    assert got["stop_type"] == ("limit" if len(want) == 10 else "eos") and got["tokens_predicted"] == 10 - (len(want) < 10)
+    assert got["timings"]["prompt_n"] == len(ids) and got["timings"]["predicted_n"] == got["tokens_predicted"]
+    again = _post(server, "/completions", body)
+    assert again["content"] == got["content"] and again["tokens_cached"] >= len(ids) - 1
+    assert again["timings"]["prompt_n"] == len(ids) - again["tokens_cached"]
+
+
+def test_ids_mixed_prompts_and_several_prompts(server):
+    """[ids..., text]: the ids as sent, no BOS (the prompt starts with an id); a list of texts:
+    one result each, in order, each as its prompt alone would give it."""
+    head = _plain(server, "def ")
+    got = _post(server, "/completion", {"prompt": head + ["add(a, b):"], "n_predict": 6, "temperature": 0,
+                                        "return_tokens": True, "cache_prompt": False})
+    ids = head + _plain(server, "add(a, b):")
+    assert got["tokens_evaluated"] == len(ids) and got["tokens"] == _stock(server, ids, 6)
+    texts = ["x = ", "class A:\n    "]
+    many = _post(server, "/completion", {"prompt": texts, "n_predict": 5, "temperature": 0, "return_tokens": True})
+    assert [m["index"] for m in many] == [0, 1]
+    for text, m in zip(texts, many):
+        assert m["tokens"] == _stock(server, _bos(server) + _plain(server, text), 5)
+
+
+def test_stream_pieces_join_to_the_whole_reply(server):
+    body = {"prompt": "import os\n", "n_predict": 12, "temperature": 0}
+    whole = _post(server, "/completion", body)
+    with httpx.stream("POST", server.url + "/completion", json={**body, "stream": True}, timeout=120) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        lines = [line[len("data: "):] for line in r.iter_lines() if line.startswith("data: ")]
+    pieces = [json.loads(line) for line in lines]   # (no [DONE]: every line is JSON)
+    assert all(not p["stop"] for p in pieces[:-1]) and pieces[-1]["stop"] is True
+    assert "".join(p["content"] for p in pieces) == whole["content"]
+    assert sum(len(p["tokens"]) for p in pieces[:-1]) == whole["tokens_predicted"] - (whole["stop_type"] == "eos")
+    assert pieces[-1]["timings"]["predicted_n"] == whole["tokens_predicted"]
+
+
+def test_infill_builds_the_repo_level_prompt_and_writes_the_stock_middle(server):
+    """input_extra on a model with <|repo_name|> and <|file_sep|>: [BOS] <|repo_name|>myproject\\n
+    <|file_sep|>util.py\\nTEXT <|file_sep|>filename\\n <prefix>...<suffix>...<middle> PROMPT; the reply
+    is the stock greedy middle, ended by a FIM end token."""
+    extra = [{"filename": "util.py", "text": "def sub(a, b):\n    return a - b\n", "time": 3}]
+    body = {"input_prefix": PREFIX, "input_suffix": SUFFIX, "input_extra": extra, "prompt": "a",
+            "n_predict": 8, "temperature": 0, "return_tokens": True, "samplers": ["temperature"],
+            "t_max_prompt_ms": 500, "id_slot": 0, "cache_prompt": True}
+    sep = _special(server, "<|file_sep|>")
+    ids = (_bos(server) + [_special(server, "<|repo_name|>")] + _plain(server, "myproject\n")
+           + [sep] + _plain(server, "util.py\n" + extra[0]["text"]) + [sep] + _plain(server, "filename\n")
+           + [_special(server, "<|fim_prefix|>")] + _plain(server, PREFIX) + [_special(server, "<|fim_suffix|>")]
+           + _plain(server, SUFFIX) + [_special(server, "<|fim_middle|>")] + _plain(server, "a"))
+    got = _post(server, "/infill", body)
+    assert got["tokens_evaluated"] == len(ids)
+    want = _stock(server, ids, 8, ends=(_special(server, "<|fim_pad|>"), sep))
+    assert got["tokens"] == want and got["content"] == server.services.tokenizer.decode(want)
+    warm = _post(server, "/infill", {**body, "n_predict": 0, "input_prefix": "", "input_suffix": "", "prompt": ""})
+    assert warm["content"] == "" and warm["tokens_predicted"] == 0
+
+
+def test_n_indent_cuts_a_line_less_indented_than_the_cursor(server, force):
+    force("x = 1\n        y = 2\n    z\nw")
+    got = _post(server, "/infill", {"input_prefix": "if a:\n    ", "input_suffix": "", "n_indent": 4,
+                                    "n_predict": 40})
+    assert got["content"] == "x = 1\n        y = 2\n    z\n" and got["stop_type"] == "limit"
+    force("x = 1\n  y")   # the first line is the cursor's: never cut
+    got = _post(server, "/infill", {"input_prefix": "if a:\n    ", "input_suffix": "", "n_indent": 4,
+                                    "n_predict": 40})
+    assert got["content"] == "x = 1\n  " and got["stop_type"] == "limit"
+
+
+def test_stop_words_and_eos(server, force):
+    force("hello world END more")
+    got = _post(server, "/completion", {"prompt": "say", "stop": ["XYZ", "END"], "n_predict": 30})
+    assert got["content"] == "hello world " and got["stop_type"] == "word" and got["stopping_word"] == "END"
+    force("hello")
+    got = _post(server, "/completion", {"prompt": "say", "n_predict": 30})
+    assert got["content"] == "hello" and got["stop_type"] == "eos" and got["stopping_word"] == ""
+
+
+def test_grammar_and_json_schema_hold_the_reply(server):
+    got = _post(server, "/completion", {"prompt": "Answer:", "grammar": 'root ::= "yes" | "no"', "n_predict": 8,
+                                        "seed": 3})
+    assert got["content"] in ("yes", "no") and got["stop_type"] == "eos"
+    schema = {"type": "object", "properties": {"n": {"enum": [1, 2, 3]}}, "required": ["n"],
+              "additionalProperties": False}
+    got = _post(server, "/completion", {"prompt": "JSON:", "json_schema": schema, "n_predict": 40, "seed": 1,
+                                        "temperature": 0.5})
+    assert got["stop_type"] == "eos" and json.loads(got["content"])["n"] in (1, 2, 3)
+    bad = _post(server, "/completion", {"prompt": "a", "grammar": "root ::= (", "n_predict": 2}, status=400)
+    assert bad["error"]["param"] == "grammar"
+
+
+def test_n_probs_and_response_fields(server):
+    got = _post(server, "/completion", {"prompt": PREFIX, "n_predict": 4, "temperature": 0, "n_probs": 3,
+                                        "return_tokens": True})
+    probs = got["completion_probabilities"]
+    assert [p["id"] for p in probs] == got["tokens"][:len(probs)] and len(probs) == len(got["tokens"])
+    for p in probs:   # greedy: the chosen token is the likeliest
+        assert len(p["top_logprobs"]) == 3 and p["top_logprobs"][0]["id"] == p["id"]
+        assert p["top_logprobs"][0]["logprob"] == pytest.approx(p["logprob"])
+    picked = _post(server, "/completion", {"prompt": PREFIX, "n_predict": 4, "temperature": 0,
+                                           "response_fields": ["content", "timings/prompt_n", "nope/x"]})
+    assert set(picked) == {"content", "timings/prompt_n", "localheap"} and picked["content"] == got["content"]
+
+
+def test_options_it_has_no_sampler_for_are_refused_unless_off(server):
+    base = {"prompt": "a", "n_predict": 2}
+    for name, value in (("repeat_penalty", 1.1), ("mirostat", 2), ("typical_p", 0.5), ("dry_multiplier", 0.8)):
+        bad = _post(server, "/completion", {**base, name: value}, status=400)
+        assert bad["error"]["param"] == name and "no such sampler" in bad["error"]["message"]
+    off = {"repeat_penalty": 1.0, "mirostat": 0, "typical_p": 1.0, "dry_multiplier": 0.0, "repeat_last_n": 64,
+           "id_slot": -1, "n_keep": 0, "cache_prompt": True, "timings_per_token": False, "samplers": "kpmt"}
+    assert _post(server, "/completion", {**base, **off})["stop"] is True
+    assert _post(server, "/completion", {**base, "bogus": 1}, status=400)["error"]["param"] == "bogus"
+    assert _post(server, "/completion", {**base, "samplers": ["top_k", "magic"]}, status=400)["error"]["param"] == "samplers"
+    assert _post(server, "/completion", {"prompt": "", "n_predict": 2}, status=400)["error"]["param"] == "prompt"
+    assert _post(server, "/completion", {**base, "logit_bias": [[10 ** 7, 1.0]]}, status=400)["error"]["param"] == \
+        "logit_bias"
+
+
+def test_seeded_sampling_repeats_and_logit_bias_bans(server):
+    body = {"prompt": "The", "n_predict": 8, "temperature": 1.0, "seed": 42, "return_tokens": True,
+            "cache_prompt": False}
+    first = _post(server, "/completion", body)["tokens"]
+    assert _post(server, "/completion", body)["tokens"] == first
+    banned = _post(server, "/completion", {**body, "temperature": 0, "logit_bias": [[first[0], False]]})["tokens"]
+    greedy = _post(server, "/completion", {**body, "temperature": 0})["tokens"]
+    assert banned[0] != greedy[0] or greedy[0] != first[0]
+    text_ban = _post(server, "/completion", {**body, "temperature": 0,
+                                             "logit_bias": [[server.services.tokenizer.decode([greedy[0]]), False]]})
+    assert text_ban["tokens"][0] != greedy[0]
+
+
+def test_tokenize_detokenize_apply_template_and_props(server):
+    tok = server.services.tokenizer
+    text = "def f():<|fim_prefix|> é"
+    got = _post(server, "/tokenize", {"content": text})["tokens"]
+    assert got == list(tok.encode(text, add_special_tokens=False)) and _special(server, "<|fim_prefix|>") in got
+    split = _post(server, "/tokenize", {"content": text, "parse_special": False})["tokens"]
+    assert _special(server, "<|fim_prefix|>") not in split and tok.decode(split) == text
+    assert _post(server, "/tokenize", {"content": "a", "add_special": True})["tokens"] == list(tok.encode("a"))
+    pieces = _post(server, "/tokenize", {"content": text, "with_pieces": True})["tokens"]
+    assert [p["id"] for p in pieces] == got
+    data = b"".join(p["piece"].encode() if isinstance(p["piece"], str) else bytes(p["piece"]) for p in pieces)
+    assert data.decode() == text
+    assert _post(server, "/detokenize", {"tokens": got})["content"] == tok.decode(got)
+    assert _post(server, "/detokenize", {"tokens": [-1]}, status=400)["error"]["param"] == "tokens"
+    msgs = [{"role": "user", "content": "hi"}]
+    assert _post(server, "/apply-template", {"messages": msgs})["prompt"] == \
+        tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    props = httpx.get(server.url + "/props", timeout=30).json()
+    params = props["default_generation_settings"]["params"]
+    assert (params["temperature"], params["top_k"], params["top_p"], params["min_p"]) == (0.8, 40, 0.95, 0.05)
+    assert props["default_generation_settings"]["n_ctx"] == server.services.settings.max_prompt_tokens
+    assert "{%" in props["chat_template"] and props["total_slots"] == server.services.settings.max_active
+
+
+def test_infill_on_a_model_without_fim_tokens_is_a_400():
+    from localheap.models import demo_model_dir, load_backend
+    from localheap.server import ServerSettings, create_app
+    from localheap.server.testing import ServerThread
+
+    with ServerThread(create_app(load_backend(str(demo_model_dir()), "torch"), ServerSettings(web_dir=None))) as srv:
+        bad = _post(srv, "/infill", {"input_prefix": "a", "input_suffix": "b"}, status=400)
+        assert "fill-in-the-middle" in bad["error"]["message"]
+        assert _post(srv, "/completion", {"prompt": "a", "n_predict": 2})["stop"] is True
+
+
+def test_t_max_predict_ms_ends_the_reply_after_a_newline(server, force):
+    """Past the time limit, once a newline is written, the reply ends (stop_type limit); before a
+    newline it goes on."""
+    force("a\nb c d e f g h i j k l m n o p")
+    got = _post(server, "/completion", {"prompt": "x", "n_predict": 60, "t_max_predict_ms": 1})
+    assert got["stop_type"] == "limit" and got["content"].startswith("a\n")
+    assert len(got["content"]) < len("a\nb c d e f g h i j k l m n o p")
+    force("abcdefghijklmnop")
+    got = _post(server, "/completion", {"prompt": "x", "n_predict": 60, "t_max_predict_ms": 1})
+    assert got["content"] == "abcdefghijklmnop" and got["stop_type"] == "eos"
+
+
+def test_llama_vscode_requests_as_it_sends_them(server):
+    """llama.vscode's own bodies: its completion (samplers top_k, top_p, infill; n_indent; lora
+    absent), its warm-up (n_predict 0, samplers []), and its chat edit on /v1/chat/completions with
+    llama-server's options and no model; llama-server's samplers turn the others off there too."""
+    chunks = [{"text": "x = 1\n", "time": 1, "filename": "a.py"}]
+    fim = {"input_prefix": PREFIX, "input_suffix": SUFFIX, "input_extra": chunks, "prompt": "", "n_predict": 8,
+           "top_k": 40, "top_p": 0.99, "stream": False, "samplers": ["top_k", "top_p", "infill"],
+           "cache_prompt": True, "n_indent": 4, "t_max_prompt_ms": 500, "t_max_predict_ms": 1000}
+    got = _post(server, "/infill", fim)
+    assert got["stop"] is True and {"content", "tokens_cached", "timings", "truncated"} <= set(got)
+    assert got["generation_settings"]["temperature"] == 1.0   # no "temperature" sampler: the logits as they are
+    warm = {"input_prefix": "", "input_suffix": "", "input_extra": chunks, "prompt": "", "n_predict": 0,
+            "samplers": [], "cache_prompt": True, "t_max_prompt_ms": 500, "t_max_predict_ms": 1}
+    assert _post(server, "/infill", warm)["tokens_predicted"] == 0
+    edit = {"messages": [{"role": "system", "content": "You are an expert coder."},
+                         {"role": "user", "content": "rename x"}],
+            "stream": False, "cache_prompt": True, "samplers": "edkypmxt", "temperature": 0.8, "dynatemp_range": 0,
+            "dynatemp_exponent": 1, "top_k": 40, "top_p": 0.95, "min_p": 0.05, "typical_p": 1,
+            "xtc_probability": 0, "xtc_threshold": 0.1, "repeat_last_n": 64, "repeat_penalty": 1,
+            "presence_penalty": 0, "frequency_penalty": 0, "dry_multiplier": 0, "dry_base": 1.75,
+            "dry_allowed_length": 2, "dry_penalty_last_n": -1, "max_tokens": -1, "timings_per_token": False}
+    chat = _post(server, "/v1/chat/completions", {**edit, "max_tokens": 4} | {"max_tokens": -1, "seed": 1})
+    assert chat["choices"][0]["message"]["role"] == "assistant"
+    bad = _post(server, "/v1/chat/completions", {**edit, "repeat_penalty": 1.2}, status=400)
+    assert bad["error"]["param"] == "repeat_penalty"
+    greedy = {"messages": edit["messages"], "max_tokens": 6, "temperature": 0, "seed": 5}
+    plain = _post(server, "/v1/chat/completions", greedy)["choices"][0]["message"]["content"]
+    # temperature 0 but no "temperature" sampler named: sampled at temperature 1 (seeded), not greedy
+    unscaled = _post(server, "/v1/chat/completions", {**greedy, "samplers": ["top_k"], "top_k": 0,
+                                                      "temperature": 1.0})["choices"][0]["message"]["content"]
+    assert _post(server, "/v1/chat/completions", {**greedy, "samplers": ["top_k"]})["choices"][0]["message"][
+        "content"] == unscaled
+    assert _post(server, "/v1/chat/completions", {**greedy, "samplers": ["temperature"]})["choices"][0]["message"][
+        "content"] == plain
