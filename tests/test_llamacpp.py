@@ -111,7 +111,8 @@ def test_stream_pieces_join_to_the_whole_reply(server):
 def test_infill_builds_the_repo_level_prompt_and_writes_the_stock_middle(server):
     """input_extra on a model with <|repo_name|> and <|file_sep|>: [BOS] <|repo_name|>myproject\\n
     <|file_sep|>util.py\\nTEXT <|file_sep|>filename\\n <prefix>...<suffix>...<middle> PROMPT; the reply
-    is the stock greedy middle, ended by a FIM end token."""
+    is the stock greedy middle, ended by a FIM end token, also when a warm-up (n_predict 0) read the
+    context before it."""
     extra = [{"filename": "util.py", "text": "def sub(a, b):\n    return a - b\n", "time": 3}]
     body = {"input_prefix": PREFIX, "input_suffix": SUFFIX, "input_extra": extra, "prompt": "a",
             "n_predict": 8, "temperature": 0, "return_tokens": True, "samplers": ["temperature"],
@@ -121,12 +122,13 @@ def test_infill_builds_the_repo_level_prompt_and_writes_the_stock_middle(server)
            + [sep] + _plain(server, "util.py\n" + extra[0]["text"]) + [sep] + _plain(server, "filename\n")
            + [_special(server, "<|fim_prefix|>")] + _plain(server, PREFIX) + [_special(server, "<|fim_suffix|>")]
            + _plain(server, SUFFIX) + [_special(server, "<|fim_middle|>")] + _plain(server, "a"))
-    got = _post(server, "/infill", body)
-    assert got["tokens_evaluated"] == len(ids)
+    warm = _post(server, "/infill", {**body, "n_predict": 0, "input_prefix": "", "input_suffix": "", "prompt": ""})
+    context = len(ids) - len(_plain(server, PREFIX)) - len(_plain(server, SUFFIX)) - len(_plain(server, "a")) - 3
+    assert warm["content"] == "" and warm["tokens_predicted"] == 0 and warm["tokens_evaluated"] == context
+    got = _post(server, "/infill", body)   # reads only what follows the warm-up's context
+    assert got["tokens_evaluated"] == len(ids) and got["tokens_cached"] >= context
     want = _stock(server, ids, 8, ends=(_special(server, "<|fim_pad|>"), sep))
     assert got["tokens"] == want and got["content"] == server.services.tokenizer.decode(want)
-    warm = _post(server, "/infill", {**body, "n_predict": 0, "input_prefix": "", "input_suffix": "", "prompt": ""})
-    assert warm["content"] == "" and warm["tokens_predicted"] == 0
 
 
 def test_n_indent_cuts_a_line_less_indented_than_the_cursor(server, force):
@@ -284,3 +286,34 @@ def test_llama_vscode_requests_as_it_sends_them(server):
         "content"] == unscaled
     assert _post(server, "/v1/chat/completions", {**greedy, "samplers": ["temperature"]})["choices"][0]["message"][
         "content"] == plain
+
+
+def test_a_warm_up_is_checkpointed_so_every_completion_after_it_reuses_the_context(tmp_path):
+    """An editor's flow on a heap far smaller than its context (so a session that read one
+    completion cannot be rolled back to the context exactly): the warm-up (n_predict 0, the other
+    files) reads only the part before <prefix> and checkpoints it; each completion then reuses all
+    of it, whatever its prefix."""
+    from localheap.backends.torch import TorchBackend
+    from localheap.heap import HeapConfig
+    from localheap.randmodel import build_random_model
+    from localheap.server import ServerSettings, create_app
+    from localheap.server.llamacpp import LlamaRequest, infill_context
+    from localheap.server.testing import ServerThread
+
+    backend = TorchBackend.load(build_random_model("qwen2", tmp_path / "m", special=SPECIAL), dtype=torch.float32)
+    tight = HeapConfig(budget=48, slack=16, recent=8, policy="h2o")
+    code = "".join(f"def f{i}(a):\n    return a + {i}\n" for i in range(12))
+    extra = [{"filename": "a.py", "text": code}, {"filename": "b.py", "text": code.replace("f", "g")}]
+    with ServerThread(create_app(backend, ServerSettings(web_dir=None, heap=tight, sessions_dir=tmp_path / "s"))) \
+            as srv:
+        context = len(infill_context(backend.tokenizer, LlamaRequest(input_extra=extra), None).tokens)
+        warm = _post(srv, "/infill", {"input_extra": extra, "n_predict": 0})
+        assert warm["tokens_evaluated"] == context > 200 and warm["stop_type"] == "limit"
+        for k in range(3):   # the cursor moves: a new prefix each time
+            body = {"input_prefix": code[:40 + 25 * k], "input_suffix": "\n", "input_extra": extra, "n_predict": 6,
+                    "temperature": 0, "return_tokens": True}
+            got = _post(srv, "/infill", body)
+            assert got["tokens_cached"] >= context, (k, got["tokens_cached"], context)
+            assert got["timings"]["prompt_n"] == got["tokens_evaluated"] - got["tokens_cached"]
+            # (the tokens differ from a fresh session's here: this heap evicts, and where it evicts
+            # depends on how the prompt was read; at full budget they are stock's, test above)

@@ -245,32 +245,46 @@ def mixed_prompt(tokenizer: Any, p: PromptForm, limit: Optional[int]) -> Prompt:
     return Prompt(head + ids, p if isinstance(p, str) else None, ids)
 
 
-def infill_prompt(tokenizer: Any, req: LlamaRequest, limit: Optional[int]) -> Prompt:
-    """[BOS] then, where the model has the repo-level tokens, <|repo_name|>myproject\\n and each extra
-    file as <|file_sep|>NAME\\nTEXT, then <|file_sep|>filename\\n (the file being edited); else the
-    extra texts as they are. Then <prefix> PREFIX <suffix> SUFFIX <middle> PROMPT. A 400 for a model
-    without fill-in-the-middle tokens."""
-    fmt = fim_format(tokenizer)
-    if fmt is None:
+def infill_context(tokenizer: Any, req: "LlamaRequest", limit: Optional[int]) -> Prompt:
+    """What comes before <prefix> in infill's prompt: [BOS], then, where the model has the
+    repo-level tokens, <|repo_name|>myproject\\n, each extra file as <|file_sep|>NAME\\nTEXT and
+    <|file_sep|>filename\\n (the file being edited); else the extra texts as they are. A 400 for a
+    model without fill-in-the-middle tokens."""
+    if fim_format(tokenizer) is None:
         raise BadRequest("this model has no fill-in-the-middle tokens (such as <|fim_prefix|>, <fim_prefix> or "
                          "<｜fim▁begin｜>): it cannot infill; use /completion", "input_prefix")
-    if not isinstance(req.prompt, str):
-        raise BadRequest("infill's prompt is a text (it follows the middle token)", "prompt")
     vocab = tokenizer.get_vocab()
-    text = lambda s, param: encode_bounded(tokenizer, s, limit, param)   # noqa: E731
     body = token_array()
+
+    def text(s: str) -> None:
+        body.extend(encode_bounded(tokenizer, s, limit, "input_extra"))
+        if limit is not None and len(body) > limit:
+            raise PromptTooLong(limit, len(body), "input_extra")
+
     if all(t in vocab for t in REPO_TOKENS):
         repo, sep = (int(vocab[t]) for t in REPO_TOKENS)
         body.append(repo)
-        body.extend(text(REPO_NAME + "\n", "input_extra"))
+        text(REPO_NAME + "\n")
         for chunk in req.input_extra:
             body.append(sep)
-            body.extend(text(chunk.filename + "\n" + chunk.text, "input_extra"))
+            text(chunk.filename + "\n" + chunk.text)
         body.append(sep)
-        body.extend(text("filename\n", "input_extra"))
+        text("filename\n")
     else:
         for chunk in req.input_extra:
-            body.extend(text(chunk.text, "input_extra"))
+            text(chunk.text)
+    return Prompt(token_array(leading_specials(tokenizer)) + body, None, body)
+
+
+def infill_prompt(tokenizer: Any, req: "LlamaRequest", limit: Optional[int]) -> Prompt:
+    """infill_context, then <prefix> PREFIX <suffix> SUFFIX <middle> PROMPT: the model writes the
+    middle, starting with PROMPT."""
+    if not isinstance(req.prompt, str):
+        raise BadRequest("infill's prompt is a text (it follows the middle token)", "prompt")
+    head = infill_context(tokenizer, req, limit)
+    fmt = fim_format(tokenizer)
+    text = lambda s, param: encode_bounded(tokenizer, s, limit, param)   # noqa: E731
+    body = token_array(head.continuation)
     body.append(fmt.prefix)
     body.extend(text(req.input_prefix, "input_prefix"))
     body.append(fmt.suffix)
@@ -318,7 +332,7 @@ def probabilities(text_of: TokenText, entries: Optional[list]) -> list[dict]:
 
 
 def stop_type(finish_reason: str, stop_word: Optional[str], cut: bool) -> str:
-    if cut or finish_reason == "length":
+    if cut or finish_reason in ("length", "fed"):
         return "limit"
     if finish_reason == "stop":
         return "word" if stop_word is not None else "eos"

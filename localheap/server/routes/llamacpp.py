@@ -16,18 +16,18 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 from sse_starlette import EventSourceResponse
 
-from ...engine import Delta, Finished, Job
+from ...engine import Delta, Feed, Finished, Job
 from ...grammar import Grammar, GrammarError, json_grammar
-from ..bridge import JobEvents, follow
+from ..bridge import JobEvents, follow, submit
 from ..chat import start
 from ..errors import BadRequest, to_response
 from ..fim import fim_format
 from ..formats import save_fields
-from ..llamacpp import (Cut, LlamaRequest, infill_prompt, mixed_prompt, pick_fields, piece_of, probabilities,
+from ..llamacpp import (Cut, LlamaRequest, infill_context, infill_prompt, mixed_prompt, pick_fields, piece_of, probabilities,
                         prompt_forms, stop_type, timings)
 from ..prompts import chat_prompt, tokenize
 from ..schemas import ChatMessage
-from ..services import Services, services
+from ..services import Services, owner, services
 from ..toolformats import template_source
 from .ollama import _json
 from .openai import SESSION_HEADER
@@ -64,8 +64,20 @@ async def completion(request: Request, svc: Services = Depends(services)):
 
 @router.post("/infill")
 async def infill(request: Request, svc: Services = Depends(services)):
+    """n_predict 0 with input_extra (the editors' warm-up: "read these files for the next
+    completion"): the part before <prefix> is read as a document and checkpointed, so every
+    completion after it (whatever the cursor's prefix and suffix) forks from there."""
     body = await _json(request, LlamaRequest)
-    prompt = await tokenize(infill_prompt, svc.tokenizer, body, svc.settings.max_prompt_tokens)
+    limit = svc.settings.max_prompt_tokens
+    if body.input_extra and body.limit(svc.settings.default_max_tokens) == 0:
+        context = await tokenize(infill_context, svc.tokenizer, body, limit)
+        began = time.monotonic()
+        job, events, started = await submit(svc.engine, lambda emit: Feed(context, emit, None, owner(request)))
+        slot = Slot(0, job, events, started.session_id, started.prompt_tokens, started.cached_tokens, began,
+                    Cut(0, 0))
+        params = body.params(0, None, (), svc.tokenizer)
+        return await _reply(request, svc, body, [slot], params)
+    prompt = await tokenize(infill_prompt, svc.tokenizer, body, limit)
     return await _answer(request, svc, body, [prompt], stop_ids=fim_format(svc.tokenizer).ends)
 
 
@@ -181,6 +193,10 @@ async def _answer(request: Request, svc: Services, body: LlamaRequest, prompts: 
         for s in slots:
             s.job.cancel()
         raise
+    return await _reply(request, svc, body, slots, params)
+
+
+async def _reply(request: Request, svc: Services, body: LlamaRequest, slots: list["Slot"], params) -> object:
     settings = body.settings(params, svc.settings.max_prompt_tokens, svc.model_id)
     reply = Reply(svc, body, settings)
     headers = {SESSION_HEADER: slots[0].session_id}
