@@ -292,7 +292,7 @@ def test_a_warm_up_is_checkpointed_so_every_completion_after_it_reuses_the_conte
     """An editor's flow on a heap far smaller than its context (so a session that read one
     completion cannot be rolled back to the context exactly): the warm-up (n_predict 0, the other
     files) reads only the part before <prefix> and checkpoints it; each completion then reuses all
-    of it, whatever its prefix."""
+    of it, whatever its prefix, and the editor holds one session, not one a completion."""
     from localheap.backends.torch import TorchBackend
     from localheap.heap import HeapConfig
     from localheap.randmodel import build_random_model
@@ -315,5 +315,7 @@ def test_a_warm_up_is_checkpointed_so_every_completion_after_it_reuses_the_conte
             got = _post(srv, "/infill", body)
             assert got["tokens_cached"] >= context, (k, got["tokens_cached"], context)
             assert got["timings"]["prompt_n"] == got["tokens_evaluated"] - got["tokens_cached"]
+            # one session however many completions: each forks the checkpoint and the one before goes
+            assert len(srv.services.store) == 1, [x.id for x in srv.services.store.sessions()]
             # (the tokens differ from a fresh session's here: this heap evicts, and where it evicts
             # depends on how the prompt was read; at full budget they are stock's, test above)

@@ -93,7 +93,7 @@ class AdmissionQueue:
             match = continue_session(named, req.prompt, encode, tok.decode)
             named.addressed = True
         else:
-            documents = isinstance(req, Feed)   # a document without a session starts a new one
+            documents = isinstance(req, Feed) and not req.scratch   # a document without a session starts a new one
             sessions = [] if documents else [x for x in self.store.sessions() if x.owner == req.owner]
             checkpoints = [] if documents else [c for c in self.store.checkpoints.all()
                                                 if self._same_owner(c.session_id, req)]
@@ -101,9 +101,14 @@ class AdmissionQueue:
         try:
             if match is not None and match.checkpoint is not None:
                 match.session = branching.new_branch(self.store, match.checkpoint.session_id)
-                return self._prepare(match, True, room_blocked), True
+                prepared = self._prepare(match, True, room_blocked)
+                self._drop_scratch(req, match.checkpoint.session_id)
+                match.session.scratch = getattr(req, "scratch", False)
+                return prepared, True
             if match is not None:
-                return self._prepare(match, False, room_blocked), False
+                prepared = self._prepare(match, False, room_blocked)
+                match.session.scratch = getattr(req, "scratch", False)
+                return prepared, False
         except SessionLost:
             if req.session_id is not None:
                 raise   # the client named it: it must resend the history
@@ -114,7 +119,24 @@ class AdmissionQueue:
             log.warning("checkpoint %s unreadable (%s); serving the prompt in a new session",
                         match.checkpoint.path, e)
         match = continue_session(self.store.create(owner=req.owner), req.prompt, encode, tok.decode)
-        return self._prepare(match, True, room_blocked), True
+        prepared = self._prepare(match, True, room_blocked)
+        match.session.scratch = getattr(req, "scratch", False)
+        return prepared, True
+
+    def _drop_scratch(self, req, source_id: str) -> None:
+        """An editor's completion forked from a checkpoint of a scratch session (one the last
+        completion or warm-up left, which can no longer be rolled back to its context): the fork
+        holds that checkpoint now, so the source goes, and an editor keeps one session, not one
+        a keystroke (each spilled to disk past --max-resident-sessions)."""
+        if not getattr(req, "scratch", False) or source_id not in self.store:
+            return
+        source = self.store.get(source_id)
+        if not source.scratch or source.busy or source.addressed:
+            return
+        try:
+            self.store.delete(source_id)
+        except Exception:   # noqa: BLE001 - it stays; the next completion may drop it
+            log.exception("dropping scratch session %s failed", source_id)
 
     def admit_heap(self, s: Session) -> None:
         """Ask the governor before one more heap becomes resident; spill what it names."""

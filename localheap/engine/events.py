@@ -83,6 +83,8 @@ class Generate:
     session_id: Optional[str] = None
     owner: Optional[str] = None   # the API key's owner id: only its sessions are matched or continued
     ephemeral: bool = False       # a session of its own, never saved, deleted with its files when the reply ends
+    scratch: bool = False         # an editor's completion (/infill): its session is worth keeping only as the next
+                                  # one's start, so a scratch session it forks from a checkpoint of is deleted
 
 
 @dataclass
@@ -96,6 +98,7 @@ class Feed:
     owner: Optional[str] = None
     ephemeral: bool = False       # a session of its own, never saved, deleted with its files when the feed ends
     pool: Optional[Pooler] = None
+    scratch: bool = False         # an editor's context (/infill's warm-up): matched like a Generate (see there)
 
 
 _ids = itertools.count(1)

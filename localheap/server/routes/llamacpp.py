@@ -66,19 +66,21 @@ async def completion(request: Request, svc: Services = Depends(services)):
 async def infill(request: Request, svc: Services = Depends(services)):
     """n_predict 0 with input_extra (the editors' warm-up: "read these files for the next
     completion"): the part before <prefix> is read as a document and checkpointed, so every
-    completion after it (whatever the cursor's prefix and suffix) forks from there."""
+    completion after it (whatever the cursor's prefix and suffix) forks from there. Both are
+    scratch (engine.Generate.scratch): an editor keeps one session, not one a completion."""
     body = await _json(request, LlamaRequest)
     limit = svc.settings.max_prompt_tokens
     if body.input_extra and body.limit(svc.settings.default_max_tokens) == 0:
         context = await tokenize(infill_context, svc.tokenizer, body, limit)
         began = time.monotonic()
-        job, events, started = await submit(svc.engine, lambda emit: Feed(context, emit, None, owner(request)))
+        job, events, started = await submit(svc.engine, lambda emit: Feed(context, emit, None, owner(request),
+                                                                          scratch=True))
         slot = Slot(0, job, events, started.session_id, started.prompt_tokens, started.cached_tokens, began,
                     Cut(0, 0))
         params = body.params(0, None, (), svc.tokenizer)
         return await _reply(request, svc, body, [slot], params)
     prompt = await tokenize(infill_prompt, svc.tokenizer, body, limit)
-    return await _answer(request, svc, body, [prompt], stop_ids=fim_format(svc.tokenizer).ends)
+    return await _answer(request, svc, body, [prompt], stop_ids=fim_format(svc.tokenizer).ends, scratch=True)
 
 
 @router.post("/tokenize")
@@ -175,7 +177,8 @@ class Slot:
     done: Optional[Finished] = None
 
 
-async def _answer(request: Request, svc: Services, body: LlamaRequest, prompts: list, stop_ids) -> object:
+async def _answer(request: Request, svc: Services, body: LlamaRequest, prompts: list, stop_ids,
+                  scratch: bool = False) -> object:
     vocab = getattr(svc.backend, "vocab_size", None)
     default = min(svc.settings.default_max_tokens, svc.settings.max_tokens_limit)
     own = len(prompts) > 1 or not body.cache_prompt   # each in a session of its own, not kept
@@ -186,7 +189,7 @@ async def _answer(request: Request, svc: Services, body: LlamaRequest, prompts: 
                                  stop_ids, seed_offset=i)
             began = time.monotonic()
             title = prompt.text if i == 0 else None
-            job, events, started = await start(svc, request, prompt, params, None, title, own)
+            job, events, started = await start(svc, request, prompt, params, None, title, own, scratch and not own)
             slots.append(Slot(i, job, events, started.session_id, started.prompt_tokens, started.cached_tokens, began,
                               Cut(body.n_indent, body.t_max_predict_ms)))
     except BaseException:
