@@ -199,3 +199,23 @@ def test_a_client_that_leaves_stops_its_reply(server, force):
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(server.url + "/api/chat", json={**payload, "stream": False}, timeout=0.5)
     assert wait_idle(svc.engine) and svc.engine.counters.cancelled == cancelled + 2
+
+
+def test_model_management_answers_for_the_one_served_model(server, client):
+    """pull: the served model (by id or id:latest) succeeds at once, streamed or not; another name
+    is a 404 naming the served one. delete of the served model is a 400 (it was chosen at start),
+    of another a 404; copy, create and push are 400s that say why. Ollama's client raises them."""
+    name = model(server)
+    assert client.pull(name).status == "success"
+    assert [p.status for p in client.pull(name + ":latest", stream=True)] == ["success"]
+    with pytest.raises(ollama.ResponseError) as e:
+        client.pull("llama3:8b")
+    assert e.value.status_code == 404 and server.services.model_id in str(e.value.error)
+    for call, status in ((lambda: client.delete(name), 400), (lambda: client.delete("other"), 404),
+                         (lambda: client.copy(name, "mine"), 400), (lambda: client.create("mine", from_=name), 400),
+                         (lambda: client.push(name), 400)):
+        with pytest.raises(ollama.ResponseError) as e:
+            call()
+        assert e.value.status_code == status, e.value
+    assert "serves the one model" in str(e.value.error)
+    assert [m.model for m in client.list().models] == [name + ":latest"]   # still there

@@ -14,13 +14,13 @@ from fastapi import APIRouter, Depends, Header, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
-from pydantic import ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 from ...embedding import finish
 from ...engine import Delta, Finished, Job
 from ..bridge import JobEvents, follow, watch_disconnect
 from ..chat import start
-from ..errors import BadRequest, Unsupported
+from ..errors import BadRequest, UnknownModel, Unsupported
 from ..fim import fim_format, fim_prompt
 from ..formats import save_fields, saved_headers
 from ..embeddings import check_backend, embed, embedding_prompt, input_limit
@@ -92,6 +92,54 @@ async def show(request: Request, svc: Services = Depends(services)) -> dict:
                            f"{family}.embedding_length": shapes.hidden,
                            f"{family}.context_length": svc.settings.max_prompt_tokens},
             "capabilities": capabilities, "modified_at": entry["modified_at"]}
+
+
+class _Named(BaseModel):
+    model_config = ConfigDict(extra="ignore")   # (insecure, stream, and create's many fields: answered by name alone)
+    model: Optional[str] = None
+    name: Optional[str] = None      # (older clients)
+    stream: bool = True
+
+
+def _served(svc: Services, body: "_Named", what: str) -> bool:
+    name = body.model or body.name
+    if not name:
+        raise BadRequest(f"{what} needs the model's name", "model")
+    return name in (svc.model_id, tag(svc.model_id))
+
+
+@router.post("/api/pull")
+async def pull(request: Request, svc: Services = Depends(services)):
+    """The served model is here already: success at once (Open WebUI and editors pull before use).
+    Another name is a 404 saying which model this server serves: it downloads nothing."""
+    body = await _json(request, _Named)
+    if not _served(svc, body, "pull"):
+        raise UnknownModel(f"model {body.model or body.name!r} is not served here and this server downloads no "
+                           f"models: it serves {svc.model_id!r}, chosen at start (localheap serve --model NAME)",
+                           "model")
+    line = {"status": "success"}
+    if body.stream:
+        return StreamingResponse(iter([json.dumps(line) + "\n"]), media_type=NDJSON)
+    return line
+
+
+@router.delete("/api/delete")
+async def delete_model(request: Request, svc: Services = Depends(services)):
+    body = await _json(request, _Named)
+    if not _served(svc, body, "delete"):
+        raise UnknownModel(f"model {body.model or body.name!r} not found: this server serves {svc.model_id!r}",
+                           "model")
+    raise BadRequest(f"{svc.model_id!r} is the model this server was started with; it is not deleted through the "
+                     f"API (stop the server, or start it with another --model)", "model")
+
+
+@router.post("/api/copy")
+@router.post("/api/create")
+@router.post("/api/push")
+async def manage(request: Request):
+    name = request.url.path.rsplit("/", 1)[-1]
+    raise Unsupported(f"/api/{name} is not supported: this server serves the one model it was started with "
+                      f"(localheap serve --model NAME); it makes, copies and uploads no models", None)
 
 
 @router.post("/api/chat")
