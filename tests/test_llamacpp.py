@@ -229,15 +229,26 @@ def test_tokenize_detokenize_apply_template_and_props(server):
     assert "{%" in props["chat_template"] and props["total_slots"] == server.services.settings.max_active
 
 
-def test_infill_on_a_model_without_fim_tokens_is_a_400():
-    from localheap.models import demo_model_dir, load_backend
+def test_both_backends_the_openai_routes_reply_and_no_infill_without_fim_tokens(demo_either):
+    """On the demo model (torch and MLX): /completion's greedy reply is /v1/completions' (same
+    prompt, same session path), its ids are the text's, a stop word is found; the demo model has
+    no FIM tokens, so /infill is a 400 that says so."""
     from localheap.server import ServerSettings, create_app
     from localheap.server.testing import ServerThread
 
-    with ServerThread(create_app(load_backend(str(demo_model_dir()), "torch"), ServerSettings(web_dir=None))) as srv:
+    with ServerThread(create_app(demo_either, ServerSettings(web_dir=None))) as srv:
+        body = {"prompt": "Once upon a time", "temperature": 0, "cache_prompt": False}
+        got = _post(srv, "/completion", {**body, "n_predict": 12, "return_tokens": True})
+        oai = _post(srv, "/v1/completions", {"prompt": body["prompt"], "max_tokens": 12, "temperature": 0,
+                                              "store": False})["choices"][0]["text"]
+        assert got["content"] == oai != "" and srv.services.tokenizer.decode(got["tokens"]) == got["content"]
+        word = got["content"].strip().split()[-1] if got["content"].strip() else None
+        if word:
+            cut = _post(srv, "/completion", {**body, "n_predict": 12, "stop": [word]})
+            assert cut["stop_type"] == "word" and cut["stopping_word"] == word
+            assert cut["content"] == got["content"][:got["content"].find(word)]
         bad = _post(srv, "/infill", {"input_prefix": "a", "input_suffix": "b"}, status=400)
         assert "fill-in-the-middle" in bad["error"]["message"]
-        assert _post(srv, "/completion", {"prompt": "a", "n_predict": 2})["stop"] is True
 
 
 def test_t_max_predict_ms_ends_the_reply_after_a_newline(server, force):
