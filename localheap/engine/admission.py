@@ -24,6 +24,7 @@ from .governor import Governor
 
 log = logging.getLogger("localheap.engine")
 ROOM_RECHECK_S = 0.1   # how often a job waiting for RAM asks the governor again (runs ending ask at once)
+SCRATCH_KEEP = 2       # an owner's scratch sessions (an editor's completions) kept at most: one a file or two
 
 
 class WaitForRoom(Exception):
@@ -79,6 +80,7 @@ class AdmissionQueue:
         Raises WaitForRoom when it needs a heap while `room_blocked`, OverBudget when refused one."""
         tok = self.backend.tokenizer
         encode = lambda text: tok.encode(text, add_special_tokens=False)  # noqa: E731
+        scratch = bool(getattr(req, "scratch", False))
         self.check_tokens(req.prompt.tokens, req.prompt.continuation or ())
         if getattr(req, "ephemeral", False):   # a session of its own: nothing kept is read or changed
             pooled = getattr(req, "pool", None) is not None   # an embedding: a heap the size of its input
@@ -93,22 +95,21 @@ class AdmissionQueue:
             match = continue_session(named, req.prompt, encode, tok.decode)
             named.addressed = True
         else:
-            documents = isinstance(req, Feed) and not req.scratch   # a document without a session starts a new one
-            sessions = [] if documents else [x for x in self.store.sessions() if x.owner == req.owner]
+            documents = isinstance(req, Feed) and not scratch   # a document without a session starts a new one
+            # an editor's requests and the rest never share sessions: scratch ones are never saved
+            mine = lambda x: x.owner == req.owner and x.scratch == scratch   # noqa: E731
+            sessions = [] if documents else [x for x in self.store.sessions() if mine(x)]
             checkpoints = [] if documents else [c for c in self.store.checkpoints.all()
-                                                if self._same_owner(c.session_id, req)]
+                                                if c.session_id in self.store and mine(self.store.get(c.session_id))]
             match = match_session(sessions, req.prompt, encode, tok.decode, checkpoints)
         try:
             if match is not None and match.checkpoint is not None:
-                match.session = branching.new_branch(self.store, match.checkpoint.session_id)
+                match.session = branching.new_branch(self.store, match.checkpoint.session_id, scratch)
                 prepared = self._prepare(match, True, room_blocked)
                 self._drop_scratch(req, match.checkpoint.session_id)
-                match.session.scratch = getattr(req, "scratch", False)
                 return prepared, True
             if match is not None:
-                prepared = self._prepare(match, False, room_blocked)
-                match.session.scratch = getattr(req, "scratch", False)
-                return prepared, False
+                return self._prepare(match, False, room_blocked), False
         except SessionLost:
             if req.session_id is not None:
                 raise   # the client named it: it must resend the history
@@ -118,10 +119,22 @@ class AdmissionQueue:
                 raise
             log.warning("checkpoint %s unreadable (%s); serving the prompt in a new session",
                         match.checkpoint.path, e)
-        match = continue_session(self.store.create(owner=req.owner), req.prompt, encode, tok.decode)
+        match = continue_session(self.store.create(owner=req.owner, scratch=scratch), req.prompt, encode, tok.decode)
         prepared = self._prepare(match, True, room_blocked)
-        match.session.scratch = getattr(req, "scratch", False)
+        if scratch:
+            self._cap_scratch(req, match.session)
         return prepared, True
+
+    def _cap_scratch(self, req, kept: Session) -> None:
+        """A new scratch session (an editor's prompt that nothing held): the owner's idle scratch
+        sessions beyond the SCRATCH_KEEP - 1 used last go, as a llama-server's slots are reused."""
+        idle = sorted((x for x in self.store.sessions() if x.scratch and x.owner == req.owner and x is not kept
+                       and not x.busy), key=lambda x: x.last_used, reverse=True)
+        for x in idle[SCRATCH_KEEP - 1:]:
+            try:
+                self.store.delete(x.id)
+            except Exception:   # noqa: BLE001 - it stays; the next one may drop it
+                log.exception("dropping scratch session %s failed", x.id)
 
     def _drop_scratch(self, req, source_id: str) -> None:
         """An editor's completion forked from a checkpoint of a scratch session (one the last
@@ -194,10 +207,6 @@ class AdmissionQueue:
             if len(ids) and (min(ids) < 0 or max(ids) >= self.vocab_size):
                 bad = next(t for t in ids if not 0 <= t < self.vocab_size)
                 raise InvalidTokens(bad, self.vocab_size)
-
-    def _same_owner(self, session_id: str, req) -> bool:
-        """Where API keys own sessions, a prompt reuses only its own key's checkpoints."""
-        return session_id in self.store and self.store.get(session_id).owner == req.owner
 
     def _prepare(self, match, created: bool, room_blocked: bool = False):
         """Make room for the match's session and give it its heap (from a checkpoint, or rolled

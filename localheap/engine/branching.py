@@ -43,9 +43,9 @@ def roll_back(backend: Any, s: Session, tokens: int, store: Optional[SessionStor
     settle(backend, s)
 
 
-def new_branch(store: SessionStore, source_id: str) -> Session:
+def new_branch(store: SessionStore, source_id: str, scratch: bool = False) -> Session:
     """An empty session for a fork of `source_id`, owned by the same API key where keys own sessions."""
-    return store.create(owner=store.get(source_id).owner if source_id in store else None)
+    return store.create(owner=store.get(source_id).owner if source_id in store else None, scratch=scratch)
 
 
 def fork_into(store: SessionStore, s: Session, c: Checkpoint) -> None:

@@ -588,7 +588,7 @@ class Engine:
         saved = None
         if s.ephemeral:
             self.store.delete(s.id)   # before the reply ends: the client sees it end with nothing kept
-        elif self.store.durable:
+        elif self.store.durable and not s.scratch:   # (an editor's scratch session is never saved)
             # before the reply ends: a turn the client saw finish survives kill -9
             if self.saves_off_thread and self._needs_save(s) and not self._stopping:
                 if self._saver is None:
@@ -636,7 +636,7 @@ class Engine:
         self.backend.set_threads(1)
 
     def _needs_save(self, s: Session) -> bool:
-        return bool(self.store.durable and s.fed and s.cache is not None) and not s.saved
+        return bool(self.store.durable and s.fed and s.cache is not None) and not s.saved and not s.scratch
 
     def _save(self, s: Session):
         """Write-through in a durable store: True when the session's turn is on disk, else why not

@@ -83,8 +83,9 @@ class Generate:
     session_id: Optional[str] = None
     owner: Optional[str] = None   # the API key's owner id: only its sessions are matched or continued
     ephemeral: bool = False       # a session of its own, never saved, deleted with its files when the reply ends
-    scratch: bool = False         # an editor's completion (/infill): its session is worth keeping only as the next
-                                  # one's start, so a scratch session it forks from a checkpoint of is deleted
+    scratch: bool = False         # an editor's completion (/infill, a suffix): its session is a cache for the next
+                                  # one: never saved nor in the index, matched only by scratch requests, at most
+                                  # SCRATCH_KEEP an owner, and the one a fork of its checkpoint replaces is dropped
 
 
 @dataclass

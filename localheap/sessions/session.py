@@ -63,7 +63,8 @@ class Session:
     reply_start: Optional[int] = None      # tokens held before the latest reply began (None: all of them)
     checkpoints: list = field(default_factory=list)   # token counts of its saved checkpoints
     addressed: bool = False   # a client named it (X-Session-Id): never rolled back for another request
-    scratch: bool = False     # last used by an editor's completion: kept only as the next one's start (see Generate)
+    scratch: bool = False     # an editor's completions' (engine.Generate.scratch): a cache for the next one, never
+                              # saved, not in the index, dropped rather than spilled; only scratch requests match it
     ephemeral: bool = False   # "store": false: never saved nor matched, deleted when its reply ends
     sized: bool = False       # ephemeral, its heap sized to one input (an embedding's): not one of max_resident
     reclaimed: Reclaims = field(default_factory=Reclaims)   # what --disk-total took back from it

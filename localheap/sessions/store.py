@@ -76,21 +76,21 @@ class SessionStore:
 
     def create(self, session_id: Optional[str] = None, origin: str = "api", title: Optional[str] = None,
                owner: Optional[str] = None, ephemeral: bool = False, strict: bool = False,
-               cfg: Optional[HeapConfig] = None) -> Session:
+               cfg: Optional[HeapConfig] = None, scratch: bool = False) -> Session:
         """A new, empty session. strict: it must be in the index (durable stores) before anyone is
         told it exists, or it is not made (SpillFailed: disk full or read-only). `cfg`: an
         ephemeral session's own heap, no larger than the store's (an embedding's, sized to its input)."""
         assert origin in ORIGINS, origin
         assert cfg is None or ephemeral, "only a session that is never saved has heap settings of its own"
         s = Session(id=session_id or new_id(), cfg=cfg or self.cfg, origin=origin, title=title, owner=owner,
-                    ephemeral=ephemeral, sized=cfg is not None)
+                    ephemeral=ephemeral, sized=cfg is not None, scratch=scratch)
         assert valid_id(s.id), s.id
         s.refresh()
         with self._lock:
             assert s.id not in self._sessions
             self._sessions[s.id] = s
         if not strict:
-            if not ephemeral:   # (the index never names an ephemeral session: nothing to rewrite)
+            if not (ephemeral or scratch):   # (the index never names those: nothing to rewrite)
                 self._try_commit()
             return s
         try:
@@ -140,7 +140,7 @@ class SessionStore:
             del self._sessions[session_id]
         release_pages(s.cache)
         s.cache = None
-        if not s.ephemeral:
+        if not (s.ephemeral or s.scratch):
             self._try_commit()
         self._remove_files(s)
         self.checkpoints.drop(session_id)
@@ -318,15 +318,21 @@ class SessionStore:
         """Spill idle least-recently-used heaps beyond max_resident; drop the oldest idle
         sessions beyond max_sessions. `keep` is about to run and stays resident. A heap the disk
         refuses to take (its turn unsaved: full, read-only) stays resident and the next is tried;
-        SpillFailed when too many stay. Sessions that are never kept (ephemeral) do not count
-        towards max_sessions, and a heap sized to one input (an embedding's) not towards
-        max_resident: neither ever makes a kept session spill or go."""
+        SpillFailed when too many stay. Sessions that are never kept (ephemeral, scratch) do not
+        count towards max_sessions, and a heap sized to one input (an embedding's) not towards
+        max_resident: neither ever makes a kept session spill or go. An idle scratch session past
+        max_resident is dropped, not spilled."""
         idle = sorted((s for s in self.sessions() if not s.busy and s is not keep), key=lambda s: s.last_used)
         resident = [s for s in self.sessions() if (s.cache is not None or s is keep) and not s.sized]
         refused: Optional[SpillFailed] = None
         for s in idle:
             if len(resident) <= self.max_resident:
                 break
+            if s.scratch:   # a cache for an editor's next completion: not worth a disk write
+                self.delete(s.id)
+                if s in resident:
+                    resident.remove(s)
+                continue
             if s.cache is not None:
                 try:
                     self.spill(s.id)
@@ -336,8 +342,8 @@ class SessionStore:
                 resident.remove(s)
         if refused is not None and len(resident) > self.max_resident:
             raise refused
-        kept = [s for s in idle if not s.ephemeral]
-        count = sum(1 for s in self.sessions() if not s.ephemeral)
+        kept = [s for s in idle if not s.ephemeral and not s.scratch and s.id in self]
+        count = sum(1 for s in self.sessions() if not (s.ephemeral or s.scratch))
         for s in kept:
             if count <= self.max_sessions:
                 break
@@ -354,7 +360,10 @@ class SessionStore:
         a session that cannot be saved is logged and skipped. Returns how many are on disk."""
         self.model_id = model_id or self.model_id
         for s in self.sessions():
-            if s.cache is not None and not s.busy and s.fed and not s.saved:
+            if s.scratch and not s.busy:   # never kept across a restart: its files go now
+                self.delete(s.id)
+        for s in self.sessions():
+            if s.cache is not None and not s.busy and s.fed and not s.saved and not s.scratch:
                 try:
                     self.save(s)
                 except SpillFailed as e:
@@ -380,7 +389,7 @@ class SessionStore:
                  "crc": zlib.crc32(s.fed[:s.saved_tokens].tobytes()), "heap_crc": s.heap_crc,
                  "created": s.created, "last_used": s.last_used, "turns": s.turns,
                  "origin": s.origin, "title": s.title, "owner": s.owner}   # owner: the API key's digest
-                for s in self.sessions() if not s.ephemeral]
+                for s in self.sessions() if not (s.ephemeral or s.scratch)]
 
     def _commit(self, force: bool = False) -> None:
         """Rewrite the index (durable stores, or forced): the generations it names are in force."""

@@ -177,7 +177,8 @@ async def generate(request: Request, svc: Services = Depends(services), x_sessio
         prompt = await tokenize(chat_prompt, svc.tokenizer, body.chat_messages(), limit=svc.settings.max_prompt_tokens,
                                 opts=opts)
     return await _run(request, svc, body, prompt, plan.parser(opts, prompt), plan.constraint(svc, opts),
-                      x_session_id, body.prompt, chat=False, stop_ids=ends)
+                      x_session_id, body.prompt, chat=False, stop_ids=ends,
+                      scratch=bool(body.suffix) and x_session_id is None)
 
 
 @router.post("/api/embed")
@@ -231,12 +232,13 @@ def _loaded(svc: Services, stream: bool, reply: dict):
 
 
 async def _run(request: Request, svc: Services, body, prompt, parser: OutputParser, constraint,
-               session_id: Optional[str], title: Optional[str], chat: bool, stop_ids: Sequence[int] = ()):
+               session_id: Optional[str], title: Optional[str], chat: bool, stop_ids: Sequence[int] = (),
+               scratch: bool = False):
     began = time.monotonic()
     default = min(svc.settings.default_max_tokens, svc.settings.max_tokens_limit)
     params = body.params(default, constraint)
     params.stop_token_ids += list(stop_ids)
-    job, events, started = await start(svc, request, prompt, params, session_id, title)
+    job, events, started = await start(svc, request, prompt, params, session_id, title, scratch=scratch)
     reply = Reply(svc, parser, chat, began)
     headers = {SESSION_HEADER: started.session_id}
     if body.stream:

@@ -98,7 +98,8 @@ async def completions(body: CompletionRequest, request: Request, svc: Services =
     return await _respond(reply, body, prompts, request, svc, x_session_id, title,
                           lambda i: _params(body, svc, body.max_tokens, i, top_logprobs=body.logprobs, scored=scored,
                                             stop_ids=ends),
-                          own_sessions=scored or len(prompts) > 1, make_echo=echo)
+                          own_sessions=scored or len(prompts) > 1, make_echo=echo,
+                          scratch=body.suffix is not None and x_session_id is None)
 
 
 def _check(body, svc: Services) -> None:
@@ -166,11 +167,12 @@ async def _respond(reply: Reply, body: SamplingFields, prompts: Union[Prompt, li
                    svc: Services, session_id: Optional[str], title: Optional[str],
                    make_params: Callable[[int], SamplingParams],
                    make_parser: Callable[[], Optional[OutputParser]] = lambda: None, own_sessions: bool = False,
-                   make_echo: Callable[[SamplingParams, int], Optional[Echo]] = lambda params, k: None):
+                   make_echo: Callable[[SamplingParams, int], Optional[Echo]] = lambda params, k: None,
+                   scratch: bool = False):
     """Start the request's n choices of each prompt and answer with them (choice k * n + j: prompt
     k's j-th, seeded as j): the first on the session its prompt extends (or `session_id`), the
     others (`own_sessions`: all) each in a session of its own that is not kept; they decode
-    together in the engine's batch."""
+    together in the engine's batch. `scratch`: an editor's completion (engine.Generate.scratch)."""
     prompts = prompts if isinstance(prompts, list) else [prompts]
     ephemeral = body.store is False or own_sessions   # absent: kept, so the next turn reuses this one (see README)
     choices: list[Choice] = []
@@ -181,7 +183,8 @@ async def _respond(reply: Reply, body: SamplingFields, prompts: Union[Prompt, li
                 i = k * body.n + j
                 params = make_params(j)
                 job, events, started = await start(svc, request, prompt, params, session_id if i == 0 else None,
-                                                   title if i == 0 else None, ephemeral or i > 0)
+                                                   title if i == 0 else None, ephemeral or i > 0,
+                                                   scratch and not (ephemeral or i > 0))
                 choices.append(Choice(i, job, events, make_parser(), echo=make_echo(params, k)))
                 starts.append(started)
     except BaseException:
