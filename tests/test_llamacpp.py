@@ -217,6 +217,10 @@ def test_tokenize_detokenize_apply_template_and_props(server):
     assert [p["id"] for p in pieces] == got
     data = b"".join(p["piece"].encode() if isinstance(p["piece"], str) else bytes(p["piece"]) for p in pieces)
     assert data.decode() == text
+    long = "alpha beta gamma " * 6000   # past a tokenizer piece (64K characters): read in pieces, the same ids
+    assert _post(server, "/tokenize", {"content": long})["tokens"] == list(tok.encode(long, add_special_tokens=False))
+    assert _post(server, "/tokenize", {"content": long, "parse_special": False}, status=400)["error"]["param"] == \
+        "content"
     assert _post(server, "/detokenize", {"tokens": got})["content"] == tok.decode(got)
     assert _post(server, "/detokenize", {"tokens": [-1]}, status=400)["error"]["param"] == "tokens"
     msgs = [{"role": "user", "content": "hi"}]

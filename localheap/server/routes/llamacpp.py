@@ -25,8 +25,10 @@ from ..fim import fim_format
 from ..formats import save_fields
 from ..llamacpp import (Cut, LlamaRequest, infill_context, infill_prompt, mixed_prompt, pick_fields, piece_of, probabilities,
                         prompt_forms, stop_type, timings)
-from ..prompts import chat_prompt, tokenize
-from ..schemas import ChatMessage
+from ..prompts import chat_prompt, tokenize, with_specials
+from ..schemas import TOKENIZE_MAX_CHARS, ChatMessage
+from ..tokens import PIECE_CHARS, encode_bounded
+from ...sessions import Prompt
 from ..services import Services, owner, services
 from ..toolformats import template_source
 from .ollama import _json
@@ -37,7 +39,7 @@ router = APIRouter()
 
 class TokenizeBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    content: str
+    content: str = Field(max_length=TOKENIZE_MAX_CHARS)
     add_special: bool = False
     parse_special: bool = True
     with_pieces: bool = False
@@ -85,13 +87,20 @@ async def infill(request: Request, svc: Services = Depends(services)):
 
 @router.post("/tokenize")
 async def tokenize_route(body: TokenizeBody, svc: Services = Depends(services)) -> dict:
+    """The text in pieces (bounded memory, as every prompt), its special tokens' text read as those
+    tokens; with parse_special false, as text (one call: at most PIECE_CHARS characters)."""
     tok = svc.tokenizer
-
-    def ids() -> list[int]:
-        return list(tok.encode(body.content, add_special_tokens=body.add_special,
-                               split_special_tokens=not body.parse_special))
-
-    got = await asyncio.to_thread(ids)
+    if body.parse_special:
+        ids = await tokenize(lambda t, text: Prompt(encode_bounded(t, text, None, "content")), tok, body.content)
+        got = list(ids.tokens)
+        if body.add_special:
+            got = list(with_specials(tok, body.content, got))
+    elif len(body.content) > PIECE_CHARS:
+        raise BadRequest(f"with parse_special false the content may have at most {PIECE_CHARS:,} characters",
+                         "content")
+    else:
+        got = await asyncio.to_thread(lambda: list(tok.encode(body.content, add_special_tokens=body.add_special,
+                                                              split_special_tokens=True)))
     if body.with_pieces:
         return {"tokens": [{"id": t, "piece": piece_of(svc.token_text, t)} for t in got]}
     return {"tokens": got}
