@@ -334,3 +334,22 @@ def test_a_warm_up_is_checkpointed_so_every_completion_after_it_reuses_the_conte
             assert len(srv.services.store) == 1, [x.id for x in srv.services.store.sessions()]
             # (the tokens differ from a fresh session's here: this heap evicts, and where it evicts
             # depends on how the prompt was read; at full budget they are stock's, test above)
+
+
+def test_llama_vim_instructions_as_it_sends_them(server):
+    """llama.vim's instruction editing on /v1/chat/completions: a warm-up with n_predict 0 (the
+    prompt read, no reply) and model "" (it always sends one), then the instruction, streamed,
+    which reuses what the warm-up read."""
+    system = {"role": "system", "content": "You are a text-editing assistant.\n--- CONTEXT\n" + PREFIX * 8}
+    warm = {"id_slot": 0, "messages": [system, {"role": "user", "content": ""}], "samplers": [], "n_predict": 0,
+            "stream": False, "cache_prompt": True, "response_fields": [""], "model": ""}
+    got = _post(server, "/v1/chat/completions", warm)
+    assert got["choices"][0]["message"]["content"] == "" and got["usage"]["completion_tokens"] == 0
+    ask = {"id_slot": 0, "messages": [system, {"role": "user", "content": "INSTRUCTION: rename add"}],
+           "min_p": 0.1, "temperature": 0.1, "samplers": ["min_p", "temperature"], "stream": True,
+           "cache_prompt": True, "model": "", "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json=ask, timeout=120) as r:
+        assert r.status_code == 200
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    usage = chunks[-1]["usage"]
+    assert usage["completion_tokens"] > 0 and usage["prompt_tokens_details"]["cached_tokens"] > 40

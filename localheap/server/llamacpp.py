@@ -42,7 +42,7 @@ OFF = {"typical_p": lambda v: v >= 1.0, "repeat_penalty": lambda v: v == 1.0, "d
 UNUSED = {"repeat_last_n", "dry_base", "dry_allowed_length", "dry_penalty_last_n", "dry_sequence_breakers",
           "xtc_threshold", "mirostat_tau", "mirostat_eta", "dynatemp_exponent", "penalize_nl", "min_keep",
           "t_max_prompt_ms", "id_slot", "n_keep", "n_discard", "n_cache_reuse", "timings_per_token",
-          "return_progress", "sse_ping_interval", "model", "id_task"}
+          "return_progress", "sse_ping_interval", "model", "id_task", "response_fields"}
 MAX_PROMPTS = 64
 MAX_PROBS = 20
 REPO_TOKENS = ("<|repo_name|>", "<|file_sep|>")   # Qwen2.5-Coder's repo-level format (llama.cpp's FIM_REP, FIM_SEP)

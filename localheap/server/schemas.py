@@ -187,6 +187,8 @@ class SamplingFields(Strict):
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: Optional[int] = Field(None, ge=1)
+    n_predict: Optional[int] = Field(None, ge=-1)    # extension (llama-server's name for max_tokens): -1 the server's
+    # default, 0 the prompt read into its session and no reply (llama.vim's warm-up before an instruction)
     max_completion_tokens: Optional[int] = Field(None, ge=1)
     logprobs: Optional[bool] = None
     top_logprobs: Optional[int] = Field(None, ge=0, le=TOP_LOGPROBS_MAX)
@@ -222,7 +224,8 @@ class ChatCompletionRequest(SamplingFields):
         return self.common_unsupported()
 
     def limit(self, default: int) -> int:
-        return self.max_completion_tokens or self.max_tokens or default
+        n_predict = self.n_predict if self.n_predict is not None and self.n_predict >= 0 else None
+        return next((n for n in (self.max_completion_tokens, self.max_tokens, n_predict) if n is not None), default)
 
 
 class CompletionRequest(SamplingFields):

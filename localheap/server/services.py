@@ -76,8 +76,8 @@ class Services:
             pass   # gone already (a failed request deletes its session), or the engine is stopping
 
     def check_model(self, model: Optional[str]) -> None:
-        """None (a client that names no model, as llama-server's do): the served one."""
-        if model is not None and model != self.model_id:
+        """None or "" (a client that names no model, as llama-server's do; llama.vim sends ""): the served one."""
+        if model and model != self.model_id:
             raise UnknownModel(f"model {model!r} is not served here; this server serves {self.model_id!r} "
                                f"(GET /v1/models)", "model")
 
