@@ -101,3 +101,29 @@ def test_a_scratch_session_past_max_resident_is_dropped_not_spilled(backend, tmp
         http.post("/v1/completions", json={"model": model, "prompt": "A different start", "max_tokens": 2})
         spilled = srv.services.store.get(first_chat)
         assert spilled.cache is None   # the chat's session was spilled, not dropped
+
+
+def test_a_warm_up_outlives_the_room_other_requests_make(backend, tmp_path):
+    """An editor's warm-up checkpoint survives chats that need its session's room (one resident
+    heap allowed): the session is emptied, nothing is written, and the next completion still forks
+    the checkpoint and reuses the whole context."""
+    from localheap.server import ServerSettings, create_app
+    from localheap.server.llamacpp import LlamaRequest, infill_context
+    from localheap.server.testing import ServerThread
+
+    settings = ServerSettings(heap=HEAP, web_dir=None, sessions_dir=tmp_path, persist_sessions=True,
+                              max_resident_sessions=1)
+    model = backend.model_name
+    extra = [{"filename": "a.py", "text": CODE}]
+    with ServerThread(create_app(backend, settings)) as srv, httpx.Client(base_url=srv.url, timeout=120) as http:
+        context = len(infill_context(backend.tokenizer, LlamaRequest(input_extra=extra), None).tokens)
+        warm = http.post("/infill", json={"input_extra": extra, "n_predict": 0})
+        editor = warm.headers["X-Session-Id"]
+        for prompt in ("Once upon", "A different start"):   # each needs the one resident heap
+            assert http.post("/v1/completions", json={"model": model, "prompt": prompt, "max_tokens": 2}).is_success
+        husk = srv.services.store.get(editor)
+        assert husk.cache is None and not husk.fed and srv.services.store.checkpoints.of(editor)
+        assert not [f for f in _files(tmp_path) if editor in f and "checkpoints" not in f]
+        got = http.post("/infill", json={"input_prefix": "def g(", "input_suffix": "\n", "input_extra": extra,
+                                         "n_predict": 3}).json()
+        assert got["tokens_cached"] >= context, (got["tokens_cached"], context)

@@ -221,7 +221,8 @@ class AdmissionQueue:
                 if room_blocked:
                     raise WaitForRoom()
                 self.admit_heap(s)   # before _make_room: a refused job must not evict sessions
-            self._make_room(s)
+            source = match.checkpoint.session_id if match.checkpoint is not None else None
+            self._make_room(s, self.store.get(source) if source in self.store else None)
             if match.checkpoint is not None:
                 branching.fork_into(self.store, s, match.checkpoint)
             self.store.make_resident(s)
@@ -235,11 +236,13 @@ class AdmissionQueue:
             raise
         return match
 
-    def _make_room(self, s: Session) -> None:
-        """Spill beyond max_resident. A failed spill fails this request only when it needs the
-        room (its heap is not resident); every session stays as it was either way."""
+    def _make_room(self, s: Session, spare: Optional[Session] = None) -> None:
+        """Spill beyond max_resident, never `spare` (the session whose checkpoint `s` is forked
+        from: an editor's scratch session would be dropped, checkpoint and all, before it is read).
+        A failed spill fails this request only when it needs the room (its heap is not resident);
+        every session stays as it was either way."""
         try:
-            self.store.enforce_limits(keep=s)
+            self.store.enforce_limits(keep=s, spare=spare)
         except SpillFailed as e:
             if s.cache is None:
                 raise

@@ -176,13 +176,16 @@ class SessionStore:
             s.refresh(self.backend.stats(s.cache))
 
     def spill(self, session_id: str) -> Path:
-        """Free the session's heap, saving it first unless the copy on disk is current.
-        Raises SpillFailed (the session stays resident) when the directory refuses the write."""
+        """Free the session's heap, saving it first unless the copy on disk is current (a scratch
+        session's is never written: _release_scratch). Raises SpillFailed (the session stays resident) when the directory refuses the write."""
         s = self.get(session_id)
         if s.busy:
             raise SessionBusy(session_id)
         if s.cache is None:
             return s.spill_path or self.spill_dir
+        if s.scratch:   # a cache for an editor's next completion: not worth a disk write
+            self._release_scratch(s)
+            return self.spill_dir
         if not s.saved:
             self.save(s)
         s.cache = None
@@ -314,25 +317,22 @@ class SessionStore:
             return True
         return False
 
-    def enforce_limits(self, keep: Optional[Session] = None) -> None:
+    def enforce_limits(self, keep: Optional[Session] = None, spare: Optional[Session] = None) -> None:
         """Spill idle least-recently-used heaps beyond max_resident; drop the oldest idle
-        sessions beyond max_sessions. `keep` is about to run and stays resident. A heap the disk
+        sessions beyond max_sessions. `keep` is about to run and stays resident; `spare` (the
+        session whose checkpoint it is being forked from) is left as it is this time. A heap the disk
         refuses to take (its turn unsaved: full, read-only) stays resident and the next is tried;
         SpillFailed when too many stay. Sessions that are never kept (ephemeral, scratch) do not
         count towards max_sessions, and a heap sized to one input (an embedding's) not towards
         max_resident: neither ever makes a kept session spill or go. An idle scratch session past
-        max_resident is dropped, not spilled."""
-        idle = sorted((s for s in self.sessions() if not s.busy and s is not keep), key=lambda s: s.last_used)
+        max_resident is dropped, not spilled (spill)."""
+        idle = sorted((s for s in self.sessions() if not s.busy and s is not keep and s is not spare),
+                      key=lambda s: s.last_used)
         resident = [s for s in self.sessions() if (s.cache is not None or s is keep) and not s.sized]
         refused: Optional[SpillFailed] = None
         for s in idle:
             if len(resident) <= self.max_resident:
                 break
-            if s.scratch:   # a cache for an editor's next completion: not worth a disk write
-                self.delete(s.id)
-                if s in resident:
-                    resident.remove(s)
-                continue
             if s.cache is not None:
                 try:
                     self.spill(s.id)
@@ -349,6 +349,19 @@ class SessionStore:
                 break
             self.delete(s.id)
             count -= 1
+
+    def _release_scratch(self, s: Session) -> None:
+        """A scratch session leaves RAM unwritten: deleted, or, where it holds a checkpoint (an
+        editor's warm-up), emptied and kept beside it, so the editor's next completion still
+        forks from there (match_session passes over a session with no tokens)."""
+        if not self.checkpoints.of(s.id):
+            self.delete(s.id)
+            return
+        release_pages(s.cache)
+        s.cache = None
+        s.truncate(0)
+        s.rollback_floor = s.reply_start = None
+        s.refresh()
 
     def touch(self, s: Session) -> None:
         s.last_used = time.time()
