@@ -303,19 +303,29 @@ def test_llama_vscode_requests_as_it_sends_them(server):
         "content"] == plain
 
 
-def test_a_warm_up_is_checkpointed_so_every_completion_after_it_reuses_the_context(tmp_path):
+@pytest.mark.parametrize("kind", ["torch", "mlx"])
+def test_a_warm_up_is_checkpointed_so_every_completion_after_it_reuses_the_context(tmp_path, kind):
     """An editor's flow on a heap far smaller than its context (so a session that read one
     completion cannot be rolled back to the context exactly): the warm-up (n_predict 0, the other
     files) reads only the part before <prefix> and checkpoints it; each completion then reuses all
-    of it, whatever its prefix, and the editor holds one session, not one a completion."""
-    from localheap.backends.torch import TorchBackend
+    of it, whatever its prefix, and the editor holds one session, not one a completion. Both
+    backends (the checkpoint is each one's own heap file)."""
     from localheap.heap import HeapConfig
     from localheap.randmodel import build_random_model
     from localheap.server import ServerSettings, create_app
     from localheap.server.llamacpp import LlamaRequest, infill_context
     from localheap.server.testing import ServerThread
 
-    backend = TorchBackend.load(build_random_model("qwen2", tmp_path / "m", special=SPECIAL), dtype=torch.float32)
+    path = build_random_model("qwen2", tmp_path / "m", special=SPECIAL)
+    if kind == "torch":
+        from localheap.backends.torch import TorchBackend
+
+        backend = TorchBackend.load(path, dtype=torch.float32)
+    else:
+        pytest.importorskip("mlx.core", reason="mlx is not installed (a CUDA machine has none)")
+        from localheap.backends.mlx import MLXBackend
+
+        backend = MLXBackend.load(path)
     tight = HeapConfig(budget=48, slack=16, recent=8, policy="h2o")
     code = "".join(f"def f{i}(a):\n    return a + {i}\n" for i in range(12))
     extra = [{"filename": "a.py", "text": code}, {"filename": "b.py", "text": code.replace("f", "g")}]
