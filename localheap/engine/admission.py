@@ -106,7 +106,8 @@ class AdmissionQueue:
             if match is not None and match.checkpoint is not None:
                 match.session = branching.new_branch(self.store, match.checkpoint.session_id, scratch)
                 prepared = self._prepare(match, True, room_blocked)
-                self._drop_scratch(req, match.checkpoint.session_id)
+                if scratch:
+                    self._drop_scratch(match.checkpoint.session_id)
                 return prepared, True
             if match is not None:
                 return self._prepare(match, False, room_blocked), False
@@ -136,12 +137,12 @@ class AdmissionQueue:
             except Exception:   # noqa: BLE001 - it stays; the next one may drop it
                 log.exception("dropping scratch session %s failed", x.id)
 
-    def _drop_scratch(self, req, source_id: str) -> None:
+    def _drop_scratch(self, source_id: str) -> None:
         """An editor's completion forked from a checkpoint of a scratch session (one the last
         completion or warm-up left, which can no longer be rolled back to its context): the fork
         holds that checkpoint now, so the source goes, and an editor keeps one session, not one
         a keystroke (each spilled to disk past --max-resident-sessions)."""
-        if not getattr(req, "scratch", False) or source_id not in self.store:
+        if source_id not in self.store:
             return
         source = self.store.get(source_id)
         if not source.scratch or source.busy or source.addressed:

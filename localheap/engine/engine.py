@@ -230,7 +230,7 @@ class Engine:
                 else:
                     for run in list(self._active):
                         self._step(run)
-                if self._turns and (self._side_due() or not self._decoding()):
+                if self._turns and (self._side_due() or not self.decoding):
                     began = time.monotonic()
                     _run_call(*self._turns.popleft()[:2])
                     self._side_done(time.monotonic() - began)
@@ -470,13 +470,10 @@ class Engine:
             self._guarded(run, lambda run=run, chunk=chunk: self._chunk_fed(run, chunk), error)
         self._harvest(block=False)
 
-    def _decoding(self) -> bool:
-        return any(r.row is not None or r.gen is not None for r in self._active)
-
     @property
     def decoding(self) -> bool:
         """Whether a run is decoding now (engine thread: a call in turn sizes its work by it)."""
-        return self._decoding()
+        return any(r.row is not None or r.gen is not None for r in self._active)
 
     def _side_due(self) -> bool:
         """Whether embedding work (a call in turn, a pooled run's lone chunk) may run now."""
@@ -486,7 +483,7 @@ class Engine:
         """Embedding work took `took` s: while runs decode, the next waits until the engine has
         spent as much on them (SIDE_SHARE of its time), so a chat beside a batch of embeddings
         keeps about half its speed however many are queued."""
-        if self._decoding():
+        if self.decoding:
             self._side_free_at = time.monotonic() + took * (1 - SIDE_SHARE) / SIDE_SHARE
 
     def _between_steps(self, batch: list[Run]) -> list:

@@ -204,7 +204,7 @@ class Run:
         interrupted = "shutdown" if self.finish_reason is None and self.job.cancel_reason == "shutdown" else None
         word = self.stream.stops.matched if self.stream is not None else None
         return Finished(self.session.id, self.finish_reason or "cancelled", usage, self.session.snapshot,
-                        prompt_read=read, interrupted=interrupted, stop_word=word, stop_token=self.stop_token)
+                        prompt_read=read, interrupted=interrupted, stop_word=word)
 
     def _publish_stats(self, force: bool) -> None:
         now = time.monotonic()

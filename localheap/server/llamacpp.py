@@ -24,7 +24,7 @@ from ..sessions import Prompt
 from ..sessions.session import token_array
 from .errors import BadRequest, PromptTooLong, Unsupported
 from .fim import fim_format, leading_specials
-from .logprobs import TokenText
+from .logprobs import TokenText, finite
 from .tokens import encode_bounded, encode_plain
 
 # llama-server's sampler names, and the letters of its --sampling-seq form
@@ -113,8 +113,8 @@ class LlamaRequest(BaseModel):
         try:
             return SamplingParams(max_tokens=self.limit(default), temperature=max(0.0, temperature),
                                   top_k=max(0, top_k), top_p=min(1.0, top_p) if top_p > 0 else 1.0,
-                                  min_p=min(1.0, max(0.0, min_p)), seed=seed, stop=stop, presence_penalty=self.presence_penalty,
-                                  frequency_penalty=self.frequency_penalty, logit_bias=bias, constraint=constraint,
+                                  min_p=min(1.0, max(0.0, min_p)), seed=seed, stop=stop,
+                                  presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty, logit_bias=bias, constraint=constraint,
                                   logprobs=LogprobRecorder(self.n_probs) if self.n_probs else None,
                                   stop_token_ids=list(stop_ids))
         except ValueError as e:
@@ -301,32 +301,33 @@ class Cut:
     """Where llama-server's code-completion limits end a reply early (n_indent, t_max_predict_ms)."""
     n_indent: int
     t_max_ms: int
-    text: str = ""
-    line_start: Optional[int] = None    # where the line being written starts (after a newline), None: first line
+    newline: bool = False          # the reply has a newline
+    indent: Optional[int] = None   # the blanks that open the line being written, None: the first line, or one
+                                   # whose text has begun
 
     def feed(self, piece: str, since_first_ms: float) -> tuple[str, bool]:
         """(the part of `piece` to keep, whether the reply ends here)."""
-        at = len(self.text)
-        self.text += piece
         if self.n_indent > 0:
-            for i in range(at, len(self.text)):
-                c = self.text[i]
+            for i, c in enumerate(piece):
                 if c == "\n":
-                    self.line_start = i + 1
-                elif self.line_start is not None and c not in " \t":
-                    if i - self.line_start < self.n_indent:   # a line less indented than the cursor: cut there
-                        self.text = self.text[:i]
-                        return self.text[at:], True
-                    self.line_start = None   # this line is deep enough
-        timed_out = self.t_max_ms > 0 and "\n" in self.text and since_first_ms > self.t_max_ms
-        return piece, timed_out
+                    self.indent = 0
+                elif self.indent is None:
+                    continue
+                elif c in " \t":
+                    self.indent += 1
+                elif self.indent < self.n_indent:   # a line less indented than the cursor: cut before its text
+                    return piece[:i], True
+                else:
+                    self.indent = None
+        self.newline = self.newline or "\n" in piece
+        return piece, self.t_max_ms > 0 and self.newline and since_first_ms > self.t_max_ms
 
 
 def probabilities(text_of: TokenText, entries: Optional[list]) -> list[dict]:
     """completion_probabilities: each token's id, text, bytes and logprob, and its top alternatives."""
     def item(token: int, lp: float) -> dict:
         t, b = text_of(token)
-        return {"id": token, "token": t, "bytes": b, "logprob": lp if math.isfinite(lp) else -9999.0}
+        return {"id": token, "token": t, "bytes": b, "logprob": finite(lp)}
 
     return [{**item(e.token, e.logprob), "top_logprobs": [item(i, lp) for i, lp in e.top]} for e in entries or []]
 

@@ -65,7 +65,7 @@ class TokenText:
         return data.decode("utf-8", errors="replace"), list(data)
 
 
-def _number(x: float) -> float:
+def finite(x: float) -> float:
     """JSON has no infinities: an impossible id's log probability is written as -9999.0 (OpenAI's floor)."""
     return x if math.isfinite(x) else -9999.0
 
@@ -78,8 +78,8 @@ def chat_content(text_of: TokenText, entries: list[TokenLogprob]) -> list[dict]:
         top = []
         for i, lp in e.top:
             t, b = text_of(i)
-            top.append({"token": t, "logprob": _number(lp), "bytes": b})
-        out.append({"token": token, "logprob": _number(e.logprob), "bytes": data, "top_logprobs": top})
+            top.append({"token": t, "logprob": finite(lp), "bytes": b})
+        out.append({"token": token, "logprob": finite(e.logprob), "bytes": data, "top_logprobs": top})
     return out
 
 
@@ -97,9 +97,9 @@ def completion_logprobs(text_of: TokenText, entries: Optional[list[TokenLogprob]
     for e in entries:
         token, _ = text_of(e.token)
         tokens.append(token)
-        values.append(_number(e.logprob))
-        top = {text_of(i)[0]: _number(lp) for i, lp in e.top}
-        top.setdefault(token, _number(e.logprob))
+        values.append(finite(e.logprob))
+        top = {text_of(i)[0]: finite(lp) for i, lp in e.top}
+        top.setdefault(token, finite(e.logprob))
         tops.append(top)
         offsets.append(offset)
         offset += len(token)

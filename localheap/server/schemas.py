@@ -154,10 +154,7 @@ class SamplingFields(Strict):
         known = set(cls.model_fields)
         extras = {k: v for k, v in data.items() if k not in known and (k in OFF or k in UNUSED)}
         check_options(extras)
-        out = {k: v for k, v in data.items() if k not in extras}
-        if out.get("max_tokens") == -1 and "messages" in out:   # llama-server's "no limit": the server's default
-            out.pop("max_tokens")
-        return out
+        return {k: v for k, v in data.items() if k not in extras}
 
     @field_validator("logit_bias")
     @classmethod
@@ -222,6 +219,11 @@ class ChatCompletionRequest(SamplingFields):
         if self.top_logprobs and not self.logprobs:
             return "top_logprobs", "top_logprobs needs logprobs set to true"
         return self.common_unsupported()
+
+    @field_validator("max_tokens", mode="before")
+    @classmethod
+    def _no_limit(cls, v):
+        return None if v == -1 else v   # llama-server's "no limit of its own": the server's default
 
     def limit(self, default: int) -> int:
         n_predict = self.n_predict if self.n_predict is not None and self.n_predict >= 0 else None

@@ -177,7 +177,8 @@ class SessionStore:
 
     def spill(self, session_id: str) -> Path:
         """Free the session's heap, saving it first unless the copy on disk is current (a scratch
-        session's is never written: _release_scratch). Raises SpillFailed (the session stays resident) when the directory refuses the write."""
+        session's is never written: _release_scratch). Raises SpillFailed (the session stays
+        resident) when the directory refuses the write."""
         s = self.get(session_id)
         if s.busy:
             raise SessionBusy(session_id)
@@ -342,7 +343,7 @@ class SessionStore:
                 resident.remove(s)
         if refused is not None and len(resident) > self.max_resident:
             raise refused
-        kept = [s for s in idle if not s.ephemeral and not s.scratch and s.id in self]
+        kept = [s for s in idle if not (s.ephemeral or s.scratch)]
         count = sum(1 for s in self.sessions() if not (s.ephemeral or s.scratch))
         for s in kept:
             if count <= self.max_sessions:

@@ -18,20 +18,20 @@ from sse_starlette import EventSourceResponse
 
 from ...engine import Delta, Feed, Finished, Job
 from ...grammar import Grammar, GrammarError, json_grammar
-from ..bridge import JobEvents, follow, submit
+from ...sessions import Prompt
+from ..bridge import JobEvents, follow, submit, watch_disconnect
 from ..chat import start
 from ..errors import BadRequest, to_response
 from ..fim import fim_format
 from ..formats import save_fields
-from ..llamacpp import (Cut, LlamaRequest, infill_context, infill_prompt, mixed_prompt, pick_fields, piece_of, probabilities,
-                        prompt_forms, stop_type, timings)
+from ..llamacpp import (Cut, LlamaRequest, infill_context, infill_prompt, mixed_prompt, pick_fields, piece_of,
+                        probabilities, prompt_forms, stop_type, timings)
 from ..prompts import chat_prompt, tokenize, with_specials
 from ..schemas import TOKENIZE_MAX_CHARS, ChatMessage
-from ..tokens import PIECE_CHARS, encode_bounded
-from ...sessions import Prompt
 from ..services import Services, owner, services
+from ..tokens import PIECE_CHARS, encode_bounded
 from ..toolformats import template_source
-from .ollama import _json
+from .ollama import read_json
 from .openai import SESSION_HEADER
 
 router = APIRouter()
@@ -58,7 +58,7 @@ class TemplateBody(BaseModel):
 @router.post("/completion")
 @router.post("/completions")
 async def completion(request: Request, svc: Services = Depends(services)):
-    body = await _json(request, LlamaRequest)
+    body = await read_json(request, LlamaRequest)
     prompts = [await tokenize(mixed_prompt, svc.tokenizer, p, svc.settings.max_prompt_tokens)
                for p in prompt_forms(body.prompt)]
     return await _answer(request, svc, body, prompts, stop_ids=())
@@ -70,7 +70,7 @@ async def infill(request: Request, svc: Services = Depends(services)):
     completion"): the part before <prefix> is read as a document and checkpointed, so every
     completion after it (whatever the cursor's prefix and suffix) forks from there. Both are
     scratch (engine.Generate.scratch): an editor keeps one session, not one a completion."""
-    body = await _json(request, LlamaRequest)
+    body = await read_json(request, LlamaRequest)
     limit = svc.settings.max_prompt_tokens
     if body.input_extra and body.limit(svc.settings.default_max_tokens) == 0:
         context = await tokenize(infill_context, svc.tokenizer, body, limit)
@@ -258,11 +258,12 @@ class Reply:
         done, end = s.done, time.monotonic()
         first = s.first_at or end
         predicted = done.usage.completion_tokens
-        out = {"index": s.index, "content": "".join(s.content) if not self.body.stream else "",
+        content = "".join(s.content)
+        out = {"index": s.index, "content": content if not self.body.stream else "",
                "tokens": s.ids if self.body.return_tokens and not self.body.stream else [], "id_slot": -1,
                "stop": True, "model": self.svc.model_id, "tokens_predicted": predicted,
                "tokens_evaluated": s.prompt_tokens, "generation_settings": self.settings,
-               "has_new_line": "\n" in "".join(s.content), "truncated": False,
+               "has_new_line": "\n" in content, "truncated": False,
                "stop_type": stop_type(done.finish_reason, done.stop_word, s.cut_short),
                "stopping_word": done.stop_word or "", "tokens_cached": s.cached,
                "timings": timings(s.prompt_tokens - s.cached, first - s.began, predicted, end - first)}
@@ -273,8 +274,6 @@ class Reply:
         return out
 
     async def whole(self, request: Request, s: Slot) -> dict:
-        from ..bridge import watch_disconnect
-
         watcher = asyncio.create_task(watch_disconnect(request, s.job))
         try:
             async for last, piece in self.events(s):

@@ -62,7 +62,7 @@ async def ps(svc: Services = Depends(services)) -> dict:
     return {"models": [{**model_entry(svc), "expires_at": "2318-08-29T00:00:00Z", "size_vram": 0}]}
 
 
-async def _json(request: Request, cls):
+async def read_json(request: Request, cls):
     """The body as `cls`, whatever its Content-Type: Ollama's own examples post JSON with curl -d,
     which labels it a form."""
     try:
@@ -73,7 +73,7 @@ async def _json(request: Request, cls):
 
 @router.post("/api/show")
 async def show(request: Request, svc: Services = Depends(services)) -> dict:
-    body = await _json(request, ShowRequest)
+    body = await read_json(request, ShowRequest)
     model = body.model or body.name
     if not model:
         raise BadRequest("show needs the model's name", "model")
@@ -112,7 +112,7 @@ def _served(svc: Services, body: "_Named", what: str) -> bool:
 async def pull(request: Request, svc: Services = Depends(services)):
     """The served model is here already: success at once (Open WebUI and editors pull before use).
     Another name is a 404 saying which model this server serves: it downloads nothing."""
-    body = await _json(request, _Named)
+    body = await read_json(request, _Named)
     if not _served(svc, body, "pull"):
         raise UnknownModel(f"model {body.model or body.name!r} is not served here and this server downloads no "
                            f"models: it serves {svc.model_id!r}, chosen at start (localheap serve --model NAME)",
@@ -125,7 +125,7 @@ async def pull(request: Request, svc: Services = Depends(services)):
 
 @router.delete("/api/delete")
 async def delete_model(request: Request, svc: Services = Depends(services)):
-    body = await _json(request, _Named)
+    body = await read_json(request, _Named)
     if not _served(svc, body, "delete"):
         raise UnknownModel(f"model {body.model or body.name!r} not found: this server serves {svc.model_id!r}",
                            "model")
@@ -144,7 +144,7 @@ async def manage(request: Request):
 
 @router.post("/api/chat")
 async def chat(request: Request, svc: Services = Depends(services), x_session_id: Optional[str] = Header(None)):
-    body = await _json(request, ChatRequest)
+    body = await read_json(request, ChatRequest)
     _check_model(svc, body.model)
     if not body.messages:   # Ollama's way to load a model: done at once
         return _loaded(svc, body.stream, {"message": {"role": "assistant", "content": ""}})
@@ -158,7 +158,7 @@ async def chat(request: Request, svc: Services = Depends(services), x_session_id
 
 @router.post("/api/generate")
 async def generate(request: Request, svc: Services = Depends(services), x_session_id: Optional[str] = Header(None)):
-    body = await _json(request, GenerateRequest)
+    body = await read_json(request, GenerateRequest)
     _check_model(svc, body.model)
     bad = body.unsupported()
     if bad is not None:
@@ -186,7 +186,7 @@ async def embed_route(request: Request, svc: Services = Depends(services)) -> Re
     """Each input's vector at unit length (the mean of the last hidden states: --embed-pooling);
     an input past the heap's size is cut to it unless `truncate` is false."""
     began = time.monotonic()
-    body = await _json(request, EmbedRequest)
+    body = await read_json(request, EmbedRequest)
     _check_model(svc, body.model)
     check_backend(svc)
     hidden = svc.backend.model_shapes().hidden
@@ -213,7 +213,7 @@ async def embed_route(request: Request, svc: Services = Depends(services)) -> Re
 async def embeddings_route(request: Request, svc: Services = Depends(services)) -> dict:
     """Ollama's older route: one prompt's vector as the model gives it (not scaled to unit length);
     an empty prompt loads the model and embeds nothing."""
-    body = await _json(request, LegacyEmbeddingsRequest)
+    body = await read_json(request, LegacyEmbeddingsRequest)
     _check_model(svc, body.model)
     check_backend(svc)
     if not body.prompt:
