@@ -7,12 +7,13 @@ without them answers 400, as Ollama does for a model whose template has no suffi
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass
 from typing import Any, Optional
 
 from ..sessions import Prompt
-from .errors import BadRequest
-from .tokens import encode_bounded, token_array
+from .errors import BadRequest, PromptTooLong
+from .tokens import encode_bounded, leading_specials, token_array
 
 # (prefix, suffix, middle) spellings, each family's own
 FIM_TOKENS = (
@@ -54,26 +55,27 @@ def fim_format(tokenizer: Any) -> Optional[FimFormat]:
     return found
 
 
-def leading_specials(tokenizer: Any) -> list[int]:
-    """The special tokens the tokenizer puts before a text (a BOS), [] where it puts none there."""
-    probe = list(tokenizer.encode("a", add_special_tokens=True))
-    plain = list(tokenizer.encode("a", add_special_tokens=False))
-    n = len(probe) - len(plain)
-    return probe[:n] if n > 0 and probe[n:] == plain else []
-
-
-def fim_prompt(tokenizer: Any, prefix: str, suffix: str, limit: Optional[int], param: str = "suffix") -> Prompt:
-    """[BOS] <prefix> PREFIX <suffix> SUFFIX <middle>: the model writes what goes between. A 400
-    for a model without fill-in-the-middle tokens."""
+def require_fim(tokenizer: Any, param: str, instead: str) -> FimFormat:
+    """The model's FIM tokens; a 400 naming `param` for a model without them (`instead`: what to send)."""
     fmt = fim_format(tokenizer)
     if fmt is None:
         raise BadRequest("this model has no fill-in-the-middle tokens (such as <|fim_prefix|>, <fim_prefix> or "
-                         "<｜fim▁begin｜>): it cannot complete with a suffix; send the prompt alone", param)
-    before = encode_bounded(tokenizer, prefix, limit, "prompt")
-    after = encode_bounded(tokenizer, suffix, limit, param)
-    body = token_array([fmt.prefix]) + before + token_array([fmt.suffix]) + after + token_array([fmt.middle])
-    if limit is not None and len(body) > limit:
-        from .errors import PromptTooLong
+                         f"<｜fim▁begin｜>): {instead}", param)
+    return fmt
 
+
+def fim_ids(tokenizer: Any, fmt: FimFormat, prefix: str, suffix: str, limit: Optional[int],
+            params: tuple[str, str] = ("prompt", "suffix")) -> array:
+    """<prefix> PREFIX <suffix> SUFFIX <middle> (PSM): the model writes what goes between."""
+    before = encode_bounded(tokenizer, prefix, limit, params[0])
+    after = encode_bounded(tokenizer, suffix, limit, params[1])
+    return token_array([fmt.prefix]) + before + token_array([fmt.suffix]) + after + token_array([fmt.middle])
+
+
+def fim_prompt(tokenizer: Any, prefix: str, suffix: str, limit: Optional[int], param: str = "suffix") -> Prompt:
+    """[BOS] <prefix> PREFIX <suffix> SUFFIX <middle>. A 400 for a model without FIM tokens."""
+    fmt = require_fim(tokenizer, param, "it cannot complete with a suffix; send the prompt alone")
+    body = fim_ids(tokenizer, fmt, prefix, suffix, limit, ("prompt", param))
+    if limit is not None and len(body) > limit:
         raise PromptTooLong(limit, len(body), "prompt")
     return Prompt(token_array(leading_specials(tokenizer)) + body, None, body)

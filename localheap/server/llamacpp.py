@@ -23,9 +23,9 @@ from ..generation import LOGIT_BIAS_RANGE, LogprobRecorder, SamplingParams
 from ..sessions import Prompt
 from ..sessions.session import token_array
 from .errors import BadRequest, PromptTooLong, Unsupported
-from .fim import fim_format, leading_specials
+from .fim import fim_format, fim_ids, require_fim
 from .logprobs import TokenText, finite
-from .tokens import encode_bounded, encode_plain
+from .tokens import encode_bounded, encode_plain, leading_specials
 
 # llama-server's sampler names, and the letters of its --sampling-seq form
 SAMPLER_LETTERS = {"d": "dry", "k": "top_k", "y": "typ_p", "p": "top_p", "m": "min_p", "x": "xtc",
@@ -250,9 +250,7 @@ def infill_context(tokenizer: Any, req: "LlamaRequest", limit: Optional[int]) ->
     repo-level tokens, <|repo_name|>myproject\\n, each extra file as <|file_sep|>NAME\\nTEXT and
     <|file_sep|>filename\\n (the file being edited); else the extra texts as they are. A 400 for a
     model without fill-in-the-middle tokens."""
-    if fim_format(tokenizer) is None:
-        raise BadRequest("this model has no fill-in-the-middle tokens (such as <|fim_prefix|>, <fim_prefix> or "
-                         "<｜fim▁begin｜>): it cannot infill; use /completion", "input_prefix")
+    require_fim(tokenizer, "input_prefix", "it cannot infill; use /completion")
     vocab = tokenizer.get_vocab()
     body = token_array()
 
@@ -283,14 +281,9 @@ def infill_prompt(tokenizer: Any, req: "LlamaRequest", limit: Optional[int]) -> 
         raise BadRequest("infill's prompt is a text (it follows the middle token)", "prompt")
     head = infill_context(tokenizer, req, limit)
     fmt = fim_format(tokenizer)
-    text = lambda s, param: encode_bounded(tokenizer, s, limit, param)   # noqa: E731
     body = token_array(head.continuation)
-    body.append(fmt.prefix)
-    body.extend(text(req.input_prefix, "input_prefix"))
-    body.append(fmt.suffix)
-    body.extend(text(req.input_suffix, "input_suffix"))
-    body.append(fmt.middle)
-    body.extend(text(req.prompt, "prompt"))
+    body.extend(fim_ids(tokenizer, fmt, req.input_prefix, req.input_suffix, limit, ("input_prefix", "input_suffix")))
+    body.extend(encode_bounded(tokenizer, req.prompt, limit, "prompt"))
     if limit is not None and len(body) > limit:
         raise PromptTooLong(limit, len(body), "prompt")
     return Prompt(token_array(leading_specials(tokenizer)) + body, None, body)

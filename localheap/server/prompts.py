@@ -16,7 +16,7 @@ from ..sessions.session import token_array
 from .errors import BadRequest, PromptTooLong
 from .schemas import ChatMessage, CompletionRequest
 from .toolformats import ToolFormat, prompted_call, prompted_tools
-from .tokens import PIECE_CHARS, check_chars, encode_bounded, encode_plain, release_freed_memory
+from .tokens import PIECE_CHARS, check_chars, encode_bounded, encode_plain, release_freed_memory, special_head
 
 _LONG_TEXTS = threading.Lock()
 
@@ -196,11 +196,9 @@ def _tail_ids(tokenizer: Any, text: str, tokens: Sequence[int], tail: str) -> Se
 def with_specials(tokenizer: Any, text: str, ids: Sequence[int]) -> Sequence[int]:
     """`ids` with the special tokens the tokenizer adds to a text (BOS), without tokenizing
     the text again; a second call only for a tokenizer that adds them elsewhere."""
-    probe = list(tokenizer.encode("a", add_special_tokens=True))
-    plain = encode_plain(tokenizer, "a")
-    n = len(probe) - len(plain)
-    if n >= 0 and probe[n:] == plain:
-        return token_array(probe[:n]) + token_array(ids)
+    head = special_head(tokenizer)
+    if head is not None:
+        return token_array(head) + token_array(ids)
     return list(tokenizer.encode(text, add_special_tokens=True))
 
 

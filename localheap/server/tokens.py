@@ -48,6 +48,20 @@ def encode_plain(tokenizer: Any, text: str) -> list[int]:
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 
+def special_head(tokenizer: Any) -> Optional[list[int]]:
+    """The special tokens the tokenizer puts before a text (a BOS; [] for none); None where it adds
+    some elsewhere too (after the text): then a text's ids with them take a call of their own."""
+    probe = list(tokenizer.encode("a", add_special_tokens=True))
+    plain = encode_plain(tokenizer, "a")
+    n = len(probe) - len(plain)
+    return probe[:n] if n >= 0 and probe[n:] == plain else None
+
+
+def leading_specials(tokenizer: Any) -> list[int]:
+    """The special tokens the tokenizer puts before a text (a BOS), [] where it puts none there."""
+    return special_head(tokenizer) or []
+
+
 def longest_token_chars(tokenizer: Any) -> int:
     """Characters one token can cover at most (its vocabulary string: byte-level tokens have
     a character a byte), cached on the tokenizer; 0 when the tokenizer cannot say."""
