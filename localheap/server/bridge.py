@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import weakref
-from typing import AsyncIterator, Callable, Optional
+from typing import Any, AsyncIterator, Callable, Optional, Sequence
 
 from fastapi import Request
 
@@ -105,6 +105,37 @@ async def follow(job: Job, events: JobEvents) -> AsyncIterator[Event]:
                 return
     finally:
         job.cancel()
+
+
+async def merged(sources: Sequence[AsyncIterator]) -> AsyncIterator[tuple[int, Any]]:
+    """(i, item) from each of `sources` as they come, until all of them end; a source's error is
+    raised here. Closing it cancels the sources still running (a client gone: each follow() in
+    them cancels its job): use it under contextlib.aclosing."""
+    arrived: asyncio.Queue = asyncio.Queue()
+    ended = object()
+
+    async def pump(i: int, source: AsyncIterator) -> None:
+        try:
+            async for item in source:
+                arrived.put_nowait((i, item))
+            arrived.put_nowait((i, ended))
+        except Exception as e:   # noqa: BLE001 - raised to the reader
+            arrived.put_nowait((i, e))
+
+    pumps = [asyncio.create_task(pump(i, s)) for i, s in enumerate(sources)]
+    try:
+        left = len(pumps)
+        while left:
+            i, item = await arrived.get()
+            if item is ended:
+                left -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for task in pumps:
+            task.cancel()
 
 
 async def collect(request: Request, job: Job, events: JobEvents) -> tuple[str, Finished, Optional[list]]:

@@ -31,7 +31,8 @@ from .tokens import encode_bounded, encode_plain, leading_specials
 SAMPLER_LETTERS = {"d": "dry", "k": "top_k", "y": "typ_p", "p": "top_p", "m": "min_p", "x": "xtc",
                    "t": "temperature", "s": "top_n_sigma", "e": "penalties"}
 OURS = ("top_k", "top_p", "min_p", "temperature")        # samplers this server has
-OTHERS = {"dry", "typ_p", "xtc", "top_n_sigma", "penalties", "infill", "mirostat"}   # named: off unless their option says
+# samplers it may name that this server has not: off unless their option says otherwise (OFF)
+OTHERS = {"dry", "typ_p", "xtc", "top_n_sigma", "penalties", "infill", "mirostat"}
 
 # options of samplers this server does not have: accepted only where they leave the sampler off
 OFF = {"typical_p": lambda v: v >= 1.0, "repeat_penalty": lambda v: v == 1.0, "dry_multiplier": lambda v: v == 0.0,
@@ -114,7 +115,8 @@ class LlamaRequest(BaseModel):
             return SamplingParams(max_tokens=self.limit(default), temperature=max(0.0, temperature),
                                   top_k=max(0, top_k), top_p=min(1.0, top_p) if top_p > 0 else 1.0,
                                   min_p=min(1.0, max(0.0, min_p)), seed=seed, stop=stop,
-                                  presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty, logit_bias=bias, constraint=constraint,
+                                  presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+                                  logit_bias=bias, constraint=constraint,
                                   logprobs=LogprobRecorder(self.n_probs) if self.n_probs else None,
                                   stop_token_ids=list(stop_ids))
         except ValueError as e:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Optional
 
@@ -19,7 +20,7 @@ from sse_starlette import EventSourceResponse
 from ...engine import Delta, Feed, Finished, Job
 from ...grammar import Grammar, GrammarError, json_grammar
 from ...sessions import Prompt
-from ..bridge import JobEvents, follow, submit, watch_disconnect
+from ..bridge import JobEvents, follow, merged, submit, watch_disconnect
 from ..chat import start
 from ..errors import BadRequest, to_response
 from ..fim import fim_format
@@ -284,27 +285,9 @@ class Reply:
         raise RuntimeError("the run ended without its final event")
 
     async def stream(self, request: Request, slots: list[Slot]) -> AsyncIterator[dict]:
-        arrived: asyncio.Queue = asyncio.Queue()
-
-        async def pump(s: Slot) -> None:
-            try:
-                async for item in self.events(s):
-                    arrived.put_nowait(item)
-            except Exception as e:   # noqa: BLE001 - reported in the stream
-                arrived.put_nowait(e)
-
-        pumps = [asyncio.create_task(pump(s)) for s in slots]
         try:
-            ended = 0
-            while ended < len(slots):
-                item = await arrived.get()
-                if isinstance(item, Exception):
-                    raise item
-                last, piece = item
-                ended += last
-                yield {"data": json.dumps(piece, separators=(",", ":"))}
+            async with aclosing(merged([self.events(s) for s in slots])) as pieces:
+                async for _, (_, piece) in pieces:
+                    yield {"data": json.dumps(piece, separators=(",", ":"))}
         except Exception as e:   # the status is gone: an error event, as llama-server sends one
             yield {"data": to_response(e).body.decode()}
-        finally:
-            for task in pumps:   # (a client gone: each pump's follow() cancels its job)
-                task.cancel()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable, Optional, Sequence, Union
 
@@ -15,7 +16,7 @@ from sse_starlette import EventSourceResponse
 from ...engine import Delta, Finished, Job, Started
 from ...generation import LogprobRecorder, SamplingParams, check_logit_bias
 from ...sessions import Prompt
-from ..bridge import JobEvents, collect, follow
+from ..bridge import JobEvents, collect, follow, merged
 from ..chat import ChatPlan, start
 from ..errors import BadRequest, Unsupported, to_response
 from ..fim import fim_format, fim_prompt
@@ -213,16 +214,6 @@ async def _stream(reply: Reply, choices: list[Choice], started: Started, usage: 
     """The choices' chunks as their events come (each chunk names its choice's index); the last
     chunk of each has its finish_reason, then (include_usage) one usage chunk for them all."""
     first_ext = {"session_id": started.session_id}
-    arrived: asyncio.Queue = asyncio.Queue()
-
-    async def pump(c: Choice) -> None:
-        try:
-            async for event in follow(c.job, c.events):
-                arrived.put_nowait((c, event))
-        except Exception as e:   # noqa: BLE001 - reported in the stream
-            arrived.put_nowait((c, e))
-
-    pumps = [asyncio.create_task(pump(c)) for c in choices]
     try:
         if reply.kind == "chat":
             for c in choices:
@@ -230,42 +221,38 @@ async def _stream(reply: Reply, choices: list[Choice], started: Started, usage: 
                 first_ext = None
         ended: dict[int, Finished] = {}
         exts: dict[int, dict] = {}
-        while len(ended) < len(choices):
-            c, event = await arrived.get()
-            if isinstance(event, Exception):
-                raise event
-            if c.echo is not None and isinstance(event, (Delta, Finished)):   # the prompt is read: it goes first
-                yield _data(reply.echo_chunk(c.echo, extension=first_ext, with_usage_field=usage, index=c.index))
-                first_ext, c.echo = None, None
-            if isinstance(event, Delta):
-                c.first_token_at = c.first_token_at or time.monotonic()
-                if c.parser is None:
-                    yield _data(reply.chunk(event.text, extension=first_ext, with_usage_field=usage,
-                                            logprobs=event.logprobs, index=c.index))
-                    first_ext = None
-                    continue
-                c.logprobs += event.logprobs or []
-            if c.parser is not None and isinstance(event, (Delta, Finished)):   # chat: the reply in its parts
-                for piece in c.parser.feed(event.text) if isinstance(event, Delta) else c.parser.finish():
-                    chunk = _piece_chunk(reply, piece, c, usage)
-                    if chunk is not None:
-                        yield chunk
-                        c.logprobs = []   # they went with it
-                    c.calls += isinstance(piece, ToolCall)
-            if isinstance(event, Finished):
-                ended[c.index] = event
-                decode_s = time.monotonic() - c.first_token_at if c.first_token_at is not None else None
-                ext = exts[c.index] = extension(event, decode_s)
-                yield _data(reply.chunk(None, finish_reason(event, c.calls > 0), extension=ext,
-                                        with_usage_field=usage, logprobs=c.logprobs, index=c.index))
+        async with aclosing(merged([follow(c.job, c.events) for c in choices])) as events:
+            async for i, event in events:
+                c = choices[i]
+                if c.echo is not None and isinstance(event, (Delta, Finished)):   # the prompt is read: it goes first
+                    yield _data(reply.echo_chunk(c.echo, extension=first_ext, with_usage_field=usage, index=c.index))
+                    first_ext, c.echo = None, None
+                if isinstance(event, Delta):
+                    c.first_token_at = c.first_token_at or time.monotonic()
+                    if c.parser is None:
+                        yield _data(reply.chunk(event.text, extension=first_ext, with_usage_field=usage,
+                                                logprobs=event.logprobs, index=c.index))
+                        first_ext = None
+                        continue
+                    c.logprobs += event.logprobs or []
+                if c.parser is not None and isinstance(event, (Delta, Finished)):   # chat: the reply in its parts
+                    for piece in c.parser.feed(event.text) if isinstance(event, Delta) else c.parser.finish():
+                        chunk = _piece_chunk(reply, piece, c, usage)
+                        if chunk is not None:
+                            yield chunk
+                            c.logprobs = []   # they went with it
+                        c.calls += isinstance(piece, ToolCall)
+                if isinstance(event, Finished):
+                    ended[c.index] = event
+                    decode_s = time.monotonic() - c.first_token_at if c.first_token_at is not None else None
+                    ext = exts[c.index] = extension(event, decode_s)
+                    yield _data(reply.chunk(None, finish_reason(event, c.calls > 0), extension=ext,
+                                            with_usage_field=usage, logprobs=c.logprobs, index=c.index))
         if usage:
             dones = [ended[i] for i in range(len(choices))]
             yield _data(reply.usage_chunk(total_usage(dones, n), exts[0]))   # (the first choice's session and speed)
     except Exception as e:   # headers are gone: report in the stream, as OpenAI does
         yield {"data": to_response(e).body.decode()}
-    finally:
-        for task in pumps:   # (a client gone: each pump's follow() cancels its job)
-            task.cancel()
     yield {"data": "[DONE]"}
 
 
