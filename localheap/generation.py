@@ -5,13 +5,14 @@ Knows nothing about tensors or tokenizers' internals: text in, text out.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, Callable, Optional, Protocol
 
 ProgressFn = Callable[[int, int], None]   # (tokens done, tokens total)
 PENALTY_RANGE = (-2.0, 2.0)   # presence_penalty, frequency_penalty (OpenAI's range)
 MIN_P_RANGE = (0.0, 1.0)
 LOGIT_BIAS_RANGE = (-100.0, 100.0)   # OpenAI's, per id
+REPEAT_PENALTY_MAX = 10.0            # repeat_penalty's bound (llama.cpp sets none; past this every repeat is banned)
 TOP_LOGPROBS_MAX = 20                # alternatives per token a reply's logprobs may list (OpenAI's limit)
 
 
@@ -101,6 +102,9 @@ class SamplingParams:
     logprobs: Optional[LogprobRecorder] = None   # each sampled token's logprob (and the top ids') go here
     prompt_logprobs: Optional[LogprobRecorder] = None   # each new prompt token's but the first (prefill_scored)
     stop_token_ids: list[int] = field(default_factory=list)   # end the reply as EOS does (vLLM's; a FIM model's end tokens)
+    repeat_penalty: float = 1.0   # llama.cpp's and Ollama's (vLLM's repetition_penalty): 1 = off; see `repeating`
+    repeat_last_n: int = 64       # the window it looks back over: the context's last n tokens (-1: all; 0: off)
+    repeat_context: list[int] = field(default_factory=list)   # the context before the reply (its tail), set by the engine
 
     def __post_init__(self) -> None:
         if self.max_tokens < 0:
@@ -119,6 +123,11 @@ class SamplingParams:
         self.stop_token_ids = [int(t) for t in self.stop_token_ids or []]
         if any(t < 0 for t in self.stop_token_ids):
             raise ValueError("stop_token_ids must be >= 0")
+        if not 0.0 < self.repeat_penalty <= REPEAT_PENALTY_MAX:
+            raise ValueError(f"repeat_penalty must be in (0, {REPEAT_PENALTY_MAX:g}] (1: off)")
+        if self.repeat_last_n < -1:
+            raise ValueError("repeat_last_n must be >= -1 (-1: the whole context; 0: off)")
+        self.repeat_context = [int(t) for t in self.repeat_context or []]
         lo, hi = LOGIT_BIAS_RANGE
         for k, v in self.logit_bias.items():
             if k < 0 or not lo <= v <= hi:
@@ -143,10 +152,28 @@ class SamplingParams:
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
     @property
+    def repeating(self) -> bool:
+        """Whether the repetition penalty is on: before each sample, each id among the window's (the
+        context's last `repeat_last_n` tokens, the reply's so far included) has its logit divided by
+        repeat_penalty where it is positive, multiplied where not, as llama.cpp, mlx-lm and
+        transformers define it; after logit_bias, before the other penalties and the cut-offs."""
+        return self.repeat_penalty != 1.0 and self.repeat_last_n != 0
+
+    def with_context(self, fed, held: list[int]) -> "SamplingParams":
+        """These params with `repeat_context` set from the session's fed tokens (a sequence with
+        tolist, or a list) and the turn's tokens not fed yet: the window's part before the reply."""
+        if not self.repeating:
+            return self
+        n = self.repeat_last_n
+        head = fed[max(0, len(fed) - n):] if n > 0 else fed
+        tail = (head.tolist() if hasattr(head, "tolist") else list(head)) + [int(t) for t in held]
+        return replace(self, repeat_context=tail if n < 0 else tail[max(0, len(tail) - n):])
+
+    @property
     def plain_greedy(self) -> bool:
         """Greedy with nothing between the logits and the argmax (a batch argmaxes such rows together)."""
         return self.greedy and self.constraint is None and not self.penalized and not self.logit_bias \
-            and self.logprobs is None
+            and self.logprobs is None and not self.repeating
 
 
 class StopMatcher:

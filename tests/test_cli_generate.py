@@ -47,11 +47,14 @@ def test_generate_takes_the_penalties_and_checks_their_range(capsys):
     args = ["generate", "--backend", "torch", "--prompt", "The pass key", "--max-tokens", "12"]
     pytest.importorskip("torch")
     outs = []
-    for extra in ([], ["--presence-penalty", "2", "--frequency-penalty", "1", "--min-p", "0.1"]):
+    for extra in ([], ["--presence-penalty", "2", "--frequency-penalty", "1", "--min-p", "0.1"],
+                  ["--repeat-penalty", "4", "--repeat-last-n", "-1"]):
         assert main(args + extra) == 0
         outs.append(capsys.readouterr().out)
-    assert outs[0] != outs[1]
-    with pytest.raises(SystemExit) as e:
-        main(args + ["--presence-penalty", "3"])
-    assert e.value.code == 2
-    assert "not in [-2, 2]" in capsys.readouterr().err
+    assert outs[0] != outs[1] and outs[0] != outs[2]
+    for bad, says in ((["--presence-penalty", "3"], "not in [-2, 2]"), (["--repeat-penalty", "0"], "not in"),
+                      (["--repeat-last-n", "-2"], "-1 (the whole context)")):
+        with pytest.raises(SystemExit) as e:
+            main(args + bad)
+        assert e.value.code == 2
+        assert says in capsys.readouterr().err

@@ -53,12 +53,13 @@ def _special(srv, name: str) -> int:
     return srv.services.tokenizer.get_vocab()[name]
 
 
-def _stock(srv, ids: list[int], n: int, ends=()) -> list[int]:
-    """transformers' greedy continuation of `ids` with its own cache, cut before an end token."""
+def _stock(srv, ids: list[int], n: int, ends=(), **kw) -> list[int]:
+    """transformers' greedy continuation of `ids` with its own cache, cut before an end token
+    (`kw`: more of its generation options)."""
     backend = srv.services.backend
     with torch.no_grad():
         out = backend.model.generate(torch.tensor([ids], device=backend.model.device), max_new_tokens=n,
-                                     do_sample=False)[0, len(ids):].tolist()
+                                     do_sample=False, **kw)[0, len(ids):].tolist()
     stops = set(backend.eos_token_ids) | set(ends)
     return out[:next((i for i, t in enumerate(out) if t in stops), len(out))]
 
@@ -94,6 +95,29 @@ def test_ids_mixed_prompts_and_several_prompts(server):
     assert [m["index"] for m in many] == [0, 1]
     for text, m in zip(texts, many):
         assert m["tokens"] == _stock(server, _bos(server) + _plain(server, text), 5)
+
+
+def test_the_repetition_penalty_is_transformers_and_the_samplers_list_can_leave_it_out(server):
+    """repeat_penalty over the whole context (repeat_last_n -1) on /completion, and vLLM's
+    repetition_penalty on /v1/completions: transformers' greedy tokens with its own repetition
+    penalty; a `samplers` list without "penalties" leaves it off, as llama-server does."""
+    ids = _bos(server) + _plain(server, PREFIX * 3)
+    want = _stock(server, ids, 12, repetition_penalty=1.5)
+    assert want != _stock(server, ids, 12), "the penalty changes this reply"
+    body = {"prompt": ids, "n_predict": 12, "temperature": 0, "return_tokens": True, "ignore_eos": False}
+    got = _post(server, "/completion", {**body, "repeat_penalty": 1.5, "repeat_last_n": -1})
+    assert got["tokens"] == want
+    assert got["generation_settings"]["repeat_penalty"] == 1.5 and "penalties" in got["generation_settings"]["samplers"]
+    off = _post(server, "/completion", {**body, "repeat_penalty": 1.5, "samplers": ["top_k", "temperature"]})
+    assert off["tokens"] == _stock(server, ids, 12) and off["generation_settings"]["repeat_penalty"] == 1.0
+    oai = _post(server, "/v1/completions", {"prompt": ids, "max_tokens": 12, "temperature": 0,
+                                            "repetition_penalty": 1.5})
+    assert oai["choices"][0]["text"] == server.services.tokenizer.decode(want)
+    both = _post(server, "/v1/completions", {"prompt": ids, "repetition_penalty": 1.5, "repeat_penalty": 1.2},
+                 status=400)
+    assert "not both" in json.dumps(both)
+    for bad, param in (({"repeat_penalty": 0}, "repeat_penalty"), ({"repeat_last_n": -3}, "repeat_last_n")):
+        assert _post(server, "/completion", {**body, **bad}, status=400)["error"]["param"] == param
 
 
 def test_stream_pieces_join_to_the_whole_reply(server):
@@ -180,7 +204,7 @@ def test_n_probs_and_response_fields(server):
 
 def test_options_it_has_no_sampler_for_are_refused_unless_off(server):
     base = {"prompt": "a", "n_predict": 2}
-    for name, value in (("repeat_penalty", 1.1), ("mirostat", 2), ("typical_p", 0.5), ("dry_multiplier", 0.8)):
+    for name, value in (("mirostat", 2), ("typical_p", 0.5), ("dry_multiplier", 0.8)):
         bad = _post(server, "/completion", {**base, name: value}, status=400)
         assert bad["error"]["param"] == name and "no such sampler" in bad["error"]["message"]
     off = {"repeat_penalty": 1.0, "mirostat": 0, "typical_p": 1.0, "dry_multiplier": 0.0, "repeat_last_n": 64,
@@ -292,8 +316,8 @@ def test_llama_vscode_requests_as_it_sends_them(server):
             "dry_allowed_length": 2, "dry_penalty_last_n": -1, "max_tokens": -1, "timings_per_token": False}
     chat = _post(server, "/v1/chat/completions", {**edit, "max_tokens": 4} | {"max_tokens": -1, "seed": 1})
     assert chat["choices"][0]["message"]["role"] == "assistant"
-    bad = _post(server, "/v1/chat/completions", {**edit, "repeat_penalty": 1.2}, status=400)
-    assert bad["error"]["param"] == "repeat_penalty"
+    bad = _post(server, "/v1/chat/completions", {**edit, "dry_multiplier": 0.8}, status=400)
+    assert bad["error"]["param"] == "dry_multiplier"
     greedy = {"messages": edit["messages"], "max_tokens": 6, "temperature": 0, "seed": 5}
     plain = _post(server, "/v1/chat/completions", greedy)["choices"][0]["message"]["content"]
     # temperature 0 but no "temperature" sampler named: sampled at temperature 1 (seeded), not greedy

@@ -657,7 +657,8 @@ def test_chat_ends_with_status_1_when_a_reply_finds_the_ranks_lost(monkeypatch, 
     typed = iter(["hello", "again", "/quit"])
     monkeypatch.setattr(chat_cmd, "read_message", lambda: next(typed))
     args = argparse.Namespace(distributed="tensor", system=None, max_tokens=4, temperature=0.0, top_p=1.0, seed=None,
-                              min_p=0.0, presence_penalty=0.0, frequency_penalty=0.0)
+                              min_p=0.0, presence_penalty=0.0, frequency_penalty=0.0, repeat_penalty=1.0,
+                              repeat_last_n=64)
     backend = type("Leader", (), {"model_name": "demo", "name": "mlx"})()
     assert chat_cmd.chat_on(backend, HeapConfig(budget=48, recent=8), args) == 1
     assert asked == ["hello"]

@@ -90,14 +90,14 @@ def test_min_p_drops_the_unlikely_ids():
 @pytest.mark.parametrize("presence,frequency", PENALTIES[:3])
 def test_mlx_sampler_applies_the_penalties_as_defined(presence, frequency):
     mx = pytest.importorskip("mlx.core")
-    from localheap.backends.mlx.generate import sampler_for
+    from localheap.backends.mlx.generate import Sampler
 
     logits = _logits()
-    sample = sampler_for(SamplingParams(presence_penalty=presence, frequency_penalty=frequency))
+    sample = Sampler(SamplingParams(presence_penalty=presence, frequency_penalty=frequency))
     got = []
     for row in logits:
         x = mx.array(row[None])
-        got.append(int(sample(x - mx.logsumexp(x, keepdims=True)).item()))
+        got.append(int(sample(x, x - mx.logsumexp(x, keepdims=True)).item()))
     assert got == _reference_greedy(logits, presence, frequency)
 
 
@@ -145,3 +145,37 @@ def test_the_server_takes_the_penalties_and_min_p(model_dirs):
         assert ask(presence_penalty=2.0, frequency_penalty=1.0) != plain
         assert ask(min_p=0.0) == plain   # off: the plain reply
         assert ask(min_p=0.2, temperature=1.0, seed=1)
+
+
+def test_mlx_sampled_draws_are_mlx_lms_sampler_on_the_processed_logits():
+    """logit_bias and the penalties change the logits before their logsumexp, where mlx-lm's
+    generate_step applies its processors: seeded, the draws are mlx-lm's own sampler's given the
+    log-softmax of the processed logits."""
+    mx = pytest.importorskip("mlx.core")
+    from mlx_lm.sample_utils import make_sampler
+
+    from localheap.backends.mlx.generate import Sampler
+
+    logits = _logits(60)
+    bias, presence = {1: 2.0, 2: -1.0}, 0.5
+    ours = Sampler(SamplingParams(temperature=1.0, top_p=0.6, logit_bias=bias, presence_penalty=presence))
+    stock = make_sampler(temp=1.0, top_p=0.6)
+    vector = np.zeros(logits.shape[1], np.float32)
+    vector[list(bias)] = list(bias.values())
+
+    def draws(by_hand: bool) -> list[int]:
+        mx.random.seed(5)
+        counts, out = np.zeros(logits.shape[1], np.float32), []
+        for row in logits:
+            x = mx.array(row[None])
+            if by_hand:
+                scores = mx.array((row + vector - presence * (counts > 0))[None])
+                t = int(stock(scores - mx.logsumexp(scores, keepdims=True)).item())
+            else:
+                t = int(ours(x, x - mx.logsumexp(x, keepdims=True)).item())
+            counts[t] += 1
+            out.append(t)
+        return out
+
+    got = draws(False)
+    assert got == draws(True) and len(set(got)) > 2

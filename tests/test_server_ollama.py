@@ -73,6 +73,13 @@ def test_generate_whole_streamed_and_raw(server, client):
     assert raw.response == text.choices[0].text   # raw: no template, as /v1/completions
     loaded = client.generate(model=model(server), prompt="")
     assert loaded.done and loaded.done_reason == "load" and loaded.response == ""
+    # Ollama's repetition penalty: taken (it was refused), a greedy raw reply is what /v1/completions
+    # gives with llama-server's same option, and a strong one changes the reply
+    penalized = {**options, "repeat_penalty": 4.0, "repeat_last_n": 16}
+    pen = client.generate(model=model(server), prompt="The pass key", raw=True, options=penalized)
+    same = httpx.post(server.url + "/v1/completions", json={"prompt": "The pass key", "max_tokens": 8, "temperature": 0,
+                                                            "repeat_penalty": 4.0, "repeat_last_n": 16}, timeout=60)
+    assert pen.response == same.json()["choices"][0]["text"] != raw.response
 
 
 def test_a_tool_call_and_its_result_sent_back(server, client, force):
@@ -152,7 +159,9 @@ def test_tags_show_ps_version(server, client):
 
 
 @pytest.mark.parametrize("body,param", [
-    ({"options": {"repeat_penalty": 1.3}}, "options.repeat_penalty"),
+    ({"options": {"mirostat": 2}}, "options.mirostat"),
+    ({"options": {"repeat_penalty": 0}}, "options.repeat_penalty"),
+    ({"options": {"repeat_last_n": -2}}, "options.repeat_last_n"),
     ({"options": {"frobnicate": 1}}, "options.frobnicate"),
     ({"messages": [{"role": "user", "content": "x", "images": ["aGk="]}]}, "messages.0.images"),
     ({"frobnicate": 1}, None),

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-from ..generation import MIN_P_RANGE, PENALTY_RANGE
+from ..generation import MIN_P_RANGE, PENALTY_RANGE, REPEAT_PENALTY_MAX
 from ..heap import POLICIES, POSITION_MODES, HeapConfig
 from ..heap.config import PAGE_FORMATS, RECALL_SCORES, RECALL_SELECTS, RECALL_SUMMARIES
 
@@ -59,8 +59,15 @@ def _ranged(lo: float, hi: float):
     return parse
 
 
+def _last_n(text: str) -> int:
+    n = int(text)
+    if n < -1:
+        raise argparse.ArgumentTypeError(f"{n} is not -1 (the whole context), 0 (off) or a count of tokens")
+    return n
+
+
 def add_penalty_args(p: argparse.ArgumentParser) -> None:
-    """min-p and OpenAI's presence and frequency penalties (generation.SamplingParams)."""
+    """min-p, OpenAI's presence and frequency penalties, llama.cpp's repetition penalty (generation.SamplingParams)."""
     p.add_argument("--min-p", type=_ranged(*MIN_P_RANGE), default=0.0,
                    help="drop tokens under this fraction of the likeliest token's probability, 0: off (default: 0)")
     p.add_argument("--presence-penalty", type=_ranged(*PENALTY_RANGE), default=0.0,
@@ -68,11 +75,18 @@ def add_penalty_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--frequency-penalty", type=_ranged(*PENALTY_RANGE), default=0.0,
                    help="times the number of times the reply has written a token, off its logit, -2 to 2 "
                         "(default: 0)")
+    p.add_argument("--repeat-penalty", type=_ranged(1e-3, REPEAT_PENALTY_MAX), default=1.0,
+                   help="llama.cpp's repetition penalty: the logit of each token among the context's last "
+                        "--repeat-last-n is divided by it where positive, multiplied where not; 1: off (default: 1)")
+    p.add_argument("--repeat-last-n", type=_last_n, default=64,
+                   help="the tokens the repetition penalty looks back over, the reply's included; -1: the whole "
+                        "context (default: 64)")
 
 
 def penalty_params(args) -> dict:
     return {"min_p": args.min_p, "presence_penalty": args.presence_penalty,
-            "frequency_penalty": args.frequency_penalty}
+            "frequency_penalty": args.frequency_penalty, "repeat_penalty": args.repeat_penalty,
+            "repeat_last_n": args.repeat_last_n}
 
 
 def add_graphs_arg(p: argparse.ArgumentParser) -> None:

@@ -119,16 +119,21 @@ class Run:
         comes from the batch (`take`)."""
         req: Generate = self.request
         defer = req.params.max_tokens > 0   # the first step feeds it, in the batch where it can
-        self.row = self.backend.start_row(self.session.cache, self.last, req.params, defer=defer)
+        self.row = self.backend.start_row(self.session.cache, self.last, self._params(), defer=defer)
         self.stream = TextStream(self.backend.tokenizer.decode, req.params.stop)
         if not defer:
             self.finish_reason = "length"   # sampled but not taken: the token is not fed either
             self._publish_stats(force=True)
 
+    def _params(self):
+        """The request's sampling params for the backend: with the context the repetition penalty
+        looks back over (the session's tokens and the turn's held-back ones), where it is on."""
+        return self.request.params.with_context(self.session.fed, self.last)
+
     def _decode_one(self) -> None:
         req: Generate = self.request
         if self.gen is None:
-            self.gen = self.backend.generate(self.session.cache, self.last, req.params)
+            self.gen = self.backend.generate(self.session.cache, self.last, self._params())
             self.stream = TextStream(self.backend.tokenizer.decode, req.params.stop)
         token = next(self.gen, None)
         if token is None:

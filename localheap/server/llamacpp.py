@@ -30,20 +30,20 @@ from .tokens import encode_bounded, encode_plain, leading_specials
 # llama-server's sampler names, and the letters of its --sampling-seq form
 SAMPLER_LETTERS = {"d": "dry", "k": "top_k", "y": "typ_p", "p": "top_p", "m": "min_p", "x": "xtc",
                    "t": "temperature", "s": "top_n_sigma", "e": "penalties"}
-OURS = ("top_k", "top_p", "min_p", "temperature")        # samplers this server has
+OURS = ("top_k", "top_p", "min_p", "temperature")        # samplers this server has (and "penalties": penalties_on)
 # samplers it may name that this server has not: off unless their option says otherwise (OFF)
 OTHERS = {"dry", "typ_p", "xtc", "top_n_sigma", "penalties", "infill", "mirostat"}
 
 # options of samplers this server does not have: accepted only where they leave the sampler off
-OFF = {"typical_p": lambda v: v >= 1.0, "repeat_penalty": lambda v: v == 1.0, "dry_multiplier": lambda v: v == 0.0,
+OFF = {"typical_p": lambda v: v >= 1.0, "dry_multiplier": lambda v: v == 0.0,
        "xtc_probability": lambda v: v == 0.0, "mirostat": lambda v: v == 0, "dynatemp_range": lambda v: v == 0.0,
        "top_n_sigma": lambda v: v <= 0.0, "post_sampling_probs": lambda v: v is False, "n_cmpl": lambda v: v == 1,
-       "lora": lambda v: not v, "penalty_last_n": lambda v: True}
+       "lora": lambda v: not v}
 # tuning of those samplers (moot while they are off) and of llama.cpp's runtime: accepted, unused
-UNUSED = {"repeat_last_n", "dry_base", "dry_allowed_length", "dry_penalty_last_n", "dry_sequence_breakers",
+UNUSED = {"dry_base", "dry_allowed_length", "dry_penalty_last_n", "dry_sequence_breakers",
           "xtc_threshold", "mirostat_tau", "mirostat_eta", "dynatemp_exponent", "penalize_nl", "min_keep",
           "t_max_prompt_ms", "id_slot", "n_keep", "n_discard", "n_cache_reuse", "timings_per_token",
-          "return_progress", "sse_ping_interval", "model", "id_task", "response_fields"}
+          "return_progress", "sse_ping_interval", "model", "id_task", "response_fields", "penalty_last_n"}
 MAX_PROMPTS = 64
 MAX_PROBS = 20
 REPO_TOKENS = ("<|repo_name|>", "<|file_sep|>")   # Qwen2.5-Coder's repo-level format (llama.cpp's FIM_REP, FIM_SEP)
@@ -76,6 +76,8 @@ class LlamaRequest(BaseModel):
     stop: Union[str, list[str], None] = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    repeat_penalty: float = 1.0
+    repeat_last_n: int = 64
     logit_bias: Union[list, dict, None] = None
     ignore_eos: bool = False
     n_probs: int = Field(0, ge=0, le=MAX_PROBS)
@@ -105,6 +107,7 @@ class LlamaRequest(BaseModel):
                stop_ids: Sequence[int] = (), seed_offset: int = 0) -> SamplingParams:
         temperature, top_k, top_p, min_p = switched(self.samplers, self.temperature, self.top_k, self.top_p,
                                                     self.min_p)
+        penalties = penalties_on(self.samplers)
         bias = logit_bias(self.logit_bias, tokenizer, vocab)
         if self.ignore_eos:
             for t in eos:
@@ -115,12 +118,15 @@ class LlamaRequest(BaseModel):
             return SamplingParams(max_tokens=self.limit(default), temperature=max(0.0, temperature),
                                   top_k=max(0, top_k), top_p=min(1.0, top_p) if top_p > 0 else 1.0,
                                   min_p=min(1.0, max(0.0, min_p)), seed=seed, stop=stop,
-                                  presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
-                                  logit_bias=bias, constraint=constraint,
+                                  presence_penalty=self.presence_penalty if penalties else 0.0,
+                                  frequency_penalty=self.frequency_penalty if penalties else 0.0,
+                                  repeat_penalty=self.repeat_penalty if penalties else 1.0,
+                                  repeat_last_n=self.repeat_last_n, logit_bias=bias, constraint=constraint,
                                   logprobs=LogprobRecorder(self.n_probs) if self.n_probs else None,
                                   stop_token_ids=list(stop_ids))
         except ValueError as e:
-            raise BadRequest(str(e), "n_predict" if "max_tokens" in str(e) else None) from e
+            raise BadRequest(str(e), next((f for f in ("repeat_penalty", "repeat_last_n") if f in str(e)),
+                                          "n_predict" if "max_tokens" in str(e) else None)) from e
 
     def settings(self, params: SamplingParams, n_ctx: Optional[int], model: str) -> dict:
         """generation_settings: the options as this request ran with them."""
@@ -128,8 +134,10 @@ class LlamaRequest(BaseModel):
                 "seed": 0xFFFFFFFF if params.seed is None else params.seed, "temperature": params.temperature,
                 "top_k": params.top_k, "top_p": params.top_p, "min_p": params.min_p,
                 "presence_penalty": params.presence_penalty, "frequency_penalty": params.frequency_penalty,
+                "repeat_penalty": params.repeat_penalty, "repeat_last_n": params.repeat_last_n,
                 "stop": params.stop, "ignore_eos": self.ignore_eos, "n_probs": self.n_probs, "stream": self.stream,
-                "grammar": self.grammar or "", "samplers": [s for s in OURS if params_has(params, s)],
+                "grammar": self.grammar or "",
+                "samplers": (["penalties"] if penalties_on(self.samplers) else []) + [s for s in OURS if params_has(params, s)],
                 "n_indent": self.n_indent, "t_max_predict_ms": self.t_max_predict_ms}
 
 
@@ -162,6 +170,15 @@ def switched(samplers: Union[list[str], str, None], temperature: float, top_k: i
         raise BadRequest(f"samplers: {bad[0]!r} is not a sampler llama-server names", "samplers")
     return (temperature if "temperature" in names else 1.0, top_k if "top_k" in names else 0,
             top_p if "top_p" in names else 1.0, min_p if "min_p" in names else 0.0)
+
+
+def penalties_on(samplers: Union[list[str], str, None]) -> bool:
+    """Whether llama-server's penalties sampler runs (repeat, presence and frequency penalties):
+    always, unless a `samplers` list leaves it out."""
+    if samplers is None:
+        return True
+    names = [SAMPLER_LETTERS.get(c, c) for c in samplers] if isinstance(samplers, str) else list(samplers)
+    return "penalties" in names
 
 
 def params_has(params: SamplingParams, sampler: str) -> bool:

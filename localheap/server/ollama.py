@@ -27,7 +27,7 @@ OLLAMA_VERSION = "0.12.0"   # the API version whose shapes these routes follow (
 RUNTIME_OPTIONS = {"num_ctx", "num_batch", "num_gpu", "main_gpu", "num_thread", "num_keep", "use_mmap", "use_mlock",
                    "low_vram", "numa", "vocab_only", "f16_kv", "logits_all", "embedding_only"}
 # sampling options this server has no sampler for: accepted at their neutral value only
-NEUTRAL_OPTIONS = {"repeat_penalty": 1.0, "repeat_last_n": None, "mirostat": 0, "mirostat_tau": None,
+NEUTRAL_OPTIONS = {"mirostat": 0, "mirostat_tau": None,
                    "mirostat_eta": None, "tfs_z": 1.0, "typical_p": 1.0, "penalize_newline": None}
 
 
@@ -106,7 +106,7 @@ class OllamaRequest(Strict):
         for name in RUNTIME_OPTIONS:
             o.pop(name, None)
         known = {"temperature", "top_p", "top_k", "min_p", "seed", "num_predict", "stop", "presence_penalty",
-                 "frequency_penalty"}
+                 "frequency_penalty", "repeat_penalty", "repeat_last_n"}
         unknown = sorted(set(o) - known)
         if unknown:
             raise BadRequest(f"options.{unknown[0]} is not an option this server knows", f"options.{unknown[0]}")
@@ -119,9 +119,12 @@ class OllamaRequest(Strict):
                                   seed=None if o.get("seed") is None else int(o["seed"]),
                                   stop=[stop] if isinstance(stop, str) else list(stop),
                                   presence_penalty=float(o.get("presence_penalty", 0.0)),
-                                  frequency_penalty=float(o.get("frequency_penalty", 0.0)), constraint=constraint)
+                                  frequency_penalty=float(o.get("frequency_penalty", 0.0)),
+                                  repeat_penalty=float(o.get("repeat_penalty", 1.0)),
+                                  repeat_last_n=int(o.get("repeat_last_n", 64)), constraint=constraint)
         except (TypeError, ValueError) as e:
-            raise BadRequest(f"options: {e}", "options") from e
+            name = next((n for n in ("repeat_penalty", "repeat_last_n") if n in str(e)), None)
+            raise BadRequest(f"options: {e}", f"options.{name}" if name else "options") from e
 
     def schema(self) -> Optional[dict]:
         """The JSON the reply must be: {} for "json" (any object), a schema, or None."""

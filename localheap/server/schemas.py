@@ -7,7 +7,7 @@ from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from ..generation import LOGIT_BIAS_RANGE, MIN_P_RANGE, PENALTY_RANGE, TOP_LOGPROBS_MAX
+from ..generation import LOGIT_BIAS_RANGE, MIN_P_RANGE, PENALTY_RANGE, REPEAT_PENALTY_MAX, TOP_LOGPROBS_MAX
 
 
 TITLE_MAX_CHARS = 200
@@ -135,6 +135,11 @@ class SamplingFields(Strict):
     n: int = Field(1, ge=1, le=MAX_CHOICES)      # choices: they decode together in the batch
     presence_penalty: Optional[float] = Field(None, ge=PENALTY_RANGE[0], le=PENALTY_RANGE[1])
     frequency_penalty: Optional[float] = Field(None, ge=PENALTY_RANGE[0], le=PENALTY_RANGE[1])
+    # extensions: the repetition penalty (generation.SamplingParams.repeating); vLLM's looks back over
+    # the whole context, llama-server's over its last repeat_last_n tokens
+    repetition_penalty: Optional[float] = Field(None, gt=0.0, le=REPEAT_PENALTY_MAX)
+    repeat_penalty: Optional[float] = Field(None, gt=0.0, le=REPEAT_PENALTY_MAX)
+    repeat_last_n: Optional[int] = Field(None, ge=-1)
     logit_bias: Optional[dict[str, float]] = None   # token id (as text) -> bias added to its logit
     stop_token_ids: Optional[list[Annotated[int, Field(ge=0)]]] = Field(None, max_length=64)   # extension (vLLM's):
     # sampling one of these ends the reply as end-of-sequence does
@@ -155,6 +160,20 @@ class SamplingFields(Strict):
         extras = {k: v for k, v in data.items() if k not in known and (k in OFF or k in UNUSED)}
         check_options(extras)
         return {k: v for k, v in data.items() if k not in extras}
+
+    @model_validator(mode="after")
+    def _one_repetition_penalty(self) -> "SamplingFields":
+        if self.repetition_penalty not in (None, 1.0) and self.repeat_penalty not in (None, 1.0):
+            raise ValueError("send repetition_penalty (vLLM's: the whole context) or repeat_penalty (llama-server's: "
+                             "the last repeat_last_n tokens), not both")
+        return self
+
+    def repetition(self) -> dict:
+        """The repetition penalty's SamplingParams fields."""
+        if self.repetition_penalty not in (None, 1.0):
+            return {"repeat_penalty": self.repetition_penalty, "repeat_last_n": -1}
+        return {"repeat_penalty": self.repeat_penalty or 1.0,
+                "repeat_last_n": 64 if self.repeat_last_n is None else self.repeat_last_n}
 
     @field_validator("logit_bias")
     @classmethod

@@ -28,7 +28,7 @@ from ...generation import ProgressFn, SamplingParams
 from .. import paging
 from ..slots import row_error
 from . import attention
-from .generate import prefill_turn, recall_begin, recall_due, recall_end, sampler_for
+from .generate import prefill_turn, recall_begin, recall_due, recall_end, Sampler
 from .heapcache import HeapPromptCache
 from .slab import DecodeSlab, seated_slab, slab_key
 
@@ -42,7 +42,7 @@ class DecodeRow:
     def __init__(self, cache: HeapPromptCache, params: SamplingParams, prompt: Sequence[int]):
         if params.seed is not None:   # the global generator, seeded at the turn's start as alone
             mx.random.seed(params.seed)
-        self.cache, self.sample = cache, sampler_for(params)
+        self.cache, self.sample = cache, Sampler(params)
         self.prompt: Optional[list[int]] = list(prompt)
         self.next: Optional[mx.array] = None
         self.token: Optional[int] = None
@@ -190,7 +190,7 @@ def step_rows(model, rows: list[DecodeRow], chunks: Sequence[tuple[HeapPromptCac
         mx.eval(fed)
         return errors
     logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-    tokens = sample_rows([row.sample for row in order], logprobs)                # [B]
+    tokens = sample_rows([row.sample for row in order], logits, logprobs)        # [B]
     mx.eval(tokens, logprobs, fed, [c.score_arrays() for c in caches])
     for b, (row, token) in enumerate(zip(order, tokens.tolist())):
         row.next, row.token, row.logprobs = tokens[b: b + 1], token, logprobs[b]
@@ -254,9 +254,9 @@ def make_room(needs: list[tuple[HeapPromptCache, int]]) -> list[Optional[Excepti
     return errors
 
 
-def sample_rows(samplers: list, logprobs: mx.array) -> mx.array:
-    """Each row's next token [B] from logprobs [B, vocab]: greedy rows in one argmax, the others
-    (temperature, top-p/k, constraints) with their own sampler, in row order."""
-    if all(s is greedy_sampler for s in samplers):
+def sample_rows(samplers: list, logits: mx.array, logprobs: mx.array) -> mx.array:
+    """Each row's next token [B] from logits [B, vocab] and their logprobs: plain greedy rows in
+    one argmax where all are, else each with its own sampler, in row order."""
+    if all(s.plain for s in samplers):
         return greedy_sampler(logprobs)
-    return mx.concatenate([s(logprobs[b: b + 1]).reshape(1) for b, s in enumerate(samplers)])
+    return mx.concatenate([s(logits[b: b + 1], logprobs[b: b + 1]).reshape(1) for b, s in enumerate(samplers)])

@@ -22,102 +22,103 @@ from .compiled import compiled_step
 from .heapcache import HeapPromptCache
 
 
-def sampler_for(params: SamplingParams):
-    """mlx-lm's sampler for the params (greedy: its greedy_sampler itself), wrapped by what mlx-lm
-    does not do: penalties, a constraint, logit_bias (outside them: added first), and outermost
-    the logprobs recorder, which sees the raw logprobs."""
-    sample = make_sampler(temp=params.temperature, top_p=params.top_p, top_k=params.top_k, min_p=params.min_p)
-    if params.penalized:
-        sample = penalized(sample, params.presence_penalty, params.frequency_penalty)
-    if params.constraint is not None:
-        sample = constrained(sample, params.constraint)
-    if params.logit_bias:
-        sample = biased(sample, params.logit_bias)
-    if params.logprobs is not None:
-        sample = recorded(sample, params.logprobs)
-    return sample
+class Sampler:
+    """A request's next token on MLX: mlx-lm's sampler (greedy: its greedy_sampler) given the
+    log-softmax of the logits after what this server adds, each on the logits before their
+    logsumexp, where mlx-lm's generate_step applies its logits processors: logit_bias, the
+    repetition penalty, OpenAI's presence and frequency penalties (in llama.cpp's order), a
+    constraint. The logprobs recorder sees the raw logprobs. Called as sample(logits [1, vocab],
+    their logprobs or None); kept lazy (no host sync) unless a constraint must see the token."""
 
+    def __init__(self, params: SamplingParams):
+        self.base = make_sampler(temp=params.temperature, top_p=params.top_p, top_k=params.top_k,
+                                 min_p=params.min_p)
+        self.plain = params.plain_greedy   # the batch argmaxes it with the others
+        self.bias, self.vector = params.logit_bias, None
+        self.repeat = params.repeat_penalty if params.repeating else None
+        self.last_n = params.repeat_last_n
+        self.window = mx.array(params.repeat_context, dtype=mx.uint32) if self.repeat is not None else None
+        self.penalized = params.penalized
+        self.presence, self.frequency = params.presence_penalty, params.frequency_penalty
+        self.counts = None   # [vocab] float32: how often this reply sampled each id (penalized)
+        self.constraint, self.recorder = params.constraint, params.logprobs
 
-def constrained(sample, constraint):
-    """Disallowed ids at -inf before `sample`; the constraint sees each sampled id (which
-    evaluates the step: a constrained request decodes without the async overlap)."""
-
-    def sample_constrained(logprobs: mx.array) -> mx.array:
-        allowed = constraint.allowed()
-        if allowed is not None:
-            keep = np.zeros(logprobs.shape[-1], dtype=bool)
-            n = min(len(allowed), keep.shape[0])
-            keep[:n] = allowed[:n]
-            logprobs = mx.where(mx.array(keep), logprobs, -mx.inf)
-        y = sample(logprobs)
-        constraint.advance(y.item())
+    def __call__(self, logits: mx.array, logprobs: Optional[mx.array] = None) -> mx.array:
+        scores = logits
+        if self.bias:
+            if self.vector is None:
+                self.vector = bias_vector(self.bias, logits.shape[-1])
+            scores = scores + self.vector
+        if self.window is not None and self.window.size:
+            scores = repeat_penalized(scores, self.window, self.repeat)
+        if self.counts is not None:
+            scores = scores - (self.presence * (self.counts > 0).astype(mx.float32) + self.frequency * self.counts)
+        if self.constraint is not None:
+            scores = masked(scores, self.constraint.allowed())
+        if logprobs is None or scores is not logits:
+            y = self.base(scores - mx.logsumexp(scores, axis=-1, keepdims=True))
+        else:
+            y = self.base(logprobs)
+        if self.penalized:
+            if self.counts is None:
+                self.counts = mx.zeros((logits.shape[-1],), dtype=mx.float32)
+            self.counts = self.counts.at[y.reshape(-1)].add(1.0)
+        if self.window is not None:
+            self.window = mx.concatenate([self.window, y.reshape(-1).astype(mx.uint32)])
+            if self.last_n > 0 and self.window.size > self.last_n:
+                self.window = self.window[-self.last_n:]
+        if self.constraint is not None:
+            self.constraint.advance(y.item())
+        if self.recorder is not None:
+            raw = logprobs if logprobs is not None else logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+            self.recorder.add(recorded_entry(raw, y, self.recorder.top))
         return y
 
-    return sample_constrained
+
+def bias_vector(bias: dict[int, float], vocab: int) -> mx.array:
+    """OpenAI's logit_bias as a [vocab] float32 vector (an id past the vocabulary is an error)."""
+    check_logit_bias(bias, vocab)
+    dense = np.zeros(vocab, dtype=np.float32)
+    dense[list(bias)] = list(bias.values())
+    return mx.array(dense)
 
 
-def biased(sample, bias: dict[int, float]):
-    """`sample` after OpenAI's logit_bias, added to the logprobs (the logits up to one constant per row)."""
-    vector = None
-
-    def sample_biased(logprobs: mx.array) -> mx.array:
-        nonlocal vector
-        if vector is None:
-            vocab = logprobs.shape[-1]
-            check_logit_bias(bias, vocab)
-            dense = np.zeros(vocab, dtype=np.float32)
-            dense[list(bias)] = list(bias.values())
-            vector = mx.array(dense)
-        return sample(logprobs + vector)
-
-    return sample_biased
+def repeat_penalized(scores: mx.array, window: mx.array, penalty: float) -> mx.array:
+    """scores [1, vocab] with each id of `window` penalized (SamplingParams.repeating): divided by
+    `penalty` where positive, multiplied where not; in the logits' dtype, as mlx-lm's processor."""
+    hit = mx.zeros((scores.shape[-1],), dtype=mx.float32).at[window].add(1.0) > 0
+    return mx.where(hit, mx.where(scores < 0, scores * penalty, scores / penalty), scores)
 
 
-def recorded(sample, recorder: LogprobRecorder):
-    """`sample`, each sampled token's entry added to `recorder` from the raw logprobs it was given:
-    a few values, evaluated asynchronously beside the step (so that nothing keeps the [vocab] row
-    alive) and read when the engine asks."""
-    top = recorder.top
-
-    def sample_recorded(logprobs: mx.array) -> mx.array:
-        y = sample(logprobs)
-        row = logprobs.reshape(-1).astype(mx.float32)
-        token = y.reshape(-1)[:1]
-        chosen = row[token]
-        ids = mx.zeros((0,), dtype=mx.uint32)
-        if top:
-            k = min(top, row.shape[0])
-            ids = mx.argpartition(-row, kth=k - 1)[:k]
-            ids = ids[mx.argsort(-row[ids])]   # the likeliest first
-        values = row[ids]
-        mx.async_eval(token, chosen, ids, values)
-
-        def read() -> TokenLogprob:
-            return TokenLogprob(int(token.item()), float(chosen.item()), list(zip(ids.tolist(), values.tolist())))
-
-        recorder.add(read)
-        return y
-
-    return sample_recorded
+def masked(scores: mx.array, allowed) -> mx.array:
+    """scores with the ids a constraint disallows at -inf (allowed None: all allowed)."""
+    if allowed is None:
+        return scores
+    keep = np.zeros(scores.shape[-1], dtype=bool)
+    n = min(len(allowed), keep.shape[0])
+    keep[:n] = allowed[:n]
+    return mx.where(mx.array(keep), scores, -mx.inf)
 
 
-def penalized(sample, presence: float, frequency: float):
-    """`sample` after OpenAI's presence and frequency penalties (SamplingParams.penalized): the
-    reply's counts per id kept as an array beside the step (lazily updated, no host sync). Taken off
-    logprobs, which is taking them off the logits: the two differ by one constant per row."""
-    counts = None
+def recorded_entry(logprobs: mx.array, y: mx.array, top: int):
+    """The sampled token's entry (generation.TokenLogprob) from the raw logprobs: a few values,
+    evaluated asynchronously beside the step (so that nothing keeps the [vocab] row alive) and
+    read when the engine asks."""
+    row = logprobs.reshape(-1).astype(mx.float32)
+    token = y.reshape(-1)[:1]
+    chosen = row[token]
+    ids = mx.zeros((0,), dtype=mx.uint32)
+    if top:
+        k = min(top, row.shape[0])
+        ids = mx.argpartition(-row, kth=k - 1)[:k]
+        ids = ids[mx.argsort(-row[ids])]   # the likeliest first
+    values = row[ids]
+    mx.async_eval(token, chosen, ids, values)
 
-    def sample_penalized(logprobs: mx.array) -> mx.array:
-        nonlocal counts
-        if counts is not None:
-            logprobs = logprobs - (presence * (counts > 0).astype(mx.float32) + frequency * counts)
-        y = sample(logprobs)
-        if counts is None:
-            counts = mx.zeros((logprobs.shape[-1],), dtype=mx.float32)
-        counts = counts.at[y.reshape(-1)].add(1.0)
-        return y
+    def read() -> TokenLogprob:
+        return TokenLogprob(int(token.item()), float(chosen.item()), list(zip(ids.tolist(), values.tolist())))
 
-    return sample_penalized
+    return read
 
 
 def prefill(model, cache: HeapPromptCache, tokens: Sequence[int], chunk: int,
@@ -244,7 +245,7 @@ def _step(model, cache: HeapPromptCache, tokens: mx.array, sampler, share=None):
         cache.make_room(tokens.shape[0])
         logits = model(tokens[None], cache=cache)[:, -1, :]
     logprobs = logits - mx.logsumexp(logits, keepdims=True)
-    y = sampler(logprobs)
+    y = sampler(logits, logprobs)
     return (y if share is None else share(y)), logprobs.squeeze(0)
 
 
@@ -264,7 +265,7 @@ def generate_steps(model, cache: HeapPromptCache, prompt: Sequence[int], params:
         raise ValueError("generation needs at least one new prompt token")
     if params.seed is not None:
         mx.random.seed(params.seed)
-    sampler = sampler_for(params)
+    sampler = Sampler(params)
     chunk = cache.cfg.chunk
     prompt = list(prompt)
     prefill_turn(model, cache, prompt, chunk, progress, cancelled)

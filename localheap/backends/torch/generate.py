@@ -163,6 +163,11 @@ class Sampler:
         self.penalized = params.penalized
         self.presence, self.frequency = params.presence_penalty, params.frequency_penalty
         self.counts: Optional[torch.Tensor] = None   # [vocab] float32: how often this reply sampled each id
+        self.repeat = params.repeat_penalty if params.repeating else None
+        self.last_n = params.repeat_last_n
+        self.window: Optional[torch.Tensor] = None   # [n] int64: the ids the repetition penalty looks back over
+        if self.repeat is not None:
+            self.window = torch.tensor(params.repeat_context, dtype=torch.int64).to(device)
         self.generator = None
         if params.seed is not None:
             self.generator = torch.Generator(device=device).manual_seed(params.seed)
@@ -179,6 +184,8 @@ class Sampler:
             if self.bias is None:
                 self.bias = bias_vector(self.logit_bias, scores.shape[-1], scores.device)
             scores = scores + self.bias
+        if self.window is not None and self.window.numel():
+            scores = repeat_penalized(scores, self.window, self.repeat)
         if self.counts is not None:                    # penalized, once the reply has a token
             scores = scores - (self.presence * (self.counts > 0) + self.frequency * self.counts)
         if self.constraint is not None:
@@ -194,6 +201,10 @@ class Sampler:
             if self.counts is None:
                 self.counts = torch.zeros(scores.shape[-1], dtype=torch.float32, device=scores.device)
             self.counts.index_put_((token.reshape(-1),), torch.ones(1, device=scores.device), accumulate=True)
+        if self.window is not None:   # on the device too
+            self.window = torch.cat([self.window, token.reshape(-1)])
+            if self.last_n > 0:
+                self.window = self.window[-self.last_n:]
         if self.recorder is not None:
             self.recorder.add(logprob_entry(logits, token, self.recorder.top))
         if self.constraint is not None:
@@ -202,6 +213,14 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor) -> int:
         return int(self.sample(logits))
+
+
+def repeat_penalized(scores: torch.Tensor, window: torch.Tensor, penalty: float) -> torch.Tensor:
+    """scores [1, vocab] with each id of `window` penalized (SamplingParams.repeating): its logit
+    divided by `penalty` where positive, multiplied where not (a new tensor: the logits stay raw)."""
+    picked = scores.gather(1, window[None])
+    picked = torch.where(picked < 0, picked * penalty, picked / penalty)
+    return scores.scatter(1, window[None], picked)
 
 
 def bias_vector(bias: dict[int, float], vocab: int, device: torch.device) -> torch.Tensor:
