@@ -13,6 +13,8 @@ PENALTY_RANGE = (-2.0, 2.0)   # presence_penalty, frequency_penalty (OpenAI's ra
 MIN_P_RANGE = (0.0, 1.0)
 LOGIT_BIAS_RANGE = (-100.0, 100.0)   # OpenAI's, per id
 REPEAT_PENALTY_MAX = 10.0            # repeat_penalty's bound (llama.cpp sets none; past this every repeat is banned)
+DRY_MULTIPLIER_MAX = 100.0
+DRY_BASE_MAX = 8.0
 TOP_LOGPROBS_MAX = 20                # alternatives per token a reply's logprobs may list (OpenAI's limit)
 
 
@@ -104,7 +106,13 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)   # end the reply as EOS does (vLLM's; a FIM model's end tokens)
     repeat_penalty: float = 1.0   # llama.cpp's and Ollama's (vLLM's repetition_penalty): 1 = off; see `repeating`
     repeat_last_n: int = 64       # the window it looks back over: the context's last n tokens (-1: all; 0: off)
-    repeat_context: list[int] = field(default_factory=list)   # the context before the reply (its tail), set by the engine
+    dry_multiplier: float = 0.0   # DRY (llama.cpp's, koboldcpp's; localheap.dry): 0 = off
+    dry_base: float = 1.75
+    dry_allowed_length: int = 2
+    dry_penalty_last_n: int = -1  # its window: the context's last n tokens (-1: all; 0: off)
+    dry_breakers: list[int] = field(default_factory=list)   # ids that end a match (dry.breaker_ids)
+    context: list[int] = field(default_factory=list)   # the context before the reply, as far back as the
+    # penalties' windows reach (with_context; the engine sets it)
 
     def __post_init__(self) -> None:
         if self.max_tokens < 0:
@@ -127,7 +135,16 @@ class SamplingParams:
             raise ValueError(f"repeat_penalty must be in (0, {REPEAT_PENALTY_MAX:g}] (1: off)")
         if self.repeat_last_n < -1:
             raise ValueError("repeat_last_n must be >= -1 (-1: the whole context; 0: off)")
-        self.repeat_context = [int(t) for t in self.repeat_context or []]
+        if not 0.0 <= self.dry_multiplier <= DRY_MULTIPLIER_MAX:
+            raise ValueError(f"dry_multiplier must be in [0, {DRY_MULTIPLIER_MAX:g}] (0: off)")
+        if not 1.0 <= self.dry_base <= DRY_BASE_MAX:
+            raise ValueError(f"dry_base must be in [1, {DRY_BASE_MAX:g}]")
+        if self.dry_allowed_length < 1:
+            raise ValueError("dry_allowed_length must be >= 1")
+        if self.dry_penalty_last_n < -1:
+            raise ValueError("dry_penalty_last_n must be >= -1 (-1: the whole context; 0: off)")
+        self.dry_breakers = [int(t) for t in self.dry_breakers or []]
+        self.context = [int(t) for t in self.context or []]
         lo, hi = LOGIT_BIAS_RANGE
         for k, v in self.logit_bias.items():
             if k < 0 or not lo <= v <= hi:
@@ -159,21 +176,33 @@ class SamplingParams:
         transformers define it; after logit_bias, before the other penalties and the cut-offs."""
         return self.repeat_penalty != 1.0 and self.repeat_last_n != 0
 
+    @property
+    def dry(self) -> bool:
+        """Whether DRY is on (localheap.dry has its definition): after the presence and frequency
+        penalties, as in llama.cpp's default order. It reads each sampled token on the host."""
+        return self.dry_multiplier > 0.0 and self.dry_penalty_last_n != 0
+
     def with_context(self, fed, held: list[int]) -> "SamplingParams":
-        """These params with `repeat_context` set from the session's fed tokens (a sequence with
-        tolist, or a list) and the turn's tokens not fed yet: the window's part before the reply."""
-        if not self.repeating:
+        """These params with `context` set from the session's fed tokens (a sequence with tolist,
+        or a list) and the turn's tokens not fed yet: as far back as the longest window of the
+        penalties that are on (none: the params themselves)."""
+        windows = ([self.repeat_last_n] if self.repeating else []) + ([self.dry_penalty_last_n] if self.dry else [])
+        if not windows:
             return self
-        n = self.repeat_last_n
+        n = -1 if -1 in windows else max(windows)
         head = fed[max(0, len(fed) - n):] if n > 0 else fed
         tail = (head.tolist() if hasattr(head, "tolist") else list(head)) + [int(t) for t in held]
-        return replace(self, repeat_context=tail if n < 0 else tail[max(0, len(tail) - n):])
+        return replace(self, context=tail if n < 0 else tail[max(0, len(tail) - n):])
+
+    def window(self, last_n: int) -> list[int]:
+        """The context's last `last_n` tokens (-1: all of it)."""
+        return self.context if last_n < 0 else self.context[max(0, len(self.context) - last_n):]
 
     @property
     def plain_greedy(self) -> bool:
         """Greedy with nothing between the logits and the argmax (a batch argmaxes such rows together)."""
         return self.greedy and self.constraint is None and not self.penalized and not self.logit_bias \
-            and self.logprobs is None and not self.repeating
+            and self.logprobs is None and not self.repeating and not self.dry
 
 
 class StopMatcher:

@@ -120,6 +120,34 @@ def test_the_repetition_penalty_is_transformers_and_the_samplers_list_can_leave_
         assert _post(server, "/completion", {**body, **bad}, status=400)["error"]["param"] == param
 
 
+def test_dry_options_reach_the_sampler_with_the_prompt_in_its_window(server):
+    """dry_* on /completion: the tokens `generate` gives with the same DRY params and the prompt as
+    its window's start (the breakers found in the vocabulary); a samplers list without "dry" leaves
+    it off; the OpenAI routes take the same options."""
+    from localheap.dry import DEFAULT_BREAKERS, breaker_ids
+    from localheap.generation import SamplingParams
+    from localheap.heap import HeapConfig
+
+    backend = server.services.backend
+    ids = _bos(server) + _plain(server, "x = x + 1\n" * 6 + "x = x")
+    dry = {"dry_multiplier": 1.5, "dry_base": 1.75, "dry_allowed_length": 2, "dry_penalty_last_n": -1}
+    body = {"prompt": ids, "n_predict": 12, "temperature": 0, "return_tokens": True, "cache_prompt": False}
+    got = _post(server, "/completion", {**body, **dry})
+    params = SamplingParams(max_tokens=12, **dry, dry_breakers=breaker_ids(backend.tokenizer, DEFAULT_BREAKERS))
+    cache = backend.new_cache(HeapConfig(budget=1024, slack=64))
+    want = list(backend.generate(cache, ids, params.with_context([], ids)))
+    stops = set(backend.eos_token_ids)
+    want = want[:next((i for i, t in enumerate(want) if t in stops), len(want))]
+    assert got["tokens"] == want and got["generation_settings"]["dry_multiplier"] == 1.5
+    plain = _post(server, "/completion", body)["tokens"]
+    assert plain != want, "DRY changes this reply"
+    assert _post(server, "/completion", {**body, **dry, "samplers": ["top_k", "temperature"]})["tokens"] == plain
+    assert _post(server, "/completion", {**body, **dry, "dry_sequence_breakers": []}, status=400)["error"]["param"] \
+        == "dry_sequence_breakers"
+    oai = _post(server, "/v1/completions", {"prompt": ids, "max_tokens": 12, "temperature": 0, **dry})
+    assert oai["choices"][0]["text"] == server.services.tokenizer.decode(want)
+
+
 def test_stream_pieces_join_to_the_whole_reply(server):
     body = {"prompt": "import os\n", "n_predict": 12, "temperature": 0}
     whole = _post(server, "/completion", body)
@@ -204,7 +232,7 @@ def test_n_probs_and_response_fields(server):
 
 def test_options_it_has_no_sampler_for_are_refused_unless_off(server):
     base = {"prompt": "a", "n_predict": 2}
-    for name, value in (("mirostat", 2), ("typical_p", 0.5), ("dry_multiplier", 0.8)):
+    for name, value in (("mirostat", 2), ("typical_p", 0.5), ("xtc_probability", 0.5)):
         bad = _post(server, "/completion", {**base, name: value}, status=400)
         assert bad["error"]["param"] == name and "no such sampler" in bad["error"]["message"]
     off = {"repeat_penalty": 1.0, "mirostat": 0, "typical_p": 1.0, "dry_multiplier": 0.0, "repeat_last_n": 64,
@@ -316,8 +344,8 @@ def test_llama_vscode_requests_as_it_sends_them(server):
             "dry_allowed_length": 2, "dry_penalty_last_n": -1, "max_tokens": -1, "timings_per_token": False}
     chat = _post(server, "/v1/chat/completions", {**edit, "max_tokens": 4} | {"max_tokens": -1, "seed": 1})
     assert chat["choices"][0]["message"]["role"] == "assistant"
-    bad = _post(server, "/v1/chat/completions", {**edit, "dry_multiplier": 0.8}, status=400)
-    assert bad["error"]["param"] == "dry_multiplier"
+    bad = _post(server, "/v1/chat/completions", {**edit, "xtc_probability": 0.5}, status=400)
+    assert bad["error"]["param"] == "xtc_probability"
     greedy = {"messages": edit["messages"], "max_tokens": 6, "temperature": 0, "seed": 5}
     plain = _post(server, "/v1/chat/completions", greedy)["choices"][0]["message"]["content"]
     # temperature 0 but no "temperature" sampler named: sampled at temperature 1 (seeded), not greedy

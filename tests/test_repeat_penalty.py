@@ -100,10 +100,10 @@ def test_the_order_is_bias_then_repetition_then_presence_on_both_backends():
 def test_the_params_window_and_its_checks():
     p = SamplingParams(repeat_penalty=1.2, repeat_last_n=3)
     assert p.repeating and not p.plain_greedy
-    assert p.with_context(np.array([1, 2, 3, 4, 5]), [6]).repeat_context == [4, 5, 6]
-    assert p.with_context([1], [2]).repeat_context == [1, 2]
+    assert p.with_context(np.array([1, 2, 3, 4, 5]), [6]).context == [4, 5, 6]
+    assert p.with_context([1], [2]).context == [1, 2]
     whole = SamplingParams(repeat_penalty=1.2, repeat_last_n=-1).with_context([1, 2, 3], [4])
-    assert whole.repeat_context == [1, 2, 3, 4]
+    assert whole.context == [1, 2, 3, 4]
     for off in (SamplingParams(), SamplingParams(repeat_penalty=1.5, repeat_last_n=0)):
         assert not off.repeating and off.with_context([1, 2], [3]) is off
     for bad in ({"repeat_penalty": 0.0}, {"repeat_penalty": -1.0}, {"repeat_penalty": 11.0}, {"repeat_last_n": -2}):

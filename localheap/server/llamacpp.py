@@ -19,6 +19,7 @@ from typing import Any, Optional, Sequence, Union
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from ..dry import DEFAULT_BREAKERS, breaker_ids
 from ..generation import LOGIT_BIAS_RANGE, LogprobRecorder, SamplingParams
 from ..sessions import Prompt
 from ..sessions.session import token_array
@@ -35,15 +36,16 @@ OURS = ("top_k", "top_p", "min_p", "temperature")        # samplers this server 
 OTHERS = {"dry", "typ_p", "xtc", "top_n_sigma", "penalties", "infill", "mirostat"}
 
 # options of samplers this server does not have: accepted only where they leave the sampler off
-OFF = {"typical_p": lambda v: v >= 1.0, "dry_multiplier": lambda v: v == 0.0,
+OFF = {"typical_p": lambda v: v >= 1.0,
        "xtc_probability": lambda v: v == 0.0, "mirostat": lambda v: v == 0, "dynatemp_range": lambda v: v == 0.0,
        "top_n_sigma": lambda v: v <= 0.0, "post_sampling_probs": lambda v: v is False, "n_cmpl": lambda v: v == 1,
        "lora": lambda v: not v}
 # tuning of those samplers (moot while they are off) and of llama.cpp's runtime: accepted, unused
-UNUSED = {"dry_base", "dry_allowed_length", "dry_penalty_last_n", "dry_sequence_breakers",
-          "xtc_threshold", "mirostat_tau", "mirostat_eta", "dynatemp_exponent", "penalize_nl", "min_keep",
+UNUSED = {"xtc_threshold", "mirostat_tau", "mirostat_eta", "dynatemp_exponent", "penalize_nl", "min_keep",
           "t_max_prompt_ms", "id_slot", "n_keep", "n_discard", "n_cache_reuse", "timings_per_token",
           "return_progress", "sse_ping_interval", "model", "id_task", "response_fields", "penalty_last_n"}
+OPTION_NAMES = ("repeat_penalty", "repeat_last_n", "dry_multiplier", "dry_base", "dry_allowed_length",
+                "dry_penalty_last_n")   # options a SamplingParams check may name
 MAX_PROMPTS = 64
 MAX_PROBS = 20
 REPO_TOKENS = ("<|repo_name|>", "<|file_sep|>")   # Qwen2.5-Coder's repo-level format (llama.cpp's FIM_REP, FIM_SEP)
@@ -78,6 +80,11 @@ class LlamaRequest(BaseModel):
     frequency_penalty: float = 0.0
     repeat_penalty: float = 1.0
     repeat_last_n: int = 64
+    dry_multiplier: float = 0.0
+    dry_base: float = 1.75
+    dry_allowed_length: int = 2
+    dry_penalty_last_n: int = -1
+    dry_sequence_breakers: list[str] = Field(default_factory=lambda: list(DEFAULT_BREAKERS))
     logit_bias: Union[list, dict, None] = None
     ignore_eos: bool = False
     n_probs: int = Field(0, ge=0, le=MAX_PROBS)
@@ -108,6 +115,7 @@ class LlamaRequest(BaseModel):
         temperature, top_k, top_p, min_p = switched(self.samplers, self.temperature, self.top_k, self.top_p,
                                                     self.min_p)
         penalties = penalties_on(self.samplers)
+        dry = dry_fields(self, tokenizer, self.samplers)
         bias = logit_bias(self.logit_bias, tokenizer, vocab)
         if self.ignore_eos:
             for t in eos:
@@ -121,11 +129,11 @@ class LlamaRequest(BaseModel):
                                   presence_penalty=self.presence_penalty if penalties else 0.0,
                                   frequency_penalty=self.frequency_penalty if penalties else 0.0,
                                   repeat_penalty=self.repeat_penalty if penalties else 1.0,
-                                  repeat_last_n=self.repeat_last_n, logit_bias=bias, constraint=constraint,
+                                  repeat_last_n=self.repeat_last_n, **dry, logit_bias=bias, constraint=constraint,
                                   logprobs=LogprobRecorder(self.n_probs) if self.n_probs else None,
                                   stop_token_ids=list(stop_ids))
         except ValueError as e:
-            raise BadRequest(str(e), next((f for f in ("repeat_penalty", "repeat_last_n") if f in str(e)),
+            raise BadRequest(str(e), next((f for f in OPTION_NAMES if f in str(e)),
                                           "n_predict" if "max_tokens" in str(e) else None)) from e
 
     def settings(self, params: SamplingParams, n_ctx: Optional[int], model: str) -> dict:
@@ -135,9 +143,12 @@ class LlamaRequest(BaseModel):
                 "top_k": params.top_k, "top_p": params.top_p, "min_p": params.min_p,
                 "presence_penalty": params.presence_penalty, "frequency_penalty": params.frequency_penalty,
                 "repeat_penalty": params.repeat_penalty, "repeat_last_n": params.repeat_last_n,
-                "stop": params.stop, "ignore_eos": self.ignore_eos, "n_probs": self.n_probs, "stream": self.stream,
+                "dry_multiplier": params.dry_multiplier, "dry_base": params.dry_base,
+                "dry_allowed_length": params.dry_allowed_length, "dry_penalty_last_n": params.dry_penalty_last_n,
+                "dry_sequence_breakers": self.dry_sequence_breakers, "stop": params.stop, "ignore_eos": self.ignore_eos, "n_probs": self.n_probs, "stream": self.stream,
                 "grammar": self.grammar or "",
-                "samplers": (["penalties"] if penalties_on(self.samplers) else []) + [s for s in OURS if params_has(params, s)],
+                "samplers": (["penalties"] if penalties_on(self.samplers) else []) + (["dry"] if params.dry else [])
+                + [s for s in OURS if params_has(params, s)],
                 "n_indent": self.n_indent, "t_max_predict_ms": self.t_max_predict_ms}
 
 
@@ -172,13 +183,32 @@ def switched(samplers: Union[list[str], str, None], temperature: float, top_k: i
             top_p if "top_p" in names else 1.0, min_p if "min_p" in names else 0.0)
 
 
-def penalties_on(samplers: Union[list[str], str, None]) -> bool:
-    """Whether llama-server's penalties sampler runs (repeat, presence and frequency penalties):
-    always, unless a `samplers` list leaves it out."""
+def named(samplers: Union[list[str], str, None], sampler: str) -> bool:
+    """Whether llama-server runs `sampler` ("penalties": the repeat, presence and frequency
+    penalties; "dry"): always, unless a `samplers` list leaves it out."""
     if samplers is None:
         return True
     names = [SAMPLER_LETTERS.get(c, c) for c in samplers] if isinstance(samplers, str) else list(samplers)
-    return "penalties" in names
+    return sampler in names
+
+
+def penalties_on(samplers: Union[list[str], str, None]) -> bool:
+    return named(samplers, "penalties")
+
+
+def dry_fields(body: Any, tokenizer: Any, samplers: Union[list[str], str, None]) -> dict:
+    """SamplingParams' DRY fields from a request's dry_* options (off where its multiplier is 0
+    or a samplers list leaves "dry" out); the breaker strings become the ids whose text holds one."""
+    if not body.dry_multiplier or not named(samplers, "dry"):
+        return {}
+    breakers = body.dry_sequence_breakers
+    if breakers is None:
+        breakers = list(DEFAULT_BREAKERS)
+    if not breakers or not all(isinstance(b, str) for b in breakers):
+        raise BadRequest("dry_sequence_breakers must be a non-empty list of strings", "dry_sequence_breakers")
+    return {"dry_multiplier": body.dry_multiplier, "dry_base": body.dry_base,
+            "dry_allowed_length": body.dry_allowed_length, "dry_penalty_last_n": body.dry_penalty_last_n,
+            "dry_breakers": breaker_ids(tokenizer, breakers)}
 
 
 def params_has(params: SamplingParams, sampler: str) -> bool:

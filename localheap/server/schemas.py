@@ -7,7 +7,8 @@ from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from ..generation import LOGIT_BIAS_RANGE, MIN_P_RANGE, PENALTY_RANGE, REPEAT_PENALTY_MAX, TOP_LOGPROBS_MAX
+from ..generation import (DRY_BASE_MAX, DRY_MULTIPLIER_MAX, LOGIT_BIAS_RANGE, MIN_P_RANGE, PENALTY_RANGE,
+                          REPEAT_PENALTY_MAX, TOP_LOGPROBS_MAX)
 
 
 TITLE_MAX_CHARS = 200
@@ -140,6 +141,12 @@ class SamplingFields(Strict):
     repetition_penalty: Optional[float] = Field(None, gt=0.0, le=REPEAT_PENALTY_MAX)
     repeat_penalty: Optional[float] = Field(None, gt=0.0, le=REPEAT_PENALTY_MAX)
     repeat_last_n: Optional[int] = Field(None, ge=-1)
+    # extensions (llama-server's): DRY (localheap.dry), off at multiplier 0
+    dry_multiplier: float = Field(0.0, ge=0.0, le=DRY_MULTIPLIER_MAX)
+    dry_base: float = Field(1.75, ge=1.0, le=DRY_BASE_MAX)
+    dry_allowed_length: int = Field(2, ge=1)
+    dry_penalty_last_n: int = Field(-1, ge=-1)
+    dry_sequence_breakers: Optional[list[str]] = None
     logit_bias: Optional[dict[str, float]] = None   # token id (as text) -> bias added to its logit
     stop_token_ids: Optional[list[Annotated[int, Field(ge=0)]]] = Field(None, max_length=64)   # extension (vLLM's):
     # sampling one of these ends the reply as end-of-sequence does

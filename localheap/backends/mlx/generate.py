@@ -14,6 +14,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.sample_utils import make_sampler
 
+from ...dry import dry_state
 from ...generation import (SCORED_BLOCK, LogprobRecorder, ProgressFn, SamplingParams, TokenLogprob,
                            check_logit_bias, scored_rows)
 from .. import paging
@@ -26,7 +27,7 @@ class Sampler:
     """A request's next token on MLX: mlx-lm's sampler (greedy: its greedy_sampler) given the
     log-softmax of the logits after what this server adds, each on the logits before their
     logsumexp, where mlx-lm's generate_step applies its logits processors: logit_bias, the
-    repetition penalty, OpenAI's presence and frequency penalties (in llama.cpp's order), a
+    repetition penalty, OpenAI's presence and frequency penalties, DRY (in llama.cpp's order), a
     constraint. The logprobs recorder sees the raw logprobs. Called as sample(logits [1, vocab],
     their logprobs or None); kept lazy (no host sync) unless a constraint must see the token."""
 
@@ -37,10 +38,11 @@ class Sampler:
         self.bias, self.vector = params.logit_bias, None
         self.repeat = params.repeat_penalty if params.repeating else None
         self.last_n = params.repeat_last_n
-        self.window = mx.array(params.repeat_context, dtype=mx.uint32) if self.repeat is not None else None
+        self.window = mx.array(params.window(params.repeat_last_n), dtype=mx.uint32) if self.repeat is not None else None
         self.penalized = params.penalized
         self.presence, self.frequency = params.presence_penalty, params.frequency_penalty
         self.counts = None   # [vocab] float32: how often this reply sampled each id (penalized)
+        self.dry = dry_state(params)
         self.constraint, self.recorder = params.constraint, params.logprobs
 
     def __call__(self, logits: mx.array, logprobs: Optional[mx.array] = None) -> mx.array:
@@ -53,6 +55,12 @@ class Sampler:
             scores = repeat_penalized(scores, self.window, self.repeat)
         if self.counts is not None:
             scores = scores - (self.presence * (self.counts > 0).astype(mx.float32) + self.frequency * self.counts)
+        if self.dry is not None:
+            ids, amounts = self.dry.penalties()
+            if ids.size:
+                dense = np.zeros(logits.shape[-1], dtype=np.float32)
+                dense[ids] = amounts
+                scores = scores - mx.array(dense)
         if self.constraint is not None:
             scores = masked(scores, self.constraint.allowed())
         if logprobs is None or scores is not logits:
@@ -69,6 +77,8 @@ class Sampler:
                 self.window = self.window[-self.last_n:]
         if self.constraint is not None:
             self.constraint.advance(y.item())
+        if self.dry is not None:   # on the host: DRY matches the ids themselves
+            self.dry.push(y.item())
         if self.recorder is not None:
             raw = logprobs if logprobs is not None else logits - mx.logsumexp(logits, axis=-1, keepdims=True)
             self.recorder.add(recorded_entry(raw, y, self.recorder.top))

@@ -15,6 +15,7 @@ import torch
 from transformers.generation.logits_process import (MinPLogitsWarper, TemperatureLogitsWarper, TopKLogitsWarper,
                                                     TopPLogitsWarper)
 
+from ...dry import dry_state
 from ...generation import (SCORED_BLOCK, LogprobRecorder, ProgressFn, SamplingParams, TokenLogprob,
                            check_logit_bias, scored_rows)
 from .. import paging
@@ -167,7 +168,8 @@ class Sampler:
         self.last_n = params.repeat_last_n
         self.window: Optional[torch.Tensor] = None   # [n] int64: the ids the repetition penalty looks back over
         if self.repeat is not None:
-            self.window = torch.tensor(params.repeat_context, dtype=torch.int64).to(device)
+            self.window = torch.tensor(params.window(params.repeat_last_n), dtype=torch.int64).to(device)
+        self.dry = dry_state(params)
         self.generator = None
         if params.seed is not None:
             self.generator = torch.Generator(device=device).manual_seed(params.seed)
@@ -188,6 +190,11 @@ class Sampler:
             scores = repeat_penalized(scores, self.window, self.repeat)
         if self.counts is not None:                    # penalized, once the reply has a token
             scores = scores - (self.presence * (self.counts > 0) + self.frequency * self.counts)
+        if self.dry is not None:
+            ids, amounts = self.dry.penalties()
+            if ids.size:
+                scores = scores.index_add(1, torch.from_numpy(ids).to(scores.device),
+                                          -torch.from_numpy(amounts).to(scores.device)[None])
         if self.constraint is not None:
             scores = _masked(scores, self.constraint.allowed())
         if self.greedy:
@@ -209,6 +216,8 @@ class Sampler:
             self.recorder.add(logprob_entry(logits, token, self.recorder.top))
         if self.constraint is not None:
             self.constraint.advance(int(token))
+        if self.dry is not None:   # on the host: DRY matches the ids themselves
+            self.dry.push(int(token))
         return token
 
     def __call__(self, logits: torch.Tensor) -> int:

@@ -20,7 +20,7 @@ from ..bridge import JobEvents, collect, follow, merged
 from ..chat import ChatPlan, start
 from ..errors import BadRequest, Unsupported, to_response
 from ..fim import fim_format, fim_prompt
-from ..llamacpp import penalties_on, switched
+from ..llamacpp import dry_fields, penalties_on, switched
 from ..formats import (Echo, Out, Reply, add_call_errors, extension, finish_reason, saved_headers, tool_call_dict,
                        total_usage)
 from ..prompts import chat_prompt, completion_prompt, tokenize
@@ -144,6 +144,7 @@ def _params(body: SamplingFields, svc: Services, max_tokens: int, choice: int = 
     temperature, top_k, top_p, min_p = switched(body.samplers, body.temperature, body.top_k, body.top_p, body.min_p)
     penalties = {"presence_penalty": body.presence_penalty or 0.0, "frequency_penalty": body.frequency_penalty or 0.0,
                  **body.repetition()} if penalties_on(body.samplers) else {}
+    penalties.update(dry_fields(body, svc.tokenizer, body.samplers))
     return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
                           top_k=top_k, seed=seed, stop=list(body.stop or []), constraint=constraint,
                           min_p=min_p, **penalties, logit_bias=bias,
