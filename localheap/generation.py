@@ -14,6 +14,7 @@ MIN_P_RANGE = (0.0, 1.0)
 LOGIT_BIAS_RANGE = (-100.0, 100.0)   # OpenAI's, per id
 REPEAT_PENALTY_MAX = 10.0            # repeat_penalty's bound (llama.cpp sets none; past this every repeat is banned)
 DRY_MULTIPLIER_MAX = 100.0
+TOP_N_SIGMA_MAX = 100.0
 DRY_BASE_MAX = 8.0
 TOP_LOGPROBS_MAX = 20                # alternatives per token a reply's logprobs may list (OpenAI's limit)
 
@@ -98,6 +99,10 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     constraint: Optional[Constraint] = None   # structured output; sampled ids are masked by it
     min_p: float = 0.0            # 0 = off: ids under min_p x the likeliest id's probability are dropped
+    typical_p: float = 1.0        # 1 = off: locally typical sampling (transformers' TypicalLogitsWarper)
+    top_n_sigma: float = 0.0      # 0 = off: ids whose logit is under max - n x the logits' std are dropped
+    xtc_probability: float = 0.0  # 0 = off: XTC (mlx-lm's apply_xtc): with this chance a step drops every id
+    xtc_threshold: float = 0.1    # above the threshold but the least likely of them
     presence_penalty: float = 0.0   # OpenAI's: taken off the logit of each id this reply has written
     frequency_penalty: float = 0.0  # OpenAI's: times the number of times this reply has written the id
     logit_bias: dict[int, float] = field(default_factory=dict)   # OpenAI's: added to the id's logit
@@ -135,6 +140,14 @@ class SamplingParams:
             raise ValueError(f"repeat_penalty must be in (0, {REPEAT_PENALTY_MAX:g}] (1: off)")
         if self.repeat_last_n < -1:
             raise ValueError("repeat_last_n must be >= -1 (-1: the whole context; 0: off)")
+        if not 0.0 < self.typical_p <= 1.0:
+            raise ValueError("typical_p must be in (0, 1] (1: off)")
+        if not 0.0 <= self.top_n_sigma <= TOP_N_SIGMA_MAX:
+            raise ValueError(f"top_n_sigma must be in [0, {TOP_N_SIGMA_MAX:g}] (0: off)")
+        if not 0.0 <= self.xtc_probability <= 1.0:
+            raise ValueError("xtc_probability must be in [0, 1] (0: off)")
+        if not 0.0 <= self.xtc_threshold <= 0.5:
+            raise ValueError("xtc_threshold must be in [0, 0.5]")
         if not 0.0 <= self.dry_multiplier <= DRY_MULTIPLIER_MAX:
             raise ValueError(f"dry_multiplier must be in [0, {DRY_MULTIPLIER_MAX:g}] (0: off)")
         if not 1.0 <= self.dry_base <= DRY_BASE_MAX:

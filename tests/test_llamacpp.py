@@ -148,6 +148,24 @@ def test_dry_options_reach_the_sampler_with_the_prompt_in_its_window(server):
     assert oai["choices"][0]["text"] == server.services.tokenizer.decode(want)
 
 
+@pytest.mark.parametrize("option,value,name", [("typical_p", 0.3, "typ_p"), ("top_n_sigma", 0.5, "top_n_sigma"),
+                                               ("xtc_probability", 1.0, "xtc")])
+def test_typical_top_n_sigma_and_xtc_are_taken_and_a_samplers_list_can_leave_them_out(server, option, value, name):
+    """Seeded, sampled at temperature 1: the option changes the draws and shows in the settings;
+    a samplers list without its name leaves it off (the plain draws); the OpenAI route takes it."""
+    body = {"prompt": PREFIX, "n_predict": 16, "temperature": 1.0, "seed": 3, "top_k": 0, "top_p": 1.0,
+            "min_p": 0.0, "return_tokens": True}
+    plain = _post(server, "/completion", body)
+    got = _post(server, "/completion", {**body, option: value, "xtc_threshold": 0.01})
+    assert got["tokens"] != plain["tokens"] and got["generation_settings"][option] == value
+    assert name in got["generation_settings"]["samplers"]
+    off = _post(server, "/completion", {**body, option: value, "xtc_threshold": 0.01,
+                                        "samplers": ["penalties", "dry", "temperature"]})
+    assert off["tokens"] == plain["tokens"] and name not in off["generation_settings"]["samplers"]
+    oai = {"prompt": PREFIX, "max_tokens": 4, "temperature": 1.0, "seed": 3, option: value}
+    assert _post(server, "/v1/completions", oai)["choices"][0]["finish_reason"]
+
+
 def test_stream_pieces_join_to_the_whole_reply(server):
     body = {"prompt": "import os\n", "n_predict": 12, "temperature": 0}
     whole = _post(server, "/completion", body)
@@ -232,10 +250,11 @@ def test_n_probs_and_response_fields(server):
 
 def test_options_it_has_no_sampler_for_are_refused_unless_off(server):
     base = {"prompt": "a", "n_predict": 2}
-    for name, value in (("mirostat", 2), ("typical_p", 0.5), ("xtc_probability", 0.5)):
+    for name, value in (("mirostat", 2), ("dynatemp_range", 0.5)):
         bad = _post(server, "/completion", {**base, name: value}, status=400)
         assert bad["error"]["param"] == name and "no such sampler" in bad["error"]["message"]
     off = {"repeat_penalty": 1.0, "mirostat": 0, "typical_p": 1.0, "dry_multiplier": 0.0, "repeat_last_n": 64,
+           "xtc_probability": 0.0, "top_n_sigma": -1, "dynatemp_range": 0.0,
            "id_slot": -1, "n_keep": 0, "cache_prompt": True, "timings_per_token": False, "samplers": "kpmt"}
     assert _post(server, "/completion", {**base, **off})["stop"] is True
     assert _post(server, "/completion", {**base, "bogus": 1}, status=400)["error"]["param"] == "bogus"
@@ -344,8 +363,8 @@ def test_llama_vscode_requests_as_it_sends_them(server):
             "dry_allowed_length": 2, "dry_penalty_last_n": -1, "max_tokens": -1, "timings_per_token": False}
     chat = _post(server, "/v1/chat/completions", {**edit, "max_tokens": 4} | {"max_tokens": -1, "seed": 1})
     assert chat["choices"][0]["message"]["role"] == "assistant"
-    bad = _post(server, "/v1/chat/completions", {**edit, "xtc_probability": 0.5}, status=400)
-    assert bad["error"]["param"] == "xtc_probability"
+    bad = _post(server, "/v1/chat/completions", {**edit, "mirostat": 2}, status=400)
+    assert bad["error"]["param"] == "mirostat"
     greedy = {"messages": edit["messages"], "max_tokens": 6, "temperature": 0, "seed": 5}
     plain = _post(server, "/v1/chat/completions", greedy)["choices"][0]["message"]["content"]
     # temperature 0 but no "temperature" sampler named: sampled at temperature 1 (seeded), not greedy

@@ -75,6 +75,7 @@ def test_generate_whole_streamed_and_raw(server, client):
     assert loaded.done and loaded.done_reason == "load" and loaded.response == ""
     # Ollama's repetition penalty: taken (it was refused), a greedy raw reply is what /v1/completions
     # gives with llama-server's same option, and a strong one changes the reply
+    assert client.generate(model=model(server), prompt="x", options={"num_predict": 4, "typical_p": 0.5, "seed": 1})
     penalized = {**options, "repeat_penalty": 4.0, "repeat_last_n": 16}
     pen = client.generate(model=model(server), prompt="The pass key", raw=True, options=penalized)
     same = httpx.post(server.url + "/v1/completions", json={"prompt": "The pass key", "max_tokens": 8, "temperature": 0,

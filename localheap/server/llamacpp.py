@@ -36,16 +36,15 @@ OURS = ("top_k", "top_p", "min_p", "temperature")        # samplers this server 
 OTHERS = {"dry", "typ_p", "xtc", "top_n_sigma", "penalties", "infill", "mirostat"}
 
 # options of samplers this server does not have: accepted only where they leave the sampler off
-OFF = {"typical_p": lambda v: v >= 1.0,
-       "xtc_probability": lambda v: v == 0.0, "mirostat": lambda v: v == 0, "dynatemp_range": lambda v: v == 0.0,
-       "top_n_sigma": lambda v: v <= 0.0, "post_sampling_probs": lambda v: v is False, "n_cmpl": lambda v: v == 1,
-       "lora": lambda v: not v}
+OFF = {"mirostat": lambda v: v == 0, "dynatemp_range": lambda v: v == 0.0,
+       "post_sampling_probs": lambda v: v is False, "n_cmpl": lambda v: v == 1, "lora": lambda v: not v}
 # tuning of those samplers (moot while they are off) and of llama.cpp's runtime: accepted, unused
-UNUSED = {"xtc_threshold", "mirostat_tau", "mirostat_eta", "dynatemp_exponent", "penalize_nl", "min_keep",
+UNUSED = {"mirostat_tau", "mirostat_eta", "dynatemp_exponent", "penalize_nl", "min_keep",
           "t_max_prompt_ms", "id_slot", "n_keep", "n_discard", "n_cache_reuse", "timings_per_token",
           "return_progress", "sse_ping_interval", "model", "id_task", "response_fields", "penalty_last_n"}
 OPTION_NAMES = ("repeat_penalty", "repeat_last_n", "dry_multiplier", "dry_base", "dry_allowed_length",
-                "dry_penalty_last_n")   # options a SamplingParams check may name
+                "dry_penalty_last_n", "typical_p", "top_n_sigma", "xtc_probability", "xtc_threshold")
+# (options a SamplingParams check may name)
 MAX_PROMPTS = 64
 MAX_PROBS = 20
 REPO_TOKENS = ("<|repo_name|>", "<|file_sep|>")   # Qwen2.5-Coder's repo-level format (llama.cpp's FIM_REP, FIM_SEP)
@@ -80,6 +79,10 @@ class LlamaRequest(BaseModel):
     frequency_penalty: float = 0.0
     repeat_penalty: float = 1.0
     repeat_last_n: int = 64
+    typical_p: float = 1.0
+    top_n_sigma: float = -1.0
+    xtc_probability: float = 0.0
+    xtc_threshold: float = 0.1
     dry_multiplier: float = 0.0
     dry_base: float = 1.75
     dry_allowed_length: int = 2
@@ -115,7 +118,7 @@ class LlamaRequest(BaseModel):
         temperature, top_k, top_p, min_p = switched(self.samplers, self.temperature, self.top_k, self.top_p,
                                                     self.min_p)
         penalties = penalties_on(self.samplers)
-        dry = dry_fields(self, tokenizer, self.samplers)
+        dry = {**dry_fields(self, tokenizer, self.samplers), **cut_fields(self, self.samplers)}
         bias = logit_bias(self.logit_bias, tokenizer, vocab)
         if self.ignore_eos:
             for t in eos:
@@ -145,10 +148,13 @@ class LlamaRequest(BaseModel):
                 "repeat_penalty": params.repeat_penalty, "repeat_last_n": params.repeat_last_n,
                 "dry_multiplier": params.dry_multiplier, "dry_base": params.dry_base,
                 "dry_allowed_length": params.dry_allowed_length, "dry_penalty_last_n": params.dry_penalty_last_n,
-                "dry_sequence_breakers": self.dry_sequence_breakers, "stop": params.stop, "ignore_eos": self.ignore_eos, "n_probs": self.n_probs, "stream": self.stream,
+                "dry_sequence_breakers": self.dry_sequence_breakers, "typical_p": params.typical_p,
+                "top_n_sigma": params.top_n_sigma, "xtc_probability": params.xtc_probability,
+                "xtc_threshold": params.xtc_threshold, "stop": params.stop, "ignore_eos": self.ignore_eos, "n_probs": self.n_probs, "stream": self.stream,
                 "grammar": self.grammar or "",
                 "samplers": (["penalties"] if penalties_on(self.samplers) else []) + (["dry"] if params.dry else [])
-                + [s for s in OURS if params_has(params, s)],
+                + (["top_n_sigma"] if params.top_n_sigma else []) + [s for s in OURS if params_has(params, s)]
+                + (["typ_p"] if params.typical_p < 1.0 else []) + (["xtc"] if params.xtc_probability else []),
                 "n_indent": self.n_indent, "t_max_predict_ms": self.t_max_predict_ms}
 
 
@@ -194,6 +200,24 @@ def named(samplers: Union[list[str], str, None], sampler: str) -> bool:
 
 def penalties_on(samplers: Union[list[str], str, None]) -> bool:
     return named(samplers, "penalties")
+
+
+def cut_fields(body: Any, samplers: Union[list[str], str, None]) -> dict:
+    """SamplingParams' typical_p, top_n_sigma and XTC fields from llama-server's options, each off
+    at its off value (typical_p >= 1, top_n_sigma <= 0, xtc_probability 0 or xtc_threshold > 0.5,
+    as llama.cpp turns them off) or where a samplers list leaves out typ_p, top_n_sigma or xtc."""
+    out = {}
+    typical = getattr(body, "typical_p", None)
+    if typical is not None and typical < 1.0 and named(samplers, "typ_p"):
+        out["typical_p"] = typical
+    sigma = getattr(body, "top_n_sigma", None)
+    if sigma is not None and sigma > 0.0 and named(samplers, "top_n_sigma"):
+        out["top_n_sigma"] = sigma
+    chance, threshold = getattr(body, "xtc_probability", None), getattr(body, "xtc_threshold", None)
+    threshold = 0.1 if threshold is None else threshold
+    if chance and threshold <= 0.5 and named(samplers, "xtc"):
+        out.update(xtc_probability=chance, xtc_threshold=threshold)
+    return out
 
 
 def dry_fields(body: Any, tokenizer: Any, samplers: Union[list[str], str, None]) -> dict:

@@ -8,7 +8,7 @@ from typing import Annotated, Any, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from ..generation import (DRY_BASE_MAX, DRY_MULTIPLIER_MAX, LOGIT_BIAS_RANGE, MIN_P_RANGE, PENALTY_RANGE,
-                          REPEAT_PENALTY_MAX, TOP_LOGPROBS_MAX)
+                          REPEAT_PENALTY_MAX, TOP_LOGPROBS_MAX, TOP_N_SIGMA_MAX)
 
 
 TITLE_MAX_CHARS = 200
@@ -141,6 +141,11 @@ class SamplingFields(Strict):
     repetition_penalty: Optional[float] = Field(None, gt=0.0, le=REPEAT_PENALTY_MAX)
     repeat_penalty: Optional[float] = Field(None, gt=0.0, le=REPEAT_PENALTY_MAX)
     repeat_last_n: Optional[int] = Field(None, ge=-1)
+    # extensions (llama-server's): typical_p, top_n_sigma, XTC (llamacpp.cut_fields), off at their off values
+    typical_p: Optional[float] = Field(None, gt=0.0)
+    top_n_sigma: Optional[float] = Field(None, le=TOP_N_SIGMA_MAX)
+    xtc_probability: Optional[float] = Field(None, ge=0.0, le=1.0)
+    xtc_threshold: Optional[float] = Field(None, ge=0.0)
     # extensions (llama-server's): DRY (localheap.dry), off at multiplier 0
     dry_multiplier: float = Field(0.0, ge=0.0, le=DRY_MULTIPLIER_MAX)
     dry_base: float = Field(1.75, ge=1.0, le=DRY_BASE_MAX)

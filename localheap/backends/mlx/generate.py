@@ -33,7 +33,11 @@ class Sampler:
 
     def __init__(self, params: SamplingParams):
         self.base = make_sampler(temp=params.temperature, top_p=params.top_p, top_k=params.top_k,
-                                 min_p=params.min_p)
+                                 min_p=params.min_p, xtc_probability=params.xtc_probability,
+                                 xtc_threshold=params.xtc_threshold, xtc_special_tokens=[])
+        self.cuts = [] if params.greedy else \
+            ([lambda lp, n=params.top_n_sigma: top_n_sigma(lp, n)] if params.top_n_sigma > 0.0 else []) + \
+            ([lambda lp, m=params.typical_p: typical(lp, m)] if params.typical_p < 1.0 else [])
         self.plain = params.plain_greedy   # the batch argmaxes it with the others
         self.bias, self.vector = params.logit_bias, None
         self.repeat = params.repeat_penalty if params.repeating else None
@@ -63,10 +67,11 @@ class Sampler:
                 scores = scores - mx.array(dense)
         if self.constraint is not None:
             scores = masked(scores, self.constraint.allowed())
-        if logprobs is None or scores is not logits:
-            y = self.base(scores - mx.logsumexp(scores, axis=-1, keepdims=True))
-        else:
-            y = self.base(logprobs)
+        lp = logprobs if logprobs is not None and scores is logits else \
+            scores - mx.logsumexp(scores, axis=-1, keepdims=True)
+        for cut in self.cuts:   # before mlx-lm's own (top-p, min-p, XTC, top-k, then temperature)
+            lp = cut(lp)
+        y = self.base(lp)
         if self.penalized:
             if self.counts is None:
                 self.counts = mx.zeros((logits.shape[-1],), dtype=mx.float32)
@@ -98,6 +103,33 @@ def repeat_penalized(scores: mx.array, window: mx.array, penalty: float) -> mx.a
     `penalty` where positive, multiplied where not; in the logits' dtype, as mlx-lm's processor."""
     hit = mx.zeros((scores.shape[-1],), dtype=mx.float32).at[window].add(1.0) > 0
     return mx.where(hit, mx.where(scores < 0, scores * penalty, scores / penalty), scores)
+
+
+def top_n_sigma(lp: mx.array, n: float) -> mx.array:
+    """lp [1, vocab] with the ids under max - n x std of the finite values at -inf (llama.cpp's
+    top-n-sigma; on logprobs as on logits: a shift moves the max and the mean alike)."""
+    x = lp.astype(mx.float32)
+    finite = mx.isfinite(x)
+    count = mx.maximum(finite.sum(axis=-1, keepdims=True), 1)
+    mean = mx.where(finite, x, 0.0).sum(axis=-1, keepdims=True) / count
+    std = mx.sqrt(mx.where(finite, (x - mean) ** 2, 0.0).sum(axis=-1, keepdims=True) / count)
+    floor = x.max(axis=-1, keepdims=True) - n * std
+    return mx.where(x < floor, -mx.inf, lp)
+
+
+def typical(lp: mx.array, mass: float) -> mx.array:
+    """Locally typical sampling as transformers' TypicalLogitsWarper: the ids whose surprise is
+    closest to the entropy, as many as reach `mass` of probability (one at least); the rest -inf."""
+    x = lp.astype(mx.float32)
+    x = x - mx.logsumexp(x, axis=-1, keepdims=True)
+    p = mx.exp(x)
+    entropy = -mx.where(mx.isfinite(x), x * p, 0.0).sum(axis=-1, keepdims=True)
+    shifted = mx.abs(-x - entropy)
+    order = mx.argsort(shifted, axis=-1)
+    cumulative = mx.cumsum(mx.take_along_axis(p, order, axis=-1), axis=-1)
+    last = mx.minimum((cumulative < mass).sum(axis=-1, keepdims=True), x.shape[-1] - 1)
+    bound = mx.take_along_axis(mx.take_along_axis(shifted, order, axis=-1), last, axis=-1)
+    return mx.where(shifted > bound, -mx.inf, lp)
 
 
 def masked(scores: mx.array, allowed) -> mx.array:

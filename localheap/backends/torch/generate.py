@@ -13,7 +13,7 @@ from typing import Iterator, Optional, Sequence
 
 import torch
 from transformers.generation.logits_process import (MinPLogitsWarper, TemperatureLogitsWarper, TopKLogitsWarper,
-                                                    TopPLogitsWarper)
+                                                    TopPLogitsWarper, TypicalLogitsWarper)
 
 from ...dry import dry_state
 from ...generation import (SCORED_BLOCK, LogprobRecorder, ProgressFn, SamplingParams, TokenLogprob,
@@ -153,6 +153,8 @@ class Sampler:
         self.greedy = params.greedy
         self.warpers = []
         if not self.greedy:
+            if params.top_n_sigma > 0.0:
+                self.warpers.append(lambda _, scores, n=params.top_n_sigma: top_n_sigma(scores, n))
             if params.temperature != 1.0:
                 self.warpers.append(TemperatureLogitsWarper(params.temperature))
             if params.top_k > 0:
@@ -161,6 +163,11 @@ class Sampler:
                 self.warpers.append(TopPLogitsWarper(params.top_p))
             if params.min_p > 0.0:
                 self.warpers.append(MinPLogitsWarper(params.min_p))
+            if params.typical_p < 1.0:
+                self.warpers.append(TypicalLogitsWarper(params.typical_p))
+            if params.xtc_probability > 0.0:
+                self.warpers.append(lambda _, scores, p=params.xtc_probability, t=params.xtc_threshold:
+                                    xtc(scores, p, t, self.generator))
         self.penalized = params.penalized
         self.presence, self.frequency = params.presence_penalty, params.frequency_penalty
         self.counts: Optional[torch.Tensor] = None   # [vocab] float32: how often this reply sampled each id
@@ -222,6 +229,26 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor) -> int:
         return int(self.sample(logits))
+
+
+def top_n_sigma(scores: torch.Tensor, n: float) -> torch.Tensor:
+    """scores [1, vocab] with the ids under max - n x std of the finite scores at -inf (llama.cpp's top-n-sigma)."""
+    finite = torch.isfinite(scores)
+    vals = torch.where(finite, scores, torch.zeros_like(scores))
+    count = finite.sum(-1, keepdim=True).clamp(min=1)
+    mean = vals.sum(-1, keepdim=True) / count
+    std = (torch.where(finite, (scores - mean) ** 2, torch.zeros_like(scores)).sum(-1, keepdim=True) / count).sqrt()
+    floor = scores.max(-1, keepdim=True).values - n * std
+    return scores.masked_fill(scores < floor, float("-inf"))
+
+
+def xtc(scores: torch.Tensor, probability: float, threshold: float, generator=None) -> torch.Tensor:
+    """XTC as mlx-lm's apply_xtc: a draw each step; under `probability`, every id whose probability
+    passes `threshold` but the least likely of them goes to -inf (all stay where fewer than two pass)."""
+    probs = torch.softmax(scores, dim=-1)
+    floor = torch.where(probs > threshold, probs, torch.full_like(probs, float("inf"))).min(-1, keepdim=True).values
+    coin = torch.rand((), generator=generator, device=scores.device)
+    return torch.where(coin > probability, scores, scores.masked_fill(probs > floor, float("-inf")))
 
 
 def repeat_penalized(scores: torch.Tensor, window: torch.Tensor, penalty: float) -> torch.Tensor:

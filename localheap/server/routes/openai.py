@@ -20,7 +20,7 @@ from ..bridge import JobEvents, collect, follow, merged
 from ..chat import ChatPlan, start
 from ..errors import BadRequest, Unsupported, to_response
 from ..fim import fim_format, fim_prompt
-from ..llamacpp import dry_fields, penalties_on, switched
+from ..llamacpp import cut_fields, dry_fields, penalties_on, switched
 from ..formats import (Echo, Out, Reply, add_call_errors, extension, finish_reason, saved_headers, tool_call_dict,
                        total_usage)
 from ..prompts import chat_prompt, completion_prompt, tokenize
@@ -142,12 +142,12 @@ def _params(body: SamplingFields, svc: Services, max_tokens: int, choice: int = 
                              f"0..{vocab - 1}", "stop_token_ids")
     seed = None if body.seed is None else body.seed + choice
     temperature, top_k, top_p, min_p = switched(body.samplers, body.temperature, body.top_k, body.top_p, body.min_p)
-    penalties = {"presence_penalty": body.presence_penalty or 0.0, "frequency_penalty": body.frequency_penalty or 0.0,
-                 **body.repetition()} if penalties_on(body.samplers) else {}
-    penalties.update(dry_fields(body, svc.tokenizer, body.samplers))
+    extra = {"presence_penalty": body.presence_penalty or 0.0, "frequency_penalty": body.frequency_penalty or 0.0,
+             **body.repetition()} if penalties_on(body.samplers) else {}
+    extra.update(dry_fields(body, svc.tokenizer, body.samplers), **cut_fields(body, body.samplers))
     return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
                           top_k=top_k, seed=seed, stop=list(body.stop or []), constraint=constraint,
-                          min_p=min_p, **penalties, logit_bias=bias,
+                          min_p=min_p, **extra, logit_bias=bias,
                           logprobs=None if top_logprobs is None else LogprobRecorder(top_logprobs),
                           prompt_logprobs=LogprobRecorder(top_logprobs or 0) if scored else None,
                           stop_token_ids=list(body.stop_token_ids or []) + list(stop_ids))
