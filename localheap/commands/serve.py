@@ -33,6 +33,10 @@ def add_parser(sub) -> None:
     p.add_argument("--port", type=int, default=8000, help="TCP port")
     p.add_argument("--allow-host", action="append", default=[], metavar="NAME",
                    help="also answer requests whose Host header is NAME (e.g. a reverse proxy's name; repeatable)")
+    p.add_argument("--served-model-name", nargs="+", default=[], metavar="NAME",
+                   help="the names the model answers to in requests' `model` (vLLM's flag): a client that sends a "
+                        "fixed name (gpt-4o, an editor's default) finds it; replies and /v1/models carry the first "
+                        "(default: the model's own name)")
     p.add_argument("--api-key", action="append", default=[], metavar="KEY",
                    help="require 'Authorization: Bearer KEY' on /v1/* and /metrics; repeatable, each key sees "
                         "only its own sessions. Visible in `ps`: prefer LOCALHEAP_API_KEY or --api-keys-file "
@@ -137,9 +141,12 @@ def settings_from_args(args):
         raise ValueError("--shutdown-grace must be between 0 and 3600 seconds")
     if args.distributed and args.disk_total.strip().lower() != "auto" and disk_total(args.disk_total):
         raise ValueError(DISK_TOTAL_RANKS)
+    names = list(dict.fromkeys(n.strip() for n in args.served_model_name))
+    if any(not n for n in names):
+        raise ValueError("--served-model-name takes non-empty names")
     max_batch, max_active = batch_limits(args)   # run() sets the device's default once it is loaded
     return ServerSettings(
-        host=args.host, port=args.port, api_keys=api_keys(args), cors_origins=list(args.cors_origin),
+        host=args.host, port=args.port, api_keys=api_keys(args), served_model_names=names, cors_origins=list(args.cors_origin),
         allowed_hosts=list(args.allow_host), max_prompt_tokens=args.max_prompt_tokens,
         admission_timeout=args.admission_timeout, max_observers=args.max_observers,
         max_body_bytes=parse_bytes(args.max_body), max_queued=args.max_queue,

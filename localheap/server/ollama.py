@@ -241,12 +241,13 @@ def final_fields(done: Finished, began: float, first_token: Optional[float], end
             "eval_count": u.completion_tokens, "eval_duration": int((ended - first) * 1e9)}
 
 
-def model_entry(svc) -> dict:
-    """The served model as /api/tags and /api/ps list it."""
+def model_entry(svc, name: Optional[str] = None) -> dict:
+    """The served model as /api/tags and /api/ps list it (under `name`: one of its served names)."""
     b = svc.backend
     family = _family(svc)
-    digest = hashlib.sha256(f"{svc.model_id}:{b.weights_bytes}".encode()).hexdigest()
-    return {"name": tag(svc.model_id), "model": tag(svc.model_id), "size": b.weights_bytes, "digest": digest,
+    name = name or svc.model_id
+    digest = hashlib.sha256(f"{svc.backend.model_name}:{b.weights_bytes}".encode()).hexdigest()
+    return {"name": tag(name), "model": tag(name), "size": b.weights_bytes, "digest": digest,
             "modified_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(svc.started)),
             "details": {"parent_model": "", "format": "mlx" if b.name == "mlx" else "safetensors", "family": family,
                         "families": [family], "parameter_size": _parameters(b), "quantization_level": ""}}

@@ -39,7 +39,13 @@ class Services:
 
     @property
     def model_id(self) -> str:
-        return self.backend.model_name
+        """The name replies carry: the first served name (--served-model-name), else the model's own."""
+        return self.model_names[0]
+
+    @property
+    def model_names(self) -> list[str]:
+        """Every name the model answers to."""
+        return list(self.settings.served_model_names) or [self.backend.model_name]
 
     @property
     def tokenizer(self) -> Any:
@@ -77,8 +83,9 @@ class Services:
 
     def check_model(self, model: Optional[str]) -> None:
         """None or "" (a client that names no model, as llama-server's do; llama.vim sends ""): the served one."""
-        if model and model != self.model_id:
-            raise UnknownModel(f"model {model!r} is not served here; this server serves {self.model_id!r} "
+        if model and model not in self.model_names:
+            names = " or ".join(repr(n) for n in self.model_names)
+            raise UnknownModel(f"model {model!r} is not served here; this server serves {names} "
                                f"(GET /v1/models)", "model")
 
 

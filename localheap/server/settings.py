@@ -21,6 +21,8 @@ class ServerSettings:
     host: str = "127.0.0.1"
     port: int = 8000
     api_key: Optional[str] = None              # when set, /v1/* and /metrics need "Authorization: Bearer KEY"
+    served_model_names: list[str] = field(default_factory=list)   # the names the model answers to (vLLM's
+    # --served-model-name; the first is the one replies carry); none: the model's own name
     api_keys: list[str] = field(default_factory=list)   # more keys; each owns the sessions it creates
     cors_origins: list[str] = field(default_factory=list)   # beyond the server's own origin
     max_body_bytes: int = 16 << 20             # a 1M-token document is ~4-6 MB of JSON

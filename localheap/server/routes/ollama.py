@@ -38,7 +38,7 @@ NDJSON = "application/x-ndjson"
 
 def _check_model(svc: Services, model: str) -> None:
     """Ollama's names carry a tag: the served model answers to its id and to id:latest."""
-    svc.check_model(svc.model_id if model == tag(svc.model_id) else model)
+    svc.check_model(next((n for n in svc.model_names if model == tag(n)), model))
 
 
 @router.get("/api/version")
@@ -54,7 +54,7 @@ async def api_version() -> dict:
 
 @router.get("/api/tags")
 async def tags(svc: Services = Depends(services)) -> dict:
-    return {"models": [model_entry(svc)]}
+    return {"models": [model_entry(svc, name) for name in svc.model_names]}
 
 
 @router.get("/api/ps")
@@ -105,7 +105,7 @@ def _served(svc: Services, body: "_Named", what: str) -> bool:
     name = body.model or body.name
     if not name:
         raise BadRequest(f"{what} needs the model's name", "model")
-    return name in (svc.model_id, tag(svc.model_id))
+    return any(name in (n, tag(n)) for n in svc.model_names)
 
 
 @router.post("/api/pull")

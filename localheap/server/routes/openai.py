@@ -35,13 +35,13 @@ SESSION_HEADER = "X-Session-Id"
 
 @router.get("/v1/models")
 async def list_models(svc: Services = Depends(services)) -> dict:
-    return {"object": "list", "data": [_model_card(svc)]}
+    return {"object": "list", "data": [_model_card(svc, name) for name in svc.model_names]}
 
 
 @router.get("/v1/models/{model:path}")
 async def get_model(model: str, svc: Services = Depends(services)) -> dict:
     svc.check_model(model)
-    return _model_card(svc)
+    return _model_card(svc, model)
 
 
 @router.post("/v1/chat/completions")
@@ -294,9 +294,9 @@ def _data(body: dict) -> dict:
     return {"data": json.dumps(body, separators=(",", ":"))}
 
 
-def _model_card(svc: Services) -> dict:
+def _model_card(svc: Services, name: str) -> dict:
     b = svc.backend
-    return {"id": svc.model_id, "object": "model", "created": int(svc.started), "owned_by": "localheap",
+    return {"id": name, "object": "model", "created": int(svc.started), "owned_by": "localheap",
             "localheap": {"backend": b.name, "weights_bytes": b.weights_bytes,
                           "heap": svc.settings.heap.to_dict(),
                           "heap_bytes_per_session": b.heap_bytes(svc.settings.heap)}}
