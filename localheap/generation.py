@@ -15,6 +15,8 @@ LOGIT_BIAS_RANGE = (-100.0, 100.0)   # OpenAI's, per id
 REPEAT_PENALTY_MAX = 10.0            # repeat_penalty's bound (llama.cpp sets none; past this every repeat is banned)
 DRY_MULTIPLIER_MAX = 100.0
 TOP_N_SIGMA_MAX = 100.0
+MIROSTAT_TAU_MAX = 64.0
+MIROSTAT_M = 100   # Mirostat 1's estimate of the distribution's shape reads the likeliest m ids (llama.cpp's m)
 DRY_BASE_MAX = 8.0
 TOP_LOGPROBS_MAX = 20                # alternatives per token a reply's logprobs may list (OpenAI's limit)
 
@@ -103,6 +105,9 @@ class SamplingParams:
     top_n_sigma: float = 0.0      # 0 = off: ids whose logit is under max - n x the logits' std are dropped
     xtc_probability: float = 0.0  # 0 = off: XTC (mlx-lm's apply_xtc): with this chance a step drops every id
     xtc_threshold: float = 0.1    # above the threshold but the least likely of them
+    mirostat: int = 0             # 0 = off; 1 or 2: Mirostat's version, in place of the cut-offs (see `mirostatted`)
+    mirostat_tau: float = 5.0     # the surprise (bits per token) it steers towards
+    mirostat_eta: float = 0.1     # how fast it steers
     presence_penalty: float = 0.0   # OpenAI's: taken off the logit of each id this reply has written
     frequency_penalty: float = 0.0  # OpenAI's: times the number of times this reply has written the id
     logit_bias: dict[int, float] = field(default_factory=dict)   # OpenAI's: added to the id's logit
@@ -148,6 +153,10 @@ class SamplingParams:
             raise ValueError("xtc_probability must be in [0, 1] (0: off)")
         if not 0.0 <= self.xtc_threshold <= 0.5:
             raise ValueError("xtc_threshold must be in [0, 0.5]")
+        if self.mirostat not in (0, 1, 2):
+            raise ValueError("mirostat must be 0 (off), 1 or 2")
+        if not 0.0 < self.mirostat_tau <= MIROSTAT_TAU_MAX or not 0.0 <= self.mirostat_eta <= 1.0:
+            raise ValueError(f"mirostat_tau must be in (0, {MIROSTAT_TAU_MAX:g}] and mirostat_eta in [0, 1]")
         if not 0.0 <= self.dry_multiplier <= DRY_MULTIPLIER_MAX:
             raise ValueError(f"dry_multiplier must be in [0, {DRY_MULTIPLIER_MAX:g}] (0: off)")
         if not 1.0 <= self.dry_base <= DRY_BASE_MAX:
@@ -188,6 +197,15 @@ class SamplingParams:
         repeat_penalty where it is positive, multiplied where not, as llama.cpp, mlx-lm and
         transformers define it; after logit_bias, before the other penalties and the cut-offs."""
         return self.repeat_penalty != 1.0 and self.repeat_last_n != 0
+
+    @property
+    def mirostatted(self) -> bool:
+        """Whether a sampled reply draws with Mirostat (llama.cpp's and Ollama's): after temperature,
+        the ids more surprising than mu (version 2), or past a top-k estimated from the
+        distribution's Zipf exponent and mu (version 1), are cut, one is drawn, and mu moves by
+        eta x (its surprise - tau); mu starts at 2 tau. As in llama.cpp it replaces top-k, top-p,
+        min-p, typical, top-n-sigma and XTC; logit_bias, the penalties and DRY still come first."""
+        return self.mirostat != 0 and not self.greedy
 
     @property
     def dry(self) -> bool:

@@ -166,6 +166,18 @@ def test_typical_top_n_sigma_and_xtc_are_taken_and_a_samplers_list_can_leave_the
     assert _post(server, "/v1/completions", oai)["choices"][0]["finish_reason"]
 
 
+def test_mirostat_is_taken_in_place_of_the_cut_offs(server):
+    body = {"prompt": PREFIX, "n_predict": 16, "temperature": 1.0, "seed": 3, "return_tokens": True}
+    plain = _post(server, "/completion", body)
+    got = _post(server, "/completion", {**body, "mirostat": 2, "mirostat_tau": 2.0, "mirostat_eta": 0.2})
+    assert got["tokens"] != plain["tokens"]
+    assert {k: got["generation_settings"][k] for k in ("mirostat", "mirostat_tau", "mirostat_eta")} == \
+        {"mirostat": 2, "mirostat_tau": 2.0, "mirostat_eta": 0.2}
+    assert _post(server, "/completion", {**body, "mirostat": 3}, status=400)["error"]["param"] == "mirostat"
+    oai = {"prompt": PREFIX, "max_tokens": 4, "temperature": 1.0, "mirostat": 1}
+    assert _post(server, "/v1/completions", oai)["choices"][0]["finish_reason"]
+
+
 def test_stream_pieces_join_to_the_whole_reply(server):
     body = {"prompt": "import os\n", "n_predict": 12, "temperature": 0}
     whole = _post(server, "/completion", body)
@@ -250,7 +262,7 @@ def test_n_probs_and_response_fields(server):
 
 def test_options_it_has_no_sampler_for_are_refused_unless_off(server):
     base = {"prompt": "a", "n_predict": 2}
-    for name, value in (("mirostat", 2), ("dynatemp_range", 0.5)):
+    for name, value in (("dynatemp_range", 0.5), ("n_cmpl", 2)):
         bad = _post(server, "/completion", {**base, name: value}, status=400)
         assert bad["error"]["param"] == name and "no such sampler" in bad["error"]["message"]
     off = {"repeat_penalty": 1.0, "mirostat": 0, "typical_p": 1.0, "dry_multiplier": 0.0, "repeat_last_n": 64,
@@ -363,8 +375,8 @@ def test_llama_vscode_requests_as_it_sends_them(server):
             "dry_allowed_length": 2, "dry_penalty_last_n": -1, "max_tokens": -1, "timings_per_token": False}
     chat = _post(server, "/v1/chat/completions", {**edit, "max_tokens": 4} | {"max_tokens": -1, "seed": 1})
     assert chat["choices"][0]["message"]["role"] == "assistant"
-    bad = _post(server, "/v1/chat/completions", {**edit, "mirostat": 2}, status=400)
-    assert bad["error"]["param"] == "mirostat"
+    bad = _post(server, "/v1/chat/completions", {**edit, "dynatemp_range": 0.5}, status=400)
+    assert bad["error"]["param"] == "dynatemp_range"
     greedy = {"messages": edit["messages"], "max_tokens": 6, "temperature": 0, "seed": 5}
     plain = _post(server, "/v1/chat/completions", greedy)["choices"][0]["message"]["content"]
     # temperature 0 but no "temperature" sampler named: sampled at temperature 1 (seeded), not greedy

@@ -76,6 +76,8 @@ def test_generate_whole_streamed_and_raw(server, client):
     # Ollama's repetition penalty: taken (it was refused), a greedy raw reply is what /v1/completions
     # gives with llama-server's same option, and a strong one changes the reply
     assert client.generate(model=model(server), prompt="x", options={"num_predict": 4, "typical_p": 0.5, "seed": 1})
+    assert client.generate(model=model(server), prompt="x", options={"num_predict": 4, "mirostat": 2, "seed": 1,
+                                                                     "mirostat_tau": 3.0, "mirostat_eta": 0.2})
     penalized = {**options, "repeat_penalty": 4.0, "repeat_last_n": 16}
     pen = client.generate(model=model(server), prompt="The pass key", raw=True, options=penalized)
     same = httpx.post(server.url + "/v1/completions", json={"prompt": "The pass key", "max_tokens": 8, "temperature": 0,
@@ -160,7 +162,8 @@ def test_tags_show_ps_version(server, client):
 
 
 @pytest.mark.parametrize("body,param", [
-    ({"options": {"mirostat": 2}}, "options.mirostat"),
+    ({"options": {"tfs_z": 0.5}}, "options.tfs_z"),
+    ({"options": {"mirostat": 3}}, "options.mirostat"),
     ({"options": {"repeat_penalty": 0}}, "options.repeat_penalty"),
     ({"options": {"repeat_last_n": -2}}, "options.repeat_last_n"),
     ({"options": {"frobnicate": 1}}, "options.frobnicate"),

@@ -27,8 +27,7 @@ OLLAMA_VERSION = "0.12.0"   # the API version whose shapes these routes follow (
 RUNTIME_OPTIONS = {"num_ctx", "num_batch", "num_gpu", "main_gpu", "num_thread", "num_keep", "use_mmap", "use_mlock",
                    "low_vram", "numa", "vocab_only", "f16_kv", "logits_all", "embedding_only"}
 # sampling options this server has no sampler for: accepted at their neutral value only
-NEUTRAL_OPTIONS = {"mirostat": 0, "mirostat_tau": None,
-                   "mirostat_eta": None, "tfs_z": 1.0, "penalize_newline": None}
+NEUTRAL_OPTIONS = {"tfs_z": 1.0, "penalize_newline": None}
 
 
 class OllamaFunction(Strict):
@@ -106,7 +105,8 @@ class OllamaRequest(Strict):
         for name in RUNTIME_OPTIONS:
             o.pop(name, None)
         known = {"temperature", "top_p", "top_k", "min_p", "seed", "num_predict", "stop", "presence_penalty",
-                 "frequency_penalty", "repeat_penalty", "repeat_last_n", "typical_p"}
+                 "frequency_penalty", "repeat_penalty", "repeat_last_n", "typical_p", "mirostat", "mirostat_tau",
+                 "mirostat_eta"}
         unknown = sorted(set(o) - known)
         if unknown:
             raise BadRequest(f"options.{unknown[0]} is not an option this server knows", f"options.{unknown[0]}")
@@ -122,9 +122,11 @@ class OllamaRequest(Strict):
                                   frequency_penalty=float(o.get("frequency_penalty", 0.0)),
                                   repeat_penalty=float(o.get("repeat_penalty", 1.0)),
                                   repeat_last_n=int(o.get("repeat_last_n", 64)),
-                                  typical_p=min(1.0, float(o.get("typical_p", 1.0))), constraint=constraint)
+                                  typical_p=min(1.0, float(o.get("typical_p", 1.0))),
+                                  mirostat=int(o.get("mirostat", 0)), mirostat_tau=float(o.get("mirostat_tau", 5.0)),
+                                  mirostat_eta=float(o.get("mirostat_eta", 0.1)), constraint=constraint)
         except (TypeError, ValueError) as e:
-            name = next((n for n in ("repeat_penalty", "repeat_last_n", "typical_p") if n in str(e)), None)
+            name = next((n for n in ("repeat_penalty", "repeat_last_n", "typical_p", "mirostat") if n in str(e)), None)
             raise BadRequest(f"options: {e}", f"options.{name}" if name else "options") from e
 
     def schema(self) -> Optional[dict]:

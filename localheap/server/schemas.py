@@ -8,7 +8,7 @@ from typing import Annotated, Any, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from ..generation import (DRY_BASE_MAX, DRY_MULTIPLIER_MAX, LOGIT_BIAS_RANGE, MIN_P_RANGE, PENALTY_RANGE,
-                          REPEAT_PENALTY_MAX, TOP_LOGPROBS_MAX, TOP_N_SIGMA_MAX)
+                          MIROSTAT_TAU_MAX, REPEAT_PENALTY_MAX, TOP_LOGPROBS_MAX, TOP_N_SIGMA_MAX)
 
 
 TITLE_MAX_CHARS = 200
@@ -146,6 +146,9 @@ class SamplingFields(Strict):
     top_n_sigma: Optional[float] = Field(None, le=TOP_N_SIGMA_MAX)
     xtc_probability: Optional[float] = Field(None, ge=0.0, le=1.0)
     xtc_threshold: Optional[float] = Field(None, ge=0.0)
+    mirostat: Optional[Literal[0, 1, 2]] = None
+    mirostat_tau: Optional[float] = Field(None, gt=0.0, le=MIROSTAT_TAU_MAX)
+    mirostat_eta: Optional[float] = Field(None, ge=0.0, le=1.0)
     # extensions (llama-server's): DRY (localheap.dry), off at multiplier 0
     dry_multiplier: float = Field(0.0, ge=0.0, le=DRY_MULTIPLIER_MAX)
     dry_base: float = Field(1.75, ge=1.0, le=DRY_BASE_MAX)

@@ -8,6 +8,7 @@ every forward pass, so RoPE offsets are final before the model rotates anything.
 
 from __future__ import annotations
 
+import math
 from typing import Iterator, Optional, Sequence
 
 import mlx.core as mx
@@ -15,7 +16,7 @@ import numpy as np
 from mlx_lm.sample_utils import make_sampler
 
 from ...dry import dry_state
-from ...generation import (SCORED_BLOCK, LogprobRecorder, ProgressFn, SamplingParams, TokenLogprob,
+from ...generation import (MIROSTAT_M, SCORED_BLOCK, LogprobRecorder, ProgressFn, SamplingParams, TokenLogprob,
                            check_logit_bias, scored_rows)
 from .. import paging
 from . import recall
@@ -35,10 +36,12 @@ class Sampler:
         self.base = make_sampler(temp=params.temperature, top_p=params.top_p, top_k=params.top_k,
                                  min_p=params.min_p, xtc_probability=params.xtc_probability,
                                  xtc_threshold=params.xtc_threshold, xtc_special_tokens=[])
-        self.cuts = [] if params.greedy else \
+        self.mirostat = Mirostat(params) if params.mirostatted else None
+        self.cuts = [] if params.greedy or self.mirostat is not None else \
             ([lambda lp, n=params.top_n_sigma: top_n_sigma(lp, n)] if params.top_n_sigma > 0.0 else []) + \
             ([lambda lp, m=params.typical_p: typical(lp, m)] if params.typical_p < 1.0 else [])
         self.plain = params.plain_greedy   # the batch argmaxes it with the others
+        self.temperature = params.temperature
         self.bias, self.vector = params.logit_bias, None
         self.repeat = params.repeat_penalty if params.repeating else None
         self.last_n = params.repeat_last_n
@@ -71,7 +74,7 @@ class Sampler:
             scores - mx.logsumexp(scores, axis=-1, keepdims=True)
         for cut in self.cuts:   # before mlx-lm's own (top-p, min-p, XTC, top-k, then temperature)
             lp = cut(lp)
-        y = self.base(lp)
+        y = self.base(lp) if self.mirostat is None else self.mirostat.sample(lp * (1.0 / self.temperature))
         if self.penalized:
             if self.counts is None:
                 self.counts = mx.zeros((logits.shape[-1],), dtype=mx.float32)
@@ -103,6 +106,44 @@ def repeat_penalized(scores: mx.array, window: mx.array, penalty: float) -> mx.a
     `penalty` where positive, multiplied where not; in the logits' dtype, as mlx-lm's processor."""
     hit = mx.zeros((scores.shape[-1],), dtype=mx.float32).at[window].add(1.0) > 0
     return mx.where(hit, mx.where(scores < 0, scores * penalty, scores / penalty), scores)
+
+
+class Mirostat:
+    """Mirostat 1 or 2 (SamplingParams.mirostatted) on MLX: mu an array beside the step (lazy, no
+    host sync), the draw mlx-lm's categorical over the ids it keeps."""
+
+    def __init__(self, params: SamplingParams):
+        self.version, self.tau, self.eta = params.mirostat, params.mirostat_tau, params.mirostat_eta
+        self.mu = mx.array(2.0 * self.tau, dtype=mx.float32)
+
+    def keep(self, scores: mx.array) -> mx.array:
+        """[1, vocab] bool: the ids it may draw this step (scores: logits after temperature)."""
+        x = scores.astype(mx.float32)
+        logp = x - mx.logsumexp(x, axis=-1, keepdims=True)
+        if self.version == 2:
+            keep = -logp / math.log(2.0) <= self.mu
+        else:
+            vocab = logp.shape[-1]
+            m = min(MIROSTAT_M, vocab)
+            top = -mx.sort(-logp, axis=-1)[0, :m]                                 # log p, the likeliest first
+            i = mx.arange(m - 1, dtype=mx.float32)
+            t = mx.log((i + 2) / (i + 1))
+            b = top[:-1] - top[1:]
+            b = mx.where(mx.isfinite(b), b, 0.0)   # (ids cut already: p 0)
+            s_hat = (t * b).sum() / (t * t).sum()
+            eps = s_hat - 1
+            k = ((eps * mx.power(2.0, self.mu)) / (1 - mx.power(float(vocab), -eps))) ** (1 / s_hat)
+            k = mx.floor(mx.clip(mx.where(mx.isnan(k), 1.0, k), 1, vocab))
+            rank = mx.argsort(mx.argsort(-logp, axis=-1), axis=-1)
+            keep = rank < k
+        return keep | (logp == logp.max(axis=-1, keepdims=True))                # the likeliest id at least
+
+    def sample(self, scores: mx.array) -> mx.array:
+        x = mx.where(self.keep(scores), scores.astype(mx.float32), -mx.inf)
+        logp = x - mx.logsumexp(x, axis=-1, keepdims=True)
+        y = mx.random.categorical(logp)
+        self.mu = self.mu - self.eta * (-logp[0, y[0]] / math.log(2.0) - self.tau)
+        return y
 
 
 def top_n_sigma(lp: mx.array, n: float) -> mx.array:

@@ -9,6 +9,7 @@ heap makes room before every forward pass, so RoPE positions are final first.
 
 from __future__ import annotations
 
+import math
 from typing import Iterator, Optional, Sequence
 
 import torch
@@ -16,7 +17,7 @@ from transformers.generation.logits_process import (MinPLogitsWarper, Temperatur
                                                     TopPLogitsWarper, TypicalLogitsWarper)
 
 from ...dry import dry_state
-from ...generation import (SCORED_BLOCK, LogprobRecorder, ProgressFn, SamplingParams, TokenLogprob,
+from ...generation import (MIROSTAT_M, SCORED_BLOCK, LogprobRecorder, ProgressFn, SamplingParams, TokenLogprob,
                            check_logit_bias, scored_rows)
 from .. import paging
 from . import recall
@@ -152,7 +153,11 @@ class Sampler:
     def __init__(self, params: SamplingParams, device: torch.device):
         self.greedy = params.greedy
         self.warpers = []
-        if not self.greedy:
+        self.mirostat = Mirostat(params, device) if params.mirostatted else None
+        if self.mirostat is not None:   # temperature, then Mirostat in place of the cut-offs (llama.cpp's chain)
+            if params.temperature != 1.0:
+                self.warpers.append(TemperatureLogitsWarper(params.temperature))
+        elif not self.greedy:
             if params.top_n_sigma > 0.0:
                 self.warpers.append(lambda _, scores, n=params.top_n_sigma: top_n_sigma(scores, n))
             if params.temperature != 1.0:
@@ -209,8 +214,11 @@ class Sampler:
         else:
             for warp in self.warpers:
                 scores = warp(None, scores)
-            probs = torch.softmax(scores, dim=-1)
-            token = torch.multinomial(probs, num_samples=1, generator=self.generator)[0]
+            if self.mirostat is not None:
+                token = self.mirostat.sample(scores, self.generator)
+            else:
+                probs = torch.softmax(scores, dim=-1)
+                token = torch.multinomial(probs, num_samples=1, generator=self.generator)[0]
         if self.penalized:   # counted on the device: no host sync
             if self.counts is None:
                 self.counts = torch.zeros(scores.shape[-1], dtype=torch.float32, device=scores.device)
@@ -229,6 +237,41 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor) -> int:
         return int(self.sample(logits))
+
+
+class Mirostat:
+    """Mirostat 1 or 2 (SamplingParams.mirostatted) on the device: mu is a tensor beside the step,
+    so steering needs no host sync."""
+
+    def __init__(self, params: SamplingParams, device: torch.device):
+        self.version, self.tau, self.eta = params.mirostat, params.mirostat_tau, params.mirostat_eta
+        self.mu = torch.tensor(2.0 * self.tau, dtype=torch.float32, device=device)
+
+    def keep(self, scores: torch.Tensor) -> torch.Tensor:
+        """[1, vocab] bool: the ids it may draw this step."""
+        logp = torch.log_softmax(scores.float(), dim=-1)
+        if self.version == 2:
+            keep = -logp / math.log(2.0) <= self.mu
+        else:
+            m = min(MIROSTAT_M, logp.shape[-1])
+            top = torch.topk(logp, m, dim=-1).values[0]                       # log p, the likeliest first
+            i = torch.arange(m - 1, dtype=torch.float32, device=logp.device)
+            t = torch.log((i + 2) / (i + 1))
+            b = torch.nan_to_num(top[:-1] - top[1:], nan=0.0, posinf=0.0)   # (ids cut already: p 0)
+            s_hat = (t * b).sum() / (t * t).sum()
+            eps = s_hat - 1
+            k = ((eps * 2.0 ** self.mu) / (1 - logp.shape[-1] ** (-eps))) ** (1 / s_hat)
+            k = torch.nan_to_num(k, nan=1.0, posinf=float(logp.shape[-1])).clamp(1, logp.shape[-1]).floor()
+            rank = torch.argsort(torch.argsort(logp, dim=-1, descending=True), dim=-1)
+            keep = rank < k
+        return keep | (logp == logp.max(dim=-1, keepdim=True).values)     # the likeliest id at least
+
+    def sample(self, scores: torch.Tensor, generator=None) -> torch.Tensor:
+        probs = torch.softmax(scores.float().masked_fill(~self.keep(scores), float("-inf")), dim=-1)
+        token = torch.multinomial(probs, num_samples=1, generator=generator)[0]
+        surprise = -torch.log2(probs[0, token[0]])
+        self.mu = self.mu - self.eta * (surprise - self.tau)
+        return token
 
 
 def top_n_sigma(scores: torch.Tensor, n: float) -> torch.Tensor:
