@@ -16,6 +16,8 @@ REPEAT_PENALTY_MAX = 10.0            # repeat_penalty's bound (llama.cpp sets no
 DRY_MULTIPLIER_MAX = 100.0
 TOP_N_SIGMA_MAX = 100.0
 MIROSTAT_TAU_MAX = 64.0
+DYNATEMP_MAX = 10.0
+DYNATEMP_FLOOR = 1e-4   # a dynamic temperature of 0 (llama.cpp: greedy) is held here: nearly one-hot
 MIROSTAT_M = 100   # Mirostat 1's estimate of the distribution's shape reads the likeliest m ids (llama.cpp's m)
 DRY_BASE_MAX = 8.0
 TOP_LOGPROBS_MAX = 20                # alternatives per token a reply's logprobs may list (OpenAI's limit)
@@ -105,6 +107,8 @@ class SamplingParams:
     top_n_sigma: float = 0.0      # 0 = off: ids whose logit is under max - n x the logits' std are dropped
     xtc_probability: float = 0.0  # 0 = off: XTC (mlx-lm's apply_xtc): with this chance a step drops every id
     xtc_threshold: float = 0.1    # above the threshold but the least likely of them
+    dynatemp_range: float = 0.0   # 0 = off: the temperature moves within +-range with the entropy (llama.cpp's)
+    dynatemp_exponent: float = 1.0
     mirostat: int = 0             # 0 = off; 1 or 2: Mirostat's version, in place of the cut-offs (see `mirostatted`)
     mirostat_tau: float = 5.0     # the surprise (bits per token) it steers towards
     mirostat_eta: float = 0.1     # how fast it steers
@@ -153,6 +157,8 @@ class SamplingParams:
             raise ValueError("xtc_probability must be in [0, 1] (0: off)")
         if not 0.0 <= self.xtc_threshold <= 0.5:
             raise ValueError("xtc_threshold must be in [0, 0.5]")
+        if not 0.0 <= self.dynatemp_range <= DYNATEMP_MAX or not 0.0 <= self.dynatemp_exponent <= DYNATEMP_MAX:
+            raise ValueError(f"dynatemp_range and dynatemp_exponent must be in [0, {DYNATEMP_MAX:g}]")
         if self.mirostat not in (0, 1, 2):
             raise ValueError("mirostat must be 0 (off), 1 or 2")
         if not 0.0 < self.mirostat_tau <= MIROSTAT_TAU_MAX or not 0.0 <= self.mirostat_eta <= 1.0:
@@ -197,6 +203,14 @@ class SamplingParams:
         repeat_penalty where it is positive, multiplied where not, as llama.cpp, mlx-lm and
         transformers define it; after logit_bias, before the other penalties and the cut-offs."""
         return self.repeat_penalty != 1.0 and self.repeat_last_n != 0
+
+    @property
+    def dynamic_temperature(self) -> bool:
+        """Whether a sampled reply's temperature moves with the entropy (llama.cpp's dynatemp):
+        after the cut-offs, over the n ids left, T = lo + (hi - lo) x (H / ln n) ** exponent with
+        lo = max(0, temperature - range), hi = temperature + range and H their entropy (nats);
+        temperature then comes last on both backends, as in llama.cpp's chain."""
+        return self.dynatemp_range > 0.0 and not self.greedy and not self.mirostat
 
     @property
     def mirostatted(self) -> bool:

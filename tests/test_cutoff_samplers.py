@@ -125,3 +125,58 @@ def test_the_params_check_the_options():
                 {"xtc_threshold": 0.7}):
         with pytest.raises(ValueError, match=next(iter(bad))):
             SamplingParams(**bad)
+
+
+def _dyn_reference(row: np.ndarray, temperature: float, spread: float, exponent: float) -> float:
+    finite = row[np.isfinite(row)].astype(np.float64)
+    p = np.exp(finite - finite.max())
+    p /= p.sum()
+    entropy = -(p * np.log(p)).sum()
+    lo, hi = max(0.0, temperature - spread), temperature + spread
+    return lo + (hi - lo) * (entropy / np.log(len(finite))) ** exponent
+
+
+@pytest.mark.parametrize("temperature,spread,exponent", [(0.8, 0.5, 1.0), (1.0, 1.0, 2.0), (0.3, 0.5, 0.5)])
+def test_the_dynamic_temperature_is_llama_cpps(temperature, spread, exponent):
+    from localheap.backends.torch.generate import dynamic_temperature
+
+    rows = _rows(seed=6)
+    for row in rows:
+        want = _dyn_reference(row, temperature, spread, exponent)
+        got = float(dynamic_temperature(torch.from_numpy(row)[None], temperature, spread, exponent))
+        assert got == pytest.approx(want, rel=1e-4)
+    peaked, flat = rows[0] * 6.0, rows[0] * 0.05
+    assert float(dynamic_temperature(torch.from_numpy(peaked)[None], 1.0, 0.5, 1.0)) < \
+        float(dynamic_temperature(torch.from_numpy(flat)[None], 1.0, 0.5, 1.0))   # low entropy: cooler
+    try:
+        mx, generate = _mlx()
+    except pytest.skip.Exception:
+        return
+    for row in rows:
+        lp = mx.array(row[None]) - mx.logsumexp(mx.array(row[None]), keepdims=True)
+        got = generate.dynamic_temperature(lp, temperature, spread, exponent).item()
+        assert got == pytest.approx(_dyn_reference(row, temperature, spread, exponent), rel=1e-4)
+
+
+def test_dynatemp_comes_after_the_cut_offs_and_draws_only_what_they_keep():
+    """With top-k 3 the entropy is the three ids' (llama.cpp's order: temperature last), and every
+    draw is one of them, on both backends."""
+    row = _rows(seed=7)[2]
+    top3 = set(np.argsort(-row)[:3].tolist())
+    params = SamplingParams(temperature=1.0, top_k=3, dynatemp_range=0.8, seed=5)
+    assert params.dynamic_temperature and not SamplingParams(dynatemp_range=0.8).dynamic_temperature
+    sampler = Sampler(params, torch.device("cpu"))
+    kept = sampler.warpers[0](None, torch.from_numpy(row)[None])
+    assert _kept(kept.numpy()) == top3
+    assert {int(sampler.sample(torch.from_numpy(row))) for _ in range(100)} <= top3
+    scaled = sampler.warpers[-1](None, kept)
+    t = _dyn_reference(np.where(np.isfinite(kept.numpy()[0]), row, -np.inf), 1.0, 0.8, 1.0)
+    i = next(iter(top3))
+    assert float(scaled[0, i]) == pytest.approx(row[i] / t, rel=1e-4)
+    try:
+        mx, generate = _mlx()
+    except pytest.skip.Exception:
+        return
+    mx.random.seed(5)
+    sample, x = generate.Sampler(params), mx.array(row[None])
+    assert {int(sample(x, x - mx.logsumexp(x, keepdims=True)).item()) for _ in range(100)} <= top3

@@ -149,10 +149,12 @@ def test_dry_options_reach_the_sampler_with_the_prompt_in_its_window(server):
 
 
 @pytest.mark.parametrize("option,value,name", [("typical_p", 0.3, "typ_p"), ("top_n_sigma", 0.5, "top_n_sigma"),
-                                               ("xtc_probability", 1.0, "xtc")])
-def test_typical_top_n_sigma_and_xtc_are_taken_and_a_samplers_list_can_leave_them_out(server, option, value, name):
+                                               ("xtc_probability", 1.0, "xtc"), ("dynatemp_range", 0.9, "temperature")])
+def test_typical_top_n_sigma_xtc_dynatemp_are_taken_and_a_samplers_list_can_leave_them_out(server, option, value,
+                                                                                            name):
     """Seeded, sampled at temperature 1: the option changes the draws and shows in the settings;
-    a samplers list without its name leaves it off (the plain draws); the OpenAI route takes it."""
+    a samplers list without its name leaves it off (the plain draws: dynatemp goes with the
+    temperature sampler); the OpenAI route takes it."""
     body = {"prompt": PREFIX, "n_predict": 16, "temperature": 1.0, "seed": 3, "top_k": 0, "top_p": 1.0,
             "min_p": 0.0, "return_tokens": True}
     plain = _post(server, "/completion", body)
@@ -160,8 +162,8 @@ def test_typical_top_n_sigma_and_xtc_are_taken_and_a_samplers_list_can_leave_the
     assert got["tokens"] != plain["tokens"] and got["generation_settings"][option] == value
     assert name in got["generation_settings"]["samplers"]
     off = _post(server, "/completion", {**body, option: value, "xtc_threshold": 0.01,
-                                        "samplers": ["penalties", "dry", "temperature"]})
-    assert off["tokens"] == plain["tokens"] and name not in off["generation_settings"]["samplers"]
+                                        "samplers": [s for s in ("penalties", "dry", "temperature") if s != name]})
+    assert off["tokens"] == plain["tokens"] and off["generation_settings"][option] != value
     oai = {"prompt": PREFIX, "max_tokens": 4, "temperature": 1.0, "seed": 3, option: value}
     assert _post(server, "/v1/completions", oai)["choices"][0]["finish_reason"]
 
@@ -262,7 +264,7 @@ def test_n_probs_and_response_fields(server):
 
 def test_options_it_has_no_sampler_for_are_refused_unless_off(server):
     base = {"prompt": "a", "n_predict": 2}
-    for name, value in (("dynatemp_range", 0.5), ("n_cmpl", 2)):
+    for name, value in (("n_cmpl", 2), ("post_sampling_probs", True)):
         bad = _post(server, "/completion", {**base, name: value}, status=400)
         assert bad["error"]["param"] == name and "no such sampler" in bad["error"]["message"]
     off = {"repeat_penalty": 1.0, "mirostat": 0, "typical_p": 1.0, "dry_multiplier": 0.0, "repeat_last_n": 64,
@@ -375,8 +377,8 @@ def test_llama_vscode_requests_as_it_sends_them(server):
             "dry_allowed_length": 2, "dry_penalty_last_n": -1, "max_tokens": -1, "timings_per_token": False}
     chat = _post(server, "/v1/chat/completions", {**edit, "max_tokens": 4} | {"max_tokens": -1, "seed": 1})
     assert chat["choices"][0]["message"]["role"] == "assistant"
-    bad = _post(server, "/v1/chat/completions", {**edit, "dynatemp_range": 0.5}, status=400)
-    assert bad["error"]["param"] == "dynatemp_range"
+    bad = _post(server, "/v1/chat/completions", {**edit, "n_cmpl": 2}, status=400)
+    assert bad["error"]["param"] == "n_cmpl"
     greedy = {"messages": edit["messages"], "max_tokens": 6, "temperature": 0, "seed": 5}
     plain = _post(server, "/v1/chat/completions", greedy)["choices"][0]["message"]["content"]
     # temperature 0 but no "temperature" sampler named: sampled at temperature 1 (seeded), not greedy

@@ -36,14 +36,14 @@ OURS = ("top_k", "top_p", "min_p", "temperature")        # samplers this server 
 OTHERS = {"dry", "typ_p", "xtc", "top_n_sigma", "penalties", "infill", "mirostat"}
 
 # options of samplers this server does not have: accepted only where they leave the sampler off
-OFF = {"dynatemp_range": lambda v: v == 0.0,
-       "post_sampling_probs": lambda v: v is False, "n_cmpl": lambda v: v == 1, "lora": lambda v: not v}
+OFF = {"post_sampling_probs": lambda v: v is False, "n_cmpl": lambda v: v == 1, "lora": lambda v: not v}
 # tuning of those samplers (moot while they are off) and of llama.cpp's runtime: accepted, unused
-UNUSED = {"dynatemp_exponent", "penalize_nl", "min_keep",
+UNUSED = {"penalize_nl", "min_keep",
           "t_max_prompt_ms", "id_slot", "n_keep", "n_discard", "n_cache_reuse", "timings_per_token",
           "return_progress", "sse_ping_interval", "model", "id_task", "response_fields", "penalty_last_n"}
 OPTION_NAMES = ("repeat_penalty", "repeat_last_n", "dry_multiplier", "dry_base", "dry_allowed_length",
-                "dry_penalty_last_n", "typical_p", "top_n_sigma", "xtc_probability", "xtc_threshold", "mirostat")
+                "dry_penalty_last_n", "typical_p", "top_n_sigma", "xtc_probability", "xtc_threshold", "mirostat",
+                "dynatemp")
 # (options a SamplingParams check may name)
 MAX_PROMPTS = 64
 MAX_PROBS = 20
@@ -80,6 +80,8 @@ class LlamaRequest(BaseModel):
     repeat_penalty: float = 1.0
     repeat_last_n: int = 64
     typical_p: float = 1.0
+    dynatemp_range: float = 0.0
+    dynatemp_exponent: float = 1.0
     mirostat: int = 0
     mirostat_tau: float = 5.0
     mirostat_eta: float = 0.1
@@ -154,7 +156,9 @@ class LlamaRequest(BaseModel):
                 "dry_sequence_breakers": self.dry_sequence_breakers, "typical_p": params.typical_p,
                 "top_n_sigma": params.top_n_sigma, "xtc_probability": params.xtc_probability,
                 "xtc_threshold": params.xtc_threshold, "mirostat": params.mirostat,
-                "mirostat_tau": params.mirostat_tau, "mirostat_eta": params.mirostat_eta, "stop": params.stop, "ignore_eos": self.ignore_eos, "n_probs": self.n_probs, "stream": self.stream,
+                "mirostat_tau": params.mirostat_tau, "mirostat_eta": params.mirostat_eta,
+                "dynatemp_range": params.dynatemp_range, "dynatemp_exponent": params.dynatemp_exponent,
+                "stop": params.stop, "ignore_eos": self.ignore_eos, "n_probs": self.n_probs, "stream": self.stream,
                 "grammar": self.grammar or "",
                 "samplers": (["penalties"] if penalties_on(self.samplers) else []) + (["dry"] if params.dry else [])
                 + (["top_n_sigma"] if params.top_n_sigma else []) + [s for s in OURS if params_has(params, s)]
@@ -217,6 +221,10 @@ def cut_fields(body: Any, samplers: Union[list[str], str, None]) -> dict:
     sigma = getattr(body, "top_n_sigma", None)
     if sigma is not None and sigma > 0.0 and named(samplers, "top_n_sigma"):
         out["top_n_sigma"] = sigma
+    spread = getattr(body, "dynatemp_range", None)
+    if spread and spread > 0.0 and named(samplers, "temperature"):
+        exponent = getattr(body, "dynatemp_exponent", None)
+        out.update(dynatemp_range=spread, dynatemp_exponent=1.0 if exponent is None else exponent)
     if getattr(body, "mirostat", None):   # in place of the others (llama.cpp: its chain is temperature, then mirostat)
         out.update(mirostat=body.mirostat, mirostat_tau=5.0 if body.mirostat_tau is None else body.mirostat_tau,
                    mirostat_eta=0.1 if body.mirostat_eta is None else body.mirostat_eta)

@@ -7,8 +7,8 @@ from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from ..generation import (DRY_BASE_MAX, DRY_MULTIPLIER_MAX, LOGIT_BIAS_RANGE, MIN_P_RANGE, PENALTY_RANGE,
-                          MIROSTAT_TAU_MAX, REPEAT_PENALTY_MAX, TOP_LOGPROBS_MAX, TOP_N_SIGMA_MAX)
+from ..generation import (DRY_BASE_MAX, DRY_MULTIPLIER_MAX, DYNATEMP_MAX, LOGIT_BIAS_RANGE, MIN_P_RANGE,
+                          MIROSTAT_TAU_MAX, PENALTY_RANGE, REPEAT_PENALTY_MAX, TOP_LOGPROBS_MAX, TOP_N_SIGMA_MAX)
 
 
 TITLE_MAX_CHARS = 200
@@ -146,6 +146,8 @@ class SamplingFields(Strict):
     top_n_sigma: Optional[float] = Field(None, le=TOP_N_SIGMA_MAX)
     xtc_probability: Optional[float] = Field(None, ge=0.0, le=1.0)
     xtc_threshold: Optional[float] = Field(None, ge=0.0)
+    dynatemp_range: Optional[float] = Field(None, ge=0.0, le=DYNATEMP_MAX)
+    dynatemp_exponent: Optional[float] = Field(None, ge=0.0, le=DYNATEMP_MAX)
     mirostat: Optional[Literal[0, 1, 2]] = None
     mirostat_tau: Optional[float] = Field(None, gt=0.0, le=MIROSTAT_TAU_MAX)
     mirostat_eta: Optional[float] = Field(None, ge=0.0, le=1.0)

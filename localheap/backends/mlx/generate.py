@@ -16,8 +16,8 @@ import numpy as np
 from mlx_lm.sample_utils import make_sampler
 
 from ...dry import dry_state
-from ...generation import (MIROSTAT_M, SCORED_BLOCK, LogprobRecorder, ProgressFn, SamplingParams, TokenLogprob,
-                           check_logit_bias, scored_rows)
+from ...generation import (DYNATEMP_FLOOR, MIROSTAT_M, SCORED_BLOCK, LogprobRecorder, ProgressFn,
+                           SamplingParams, TokenLogprob, check_logit_bias, scored_rows)
 from .. import paging
 from . import recall
 from .compiled import compiled_step
@@ -36,6 +36,8 @@ class Sampler:
         self.base = make_sampler(temp=params.temperature, top_p=params.top_p, top_k=params.top_k,
                                  min_p=params.min_p, xtc_probability=params.xtc_probability,
                                  xtc_threshold=params.xtc_threshold, xtc_special_tokens=[])
+        if params.dynamic_temperature:
+            self.base = dynamic_sampler(params)
         self.mirostat = Mirostat(params) if params.mirostatted else None
         self.cuts = [] if params.greedy or self.mirostat is not None else \
             ([lambda lp, n=params.top_n_sigma: top_n_sigma(lp, n)] if params.top_n_sigma > 0.0 else []) + \
@@ -106,6 +108,37 @@ def repeat_penalized(scores: mx.array, window: mx.array, penalty: float) -> mx.a
     `penalty` where positive, multiplied where not; in the logits' dtype, as mlx-lm's processor."""
     hit = mx.zeros((scores.shape[-1],), dtype=mx.float32).at[window].add(1.0) > 0
     return mx.where(hit, mx.where(scores < 0, scores * penalty, scores / penalty), scores)
+
+
+def dynamic_sampler(params: SamplingParams):
+    """mlx-lm's sampler chain (its own top-p, min-p, XTC and top-k, in its order) with the
+    temperature llama.cpp's dynatemp gives what they leave (SamplingParams.dynamic_temperature)."""
+    from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, apply_xtc
+
+    def sample(lp: mx.array) -> mx.array:
+        if 0.0 < params.top_p < 1.0:
+            lp = apply_top_p(lp, params.top_p)
+        if params.min_p > 0.0:
+            lp = apply_min_p(lp, params.min_p)
+        if params.xtc_probability > 0.0:
+            lp = apply_xtc(lp, params.xtc_probability, params.xtc_threshold, [])
+        if params.top_k > 0:
+            lp = apply_top_k(lp, params.top_k)
+        t = dynamic_temperature(lp, params.temperature, params.dynatemp_range, params.dynatemp_exponent)
+        return mx.random.categorical(lp * (1.0 / t))
+
+    return sample
+
+
+def dynamic_temperature(lp: mx.array, temperature: float, spread: float, exponent: float) -> mx.array:
+    """[1, 1] the temperature llama.cpp's dynatemp gives these scores."""
+    x = lp.astype(mx.float32)
+    finite = mx.isfinite(x)
+    n = mx.maximum(finite.sum(axis=-1, keepdims=True), 2).astype(mx.float32)
+    logp = x - mx.logsumexp(x, axis=-1, keepdims=True)
+    entropy = -mx.where(finite, mx.exp(logp) * logp, 0.0).sum(axis=-1, keepdims=True)
+    lo, hi = max(0.0, temperature - spread), temperature + spread
+    return mx.maximum(lo + (hi - lo) * mx.clip(entropy / mx.log(n), 0, 1) ** exponent, DYNATEMP_FLOOR)
 
 
 class Mirostat:

@@ -17,8 +17,8 @@ from transformers.generation.logits_process import (MinPLogitsWarper, Temperatur
                                                     TopPLogitsWarper, TypicalLogitsWarper)
 
 from ...dry import dry_state
-from ...generation import (MIROSTAT_M, SCORED_BLOCK, LogprobRecorder, ProgressFn, SamplingParams, TokenLogprob,
-                           check_logit_bias, scored_rows)
+from ...generation import (DYNATEMP_FLOOR, MIROSTAT_M, SCORED_BLOCK, LogprobRecorder, ProgressFn,
+                           SamplingParams, TokenLogprob, check_logit_bias, scored_rows)
 from .. import paging
 from . import recall
 from .cache import HeapCache
@@ -160,7 +160,7 @@ class Sampler:
         elif not self.greedy:
             if params.top_n_sigma > 0.0:
                 self.warpers.append(lambda _, scores, n=params.top_n_sigma: top_n_sigma(scores, n))
-            if params.temperature != 1.0:
+            if params.temperature != 1.0 and not params.dynamic_temperature:
                 self.warpers.append(TemperatureLogitsWarper(params.temperature))
             if params.top_k > 0:
                 self.warpers.append(TopKLogitsWarper(params.top_k))
@@ -173,6 +173,9 @@ class Sampler:
             if params.xtc_probability > 0.0:
                 self.warpers.append(lambda _, scores, p=params.xtc_probability, t=params.xtc_threshold:
                                     xtc(scores, p, t, self.generator))
+            if params.dynamic_temperature:   # last, as in llama.cpp
+                self.warpers.append(lambda _, scores, t=params.temperature, r=params.dynatemp_range,
+                                    e=params.dynatemp_exponent: scores / dynamic_temperature(scores, t, r, e))
         self.penalized = params.penalized
         self.presence, self.frequency = params.presence_penalty, params.frequency_penalty
         self.counts: Optional[torch.Tensor] = None   # [vocab] float32: how often this reply sampled each id
@@ -272,6 +275,16 @@ class Mirostat:
         surprise = -torch.log2(probs[0, token[0]])
         self.mu = self.mu - self.eta * (surprise - self.tau)
         return token
+
+
+def dynamic_temperature(scores: torch.Tensor, temperature: float, spread: float, exponent: float) -> torch.Tensor:
+    """[1, 1] the temperature llama.cpp's dynatemp gives these scores (SamplingParams.dynamic_temperature)."""
+    finite = torch.isfinite(scores)
+    n = finite.sum(-1, keepdim=True).clamp(min=2).float()
+    logp = torch.log_softmax(scores.float(), dim=-1)
+    entropy = -torch.where(finite, logp.exp() * logp, torch.zeros_like(logp)).sum(-1, keepdim=True)
+    lo, hi = max(0.0, temperature - spread), temperature + spread
+    return (lo + (hi - lo) * (entropy / torch.log(n)).clamp(0, 1) ** exponent).clamp(min=DYNATEMP_FLOOR)
 
 
 def top_n_sigma(scores: torch.Tensor, n: float) -> torch.Tensor:
