@@ -110,6 +110,41 @@ def alone_texts(demo, requests):
         eng.stop()
 
 
+def check_params_ride_the_batch(demo, extra: dict) -> None:
+    """Four chats in one batch, two of them with `extra` sampling params (greedy): each reply is the
+    one it gets alone, and the changed replies are not the plain ones (the params reach the step)."""
+    plain = requests_for(demo)
+    reqs = [(toks, {**params, **(extra if i % 2 else {})}) for i, (toks, params) in enumerate(plain)]
+    want = alone_texts(demo, reqs)
+    eng = engine(demo, batched=True)
+    try:
+        got = [t for t, _ in replies(eng, reqs)]
+    finally:
+        eng.stop()
+    assert got == want
+    unchanged = alone_texts(demo, [plain[1], plain[3]])
+    assert all(a != b for a, b in zip([want[1], want[3]], unchanged)), (want, unchanged)
+
+
+def greedy_on_both_backends(params: SamplingParams, logits: np.ndarray) -> list[list[int]]:
+    """The greedy ids each backend's sampler takes from these rows of logits, one list per backend
+    (torch's, then MLX's where mlx is installed; MLX given no logprobs: its sampler makes them)."""
+    import torch
+
+    from localheap.backends.torch.generate import Sampler
+
+    sampler = Sampler(params, torch.device("cpu"))
+    out = [[int(sampler.sample(torch.from_numpy(row))) for row in logits]]
+    try:
+        import mlx.core as mx
+    except ImportError:
+        return out
+    from localheap.backends.mlx.generate import Sampler as MLXSampler
+
+    sample = MLXSampler(params)
+    return out + [[int(sample(mx.array(row[None])).item()) for row in logits]]
+
+
 def chat_beside_document(eng, chat_tokens, doc, max_tokens: int = 40) -> tuple[list, list]:
     """A chat decodes; after its first token a document is fed beside it. (document's events,
     chat's events), both to their end."""

@@ -7,10 +7,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
 
-from engine_checks import alone_texts, engine, replies, requests_for
-from localheap.backends.torch.generate import Sampler
+from engine_checks import check_params_ride_the_batch, greedy_on_both_backends
 from localheap.dry import MAX_MATCH, DryState, breaker_ids
 from localheap.generation import SamplingParams
 
@@ -109,16 +107,8 @@ def test_torch_and_mlx_samplers_take_the_penalties_off_the_logits():
     assert want != _reference(logits, context, 0.0, 1.75, 2, 24, {7}, presence=0.3), "DRY decides some steps"
     params = _params(**CASE, context=context)
     assert params.dry and not params.plain_greedy and params.context == context
-    sampler = Sampler(params, torch.device("cpu"))
-    assert [int(sampler.sample(torch.from_numpy(row))) for row in logits] == want
-    try:
-        import mlx.core as mx
-    except ImportError:
-        return
-    from localheap.backends.mlx.generate import Sampler as MLXSampler
-
-    sample = MLXSampler(params)
-    assert [int(sample(mx.array(row[None])).item()) for row in logits] == want
+    for got in greedy_on_both_backends(params, logits):
+        assert got == want
 
 
 def test_the_params_check_the_options():
@@ -148,15 +138,4 @@ def demo(demo_either):
 
 
 def test_the_batch_gives_a_dry_session_its_tokens_alone(demo):
-    plain = requests_for(demo)
-    dry = {"dry_multiplier": 2.0, "dry_allowed_length": 1, "dry_penalty_last_n": -1}
-    reqs = [(toks, {**params, **(dry if i % 2 else {})}) for i, (toks, params) in enumerate(plain)]
-    want = alone_texts(demo, reqs)
-    eng = engine(demo, batched=True)
-    try:
-        got = [t for t, _ in replies(eng, reqs)]
-    finally:
-        eng.stop()
-    assert got == want
-    unpenalized = alone_texts(demo, [plain[1], plain[3]])
-    assert [want[1], want[3]] != unpenalized
+    check_params_ride_the_batch(demo, {"dry_multiplier": 2.0, "dry_allowed_length": 1, "dry_penalty_last_n": -1})

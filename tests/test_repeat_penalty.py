@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from engine_checks import CFG, drain, engine, ids, submit, text
+from engine_checks import CFG, drain, engine, greedy_on_both_backends, ids, submit, text
 from localheap.backends.torch.generate import Sampler, generate_steps
 from localheap.generation import SamplingParams
 from localheap.heap import HeapConfig
@@ -84,17 +84,8 @@ def test_the_order_is_bias_then_repetition_then_presence_on_both_backends():
     want = _reference(logits, context, 1.6, 6, bias=bias, presence=0.4)
     assert want != _reference(logits, context, 1.6, 6, presence=0.4)
     params = _params(1.6, 6, context, logit_bias=bias, presence_penalty=0.4)
-    sampler = Sampler(params, torch.device("cpu"))
-    assert [int(sampler.sample(torch.from_numpy(row))) for row in logits] == want
-    try:
-        import mlx.core as mx
-    except ImportError:
-        return
-    from localheap.backends.mlx.generate import Sampler as MLXSampler
-
-    sample = MLXSampler(params)
-    got = [int(sample(mx.array(row[None])).item()) for row in logits]   # logprobs left to the sampler
-    assert got == want
+    for got in greedy_on_both_backends(params, logits):
+        assert got == want
 
 
 def test_the_params_window_and_its_checks():

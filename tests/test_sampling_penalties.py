@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from engine_checks import alone_texts, engine, replies, requests_for
+from engine_checks import check_params_ride_the_batch
 from localheap.backends.torch import TorchBackend
 from localheap.backends.torch.batch import sample_rows
 from localheap.backends.torch.generate import Sampler
@@ -107,20 +107,7 @@ def demo():
 
 
 def test_the_batch_gives_a_penalized_session_its_tokens_alone(demo):
-    """Four chats in one batch, two of them penalized (greedy): each reply is the one it gets alone,
-    and the penalized replies are not the unpenalized ones (the penalty reaches the engine's step)."""
-    plain = requests_for(demo)
-    reqs = [(toks, {**params, **({"presence_penalty": 1.5, "frequency_penalty": 0.5} if i % 2 else {})})
-            for i, (toks, params) in enumerate(plain)]
-    want = alone_texts(demo, reqs)
-    eng = engine(demo, batched=True)
-    try:
-        got = [t for t, _ in replies(eng, reqs)]
-    finally:
-        eng.stop()
-    assert got == want
-    unpenalized = alone_texts(demo, [plain[1], plain[3]])
-    assert all(pen[0] != un[0] for pen, un in zip([want[1], want[3]], unpenalized)), (want, unpenalized)
+    check_params_ride_the_batch(demo, {"presence_penalty": 1.5, "frequency_penalty": 0.5})
 
 
 def test_the_server_takes_the_penalties_and_min_p(model_dirs):
