@@ -180,6 +180,27 @@ def test_mirostat_is_taken_in_place_of_the_cut_offs(server):
     assert _post(server, "/v1/completions", oai)["choices"][0]["finish_reason"]
 
 
+def test_the_openai_routes_give_vllms_stop_reason(server):
+    """stop_reason: the stop string or stop_token_ids id that ended the reply (None for the limit
+    or end of sequence), whole and on a stream's last chunk."""
+    ids = _bos(server) + _plain(server, PREFIX)
+    want = _stock(server, ids, 10)
+    text = server.services.tokenizer.decode(want)
+    body = {"prompt": ids, "max_tokens": 10, "temperature": 0}
+    plain = _post(server, "/v1/completions", body)["choices"][0]
+    assert plain["text"] == text and plain["stop_reason"] is None
+    stop = text[len(text) // 2: len(text) // 2 + 2]
+    by_word = _post(server, "/v1/completions", {**body, "stop": [stop]})["choices"][0]
+    assert by_word["finish_reason"] == "stop" and by_word["stop_reason"] == stop
+    by_id = _post(server, "/v1/completions", {**body, "stop_token_ids": [want[2]]})["choices"][0]
+    assert by_id["finish_reason"] == "stop" and by_id["stop_reason"] == want[2]
+    with httpx.stream("POST", server.url + "/v1/completions", json={**body, "stop": [stop], "stream": True},
+                      timeout=60) as r:
+        chunks = [json.loads(line[5:]) for line in r.iter_lines() if line.startswith("data:") and "[DONE]" not in line]
+    last = [c for c in chunks if c["choices"]][-1]["choices"][0]
+    assert last["finish_reason"] == "stop" and last["stop_reason"] == stop
+
+
 def test_stream_pieces_join_to_the_whole_reply(server):
     body = {"prompt": "import os\n", "n_predict": 12, "temperature": 0}
     whole = _post(server, "/completion", body)

@@ -61,6 +61,7 @@ class Finished:
     save_error: Optional[str] = None     # why it is not (it stays in memory and is saved when it can be)
     interrupted: Optional[str] = None    # "shutdown": the server stopped the run (SIGTERM), not the client
     stop_word: Optional[str] = None      # the stop sequence that ended the reply (finish_reason "stop")
+    stop_id: Optional[int] = None        # the stop_token_ids id that ended it (EOS is neither)
 
 
 @dataclass

@@ -208,8 +208,10 @@ class Run:
         read = max(0, min(self.prompt_tokens, len(self.session.fed)) - self.cached)
         interrupted = "shutdown" if self.finish_reason is None and self.job.cancel_reason == "shutdown" else None
         word = self.stream.stops.matched if self.stream is not None else None
+        stop_id = self.stop_token if self.stop_token is not None and self.stop_token not in self.backend.eos_token_ids \
+            else None
         return Finished(self.session.id, self.finish_reason or "cancelled", usage, self.session.snapshot,
-                        prompt_read=read, interrupted=interrupted, stop_word=word)
+                        prompt_read=read, interrupted=interrupted, stop_word=word, stop_id=stop_id)
 
     def _publish_stats(self, force: bool) -> None:
         now = time.monotonic()

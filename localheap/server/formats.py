@@ -100,6 +100,7 @@ class Reply:
         for i, out in enumerate(outs):
             calls = [p for p in out.pieces or [] if isinstance(p, ToolCall)]
             choice = self._choice(out.text, finish_reason(out.done, bool(calls)), stream=False, index=i)
+            choice["stop_reason"] = stop_reason(out.done)
             choice["logprobs"] = self.logprobs(out.logprobs)
             if out.echo is not None:   # (completions) the prompt first
                 choice["text"] = out.echo.text + out.text
@@ -164,6 +165,12 @@ def add_call_errors(ext: dict, calls: list[ToolCall], first_index: int = 0) -> N
     errors = [{"index": first_index + i, "id": c.id, "error": c.error} for i, c in enumerate(calls) if c.error]
     if errors:
         ext.setdefault("tool_call_errors", []).extend(errors)
+
+
+def stop_reason(done: Finished):
+    """vLLM's stop_reason: the stop string or stop_token_ids id that ended the reply; None where
+    something else did (end of sequence, the limit, a tool call's end)."""
+    return done.stop_word if done.stop_word is not None else done.stop_id
 
 
 def finish_reason(done: Finished, tool_calls: bool = False) -> str:

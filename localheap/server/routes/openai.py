@@ -21,8 +21,8 @@ from ..chat import ChatPlan, start
 from ..errors import BadRequest, Unsupported, to_response
 from ..fim import fim_format, fim_prompt
 from ..llamacpp import cut_fields, dry_fields, penalties_on, switched
-from ..formats import (Echo, Out, Reply, add_call_errors, extension, finish_reason, saved_headers, tool_call_dict,
-                       total_usage)
+from ..formats import (Echo, Out, Reply, add_call_errors, extension, finish_reason, saved_headers, stop_reason,
+                       tool_call_dict, total_usage)
 from ..prompts import chat_prompt, completion_prompt, tokenize
 from ..schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
 from ..services import Services, services
@@ -248,8 +248,10 @@ async def _stream(reply: Reply, choices: list[Choice], started: Started, usage: 
                     ended[c.index] = event
                     decode_s = time.monotonic() - c.first_token_at if c.first_token_at is not None else None
                     ext = exts[c.index] = extension(event, decode_s)
-                    yield _data(reply.chunk(None, finish_reason(event, c.calls > 0), extension=ext,
-                                            with_usage_field=usage, logprobs=c.logprobs, index=c.index))
+                    last = reply.chunk(None, finish_reason(event, c.calls > 0), extension=ext,
+                                       with_usage_field=usage, logprobs=c.logprobs, index=c.index)
+                    last["choices"][0]["stop_reason"] = stop_reason(event)
+                    yield _data(last)
         if usage:
             dones = [ended[i] for i in range(len(choices))]
             yield _data(reply.usage_chunk(total_usage(dones, n), exts[0]))   # (the first choice's session and speed)
