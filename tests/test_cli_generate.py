@@ -48,12 +48,15 @@ def test_generate_takes_the_penalties_and_checks_their_range(capsys):
     pytest.importorskip("torch")
     outs = []
     for extra in ([], ["--presence-penalty", "2", "--frequency-penalty", "1", "--min-p", "0.1"],
-                  ["--repeat-penalty", "4", "--repeat-last-n", "-1"]):
+                  ["--repeat-penalty", "4", "--repeat-last-n", "-1"],
+                  ["--dry-multiplier", "3", "--dry-allowed-length", "1"]):
         assert main(args + extra) == 0
         outs.append(capsys.readouterr().out)
-    assert outs[0] != outs[1] and outs[0] != outs[2]
+    assert outs[0] != outs[1] and outs[0] != outs[2] and outs[0] != outs[3]
+    sampled = args + ["--temperature", "1", "--seed", "3", "--mirostat", "2", "--typical-p", "0.5"]
+    assert main(sampled) == 0 and capsys.readouterr().out
     for bad, says in ((["--presence-penalty", "3"], "not in [-2, 2]"), (["--repeat-penalty", "0"], "not in"),
-                      (["--repeat-last-n", "-2"], "-1 (the whole context)")):
+                      (["--repeat-last-n", "-2"], "-1 (the whole context)"), (["--mirostat", "3"], "not in [0, 2]")):
         with pytest.raises(SystemExit) as e:
             main(args + bad)
         assert e.value.code == 2

@@ -112,7 +112,7 @@ def chat_on(backend, cfg, args) -> int:
     if args.distributed:
         backend.root = chat.store.spill_dir   # the followers keep their pages under their own temp dir
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                            seed=args.seed, **penalty_params(args))
+                            seed=args.seed, **penalty_params(args, getattr(backend, "tokenizer", None)))
     print(f"localheap chat: {backend.model_name} on {backend.name} | heap {cfg.sinks} sinks + {cfg.budget} "
           f"budget + {cfg.slack} slack, policy {cfg.policy} | /help for commands, /quit to leave", flush=True)
     freeze_startup_objects()

@@ -9,7 +9,8 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-from ..generation import MIN_P_RANGE, PENALTY_RANGE, REPEAT_PENALTY_MAX
+from ..generation import (DRY_BASE_MAX, DRY_MULTIPLIER_MAX, DYNATEMP_MAX, MIN_P_RANGE, MIROSTAT_TAU_MAX, PENALTY_RANGE,
+                          REPEAT_PENALTY_MAX, TOP_N_SIGMA_MAX)
 from ..heap import POLICIES, POSITION_MODES, HeapConfig
 from ..heap.config import PAGE_FORMATS, RECALL_SCORES, RECALL_SELECTS, RECALL_SUMMARIES
 
@@ -83,10 +84,51 @@ def add_penalty_args(p: argparse.ArgumentParser) -> None:
                         "context (default: 64)")
 
 
-def penalty_params(args) -> dict:
-    return {"min_p": args.min_p, "presence_penalty": args.presence_penalty,
-            "frequency_penalty": args.frequency_penalty, "repeat_penalty": args.repeat_penalty,
-            "repeat_last_n": args.repeat_last_n}
+    for flag, kind, default, text in SAMPLER_FLAGS:
+        p.add_argument(flag, type=kind, default=default, help=f"{text} (default: {default})")
+
+
+# the other samplers the server's routes take (generation.SamplingParams has each one's definition)
+def _int_in(lo: int, hi: int):
+    def parse(text: str) -> int:
+        n = int(text)
+        if not lo <= n <= hi:
+            raise argparse.ArgumentTypeError(f"{n} is not in [{lo}, {hi}]")
+        return n
+    return parse
+
+
+SAMPLER_FLAGS = [
+    ("--dry-multiplier", _ranged(0.0, DRY_MULTIPLIER_MAX), 0.0, "DRY: how much a token that would continue a repeated run loses; 0: off"),
+    ("--dry-base", _ranged(1.0, DRY_BASE_MAX), 1.75, "DRY: the penalty grows by this factor a token of run"),
+    ("--dry-allowed-length", _int_in(1, 1 << 20), 2, "DRY: runs up to this long go unpenalized"),
+    ("--dry-penalty-last-n", _last_n, -1, "DRY: the tokens it looks back over; -1: the whole context"),
+    ("--typical-p", _ranged(1e-6, 1.0), 1.0, "locally typical sampling's mass; 1: off"),
+    ("--top-n-sigma", _ranged(0.0, TOP_N_SIGMA_MAX), 0.0, "drop tokens under the max logit less n standard deviations; 0: off"),
+    ("--xtc-probability", _ranged(0.0, 1.0), 0.0, "XTC: the chance a step drops the likeliest tokens above the threshold; 0: off"),
+    ("--xtc-threshold", _ranged(0.0, 0.5), 0.1, "XTC's threshold"),
+    ("--dynatemp-range", _ranged(0.0, DYNATEMP_MAX), 0.0, "the temperature moves within +-this with the entropy; 0: off"),
+    ("--dynatemp-exponent", _ranged(0.0, DYNATEMP_MAX), 1.0, "the dynamic temperature's exponent"),
+    ("--mirostat", _int_in(0, 2), 0, "Mirostat's version (1 or 2) in place of the cut-offs; 0: off"),
+    ("--mirostat-tau", _ranged(1e-6, MIROSTAT_TAU_MAX), 5.0, "Mirostat's target surprise, bits a token"),
+    ("--mirostat-eta", _ranged(0.0, 1.0), 0.1, "Mirostat's learning rate"),
+]
+
+
+def penalty_params(args, tokenizer=None) -> dict:
+    """The sampling fields these flags set (DRY's breakers, llama.cpp's four, from `tokenizer`);
+    a flag the namespace lacks takes its default."""
+    out = {"min_p": args.min_p, "presence_penalty": args.presence_penalty,
+           "frequency_penalty": args.frequency_penalty, "repeat_penalty": args.repeat_penalty,
+           "repeat_last_n": args.repeat_last_n}
+    for flag, _, default, _ in SAMPLER_FLAGS:
+        name = flag[2:].replace("-", "_")
+        out[name] = getattr(args, name, default)
+    if out["dry_multiplier"] and tokenizer is not None:
+        from ..dry import DEFAULT_BREAKERS, breaker_ids
+
+        out["dry_breakers"] = breaker_ids(tokenizer, DEFAULT_BREAKERS)
+    return out
 
 
 def add_graphs_arg(p: argparse.ArgumentParser) -> None:

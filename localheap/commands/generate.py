@@ -50,7 +50,7 @@ def run(args) -> int:
         tokens = tok.encode(text)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed, stop=args.stop,
-                            **penalty_params(args)).with_context([], tokens)
+                            **penalty_params(args, tok)).with_context([], tokens)
     cache = backend.new_cache(cfg)
     bar = ProgressBar("prefill", stream=sys.stderr) if len(tokens) > 4 * cfg.chunk else None
     watch = StepWatch(args.step_timeout, backend.rank) if getattr(backend, "ranks", None) is not None else None
