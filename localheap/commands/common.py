@@ -51,9 +51,9 @@ def add_compile_arg(p: argparse.ArgumentParser) -> None:
                         "which stay uncompiled there)")
 
 
-def _ranged(lo: float, hi: float):
-    def parse(text: str) -> float:
-        x = float(text)
+def _ranged(lo: float, hi: float, kind=float):
+    def parse(text: str):
+        x = kind(text)
         if not lo <= x <= hi:
             raise argparse.ArgumentTypeError(f"{x} is not in [{lo:g}, {hi:g}]")
         return x
@@ -82,34 +82,27 @@ def add_penalty_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeat-last-n", type=_last_n, default=64,
                    help="the tokens the repetition penalty looks back over, the reply's included; -1: the whole "
                         "context (default: 64)")
-
-
     for flag, kind, default, text in SAMPLER_FLAGS:
         p.add_argument(flag, type=kind, default=default, help=f"{text} (default: {default})")
 
 
 # the other samplers the server's routes take (generation.SamplingParams has each one's definition)
-def _int_in(lo: int, hi: int):
-    def parse(text: str) -> int:
-        n = int(text)
-        if not lo <= n <= hi:
-            raise argparse.ArgumentTypeError(f"{n} is not in [{lo}, {hi}]")
-        return n
-    return parse
-
-
 SAMPLER_FLAGS = [
-    ("--dry-multiplier", _ranged(0.0, DRY_MULTIPLIER_MAX), 0.0, "DRY: how much a token that would continue a repeated run loses; 0: off"),
+    ("--dry-multiplier", _ranged(0.0, DRY_MULTIPLIER_MAX), 0.0,
+     "DRY: how much a token that would continue a repeated run loses; 0: off"),
     ("--dry-base", _ranged(1.0, DRY_BASE_MAX), 1.75, "DRY: the penalty grows by this factor a token of run"),
-    ("--dry-allowed-length", _int_in(1, 1 << 20), 2, "DRY: runs up to this long go unpenalized"),
+    ("--dry-allowed-length", _ranged(1, 1 << 20, int), 2, "DRY: runs up to this long go unpenalized"),
     ("--dry-penalty-last-n", _last_n, -1, "DRY: the tokens it looks back over; -1: the whole context"),
     ("--typical-p", _ranged(1e-6, 1.0), 1.0, "locally typical sampling's mass; 1: off"),
-    ("--top-n-sigma", _ranged(0.0, TOP_N_SIGMA_MAX), 0.0, "drop tokens under the max logit less n standard deviations; 0: off"),
-    ("--xtc-probability", _ranged(0.0, 1.0), 0.0, "XTC: the chance a step drops the likeliest tokens above the threshold; 0: off"),
+    ("--top-n-sigma", _ranged(0.0, TOP_N_SIGMA_MAX), 0.0,
+     "drop tokens under the max logit less n standard deviations; 0: off"),
+    ("--xtc-probability", _ranged(0.0, 1.0), 0.0,
+     "XTC: the chance a step drops the likeliest tokens above the threshold; 0: off"),
     ("--xtc-threshold", _ranged(0.0, 0.5), 0.1, "XTC's threshold"),
-    ("--dynatemp-range", _ranged(0.0, DYNATEMP_MAX), 0.0, "the temperature moves within +-this with the entropy; 0: off"),
+    ("--dynatemp-range", _ranged(0.0, DYNATEMP_MAX), 0.0,
+     "the temperature moves within +-this with the entropy; 0: off"),
     ("--dynatemp-exponent", _ranged(0.0, DYNATEMP_MAX), 1.0, "the dynamic temperature's exponent"),
-    ("--mirostat", _int_in(0, 2), 0, "Mirostat's version (1 or 2) in place of the cut-offs; 0: off"),
+    ("--mirostat", _ranged(0, 2, int), 0, "Mirostat's version (1 or 2) in place of the cut-offs; 0: off"),
     ("--mirostat-tau", _ranged(1e-6, MIROSTAT_TAU_MAX), 5.0, "Mirostat's target surprise, bits a token"),
     ("--mirostat-eta", _ranged(0.0, 1.0), 0.1, "Mirostat's learning rate"),
 ]

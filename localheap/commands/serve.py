@@ -146,7 +146,8 @@ def settings_from_args(args):
         raise ValueError("--served-model-name takes non-empty names")
     max_batch, max_active = batch_limits(args)   # run() sets the device's default once it is loaded
     return ServerSettings(
-        host=args.host, port=args.port, api_keys=api_keys(args), served_model_names=names, cors_origins=list(args.cors_origin),
+        host=args.host, port=args.port, api_keys=api_keys(args), served_model_names=names,
+        cors_origins=list(args.cors_origin),
         allowed_hosts=list(args.allow_host), max_prompt_tokens=args.max_prompt_tokens,
         admission_timeout=args.admission_timeout, max_observers=args.max_observers,
         max_body_bytes=parse_bytes(args.max_body), max_queued=args.max_queue,

@@ -127,7 +127,7 @@ class Run:
 
     def _params(self):
         """The request's sampling params for the backend: with the context the repetition penalty
-        looks back over (the session's tokens and the turn's held-back ones), where it is on."""
+        and DRY look back over (the session's tokens and the turn's held-back ones), where on."""
         return self.request.params.with_context(self.session.fed, self.last)
 
     def _decode_one(self) -> None:

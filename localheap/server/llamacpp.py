@@ -31,20 +31,20 @@ from .tokens import encode_bounded, encode_plain, leading_specials
 # llama-server's sampler names, and the letters of its --sampling-seq form
 SAMPLER_LETTERS = {"d": "dry", "k": "top_k", "y": "typ_p", "p": "top_p", "m": "min_p", "x": "xtc",
                    "t": "temperature", "s": "top_n_sigma", "e": "penalties"}
-OURS = ("top_k", "top_p", "min_p", "temperature")        # samplers this server has (and "penalties": penalties_on)
-# samplers it may name that this server has not: off unless their option says otherwise (OFF)
+OURS = ("top_k", "top_p", "min_p", "temperature")   # the cut-offs `switched` turns off where a list leaves them out
+# the other names a samplers list may hold: `named` says whether each runs ("infill": none here, accepted)
 OTHERS = {"dry", "typ_p", "xtc", "top_n_sigma", "penalties", "infill", "mirostat"}
 
-# options of samplers this server does not have: accepted only where they leave the sampler off
+# options this server has nothing for: accepted only at the value that leaves them off
 OFF = {"post_sampling_probs": lambda v: v is False, "n_cmpl": lambda v: v == 1, "lora": lambda v: not v}
-# tuning of those samplers (moot while they are off) and of llama.cpp's runtime: accepted, unused
+# llama.cpp's runtime options and tuning that changes nothing here: accepted, unused
 UNUSED = {"penalize_nl", "min_keep",
           "t_max_prompt_ms", "id_slot", "n_keep", "n_discard", "n_cache_reuse", "timings_per_token",
           "return_progress", "sse_ping_interval", "model", "id_task", "response_fields", "penalty_last_n"}
+# the options a SamplingParams check may name in its message (a 400's param)
 OPTION_NAMES = ("repeat_penalty", "repeat_last_n", "dry_multiplier", "dry_base", "dry_allowed_length",
                 "dry_penalty_last_n", "typical_p", "top_n_sigma", "xtc_probability", "xtc_threshold", "mirostat",
-                "dynatemp")
-# (options a SamplingParams check may name)
+                "dynatemp_range")
 MAX_PROMPTS = 64
 MAX_PROBS = 20
 REPO_TOKENS = ("<|repo_name|>", "<|file_sep|>")   # Qwen2.5-Coder's repo-level format (llama.cpp's FIM_REP, FIM_SEP)

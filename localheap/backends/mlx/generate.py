@@ -47,7 +47,7 @@ class Sampler:
         self.bias, self.vector = params.logit_bias, None
         self.repeat = params.repeat_penalty if params.repeating else None
         self.last_n = params.repeat_last_n
-        self.window = mx.array(params.window(params.repeat_last_n), dtype=mx.uint32) if self.repeat is not None else None
+        self.window = None if self.repeat is None else mx.array(params.window(params.repeat_last_n), dtype=mx.uint32)
         self.penalized = params.penalized
         self.presence, self.frequency = params.presence_penalty, params.frequency_penalty
         self.counts = None   # [vocab] float32: how often this reply sampled each id (penalized)
@@ -158,7 +158,8 @@ class Mirostat:
         else:
             vocab = logp.shape[-1]
             m = min(MIROSTAT_M, vocab)
-            top = -mx.sort(-logp, axis=-1)[0, :m]                                 # log p, the likeliest first
+            ranked = -mx.sort(-logp, axis=-1)[0]                                  # log p, the likeliest first
+            top = ranked[:m]
             i = mx.arange(m - 1, dtype=mx.float32)
             t = mx.log((i + 2) / (i + 1))
             b = top[:-1] - top[1:]
@@ -166,9 +167,8 @@ class Mirostat:
             s_hat = (t * b).sum() / (t * t).sum()
             eps = s_hat - 1
             k = ((eps * mx.power(2.0, self.mu)) / (1 - mx.power(float(vocab), -eps))) ** (1 / s_hat)
-            k = mx.floor(mx.clip(mx.where(mx.isnan(k), 1.0, k), 1, vocab))
-            rank = mx.argsort(mx.argsort(-logp, axis=-1), axis=-1)
-            keep = rank < k
+            k = mx.clip(mx.where(mx.isnan(k), 1.0, k), 1, vocab).astype(mx.int32)
+            keep = logp >= ranked[k - 1]                                          # the k likeliest (ties: all)
         return keep | (logp == logp.max(axis=-1, keepdims=True))                # the likeliest id at least
 
     def sample(self, scores: mx.array) -> mx.array:

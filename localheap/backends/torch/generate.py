@@ -257,16 +257,16 @@ class Mirostat:
             keep = -logp / math.log(2.0) <= self.mu
         else:
             m = min(MIROSTAT_M, logp.shape[-1])
-            top = torch.topk(logp, m, dim=-1).values[0]                       # log p, the likeliest first
+            ranked = torch.sort(logp[0], descending=True).values              # log p, the likeliest first
+            top = ranked[:m]
             i = torch.arange(m - 1, dtype=torch.float32, device=logp.device)
             t = torch.log((i + 2) / (i + 1))
             b = torch.nan_to_num(top[:-1] - top[1:], nan=0.0, posinf=0.0)   # (ids cut already: p 0)
             s_hat = (t * b).sum() / (t * t).sum()
             eps = s_hat - 1
             k = ((eps * 2.0 ** self.mu) / (1 - logp.shape[-1] ** (-eps))) ** (1 / s_hat)
-            k = torch.nan_to_num(k, nan=1.0, posinf=float(logp.shape[-1])).clamp(1, logp.shape[-1]).floor()
-            rank = torch.argsort(torch.argsort(logp, dim=-1, descending=True), dim=-1)
-            keep = rank < k
+            k = torch.nan_to_num(k, nan=1.0, posinf=float(logp.shape[-1])).clamp(1, logp.shape[-1]).long()
+            keep = logp >= ranked[k - 1]                                       # the k likeliest (ties: all)
         return keep | (logp == logp.max(dim=-1, keepdim=True).values)     # the likeliest id at least
 
     def sample(self, scores: torch.Tensor, generator=None) -> torch.Tensor:
