@@ -114,6 +114,7 @@ class SamplingParams:
     mirostat_eta: float = 0.1     # how fast it steers
     presence_penalty: float = 0.0   # OpenAI's: taken off the logit of each id this reply has written
     frequency_penalty: float = 0.0  # OpenAI's: times the number of times this reply has written the id
+    windowed_penalties: bool = False   # llama.cpp's and Ollama's: both count repeat_last_n's window instead
     logit_bias: dict[int, float] = field(default_factory=dict)   # OpenAI's: added to the id's logit
     logprobs: Optional[LogprobRecorder] = None   # each sampled token's logprob (and the top ids') go here
     prompt_logprobs: Optional[LogprobRecorder] = None   # each new prompt token's but the first (prefill_scored)
@@ -190,11 +191,21 @@ class SamplingParams:
 
     @property
     def penalized(self) -> bool:
-        """Whether the logits depend on what the reply has written (presence or frequency penalty):
-        before each sample, logit[id] -= presence * (count[id] > 0) + frequency * count[id], count
-        being how many times this reply has sampled the id (its prompt does not count), as OpenAI
-        and vLLM define them; applied before temperature, top-k/p and min-p, greedy rows included."""
-        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+        """Whether the presence or frequency penalty is on: before each sample, logit[id] -=
+        presence * (count[id] > 0) + frequency * count[id], count being how many times this reply
+        has sampled the id (its prompt does not count), as OpenAI and vLLM define them; or, with
+        `windowed_penalties` (llama.cpp's and Ollama's definition), how many times the id is among
+        the repetition penalty's window (the context's last `repeat_last_n` tokens, the prompt's and
+        the reply's alike; a window of 0 turns both off). After the repetition penalty, before
+        temperature and the cut-offs, greedy rows included."""
+        on = self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+        return on and not (self.windowed_penalties and self.repeat_last_n == 0)
+
+    @property
+    def windowed(self) -> bool:
+        """Whether the sampler keeps the window of the context's last `repeat_last_n` tokens: the
+        repetition penalty, or presence and frequency counted over it (`windowed_penalties`)."""
+        return self.repeating or (self.penalized and self.windowed_penalties)
 
     @property
     def repeating(self) -> bool:
@@ -231,7 +242,7 @@ class SamplingParams:
         """These params with `context` set from the session's fed tokens (a sequence with tolist,
         or a list) and the turn's tokens not fed yet: as far back as the longest window of the
         penalties that are on (none: the params themselves)."""
-        windows = ([self.repeat_last_n] if self.repeating else []) + ([self.dry_penalty_last_n] if self.dry else [])
+        windows = ([self.repeat_last_n] if self.windowed else []) + ([self.dry_penalty_last_n] if self.dry else [])
         if not windows:
             return self
         n = -1 if -1 in windows else max(windows)

@@ -30,9 +30,10 @@ def _logits(steps: int = 40, vocab: int = 24, seed: int = 1, shift: float = 0.0)
 
 
 def _reference(logits: np.ndarray, context: list[int], penalty: float, last_n: int, bias: dict = None,
-               presence: float = 0.0) -> list[int]:
+               presence: float = 0.0, frequency: float = 0.0, windowed: bool = False) -> list[int]:
     """Greedy ids by the definition: logit_bias, then the repetition penalty over the window (the
-    context's and the reply's last `last_n` ids; -1: all), then the presence penalty."""
+    context's and the reply's last `last_n` ids; -1: all), then the presence and frequency
+    penalties, counting the reply's ids (OpenAI's) or, `windowed`, the window's (llama.cpp's)."""
     seen, out, counts = list(context), [], np.zeros(logits.shape[1], np.float32)
     for row in logits:
         row = row.copy()
@@ -41,7 +42,9 @@ def _reference(logits: np.ndarray, context: list[int], penalty: float, last_n: i
         window = seen if last_n < 0 else seen[max(0, len(seen) - last_n):]
         for t in set(window):
             row[t] = row[t] * penalty if row[t] < 0 else row[t] / penalty
-        row -= presence * (counts > 0)
+        if windowed:
+            counts = np.bincount(np.array(window, dtype=np.int64), minlength=logits.shape[1]).astype(np.float32)
+        row -= presence * (counts > 0) + frequency * counts
         t = int(np.argmax(row))
         out.append(t)
         seen.append(t)
@@ -86,6 +89,31 @@ def test_the_order_is_bias_then_repetition_then_presence_on_both_backends():
     params = _params(1.6, 6, context, logit_bias=bias, presence_penalty=0.4)
     for got in greedy_on_both_backends(params, logits):
         assert got == want
+
+
+@pytest.mark.parametrize("penalty,last_n", [(1.0, 4), (1.0, -1), (1.4, 6), (1.0, 2)])
+def test_windowed_presence_and_frequency_count_the_window_on_both_backends(penalty, last_n):
+    """llama.cpp's and Ollama's presence and frequency penalties count the window's ids (the
+    context's included, an id that left the window no longer counted), with or without the
+    repetition penalty; OpenAI's count the reply's alone."""
+    logits, context = _logits(seed=6), [0, 0, 1, 3, 2, 0]
+    kw = {"presence_penalty": 0.6, "frequency_penalty": 0.5}
+    want = _reference(logits, context, penalty, last_n, presence=0.6, frequency=0.5, windowed=True)
+    reply_only = _reference(logits, context, penalty, last_n, presence=0.6, frequency=0.5)
+    assert want != reply_only, "the window's counts decide some steps of this case"
+    windowed = _params(penalty, last_n, context, windowed_penalties=True, **kw)
+    assert windowed.windowed and windowed.context == (context if last_n < 0 else context[-last_n:])
+    for got in greedy_on_both_backends(windowed, logits):
+        assert got == want
+    for got in greedy_on_both_backends(_params(penalty, last_n, context, **kw), logits):
+        assert got == reply_only
+
+
+def test_a_window_of_zero_turns_windowed_penalties_off():
+    off = SamplingParams(presence_penalty=1.0, frequency_penalty=1.0, repeat_last_n=0, windowed_penalties=True)
+    assert not off.penalized and not off.windowed and off.plain_greedy
+    assert off.with_context([1, 2], [3]) is off
+    assert SamplingParams(presence_penalty=1.0, repeat_last_n=0).penalized   # OpenAI's have no window
 
 
 def test_the_params_window_and_its_checks():
@@ -197,3 +225,13 @@ def test_the_engines_window_holds_the_sessions_earlier_tokens(demo, batched):
     assert got == by_generate(doc)
     assert alone == by_generate([])
     assert got != alone, "the document's tokens in the window change the reply"
+
+
+def test_the_llamacpp_and_ollama_routes_count_the_window():
+    from localheap.server.llamacpp import LlamaRequest
+    from localheap.server.ollama import GenerateRequest
+
+    llama = LlamaRequest(prompt="x", presence_penalty=0.5, repeat_last_n=16).params(16, None, [], None)
+    ollama = GenerateRequest(model="m", prompt="x", options={"frequency_penalty": 0.3}).params(16)
+    assert llama.windowed and llama.windowed_penalties and ollama.windowed and ollama.windowed_penalties
+    assert llama.with_context(list(range(40)), []).context == list(range(24, 40))

@@ -136,6 +136,7 @@ class LlamaRequest(BaseModel):
                                   min_p=min(1.0, max(0.0, min_p)), seed=seed, stop=stop,
                                   presence_penalty=self.presence_penalty if penalties else 0.0,
                                   frequency_penalty=self.frequency_penalty if penalties else 0.0,
+                                  windowed_penalties=True,
                                   repeat_penalty=self.repeat_penalty if penalties else 1.0,
                                   repeat_last_n=self.repeat_last_n, **dry, logit_bias=bias, constraint=constraint,
                                   logprobs=LogprobRecorder(self.n_probs) if self.n_probs else None,

@@ -120,6 +120,7 @@ class OllamaRequest(Strict):
                                   stop=[stop] if isinstance(stop, str) else list(stop),
                                   presence_penalty=float(o.get("presence_penalty", 0.0)),
                                   frequency_penalty=float(o.get("frequency_penalty", 0.0)),
+                                  windowed_penalties=True,
                                   repeat_penalty=float(o.get("repeat_penalty", 1.0)),
                                   repeat_last_n=int(o.get("repeat_last_n", 64)),
                                   typical_p=min(1.0, float(o.get("typical_p", 1.0))),

@@ -47,10 +47,11 @@ class Sampler:
         self.bias, self.vector = params.logit_bias, None
         self.repeat = params.repeat_penalty if params.repeating else None
         self.last_n = params.repeat_last_n
-        self.window = None if self.repeat is None else mx.array(params.window(params.repeat_last_n), dtype=mx.uint32)
+        self.window = mx.array(params.window(params.repeat_last_n), dtype=mx.uint32) if params.windowed else None
         self.penalized = params.penalized
         self.presence, self.frequency = params.presence_penalty, params.frequency_penalty
-        self.counts = None   # [vocab] float32: how often this reply sampled each id (penalized)
+        self.counted = params.penalized and params.windowed_penalties   # counts follow the window's ids
+        self.counts = None   # [vocab] float32: how often this reply (or the window) has each id (penalized)
         self.dry = dry_state(params)
         self.constraint, self.recorder = params.constraint, params.logprobs
 
@@ -60,8 +61,10 @@ class Sampler:
             if self.vector is None:
                 self.vector = bias_vector(self.bias, logits.shape[-1])
             scores = scores + self.vector
-        if self.window is not None and self.window.size:
+        if self.repeat is not None and self.window.size:
             scores = repeat_penalized(scores, self.window, self.repeat)
+        if self.counted and self.counts is None:
+            self.counts = mx.array(window_counts(np.array(self.window), logits.shape[-1]))
         if self.counts is not None:
             scores = scores - (self.presence * (self.counts > 0).astype(mx.float32) + self.frequency * self.counts)
         if self.dry is not None:
@@ -84,6 +87,8 @@ class Sampler:
         if self.window is not None:
             self.window = mx.concatenate([self.window, y.reshape(-1).astype(mx.uint32)])
             if self.last_n > 0 and self.window.size > self.last_n:
+                if self.counted:   # the id that leaves the window leaves the counts
+                    self.counts = self.counts.at[self.window[:-self.last_n]].add(-1.0)
                 self.window = self.window[-self.last_n:]
         if self.constraint is not None:
             self.constraint.advance(y.item())
@@ -93,6 +98,12 @@ class Sampler:
             raw = logprobs if logprobs is not None else logits - mx.logsumexp(logits, axis=-1, keepdims=True)
             self.recorder.add(recorded_entry(raw, y, self.recorder.top))
         return y
+
+
+def window_counts(window: np.ndarray, vocab: int) -> np.ndarray:
+    """[vocab] float32: how many times each id is in `window` (ids past the logits' vocabulary,
+    which no sample can give, are left out)."""
+    return np.bincount(window[window < vocab], minlength=vocab).astype(np.float32)
 
 
 def bias_vector(bias: dict[int, float], vocab: int) -> mx.array:

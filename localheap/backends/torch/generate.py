@@ -178,11 +178,12 @@ class Sampler:
                                     e=params.dynatemp_exponent: scores / dynamic_temperature(scores, t, r, e))
         self.penalized = params.penalized
         self.presence, self.frequency = params.presence_penalty, params.frequency_penalty
-        self.counts: Optional[torch.Tensor] = None   # [vocab] float32: how often this reply sampled each id
+        self.counted = params.penalized and params.windowed_penalties   # counts follow the window's ids
+        self.counts: Optional[torch.Tensor] = None   # [vocab] float32: how often this reply (or the window) has each id
         self.repeat = params.repeat_penalty if params.repeating else None
         self.last_n = params.repeat_last_n
-        self.window: Optional[torch.Tensor] = None   # [n] int64: the ids the repetition penalty looks back over
-        if self.repeat is not None:
+        self.window: Optional[torch.Tensor] = None   # [n] int64: the ids the penalties look back over
+        if params.windowed:
             self.window = torch.tensor(params.window(params.repeat_last_n), dtype=torch.int64).to(device)
         self.dry = dry_state(params)
         self.generator = None
@@ -201,9 +202,11 @@ class Sampler:
             if self.bias is None:
                 self.bias = bias_vector(self.logit_bias, scores.shape[-1], scores.device)
             scores = scores + self.bias
-        if self.window is not None and self.window.numel():
+        if self.repeat is not None and self.window.numel():
             scores = repeat_penalized(scores, self.window, self.repeat)
-        if self.counts is not None:                    # penalized, once the reply has a token
+        if self.counted and self.counts is None:
+            self.counts = window_counts(self.window, scores.shape[-1])
+        if self.counts is not None:                    # penalized, once the reply has a token (or the window)
             scores = scores - (self.presence * (self.counts > 0) + self.frequency * self.counts)
         if self.dry is not None:
             ids, amounts = self.dry.penalties()
@@ -228,7 +231,10 @@ class Sampler:
             self.counts.index_put_((token.reshape(-1),), torch.ones(1, device=scores.device), accumulate=True)
         if self.window is not None:   # on the device too
             self.window = torch.cat([self.window, token.reshape(-1)])
-            if self.last_n > 0:
+            if self.last_n > 0 and self.window.numel() > self.last_n:
+                if self.counted:   # the id that leaves the window leaves the counts
+                    gone = self.window[:-self.last_n]
+                    self.counts.index_put_((gone,), -torch.ones(gone.numel(), device=scores.device), accumulate=True)
                 self.window = self.window[-self.last_n:]
         if self.recorder is not None:
             self.recorder.add(logprob_entry(logits, token, self.recorder.top))
@@ -313,6 +319,12 @@ def repeat_penalized(scores: torch.Tensor, window: torch.Tensor, penalty: float)
     picked = scores.gather(1, window[None])
     picked = torch.where(picked < 0, picked * penalty, picked / penalty)
     return scores.scatter(1, window[None], picked)
+
+
+def window_counts(window: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[vocab] float32: how many times each id is in `window` (ids past the logits' vocabulary,
+    which no sample can give, are left out)."""
+    return torch.bincount(window[window < vocab], minlength=vocab).to(torch.float32)
 
 
 def bias_vector(bias: dict[int, float], vocab: int, device: torch.device) -> torch.Tensor:
