@@ -97,6 +97,36 @@ def test_ids_mixed_prompts_and_several_prompts(server):
         assert m["tokens"] == _stock(server, _bos(server) + _plain(server, text), 5)
 
 
+def test_n_cmpl_gives_each_prompt_n_completions_in_llama_servers_order(server):
+    """n_cmpl (or n): prompt k's j-th completion is result k * n + j, seeded seed + its index (the
+    first as the same request with n 1; each the prompt's own greedy text at temperature 0);
+    streamed, every piece names its index and the pieces join to the whole replies."""
+    body = {"prompt": PREFIX, "n_predict": 6, "temperature": 1.0, "seed": 9, "return_tokens": True,
+            "cache_prompt": False}
+    three = _post(server, "/completion", {**body, "n_cmpl": 3})
+    assert [r["index"] for r in three] == [0, 1, 2]
+    alone = [_post(server, "/completion", {**body, "seed": 9 + i})["tokens"] for i in range(3)]
+    assert [r["tokens"] for r in three] == alone and len({tuple(a) for a in alone}) > 1
+    assert [r["tokens"] for r in _post(server, "/completion", {**body, "n": 3})] == alone
+    texts = ["x = ", "class A:\n    "]
+    greedy = _post(server, "/completion", {"prompt": texts, "n_predict": 4, "temperature": 0, "return_tokens": True,
+                                           "n_cmpl": 2})
+    assert [r["index"] for r in greedy] == [0, 1, 2, 3]
+    for k, text in enumerate(texts):
+        want = _stock(server, _bos(server) + _plain(server, text), 4)
+        assert greedy[2 * k]["tokens"] == greedy[2 * k + 1]["tokens"] == want
+    with httpx.stream("POST", server.url + "/completion", json={**body, "n_cmpl": 2, "stream": True},
+                      timeout=120) as r:
+        pieces = [json.loads(line[5:]) for line in r.iter_lines() if line.startswith("data:")]
+    for i in range(2):
+        mine = [p for p in pieces if p["index"] == i]
+        assert "".join(p["content"] for p in mine) == server.services.tokenizer.decode(alone[i])
+        assert mine[-1]["stop"] is True
+    too_many = _post(server, "/completion", {"prompt": ["a"] * 9, "n_cmpl": 8}, status=400)
+    assert too_many["error"]["param"] == "n_cmpl"
+    assert _post(server, "/completion", {**body, "n_cmpl": 0}, status=400)["error"]["param"] == "n_cmpl"
+
+
 def test_the_repetition_penalty_is_transformers_and_the_samplers_list_can_leave_it_out(server):
     """repeat_penalty over the whole context (repeat_last_n -1) on /completion, and vLLM's
     repetition_penalty on /v1/completions: transformers' greedy tokens with its own repetition
@@ -285,7 +315,7 @@ def test_n_probs_and_response_fields(server):
 
 def test_options_it_has_no_sampler_for_are_refused_unless_off(server):
     base = {"prompt": "a", "n_predict": 2}
-    for name, value in (("n_cmpl", 2), ("post_sampling_probs", True)):
+    for name, value in (("post_sampling_probs", True), ("lora", [{"id": 0, "scale": 1.0}])):
         bad = _post(server, "/completion", {**base, name: value}, status=400)
         assert bad["error"]["param"] == name and "no such sampler" in bad["error"]["message"]
     off = {"repeat_penalty": 1.0, "mirostat": 0, "typical_p": 1.0, "dry_multiplier": 0.0, "repeat_last_n": 64,
@@ -398,8 +428,10 @@ def test_llama_vscode_requests_as_it_sends_them(server):
             "dry_allowed_length": 2, "dry_penalty_last_n": -1, "max_tokens": -1, "timings_per_token": False}
     chat = _post(server, "/v1/chat/completions", {**edit, "max_tokens": 4} | {"max_tokens": -1, "seed": 1})
     assert chat["choices"][0]["message"]["role"] == "assistant"
-    bad = _post(server, "/v1/chat/completions", {**edit, "n_cmpl": 2}, status=400)
-    assert bad["error"]["param"] == "n_cmpl"
+    two = _post(server, "/v1/chat/completions", {**edit, "n_cmpl": 2, "max_tokens": 3})   # llama-server's n
+    assert [c["index"] for c in two["choices"]] == [0, 1]
+    bad = _post(server, "/v1/chat/completions", {**edit, "n_cmpl": 9}, status=400)
+    assert bad["error"]["param"] == "n"
     greedy = {"messages": edit["messages"], "max_tokens": 6, "temperature": 0, "seed": 5}
     plain = _post(server, "/v1/chat/completions", greedy)["choices"][0]["message"]["content"]
     # temperature 0 but no "temperature" sampler named: sampled at temperature 1 (seeded), not greedy

@@ -26,6 +26,7 @@ from ..sessions.session import token_array
 from .errors import BadRequest, PromptTooLong, Unsupported
 from .fim import fim_format, fim_ids, require_fim
 from .logprobs import TokenText, finite
+from .schemas import MAX_CHOICES
 from .tokens import encode_bounded, encode_plain, leading_specials
 
 # llama-server's sampler names, and the letters of its --sampling-seq form
@@ -36,7 +37,7 @@ OURS = ("top_k", "top_p", "min_p", "temperature")   # the cut-offs `switched` tu
 OTHERS = {"dry", "typ_p", "xtc", "top_n_sigma", "penalties", "infill", "mirostat"}
 
 # options this server has nothing for: accepted only at the value that leaves them off
-OFF = {"post_sampling_probs": lambda v: v is False, "n_cmpl": lambda v: v == 1, "lora": lambda v: not v}
+OFF = {"post_sampling_probs": lambda v: v is False, "lora": lambda v: not v}
 # llama.cpp's runtime options and tuning that changes nothing here: accepted, unused
 UNUSED = {"penalize_nl", "min_keep",
           "t_max_prompt_ms", "id_slot", "n_keep", "n_discard", "n_cache_reuse", "timings_per_token",
@@ -105,11 +106,21 @@ class LlamaRequest(BaseModel):
     response_fields: Optional[list[str]] = None
     n_indent: int = Field(0, ge=0)
     t_max_predict_ms: int = Field(0, ge=0)
+    n_cmpl: Optional[int] = Field(None, ge=1, le=MAX_CHOICES)   # completions of each prompt (llama-server's;
+    n: Optional[int] = Field(None, ge=1, le=MAX_CHOICES)        # `n` is its other name)
 
     @model_validator(mode="after")
     def _extras(self) -> "LlamaRequest":
         check_options(self.model_extra or {})
         return self
+
+    def completions(self, prompts: int) -> int:
+        """How many completions of each prompt (n_cmpl, else n, else 1); a 400 past MAX_PROMPTS in all."""
+        n = self.n_cmpl or self.n or 1
+        if prompts * n > MAX_PROMPTS:
+            raise BadRequest(f"{prompts} prompts x n_cmpl {n} is {prompts * n} completions; at most {MAX_PROMPTS} "
+                             f"a request", "n_cmpl")
+        return n
 
     def limit(self, default: int) -> int:
         """n_predict (or max_tokens); -1 (llama-server: no limit) is this server's default reply limit."""

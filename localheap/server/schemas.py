@@ -174,6 +174,8 @@ class SamplingFields(Strict):
         from .llamacpp import OFF, UNUSED, check_options
 
         known = set(cls.model_fields)
+        if "n_cmpl" in data:   # llama-server's name for n (it wins where both are sent, as there)
+            data = {**{k: v for k, v in data.items() if k != "n_cmpl"}, "n": data["n_cmpl"]}
         extras = {k: v for k, v in data.items() if k not in known and (k in OFF or k in UNUSED)}
         check_options(extras)
         return {k: v for k, v in data.items() if k not in extras}

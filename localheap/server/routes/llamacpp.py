@@ -191,17 +191,21 @@ async def _answer(request: Request, svc: Services, body: LlamaRequest, prompts: 
                   scratch: bool = False) -> object:
     vocab = getattr(svc.backend, "vocab_size", None)
     default = min(svc.settings.default_max_tokens, svc.settings.max_tokens_limit)
-    own = len(prompts) > 1 or not body.cache_prompt   # each in a session of its own, not kept
+    n = body.completions(len(prompts))
     slots: list[Slot] = []
     try:
-        for i, prompt in enumerate(prompts):
-            params = body.params(default, vocab, svc.backend.eos_token_ids, svc.tokenizer, _constraint(svc, body),
-                                 stop_ids, seed_offset=i)
-            began = time.monotonic()
-            title = prompt.text if i == 0 else None
-            job, events, started = await start(svc, request, prompt, params, None, title, own, scratch and not own)
-            slots.append(Slot(i, job, events, started.session_id, started.prompt_tokens, started.cached_tokens, began,
-                              Cut(body.n_indent, body.t_max_predict_ms)))
+        for k, prompt in enumerate(prompts):
+            for j in range(n):   # n_cmpl: prompt k's j-th completion is index k * n + j, seeded seed + index
+                i = k * n + j
+                own = len(prompts) > 1 or not body.cache_prompt or j > 0   # a session of its own, not kept
+                params = body.params(default, vocab, svc.backend.eos_token_ids, svc.tokenizer,
+                                     _constraint(svc, body), stop_ids, seed_offset=i)
+                began = time.monotonic()
+                title = prompt.text if i == 0 else None
+                job, events, started = await start(svc, request, prompt, params, None, title, own,
+                                                   scratch and not own)
+                slots.append(Slot(i, job, events, started.session_id, started.prompt_tokens, started.cached_tokens,
+                                  began, Cut(body.n_indent, body.t_max_predict_ms)))
     except BaseException:
         for s in slots:
             s.job.cancel()
