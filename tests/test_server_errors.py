@@ -131,6 +131,19 @@ def test_401_without_or_with_a_wrong_key(server):
     assert httpx.get(server.url + "/health").status_code == 200   # health stays open
 
 
+def test_every_api_route_but_health_needs_the_key(server):
+    """Each route the app has (OpenAI's, Anthropic's, Ollama's, llama-server's, the sessions'),
+    called without a key: 401 before anything runs."""
+    paths = {p: ops for p, ops in server.app.openapi()["paths"].items() if p != "/health"}
+    assert {"/completion", "/infill", "/tokenize", "/props", "/slots", "/v1/messages", "/api/chat"} <= set(paths)
+    for route, ops in paths.items():
+        path = route.replace("{session_id}", "sess_x").replace("{model}", "m").replace(
+            "{response_id}", "resp_x").replace("{id_slot}", "0")
+        for method in ops:
+            r = httpx.request(method.upper(), server.url + path, json={}, timeout=10)
+            assert r.status_code == 401, (method, path, r.status_code)
+
+
 def test_404_unknown_model_session_and_route(client, http):
     with pytest.raises(openai.NotFoundError) as e:
         chat(client, model="gpt-4o")

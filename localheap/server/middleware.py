@@ -18,7 +18,10 @@ from .tokens import release_freed_memory
 log = logging.getLogger("localheap.server")
 RELEASE_AFTER_BYTES = 4 << 20
 
-PROTECTED_PREFIXES = ("/v1/", "/api/", "/metrics")
+# every API route (tests/test_server_errors.py checks each one the app has); /health and the web
+# page's files stay open
+PROTECTED_PREFIXES = ("/v1/", "/api/", "/metrics", "/completion", "/infill", "/tokenize", "/detokenize",
+                      "/apply-template", "/props", "/slots")
 
 
 OWNER = "localheap.owner"   # scope key: the id of the API key that authenticated the request
