@@ -175,6 +175,42 @@ def test_503_when_the_queue_is_full(client, http):
         stream.close()
 
 
+def test_slots_show_the_run_on_each_and_a_balancers_probe_gets_503_while_none_is_free(client, http):
+    """llama-server's GET /slots: max_active entries; the running stream's slot is processing with
+    its counts, settings and (to its owner) its session; fail_on_no_slot is a 503 while it runs;
+    once it is gone the slot is free and shows the run it held. Slot actions are a 501."""
+    for _ in range(100):   # (a stream an earlier test cancelled may still be leaving its slot)
+        if not http.get("/slots").json()[0]["is_processing"]:
+            break
+        time.sleep(0.05)
+    stream = chat(client, max_tokens=5000, temperature=0.5, top_p=0.9, stream=True)
+    try:
+        it = iter(stream)
+        for _ in range(3):
+            next(it)
+        view = http.get("/slots").json()
+        assert len(view) == 1 and view[0]["id"] == 0 and view[0]["is_processing"] is True
+        s = view[0]
+        assert s["next_token"]["has_next_token"] is True and s["next_token"]["n_decoded"] >= 1
+        assert s["next_token"]["n_remain"] == 5000 - s["next_token"]["n_decoded"]
+        assert s["params"]["temperature"] == 0.5 and s["params"]["top_p"] == 0.9 and s["params"]["n_predict"] == 5000
+        assert s["n_prompt_tokens"] > 0 and s["localheap"]["session_id"] and s["n_ctx"] > 0
+        assert_error(http.get("/slots", params={"fail_on_no_slot": 1}), 503, code="no_slot_available")
+        session_id, task = s["localheap"]["session_id"], s["id_task"]
+    finally:
+        stream.close()
+    for _ in range(200):
+        after = http.get("/slots", params={"fail_on_no_slot": 1})
+        if after.status_code == 200:
+            break
+        time.sleep(0.05)
+    s = after.json()[0]
+    assert s["is_processing"] is False and s["id_task"] == task and s["localheap"]["session_id"] == session_id
+    assert s["next_token"]["has_next_token"] is False and s["next_token"]["n_decoded"] >= 3
+    assert_error(http.post("/slots/0", params={"action": "save"}, json={"filename": "a.bin"}), 501)
+    assert http.get("/props").json()["endpoint_slots"] is True
+
+
 def metric(http, name: str) -> float:
     line = next(x for x in http.get("/metrics").text.splitlines() if x.startswith(name + " "))
     return float(line.split()[1])

@@ -36,6 +36,7 @@ from .events import Failed, Feed, Job, Started
 from .governor import AdmitAll, Governor
 from .lane import PrefillLane
 from .runs import Run
+from .slots import Slots
 from .telemetry import Counters
 
 log = logging.getLogger("localheap.engine")
@@ -87,6 +88,7 @@ class Engine:
         self.counters = Counters()
         self._inbox: queue.Queue = queue.Queue()
         self._active: list[Run] = []
+        self.slots = Slots(max_active)   # the runs' slots, as llama-server's /slots shows them (engine thread)
         self._turns: deque = deque()   # (fn, future, "turn") from call_in_turn: one per engine step
         self._side_free_at = 0.0       # while runs decode, no embedding work before this (SIDE_SHARE)
         self._in_flight = 0
@@ -315,6 +317,7 @@ class Engine:
         self.store.touch(s)
         s.refresh()
         self._active.append(run)
+        self.slots.take(run)
         self.counters.prompt_tokens += run.prompt_tokens
         self.counters.cached_tokens += run.cached
         self._emit(job, Started(s.id, run.prompt_tokens, run.cached))
@@ -344,7 +347,7 @@ class Engine:
             done = run.step()
         except Exception as e:
             log.exception("a request failed on session %s", run.session.id)
-            self._active.remove(run)
+            self._leave(run)
             self._fail(run.job, e, run)
             return
         kind, n = run.last_step
@@ -433,7 +436,7 @@ class Engine:
         except Exception as e:   # the forward itself: every run in it is suspect
             log.exception("a batched decode step failed (%d runs)", len(batch) + len(chunks))
             for run in batch + [r for r, _ in chunks]:
-                self._active.remove(run)
+                self._leave(run)
                 self._fail(run.job, e, run)
             return
         took = time.monotonic() - began
@@ -558,7 +561,7 @@ class Engine:
                 error = e
         if error is not None:
             log.error("a request failed on session %s", run.session.id, exc_info=error)
-            self._active.remove(run)
+            self._leave(run)
             self._fail(run.job, error, run)
         elif run.finish_reason is not None:
             if ended is None:
@@ -566,8 +569,13 @@ class Engine:
             else:
                 ended.append(run)
 
-    def _finish(self, run: Run) -> None:
+    def _leave(self, run: Run) -> None:
+        """`run` is no longer active (finished, failed or cancelled): its slot is free."""
         self._active.remove(run)
+        self.slots.leave(run)
+
+    def _finish(self, run: Run) -> None:
+        self._leave(run)
         try:
             run.close()
         except Exception as e:

@@ -34,6 +34,7 @@ class Run:
         self.job, self.session, self.backend = job, session, backend
         self.cached = cached                            # tokens the session held before this run
         self.created = False                            # the session was made for this run
+        self.slot = -1                                  # the engine's slot it holds (slots.Slots)
         self.prompt_tokens = cached + len(new_tokens)
         self.chunk = session.cfg.chunk                 # prefill chunk (the heap evicts before each)
         # prompt logprobs (an echo): every token but the last is read by prefill_scored, on its own

@@ -61,6 +61,16 @@ class PromptTooLong(ApiError):
                          f"document in parts: POST /v1/sessions/ID/documents appends to a session.", param)
 
 
+class NoSlotFree(ApiError):
+    """llama-server's /slots?fail_on_no_slot=1 with every slot running (a load balancer's probe)."""
+    status, type, code = 503, "unavailable_error", "no_slot_available"
+
+
+class NotSupported(ApiError):
+    """An endpoint another server has and this one does not (llama-server's 501)."""
+    status, type, code = 501, "not_supported_error", "not_supported"
+
+
 class TooManyObservers(ApiError):
     status, type, code = 503, "server_error", "too_many_observers"
 

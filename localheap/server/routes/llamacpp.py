@@ -1,5 +1,5 @@
 """llama.cpp's server API (llama-server): POST /completion (and /completions), /infill, /tokenize,
-/detokenize and /apply-template, GET /props. Server-sent events for stream true (a data line a
+/detokenize and /apply-template, GET /props and /slots. Server-sent events for stream true (a data line a
 piece, the last with stop true and the timings; no [DONE], as llama-server's), else one object
 (an array for several prompts)."""
 
@@ -22,7 +22,7 @@ from ...grammar import Grammar, GrammarError, json_grammar
 from ...sessions import Prompt
 from ..bridge import JobEvents, follow, merged, submit, watch_disconnect
 from ..chat import start
-from ..errors import BadRequest, to_response
+from ..errors import BadRequest, NoSlotFree, NotSupported, to_response
 from ..fim import fim_format
 from ..formats import save_fields
 from ..llamacpp import (Cut, LlamaRequest, infill_context, infill_prompt, mixed_prompt, pick_fields, piece_of,
@@ -139,7 +139,35 @@ async def props(svc: Services = Depends(services)) -> dict:
             "total_slots": svc.settings.max_active, "model_path": str(svc.backend.model_name),
             "model_alias": svc.model_id, "chat_template": template_source(svc.tokenizer), "chat_template_caps": {},
             "modalities": {"vision": False, "audio": False}, "build_info": f"localheap {ours}", "is_sleeping": False,
+            "endpoint_slots": True, "endpoint_props": False, "endpoint_metrics": True,
             "localheap": {"backend": svc.backend.name, "heap": svc.settings.heap.to_dict()}}
+
+
+@router.get("/slots")
+async def slots(request: Request, fail_on_no_slot: Optional[str] = None, svc: Services = Depends(services)) -> list:
+    """llama-server's slots: the engine's max_active runs at once, each slot with the run on it (or
+    the last one it held): is_processing, prompt and reply counts, sampling settings; a session id
+    only to its owner. `fail_on_no_slot` (any value): a 503 while every slot runs (a balancer's probe)."""
+    view = await asyncio.wrap_future(svc.engine.call(svc.engine.slots.view))
+    if fail_on_no_slot and not any(not s["is_processing"] for s in view):
+        raise NoSlotFree("no slot available")
+    who = owner(request)
+    out = []
+    for s in view:
+        mine = s.pop("owner", None) == who
+        session_id = s.pop("session_id", None)
+        s.pop("kind", None)
+        out.append({**s, "n_ctx": svc.settings.max_prompt_tokens, "speculative": False,
+                    **({"localheap": {"session_id": session_id}} if mine and session_id else {})})
+    return out
+
+
+@router.post("/slots/{id_slot}")
+async def slot_action(id_slot: str) -> dict:
+    """llama-server's slot save, restore and erase: sessions here are saved as they go and are
+    restored, checkpointed and deleted through /v1/sessions."""
+    raise NotSupported("slot save, restore and erase are not supported: sessions are saved after every turn; "
+                       "use POST /v1/sessions/ID/checkpoint, /restore and DELETE /v1/sessions/ID")
 
 
 def _constraint(svc: Services, body: LlamaRequest):
