@@ -23,12 +23,23 @@ class RateMeter:
     def __init__(self, window_s: float = 5.0, idle_s: float = 30.0):
         self.window_s, self.idle_s = window_s, idle_s
         self.events: deque[tuple[float, float, int]] = deque()   # (began, ended, tokens)
+        self.calls = 0             # since the start: events (engine steps), their tokens and their seconds
+        self.tokens_total = 0
+        self.seconds_total = 0.0
 
     def add(self, n: int, now: float | None = None, took: float | None = None) -> None:
         now = time.monotonic() if now is None else now
         began = now - took if took is not None else (self.events[-1][1] if self.events else now)
         self.events.append((min(began, now), now, n))
+        self.calls += 1
+        self.tokens_total += n
+        self.seconds_total += now - min(began, now)
         self._trim(now)
+
+    @property
+    def average(self) -> float:
+        """Tokens per second of work since the start (0 before any)."""
+        return self.tokens_total / self.seconds_total if self.seconds_total > 0 else 0.0
 
     def rate(self, now: float | None = None) -> float:
         now = time.monotonic() if now is None else now

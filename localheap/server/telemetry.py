@@ -7,7 +7,7 @@ import asyncio
 import logging
 import time
 from collections import deque
-from typing import Optional
+from typing import Iterator, Optional
 
 import psutil
 from prometheus_client import CollectorRegistry, ProcessCollector, generate_latest
@@ -205,6 +205,7 @@ class MetricsCollector:
         for name, kind, help_, samples in page_rows([h["pages"] for h in heaps if h.get("pages")]):
             family = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
             yield family(f"localheap_{name.removesuffix('_total')}", help_, value=samples[0][1])
+        yield from llamacpp_metrics(c, eng)
         by_state = GaugeMetricFamily("localheap_sessions", "sessions by state", labels=["state"])
         for k, v in sorted(states.items()):
             by_state.add_metric([k], v)
@@ -213,6 +214,28 @@ class MetricsCollector:
         for s in ("nominal", "fair", "serious", "critical", "unknown"):
             temp.add_metric([s], int(s == thermal))
         yield temp
+
+
+def llamacpp_metrics(c, eng) -> Iterator:
+    """llama-server's metric names (its dashboards read them) from the engine's counters: prompt
+    and predicted tokens and the seconds of the engine steps that ran them (a step that both decodes
+    and reads a prompt counts in both), decode steps, runs active and waiting."""
+    decode, prefill = c.decode, c.prefill
+    for name, help_, value in (
+            ("prompt_tokens", "Number of prompt tokens processed.", c.prefill_tokens),
+            ("prompt_seconds", "Prompt process time", prefill.seconds_total),
+            ("tokens_predicted", "Number of generation tokens processed.", c.completion_tokens),
+            ("tokens_predicted_seconds", "Predict process time", decode.seconds_total),
+            ("n_decode", "Total number of decode steps (llama_decode() calls that sampled)", decode.calls)):
+        yield CounterMetricFamily(f"llamacpp:{name}", help_, value=value)
+    for name, help_, value in (
+            ("prompt_tokens_seconds", "Average prompt throughput in tokens/s.", prefill.average),
+            ("predicted_tokens_seconds", "Average generation throughput in tokens/s.", decode.average),
+            ("n_busy_slots_per_decode", "Average number of busy slots per llama_decode() call",
+             decode.tokens_total / decode.calls if decode.calls else 0.0),
+            ("requests_processing", "Number of requests processing.", eng.active),
+            ("requests_deferred", "Number of requests deferred.", eng.waiting)):
+        yield GaugeMetricFamily(f"llamacpp:{name}", help_, value=value)
 
 
 def metrics_registry(svc: Services) -> CollectorRegistry:
