@@ -322,9 +322,15 @@ def test_options_it_has_no_sampler_for_are_refused_unless_off(server):
            "xtc_probability": 0.0, "top_n_sigma": -1, "dynatemp_range": 0.0,
            "id_slot": -1, "n_keep": 0, "cache_prompt": True, "timings_per_token": False, "samplers": "kpmt"}
     assert _post(server, "/completion", {**base, **off})["stop"] is True
-    assert _post(server, "/completion", {**base, "bogus": 1}, status=400)["error"]["param"] == "bogus"
-    bad = _post(server, "/completion", {**base, "samplers": ["top_k", "magic"]}, status=400)
-    assert bad["error"]["param"] == "samplers"
+    # what llama-server does not know either it ignores, and so does this server, naming them
+    got = _post(server, "/completion", {**base, "bogus": 1, "samplers": ["top_k", "magic", "Top-P", "temp"]})
+    assert got["localheap"]["ignored_options"] == ["bogus", "samplers:magic"]
+    assert got["generation_settings"]["top_p"] == 0.95 and got["generation_settings"]["temperature"] == 0.8
+    assert "ignored_options" not in _post(server, "/completion", base)["localheap"]
+    bad = _post(server, "/completion", {**base, "adaptive_target": 0.5, "samplers": ["adaptive_p"]}, status=400)
+    assert bad["error"]["param"] == "adaptive_target"
+    bad = _post(server, "/v1/completions", {"prompt": "a", "max_tokens": 2, "samplers": ["magic"]}, status=400)
+    assert "magic" in bad["error"]["message"]
     assert _post(server, "/completion", {"prompt": "", "n_predict": 2}, status=400)["error"]["param"] == "prompt"
     assert _post(server, "/completion", {**base, "logit_bias": [[10 ** 7, 1.0]]}, status=400)["error"]["param"] == \
         "logit_bias"
@@ -403,6 +409,48 @@ def test_t_max_predict_ms_ends_the_reply_after_a_newline(server, force):
     force("abcdefghijklmnop")
     got = _post(server, "/completion", {"prompt": "x", "n_predict": 60, "t_max_predict_ms": 1})
     assert got["content"] == "abcdefghijklmnop" and got["stop_type"] == "eos"
+
+
+# SillyTavern 1.18's body for its llama.cpp text-completion type on a fresh install (its
+# createTextGenGenerationData, every backend's names for the same settings, sent to /completion
+# as they are): llama-server ignores the ones it does not know, and so must this server
+SILLYTAVERN = {
+    "max_new_tokens": 12, "max_tokens": 12, "n_predict": 12, "num_predict": 12, "temperature": 1, "top_p": 0.95,
+    "typical_p": 1, "typical": 1, "min_p": 0.01, "repetition_penalty": 1.1, "rep_pen": 1.1, "repeat_penalty": 1.1,
+    "frequency_penalty": 0, "presence_penalty": 0, "top_k": 0, "skew": 0, "min_tokens": 0, "add_bos_token": True,
+    "smoothing_factor": 0, "smoothing_curve": 1, "dry_allowed_length": 2, "dry_multiplier": 0, "dry_base": 1.75,
+    "dry_sequence_breakers": ["\n", ":", "\"", "*"], "dry_penalty_last_n": 0, "max_tokens_second": 0,
+    "samplers": ["penalties", "dry", "top_n_sigma", "top_k", "typ_p", "tfs_z", "typical_p", "xtc", "top_p",
+                 "adaptive_p", "min_p", "temperature"],
+    "stopping_strings": ["\nUser:"], "stop": ["\nUser:"], "truncation_length": 8192, "num_ctx": 8192,
+    "ban_eos_token": False, "ignore_eos": False, "skip_special_tokens": True, "include_reasoning": True, "top_a": 0,
+    "tfs": 1, "mirostat_mode": 0, "mirostat": 0, "mirostat_tau": 5, "mirostat_eta": 0.1, "custom_token_bans": "",
+    "banned_strings": [], "api_type": "llamacpp", "api_server": "http://127.0.0.1:8080", "xtc_threshold": 0.1,
+    "xtc_probability": 0, "nsigma": 0, "top_n_sigma": 0, "min_keep": 0, "adaptive_target": -0.01,
+    "adaptive_decay": 0.9, "n": 1, "rep_pen_range": 0, "repetition_penalty_range": 0, "repeat_last_n": 0,
+    "guidance_scale": 1, "negative_prompt": "", "rep_pen_slope": 1, "logit_bias": [], "grammar": "",
+    "cache_prompt": True}
+
+
+def test_sillytaverns_llamacpp_requests_as_it_sends_them(server):
+    """SillyTavern's body, whole and streamed, and with a seed: the reply its settings give (the
+    same tokens as the body with only llama-server's own options), the others named as ignored."""
+    prompt = "User: hi\nAssistant:"
+    own = {k: v for k, v in SILLYTAVERN.items() if k in ("n_predict", "temperature", "top_p", "typical_p", "min_p",
+                                                          "repeat_penalty", "top_k", "stop", "repeat_last_n",
+                                                          "dry_multiplier", "xtc_probability", "mirostat")}
+    seeded = {**SILLYTAVERN, "prompt": prompt, "seed": 3, "sampler_seed": 3, "return_tokens": True}
+    got = _post(server, "/completion", seeded)
+    assert got["tokens"] == _post(server, "/completion", {**own, "prompt": prompt, "seed": 3,
+                                                          "return_tokens": True})["tokens"]
+    ignored = got["localheap"]["ignored_options"]
+    assert {"api_server", "nsigma", "truncation_length", "samplers:tfs_z", "samplers:typical_p"} <= set(ignored)
+    assert "adaptive_target" not in ignored and "samplers:adaptive_p" not in ignored
+    with httpx.stream("POST", server.url + "/completion", json={**seeded, "stream": True}, timeout=120) as r:
+        assert r.status_code == 200
+        pieces = [json.loads(line[5:]) for line in r.iter_lines() if line.startswith("data:")]
+    assert "".join(p["content"] for p in pieces) == got["content"] and pieces[-1]["stop"] is True
+    assert _post(server, "/tokenize", {"model": "undefined", "content": prompt})["tokens"]   # as it asks for counts
 
 
 def test_llama_vscode_requests_as_it_sends_them(server):

@@ -13,11 +13,12 @@ runtime (slots, cache reuse, progress) are accepted and unused; any other field 
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence, Union
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
 from ..dry import DEFAULT_BREAKERS, breaker_ids
 from ..generation import LOGIT_BIAS_RANGE, LogprobRecorder, SamplingParams
@@ -31,15 +32,18 @@ from .tokens import encode_bounded, encode_plain, leading_specials
 
 # llama-server's sampler names, and the letters of its --sampling-seq form
 SAMPLER_LETTERS = {"d": "dry", "k": "top_k", "y": "typ_p", "p": "top_p", "m": "min_p", "x": "xtc",
-                   "t": "temperature", "s": "top_n_sigma", "e": "penalties"}
+                   "t": "temperature", "s": "top_n_sigma", "e": "penalties", "i": "infill", "a": "adaptive_p"}
 OURS = ("top_k", "top_p", "min_p", "temperature")   # the cut-offs `switched` turns off where a list leaves them out
-# the other names a samplers list may hold: `named` says whether each runs ("infill": none here, accepted)
-OTHERS = {"dry", "typ_p", "xtc", "top_n_sigma", "penalties", "infill", "mirostat"}
+# the other names a samplers list may hold: `named` says whether each runs ("infill": none here, accepted;
+# "adaptive_p": only with a negative adaptive_target, where llama.cpp's adaptive-p is plain sampling)
+OTHERS = {"dry", "typ_p", "xtc", "top_n_sigma", "penalties", "infill", "mirostat", "adaptive_p"}
+ALIASES = {"nucleus": "top_p", "temp": "temperature", "typ": "typ_p"}   # llama.cpp's, beside top-k and topk forms
 
 # options this server has nothing for: accepted only at the value that leaves them off
-OFF = {"post_sampling_probs": lambda v: v is False, "lora": lambda v: not v}
+OFF = {"post_sampling_probs": lambda v: v is False, "lora": lambda v: not v,
+       "adaptive_target": lambda v: v < 0}
 # llama.cpp's runtime options and tuning that changes nothing here: accepted, unused
-UNUSED = {"penalize_nl", "min_keep",
+UNUSED = {"penalize_nl", "min_keep", "adaptive_decay",
           "t_max_prompt_ms", "id_slot", "n_keep", "n_discard", "n_cache_reuse", "timings_per_token",
           "return_progress", "sse_ping_interval", "model", "id_task", "response_fields", "penalty_last_n"}
 # the options a SamplingParams check may name in its message (a 400's param)
@@ -50,6 +54,7 @@ MAX_PROMPTS = 64
 MAX_PROBS = 20
 REPO_TOKENS = ("<|repo_name|>", "<|file_sep|>")   # Qwen2.5-Coder's repo-level format (llama.cpp's FIM_REP, FIM_SEP)
 REPO_NAME = "myproject"                           # the repository's name in that format, as llama-server writes it
+log = logging.getLogger("localheap.server")
 
 
 class ExtraChunk(BaseModel):
@@ -109,10 +114,21 @@ class LlamaRequest(BaseModel):
     n_cmpl: Optional[int] = Field(None, ge=1, le=MAX_CHOICES)   # completions of each prompt (llama-server's;
     n: Optional[int] = Field(None, ge=1, le=MAX_CHOICES)        # `n` is its other name)
 
+    _ignored: list[str] = PrivateAttr(default_factory=list)
+
     @model_validator(mode="after")
     def _extras(self) -> "LlamaRequest":
-        check_options(self.model_extra or {})
+        self._ignored = check_options(self.model_extra or {}, strict=False)
+        self._ignored += [f"samplers:{n}" for n in sampler_names(self.samplers)[1]]
+        if self._ignored:
+            warn_ignored(self._ignored)
         return self
+
+    @property
+    def ignored(self) -> list[str]:
+        """The options (and `samplers` entries, as "samplers:NAME") this request sent that llama-server
+        does not have either: ignored, as llama-server ignores them; the reply's `localheap` lists them."""
+        return self._ignored
 
     def completions(self, prompts: int) -> int:
         """How many completions of each prompt (n_cmpl, else n, else 1); a 400 past MAX_PROMPTS in all."""
@@ -178,14 +194,20 @@ class LlamaRequest(BaseModel):
                 "n_indent": self.n_indent, "t_max_predict_ms": self.t_max_predict_ms}
 
 
-def check_options(extras: dict) -> None:
+def check_options(extras: dict, strict: bool = True) -> list[str]:
     """llama-server's options beyond a request's own fields: those of samplers this server lacks at
-    the value that turns them off, runtime ones (unused); anything else is a 400 naming it."""
+    the value that turns them off, runtime ones (unused). Any other is a 400 naming it, or, not
+    `strict` (llama-server's own routes: it ignores what it does not know, and clients such as
+    SillyTavern send other backends' options there), ignored: the names come back, sorted."""
+    ignored = []
     for name, value in extras.items():
         if name in UNUSED:
             continue
         if name not in OFF:
-            raise BadRequest(f"{name} is not an option this server knows", name)
+            if strict:
+                raise BadRequest(f"{name} is not an option this server knows", name)
+            ignored.append(name)
+            continue
         try:
             ok = OFF[name](value)
         except TypeError:
@@ -193,6 +215,39 @@ def check_options(extras: dict) -> None:
         if not ok:
             raise BadRequest(f"{name} {value!r} is not supported: this server has no such sampler (leave it out, "
                              f"or send the value that turns it off)", name)
+    return sorted(ignored)
+
+
+_WARNED: set[str] = set()
+
+
+def warn_ignored(names: list[str]) -> None:
+    """Log each ignored option the first time a request sends it (clients send the same ones every time)."""
+    fresh = [n for n in names if n not in _WARNED]
+    if fresh:
+        _WARNED.update(fresh)
+        log.warning("llama-server options this server does not have, ignored (as llama-server ignores them): %s",
+                    ", ".join(fresh))
+
+
+def sampler_names(samplers: Union[list[str], str, None]) -> tuple[list[str], list[str]]:
+    """(the samplers a `samplers` list names, as llama-server's canonical names; the entries it
+    ignores): names in any case, kebab-case or without underscores, its aliases, or a string of
+    --sampling-seq letters, as llama-server reads them. A list of anything but texts is a 400."""
+    if samplers is None:
+        return [], []
+    if isinstance(samplers, str):
+        return ([SAMPLER_LETTERS[c] for c in samplers if c in SAMPLER_LETTERS],
+                [c for c in samplers if c not in SAMPLER_LETTERS])
+    if not all(isinstance(n, str) for n in samplers):
+        raise BadRequest("samplers: a list of sampler names (or a string of their letters)", "samplers")
+    known, unknown = [], []
+    for name in samplers:
+        low = name.lower()
+        found = low if low in OURS or low in OTHERS else ALIASES.get(low) or next(
+            (k for k in (*OURS, *OTHERS) if "_" in k and low in (k.replace("_", "-"), k.replace("_", ""))), None)
+        (known if found else unknown).append(found or name)
+    return known, unknown
 
 
 def switched(samplers: Union[list[str], str, None], temperature: float, top_k: int, top_p: float,
@@ -201,10 +256,7 @@ def switched(samplers: Union[list[str], str, None], temperature: float, top_k: i
     (temperature 1: the logits as they are); the list's order is not followed (this server's is fixed)."""
     if samplers is None:
         return temperature, top_k, top_p, min_p
-    names = [SAMPLER_LETTERS.get(c, c) for c in samplers] if isinstance(samplers, str) else list(samplers)
-    bad = [n for n in names if n not in OURS and n not in OTHERS]
-    if bad:
-        raise BadRequest(f"samplers: {bad[0]!r} is not a sampler llama-server names", "samplers")
+    names, _ = sampler_names(samplers)
     return (temperature if "temperature" in names else 1.0, top_k if "top_k" in names else 0,
             top_p if "top_p" in names else 1.0, min_p if "min_p" in names else 0.0)
 
@@ -212,10 +264,7 @@ def switched(samplers: Union[list[str], str, None], temperature: float, top_k: i
 def named(samplers: Union[list[str], str, None], sampler: str) -> bool:
     """Whether llama-server runs `sampler` ("penalties": the repeat, presence and frequency
     penalties; "dry"): always, unless a `samplers` list leaves it out."""
-    if samplers is None:
-        return True
-    names = [SAMPLER_LETTERS.get(c, c) for c in samplers] if isinstance(samplers, str) else list(samplers)
-    return sampler in names
+    return samplers is None or sampler in sampler_names(samplers)[0]
 
 
 def penalties_on(samplers: Union[list[str], str, None]) -> bool:

@@ -181,6 +181,15 @@ class SamplingFields(Strict):
         return {k: v for k, v in data.items() if k not in extras}
 
     @model_validator(mode="after")
+    def _known_samplers(self) -> "SamplingFields":
+        from .llamacpp import sampler_names
+
+        unknown = sampler_names(self.samplers)[1]
+        if unknown:   # (llama-server's own routes ignore these; the OpenAI routes name them)
+            raise ValueError(f"samplers: {unknown[0]!r} is not a sampler llama-server names")
+        return self
+
+    @model_validator(mode="after")
     def _one_repetition_penalty(self) -> "SamplingFields":
         if self.repetition_penalty not in (None, 1.0) and self.repeat_penalty not in (None, 1.0):
             raise ValueError("send repetition_penalty (vLLM's: the whole context) or repeat_penalty (llama-server's: "

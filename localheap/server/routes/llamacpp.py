@@ -40,6 +40,7 @@ router = APIRouter()
 
 class TokenizeBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
+    model: Optional[str] = None   # accepted, unused (SillyTavern sends it, "undefined" when none is picked)
     content: str = Field(max_length=TOKENIZE_MAX_CHARS)
     add_special: bool = False
     parse_special: bool = True
@@ -48,6 +49,7 @@ class TokenizeBody(BaseModel):
 
 class DetokenizeBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
+    model: Optional[str] = None   # accepted, unused
     tokens: list[int] = Field(default_factory=list)
 
 
@@ -303,7 +305,8 @@ class Reply:
         if self.body.n_probs and not self.body.stream:
             out["completion_probabilities"] = s.probs
         out = pick_fields(out, self.body.response_fields)
-        out["localheap"] = {"session_id": done.session_id, "heap": done.session.get("heap"), **save_fields(done)}
+        out["localheap"] = {"session_id": done.session_id, "heap": done.session.get("heap"), **save_fields(done),
+                            **({"ignored_options": self.body.ignored} if self.body.ignored else {})}
         return out
 
     async def whole(self, request: Request, s: Slot) -> dict:
