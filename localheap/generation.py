@@ -19,6 +19,10 @@ MIROSTAT_TAU_MAX = 64.0
 DYNATEMP_MAX = 10.0
 DYNATEMP_FLOOR = 1e-4   # a dynamic temperature of 0 (llama.cpp: greedy) is held here: nearly one-hot
 MIROSTAT_M = 100   # Mirostat 1's estimate of the distribution's shape reads the likeliest m ids (llama.cpp's m)
+ADAPTIVE_DECAY_MAX = 0.99   # adaptive-p's EMA decay at most (llama.cpp clamps it there)
+# adaptive-p's transform of each id's probability p into a logit (llama.cpp's constants): PEAK -
+# SHARPNESS x d^2 / (1 + d), d = |p - the adapted target| / WIDTH
+ADAPTIVE_WIDTH, ADAPTIVE_PEAK, ADAPTIVE_SHARPNESS = 0.3, 5.0, 10.0
 DRY_BASE_MAX = 8.0
 TOP_LOGPROBS_MAX = 20                # alternatives per token a reply's logprobs may list (OpenAI's limit)
 
@@ -112,6 +116,8 @@ class SamplingParams:
     mirostat: int = 0             # 0 = off; 1 or 2: Mirostat's version, in place of the cut-offs (see `mirostatted`)
     mirostat_tau: float = 5.0     # the surprise (bits per token) it steers towards
     mirostat_eta: float = 0.1     # how fast it steers
+    adaptive_target: float = -1.0  # negative = off: llama.cpp's adaptive-p (see `adaptive`), 0 to 1
+    adaptive_decay: float = 0.9    # its EMA's decay (history ~ 1 / (1 - decay) tokens)
     presence_penalty: float = 0.0   # OpenAI's: taken off the logit of each id this reply has written
     frequency_penalty: float = 0.0  # OpenAI's: times the number of times this reply has written the id
     windowed_penalties: bool = False   # llama.cpp's and Ollama's: both count repeat_last_n's window instead
@@ -164,6 +170,9 @@ class SamplingParams:
             raise ValueError("mirostat must be 0 (off), 1 or 2")
         if not 0.0 < self.mirostat_tau <= MIROSTAT_TAU_MAX or not 0.0 <= self.mirostat_eta <= 1.0:
             raise ValueError(f"mirostat_tau must be in (0, {MIROSTAT_TAU_MAX:g}] and mirostat_eta in [0, 1]")
+        if self.adaptive_target > 1.0 or not 0.0 <= self.adaptive_decay <= ADAPTIVE_DECAY_MAX:
+            raise ValueError(f"adaptive_target must be at most 1 (negative: off) and adaptive_decay in "
+                             f"[0, {ADAPTIVE_DECAY_MAX:g}]")
         if not 0.0 <= self.dry_multiplier <= DRY_MULTIPLIER_MAX:
             raise ValueError(f"dry_multiplier must be in [0, {DRY_MULTIPLIER_MAX:g}] (0: off)")
         if not 1.0 <= self.dry_base <= DRY_BASE_MAX:
@@ -231,6 +240,16 @@ class SamplingParams:
         eta x (its surprise - tau); mu starts at 2 tau. As in llama.cpp it replaces top-k, top-p,
         min-p, typical, top-n-sigma and XTC; logit_bias, the penalties and DRY still come first."""
         return self.mirostat != 0 and not self.greedy
+
+    @property
+    def adaptive(self) -> bool:
+        """Whether a sampled reply draws with adaptive-p (llama.cpp's, last in its chain, in place of
+        the plain draw): over the ids the cut-offs and temperature leave, each id's probability p
+        becomes the logit PEAK - SHARPNESS x d^2 / (1 + d), d = |p - t| / WIDTH, and the draw is from
+        their softmax; t = clamp(2 x target - the EMA of the drawn ids' p, 0, 1), the EMA (decay
+        `adaptive_decay`) starting at the target. So the drawn ids' probability is steered towards
+        the target. Mirostat, where on, takes its place (as in llama.cpp)."""
+        return self.adaptive_target >= 0.0 and not self.greedy and not self.mirostat
 
     @property
     def dry(self) -> bool:

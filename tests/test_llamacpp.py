@@ -210,6 +210,23 @@ def test_mirostat_is_taken_in_place_of_the_cut_offs(server):
     assert _post(server, "/v1/completions", oai)["choices"][0]["finish_reason"]
 
 
+def test_adaptive_p_is_taken_where_the_samplers_list_names_it(server):
+    # (a random model's logits are near-tied: at temperature 0.05 its top 20 spread out, so ids near
+    # the target and far from it both stand among them)
+    body = {"prompt": PREFIX, "n_predict": 16, "temperature": 0.05, "seed": 3, "top_k": 20, "return_tokens": True,
+            "samplers": ["top_k", "temperature", "adaptive_p"]}
+    plain = _post(server, "/completion", body)
+    got = _post(server, "/completion", {**body, "adaptive_target": 0.1, "adaptive_decay": 0.5})
+    assert got["tokens"] != plain["tokens"] and "adaptive_p" in got["generation_settings"]["samplers"]
+    assert (got["generation_settings"]["adaptive_target"], got["generation_settings"]["adaptive_decay"]) == (0.1, 0.5)
+    unnamed = _post(server, "/completion", {**body, "adaptive_target": 0.1, "samplers": ["top_k", "temperature"]})
+    assert unnamed["tokens"] == plain["tokens"]
+    assert _post(server, "/completion", {**body, "adaptive_target": 2}, status=400)["error"]["param"] == \
+        "adaptive_target"
+    oai = {"prompt": PREFIX, "max_tokens": 4, "temperature": 1.0, "adaptive_target": 0.1, "samplers": "kta"}
+    assert _post(server, "/v1/completions", oai)["choices"][0]["finish_reason"]
+
+
 def test_the_openai_routes_give_vllms_stop_reason(server):
     """stop_reason: the stop string or stop_token_ids id that ended the reply (None for the limit
     or end of sequence), whole and on a stream's last chunk."""
@@ -327,8 +344,6 @@ def test_options_it_has_no_sampler_for_are_refused_unless_off(server):
     assert got["localheap"]["ignored_options"] == ["bogus", "samplers:magic"]
     assert got["generation_settings"]["top_p"] == 0.95 and got["generation_settings"]["temperature"] == 0.8
     assert "ignored_options" not in _post(server, "/completion", base)["localheap"]
-    bad = _post(server, "/completion", {**base, "adaptive_target": 0.5, "samplers": ["adaptive_p"]}, status=400)
-    assert bad["error"]["param"] == "adaptive_target"
     bad = _post(server, "/v1/completions", {"prompt": "a", "max_tokens": 2, "samplers": ["magic"]}, status=400)
     assert "magic" in bad["error"]["message"]
     assert _post(server, "/completion", {"prompt": "", "n_predict": 2}, status=400)["error"]["param"] == "prompt"

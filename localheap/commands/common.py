@@ -9,8 +9,8 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-from ..generation import (DRY_BASE_MAX, DRY_MULTIPLIER_MAX, DYNATEMP_MAX, MIN_P_RANGE, MIROSTAT_TAU_MAX, PENALTY_RANGE,
-                          REPEAT_PENALTY_MAX, TOP_N_SIGMA_MAX)
+from ..generation import (ADAPTIVE_DECAY_MAX, DRY_BASE_MAX, DRY_MULTIPLIER_MAX, DYNATEMP_MAX, MIN_P_RANGE,
+                          MIROSTAT_TAU_MAX, PENALTY_RANGE, REPEAT_PENALTY_MAX, TOP_N_SIGMA_MAX)
 from ..heap import POLICIES, POSITION_MODES, HeapConfig
 from ..heap.config import PAGE_FORMATS, RECALL_SCORES, RECALL_SELECTS, RECALL_SUMMARIES
 
@@ -105,6 +105,9 @@ SAMPLER_FLAGS = [
     ("--mirostat", _ranged(0, 2, int), 0, "Mirostat's version (1 or 2) in place of the cut-offs; 0: off"),
     ("--mirostat-tau", _ranged(1e-6, MIROSTAT_TAU_MAX), 5.0, "Mirostat's target surprise, bits a token"),
     ("--mirostat-eta", _ranged(0.0, 1.0), 0.1, "Mirostat's learning rate"),
+    ("--adaptive-target", _ranged(-1.0, 1.0), -1.0,
+     "adaptive-p: draw tokens whose probability is near this (steered by the recent draws'); negative: off"),
+    ("--adaptive-decay", _ranged(0.0, ADAPTIVE_DECAY_MAX), 0.9, "adaptive-p's memory of recent draws (EMA decay)"),
 ]
 
 

@@ -35,21 +35,20 @@ SAMPLER_LETTERS = {"d": "dry", "k": "top_k", "y": "typ_p", "p": "top_p", "m": "m
                    "t": "temperature", "s": "top_n_sigma", "e": "penalties", "i": "infill", "a": "adaptive_p"}
 OURS = ("top_k", "top_p", "min_p", "temperature")   # the cut-offs `switched` turns off where a list leaves them out
 # the other names a samplers list may hold: `named` says whether each runs ("infill": none here, accepted;
-# "adaptive_p": only with a negative adaptive_target, where llama.cpp's adaptive-p is plain sampling)
+# "adaptive_p": named, adaptive-p draws last in place of the plain draw, as llama.cpp puts it)
 OTHERS = {"dry", "typ_p", "xtc", "top_n_sigma", "penalties", "infill", "mirostat", "adaptive_p"}
 ALIASES = {"nucleus": "top_p", "temp": "temperature", "typ": "typ_p"}   # llama.cpp's, beside top-k and topk forms
 
 # options this server has nothing for: accepted only at the value that leaves them off
-OFF = {"post_sampling_probs": lambda v: v is False, "lora": lambda v: not v,
-       "adaptive_target": lambda v: v < 0}
+OFF = {"post_sampling_probs": lambda v: v is False, "lora": lambda v: not v}
 # llama.cpp's runtime options and tuning that changes nothing here: accepted, unused
-UNUSED = {"penalize_nl", "min_keep", "adaptive_decay",
+UNUSED = {"penalize_nl", "min_keep",
           "t_max_prompt_ms", "id_slot", "n_keep", "n_discard", "n_cache_reuse", "timings_per_token",
           "return_progress", "sse_ping_interval", "model", "id_task", "response_fields", "penalty_last_n"}
 # the options a SamplingParams check may name in its message (a 400's param)
 OPTION_NAMES = ("repeat_penalty", "repeat_last_n", "dry_multiplier", "dry_base", "dry_allowed_length",
                 "dry_penalty_last_n", "typical_p", "top_n_sigma", "xtc_probability", "xtc_threshold", "mirostat",
-                "dynatemp_range")
+                "dynatemp_range", "adaptive_target")
 MAX_PROMPTS = 64
 MAX_PROBS = 20
 REPO_TOKENS = ("<|repo_name|>", "<|file_sep|>")   # Qwen2.5-Coder's repo-level format (llama.cpp's FIM_REP, FIM_SEP)
@@ -91,6 +90,8 @@ class LlamaRequest(BaseModel):
     mirostat: int = 0
     mirostat_tau: float = 5.0
     mirostat_eta: float = 0.1
+    adaptive_target: float = -1.0
+    adaptive_decay: float = 0.9
     top_n_sigma: float = -1.0
     xtc_probability: float = 0.0
     xtc_threshold: float = 0.1
@@ -185,12 +186,14 @@ class LlamaRequest(BaseModel):
                 "top_n_sigma": params.top_n_sigma, "xtc_probability": params.xtc_probability,
                 "xtc_threshold": params.xtc_threshold, "mirostat": params.mirostat,
                 "mirostat_tau": params.mirostat_tau, "mirostat_eta": params.mirostat_eta,
+                "adaptive_target": params.adaptive_target, "adaptive_decay": params.adaptive_decay,
                 "dynatemp_range": params.dynatemp_range, "dynatemp_exponent": params.dynatemp_exponent,
                 "stop": params.stop, "ignore_eos": self.ignore_eos, "n_probs": self.n_probs, "stream": self.stream,
                 "grammar": self.grammar or "",
                 "samplers": (["penalties"] if penalties_on(self.samplers) else []) + (["dry"] if params.dry else [])
                 + (["top_n_sigma"] if params.top_n_sigma else []) + [s for s in OURS if params_has(params, s)]
-                + (["typ_p"] if params.typical_p < 1.0 else []) + (["xtc"] if params.xtc_probability else []),
+                + (["typ_p"] if params.typical_p < 1.0 else []) + (["xtc"] if params.xtc_probability else [])
+                + (["adaptive_p"] if params.adaptive else []),
                 "n_indent": self.n_indent, "t_max_predict_ms": self.t_max_predict_ms}
 
 
@@ -289,6 +292,10 @@ def cut_fields(body: Any, samplers: Union[list[str], str, None]) -> dict:
     if getattr(body, "mirostat", None):   # in place of the others (llama.cpp: its chain is temperature, then mirostat)
         out.update(mirostat=body.mirostat, mirostat_tau=5.0 if body.mirostat_tau is None else body.mirostat_tau,
                    mirostat_eta=0.1 if body.mirostat_eta is None else body.mirostat_eta)
+    target = getattr(body, "adaptive_target", None)
+    if target is not None and target >= 0.0 and samplers is not None and named(samplers, "adaptive_p"):
+        decay = getattr(body, "adaptive_decay", None)   # (only where a list names it: llama-server's default has not)
+        out.update(adaptive_target=target, adaptive_decay=0.9 if decay is None else min(max(decay, 0.0), 0.99))
     chance, threshold = getattr(body, "xtc_probability", None), getattr(body, "xtc_threshold", None)
     threshold = 0.1 if threshold is None else threshold
     if chance and threshold <= 0.5 and named(samplers, "xtc"):

@@ -151,6 +151,8 @@ class SamplingFields(Strict):
     mirostat: Optional[Literal[0, 1, 2]] = None
     mirostat_tau: Optional[float] = Field(None, gt=0.0, le=MIROSTAT_TAU_MAX)
     mirostat_eta: Optional[float] = Field(None, ge=0.0, le=1.0)
+    adaptive_target: Optional[float] = Field(None, le=1.0)   # (llama-server's adaptive-p: negative off,
+    adaptive_decay: Optional[float] = Field(None, ge=0.0, le=1.0)   # and only where `samplers` names it)
     # extensions (llama-server's): DRY (localheap.dry), off at multiplier 0
     dry_multiplier: float = Field(0.0, ge=0.0, le=DRY_MULTIPLIER_MAX)
     dry_base: float = Field(1.75, ge=1.0, le=DRY_BASE_MAX)

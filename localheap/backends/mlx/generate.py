@@ -16,8 +16,9 @@ import numpy as np
 from mlx_lm.sample_utils import make_sampler
 
 from ...dry import dry_state
-from ...generation import (DYNATEMP_FLOOR, MIROSTAT_M, SCORED_BLOCK, LogprobRecorder, ProgressFn,
-                           SamplingParams, TokenLogprob, check_logit_bias, scored_rows)
+from ...generation import (ADAPTIVE_PEAK, ADAPTIVE_SHARPNESS, ADAPTIVE_WIDTH, DYNATEMP_FLOOR, MIROSTAT_M,
+                           SCORED_BLOCK, LogprobRecorder, ProgressFn, SamplingParams, TokenLogprob,
+                           check_logit_bias, scored_rows)
 from .. import paging
 from . import recall
 from .compiled import compiled_step
@@ -36,8 +37,9 @@ class Sampler:
         self.base = make_sampler(temp=params.temperature, top_p=params.top_p, top_k=params.top_k,
                                  min_p=params.min_p, xtc_probability=params.xtc_probability,
                                  xtc_threshold=params.xtc_threshold, xtc_special_tokens=[])
-        if params.dynamic_temperature:
-            self.base = dynamic_sampler(params)
+        self.adaptive = AdaptiveP(params) if params.adaptive else None
+        if params.dynamic_temperature or self.adaptive is not None:
+            self.base = chained_sampler(params, mx.random.categorical if self.adaptive is None else self.adaptive.sample)
         self.mirostat = Mirostat(params) if params.mirostatted else None
         self.cuts = [] if params.greedy or self.mirostat is not None else \
             ([lambda lp, n=params.top_n_sigma: top_n_sigma(lp, n)] if params.top_n_sigma > 0.0 else []) + \
@@ -121,9 +123,10 @@ def repeat_penalized(scores: mx.array, window: mx.array, penalty: float) -> mx.a
     return mx.where(hit, mx.where(scores < 0, scores * penalty, scores / penalty), scores)
 
 
-def dynamic_sampler(params: SamplingParams):
-    """mlx-lm's sampler chain (its own top-p, min-p, XTC and top-k, in its order) with the
-    temperature llama.cpp's dynatemp gives what they leave (SamplingParams.dynamic_temperature)."""
+def chained_sampler(params: SamplingParams, select):
+    """mlx-lm's sampler chain (its own top-p, min-p, XTC and top-k, in its order), the temperature
+    (or the one llama.cpp's dynatemp gives what they leave: SamplingParams.dynamic_temperature),
+    then `select` (mx.random.categorical, or adaptive-p's draw) on the scaled logprobs."""
     from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, apply_xtc
 
     def sample(lp: mx.array) -> mx.array:
@@ -135,8 +138,9 @@ def dynamic_sampler(params: SamplingParams):
             lp = apply_xtc(lp, params.xtc_probability, params.xtc_threshold, [])
         if params.top_k > 0:
             lp = apply_top_k(lp, params.top_k)
-        t = dynamic_temperature(lp, params.temperature, params.dynatemp_range, params.dynatemp_exponent)
-        return mx.random.categorical(lp * (1.0 / t))
+        t = dynamic_temperature(lp, params.temperature, params.dynatemp_range, params.dynatemp_exponent) \
+            if params.dynamic_temperature else params.temperature
+        return select(lp * (1.0 / t))
 
     return sample
 
@@ -187,6 +191,32 @@ class Mirostat:
         logp = x - mx.logsumexp(x, axis=-1, keepdims=True)
         y = mx.random.categorical(logp)
         self.mu = self.mu - self.eta * (-logp[0, y[0]] / math.log(2.0) - self.tau)
+        return y
+
+
+class AdaptiveP:
+    """llama.cpp's adaptive-p (SamplingParams.adaptive) on MLX: the EMA's weighted sum an array
+    beside the step (lazy, no host sync); the draw mlx-lm's categorical."""
+
+    def __init__(self, params: SamplingParams):
+        self.target, self.decay = min(params.adaptive_target, 1.0), params.adaptive_decay
+        self.weighted = mx.array(self.target / (1.0 - self.decay), dtype=mx.float32)
+        self.total = 1.0 / (1.0 - self.decay)
+
+    def distribution(self, scores: mx.array) -> tuple[mx.array, mx.array]:
+        """([1, vocab] the ids' probabilities before, [1, vocab] the log-distribution it draws from)."""
+        x = scores.astype(mx.float32)
+        probs = mx.softmax(x, axis=-1)
+        adapted = mx.clip(2.0 * self.target - self.weighted / self.total, 0.0, 1.0)
+        d = mx.abs(probs - adapted) / ADAPTIVE_WIDTH
+        logits = mx.where(mx.isfinite(x), ADAPTIVE_PEAK - ADAPTIVE_SHARPNESS * d * d / (1.0 + d), -mx.inf)
+        return probs, logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+
+    def sample(self, scores: mx.array) -> mx.array:
+        probs, drawn = self.distribution(scores)
+        y = mx.random.categorical(drawn)
+        self.weighted = probs[0, y[0]] + self.decay * self.weighted
+        self.total = 1.0 + self.decay * self.total
         return y
 
 

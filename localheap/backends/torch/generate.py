@@ -17,8 +17,9 @@ from transformers.generation.logits_process import (MinPLogitsWarper, Temperatur
                                                     TopPLogitsWarper, TypicalLogitsWarper)
 
 from ...dry import dry_state
-from ...generation import (DYNATEMP_FLOOR, MIROSTAT_M, SCORED_BLOCK, LogprobRecorder, ProgressFn,
-                           SamplingParams, TokenLogprob, check_logit_bias, scored_rows)
+from ...generation import (ADAPTIVE_PEAK, ADAPTIVE_SHARPNESS, ADAPTIVE_WIDTH, DYNATEMP_FLOOR, MIROSTAT_M,
+                           SCORED_BLOCK, LogprobRecorder, ProgressFn, SamplingParams, TokenLogprob,
+                           check_logit_bias, scored_rows)
 from .. import paging
 from . import recall
 from .cache import HeapCache
@@ -154,6 +155,7 @@ class Sampler:
         self.greedy = params.greedy
         self.warpers = []
         self.mirostat = Mirostat(params, device) if params.mirostatted else None
+        self.adaptive = AdaptiveP(params, device) if params.adaptive else None
         if self.mirostat is not None:   # temperature, then Mirostat in place of the cut-offs (llama.cpp's chain)
             if params.temperature != 1.0:
                 self.warpers.append(TemperatureLogitsWarper(params.temperature))
@@ -222,6 +224,8 @@ class Sampler:
                 scores = warp(None, scores)
             if self.mirostat is not None:
                 token = self.mirostat.sample(scores, self.generator)
+            elif self.adaptive is not None:
+                token = self.adaptive.sample(scores, self.generator)
             else:
                 probs = torch.softmax(scores, dim=-1)
                 token = torch.multinomial(probs, num_samples=1, generator=self.generator)[0]
@@ -280,6 +284,32 @@ class Mirostat:
         token = torch.multinomial(probs, num_samples=1, generator=generator)[0]
         surprise = -torch.log2(probs[0, token[0]])
         self.mu = self.mu - self.eta * (surprise - self.tau)
+        return token
+
+
+class AdaptiveP:
+    """llama.cpp's adaptive-p (SamplingParams.adaptive) on the device: the EMA's weighted sum is a
+    tensor beside the step (its total weight does not depend on the draws), so no host sync."""
+
+    def __init__(self, params: SamplingParams, device: torch.device):
+        self.target, self.decay = min(params.adaptive_target, 1.0), params.adaptive_decay
+        self.weighted = torch.tensor(self.target / (1.0 - self.decay), dtype=torch.float32, device=device)
+        self.total = 1.0 / (1.0 - self.decay)
+
+    def distribution(self, scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """([1, vocab] the ids' probabilities before, [1, vocab] the distribution it draws from)."""
+        probs = torch.softmax(scores.float(), dim=-1)
+        adapted = (2.0 * self.target - self.weighted / self.total).clamp(0.0, 1.0)
+        d = (probs - adapted).abs() / ADAPTIVE_WIDTH
+        logits = torch.where(torch.isfinite(scores), ADAPTIVE_PEAK - ADAPTIVE_SHARPNESS * d * d / (1.0 + d),
+                             torch.full_like(probs, float("-inf")))
+        return probs, torch.softmax(logits, dim=-1)
+
+    def sample(self, scores: torch.Tensor, generator=None) -> torch.Tensor:
+        probs, drawn = self.distribution(scores)
+        token = torch.multinomial(drawn, num_samples=1, generator=generator)[0]
+        self.weighted = probs[0, token[0]] + self.decay * self.weighted
+        self.total = 1.0 + self.decay * self.total
         return token
 
 
