@@ -468,6 +468,40 @@ def test_sillytaverns_llamacpp_requests_as_it_sends_them(server):
     assert _post(server, "/tokenize", {"model": "undefined", "content": prompt})["tokens"]   # as it asks for counts
 
 
+def test_open_webuis_ollama_style_params_and_openais_newer_fields_on_the_openai_routes(server):
+    """Open WebUI puts its Advanced Params (Ollama's names) at the top of an OpenAI request: the
+    runtime ones change nothing, tfs_z only at 1, think and format become their OpenAI fields.
+    OpenAI's newer hints are accepted; an unknown field is still a 400 naming it."""
+    from localheap.server.schemas import ChatCompletionRequest
+
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 6, "temperature": 0}
+    plain = _post(server, "/v1/chat/completions", chat)["choices"][0]["message"]["content"]
+    webui = {"num_ctx": 8192, "num_batch": 512, "num_keep": 4, "num_thread": 4, "num_gpu": 99, "use_mmap": True,
+             "use_mlock": False, "keep_alive": "5m", "tfs_z": 1, "top_k": 40, "min_p": 0.0, "repeat_last_n": 64,
+             "mirostat": 0, "stream_options": None}
+    assert _post(server, "/v1/chat/completions", {**chat, **webui})["choices"][0]["message"]["content"] == plain
+    assert _post(server, "/v1/completions", {"prompt": "a", "max_tokens": 2, "num_ctx": 4096, "keep_alive": 0})[
+        "choices"]
+    assert _post(server, "/v1/chat/completions", {**chat, "tfs_z": 0.9}, status=400)["error"]["param"] == "tfs_z"
+    newer = {"verbosity": "low", "prediction": {"type": "content", "content": "x"}, "prompt_cache_key": "k",
+             "safety_identifier": "u1", "service_tier": "auto", "modalities": ["text"]}
+    assert _post(server, "/v1/chat/completions", {**chat, **newer})["choices"][0]["message"]["content"] == plain
+    assert _post(server, "/v1/chat/completions", {**chat, "modalities": ["audio"]}, status=400)
+    assert _post(server, "/v1/chat/completions", {**chat, "temprature": 0.5}, status=400)["error"]["param"] == \
+        "temprature"
+
+    def parsed(**kw):
+        return ChatCompletionRequest.model_validate({**chat, **kw})
+
+    assert parsed(think=False).chat_template_kwargs == {"enable_thinking": False}
+    assert parsed(think="high").chat_template_kwargs == {"enable_thinking": True}
+    assert parsed(think=True, chat_template_kwargs={"x": 1}).chat_template_kwargs == {"x": 1}
+    assert parsed(format="json").response_format.type == "json_object"
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    assert parsed(format=schema).response_format.json_schema.schema_ == schema
+    assert _post(server, "/v1/chat/completions", {**chat, "format": 3}, status=400)["error"]["param"] == "format"
+
+
 def test_llama_vscode_requests_as_it_sends_them(server):
     """llama.vscode's own bodies: its completion (samplers top_k, top_p, infill; n_indent; lora
     absent), its warm-up (n_predict 0, samplers []), and its chat edit on /v1/chat/completions with

@@ -9,6 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from ..generation import (DRY_BASE_MAX, DRY_MULTIPLIER_MAX, DYNATEMP_MAX, LOGIT_BIAS_RANGE, MIN_P_RANGE,
                           MIROSTAT_TAU_MAX, PENALTY_RANGE, REPEAT_PENALTY_MAX, TOP_LOGPROBS_MAX, TOP_N_SIGMA_MAX)
+from .errors import BadRequest
 
 
 TITLE_MAX_CHARS = 200
@@ -120,6 +121,34 @@ class StreamOptions(Strict):
     include_obfuscation: Optional[bool] = None   # the SDK may send it; nothing to obfuscate here
 
 
+def _ollama_style(data: dict, known: set) -> dict:
+    """Ollama's options where Open WebUI puts them on an OpenAI connection (its Advanced Params, at
+    the body's top level, for any model): the runtime ones (num_ctx, num_gpu, ...) and keep_alive
+    accepted and unused, as the Ollama routes take them; tfs_z at its neutral 1 only; on chat, think
+    as chat_template_kwargs' enable_thinking and format as response_format (Ollama's meanings), each
+    unless the OpenAI field is sent too."""
+    from .ollama import NEUTRAL_OPTIONS, RUNTIME_OPTIONS
+
+    data = {k: v for k, v in data.items() if k in known or (k not in RUNTIME_OPTIONS and k != "keep_alive")}
+    tfs = data.pop("tfs_z", None) if "tfs_z" not in known else None
+    if tfs is not None and tfs != NEUTRAL_OPTIONS["tfs_z"]:
+        raise BadRequest(f"tfs_z {tfs!r} is not supported (this server has no tail-free sampler; leave it out or 1)",
+                         "tfs_z")
+    if "messages" in known:
+        think = data.pop("think", None) if "think" not in known else None
+        if think is not None and not data.get("chat_template_kwargs"):
+            data["chat_template_kwargs"] = {"enable_thinking": think is not False}
+        fmt = data.pop("format", None) if "format" not in known else None
+        if fmt and data.get("response_format") is None:
+            if fmt == "json":
+                data["response_format"] = {"type": "json_object"}
+            elif isinstance(fmt, dict):
+                data["response_format"] = {"type": "json_schema", "json_schema": {"name": "format", "schema": fmt}}
+            else:
+                raise BadRequest(f"format {fmt!r}: \"json\" or a JSON schema (Ollama's)", "format")
+    return data
+
+
 class SamplingFields(Strict):
     """Fields chat and completions share; also llama-server's extensions its clients send on these
     routes (llama.vscode): `samplers` and `cache_prompt`, and the options of samplers this server
@@ -164,6 +193,9 @@ class SamplingFields(Strict):
     # sampling one of these ends the reply as end-of-sequence does
     user: Optional[str] = None                   # accepted, unused (an end-user id for abuse tracking)
     metadata: Optional[dict[str, str]] = None    # accepted, unused
+    safety_identifier: Optional[str] = None      # accepted, unused (OpenAI's successor to user)
+    prompt_cache_key: Optional[str] = None       # accepted, unused (a session's prefix is always reused)
+    service_tier: Optional[str] = None           # accepted, unused (one tier here)
     store: Optional[bool] = None
     samplers: Union[list[str], str, None] = None   # extension (llama-server's): the samplers left out are off
     cache_prompt: Optional[bool] = None            # extension (llama-server's): accepted (prefixes are always reused)
@@ -178,6 +210,7 @@ class SamplingFields(Strict):
         known = set(cls.model_fields)
         if "n_cmpl" in data:   # llama-server's name for n (it wins where both are sent, as there)
             data = {**{k: v for k, v in data.items() if k != "n_cmpl"}, "n": data["n_cmpl"]}
+        data = _ollama_style(data, known)
         extras = {k: v for k, v in data.items() if k not in known and (k in OFF or k in UNUSED)}
         check_options(extras)
         return {k: v for k, v in data.items() if k not in extras}
@@ -246,6 +279,9 @@ class ChatCompletionRequest(SamplingFields):
     function_call: Optional[Any] = None
     chat_template_kwargs: Optional[dict[str, Any]] = None   # extension (vLLM's): e.g. {"enable_thinking": false}
     reasoning_effort: Optional[str] = None                   # accepted, unused
+    verbosity: Optional[Literal["low", "medium", "high"]] = None   # accepted, unused (OpenAI's gpt-5 hint)
+    prediction: Optional[dict[str, Any]] = None   # accepted, unused (predicted output: a speed hint, the reply is the same)
+    modalities: Optional[list[Literal["text"]]] = None   # text only: this server writes no audio
 
     def unsupported(self) -> Optional[tuple[str, str]]:
         """(param, message) for the first field set to something this server cannot do."""
