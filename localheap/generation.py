@@ -76,12 +76,15 @@ class TokenLogprob:
 class LogprobRecorder:
     """A request's logprobs (its `logprobs` field): each backend's sampler adds one entry per
     sample, in order, as a callable that reads the entry off the device when asked (`get`), so
-    sampling itself never waits for the host. Entry i belongs to the reply's i-th token."""
+    sampling itself never waits for the host. Entry i belongs to the reply's i-th token. `post`
+    (llama-server's post_sampling_probs): the entries are of the distribution the token was drawn
+    from, after the whole chain (bias, penalties, constraint, cut-offs, temperature, Mirostat or
+    adaptive-p; greedy: the one id, log probability 0), its ids of probability 0 left out."""
 
-    def __init__(self, top: int = 0):
+    def __init__(self, top: int = 0, post: bool = False):
         if not 0 <= top <= TOP_LOGPROBS_MAX:
             raise ValueError(f"top logprobs must be in [0, {TOP_LOGPROBS_MAX}]")
-        self.top = top
+        self.top, self.post = top, post
         self._entries: list = []   # TokenLogprob, or a callable that makes it
 
     def add(self, read: Callable[[], TokenLogprob]) -> None:

@@ -330,9 +330,35 @@ def test_n_probs_and_response_fields(server):
     assert set(picked) == {"content", "timings/prompt_n", "localheap"} and picked["content"] == got["content"]
 
 
+def test_post_sampling_probs_are_the_chains_distribution(server):
+    """post_sampling_probs: prob and top_probs of the distribution the token was drawn from: a
+    grammar's allowed ids only (a classifier reading label probabilities), top-k's k ids summing
+    to 1; greedy, the one id at 1; the chat route writes its logprobs the same way."""
+    body = {"prompt": PREFIX, "n_predict": 1, "temperature": 1.0, "n_probs": 10, "post_sampling_probs": True,
+            "samplers": ["temperature"], "grammar": 'root ::= "x" | "y" | "z"', "seed": 1}
+    got = _post(server, "/completion", body)["completion_probabilities"][0]
+    assert {p["token"] for p in got["top_probs"]} <= {"x", "y", "z"} and len(got["top_probs"]) >= 2
+    assert sum(p["prob"] for p in got["top_probs"]) == pytest.approx(1.0, abs=1e-4)
+    assert got["prob"] == next(p["prob"] for p in got["top_probs"] if p["id"] == got["id"])
+    assert "logprob" not in got and "top_logprobs" not in got
+    cut = {"prompt": PREFIX, "n_predict": 3, "temperature": 0.7, "top_k": 4, "n_probs": 10, "seed": 2,
+           "post_sampling_probs": True, "return_tokens": True}
+    whole = _post(server, "/completion", cut)
+    assert whole["tokens"] == _post(server, "/completion", {**cut, "post_sampling_probs": False})["tokens"]
+    for p in whole["completion_probabilities"]:
+        assert len(p["top_probs"]) == 4 and sum(q["prob"] for q in p["top_probs"]) == pytest.approx(1.0, abs=1e-4)
+    greedy = _post(server, "/completion", {**cut, "temperature": 0})["completion_probabilities"]
+    assert all(p["prob"] == 1.0 and [q["id"] for q in p["top_probs"]] == [p["id"]] for p in greedy)
+    chat = _post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+                                                  "temperature": 0.7, "top_k": 4, "logprobs": True, "top_logprobs": 5,
+                                                  "post_sampling_probs": True})
+    for e in chat["choices"][0]["logprobs"]["content"]:
+        assert len(e["top_probs"]) == 4 and sum(q["prob"] for q in e["top_probs"]) == pytest.approx(1.0, abs=1e-4)
+
+
 def test_options_it_has_no_sampler_for_are_refused_unless_off(server):
     base = {"prompt": "a", "n_predict": 2}
-    for name, value in (("post_sampling_probs", True), ("lora", [{"id": 0, "scale": 1.0}])):
+    for name, value in (("lora", [{"id": 0, "scale": 1.0}]),):
         bad = _post(server, "/completion", {**base, name: value}, status=400)
         assert bad["error"]["param"] == name and "no such sampler" in bad["error"]["message"]
     off = {"repeat_penalty": 1.0, "mirostat": 0, "typical_p": 1.0, "dry_multiplier": 0.0, "repeat_last_n": 64,

@@ -25,6 +25,7 @@ class Reply:
     created: int = field(default_factory=lambda: int(time.time()))
     token_text: Optional[TokenText] = None
     sent_chars: dict = field(default_factory=dict)   # choice -> a text stream's characters so far (text_offset)
+    post: bool = False        # post_sampling_probs: chat entries as llama-server writes them (prob, top_probs)
 
     def __post_init__(self) -> None:
         self.id = self.id or ("chatcmpl-" if self.kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
@@ -51,7 +52,7 @@ class Reply:
         if self.token_text is None:
             return None
         if self.kind == "chat":
-            return chat_logprobs(self.token_text, entries or [])
+            return chat_logprobs(self.token_text, entries or [], self.post)
         return completion_logprobs(self.token_text, entries or [], self.sent_chars.get(index, 0))
 
     def chunk(self, text: Optional[str], finish: Optional[str] = None, first: bool = False,

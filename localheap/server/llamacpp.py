@@ -40,7 +40,7 @@ OTHERS = {"dry", "typ_p", "xtc", "top_n_sigma", "penalties", "infill", "mirostat
 ALIASES = {"nucleus": "top_p", "temp": "temperature", "typ": "typ_p"}   # llama.cpp's, beside top-k and topk forms
 
 # options this server has nothing for: accepted only at the value that leaves them off
-OFF = {"post_sampling_probs": lambda v: v is False, "lora": lambda v: not v}
+OFF = {"lora": lambda v: not v}
 # llama.cpp's runtime options and tuning that changes nothing here: accepted, unused
 UNUSED = {"penalize_nl", "min_keep",
           "t_max_prompt_ms", "id_slot", "n_keep", "n_discard", "n_cache_reuse", "timings_per_token",
@@ -103,6 +103,7 @@ class LlamaRequest(BaseModel):
     logit_bias: Union[list, dict, None] = None
     ignore_eos: bool = False
     n_probs: int = Field(0, ge=0, le=MAX_PROBS)
+    post_sampling_probs: bool = False   # n_probs' of the distribution drawn from (LogprobRecorder.post), as probs
     grammar: Optional[str] = None
     json_schema: Optional[dict] = None
     samplers: Union[list[str], str, None] = None
@@ -167,7 +168,8 @@ class LlamaRequest(BaseModel):
                                   windowed_penalties=True,
                                   repeat_penalty=self.repeat_penalty if penalties else 1.0,
                                   repeat_last_n=self.repeat_last_n, **dry, logit_bias=bias, constraint=constraint,
-                                  logprobs=LogprobRecorder(self.n_probs) if self.n_probs else None,
+                                  logprobs=LogprobRecorder(self.n_probs, self.post_sampling_probs)
+                                  if self.n_probs else None,
                                   stop_token_ids=list(stop_ids))
         except ValueError as e:
             raise BadRequest(str(e), next((f for f in OPTION_NAMES if f in str(e)),
@@ -189,6 +191,7 @@ class LlamaRequest(BaseModel):
                 "adaptive_target": params.adaptive_target, "adaptive_decay": params.adaptive_decay,
                 "dynatemp_range": params.dynatemp_range, "dynatemp_exponent": params.dynatemp_exponent,
                 "stop": params.stop, "ignore_eos": self.ignore_eos, "n_probs": self.n_probs, "stream": self.stream,
+                "post_sampling_probs": self.post_sampling_probs,
                 "grammar": self.grammar or "",
                 "samplers": (["penalties"] if penalties_on(self.samplers) else []) + (["dry"] if params.dry else [])
                 + (["top_n_sigma"] if params.top_n_sigma else []) + [s for s in OURS if params_has(params, s)]
@@ -472,13 +475,15 @@ class Cut:
         return piece, self.t_max_ms > 0 and self.newline and since_first_ms > self.t_max_ms
 
 
-def probabilities(text_of: TokenText, entries: Optional[list]) -> list[dict]:
-    """completion_probabilities: each token's id, text, bytes and logprob, and its top alternatives."""
+def probabilities(text_of: TokenText, entries: Optional[list], post: bool = False) -> list[dict]:
+    """completion_probabilities: each token's id, text, bytes and logprob, and its top alternatives;
+    `post` (post_sampling_probs), as llama-server writes those: prob and top_probs."""
     def item(token: int, lp: float) -> dict:
         t, b = text_of(token)
-        return {"id": token, "token": t, "bytes": b, "logprob": finite(lp)}
+        return {"id": token, "token": t, "bytes": b, **({"prob": math.exp(lp)} if post else {"logprob": finite(lp)})}
 
-    return [{**item(e.token, e.logprob), "top_logprobs": [item(i, lp) for i, lp in e.top]} for e in entries or []]
+    top = "top_probs" if post else "top_logprobs"
+    return [{**item(e.token, e.logprob), top: [item(i, lp) for i, lp in e.top]} for e in entries or []]
 
 
 def stop_type(finish_reason: str, stop_word: Optional[str], cut: bool) -> str:

@@ -70,21 +70,25 @@ def finite(x: float) -> float:
     return x if math.isfinite(x) else -9999.0
 
 
-def chat_content(text_of: TokenText, entries: list[TokenLogprob]) -> list[dict]:
-    """`logprobs.content` of a chat reply (or of one stream chunk)."""
+def chat_content(text_of: TokenText, entries: list[TokenLogprob], post: bool = False) -> list[dict]:
+    """`logprobs.content` of a chat reply (or of one stream chunk); `post` (llama-server's
+    post_sampling_probs: entries of the distribution drawn from) as llama-server writes those:
+    id, token, bytes, prob and top_probs."""
     out = []
     for e in entries:
         token, data = text_of(e.token)
         top = []
         for i, lp in e.top:
             t, b = text_of(i)
-            top.append({"token": t, "logprob": finite(lp), "bytes": b})
-        out.append({"token": token, "logprob": finite(e.logprob), "bytes": data, "top_logprobs": top})
+            top.append({"id": i, "token": t, "bytes": b, "prob": math.exp(lp)} if post else
+                       {"token": t, "logprob": finite(lp), "bytes": b})
+        out.append({"id": e.token, "token": token, "bytes": data, "prob": math.exp(e.logprob), "top_probs": top}
+                   if post else {"token": token, "logprob": finite(e.logprob), "bytes": data, "top_logprobs": top})
     return out
 
 
-def chat_logprobs(text_of: TokenText, entries: Optional[list[TokenLogprob]]) -> Optional[dict]:
-    return None if entries is None else {"content": chat_content(text_of, entries), "refusal": None}
+def chat_logprobs(text_of: TokenText, entries: Optional[list[TokenLogprob]], post: bool = False) -> Optional[dict]:
+    return None if entries is None else {"content": chat_content(text_of, entries, post), "refusal": None}
 
 
 def completion_logprobs(text_of: TokenText, entries: Optional[list[TokenLogprob]], offset: int = 0) -> Optional[dict]:

@@ -38,8 +38,10 @@ class Sampler:
                                  min_p=params.min_p, xtc_probability=params.xtc_probability,
                                  xtc_threshold=params.xtc_threshold, xtc_special_tokens=[])
         self.adaptive = AdaptiveP(params) if params.adaptive else None
-        if params.dynamic_temperature or self.adaptive is not None:
-            self.base = chained_sampler(params, mx.random.categorical if self.adaptive is None else self.adaptive.sample)
+        self.post = params.logprobs is not None and params.logprobs.post   # (the chain's distribution recorded)
+        self.drawn = None   # [1, vocab] the log-distribution the last draw was from (post, plain draws)
+        if params.dynamic_temperature or self.adaptive is not None or (self.post and not params.greedy):
+            self.base = chained_sampler(params, self._draw if self.adaptive is None else self.adaptive.sample)
         self.mirostat = Mirostat(params) if params.mirostatted else None
         self.cuts = [] if params.greedy or self.mirostat is not None else \
             ([lambda lp, n=params.top_n_sigma: top_n_sigma(lp, n)] if params.top_n_sigma > 0.0 else []) + \
@@ -96,10 +98,20 @@ class Sampler:
             self.constraint.advance(y.item())
         if self.dry is not None:   # on the host: DRY matches the ids themselves
             self.dry.push(y.item())
-        if self.recorder is not None:
+        if self.recorder is not None and self.post:   # the chain's own distribution (greedy: one id)
+            drawn = None if self.temperature == 0.0 else self.mirostat.drawn if self.mirostat is not None else \
+                self.adaptive.drawn if self.adaptive is not None else self.drawn
+            self.recorder.add(post_entry(drawn, y, self.recorder.top))
+        elif self.recorder is not None:
             raw = logprobs if logprobs is not None else logits - mx.logsumexp(logits, axis=-1, keepdims=True)
             self.recorder.add(recorded_entry(raw, y, self.recorder.top))
         return y
+
+    def _draw(self, x: mx.array) -> mx.array:
+        """mlx-lm's categorical draw, the log-distribution kept for a post-sampling recorder."""
+        if self.post:
+            self.drawn = x - mx.logsumexp(x, axis=-1, keepdims=True)
+        return mx.random.categorical(x)
 
 
 def window_counts(window: np.ndarray, vocab: int) -> np.ndarray:
@@ -188,7 +200,7 @@ class Mirostat:
 
     def sample(self, scores: mx.array) -> mx.array:
         x = mx.where(self.keep(scores), scores.astype(mx.float32), -mx.inf)
-        logp = x - mx.logsumexp(x, axis=-1, keepdims=True)
+        logp = self.drawn = x - mx.logsumexp(x, axis=-1, keepdims=True)
         y = mx.random.categorical(logp)
         self.mu = self.mu - self.eta * (-logp[0, y[0]] / math.log(2.0) - self.tau)
         return y
@@ -214,6 +226,7 @@ class AdaptiveP:
 
     def sample(self, scores: mx.array) -> mx.array:
         probs, drawn = self.distribution(scores)
+        self.drawn = drawn
         y = mx.random.categorical(drawn)
         self.weighted = probs[0, y[0]] + self.decay * self.weighted
         self.total = 1.0 + self.decay * self.total
@@ -276,6 +289,23 @@ def recorded_entry(logprobs: mx.array, y: mx.array, top: int):
         return TokenLogprob(int(token.item()), float(chosen.item()), list(zip(ids.tolist(), values.tolist())))
 
     return read
+
+
+def post_entry(drawn: Optional[mx.array], y: mx.array, top: int):
+    """The sampled token's entry after the sampler chain (LogprobRecorder.post): from the
+    log-distribution `drawn` it was drawn from (None, greedy: the one id, probability 1), the top
+    ones with a probability above 0 only, as llama-server's post_sampling_probs."""
+    if drawn is None:
+        token = y.reshape(-1)[:1]
+        mx.async_eval(token)
+        return lambda: TokenLogprob(int(token.item()), 0.0, [(int(token.item()), 0.0)] if top else [])
+    read = recorded_entry(drawn, y, top)
+
+    def filtered() -> TokenLogprob:
+        e = read()
+        return TokenLogprob(e.token, e.logprob, [(i, v) for i, v in e.top if v > -math.inf])
+
+    return filtered
 
 
 def prefill(model, cache: HeapPromptCache, tokens: Sequence[int], chunk: int,

@@ -217,6 +217,7 @@ class Sampler:
                                           -torch.from_numpy(amounts).to(scores.device)[None])
         if self.constraint is not None:
             scores = _masked(scores, self.constraint.allowed())
+        drawn = None   # [1, vocab] the probabilities the draw was from (greedy: none)
         if self.greedy:
             token = torch.argmax(scores, dim=-1)
         else:
@@ -224,11 +225,13 @@ class Sampler:
                 scores = warp(None, scores)
             if self.mirostat is not None:
                 token = self.mirostat.sample(scores, self.generator)
+                drawn = self.mirostat.drawn
             elif self.adaptive is not None:
                 token = self.adaptive.sample(scores, self.generator)
+                drawn = self.adaptive.drawn
             else:
-                probs = torch.softmax(scores, dim=-1)
-                token = torch.multinomial(probs, num_samples=1, generator=self.generator)[0]
+                drawn = torch.softmax(scores, dim=-1)
+                token = torch.multinomial(drawn, num_samples=1, generator=self.generator)[0]
         if self.penalized:   # counted on the device: no host sync
             if self.counts is None:
                 self.counts = torch.zeros(scores.shape[-1], dtype=torch.float32, device=scores.device)
@@ -240,7 +243,9 @@ class Sampler:
                     gone = self.window[:-self.last_n]
                     self.counts.index_put_((gone,), -torch.ones(gone.numel(), device=scores.device), accumulate=True)
                 self.window = self.window[-self.last_n:]
-        if self.recorder is not None:
+        if self.recorder is not None and self.recorder.post:   # the chain's own distribution (greedy: one id)
+            self.recorder.add(post_entry(drawn, token, self.recorder.top))
+        elif self.recorder is not None:
             self.recorder.add(logprob_entry(logits, token, self.recorder.top))
         if self.constraint is not None:
             self.constraint.advance(int(token))
@@ -280,7 +285,7 @@ class Mirostat:
         return keep | (logp == logp.max(dim=-1, keepdim=True).values)     # the likeliest id at least
 
     def sample(self, scores: torch.Tensor, generator=None) -> torch.Tensor:
-        probs = torch.softmax(scores.float().masked_fill(~self.keep(scores), float("-inf")), dim=-1)
+        probs = self.drawn = torch.softmax(scores.float().masked_fill(~self.keep(scores), float("-inf")), dim=-1)
         token = torch.multinomial(probs, num_samples=1, generator=generator)[0]
         surprise = -torch.log2(probs[0, token[0]])
         self.mu = self.mu - self.eta * (surprise - self.tau)
@@ -307,6 +312,7 @@ class AdaptiveP:
 
     def sample(self, scores: torch.Tensor, generator=None) -> torch.Tensor:
         probs, drawn = self.distribution(scores)
+        self.drawn = drawn
         token = torch.multinomial(drawn, num_samples=1, generator=generator)[0]
         self.weighted = probs[0, token[0]] + self.decay * self.weighted
         self.total = 1.0 + self.decay * self.total
@@ -375,6 +381,26 @@ def logprob_entry(logits: torch.Tensor, token: torch.Tensor, top: int):
 
     def read() -> TokenLogprob:
         alternatives = list(zip(ids.tolist(), values.tolist())) if top else []
+        return TokenLogprob(int(token.reshape(-1)[0]), float(chosen[0]), alternatives)
+
+    return read
+
+
+def post_entry(drawn: Optional[torch.Tensor], token: torch.Tensor, top: int):
+    """The sampled token's entry after the sampler chain (LogprobRecorder.post): log of the
+    probabilities `drawn` [1, vocab] it was drawn from (None, greedy: the one id, probability 1),
+    the top ones with a probability above 0 only, as llama-server's post_sampling_probs."""
+    if drawn is None:
+        def one() -> TokenLogprob:
+            t = int(token.reshape(-1)[0])
+            return TokenLogprob(t, 0.0, [(t, 0.0)] if top else [])
+        return one
+    logprobs = torch.log(drawn[0].float())
+    chosen = logprobs[token.reshape(-1)]
+    values, ids = torch.topk(logprobs, min(top, logprobs.shape[-1])) if top else (None, None)
+
+    def read() -> TokenLogprob:
+        alternatives = [(i, v) for i, v in zip(ids.tolist(), values.tolist()) if v > float("-inf")] if top else []
         return TokenLogprob(int(token.reshape(-1)[0]), float(chosen[0]), alternatives)
 
     return read

@@ -273,7 +273,8 @@ class Reply:
                 ids = list(event.ids or [])
                 s.content.append(text)
                 s.ids += ids
-                probs = probabilities(self.svc.token_text, event.logprobs) if self.body.n_probs else []
+                probs = probabilities(self.svc.token_text, event.logprobs, self.body.post_sampling_probs) \
+                    if self.body.n_probs else []
                 s.probs += probs
                 if ended:
                     s.cut_short = True

@@ -55,7 +55,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, svc: S
     first_user = next((m.text() for m in body.messages if m.role == "user"), None)
     default = min(svc.settings.default_max_tokens, svc.settings.max_tokens_limit)
     top = body.top_logprobs or 0 if body.logprobs else None
-    reply = Reply("chat", svc.model_id, token_text=svc.token_text if body.logprobs else None)
+    reply = Reply("chat", svc.model_id, token_text=svc.token_text if body.logprobs else None,
+                  post=bool(body.post_sampling_probs))
     return await _respond(reply, body, prompt, request, svc, x_session_id, first_user,
                           lambda i: _params(body, svc, body.limit(default), i, plan.constraint(svc, opts), top),
                           lambda: plan.parser(opts, prompt))
@@ -148,7 +149,8 @@ def _params(body: SamplingFields, svc: Services, max_tokens: int, choice: int = 
     return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
                           top_k=top_k, seed=seed, stop=list(body.stop or []), constraint=constraint,
                           min_p=min_p, **extra, logit_bias=bias,
-                          logprobs=None if top_logprobs is None else LogprobRecorder(top_logprobs),
+                          logprobs=None if top_logprobs is None else LogprobRecorder(top_logprobs,
+                                                                                     bool(body.post_sampling_probs)),
                           prompt_logprobs=LogprobRecorder(top_logprobs or 0) if scored else None,
                           stop_token_ids=list(body.stop_token_ids or []) + list(stop_ids))
 
