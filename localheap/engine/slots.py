@@ -45,10 +45,6 @@ class Slots:
         return [{"id": s.id, "is_processing": s.run is not None,
                  **(figures(s.run, running=True) if s.run is not None else s.last or {})} for s in self.slots]
 
-    @property
-    def idle(self) -> int:
-        return sum(s.run is None for s in self.slots)
-
 
 def figures(run, running: bool) -> dict:
     """What a llama-server slot shows of its task: ids, prompt and reply counts, sampling settings."""
@@ -56,10 +52,10 @@ def figures(run, running: bool) -> dict:
     feed = isinstance(req, Feed)
     decoded = len(run.completion)
     limit = None if feed else req.params.max_tokens
-    return {"id_task": run.job.id, "kind": "feed" if feed else "generate", "session_id": run.session.id,
-            "owner": req.owner, "n_prompt_tokens": run.prompt_tokens,
+    return {"id_task": run.job.id, "session_id": run.session.id, "owner": req.owner,
+            "n_prompt_tokens": run.prompt_tokens,
             "n_prompt_tokens_processed": run.prompt_tokens - run.cached - run.left,
             "n_prompt_tokens_cache": run.cached,
             "params": {} if feed else {"n_predict": limit, **{k: getattr(req.params, k) for k in SHOWN_PARAMS}},
-            "next_token": {"has_next_token": running and run.finish_reason is None, "n_remain": -1 if feed else limit - decoded,
-                           "n_decoded": decoded}}
+            "next_token": {"has_next_token": running and run.finish_reason is None,
+                           "n_remain": -1 if feed else limit - decoded, "n_decoded": decoded}}

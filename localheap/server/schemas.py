@@ -282,7 +282,7 @@ class ChatCompletionRequest(SamplingFields):
     chat_template_kwargs: Optional[dict[str, Any]] = None   # extension (vLLM's): e.g. {"enable_thinking": false}
     reasoning_effort: Optional[str] = None                   # accepted, unused
     verbosity: Optional[Literal["low", "medium", "high"]] = None   # accepted, unused (OpenAI's gpt-5 hint)
-    prediction: Optional[dict[str, Any]] = None   # accepted, unused (predicted output: a speed hint, the reply is the same)
+    prediction: Optional[dict[str, Any]] = None   # accepted, unused (a speed hint: the reply is the same)
     modalities: Optional[list[Literal["text"]]] = None   # text only: this server writes no audio
 
     def unsupported(self) -> Optional[tuple[str, str]]:

@@ -1,6 +1,6 @@
 """llama.cpp's server API (llama-server): POST /completion (and /completions), /infill, /tokenize,
-/detokenize and /apply-template, GET /props and /slots. Server-sent events for stream true (a data line a
-piece, the last with stop true and the timings; no [DONE], as llama-server's), else one object
+/detokenize and /apply-template, GET /props and /slots. Server-sent events for stream true (a data
+line a piece, the last with stop true and the timings; no [DONE], as llama-server's), else one object
 (an array for several prompts)."""
 
 from __future__ import annotations
@@ -158,7 +158,6 @@ async def slots(request: Request, fail_on_no_slot: Optional[str] = None, svc: Se
     for s in view:
         mine = s.pop("owner", None) == who
         session_id = s.pop("session_id", None)
-        s.pop("kind", None)
         out.append({**s, "n_ctx": svc.settings.max_prompt_tokens, "speculative": False,
                     **({"localheap": {"session_id": session_id}} if mine and session_id else {})})
     return out
