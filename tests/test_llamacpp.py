@@ -356,6 +356,33 @@ def test_post_sampling_probs_are_the_chains_distribution(server):
         assert len(e["top_probs"]) == 4 and sum(q["prob"] for q in e["top_probs"]) == pytest.approx(1.0, abs=1e-4)
 
 
+def test_return_progress_streams_the_prompts_reading(server):
+    """return_progress: stream pieces (and OpenAI chat chunks) with prompt_progress as the prompt is
+    read, from the cached tokens up to all of them, before the reply's text; whole replies and
+    streams without it carry none."""
+    long = " ".join(f"line {i} of the file" for i in range(500))
+    body = {"prompt": long, "n_predict": 3, "temperature": 0, "stream": True, "return_progress": True,
+            "cache_prompt": False}
+    with httpx.stream("POST", server.url + "/completion", json=body, timeout=120) as r:
+        pieces = [json.loads(line[5:]) for line in r.iter_lines() if line.startswith("data:")]
+    marks = [p["prompt_progress"] for p in pieces if "prompt_progress" in p]
+    total = pieces[-1]["tokens_evaluated"]
+    assert len(marks) >= 3 and marks[0]["processed"] == marks[0]["cache"] == 0 and marks[-1]["processed"] == total
+    assert [m["processed"] for m in marks] == sorted(m["processed"] for m in marks)
+    assert all(m["total"] == total for m in marks) and all(p["content"] == "" for p in pieces if "prompt_progress" in p)
+    text = [i for i, p in enumerate(pieces) if p["content"]]
+    assert not text or text[0] > pieces.index(next(p for p in pieces if p.get("prompt_progress") == marks[-1]))
+    plain = {**body, "return_progress": False}
+    with httpx.stream("POST", server.url + "/completion", json=plain, timeout=120) as r:
+        assert not any("prompt_progress" in line for line in r.iter_lines())
+    chat = {"messages": [{"role": "user", "content": long}], "max_tokens": 2, "stream": True, "return_progress": True}
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json=chat, timeout=120) as r:
+        chunks = [json.loads(line[5:]) for line in r.iter_lines() if line.startswith("data:") and "[DONE]" not in line]
+    marks = [c for c in chunks if "prompt_progress" in c]
+    assert len(marks) >= 2 and marks[-1]["prompt_progress"]["processed"] == marks[-1]["prompt_progress"]["total"]
+    assert all(c["choices"][0]["delta"] == {"role": "assistant", "content": None} for c in marks)
+
+
 def test_options_it_has_no_sampler_for_are_refused_unless_off(server):
     base = {"prompt": "a", "n_predict": 2}
     for name, value in (("lora", [{"id": 0, "scale": 1.0}]),):

@@ -44,7 +44,7 @@ OFF = {"lora": lambda v: not v}
 # llama.cpp's runtime options and tuning that changes nothing here: accepted, unused
 UNUSED = {"penalize_nl", "min_keep",
           "t_max_prompt_ms", "id_slot", "n_keep", "n_discard", "n_cache_reuse", "timings_per_token",
-          "return_progress", "sse_ping_interval", "model", "id_task", "response_fields", "penalty_last_n"}
+          "sse_ping_interval", "model", "id_task", "response_fields", "penalty_last_n"}
 # the options a SamplingParams check may name in its message (a 400's param)
 OPTION_NAMES = ("repeat_penalty", "repeat_last_n", "dry_multiplier", "dry_base", "dry_allowed_length",
                 "dry_penalty_last_n", "typical_p", "top_n_sigma", "xtc_probability", "xtc_threshold", "mirostat",
@@ -104,6 +104,7 @@ class LlamaRequest(BaseModel):
     ignore_eos: bool = False
     n_probs: int = Field(0, ge=0, le=MAX_PROBS)
     post_sampling_probs: bool = False   # n_probs' of the distribution drawn from (LogprobRecorder.post), as probs
+    return_progress: bool = False       # a stream's prompt_progress pieces while the prompt is read
     grammar: Optional[str] = None
     json_schema: Optional[dict] = None
     samplers: Union[list[str], str, None] = None
@@ -484,6 +485,14 @@ def probabilities(text_of: TokenText, entries: Optional[list], post: bool = Fals
 
     top = "top_probs" if post else "top_logprobs"
     return [{**item(e.token, e.logprob), top: [item(i, lp) for i, lp in e.top]} for e in entries or []]
+
+
+def prompt_progress(prompt_tokens: int, cached: int, done: int, to_read: int, began: float, now: float) -> dict:
+    """llama-server's prompt_progress: the prompt's tokens, those reused from the session, those in
+    the session so far (`done` of the `to_read` new tokens read in chunks; the reply's first step
+    reads the last few, counted once the chunks are in) and the milliseconds since the run began."""
+    processed = prompt_tokens if done >= to_read else cached + done
+    return {"total": prompt_tokens, "cache": cached, "processed": processed, "time_ms": int((now - began) * 1e3)}
 
 
 def stop_type(finish_reason: str, stop_word: Optional[str], cut: bool) -> str:

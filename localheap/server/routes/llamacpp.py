@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 from sse_starlette import EventSourceResponse
 
-from ...engine import Delta, Feed, Finished, Job
+from ...engine import Delta, Feed, Finished, Job, Progress
 from ...grammar import Grammar, GrammarError, json_grammar
 from ...sessions import Prompt
 from ..bridge import JobEvents, follow, merged, submit, watch_disconnect
@@ -26,7 +26,7 @@ from ..errors import BadRequest, NoSlotFree, NotSupported, to_response
 from ..fim import fim_format
 from ..formats import save_fields
 from ..llamacpp import (Cut, LlamaRequest, infill_context, infill_prompt, mixed_prompt, pick_fields, piece_of,
-                        probabilities, prompt_forms, stop_type, timings)
+                        probabilities, prompt_forms, prompt_progress, stop_type, timings)
 from ..prompts import chat_prompt, tokenize, with_specials
 from ..schemas import TOKENIZE_MAX_CHARS, ChatMessage
 from ..services import Services, owner, services
@@ -264,8 +264,12 @@ class Reply:
 
     async def events(self, s: Slot) -> AsyncIterator[tuple[bool, dict]]:
         """(last?, object): the slot's pieces ({"content", "tokens", ...}) as they come, then its final object."""
+        if self.body.return_progress and self.body.stream:   # (llama-server's first piece: 0 read so far)
+            yield False, self.progress_piece(s, Progress(0, 1))
         async for event in follow(s.job, s.events):
-            if isinstance(event, Delta) and not s.cut_short:
+            if isinstance(event, Progress) and self.body.return_progress and self.body.stream:
+                yield False, self.progress_piece(s, event)
+            elif isinstance(event, Delta) and not s.cut_short:
                 now = time.monotonic()
                 s.first_at = s.first_at or now
                 text, ended = s.cut.feed(event.text, (now - s.first_at) * 1e3)
@@ -288,6 +292,12 @@ class Reply:
                 s.done = event
                 yield True, self.final(s)
                 return
+
+    def progress_piece(self, s: Slot, event: Progress) -> dict:
+        return {"index": s.index, "content": "", "tokens": [], "stop": False, "id_slot": -1, "tokens_predicted": 0,
+                "tokens_evaluated": s.prompt_tokens,
+                "prompt_progress": prompt_progress(s.prompt_tokens, s.cached, event.done, event.total, s.began,
+                                                   time.monotonic())}
 
     def final(self, s: Slot) -> dict:
         done, end = s.done, time.monotonic()

@@ -13,14 +13,14 @@ from fastapi import APIRouter, Depends, Header, Request
 from fastapi.responses import JSONResponse
 from sse_starlette import EventSourceResponse
 
-from ...engine import Delta, Finished, Job, Started
+from ...engine import Delta, Finished, Job, Progress, Started
 from ...generation import LogprobRecorder, SamplingParams, check_logit_bias
 from ...sessions import Prompt
 from ..bridge import JobEvents, collect, follow, merged
 from ..chat import ChatPlan, start
 from ..errors import BadRequest, Unsupported, to_response
 from ..fim import fim_format, fim_prompt
-from ..llamacpp import cut_fields, dry_fields, penalties_on, switched
+from ..llamacpp import cut_fields, dry_fields, penalties_on, prompt_progress, switched
 from ..formats import (Echo, Out, Reply, add_call_errors, extension, finish_reason, saved_headers, stop_reason,
                        tool_call_dict, total_usage)
 from ..prompts import chat_prompt, completion_prompt, tokenize
@@ -166,6 +166,8 @@ class Choice:
     logprobs: list = field(default_factory=list)   # chat: entries whose tokens' text the parser holds back
     first_token_at: Optional[float] = None
     echo: Optional[Echo] = None                     # completions' echo: the prompt, sent before the reply
+    started: Optional[Started] = None               # (its prompt's counts: return_progress)
+    began: float = field(default_factory=time.monotonic)
 
 
 async def _respond(reply: Reply, body: SamplingFields, prompts: Union[Prompt, list[Prompt]], request: Request,
@@ -190,7 +192,7 @@ async def _respond(reply: Reply, body: SamplingFields, prompts: Union[Prompt, li
                 job, events, started = await start(svc, request, prompt, params, session_id if i == 0 else None,
                                                    title if i == 0 else None, ephemeral or i > 0,
                                                    scratch and not (ephemeral or i > 0))
-                choices.append(Choice(i, job, events, make_parser(), echo=make_echo(params, k)))
+                choices.append(Choice(i, job, events, make_parser(), echo=make_echo(params, k), started=started))
                 starts.append(started)
     except BaseException:
         for c in choices:   # one choice refused (the queue, the budget): none runs
@@ -210,24 +212,33 @@ async def _respond(reply: Reply, body: SamplingFields, prompts: Union[Prompt, li
             outs.append(Out(text, done, pieces, logprobs, c.echo))
         return JSONResponse(reply.full(outs, body.n), headers={**headers, **saved_headers(outs[0].done)})
     usage = bool(body.stream_options and body.stream_options.include_usage)
-    return EventSourceResponse(_stream(reply, choices, first, usage, body.n), headers=headers, sep="\n")
+    return EventSourceResponse(_stream(reply, choices, first, usage, body.n, bool(body.return_progress)),
+                               headers=headers, sep="\n")
 
 
 async def _stream(reply: Reply, choices: list[Choice], started: Started, usage: bool,
-                  n: Optional[int] = None) -> AsyncIterator[dict]:
+                  n: Optional[int] = None, progress: bool = False) -> AsyncIterator[dict]:
     """The choices' chunks as their events come (each chunk names its choice's index); the last
-    chunk of each has its finish_reason, then (include_usage) one usage chunk for them all."""
+    chunk of each has its finish_reason, then (include_usage) one usage chunk for them all.
+    `progress` (llama-server's return_progress): an empty chunk with prompt_progress as each
+    choice's prompt is read, from 0 (chat: a delta of the role and null content, as llama-server's)."""
     first_ext = {"session_id": started.session_id}
     try:
         if reply.kind == "chat":
             for c in choices:
                 yield _data(reply.chunk("", first=True, extension=first_ext, with_usage_field=usage, index=c.index))
                 first_ext = None
+        for c in choices if progress else ():
+            yield _progress_chunk(reply, c, Progress(0, 1), usage)
         ended: dict[int, Finished] = {}
         exts: dict[int, dict] = {}
         async with aclosing(merged([follow(c.job, c.events) for c in choices])) as events:
             async for i, event in events:
                 c = choices[i]
+                if isinstance(event, Progress):
+                    if progress:
+                        yield _progress_chunk(reply, c, event, usage)
+                    continue
                 if c.echo is not None and isinstance(event, (Delta, Finished)):   # the prompt is read: it goes first
                     yield _data(reply.echo_chunk(c.echo, extension=first_ext, with_usage_field=usage, index=c.index))
                     first_ext, c.echo = None, None
@@ -260,6 +271,14 @@ async def _stream(reply: Reply, choices: list[Choice], started: Started, usage: 
     except Exception as e:   # headers are gone: report in the stream, as OpenAI does
         yield {"data": to_response(e).body.decode()}
     yield {"data": "[DONE]"}
+
+
+def _progress_chunk(reply: Reply, c: Choice, event: Progress, usage: bool) -> dict:
+    body = reply.chunk(None, delta={"role": "assistant", "content": None} if reply.kind == "chat" else None,
+                       with_usage_field=usage, index=c.index)
+    body["prompt_progress"] = prompt_progress(c.started.prompt_tokens, c.started.cached_tokens, event.done,
+                                              event.total, c.began, time.monotonic())
+    return _data(body)
 
 
 def _piece_chunk(reply: Reply, piece: Piece, c: Choice, usage: bool) -> Optional[dict]:
