@@ -218,11 +218,12 @@ class MetricsCollector:
 
 def llamacpp_metrics(c, eng) -> Iterator:
     """llama-server's metric names (its dashboards read them) from the engine's counters: prompt
-    and predicted tokens and the seconds of the engine steps that ran them (a step that both decodes
-    and reads a prompt counts in both), decode steps, runs active and waiting."""
+    tokens read (not reused from a session) and predicted tokens, the seconds of the engine steps
+    that ran them (a step that both decodes and reads a prompt counts in both; a short prompt read
+    in the reply's first step counts there), decode steps, runs active and waiting."""
     decode, prefill = c.decode, c.prefill
     for name, help_, value in (
-            ("prompt_tokens", "Number of prompt tokens processed.", c.prefill_tokens),
+            ("prompt_tokens", "Number of prompt tokens processed.", c.prompt_tokens - c.cached_tokens),
             ("prompt_seconds", "Prompt process time", prefill.seconds_total),
             ("tokens_predicted", "Number of generation tokens processed.", c.completion_tokens),
             ("tokens_predicted_seconds", "Predict process time", decode.seconds_total),
