@@ -126,6 +126,35 @@ def test_errors_in_anthropic_shape_and_keys(client, server):
     assert oa.models.list().data[0].id == model(server)
 
 
+def test_claude_codes_request_shape_is_taken(server, force):
+    """What Claude Code sends besides the basics (each a 400 on a strict server, per its users'
+    reports): context_management, tools with defer_loading / input_examples / strict / cache_control,
+    cache_control on system, text and thinking blocks, metadata.user_id, thinking enabled. The
+    reply is as without them; no context edit is applied."""
+    force("Done.")
+    tools = [{**TOOLS[0], "cache_control": {"type": "ephemeral"}, "defer_loading": False, "strict": True,
+              "input_examples": [{"city": "Paris"}], "eager_input_streaming": True}]
+    body = {"model": model(server), "max_tokens": 40, "stream": False, "metadata": {"user_id": "user_abc"},
+            "system": [{"type": "text", "text": "You are Claude Code.", "cache_control": {"type": "ephemeral"}}],
+            "tools": tools, "thinking": {"type": "enabled", "budget_tokens": 1024},
+            "context_management": {"edits": [{"type": "clear_tool_uses_20250919",
+                                              "trigger": {"type": "input_tokens", "value": 100000}}]},
+            "messages": [{"role": "user", "content": [{"type": "text", "text": "hi",
+                                                       "cache_control": {"type": "ephemeral"}}]},
+                         {"role": "assistant", "content": [
+                             {"type": "thinking", "thinking": "say hello", "signature": "",
+                              "cache_control": {"type": "ephemeral"}},
+                             {"type": "text", "text": "Hello."}]},
+                         {"role": "user", "content": "again"}]}
+    r = httpx.post(server.url + "/v1/messages", json=body, headers={"x-api-key": KEY}, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["content"][-1]["text"] == "Done."
+    force("Done.")
+    count = httpx.post(server.url + "/v1/messages/count_tokens", headers={"x-api-key": KEY}, timeout=60,
+                       json={k: v for k, v in body.items() if k not in ("max_tokens", "stream", "metadata")})
+    assert count.status_code == 200 and count.json()["input_tokens"] > 0
+
+
 def test_both_apis_share_sessions(client, server, force):
     """A conversation begun on the OpenAI route continues on the Anthropic one: same session."""
     oa = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)

@@ -32,11 +32,13 @@ class ThinkingBlock(Strict):
     type: Literal["thinking"]
     thinking: str
     signature: Optional[str] = None
+    cache_control: CacheControl = None   # (Claude Code marks them)
 
 
 class RedactedThinkingBlock(Strict):
     type: Literal["redacted_thinking"]
     data: str
+    cache_control: CacheControl = None
 
 
 class ToolUseBlock(Strict):
@@ -83,6 +85,11 @@ class ToolDef(Strict):
     input_schema: dict[str, Any]
     type: Optional[Literal["custom"]] = None
     cache_control: CacheControl = None
+    # Claude Code's: accepted, unused (every tool is in the prompt; its arguments are parsed, not constrained)
+    defer_loading: Optional[bool] = None
+    input_examples: Optional[list[Any]] = None
+    strict: Optional[bool] = None
+    eager_input_streaming: Optional[bool] = None
 
 
 class ToolChoice(Strict):
@@ -120,6 +127,9 @@ class CountTokensRequest(Strict):
     thinking: Optional[Thinking] = None
     output_config: Optional[OutputConfig] = None
     cache_control: CacheControl = None
+    # context editing (Claude Code sends it): accepted, and no edits are applied: the heap bounds
+    # what the model attends to instead (by score, not by clearing old tool results)
+    context_management: Optional[dict[str, Any]] = None
 
     def chat_messages(self) -> list[ChatMessage]:
         """The conversation as OpenAI-shaped chat messages: tool_result blocks become tool messages,
