@@ -53,6 +53,29 @@ def test_ollama_routes_take_each_name_and_its_tag(server):
     assert _chat(server, server.services.backend.model_name, "/api/chat").status_code == 404
 
 
+def test_a_name_with_a_wildcard_matches_names_and_is_not_listed(tmp_path):
+    """`claude-*` (Claude Code asks for its small model by Claude's name): any matching name is
+    answered, on the Anthropic, OpenAI and Ollama routes; /v1/models lists the plain names only;
+    a name it does not match is still a 404 naming the pattern too."""
+    from localheap.models import demo_model_dir, load_backend
+    from localheap.server import ServerSettings, create_app
+    from localheap.server.testing import ServerThread
+
+    backend = load_backend(str(demo_model_dir()), "torch")
+    settings = ServerSettings(web_dir=None, served_model_names=["local", "claude-*"], default_max_tokens=4)
+    with ServerThread(create_app(backend, settings)) as srv:
+        assert [m["id"] for m in httpx.get(srv.url + "/v1/models", timeout=10).json()["data"]] == ["local"]
+        for path in ("/v1/messages", "/v1/chat/completions", "/api/chat"):
+            r = _chat(srv, "claude-haiku-4-5-20251001", path)
+            assert r.status_code == 200, r.text
+        assert _chat(srv, "claude-haiku-4-5", "/v1/messages").json()["model"] == "local"
+        r = _chat(srv, "gpt-4o")
+        assert r.status_code == 404 and "'local' or 'claude-*'" in r.json()["error"]["message"]
+    only = ServerSettings(web_dir=None, served_model_names=["claude-*"], default_max_tokens=4)
+    with ServerThread(create_app(backend, only)) as srv:   # patterns alone: the model's own name is listed
+        assert [m["id"] for m in httpx.get(srv.url + "/v1/models", timeout=10).json()["data"]] == [backend.model_name]
+
+
 def test_the_flag():
     from localheap.cli import build_parser
     from localheap.commands.serve import settings_from_args

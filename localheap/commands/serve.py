@@ -35,11 +35,12 @@ def add_parser(sub) -> None:
                    help="also answer requests whose Host header is NAME (e.g. a reverse proxy's name; repeatable)")
     p.add_argument("--served-model-name", nargs="+", default=[], metavar="NAME",
                    help="the names the model answers to in requests' `model` (vLLM's flag): a client that sends a "
-                        "fixed name (gpt-4o, an editor's default) finds it; replies and /v1/models carry the first "
-                        "(default: the model's own name)")
+                        "fixed name (gpt-4o, an editor's default) finds it; replies and /v1/models carry the first. "
+                        "A name with a shell wildcard ('claude-*': Claude Code's small model) matches names and is "
+                        "not listed (default: the model's own name)")
     p.add_argument("--api-key", action="append", default=[], metavar="KEY",
-                   help="require 'Authorization: Bearer KEY' on /v1/* and /metrics; repeatable, each key sees "
-                        "only its own sessions. Visible in `ps`: prefer LOCALHEAP_API_KEY or --api-keys-file "
+                   help="require 'Authorization: Bearer KEY' on every API route (not /health); repeatable, each "
+                        "key sees only its own sessions. Visible in `ps`: prefer LOCALHEAP_API_KEY or --api-keys-file "
                          "(default: no key unless LOCALHEAP_API_KEY or a keys file gives one)")
     p.add_argument("--api-keys-file", type=Path, default=None, metavar="PATH",
                    help="API keys, one a line (# comments); with LOCALHEAP_API_KEY and --api-key (default: none)")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import fnmatch
 import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -44,8 +45,14 @@ class Services:
 
     @property
     def model_names(self) -> list[str]:
-        """Every name the model answers to."""
-        return list(self.settings.served_model_names) or [self.backend.model_name]
+        """Every name the model answers to (the patterns among --served-model-name's aside)."""
+        return [n for n in self.settings.served_model_names if not is_pattern(n)] or [self.backend.model_name]
+
+    def serves(self, model: str) -> bool:
+        """Whether `model` names the served model: one of its names, or a match of a served name
+        pattern (`claude-*`: Claude Code asks for its small model by Claude's name)."""
+        return model in self.model_names or any(fnmatch.fnmatchcase(model, n) for n in self.settings.served_model_names
+                                                if is_pattern(n))
 
     @property
     def tokenizer(self) -> Any:
@@ -83,10 +90,16 @@ class Services:
 
     def check_model(self, model: Optional[str]) -> None:
         """None or "" (a client that names no model, as llama-server's do; llama.vim sends ""): the served one."""
-        if model and model not in self.model_names:
-            names = " or ".join(repr(n) for n in self.model_names)
+        if model and not self.serves(model):
+            names = " or ".join(repr(n) for n in self.model_names + [n for n in self.settings.served_model_names
+                                                                       if is_pattern(n)])
             raise UnknownModel(f"model {model!r} is not served here; this server serves {names} "
                                f"(GET /v1/models)", "model")
+
+
+def is_pattern(name: str) -> bool:
+    """A --served-model-name with a shell wildcard (*, ?, [...]): it matches names, it is not one."""
+    return any(c in name for c in "*?[")
 
 
 def services(request: Request) -> Services:
