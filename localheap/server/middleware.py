@@ -39,7 +39,7 @@ def request_owner(scope: Scope) -> Optional[str]:
 
 
 class RequireApiKey:
-    """Bearer key on /v1/* and /metrics; /health and the web page stay open. With several
+    """Bearer key on every API route (PROTECTED_PREFIXES); /health and the web page stay open. With several
     keys, the one that matched is recorded in the scope (sessions belong to it)."""
 
     def __init__(self, app: ASGIApp, api_keys: list[str]):

@@ -20,7 +20,7 @@ def package_web_dir() -> Optional[Path]:
 class ServerSettings:
     host: str = "127.0.0.1"
     port: int = 8000
-    api_key: Optional[str] = None              # when set, /v1/* and /metrics need "Authorization: Bearer KEY"
+    api_key: Optional[str] = None              # when set, every API route needs "Authorization: Bearer KEY"
     served_model_names: list[str] = field(default_factory=list)   # the names the model answers to (vLLM's
     # --served-model-name; the first is the one replies carry); none: the model's own name
     api_keys: list[str] = field(default_factory=list)   # more keys; each owns the sessions it creates
