@@ -128,9 +128,10 @@ def test_errors_in_anthropic_shape_and_keys(client, server):
 
 def test_claude_codes_request_shape_is_taken(server, force):
     """What Claude Code sends besides the basics (each a 400 on a strict server, per its users'
-    reports): context_management, tools with defer_loading / input_examples / strict / cache_control,
-    cache_control on system, text and thinking blocks, metadata.user_id, thinking enabled. The
-    reply is as without them; no context edit is applied."""
+    reports and a run of Claude Code 2.1.197 against this server): context_management, tools with
+    defer_loading / input_examples / strict / cache_control, cache_control on system, text and
+    thinking blocks, a system message among the messages (rendered where it stands),
+    metadata.user_id, thinking enabled. The reply is as without them; no context edit is applied."""
     force("Done.")
     tools = [{**TOOLS[0], "cache_control": {"type": "ephemeral"}, "defer_loading": False, "strict": True,
               "input_examples": [{"city": "Paris"}], "eager_input_streaming": True}]
@@ -145,10 +146,15 @@ def test_claude_codes_request_shape_is_taken(server, force):
                              {"type": "thinking", "thinking": "say hello", "signature": "",
                               "cache_control": {"type": "ephemeral"}},
                              {"type": "text", "text": "Hello."}]},
+                         {"role": "system", "content": "Available agent types: claude."},   # (Claude Code 2.1.197)
                          {"role": "user", "content": "again"}]}
     r = httpx.post(server.url + "/v1/messages", json=body, headers={"x-api-key": KEY}, timeout=60)
     assert r.status_code == 200, r.text
     assert r.json()["content"][-1]["text"] == "Done."
+    from localheap.server.anthropic import MessagesRequest
+
+    roles = [m.role for m in MessagesRequest.model_validate(body).chat_messages()]
+    assert roles == ["system", "user", "assistant", "system", "user"]
     force("Done.")
     count = httpx.post(server.url + "/v1/messages/count_tokens", headers={"x-api-key": KEY}, timeout=60,
                        json={k: v for k, v in body.items() if k not in ("max_tokens", "stream", "metadata")})

@@ -75,7 +75,7 @@ Block = Union[TextBlock, ThinkingBlock, RedactedThinkingBlock, ToolUseBlock, Too
 
 
 class Message(Strict):
-    role: Literal["user", "assistant"]
+    role: Literal["user", "assistant", "system"]   # system: an instruction mid-conversation (Claude Code's)
     content: Union[str, list[Block]]
 
 
@@ -145,6 +145,9 @@ class CountTokensRequest(Strict):
                 raise BadRequest(f"{media.type} content blocks are not supported: this server serves text models",
                                  f"messages.{i}.content")
             text = "".join(b.text for b in blocks if isinstance(b, TextBlock))
+            if m.role == "system":   # where it stands, as a system message (the OpenAI routes take one there too)
+                out.append(ChatMessage(role="system", content=text))
+                continue
             if m.role == "user":
                 for b in blocks:
                     if isinstance(b, ToolResultBlock):
