@@ -155,6 +155,98 @@ def test_the_input_items_render_as_the_chat_messages(server):
     assert chat_prompt(tok, req.chat_messages(), opts=opts).tokens == chat_prompt(tok, want, opts=opts).tokens
 
 
+CODEX_TOOLS = [TOOLS[0],
+               {"type": "namespace", "name": "agents", "description": "Sub-agents.",
+                "tools": [{"type": "function", "name": "close", "strict": False,
+                           "parameters": {"type": "object", "properties": {"id": {"type": "string"}}}}]},
+               {"type": "custom", "name": "apply_patch", "description": "Edit files with a patch.",
+                "format": {"type": "grammar", "syntax": "lark", "definition": "start: /.+/"}},
+               {"type": "web_search", "external_web_access": False}]
+PATCH = "*** Begin Patch\n*** Add File: a.txt\n+hi\n*** End Patch"
+CODEX_CALLS = ('<tool_call>\n{"name": "agents.close", "arguments": {"id": "7"}}\n</tool_call>\n<tool_call>\n'
+               + json.dumps({"name": "apply_patch", "arguments": {"input": PATCH}}) + "\n</tool_call>")
+
+
+def test_codex_tools_namespaces_custom_and_hosted(server, force):
+    """What Codex sends: a namespace's tools are offered as `<namespace>.<name>` and their calls come
+    back named apart (name, namespace); a custom tool is offered as a function of one string `input`
+    and its call comes back as a custom_tool_call with that input; a hosted tool (web_search) is left
+    out of the prompt; client_metadata is accepted. Sent back as Codex sends them, the calls render
+    the prompt again (the session's prefix is reused)."""
+    import httpx
+
+    force(CODEX_CALLS)
+    body = {"model": model(server), "input": "Tidy up.", "tools": CODEX_TOOLS, "max_output_tokens": 400,
+            "client_metadata": {"thread_id": "t1"}, "store": False}
+    r = httpx.post(server.url + "/v1/responses", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    first = r.json()
+    close, patch = first["output"]
+    assert close["type"] == "function_call" and (close["name"], close["namespace"]) == ("close", "agents")
+    assert json.loads(close["arguments"]) == {"id": "7"}
+    assert patch["type"] == "custom_tool_call" and patch["name"] == "apply_patch" and patch["input"] == PATCH
+    assert "namespace" not in patch and first["status"] == "completed"
+    flat = [TOOLS[0],
+            {"type": "function", "function": {"name": "agents.close", "description": "Sub-agents.",
+                                              "parameters": CODEX_TOOLS[1]["tools"][0]["parameters"]}},
+            {"type": "function", "function": {"name": "apply_patch", "description": "Edit files with a patch.",
+                                              "parameters": {"type": "object",
+                                                             "properties": {"input": {"type": "string"}},
+                                                             "required": ["input"], "additionalProperties": False}}}]
+    flat[0] = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+                                                "parameters": CITY}}
+    chat = httpx.post(server.url + "/v1/chat/completions", timeout=60, json={
+        "model": model(server), "messages": [{"role": "user", "content": "Tidy up."}], "tools": flat,
+        "max_tokens": 1}).json()
+    assert first["usage"]["input_tokens"] == chat["usage"]["prompt_tokens"], "the tools as the model reads them"
+    force("Done.")
+    sent_back = [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Tidy up."}]},
+                 {"type": "function_call", "name": "close", "namespace": "agents", "arguments": close["arguments"],
+                  "call_id": close["call_id"]},
+                 {"type": "custom_tool_call", "call_id": patch["call_id"], "name": "apply_patch", "input": PATCH},
+                 {"type": "function_call_output", "call_id": close["call_id"], "output": "closed"},
+                 {"type": "custom_tool_call_output", "call_id": patch["call_id"], "output": "patched"}]
+    r = httpx.post(server.url + "/v1/responses", json={**body, "input": sent_back}, timeout=60)
+    second = r.json()
+    assert r.status_code == 200 and second["output"][0]["content"][0]["text"] == "Done."
+    assert second["usage"]["input_tokens_details"]["cached_tokens"] >= first["usage"]["input_tokens"]
+    calls = [{"id": close["call_id"], "type": "function",
+              "function": {"name": "agents.close", "arguments": close["arguments"]}},
+             {"id": patch["call_id"], "type": "function",
+              "function": {"name": "apply_patch", "arguments": json.dumps({"input": PATCH})}}]
+    chat = httpx.post(server.url + "/v1/chat/completions", timeout=60, json={
+        "model": model(server), "tools": flat, "max_tokens": 1, "messages": [
+            {"role": "user", "content": "Tidy up."}, {"role": "assistant", "content": None, "tool_calls": calls},
+            {"role": "tool", "tool_call_id": close["call_id"], "content": "closed"},
+            {"role": "tool", "tool_call_id": patch["call_id"], "content": "patched"}]}).json()
+    assert second["usage"]["input_tokens"] == chat["usage"]["prompt_tokens"], "the calls as chat clients send them"
+    force(CODEX_CALLS)
+    events = [json.loads(line[5:]) for line in httpx.post(server.url + "/v1/responses", timeout=60, json={
+        **body, "stream": True}).text.splitlines() if line.startswith("data:")]
+    types = [e["type"] for e in events]
+    assert types.count("response.custom_tool_call_input.done") == 1
+    assert "response.function_call_arguments.done" in types
+    (added,) = [e["item"] for e in events if e["type"] == "response.output_item.added"
+                and e["item"]["type"] == "custom_tool_call"]
+    assert added["input"] == "" and added["name"] == "apply_patch"
+    done = [e["item"] for e in events if e["type"] == "response.output_item.done"]
+    assert [d["type"] for d in done] == ["function_call", "custom_tool_call"] and done[1]["input"] == PATCH
+    assert done[0]["namespace"] == "agents"
+    assert events[-1]["type"] == "response.completed"
+    assert events[-1]["response"]["tools"][3]["type"] == "web_search"   # echoed as asked
+
+
+def test_custom_tool_arguments_that_do_not_read_come_back_flagged(server, force):
+    import httpx
+
+    force('<tool_call>\n{"name": "apply_patch", "arguments": {"patch": "x"}}\n</tool_call>')
+    r = httpx.post(server.url + "/v1/responses", timeout=60, json={
+        "model": model(server), "input": "Edit.", "tools": CODEX_TOOLS[2:3], "max_output_tokens": 60}).json()
+    (call,) = r["output"]
+    assert call["type"] == "custom_tool_call" and json.loads(call["input"]) == {"patch": "x"}
+    assert r["localheap"]["tool_call_errors"][0]["call_id"] == call["call_id"]
+
+
 def test_streamed_function_calls_and_reasoning(server, client, force):
     force("<think>\nplan\n</think>\n\n" + CALL + "\n" + CALL.replace("Paris", "Lyon"))
     events = events_of(client, model=model(server), input="Paris and Lyon?", tools=TOOLS, max_output_tokens=120)
@@ -327,7 +419,9 @@ def test_a_restarted_server_continues_a_kept_response(model_dirs, tmp_path_facto
     ({"previous_response_id": "resp_1"}, "previous_response_id"),
     ({"previous_response_id": "resp_1", "store": False}, "store"),
     ({"conversation": "conv_1"}, "conversation"),
-    ({"tools": [{"type": "web_search"}]}, "tools.0"),
+    ({"tools": [{"type": "function", "name": "bad name"}]}, "tools.0.function.name"),
+    ({"tools": [TOOLS[0], {"type": "namespace", "name": "n", "tools": [TOOLS[1]]}, {**TOOLS[1], "name": "n.get_time"}]},
+     "tools"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}]}, "input.0.content.0"),
     ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input.0"),
     ({"tool_choice": {"type": "function", "name": "nope"}, "tools": TOOLS}, "tool_choice"),

@@ -18,9 +18,9 @@ from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Literal, Optional, Union
+from typing import Annotated, Any, Callable, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, TypeAdapter
 
 from ..engine import Finished
 from ..generation import TOP_LOGPROBS_MAX
@@ -97,6 +97,26 @@ class ReasoningItem(Strict):
     status: Optional[str] = None
 
 
+class CustomToolCallItem(Strict):
+    """A call of a custom (freeform) tool: its input is plain text, not JSON arguments."""
+    type: Literal["custom_tool_call"]
+    call_id: str
+    name: str
+    input: str
+    namespace: Optional[str] = None
+    id: Optional[str] = None
+    status: Optional[str] = None
+
+
+class CustomToolCallOutputItem(Strict):
+    type: Literal["custom_tool_call_output"]
+    call_id: str
+    output: Union[str, list[ContentPart]]
+    name: Optional[str] = None
+    id: Optional[str] = None
+    status: Optional[str] = None
+
+
 class OtherItem(BaseModel):
     """Items of hosted tools (web search, file search, computer use, ...) and item references:
     recognised, so that they are refused by name."""
@@ -104,7 +124,8 @@ class OtherItem(BaseModel):
     type: str
 
 
-Item = Union[MessageItem, FunctionCallItem, FunctionCallOutputItem, ReasoningItem, OtherItem]
+Item = Union[MessageItem, FunctionCallItem, FunctionCallOutputItem, CustomToolCallItem, CustomToolCallOutputItem,
+             ReasoningItem, OtherItem]
 _ITEM = TypeAdapter(Item)
 
 
@@ -116,10 +137,76 @@ class FunctionTool(Strict):
     strict: Optional[bool] = None
 
 
+class CustomTool(Strict):
+    """A freeform tool: the model writes its input as text. Offered to the model as a function of
+    one string argument, `input`; its `format` (a grammar the input should follow) is not enforced."""
+    type: Literal["custom"]
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    description: Optional[str] = None
+    format: Optional[dict[str, Any]] = None
+
+
+class NamespaceTool(Strict):
+    """Tools grouped under a name (Codex's sub-agent and MCP tools): the model sees each as
+    `<namespace>.<name>`; its calls come back with `name` and `namespace` apart, as OpenAI's do."""
+    type: Literal["namespace"]
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    description: Optional[str] = None
+    tools: list[Union[FunctionTool, CustomTool]]
+
+
 class HostedTool(BaseModel):
-    """web_search, file_search, code_interpreter, mcp, ...: refused by name."""
+    """web_search, file_search, code_interpreter, mcp, ...: tools OpenAI runs on its side. This
+    server cannot run them: they are left out of the prompt (the model is not told of them)."""
     model_config = ConfigDict(extra="allow")
     type: str
+
+
+def _tool_kind(t: Any) -> str:
+    kind = t.get("type") if isinstance(t, dict) else getattr(t, "type", None)
+    return kind if kind in ("function", "custom", "namespace") else "hosted"
+
+
+Tool = Annotated[Union[Annotated[FunctionTool, Tag("function")], Annotated[CustomTool, Tag("custom")],
+                       Annotated[NamespaceTool, Tag("namespace")], Annotated[HostedTool, Tag("hosted")]],
+                 Discriminator(_tool_kind)]
+
+
+@dataclass
+class Offered:
+    """A tool as the model sees it: `name` (namespaced tools: "<namespace>.<name>") and chat's
+    function shape; `inner` and `namespace` as the client named it; `custom`: a freeform tool."""
+    name: str
+    inner: str
+    namespace: Optional[str]
+    custom: bool
+    description: Optional[str]
+    parameters: dict
+
+    def chat(self) -> dict:
+        """(in the order chat clients write it: the same tools render the same prompt on both routes)"""
+        return {"type": "function", "function": {"name": self.name,
+                                                 **({"description": self.description} if self.description else {}),
+                                                 "parameters": self.parameters}}
+
+
+CUSTOM_PARAMETERS = {"type": "object", "properties": {"input": {"type": "string"}}, "required": ["input"],
+                     "additionalProperties": False}
+
+
+def _offer(t: Union[FunctionTool, CustomTool], namespace: Optional[NamespaceTool] = None) -> Offered:
+    name = f"{namespace.name}.{t.name}" if namespace is not None else t.name
+    description = t.description
+    if namespace is not None and namespace.description:
+        description = f"{namespace.description}\n\n{description}" if description else namespace.description
+    if isinstance(t, CustomTool):
+        return Offered(name, t.name, namespace.name if namespace else None, True, description, CUSTOM_PARAMETERS)
+    return Offered(name, t.name, namespace.name if namespace else None, False, description,
+                   t.parameters or {"type": "object"})
+
+
+def qualified(name: str, namespace: Optional[str]) -> str:
+    return f"{namespace}.{name}" if namespace else name
 
 
 class NamedFunction(Strict):
@@ -154,7 +241,7 @@ class ResponsesRequest(Strict):
     model: str
     input: Union[str, list[Item]]
     instructions: Optional[str] = None
-    tools: Optional[list[Union[FunctionTool, HostedTool]]] = None
+    tools: Optional[list[Tool]] = None
     tool_choice: Union[Literal["auto", "none", "required"], NamedFunction, None] = None
     parallel_tool_calls: Optional[bool] = None
     max_output_tokens: Optional[int] = Field(None, ge=1)
@@ -171,6 +258,7 @@ class ResponsesRequest(Strict):
     prompt_cache_key: Optional[str] = None       # accepted: prefix reuse is automatic here
     prompt_cache_retention: Optional[str] = None
     service_tier: Optional[str] = None           # accepted, unused
+    client_metadata: Optional[dict[str, Any]] = None   # Codex's thread and turn ids: accepted, unused
     truncation: Optional[Literal["auto", "disabled"]] = None   # the heap keeps any length: nothing to truncate
     include: Optional[list[str]] = None          # "message.output_text.logprobs"; the rest accepted (reasoning
                                                  # comes back as text; nothing encrypted)
@@ -191,23 +279,24 @@ class ResponsesRequest(Strict):
             return "background", "background responses are not supported"
         if self.max_tool_calls is not None:
             return "max_tool_calls", "max_tool_calls is not supported"
-        for i, t in enumerate(self.tools or []):
-            if isinstance(t, HostedTool):
-                return f"tools.{i}", f"{t.type!r} tools are hosted by OpenAI; this server runs function tools only"
+        names = [o.name for o in self.offered]
+        if len(set(names)) < len(names):
+            dup = next(n for n in names if names.count(n) > 1)
+            return "tools", f"two tools are named {dup!r}"
         items = [] if isinstance(self.input, str) else self.input
         for i, item in enumerate(items):
             if isinstance(item, OtherItem):
                 return f"input.{i}", f"{item.type!r} input items are not supported (messages, function_call, " \
-                    "function_call_output and reasoning are)"
+                    "function_call_output, custom_tool_call, custom_tool_call_output and reasoning are)"
             parts = item.content if isinstance(item, MessageItem) else \
-                item.output if isinstance(item, FunctionCallOutputItem) else None
+                item.output if isinstance(item, (FunctionCallOutputItem, CustomToolCallOutputItem)) else None
             for j, p in enumerate(parts if isinstance(parts, list) else []):
                 if isinstance(p, InputMedia):
                     return f"input.{i}.content.{j}", f"this model reads text only: {p.type!r} parts are not supported"
         if isinstance(self.tool_choice, NamedFunction) and \
-                self.tool_choice.name not in {t.name for t in self.function_tools}:
+                self.tool_choice.name not in {o.name for o in self.offered}:
             return "tool_choice", f"tool_choice names {self.tool_choice.name!r}, which is not in tools"
-        if self.tool_choice in ("required",) and not self.function_tools:
+        if self.tool_choice in ("required",) and not self.offered:
             return "tool_choice", "tool_choice needs tools"
         return None
 
@@ -220,8 +309,21 @@ class ResponsesRequest(Strict):
         return None
 
     @property
-    def function_tools(self) -> list[FunctionTool]:
-        return [t for t in self.tools or [] if isinstance(t, FunctionTool)]
+    def offered(self) -> list[Offered]:
+        """The tools the model is offered: function and custom tools, each namespace's spelled
+        out; hosted tools are not among them."""
+        out: list[Offered] = []
+        for t in self.tools or []:
+            if isinstance(t, NamespaceTool):
+                out += [_offer(inner, t) for inner in t.tools]
+            elif isinstance(t, (FunctionTool, CustomTool)):
+                out.append(_offer(t))
+        return out
+
+    @property
+    def hosted_tools(self) -> list[str]:
+        """The types of the hosted tools asked for (left out: this server cannot run them)."""
+        return [t.type for t in self.tools or [] if isinstance(t, HostedTool)]
 
     @property
     def input_items(self) -> list:
@@ -258,8 +360,12 @@ class ResponsesRequest(Strict):
                     t = assistant()
                 t["reasoning"] += "".join(p.text for p in item.content or item.summary)
             elif isinstance(item, FunctionCallItem):
-                assistant()["calls"].append({"id": item.call_id, "type": "function",
-                                             "function": {"name": item.name, "arguments": item.arguments}})
+                assistant()["calls"].append({"id": item.call_id, "type": "function", "function": {
+                    "name": qualified(item.name, item.namespace), "arguments": item.arguments}})
+            elif isinstance(item, CustomToolCallItem):
+                assistant()["calls"].append({"id": item.call_id, "type": "function", "function": {
+                    "name": qualified(item.name, item.namespace),
+                    "arguments": json.dumps({"input": item.input}, ensure_ascii=False)}})
             elif isinstance(item, MessageItem) and item.role == "assistant":
                 t = assistant()
                 if t["calls"]:
@@ -268,7 +374,7 @@ class ResponsesRequest(Strict):
                 t["content"] += _text(item.content)
             else:
                 close()
-                if isinstance(item, FunctionCallOutputItem):
+                if isinstance(item, (FunctionCallOutputItem, CustomToolCallOutputItem)):
                     out.append(ChatMessage(role="tool", tool_call_id=item.call_id, content=_text(item.output)))
                 else:
                     out.append(ChatMessage(role=item.role, content=_text(item.content)))
@@ -276,9 +382,7 @@ class ResponsesRequest(Strict):
         return out
 
     def plan(self) -> ChatPlan:
-        tools = [{"type": "function", "function": {"name": t.name, "parameters": t.parameters or {"type": "object"},
-                                                   **({"description": t.description} if t.description else {})}}
-                 for t in self.function_tools] or None
+        tools = [o.chat() for o in self.offered] or None
         choice = self.tool_choice or "auto"
         if isinstance(choice, NamedFunction):
             choice = choice.name
@@ -471,7 +575,8 @@ class ResponseLog:
         log.info("%d kept responses read from %s", len(self._kept), self.path)
 
 
-_OUTPUT_ITEMS = {"message": MessageItem, "function_call": FunctionCallItem, "reasoning": ReasoningItem}
+_OUTPUT_ITEMS = {"message": MessageItem, "function_call": FunctionCallItem, "custom_tool_call": CustomToolCallItem,
+                 "reasoning": ReasoningItem}
 
 
 def _output_item(item: dict):
@@ -481,6 +586,32 @@ def _output_item(item: dict):
 
 def _text(content: Union[str, list]) -> str:
     return content if isinstance(content, str) else "".join(p.text for p in content if isinstance(p, InputText))
+
+
+def _custom_input(arguments: str, error: Optional[str]) -> tuple[str, Optional[str]]:
+    """A custom tool call's input from the arguments the model wrote ({"input": "..."}); arguments
+    that do not read so come back whole, with the error."""
+    if error is None:
+        try:
+            value = json.loads(arguments)
+        except ValueError as e:
+            return arguments, str(e)
+        if isinstance(value, dict) and isinstance(value.get("input"), str):
+            return value["input"], None
+        error = "a custom tool's arguments are an object with a string 'input'"
+    return arguments, error
+
+
+_WARNED: set[str] = set()
+
+
+def warn_hosted(types: list[str]) -> None:
+    """Log each hosted tool type the first time a request asks for it (Codex sends web_search on
+    every turn)."""
+    fresh = sorted(set(types) - _WARNED)
+    if fresh:
+        _WARNED.update(fresh)
+        log.warning("hosted tools this server cannot run, left out of the prompt: %s", ", ".join(fresh))
 
 
 def new_id(prefix: str) -> str:
@@ -502,6 +633,8 @@ class Built:
         self.calls = 0
         self.call_errors: list[dict] = []     # calls whose arguments are not JSON
         self.pending: list = []               # TokenLogprob entries read since the last message text (read)
+        self.tools = {o.name: o for o in request.offered}   # the names the model calls them by
+        self.custom_args = ""                 # a custom tool call's arguments as written (JSON: {"input": ...})
 
     def event(self, type_: str, **data) -> dict:
         body = {"type": type_, "sequence_number": self.sequence, **data}
@@ -522,7 +655,7 @@ class Built:
                 "store": r.store is not False, "temperature": r.temperature, "text": {"format": fmt},
                 "tool_choice": r.tool_choice.model_dump() if isinstance(r.tool_choice, NamedFunction)
                 else r.tool_choice or "auto",
-                "tools": [t.model_dump(exclude_none=True) for t in r.function_tools], "top_p": r.top_p,
+                "tools": [t.model_dump(by_alias=True, exclude_none=True) for t in r.tools or []], "top_p": r.top_p,
                 "truncation": r.truncation or "disabled", "usage": None, "user": r.user, "metadata": r.metadata or {}}
         if done is not None:
             u = done.usage
@@ -558,28 +691,49 @@ class Built:
                                   delta=piece.text, **extra))
         elif isinstance(piece, CallStart):
             out += self.close()
-            out += self._add("function_call", call_id=piece.id, name=piece.name)
+            out += self._call(piece.id, piece.name)
         elif isinstance(piece, CallArgs):
             item = self.open
-            item["arguments"] += piece.text
-            out.append(self.event("response.function_call_arguments.delta", item_id=item["id"],
-                                  output_index=len(self.items) - 1, delta=piece.text))
+            if item["type"] == "custom_tool_call":   # its input is known once the arguments are whole
+                self.custom_args += piece.text
+            else:
+                item["arguments"] += piece.text
+                out.append(self.event("response.function_call_arguments.delta", item_id=item["id"],
+                                      output_index=len(self.items) - 1, delta=piece.text))
         elif isinstance(piece, ToolCall):
             if not piece.streamed:   # a call that comes out whole: added, its arguments in one delta
                 out += self.close()
-                out += self._add("function_call", call_id=piece.id, name=piece.name)
+                out += self._call(piece.id, piece.name)
                 out += self.feed(CallArgs(piece.arguments))
             item = self.open
-            item["arguments"] = piece.arguments
-            if piece.error is not None:   # returned as written, named in the response's `localheap`
-                self.call_errors.append({"index": self.calls, "call_id": piece.id, "error": piece.error})
+            error = piece.error
+            if item["type"] == "custom_tool_call":
+                item["input"], error = _custom_input(piece.arguments, error)
+            else:
+                item["arguments"] = piece.arguments
+            if error is not None:   # returned as written, named in the response's `localheap`
+                self.call_errors.append({"index": self.calls, "call_id": piece.id, "error": error})
             self.calls += 1
             out += self.close()
         return out
 
+    def _call(self, call_id: str, name: str) -> list[dict]:
+        """A call's item added: a function_call, or a custom tool's custom_tool_call; a namespaced
+        tool's by its own name and its namespace."""
+        tool = self.tools.get(name)
+        fields = {"call_id": call_id, "name": tool.inner if tool else name}
+        if tool is not None and tool.namespace:
+            fields["namespace"] = tool.namespace
+        if tool is not None and tool.custom:
+            self.custom_args = ""
+            return self._add("custom_tool_call", **fields)
+        return self._add("function_call", **fields)
+
     def _add(self, kind: str, **fields) -> list[dict]:
         if kind == "function_call":
             item = {"type": "function_call", "id": new_id("fc"), "status": "in_progress", "arguments": "", **fields}
+        elif kind == "custom_tool_call":
+            item = {"type": "custom_tool_call", "id": new_id("ctc"), "status": "in_progress", "input": "", **fields}
         elif kind == "message":
             item = {"type": "message", "id": new_id("msg"), "status": "in_progress", "role": "assistant",
                     "content": [{"type": "output_text", "text": "", "annotations": [], "logprobs": []}]}
@@ -589,9 +743,10 @@ class Built:
         self.items.append(item)
         self.open = item
         index = len(self.items) - 1
-        added = {**item, "content": []} if kind != "function_call" else dict(item)
+        calls = ("function_call", "custom_tool_call")
+        added = {**item, "content": []} if kind not in calls else dict(item)
         out = [self.event("response.output_item.added", output_index=index, item=added)]
-        if kind != "function_call":
+        if kind not in calls:
             out.append(self.event("response.content_part.added", item_id=item["id"], output_index=index,
                                   content_index=0, part={**item["content"][0], "text": ""}))
         return out
@@ -607,6 +762,14 @@ class Built:
         if item["type"] == "function_call":
             out.append(self.event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
                                   name=item["name"], arguments=item["arguments"]))
+        elif item["type"] == "custom_tool_call":
+            if status != "completed" and not item["input"]:   # cut short: its arguments as far as written
+                item["input"] = self.custom_args
+            if item["input"]:
+                out.append(self.event("response.custom_tool_call_input.delta", item_id=item["id"],
+                                      output_index=index, delta=item["input"]))
+            out.append(self.event("response.custom_tool_call_input.done", item_id=item["id"], output_index=index,
+                                  input=item["input"]))
         else:
             part = item["content"][0]
             if item["type"] == "message":

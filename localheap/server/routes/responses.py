@@ -20,7 +20,7 @@ from ..chat import start
 from ..errors import Unsupported, to_response
 from ..formats import extension, saved_headers
 from ..prompts import chat_prompt, tokenize
-from ..responses import Built, ResponsesRequest
+from ..responses import Built, ResponsesRequest, warn_hosted
 from ..services import Services, owner, services
 from ..toolcalls import OutputParser
 from .openai import SESSION_HEADER
@@ -35,6 +35,7 @@ async def create_response(body: ResponsesRequest, request: Request, svc: Service
     bad = body.unsupported()
     if bad is not None:
         raise Unsupported(bad[1], bad[0])
+    warn_hosted(body.hosted_tools)
     plan = body.plan()
     opts = plan.options(svc)
     who = owner(request)

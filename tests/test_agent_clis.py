@@ -1,0 +1,144 @@
+"""The agent CLIs people point at a local server, run for real against this one: OpenAI's Codex
+CLI on /v1/responses and Anthropic's Claude Code on /v1/messages, each making a tool call that the
+CLI itself carries out (a shell command), then reading the result back and finishing its turn.
+
+The tiny model will not choose to call a tool, so its replies are forced (the server's test-only
+`force_tokens` hook); everything else is real: the CLI's own requests (its system prompt, its
+dozens of tools, Codex's namespaced and hosted tools, Claude Code's fields), the template, the
+tool-call parser, the stream, the sessions. The CLIs come from npm at pinned versions (.ci/run
+installs them under .ci/clients); elsewhere these tests skip unless LOCALHEAP_CODEX /
+LOCALHEAP_CLAUDE name the binaries, and fail where LOCALHEAP_REQUIRE_AGENT_CLIS is set."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from localheap.grammar import ForcedTokens
+from tool_server import qwen_model, serve
+
+CLIENTS = Path(__file__).resolve().parents[1] / ".ci" / "clients" / "node_modules" / ".bin"
+REQUIRED = bool(os.environ.get("LOCALHEAP_REQUIRE_AGENT_CLIS"))
+
+
+def cli(name: str, env: str) -> str:
+    path = os.environ.get(env) or shutil.which(name, path=str(CLIENTS)) or ""
+    if not path or not os.access(path, os.X_OK):
+        if REQUIRED:
+            pytest.fail(f"{name} is not installed (.ci/run installs it with npm; or set {env})")
+        pytest.skip(f"no {name}: npm install @openai/codex @anthropic-ai/claude-code, or set {env}")
+    return path
+
+
+class Recorder:
+    """ASGI middleware: keeps the JSON body of every POST to `path`, as the CLI sent it."""
+
+    def __init__(self, app, path: str, bodies: list):
+        self.app, self.path, self.bodies = app, path, bodies
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["path"] != self.path or scope["method"] != "POST":
+            return await self.app(scope, receive, send)
+        chunks, more = [], True
+        while more:
+            message = await receive()
+            chunks.append(message.get("body", b""))
+            more = message.get("more_body", False)
+        body = b"".join(chunks)
+        self.bodies.append(json.loads(body))
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+
+def run_forced(model_dirs, tmp_path_factory, path: str, replies: list[str], command) -> tuple:
+    """Serve the tiny Qwen-template model, force `replies` one request after another, record the
+    bodies POSTed to `path`, and run `command(url, model_id)` -> CompletedProcess."""
+    srv = serve(qwen_model(model_dirs, tmp_path_factory))
+    bodies: list = []
+    srv.app.add_middleware(Recorder, path=path, bodies=bodies)
+    with srv:
+        svc = srv.services
+        ids = [svc.tokenizer.encode(t, add_special_tokens=False) for t in replies]
+        svc.force_tokens = lambda: ForcedTokens(ids.pop(0) if ids else [], svc.backend.eos_token_ids)
+        done = command(srv.url, svc.model_id)
+    assert not ids, f"{len(ids)} forced replies were not asked for ({len(bodies)} requests)"
+    return done, bodies
+
+
+def test_codex_runs_a_command_and_a_namespaced_tool(model_dirs, tmp_path_factory, tmp_path, torch_one_thread):
+    codex = cli("codex", "LOCALHEAP_CODEX")
+    replies = ['<tool_call>\n{"name": "exec_command", "arguments": {"cmd": "echo hello-from-codex"}}\n</tool_call>',
+               '<tool_call>\n{"name": "multi_agent_v1.close_agent", "arguments": {"target": "nobody"}}\n</tool_call>',
+               "All done."]
+    home, work = tmp_path / "home", tmp_path / "work"
+    home.mkdir()
+    work.mkdir()
+
+    def run(url: str, model_id: str):
+        (home / "config.toml").write_text(
+            f'model = "{model_id}"\nmodel_provider = "localheap"\n[model_providers.localheap]\n'
+            f'name = "localheap"\nbase_url = "{url}/v1"\nwire_api = "responses"\nenv_key = "LOCALHEAP_KEY"\n')
+        env = {**os.environ, "CODEX_HOME": str(home), "LOCALHEAP_KEY": "unused"}
+        return subprocess.run([codex, "exec", "--json", "--skip-git-repo-check",
+                               "--dangerously-bypass-approvals-and-sandbox", "say hello"],
+                              cwd=work, env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=300)
+
+    done, bodies = run_forced(model_dirs, tmp_path_factory, "/v1/responses", replies, run)
+    assert done.returncode == 0, done.stderr[-3000:]
+    events = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    (ran,) = [e["item"] for e in events if e["type"] == "item.completed"
+              and e["item"]["type"] == "command_execution"]
+    assert ran["aggregated_output"] == "hello-from-codex\n" and ran["exit_code"] == 0
+    assert [e["item"]["text"] for e in events if e["type"] == "item.completed"
+            and e["item"]["type"] == "agent_message"] == ["All done."]
+    assert "unsupported call" not in done.stderr, "the namespaced call reached its tool"
+    assert len(bodies) == 3
+    assert any(t["type"] == "namespace" for t in bodies[0]["tools"])   # what the test is about
+    (call,) = [i for i in bodies[2]["input"] if i.get("type") == "function_call" and i.get("namespace")]
+    assert (call["namespace"], call["name"]) == ("multi_agent_v1", "close_agent")
+    assert any(i.get("type") == "function_call_output" and i["call_id"] == call["call_id"] for i in bodies[2]["input"])
+    outputs = [i["output"] for i in bodies[1]["input"] if i.get("type") == "function_call_output"]
+    assert len(outputs) == 1 and "hello-from-codex" in json.dumps(outputs[0])
+    usage = next(e["usage"] for e in events if e["type"] == "turn.completed")
+    assert usage["cached_input_tokens"] > usage["input_tokens"] / 2, "each turn continued the session"
+
+
+def test_claude_code_runs_a_command(model_dirs, tmp_path_factory, tmp_path, torch_one_thread):
+    claude = cli("claude", "LOCALHEAP_CLAUDE")
+    replies = ['<tool_call>\n{"name": "Bash", "arguments": {"command": "echo hello-from-claude > out.txt", '
+               '"description": "Write a file"}}\n</tool_call>', "All done."]
+    home, work = tmp_path / "home", tmp_path / "work"
+    home.mkdir()
+    work.mkdir()
+
+    def run(url: str, model_id: str):
+        env = {**os.environ, "HOME": str(home), "ANTHROPIC_BASE_URL": url, "ANTHROPIC_API_KEY": "sk-unused",
+               "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1"}
+        return subprocess.run([claude, "-p", "write hello", "--model", model_id, "--output-format", "stream-json",
+                               "--verbose", "--allowedTools", "Bash"],
+                              cwd=work, env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=300)
+
+    done, bodies = run_forced(model_dirs, tmp_path_factory, "/v1/messages", replies, run)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (work / "out.txt").read_text() == "hello-from-claude\n", "Claude Code ran the call"
+    events = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    result = events[-1]
+    assert result["type"] == "result" and not result["is_error"] and result["result"] == "All done."
+    assert len(bodies) == 2
+    (use,) = [b for m in bodies[1]["messages"] if isinstance(m["content"], list) for b in m["content"]
+              if b.get("type") == "tool_use"]
+    assert use["name"] == "Bash" and use["input"]["command"] == "echo hello-from-claude > out.txt"
+    assert result["usage"]["cache_read_input_tokens"] > result["usage"]["input_tokens"] / 2, "the session continued"
