@@ -294,3 +294,29 @@ def test_langchain_tool_calling_agent(server, client):
     kinds = [type(m).__name__ for m in out["messages"]]
     assert kinds == ["HumanMessage", "AIMessage", "ToolMessage", "AIMessage"], kinds
     assert out["messages"][-1].content == "It is 18C and sunny in Paris."
+
+
+def test_a_clients_own_session_header_is_ignored(server, client):
+    """opencode sends `x-session-id: ses_...` (its own conversation id) on every request, its title
+    request and its agent's alike: not an id of this server (sess_...), so it addresses nothing.
+    Each conversation finds its own session by prefix; an id of this server's form that names no
+    session is still a 404."""
+    import httpx
+
+    header = {"X-Session-Id": "ses_ddc538f9dffeSZTiFWjl8zlVAn"}
+    url = server.url + "/v1/chat/completions"
+    title = {"model": model(client), "max_tokens": 4, "temperature": 0,
+             "messages": [{"role": "system", "content": "Write a title."}, {"role": "user", "content": "hi"}]}
+    agent = {"model": model(client), "max_tokens": 4, "temperature": 0, "tools": [{"type": "function", "function": {
+        "name": "get_weather", "parameters": CITY}}], "messages": [{"role": "user", "content": "Weather in Nice?"}]}
+    a = httpx.post(url, json=title, headers=header, timeout=60)
+    b = httpx.post(url, json=agent, headers=header, timeout=60)
+    assert a.status_code == b.status_code == 200, (a.text, b.text)
+    assert a.headers["X-Session-Id"] != b.headers["X-Session-Id"], "two conversations, two sessions"
+    turn = {**agent, "messages": agent["messages"] + [b.json()["choices"][0]["message"],
+                                                      {"role": "user", "content": "And Lyon?"}]}
+    c = httpx.post(url, json=turn, headers=header, timeout=60)
+    assert c.status_code == 200 and c.headers["X-Session-Id"] == b.headers["X-Session-Id"]
+    assert c.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= b.json()["usage"]["prompt_tokens"]
+    gone = httpx.post(url, json=title, headers={"X-Session-Id": "sess_nope"}, timeout=60)
+    assert gone.status_code == 404 and gone.json()["error"]["code"] == "session_not_found"

@@ -8,7 +8,7 @@ import asyncio
 import json
 from typing import AsyncIterator, Optional, Union
 
-from fastapi import APIRouter, Depends, Header, Request
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 from sse_starlette import EventSourceResponse
 
@@ -24,7 +24,7 @@ from ..prompts import chat_prompt, tokenize
 from ..services import Services, services
 from ..toolcalls import CallArgs, CallStart, OutputParser, Piece, Text
 from ..toolformats import ToolCall
-from .openai import SESSION_HEADER
+from .openai import SESSION_HEADER, addressed_session
 
 router = APIRouter()
 
@@ -40,7 +40,7 @@ async def count_tokens(body: CountTokensRequest, svc: Services = Depends(service
 
 @router.post("/v1/messages")
 async def messages(body: MessagesRequest, request: Request, svc: Services = Depends(services),
-                   x_session_id: Optional[str] = Header(None)):
+                   x_session_id: Optional[str] = Depends(addressed_session)):
     svc.check_model(body.model)
     plan = body.plan()
     opts = plan.options(svc)

@@ -10,7 +10,7 @@ import json
 import time
 from typing import AsyncIterator, Optional, Sequence
 
-from fastapi import APIRouter, Depends, Header, Request
+from fastapi import APIRouter, Depends, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
@@ -30,7 +30,7 @@ from ..prompts import chat_prompt, completion_prompt, tokenize
 from ..services import Services, services
 from ..toolcalls import OutputParser, Text
 from ..toolformats import ToolCall, template_source
-from .openai import SESSION_HEADER
+from .openai import SESSION_HEADER, addressed_session
 
 router = APIRouter()
 NDJSON = "application/x-ndjson"
@@ -143,7 +143,7 @@ async def manage(request: Request):
 
 
 @router.post("/api/chat")
-async def chat(request: Request, svc: Services = Depends(services), x_session_id: Optional[str] = Header(None)):
+async def chat(request: Request, svc: Services = Depends(services), x_session_id: Optional[str] = Depends(addressed_session)):
     body = await read_json(request, ChatRequest)
     _check_model(svc, body.model)
     if not body.messages:   # Ollama's way to load a model: done at once
@@ -157,7 +157,7 @@ async def chat(request: Request, svc: Services = Depends(services), x_session_id
 
 
 @router.post("/api/generate")
-async def generate(request: Request, svc: Services = Depends(services), x_session_id: Optional[str] = Header(None)):
+async def generate(request: Request, svc: Services = Depends(services), x_session_id: Optional[str] = Depends(addressed_session)):
     body = await read_json(request, GenerateRequest)
     _check_model(svc, body.model)
     bad = body.unsupported()

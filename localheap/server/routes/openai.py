@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from contextlib import aclosing
 from dataclasses import dataclass, field
@@ -16,6 +17,7 @@ from sse_starlette import EventSourceResponse
 from ...engine import Delta, Finished, Job, Progress, Started
 from ...generation import LogprobRecorder, SamplingParams, check_logit_bias
 from ...sessions import Prompt
+from ...sessions.disk import valid_id
 from ..bridge import JobEvents, collect, follow, merged
 from ..chat import ChatPlan, start
 from ..errors import BadRequest, Unsupported, to_response
@@ -29,8 +31,26 @@ from ..services import Services, services
 from ..toolcalls import CallArgs, CallStart, OutputParser, Piece
 from ..toolformats import ToolCall
 
+log = logging.getLogger("localheap.server")
 router = APIRouter()
 SESSION_HEADER = "X-Session-Id"
+_foreign_warned = False
+
+
+def addressed_session(x_session_id: Optional[str] = Header(None)) -> Optional[str]:
+    """The session an X-Session-Id header addresses. Only this server's ids (sess_...) address
+    one: some clients send a header of that name carrying their own conversation id (opencode
+    sends "ses_..." on every request, for a provider's cache affinity; its title request and its
+    agent's share it). Such an id is ignored (logged once): the prompt finds its session by its
+    prefix, as without the header. An id of this server's form that names no session is a 404."""
+    global _foreign_warned
+    if x_session_id is None or valid_id(x_session_id):
+        return x_session_id
+    if not _foreign_warned:
+        _foreign_warned = True
+        log.info("X-Session-Id %r is not a session id of this server (sess_...): taken for a client's own "
+                 "conversation id and ignored; prompts find their sessions by prefix", x_session_id)
+    return None
 
 
 @router.get("/v1/models")
@@ -46,7 +66,7 @@ async def get_model(model: str, svc: Services = Depends(services)) -> dict:
 
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request, svc: Services = Depends(services),
-                           x_session_id: Optional[str] = Header(None)):
+                           x_session_id: Optional[str] = Depends(addressed_session)):
     _check(body, svc)
     plan = _plan(body)
     opts = plan.options(svc)
@@ -64,7 +84,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, svc: S
 
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request, svc: Services = Depends(services),
-                      x_session_id: Optional[str] = Header(None)):
+                      x_session_id: Optional[str] = Depends(addressed_session)):
     _check(body, svc)
     scored = body.echo and body.logprobs is not None   # the prompt's logprobs: read by prefill_scored
     if scored and getattr(svc.backend, "prefill_scored", None) is None:

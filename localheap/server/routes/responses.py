@@ -9,7 +9,7 @@ import json
 import time
 from typing import AsyncIterator, Callable, Optional
 
-from fastapi import APIRouter, Depends, Header, Request
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 from sse_starlette import EventSourceResponse
 
@@ -23,14 +23,14 @@ from ..prompts import chat_prompt, tokenize
 from ..responses import Built, ResponsesRequest, warn_hosted
 from ..services import Services, owner, services
 from ..toolcalls import OutputParser
-from .openai import SESSION_HEADER
+from .openai import SESSION_HEADER, addressed_session
 
 router = APIRouter()
 
 
 @router.post("/v1/responses")
 async def create_response(body: ResponsesRequest, request: Request, svc: Services = Depends(services),
-                          x_session_id: Optional[str] = Header(None)):
+                          x_session_id: Optional[str] = Depends(addressed_session)):
     svc.check_model(body.model)
     bad = body.unsupported()
     if bad is not None:
