@@ -161,12 +161,22 @@ def test_tags_show_ps_version(server, client):
     assert v["version"] and v["localheap"] is None or isinstance(v["localheap"], str)
 
 
+def test_options_it_does_not_know_are_ignored_as_ollama_ignores_them(server, client, caplog):
+    """Ollama logs "invalid option provided" and answers; llm.nvim sends rope_frequency_base."""
+    msgs = [{"role": "user", "content": "The pass key"}]
+    plain = client.chat(model=model(server), messages=msgs, options={"temperature": 0, "num_predict": 6})
+    with caplog.at_level("WARNING", logger="localheap.server"):
+        odd = client.chat(model=model(server), messages=msgs, options={
+            "temperature": 0, "num_predict": 6, "rope_frequency_base": 1e6, "frobnicate": 1})
+    assert odd.message.content == plain.message.content
+    assert "frobnicate, rope_frequency_base" in caplog.text
+
+
 @pytest.mark.parametrize("body,param", [
     ({"options": {"tfs_z": 0.5}}, "options.tfs_z"),
     ({"options": {"mirostat": 3}}, "options.mirostat"),
     ({"options": {"repeat_penalty": 0}}, "options.repeat_penalty"),
     ({"options": {"repeat_last_n": -2}}, "options.repeat_last_n"),
-    ({"options": {"frobnicate": 1}}, "options.frobnicate"),
     ({"messages": [{"role": "user", "content": "x", "images": ["aGk="]}]}, "messages.0.images"),
     ({"frobnicate": 1}, None),
 ])

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import time
 from typing import Annotated, Any, Literal, Optional, Union
 
@@ -21,6 +22,8 @@ from .errors import BadRequest
 from .schemas import MAX_EMBED_INPUTS, ChatMessage, Strict
 from .toolformats import ToolCall
 
+log = logging.getLogger("localheap.server")
+
 OLLAMA_VERSION = "0.12.0"   # the API version whose shapes these routes follow (GET /api/version)
 
 # options that tune the runtime, not the reply: accepted, unused (the heap replaces num_ctx: any length fits)
@@ -28,6 +31,18 @@ RUNTIME_OPTIONS = {"num_ctx", "num_batch", "num_gpu", "main_gpu", "num_thread", 
                    "low_vram", "numa", "vocab_only", "f16_kv", "logits_all", "embedding_only"}
 # sampling options this server has no sampler for: accepted at their neutral value only
 NEUTRAL_OPTIONS = {"tfs_z": 1.0, "penalize_newline": None}
+
+
+_WARNED: set[str] = set()
+
+
+def warn_unknown(names: list[str]) -> None:
+    """Log each unknown option the first time a request sends it (clients send the same ones every
+    time: llm.nvim's rope_frequency_base, options of older Ollama versions)."""
+    fresh = [n for n in names if n not in _WARNED]
+    if fresh:
+        _WARNED.update(fresh)
+        log.warning("Ollama options this server does not know, ignored (as Ollama ignores them): %s", ", ".join(fresh))
 
 
 class OllamaFunction(Strict):
@@ -108,8 +123,8 @@ class OllamaRequest(Strict):
                  "frequency_penalty", "repeat_penalty", "repeat_last_n", "typical_p", "mirostat", "mirostat_tau",
                  "mirostat_eta"}
         unknown = sorted(set(o) - known)
-        if unknown:
-            raise BadRequest(f"options.{unknown[0]} is not an option this server knows", f"options.{unknown[0]}")
+        if unknown:   # Ollama logs "invalid option provided" and goes on; so does this server
+            warn_unknown(unknown)
         limit = o.get("num_predict")
         stop = o.get("stop") or []
         try:
