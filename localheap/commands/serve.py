@@ -80,7 +80,7 @@ def add_parser(sub) -> None:
                         f"(default auto: 1/{TOTAL_SHARE} of the free space on its disk plus what it holds, at start)")
     p.add_argument("--no-persist", dest="persist", action="store_false",
                    help="do not save sessions at shutdown nor restore them at start (default: they are saved)")
-    p.add_argument("--default-max-tokens", type=int, default=1024, help="chat reply limit when a request sets none")
+    p.add_argument("--default-max-tokens", type=int, default=8192, help="chat reply limit when a request sets none")
     p.add_argument("--max-tokens-limit", type=int, default=32768,
                    help="the largest max_tokens a request may ask for (400 beyond)")
     p.add_argument("--shutdown-grace", type=float, default=10.0, metavar="SECONDS",

@@ -39,7 +39,7 @@ class ServerSettings:
     disk_total: Optional[int] = 0              # bytes the whole sessions directory may hold (0: no bound; None: auto, serve fills it in)
     persist_sessions: bool = False             # save sessions at shutdown, load them at start
     ram_budget: Optional[int] = None           # bytes (None: 75% of physical memory)
-    default_max_tokens: int = 1024             # chat replies when the request sets no limit
+    default_max_tokens: int = 8192             # chat replies when the request sets no limit
     max_tokens_limit: int = 32768              # the largest max_tokens a request may ask (400 beyond)
     shutdown_grace_s: float = 10.0             # SIGTERM: requests get this long, then are cancelled
     heap: HeapConfig = field(default_factory=HeapConfig)
