@@ -142,3 +142,26 @@ def test_claude_code_runs_a_command(model_dirs, tmp_path_factory, tmp_path, torc
               if b.get("type") == "tool_use"]
     assert use["name"] == "Bash" and use["input"]["command"] == "echo hello-from-claude > out.txt"
     assert result["usage"]["cache_read_input_tokens"] > result["usage"]["input_tokens"] / 2, "the session continued"
+
+
+def test_codex_oss_takes_the_server_for_ollama(model_dirs, tmp_path_factory, tmp_path, torch_one_thread):
+    """`codex --oss --local-provider ollama` (the server where Ollama would be: CODEX_OSS_BASE_URL, or
+    `localheap serve --port 11434`) asks /api/version for 0.13.4 or newer, finds the model in
+    /api/tags (or pulls it), then speaks /v1/responses."""
+    codex = cli("codex", "LOCALHEAP_CODEX")
+    home, work = tmp_path / "home", tmp_path / "work"
+    home.mkdir()
+    work.mkdir()
+
+    def run(url: str, model_id: str):
+        env = {**os.environ, "CODEX_HOME": str(home), "CODEX_OSS_BASE_URL": url + "/v1"}
+        return subprocess.run([codex, "exec", "--json", "--skip-git-repo-check", "--oss", "--local-provider",
+                               "ollama", "-m", model_id, "-s", "read-only", "say hello"],
+                              cwd=work, env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=300)
+
+    done, bodies = run_forced(model_dirs, tmp_path_factory, "/v1/responses", ["Hello from the heap."], run)
+    assert done.returncode == 0, done.stderr[-3000:]
+    events = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    assert [e["item"]["text"] for e in events if e["type"] == "item.completed"
+            and e["item"]["type"] == "agent_message"] == ["Hello from the heap."]
+    assert len(bodies) == 1

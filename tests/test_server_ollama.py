@@ -126,6 +126,37 @@ def test_thinking(server, client, force):
     assert "".join(p.thinking or "" for p in parts) == "\nplan\n" and "".join(p.response for p in parts) == "Hello."
 
 
+def test_logprobs_whole_and_streamed(server, client, force):
+    """logprobs (and top_logprobs): each generated token once, in the line its text comes out in,
+    as Ollama's client reads them; the chat route's figures for the same prompt; thinking's tokens
+    listed too; none asked for, none sent."""
+    msgs = [{"role": "user", "content": "The pass key"}]
+    options = {"temperature": 0, "num_predict": 10}
+    whole = client.chat(model=model(server), messages=msgs, options=options, logprobs=True, top_logprobs=2)
+    assert len(whole.logprobs) == 10 and "".join(e.token for e in whole.logprobs) == whole.message.content
+    assert all(len(e.top_logprobs) == 2 and e.top_logprobs[0].logprob >= e.logprob for e in whole.logprobs)
+    chat = openai.OpenAI(base_url=server.url + "/v1", api_key="x").chat.completions.create(
+        model=model(server), messages=msgs, max_tokens=10, temperature=0, logprobs=True, top_logprobs=2)
+    entries = chat.choices[0].logprobs.content
+    assert [e.token for e in whole.logprobs] == [e.token for e in entries]
+    assert [e.logprob for e in whole.logprobs] == pytest.approx([e.logprob for e in entries], abs=1e-5)
+    parts = list(client.chat(model=model(server), messages=msgs, options=options, logprobs=True, stream=True))
+    for p in parts[:-1]:
+        assert "".join(e.token for e in p.logprobs or []) == p.message.content
+    assert [e.token for p in parts for e in p.logprobs or []] == [e.token for e in whole.logprobs]
+    assert all(not e.top_logprobs for p in parts for e in p.logprobs or [])   # top_logprobs 0: none
+    plain = httpx.post(server.url + "/api/generate", timeout=60, json={
+        "model": model(server), "prompt": "The pass key", "stream": False, "options": options}).json()
+    assert "logprobs" not in plain
+    r = httpx.post(server.url + "/api/chat", timeout=60, json={
+        "model": model(server), "messages": msgs, "stream": False, "options": options, "truncate": False,
+        "shift": False})
+    assert r.status_code == 200 and r.json()["message"]["content"] == whole.message.content
+    force("<think>\nplan\n</think>\n\nHello.")
+    gen = client.generate(model=model(server), prompt="Hi", logprobs=True, options={"num_predict": 40})
+    assert "".join(e.token for e in gen.logprobs) == "<think>\nplan\n</think>\n\nHello."
+
+
 def test_json_format_holds(server, client):
     schema = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Lyon"]}},
               "required": ["city"], "additionalProperties": False}

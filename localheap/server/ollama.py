@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal, Optional, Union
 from pydantic import Field
 
 from ..engine import Finished
-from ..generation import SamplingParams
+from ..generation import TOP_LOGPROBS_MAX, LogprobRecorder, SamplingParams
 from .chat import ChatPlan
 from .errors import BadRequest
 from .schemas import MAX_EMBED_INPUTS, ChatMessage, Strict
@@ -24,7 +24,9 @@ from .toolformats import ToolCall
 
 log = logging.getLogger("localheap.server")
 
-OLLAMA_VERSION = "0.12.0"   # the API version whose shapes these routes follow (GET /api/version)
+# GET /api/version: the Ollama version whose API these routes follow: /api/* as of 0.12.11 (logprobs,
+# truncate, shift) and /v1/responses, which Ollama serves from 0.13.4 (Codex --oss asks for 0.13.4 or newer)
+OLLAMA_VERSION = "0.13.4"
 
 # options that tune the runtime, not the reply: accepted, unused (the heap replaces num_ctx: any length fits)
 RUNTIME_OPTIONS = {"num_ctx", "num_batch", "num_gpu", "main_gpu", "num_thread", "num_keep", "use_mmap", "use_mlock",
@@ -108,6 +110,10 @@ class OllamaRequest(Strict):
     stream: bool = True
     keep_alive: Union[str, int, float, None] = None   # accepted: the model stays loaded; sessions are on disk
     think: Union[bool, Literal["low", "medium", "high"], None] = None
+    logprobs: Optional[bool] = None                   # each generated token's logprob, in the line it comes in
+    top_logprobs: Optional[int] = Field(None, ge=0, le=TOP_LOGPROBS_MAX)   # with logprobs: alternatives per token
+    truncate: Optional[bool] = None   # accepted: the heap holds any length, there is never history to cut
+    shift: Optional[bool] = None      # accepted: the context never fills, so it never shifts
 
     def params(self, default_max: int, constraint: Any = None) -> SamplingParams:
         """The options as sampling (num_predict -1 or absent: the server's default reply limit)."""
@@ -140,7 +146,8 @@ class OllamaRequest(Strict):
                                   repeat_last_n=int(o.get("repeat_last_n", 64)),
                                   typical_p=min(1.0, float(o.get("typical_p", 1.0))),
                                   mirostat=int(o.get("mirostat", 0)), mirostat_tau=float(o.get("mirostat_tau", 5.0)),
-                                  mirostat_eta=float(o.get("mirostat_eta", 0.1)), constraint=constraint)
+                                  mirostat_eta=float(o.get("mirostat_eta", 0.1)), constraint=constraint,
+                                  logprobs=LogprobRecorder(self.top_logprobs or 0) if self.logprobs else None)
         except (TypeError, ValueError) as e:
             name = next((n for n in ("repeat_penalty", "repeat_last_n", "typical_p", "mirostat") if n in str(e)), None)
             raise BadRequest(f"options: {e}", f"options.{name}" if name else "options") from e

@@ -23,6 +23,7 @@ from ..chat import start
 from ..errors import BadRequest, UnknownModel, Unsupported
 from ..fim import fim_format, fim_prompt
 from ..formats import save_fields, saved_headers
+from ..logprobs import chat_content
 from ..embeddings import check_backend, embed, embedding_prompt, input_limit
 from ..ollama import (OLLAMA_VERSION, ChatRequest, EmbedRequest, GenerateRequest, LegacyEmbeddingsRequest, ShowRequest,
                       call_dict, final_fields, model_entry, now_iso, tag)
@@ -239,7 +240,7 @@ async def _run(request: Request, svc: Services, body, prompt, parser: OutputPars
     params = body.params(default, constraint)
     params.stop_token_ids += list(stop_ids)
     job, events, started = await start(svc, request, prompt, params, session_id, title, scratch=scratch)
-    reply = Reply(svc, parser, chat, began)
+    reply = Reply(svc, parser, chat, began, svc.token_text if params.logprobs is not None else None)
     headers = {SESSION_HEADER: started.session_id}
     if body.stream:
         return StreamingResponse(_lines(reply, job, events), media_type=NDJSON, headers=headers)
@@ -268,8 +269,10 @@ class Reply:
     """A job's Deltas as Ollama's lines: text (chat: message.content; generate: response),
     thinking, tool calls (chat: each whole, once written), then the final line."""
 
-    def __init__(self, svc: Services, parser: OutputParser, chat: bool, began: float):
+    def __init__(self, svc: Services, parser: OutputParser, chat: bool, began: float, token_text=None):
         self.svc, self.parser, self.chat, self.began = svc, parser, chat, began
+        self.token_text = token_text          # logprobs asked for: a token's text and bytes
+        self.pending: list = []               # TokenLogprob entries not yet in a line
         self.first_token: Optional[float] = None
         self.done: Optional[Finished] = None
         self.calls = 0
@@ -279,14 +282,23 @@ class Reply:
         async for event in follow(job, events):
             if isinstance(event, Delta):
                 self.first_token = self.first_token or time.monotonic()
+                self.pending += event.logprobs or []
                 for line in self._pieces(self.parser.feed(event.text)):
-                    yield line
+                    yield self._with_logprobs(line)
             elif isinstance(event, Finished):
                 for line in self._pieces(self.parser.finish()):
-                    yield line
+                    yield self._with_logprobs(line)
                 self.done = event
-                yield self._final(event)
+                yield self._with_logprobs(self._final(event))
                 return
+
+    def _with_logprobs(self, line: dict) -> dict:
+        """The entries of the tokens read since the last line go with this one (a token the parser
+        holds back, as the start of a tag, goes with the line its text comes out in): in order,
+        every generated token once, thinking and calls included, as Ollama lists them."""
+        if self.token_text is not None and self.pending:   # (none: no field, as Ollama omits it)
+            line["logprobs"], self.pending = chat_content(self.token_text, self.pending), []
+        return line
 
     def _line(self, content: str = "", thinking: Optional[str] = None, calls: Optional[list] = None) -> dict:
         head = {"model": tag(self.svc.model_id), "created_at": now_iso()}
@@ -340,6 +352,9 @@ class Reply:
             last["response"] = text
             if thinking:
                 last["thinking"] = thinking
+        entries = [e for line in lines for e in line.get("logprobs", [])]
+        if entries:
+            last["logprobs"] = entries
         return last
 
     def _text(self, line: dict) -> str:
