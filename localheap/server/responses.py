@@ -54,33 +54,36 @@ class InputMedia(BaseModel):
 ContentPart = Union[InputText, InputMedia]
 
 
-class MessageItem(Strict):
+class _Item(Strict):
+    """What every input item may carry back from the output item it was (its id and status)."""
+    id: Optional[str] = None
+    status: Optional[str] = None
+
+
+class MessageItem(_Item):
     type: Optional[Literal["message"]] = None
     role: Literal["user", "assistant", "system", "developer"]
     content: Union[str, list[ContentPart]]
-    id: Optional[str] = None
-    status: Optional[str] = None
     phase: Optional[str] = None
 
 
-class FunctionCallItem(Strict):
+class FunctionCallItem(_Item):
     type: Literal["function_call"]
     call_id: str
     name: str
     arguments: str
-    id: Optional[str] = None
-    status: Optional[str] = None
     namespace: Optional[str] = None              # (fields an SDK's output item carries, sent back)
     caller: Optional[dict[str, Any]] = None
     async_: Optional[bool] = Field(None, alias="async")
 
 
-class FunctionCallOutputItem(Strict):
-    type: Literal["function_call_output"]
+class _CallOutput(_Item):
     call_id: str
     output: Union[str, list[ContentPart]]
-    id: Optional[str] = None
-    status: Optional[str] = None
+
+
+class FunctionCallOutputItem(_CallOutput):
+    type: Literal["function_call_output"]
 
 
 class ReasoningPart(Strict):
@@ -88,33 +91,25 @@ class ReasoningPart(Strict):
     text: str
 
 
-class ReasoningItem(Strict):
+class ReasoningItem(_Item):
     type: Literal["reasoning"]
-    id: Optional[str] = None
     summary: list[ReasoningPart] = []
     content: Optional[list[ReasoningPart]] = None
     encrypted_content: Optional[str] = None
-    status: Optional[str] = None
 
 
-class CustomToolCallItem(Strict):
+class CustomToolCallItem(_Item):
     """A call of a custom (freeform) tool: its input is plain text, not JSON arguments."""
     type: Literal["custom_tool_call"]
     call_id: str
     name: str
     input: str
     namespace: Optional[str] = None
-    id: Optional[str] = None
-    status: Optional[str] = None
 
 
-class CustomToolCallOutputItem(Strict):
+class CustomToolCallOutputItem(_CallOutput):
     type: Literal["custom_tool_call_output"]
-    call_id: str
-    output: Union[str, list[ContentPart]]
     name: Optional[str] = None
-    id: Optional[str] = None
-    status: Optional[str] = None
 
 
 class OtherItem(BaseModel):
@@ -289,7 +284,7 @@ class ResponsesRequest(Strict):
                 return f"input.{i}", f"{item.type!r} input items are not supported (messages, function_call, " \
                     "function_call_output, custom_tool_call, custom_tool_call_output and reasoning are)"
             parts = item.content if isinstance(item, MessageItem) else \
-                item.output if isinstance(item, (FunctionCallOutputItem, CustomToolCallOutputItem)) else None
+                item.output if isinstance(item, _CallOutput) else None
             for j, p in enumerate(parts if isinstance(parts, list) else []):
                 if isinstance(p, InputMedia):
                     return f"input.{i}.content.{j}", f"this model reads text only: {p.type!r} parts are not supported"
@@ -374,7 +369,7 @@ class ResponsesRequest(Strict):
                 t["content"] += _text(item.content)
             else:
                 close()
-                if isinstance(item, (FunctionCallOutputItem, CustomToolCallOutputItem)):
+                if isinstance(item, _CallOutput):
                     out.append(ChatMessage(role="tool", tool_call_id=item.call_id, content=_text(item.output)))
                 else:
                     out.append(ChatMessage(role=item.role, content=_text(item.content)))
