@@ -454,3 +454,48 @@ def test_arguments_that_are_not_json_come_back_flagged(server, client, force):
     assert call.type == "function_call" and call.arguments == "{city: Paris}"
     (err,) = r.localheap["tool_call_errors"]
     assert err["call_id"] == call.call_id and err["index"] == 0
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_the_openai_agents_sdk_runs_a_tool_through_the_responses_route(server, stream):
+    """OpenAI's Agents SDK (its Responses model, unmodified): the model reasons and calls a function
+    tool, the SDK runs it and sends its output back, and the model answers; whole and streamed."""
+    import asyncio
+
+    agents = pytest.importorskip("agents")
+    from localheap.grammar import ForcedTokens
+
+    agents.set_tracing_disabled(True)
+    seen = []
+
+    @agents.function_tool
+    def get_weather(city: str) -> str:
+        """Weather in a city."""
+        seen.append(city)
+        return f"18C in {city}"
+
+    svc = server.services
+    replies = ["<think>\nlook it up\n</think>\n\n" + CALL, "It is 18C in Paris."]
+    ids = [svc.tokenizer.encode(t, add_special_tokens=False) for t in replies]
+    svc.force_tokens = lambda: ForcedTokens(ids.pop(0), svc.backend.eos_token_ids)
+
+    async def run():
+        client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+        agent = agents.Agent(name="weather", instructions="You are a weather agent.", tools=[get_weather],
+                             model=agents.OpenAIResponsesModel(model=model(server), openai_client=client),
+                             model_settings=agents.ModelSettings(max_tokens=200))
+        if not stream:
+            return await agents.Runner.run(agent, "Weather in Paris?")
+        result = agents.Runner.run_streamed(agent, "Weather in Paris?")
+        async for _ in result.stream_events():
+            pass
+        return result
+
+    try:
+        result = asyncio.run(run())
+    finally:
+        svc.force_tokens = None
+    assert seen == ["Paris"] and not ids
+    assert result.final_output == "It is 18C in Paris."
+    assert [type(i).__name__ for i in result.new_items] == \
+        ["ReasoningItem", "ToolCallItem", "ToolCallOutputItem", "MessageOutputItem"]
