@@ -423,7 +423,7 @@ def test_a_restarted_server_continues_a_kept_response(model_dirs, tmp_path_facto
     ({"tools": [TOOLS[0], {"type": "namespace", "name": "n", "tools": [TOOLS[1]]}, {**TOOLS[1], "name": "n.get_time"}]},
      "tools"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}]}, "input.0.content.0"),
-    ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input.0"),
+    ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input.0"),   # (none is kept: a 404)
     ({"tool_choice": {"type": "function", "name": "nope"}, "tools": TOOLS}, "tool_choice"),
     ({"background": True}, "background"),
     ({"top_logprobs": 21}, "top_logprobs"),
@@ -436,7 +436,7 @@ def test_what_it_cannot_do_is_a_400(server, fields, param):
 
     body = {"model": model(server), "input": "hi", "max_output_tokens": 4, **fields}
     r = httpx.post(server.url + "/v1/responses", json=body, timeout=60)
-    assert r.status_code == (404 if param == "previous_response_id" else 400), r.text
+    assert r.status_code == (404 if param in ("previous_response_id", "input.0") else 400), r.text
     assert r.json()["error"]["param"] == param
 
 
@@ -499,3 +499,36 @@ def test_the_openai_agents_sdk_runs_a_tool_through_the_responses_route(server, s
     assert result.final_output == "It is 18C in Paris."
     assert [type(i).__name__ for i in result.new_items] == \
         ["ReasoningItem", "ToolCallItem", "ToolCallOutputItem", "MessageOutputItem"]
+
+
+def test_an_item_reference_is_the_kept_item(server, force):
+    """The AI SDK's OpenAI provider sends a stored response's reasoning back as
+    {"type": "item_reference", "id": "rs_..."}: it renders as the item itself would; an id no kept
+    response holds is a 404 naming the input item."""
+    import httpx
+
+    force("<think>\nplan\n</think>\n\n" + CALL)
+    url = server.url + "/v1/responses"
+    first = httpx.post(url, timeout=60, json={"model": model(server), "input": "Weather in Paris?", "tools": TOOLS,
+                                              "max_output_tokens": 200}).json()
+    reasoning, call = first["output"]
+    force("Sunny.")
+    rest = [{"type": "function_call", "call_id": call["call_id"], "name": "get_weather", "arguments": call["arguments"],
+             "id": call["id"]}, {"type": "function_call_output", "call_id": call["call_id"], "output": "18C"}]
+    user = {"role": "user", "content": [{"type": "input_text", "text": "Weather in Paris?"}]}
+    answers = [httpx.post(url, timeout=60, json={"model": model(server), "tools": TOOLS, "max_output_tokens": 40,
+                                                 "input": [user, sent] + rest, "store": False}).json()
+               for sent in ({"type": "item_reference", "id": reasoning["id"]}, reasoning)]
+    assert [a["usage"]["input_tokens"] for a in answers] == [answers[1]["usage"]["input_tokens"]] * 2
+    assert answers[0]["usage"]["input_tokens"] > first["usage"]["input_tokens"]
+    assert answers[0]["output"][0]["content"][0]["text"] == "Sunny."
+    by_ref = httpx.post(url, timeout=60, json={"model": model(server), "max_output_tokens": 4, "input": [
+        user, {"type": "item_reference", "id": call["id"]}]})
+    assert by_ref.status_code == 200   # a call referenced: its output is missing, but it renders
+    gone = httpx.post(url, timeout=60, json={"model": model(server), "max_output_tokens": 4, "input": [
+        user, {"type": "item_reference", "id": "rs_nope"}]})
+    assert gone.status_code == 404 and gone.json()["error"]["param"] == "input.1"
+    assert httpx.delete(f"{url}/{first['id']}", timeout=60).status_code == 200
+    deleted = httpx.post(url, timeout=60, json={"model": model(server), "max_output_tokens": 4, "input": [
+        user, {"type": "item_reference", "id": reasoning["id"]}]})
+    assert deleted.status_code == 404, "its response deleted (no other kept one holds it), the item is gone"

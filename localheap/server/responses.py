@@ -112,15 +112,22 @@ class CustomToolCallOutputItem(_CallOutput):
     name: Optional[str] = None
 
 
+class ItemReference(Strict):
+    """An item of a kept response, by its id (the AI SDK's OpenAI provider sends its reasoning
+    items back so): replaced by the item before anything else reads the input."""
+    type: Literal["item_reference"]
+    id: str
+
+
 class OtherItem(BaseModel):
-    """Items of hosted tools (web search, file search, computer use, ...) and item references:
-    recognised, so that they are refused by name."""
+    """Items of hosted tools (web search, file search, computer use, ...): recognised, so that
+    they are refused by name."""
     model_config = ConfigDict(extra="allow")
     type: str
 
 
 Item = Union[MessageItem, FunctionCallItem, FunctionCallOutputItem, CustomToolCallItem, CustomToolCallOutputItem,
-             ReasoningItem, OtherItem]
+             ReasoningItem, ItemReference, OtherItem]
 _ITEM = TypeAdapter(Item)
 
 
@@ -436,6 +443,7 @@ class ResponseLog:
     def __init__(self, max_kept: int = 4096, max_chars: int = 16_000_000, path: Optional[Path] = None):
         self.max_kept, self.max_chars = max_kept, max_chars
         self._kept: OrderedDict[str, Kept] = OrderedDict()
+        self._items: dict[str, tuple[str, Any]] = {}   # item id -> (the kept response it is in, the item)
         self.chars = 0
         self.path = path
         self._lines = 0                        # lines in the file (records and deletions)
@@ -454,8 +462,37 @@ class ResponseLog:
     def _keep(self, response_id: str, kept: Kept) -> None:
         self._kept[response_id] = kept
         self.chars += kept.chars
+        for item in kept.items:
+            if getattr(item, "id", None):
+                self._items[item.id] = (response_id, item)
         while self._kept and (len(self._kept) > self.max_kept or self.chars > self.max_chars):
-            self.chars -= self._kept.popitem(last=False)[1].chars
+            self._drop(next(iter(self._kept)))
+
+    def _drop(self, response_id: str) -> None:
+        kept = self._kept.pop(response_id, None)
+        if kept is None:
+            return
+        self.chars -= kept.chars
+        for item in kept.items:
+            if getattr(item, "id", None) and self._items.get(item.id, (None,))[0] == response_id:
+                del self._items[item.id]
+
+    def resolve(self, request: ResponsesRequest, owner: Optional[str]) -> None:
+        """Replace each item_reference in the request's input by the kept item it names (404 where
+        none is kept: its response was dropped, deleted, or another key's)."""
+        if isinstance(request.input, str) or not any(isinstance(i, ItemReference) for i in request.input):
+            return
+        out = []
+        for n, item in enumerate(request.input):
+            if isinstance(item, ItemReference):
+                found = self._items.get(item.id)
+                if found is None or self._kept[found[0]].owner != owner:
+                    raise ResponseNotFound(f"no item {item.id!r} is kept here (it belongs to a response that was "
+                                           f"not stored, or was dropped or deleted: send the item itself)",
+                                           f"input.{n}")
+                item = found[1]
+            out.append(item)
+        request.input = out
 
     def get(self, response_id: str, owner: Optional[str], param: str = "response_id") -> Kept:
         kept = self._kept.get(response_id)
@@ -478,7 +515,7 @@ class ResponseLog:
 
     def delete(self, response_id: str, owner: Optional[str]) -> None:
         self.get(response_id, owner)
-        self.chars -= self._kept.pop(response_id).chars
+        self._drop(response_id)
         self._append({"delete": response_id})
 
     def flush(self) -> None:
@@ -554,8 +591,7 @@ class ResponseLog:
             try:
                 r = json.loads(line)
                 if "delete" in r:
-                    kept = self._kept.pop(r["delete"], None)
-                    self.chars -= kept.chars if kept is not None else 0
+                    self._drop(r["delete"])
                 else:
                     self._keep(r["add"], Kept.from_record(r))
                 self._lines += 1

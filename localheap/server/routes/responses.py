@@ -32,13 +32,14 @@ router = APIRouter()
 async def create_response(body: ResponsesRequest, request: Request, svc: Services = Depends(services),
                           x_session_id: Optional[str] = Depends(addressed_session)):
     svc.check_model(body.model)
+    who = owner(request)
+    svc.responses.resolve(body, who)
     bad = body.unsupported()
     if bad is not None:
         raise Unsupported(bad[1], bad[0])
     warn_hosted(body.hosted_tools)
     plan = body.plan()
     opts = plan.options(svc)
-    who = owner(request)
     before = svc.responses.conversation(body.previous_response_id, who) if body.previous_response_id else []
     messages = body.chat_messages(before)
     prompt = await tokenize(chat_prompt, svc.tokenizer, messages, limit=svc.settings.max_prompt_tokens, opts=opts)
