@@ -1,13 +1,16 @@
 """The agent CLIs people point at a local server, run for real against this one: OpenAI's Codex
 CLI on /v1/responses and Anthropic's Claude Code on /v1/messages, each making a tool call that the
-CLI itself carries out (a shell command), then reading the result back and finishing its turn.
+CLI itself carries out (a shell command), then reading the result back and finishing its turn; and
+the Vercel AI SDK's OpenAI provider (which opencode and many JavaScript agents build on), running a
+tool over /v1/responses.
 
 The tiny model will not choose to call a tool, so its replies are forced (the server's test-only
 `force_tokens` hook); everything else is real: the CLI's own requests (its system prompt, its
 dozens of tools, Codex's namespaced and hosted tools, Claude Code's fields), the template, the
 tool-call parser, the stream, the sessions. The CLIs come from npm at pinned versions (.ci/run
 installs them under .ci/clients); elsewhere these tests skip unless LOCALHEAP_CODEX /
-LOCALHEAP_CLAUDE name the binaries, and fail where LOCALHEAP_REQUIRE_AGENT_CLIS is set."""
+LOCALHEAP_CLAUDE name the binaries (LOCALHEAP_NODE_CLIENTS a directory whose node_modules holds
+`ai` and `@ai-sdk/openai`), and fail where LOCALHEAP_REQUIRE_AGENT_CLIS is set."""
 
 from __future__ import annotations
 
@@ -22,7 +25,8 @@ import pytest
 from localheap.grammar import ForcedTokens
 from tool_server import qwen_model, serve
 
-CLIENTS = Path(__file__).resolve().parents[1] / ".ci" / "clients" / "node_modules" / ".bin"
+NODE_CLIENTS = Path(__file__).resolve().parents[1] / ".ci" / "clients"   # npm install --prefix .ci/clients
+CLIENTS = NODE_CLIENTS / "node_modules" / ".bin"
 REQUIRED = bool(os.environ.get("LOCALHEAP_REQUIRE_AGENT_CLIS"))
 
 
@@ -165,3 +169,47 @@ def test_codex_oss_takes_the_server_for_ollama(model_dirs, tmp_path_factory, tmp
     assert [e["item"]["text"] for e in events if e["type"] == "item.completed"
             and e["item"]["type"] == "agent_message"] == ["Hello from the heap."]
     assert len(bodies) == 1
+
+
+AI_SDK_SCRIPT = """
+import { createOpenAI } from "@ai-sdk/openai";
+import { generateText, streamText, tool, stepCountIs } from "ai";
+import { z } from "zod";
+const [base, model] = process.argv.slice(-2);
+const openai = createOpenAI({ baseURL: base + "/v1", apiKey: "unused" });
+const seen = [];
+const tools = { get_weather: tool({ description: "Weather in a city",
+  inputSchema: z.object({ city: z.enum(["Paris", "Lyon", "Nice"]) }),
+  execute: async ({ city }) => { seen.push(city); return `18C in ${city}`; } }) };
+const args = { model: openai(model), prompt: "Weather in Paris?", tools, stopWhen: stepCountIs(3), maxOutputTokens: 200 };
+const whole = await generateText(args);
+const streamed = streamText(args);
+let text = "";
+for await (const part of streamed.textStream) text += part;
+console.log(JSON.stringify({ whole: whole.text, steps: whole.steps.length, streamed: text,
+                             streamedSteps: (await streamed.steps).length, seen }));
+"""
+
+
+def test_the_ai_sdks_openai_provider_runs_a_tool(model_dirs, tmp_path_factory, torch_one_thread):
+    """The AI SDK's `openai(model)` speaks /v1/responses and sends a kept response's reasoning back
+    as an item_reference: a call (after reasoning), its result, an answer; whole, then streamed."""
+    where = Path(os.environ.get("LOCALHEAP_NODE_CLIENTS") or NODE_CLIENTS)
+    node = shutil.which("node")
+    if node is None or not (where / "node_modules" / "@ai-sdk" / "openai").is_dir():
+        if REQUIRED:
+            pytest.fail("the AI SDK is not installed (.ci/run installs it with npm)")
+        pytest.skip("no AI SDK: npm install --prefix .ci/clients ai @ai-sdk/openai zod")
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    replies = ["<think>\nlook it up\n</think>\n\n" + call, "It is 18C in Paris."] * 2
+
+    def run(url: str, model_id: str):
+        return subprocess.run([node, "--input-type=module", "-e", AI_SDK_SCRIPT, url, model_id], cwd=where,
+                              stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=300)
+
+    done, bodies = run_forced(model_dirs, tmp_path_factory, "/v1/responses", replies, run)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert out == {"whole": "It is 18C in Paris.", "steps": 2, "streamed": "It is 18C in Paris.",
+                   "streamedSteps": 2, "seen": ["Paris", "Paris"]}
+    assert any(i.get("type") == "item_reference" for i in bodies[1]["input"]), "what the test is about"
