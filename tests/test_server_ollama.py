@@ -192,15 +192,25 @@ def test_tags_show_ps_version(server, client):
     assert v["version"] and v["localheap"] is None or isinstance(v["localheap"], str)
 
 
-def test_options_it_does_not_know_are_ignored_as_ollama_ignores_them(server, client, caplog):
-    """Ollama logs "invalid option provided" and answers; llm.nvim sends rope_frequency_base."""
+def test_options_and_fields_it_does_not_know_are_ignored_as_ollama_ignores_them(server, client, caplog):
+    """Ollama logs "invalid option provided" and answers (llm.nvim sends rope_frequency_base), and its
+    JSON decoding ignores unknown fields (Cline sends tool_choice, and fields inside messages)."""
     msgs = [{"role": "user", "content": "The pass key"}]
     plain = client.chat(model=model(server), messages=msgs, options={"temperature": 0, "num_predict": 6})
     with caplog.at_level("WARNING", logger="localheap.server"):
         odd = client.chat(model=model(server), messages=msgs, options={
             "temperature": 0, "num_predict": 6, "rope_frequency_base": 1e6, "frobnicate": 1})
+        r = httpx.post(server.url + "/api/chat", timeout=60, json={
+            "model": model(server), "messages": [{**msgs[0], "ts": 1}], "stream": False, "tool_choice": "auto",
+            "tools": TOOLS, "options": {"temperature": 0, "num_predict": 6}})
     assert odd.message.content == plain.message.content
     assert "frobnicate, rope_frequency_base" in caplog.text
+    assert r.status_code == 200, r.text
+    same = httpx.post(server.url + "/api/chat", timeout=60, json={
+        "model": model(server), "messages": msgs, "stream": False, "tools": TOOLS,
+        "options": {"temperature": 0, "num_predict": 6}})
+    assert r.json()["message"]["content"] == same.json()["message"]["content"]
+    assert "messages.0.ts, tool_choice" in caplog.text
 
 
 @pytest.mark.parametrize("body,param", [
@@ -209,7 +219,7 @@ def test_options_it_does_not_know_are_ignored_as_ollama_ignores_them(server, cli
     ({"options": {"repeat_penalty": 0}}, "options.repeat_penalty"),
     ({"options": {"repeat_last_n": -2}}, "options.repeat_last_n"),
     ({"messages": [{"role": "user", "content": "x", "images": ["aGk="]}]}, "messages.0.images"),
-    ({"frobnicate": 1}, None),
+    ({"messages": "hi"}, None),
 ])
 def test_what_it_cannot_do_is_a_400_in_ollamas_shape(server, body, param):
     payload = {"model": model(server), "messages": [{"role": "user", "content": "hi"}], "stream": False, **body}

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from typing import AsyncIterator, Optional, Sequence
 
@@ -33,6 +34,7 @@ from ..toolcalls import OutputParser, Text
 from ..toolformats import ToolCall, template_source
 from .openai import SESSION_HEADER, addressed_session
 
+log = logging.getLogger("localheap.server")
 router = APIRouter()
 NDJSON = "application/x-ndjson"
 
@@ -65,11 +67,41 @@ async def ps(svc: Services = Depends(services)) -> dict:
 
 async def read_json(request: Request, cls):
     """The body as `cls`, whatever its Content-Type: Ollama's own examples post JSON with curl -d,
-    which labels it a form."""
+    which labels it a form. Fields it does not know are ignored, as Ollama (Go's JSON decoding)
+    ignores them, each name logged once: Cline sends `tool_choice` to /api/chat."""
+    raw = await request.body() or b"{}"
     try:
-        return cls.model_validate_json(await request.body() or b"{}")
+        return cls.model_validate_json(raw)
     except ValidationError as e:
-        raise RequestValidationError(e.errors(include_url=False)) from e
+        errors = e.errors(include_url=False)
+    extras = [err["loc"] for err in errors if err["type"] == "extra_forbidden"]
+    if extras:
+        try:
+            data = json.loads(raw)
+            for loc in extras:
+                node = data
+                for step in loc[:-1]:
+                    node = node[step]
+                del node[loc[-1]]
+            body = cls.model_validate(data)
+        except ValidationError as again:
+            errors = again.errors(include_url=False)
+        except (ValueError, KeyError, IndexError, TypeError):   # not where the error said: report it as it was
+            pass
+        else:
+            warn_ignored_fields(sorted({".".join(map(str, loc)) for loc in extras}))
+            return body
+    raise RequestValidationError(errors)
+
+
+_WARNED_FIELDS: set[str] = set()
+
+
+def warn_ignored_fields(names: list[str]) -> None:
+    fresh = [n for n in names if n not in _WARNED_FIELDS]
+    if fresh:
+        _WARNED_FIELDS.update(fresh)
+        log.warning("fields Ollama's API does not have, ignored (as Ollama ignores them): %s", ", ".join(fresh))
 
 
 @router.post("/api/show")
