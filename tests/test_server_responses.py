@@ -186,6 +186,7 @@ def test_codex_tools_namespaces_custom_and_hosted(server, force):
     assert json.loads(close["arguments"]) == {"id": "7"}
     assert patch["type"] == "custom_tool_call" and patch["name"] == "apply_patch" and patch["input"] == PATCH
     assert "namespace" not in patch and first["status"] == "completed"
+    assert first["localheap"]["ignored_tools"] == ["web_search"]
     flat = [TOOLS[0],
             {"type": "function", "function": {"name": "agents.close", "description": "Sub-agents.",
                                               "parameters": CODEX_TOOLS[1]["tools"][0]["parameters"]}},

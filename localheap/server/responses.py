@@ -700,6 +700,8 @@ class Built:
                 body["incomplete_details"] = {"reason": "max_output_tokens"}
         if extension is not None:
             body["localheap"] = {**extension, **({"tool_call_errors": self.call_errors} if self.call_errors else {})}
+            if r.hosted_tools:   # left out of the prompt: the model was not told of them
+                body["localheap"]["ignored_tools"] = r.hosted_tools
         return body
 
     def feed(self, piece: Piece, logprobs: Optional[list[dict]] = None) -> list[dict]:
