@@ -249,10 +249,10 @@ def test_echo_without_logprobs_and_the_refusals(server):
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
     import httpx
 
-    r = httpx.post(server.url + "/v1/completions", headers={"X-Session-Id": "s-1"}, timeout=60,
+    r = httpx.post(server.url + "/v1/completions", headers={"X-Session-Id": "sess_1"}, timeout=60,
                    json={"model": server.services.model_id, "prompt": "x", "echo": True, "logprobs": 0})
     assert r.status_code == 400 and r.json()["error"]["param"] == "echo"
-    r = httpx.post(server.url + "/v1/completions", headers={"X-Session-Id": "s-1"}, timeout=60,
+    r = httpx.post(server.url + "/v1/completions", headers={"X-Session-Id": "sess_1"}, timeout=60,
                    json={"model": server.services.model_id, "prompt": ["x", "y"]})
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
 
