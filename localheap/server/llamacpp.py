@@ -27,6 +27,7 @@ from ..sessions.session import token_array
 from .errors import BadRequest, PromptTooLong, Unsupported
 from .fim import fim_format, fim_ids, require_fim
 from .logprobs import TokenText, finite
+from .logonce import warn_once
 from .schemas import MAX_CHOICES
 from .tokens import encode_bounded, encode_plain, leading_specials
 
@@ -225,16 +226,9 @@ def check_options(extras: dict, strict: bool = True) -> list[str]:
     return sorted(ignored)
 
 
-_WARNED: set[str] = set()
-
-
 def warn_ignored(names: list[str]) -> None:
     """Log each ignored option the first time a request sends it (clients send the same ones every time)."""
-    fresh = [n for n in names if n not in _WARNED]
-    if fresh:
-        _WARNED.update(fresh)
-        log.warning("llama-server options this server does not have, ignored (as llama-server ignores them): %s",
-                    ", ".join(fresh))
+    warn_once("llama-server options this server does not have, ignored (as llama-server ignores them): %s", names)
 
 
 def sampler_names(samplers: Union[list[str], str, None]) -> tuple[list[str], list[str]]:

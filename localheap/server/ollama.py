@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import logging
 import time
 from typing import Annotated, Any, Literal, Optional, Union
 
@@ -19,10 +18,10 @@ from ..engine import Finished
 from ..generation import TOP_LOGPROBS_MAX, LogprobRecorder, SamplingParams
 from .chat import ChatPlan
 from .errors import BadRequest
+from .logonce import warn_once
 from .schemas import MAX_EMBED_INPUTS, ChatMessage, Strict
 from .toolformats import ToolCall
 
-log = logging.getLogger("localheap.server")
 
 # GET /api/version: the Ollama version whose API these routes follow: /api/* as of 0.12.11 (logprobs,
 # truncate, shift) and /v1/responses, which Ollama serves from 0.13.4 (Codex --oss asks for 0.13.4 or newer)
@@ -35,16 +34,10 @@ RUNTIME_OPTIONS = {"num_ctx", "num_batch", "num_gpu", "main_gpu", "num_thread", 
 NEUTRAL_OPTIONS = {"tfs_z": 1.0, "penalize_newline": None}
 
 
-_WARNED: set[str] = set()
-
-
 def warn_unknown(names: list[str]) -> None:
     """Log each unknown option the first time a request sends it (clients send the same ones every
     time: llm.nvim's rope_frequency_base, options of older Ollama versions)."""
-    fresh = [n for n in names if n not in _WARNED]
-    if fresh:
-        _WARNED.update(fresh)
-        log.warning("Ollama options this server does not know, ignored (as Ollama ignores them): %s", ", ".join(fresh))
+    warn_once("Ollama options this server does not know, ignored (as Ollama ignores them): %s", names)
 
 
 class OllamaFunction(Strict):

@@ -28,6 +28,7 @@ from ..heap.private import open_private
 from .chat import ChatPlan
 from .errors import ApiError, BadRequest
 from .logprobs import chat_content
+from .logonce import warn_once
 from .schemas import ChatMessage, Strict
 from .toolcalls import CallArgs, CallStart, Piece, Text
 from .toolformats import ToolCall
@@ -633,16 +634,10 @@ def _custom_input(arguments: str, error: Optional[str]) -> tuple[str, Optional[s
     return arguments, error
 
 
-_WARNED: set[str] = set()
-
-
 def warn_hosted(types: list[str]) -> None:
     """Log each hosted tool type the first time a request asks for it (Codex sends web_search on
     every turn)."""
-    fresh = sorted(set(types) - _WARNED)
-    if fresh:
-        _WARNED.update(fresh)
-        log.warning("hosted tools this server cannot run, left out of the prompt: %s", ", ".join(fresh))
+    warn_once("hosted tools this server cannot run, left out of the prompt: %s", sorted(types))
 
 
 def new_id(prefix: str) -> str:

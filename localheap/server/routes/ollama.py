@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import logging
 import time
 from typing import AsyncIterator, Optional, Sequence
 
@@ -25,6 +24,7 @@ from ..errors import BadRequest, UnknownModel, Unsupported
 from ..fim import fim_format, fim_prompt
 from ..formats import save_fields, saved_headers
 from ..logprobs import chat_content
+from ..logonce import warn_once
 from ..embeddings import check_backend, embed, embedding_prompt, input_limit
 from ..ollama import (OLLAMA_VERSION, ChatRequest, EmbedRequest, GenerateRequest, LegacyEmbeddingsRequest, ShowRequest,
                       call_dict, final_fields, model_entry, now_iso, tag)
@@ -34,7 +34,6 @@ from ..toolcalls import OutputParser, Text
 from ..toolformats import ToolCall, template_source
 from .openai import SESSION_HEADER, addressed_session
 
-log = logging.getLogger("localheap.server")
 router = APIRouter()
 NDJSON = "application/x-ndjson"
 
@@ -89,19 +88,10 @@ async def read_json(request: Request, cls):
         except (ValueError, KeyError, IndexError, TypeError):   # not where the error said: report it as it was
             pass
         else:
-            warn_ignored_fields(sorted({".".join(map(str, loc)) for loc in extras}))
+            warn_once("fields Ollama's API does not have, ignored (as Ollama ignores them): %s",
+                      sorted({".".join(map(str, loc)) for loc in extras}))
             return body
     raise RequestValidationError(errors)
-
-
-_WARNED_FIELDS: set[str] = set()
-
-
-def warn_ignored_fields(names: list[str]) -> None:
-    fresh = [n for n in names if n not in _WARNED_FIELDS]
-    if fresh:
-        _WARNED_FIELDS.update(fresh)
-        log.warning("fields Ollama's API does not have, ignored (as Ollama ignores them): %s", ", ".join(fresh))
 
 
 @router.post("/api/show")
