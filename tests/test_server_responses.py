@@ -533,3 +533,30 @@ def test_an_item_reference_is_the_kept_item(server, force):
     deleted = httpx.post(url, timeout=60, json={"model": model(server), "max_output_tokens": 4, "input": [
         user, {"type": "item_reference", "id": reasoning["id"]}]})
     assert deleted.status_code == 404, "its response deleted (no other kept one holds it), the item is gone"
+
+
+def test_an_item_held_by_two_kept_responses_stays_referable_until_both_go(tmp_path):
+    """A client that sends an output item back whole keeps it in its next response too: the
+    reference resolves while either response is kept (and only for the key that owns one)."""
+    from localheap.server.responses import ResponseLog, ResponseNotFound
+
+    log = ResponseLog(max_kept=10, path=tmp_path / "responses.jsonl")
+    _kept_turns(log, 1)   # resp_0 holds msg_0 (its output)
+    again = ResponsesRequest(model="m", input=[{"type": "message", "id": "msg_0", "role": "assistant",
+                                                "content": [{"type": "output_text", "text": "reply 0"}]}])
+    log.add({"id": "resp_9", "output": []}, again, owner="key-1")   # resp_9 holds msg_0 too (its input)
+
+    def resolved(owner="key-1"):
+        req = ResponsesRequest(model="m", input=[{"type": "item_reference", "id": "msg_0"}])
+        log.resolve(req, owner)
+        return req.input[0].model_dump(exclude_none=True)
+
+    assert resolved()["content"][0]["text"] == "reply 0"
+    with pytest.raises(ResponseNotFound):
+        resolved("key-2")
+    log.delete("resp_9", "key-1")
+    assert resolved()["id"] == "msg_0", "resp_0 still holds it"
+    log.delete("resp_0", "key-1")
+    with pytest.raises(ResponseNotFound):
+        resolved()
+    log.close()

@@ -444,7 +444,7 @@ class ResponseLog:
     def __init__(self, max_kept: int = 4096, max_chars: int = 16_000_000, path: Optional[Path] = None):
         self.max_kept, self.max_chars = max_kept, max_chars
         self._kept: OrderedDict[str, Kept] = OrderedDict()
-        self._items: dict[str, tuple[str, Any]] = {}   # item id -> (the kept response it is in, the item)
+        self._items: dict[str, dict[str, Any]] = {}   # item id -> {id of a kept response holding it: the item}
         self.chars = 0
         self.path = path
         self._lines = 0                        # lines in the file (records and deletions)
@@ -465,7 +465,7 @@ class ResponseLog:
         self.chars += kept.chars
         for item in kept.items:
             if getattr(item, "id", None):
-                self._items[item.id] = (response_id, item)
+                self._items.setdefault(item.id, {})[response_id] = item
         while self._kept and (len(self._kept) > self.max_kept or self.chars > self.max_chars):
             self._drop(next(iter(self._kept)))
 
@@ -475,8 +475,11 @@ class ResponseLog:
             return
         self.chars -= kept.chars
         for item in kept.items:
-            if getattr(item, "id", None) and self._items.get(item.id, (None,))[0] == response_id:
-                del self._items[item.id]
+            holders = self._items.get(getattr(item, "id", None) or "")
+            if holders is not None:
+                holders.pop(response_id, None)
+                if not holders:
+                    del self._items[item.id]
 
     def resolve(self, request: ResponsesRequest, owner: Optional[str]) -> None:
         """Replace each item_reference in the request's input by the kept item it names (404 where
@@ -486,12 +489,12 @@ class ResponseLog:
         out = []
         for n, item in enumerate(request.input):
             if isinstance(item, ItemReference):
-                found = self._items.get(item.id)
-                if found is None or self._kept[found[0]].owner != owner:
+                found = [kept for rid, kept in self._items.get(item.id, {}).items() if self._kept[rid].owner == owner]
+                if not found:
                     raise ResponseNotFound(f"no item {item.id!r} is kept here (it belongs to a response that was "
                                            f"not stored, or was dropped or deleted: send the item itself)",
                                            f"input.{n}")
-                item = found[1]
+                item = found[-1]
             out.append(item)
         request.input = out
 
