@@ -13,7 +13,6 @@ runtime (slots, cache reuse, progress) are accepted and unused; any other field 
 
 from __future__ import annotations
 
-import logging
 import math
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence, Union
@@ -54,7 +53,6 @@ MAX_PROMPTS = 64
 MAX_PROBS = 20
 REPO_TOKENS = ("<|repo_name|>", "<|file_sep|>")   # Qwen2.5-Coder's repo-level format (llama.cpp's FIM_REP, FIM_SEP)
 REPO_NAME = "myproject"                           # the repository's name in that format, as llama-server writes it
-log = logging.getLogger("localheap.server")
 
 
 class ExtraChunk(BaseModel):
@@ -125,7 +123,8 @@ class LlamaRequest(BaseModel):
         self._ignored = check_options(self.model_extra or {}, strict=False)
         self._ignored += [f"samplers:{n}" for n in sampler_names(self.samplers)[1]]
         if self._ignored:
-            warn_ignored(self._ignored)
+            warn_once("llama-server options this server does not have, ignored (as llama-server ignores them): %s",
+                      self._ignored)
         return self
 
     @property
@@ -224,11 +223,6 @@ def check_options(extras: dict, strict: bool = True) -> list[str]:
             raise BadRequest(f"{name} {value!r} is not supported: this server has no such sampler (leave it out, "
                              f"or send the value that turns it off)", name)
     return sorted(ignored)
-
-
-def warn_ignored(names: list[str]) -> None:
-    """Log each ignored option the first time a request sends it (clients send the same ones every time)."""
-    warn_once("llama-server options this server does not have, ignored (as llama-server ignores them): %s", names)
 
 
 def sampler_names(samplers: Union[list[str], str, None]) -> tuple[list[str], list[str]]:

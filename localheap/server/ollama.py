@@ -34,12 +34,6 @@ RUNTIME_OPTIONS = {"num_ctx", "num_batch", "num_gpu", "main_gpu", "num_thread", 
 NEUTRAL_OPTIONS = {"tfs_z": 1.0, "penalize_newline": None}
 
 
-def warn_unknown(names: list[str]) -> None:
-    """Log each unknown option the first time a request sends it (clients send the same ones every
-    time: llm.nvim's rope_frequency_base, options of older Ollama versions)."""
-    warn_once("Ollama options this server does not know, ignored (as Ollama ignores them): %s", names)
-
-
 class OllamaFunction(Strict):
     name: str
     arguments: Union[dict[str, Any], str] = Field(default_factory=dict)
@@ -122,8 +116,8 @@ class OllamaRequest(Strict):
                  "frequency_penalty", "repeat_penalty", "repeat_last_n", "typical_p", "mirostat", "mirostat_tau",
                  "mirostat_eta"}
         unknown = sorted(set(o) - known)
-        if unknown:   # Ollama logs "invalid option provided" and goes on; so does this server
-            warn_unknown(unknown)
+        if unknown:   # Ollama logs "invalid option provided" and goes on (llm.nvim sends rope_frequency_base)
+            warn_once("Ollama options this server does not know, ignored (as Ollama ignores them): %s", unknown)
         limit = o.get("num_predict")
         stop = o.get("stop") or []
         try:

@@ -17,6 +17,7 @@ import time
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Annotated, Any, Callable, Literal, Optional, Union
 
@@ -28,7 +29,6 @@ from ..heap.private import open_private
 from .chat import ChatPlan
 from .errors import ApiError, BadRequest
 from .logprobs import chat_content
-from .logonce import warn_once
 from .schemas import ChatMessage, Strict
 from .toolcalls import CallArgs, CallStart, Piece, Text
 from .toolformats import ToolCall
@@ -198,14 +198,13 @@ CUSTOM_PARAMETERS = {"type": "object", "properties": {"input": {"type": "string"
 
 
 def _offer(t: Union[FunctionTool, CustomTool], namespace: Optional[NamespaceTool] = None) -> Offered:
-    name = f"{namespace.name}.{t.name}" if namespace is not None else t.name
+    ns = namespace.name if namespace is not None else None
     description = t.description
     if namespace is not None and namespace.description:
         description = f"{namespace.description}\n\n{description}" if description else namespace.description
-    if isinstance(t, CustomTool):
-        return Offered(name, t.name, namespace.name if namespace else None, True, description, CUSTOM_PARAMETERS)
-    return Offered(name, t.name, namespace.name if namespace else None, False, description,
-                   t.parameters or {"type": "object"})
+    custom = isinstance(t, CustomTool)
+    parameters = CUSTOM_PARAMETERS if custom else t.parameters or {"type": "object"}
+    return Offered(qualified(t.name, ns), t.name, ns, custom, description, parameters)
 
 
 def qualified(name: str, namespace: Optional[str]) -> str:
@@ -311,7 +310,7 @@ class ResponsesRequest(Strict):
             return self.top_logprobs or 0
         return None
 
-    @property
+    @cached_property
     def offered(self) -> list[Offered]:
         """The tools the model is offered: function and custom tools, each namespace's spelled
         out; hosted tools are not among them."""
@@ -635,12 +634,6 @@ def _custom_input(arguments: str, error: Optional[str]) -> tuple[str, Optional[s
             return value["input"], None
         error = "a custom tool's arguments are an object with a string 'input'"
     return arguments, error
-
-
-def warn_hosted(types: list[str]) -> None:
-    """Log each hosted tool type the first time a request asks for it (Codex sends web_search on
-    every turn)."""
-    warn_once("hosted tools this server cannot run, left out of the prompt: %s", sorted(types))
 
 
 def new_id(prefix: str) -> str:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import logging
 import time
 from contextlib import aclosing
 from dataclasses import dataclass, field
@@ -22,6 +21,7 @@ from ..bridge import JobEvents, collect, follow, merged
 from ..chat import ChatPlan, start
 from ..errors import BadRequest, Unsupported, to_response
 from ..fim import fim_format, fim_prompt
+from ..logonce import warn_once
 from ..llamacpp import cut_fields, dry_fields, penalties_on, prompt_progress, switched
 from ..formats import (Echo, Out, Reply, add_call_errors, extension, finish_reason, saved_headers, stop_reason,
                        tool_call_dict, total_usage)
@@ -31,10 +31,8 @@ from ..services import Services, services
 from ..toolcalls import CallArgs, CallStart, OutputParser, Piece
 from ..toolformats import ToolCall
 
-log = logging.getLogger("localheap.server")
 router = APIRouter()
 SESSION_HEADER = "X-Session-Id"
-_foreign_warned = False
 
 
 def addressed_session(x_session_id: Optional[str] = Header(None)) -> Optional[str]:
@@ -43,13 +41,10 @@ def addressed_session(x_session_id: Optional[str] = Header(None)) -> Optional[st
     sends "ses_..." on every request, for a provider's cache affinity; its title request and its
     agent's share it). Such an id is ignored (logged once): the prompt finds its session by its
     prefix, as without the header. An id of this server's form that names no session is a 404."""
-    global _foreign_warned
     if x_session_id is None or valid_id(x_session_id):
         return x_session_id
-    if not _foreign_warned:
-        _foreign_warned = True
-        log.info("X-Session-Id %r is not a session id of this server (sess_...): taken for a client's own "
-                 "conversation id and ignored; prompts find their sessions by prefix", x_session_id)
+    warn_once("%s values that are not this server's session ids (sess_...) are taken for clients' own "
+              "conversation ids and ignored; prompts find their sessions by prefix", [SESSION_HEADER])
     return None
 
 

@@ -20,7 +20,8 @@ from ..chat import start
 from ..errors import Unsupported, to_response
 from ..formats import extension, saved_headers
 from ..prompts import chat_prompt, tokenize
-from ..responses import Built, ResponsesRequest, warn_hosted
+from ..logonce import warn_once
+from ..responses import Built, ResponsesRequest
 from ..services import Services, owner, services
 from ..toolcalls import OutputParser
 from .openai import SESSION_HEADER, addressed_session
@@ -37,7 +38,7 @@ async def create_response(body: ResponsesRequest, request: Request, svc: Service
     bad = body.unsupported()
     if bad is not None:
         raise Unsupported(bad[1], bad[0])
-    warn_hosted(body.hosted_tools)
+    warn_once("hosted tools this server cannot run, left out of the prompt: %s", sorted(body.hosted_tools))
     plan = body.plan()
     opts = plan.options(svc)
     before = svc.responses.conversation(body.previous_response_id, who) if body.previous_response_id else []
