@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 import threading
 import weakref
+from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 import numpy as np
@@ -103,6 +105,130 @@ class Grammar:
         return self.matcher.get_error() if self.matcher.is_error() else None
 
 
+_VALID: dict[str, Optional[str]] = {}   # grammar text -> llguidance's complaint (None: it compiles)
+
+
+def grammar_error(grammar: str) -> Optional[str]:
+    """Why llguidance cannot enforce `grammar`, or None; remembered (a client sends the same tools
+    on every turn)."""
+    import llguidance
+
+    with _LOCK:
+        if grammar not in _VALID:
+            if len(_VALID) > 256:
+                _VALID.clear()
+            _VALID[grammar] = llguidance.LLMatcher.validate_grammar(grammar) or None
+        return _VALID[grammar]
+
+
+@dataclass(frozen=True)
+class Trigger:
+    """Where a call opens in a free reply: the text `text`; what follows it is held to `grammar`.
+    `at_start`: only as the reply's first text (after its reasoning and spaces); `inclusive`: the
+    grammar begins with `text` itself (the call's own first bytes, as Llama's `{"name"`)."""
+    text: str
+    grammar: str
+    at_start: bool = False
+    inclusive: bool = False
+
+
+class LazyGrammar:
+    """A Constraint for a reply that may call tools (tool_choice auto): the reply is free (nothing
+    masked: a reply that opens no call samples exactly as with no constraint) until a trigger opens
+    a call outside its reasoning; from there the call is held to the trigger's grammar (a tool's
+    name, arguments valid for its schema) until that is complete, then the reply is free again.
+    The trigger is found in the reply's bytes, so it may span tokens (or end inside one: what the
+    token says past it is fed to the grammar)."""
+
+    THINK, END_THINK = b"<think>", b"</think>"
+
+    def __init__(self, tokenizer: Any, eos_ids: Sequence[int], triggers: Sequence[Trigger], in_think: bool = False):
+        self.tokenizer, self.eos_ids = tokenizer, list(eos_ids)
+        self.ll = _ll_tokenizer(tokenizer, eos_ids)
+        self.triggers = [(t, t.text.encode()) for t in triggers]
+        self.out = bytearray()                 # the reply so far
+        self.thinking: Optional[bool] = True if in_think else None   # None: not known yet
+        self.free_from = 0                     # where the reply's text past its reasoning begins
+        self.scanned = 0                       # bytes of `out` searched for triggers
+        self.starts = [t for t in self.triggers if t[0].at_start]   # at_start triggers still possible
+        self.active: Optional[Grammar] = None
+        self.held = 0                          # calls held to a grammar (tests and logs)
+        self.broken: Optional[str] = None      # a grammar that could not go on (its call is free)
+
+    def allowed(self) -> Optional[np.ndarray]:
+        return self.active.allowed() if self.active is not None else None
+
+    def advance(self, token: int) -> None:
+        piece = self.ll.decode_bytes([token])
+        self.out += piece
+        if self.active is not None:
+            m = self.active.matcher
+            if not m.consume_token(token) or m.is_error():
+                self._release(m.get_error() or "the token was refused")
+            elif m.is_stopped():
+                self._release(None)
+            return
+        if not self._past_reasoning():
+            return
+        self._scan()
+
+    def _past_reasoning(self) -> bool:
+        """Whether the reply is past its reasoning (the region triggers are looked for in)."""
+        if self.thinking is None:
+            head = bytes(self.out).lstrip()
+            if self.THINK.startswith(head):   # still could open a think block
+                return False
+            self.thinking = head.startswith(self.THINK)
+            if self.thinking:
+                self.free_from = self.scanned = len(self.out) - len(head) + len(self.THINK)
+        if self.thinking:
+            at = self.out.find(self.END_THINK, max(self.free_from, self.scanned - len(self.END_THINK) + 1))
+            if at < 0:
+                self.scanned = len(self.out)
+                return False
+            self.thinking = False
+            self.free_from = self.scanned = at + len(self.END_THINK)
+        return True
+
+    def _scan(self) -> None:
+        if self.starts:   # (only while the reply's first text could still be one: it is short)
+            region = bytes(self.out[self.free_from:])
+            head = region.lstrip()
+            for trig, text in list(self.starts):
+                if head.startswith(text):
+                    return self._hold(trig, self.free_from + len(region) - len(head), text)
+                if not text.startswith(head):
+                    self.starts.remove((trig, text))
+        found = None
+        for trig, text in self.triggers:
+            if trig.at_start:
+                continue
+            at = self.out.find(text, max(self.free_from, self.scanned - len(text) + 1))
+            if at >= 0 and (found is None or at < found[1]):
+                found = (trig, at, text)
+        self.scanned = len(self.out)
+        if found is not None:
+            self._hold(*found)
+
+    def _hold(self, trig: Trigger, at: int, text: bytes) -> None:
+        self.starts = []
+        self.active = Grammar(self.tokenizer, self.eos_ids, trig.grammar)
+        self.held += 1
+        tail = bytes(self.out[at if trig.inclusive else at + len(text):])
+        if tail:   # written already: the grammar takes it as it came (any tokenization of it)
+            m = self.active.matcher
+            if not m.consume_tokens(self.ll.tokenize_bytes(tail)) or m.is_error():
+                self._release(m.get_error() or f"the call began {tail!r}")
+            elif m.is_stopped():
+                self._release(None)
+
+    def _release(self, error: Optional[str]) -> None:
+        self.active = None
+        self.scanned = len(self.out)
+        if error is not None:
+            self.broken = error
+
+
 class ForcedTokens:
     """Test-only Constraint: the sampler can pick nothing but `ids`, in order, then end-of-sequence.
     Lets a test make a random model 'say' a tool call while template, parser, stream and
@@ -120,3 +246,181 @@ class ForcedTokens:
     def advance(self, token: int) -> None:
         self.at += 1
 
+
+
+class LeadingTokens:
+    """Test-only Constraint: the reply begins with `ids`, then `inner` (None: nothing) holds it.
+    `inner` sees every token, the leading ones included: a test can open a call a random model
+    would never open, and the request's own grammar goes on from there."""
+
+    def __init__(self, ids: Sequence[int], eos_ids: Sequence[int], inner: Any):
+        self.lead, self.inner = ForcedTokens(ids, eos_ids), inner
+
+    def allowed(self) -> Optional[np.ndarray]:
+        if self.lead.at < len(self.lead.ids):
+            return self.lead.allowed()
+        return self.inner.allowed() if self.inner is not None else None
+
+    def advance(self, token: int) -> None:
+        self.lead.advance(token)
+        if self.inner is not None:
+            self.inner.advance(token)
+
+
+# --- a Lark grammar without recursion, as one regular expression --------------------------------
+# A custom tool's input (Responses API, `format: {"type": "grammar", "syntax": "lark"}`) is written
+# by the model inside a JSON string (the tool call's `{"input": ...}`): llguidance can hold a JSON
+# string to a regular expression (the schema's `pattern`, JSON-escaped for it), not to a
+# context-free grammar. A Lark grammar whose rules do not recurse describes a regular language, so
+# it is spelled out as one expression; one that recurses (or has %ignore) is refused (GrammarError).
+
+_COMMON = {   # Lark's `%import common.NAME` terminals this understands
+    "LF": r"\n", "CR": r"\r", "NEWLINE": r"(?:\r?\n)+", "WS": r"[ \t\f\r\n]+", "WS_INLINE": r"[ \t]+",
+    "DIGIT": r"[0-9]", "HEXDIGIT": r"[0-9a-fA-F]", "INT": r"[0-9]+", "SIGNED_INT": r"[+-]?[0-9]+",
+    "DECIMAL": r"(?:[0-9]+\.[0-9]*|\.[0-9]+)", "FLOAT": r"(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?",
+    "NUMBER": r"(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?",
+    "SIGNED_NUMBER": r"[+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?",
+    "LCASE_LETTER": r"[a-z]", "UCASE_LETTER": r"[A-Z]", "LETTER": r"[A-Za-z]", "WORD": r"[A-Za-z]+",
+    "CNAME": r"[_A-Za-z][_A-Za-z0-9]*", "ESCAPED_STRING": r'"(?:[^"\\]|\\.)*"',
+}
+_LARK_TOKEN = re.compile(r'''
+    (?P<ws>[ \t\r]+|//[^\n]*|\n[ \t]*(?=\|))       # spaces, comments, a newline before a continued rule
+  | (?P<nl>\n)
+  | (?P<string>"(?:\\.|[^"\\\n])*"i?)
+  | (?P<regex>/(?:\\.|[^/\\\n])+/[imslux]*)
+  | (?P<directive>%[a-z]+[^\n]*)
+  | (?P<name>[?!]?[_A-Za-z][_A-Za-z0-9]*(?:\.-?[0-9]+)?)
+  | (?P<number>[0-9]+)
+  | (?P<op>->|\.\.|[:|()\[\]?*+~,])
+''', re.X)
+_META = set("\\.+*?()|[]{}^$#&-~")
+_LARK_LIMIT = 1 << 16   # characters of the spelled-out expression (a rule used many times is copied each time)
+
+
+def _lark_literal(token: str) -> str:
+    flags = "i" if token.endswith("i") and not token.endswith('"') else ""
+    text = json.loads(token[:-1] if flags else token)
+    body = "".join("\\" + c if c in _META else {"\n": r"\n", "\t": r"\t", "\r": r"\r"}.get(c, c) for c in text)
+    return f"(?i:{body})" if flags else body
+
+
+def _lark_rules(text: str) -> dict[str, list]:
+    """name -> its definition's tokens; %import common.X names the terminals above."""
+    rules: dict[str, list] = {}
+    statement: list = []
+    statements = [statement]
+    at = 0
+    while at < len(text):
+        m = _LARK_TOKEN.match(text, at)
+        if m is None:
+            raise GrammarError(f"the Lark grammar cannot be read at {text[at:at + 20]!r}")
+        at = m.end()
+        kind = m.lastgroup
+        if kind == "ws":
+            continue
+        if kind == "nl":
+            statement = []
+            statements.append(statement)
+            continue
+        statement.append((kind, m.group()))
+    for st in statements:
+        if not st:
+            continue
+        if st[0][0] == "directive":
+            words = st[0][1].split()
+            if words[0] == "%import" and len(words) >= 2 and words[1].startswith("common."):
+                names = words[1][len("common."):].strip("()").split(",") + words[2:]
+                for i, name in enumerate(n.strip() for n in names if n.strip() not in ("", "->")):
+                    if name not in _COMMON:
+                        raise GrammarError(f"the Lark grammar imports {name!r}, which this server does not know")
+                    rules[name] = [("regex", "/" + _COMMON[name] + "/")]
+                if "->" in words:   # %import common.X -> ALIAS
+                    rules[words[-1]] = rules.pop(words[-3].split(".")[-1])
+                continue
+            raise GrammarError(f"the Lark grammar uses {words[0]}, which cannot be spelled out as one expression")
+        if len(st) < 2 or st[0][0] != "name" or st[1] != ("op", ":"):
+            raise GrammarError(f"the Lark grammar has a line that is not a rule: {' '.join(t for _, t in st)[:60]!r}")
+        rules[st[0][1].lstrip("?!").split(".")[0]] = st[2:]
+    if "start" not in rules:
+        raise GrammarError("the Lark grammar has no `start` rule")
+    return rules
+
+
+def lark_regex(text: str) -> str:
+    """One regular expression (Rust `regex` syntax, as llguidance reads it) for the strings a Lark
+    grammar without recursion accepts from `start`. GrammarError for what it cannot spell out."""
+    rules = _lark_rules(text)
+    done: dict[str, str] = {}
+
+    def name(n: str, stack: tuple) -> str:
+        if n in stack:
+            raise GrammarError(f"the Lark grammar's rule {n!r} recurses: not one regular expression")
+        if n not in done:
+            if n not in rules:
+                raise GrammarError(f"the Lark grammar uses {n!r}, which it does not define")
+            done[n] = whole(rules[n], stack + (n,))
+        return done[n]
+
+    def whole(tokens: list, stack: tuple) -> str:
+        out, at = alternatives(tokens, 0, stack)
+        if at != len(tokens):
+            raise GrammarError(f"the Lark grammar cannot be read at {tokens[at][1]!r}")
+        return out
+
+    def alternatives(tokens: list, at: int, stack: tuple) -> tuple[str, int]:
+        alts = []
+        while True:
+            seq, at = sequence(tokens, at, stack)
+            if at < len(tokens) and tokens[at] == ("op", "->"):   # an alias names the tree node only
+                at += 2
+            alts.append(seq)
+            if at < len(tokens) and tokens[at] == ("op", "|"):
+                at += 1
+                continue
+            out = alts[0] if len(alts) == 1 else "(?:" + "|".join(alts) + ")"
+            if len(out) > _LARK_LIMIT:
+                raise GrammarError("the Lark grammar spelled out as one expression is too long")
+            return out, at
+
+    def sequence(tokens: list, at: int, stack: tuple) -> tuple[str, int]:
+        parts = []
+        while at < len(tokens) and tokens[at] not in (("op", "|"), ("op", ")"), ("op", "]"), ("op", "->")):
+            atom, at = item(tokens, at, stack)
+            parts.append(atom)
+        return "".join(parts), at
+
+    def item(tokens: list, at: int, stack: tuple) -> tuple[str, int]:
+        kind, tok = tokens[at]
+        at += 1
+        if (kind, tok) in (("op", "("), ("op", "[")):
+            inner, at = alternatives(tokens, at, stack)
+            close = ")" if tok == "(" else "]"
+            if at >= len(tokens) or tokens[at] != ("op", close):
+                raise GrammarError(f"the Lark grammar misses a {close!r}")
+            at += 1
+            atom = f"(?:{inner})" + ("?" if tok == "[" else "")
+        elif kind == "string":
+            atom = _lark_literal(tok)
+            if at + 1 < len(tokens) and tokens[at] == ("op", "..") and tokens[at + 1][0] == "string":
+                atom, at = f"[{atom}-{_lark_literal(tokens[at + 1][1])}]", at + 2   # "a".."z"
+            else:
+                atom = f"(?:{atom})"
+        elif kind == "regex":
+            body, flags = tok[1:].rsplit("/", 1)
+            body = body.replace("\\/", "/")
+            atom = f"(?{flags}:{body})" if flags else f"(?:{body})"
+        elif kind == "name":
+            atom = f"(?:{name(tok.lstrip('?!'), stack)})"
+        else:
+            raise GrammarError(f"the Lark grammar cannot be read at {tok!r}")
+        if at < len(tokens) and tokens[at][0] == "op" and tokens[at][1] in "?*+":
+            atom, at = atom + tokens[at][1], at + 1
+        elif at + 1 < len(tokens) and tokens[at] == ("op", "~") and tokens[at + 1][0] == "number":
+            lo = tokens[at + 1][1]
+            if at + 3 < len(tokens) and tokens[at + 2] == ("op", "..") and tokens[at + 3][0] == "number":
+                atom, at = atom + f"{{{lo},{tokens[at + 3][1]}}}", at + 4
+            else:
+                atom, at = atom + f"{{{lo}}}", at + 2
+        return atom, at
+
+    return name("start", ())

@@ -56,6 +56,20 @@ def force(server):
     svc.force_tokens = None
 
 
+@pytest.fixture
+def lead(server):
+    """lead(text): each reply begins with `text`'s tokens, then the request's own constraint holds it
+    (the server's test-only `lead_tokens` hook: a random model will not open a call by itself)."""
+    svc = server.services
+
+    def set_text(text):
+        svc.lead_tokens = None if text is None else svc.tokenizer.encode(text, add_special_tokens=False)
+
+    yield set_text
+    svc.lead_tokens = None
+    svc.settings.tool_grammar = True
+
+
 @pytest.fixture(scope="module", params=["torch", "mlx"])
 def demo_either(request):
     """The bundled demo model on each backend in turn (torch in float32; MLX skipped where mlx is

@@ -11,6 +11,7 @@ session run for real."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -165,6 +166,51 @@ CODEX_TOOLS = [TOOLS[0],
 PATCH = "*** Begin Patch\n*** Add File: a.txt\n+hi\n*** End Patch"
 CODEX_CALLS = ('<tool_call>\n{"name": "agents.close", "arguments": {"id": "7"}}\n</tool_call>\n<tool_call>\n'
                + json.dumps({"name": "apply_patch", "arguments": {"input": PATCH}}) + "\n</tool_call>")
+
+
+EDIT_LARK = """
+// an edit: a file, then one to three lines added or removed
+start: "edit " FILE LF line~1..3
+FILE: /[a-z]{1,8}/ ".txt"
+line: ("+" | "-") /[a-z]{1,8}/ LF   -> changed
+%import common.LF
+"""
+EDIT = re.compile(r"edit [a-z]{1,8}\.txt\n(?:[+-][a-z]{1,8}\n){1,3}")
+PHONE = re.compile(r"[0-9]{3}-[0-9]{4}")
+FORMAT_TOOLS = [{"type": "custom", "name": "edit", "format": {"type": "grammar", "syntax": "lark", "definition": EDIT_LARK}},
+                {"type": "custom", "name": "dial", "format": {"type": "grammar", "syntax": "regex",
+                                                              "definition": PHONE.pattern}},
+                {"type": "custom", "name": "nest", "format": {"type": "grammar", "syntax": "lark",
+                                                              "definition": 'start: "(" start ")" | "x"'}}]
+
+
+def test_a_custom_tools_grammar_holds_its_input(server, lead, caplog):
+    """Responses custom tools with a `format` grammar: once the (random) model calls one, its input is
+    held to the grammar: a Lark grammar without recursion (spelled out as one expression) or a regex.
+    A recursive Lark grammar is not enforced: logged, the request still served. Without the grammar
+    (serve --no-tool-grammar) the same calls' inputs do not match (the test can fail)."""
+    import httpx
+
+    def inputs(name: str, n: int = 3) -> list:
+        lead('<tool_call>\n{"name": "%s", "arguments": {"input": "' % name)
+        out = []
+        for _ in range(n):
+            r = httpx.post(server.url + "/v1/responses", timeout=60, json={
+                "model": model(server), "input": "Go.", "tools": FORMAT_TOOLS, "max_output_tokens": 120,
+                "temperature": 1.0})
+            assert r.status_code == 200, r.text
+            calls = [o for o in r.json()["output"] if o["type"] == "custom_tool_call"]
+            out.append(calls[0]["input"] if calls and calls[0]["name"] == name else None)
+        return out
+
+    with caplog.at_level("WARNING", logger="localheap.server"):
+        edits, dials = inputs("edit"), inputs("dial")
+    assert all(e is not None and EDIT.fullmatch(e) for e in edits), edits
+    assert all(d is not None and PHONE.fullmatch(d) for d in dials), dials
+    assert "nest" in caplog.text and "recurses" in caplog.text
+    server.services.settings.tool_grammar = False
+    loose = inputs("edit") + inputs("dial")
+    assert not any(x is not None and (EDIT.fullmatch(x) or PHONE.fullmatch(x)) for x in loose), loose
 
 
 def test_codex_tools_namespaces_custom_and_hosted(server, force):

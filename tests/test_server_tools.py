@@ -42,7 +42,8 @@ def model(client):
 
 def ask(client, messages, **kw):
     kw.setdefault("max_tokens", 80)
-    return client.chat.completions.create(model=model(client), messages=messages, tools=TOOLS, **kw)
+    kw.setdefault("tools", TOOLS)
+    return client.chat.completions.create(model=model(client), messages=messages, **kw)
 
 
 def test_a_tool_call_and_its_result_sent_back(client, force):
@@ -141,6 +142,66 @@ def test_a_forced_tool_choice_is_enforced_by_the_grammar(client):
         assert r.choices[0].finish_reason == "tool_calls"
     r = ask(client, [{"role": "user", "content": "anything"}], tool_choice="required", temperature=1.0, seed=7)
     assert r.choices[0].message.tool_calls and r.choices[0].finish_reason == "tool_calls"
+
+
+# schemas a random model completes in a few tokens (an open object's keys are strings of any length)
+TIGHT = [TOOLS[0], {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {}, "additionalProperties": False}}}]
+
+
+def _calls_and_errors(client, **kw):
+    r = ask(client, [{"role": "user", "content": "any city"}], temperature=1.0, tools=TIGHT, **kw)
+    return r, r.choices[0].message.tool_calls or [], (getattr(r, "localheap", None) or {}).get("tool_call_errors", [])
+
+
+def test_a_call_the_reply_opens_is_held_to_the_tools(server, client, lead):
+    """tool_choice auto: once the (random) model has opened a call, the grammar holds it to an offered
+    tool's name and to arguments valid for its schema; the reply is free again after the block. With
+    serve --no-tool-grammar the same opening gives calls that are not (the test can fail)."""
+    lead("<tool_call>")
+    for seed in range(4):
+        r, calls, errors = _calls_and_errors(client, seed=seed, max_tokens=90)
+        assert calls and not errors, (seed, r)
+        for call in calls:
+            assert call.function.name in ("get_weather", "get_time"), call
+            if call.function.name == "get_weather":
+                jsonschema.validate(json.loads(call.function.arguments), CITY)
+            else:
+                assert json.loads(call.function.arguments) == {}
+    for stream in (False, True):   # streamed: the same calls, piece by piece
+        kw = dict(seed=11, max_tokens=90, temperature=1.0)
+        whole = ask(client, [{"role": "user", "content": "any city"}], tools=TIGHT, **kw).choices[0].message.tool_calls
+        got = {}
+        for chunk in ask(client, [{"role": "user", "content": "any city"}], tools=TIGHT, stream=True, **kw):
+            for choice in chunk.choices:
+                for d in choice.delta.tool_calls or []:
+                    c = got.setdefault(d.index, ["", ""])
+                    c[0] += d.function.name or ""
+                    c[1] += d.function.arguments or ""
+        assert [(c.function.name, c.function.arguments) for c in whole] == [tuple(v) for v in got.values()]
+    server.services.settings.tool_grammar = False
+    bad = 0
+    for seed in range(4):
+        r, calls, errors = _calls_and_errors(client, seed=seed, max_tokens=90)
+        bad += bool(errors) or not calls
+    assert bad == 4
+
+
+def test_a_reply_that_opens_no_call_samples_as_without_the_grammar(server, client, lead):
+    """The grammar masks nothing until a call opens: the same seeds give the same replies with it and
+    without it (serve --no-tool-grammar), also where the reply names the opener in its reasoning."""
+    svc = server.services
+    for opening in (None, "<think>\nI could write it as <tool_call>"):   # the reply goes on in its reasoning
+        lead(opening)
+        replies = {}
+        for grammar in (True, False):
+            svc.settings.tool_grammar = grammar
+            replies[grammar] = [ask(client, [{"role": "user", "content": "hello"}], temperature=1.0, seed=seed,
+                                    max_tokens=40).choices[0].message for seed in range(3)]
+        assert [(m.content, getattr(m, "reasoning_content", None)) for m in replies[True]] == \
+            [(m.content, getattr(m, "reasoning_content", None)) for m in replies[False]]
+        if opening:
+            assert all("<tool_call>" in m.reasoning_content for m in replies[True])
 
 
 def test_a_forced_call_cut_by_max_tokens_returns_no_markup_as_content(client):

@@ -230,6 +230,98 @@ def test_a_forced_call_grammar_takes_the_family_syntax_and_nothing_else(tokenize
     assert takes("Sure") is None
 
 
+def _lazy(tok, family_fmt=None):
+    from localheap.grammar import LazyGrammar
+    from localheap.server.chat import call_triggers
+
+    return LazyGrammar(tok, {tok.eos_token_id}, call_triggers(family_fmt or tool_format(tok), TOOLS, tok))
+
+
+def _feed(g, tok, text: str) -> list:
+    """Feed `text`'s tokens; per token whether it was free (no mask) or held; None where refused."""
+    seen = []
+    for t in tok.encode(text, add_special_tokens=False):
+        mask = g.allowed()
+        if mask is not None and not mask[t]:
+            seen.append(None)
+            return seen
+        seen.append("free" if mask is None else "held")
+        g.advance(t)
+    return seen
+
+
+@pytest.mark.parametrize("family,before,call,after", [
+    ("qwen", "Let me look. ", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
+     "\nDone."),
+    ("plain", "", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>', "\n<tool_"),
+    ("mistral", "", '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}]', ""),
+    ("llama3.1", "  ", '{"name": "get_weather", "parameters": {"city": "Paris"}}', ""),
+])
+def test_a_lazy_grammar_holds_only_the_call_the_reply_opens(tokenizers, family, before, call, after):
+    """tool_choice auto: free text, then the call the reply opens is held (its trigger's tokens and
+    what comes before are free, the call's body is masked), then free again; a call of a tool
+    not offered, or arguments its schema refuses, are refused where they diverge."""
+    pytest.importorskip("llguidance")
+    tok = tokenizers[family]
+    g = _lazy(tok)
+    seen = _feed(g, tok, before + call + after)
+    assert None not in seen and g.broken is None and g.held == 1, seen
+    n_before = len(tok.encode(before, add_special_tokens=False)) if before else 0
+    assert set(seen[:n_before]) <= {"free"}
+    assert "held" in seen
+    assert g.active is None and g.allowed() is None   # the call is complete: free again
+    if after:
+        assert seen[-1] == "free"
+    for wrong in (call.replace("get_weather", "get_time"), call.replace('"city"', '"town"')):
+        seen = _feed(_lazy(tok), tok, before + wrong)
+        assert seen[-1] is None, (wrong, seen)
+
+
+def test_a_lazy_grammar_takes_a_trigger_across_and_inside_tokens_and_not_in_reasoning(tokenizers):
+    """The opener found in the reply's bytes: split over many tokens, or ending inside one (what that
+    token says past it goes to the grammar); inside <think> it opens nothing."""
+    pytest.importorskip("llguidance")
+    from localheap.grammar import LazyGrammar, Trigger
+    from localheap.server.chat import call_triggers
+
+    tok = tokenizers["qwen"]
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    g = _lazy(tok)
+    assert len(tok.encode("<tool_call>", add_special_tokens=False)) > 1   # spans tokens here
+    assert None not in _feed(g, tok, "<think>\nmaybe " + call + "\n</think>\n\n") and g.held == 0
+    assert None not in _feed(g, tok, call) and g.held == 1 and g.broken is None
+    # the trigger ends inside a token: "<tool_ca" ends in the token "all"; the grammar takes its "ll"
+    pieces = [tok.decode([t]) for t in tok.encode(call, add_special_tokens=False)]
+    assert "all" in pieces
+    body = call_triggers(Hermes(), TOOLS, tok)[0].grammar.replace('start: "', 'start: "ll>', 1)
+    g = LazyGrammar(tok, {tok.eos_token_id}, [Trigger("<tool_ca", body)])
+    seen = _feed(g, tok, call)
+    assert None not in seen and g.held == 1 and g.broken is None and g.active is None
+    assert seen[pieces.index("all") + 1] == "held"   # '>' already held: "ll" was fed to the grammar
+    bad = LazyGrammar(tok, {tok.eos_token_id}, [Trigger("<tool_ca", body.replace('"ll>', '"xx>', 1))])
+    _feed(bad, tok, call)
+    assert bad.held == 1 and bad.broken and bad.active is None   # what the token said is refused: the call goes free
+
+
+def test_a_lazy_grammar_for_newer_mistral_takes_name_args_json(tokenizers, tmp_path):
+    """Tokenizers with an [ARGS] token write [TOOL_CALLS]name[ARGS]{...}: that is the grammar, forced or lazy."""
+    pytest.importorskip("llguidance")
+    from transformers import AutoTokenizer
+
+    from localheap.grammar import Grammar
+    from localheap.server.chat import call_grammar
+
+    tokenizers["mistral"].save_pretrained(tmp_path)
+    tok = AutoTokenizer.from_pretrained(tmp_path)
+    tok.add_special_tokens({"additional_special_tokens": ["[TOOL_CALLS]", "[ARGS]"]})
+    text = '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}'
+    g = _lazy(tok, Mistral())
+    assert None not in _feed(g, tok, "ok " + text) and g.held == 1 and g.broken is None and g.active is None
+    assert _feed(_lazy(tok, Mistral()), tok, '[TOOL_CALLS][{"name"')[-1] is None
+    forced = Grammar(tok, {tok.eos_token_id}, call_grammar(Mistral(), TOOLS, "required", True, tok))
+    assert None not in _feed(forced, tok, text + text) and set(forced.allowed().nonzero()[0]) >= {tok.eos_token_id}
+
+
 def test_a_template_without_tools_gets_calls_and_results_as_alternating_text(tokenizers):
     """History with calls but no tools in this request, and a question right after the results:
     user and assistant turns still alternate (Gemma's template refuses anything else)."""
@@ -239,3 +331,34 @@ def test_a_template_without_tools_gets_calls_and_results_as_alternating_text(tok
     assert [m["role"] for m in rendered] == ["user", "assistant", "user"]
     assert rendered[2]["content"] == "<tool_response>\n18C, sunny\n</tool_response>\n\nAnd tomorrow?"
     assert rendered[1]["content"].startswith("<tool_call>") and "tool_calls" not in rendered[1]
+
+
+@pytest.mark.parametrize("lark,yes,no", [
+    ('start: "a.b" ("+" | "*")? NUM\nNUM: /[0-9]+/', ["a.b12", "a.b*7"], ["axb1", "a.b", "a.b+-1"]),
+    ('start: WORD ":" [" "] item~2..3  // a list\nitem: "x".."z" -> one\n%import common.WORD',
+     ["ab:xy", "ab: zzz"], ["ab:x", "ab:xyzx", "1:xy"]),
+    ('start: head\n    | "-" head\nhead: "Q"i LF\n%import common.LF', ["q\n", "-Q\n"], ["--q\n", "q"]),
+])
+def test_a_lark_grammar_without_recursion_is_one_regex(lark, yes, no):
+    import re
+
+    from localheap.grammar import lark_regex
+
+    rx = re.compile(lark_regex(lark))
+    assert all(rx.fullmatch(s) for s in yes), (lark_regex(lark), yes)
+    assert not any(rx.fullmatch(s) for s in no), (lark_regex(lark), no)
+
+
+@pytest.mark.parametrize("lark,why", [
+    ('start: "(" start ")" | "x"', "recurses"),
+    ('start: a\na: "b" a?', "recurses"),
+    ('start: "x"\n%ignore " "', "%ignore"),
+    ('start: thing', "does not define"),
+    ('begin: "x"', "no `start`"),
+    ('start: "x"\n%import common.UNHEARD', "UNHEARD"),
+])
+def test_what_a_lark_grammar_cannot_spell_out_is_refused(lark, why):
+    from localheap.grammar import GrammarError, lark_regex
+
+    with pytest.raises(GrammarError, match=why):
+        lark_regex(lark)

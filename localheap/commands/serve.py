@@ -88,6 +88,10 @@ def add_parser(sub) -> None:
                         "with a final event saying what was kept, sessions are saved, and the server exits 0")
     p.add_argument("--tool-format", default="auto", choices=("auto", "hermes", "mistral", "llama3_json", "prompted"),
                    help="how the model writes tool calls (default: auto, recognised from its chat template)")
+    p.add_argument("--no-tool-grammar", action="store_true",
+                   help="sample the tool calls a reply opens freely (tool_choice auto); by default, once the model "
+                        "opens a call, the call is held by a grammar to an offered tool's name and to arguments "
+                        "valid for its schema (a forced tool_choice is always held)")
     p.add_argument("--embed-pooling", default="mean", choices=("mean", "last"),
                    help="/v1/embeddings and /api/embed: a text's vector is the mean of the model's last hidden "
                         "states, or the last token's (default: mean)")
@@ -161,7 +165,8 @@ def settings_from_args(args):
         default_max_tokens=args.default_max_tokens, max_tokens_limit=args.max_tokens_limit,
         shutdown_grace_s=args.shutdown_grace, heap=heap_config(args),
         disk_total=None if args.disk_total.strip().lower() == "auto" else disk_total(args.disk_total),   # auto: in run
-        tool_format=None if args.tool_format == "auto" else args.tool_format, embed_pooling=args.embed_pooling,
+        tool_format=None if args.tool_format == "auto" else args.tool_format,
+        tool_grammar=not args.no_tool_grammar, embed_pooling=args.embed_pooling,
     )
 
 

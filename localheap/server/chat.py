@@ -11,10 +11,12 @@ from fastapi import Request
 
 from ..engine import Generate, Job, Started
 from ..generation import SamplingParams
-from ..grammar import Grammar, GrammarError, json_grammar, json_rule
+from ..grammar import (Grammar, GrammarError, LazyGrammar, LeadingTokens, Trigger, grammar_error, json_grammar,
+                       json_rule)
 from ..sessions import Prompt
 from .bridge import JobEvents, submit
 from .errors import BadRequest
+from .logonce import warn_once
 from .prompts import ChatOptions
 from .services import Services, owner
 from .toolcalls import THINK, OutputParser
@@ -24,12 +26,15 @@ from .toolformats import Hermes, Llama, Mistral, ToolFormat, tool_format
 @dataclass
 class ChatPlan:
     """A chat request in the terms both APIs share. tools: OpenAI's shape. choice: "auto",
-    "none", "required" or a function's name. json_schema: {} for any JSON object."""
+    "none", "required" or a function's name. json_schema: {} for any JSON object. arguments: a
+    tool's name -> the schema its arguments are held to where that is not its `parameters` (a
+    Responses custom tool's regex format)."""
     tools: Optional[list[dict]] = None
     choice: str = "auto"
     parallel: bool = True
     json_schema: Optional[dict] = None
     template_kwargs: Optional[dict] = None
+    arguments: Optional[dict] = None
 
     def options(self, svc: Services) -> ChatOptions:
         """The format is known even without tools: a history may hold calls and results to render."""
@@ -40,52 +45,122 @@ class ChatPlan:
         """Tool calls are looked for when there are tools and tool_choice is not none; reasoning
         always (only a reply that opens with <think>, or a prompt that ends inside one, has any).
         A forced choice (the grammar's calls) has no content."""
-        in_think = prompt.text is not None and prompt.text.rstrip().endswith(THINK)
         fmt = opts.fmt if self.tools and self.choice != "none" else None
-        return OutputParser(fmt, reasoning=True, in_think=in_think, forced=self.forced)
+        return OutputParser(fmt, reasoning=True, in_think=_in_think(prompt), forced=self.forced)
 
     @property
     def forced(self) -> bool:
         """Whether the reply is held to tool calls by the grammar (tool_choice required or a name)."""
         return bool(self.tools) and self.choice not in ("auto", "none")
 
-    def constraint(self, svc: Services, opts: ChatOptions) -> Any:
-        """The request's grammar: the JSON it must answer with, or the call it must make; a test's
+    def constraint(self, svc: Services, opts: ChatOptions, prompt: Prompt) -> Any:
+        """The request's grammar: the JSON it must answer with, or the call it must make; with tools
+        and tool_choice auto, the calls the reply opens (serve --no-tool-grammar: none). A test's
         forced tokens where the server has that hook."""
         if svc.force_tokens is not None:
             return svc.force_tokens()
+        eos = svc.backend.eos_token_ids
         if self.json_schema is not None:
             grammar = json_grammar(self.json_schema or None)
         elif self.forced:
-            grammar = call_grammar(opts.fmt, self.tools, self.choice, self.parallel, svc.tokenizer)
+            grammar = call_grammar(opts.fmt, self.tools, self.choice, self.parallel, svc.tokenizer, self.arguments)
+        elif self.tools and self.choice == "auto" and svc.settings.tool_grammar:
+            return _leading(svc, self.lazy(svc, opts, prompt))
         else:
-            return None
+            return _leading(svc, None)
         try:
-            return Grammar(svc.tokenizer, svc.backend.eos_token_ids, grammar)
+            return _leading(svc, Grammar(svc.tokenizer, eos, grammar))
         except GrammarError as e:
             raise BadRequest(str(e), "response_format" if self.json_schema is not None else "tool_choice") from e
 
+    def lazy(self, svc: Services, opts: ChatOptions, prompt: Prompt) -> Optional[LazyGrammar]:
+        """The calls a free reply opens, held to the tools' schemas; None where llguidance cannot
+        enforce a tool's schema (tool_choice auto never refused a schema: the calls go free, logged)."""
+        triggers = call_triggers(opts.fmt, self.tools, svc.tokenizer, self.arguments)
+        for t in triggers:
+            error = grammar_error(t.grammar)
+            if error:
+                warn_once("tool calls sampled freely: llguidance cannot enforce the tools' schemas (%s)",
+                          [error.splitlines()[0][:200]])
+                return None
+        return LazyGrammar(svc.tokenizer, svc.backend.eos_token_ids, triggers, in_think=_in_think(prompt))
 
-def call_grammar(fmt: ToolFormat, tools: list[dict], choice: str, parallel: bool, tokenizer: Any) -> str:
-    """A Lark grammar (llguidance's dialect) for tool calls in the family's own syntax: one call of
-    the named function, or one or more (`parallel`) of any of the tools for "required"."""
-    chosen = [t for t in tools if choice == "required" or t["function"]["name"] == choice]
+
+def _in_think(prompt: Prompt) -> bool:
+    """Whether the prompt ends inside a think block (the reply begins in reasoning)."""
+    return prompt.text is not None and prompt.text.rstrip().endswith(THINK)
+
+
+def _leading(svc: Services, constraint: Any) -> Any:
+    """Tests only (svc.lead_tokens): the reply begins with those ids, then `constraint` holds it."""
+    if svc.lead_tokens is None:
+        return constraint
+    return LeadingTokens(svc.lead_tokens, svc.backend.eos_token_ids, constraint)
+
+
+def _call_rule(fmt: ToolFormat, tools: list[dict], arguments: Optional[dict] = None) -> str:
+    """The `%json` rule of one call of any of `tools`, in the family's keys; `arguments`: a tool's
+    schema to enforce where it is not its `parameters` (a custom tool's format)."""
     args_key = "parameters" if isinstance(fmt, Llama) else "arguments"
     schemas = [{"type": "object", "additionalProperties": False, "required": ["name", args_key],
                 "properties": {"name": {"const": t["function"]["name"]},
-                               args_key: t["function"].get("parameters") or {"type": "object"}}}
-               for t in chosen]
-    call = json_rule(schemas[0] if len(schemas) == 1 else {"anyOf": schemas})
+                               args_key: (arguments or {}).get(t["function"]["name"])
+                               or t["function"].get("parameters") or {"type": "object"}}}
+               for t in tools]
+    return json_rule(schemas[0] if len(schemas) == 1 else {"anyOf": schemas})
+
+
+def call_grammar(fmt: ToolFormat, tools: list[dict], choice: str, parallel: bool, tokenizer: Any,
+                 arguments: Optional[dict] = None) -> str:
+    """A Lark grammar (llguidance's dialect) for tool calls in the family's own syntax: one call of
+    the named function, or one or more (`parallel`) of any of the tools for "required"."""
+    chosen = [t for t in tools if choice == "required" or t["function"]["name"] == choice]
     many = parallel and choice == "required"
     if isinstance(fmt, Mistral):
+        opener = _token_ref(tokenizer, "[TOOL_CALLS]")
+        if _single_token(tokenizer, "[ARGS]"):   # newer tokenizers: [TOOL_CALLS]name[ARGS]{...} a call
+            more = f" ({opener} named)*" if many else ""
+            return f"start: {opener} named{more}\n" + _named_calls(chosen, arguments, tokenizer, "named")
         more = ' ("," " " call)*' if many else ""
-        return f'start: {_token_ref(tokenizer, "[TOOL_CALLS]")} "[" call{more} "]"\ncall: {call}\n'
+        return f'start: {opener} "[" call{more} "]"\ncall: {_call_rule(fmt, chosen, arguments)}\n'
+    call = _call_rule(fmt, chosen, arguments)
     if isinstance(fmt, Llama):
         more = ' ("; " call)*' if many else ""
         return f"start: call{more}\ncall: {call}\n"
     assert isinstance(fmt, Hermes)
     more = ' ("\\n" block)*' if many else ""
     return f'start: block{more}\nblock: "<tool_call>\\n" call "\\n</tool_call>"\ncall: {call}\n'
+
+
+def call_triggers(fmt: ToolFormat, tools: list[dict], tokenizer: Any, arguments: Optional[dict] = None) -> list[Trigger]:
+    """Where a free reply opens a call in the family's syntax, and the grammar of what follows: the
+    call's body, up to the end of its block (Hermes) or of its list (Mistral), or the one call
+    (Llama: a reply that begins `{"name"`, or after `<|python_tag|>`)."""
+    if isinstance(fmt, Mistral) and _single_token(tokenizer, "[ARGS]"):   # newer: [TOOL_CALLS]name[ARGS]{...}
+        return [Trigger("[TOOL_CALLS]", _named_calls(tools, arguments, tokenizer))]
+    call = _call_rule(fmt, tools, arguments)
+    if isinstance(fmt, Mistral):
+        return [Trigger("[TOOL_CALLS]", f'start: "[" call ("," " " call)* "]"\ncall: {call}\n')]
+    if isinstance(fmt, Llama):
+        one = f"start: call\ncall: {call}\n"
+        return [Trigger("<|python_tag|>", one), Trigger('{"name"', one, at_start=True, inclusive=True)]
+    assert isinstance(fmt, Hermes)
+    return [Trigger("<tool_call>", f'start: "\\n" call "\\n</tool_call>"\ncall: {call}\n')]
+
+
+def _named_calls(tools: list[dict], arguments: Optional[dict], tokenizer: Any, top: str = "start") -> str:
+    """Newer Mistral's call (rule `top`): the tool's name, [ARGS], its arguments as JSON."""
+    args = _token_ref(tokenizer, "[ARGS]")
+    rules = [f"{top}: {' | '.join(f'{top}_{i}' for i in range(len(tools)))}"]
+    for i, t in enumerate(tools):
+        name = t["function"]["name"]
+        schema = (arguments or {}).get(name) or t["function"].get("parameters") or {"type": "object"}
+        rules += [f"{top}_{i}: {json.dumps(name)} {args} {top}_{i}_args", f"{top}_{i}_args: {json_rule(schema)}"]
+    return "\n".join(rules) + "\n"
+
+
+def _single_token(tokenizer: Any, text: str) -> bool:
+    return len(tokenizer.encode(text, add_special_tokens=False)) == 1
 
 
 def _token_ref(tokenizer: Any, text: str) -> str:

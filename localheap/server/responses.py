@@ -25,9 +25,11 @@ from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, TypeAdapt
 
 from ..engine import Finished
 from ..generation import TOP_LOGPROBS_MAX
+from ..grammar import GrammarError, json_grammar, lark_regex
 from ..heap.private import open_private
 from .chat import ChatPlan
 from .errors import ApiError, BadRequest
+from .logonce import warn_once
 from .logprobs import chat_content
 from .schemas import ChatMessage, Strict
 from .toolcalls import CallArgs, CallStart, Piece, Text
@@ -142,11 +144,31 @@ class FunctionTool(Strict):
 
 class CustomTool(Strict):
     """A freeform tool: the model writes its input as text. Offered to the model as a function of
-    one string argument, `input`; its `format` (a grammar the input should follow) is not enforced."""
+    one string argument, `input`; a `format` grammar (a regex, or a Lark grammar without recursion)
+    holds that string once the model calls the tool."""
     type: Literal["custom"]
     name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
     description: Optional[str] = None
     format: Optional[dict[str, Any]] = None
+
+    def input_schema(self) -> Optional[dict]:
+        """The schema of the call's `{"input": ...}` where `format` is a grammar this server can hold
+        it to; None (free text) for `{"type": "text"}`, no format, or a grammar it cannot (logged once:
+        a client's format is a hint it sends every turn, not a reason to refuse the request)."""
+        fmt = self.format or {}
+        if fmt.get("type") != "grammar":
+            return None
+        syntax, definition = fmt.get("syntax"), fmt.get("definition")
+        try:
+            if not isinstance(definition, str) or syntax not in ("regex", "lark"):
+                raise GrammarError("a grammar format has a `syntax` regex or lark and a `definition` string")
+            regex = definition if syntax == "regex" else lark_regex(definition)
+            schema = {**CUSTOM_PARAMETERS, "properties": {"input": {"type": "string", "pattern": f"^(?:{regex})$"}}}
+            json_grammar(schema)
+        except GrammarError as e:
+            warn_once("custom tools' formats not enforced (their input is free text): %s", [f"{self.name}: {e}"])
+            return None
+        return schema
 
 
 class NamespaceTool(Strict):
@@ -185,6 +207,7 @@ class Offered:
     custom: bool
     description: Optional[str]
     parameters: dict
+    enforce: Optional[dict] = None   # what its arguments are held to, where not `parameters` (a custom format)
 
     def chat(self) -> dict:
         """(in the order chat clients write it: the same tools render the same prompt on both routes)"""
@@ -204,7 +227,8 @@ def _offer(t: Union[FunctionTool, CustomTool], namespace: Optional[NamespaceTool
         description = f"{namespace.description}\n\n{description}" if description else namespace.description
     custom = isinstance(t, CustomTool)
     parameters = CUSTOM_PARAMETERS if custom else t.parameters or {"type": "object"}
-    return Offered(qualified(t.name, ns), t.name, ns, custom, description, parameters)
+    return Offered(qualified(t.name, ns), t.name, ns, custom, description, parameters,
+                   t.input_schema() if custom else None)
 
 
 def qualified(name: str, namespace: Optional[str]) -> str:
@@ -401,7 +425,8 @@ class ResponsesRequest(Strict):
         kwargs = None
         if self.reasoning is not None and self.reasoning.effort is not None:
             kwargs = {"enable_thinking": self.reasoning.effort != "none"}
-        return ChatPlan(tools, choice, self.parallel_tool_calls is not False, schema, kwargs)
+        arguments = {o.name: o.enforce for o in self.offered if o.enforce is not None}
+        return ChatPlan(tools, choice, self.parallel_tool_calls is not False, schema, kwargs, arguments or None)
 
 
 class ResponseNotFound(ApiError):

@@ -35,6 +35,7 @@ class Services:
     observers: int = 0                   # open /v1/heap/events streams (event loop only)
     draining: bool = False               # shutting down: the grace period is over, endless streams end
     force_tokens: Any = None             # tests only: () -> a Constraint for each chat request
+    lead_tokens: Any = None              # tests only: ids each chat reply begins with, then its own constraint
     _token_text: Optional[TokenText] = None
     _responses: Any = None
 

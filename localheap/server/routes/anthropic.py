@@ -48,7 +48,7 @@ async def messages(body: MessagesRequest, request: Request, svc: Services = Depe
     prompt = await tokenize(chat_prompt, svc.tokenizer, msgs, limit=svc.settings.max_prompt_tokens, opts=opts)
     # stop sequences are matched here, not in the engine: the reply must say which one stopped it
     params = SamplingParams(max_tokens=body.max_tokens, temperature=body.temperature, top_p=body.top_p,
-                            top_k=body.top_k, constraint=plan.constraint(svc, opts))
+                            top_k=body.top_k, constraint=plan.constraint(svc, opts, prompt))
     title = next((m.text() for m in msgs if m.role == "user"), None)
     job, events, started = await start(svc, request, prompt, params, x_session_id, title)
     reader = Reader(job, plan.parser(opts, prompt), body.stop_sequences or [])

@@ -175,7 +175,7 @@ async def chat(request: Request, svc: Services = Depends(services), x_session_id
     opts = plan.options(svc)
     msgs = body.chat_messages()
     prompt = await tokenize(chat_prompt, svc.tokenizer, msgs, limit=svc.settings.max_prompt_tokens, opts=opts)
-    return await _run(request, svc, body, prompt, plan.parser(opts, prompt), plan.constraint(svc, opts),
+    return await _run(request, svc, body, prompt, plan.parser(opts, prompt), plan.constraint(svc, opts, prompt),
                       x_session_id, next((m.text() for m in msgs if m.role == "user"), None), chat=True)
 
 
@@ -199,7 +199,7 @@ async def generate(request: Request, svc: Services = Depends(services), x_sessio
     else:
         prompt = await tokenize(chat_prompt, svc.tokenizer, body.chat_messages(), limit=svc.settings.max_prompt_tokens,
                                 opts=opts)
-    return await _run(request, svc, body, prompt, plan.parser(opts, prompt), plan.constraint(svc, opts),
+    return await _run(request, svc, body, prompt, plan.parser(opts, prompt), plan.constraint(svc, opts, prompt),
                       x_session_id, body.prompt, chat=False, stop_ids=ends,
                       scratch=bool(body.suffix) and x_session_id is None)
 

@@ -47,7 +47,7 @@ async def create_response(body: ResponsesRequest, request: Request, svc: Service
     default = min(svc.settings.default_max_tokens, svc.settings.max_tokens_limit)
     top = body.logprobs
     params = SamplingParams(max_tokens=body.max_output_tokens or default, temperature=body.temperature,
-                            top_p=body.top_p, constraint=plan.constraint(svc, opts),
+                            top_p=body.top_p, constraint=plan.constraint(svc, opts, prompt),
                             logprobs=None if top is None else LogprobRecorder(top))
     token_text = svc.token_text if top is not None else None
     title = next((m.text() for m in messages if m.role == "user"), None)
