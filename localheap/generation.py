@@ -38,6 +38,19 @@ class Constraint(Protocol):
     def advance(self, token: int) -> None:
         """The token just sampled."""
 
+    # Optional: see(token) takes the token still on the device (a [1] array) where the constraint
+    # can read it later (LazyGrammar); samplers call it instead of advance (see handoff below).
+
+
+def handoff(constraint: Any, token: Any) -> None:
+    """Give a constraint the token a sampler just drew ([1] array on the device): `see` where it can
+    read it later (no host sync now), else `advance` with the id (a sync)."""
+    see = getattr(constraint, "see", None)
+    if see is not None:
+        see(token)
+    else:
+        constraint.advance(int(token.reshape(-1)[0].item()))
+
 
 def check_logit_bias(bias: dict[int, float], vocab: int) -> None:
     """A logit_bias that names an id past the vocabulary (ids 0..vocab-1) is a ValueError."""

@@ -138,7 +138,14 @@ class LazyGrammar:
     a call outside its reasoning; from there the call is held to the trigger's grammar (a tool's
     name, arguments valid for its schema) until that is complete, then the reply is free again.
     The trigger is found in the reply's bytes, so it may span tokens (or end inside one: what the
-    token says past it is fed to the grammar)."""
+    token says past it is fed to the grammar).
+
+    A sampler that can hand it the token still on the device (`see`, not `advance`) keeps its decode
+    pipelining while the reply is free: a token is read on the host one step late, once the next
+    one is queued, unless the mask depends on it (inside a call, or where the text so far ends with
+    part of a trigger). Only a trigger that is one token by itself (Qwen's `<tool_call>`) is known a
+    step late: the token after it is sampled free and goes to the grammar as the call's first (the
+    model writes its own syntax there; where the grammar refuses it, the call goes free)."""
 
     THINK, END_THINK = b"<think>", b"</think>"
 
@@ -154,9 +161,25 @@ class LazyGrammar:
         self.active: Optional[Grammar] = None
         self.held = 0                          # calls held to a grammar (tests and logs)
         self.broken: Optional[str] = None      # a grammar that could not go on (its call is free)
+        self.pending: list = []                # tokens seen on the device, not yet read (see)
+        self.prefixes = {text[:k] for _, text in self.triggers for k in range(1, len(text))}
 
     def allowed(self) -> Optional[np.ndarray]:
+        while self.pending and (len(self.pending) > 1 or self._must_read()):
+            self.advance(int(self.pending.pop(0).item()))
         return self.active.allowed() if self.active is not None else None
+
+    def see(self, token: Any) -> None:
+        """The token just sampled, still on the device (a [1] array): read at the next allowed()."""
+        self.pending.append(token)
+
+    def _must_read(self) -> bool:
+        """Whether the next mask depends on the token in flight: inside a call, while the reply's
+        first text could be an at-start trigger, or where the text so far ends with a trigger's start."""
+        if self.active is not None or self.starts:
+            return True
+        tail = bytes(self.out[-max(map(len, self.prefixes), default=0):]) if self.prefixes else b""
+        return any(tail.endswith(p) for p in self.prefixes)
 
     def advance(self, token: int) -> None:
         piece = self.ll.decode_bytes([token])
@@ -265,6 +288,14 @@ class LeadingTokens:
         self.lead.advance(token)
         if self.inner is not None:
             self.inner.advance(token)
+
+    def see(self, token: Any) -> None:
+        """(the sampler's device-side handoff: the inner constraint's, where it has one)"""
+        self.lead.at += 1
+        if hasattr(self.inner, "see"):
+            self.inner.see(token)
+        elif self.inner is not None:
+            self.inner.advance(int(token.item()))
 
 
 # --- a Lark grammar without recursion, as one regular expression --------------------------------

@@ -362,3 +362,60 @@ def test_what_a_lark_grammar_cannot_spell_out_is_refused(lark, why):
 
     with pytest.raises(GrammarError, match=why):
         lark_regex(lark)
+
+
+class _OnDevice:
+    """A sampled token as a sampler hands it over ([1] array); records when the host reads it."""
+
+    def __init__(self, token: int, reads: list):
+        self.token, self.reads = token, reads
+
+    def item(self) -> int:
+        self.reads.append(self.token)
+        return self.token
+
+
+def _feed_lagged(g, tok, text: str) -> tuple[list, list]:
+    """As a pipelining sampler drives it: allowed() before each draw, see() after; per token 'free',
+    'held' or None (refused), and at each step how many tokens the host had read."""
+    seen, reads, read_at = [], [], []
+    for t in tok.encode(text, add_special_tokens=False):
+        mask = g.allowed()
+        read_at.append(len(reads))
+        if mask is not None and not mask[t]:
+            seen.append(None)
+            break
+        seen.append("free" if mask is None else "held")
+        g.see(_OnDevice(t, reads))
+    return seen, read_at
+
+
+def test_a_lazy_grammar_reads_free_tokens_a_step_late_and_holds_the_call_the_same(tokenizers, tmp_path):
+    """Free text: at each draw the host has read the tokens before the last one only (the sampler's
+    pipelining is kept); where the text ends with part of the opener it reads the last one too, so a
+    call over several tokens is held exactly as with advance(). An opener that is one token by itself
+    is known a step late: the token after it is drawn free and the grammar takes it as the call's first."""
+    pytest.importorskip("llguidance")
+    from transformers import AutoTokenizer
+
+    tok = tokenizers["qwen"]
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    before = "Fine weather for a walk today. "
+    lagged, read_at = _feed_lagged(_lazy(tok), tok, before + call)
+    assert lagged == _feed(_lazy(tok), tok, before + call)
+    n = len(tok.encode(before, add_special_tokens=False))
+    assert read_at[:n] == [max(0, k - 1) for k in range(n)]   # free: all but the token in flight
+    tokenizers["qwen"].save_pretrained(tmp_path)
+    one = AutoTokenizer.from_pretrained(tmp_path)
+    one.add_special_tokens({"additional_special_tokens": ["<tool_call>"]})
+    g = _lazy(one)
+    seen, _ = _feed_lagged(g, one, before + call + " ok")
+    first = len(one.encode(before + "<tool_call>", add_special_tokens=False))
+    end = len(one.encode(before + call, add_special_tokens=False))
+    assert seen[first] == "free" and set(seen[first + 1:end]) == {"held"} and set(seen[end:]) == {"free"}, seen
+    g.allowed()
+    assert g.held == 1 and g.broken is None
+    g = _lazy(one)   # a first token the grammar refuses: that call goes free, flagged
+    _feed_lagged(g, one, before + call.replace("<tool_call>\n", "<tool_call> ") + " ok")
+    g.allowed()
+    assert g.held == 1 and g.broken

@@ -1,7 +1,8 @@
 """`localheap bench structured`: what constrained decoding (response_format json_schema) costs per
 token, against unconstrained decoding of the same model in the same run (interleaved A,B,A,B);
-and the grammar libraries' mask time alone on one tokenizer (llguidance, the one used; xgrammar
-where installed, for comparison)."""
+the tool-call grammar of tool_choice auto (its cost on a reply that opens no call, and calls
+opened held or free: how many come back valid); and the grammar libraries' mask time alone on one
+tokenizer (llguidance, the one used; xgrammar where installed, for comparison)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import time
 from typing import Any, Callable, Optional
 
 from ..generation import SamplingParams
-from ..grammar import JSON_STYLE, Grammar, json_grammar
+from ..grammar import JSON_STYLE, Grammar, LazyGrammar, LeadingTokens, json_grammar
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "age", "notes"],
           "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
@@ -18,12 +19,16 @@ SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", 
 PROMPT = "Describe a person as a JSON object with a name, an age and some notes."
 
 
-def _decode(backend, cfg, prompt: list[int], tokens: int, seed: int, constraint) -> tuple[int, float]:
-    """(tokens decoded after the first, seconds they took): prefill and the first token excluded."""
+def _decode(backend, cfg, prompt: list[int], tokens: int, seed: int, constraint,
+            out: Optional[list] = None) -> tuple[int, float]:
+    """(tokens decoded after the first, seconds they took): prefill and the first token excluded.
+    `out` gets the ids sampled."""
     cache = backend.new_cache(cfg)
     params = SamplingParams(max_tokens=tokens, temperature=1.0, seed=seed, constraint=constraint)
     n, start = 0, None
     for tok in backend.generate(cache, prompt, params):
+        if out is not None:
+            out.append(tok)
         if start is None:
             start = time.perf_counter()
         else:
@@ -52,6 +57,104 @@ def run_decode(backend, cfg, tokens: int, repeats: int, log: Callable[[str], Non
     base = rows[0]["ms_per_token"]
     for r in rows:
         r["x_unconstrained"] = r["ms_per_token"] / base if base and r["ms_per_token"] else None
+    return rows
+
+
+TOOLS = [{"type": "function", "function": {
+             "name": "get_weather", "description": "The weather in a city",
+             "parameters": {"type": "object", "additionalProperties": False, "required": ["city"],
+                            "properties": {"city": {"type": "string", "enum": ["Paris", "Lyon", "Nice"]},
+                                           "unit": {"type": "string", "enum": ["C", "F"]}}}}},
+         {"type": "function", "function": {
+             "name": "get_time", "description": "The time in a zone",
+             "parameters": {"type": "object", "additionalProperties": False, "required": ["zone"],
+                            "properties": {"zone": {"type": "string", "maxLength": 24}}}}}]
+
+
+def _valid_call(call) -> bool:
+    """Whether a parsed call names one of TOOLS with arguments its schema takes (TOOLS' keywords only)."""
+    tool = next((t["function"] for t in TOOLS if t["function"]["name"] == call.name), None)
+    if tool is None or call.error is not None:
+        return False
+    try:
+        args = json.loads(call.arguments)
+    except ValueError:
+        return False
+    schema = tool["parameters"]
+    if not isinstance(args, dict) or set(args) - set(schema["properties"]) or set(schema["required"]) - set(args):
+        return False
+    for key, value in args.items():
+        prop = schema["properties"][key]
+        if not isinstance(value, str) or ("enum" in prop and value not in prop["enum"]) \
+                or len(value) > prop.get("maxLength", len(value)):
+            return False
+    return True
+
+
+class _ReadAtOnce:
+    """The lazy grammar as a constraint without `see`: the sampler reads each token on the host as
+    it is drawn (what the grammar would cost without its one-step-late reads)."""
+
+    def __init__(self, inner: LazyGrammar):
+        self.inner = inner
+
+    def allowed(self):
+        return self.inner.allowed()
+
+    def advance(self, token: int) -> None:
+        self.inner.advance(token)
+
+
+def run_tools(backend, cfg, tokens: int, repeats: int, log: Callable[[str], None]) -> list[dict]:
+    """tool_choice auto, in the model's own tool-call syntax (serve's default): the lazy grammar on a
+    reply that opens no call (its cost, and whether the tokens are the same as with no grammar), and
+    replies made to open a call (their first tokens forced to the family's opener) with the call held
+    by the grammar or free (serve --no-tool-grammar): how many calls come back valid."""
+    from ..server.chat import call_triggers
+    from ..server.toolformats import tool_format
+
+    tok, eos = backend.tokenizer, backend.eos_token_ids
+    fmt = tool_format(tok)
+    opener = (fmt.starts or ('{"name"',))[0]
+    lead = list(tok.encode(opener, add_special_tokens=False))
+    prompt = list(tok.encode(PROMPT))   # (a prompt the model writes on from: the demo model stops at once on some)
+    triggers = call_triggers(fmt, TOOLS, tok)
+
+    def lazy():
+        return LazyGrammar(tok, eos, triggers)
+
+    paths: dict[str, Callable[[], Any]] = {
+        "auto, no grammar": lambda: None, "auto, grammar": lazy,
+        "auto, grammar read at once": lambda: _ReadAtOnce(lazy()),
+        "call opened, free": lambda: LeadingTokens(lead, eos, None),
+        "call opened, held": lambda: LeadingTokens(lead, eos, lazy())}
+    totals = {p: {"tokens": 0, "s": 0.0, "calls": 0, "valid": 0, "outputs": []} for p in paths}
+    for rep in range(repeats):
+        for path, make in paths.items():   # interleaved
+            out: list[int] = []
+            n, s = _decode(backend, cfg, prompt, tokens, rep, make(), out)
+            t = totals[path]
+            t["tokens"] += n
+            t["s"] += s
+            t["outputs"].append(out)
+            if path.startswith("call opened"):
+                text = tok.decode(out, skip_special_tokens=False)
+                body = text[text.find(opener) + len(opener):]
+                calls = (fmt.parse(body.split(fmt.end)[0]) if fmt.end is None or fmt.end in body else None) or []
+                t["calls"] += 1
+                t["valid"] += bool(calls) and all(_valid_call(c) for c in calls)
+            log(f"tools {path} repeat {rep}: {n} tokens in {s:.3f} s")
+    rows = []
+    base = totals["auto, no grammar"]
+    for path, t in totals.items():
+        row = {"path": path, "tokens": t["tokens"], "ms_per_token": 1e3 * t["s"] / t["tokens"] if t["tokens"] else None}
+        row["x_no_grammar"] = row["ms_per_token"] / (1e3 * base["s"] / base["tokens"]) \
+            if row["ms_per_token"] and base["tokens"] else None
+        if path.startswith("auto, grammar"):
+            row["valid_calls"] = "same tokens" if t["outputs"] == base["outputs"] else "tokens differ"
+        elif t["calls"]:
+            row["valid_calls"] = f"{t['valid']} of {t['calls']}"
+        rows.append(row)
     return rows
 
 
@@ -131,10 +234,13 @@ def _xgrammar(tokenizer):
     return fresh
 
 
-def report(decode: list[dict], masks: list[dict], backend, vocab: Optional[int], table) -> str:
+def report(decode: list[dict], tools: list[dict], masks: list[dict], backend, vocab: Optional[int], table) -> str:
     head = f"model {backend.model_name} | backend {backend.name} | vocabulary {vocab:,}\n"
     return (head + table(decode, [("path", "path", ""), ("tokens", "tokens", ","), ("ms_per_token", "ms/token", ".3f"),
                                   ("x_unconstrained", "x unconstrained", ".2f")])
+            + "\n\ntool_choice auto (the calls a reply opens, held by the grammar or free):\n"
+            + table(tools, [("path", "path", ""), ("tokens", "tokens", ","), ("ms_per_token", "ms/token", ".3f"),
+                            ("x_no_grammar", "x no grammar", ".2f"), ("valid_calls", "valid calls", "")])
             + "\n\nmask computation alone (a fixed valid reply, best of the repeats):\n"
             + table(masks, [("library", "library", ""), ("tokens", "tokens", ","),
                             ("us_per_token", "us/token", ",.1f"), ("setup_s", "setup s", ".3f")]))

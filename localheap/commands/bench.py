@@ -144,6 +144,8 @@ def add_parser(sub) -> None:
     add_heap_args(st)
     st.add_argument("--tokens", type=_positive, default=128, help="most tokens decoded per run (default 128)")
     st.add_argument("--repeats", type=_positive, default=3, help="runs per path, interleaved (default 3)")
+    st.add_argument("--tool-repeats", type=_positive, default=10,
+                    help="runs per tool-call path, interleaved, each its own seed (default 10)")
     st.add_argument("--mask-vocab", type=_positive, default=None,
                     help="time the masks alone on a tokenizer trained to this vocabulary size, e.g. 32000 "
                          "(default: the model's own tokenizer)")
@@ -432,13 +434,15 @@ def run_perplexity_bench(args) -> int:
 
 
 def run_structured_bench(args) -> int:
-    from ..bench.structured import report, run_decode, run_masks
+    from ..bench.structured import report, run_decode, run_masks, run_tools
     from ..models import load_backend
 
     backend = load_backend(model_spec(args), args.backend)
     set_threads(backend, args)
     decode = run_decode(backend, heap_config(args, backend), args.tokens, args.repeats,
                         log=lambda m: print(m, file=sys.stderr))
+    tools = run_tools(backend, heap_config(args, backend), args.tokens, args.tool_repeats,
+                      log=lambda m: print(m, file=sys.stderr))
     tokenizer, vocab = backend.tokenizer, len(backend.tokenizer)
     if args.mask_vocab:
         import tempfile
@@ -452,8 +456,9 @@ def run_structured_bench(args) -> int:
             tokenizer = AutoTokenizer.from_pretrained(tmp)
         vocab = len(tokenizer)
     masks = run_masks(tokenizer, backend.eos_token_ids, args.repeats)
-    emit("structured", report(decode, masks, backend, vocab, table),
-         {"model": backend.model_name, "backend": backend.name, "vocab": vocab, "decode": decode, "masks": masks})
+    emit("structured", report(decode, tools, masks, backend, vocab, table),
+         {"model": backend.model_name, "backend": backend.name, "vocab": vocab, "decode": decode, "tools": tools,
+          "masks": masks})
     return 0
 
 

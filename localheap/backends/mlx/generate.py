@@ -18,7 +18,7 @@ from mlx_lm.sample_utils import make_sampler
 from ...dry import dry_state
 from ...generation import (ADAPTIVE_PEAK, ADAPTIVE_SHARPNESS, ADAPTIVE_WIDTH, DYNATEMP_FLOOR, MIROSTAT_M,
                            SCORED_BLOCK, LogprobRecorder, ProgressFn, SamplingParams, TokenLogprob,
-                           check_logit_bias, scored_rows)
+                           check_logit_bias, handoff, scored_rows)
 from .. import paging
 from . import recall
 from .compiled import compiled_step
@@ -95,7 +95,7 @@ class Sampler:
                     self.counts = self.counts.at[self.window[:-self.last_n]].add(-1.0)
                 self.window = self.window[-self.last_n:]
         if self.constraint is not None:
-            self.constraint.advance(y.item())
+            handoff(self.constraint, y)
         if self.dry is not None:   # on the host: DRY matches the ids themselves
             self.dry.push(y.item())
         if self.recorder is not None and self.post:   # the chain's own distribution (greedy: one id)

@@ -19,7 +19,7 @@ from transformers.generation.logits_process import (MinPLogitsWarper, Temperatur
 from ...dry import dry_state
 from ...generation import (ADAPTIVE_PEAK, ADAPTIVE_SHARPNESS, ADAPTIVE_WIDTH, DYNATEMP_FLOOR, MIROSTAT_M,
                            SCORED_BLOCK, LogprobRecorder, ProgressFn, SamplingParams, TokenLogprob,
-                           check_logit_bias, scored_rows)
+                           check_logit_bias, handoff, scored_rows)
 from .. import paging
 from . import recall
 from .cache import HeapCache
@@ -248,7 +248,7 @@ class Sampler:
         elif self.recorder is not None:
             self.recorder.add(logprob_entry(logits, token, self.recorder.top))
         if self.constraint is not None:
-            self.constraint.advance(int(token))
+            handoff(self.constraint, token)
         if self.dry is not None:   # on the host: DRY matches the ids themselves
             self.dry.push(int(token))
         return token
