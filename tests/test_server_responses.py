@@ -213,6 +213,33 @@ def test_a_custom_tools_grammar_holds_its_input(server, lead, caplog):
     assert not any(x is not None and (EDIT.fullmatch(x) or PHONE.fullmatch(x)) for x in loose), loose
 
 
+def test_a_custom_tool_named_or_allowed_by_tool_choice_is_called_with_its_format(server):
+    """Responses tool_choice {"type": "custom", "name"} forces a call of that custom tool, its input held
+    to its format; allowed_tools (mode required) forces a call of one of the allowed; an allowed tool
+    that is not in tools is a 400."""
+    import httpx
+
+    def call(choice) -> dict:
+        r = httpx.post(server.url + "/v1/responses", timeout=60, json={
+            "model": model(server), "input": "Go.", "tools": FORMAT_TOOLS, "max_output_tokens": 120,
+            "temperature": 1.0, "tool_choice": choice, "parallel_tool_calls": False})
+        assert r.status_code == 200, r.text
+        (item,) = [o for o in r.json()["output"] if o["type"] == "custom_tool_call"]
+        assert r.json()["tool_choice"] == choice
+        return item
+
+    for _ in range(2):
+        item = call({"type": "custom", "name": "dial"})
+        assert item["name"] == "dial" and PHONE.fullmatch(item["input"]), item
+        item = call({"type": "allowed_tools", "mode": "required", "tools": [{"type": "custom", "name": "edit"},
+                                                                            {"type": "web_search"}]})
+        assert item["name"] == "edit" and EDIT.fullmatch(item["input"]), item
+    r = httpx.post(server.url + "/v1/responses", timeout=60, json={
+        "model": model(server), "input": "Go.", "tools": FORMAT_TOOLS, "tool_choice": {
+            "type": "allowed_tools", "mode": "auto", "tools": [{"type": "function", "name": "elsewhere"}]}})
+    assert r.status_code == 400 and "elsewhere" in r.text
+
+
 def test_codex_tools_namespaces_custom_and_hosted(server, force):
     """What Codex sends: a namespace's tools are offered as `<namespace>.<name>` and their calls come
     back named apart (name, namespace); a custom tool is offered as a function of one string `input`

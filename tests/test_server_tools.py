@@ -204,6 +204,32 @@ def test_a_reply_that_opens_no_call_samples_as_without_the_grammar(server, clien
             assert all("<tool_call>" in m.reasoning_content for m in replies[True])
 
 
+def test_allowed_tools_keep_every_tool_in_the_prompt_and_hold_calls_to_the_allowed(client, lead):
+    """tool_choice allowed_tools: the prompt is the same as with all tools (the session's prefix does not
+    change), and the grammar lets the model call only the allowed ones: mode required forces a call of
+    one of them; mode auto holds a call the reply opens to them. A name not in tools is a 400."""
+    only_time = {"type": "allowed_tools", "allowed_tools": {"mode": "required", "tools": [
+        {"type": "function", "function": {"name": "get_time"}}]}}
+    plain = ask(client, [{"role": "user", "content": "any city"}], tools=TIGHT, max_tokens=1)
+    for seed in range(3):
+        r = ask(client, [{"role": "user", "content": "any city"}], tools=TIGHT, tool_choice=only_time,
+                temperature=1.0, seed=seed, max_tokens=60, parallel_tool_calls=False)
+        assert r.usage.prompt_tokens == plain.usage.prompt_tokens
+        assert [c.function.name for c in r.choices[0].message.tool_calls] == ["get_time"], r
+        assert r.choices[0].finish_reason == "tool_calls"
+    lead("<tool_call>")
+    auto = {"type": "allowed_tools", "allowed_tools": {"mode": "auto", "tools": [
+        {"type": "function", "function": {"name": "get_weather"}}]}}
+    for seed in range(3):
+        r, calls, errors = _calls_and_errors(client, seed=seed, max_tokens=90, tool_choice=auto)
+        assert calls and {c.function.name for c in calls} == {"get_weather"} and not errors, r
+    lead(None)
+    bad = {"type": "allowed_tools", "allowed_tools": {"mode": "auto", "tools": [
+        {"type": "function", "function": {"name": "nowhere"}}]}}
+    with pytest.raises(openai.BadRequestError, match="nowhere"):
+        ask(client, [{"role": "user", "content": "hi"}], tool_choice=bad)
+
+
 def test_a_forced_call_cut_by_max_tokens_returns_no_markup_as_content(client):
     """The grammar's call cut short: no content (its markup is not the model's text), finish_reason length;
     the call comes back, flagged, once its name is written."""

@@ -28,13 +28,20 @@ class ChatPlan:
     """A chat request in the terms both APIs share. tools: OpenAI's shape. choice: "auto",
     "none", "required" or a function's name. json_schema: {} for any JSON object. arguments: a
     tool's name -> the schema its arguments are held to where that is not its `parameters` (a
-    Responses custom tool's regex format)."""
+    Responses custom tool's format). allowed: the names the model may call (tool_choice
+    allowed_tools; None: any of `tools`), held by the grammar; every tool is still in the prompt."""
     tools: Optional[list[dict]] = None
     choice: str = "auto"
     parallel: bool = True
     json_schema: Optional[dict] = None
     template_kwargs: Optional[dict] = None
     arguments: Optional[dict] = None
+    allowed: Optional[list[str]] = None
+
+    @property
+    def callable(self) -> list[dict]:
+        """The tools the model may call."""
+        return [t for t in self.tools or [] if self.allowed is None or t["function"]["name"] in self.allowed]
 
     def options(self, svc: Services) -> ChatOptions:
         """The format is known even without tools: a history may hold calls and results to render."""
@@ -63,7 +70,7 @@ class ChatPlan:
         if self.json_schema is not None:
             grammar = json_grammar(self.json_schema or None)
         elif self.forced:
-            grammar = call_grammar(opts.fmt, self.tools, self.choice, self.parallel, svc.tokenizer, self.arguments)
+            grammar = call_grammar(opts.fmt, self.callable, self.choice, self.parallel, svc.tokenizer, self.arguments)
         elif self.tools and self.choice == "auto" and svc.settings.tool_grammar:
             return _leading(svc, self.lazy(svc, opts, prompt))
         else:
@@ -76,7 +83,7 @@ class ChatPlan:
     def lazy(self, svc: Services, opts: ChatOptions, prompt: Prompt) -> Optional[LazyGrammar]:
         """The calls a free reply opens, held to the tools' schemas; None where llguidance cannot
         enforce a tool's schema (tool_choice auto never refused a schema: the calls go free, logged)."""
-        triggers = call_triggers(opts.fmt, self.tools, svc.tokenizer, self.arguments)
+        triggers = call_triggers(opts.fmt, self.callable, svc.tokenizer, self.arguments)
         for t in triggers:
             error = grammar_error(t.grammar)
             if error:

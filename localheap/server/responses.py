@@ -236,8 +236,22 @@ def qualified(name: str, namespace: Optional[str]) -> str:
 
 
 class NamedFunction(Strict):
-    type: Literal["function"]
+    """tool_choice naming one tool: a function or a custom tool (a namespaced one with its namespace)."""
+    type: Literal["function", "custom"]
     name: str
+    namespace: Optional[str] = None
+
+
+class AllowedToolsChoice(Strict):
+    """tool_choice {"type": "allowed_tools", "mode", "tools"}: every tool stays in the prompt, the
+    model may call only these (held by the grammar). Hosted tools named here are not offered."""
+    type: Literal["allowed_tools"]
+    mode: Literal["auto", "required"]
+    tools: list[dict[str, Any]] = Field(min_length=1)
+
+    def names(self) -> list[str]:
+        return [qualified(t["name"], t.get("namespace")) for t in self.tools
+                if t.get("type") in ("function", "custom") and isinstance(t.get("name"), str)]
 
 
 class TextFormat(Strict):
@@ -268,7 +282,7 @@ class ResponsesRequest(Strict):
     input: Union[str, list[Item]]
     instructions: Optional[str] = None
     tools: Optional[list[Tool]] = None
-    tool_choice: Union[Literal["auto", "none", "required"], NamedFunction, None] = None
+    tool_choice: Union[Literal["auto", "none", "required"], NamedFunction, AllowedToolsChoice, None] = None
     parallel_tool_calls: Optional[bool] = None
     max_output_tokens: Optional[int] = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
@@ -319,9 +333,18 @@ class ResponsesRequest(Strict):
             for j, p in enumerate(parts if isinstance(parts, list) else []):
                 if isinstance(p, InputMedia):
                     return f"input.{i}.content.{j}", f"this model reads text only: {p.type!r} parts are not supported"
-        if isinstance(self.tool_choice, NamedFunction) and \
-                self.tool_choice.name not in {o.name for o in self.offered}:
-            return "tool_choice", f"tool_choice names {self.tool_choice.name!r}, which is not in tools"
+        offered = {o.name for o in self.offered}
+        if isinstance(self.tool_choice, NamedFunction):
+            name = qualified(self.tool_choice.name, self.tool_choice.namespace)
+            if name not in offered:
+                return "tool_choice", f"tool_choice names {name!r}, which is not in tools"
+        if isinstance(self.tool_choice, AllowedToolsChoice):
+            for name in self.tool_choice.names():
+                if name not in offered:
+                    return "tool_choice", f"tool_choice allows {name!r}, which is not in tools"
+            if not self.tool_choice.names() and self.tool_choice.mode == "required":
+                return "tool_choice", "tool_choice requires a call of the tools it allows, and none of them " \
+                    "is a function or custom tool this server can offer"
         if self.tool_choice in ("required",) and not self.offered:
             return "tool_choice", "tool_choice needs tools"
         return None
@@ -409,9 +432,11 @@ class ResponsesRequest(Strict):
 
     def plan(self) -> ChatPlan:
         tools = [o.chat() for o in self.offered] or None
-        choice = self.tool_choice or "auto"
+        choice, allowed = self.tool_choice or "auto", None
         if isinstance(choice, NamedFunction):
-            choice = choice.name
+            choice = qualified(choice.name, choice.namespace)
+        elif isinstance(choice, AllowedToolsChoice):
+            choice, allowed = choice.mode, choice.names()
         fmt = self.text.format if self.text is not None else None
         schema = None
         if fmt is not None and fmt.type == "json_object":
@@ -426,7 +451,8 @@ class ResponsesRequest(Strict):
         if self.reasoning is not None and self.reasoning.effort is not None:
             kwargs = {"enable_thinking": self.reasoning.effort != "none"}
         arguments = {o.name: o.enforce for o in self.offered if o.enforce is not None}
-        return ChatPlan(tools, choice, self.parallel_tool_calls is not False, schema, kwargs, arguments or None)
+        return ChatPlan(tools, choice, self.parallel_tool_calls is not False, schema, kwargs, arguments or None,
+                        allowed)
 
 
 class ResponseNotFound(ApiError):
@@ -700,7 +726,7 @@ class Built:
                 "previous_response_id": r.previous_response_id,
                 "reasoning": {"effort": r.reasoning.effort if r.reasoning else None, "summary": None},
                 "store": r.store is not False, "temperature": r.temperature, "text": {"format": fmt},
-                "tool_choice": r.tool_choice.model_dump() if isinstance(r.tool_choice, NamedFunction)
+                "tool_choice": r.tool_choice.model_dump(exclude_none=True) if isinstance(r.tool_choice, BaseModel)
                 else r.tool_choice or "auto",
                 "tools": [t.model_dump(by_alias=True, exclude_none=True) for t in r.tools or []], "top_p": r.top_p,
                 "truncation": r.truncation or "disabled", "usage": None, "user": r.user, "metadata": r.metadata or {}}

@@ -98,6 +98,18 @@ class NamedToolChoice(Strict):
     function: NamedFunction
 
 
+class AllowedSet(Strict):
+    mode: Literal["auto", "required"]
+    tools: list[NamedToolChoice] = Field(min_length=1)
+
+
+class AllowedTools(Strict):
+    """tool_choice {"type": "allowed_tools", "allowed_tools": {"mode", "tools"}}: every tool stays in
+    the prompt (its prefix, and the session's cache, do not change), the model may call only these."""
+    type: Literal["allowed_tools"]
+    allowed_tools: AllowedSet
+
+
 class JsonSchemaFormat(Strict):
     name: str = Field("response", max_length=64)
     description: Optional[str] = None
@@ -276,7 +288,7 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: Optional[int] = Field(None, ge=0, le=TOP_LOGPROBS_MAX)
     response_format: Optional[ResponseFormat] = None
     tools: Optional[list[Tool]] = None
-    tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
+    tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, AllowedTools, None] = None
     parallel_tool_calls: Optional[bool] = None
     functions: Optional[list[Any]] = None
     function_call: Optional[Any] = None
@@ -298,11 +310,14 @@ class ChatCompletionRequest(SamplingFields):
             return name, "the legacy functions/function_call fields are not supported: use tools and tool_choice"
         if self.tool_choice not in (None, "none", "auto") and not self.tools:
             return "tool_choice", "tool_choice needs tools"
-        if isinstance(self.tool_choice, NamedToolChoice) and \
-                self.tool_choice.function.name not in {t.function.name for t in self.tools}:
-            return "tool_choice", f"tool_choice names {self.tool_choice.function.name!r}, which is not in tools"
+        named = [self.tool_choice] if isinstance(self.tool_choice, NamedToolChoice) else \
+            self.tool_choice.allowed_tools.tools if isinstance(self.tool_choice, AllowedTools) else []
+        for n in named:
+            if n.function.name not in {t.function.name for t in self.tools}:
+                return "tool_choice", f"tool_choice names {n.function.name!r}, which is not in tools"
         if self.response_format is not None and self.response_format.type != "text" and \
-                self.tool_choice not in (None, "none", "auto"):
+                self.tool_choice not in (None, "none", "auto") and not (
+                    isinstance(self.tool_choice, AllowedTools) and self.tool_choice.allowed_tools.mode == "auto"):
             return "response_format", "response_format and a forced tool_choice cannot be combined"
         if self.top_logprobs and not self.logprobs:
             return "top_logprobs", "top_logprobs needs logprobs set to true"

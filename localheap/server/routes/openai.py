@@ -26,7 +26,7 @@ from ..llamacpp import cut_fields, dry_fields, penalties_on, prompt_progress, sw
 from ..formats import (Echo, Out, Reply, add_call_errors, extension, finish_reason, saved_headers, stop_reason,
                        tool_call_dict, total_usage)
 from ..prompts import chat_prompt, completion_prompt, tokenize
-from ..schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
+from ..schemas import AllowedTools, ChatCompletionRequest, CompletionRequest, SamplingFields
 from ..services import Services, services
 from ..toolcalls import CallArgs, CallStart, OutputParser, Piece
 from ..toolformats import ToolCall
@@ -127,9 +127,11 @@ def _check(body, svc: Services) -> None:
 
 
 def _plan(body: ChatCompletionRequest) -> ChatPlan:
-    choice = body.tool_choice
+    choice, allowed = body.tool_choice, None
     if choice is None:
         choice = "auto"
+    elif isinstance(choice, AllowedTools):
+        choice, allowed = choice.allowed_tools.mode, [t.function.name for t in choice.allowed_tools.tools]
     elif not isinstance(choice, str):
         choice = choice.function.name
     fmt = body.response_format
@@ -139,7 +141,8 @@ def _plan(body: ChatCompletionRequest) -> ChatPlan:
     elif fmt is not None and fmt.type == "json_schema":
         schema = fmt.json_schema.schema_ or {}
     tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
-    return ChatPlan(tools, choice, body.parallel_tool_calls is not False, schema, body.chat_template_kwargs)
+    return ChatPlan(tools, choice, body.parallel_tool_calls is not False, schema, body.chat_template_kwargs,
+                    allowed=allowed)
 
 
 def _params(body: SamplingFields, svc: Services, max_tokens: int, choice: int = 0, constraint=None,
