@@ -4,7 +4,8 @@ models' own templates are not reachable offline), and tiny models that carry the
 Each renders `tools`, assistant `tool_calls` and `tool` results the way its family does:
 Qwen2.5/Qwen3/Hermes (<tool_call> blocks, <tool_response> in a user turn, <think> reasoning,
 enable_thinking), Mistral v0.3 ([AVAILABLE_TOOLS], [TOOL_CALLS] with 9-character ids,
-[TOOL_RESULTS]) and Llama 3.1 (ipython environment, JSON calls with "parameters").
+[TOOL_RESULTS]), Llama 3.1 (ipython environment, JSON calls with "parameters") and Qwen3-Coder
+(XML calls: <function=NAME> with <parameter=KEY> values as raw text).
 The end of turn is the tiny tokenizer's EOS, <|end|>."""
 
 from __future__ import annotations
@@ -73,7 +74,32 @@ LLAMA31 = (
     "{%- if add_generation_prompt %}\n<|assistant|>\n{% endif %}"
 )
 
-TEMPLATES = {"qwen": QWEN, "mistral": MISTRAL, "llama3.1": LLAMA31}
+QWEN_XML = (   # Qwen3-Coder: tools listed in XML, calls as <function=...> with raw-text <parameter=...> values
+    "{%- if tools %}<|system|>\n{% if messages[0].role == 'system' %}{{ messages[0].content }}\n\n{% endif %}"
+    "# Tools\n\nYou have access to the following functions:\n\n<tools>"
+    "{% for t in tools %}\n<function>\n<name>{{ t.function.name }}</name>"
+    "{% if t.function.description %}\n<description>{{ t.function.description }}</description>{% endif %}"
+    "\n<parameters>{% for k, v in (t.function.parameters.properties or {}).items() %}"
+    "\n<parameter>\n<name>{{ k }}</name>\n<type>{{ v.type or 'string' }}</type>\n</parameter>{% endfor %}"
+    "\n</parameters>\n</function>{% endfor %}\n</tools>\n\n"
+    "If you choose to call a function ONLY reply in the following format with NO suffix:\n\n"
+    "<tool_call>\n<function=example_function_name>\n<parameter=example_parameter_1>\nvalue_1\n</parameter>\n"
+    "</function>\n</tool_call><|end|>\n"
+    "{%- elif messages[0].role == 'system' %}<|system|>\n{{ messages[0].content }}<|end|>\n{%- endif %}"
+    "{%- for m in messages %}"
+    "{%- if m.role == 'system' and loop.first %}"
+    "{%- elif m.role == 'assistant' %}\n<|assistant|>\n{{ m.content or '' }}"
+    "{%- for c in m.tool_calls or [] %}{% if not loop.first or m.content %}\n{% endif %}"
+    "<tool_call>\n<function={{ c.function.name }}>\n{% for k, v in c.function.arguments.items() %}"
+    "<parameter={{ k }}>\n{{ v if v is string else v | tojson }}\n</parameter>\n{% endfor %}</function>\n</tool_call>"
+    "{%- endfor %}<|end|>"
+    "{%- elif m.role == 'tool' %}\n<|user|>\n<tool_response>\n{{ m.content }}\n</tool_response><|end|>"
+    "{%- else %}\n<|{{ m.role }}|>\n{{ m.content }}<|end|>{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}\n<|assistant|>\n{% endif %}"
+)
+
+TEMPLATES = {"qwen": QWEN, "qwen3-coder": QWEN_XML, "mistral": MISTRAL, "llama3.1": LLAMA31}
 
 
 def with_template(model_dir: Path, out_dir: Path, template: str) -> Path:

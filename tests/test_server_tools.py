@@ -307,12 +307,15 @@ def test_the_agent_session_with_recall_pages_what_it_evicts(model_dirs, tmp_path
 @pytest.mark.parametrize("family,reply", [
     ("mistral", '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Nice"}}]'),
     ("llama3.1", '{"name": "get_weather", "parameters": {"city": "Nice"}}'),
+    ("qwen3-coder", "<tool_call>\n<function=get_weather>\n<parameter=city>\nNice\n</parameter>\n</function>\n"
+                    "</tool_call>"),
 ])
 def test_a_call_and_its_result_round_trip_in_each_family(model_dirs, tmp_path_factory, torch_one_thread,
                                                           family, reply):
     """Mistral's template writes the call's id into the call (9 letters and digits, checked by the
     template), so the history it renders differs from the reply as generated: the session is reused
-    by rolling back to where they part (within the heap). Llama 3.1's calls are whole-reply JSON."""
+    by rolling back to where they part (within the heap). Llama 3.1's calls are whole-reply JSON;
+    Qwen3-Coder's are XML with raw-text values."""
     tmp = tmp_path_factory.mktemp(family) / "m"
     with serve(with_template(model_dirs("llama"), tmp, TEMPLATES[family]), HeapConfig(budget=1024)) as srv:
         c = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
@@ -331,6 +334,33 @@ def test_a_call_and_its_result_round_trip_in_each_family(model_dirs, tmp_path_fa
         assert second.localheap["session_id"] == first.localheap["session_id"]
         # at least the first prompt (its last token may merge with the reply's first when re-tokenized)
         assert second.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens - 1
+
+
+def test_a_qwen3_coder_call_the_reply_opens_is_held_to_the_tools(model_dirs, tmp_path_factory, torch_one_thread):
+    """Qwen3-Coder's XML calls (tool_choice auto): once the random model has opened one, the grammar holds
+    it to an offered tool and its parameters; each comes back with arguments valid for the schema."""
+    tmp = tmp_path_factory.mktemp("coder") / "m"
+    with serve(with_template(model_dirs("qwen2"), tmp, TEMPLATES["qwen3-coder"])) as srv:
+        c = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
+        svc = srv.services
+        svc.lead_tokens = svc.tokenizer.encode("<tool_call>", add_special_tokens=False)
+        for seed in range(4):
+            r = ask(c, [{"role": "user", "content": "any city"}], tools=TIGHT, temperature=1.0, seed=seed,
+                    max_tokens=90)
+            calls = r.choices[0].message.tool_calls or []
+            assert calls and not (getattr(r, "localheap", None) or {}).get("tool_call_errors"), r
+            for call in calls:
+                args = json.loads(call.function.arguments)
+                if call.function.name == "get_weather":
+                    jsonschema.validate(args, CITY)
+                else:
+                    assert call.function.name == "get_time" and args == {}
+        svc.settings.tool_grammar = False   # the same openings, free: no valid call (the test can fail)
+        for seed in range(4):
+            r = ask(c, [{"role": "user", "content": "any city"}], tools=TIGHT, temperature=1.0, seed=seed,
+                    max_tokens=90)
+            calls = r.choices[0].message.tool_calls or []
+            assert not calls or (getattr(r, "localheap", None) or {}).get("tool_call_errors"), r
 
 
 def test_tools_on_a_template_without_them_are_described_in_a_system_message(model_dirs, torch_one_thread):

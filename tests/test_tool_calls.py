@@ -15,7 +15,7 @@ from localheap.server.prompts import ChatOptions, chat_prompt
 from localheap.server.prompts import _messages as template_messages
 from localheap.server.schemas import ChatMessage
 from localheap.server.toolcalls import CallArgs, CallStart, OutputParser, Text
-from localheap.server.toolformats import Hermes, Llama, Mistral, Prompted, ToolCall, tool_format
+from localheap.server.toolformats import Hermes, Llama, Mistral, Prompted, QwenXML, ToolCall, tool_format
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
                                             "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
@@ -33,7 +33,8 @@ def tokenizers(model_dirs, tmp_path_factory):
     return toks
 
 
-FORMATS = {"qwen": Hermes, "mistral": Mistral, "llama3.1": Llama, "plain": Prompted}
+FORMATS = {"qwen": Hermes, "qwen3-coder": QwenXML, "mistral": Mistral, "llama3.1": Llama, "plain": Prompted}
+XML_CALL = "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n</tool_call>"
 
 
 @pytest.mark.parametrize("family", sorted(FORMATS))
@@ -57,6 +58,7 @@ def _history(call_id: str) -> list[ChatMessage]:
     ("mistral", '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}, "id": "abcDEF123"}]',
      '[TOOL_RESULTS]{"content": "18C, sunny", "call_id": "abcDEF123"}[/TOOL_RESULTS]'),
     ("llama3.1", '{"name": "get_weather", "parameters": {"city": "Paris"}}', "<|ipython|>\n18C, sunny"),
+    ("qwen3-coder", XML_CALL, "<tool_response>\n18C, sunny\n</tool_response>"),
     ("plain", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
      "<tool_response>\n18C, sunny\n</tool_response>"),
 ])
@@ -65,7 +67,7 @@ def test_tools_calls_and_results_go_through_the_template(tokenizers, family, cal
     opts = ChatOptions(TOOLS, tool_format(tok))
     prompt = chat_prompt(tok, _history("abcDEF123"), opts=opts)
     assert call_text in prompt.text and result_text in prompt.text
-    assert '"description": "Weather in a city"' in prompt.text   # the tools are described
+    assert "Weather in a city" in prompt.text   # the tools are described
     assert tok.decode(prompt.tokens, skip_special_tokens=False).endswith(prompt.text[-20:])
 
 
@@ -131,6 +133,9 @@ REPLIES = {
              '{"city": "Lyon"}}\n</tool_call>',
              [("reasoning", "\nThe user wants weather.\n"), ("content", "Let me check. "),
               ("get_weather", {"city": "Paris"}, False), ("get_weather", {"city": "Lyon"}, False)]),
+    "qwen3-coder": ("Let me check.\n" + XML_CALL + "\n" + XML_CALL.replace("Paris", "Lyon\nand Nice"),
+                    [("content", "Let me check.\n"), ("get_weather", {"city": "Paris"}, False),
+                     ("get_weather", {"city": "Lyon\nand Nice"}, False)]),
     "mistral": ('[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": "get_weather", '
                 '"arguments": {"city": "Lyon"}}]',
                 [("get_weather", {"city": "Paris"}, False), ("get_weather", {"city": "Lyon"}, False)]),
@@ -165,6 +170,8 @@ CUT = {   # a reply held to calls (tool_choice "required"), cut by max_tokens: (
               [("get_weather", '{"city": "Pa', True)])],       # its name known: the call as written, flagged
     "mistral": [('[TOOL_CALLS][{"name": "get_weather", "arguments": {"ci', [("get_weather", '{"ci', True)]),
                 ('[TOOL_CALLS][{"na', []), ('[TOOL_CA', [])],
+    "qwen3-coder": [("<tool_call>\n<function=get_weather>\n<parameter=city>\nPa", [("get_weather", "{}", True)]),
+                    ("<tool_call>\n<func", [])],
     "llama3.1": [('{"name": "get_weather", "parameters": {"city": "Paris"}}; {"na',   # one JSON reply: as written
                   [("get_weather", '{"city": "Paris"}}; {"na', True)]),
                  ('{"na', [])],
@@ -206,6 +213,7 @@ def test_llama_json_that_is_not_a_call_is_content_and_a_prompt_inside_think_is_r
     ("mistral", '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}]'),
     ("llama3.1", '{"name": "get_weather", "parameters": {"city": "Paris"}}'),
     ("plain", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'),
+    ("qwen3-coder", XML_CALL),
 ])
 def test_a_forced_call_grammar_takes_the_family_syntax_and_nothing_else(tokenizers, family, text):
     pytest.importorskip("llguidance")
@@ -256,6 +264,7 @@ def _feed(g, tok, text: str) -> list:
     ("plain", "", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>', "\n<tool_"),
     ("mistral", "", '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}]', ""),
     ("llama3.1", "  ", '{"name": "get_weather", "parameters": {"city": "Paris"}}', ""),
+    ("qwen3-coder", "Let me look. ", XML_CALL, "\nDone."),
 ])
 def test_a_lazy_grammar_holds_only_the_call_the_reply_opens(tokenizers, family, before, call, after):
     """tool_choice auto: free text, then the call the reply opens is held (its trigger's tokens and
@@ -272,7 +281,7 @@ def test_a_lazy_grammar_holds_only_the_call_the_reply_opens(tokenizers, family, 
     assert g.active is None and g.allowed() is None   # the call is complete: free again
     if after:
         assert seen[-1] == "free"
-    for wrong in (call.replace("get_weather", "get_time"), call.replace('"city"', '"town"')):
+    for wrong in (call.replace("get_weather", "get_time"), call.replace("city", "town")):
         seen = _feed(_lazy(tok), tok, before + wrong)
         assert seen[-1] is None, (wrong, seen)
 
@@ -419,3 +428,52 @@ def test_a_lazy_grammar_reads_free_tokens_a_step_late_and_holds_the_call_the_sam
     _feed_lagged(g, one, before + call.replace("<tool_call>\n", "<tool_call> ") + " ok")
     g.allowed()
     assert g.held == 1 and g.broken
+
+
+def test_qwen3_coder_values_are_typed_by_the_tools_schemas():
+    """Raw-text values: a string as written (no JSON escaping, newlines kept); numbers, booleans, objects
+    and arrays read as JSON where the schema says so; as written where they do not read."""
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+        "s": {"type": "string"}, "n": {"type": "integer"}, "x": {"type": ["number", "null"]},
+        "b": {"type": "boolean"}, "o": {"type": "object"}, "bad": {"type": "integer"}}}}}]
+    body = ("\n<function=f>\n<parameter=s>\n12 \"quoted\"\nline two\n</parameter>\n<parameter=n>\n7\n</parameter>\n"
+            "<parameter=x>\n2.5\n</parameter>\n<parameter=b>\nTrue\n</parameter>\n<parameter=o>\n{\"k\": [1]}\n"
+            "</parameter>\n<parameter=bad>\nseven\n</parameter>\n<parameter=extra>\n3\n</parameter>\n</function>\n")
+    (call,) = QwenXML().bind(tools).parse(body)
+    assert call.error is None and json.loads(call.arguments) == {
+        "s": '12 "quoted"\nline two', "n": 7, "x": 2.5, "b": True, "o": {"k": [1]}, "bad": "seven", "extra": "3"}
+    (cut,) = QwenXML().parse("\n<function=f>\n<parameter=s>\nok\n</parameter>\n")
+    assert json.loads(cut.arguments) == {"s": "ok"} and "cut short" in cut.error
+    assert QwenXML().parse("no function here") is None
+
+
+def test_a_qwen3_coder_call_held_by_the_grammar_takes_each_type(tokenizers):
+    """The grammar of an XML call: a string as raw text up to its closing tag (newlines and quotes as
+    they are), an enum's values only, a number as a number, an object as JSON; required parameters
+    cannot be left out."""
+    pytest.importorskip("llguidance")
+    from localheap.grammar import Grammar
+    from localheap.server.chat import call_grammar
+
+    tok = tokenizers["qwen3-coder"]
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "required": ["mode"],
+              "properties": {"note": {"type": "string"}, "mode": {"type": "string", "enum": ["a", "b"]},
+                             "n": {"type": "integer"}, "o": {"type": "object"}}}}}]
+    grammar = call_grammar(QwenXML(), tools, "f", False, tok)
+
+    def takes(params: str) -> bool:
+        text = f"<tool_call>\n<function=f>\n{params}</function>\n</tool_call>"
+        g = Grammar(tok, {tok.eos_token_id}, grammar)
+        for t in tok.encode(text, add_special_tokens=False):
+            if not g.allowed()[t]:
+                return False
+            g.advance(t)
+        return set(g.allowed().nonzero()[0]) == {tok.eos_token_id}
+
+    p = "<parameter={}>\n{}\n</parameter>\n".format
+    assert takes(p("note", 'two "lines"\n<b>here</b>') + p("mode", "a") + p("n", "-12") + p("o", '{"k": 1}'))
+    assert takes(p("mode", "b"))
+    assert not takes(p("mode", "c"))
+    assert not takes(p("note", "x"))                    # mode is required
+    assert not takes(p("mode", "a") + p("n", "1.5"))
+    assert not takes(p("mode", "a") + p("other", "1"))

@@ -20,7 +20,7 @@ from .logonce import warn_once
 from .prompts import ChatOptions
 from .services import Services, owner
 from .toolcalls import THINK, OutputParser
-from .toolformats import Hermes, Llama, Mistral, ToolFormat, tool_format
+from .toolformats import Hermes, Llama, Mistral, QwenXML, ToolFormat, tool_format
 
 
 @dataclass
@@ -46,6 +46,8 @@ class ChatPlan:
     def options(self, svc: Services) -> ChatOptions:
         """The format is known even without tools: a history may hold calls and results to render."""
         fmt = tool_format(svc.tokenizer, svc.settings.tool_format)
+        if isinstance(fmt, QwenXML):   # its values are typed by the tools' schemas
+            fmt.bind(self.tools)
         return ChatOptions(self.tools or None, fmt, dict(self.template_kwargs or {}))
 
     def parser(self, opts: ChatOptions, prompt: Prompt) -> OutputParser:
@@ -130,6 +132,10 @@ def call_grammar(fmt: ToolFormat, tools: list[dict], choice: str, parallel: bool
             return f"start: {opener} named{more}\n" + _named_calls(chosen, arguments, tokenizer, "named")
         more = ' ("," " " call)*' if many else ""
         return f'start: {opener} "[" call{more} "]"\ncall: {_call_rule(fmt, chosen, arguments)}\n'
+    if isinstance(fmt, QwenXML):
+        more = ' ("\\n" block)*' if many else ""
+        return (f'start: block{more}\nblock: "<tool_call>\\n" fn "\\n</tool_call>"\n'
+                + _xml_call(chosen, arguments, "fn"))
     call = _call_rule(fmt, chosen, arguments)
     if isinstance(fmt, Llama):
         more = ' ("; " call)*' if many else ""
@@ -145,6 +151,8 @@ def call_triggers(fmt: ToolFormat, tools: list[dict], tokenizer: Any, arguments:
     (Llama: a reply that begins `{"name"`, or after `<|python_tag|>`)."""
     if isinstance(fmt, Mistral) and _single_token(tokenizer, "[ARGS]"):   # newer: [TOOL_CALLS]name[ARGS]{...}
         return [Trigger("[TOOL_CALLS]", _named_calls(tools, arguments, tokenizer))]
+    if isinstance(fmt, QwenXML):
+        return [Trigger("<tool_call>", 'start: "\\n" fn "\\n</tool_call>"\n' + _xml_call(tools, arguments, "fn"))]
     call = _call_rule(fmt, tools, arguments)
     if isinstance(fmt, Mistral):
         return [Trigger("[TOOL_CALLS]", f'start: "[" call ("," " " call)* "]"\ncall: {call}\n')]
@@ -164,6 +172,53 @@ def _named_calls(tools: list[dict], arguments: Optional[dict], tokenizer: Any, t
         schema = (arguments or {}).get(name) or t["function"].get("parameters") or {"type": "object"}
         rules += [f"{top}_{i}: {json.dumps(name)} {args} {top}_{i}_args", f"{top}_{i}_args: {json_rule(schema)}"]
     return "\n".join(rules) + "\n"
+
+
+def _xml_call(tools: list[dict], arguments: Optional[dict], top: str) -> str:
+    """Qwen3-Coder's call (rule `top`): one of the tools by name, its parameters in the schema's
+    order (the required ones always), each value as its type is written: a string as raw text up to
+    `</parameter>` (or held to its enum or pattern), a number or boolean as such, anything else as
+    JSON. A tool whose schema lists no properties takes any parameters as text (none where its
+    additionalProperties is false)."""
+    rules = [f"{top}: {' | '.join(f'{top}_{i}' for i in range(len(tools)))}",
+             r"xml_text[lazy]: /(?s:.*)\n<\/parameter>/"]
+    for i, t in enumerate(tools):
+        name = t["function"]["name"]
+        schema = (arguments or {}).get(name) or t["function"].get("parameters") or {}
+        props, required = schema.get("properties") or {}, set(schema.get("required") or [])
+        if not props:   # any parameters as text, unless it takes none
+            params = "" if schema.get("additionalProperties") is False else \
+                ' ("<parameter=" /[^>\\n]+/ ">\\n" xml_text "\\n")*'
+        else:
+            params = ""
+            for j, (key, prop) in enumerate(props.items()):
+                value = f"{top}_{i}_{j}"
+                rules.append(f"{value}: {_xml_value(prop)}")
+                params += f' ({json.dumps(f"<parameter={key}>" + chr(10))} {value} "\\n")' + ("" if key in required else "?")
+        rules.append(f'{top}_{i}: {json.dumps(f"<function={name}>" + chr(10))}{params} "</function>"')
+    return "\n".join(rules) + "\n"
+
+
+def _xml_value(prop: dict) -> str:
+    """The grammar of one XML parameter's value, through its closing tag."""
+    close = ' "\\n</parameter>"'
+    kind = prop.get("type")
+    if isinstance(prop.get("enum"), list) and prop["enum"] and all(isinstance(v, str) for v in prop["enum"]):
+        return "(" + " | ".join(json.dumps(v) for v in prop["enum"]) + ")" + close
+    if kind == "string" and isinstance(prop.get("pattern"), str):
+        body = prop["pattern"]
+        body = body[1:] if body.startswith("^") else body
+        body = body[:-1] if body.endswith("$") and not body.endswith("\\$") else body
+        return "/" + body.replace("/", "\\/") + "/" + close
+    if kind in (None, "string") or isinstance(kind, list):
+        return "xml_text"
+    if kind == "integer":
+        return r"/-?[0-9]+/" + close
+    if kind == "number":
+        return r"/-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][+-]?[0-9]+)?/" + close
+    if kind == "boolean":
+        return '("true" | "false")' + close
+    return json_rule(prop) + close
 
 
 def _single_token(tokenizer: Any, text: str) -> bool:

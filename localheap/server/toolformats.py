@@ -6,6 +6,8 @@ same text the model was trained to answer), and how a call in that syntax is rea
   `[TOOL_CALLS]name[ARGS]{...}` (newer tokenizers), to the end of the reply.
 - Llama 3.1+: the reply is a JSON object `{"name": ..., "parameters": {...}}` (optionally after
   `<|python_tag|>`; several separated by `;`).
+- Qwen3-Coder (XML): `<tool_call>\n<function=NAME>\n<parameter=KEY>\nVALUE\n</parameter>\n...</function>\n</tool_call>`,
+  each value as raw text, typed by the tool's schema.
 - A template that does not render `tools` (Llama 3.0, Gemma 3, the tiny test models): the tools
   are described in a system message and the model is asked for Hermes-style blocks.
 """
@@ -166,6 +168,54 @@ class Llama(ToolFormat):
         return calls
 
 
+_FUNCTION = re.compile(r"\s*<function=([^>\n]+)>(.*?)(</function>\s*)?$", re.S)
+_PARAM = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.S)
+
+
+def typed_value(raw: str, schema: Optional[dict]) -> Any:
+    """An XML call's parameter as the tool's schema types it: a string as written; a number, boolean,
+    null, object or array read as JSON (as written where it does not read)."""
+    kind = (schema or {}).get("type")
+    if isinstance(kind, list):
+        kind = next((k for k in kind if k != "null"), None)
+    if kind in (None, "string"):
+        return raw
+    try:
+        value = json.loads(raw.strip())
+    except ValueError:
+        lowered = raw.strip().lower()
+        return {"true": True, "false": False}.get(lowered, raw) if kind == "boolean" else raw
+    return value
+
+
+class QwenXML(ToolFormat):
+    """Qwen3-Coder's calls: a function's name and each parameter in tags, values as raw text (a
+    string needs no JSON escaping). `bind` gives it the request's tools, whose schemas type them."""
+    name = "qwen3_xml"
+    starts = ("<tool_call>",)
+    end = "</tool_call>"
+
+    def __init__(self) -> None:
+        self.schemas: dict[str, dict] = {}
+
+    def bind(self, tools: Optional[list[dict]]) -> "QwenXML":
+        self.schemas = {t["function"]["name"]: t["function"].get("parameters") or {} for t in tools or []}
+        return self
+
+    def parse(self, body: str) -> Optional[list[ToolCall]]:
+        m = _FUNCTION.match(body)
+        if m is None:
+            return None
+        name, inner = m.group(1).strip(), m.group(2)
+        props = (self.schemas.get(name) or {}).get("properties") or {}
+        args = {p.group(1).strip(): typed_value(p.group(2), props.get(p.group(1).strip()))
+                for p in _PARAM.finditer(inner)}
+        left = _PARAM.sub("", inner).strip()
+        error = None if m.group(3) and not left else \
+            "the call is cut short before </function>" if not m.group(3) else f"text outside its parameters: {left[:80]!r}"
+        return [ToolCall(self.make_id(), name, json.dumps(args, ensure_ascii=False), error)]
+
+
 def template_source(tokenizer: Any) -> str:
     for t in (tokenizer, getattr(tokenizer, "_tokenizer", None)):
         src = getattr(t, "chat_template", None)
@@ -176,7 +226,7 @@ def template_source(tokenizer: Any) -> str:
     return ""
 
 
-FORMATS = {f.name: f for f in (Hermes, Mistral, Llama, Prompted)}
+FORMATS = {f.name: f for f in (Hermes, QwenXML, Mistral, Llama, Prompted)}
 
 
 def tool_format(tokenizer: Any, name: Optional[str] = None) -> ToolFormat:
@@ -184,6 +234,8 @@ def tool_format(tokenizer: Any, name: Optional[str] = None) -> ToolFormat:
     if name is not None:
         return FORMATS[name]()
     src = template_source(tokenizer)
+    if "<function=" in src and "<parameter=" in src:
+        return QwenXML()
     if "<tool_call>" in src:
         return Hermes()
     if "[TOOL_CALLS]" in src:
