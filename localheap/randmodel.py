@@ -15,7 +15,7 @@ import threading
 from pathlib import Path
 from typing import Sequence
 
-FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gemma", "gemma3_text")
+FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mistral", "gemma", "gemma3_text")
 
 # Hidden size is a perfect square so Gemma's sqrt(hidden) embedding scale is exact
 # in bfloat16 (mlx-lm's gemma3_text rounds it to bf16, transformers does not).
@@ -44,6 +44,7 @@ ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
     "mistral": "MistralForCausalLM",
     "gemma": "GemmaForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
@@ -157,7 +158,7 @@ def _model_config(family, size, tok, rope_scaling, rope_traditional, dtype) -> d
         raise ValueError(f"unknown family {family!r}; expected one of {', '.join(FAMILIES)}")
     if size not in SIZES:
         raise ValueError(f"unknown size {size!r}; expected one of {', '.join(SIZES)}")
-    if rope_traditional and family in ("qwen3", "gemma3_text"):
+    if rope_traditional and family in ("qwen3", "qwen3_moe", "gemma3_text"):
         raise ValueError(f"mlx-lm's {family} ignores rope_traditional")
     if rope_scaling is not None and family == "gemma":
         raise ValueError("mlx-lm's gemma does not support rope_scaling")
@@ -182,12 +183,16 @@ def _model_config(family, size, tok, rope_scaling, rope_traditional, dtype) -> d
         cfg["rope_scaling"] = dict(rope_scaling)
     if rope_traditional:
         cfg["rope_traditional"] = True  # mlx-lm only; transformers ignores it
-    if family in ("llama", "mistral", "qwen2", "qwen3"):
+    if family in ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe"):
         cfg.update(hidden_act="silu", mlp_bias=False)
-    if family in ("mistral", "qwen2", "qwen3"):
+    if family in ("mistral", "qwen2", "qwen3", "qwen3_moe"):
         cfg.update(rope_theta=1000000.0, sliding_window=None, use_sliding_window=False)
     if family == "qwen2":
         cfg["max_window_layers"] = cfg["num_hidden_layers"]
+    if family == "qwen3_moe":   # every layer's MLP a mixture of experts (Qwen3-Coder 30B-A3B's shape, scaled down)
+        cfg.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=cfg["intermediate_size"] // 2,
+                   decoder_sparse_step=1, norm_topk_prob=True, mlp_only_layers=[], max_window_layers=cfg["num_hidden_layers"],
+                   output_router_logits=False, router_aux_loss_coef=0.001)
     if family == "gemma":
         # mlx-lm's gemma uses exact erf GELU; transformers rewrites "gelu" to the tanh
         # approximation, so name the exact Python GELU explicitly.

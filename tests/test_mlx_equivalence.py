@@ -13,7 +13,7 @@ from localheap.backends.mlx.generate import generate_steps, generate_tokens
 from localheap.generation import SamplingParams
 from localheap.heap import HeapConfig
 
-FAMILIES = ["llama", "qwen2", "qwen3", "mistral", "gemma", "gemma3_text"]
+FAMILIES = ["llama", "qwen2", "qwen3", "qwen3_moe", "mistral", "gemma", "gemma3_text"]
 SLACK = 64
 
 
