@@ -136,7 +136,8 @@ class LazyGrammar:
     """A Constraint for a reply that may call tools (tool_choice auto): the reply is free (nothing
     masked: a reply that opens no call samples exactly as with no constraint) until a trigger opens
     a call outside its reasoning; from there the call is held to the trigger's grammar (a tool's
-    name, arguments valid for its schema) until that is complete, then the reply is free again.
+    name, arguments valid for its schema) until that is complete, then the reply is free again
+    (`once`, parallel_tool_calls false: then it can only end).
     The trigger is found in the reply's bytes, so it may span tokens (or end inside one: what the
     token says past it is fed to the grammar).
 
@@ -149,8 +150,10 @@ class LazyGrammar:
 
     THINK, END_THINK = b"<think>", b"</think>"
 
-    def __init__(self, tokenizer: Any, eos_ids: Sequence[int], triggers: Sequence[Trigger], in_think: bool = False):
+    def __init__(self, tokenizer: Any, eos_ids: Sequence[int], triggers: Sequence[Trigger], in_think: bool = False,
+                 once: bool = False):
         self.tokenizer, self.eos_ids = tokenizer, list(eos_ids)
+        self.once = once                       # one call at most (parallel_tool_calls false): then the end
         self.ll = _ll_tokenizer(tokenizer, eos_ids)
         self.triggers = [(t, t.text.encode()) for t in triggers]
         self.out = bytearray()                 # the reply so far
@@ -167,7 +170,13 @@ class LazyGrammar:
     def allowed(self) -> Optional[np.ndarray]:
         while self.pending and (len(self.pending) > 1 or self._must_read()):
             self.advance(int(self.pending.pop(0).item()))
-        return self.active.allowed() if self.active is not None else None
+        if self.active is not None:
+            return self.active.allowed()
+        if self.once and self.held and self.broken is None:   # its one call is complete: only the end
+            mask = np.zeros(max(self.eos_ids) + 1, dtype=bool)
+            mask[self.eos_ids] = True
+            return mask
+        return None
 
     def see(self, token: Any) -> None:
         """The token just sampled, still on the device (a [1] array): read at the next allowed()."""
@@ -176,7 +185,7 @@ class LazyGrammar:
     def _must_read(self) -> bool:
         """Whether the next mask depends on the token in flight: inside a call, while the reply's
         first text could be an at-start trigger, or where the text so far ends with a trigger's start."""
-        if self.active is not None or self.starts:
+        if self.active is not None or self.starts or (self.once and self.held):
             return True
         tail = bytes(self.out[-max(map(len, self.prefixes), default=0):]) if self.prefixes else b""
         return any(tail.endswith(p) for p in self.prefixes)

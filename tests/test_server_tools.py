@@ -179,6 +179,9 @@ def test_a_call_the_reply_opens_is_held_to_the_tools(server, client, lead):
                     c[0] += d.function.name or ""
                     c[1] += d.function.arguments or ""
         assert [(c.function.name, c.function.arguments) for c in whole] == [tuple(v) for v in got.values()]
+    for seed in range(3):   # parallel_tool_calls false: one call, then only the end
+        r, calls, errors = _calls_and_errors(client, seed=seed, max_tokens=90, parallel_tool_calls=False)
+        assert len(calls) == 1 and not errors and r.choices[0].finish_reason == "tool_calls", r
     server.services.settings.tool_grammar = False
     bad = 0
     for seed in range(4):

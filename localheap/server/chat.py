@@ -92,7 +92,8 @@ class ChatPlan:
                 warn_once("tool calls sampled freely: llguidance cannot enforce the tools' schemas (%s)",
                           [error.splitlines()[0][:200]])
                 return None
-        return LazyGrammar(svc.tokenizer, svc.backend.eos_token_ids, triggers, in_think=_in_think(prompt))
+        return LazyGrammar(svc.tokenizer, svc.backend.eos_token_ids, triggers, in_think=_in_think(prompt),
+                           once=not self.parallel)
 
 
 def _in_think(prompt: Prompt) -> bool:
