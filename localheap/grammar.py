@@ -166,6 +166,7 @@ class LazyGrammar:
         self.broken: Optional[str] = None      # a grammar that could not go on (its call is free)
         self.pending: list = []                # tokens seen on the device, not yet read (see)
         self.prefixes = {text[:k] for _, text in self.triggers for k in range(1, len(text))}
+        self.longest = max(map(len, self.prefixes), default=0)
 
     def allowed(self) -> Optional[np.ndarray]:
         while self.pending and (len(self.pending) > 1 or self._must_read()):
@@ -185,9 +186,9 @@ class LazyGrammar:
     def _must_read(self) -> bool:
         """Whether the next mask depends on the token in flight: inside a call, while the reply's
         first text could be an at-start trigger, or where the text so far ends with a trigger's start."""
-        if self.active is not None or self.starts or (self.once and self.held):
+        if self.active is not None or (self.once and self.held) or (self.starts and self.thinking is not True):
             return True
-        tail = bytes(self.out[-max(map(len, self.prefixes), default=0):]) if self.prefixes else b""
+        tail = bytes(self.out[-self.longest:]) if self.longest else b""
         return any(tail.endswith(p) for p in self.prefixes)
 
     def advance(self, token: int) -> None:

@@ -68,7 +68,6 @@ class ChatPlan:
         forced tokens where the server has that hook."""
         if svc.force_tokens is not None:
             return svc.force_tokens()
-        eos = svc.backend.eos_token_ids
         if self.json_schema is not None:
             grammar = json_grammar(self.json_schema or None)
         elif self.forced:
@@ -78,7 +77,7 @@ class ChatPlan:
         else:
             return _leading(svc, None)
         try:
-            return _leading(svc, Grammar(svc.tokenizer, eos, grammar))
+            return _leading(svc, Grammar(svc.tokenizer, svc.backend.eos_token_ids, grammar))
         except GrammarError as e:
             raise BadRequest(str(e), "response_format" if self.json_schema is not None else "tool_choice") from e
 
