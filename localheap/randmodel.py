@@ -173,7 +173,7 @@ def _model_config(family, size, tok, rope_scaling, rope_traditional, dtype) -> d
         "bos_token_id": tok.token_to_id(BOS),
         "eos_token_id": tok.token_to_id(EOS),
         "pad_token_id": tok.token_to_id(PAD),
-        "tie_word_embeddings": family not in ("llama", "mistral"),
+        "tie_word_embeddings": family not in ("llama", "mistral", "qwen3_moe"),   # as the real ones
         "attention_bias": False,
         "attention_dropout": 0.0,
         "use_cache": True,

@@ -148,6 +148,9 @@ def test_family_specific_config(models):
     }
     hf = transformers.AutoModelForCausalLM.from_pretrained(models["qwen2"])
     assert hf.model.layers[0].self_attn.q_proj.bias is not None
+    moe = transformers.AutoModelForCausalLM.from_pretrained(models["qwen3_moe"])
+    assert cfg["qwen3_moe"]["num_experts"] > cfg["qwen3_moe"]["num_experts_per_tok"] > 1
+    assert all(hasattr(layer.mlp, "gate") and hasattr(layer.mlp, "experts") for layer in moe.model.layers)
     hf = transformers.AutoModelForCausalLM.from_pretrained(models["qwen3"])
     assert hasattr(hf.model.layers[0].self_attn, "q_norm")
 
