@@ -84,6 +84,8 @@ class ChatPlan:
     def lazy(self, svc: Services, opts: ChatOptions, prompt: Prompt) -> Optional[LazyGrammar]:
         """The calls a free reply opens, held to the tools' schemas; None where llguidance cannot
         enforce a tool's schema (tool_choice auto never refused a schema: the calls go free, logged)."""
+        if not self.callable:   # allowed_tools that name only hosted tools: nothing to hold a call to
+            return None
         triggers = call_triggers(opts.fmt, self.callable, svc.tokenizer, self.arguments)
         for t in triggers:
             error = grammar_error(t.grammar)
@@ -112,9 +114,7 @@ def _call_rule(fmt: ToolFormat, tools: list[dict], arguments: Optional[dict] = N
     schema to enforce where it is not its `parameters` (a custom tool's format)."""
     args_key = "parameters" if isinstance(fmt, Llama) else "arguments"
     schemas = [{"type": "object", "additionalProperties": False, "required": ["name", args_key],
-                "properties": {"name": {"const": t["function"]["name"]},
-                               args_key: (arguments or {}).get(t["function"]["name"])
-                               or t["function"].get("parameters") or {"type": "object"}}}
+                "properties": {"name": {"const": t["function"]["name"]}, args_key: _arguments(t, arguments)}}
                for t in tools]
     return json_rule(schemas[0] if len(schemas) == 1 else {"anyOf": schemas})
 
@@ -145,7 +145,8 @@ def call_grammar(fmt: ToolFormat, tools: list[dict], choice: str, parallel: bool
     return f'start: block{more}\nblock: "<tool_call>\\n" call "\\n</tool_call>"\ncall: {call}\n'
 
 
-def call_triggers(fmt: ToolFormat, tools: list[dict], tokenizer: Any, arguments: Optional[dict] = None) -> list[Trigger]:
+def call_triggers(fmt: ToolFormat, tools: list[dict], tokenizer: Any,
+                  arguments: Optional[dict] = None) -> list[Trigger]:
     """Where a free reply opens a call in the family's syntax, and the grammar of what follows: the
     call's body, up to the end of its block (Hermes) or of its list (Mistral), or the one call
     (Llama: a reply that begins `{"name"`, or after `<|python_tag|>`)."""
@@ -169,7 +170,7 @@ def _named_calls(tools: list[dict], arguments: Optional[dict], tokenizer: Any, t
     rules = [f"{top}: {' | '.join(f'{top}_{i}' for i in range(len(tools)))}"]
     for i, t in enumerate(tools):
         name = t["function"]["name"]
-        schema = (arguments or {}).get(name) or t["function"].get("parameters") or {"type": "object"}
+        schema = _arguments(t, arguments)
         rules += [f"{top}_{i}: {json.dumps(name)} {args} {top}_{i}_args", f"{top}_{i}_args: {json_rule(schema)}"]
     return "\n".join(rules) + "\n"
 
@@ -184,7 +185,7 @@ def _xml_call(tools: list[dict], arguments: Optional[dict], top: str) -> str:
              r"xml_text[lazy]: /(?s:.*)\n<\/parameter>/"]
     for i, t in enumerate(tools):
         name = t["function"]["name"]
-        schema = (arguments or {}).get(name) or t["function"].get("parameters") or {}
+        schema = _arguments(t, arguments)
         props, required = schema.get("properties") or {}, set(schema.get("required") or [])
         if not props:   # any parameters as text, unless it takes none
             params = "" if schema.get("additionalProperties") is False else \
@@ -194,7 +195,8 @@ def _xml_call(tools: list[dict], arguments: Optional[dict], top: str) -> str:
             for j, (key, prop) in enumerate(props.items()):
                 value = f"{top}_{i}_{j}"
                 rules.append(f"{value}: {_xml_value(prop)}")
-                params += f' ({json.dumps(f"<parameter={key}>" + chr(10))} {value} "\\n")' + ("" if key in required else "?")
+                tag = json.dumps(f"<parameter={key}>\n")
+                params += f' ({tag} {value} "\\n")' + ("" if key in required else "?")
         rules.append(f'{top}_{i}: {json.dumps(f"<function={name}>" + chr(10))}{params} "</function>"')
     return "\n".join(rules) + "\n"
 
@@ -219,6 +221,12 @@ def _xml_value(prop: dict) -> str:
     if kind == "boolean":
         return '("true" | "false")' + close
     return json_rule(prop) + close
+
+
+def _arguments(tool: dict, arguments: Optional[dict]) -> dict:
+    """The schema a tool's arguments are held to: `arguments`' entry for it (a custom tool's format),
+    else its parameters (any object where it has none)."""
+    return (arguments or {}).get(tool["function"]["name"]) or tool["function"].get("parameters") or {"type": "object"}
 
 
 def _single_token(tokenizer: Any, text: str) -> bool:

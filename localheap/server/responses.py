@@ -17,7 +17,7 @@ import time
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cached_property, lru_cache
 from pathlib import Path
 from typing import Annotated, Any, Callable, Literal, Optional, Union
 
@@ -159,16 +159,25 @@ class CustomTool(Strict):
         if fmt.get("type") != "grammar":
             return None
         syntax, definition = fmt.get("syntax"), fmt.get("definition")
-        try:
-            if not isinstance(definition, str) or syntax not in ("regex", "lark"):
-                raise GrammarError("a grammar format has a `syntax` regex or lark and a `definition` string")
-            regex = definition if syntax == "regex" else lark_regex(definition)
-            schema = {**CUSTOM_PARAMETERS, "properties": {"input": {"type": "string", "pattern": f"^(?:{regex})$"}}}
-            json_grammar(schema)
-        except GrammarError as e:
-            warn_once("custom tools' formats not enforced (their input is free text): %s", [f"{self.name}: {e}"])
-            return None
+        readable = isinstance(definition, str) and syntax in ("regex", "lark")
+        schema, error = _format_schema(syntax, definition) if readable else \
+            (None, "a grammar format has a `syntax` regex or lark and a `definition` string")
+        if error is not None:
+            warn_once("custom tools' formats not enforced (their input is free text): %s", [f"{self.name}: {error}"])
         return schema
+
+
+@lru_cache(maxsize=64)
+def _format_schema(syntax: str, definition: str) -> tuple[Optional[dict], Optional[str]]:
+    """(the input's schema, None) for a grammar format, or (None, why not); remembered, since a client
+    (Codex) sends the same tools every turn and spelling out and compiling one takes milliseconds."""
+    try:
+        regex = definition if syntax == "regex" else lark_regex(definition)
+        schema = {**CUSTOM_PARAMETERS, "properties": {"input": {"type": "string", "pattern": f"^(?:{regex})$"}}}
+        json_grammar(schema)
+    except GrammarError as e:
+        return None, str(e)
+    return schema, None
 
 
 class NamespaceTool(Strict):
