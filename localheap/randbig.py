@@ -88,5 +88,5 @@ def load_torch_backend(spec: str, device=None):
     dtype = str(default_dtype(dev)).split(".")[-1]
     attention.install(None)
     model, tokenizer = build(spec, str(dev), dtype)
-    model.set_attn_implementation(attention.ATTN_IMPLEMENTATION)
+    attention.install(model)
     return TorchBackend(model, tokenizer, model_name=f"random:{spec} ({dtype}, in memory)")

@@ -1,8 +1,9 @@
 """Tiny random-weight models of real architectures, saved in Hugging Face format.
 
-The same directory loads with ``mlx_lm.load(path)`` and with transformers'
-``AutoModelForCausalLM`` / ``AutoTokenizer``, so tests can compare both libraries
-without downloading anything. Specs look like ``"llama:tiny"``.
+The same directory loads with ``mlx_lm.load(path)`` (gpt_oss: with localheap's
+``backends.mlx.loading.load``, which reads transformers' expert layout) and with
+transformers' ``AutoModelForCausalLM`` / ``AutoTokenizer``, so tests can compare both
+libraries without downloading anything. Specs look like ``"llama:tiny"``.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import threading
 from pathlib import Path
 from typing import Sequence
 
-FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mistral", "gemma", "gemma3_text")
+FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mistral", "gemma", "gemma3_text", "gpt_oss")
 
 # Hidden size is a perfect square so Gemma's sqrt(hidden) embedding scale is exact
 # in bfloat16 (mlx-lm's gemma3_text rounds it to bf16, transformers does not).
@@ -48,6 +49,7 @@ ARCHITECTURES = {
     "mistral": "MistralForCausalLM",
     "gemma": "GemmaForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
+    "gpt_oss": "GptOssForCausalLM",
 }
 
 BOS, EOS, PAD = "<|begin|>", "<|end|>", "<|pad|>"
@@ -60,6 +62,7 @@ CHAT_TEMPLATE = (
 MARKER = ".localheap-complete"
 GEMMA3_SLIDING_WINDOW = 32
 GEMMA3_PATTERN = 2  # every 2nd layer is global: tiny = [sliding, full]
+GPT_OSS_SLIDING_WINDOW = 32   # gpt-oss alternates 128-token sliding layers with full ones
 
 _SPLIT_REGEX = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
@@ -173,7 +176,7 @@ def _model_config(family, size, tok, rope_scaling, rope_traditional, dtype) -> d
         "bos_token_id": tok.token_to_id(BOS),
         "eos_token_id": tok.token_to_id(EOS),
         "pad_token_id": tok.token_to_id(PAD),
-        "tie_word_embeddings": family not in ("llama", "mistral", "qwen3_moe"),   # as the real ones
+        "tie_word_embeddings": family not in ("llama", "mistral", "qwen3_moe", "gpt_oss"),   # as the real ones
         "attention_bias": False,
         "attention_dropout": 0.0,
         "use_cache": True,
@@ -193,6 +196,16 @@ def _model_config(family, size, tok, rope_scaling, rope_traditional, dtype) -> d
         cfg.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=cfg["intermediate_size"] // 2,
                    decoder_sparse_step=1, norm_topk_prob=True, mlp_only_layers=[], max_window_layers=cfg["num_hidden_layers"],
                    output_router_logits=False, router_aux_loss_coef=0.001)
+    if family == "gpt_oss":   # gpt-oss-20b's shape scaled down: biased attention with learned sinks,
+        # [sliding, full] layers, a mixture of experts in every layer (clamped SwiGLU), YaRN
+        cfg.update(attention_bias=True, num_local_experts=4, num_experts_per_tok=2, sliding_window=GPT_OSS_SLIDING_WINDOW,
+                   layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(cfg["num_hidden_layers"])],
+                   rope_theta=150000.0, swiglu_limit=7.0, router_aux_loss_coef=0.9, output_router_logits=False,
+                   hidden_act="silu", max_position_embeddings=131072)
+        if rope_scaling is None:   # gpt-oss's YaRN; truncate as mlx-lm always does (the real config says false,
+            # which transformers honours: on the real weights the two libraries differ by that)
+            cfg["rope_scaling"] = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                   "truncate": True, "original_max_position_embeddings": 4096}
     if family == "gemma":
         # mlx-lm's gemma uses exact erf GELU; transformers rewrites "gelu" to the tanh
         # approximation, so name the exact Python GELU explicitly.

@@ -3,17 +3,17 @@
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx_lm import load
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import make_sampler
 
 from localheap.backends.mlx import make_heap_cache
+from localheap.backends.mlx.loading import load   # mlx_lm.load, plus gpt-oss as transformers saves it
 from localheap.backends.mlx.generate import generate_steps, generate_tokens
 from localheap.generation import SamplingParams
 from localheap.heap import HeapConfig
 
-FAMILIES = ["llama", "qwen2", "qwen3", "qwen3_moe", "mistral", "gemma", "gemma3_text"]
+FAMILIES = ["llama", "qwen2", "qwen3", "qwen3_moe", "mistral", "gemma", "gemma3_text", "gpt_oss"]
 SLACK = 64
 
 

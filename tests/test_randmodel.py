@@ -13,6 +13,7 @@ transformers = pytest.importorskip("transformers")
 from mlx_lm.generate import generate_step  # noqa: E402
 
 from localheap import randmodel  # noqa: E402
+from localheap.backends.mlx.loading import load as mlx_load  # noqa: E402  (mlx_lm.load + gpt-oss as transformers saves it)
 from localheap.randmodel import (  # noqa: E402
     FAMILIES,
     MARKER,
@@ -49,7 +50,7 @@ def _ids(path):
 
 
 def _mlx_logits(path, ids):
-    model, _ = mlx_lm.load(str(path))
+    model, _ = mlx_load(path)
     return np.array(model(mx.array([ids]))[0].astype(mx.float32))
 
 
@@ -78,7 +79,7 @@ def test_logits_agree_across_libraries(models, family):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_mlx_generate_matches_transformers_greedy(models, family):
     path = models[family]
-    model, tok = mlx_lm.load(str(path))
+    model, tok = mlx_load(path)
     text = mlx_lm.generate(model, tok, "Hello", max_tokens=20)
     assert isinstance(text, str)
     ids = tok.encode(TEXT)
@@ -97,7 +98,7 @@ def test_tokenizer_is_consistent_everywhere(models):
     text = TEXT + " 12345 ünïcode 你好\n\n  <|end|>"
     for family, path in models.items():
         hf = transformers.AutoTokenizer.from_pretrained(path)
-        _, wrapper = mlx_lm.load(str(path))
+        _, wrapper = mlx_load(path)
         raw = Tokenizer.from_file(str(path / "tokenizer.json"))
         assert hf(text).input_ids == raw.encode(text).ids == wrapper.encode(text), family
         vocab = json.loads((path / "config.json").read_text())["vocab_size"]
@@ -110,7 +111,7 @@ def test_chat_template_in_both_libraries(models):
     for family in ("llama", "qwen2"):
         path = models[family]
         hf = transformers.AutoTokenizer.from_pretrained(path)
-        _, wrapper = mlx_lm.load(str(path))
+        _, wrapper = mlx_load(path)
         text = hf.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
         assert text == (
             "<|begin|><|system|>\nBe brief.<|end|>\n<|user|>\nHi there<|end|>\n<|assistant|>\n"

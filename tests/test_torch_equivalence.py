@@ -15,7 +15,7 @@ from localheap.backends.torch.generate import generate_steps, generate_tokens
 from localheap.generation import SamplingParams
 from localheap.heap import HeapConfig
 
-FAMILIES = ["llama", "qwen2", "qwen3", "qwen3_moe", "mistral", "gemma", "gemma3_text"]
+FAMILIES = ["llama", "qwen2", "qwen3", "qwen3_moe", "mistral", "gemma", "gemma3_text", "gpt_oss"]
 SLACK = 64
 NEW_TOKENS = 256
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -31,9 +31,10 @@ def prompt_ids(tokenizer, n_tokens=300):
     return ids[:n_tokens]
 
 
-def stock_steps(path, prompt, n, chunk):
-    """transformers' own generate with its stock DynamicCache and sdpa attention."""
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa").eval().to(DEVICE)
+def stock_steps(path, prompt, n, chunk, attn="sdpa"):
+    """transformers' own generate with its stock DynamicCache and sdpa attention (eager where the
+    model has no sdpa: gpt-oss, whose learned sinks sit in the softmax)."""
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=attn).eval().to(DEVICE)
     config = GenerationConfig(do_sample=False, max_new_tokens=n, min_new_tokens=0, eos_token_id=None,
                               pad_token_id=0, prefill_chunk_size=chunk, return_dict_in_generate=True,
                               output_logits=True)
@@ -71,9 +72,10 @@ def backends(model_dirs):
                          + [("llama", "absolute"), ("gemma3_text", "absolute")])
 def test_greedy_matches_stock_chunked_prefill(model_dirs, backends, family, positions):
     backend = backends(family)
-    assert backend.model.config._attn_implementation == "localheap_sdpa"
+    eager = family == "gpt_oss"
+    assert backend.model.config._attn_implementation == ("localheap_eager" if eager else "localheap_sdpa")
     prompt = prompt_ids(backend.tokenizer)
-    expected = stock_steps(model_dirs(family), prompt, NEW_TOKENS, chunk=SLACK)
+    expected = stock_steps(model_dirs(family), prompt, NEW_TOKENS, chunk=SLACK, attn="eager" if eager else "sdpa")
     cache = backend.new_cache(HeapConfig(budget=1024, slack=SLACK, recent=64, positions=positions))
     assert_same_steps(list(generate_steps(backend.model, cache, prompt, SamplingParams(max_tokens=NEW_TOKENS))),
                       expected)

@@ -43,8 +43,8 @@ class MLXBackend:
 
     @classmethod
     def load(cls, path: str | Path, model_name: Optional[str] = None) -> "MLXBackend":
-        from mlx_lm import load
-        model, tokenizer = load(str(path))
+        from .loading import load
+        model, tokenizer = load(path)
         return cls(model, tokenizer, model_name or Path(str(path)).name)
 
     def default_prefill_chunk(self) -> int:

@@ -178,9 +178,11 @@ class DistributedMLXBackend(MLXBackend):
     def load(cls, path: str | Path, mode: str, model_name: Optional[str] = None) -> "DistributedMLXBackend":
         from mlx_lm.utils import load_model, load_tokenizer
 
+        from .loading import model_classes
+
         group = mx.distributed.init()
         require_ranks(group)
-        model, config = load_model(Path(path), lazy=True, strict=False)
+        model, config = load_model(Path(path), lazy=True, strict=False, get_model_classes=model_classes)
         total = len(model.layers)
         shard(model, mode, group)
         mx.eval(model.parameters())

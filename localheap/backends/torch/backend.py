@@ -102,7 +102,7 @@ class TorchBackend:
         dev = torch.device(device) if device else default_device()
         attention.install(None)
         model = AutoModelForCausalLM.from_pretrained(
-            str(path), dtype=dtype or default_dtype(dev), attn_implementation=attention.ATTN_IMPLEMENTATION,
+            str(path), dtype=dtype or default_dtype(dev), attn_implementation=attention.load_implementation(path),
         ).to(dev)
         tokenizer = AutoTokenizer.from_pretrained(str(path))
         return cls(model, tokenizer, model_name or Path(str(path)).name, fused_decode=fused_decode)

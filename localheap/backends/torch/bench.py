@@ -116,7 +116,7 @@ def time_paths(backend, paths, prompt: list[int], n_decode: int, cfg: HeapConfig
     model, device = backend.model, backend.device
 
     def use(path):   # stock rows run transformers' own sdpa function, switched outside the timers
-        impl = "sdpa" if path == "stock-full" else attention.ATTN_IMPLEMENTATION
+        impl = attention.stock_implementation(model) if path == "stock-full" else attention.heap_implementation(model)
         if model.config._attn_implementation != impl:
             model.set_attn_implementation(impl)
 
@@ -270,7 +270,7 @@ def run_memory(backend, total: int, checkpoints: list[int], cfg: HeapConfig, sto
     gc.collect()
     stock_points = [p for p in points if p <= stock_limit]
     if stock_points:
-        model.set_attn_implementation("sdpa")
+        model.set_attn_implementation(attention.stock_implementation(model))
         try:
             stock = DynamicCache(config=model.config)
 
@@ -280,7 +280,7 @@ def run_memory(backend, total: int, checkpoints: list[int], cfg: HeapConfig, sto
 
             stream("stock-full", stock_step, lambda: _stock_kv_bytes(stock), stock_points, STOCK_PREFILL_CHUNK)
         finally:
-            model.set_attn_implementation(attention.ATTN_IMPLEMENTATION)
+            model.set_attn_implementation(attention.heap_implementation(model))
     return rows
 
 
