@@ -99,7 +99,57 @@ QWEN_XML = (   # Qwen3-Coder: tools listed in XML, calls as <function=...> with 
     "{%- if add_generation_prompt %}\n<|assistant|>\n{% endif %}"
 )
 
+HARMONY = (   # gpt-oss: a system and a developer message, channels, calls addressed to functions.NAME
+    "{%- set ns = namespace(last_user=-1, last_tool='') %}{%- for m in messages %}{% if m.role == 'user' %}"
+    "{% set ns.last_user = loop.index0 %}{% endif %}{% endfor %}"
+    "<|start|>system<|message|>You are ChatGPT, a large language model trained by OpenAI.\n"
+    "Knowledge cutoff: 2024-06\n\nReasoning: {{ reasoning_effort if reasoning_effort is defined else 'medium' }}\n\n"
+    "# Valid channels: analysis, commentary, final. Channel must be included for every message."
+    "{% if tools %}{{ '\\n' }}Calls to these tools must go to the commentary channel: 'functions'.{% endif %}<|end|>"
+    "{%- if messages[0].role == 'system' or tools %}<|start|>developer<|message|>"
+    "{%- if messages[0].role == 'system' %}# Instructions\n\n{{ messages[0].content }}\n\n{% endif %}"
+    "{%- if tools %}# Tools\n\n## functions\n\nnamespace functions {\n"
+    "{% for t in tools %}\n// {{ t.function.description or '' }}\ntype {{ t.function.name }} = "
+    "(_: {{ (t.function.parameters or {}) | tojson }}) => any;\n{% endfor %}\n} // namespace functions{% endif %}"
+    "<|end|>{%- endif %}"
+    "{%- for m in messages %}"
+    "{%- if m.role == 'system' and loop.first %}"
+    "{%- elif m.role == 'user' %}<|start|>user<|message|>{{ m.content }}<|end|>"
+    "{%- elif m.role == 'assistant' and m.tool_calls %}"
+    "{%- if m.thinking and loop.index0 > ns.last_user %}<|start|>assistant<|channel|>analysis<|message|>"
+    "{{ m.thinking }}<|end|>{% endif %}"
+    "{%- for c in m.tool_calls %}<|start|>assistant to=functions.{{ c.function.name }}<|channel|>commentary json"
+    "<|message|>{{ c.function.arguments | tojson }}<|call|>{% set ns.last_tool = c.function.name %}{% endfor %}"
+    "{%- elif m.role == 'assistant' %}<|start|>assistant<|channel|>final<|message|>{{ m.content }}<|end|>"
+    "{%- elif m.role == 'tool' %}<|start|>functions.{{ m.name or ns.last_tool }} to=assistant<|channel|>commentary"
+    "<|message|>{{ m.content | tojson }}<|end|>"
+    "{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}<|start|>assistant{% endif %}"
+)
+HARMONY_TOKENS = ("<|start|>", "<|message|>", "<|channel|>", "<|constrain|>", "<|return|>", "<|call|>")
+
 TEMPLATES = {"qwen": QWEN, "qwen3-coder": QWEN_XML, "mistral": MISTRAL, "llama3.1": LLAMA31}
+
+
+def harmony_model(model_dirs, out_dir: Path) -> Path:
+    """The tiny gpt_oss model with harmony's special tokens and template; it stops at <|return|>
+    and <|call|> (as gpt-oss does), while <|end|> only ends a message."""
+    if out_dir.exists():
+        return out_dir
+    path = with_template(model_dirs("gpt_oss", special=HARMONY_TOKENS), out_dir, HARMONY)
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(path / "tokenizer.json"))
+    stops = [tok.token_to_id("<|return|>"), tok.token_to_id("<|call|>")]
+    for name in ("config.json", "generation_config.json"):
+        cfg = json.loads((path / name).read_text())
+        cfg["eos_token_id"] = stops
+        (path / name).write_text(json.dumps(cfg))
+    for name in ("tokenizer_config.json", "special_tokens_map.json"):
+        cfg = json.loads((path / name).read_text())
+        cfg["eos_token"] = "<|return|>"
+        (path / name).write_text(json.dumps(cfg))
+    return path
 
 
 def with_template(model_dir: Path, out_dir: Path, template: str) -> Path:

@@ -60,8 +60,14 @@ class Backend(Protocol):
         """Fewest tokens `truncate` can roll the cache back to exactly (nothing evicted since)."""
         ...
 
+    def rollback_mark(self, cache: Any) -> Optional[int]:
+        """The one point below rollback_floor that `truncate` can still reach exactly (a cache with
+        sliding layers: where its latest reply began, cache.mark()), or None."""
+        ...
+
     def truncate(self, cache: Any, tokens: int) -> None:
-        """Forget every token after the first `tokens` (rollback_floor(cache) <= tokens)."""
+        """Forget every token after the first `tokens` (rollback_floor(cache) <= tokens, or
+        tokens == rollback_mark(cache))."""
         ...
 
     def stats(self, cache: Any) -> HeapStats: ...

@@ -39,20 +39,64 @@ def split_keep_indices(flat: np.ndarray, shapes: list) -> list:
 
 class HeapRollback:
     """Mixin for a model cache with `heap_layers` (each with `heap` and `truncate`), `tokens_seen`,
-    and `only_heap_layers` (False where sliding or stock layers sit beside them)."""
+    `only_heap_layers` (False where sliding or stock layers sit beside them) and `stock_layers()`.
+
+    A stock layer (a sliding window) cannot bring back what it dropped, so such a cache rolls back
+    to one point only: its mark, where `mark()` kept the stock layers' state (a turn's prompt read,
+    its reply not begun: the point a chat template that rewrites past replies comes back to)."""
+
+    mark_at: Optional[int] = None   # tokens held when mark() kept the stock layers' state
+    _marked: Optional[list] = None
 
     def rollback_floor(self) -> int:
-        """Fewest tokens the cache can be rolled back to exactly: the latest repack of any heap
-        layer; no rollback at all with other layers (a sliding window cannot bring back what it dropped)."""
+        """Fewest tokens the cache can be rolled back to anywhere at or above: the latest repack of
+        any heap layer; none below what it holds with other layers (see rollback_mark)."""
         if not self.only_heap_layers:
             return self.tokens_seen
+        return self.heap_floor()
+
+    def heap_floor(self) -> int:
         return max(layer.heap.repacked_at for layer in self.heap_layers)
 
+    def mark(self) -> None:
+        """Keep the stock layers' state as it is now (window-sized: the sliding layers' K/V), so that
+        the cache can come back here exactly (truncate to rollback_mark()). Only heap layers: nothing
+        to keep, every point above rollback_floor() is exact anyway."""
+        if self.only_heap_layers:
+            return
+        self._marked = [(layer, self.copy_stock_state(layer)) for layer in self.stock_layers()]
+        self.mark_at = self.tokens_seen
+
+    def rollback_mark(self) -> Optional[int]:
+        """The point below rollback_floor() the cache can still be rolled back to exactly, or None:
+        its mark, where no heap layer has repacked since."""
+        if self.mark_at is None or self.only_heap_layers or self.mark_at >= self.tokens_seen:
+            return None
+        return self.mark_at if self.heap_floor() <= self.mark_at else None
+
+    def copy_stock_state(self, layer) -> dict:
+        """A stock layer's attributes, as restore_stock_state takes them (torch's sliding layer rebinds new
+        tensors on update, never edits one in place: a shallow copy is a snapshot; MLX overrides)."""
+        return dict(vars(layer))
+
     def truncate(self, seen: int) -> None:
-        """Forget every token after the first `seen` (rollback_floor() <= seen)."""
-        assert self.rollback_floor() <= seen <= self.tokens_seen, (seen, self.rollback_floor(), self.tokens_seen)
+        """Forget every token after the first `seen` (rollback_floor() <= seen, or seen == rollback_mark())."""
+        to_mark = seen < self.tokens_seen and seen == self.rollback_mark()
+        assert to_mark or self.rollback_floor() <= seen <= self.tokens_seen, \
+            (seen, self.rollback_floor(), self.rollback_mark(), self.tokens_seen)
         for layer in self.heap_layers:
             layer.truncate(seen)
+        if to_mark:
+            for layer, state in self._marked:
+                vars(layer).clear()
+                vars(layer).update(self.copy_stock_state(_State(state)))   # a copy: the mark stays usable
+
+
+class _State:
+    """Attributes held as an object's, for copy_stock_state."""
+
+    def __init__(self, attrs: dict):
+        self.__dict__.update(attrs)
 
 
 SCORE_ARRAYS = ("scores", "counts", "window")

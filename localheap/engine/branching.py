@@ -23,6 +23,8 @@ def settle(backend: Any, s: Session, reply_start: Optional[int] = None) -> None:
     """After a run or a branch: where the session can roll back to, and where its reply began."""
     floor = getattr(backend, "rollback_floor", None)
     s.rollback_floor = floor(s.cache) if floor is not None and s.cache is not None else None
+    mark = getattr(backend, "rollback_mark", None)
+    s.rollback_mark = mark(s.cache) if mark is not None and s.cache is not None else None
     s.reply_start = len(s.fed) if reply_start is None else reply_start
 
 

@@ -119,12 +119,20 @@ class Run:
         (its question, alone first where a recall is due; else its last token); every token then
         comes from the batch (`take`)."""
         req: Generate = self.request
+        self._mark()
         defer = req.params.max_tokens > 0   # the first step feeds it, in the batch where it can
         self.row = self.backend.start_row(self.session.cache, self.last, self._params(), defer=defer)
         self.stream = TextStream(self.backend.tokenizer.decode, req.params.stop)
         if not defer:
             self.finish_reason = "length"   # sampled but not taken: the token is not fed either
             self._publish_stats(force=True)
+
+    def _mark(self) -> None:
+        """The prompt is read but for its held-back tokens: a cache with sliding layers keeps their
+        state here, the point the next turn rolls back to where the template rewrites this reply."""
+        mark = getattr(self.session.cache, "mark", None)
+        if mark is not None:
+            mark()
 
     def _params(self):
         """The request's sampling params for the backend: with the context the repetition penalty
@@ -134,6 +142,7 @@ class Run:
     def _decode_one(self) -> None:
         req: Generate = self.request
         if self.gen is None:
+            self._mark()
             self.gen = self.backend.generate(self.session.cache, self.last, self._params())
             self.stream = TextStream(self.backend.tokenizer.decode, req.params.stop)
         token = next(self.gen, None)

@@ -20,7 +20,8 @@ from .logonce import warn_once
 from .prompts import ChatOptions
 from .services import Services, owner
 from .toolcalls import THINK, OutputParser
-from .toolformats import Hermes, Llama, Mistral, QwenXML, ToolFormat, tool_format
+from .harmony import HarmonyParser
+from .toolformats import Harmony, Hermes, Llama, Mistral, QwenXML, ToolFormat, tool_format
 
 
 @dataclass
@@ -52,8 +53,10 @@ class ChatPlan:
 
     def parser(self, opts: ChatOptions, prompt: Prompt) -> OutputParser:
         """Tool calls are looked for when there are tools and tool_choice is not none; reasoning
-        always (only a reply that opens with <think>, or a prompt that ends inside one, has any).
-        A forced choice (the grammar's calls) has no content."""
+        always (only a reply that opens with <think>, or a prompt that ends inside one, has any;
+        a harmony reply's analysis channel). A forced choice (the grammar's calls) has no content."""
+        if isinstance(opts.fmt, Harmony):
+            return HarmonyParser(tools=bool(self.tools) and self.choice != "none", forced=self.forced)
         fmt = opts.fmt if self.tools and self.choice != "none" else None
         return OutputParser(fmt, reasoning=True, in_think=_in_think(prompt), forced=self.forced)
 
@@ -69,7 +72,9 @@ class ChatPlan:
         if svc.force_tokens is not None:
             return svc.force_tokens()
         if self.json_schema is not None:
-            grammar = json_grammar(self.json_schema or None)
+            grammar = json_grammar(self.json_schema or None)   # checked: a schema it cannot take is a 400
+            if isinstance(opts.fmt, Harmony):   # the JSON is the final message's body
+                grammar = harmony_final(self.json_schema or {"type": "object"}, svc.tokenizer)
         elif self.forced:
             grammar = call_grammar(opts.fmt, self.callable, self.choice, self.parallel, svc.tokenizer, self.arguments)
         elif self.tools and self.choice == "auto" and svc.settings.tool_grammar:
@@ -132,6 +137,8 @@ def call_grammar(fmt: ToolFormat, tools: list[dict], choice: str, parallel: bool
             return f"start: {opener} named{more}\n" + _named_calls(chosen, arguments, tokenizer, "named")
         more = ' ("," " " call)*' if many else ""
         return f'start: {opener} "[" call{more} "]"\ncall: {_call_rule(fmt, chosen, arguments)}\n'
+    if isinstance(fmt, Harmony):   # a call ends the reply (<|call|> is a stop token): one call
+        return harmony_call(chosen, arguments, tokenizer)
     if isinstance(fmt, QwenXML):
         more = ' ("\\n" block)*' if many else ""
         return (f'start: block{more}\nblock: "<tool_call>\\n" fn "\\n</tool_call>"\n'
@@ -152,6 +159,8 @@ def call_triggers(fmt: ToolFormat, tools: list[dict], tokenizer: Any,
     (Llama: a reply that begins `{"name"`, or after `<|python_tag|>`)."""
     if isinstance(fmt, Mistral) and _single_token(tokenizer, "[ARGS]"):   # newer: [TOOL_CALLS]name[ARGS]{...}
         return [Trigger("[TOOL_CALLS]", _named_calls(tools, arguments, tokenizer))]
+    if isinstance(fmt, Harmony):
+        return [Trigger("to=functions.", _harmony_named(tools, arguments, tokenizer))]
     if isinstance(fmt, QwenXML):
         return [Trigger("<tool_call>", 'start: "\\n" fn "\\n</tool_call>"\n' + _xml_call(tools, arguments, "fn"))]
     call = _call_rule(fmt, tools, arguments)
@@ -162,6 +171,40 @@ def call_triggers(fmt: ToolFormat, tools: list[dict], tokenizer: Any,
         return [Trigger("<|python_tag|>", one), Trigger('{"name"', one, at_start=True, inclusive=True)]
     assert isinstance(fmt, Hermes)
     return [Trigger("<tool_call>", f'start: "\\n" call "\\n</tool_call>"\ncall: {call}\n')]
+
+
+def _harmony_named(tools: list[dict], arguments: Optional[dict], tokenizer: Any, top: str = "start") -> str:
+    """What follows `to=functions.` in a harmony header (rule `top`): a tool's name, the rest of
+    the header (the channel after the recipient, or the recipient after the channel), the body,
+    and <|call|> (a stop token: the reply ends with the call)."""
+    ch, msg, con, call = (_token_ref(tokenizer, t) for t in ("<|channel|>", "<|message|>", "<|constrain|>", "<|call|>"))
+    rules = [f"{top}: {' | '.join(f'{top}_{i}' for i in range(len(tools)))}",
+             f'{top}_head: " " {con} "json" | {ch} "commentary" (" " {con}? "json")?']
+    for i, t in enumerate(tools):
+        rules.append(f"{top}_{i}: {json.dumps(t['function']['name'])} {top}_head {msg} {top}_{i}_args {call}")
+        rules.append(f"{top}_{i}_args: {json_rule(_arguments(t, arguments))}")
+    return "\n".join(rules) + "\n"
+
+
+def _harmony_analysis(tokenizer: Any) -> str:
+    """A harmony reply's optional reasoning before what the grammar holds: an analysis message."""
+    ch, msg, end, start = (_token_ref(tokenizer, t) for t in ("<|channel|>", "<|message|>", "<|end|>", "<|start|>"))
+    return f'analysis: {ch} "analysis" {msg} /(.|\\n)*/ {end} {start} "assistant"\n'
+
+
+def harmony_call(tools: list[dict], arguments: Optional[dict], tokenizer: Any) -> str:
+    """A forced harmony reply: reasoning if the model wants it, then one call of one of `tools`."""
+    ch = _token_ref(tokenizer, "<|channel|>")
+    return (f'start: analysis? {ch} "commentary to=functions." named\n' + _harmony_analysis(tokenizer)
+            + _harmony_named(tools, arguments, tokenizer, "named"))
+
+
+def harmony_final(schema: dict, tokenizer: Any) -> str:
+    """A JSON answer (response_format) as a harmony reply: reasoning if the model wants it, then a
+    final message whose body is JSON that `schema` accepts."""
+    ch, msg = _token_ref(tokenizer, "<|channel|>"), _token_ref(tokenizer, "<|message|>")
+    return (f'start: analysis? {ch} "final" {msg} answer\nanswer: {json_rule(schema)}\n'
+            + _harmony_analysis(tokenizer))
 
 
 def _named_calls(tools: list[dict], arguments: Optional[dict], tokenizer: Any, top: str = "start") -> str:

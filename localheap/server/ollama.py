@@ -19,6 +19,7 @@ from ..generation import TOP_LOGPROBS_MAX, LogprobRecorder, SamplingParams
 from .chat import ChatPlan
 from .errors import BadRequest
 from .logonce import warn_once
+from .prompts import with_effort
 from .schemas import MAX_EMBED_INPUTS, ChatMessage, Strict
 from .toolformats import ToolCall
 
@@ -146,7 +147,9 @@ class OllamaRequest(Strict):
         return self.format or None
 
     def template_kwargs(self) -> Optional[dict]:
-        return None if self.think is None else {"enable_thinking": self.think is not False}
+        if self.think is None:
+            return None
+        return with_effort({"enable_thinking": self.think is not False}, self.think if isinstance(self.think, str) else None)
 
 
 class ChatRequest(OllamaRequest):

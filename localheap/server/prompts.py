@@ -15,7 +15,7 @@ from ..sessions import Prompt
 from ..sessions.session import token_array
 from .errors import BadRequest, PromptTooLong
 from .schemas import ChatMessage, CompletionRequest
-from .toolformats import ToolFormat, prompted_call, prompted_tools
+from .toolformats import Harmony, ToolFormat, prompted_call, prompted_tools
 from .tokens import PIECE_CHARS, check_chars, encode_bounded, encode_plain, release_freed_memory, special_head
 
 _LONG_TEXTS = threading.Lock()
@@ -57,6 +57,18 @@ class ChatOptions:
         return dict(self.template_kwargs)
 
 
+EFFORTS = {"minimal": "low", "low": "low", "medium": "medium", "high": "high"}
+
+
+def with_effort(kwargs: Optional[dict], effort: Optional[str]) -> Optional[dict]:
+    """Template arguments with a request's reasoning effort as `reasoning_effort` (gpt-oss's
+    template writes it into its system message: low, medium or high; OpenAI's "minimal" is low).
+    Templates that do not read it ignore it; chat_template_kwargs that set it win."""
+    if effort not in EFFORTS or (kwargs and "reasoning_effort" in kwargs):
+        return kwargs
+    return {**(kwargs or {}), "reasoning_effort": EFFORTS[effort]}
+
+
 def _messages(messages: list[ChatMessage], opts: Optional[ChatOptions] = None) -> list[dict]:
     """Messages as chat templates take them (Hugging Face's conventions: tool call arguments as
     objects). Where the template cannot render tools, calls and results are written as text."""
@@ -84,6 +96,8 @@ def _messages(messages: list[ChatMessage], opts: Optional[ChatOptions] = None) -
                 d["name"] = m.name
         if m.role == "assistant" and m.reasoning_content is not None:
             d["reasoning_content"] = m.reasoning_content
+            if isinstance(opts.fmt, Harmony):   # gpt-oss's template reads an assistant's analysis as `thinking`
+                d["thinking"] = m.reasoning_content
         if d["role"] == "user" and out and out[-1].get("tool_results"):   # roles alternate (Gemma's template)
             out[-1]["content"] += "\n\n" + d["content"]
             continue

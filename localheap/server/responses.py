@@ -31,6 +31,7 @@ from .chat import ChatPlan
 from .errors import ApiError, BadRequest
 from .logonce import warn_once
 from .logprobs import chat_content
+from .prompts import with_effort
 from .schemas import ChatMessage, Strict
 from .toolcalls import CallArgs, CallStart, Piece, Text
 from .toolformats import ToolCall
@@ -458,7 +459,7 @@ class ResponsesRequest(Strict):
             raise BadRequest("text.format and a forced tool_choice cannot be combined", "text.format")
         kwargs = None
         if self.reasoning is not None and self.reasoning.effort is not None:
-            kwargs = {"enable_thinking": self.reasoning.effort != "none"}
+            kwargs = with_effort({"enable_thinking": self.reasoning.effort != "none"}, self.reasoning.effort)
         arguments = {o.name: o.enforce for o in self.offered if o.enforce is not None}
         return ChatPlan(tools, choice, self.parallel_tool_calls is not False, schema, kwargs, arguments or None,
                         allowed)

@@ -150,6 +150,8 @@ def _ollama_style(data: dict, known: set) -> dict:
         think = data.pop("think", None) if "think" not in known else None
         if think is not None and not data.get("chat_template_kwargs"):
             data["chat_template_kwargs"] = {"enable_thinking": think is not False}
+            if isinstance(think, str) and not data.get("reasoning_effort"):   # Ollama's think levels (gpt-oss)
+                data["reasoning_effort"] = think
         fmt = data.pop("format", None) if "format" not in known else None
         if fmt and data.get("response_format") is None:
             if fmt == "json":
@@ -293,7 +295,7 @@ class ChatCompletionRequest(SamplingFields):
     functions: Optional[list[Any]] = None
     function_call: Optional[Any] = None
     chat_template_kwargs: Optional[dict[str, Any]] = None   # extension (vLLM's): e.g. {"enable_thinking": false}
-    reasoning_effort: Optional[str] = None                   # accepted, unused
+    reasoning_effort: Optional[str] = None                   # the template's reasoning_effort (gpt-oss's)
     verbosity: Optional[Literal["low", "medium", "high"]] = None   # accepted, unused (OpenAI's gpt-5 hint)
     prediction: Optional[dict[str, Any]] = None   # accepted, unused (a speed hint: the reply is the same)
     modalities: Optional[list[Literal["text"]]] = None   # text only: this server writes no audio

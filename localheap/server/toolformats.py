@@ -8,6 +8,8 @@ same text the model was trained to answer), and how a call in that syntax is rea
   `<|python_tag|>`; several separated by `;`).
 - Qwen3-Coder (XML): `<tool_call>\n<function=NAME>\n<parameter=KEY>\nVALUE\n</parameter>\n...</function>\n</tool_call>`,
   each value as raw text, typed by the tool's schema.
+- gpt-oss (harmony): a message addressed `to=functions.NAME` on the commentary channel, its body
+  the JSON arguments, ended by <|call|>; read with the reply's channels by harmony.HarmonyParser.
 - A template that does not render `tools` (Llama 3.0, Gemma 3, the tiny test models): the tools
   are described in a system message and the model is asked for Hermes-style blocks.
 """
@@ -216,6 +218,15 @@ class QwenXML(ToolFormat):
         return [ToolCall(self.make_id(), name, json.dumps(args, ensure_ascii=False), error)]
 
 
+class Harmony(ToolFormat):
+    """gpt-oss's channels (harmony.py reads its replies, with or without tools)."""
+    name = "harmony"
+    starts = ("to=functions.",)
+
+    def parse(self, body: str) -> Optional[list[ToolCall]]:
+        raise NotImplementedError("harmony replies are read by harmony.HarmonyParser")
+
+
 def template_source(tokenizer: Any) -> str:
     for t in (tokenizer, getattr(tokenizer, "_tokenizer", None)):
         src = getattr(t, "chat_template", None)
@@ -226,7 +237,7 @@ def template_source(tokenizer: Any) -> str:
     return ""
 
 
-FORMATS = {f.name: f for f in (Hermes, QwenXML, Mistral, Llama, Prompted)}
+FORMATS = {f.name: f for f in (Hermes, QwenXML, Mistral, Llama, Harmony, Prompted)}
 
 
 def tool_format(tokenizer: Any, name: Optional[str] = None) -> ToolFormat:
@@ -234,6 +245,8 @@ def tool_format(tokenizer: Any, name: Optional[str] = None) -> ToolFormat:
     if name is not None:
         return FORMATS[name]()
     src = template_source(tokenizer)
+    if "<|channel|>" in src and "<|message|>" in src:
+        return Harmony()
     if "<function=" in src and "<parameter=" in src:
         return QwenXML()
     if "<tool_call>" in src:

@@ -77,11 +77,15 @@ def _text_prefix(s: Session, prompt: Prompt, decode: Decode) -> Optional[str]:
 
 
 def _rollback_point(s: Session, shared: int, prompt_len: int) -> Optional[int]:
-    """Where `s` can be rolled back to so that it continues the prompt, or None."""
+    """Where `s` can be rolled back to so that it continues the prompt, or None: anywhere at or above
+    its floor, or below that to its mark (a cache with sliding layers: where its reply began)."""
     keep = min(shared, prompt_len - 1)   # at least the prompt's last token is fed again
     before_reply = s.reply_start if s.reply_start is not None else len(s.fed)
-    if s.addressed or s.rollback_floor is None or keep < max(1, s.rollback_floor) \
-            or keep < MIN_SHARED * before_reply:
+    if s.addressed or s.rollback_floor is None:
+        return None
+    if keep < s.rollback_floor and s.rollback_mark is not None and s.rollback_mark <= keep:
+        keep = s.rollback_mark
+    if keep < max(1, s.rollback_floor if keep != s.rollback_mark else 1) or keep < MIN_SHARED * before_reply:
         return None
     return keep
 

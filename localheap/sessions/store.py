@@ -258,6 +258,7 @@ class SessionStore:
             if self.backend.tokens_in_cache(cache) != len(s.fed):
                 raise ValueError(f"heap holds {self.backend.tokens_in_cache(cache)} tokens, history {len(s.fed)}")
             s.cache, s.dirty = cache, False
+            s.rollback_mark = None   # a mark lives in the cache object it was taken on, never on disk
             s.cfg = getattr(cache, "cfg", s.cfg)   # the heap as it was saved (settings may have changed)
         except Exception as e:
             if cache is not None:   # loaded, but not this session's: its page files closed first
@@ -313,6 +314,7 @@ class SessionStore:
                 self._remove_files(s)
                 s.spill_path, s.saved_gen, s.saved_tokens = None, None, 0
             s.cache, s.dirty = None, False
+            s.rollback_mark = None
             del s.fed[keep:]
             s.refresh()
             return True
@@ -361,7 +363,7 @@ class SessionStore:
         release_pages(s.cache)
         s.cache = None
         s.truncate(0)
-        s.rollback_floor = s.reply_start = None
+        s.rollback_floor = s.rollback_mark = s.reply_start = None
         s.refresh()
 
     def touch(self, s: Session) -> None:

@@ -114,6 +114,9 @@ class MLXBackend:
     def rollback_floor(self, cache) -> int:
         return cache.rollback_floor()
 
+    def rollback_mark(self, cache) -> Optional[int]:
+        return cache.rollback_mark()
+
     def truncate(self, cache, tokens: int) -> None:
         cache.truncate(tokens)
 

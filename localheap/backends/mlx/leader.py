@@ -97,6 +97,10 @@ class Leader:
     def ranks(self):
         return self.backend.ranks
 
+    def rollback_mark(self, cache) -> None:
+        """None: only rank 0 marks its caches (a model with sliding layers reads a rewritten turn again)."""
+        return None
+
     # --- the command channel ---
 
     def send(self, op: str, **args) -> None:

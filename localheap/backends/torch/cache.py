@@ -63,6 +63,10 @@ class HeapCache(HeapRollback, Cache):
         self.capture: Optional[dict] = None   # a recall probe's queries per heap layer, while it runs
         self.recall_log: list[dict] = []      # one entry per recall: tokens, pages, ms
 
+    def stock_layers(self) -> list:
+        """The layers that are transformers' own (sliding windows)."""
+        return [layer for layer in self.layers if not isinstance(layer, HeapLayer)]
+
     def make_room(self, n_new: int) -> int:
         """Evict where n_new more tokens would not fit; returns how many layers repacked.
 

@@ -25,7 +25,7 @@ from ..logonce import warn_once
 from ..llamacpp import cut_fields, dry_fields, penalties_on, prompt_progress, switched
 from ..formats import (Echo, Out, Reply, add_call_errors, extension, finish_reason, saved_headers, stop_reason,
                        tool_call_dict, total_usage)
-from ..prompts import chat_prompt, completion_prompt, tokenize
+from ..prompts import chat_prompt, completion_prompt, tokenize, with_effort
 from ..schemas import AllowedTools, ChatCompletionRequest, CompletionRequest, SamplingFields
 from ..services import Services, services
 from ..toolcalls import CallArgs, CallStart, OutputParser, Piece
@@ -141,8 +141,8 @@ def _plan(body: ChatCompletionRequest) -> ChatPlan:
     elif fmt is not None and fmt.type == "json_schema":
         schema = fmt.json_schema.schema_ or {}
     tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
-    return ChatPlan(tools, choice, body.parallel_tool_calls is not False, schema, body.chat_template_kwargs,
-                    allowed=allowed)
+    return ChatPlan(tools, choice, body.parallel_tool_calls is not False, schema,
+                    with_effort(body.chat_template_kwargs, body.reasoning_effort), allowed=allowed)
 
 
 def _params(body: SamplingFields, svc: Services, max_tokens: int, choice: int = 0, constraint=None,
