@@ -176,14 +176,37 @@ def test_a_call_the_reply_opens_is_held_to_the_tools(server, client, reset):
     holds the name, the rest of the header and the arguments; with the grammar off, the same
     openings give no valid call (the test can fail)."""
     svc = server.services
-    svc.lead_tokens = svc.tokenizer.encode("<|channel|>commentary to=functions.", add_special_tokens=False)
-    for seed in range(4):
+    for seed, opening in enumerate(["<|channel|>commentary to=functions.", " to=functions.",
+                                    "<|channel|>analysis<|message|>ok<|end|><|start|>assistant to=functions.",
+                                    "<|channel|>commentary to=functions."]):
+        svc.lead_tokens = svc.tokenizer.encode(opening, add_special_tokens=False)
         calls, errors = _calls(client, seed=seed)
-        assert len(calls) == 1 and not errors and _valid(calls[0]), (calls, errors)
+        assert len(calls) == 1 and not errors and _valid(calls[0]), (opening, calls, errors)
+    svc.lead_tokens = svc.tokenizer.encode("<|channel|>commentary to=functions.", add_special_tokens=False)
     svc.settings.tool_grammar = False
     for seed in range(4):
         calls, errors = _calls(client, seed=seed)
         assert not calls or errors or calls[0].function.name not in ("get_weather", "get_time"), calls
+
+
+def test_a_recipient_named_in_prose_holds_nothing(server, client, reset):
+    """`to=functions.` inside the reasoning is not a header: the reply samples exactly as without
+    the grammar (the same seeds, the same text)."""
+    svc = server.services
+    svc.lead_tokens = svc.tokenizer.encode("<|channel|>analysis<|message|>I would send to=functions.get_weather",
+                                          add_special_tokens=False)
+
+    def replies():
+        out = []
+        for seed in range(3):
+            r = ask(client, [{"role": "user", "content": "any city"}], tools=TOOLS, temperature=1.0, seed=seed,
+                    max_tokens=30)
+            out.append((r.choices[0].message.reasoning_content, r.choices[0].message.content))
+        return out
+
+    held = replies()
+    svc.settings.tool_grammar = False
+    assert replies() == held
 
 
 def test_a_forced_choice_is_one_valid_call_after_any_reasoning(server, client, reset):

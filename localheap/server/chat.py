@@ -159,8 +159,10 @@ def call_triggers(fmt: ToolFormat, tools: list[dict], tokenizer: Any,
     (Llama: a reply that begins `{"name"`, or after `<|python_tag|>`)."""
     if isinstance(fmt, Mistral) and _single_token(tokenizer, "[ARGS]"):   # newer: [TOOL_CALLS]name[ARGS]{...}
         return [Trigger("[TOOL_CALLS]", _named_calls(tools, arguments, tokenizer))]
-    if isinstance(fmt, Harmony):
-        return [Trigger("to=functions.", _harmony_named(tools, arguments, tokenizer))]
+    if isinstance(fmt, Harmony):   # a header's recipient, after its channel or its role (not in prose)
+        named = _harmony_named(tools, arguments, tokenizer)
+        return [Trigger("commentary to=functions.", named), Trigger("assistant to=functions.", named),
+                Trigger("to=functions.", named, at_start=True)]   # the first header's role is the prompt's
     if isinstance(fmt, QwenXML):
         return [Trigger("<tool_call>", 'start: "\\n" fn "\\n</tool_call>"\n' + _xml_call(tools, arguments, "fn"))]
     call = _call_rule(fmt, tools, arguments)
