@@ -75,6 +75,11 @@ def test_a_preamble_on_commentary_is_content_and_calls_without_tools_are_too():
     assert parse(CALL_AFTER + ARGS, tools=False) == [Text("content", ARGS)]
 
 
+def test_a_builtin_tool_no_client_offers_is_read_by_its_channel():
+    out = parse("<|channel|>analysis to=python code<|message|>print(1)<|end|>" + FINAL)
+    assert out == [Text("reasoning", "print(1)"), Text("content", "It is 20C in Nice.")]
+
+
 def test_text_that_is_no_message_is_content_without_markup():
     assert parse("Hello there") == [Text("content", "Hello there")]
     assert parse("<|start|>assistant") == [Text("content", "assistant")]

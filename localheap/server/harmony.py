@@ -6,7 +6,8 @@
 
 The analysis channel is reasoning; final (and commentary with no recipient: a preamble the user
 sees) is content; a message addressed `to=functions.NAME` (in its header, before or after the
-channel) is a tool call whose body is its JSON arguments. <|call|> and <|return|> end the reply
+channel) is a tool call whose body is its JSON arguments. A message to one of gpt-oss's built-in
+tools (`to=python`, `to=browser.search`: none a client offers here) is read by its channel. <|call|> and <|return|> end the reply
 (they are the model's stop tokens, so a reply's text rarely holds them); <|end|> ends a message.
 The prompt ends with `<|start|>assistant`, so a reply begins with a header.
 """
@@ -17,7 +18,7 @@ import json
 import re
 from typing import Optional
 
-from .toolcalls import CallArgs, CallStart, Piece, Text, _partial
+from .toolcalls import CallArgs, CallStart, Piece, StepParser, Text, _partial
 from .toolformats import ToolCall, openai_call_id
 
 START, CHANNEL, MESSAGE, END = "<|start|>", "<|channel|>", "<|message|>", "<|end|>"
@@ -30,7 +31,7 @@ MAX_HEADER = 256
 _MARKUP = re.compile(r"<\|(?:start|channel|message|end|constrain|call|return)\|>")
 
 
-class HarmonyParser:
+class HarmonyParser(StepParser):
     """OutputParser's interface (feed text, finish; pieces in order) for harmony replies.
 
     `tools`: calls addressed to functions are tool calls (else their bodies are content).
@@ -45,17 +46,8 @@ class HarmonyParser:
         self.call: Optional[list] = None   # id, name, arguments so far
         self.calls = 0
 
-    def feed(self, text: str) -> list[Piece]:
-        self.pending += text
-        out: list[Piece] = []
-        while self._step(out, final=False):
-            pass
-        return out
-
     def finish(self) -> list[Piece]:
-        out: list[Piece] = []
-        while self._step(out, final=True):
-            pass
+        out = self._drain(final=True)
         if self.mode == "body":
             self._body(self.pending, out)
             self._close(out)
@@ -93,9 +85,8 @@ class HarmonyParser:
         channel = _CHANNEL.search(header)
         recipient = _RECIPIENT.search(header)
         self.mode = "body"
-        if recipient is not None and recipient.group(1) != "assistant" and self.tools:
-            name = recipient.group(1)
-            name = name[len("functions."):] if name.startswith("functions.") else name
+        if recipient is not None and recipient.group(1).startswith("functions.") and self.tools:
+            name = recipient.group(1)[len("functions."):]
             self.kind, self.call = "call", [openai_call_id(), name, ""]
             out.append(CallStart(self.call[0], name))
         elif channel is not None and channel.group(1) == "analysis":

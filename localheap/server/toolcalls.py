@@ -40,7 +40,26 @@ _HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"([^"\\]+)"\s*,\s*"arguments"\s*:\s*(?
 _TAIL = re.compile(r'\s*\}?\s*$')   # what may close the call object rather than belong to the arguments
 
 
-class OutputParser:
+class StepParser:
+    """Text deltas in, pieces out, through `_step(out, final)`: one transition at a time, False
+    when nothing more can be decided from the text so far (`pending`)."""
+    pending = ""
+
+    def feed(self, text: str) -> list[Piece]:
+        self.pending += text
+        return self._drain(final=False)
+
+    def _drain(self, final: bool) -> list[Piece]:
+        out: list[Piece] = []
+        while self._step(out, final):
+            pass
+        return out
+
+    def _step(self, out: list[Piece], final: bool) -> bool:
+        raise NotImplementedError
+
+
+class OutputParser(StepParser):
     """Feed text deltas; get back pieces of content, reasoning and whole tool calls, in order.
 
     Text that could be the start of a marker is held back until it is known not to be one; a
@@ -73,17 +92,8 @@ class OutputParser:
             starts.append("{")
         return starts
 
-    def feed(self, text: str) -> list[Piece]:
-        self.pending += text
-        out: list[Piece] = []
-        while self._step(out, final=False):
-            pass
-        return out
-
     def finish(self) -> list[Piece]:
-        out: list[Piece] = []
-        while self._step(out, final=True):
-            pass
+        out = self._drain(final=True)
         if self.mode == "think" and self.pending:
             out.append(Text("reasoning", self.pending))
         elif self.mode == "text" and self.pending and not self.forced:
