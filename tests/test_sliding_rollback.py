@@ -73,3 +73,28 @@ def test_only_heap_layers_need_no_mark(model_dirs, torch_one_thread):
     cache.mark()
     backend.prefill(cache, list(range(60, 70)))
     assert backend.rollback_mark(cache) is None and backend.rollback_floor(cache) == 0
+
+
+@pytest.mark.parametrize("kind", ["torch", "mlx"])
+def test_a_mark_taken_between_decode_steps(model_dirs, torch_one_thread, kind):
+    """A turn of one token marks right after the last reply's decode steps: the sliding layers' arrays are
+    the ones those steps write into (mlx-lm's rotating cache writes in place), so the mark is a copy."""
+    backend, steps = _backend(kind, model_dirs("gpt_oss"))
+    ids = backend.tokenizer.encode(" ".join(f"the heap keeps token {i} while the window moves" for i in range(40)))
+    prompt, other = ids[:150], ids[160]
+
+    def reply(cache):
+        backend.prefill(cache, prompt[:-1])
+        return steps(cache, prompt[-1:], 10)
+
+    rolled = backend.new_cache(CFG)
+    first = reply(rolled)
+    rolled.mark()
+    steps(rolled, [first[-1][0]], 30)   # a reply after a one-token turn: 30 steps past the mark
+    backend.truncate(rolled, backend.rollback_mark(rolled))
+    got = steps(rolled, [other], 20)
+    fresh = backend.new_cache(CFG)
+    assert [t for t, _ in reply(fresh)] == [t for t, _ in first]
+    want = steps(fresh, [other], 20)
+    assert [t for t, _ in got] == [t for t, _ in want]
+    assert all(np.array_equal(a, b) for (_, a), (_, b) in zip(got, want))

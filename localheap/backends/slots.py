@@ -64,7 +64,7 @@ class HeapRollback:
         to keep, every point above rollback_floor() is exact anyway."""
         if self.only_heap_layers:
             return
-        self._marked = [(layer, self.copy_stock_state(layer)) for layer in self.stock_layers()]
+        self._marked = [(layer, self.copy_stock_state(vars(layer))) for layer in self.stock_layers()]
         self.mark_at = self.tokens_seen
 
     def rollback_mark(self) -> Optional[int]:
@@ -74,10 +74,10 @@ class HeapRollback:
             return None
         return self.mark_at if self.heap_floor() <= self.mark_at else None
 
-    def copy_stock_state(self, layer) -> dict:
-        """A stock layer's attributes, as restore_stock_state takes them (torch's sliding layer rebinds new
-        tensors on update, never edits one in place: a shallow copy is a snapshot; MLX overrides)."""
-        return dict(vars(layer))
+    def copy_stock_state(self, attrs: dict) -> dict:
+        """A snapshot of a stock layer's attributes (torch's sliding layer rebinds new tensors on
+        update, never edits one in place: a shallow copy is one; MLX's override copies its arrays)."""
+        return dict(attrs)
 
     def truncate(self, seen: int) -> None:
         """Forget every token after the first `seen` (rollback_floor() <= seen, or seen == rollback_mark())."""
@@ -89,14 +89,7 @@ class HeapRollback:
         if to_mark:
             for layer, state in self._marked:
                 vars(layer).clear()
-                vars(layer).update(self.copy_stock_state(_State(state)))   # a copy: the mark stays usable
-
-
-class _State:
-    """Attributes held as an object's, for copy_stock_state."""
-
-    def __init__(self, attrs: dict):
-        self.__dict__.update(attrs)
+                vars(layer).update(self.copy_stock_state(state))   # a copy: the mark stays usable
 
 
 SCORE_ARRAYS = ("scores", "counts", "window")

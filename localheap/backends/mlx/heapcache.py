@@ -65,9 +65,9 @@ class HeapPromptCache(HeapRollback, list):
         """The layers that are mlx-lm's own (sliding windows: its rotating cache)."""
         return [c for c in self if not isinstance(c, HeapKVCache)]
 
-    def copy_stock_state(self, layer) -> dict:
+    def copy_stock_state(self, attrs: dict) -> dict:
         """mlx-lm's rotating cache writes into its arrays in place: copies of them."""
-        return {k: mx.array(v) if isinstance(v, mx.array) else v for k, v in vars(layer).items()}
+        return {k: mx.array(v) if isinstance(v, mx.array) else v for k, v in attrs.items()}
 
     def make_room(self, n_new: int) -> int:
         """Evict where n_new more tokens would not fit; returns how many layers repacked.
