@@ -106,3 +106,33 @@ def test_torch_heap_evicts_on_gpt_oss_over_its_eager_attention(model_dirs):
     out = list(torch_tokens(backend.model, cache, ids, SamplingParams(max_tokens=40)))
     stats = cache.stats()
     assert len(out) == 40 and stats.evicted > 0 and stats.tokens_seen == len(ids) + 39
+
+
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64}
+
+
+@pytest.mark.parametrize("family,kwargs", [("gpt_oss", {}), ("llama", {"rope_scaling": LLAMA3_ROPE})])
+def test_a_model_loaded_on_one_thread_runs_on_another(model_dirs, family, kwargs):
+    """The server loads the model on the main thread and runs it on the engine's. A RoPE's precomputed
+    frequencies (YaRN, llama3 scaling) were left a lazy graph of the loading thread's stream, and the
+    engine's first prefill failed ("There is no Stream(cpu, 0) in current thread")."""
+    import threading
+
+    from localheap.backends.mlx import MLXBackend
+
+    backend = MLXBackend.load(model_dirs(family, **kwargs))
+    errors = []
+
+    def run():
+        try:
+            cache = backend.new_cache(HeapConfig(budget=64, slack=32, recent=16))
+            backend.prefill(cache, list(range(5, 100)))
+            list(backend.generate(cache, [7], SamplingParams(max_tokens=3)))
+        except Exception as e:   # noqa: BLE001 (the test reports it)
+            errors.append(e)
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join()
+    assert not errors, errors

@@ -178,14 +178,14 @@ class DistributedMLXBackend(MLXBackend):
     def load(cls, path: str | Path, mode: str, model_name: Optional[str] = None) -> "DistributedMLXBackend":
         from mlx_lm.utils import load_model, load_tokenizer
 
-        from .loading import model_classes
+        from .loading import evaluate, model_classes
 
         group = mx.distributed.init()
         require_ranks(group)
         model, config = load_model(Path(path), lazy=True, strict=False, get_model_classes=model_classes)
         total = len(model.layers)
         shard(model, mode, group)
-        mx.eval(model.parameters())
+        evaluate(model)
         tokenizer = load_tokenizer(Path(path), eos_token_ids=config.get("eos_token_id", None))
         first = getattr(model.model, "start_idx", 0) if mode == "pipeline" else 0
         ranks = Ranks(group, split_heads=mode == "tensor")

@@ -7,6 +7,11 @@ transformers multiplies them, x @ W: gate_up_proj [E, H, 2I] and down_proj [E, I
 sanitize would slice the wrong axis of those (and, unquantized in either layout, name them
 without ".weight"), so they are turned into OpenAI's layout and named as its quantized blocks
 are once sanitized. Every other model loads exactly as mlx_lm.load loads it.
+
+Then every array the model holds is evaluated here, its buffers too: mlx-lm evaluates the
+parameters only, and a RoPE's precomputed frequencies (llama3 scaling, YaRN: `_freqs`) stay a
+lazy graph tied to the loading thread's stream. The engine thread that first ran the model then
+failed ("There is no Stream(cpu, 0) in current thread"): Llama 3.1/3.2 and gpt-oss on MLX.
 """
 
 from __future__ import annotations
@@ -24,7 +29,15 @@ def load(path: str | Path, lazy: bool = False):
 
     model_path = _download(str(path))
     model, config = load_model(model_path, lazy, get_model_classes=model_classes)
+    if not lazy:
+        evaluate(model)
     return model, load_tokenizer(model_path, eos_token_ids=config.get("eos_token_id", None))
+
+
+def evaluate(model) -> None:
+    """Evaluate every array `model` holds: parameters, and buffers (keys starting with "_", which
+    `parameters()` leaves out), so no lazy graph of the loading thread's is left for another."""
+    mx.eval(model.parameters(), [v for m in model.modules() for v in m.values() if isinstance(v, mx.array)])
 
 
 def model_classes(config: dict):
