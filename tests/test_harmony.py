@@ -75,6 +75,12 @@ def test_a_preamble_on_commentary_is_content_and_calls_without_tools_are_too():
     assert parse(CALL_AFTER + ARGS, tools=False) == [Text("content", ARGS)]
 
 
+def test_the_format_parses_a_call_from_its_opener_on_as_the_other_formats_do():
+    (call,) = Harmony().parse("get_weather <|constrain|>json<|message|>" + ARGS)
+    assert (call.name, call.arguments, call.error) == ("get_weather", ARGS, None)
+    assert Harmony().parse("nothing") is None
+
+
 def test_a_builtin_tool_no_client_offers_is_read_by_its_channel():
     out = parse("<|channel|>analysis to=python code<|message|>print(1)<|end|>" + FINAL)
     assert out == [Text("reasoning", "print(1)"), Text("content", "It is 20C in Nice.")]

@@ -70,7 +70,7 @@ class HeapRollback:
     def rollback_mark(self) -> Optional[int]:
         """The point below rollback_floor() the cache can still be rolled back to exactly, or None:
         its mark, where no heap layer has repacked since."""
-        if self.mark_at is None or self.only_heap_layers or self.mark_at >= self.tokens_seen:
+        if self.mark_at is None or self.mark_at >= self.tokens_seen:   # (never set with only heap layers)
             return None
         return self.mark_at if self.heap_floor() <= self.mark_at else None
 

@@ -119,7 +119,6 @@ class Run:
         (its question, alone first where a recall is due; else its last token); every token then
         comes from the batch (`take`)."""
         req: Generate = self.request
-        self._mark()
         defer = req.params.max_tokens > 0   # the first step feeds it, in the batch where it can
         self.row = self.backend.start_row(self.session.cache, self.last, self._params(), defer=defer)
         self.stream = TextStream(self.backend.tokenizer.decode, req.params.stop)
@@ -129,7 +128,8 @@ class Run:
 
     def _mark(self) -> None:
         """The prompt is read but for its held-back tokens: a cache with sliding layers keeps their
-        state here, the point the next turn rolls back to where the template rewrites this reply."""
+        state here, the point the next turn rolls back to where the template rewrites this reply
+        (only on a run's own generator: the decode batch takes heap-only caches, which need no mark)."""
         mark = getattr(self.session.cache, "mark", None)
         if mark is not None:
             mark()

@@ -20,7 +20,7 @@ from .logonce import warn_once
 from .prompts import ChatOptions
 from .services import Services, owner
 from .toolcalls import THINK, OutputParser
-from .harmony import HarmonyParser
+from .harmony import CALL, CHANNEL, CONSTRAIN, END, MESSAGE, START, HarmonyParser
 from .toolformats import Harmony, Hermes, Llama, Mistral, QwenXML, ToolFormat, tool_format
 
 
@@ -179,7 +179,7 @@ def _harmony_named(tools: list[dict], arguments: Optional[dict], tokenizer: Any,
     """What follows `to=functions.` in a harmony header (rule `top`): a tool's name, the rest of
     the header (the channel after the recipient, or the recipient after the channel), the body,
     and <|call|> (a stop token: the reply ends with the call)."""
-    ch, msg, con, call = (_token_ref(tokenizer, t) for t in ("<|channel|>", "<|message|>", "<|constrain|>", "<|call|>"))
+    ch, msg, con, call = (_token_ref(tokenizer, t) for t in (CHANNEL, MESSAGE, CONSTRAIN, CALL))
     rules = [f"{top}: {' | '.join(f'{top}_{i}' for i in range(len(tools)))}",
              f'{top}_head: " " {con} "json" | {ch} "commentary" (" " {con}? "json")?']
     for i, t in enumerate(tools):
@@ -190,13 +190,13 @@ def _harmony_named(tools: list[dict], arguments: Optional[dict], tokenizer: Any,
 
 def _harmony_analysis(tokenizer: Any) -> str:
     """A harmony reply's optional reasoning before what the grammar holds: an analysis message."""
-    ch, msg, end, start = (_token_ref(tokenizer, t) for t in ("<|channel|>", "<|message|>", "<|end|>", "<|start|>"))
+    ch, msg, end, start = (_token_ref(tokenizer, t) for t in (CHANNEL, MESSAGE, END, START))
     return f'analysis: {ch} "analysis" {msg} /(.|\\n)*/ {end} {start} "assistant"\n'
 
 
 def harmony_call(tools: list[dict], arguments: Optional[dict], tokenizer: Any) -> str:
     """A forced harmony reply: reasoning if the model wants it, then one call of one of `tools`."""
-    ch = _token_ref(tokenizer, "<|channel|>")
+    ch = _token_ref(tokenizer, CHANNEL)
     return (f'start: analysis? {ch} "commentary to=functions." named\n' + _harmony_analysis(tokenizer)
             + _harmony_named(tools, arguments, tokenizer, "named"))
 
@@ -204,7 +204,7 @@ def harmony_call(tools: list[dict], arguments: Optional[dict], tokenizer: Any) -
 def harmony_final(schema: dict, tokenizer: Any) -> str:
     """A JSON answer (response_format) as a harmony reply: reasoning if the model wants it, then a
     final message whose body is JSON that `schema` accepts."""
-    ch, msg = _token_ref(tokenizer, "<|channel|>"), _token_ref(tokenizer, "<|message|>")
+    ch, msg = _token_ref(tokenizer, CHANNEL), _token_ref(tokenizer, MESSAGE)
     return (f'start: analysis? {ch} "final" {msg} answer\nanswer: {json_rule(schema)}\n'
             + _harmony_analysis(tokenizer))
 

@@ -7,8 +7,9 @@
 The analysis channel is reasoning; final (and commentary with no recipient: a preamble the user
 sees) is content; a message addressed `to=functions.NAME` (in its header, before or after the
 channel) is a tool call whose body is its JSON arguments. A message to one of gpt-oss's built-in
-tools (`to=python`, `to=browser.search`: none a client offers here) is read by its channel. <|call|> and <|return|> end the reply
-(they are the model's stop tokens, so a reply's text rarely holds them); <|end|> ends a message.
+tools (`to=python`, `to=browser.search`: none a client offers here) is read by its channel.
+<|call|> and <|return|> end the reply (they are the model's stop tokens, so a reply's text rarely
+holds them); <|end|> ends a message.
 The prompt ends with `<|start|>assistant`, so a reply begins with a header.
 """
 
@@ -44,7 +45,6 @@ class HarmonyParser(StepParser):
         self.pending = ""
         self.kind = "content"    # the body's: content | reasoning | call
         self.call: Optional[list] = None   # id, name, arguments so far
-        self.calls = 0
 
     def finish(self) -> list[Piece]:
         out = self._drain(final=True)
@@ -115,7 +115,6 @@ class HarmonyParser(StepParser):
             except ValueError as e:
                 error = f"the arguments are not valid JSON: {e}"
             out.append(ToolCall(call_id, name, args, error, streamed=True))   # its arguments as streamed
-            self.calls += 1
         self.mode, self.kind, self.call = "header", "content", None
 
     def _emit(self, kind: str, text: str, out: list[Piece]) -> None:

@@ -224,7 +224,13 @@ class Harmony(ToolFormat):
     starts = ("to=functions.",)
 
     def parse(self, body: str) -> Optional[list[ToolCall]]:
-        raise NotImplementedError("harmony replies are read by harmony.HarmonyParser")
+        """The call whose header began `to=functions.` and went on with `body` (HarmonyParser's reading)."""
+        from .harmony import HarmonyParser
+
+        p = HarmonyParser()
+        calls = [x for x in p.feed("<|channel|>commentary " + self.starts[0] + body) + p.finish()
+                 if isinstance(x, ToolCall)]
+        return calls or None
 
 
 def template_source(tokenizer: Any) -> str:

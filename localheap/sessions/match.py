@@ -83,9 +83,11 @@ def _rollback_point(s: Session, shared: int, prompt_len: int) -> Optional[int]:
     before_reply = s.reply_start if s.reply_start is not None else len(s.fed)
     if s.addressed or s.rollback_floor is None:
         return None
-    if keep < s.rollback_floor and s.rollback_mark is not None and s.rollback_mark <= keep:
+    if keep < s.rollback_floor:
+        if s.rollback_mark is None or s.rollback_mark > keep:
+            return None
         keep = s.rollback_mark
-    if keep < max(1, s.rollback_floor if keep != s.rollback_mark else 1) or keep < MIN_SHARED * before_reply:
+    if keep < 1 or keep < MIN_SHARED * before_reply:
         return None
     return keep
 

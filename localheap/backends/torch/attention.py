@@ -10,6 +10,7 @@ forwards unknown keywords down to the attention function). Without it, this is s
 from __future__ import annotations
 
 import sys
+from functools import lru_cache
 
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -20,7 +21,6 @@ from .layer import HeapLayer
 
 ATTN_IMPLEMENTATION = "localheap_sdpa"
 ATTN_EAGER = "localheap_eager"   # the same hook over a model's own eager attention (no sdpa for it)
-IMPLEMENTATIONS = (ATTN_IMPLEMENTATION, ATTN_EAGER)
 
 
 def stock_implementation(model) -> str:
@@ -58,15 +58,10 @@ def heap_eager(module, query, key, value, attention_mask, heap=None, **kwargs):
     return _heap_sdpa(module, query, key, value, attention_mask, heap, stock=_eager(type(module)), **kwargs)
 
 
-_EAGER: dict = {}
-
-
+@lru_cache(maxsize=None)
 def _eager(cls):
     """The eager attention function of the modeling file `cls` comes from (gpt-oss's adds its sinks)."""
-    fn = _EAGER.get(cls)
-    if fn is None:
-        fn = _EAGER[cls] = getattr(sys.modules[cls.__module__], "eager_attention_forward")
-    return fn
+    return sys.modules[cls.__module__].eager_attention_forward
 
 
 def _heap_sdpa(module, query, key, value, attention_mask, heap=None, stock=sdpa_attention_forward, **kwargs):

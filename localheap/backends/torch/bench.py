@@ -115,7 +115,7 @@ def time_paths(backend, paths, prompt: list[int], n_decode: int, cfg: HeapConfig
     the paths, so that bursts of load from other processes hit every path alike."""
     model, device = backend.model, backend.device
 
-    def use(path):   # stock rows run transformers' own sdpa function, switched outside the timers
+    def use(path):   # stock rows run transformers' own attention (sdpa, eager where it has none), switched outside the timers
         impl = attention.stock_implementation(model) if path == "stock-full" else attention.heap_implementation(model)
         if model.config._attn_implementation != impl:
             model.set_attn_implementation(impl)
