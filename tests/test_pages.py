@@ -739,3 +739,35 @@ def test_a_recalls_bad_records_in_several_layers_are_all_tombstoned_and_counted_
         np.testing.assert_array_equal(a, b)
     if readers > 1:
         assert paging._readers is not None
+
+
+def test_a_rewind_forgets_every_page_and_tail_token_at_or_past_its_point(tmp_path):
+    """forget_from(seen): no page can bring back a token at or past `seen` (a later token takes its
+    place); a page holding one goes whole, the partial page keeps the older tokens, each KV head cut
+    to the fewest; the forgetting is on disk, so a checkpoint after it reopens without them, while a
+    checkpoint linked before it keeps them."""
+    rng = np.random.default_rng(21)
+    s = store(tmp_path)
+    s.append(0, *evicted(rng, 8))                        # positions 0-7: two pages
+    pos, k, v = evicted(rng, 4, 20)
+    pos[1, 3] = 40                                       # head 1's page reaches past 30
+    s.append(0, pos, k, v)
+    tail_pos, tail_k, tail_v = evicted(rng, 3, 24)
+    tail_pos[0] = [24, 31, 25]                           # the partial page: head 0 has one token past 30
+    s.append(0, tail_pos, tail_k, tail_v)
+    s.checkpoint()
+    link_tree(tmp_path / "pages", tmp_path / "snap")
+    assert s.pages == 3
+    assert s.forget_from(30) == 1 and s.pages == 2 and s.dropped == 0
+    L = s.layers[0]
+    np.testing.assert_array_equal(L.tail_pos, [[24, 25], [24, 25]])
+    np.testing.assert_array_equal(L.tail_k, np.stack([tail_k[0, [0, 2]], tail_k[1, [0, 1]]]))
+    np.testing.assert_array_equal(L.tail_v, np.stack([tail_v[0, [0, 2]], tail_v[1, [0, 1]]]))
+    assert s.forget_from(30) == 0 and s.pages == 2
+    s.checkpoint()
+    s.close()
+    again = store(tmp_path)
+    assert again.pages == 2 and again.layers[0].tail_pos.shape == (H, 2)
+    assert again.load(0, np.array([again.summaries(0)[0]] * H))[0].max() < 30
+    snap = PageStore(tmp_path / "snap", PageGeometry(1, H, D, P, "f32"), summary="minmax")
+    assert snap.pages == 3

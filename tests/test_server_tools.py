@@ -193,14 +193,23 @@ def test_a_call_the_reply_opens_is_held_to_the_tools(server, client, lead):
 def test_a_reply_that_opens_no_call_samples_as_without_the_grammar(server, client, lead):
     """The grammar masks nothing until a call opens: the same seeds give the same replies with it and
     without it (serve --no-tool-grammar), also where the reply names the opener in its reasoning."""
+    import httpx
+
     svc = server.services
+
+    def fresh(seed):
+        """A reply read into a new session: the last one (its reply evicted) would be rewound to
+        the same prompt instead, a heap that gives other logits (test_mark.py)."""
+        r = ask(client, [{"role": "user", "content": "hello"}], temperature=1.0, seed=seed, max_tokens=40)
+        httpx.delete(f"{server.url}/v1/sessions/{r.localheap['session_id']}", timeout=60).raise_for_status()
+        return r.choices[0].message
+
     for opening in (None, "<think>\nI could write it as <tool_call>"):   # the reply goes on in its reasoning
         lead(opening)
         replies = {}
         for grammar in (True, False):
             svc.settings.tool_grammar = grammar
-            replies[grammar] = [ask(client, [{"role": "user", "content": "hello"}], temperature=1.0, seed=seed,
-                                    max_tokens=40).choices[0].message for seed in range(3)]
+            replies[grammar] = [fresh(seed) for seed in range(3)]
         assert [(m.content, getattr(m, "reasoning_content", None)) for m in replies[True]] == \
             [(m.content, getattr(m, "reasoning_content", None)) for m in replies[False]]
         if opening:
@@ -440,3 +449,24 @@ def test_a_clients_own_session_header_is_ignored(server, client):
     assert c.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= b.json()["usage"]["prompt_tokens"]
     gone = httpx.post(url, json=title, headers={"X-Session-Id": "sess_nope"}, timeout=60)
     assert gone.status_code == 404 and gone.json()["error"]["code"] == "session_not_found"
+
+
+def test_a_reasoning_reply_that_evicted_is_rewound_not_read_again(server, client, force):
+    """The template drops a past turn's reasoning, so the next prompt leaves the session where the
+    reply began; the reply evicted, and the session rewinds to that
+    point instead of a new session reading the whole conversation again (backends/slots.py). The
+    prompt filled the heap, so a reply longer than the slack evicted."""
+    thoughts = " ".join(f"step {i} of the plan checks the forecast" for i in range(2))
+    force(f"<think>\n{thoughts}\n</think>\n\nIt is sunny in Nice.")
+    question = " ".join(f"line {i} of a long note about Nice and its weather" for i in range(12))
+    history = [{"role": "user", "content": question}]
+    first = ask(client, history, tools=None, max_tokens=400)
+    msg = first.choices[0].message
+    assert msg.content == "It is sunny in Nice." and first.usage.completion_tokens > HEAP.slack
+    assert first.usage.prompt_tokens > HEAP.budget + HEAP.slack
+    force("Yes.")
+    history += [{"role": "assistant", "content": msg.content, "reasoning_content": msg.reasoning_content},
+                {"role": "user", "content": "Sure?"}]
+    second = ask(client, history, tools=None)
+    assert second.localheap["session_id"] == first.localheap["session_id"]
+    assert second.usage.prompt_tokens_details.cached_tokens == first.usage.prompt_tokens - 1

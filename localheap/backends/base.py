@@ -61,8 +61,8 @@ class Backend(Protocol):
         ...
 
     def rollback_mark(self, cache: Any) -> Optional[int]:
-        """The one point below rollback_floor that `truncate` can still reach exactly (a cache with
-        sliding layers: where its latest reply began, cache.mark()), or None."""
+        """The one point below rollback_floor that `truncate` can still reach (where its latest reply
+        began, cache.mark(): exactly, or by a rewind where the reply evicted; backends/slots.py), or None."""
         ...
 
     def truncate(self, cache: Any, tokens: int) -> None:

@@ -37,16 +37,26 @@ def split_keep_indices(flat: np.ndarray, shapes: list) -> list:
     return out
 
 
+REWIND_FILL = 0.5   # a rewind keeps at least this share of the heap's tokens before the point (else: read again)
+
+
 class HeapRollback:
-    """Mixin for a model cache with `heap_layers` (each with `heap` and `truncate`), `tokens_seen`,
-    `only_heap_layers` (False where sliding or stock layers sit beside them) and `stock_layers()`.
+    """Mixin for a model cache with `heap_layers` (each with `heap`, `truncate` and `rewind`),
+    `tokens_seen`, `only_heap_layers` (False where sliding or stock layers sit beside them),
+    `stock_layers()`, `host_scores(layer)` and `pages` / `writer` (recall's page store, or None).
 
-    A stock layer (a sliding window) cannot bring back what it dropped, so such a cache rolls back
-    to one point only: its mark, where `mark()` kept the stock layers' state (a turn's prompt read,
-    its reply not begun: the point a chat template that rewrites past replies comes back to)."""
+    Every point back to the latest repack is exact (truncate). Below that, one point: the mark,
+    where a turn's prompt was read and its reply not begun, which the next turn comes back to when
+    the chat template rewrites the reply (reasoning dropped, a tool call re-serialized). A stock
+    layer (a sliding window) cannot bring back what it dropped, so `mark()` keeps its state; the
+    heap layers come back by a rewind when the reply evicted: they forget the reply's tokens and
+    keep the rest of what they held (less the tokens the reply's evictions took, which went to the
+    page store with recall on), as if the heap had evicted differently. A full re-read would give
+    a heap of the same budget, chosen again; the rewind spares reading the conversation again."""
 
-    mark_at: Optional[int] = None   # tokens held when mark() kept the stock layers' state
-    _marked: Optional[list] = None
+    mark_at: Optional[int] = None   # tokens held at mark()
+    _marked: Optional[list] = None  # the stock layers' state then (None with only heap layers)
+    rewinds = 0                     # rewinds done (stats, tests)
 
     def rollback_floor(self) -> int:
         """Fewest tokens the cache can be rolled back to anywhere at or above: the latest repack of
@@ -59,20 +69,34 @@ class HeapRollback:
         return max(layer.heap.repacked_at for layer in self.heap_layers)
 
     def mark(self) -> None:
-        """Keep the stock layers' state as it is now (window-sized: the sliding layers' K/V), so that
-        the cache can come back here exactly (truncate to rollback_mark()). Only heap layers: nothing
-        to keep, every point above rollback_floor() is exact anyway."""
-        if self.only_heap_layers:
-            return
-        self._marked = [(layer, self.copy_stock_state(vars(layer))) for layer in self.stock_layers()]
+        """Remember this point (and the stock layers' state as it is now: window-sized, the sliding
+        layers' K/V) so that the cache can come back here (truncate to rollback_mark())."""
+        self._marked = None if self.only_heap_layers else \
+            [(layer, self.copy_stock_state(vars(layer))) for layer in self.stock_layers()]
         self.mark_at = self.tokens_seen
 
+    @property
+    def saved_mark(self) -> Optional[int]:
+        """The mark a heap file keeps: with only heap layers (the sliding layers' marked state
+        stays in RAM, so a cache read back from disk has no mark)."""
+        return self.mark_at if self.only_heap_layers else None
+
     def rollback_mark(self) -> Optional[int]:
-        """The point below rollback_floor() the cache can still be rolled back to exactly, or None:
-        its mark, where no heap layer has repacked since."""
-        if self.mark_at is None or self.mark_at >= self.tokens_seen:   # (never set with only heap layers)
+        """The point below rollback_floor() the cache can still be rolled back to, or None: its
+        mark, exactly where no heap layer has repacked since, else by a rewind where every heap
+        layer keeps at least REWIND_FILL of the tokens it could hold before the mark."""
+        at = self.mark_at
+        if at is None or at >= self.tokens_seen or at >= self.rollback_floor():
             return None
-        return self.mark_at if self.heap_floor() <= self.mark_at else None
+        return at if self.heap_floor() <= at or self.rewindable(at) else None
+
+    def rewindable(self, seen: int) -> bool:
+        for layer in self.heap_layers:
+            heap = layer.heap
+            least = max(heap.cfg.sinks + heap.n_recalled + 1, int(REWIND_FILL * min(seen, heap.keep)))
+            if heap.rewind_fill(seen) < least:
+                return False
+        return True
 
     def copy_stock_state(self, attrs: dict) -> dict:
         """A snapshot of a stock layer's attributes (torch's sliding layer rebinds new tensors on
@@ -84,12 +108,28 @@ class HeapRollback:
         to_mark = seen < self.tokens_seen and seen == self.rollback_mark()
         assert to_mark or self.rollback_floor() <= seen <= self.tokens_seen, \
             (seen, self.rollback_floor(), self.rollback_mark(), self.tokens_seen)
-        for layer in self.heap_layers:
-            layer.truncate(seen)
-        if to_mark:
+        if self.heap_floor() <= seen:
+            for layer in self.heap_layers:
+                layer.truncate(seen)
+        else:
+            self.rewind(seen)
+        if to_mark and self._marked is not None:
             for layer, state in self._marked:
                 vars(layer).clear()
                 vars(layer).update(self.copy_stock_state(state))   # a copy: the mark stays usable
+        if self.mark_at is not None and self.mark_at > seen:
+            self.mark_at, self._marked = None, None   # tokens fed from here on are not the ones marked
+
+    def rewind(self, seen: int) -> None:
+        """The heap layers forget every token after the first `seen`, past their latest repack:
+        first the page store (its pages holding such tokens tombstoned, the queued writes done:
+        raises if the disk refuses, with the heap untouched), then each layer's rewind."""
+        if self.pages is not None:
+            self.writer.drain()
+            self.pages.forget_from(seen)
+        for layer in self.heap_layers:
+            layer.rewind(seen, self.host_scores(layer))
+        self.rewinds += 1
 
 
 SCORE_ARRAYS = ("scores", "counts", "window")
@@ -127,6 +167,14 @@ class PendingView:
             if arr is not None and new < old:
                 arr[:, new:old] = 0
                 setattr(self, name, arr)   # an MLX slab row is a copy: write it back (a torch view: no-op)
+
+    def rewind(self, seen: int, scores: np.ndarray) -> None:
+        """Roll the layer back to its first `seen` tokens past its latest repack (LayerHeap.rewind_plan):
+        a repack on the device that keeps only older slots. scores: [H_kv, resident] on the host."""
+        plan, dropped = self.heap.rewind_plan(seen, scores)
+        self.heap.seen = seen   # before apply: the repack is booked at `seen`, the floor from now on
+        self.repack(plan, evicting=False)
+        self.heap.evicted += dropped
 
     def snapshot(self) -> dict:
         """What a recall probe's forward changes, for `rollback` (slots past `resident` are free anyway)."""

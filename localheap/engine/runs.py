@@ -120,6 +120,7 @@ class Run:
         comes from the batch (`take`)."""
         req: Generate = self.request
         defer = req.params.max_tokens > 0   # the first step feeds it, in the batch where it can
+        self._mark()
         self.row = self.backend.start_row(self.session.cache, self.last, self._params(), defer=defer)
         self.stream = TextStream(self.backend.tokenizer.decode, req.params.stop)
         if not defer:
@@ -127,9 +128,9 @@ class Run:
             self._publish_stats(force=True)
 
     def _mark(self) -> None:
-        """The prompt is read but for its held-back tokens: a cache with sliding layers keeps their
-        state here, the point the next turn rolls back to where the template rewrites this reply
-        (only on a run's own generator: the decode batch takes heap-only caches, which need no mark)."""
+        """The prompt is read but for its held-back tokens: the point the next turn rolls back to
+        where the template rewrites this reply (a cache with sliding layers keeps their state here;
+        heap layers rewind to it when the reply evicted: backends/slots.HeapRollback)."""
         mark = getattr(self.session.cache, "mark", None)
         if mark is not None:
             mark()

@@ -530,6 +530,27 @@ class PageStore:
             self.reclaimed += reclaim
         return done
 
+    def forget_from(self, seen: int) -> int:
+        """The session rewound to its first `seen` tokens (backends/slots.HeapRollback.rewind): no page
+        may bring back a token at or past `seen` (a later token takes its position). Its pages are
+        tombstoned (the older tokens sharing a page with one go too) and the partial pages lose such
+        tokens, each KV head cut to the fewest any keeps. Not counted as dropped; raises OSError
+        when the disk refuses a tombstone (the pages before it are gone). Returns the pages forgotten."""
+        gone = 0
+        with self._appending:
+            for layer, L in enumerate(self.layers):
+                live = np.flatnonzero(L.live)
+                for slot in live[L.span[live, :, 1].max(axis=1, initial=-1) >= seen]:
+                    self._tombstone(layer, int(slot))
+                    gone += 1
+                keep = L.tail_pos < seen
+                if not keep.all():
+                    t = int(keep.sum(axis=1).min())
+                    idx = np.stack([np.flatnonzero(row)[:t] for row in keep])   # [H, t], order kept
+                    L.tail_pos, L.tail_value = (np.take_along_axis(a, idx, 1) for a in (L.tail_pos, L.tail_value))
+                    L.tail_k, L.tail_v = (np.take_along_axis(a, idx[..., None], 1) for a in (L.tail_k, L.tail_v))
+        return gone
+
     def _drop(self, layer: int, slot: int) -> None:
         self._tombstone(layer, slot)
         self.dropped += 1

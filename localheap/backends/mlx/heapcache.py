@@ -17,7 +17,7 @@ from ..slots import HeapRollback, split_keep_indices
 from . import attention, recall
 from .cache import HeapKVCache
 from .rope import RopeSpec
-from .select import EvictionPlan, plan_eviction
+from .select import EvictionPlan, pinned_scores, plan_eviction
 
 
 def attention_module(layer):
@@ -68,6 +68,10 @@ class HeapPromptCache(HeapRollback, list):
     def copy_stock_state(self, attrs: dict) -> dict:
         """mlx-lm's rotating cache writes into its arrays in place: copies of them."""
         return {k: mx.array(v) if isinstance(v, mx.array) else v for k, v in attrs.items()}
+
+    def host_scores(self, layer) -> np.ndarray:
+        """The layer's eviction scores [H_kv, resident] on the host (a rewind's pick)."""
+        return np.array(pinned_scores(layer).astype(mx.float32))
 
     def make_room(self, n_new: int) -> int:
         """Evict where n_new more tokens would not fit; returns how many layers repacked.

@@ -41,7 +41,8 @@ def save_heap(cache: HeapPromptCache, path: Path, snapshot: bool = False) -> Non
     checkpoint) gets its own links of the store (paging.checkpoint_pages)."""
     path = Path(path)
     arrays: dict[str, mx.array] = {}
-    meta: dict = {"config": cache.cfg.to_dict(), "layers": [], **checkpoint_pages(cache, path, snapshot)}
+    meta: dict = {"config": cache.cfg.to_dict(), "layers": [], **checkpoint_pages(cache, path, snapshot),
+                  "mark": cache.saved_mark}
     for i, c in enumerate(cache):
         if isinstance(c, HeapKVCache):
             entry = {"kind": "heap", "qcount": c.qcount}
@@ -89,6 +90,7 @@ def load_heap(model, path: Path, pages_dir: Optional[Path] = None, budgets: Opti
     cache = make_heap_cache(model, cfg, saved_pages_root(path, meta, pages_dir) if cfg.recall else None, budgets,
                             saved_pages_state(meta))
     cache.recall_log = list(meta.get("recall_log", []))
+    cache.mark_at = meta.get("mark")   # where the next turn may roll back to (only heap layers: slots.py)
     for i, (c, entry) in enumerate(zip(cache, meta["layers"])):
         if entry["kind"] == "heap":
             c.heap.load_state({"positions": np.array(arrays[f"{i}.positions"]),

@@ -24,7 +24,7 @@ from ..slots import HeapRollback
 from . import attention, recall
 from .layer import HeapLayer
 from .rope import RopeSpec
-from .select import EvictionPlan, plan_eviction
+from .select import EvictionPlan, pinned_scores, plan_eviction
 
 
 class SlidingLayer(DynamicSlidingWindowLayer):
@@ -66,6 +66,10 @@ class HeapCache(HeapRollback, Cache):
     def stock_layers(self) -> list:
         """The layers that are transformers' own (sliding windows)."""
         return [layer for layer in self.layers if not isinstance(layer, HeapLayer)]
+
+    def host_scores(self, layer) -> np.ndarray:
+        """The layer's eviction scores [H_kv, resident] on the host (a rewind's pick)."""
+        return pinned_scores(layer).float().cpu().numpy()
 
     def make_room(self, n_new: int) -> int:
         """Evict where n_new more tokens would not fit; returns how many layers repacked.

@@ -27,7 +27,8 @@ def save_heap(cache: HeapCache, path: Path, snapshot: bool = False) -> None:
     of the store (paging.checkpoint_pages)."""
     path = Path(path)
     tensors: dict[str, torch.Tensor] = {}
-    meta: dict = {"config": cache.cfg.to_dict(), "layers": [], **checkpoint_pages(cache, path, snapshot)}
+    meta: dict = {"config": cache.cfg.to_dict(), "layers": [], **checkpoint_pages(cache, path, snapshot),
+                  "mark": cache.saved_mark}
     for i, layer in enumerate(cache.layers):
         if isinstance(layer, HeapLayer):
             n = layer.heap.resident
@@ -72,6 +73,7 @@ def load_heap(model, path: Path, pages_dir: Optional[Path] = None) -> HeapCache:
     cache = make_heap_cache(model, cfg, saved_pages_root(path, meta, pages_dir) if cfg.recall else None,
                             saved_pages_state(meta))
     cache.recall_log = list(meta.get("recall_log", []))
+    cache.mark_at = meta.get("mark")   # where the next turn may roll back to (only heap layers: slots.py)
     device = cache.device
     for i, (layer, entry) in enumerate(zip(cache.layers, meta["layers"])):
         assert (entry["kind"] == "heap") == isinstance(layer, HeapLayer), f"layer {i} changed kind"
