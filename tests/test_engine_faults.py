@@ -11,9 +11,9 @@ import time
 import pytest
 from test_engine import CFG, FakeBackend, drain, run, text_of
 
-from localheap.engine import Engine, EngineFailed, Failed, Finished, Generate, InvalidTokens
+from localheap.engine import Engine, EngineFailed, Failed, Finished, Generate, InvalidTokens, Started
 from localheap.generation import SamplingParams
-from localheap.sessions import Prompt, SessionStore, SpillFailed
+from localheap.sessions import Prompt, RollbackRefused, SessionStore, SpillFailed
 
 
 def engine_on(tmp_path, backend=None, durable=False, **store_kw):
@@ -198,4 +198,31 @@ def test_abandon_fails_what_waits_on_a_stuck_backend_call(tmp_path):
         assert list(reopened.get(sid).fed) == fed
     finally:
         release.set()
+        eng.stop()
+
+
+class RefusingRollbacks(FakeBackend):
+    """Every point rolls back, and every rollback is refused with the cache untouched (a rewind whose
+    page store's disk refused to forget the reply's pages)."""
+
+    def rollback_floor(self, cache):
+        return 0
+
+    def rollback_mark(self, cache):
+        return None
+
+    def truncate(self, cache, tokens):
+        raise RollbackRefused("the page store did not forget the reply's pages: [Errno 28] No space left")
+
+
+def test_a_refused_rollback_serves_the_prompt_in_a_new_session_and_keeps_the_old_one(tmp_path):
+    eng, _ = engine_on(tmp_path, RefusingRollbacks())
+    try:
+        first = finished(drain(run(eng, Generate, "tell me about the tides", max_tokens=4)[1]))
+        held = list(eng.store.get(first.session_id).fed)
+        evs = drain(run(eng, Generate, "tell me about the moon", max_tokens=4)[1])   # would roll back to "tell me about the "
+        assert isinstance(evs[0], Started) and evs[0].cached_tokens == 0 and evs[0].session_id != first.session_id
+        assert finished(evs).usage.prompt_tokens == len("tell me about the moon")
+        assert list(eng.store.get(first.session_id).fed) == held and eng.healthy
+    finally:
         eng.stop()

@@ -9,6 +9,7 @@ import pytest
 
 from localheap.generation import SamplingParams
 from localheap.heap import HeapConfig, LayerHeap, RepackPlan, SlotView
+from localheap.sessions import RollbackRefused
 
 CFG = HeapConfig(budget=1024, slack=64, recent=64)
 
@@ -234,7 +235,17 @@ def test_a_rewind_with_recall_on_leaves_no_page_of_the_reply(model_dirs, torch_o
         return np.concatenate(out)
 
     assert stored_positions().max() >= mark   # the reply's evictions reached the store
-    pages = store.pages
+    pages, held, seen = store.pages, _heap_positions(cache), backend.tokens_in_cache(cache)
+
+    def refuse(seen):
+        raise OSError(28, "No space left on device")
+
+    store.forget_from = refuse   # the disk refuses the tombstones: nothing of the heap changes
+    with pytest.raises(RollbackRefused):
+        backend.truncate(cache, mark)
+    assert backend.tokens_in_cache(cache) == seen and cache.rewinds == 0
+    assert all(np.array_equal(a, b) for a, b in zip(_heap_positions(cache), held))
+    del store.forget_from
     backend.truncate(cache, mark)
     assert cache.rewinds == 1 and 0 < store.pages < pages and stored_positions().max() < mark
     got = steps(cache, [first[-1]] + second, 8)   # a turn long enough to recall

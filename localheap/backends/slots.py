@@ -8,6 +8,8 @@ from typing import Callable, Optional
 
 import numpy as np
 
+from ..sessions.errors import RollbackRefused
+
 
 def row_error(fn: Callable[[], object]) -> Optional[Exception]:
     """Run one batch row's own host-side work: its error, if any (the other rows still step)."""
@@ -123,10 +125,14 @@ class HeapRollback:
     def rewind(self, seen: int) -> None:
         """The heap layers forget every token after the first `seen`, past their latest repack:
         first the page store (its pages holding such tokens tombstoned, the queued writes done:
-        raises if the disk refuses, with the heap untouched), then each layer's rewind."""
+        RollbackRefused if that fails, the heap untouched: the pages already forgotten only held
+        tokens the recall tier may no longer bring back), then each layer's rewind."""
         if self.pages is not None:
-            self.writer.drain()
-            self.pages.forget_from(seen)
+            try:
+                self.writer.drain()
+                self.pages.forget_from(seen)
+            except Exception as e:
+                raise RollbackRefused(f"the page store did not forget the reply's pages: {e}") from e
         for layer in self.heap_layers:
             layer.rewind(seen, self.host_scores(layer))
         self.rewinds += 1

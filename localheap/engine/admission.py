@@ -16,7 +16,7 @@ from collections import deque
 from typing import Any, Callable, Optional
 
 from ..embedding import embedding_heap
-from ..sessions import Session, SessionLost, SessionNotFound, SessionStore, SpillFailed, continue_session, match_session
+from ..sessions import RollbackRefused, Session, SessionLost, SessionNotFound, SessionStore, SpillFailed, continue_session, match_session
 from . import branching
 from .errors import InvalidTokens, OverBudget
 from .events import Feed, Job
@@ -115,6 +115,10 @@ class AdmissionQueue:
             if req.session_id is not None:
                 raise   # the client named it: it must resend the history
             log.warning("the session matching a prompt was lost; serving it in a new session")
+        except RollbackRefused as e:   # the session stays as it was; the prompt is read in full
+            if req.session_id is not None:
+                raise   # the client named it: it may send the request again
+            log.warning("session %s not rolled back (%s); serving the prompt in a new session", match.session.id, e)
         except OSError as e:   # an unreadable checkpoint: read the prompt in full instead
             if match is None or match.checkpoint is None:
                 raise

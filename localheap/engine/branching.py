@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Optional
 
-from ..sessions import Session, SessionBusy, SessionStore
+from ..sessions import RollbackRefused, Session, SessionBusy, SessionStore
 from ..sessions.checkpoints import Checkpoint
 from ..sessions.diskbudget import dir_bytes
 from ..sessions.session import token_array
@@ -29,12 +29,15 @@ def settle(backend: Any, s: Session, reply_start: Optional[int] = None) -> None:
 
 
 def roll_back(backend: Any, s: Session, tokens: int, store: Optional[SessionStore] = None) -> None:
-    """Forget the session's tokens after the first `tokens` (exact: see match.py). When that fails
-    the cache cannot be trusted (--distributed: a rank's heap may be cut back and another's not):
-    the session falls back to its saved copy, or is dropped without one, and the error is raised."""
+    """Forget the session's tokens after the first `tokens` (see match.py). When that fails the
+    cache cannot be trusted (--distributed: a rank's heap may be cut back and another's not): the
+    session falls back to its saved copy, or is dropped without one, and the error is raised;
+    RollbackRefused leaves the cache and the session as they were."""
     if tokens < len(s.fed):
         try:
             backend.truncate(s.cache, tokens)
+        except RollbackRefused:
+            raise   # the cache is as it was
         except Exception:
             if store is not None and not store.rollback(s, fed_before=len(s.fed)):
                 log.error("session %s dropped: a rollback failed and it has no saved copy", s.id)

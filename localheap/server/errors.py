@@ -16,7 +16,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..engine import EngineFailed, EngineStopped, InvalidTokens, OverBudget, Overloaded, RankFailed, RankLost
 from ..heap import HeapConfigError
-from ..sessions import DiskTotalExceeded, SessionBusy, SessionLost, SessionNotFound, SpillFailed
+from ..sessions import DiskTotalExceeded, RollbackRefused, SessionBusy, SessionLost, SessionNotFound, SpillFailed
 
 log = logging.getLogger("localheap.server")
 DISK_REFUSED = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM}   # full or read-only: 507
@@ -95,6 +95,10 @@ def to_response(exc: Exception) -> JSONResponse:
     if isinstance(exc, DiskTotalExceeded):
         return error_response(507, str(exc), "server_error", None, "disk_total_exceeded", headers={"Retry-After": "30"})
     if isinstance(exc, SpillFailed):   # disk full or sessions dir unwritable: nothing else is wrong
+        log.error("%s", exc)
+        return error_response(507, str(exc), "server_error", None, "sessions_dir_unwritable",
+                              headers={"Retry-After": "30"})
+    if isinstance(exc, RollbackRefused):   # a named session's rewind: its page store's disk refused; it is intact
         log.error("%s", exc)
         return error_response(507, str(exc), "server_error", None, "sessions_dir_unwritable",
                               headers={"Retry-After": "30"})
@@ -192,8 +196,8 @@ def install(app: FastAPI) -> None:
     async def handle(request: Request, exc: Exception) -> JSONResponse:
         return for_path(request.url.path, to_response(exc))
 
-    for cls in (ApiError, SessionNotFound, SessionBusy, SessionLost, SpillFailed, DiskTotalExceeded, OSError, EngineFailed,
-                InvalidTokens, RankFailed, RankLost,
+    for cls in (ApiError, SessionNotFound, SessionBusy, SessionLost, SpillFailed, RollbackRefused, DiskTotalExceeded,
+                OSError, EngineFailed, InvalidTokens, RankFailed, RankLost,
                 Overloaded, OverBudget, EngineStopped,
                 RequestValidationError, StarletteHTTPException, HeapConfigError, ValueError, Exception):
         app.add_exception_handler(cls, handle)

@@ -3,10 +3,10 @@
 Knows nothing about HTTP, threads or tensors: the engine thread drives it, the backend owns the cache.
 """
 
-from .errors import DiskTotalExceeded, SessionBusy, SessionLost, SessionNotFound, SpillFailed
+from .errors import DiskTotalExceeded, RollbackRefused, SessionBusy, SessionLost, SessionNotFound, SpillFailed
 from .match import Match, Prompt, continue_session, match_session
 from .session import Session
 from .store import SessionStore
 
-__all__ = ["DiskTotalExceeded", "Match", "Prompt", "Session", "SessionBusy", "SessionLost", "SessionNotFound", "SessionStore", "SpillFailed",
+__all__ = ["DiskTotalExceeded", "Match", "Prompt", "RollbackRefused", "Session", "SessionBusy", "SessionLost", "SessionNotFound", "SessionStore", "SpillFailed",
            "continue_session", "match_session"]

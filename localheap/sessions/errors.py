@@ -44,3 +44,8 @@ class DiskTotalExceeded(OSError):
                          f"in use ({format_bytes(held)}) after everything else was reclaimed; retry when they "
                          f"finish, or raise --disk-total")
         self.need, self.total, self.held = need, total, held
+
+
+class RollbackRefused(RuntimeError):
+    """A rollback that did not happen, the cache left as it was (a rewind whose page store refused
+    to forget the reply's pages): the request is served in a new session, this one kept."""
