@@ -1,8 +1,9 @@
-"""The mark: where a turn's prompt was read and its reply not begun, the point the next turn
-comes back to when the chat template rewrites the reply (Qwen3 drops its reasoning, gpt-oss ends a
-final answer with <|end|>). A sliding window cannot bring back what it dropped, so the mark keeps
-the sliding layers' state (gemma3, gpt-oss); heap layers whose reply evicted come back by a rewind:
-the reply's tokens forgotten, the older ones they hold kept (backends/slots.HeapRollback)."""
+"""Rolling a session back past an eviction: the point the next turn comes back to when the chat
+template rewrites the reply (Qwen3 drops its reasoning, gpt-oss ends a final answer with <|end|>),
+or where a client edited a message. Heap layers come back by a rewind: the tokens after the point
+forgotten, the older ones they hold kept (backends/slots.HeapRollback). A sliding window cannot
+bring back what it dropped, so a cache with sliding layers (gemma3, gpt-oss) keeps their state at
+its mark, where a turn's prompt was read, and rolls back to that point only."""
 
 import numpy as np
 import pytest
@@ -128,7 +129,6 @@ def test_a_rewind_keeps_each_heads_older_slots_cut_to_the_fewest_by_score():
     full = int(np.argmax(before))
     older = heap.positions[full, :heap.resident][heap.positions[full, :heap.resident] < 90]
     assert kept[full].tolist() == older[:plan.keep].tolist()   # by score: its newest went
-    assert heap.rewind_fill(90) == min(before)
 
 
 def _heap_positions(cache) -> list:
@@ -145,10 +145,18 @@ def _repack_to(cache, positions: list) -> None:
         layer.repack(RepackPlan(keep_indices=idx, deltas=layer.heap._deltas(idx)), evicting=False)
 
 
+def _turn(backend, steps, cache, prompt, n):
+    """A turn: the prompt read but for its last token, the mark, then an n-token reply; the tokens fed."""
+    backend.prefill(cache, prompt[:-1])
+    cache.mark()
+    reply = steps(cache, prompt[-1:], n)
+    return list(prompt) + [t for t, _ in reply[:-1]]
+
+
 @pytest.mark.parametrize("kind", ["torch", "mlx"])
 @pytest.mark.parametrize("family", ["llama", "gpt_oss"])
 @pytest.mark.parametrize("positions", ["absolute", "compact"])
-def test_a_reply_that_evicted_rewinds_to_the_mark(model_dirs, torch_one_thread, kind, family, positions):
+def test_a_reply_that_evicted_rewinds_to_where_it_began(model_dirs, torch_one_thread, kind, family, positions):
     """The rewound heap continues as a heap that read the prompt and then kept only what the rewound
     one keeps (bit for bit with absolute positions; compact ones re-rotated the keys twice)."""
     backend, steps = _backend(kind, model_dirs(family))
@@ -162,9 +170,13 @@ def test_a_reply_that_evicted_rewinds_to_the_mark(model_dirs, torch_one_thread, 
     at_mark = _heap_positions(rolled)
     reply = steps(rolled, first[-1:], 60)
     mark = len(first) - 1
-    assert rolled.heap_floor() > mark and backend.rollback_mark(rolled) == mark
+    assert rolled.heap_floor() > mark
+    if family == "gpt_oss":   # sliding layers: the mark only
+        assert backend.rollback_floor(rolled) == backend.tokens_in_cache(rolled) and backend.rollback_mark(rolled) == mark
+    else:
+        assert backend.rollback_floor(rolled) <= mark and backend.rollback_mark(rolled) is None
     backend.truncate(rolled, mark)
-    assert rolled.rewinds == 1 and backend.tokens_in_cache(rolled) == mark and backend.rollback_floor(rolled) == mark
+    assert rolled.rewinds == 1 and backend.tokens_in_cache(rolled) == mark
     kept = _heap_positions(rolled)
     for now, then in zip(kept, at_mark):
         assert (now < mark).all() and all(np.isin(now[h], then[h]).all() for h in range(len(now)))
@@ -182,31 +194,44 @@ def test_a_reply_that_evicted_rewinds_to_the_mark(model_dirs, torch_one_thread, 
         np.testing.assert_allclose(got[0][1], want[0][1], rtol=1e-3, atol=1e-3)
 
 
-def test_a_reply_that_took_most_of_the_heap_is_read_again(model_dirs, torch_one_thread):
+def test_a_rewind_goes_back_to_the_latest_mark_only(model_dirs, torch_one_thread):
+    """Not below the latest reply's start: a request that shares less of a long session (another
+    conversation with its system prompt, an edit two turns back) reads its prompt into a new
+    session rather than undo more of this one."""
+    backend, steps = _backend("torch", model_dirs("llama"))
+    cfg = HeapConfig(**SMALL, positions="absolute")
+    ids = backend.tokenizer.encode(" ".join(f"the heap keeps token {i} while the window moves" for i in range(40)))
+    cache = backend.new_cache(cfg)
+    earlier = len(_turn(backend, steps, cache, ids[:150], 20))
+    fed = earlier + len(_turn(backend, steps, cache, ids[150:170], 40))
+    mark = earlier + 19
+    assert cache.rewindable(earlier) and backend.rollback_floor(cache) == mark < cache.heap_floor()
+    with pytest.raises(AssertionError):
+        backend.truncate(cache, earlier)
+    backend.truncate(cache, mark + 5)   # at or past the mark: any point
+    assert backend.tokens_in_cache(cache) == mark + 5 and cache.mark_at == mark < fed
+    backend.truncate(cache, mark)
+    backend.prefill(cache, ids[200:230])
+    assert backend.rollback_floor(cache) == mark   # the mark stays until the next turn's
+    backend.truncate(cache, mark)
+    assert cache.mark_at == mark
+
+
+def test_a_rewind_that_would_leave_under_half_the_heap_is_refused(model_dirs, torch_one_thread):
     """Below REWIND_FILL of the heap left, there is no rollback point: the next turn reads the
     conversation again into a heap chosen over all of it."""
+    from localheap.backends.slots import rewind_least
+
     backend, steps = _backend("torch", model_dirs("llama"))
     cache = backend.new_cache(HeapConfig(**{**SMALL, "recent": 48}))   # the reply's newest 48 stay
     ids = backend.tokenizer.encode(" ".join(f"token {i} of many" for i in range(40)))
-    backend.prefill(cache, ids[:-1])
-    cache.mark()
-    steps(cache, ids[-1:], 100)
-    assert 0 < cache.heap_layers[0].heap.rewind_fill(len(ids) - 1) < SMALL["budget"] // 2
-    assert backend.rollback_mark(cache) is None
+    _turn(backend, steps, cache, ids, 100)
+    mark = len(ids) - 1
+    heap = cache.heap_layers[0].heap
+    assert (heap.positions[:, :heap.resident] < mark).sum(axis=1).min() < rewind_least(heap)
+    assert backend.rollback_floor(cache) > mark and backend.rollback_mark(cache) is None
     with pytest.raises(AssertionError):
-        backend.truncate(cache, len(ids) - 1)
-
-
-def test_a_mark_past_what_a_rollback_kept_is_forgotten(model_dirs, torch_one_thread):
-    backend, steps = _backend("torch", model_dirs("llama"))
-    cache = backend.new_cache(HeapConfig(budget=512, slack=32, recent=8))
-    backend.prefill(cache, list(range(5, 60)))
-    cache.mark()
-    backend.prefill(cache, list(range(60, 70)))
-    backend.truncate(cache, 40)   # exact: nothing was evicted
-    assert cache.mark_at is None
-    backend.prefill(cache, list(range(100, 130)))
-    assert backend.rollback_mark(cache) is None
+        backend.truncate(cache, mark)
 
 
 @pytest.mark.parametrize("kind", ["torch", "mlx"])
@@ -253,10 +278,11 @@ def test_a_rewind_with_recall_on_leaves_no_page_of_the_reply(model_dirs, torch_o
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt_oss"])
-def test_a_spilled_session_keeps_a_heap_only_mark(model_dirs, torch_one_thread, tmp_path, family):
-    """The heap file keeps a heap-only cache's mark, so a session spilled to disk (more sessions than
-    --max-resident) and read back still rewinds, to the same heap as one that stayed in RAM; a
-    sliding layer's marked state stays in RAM: spilled, such a session offers no rollback to it."""
+def test_a_spilled_session_keeps_a_heap_only_mark_and_drops_a_sliding_one(model_dirs, torch_one_thread, tmp_path, family):
+    """The heap file keeps a heap-only cache's mark: spilled to disk (more sessions than
+    --max-resident) and read back, it rewinds to the same heap as one that stayed in RAM. A sliding
+    layer's marked state stays in RAM: spilled, such a session offers no rollback to its mark
+    (offered, it failed once read back)."""
     from localheap.engine import branching
     from localheap.sessions.store import SessionStore
 
@@ -267,27 +293,24 @@ def test_a_spilled_session_keeps_a_heap_only_mark(model_dirs, torch_one_thread, 
     store = SessionStore(backend, cfg, spill_dir=tmp_path / "spill")
     s = store.create("sess_m")
     store.make_resident(s)
-    backend.prefill(s.cache, first[:-1])
-    s.cache.mark()
-    reply = steps(s.cache, first[-1:], 60)
-    s.extend(first + [t for t, _ in reply[:-1]])
-    branching.settle(backend, s, reply_start=len(first) - 1)
+    s.extend(_turn(backend, steps, s.cache, first, 60))
     mark = len(first) - 1
-    assert s.rollback_mark == mark
-    if family == "llama":   # the same session kept in RAM, for reference
-        kept = backend.new_cache(cfg)
-        backend.prefill(kept, first[:-1])
-        kept.mark()
-        steps(kept, first[-1:], 60)
+    branching.settle(backend, s, reply_start=mark)
+    if family == "llama":
+        assert s.rollback_floor <= mark and s.rollback_mark is None
+        kept = backend.new_cache(cfg)   # the same session kept in RAM, for reference
+        _turn(backend, steps, kept, first, 60)
         backend.truncate(kept, mark)
         want = steps(kept, [first[-1]] + second, 8)
+    else:
+        assert s.rollback_mark == mark
     store.spill(s.id)
     if family == "gpt_oss":
         assert s.rollback_mark is None
         return
-    assert s.rollback_mark == mark
+    assert s.rollback_floor <= mark
     store.make_resident(s)
-    assert s.rollback_mark == mark
+    assert s.cache.mark_at == mark and backend.rollback_floor(s.cache) == s.rollback_floor
     branching.roll_back(backend, s, mark, store)
     assert s.cache.rewinds == 1 and len(s.fed) == mark
     got = steps(s.cache, [first[-1]] + second, 8)

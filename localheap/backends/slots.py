@@ -4,6 +4,7 @@ decode batch row's own failure apart from the others'."""
 
 from __future__ import annotations
 
+import math
 from typing import Callable, Optional
 
 import numpy as np
@@ -42,37 +43,71 @@ def split_keep_indices(flat: np.ndarray, shapes: list) -> list:
 REWIND_FILL = 0.5   # a rewind keeps at least this share of the heap's tokens before the point (else: read again)
 
 
+def rewind_least(heap) -> int:
+    """Fewest tokens every KV head of a heap layer keeps in a rewind: REWIND_FILL of its heap,
+    and past its sinks and recalled tokens."""
+    return max(heap.cfg.sinks + heap.n_recalled + 1, math.ceil(REWIND_FILL * heap.keep))
+
+
 class HeapRollback:
     """Mixin for a model cache with `heap_layers` (each with `heap`, `truncate` and `rewind`),
     `tokens_seen`, `only_heap_layers` (False where sliding or stock layers sit beside them),
     `stock_layers()`, `host_scores(layer)` and `pages` / `writer` (recall's page store, or None).
 
-    Every point back to the latest repack is exact (truncate). Below that, one point: the mark,
-    where a turn's prompt was read and its reply not begun, which the next turn comes back to when
-    the chat template rewrites the reply (reasoning dropped, a tool call re-serialized). A stock
-    layer (a sliding window) cannot bring back what it dropped, so `mark()` keeps its state; the
-    heap layers come back by a rewind when the reply evicted: they forget the reply's tokens and
-    keep the rest of what they held (less the tokens the reply's evictions took, which went to the
-    page store with recall on), as if the heap had evicted differently. A full re-read would give
-    a heap of the same budget, chosen again; the rewind spares reading the conversation again."""
+    Every point back to the latest repack is exact (truncate). Below it, one point more: the mark,
+    where the latest turn's prompt was read and its reply not begun, which the next turn comes back
+    to when the chat template rewrites the reply (reasoning dropped, a tool call re-serialized).
+    Where the reply evicted, the heap layers come back by a rewind: they forget the tokens after
+    the mark and keep the older ones they hold (less what the reply's evictions took, which went to
+    the page store with recall on), the heap a different eviction would have left. Reading the
+    conversation again would choose a heap of the same budget anew; the rewind spares that read.
+    It needs every heap layer to keep at least REWIND_FILL of its heap (`rewind_floor`). Only to
+    the mark: a request that shares less (another conversation with the same system prompt, an
+    edited earlier message) never undoes more of a long session than its latest reply.
+
+    A stock layer (a sliding window) cannot bring back what it dropped, so `mark()` keeps its
+    state, and a cache with such layers rolls back to its mark only (`rollback_mark`)."""
 
     mark_at: Optional[int] = None   # tokens held at mark()
     _marked: Optional[list] = None  # the stock layers' state then (None with only heap layers)
     rewinds = 0                     # rewinds done (stats, tests)
 
     def rollback_floor(self) -> int:
-        """Fewest tokens the cache can be rolled back to anywhere at or above: the latest repack of
-        any heap layer; none below what it holds with other layers (see rollback_mark)."""
+        """Fewest tokens the cache can be rolled back to anywhere at or above: exactly back to the
+        latest repack of any heap layer, by a rewind back to the mark; none below what it holds
+        with other layers (see rollback_mark)."""
         if not self.only_heap_layers:
             return self.tokens_seen
-        return self.heap_floor()
+        exact, at = self.heap_floor(), self.mark_at
+        return at if at is not None and at < exact and self.rewindable(at) else exact
+
+    def exact_floor(self) -> int:
+        """rollback_floor() without rewinds (a sharded heap's ranks would pick apart)."""
+        return self.heap_floor() if self.only_heap_layers else self.tokens_seen
 
     def heap_floor(self) -> int:
         return max(layer.heap.repacked_at for layer in self.heap_layers)
 
+    def rewindable(self, seen: int) -> bool:
+        lossy = self.rewind_floor()
+        return lossy is not None and lossy <= seen
+
+    def rewind_floor(self) -> Optional[int]:
+        """Fewest tokens a rewind can keep: more than a heap holds (below that, reading the tokens
+        again is cheap and evicts nothing: exact), and every heap layer's every KV head holds at
+        least `rewind_least` tokens before it (None where one holds fewer in all)."""
+        floor = 0
+        for layer in self.heap_layers:
+            heap = layer.heap
+            least = rewind_least(heap)
+            if heap.resident < least:
+                return None
+            floor = max(floor, heap.keep + 1, int(heap.positions[:, least - 1].max()) + 1)   # positions ascend per head
+        return floor
+
     def mark(self) -> None:
         """Remember this point (and the stock layers' state as it is now: window-sized, the sliding
-        layers' K/V) so that the cache can come back here (truncate to rollback_mark())."""
+        layers' K/V) so that the cache can come back here."""
         self._marked = None if self.only_heap_layers else \
             [(layer, self.copy_stock_state(vars(layer))) for layer in self.stock_layers()]
         self.mark_at = self.tokens_seen
@@ -84,21 +119,12 @@ class HeapRollback:
         return self.mark_at if self.only_heap_layers else None
 
     def rollback_mark(self) -> Optional[int]:
-        """The point below rollback_floor() the cache can still be rolled back to, or None: its
-        mark, exactly where no heap layer has repacked since, else by a rewind where every heap
-        layer keeps at least REWIND_FILL of the tokens it could hold before the mark."""
+        """The point below rollback_floor() a cache with stock layers can still be rolled back to,
+        or None: its mark, with its heap layers truncated or rewound there."""
         at = self.mark_at
-        if at is None or at >= self.tokens_seen or at >= self.rollback_floor():
+        if at is None or self._marked is None or at >= self.tokens_seen:
             return None
         return at if self.heap_floor() <= at or self.rewindable(at) else None
-
-    def rewindable(self, seen: int) -> bool:
-        for layer in self.heap_layers:
-            heap = layer.heap
-            least = max(heap.cfg.sinks + heap.n_recalled + 1, int(REWIND_FILL * min(seen, heap.keep)))
-            if heap.rewind_fill(seen) < least:
-                return False
-        return True
 
     def copy_stock_state(self, attrs: dict) -> dict:
         """A snapshot of a stock layer's attributes (torch's sliding layer rebinds new tensors on
@@ -107,7 +133,7 @@ class HeapRollback:
 
     def truncate(self, seen: int) -> None:
         """Forget every token after the first `seen` (rollback_floor() <= seen, or seen == rollback_mark())."""
-        to_mark = seen < self.tokens_seen and seen == self.rollback_mark()
+        to_mark = seen < self.tokens_seen and seen == self.rollback_mark() and self._marked is not None
         assert to_mark or self.rollback_floor() <= seen <= self.tokens_seen, \
             (seen, self.rollback_floor(), self.rollback_mark(), self.tokens_seen)
         if self.heap_floor() <= seen:
@@ -115,12 +141,12 @@ class HeapRollback:
                 layer.truncate(seen)
         else:
             self.rewind(seen)
-        if to_mark and self._marked is not None:
+        if to_mark:
             for layer, state in self._marked:
                 vars(layer).clear()
                 vars(layer).update(self.copy_stock_state(state))   # a copy: the mark stays usable
         if self.mark_at is not None and self.mark_at > seen:
-            self.mark_at, self._marked = None, None   # tokens fed from here on are not the ones marked
+            self.mark_at, self._marked = None, None   # the tokens fed from here on are not the ones marked
 
     def rewind(self, seen: int) -> None:
         """The heap layers forget every token after the first `seen`, past their latest repack:

@@ -251,7 +251,7 @@ class LayerHeap:
 
     def rewind_plan(self, seen: int, scores: np.ndarray) -> tuple[RepackPlan, int]:
         """The repack that forgets the tokens after the first `seen` where truncate cannot (an
-        eviction since then moved the slots: see `rewind_fill`), and how many tokens of those before
+        eviction since then moved the slots), and how many tokens of those before
         `seen` it drops besides. Every KV head keeps its slots before `seen` (a prefix: positions
         ascend), cut to the fewest any head holds by `scores` [H, resident] (higher = keep; sinks and
         recalled slots first): heads evict apart, so one head kept more of them than another. The
@@ -265,10 +265,6 @@ class LayerHeap:
         keep_indices = select_keep(ranked, m, min(self.cfg.sinks, m), 0)
         assert (np.take_along_axis(self.positions[:, :n], keep_indices, axis=1) < seen).all()
         return RepackPlan(keep_indices=keep_indices, deltas=self._deltas(keep_indices)), int(counts.max()) - m
-
-    def rewind_fill(self, seen: int) -> int:
-        """How many slots a rewind to `seen` leaves (the fewest tokens before `seen` any KV head holds)."""
-        return int((self.positions[:, : self.resident] < seen).sum(axis=1).min())
 
     def view_positions(self) -> np.ndarray:
         return self.positions[:, : self.resident].copy()

@@ -59,8 +59,8 @@ class Session:
     title: Optional[str] = None
     # Replaced whole, never edited in place: other threads read it (the heap event stream).
     history: tuple = ()
-    rollback_floor: Optional[int] = None   # fewest tokens the cache rolls back to exactly (None: no rollback)
-    rollback_mark: Optional[int] = None    # one point below the floor it also rolls back to (where its reply began)
+    rollback_floor: Optional[int] = None   # fewest tokens the cache rolls back to (None: no rollback)
+    rollback_mark: Optional[int] = None    # one point below the floor it also rolls back to (sliding layers' mark)
     reply_start: Optional[int] = None      # tokens held before the latest reply began (None: all of them)
     checkpoints: list = field(default_factory=list)   # token counts of its saved checkpoints
     addressed: bool = False   # a client named it (X-Session-Id): never rolled back for another request

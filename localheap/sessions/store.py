@@ -189,8 +189,7 @@ class SessionStore:
             return self.spill_dir
         if not s.saved:
             self.save(s)
-        if getattr(s.cache, "saved_mark", None) is None:
-            s.rollback_mark = None   # the file keeps no mark (sliding layers': RAM only): no rollback to it
+        s.rollback_mark = None   # the file keeps no sliding layers' mark (RAM only): no rollback to it
         s.cache = None
         self.spills += 1
         s.refresh()
@@ -260,8 +259,7 @@ class SessionStore:
             if self.backend.tokens_in_cache(cache) != len(s.fed):
                 raise ValueError(f"heap holds {self.backend.tokens_in_cache(cache)} tokens, history {len(s.fed)}")
             s.cache, s.dirty = cache, False
-            mark = getattr(self.backend, "rollback_mark", None)   # as the file kept it (none of sliding layers')
-            s.rollback_mark = mark(cache) if mark is not None else None
+            s.rollback_mark = None   # a mark lives in the cache object it was taken on, never on disk
             s.cfg = getattr(cache, "cfg", s.cfg)   # the heap as it was saved (settings may have changed)
         except Exception as e:
             if cache is not None:   # loaded, but not this session's: its page files closed first

@@ -97,6 +97,10 @@ class Leader:
     def ranks(self):
         return self.backend.ranks
 
+    def rollback_floor(self, cache) -> int:
+        """Exact rollbacks only: a rewind picks what it keeps by each rank's own scores and heads."""
+        return cache.exact_floor()
+
     def rollback_mark(self, cache) -> None:
         """None: only rank 0 marks its caches (a model with sliding layers reads a rewritten turn again)."""
         return None

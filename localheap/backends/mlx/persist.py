@@ -90,7 +90,7 @@ def load_heap(model, path: Path, pages_dir: Optional[Path] = None, budgets: Opti
     cache = make_heap_cache(model, cfg, saved_pages_root(path, meta, pages_dir) if cfg.recall else None, budgets,
                             saved_pages_state(meta))
     cache.recall_log = list(meta.get("recall_log", []))
-    cache.mark_at = meta.get("mark")   # where the next turn may roll back to (only heap layers: slots.py)
+    cache.mark_at = meta.get("mark")   # a heap-only cache rolls back to it (backends/slots.py)
     for i, (c, entry) in enumerate(zip(cache, meta["layers"])):
         if entry["kind"] == "heap":
             c.heap.load_state({"positions": np.array(arrays[f"{i}.positions"]),

@@ -73,7 +73,7 @@ def load_heap(model, path: Path, pages_dir: Optional[Path] = None) -> HeapCache:
     cache = make_heap_cache(model, cfg, saved_pages_root(path, meta, pages_dir) if cfg.recall else None,
                             saved_pages_state(meta))
     cache.recall_log = list(meta.get("recall_log", []))
-    cache.mark_at = meta.get("mark")   # where the next turn may roll back to (only heap layers: slots.py)
+    cache.mark_at = meta.get("mark")   # a heap-only cache rolls back to it (backends/slots.py)
     device = cache.device
     for i, (layer, entry) in enumerate(zip(cache.layers, meta["layers"])):
         assert (entry["kind"] == "heap") == isinstance(layer, HeapLayer), f"layer {i} changed kind"
