@@ -52,7 +52,7 @@ def rewind_least(heap) -> int:
 class HeapRollback:
     """Mixin for a model cache with `heap_layers` (each with `heap`, `truncate` and `rewind`),
     `tokens_seen`, `only_heap_layers` (False where sliding or stock layers sit beside them),
-    `stock_layers()`, `host_scores(layer)` and `pages` / `writer` (recall's page store, or None).
+    `stock_layers()`, `host_scores(layer)`, `cfg` and `pages` / `writer` (recall's page store, or None).
 
     Every point back to the latest repack is exact (truncate). Below it, one point more: the mark,
     where the latest turn's prompt was read and its reply not begun, which the next turn comes back
@@ -95,7 +95,9 @@ class HeapRollback:
     def rewind_floor(self) -> Optional[int]:
         """Fewest tokens a rewind can keep: more than a heap holds (below that, reading the tokens
         again is cheap and evicts nothing: exact), and every heap layer's every KV head holds at
-        least `rewind_least` tokens before it (None where one holds fewer in all)."""
+        least `rewind_least` tokens before it (None where one holds fewer in all, or --rewind off)."""
+        if not self.cfg.rewind:
+            return None
         floor = 0
         for layer in self.heap_layers:
             heap = layer.heap

@@ -1,4 +1,4 @@
-"""`localheap bench speed|memory|needle|attention-mass|serve|batch-step`: the heap against the stock path (serve: the
+"""`localheap bench speed|memory|needle|attention-mass|serve|batch-step|turns`: the heap against the stock path (serve: the
 batched engine against the round-robin one), in one run."""
 
 from __future__ import annotations
@@ -151,6 +151,20 @@ def add_parser(sub) -> None:
                          "(default: the model's own tokenizer)")
     add_threads_arg(st)
     st.set_defaults(func=run_structured_bench, model="demo")
+
+    turns = bsub.add_parser("turns", help="a conversation whose template rewrites each reply, past the heap: "
+                                          "rewinding against reading it again (--rewind on/off)")
+    add_model_args(turns)
+    add_heap_args(turns)
+    turns.add_argument("--turns", type=_positive, default=12, help="turns of the conversation (default 12)")
+    turns.add_argument("--question", type=_positive, default=400, metavar="TOKENS",
+                       help="tokens of each user message (about; default 400)")
+    turns.add_argument("--reasoning", type=_positive, default=600, metavar="TOKENS",
+                       help="tokens of each reply's reasoning, which the client does not send back (about; default 600)")
+    turns.add_argument("--answer", type=_positive, default=100, metavar="TOKENS",
+                       help="tokens of each reply's answer (about; default 100)")
+    add_threads_arg(turns)
+    turns.set_defaults(func=run_turns_bench, model="demo")
 
     mass = bsub.add_parser("attention-mass", help="share of the true attention mass each policy's kept set captures")
     add_model_args(mass)
@@ -459,6 +473,20 @@ def run_structured_bench(args) -> int:
     emit("structured", report(decode, tools, masks, backend, vocab, table),
          {"model": backend.model_name, "backend": backend.name, "vocab": vocab, "decode": decode, "tools": tools,
           "masks": masks})
+    return 0
+
+
+def run_turns_bench(args) -> int:
+    from ..bench.turns import report, run
+    from ..models import load_backend
+
+    backend = load_backend(model_spec(args), args.backend)
+    set_threads(backend, args)
+    cfg = heap_config(args, backend)
+    result = run(backend, cfg, args.turns, args.question, args.reasoning, args.answer,
+                 log=lambda m: print(m, file=sys.stderr))
+    emit("turns", report(result, cfg, table), {"model": backend.model_name, "backend": backend.name,
+                                               "heap": cfg.to_dict(), **result})
     return 0
 
 

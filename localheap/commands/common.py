@@ -240,6 +240,10 @@ def add_heap_args(p: argparse.ArgumentParser, recall: bool = False) -> None:
                    help="torch: a heap's decode evictions one layer a step instead of every layer at once (a "
                         "decode batch's rows all wait for an event); each layer still evicts once per slack, one "
                         "evicting early keeping as many slots fewer until its due step (default: off)")
+    p.add_argument("--rewind", default="on", choices=("off", "on"),
+                   help="a turn whose template rewrote the last reply (Qwen3 drops its reasoning) after that reply "
+                        "evicted: on, the heap forgets the reply and keeps what it held before it; off, the "
+                        "conversation is read again into a new session (default: on)")
     p.add_argument("--policy", default=d.policy, choices=POLICIES, help="how the tokens to keep are ranked")
     p.add_argument("--positions", default=d.positions, choices=POSITION_MODES,
                    help="compact: RoPE positions follow slot order; absolute: original positions")
@@ -285,7 +289,8 @@ def heap_config(args, backend=None, **overrides) -> HeapConfig:
                   recall=recall, recall_budget=region or HeapConfig.recall_budget, page_size=args.page_size,
                   page_format=args.page_format, recall_summary=args.recall_summary,
                   recall_score=args.recall_score, recall_select=args.recall_select,
-                  disk_budget=disk if recall else 0, stagger=getattr(args, "evict_stagger", "off") == "on")
+                  disk_budget=disk if recall else 0, stagger=getattr(args, "evict_stagger", "off") == "on",
+                  rewind=getattr(args, "rewind", "on") == "on")
     fields.update(overrides)
     return HeapConfig(**fields)
 

@@ -53,6 +53,8 @@ class HeapConfig:
     disk_budget: int = 0         # bytes of pages per session; past it the lowest-value pages are dropped; 0 = no bound
     recall_ram_tokens: int = 0   # tokens of pages per session whose summaries RAM holds (serve sets it from
                                  # --ram-budget); past it the lowest-value pages are dropped; 0 = no bound
+    rewind: bool = True          # a turn that rewrites the last reply (past an eviction) rewinds the heap to
+                                 # where the reply began; False: the conversation is read again (backends/slots.py)
     extra: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
