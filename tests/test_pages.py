@@ -764,8 +764,15 @@ def test_a_rewind_forgets_every_page_and_tail_token_at_or_past_its_point(tmp_pat
     np.testing.assert_array_equal(L.tail_k, np.stack([tail_k[0, [0, 2]], tail_k[1, [0, 1]]]))
     np.testing.assert_array_equal(L.tail_v, np.stack([tail_v[0, [0, 2]], tail_v[1, [0, 1]]]))
     assert s.forget_from(30) == 0 and s.pages == 2
-    s.checkpoint()
+    # a crash before the rewound turn's commit: the store opens at the state before it, as the
+    # session does (its tokens still hold the reply: its next turn rewinds again); the forgotten
+    # page is gone (as if the disk budget had dropped it), the partial page is the saved one
     s.close()
+    crashed = PageStore(tmp_path / "pages", PageGeometry(1, H, D, P, "f32"), summary="minmax", state=0)
+    assert crashed.pages == 2 and crashed.layers[0].tail_pos.tolist() == tail_pos.tolist()
+    assert crashed.forget_from(30) == 0 and crashed.layers[0].tail_pos.shape == (H, 2)
+    crashed.checkpoint()   # the rewound turn committed this time
+    crashed.close()
     again = store(tmp_path)
     assert again.pages == 2 and again.layers[0].tail_pos.shape == (H, 2)
     assert again.load(0, np.array([again.summaries(0)[0]] * H))[0].max() < 30
