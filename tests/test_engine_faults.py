@@ -224,5 +224,6 @@ def test_a_refused_rollback_serves_the_prompt_in_a_new_session_and_keeps_the_old
         assert isinstance(evs[0], Started) and evs[0].cached_tokens == 0 and evs[0].session_id != first.session_id
         assert finished(evs).usage.prompt_tokens == len("tell me about the moon")
         assert list(eng.store.get(first.session_id).fed) == held and eng.healthy
+        assert (eng.store.rollbacks_refused, eng.store.rollbacks) == (1, 0)
     finally:
         eng.stop()

@@ -468,6 +468,14 @@ def test_a_reasoning_reply_that_evicted_is_rewound_not_read_again(server, client
     force("Yes.")
     history += [{"role": "assistant", "content": msg.content, "reasoning_content": msg.reasoning_content},
                 {"role": "user", "content": "Sure?"}]
+    import httpx
+
+    def rewinds():
+        lines = httpx.get(server.url + "/metrics", timeout=60).text.splitlines()
+        return float(next(x for x in lines if x.startswith("localheap_session_rewinds_total ")).split()[1])
+
+    before = rewinds()
     second = ask(client, history, tools=None)
     assert second.localheap["session_id"] == first.localheap["session_id"]
     assert second.usage.prompt_tokens_details.cached_tokens == first.usage.prompt_tokens
+    assert rewinds() == before + 1

@@ -34,15 +34,24 @@ def roll_back(backend: Any, s: Session, tokens: int, store: Optional[SessionStor
     session falls back to its saved copy, or is dropped without one, and the error is raised;
     RollbackRefused leaves the cache and the session as they were."""
     if tokens < len(s.fed):
+        rewinds = getattr(s.cache, "rewinds", 0)
         try:
             backend.truncate(s.cache, tokens)
         except RollbackRefused:
+            if store is not None:
+                store.rollbacks_refused += 1
             raise   # the cache is as it was
         except Exception:
             if store is not None and not store.rollback(s, fed_before=len(s.fed)):
                 log.error("session %s dropped: a rollback failed and it has no saved copy", s.id)
                 store.delete(s.id)
             raise
+        rewound = getattr(s.cache, "rewinds", 0) > rewinds
+        if rewound:
+            log.info("session %s rewound from %d to %d tokens (its reply had evicted)", s.id, len(s.fed), tokens)
+        if store is not None:
+            store.rollbacks += 1
+            store.rewinds += rewound
         s.truncate(tokens)
     assert backend.tokens_in_cache(s.cache) == len(s.fed)
     settle(backend, s)

@@ -58,6 +58,9 @@ class SessionStore:
         self.disk = DiskTotal(self, disk_total)   # --disk-total (0: none) and page-out faults
         self.degraded: dict[str, str] = {}        # what /health reports: key -> reason
         self.rebuilt = 0                          # heaps rebuilt from their tokens (unreadable heap or pages)
+        self.rollbacks = 0                        # sessions rolled back to a prompt's shared prefix (engine/branching.py)
+        self.rewinds = 0                          # of those, past an eviction (backends/slots.py)
+        self.rollbacks_refused = 0                # rewinds the page store's disk refused (the prompt read anew)
 
     def mark_degraded(self, key: str, reason: str) -> None:
         if self.degraded.get(key) != reason:
