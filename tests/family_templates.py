@@ -99,6 +99,29 @@ QWEN_XML = (   # Qwen3-Coder: tools listed in XML, calls as <function=...> with 
     "{%- if add_generation_prompt %}\n<|assistant|>\n{% endif %}"
 )
 
+GLM45 = (   # GLM-4.5 (4.6, 4.7): tools as JSON lines, a call as <tool_call>NAME then <arg_key>/<arg_value> pairs
+    LAST_USER + "[gMASK]<sop>"
+    "{%- if tools %}<|system|>\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n"
+    "{% for t in tools %}{{ t | tojson }}\n{% endfor %}</tools>\n\n"
+    "For each function call, output the function name and arguments within the following XML format:\n"
+    "<tool_call>{function-name}\n<arg_key>{arg-key-1}</arg_key>\n<arg_value>{arg-value-1}</arg_value>\n...\n"
+    "</tool_call>{%- endif %}"
+    "{%- for m in messages %}"
+    "{%- if m.role == 'system' %}<|system|>\n{{ m.content }}"
+    "{%- elif m.role == 'user' %}<|user|>\n{{ m.content }}"
+    "{%- elif m.role == 'assistant' %}<|assistant|>"
+    "{%- if m.reasoning_content and loop.index0 > ns.last_user %}\n<think>{{ m.reasoning_content }}</think>"
+    "{%- else %}\n<think></think>{% endif %}"
+    "{%- if m.content %}\n{{ m.content }}{% endif %}"
+    "{%- for c in m.tool_calls or [] %}\n<tool_call>{{ c.function.name }}\n"
+    "{% for k, v in c.function.arguments.items() %}<arg_key>{{ k }}</arg_key>\n"
+    "<arg_value>{{ v if v is string else v | tojson }}</arg_value>\n{% endfor %}</tool_call>{% endfor %}"
+    "{%- elif m.role == 'tool' %}<|observation|>\n<tool_response>\n{{ m.content }}\n</tool_response>"
+    "{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
 HARMONY = (   # gpt-oss: a system and a developer message, channels, calls addressed to functions.NAME
     "{%- set ns = namespace(last_user=-1, last_tool='') %}{%- for m in messages %}{% if m.role == 'user' %}"
     "{% set ns.last_user = loop.index0 %}{% endif %}{% endfor %}"
@@ -128,7 +151,7 @@ HARMONY = (   # gpt-oss: a system and a developer message, channels, calls addre
 )
 HARMONY_TOKENS = ("<|start|>", "<|message|>", "<|channel|>", "<|constrain|>", "<|return|>", "<|call|>")
 
-TEMPLATES = {"qwen": QWEN, "qwen3-coder": QWEN_XML, "mistral": MISTRAL, "llama3.1": LLAMA31}
+TEMPLATES = {"qwen": QWEN, "qwen3-coder": QWEN_XML, "glm-4.5": GLM45, "mistral": MISTRAL, "llama3.1": LLAMA31}
 
 
 def harmony_model(model_dirs, out_dir: Path) -> Path:

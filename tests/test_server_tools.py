@@ -322,13 +322,15 @@ def test_the_agent_session_with_recall_pages_what_it_evicts(model_dirs, tmp_path
     ("llama3.1", '{"name": "get_weather", "parameters": {"city": "Nice"}}'),
     ("qwen3-coder", "<tool_call>\n<function=get_weather>\n<parameter=city>\nNice\n</parameter>\n</function>\n"
                     "</tool_call>"),
+    ("glm-4.5", "\n<think>a call</think>\n<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Nice</arg_value>\n"
+                "</tool_call>"),
 ])
 def test_a_call_and_its_result_round_trip_in_each_family(model_dirs, tmp_path_factory, torch_one_thread,
                                                           family, reply):
     """Mistral's template writes the call's id into the call (9 letters and digits, checked by the
     template), so the history it renders differs from the reply as generated: the session is reused
     by rolling back to where they part (within the heap). Llama 3.1's calls are whole-reply JSON;
-    Qwen3-Coder's are XML with raw-text values."""
+    Qwen3-Coder's are XML with raw-text values, GLM-4.5's key and value pairs after its reasoning."""
     tmp = tmp_path_factory.mktemp(family) / "m"
     with serve(with_template(model_dirs("llama"), tmp, TEMPLATES[family]), HeapConfig(budget=1024)) as srv:
         c = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
@@ -349,11 +351,13 @@ def test_a_call_and_its_result_round_trip_in_each_family(model_dirs, tmp_path_fa
         assert second.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens - 1
 
 
-def test_a_qwen3_coder_call_the_reply_opens_is_held_to_the_tools(model_dirs, tmp_path_factory, torch_one_thread):
-    """Qwen3-Coder's XML calls (tool_choice auto): once the random model has opened one, the grammar holds
-    it to an offered tool and its parameters; each comes back with arguments valid for the schema."""
-    tmp = tmp_path_factory.mktemp("coder") / "m"
-    with serve(with_template(model_dirs("qwen2"), tmp, TEMPLATES["qwen3-coder"])) as srv:
+@pytest.mark.parametrize("family", ["qwen3-coder", "glm-4.5"])
+def test_an_xml_call_the_reply_opens_is_held_to_the_tools(model_dirs, tmp_path_factory, torch_one_thread, family):
+    """Qwen3-Coder's and GLM-4.5's calls (tool_choice auto): once the random model has opened one, the
+    grammar holds it to an offered tool and its parameters; each comes back with arguments valid for
+    the schema."""
+    tmp = tmp_path_factory.mktemp(family) / "m"
+    with serve(with_template(model_dirs("qwen2"), tmp, TEMPLATES[family])) as srv:
         c = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
         svc = srv.services
         svc.lead_tokens = svc.tokenizer.encode("<tool_call>", add_special_tokens=False)

@@ -15,7 +15,7 @@ from localheap.server.prompts import ChatOptions, chat_prompt
 from localheap.server.prompts import _messages as template_messages
 from localheap.server.schemas import ChatMessage
 from localheap.server.toolcalls import CallArgs, CallStart, OutputParser, Text
-from localheap.server.toolformats import Hermes, Llama, Mistral, Prompted, QwenXML, ToolCall, tool_format
+from localheap.server.toolformats import GLM, Hermes, Llama, Mistral, Prompted, QwenXML, ToolCall, tool_format
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
                                             "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
@@ -33,8 +33,10 @@ def tokenizers(model_dirs, tmp_path_factory):
     return toks
 
 
-FORMATS = {"qwen": Hermes, "qwen3-coder": QwenXML, "mistral": Mistral, "llama3.1": Llama, "plain": Prompted}
+FORMATS = {"qwen": Hermes, "qwen3-coder": QwenXML, "glm-4.5": GLM, "mistral": Mistral, "llama3.1": Llama,
+           "plain": Prompted}
 XML_CALL = "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n</tool_call>"
+GLM_CALL = "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n</tool_call>"
 
 
 @pytest.mark.parametrize("family", sorted(FORMATS))
@@ -59,6 +61,7 @@ def _history(call_id: str) -> list[ChatMessage]:
      '[TOOL_RESULTS]{"content": "18C, sunny", "call_id": "abcDEF123"}[/TOOL_RESULTS]'),
     ("llama3.1", '{"name": "get_weather", "parameters": {"city": "Paris"}}', "<|ipython|>\n18C, sunny"),
     ("qwen3-coder", XML_CALL, "<tool_response>\n18C, sunny\n</tool_response>"),
+    ("glm-4.5", GLM_CALL, "<|observation|>\n<tool_response>\n18C, sunny\n</tool_response>"),
     ("plain", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
      "<tool_response>\n18C, sunny\n</tool_response>"),
 ])
@@ -136,6 +139,10 @@ REPLIES = {
     "qwen3-coder": ("Let me check.\n" + XML_CALL + "\n" + XML_CALL.replace("Paris", "Lyon\nand Nice"),
                     [("content", "Let me check.\n"), ("get_weather", {"city": "Paris"}, False),
                      ("get_weather", {"city": "Lyon\nand Nice"}, False)]),
+    "glm-4.5": ("\n<think>weather needs a call</think>\nLet me check.\n" + GLM_CALL + "\n"
+                + GLM_CALL.replace("Paris", "Lyon\nand Nice"),
+                [("reasoning", "weather needs a call"), ("content", "Let me check.\n"),
+                 ("get_weather", {"city": "Paris"}, False), ("get_weather", {"city": "Lyon\nand Nice"}, False)]),
     "mistral": ('[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": "get_weather", '
                 '"arguments": {"city": "Lyon"}}]',
                 [("get_weather", {"city": "Paris"}, False), ("get_weather", {"city": "Lyon"}, False)]),
@@ -170,6 +177,8 @@ CUT = {   # a reply held to calls (tool_choice "required"), cut by max_tokens: (
               [("get_weather", '{"city": "Pa', True)])],       # its name known: the call as written, flagged
     "mistral": [('[TOOL_CALLS][{"name": "get_weather", "arguments": {"ci', [("get_weather", '{"ci', True)]),
                 ('[TOOL_CALLS][{"na', []), ('[TOOL_CA', [])],
+    "glm-4.5": [("<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Pa", [("get_weather", "{}", True)]),
+                ("<tool_call>get_wea", [])],
     "qwen3-coder": [("<tool_call>\n<function=get_weather>\n<parameter=city>\nPa", [("get_weather", "{}", True)]),
                     ("<tool_call>\n<func", [])],
     "llama3.1": [('{"name": "get_weather", "parameters": {"city": "Paris"}}; {"na',   # one JSON reply: as written
@@ -214,6 +223,7 @@ def test_llama_json_that_is_not_a_call_is_content_and_a_prompt_inside_think_is_r
     ("llama3.1", '{"name": "get_weather", "parameters": {"city": "Paris"}}'),
     ("plain", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'),
     ("qwen3-coder", XML_CALL),
+    ("glm-4.5", GLM_CALL),
 ])
 def test_a_forced_call_grammar_takes_the_family_syntax_and_nothing_else(tokenizers, family, text):
     pytest.importorskip("llguidance")
@@ -265,6 +275,7 @@ def _feed(g, tok, text: str) -> list:
     ("mistral", "", '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}]', ""),
     ("llama3.1", "  ", '{"name": "get_weather", "parameters": {"city": "Paris"}}', ""),
     ("qwen3-coder", "Let me look. ", XML_CALL, "\nDone."),
+    ("glm-4.5", "Let me look. ", GLM_CALL, "\nDone."),
 ])
 def test_a_lazy_grammar_holds_only_the_call_the_reply_opens(tokenizers, family, before, call, after):
     """tool_choice auto: free text, then the call the reply opens is held (its trigger's tokens and
@@ -475,5 +486,58 @@ def test_a_qwen3_coder_call_held_by_the_grammar_takes_each_type(tokenizers):
     assert takes(p("mode", "b"))
     assert not takes(p("mode", "c"))
     assert not takes(p("note", "x"))                    # mode is required
+    assert not takes(p("mode", "a") + p("n", "1.5"))
+    assert not takes(p("mode", "a") + p("other", "1"))
+
+
+def test_glm_values_are_typed_by_the_tools_schemas():
+    """GLM-4.5's <arg_value>s: a string as written (no JSON escaping, newlines kept), the other types
+    read as JSON where the schema says so, as written where they do not read; a name on its own
+    line, or run into its first <arg_key> (GLM-4.7); JSON after <tool_call> is not this format's."""
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+        "s": {"type": "string"}, "n": {"type": "integer"}, "b": {"type": "boolean"}, "o": {"type": "object"},
+        "bad": {"type": "integer"}}}}}]
+    body = ("f\n<arg_key>s</arg_key>\n<arg_value>12 \"quoted\"\nline two</arg_value>\n<arg_key>n</arg_key>\n"
+            "<arg_value>7</arg_value>\n<arg_key>b</arg_key>\n<arg_value>true</arg_value>\n<arg_key>o</arg_key>\n"
+            "<arg_value>{\"k\": [1]}</arg_value>\n<arg_key>bad</arg_key>\n<arg_value>seven</arg_value>\n"
+            "<arg_key>extra</arg_key>\n<arg_value>3</arg_value>\n")
+    (call,) = GLM().bind(tools).parse(body)
+    assert call.name == "f" and call.error is None and json.loads(call.arguments) == {
+        "s": '12 "quoted"\nline two', "n": 7, "b": True, "o": {"k": [1]}, "bad": "seven", "extra": "3"}
+    (run_in,) = GLM().bind(tools).parse("f<arg_key>n</arg_key><arg_value>2</arg_value>")
+    assert run_in.name == "f" and json.loads(run_in.arguments) == {"n": 2}
+    (stray,) = GLM().parse("f\n<arg_key>n</arg_key>\nhalf")
+    assert stray.error and "outside its arguments" in stray.error
+    assert GLM().parse('\n{"name": "f", "arguments": {}}\n') is None and GLM().parse("\n") is None
+
+
+def test_a_glm_call_held_by_the_grammar_takes_each_type(tokenizers):
+    """The grammar of a GLM-4.5 call: the name on its line, then for each argument in the schema's
+    order its <arg_key> line and its <arg_value> line; a string as raw text up to </arg_value>, an
+    enum's values only, a number as a number, an object as JSON; required arguments always."""
+    pytest.importorskip("llguidance")
+    from localheap.grammar import Grammar
+    from localheap.server.chat import call_grammar
+
+    tok = tokenizers["glm-4.5"]
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "required": ["mode"],
+              "properties": {"note": {"type": "string"}, "mode": {"type": "string", "enum": ["a", "b"]},
+                             "n": {"type": "integer"}, "o": {"type": "object"}}}}}]
+    grammar = call_grammar(GLM(), tools, "required", True, tok)
+
+    def takes(*calls: str) -> bool:
+        text = "\n".join(f"<tool_call>f\n{params}</tool_call>" for params in calls)
+        g = Grammar(tok, {tok.eos_token_id}, grammar)
+        for t in tok.encode(text, add_special_tokens=False):
+            if not g.allowed()[t]:
+                return False
+            g.advance(t)
+        return bool(g.allowed()[tok.eos_token_id])
+
+    p = "<arg_key>{}</arg_key>\n<arg_value>{}</arg_value>\n".format
+    assert takes(p("note", 'two "lines"\n<b>here</b>') + p("mode", "a") + p("n", "-12") + p("o", '{"k": 1}'))
+    assert takes(p("mode", "b"), p("mode", "a"))   # parallel calls, a line apart
+    assert not takes(p("mode", "c"))
+    assert not takes(p("note", "x"))                 # mode is required
     assert not takes(p("mode", "a") + p("n", "1.5"))
     assert not takes(p("mode", "a") + p("other", "1"))

@@ -21,7 +21,7 @@ from .prompts import ChatOptions
 from .services import Services, owner
 from .toolcalls import THINK, OutputParser
 from .harmony import CALL, CHANNEL, CONSTRAIN, END, MESSAGE, START, HarmonyParser
-from .toolformats import Harmony, Hermes, Llama, Mistral, QwenXML, ToolFormat, tool_format
+from .toolformats import GLM, Harmony, Hermes, Llama, Mistral, QwenXML, ToolFormat, tool_format
 
 
 @dataclass
@@ -47,7 +47,7 @@ class ChatPlan:
     def options(self, svc: Services) -> ChatOptions:
         """The format is known even without tools: a history may hold calls and results to render."""
         fmt = tool_format(svc.tokenizer, svc.settings.tool_format)
-        if isinstance(fmt, QwenXML):   # its values are typed by the tools' schemas
+        if isinstance(fmt, QwenXML):   # its values are typed by the tools' schemas (GLM's too)
             fmt.bind(self.tools)
         return ChatOptions(self.tools or None, fmt, dict(self.template_kwargs or {}))
 
@@ -139,6 +139,9 @@ def call_grammar(fmt: ToolFormat, tools: list[dict], choice: str, parallel: bool
         return f'start: {opener} "[" call{more} "]"\ncall: {_call_rule(fmt, chosen, arguments)}\n'
     if isinstance(fmt, Harmony):   # a call ends the reply (<|call|> is a stop token): one call
         return harmony_call(chosen, arguments, tokenizer)
+    if isinstance(fmt, GLM):
+        more = ' ("\\n" block)*' if many else ""
+        return f'start: block{more}\nblock: "<tool_call>" fn "</tool_call>"\n' + _glm_call(chosen, arguments, "fn")
     if isinstance(fmt, QwenXML):
         more = ' ("\\n" block)*' if many else ""
         return (f'start: block{more}\nblock: "<tool_call>\\n" fn "\\n</tool_call>"\n'
@@ -163,6 +166,8 @@ def call_triggers(fmt: ToolFormat, tools: list[dict], tokenizer: Any,
         named = _harmony_named(tools, arguments, tokenizer)
         return [Trigger("commentary to=functions.", named), Trigger("assistant to=functions.", named),
                 Trigger("to=functions.", named, at_start=True)]   # the first header's role is the prompt's
+    if isinstance(fmt, GLM):
+        return [Trigger("<tool_call>", 'start: fn "</tool_call>"\n' + _glm_call(tools, arguments, "fn"))]
     if isinstance(fmt, QwenXML):
         return [Trigger("<tool_call>", 'start: "\\n" fn "\\n</tool_call>"\n' + _xml_call(tools, arguments, "fn"))]
     call = _call_rule(fmt, tools, arguments)
@@ -246,9 +251,36 @@ def _xml_call(tools: list[dict], arguments: Optional[dict], top: str) -> str:
     return "\n".join(rules) + "\n"
 
 
-def _xml_value(prop: dict) -> str:
-    """The grammar of one XML parameter's value, through its closing tag."""
-    close = ' "\\n</parameter>"'
+GLM_CLOSE = ' "</arg_value>"'
+
+
+def _glm_call(tools: list[dict], arguments: Optional[dict], top: str) -> str:
+    """GLM-4.5's call (rule `top`): one of the tools by name on its own line, then its arguments in
+    the schema's order (the required ones always), each an <arg_key> line and an <arg_value> line
+    whose value is written as _xml_value writes a Qwen3-Coder parameter's. A tool whose schema lists
+    no properties takes any arguments as text (none where its additionalProperties is false)."""
+    rules = [f"{top}: {' | '.join(f'{top}_{i}' for i in range(len(tools)))}",
+             r"glm_text[lazy]: /(?s:.*)<\/arg_value>/"]
+    for i, t in enumerate(tools):
+        schema = _arguments(t, arguments)
+        props, required = schema.get("properties") or {}, set(schema.get("required") or [])
+        if not props:
+            params = "" if schema.get("additionalProperties") is False else \
+                ' ("<arg_key>" /[^<\\n]+/ "</arg_key>\\n<arg_value>" glm_text "\\n")*'
+        else:
+            params = ""
+            for j, (key, prop) in enumerate(props.items()):
+                value = f"{top}_{i}_{j}"
+                rules.append(f"{value}: {_xml_value(prop, GLM_CLOSE, 'glm_text')}")
+                tag = json.dumps(f"<arg_key>{key}</arg_key>\n<arg_value>")
+                params += f' ({tag} {value} "\\n")' + ("" if key in required else "?")
+        rules.append(f'{top}_{i}: {json.dumps(t["function"]["name"] + chr(10))}{params}')
+    return "\n".join(rules) + "\n"
+
+
+def _xml_value(prop: dict, close: str = ' "\\n</parameter>"', text: str = "xml_text") -> str:
+    """The grammar of one XML parameter's value, through its closing tag (`close`; `text`: the rule
+    of raw text up to and through it)."""
     kind = prop.get("type")
     if isinstance(prop.get("enum"), list) and prop["enum"] and all(isinstance(v, str) for v in prop["enum"]):
         return "(" + " | ".join(json.dumps(v) for v in prop["enum"]) + ")" + close
@@ -258,7 +290,7 @@ def _xml_value(prop: dict) -> str:
         body = body[:-1] if body.endswith("$") and not body.endswith("\\$") else body
         return "/" + body.replace("/", "\\/") + "/" + close
     if kind in (None, "string") or isinstance(kind, list):
-        return "xml_text"
+        return text
     if kind == "integer":
         return r"/-?[0-9]+/" + close
     if kind == "number":

@@ -122,6 +122,8 @@ class OutputParser(StepParser):
                     self.body = "{" if marker == "{" else ""
                 return True
             keep = 0 if final else _partial(self.pending, self._starts())
+            if self.at_start and not final and not self.pending[:len(self.pending) - keep].strip():
+                return False   # whitespace, then what may begin a marker (a GLM reply's "\n<think>")
             self._emit("content", self.pending[:len(self.pending) - keep], out)
             self.pending = self.pending[len(self.pending) - keep:]
             return False
@@ -192,7 +194,7 @@ class OutputParser(StepParser):
             self.calls += 1
             out.append(ToolCall(call_id, name, args, error, streamed=True))
             return
-        calls = self.fmt.parse(body)
+        calls = self.fmt.parse_block(body, closed=bool(end))
         self.mode, self.body = "text", ""
         if calls is None:   # not a call after all: the text as the model wrote it
             raw = (body if self.raw_start == "{" else self.raw_start + body) + end

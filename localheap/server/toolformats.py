@@ -101,6 +101,10 @@ class ToolFormat:
         """The calls in `body` (markers stripped), or None: not calls after all."""
         raise NotImplementedError
 
+    def parse_block(self, body: str, closed: bool) -> Optional[list[ToolCall]]:
+        """`parse` of a block that ended with `end` (`closed`), or with the reply (cut short)."""
+        return self.parse(body)
+
 
 class Hermes(ToolFormat):
     name = "hermes"
@@ -218,6 +222,44 @@ class QwenXML(ToolFormat):
         return [ToolCall(self.make_id(), name, json.dumps(args, ensure_ascii=False), error)]
 
 
+_GLM_HEAD = re.compile(r"\s*([^<\n]*)")
+_GLM_ARG = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.S)
+
+
+class GLM(QwenXML):
+    """GLM-4.5's calls (GLM-4.6, 4.7): the function's name after <tool_call>, then each argument as
+    an <arg_key>/<arg_value> pair, values as raw text (a string as written, the rest as JSON);
+    `bind` gives it the request's tools, whose schemas type them."""
+    name = "glm45"
+    starts = ("<tool_call>",)
+    end = "</tool_call>"
+
+    def parse(self, body: str) -> Optional[list[ToolCall]]:
+        head = _GLM_HEAD.match(body)
+        name = head.group(1).strip()
+        if not name or name.startswith("{"):   # JSON (another family's call): not this one's
+            return None
+        inner = body[head.end():]
+        props = (self.schemas.get(name) or {}).get("properties") or {}
+        args = {k.strip(): typed_value(v, props.get(k.strip())) for k, v in _GLM_ARG.findall(inner)}
+        left = _GLM_ARG.sub("", inner).strip()
+        error = f"text outside its arguments: {left[:80]!r}" if left else None
+        return [ToolCall(self.make_id(), name, json.dumps(args, ensure_ascii=False), error)]
+
+    def parse_block(self, body: str, closed: bool) -> Optional[list[ToolCall]]:
+        """Only </tool_call> says a call is whole: cut short, one whose name is not yet ended is no
+        call, and one with a name is flagged."""
+        if closed:
+            return self.parse(body)
+        head = _GLM_HEAD.match(body)
+        if head.end() == len(body):   # the name may go on
+            return None
+        calls = self.parse(body)
+        for c in calls or []:
+            c.error = c.error or f"the call is cut short before {self.end}"
+        return calls
+
+
 class Harmony(ToolFormat):
     """gpt-oss's channels (harmony.py reads its replies, with or without tools)."""
     name = "harmony"
@@ -243,7 +285,7 @@ def template_source(tokenizer: Any) -> str:
     return ""
 
 
-FORMATS = {f.name: f for f in (Hermes, QwenXML, Mistral, Llama, Harmony, Prompted)}
+FORMATS = {f.name: f for f in (Hermes, QwenXML, GLM, Mistral, Llama, Harmony, Prompted)}
 
 
 def tool_format(tokenizer: Any, name: Optional[str] = None) -> ToolFormat:
@@ -255,6 +297,8 @@ def tool_format(tokenizer: Any, name: Optional[str] = None) -> ToolFormat:
         return Harmony()
     if "<function=" in src and "<parameter=" in src:
         return QwenXML()
+    if "<arg_key>" in src and "<arg_value>" in src:
+        return GLM()
     if "<tool_call>" in src:
         return Hermes()
     if "[TOOL_CALLS]" in src:
