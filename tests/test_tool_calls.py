@@ -458,32 +458,38 @@ def test_qwen3_coder_values_are_typed_by_the_tools_schemas():
     assert QwenXML().parse("no function here") is None
 
 
-def test_a_qwen3_coder_call_held_by_the_grammar_takes_each_type(tokenizers):
-    """The grammar of an XML call: a string as raw text up to its closing tag (newlines and quotes as
-    they are), an enum's values only, a number as a number, an object as JSON; required parameters
-    cannot be left out."""
+@pytest.mark.parametrize("family,call,arg", [
+    ("qwen3-coder", "<tool_call>\n<function=f>\n{}</function>\n</tool_call>", "<parameter={}>\n{}\n</parameter>\n"),
+    ("glm-4.5", "<tool_call>f\n{}</tool_call>", "<arg_key>{}</arg_key>\n<arg_value>{}</arg_value>\n"),
+])
+def test_a_tagged_call_held_by_the_grammar_takes_each_type(tokenizers, family, call, arg):
+    """The grammar of a Qwen3-Coder or GLM-4.5 call: the arguments in the schema's order, a string as
+    raw text up to its closing tag (newlines and quotes as they are), an enum's values only, a number
+    as a number, an object as JSON; required arguments cannot be left out; parallel calls a line apart."""
     pytest.importorskip("llguidance")
     from localheap.grammar import Grammar
     from localheap.server.chat import call_grammar
 
-    tok = tokenizers["qwen3-coder"]
+    tok = tokenizers[family]
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "required": ["mode"],
               "properties": {"note": {"type": "string"}, "mode": {"type": "string", "enum": ["a", "b"]},
                              "n": {"type": "integer"}, "o": {"type": "object"}}}}}]
-    grammar = call_grammar(QwenXML(), tools, "f", False, tok)
+    one = call_grammar(tool_format(tok), tools, "f", False, tok)
+    many = call_grammar(tool_format(tok), tools, "required", True, tok)
 
-    def takes(params: str) -> bool:
-        text = f"<tool_call>\n<function=f>\n{params}</function>\n</tool_call>"
+    def takes(*calls: str, grammar: str = one) -> bool:
         g = Grammar(tok, {tok.eos_token_id}, grammar)
-        for t in tok.encode(text, add_special_tokens=False):
+        for t in tok.encode("\n".join(call.format(c) for c in calls), add_special_tokens=False):
             if not g.allowed()[t]:
                 return False
             g.advance(t)
-        return set(g.allowed().nonzero()[0]) == {tok.eos_token_id}
+        return set(g.allowed().nonzero()[0]) == {tok.eos_token_id} if grammar is one else \
+            bool(g.allowed()[tok.eos_token_id])
 
-    p = "<parameter={}>\n{}\n</parameter>\n".format
+    p = arg.format
     assert takes(p("note", 'two "lines"\n<b>here</b>') + p("mode", "a") + p("n", "-12") + p("o", '{"k": 1}'))
     assert takes(p("mode", "b"))
+    assert takes(p("mode", "b"), p("mode", "a"), grammar=many) and not takes(p("mode", "b"), p("mode", "a"))
     assert not takes(p("mode", "c"))
     assert not takes(p("note", "x"))                    # mode is required
     assert not takes(p("mode", "a") + p("n", "1.5"))
@@ -509,35 +515,3 @@ def test_glm_values_are_typed_by_the_tools_schemas():
     (stray,) = GLM().parse("f\n<arg_key>n</arg_key>\nhalf")
     assert stray.error and "outside its arguments" in stray.error
     assert GLM().parse('\n{"name": "f", "arguments": {}}\n') is None and GLM().parse("\n") is None
-
-
-def test_a_glm_call_held_by_the_grammar_takes_each_type(tokenizers):
-    """The grammar of a GLM-4.5 call: the name on its line, then for each argument in the schema's
-    order its <arg_key> line and its <arg_value> line; a string as raw text up to </arg_value>, an
-    enum's values only, a number as a number, an object as JSON; required arguments always."""
-    pytest.importorskip("llguidance")
-    from localheap.grammar import Grammar
-    from localheap.server.chat import call_grammar
-
-    tok = tokenizers["glm-4.5"]
-    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "required": ["mode"],
-              "properties": {"note": {"type": "string"}, "mode": {"type": "string", "enum": ["a", "b"]},
-                             "n": {"type": "integer"}, "o": {"type": "object"}}}}}]
-    grammar = call_grammar(GLM(), tools, "required", True, tok)
-
-    def takes(*calls: str) -> bool:
-        text = "\n".join(f"<tool_call>f\n{params}</tool_call>" for params in calls)
-        g = Grammar(tok, {tok.eos_token_id}, grammar)
-        for t in tok.encode(text, add_special_tokens=False):
-            if not g.allowed()[t]:
-                return False
-            g.advance(t)
-        return bool(g.allowed()[tok.eos_token_id])
-
-    p = "<arg_key>{}</arg_key>\n<arg_value>{}</arg_value>\n".format
-    assert takes(p("note", 'two "lines"\n<b>here</b>') + p("mode", "a") + p("n", "-12") + p("o", '{"k": 1}'))
-    assert takes(p("mode", "b"), p("mode", "a"))   # parallel calls, a line apart
-    assert not takes(p("mode", "c"))
-    assert not takes(p("note", "x"))                 # mode is required
-    assert not takes(p("mode", "a") + p("n", "1.5"))
-    assert not takes(p("mode", "a") + p("other", "1"))

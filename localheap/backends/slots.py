@@ -135,7 +135,7 @@ class HeapRollback:
 
     def truncate(self, seen: int) -> None:
         """Forget every token after the first `seen` (rollback_floor() <= seen, or seen == rollback_mark())."""
-        to_mark = seen < self.tokens_seen and seen == self.rollback_mark() and self._marked is not None
+        to_mark = seen < self.tokens_seen and seen == self.rollback_mark()   # (only with stock layers)
         assert to_mark or self.rollback_floor() <= seen <= self.tokens_seen, \
             (seen, self.rollback_floor(), self.rollback_mark(), self.tokens_seen)
         if self.heap_floor() <= seen:

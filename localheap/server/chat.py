@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from fastapi import Request
 
@@ -141,11 +141,12 @@ def call_grammar(fmt: ToolFormat, tools: list[dict], choice: str, parallel: bool
         return harmony_call(chosen, arguments, tokenizer)
     if isinstance(fmt, GLM):
         more = ' ("\\n" block)*' if many else ""
-        return f'start: block{more}\nblock: "<tool_call>" fn "</tool_call>"\n' + _glm_call(chosen, arguments, "fn")
+        return (f'start: block{more}\nblock: "<tool_call>" fn "</tool_call>"\n'
+                + _tagged_call(chosen, arguments, "fn", GLM_ARGS))
     if isinstance(fmt, QwenXML):
         more = ' ("\\n" block)*' if many else ""
         return (f'start: block{more}\nblock: "<tool_call>\\n" fn "\\n</tool_call>"\n'
-                + _xml_call(chosen, arguments, "fn"))
+                + _tagged_call(chosen, arguments, "fn", QWEN_XML))
     call = _call_rule(fmt, chosen, arguments)
     if isinstance(fmt, Llama):
         more = ' ("; " call)*' if many else ""
@@ -167,9 +168,10 @@ def call_triggers(fmt: ToolFormat, tools: list[dict], tokenizer: Any,
         return [Trigger("commentary to=functions.", named), Trigger("assistant to=functions.", named),
                 Trigger("to=functions.", named, at_start=True)]   # the first header's role is the prompt's
     if isinstance(fmt, GLM):
-        return [Trigger("<tool_call>", 'start: fn "</tool_call>"\n' + _glm_call(tools, arguments, "fn"))]
+        return [Trigger("<tool_call>", 'start: fn "</tool_call>"\n' + _tagged_call(tools, arguments, "fn", GLM_ARGS))]
     if isinstance(fmt, QwenXML):
-        return [Trigger("<tool_call>", 'start: "\\n" fn "\\n</tool_call>"\n' + _xml_call(tools, arguments, "fn"))]
+        return [Trigger("<tool_call>", 'start: "\\n" fn "\\n</tool_call>"\n'
+                        + _tagged_call(tools, arguments, "fn", QWEN_XML))]
     call = _call_rule(fmt, tools, arguments)
     if isinstance(fmt, Mistral):
         return [Trigger("[TOOL_CALLS]", f'start: "[" call ("," " " call)* "]"\ncall: {call}\n')]
@@ -225,62 +227,55 @@ def _named_calls(tools: list[dict], arguments: Optional[dict], tokenizer: Any, t
     return "\n".join(rules) + "\n"
 
 
-def _xml_call(tools: list[dict], arguments: Optional[dict], top: str) -> str:
-    """Qwen3-Coder's call (rule `top`): one of the tools by name, its parameters in the schema's
-    order (the required ones always), each value as its type is written: a string as raw text up to
-    `</parameter>` (or held to its enum or pattern), a number or boolean as such, anything else as
-    JSON. A tool whose schema lists no properties takes any parameters as text (none where its
-    additionalProperties is false)."""
-    rules = [f"{top}: {' | '.join(f'{top}_{i}' for i in range(len(tools)))}",
-             r"xml_text[lazy]: /(?s:.*)\n<\/parameter>/"]
+@dataclass(frozen=True)
+class _Tagged:
+    """A family whose call names the function and then tags each argument, its value as raw text:
+    the rule that reads such text through the value's close (`text`, named `text_name`), what opens
+    one named argument, the close after a typed value, and what the call's name and end are."""
+    text_name: str
+    text: str
+    any_argument: str
+    opens: Callable[[str], str]
+    close: str
+    head: Callable[[str], str]
+    tail: str
+
+
+QWEN_XML = _Tagged("xml_text", r"xml_text[lazy]: /(?s:.*)\n<\/parameter>/",
+                   ' ("<parameter=" /[^>\\n]+/ ">\\n" xml_text "\\n")*', lambda key: f"<parameter={key}>\n",
+                   ' "\\n</parameter>"', lambda name: f"<function={name}>\n", ' "</function>"')
+GLM_ARGS = _Tagged("glm_text", r"glm_text[lazy]: /(?s:.*)<\/arg_value>/",
+                   ' ("<arg_key>" /[^<\\n]+/ "</arg_key>\\n<arg_value>" glm_text "\\n")*',
+                   lambda key: f"<arg_key>{key}</arg_key>\n<arg_value>", ' "</arg_value>"',
+                   lambda name: f"{name}\n", "")
+
+
+def _tagged_call(tools: list[dict], arguments: Optional[dict], top: str, syntax: _Tagged) -> str:
+    """A call in a tagged family's syntax (rule `top`): one of the tools by name, its arguments in
+    the schema's order (the required ones always), each value as its type is written: a string as
+    raw text up to its close (or held to its enum or pattern), a number or boolean as such, anything
+    else as JSON. A tool whose schema lists no properties takes any arguments as text (none where
+    its additionalProperties is false). Qwen3-Coder: <function=NAME>, <parameter=KEY> lines;
+    GLM-4.5: NAME on its line, an <arg_key> and an <arg_value> per argument."""
+    rules = [f"{top}: {' | '.join(f'{top}_{i}' for i in range(len(tools)))}", syntax.text]
     for i, t in enumerate(tools):
-        name = t["function"]["name"]
         schema = _arguments(t, arguments)
         props, required = schema.get("properties") or {}, set(schema.get("required") or [])
-        if not props:   # any parameters as text, unless it takes none
-            params = "" if schema.get("additionalProperties") is False else \
-                ' ("<parameter=" /[^>\\n]+/ ">\\n" xml_text "\\n")*'
+        if not props:   # any arguments as text, unless it takes none
+            params = "" if schema.get("additionalProperties") is False else syntax.any_argument
         else:
             params = ""
             for j, (key, prop) in enumerate(props.items()):
                 value = f"{top}_{i}_{j}"
-                rules.append(f"{value}: {_xml_value(prop)}")
-                tag = json.dumps(f"<parameter={key}>\n")
-                params += f' ({tag} {value} "\\n")' + ("" if key in required else "?")
-        rules.append(f'{top}_{i}: {json.dumps(f"<function={name}>" + chr(10))}{params} "</function>"')
+                rules.append(f"{value}: {_xml_value(prop, syntax)}")
+                params += f' ({json.dumps(syntax.opens(key))} {value} "\\n")' + ("" if key in required else "?")
+        rules.append(f'{top}_{i}: {json.dumps(syntax.head(t["function"]["name"]))}{params}{syntax.tail}')
     return "\n".join(rules) + "\n"
 
 
-GLM_CLOSE = ' "</arg_value>"'
-
-
-def _glm_call(tools: list[dict], arguments: Optional[dict], top: str) -> str:
-    """GLM-4.5's call (rule `top`): one of the tools by name on its own line, then its arguments in
-    the schema's order (the required ones always), each an <arg_key> line and an <arg_value> line
-    whose value is written as _xml_value writes a Qwen3-Coder parameter's. A tool whose schema lists
-    no properties takes any arguments as text (none where its additionalProperties is false)."""
-    rules = [f"{top}: {' | '.join(f'{top}_{i}' for i in range(len(tools)))}",
-             r"glm_text[lazy]: /(?s:.*)<\/arg_value>/"]
-    for i, t in enumerate(tools):
-        schema = _arguments(t, arguments)
-        props, required = schema.get("properties") or {}, set(schema.get("required") or [])
-        if not props:
-            params = "" if schema.get("additionalProperties") is False else \
-                ' ("<arg_key>" /[^<\\n]+/ "</arg_key>\\n<arg_value>" glm_text "\\n")*'
-        else:
-            params = ""
-            for j, (key, prop) in enumerate(props.items()):
-                value = f"{top}_{i}_{j}"
-                rules.append(f"{value}: {_xml_value(prop, GLM_CLOSE, 'glm_text')}")
-                tag = json.dumps(f"<arg_key>{key}</arg_key>\n<arg_value>")
-                params += f' ({tag} {value} "\\n")' + ("" if key in required else "?")
-        rules.append(f'{top}_{i}: {json.dumps(t["function"]["name"] + chr(10))}{params}')
-    return "\n".join(rules) + "\n"
-
-
-def _xml_value(prop: dict, close: str = ' "\\n</parameter>"', text: str = "xml_text") -> str:
-    """The grammar of one XML parameter's value, through its closing tag (`close`; `text`: the rule
-    of raw text up to and through it)."""
+def _xml_value(prop: dict, syntax: _Tagged) -> str:
+    """The grammar of one tagged argument's value, through its close."""
+    close, text = syntax.close, syntax.text_name
     kind = prop.get("type")
     if isinstance(prop.get("enum"), list) and prop["enum"] and all(isinstance(v, str) for v in prop["enum"]):
         return "(" + " | ".join(json.dumps(v) for v in prop["enum"]) + ")" + close

@@ -213,13 +213,15 @@ class QwenXML(ToolFormat):
         if m is None:
             return None
         name, inner = m.group(1).strip(), m.group(2)
-        props = (self.schemas.get(name) or {}).get("properties") or {}
-        args = {p.group(1).strip(): typed_value(p.group(2), props.get(p.group(1).strip()))
-                for p in _PARAM.finditer(inner)}
         left = _PARAM.sub("", inner).strip()
         error = None if m.group(3) and not left else \
             "the call is cut short before </function>" if not m.group(3) else f"text outside its parameters: {left[:80]!r}"
-        return [ToolCall(self.make_id(), name, json.dumps(args, ensure_ascii=False), error)]
+        return [ToolCall(self.make_id(), name, self.typed_arguments(name, _PARAM.findall(inner)), error)]
+
+    def typed_arguments(self, name: str, pairs: list[tuple[str, str]]) -> str:
+        """(key, raw value) pairs of a call of `name` as JSON arguments, typed by its tool's schema."""
+        props = (self.schemas.get(name) or {}).get("properties") or {}
+        return json.dumps({k.strip(): typed_value(v, props.get(k.strip())) for k, v in pairs}, ensure_ascii=False)
 
 
 _GLM_HEAD = re.compile(r"\s*([^<\n]*)")
@@ -231,8 +233,6 @@ class GLM(QwenXML):
     an <arg_key>/<arg_value> pair, values as raw text (a string as written, the rest as JSON);
     `bind` gives it the request's tools, whose schemas type them."""
     name = "glm45"
-    starts = ("<tool_call>",)
-    end = "</tool_call>"
 
     def parse(self, body: str) -> Optional[list[ToolCall]]:
         head = _GLM_HEAD.match(body)
@@ -240,11 +240,9 @@ class GLM(QwenXML):
         if not name or name.startswith("{"):   # JSON (another family's call): not this one's
             return None
         inner = body[head.end():]
-        props = (self.schemas.get(name) or {}).get("properties") or {}
-        args = {k.strip(): typed_value(v, props.get(k.strip())) for k, v in _GLM_ARG.findall(inner)}
         left = _GLM_ARG.sub("", inner).strip()
         error = f"text outside its arguments: {left[:80]!r}" if left else None
-        return [ToolCall(self.make_id(), name, json.dumps(args, ensure_ascii=False), error)]
+        return [ToolCall(self.make_id(), name, self.typed_arguments(name, _GLM_ARG.findall(inner)), error)]
 
     def parse_block(self, body: str, closed: bool) -> Optional[list[ToolCall]]:
         """Only </tool_call> says a call is whole: cut short, one whose name is not yet ended is no
