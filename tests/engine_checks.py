@@ -302,3 +302,41 @@ def decoding_rows(eng, backend, method: str):
         yield rows
     finally:
         delattr(backend, method)
+
+
+def check_sliding_sessions_batch(backend, monkeypatch, **kw) -> None:
+    """Sessions whose model keeps sliding-window layers (gemma3, gpt-oss) decode together in the
+    batch, past their heap budget and their window, with the text each gets alone; a second turn
+    of each (its first prompt and a new message, without the reply: the session found by its
+    prefix rolls back to its mark, as where a template drops the reply's reasoning) too; a
+    document's chunks ride beside a chat."""
+    requests = [(ids(40, 1), {"max_tokens": 12}), (ids(25, 2), {"max_tokens": 9}), (ids(70, 3), {"max_tokens": 40})]
+    follow = [(ids(20, 4 + i), {"max_tokens": 10}) for i in range(len(requests))]
+
+    def two_turns(eng) -> list[str]:
+        out = []
+        for turn in (requests, [(r[0] + f[0], f[1]) for r, f in zip(requests, follow)]):
+            queues = [submit(eng, toks, **params)[1] for toks, params in turn]
+            evs = [drain(q) for q in queues]
+            out += [(text(e)[0], e[0].cached_tokens) for e in evs]
+        return out
+
+    alone = engine(backend, batched=False, max_active=1)
+    try:
+        want = []
+        for turn in (requests, [(r[0] + f[0], f[1]) for r, f in zip(requests, follow)]):
+            for toks, params in turn:
+                evs = drain(submit(alone, toks, **params)[1])
+                want.append((text(evs)[0], evs[0].cached_tokens))
+    finally:
+        alone.stop()
+    assert [c for _, c in want[len(requests):]] == [len(t) - 1 for t, _ in requests], "each second turn reused its session"
+    log = StepLog(backend, monkeypatch)
+    eng = engine(backend, **kw)
+    try:
+        assert eng.batched and backend.batchable(backend.new_cache(CFG))
+        assert two_turns(eng) == want
+    finally:
+        eng.stop()
+    assert max(len(rows) for rows, _ in log.steps) == len(requests), "the sessions decoded in one step"
+    check_document_rides(backend, requests, monkeypatch, **kw)

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 from engine_checks import (CFG, TEXTS, StepLog, alone_texts, chat_beside_document, check_cancel_mid_batch, check_document_rides,
-                           check_recall_probes_the_question, check_turn_recalls_beside_the_batch,
+                           check_recall_probes_the_question, check_sliding_sessions_batch, check_turn_recalls_beside_the_batch,
                            drain, engine, ids, replies, requests_for, submit, text, timed_submit, until_deltas)
 
 from localheap.backends.torch import TorchBackend
@@ -48,6 +48,13 @@ def test_batched_engine_gives_each_session_its_tokens_alone(demo, REQUESTS, monk
             eng.stop()
         assert [t for t, _ in got] == want
     assert max(len(rows) for rows, _ in log.steps) == len(REQUESTS), "all four decoded in one forward"
+
+
+@pytest.mark.parametrize("family", ["gemma3_text", "gpt_oss"])
+def test_sessions_with_sliding_layers_decode_in_the_batch_with_their_tokens_alone(model_dirs, monkeypatch, family):
+    """gemma3 (sdpa) and gpt-oss (eager attention with its sinks): sliding-window sessions in the batch."""
+    backend = TorchBackend.load(model_dirs(family), dtype=torch.float32)
+    check_sliding_sessions_batch(backend, monkeypatch, lane=False)   # the lane off: chunks ride in the step
 
 
 def test_cancel_mid_batch_leaves_the_others_untouched(demo, REQUESTS):

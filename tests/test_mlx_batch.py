@@ -14,6 +14,7 @@ from recall_checks import CFG as RECALL_CFG  # noqa: E402
 from recall_checks import BatchKit, check_picks_beside_the_batch, check_row_ended_mid_pick, load_all  # noqa: E402
 
 from localheap.backends.mlx import MLXBackend  # noqa: E402
+from localheap.backends.mlx.cache import HeapKVCache  # noqa: E402
 from localheap.backends.mlx.batch import end_row, leave_slab, start_row, step_rows  # noqa: E402
 from localheap.backends.mlx.generate import generate_steps  # noqa: E402
 from localheap.backends.mlx.heapcache import HeapPromptCache  # noqa: E402
@@ -413,3 +414,45 @@ def test_batch_step_bench_tables(llama):
     side = beside_table(llama, cfg, 100, [8, 16], repeats=1)
     assert [r["chunk"] for r in side] == [8, 16]
     assert all(0 < r["chat_kept"] and 0 < r["doc_kept"] for r in side)
+
+
+@pytest.mark.parametrize("family", ["gemma3_text", "gpt_oss"])
+def test_sliding_window_sessions_decode_and_read_in_the_batch_as_alone(model_dirs, family):
+    """gemma3 and gpt-oss (learned sinks): sessions whose sliding layers are mlx-lm's rotating
+    cache take the batch as lone parts (each layer at its own offset), past their heap budget and
+    their window; a document's chunks ride in every step over a window already full (its mask as
+    alone). Tokens, logprobs, heaps and the sliding layers' K/V as alone."""
+    backend = MLXBackend.load(model_dirs(family))
+    assert backend.batchable(backend.new_cache(SMALL))
+    ps = prompts(backend, (70, 90, 20), seed=11)
+    params = [SamplingParams(max_tokens=m) for m in (30, 25, 20)]
+    want = [alone(backend, SMALL, p, sp) for p, sp in zip(ps, params)]
+    doc = prompts(backend, (96,), seed=13)[0]
+    chunks = [doc[i:i + 12] for i in range(0, len(doc), 12)]
+    reader, solo = backend.new_cache(SMALL), backend.new_cache(SMALL)
+    for c in chunks:
+        backend.prefill(solo, c)
+    rows = [start_row(backend.model, backend.new_cache(SMALL), p, sp, defer=True) for p, sp in zip(ps, params)]
+    tokens, logprobs = [[] for _ in rows], [[] for _ in rows]
+    slabs = {}
+    for step in range(30):
+        live = [i for i, r in enumerate(rows) if len(tokens[i]) < params[i].max_tokens]
+        riding = [(reader, chunks[step])] if step < len(chunks) else []
+        assert step_rows(backend.model, [rows[i] for i in live], riding, slabs=slabs) == [None] * (len(live) + len(riding))
+        for i in live:
+            tokens[i].append(rows[i].token)
+            logprobs[i].append(rows[i].logprobs)
+    assert not any(slab.members for slab in slabs.values()), "sliding caches attend as lone parts"
+    for (want_tokens, want_logprobs, cache), got, row in zip(want, tokens, rows):
+        assert got == want_tokens
+        assert max_diff(logprobs[rows.index(row)], want_logprobs) <= LOGPROBS_ATOL
+        assert_same_heap(cache, row.cache)
+    assert_same_heap(solo, reader)
+    assert any(r.cache.heap_layers[0].heap.evictions for r in rows), "rows evicted"
+    for a_cache, b_cache in [(w[2], r.cache) for w, r in zip(want, rows)] + [(solo, reader)]:
+        sliding = [(a, b) for a, b in zip(a_cache, b_cache) if not isinstance(a, HeapKVCache)]
+        assert sliding
+        for a, b in sliding:
+            assert a.offset == b.offset > a.max_size
+            for x, y in zip(a.state, b.state):
+                np.testing.assert_allclose(np.array(x), np.array(y), atol=1e-5)

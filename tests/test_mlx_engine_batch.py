@@ -9,7 +9,7 @@ pytest.importorskip("mlx.core", reason="mlx is not installed (a CUDA machine has
 pytest.importorskip("mlx_lm")
 
 from engine_checks import (StepLog, alone_texts, check_cancel_mid_batch, check_document_rides, check_recall_probes_the_question,  # noqa: E402
-                           check_turn_recalls_beside_the_batch, engine,
+                           check_sliding_sessions_batch, check_turn_recalls_beside_the_batch, engine,
                            ids, replies, requests_for)
 
 from localheap.backends.mlx import MLXBackend  # noqa: E402
@@ -60,20 +60,10 @@ def test_a_document_read_rides_with_the_decoding_chat(demo, REQUESTS, monkeypatc
     check_document_rides(demo, REQUESTS, monkeypatch)
 
 
-def test_sessions_with_sliding_layers_decode_on_their_own_path(model_dirs, monkeypatch):
-    """gemma3's sliding-window layers keep mlx-lm's own cache: such heaps are not batchable, and
-    the batched engine serves them through the single-session generator, with their tokens alone."""
-    gemma = MLXBackend.load(model_dirs("gemma3_text"))
-    requests = [(ids(40, 1), {"max_tokens": 12}), (ids(25, 2), {"max_tokens": 9})]
-    want = alone_texts(gemma, requests)
-    log = StepLog(gemma, monkeypatch)
-    eng = engine(gemma)
-    try:
-        got = replies(eng, requests)
-    finally:
-        eng.stop()
-    assert [t for t, _ in got] == want
-    assert not any(rows for rows, _ in log.steps), "no row of theirs went through step_rows"
+def test_sessions_with_sliding_layers_decode_in_the_batch_with_their_tokens_alone(model_dirs, monkeypatch):
+    """gemma3's sliding-window layers keep mlx-lm's rotating cache: such sessions take the batch
+    as lone parts (engine_checks.check_sliding_sessions_batch)."""
+    check_sliding_sessions_batch(MLXBackend.load(model_dirs("gemma3_text")), monkeypatch)
 
 
 def test_a_turn_after_a_paged_out_document_recalls_for_its_question(demo, tmp_path):

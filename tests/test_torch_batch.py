@@ -11,6 +11,7 @@ from recall_checks import BatchKit, check_picks_beside_the_batch, check_row_ende
 from localheap.backends.torch import TorchBackend, graphed, lean, slab, slab_cpu
 from localheap.backends.torch.batch import leave_slab, make_rooms, start_row, step_rows
 from localheap.backends.torch.generate import generate_steps
+from localheap.backends.torch.layer import HeapLayer
 from localheap.generation import SamplingParams
 from localheap.heap import HeapConfig
 from localheap.models import demo_model_dir
@@ -615,3 +616,56 @@ def test_bfloat16_batch_logits_within_tolerance_of_alone(llama_bf16, slabs):
     assert all(r.cache.heap_layers[0].heap.evictions >= 1 for r in rows[:2]), "rows evicted"
     scale = max(lg.abs().max().item() for _, logits in want for lg in logits)
     assert max(diffs) <= 16 * bf16_ulp(scale), (max(diffs), scale)
+
+
+@pytest.mark.parametrize("family", ["gemma3_text", "gpt_oss"])
+def test_sliding_window_sessions_decode_and_read_in_the_batch_as_alone(model_dirs, family):
+    """gemma3 (sdpa) and gpt-oss (its eager attention, learned sinks): sessions with sliding layers
+    take the batch as lone parts. Rows started alone and rows whose
+    deferred prompt rides (a chunk over a window already full: its mask as alone), a document
+    chunk riding every step; greedy tokens, logits and heaps (sliding layers' K/V too) as alone."""
+    backend = TorchBackend.load(model_dirs(family), dtype=torch.float32)
+    assert backend.batchable(backend.new_cache(SMALL))
+    heads, tails = prompts(backend, (70, 90, 20), seed=11), prompts(backend, (1, 12, 9), seed=12)
+    params = [SamplingParams(max_tokens=m) for m in (30, 25, 20)]
+    want = [alone(backend, SMALL, heads[0] + tails[0], params[0])]
+    for h, t, sp in list(zip(heads, tails, params))[1:]:   # as the rows are fed: the head, then the turn
+        cache = backend.new_cache(SMALL)
+        backend.prefill(cache, h)
+        steps = list(generate_steps(backend.model, cache, t, sp, pipeline=False))
+        want.append(([s for s, _ in steps], [lg for _, lg in steps], cache))
+    rows = []
+    for i, (h, t, sp) in enumerate(zip(heads, tails, params)):
+        cache = backend.new_cache(SMALL)
+        if i:   # the head read alone, the tail deferred: it rides in the first step
+            backend.prefill(cache, h)
+            rows.append(start_row(backend.model, cache, t, sp, defer=True))
+        else:
+            rows.append(start_row(backend.model, cache, h + t, sp))
+    doc = prompts(backend, (96,), seed=13)[0]
+    reader, solo = backend.new_cache(SMALL), backend.new_cache(SMALL)
+    chunks = [doc[i:i + 12] for i in range(0, len(doc), 12)]
+    for c in chunks:
+        backend.prefill(solo, c)
+    tokens, logits = [[rows[0].token]] + [[], []], [[rows[0].logits.clone()]] + [[], []]
+    slabs = {}
+    for step in range(30):
+        live = [i for i, r in enumerate(rows) if len(tokens[i]) < params[i].max_tokens]
+        riding = [(reader, chunks[step])] if step < len(chunks) else []
+        assert step_rows(backend.model, [rows[i] for i in live], riding, slabs=slabs) == [None] * (len(live) + len(riding))
+        for i in live:
+            tokens[i].append(rows[i].token)
+            logits[i].append(rows[i].logits.clone())
+    for i, (want_tokens, want_logits, cache) in enumerate(want):
+        assert tokens[i] == want_tokens, i
+        diff = max((a - b).abs().max().item() for a, b in zip(logits[i], want_logits))
+        assert diff <= LOGITS_ATOL, (i, diff)
+        assert_same_heap(cache, rows[i].cache, atol=1e-4)
+    assert_same_heap(solo, reader, atol=1e-4)
+    for want_cache, got in [(w[2], r.cache) for w, r in zip(want, rows)] + [(solo, reader)]:
+        sliding = [(a, b) for a, b in zip(want_cache.layers, got.layers) if not isinstance(a, HeapLayer)]
+        assert sliding
+        for a, b in sliding:
+            assert a.cumulative_length == b.cumulative_length
+            torch.testing.assert_close(a.keys, b.keys, atol=1e-4, rtol=0)
+    assert any(c.heap_layers[0].heap.evictions for c in (r.cache for r in rows)), "rows evicted"

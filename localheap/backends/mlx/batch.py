@@ -22,12 +22,14 @@ from itertools import accumulate
 from typing import Optional, Sequence
 
 import mlx.core as mx
+from mlx_lm.models.cache import RotatingKVCache
 from mlx_lm.sample_utils import greedy_sampler
 
 from ...generation import ProgressFn, SamplingParams
 from .. import paging
 from ..slots import row_error
 from . import attention
+from .cache import HeapKVCache
 from .generate import prefill_turn, recall_begin, recall_due, recall_end, Sampler
 from .heapcache import HeapPromptCache
 from .slab import DecodeSlab, seated_slab, slab_key
@@ -95,8 +97,10 @@ def start_row(model, cache: HeapPromptCache, prompt: Sequence[int], params: Samp
 
 
 def batchable(cache: HeapPromptCache) -> bool:
-    """Caches whose every layer is a heap (a sliding-window layer's cache is mlx-lm's own)."""
-    return cache.only_heap_layers
+    """Caches whose every layer is a heap or mlx-lm's rotating sliding window (gemma3, gpt-oss:
+    such a session attends as a lone part, each layer at its own offset, a riding chunk with the
+    mask its window gives alone)."""
+    return all(isinstance(c, (HeapKVCache, RotatingKVCache)) for c in cache)
 
 
 class RowsLayer:

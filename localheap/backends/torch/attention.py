@@ -53,8 +53,10 @@ def heap_sdpa(module, query, key, value, attention_mask, heap=None, **kwargs):
 
 
 def heap_eager(module, query, key, value, attention_mask, heap=None, **kwargs):
-    """heap_sdpa over the model's own eager attention (never packed: such models keep a
-    sliding layer or learned sinks, which the batch and the lean step do not take)."""
+    """heap_sdpa over the model's own eager attention (gpt-oss: its learned sinks); a packed step
+    attends each part through it too."""
+    if getattr(heap, "packed", False):
+        return heap.attend(module, query, stock=_eager(type(module)), **kwargs), None
     return _heap_sdpa(module, query, key, value, attention_mask, heap, stock=_eager(type(module)), **kwargs)
 
 

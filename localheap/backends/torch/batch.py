@@ -20,13 +20,15 @@ from typing import Optional, Sequence
 import torch
 import torch.nn.functional as F
 from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.masking_utils import eager_mask, sdpa_mask, sliding_window_causal_mask_function
 
 from ...generation import ProgressFn, SamplingParams
 from .. import paging
 from ..slots import row_error
 from . import attention, graphed
-from .cache import HeapCache
+from .cache import HeapCache, SlidingLayer
 from .generate import Sampler, prefill, prefill_turn, recall_begin, recall_due, recall_end
+from .layer import HeapLayer
 from .lean import batch_linear, lean_packed, lean_static
 from .select import plan_eviction
 from .slab import DecodeSlab, slab_key
@@ -79,8 +81,9 @@ def _rides(row: DecodeRow) -> bool:
 
 
 def batchable(cache: HeapCache) -> bool:
-    """Caches whose every layer is a heap (no sliding-window layer: its mask is the model's)."""
-    return cache.only_heap_layers
+    """Caches whose every layer is a heap or transformers' sliding window (gemma3, gpt-oss: such a
+    session attends as a lone part, its sliding layers masked as the model masks them alone)."""
+    return all(isinstance(layer, (HeapLayer, SlidingLayer)) for layer in cache.layers)
 
 
 class PackedLayer(CacheLayerMixin):
@@ -131,9 +134,11 @@ class PackedStep(Cache):
         self.bounds = [(e - n, e) for e, n in zip(ends, lengths)]
         super().__init__(layers=[PackedLayer(self, i) for i in range(n_layers)])
 
-    def attend(self, module, query: torch.Tensor, **kwargs) -> torch.Tensor:
-        """query: [1, H_q, N, D] -> [1, N, H_q, D]: each part over its own heaps."""
+    def attend(self, module, query: torch.Tensor, stock=None, **kwargs) -> torch.Tensor:
+        """query: [1, H_q, N, D] -> [1, N, H_q, D]: each part over its own heaps (or sliding
+        window), through the model's stock attention (`stock`: its eager one where it has no sdpa)."""
         scale = kwargs.get("scaling") or query.shape[-1] ** -0.5
+        stock = stock or attention.sdpa_attention_forward
         lone = iter(self.layers[module.layer_idx].resident)
         outs = []
         for part, (a, b) in zip(self.parts, self.bounds):
@@ -141,8 +146,24 @@ class PackedStep(Cache):
                 outs.append(part.attend(module.layer_idx, query[:, :, a:b], scale))
             else:
                 k, v = next(lone)
-                outs.append(attention._heap_sdpa(module, query[:, :, a:b], k, v, None, part, **kwargs)[0])
+                layer = part.layers[module.layer_idx]
+                mask = None if isinstance(layer, HeapLayer) else \
+                    sliding_mask(layer, b - a, k.shape[2], query, eager=stock is not attention.sdpa_attention_forward)
+                outs.append(attention._heap_sdpa(module, query[:, :, a:b], k, v, mask, part, stock=stock, **kwargs)[0])
         return torch.cat(outs, dim=1)
+
+
+def sliding_mask(layer: SlidingLayer, L: int, T: int, query: torch.Tensor, eager: bool) -> Optional[torch.Tensor]:
+    """The mask transformers gives a sliding layer alone for L new tokens over its T keys (the
+    window it held, then the L): None for one token (it sees every key), else causal within the
+    window, boolean for sdpa, additive in the query's dtype for eager attention."""
+    if L == 1:
+        return None
+    window = layer.sliding_window
+    start = layer.cumulative_length - L            # tokens the layer had seen before these
+    kw = dict(batch_size=1, q_length=L, kv_length=T, q_offset=start, kv_offset=max(start - window + 1, 0),
+              mask_function=sliding_window_causal_mask_function(window), device=query.device)
+    return eager_mask(dtype=query.dtype, **kw) if eager else sdpa_mask(local_size=window, **kw)
 
 
 def forward_packed(model, parts: list, tokens: list[torch.Tensor]) -> torch.Tensor:
