@@ -10,7 +10,7 @@ pytest.importorskip("mlx_lm")
 
 from engine_checks import (StepLog, alone_texts, check_cancel_mid_batch, check_document_rides, check_recall_probes_the_question,  # noqa: E402
                            check_sliding_sessions_batch, check_turn_recalls_beside_the_batch, engine,
-                           ids, replies, requests_for)
+                           replies, requests_for)
 
 from localheap.backends.mlx import MLXBackend  # noqa: E402
 from localheap.backends.mlx.slab import DecodeSlab  # noqa: E402
