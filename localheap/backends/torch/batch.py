@@ -150,7 +150,7 @@ class PackedStep(Cache):
                 mask = None if isinstance(layer, HeapLayer) else \
                     sliding_mask(layer, b - a, k.shape[2], query, eager=stock is not attention.sdpa_attention_forward)
                 outs.append(attention._heap_sdpa(module, query[:, :, a:b], k, v, mask, part, stock=stock, **kwargs)[0])
-        return torch.cat(outs, dim=1)
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
 
 
 def sliding_mask(layer: SlidingLayer, L: int, T: int, query: torch.Tensor, eager: bool) -> Optional[torch.Tensor]:
@@ -186,11 +186,17 @@ def forward_packed(model, parts: list, tokens: list[torch.Tensor]) -> torch.Tens
     keep = []
     for part, (a, b) in zip(parts, zip([0] + list(accumulate(lengths))[:-1], accumulate(lengths))):
         keep += list(range(a, b)) if isinstance(part, DecodeSlab) else [b - 1]
+    caches = [c for part in parts for c in (part.members if isinstance(part, DecodeSlab) else [part])]
+    lean = lean_packed(model, caches)
+    if lean is None and len(parts) == 1 and not isinstance(parts[0], DecodeSlab):   # one heap: its own forward, as alone
+        with torch.no_grad():
+            out = model(input_ids=ids, position_ids=positions, past_key_values=parts[0], use_cache=True,
+                        logits_to_keep=1, heap=parts[0])
+        return out.logits[0].to(dtype=torch.float32)
     first = parts[0].members[0] if isinstance(parts[0], DecodeSlab) else parts[0]
     step = PackedStep(parts, lengths, len(first.layers))
     keep = torch.tensor(keep, device=ids.device)
-    caches = [c for part in parts for c in (part.members if isinstance(part, DecodeSlab) else [part])]
-    if (lean := lean_packed(model, caches)) is not None:   # the same ops without transformers' module glue
+    if lean is not None:   # the same ops without transformers' module glue
         linear = batch_linear(lean.embed.weight) if len(caches) > 1 else F.linear   # one session: stock's op
         return lean.run(step, ids, positions, keep, linear)[0].to(dtype=torch.float32)
     with torch.no_grad():
