@@ -8,11 +8,12 @@ import pytest
 pytest.importorskip("mlx.core", reason="mlx is not installed (a CUDA machine has none)")
 pytest.importorskip("mlx_lm")
 
-from engine_checks import (StepLog, alone_texts, check_cancel_mid_batch, check_document_rides, check_recall_probes_the_question,  # noqa: E402
+from engine_checks import (StepLog, alone_texts, drain, submit, text, check_cancel_mid_batch, check_document_rides, check_recall_probes_the_question,  # noqa: E402
                            check_sliding_sessions_batch, check_turn_recalls_beside_the_batch, engine,
                            replies, requests_for)
 
 from localheap.backends.mlx import MLXBackend  # noqa: E402
+from localheap.engine import Delta  # noqa: E402
 from localheap.backends.mlx.slab import DecodeSlab  # noqa: E402
 from localheap.models import demo_model_dir  # noqa: E402
 
@@ -58,6 +59,44 @@ def test_cancel_mid_batch_leaves_the_others_untouched(demo, REQUESTS):
 
 def test_a_document_read_rides_with_the_decoding_chat(demo, REQUESTS, monkeypatch):
     check_document_rides(demo, REQUESTS, monkeypatch)
+
+
+def test_one_session_decodes_ahead_and_its_turns_read_as_round_robin(demo, monkeypatch):
+    """A session decoding alone in the batch has its next step queued before its token is read
+    (the round-robin generator's pipelining); a turn ended by a stop token leaves that token fed
+    as round-robin does, so the session's next turn reuses and reads what it reads round-robin."""
+    first = requests_for(demo)[1][0]
+    queued = []
+    step_rows = demo.step_rows
+
+    def spy(rows, chunks=()):
+        errors = step_rows(rows, chunks)
+        queued.append(sum(r.ahead is not None for r in rows))
+        return errors
+
+    def conversation(eng) -> list:
+        evs = drain(submit(eng, first, max_tokens=40)[1])
+        ids = [i for e in evs if isinstance(e, Delta) for i in e.ids]
+        sid = evs[-1].session_id
+        stop = drain(submit(eng, [5, 6, 7], session_id=sid, max_tokens=40, stop_token_ids=[ids[12]])[1])
+        again = drain(submit(eng, [8, 9], session_id=sid, max_tokens=20)[1])
+        return [(text(e), e[-1].usage, e[-1].prompt_read) for e in (evs, stop, again)] + [ids]
+
+    rr = engine(demo, batched=False, max_active=1)
+    try:
+        want = conversation(rr)
+    finally:
+        rr.stop()
+    monkeypatch.setattr(demo, "step_rows", spy)
+    eng = engine(demo)
+    try:
+        assert eng.batched
+        got = conversation(eng)
+    finally:
+        eng.stop()
+    assert got == want
+    assert want[1][0][1] == "stop" and want[1][0][2] < 40, "the second turn ended on its stop token"
+    assert sum(queued) >= len(queued) - 4, "the session decoded ahead in the batch"
 
 
 def test_sessions_with_sliding_layers_decode_in_the_batch_with_their_tokens_alone(model_dirs, monkeypatch):

@@ -37,6 +37,7 @@ class MLXBackend:
         self.vocab_size = getattr(getattr(model, "args", None), "vocab_size", None)   # ids a prompt may use
         self.slabs: dict = {}          # the decode batch's heap buffers, by slab key (slab.py)
         self.batch_slabs = True        # False: every row of a batch attends on its own (per-heap sdpa)
+        self.batch_ahead = True        # a session decoding alone in the batch has its next step queued (batch._run_ahead)
         self.recall_picker = None      # a decode row's recall picks here while the batch steps (paging.new_picker)
         self.computes_on_cpu = mx.default_device().type == mx.cpu   # the engine runs page-outs between steps
         self.compile_decode = False   # decode steps with their per-token parts mx.compile'd (compiled.py)
@@ -95,11 +96,12 @@ class MLXBackend:
         then per chunk: None (advanced) or the error that stopped it alone."""
         if self.recall_picker is None:
             self.recall_picker = paging.new_picker()   # None: LOCALHEAP_RECALL_PICKER=step
-        return batch.step_rows(self.model, rows, chunks, self.slabs if self.batch_slabs else None, self.recall_picker)
+        return batch.step_rows(self.model, rows, chunks, self.slabs if self.batch_slabs else None, self.recall_picker,
+                               ahead=self.batch_ahead)
 
     def end_row(self, row: batch.DecodeRow) -> None:
-        """The row's run ended (its last sampled token stays unfed): a pick still running for it is
-        waited for and dropped, and its heap leaves the batch."""
+        """The row's run ended (its last sampled token stays unfed, unless a step queued ahead fed
+        it): a pick still running for it is waited for and dropped, and its heap leaves the batch."""
         batch.end_row(row)
 
     def question_tokens(self, cache, n: int) -> int:

@@ -30,7 +30,7 @@ from .. import paging
 from ..slots import row_error
 from . import attention
 from .cache import HeapKVCache
-from .generate import prefill_turn, recall_begin, recall_due, recall_end, Sampler
+from .generate import decode_step, prefill_turn, recall_begin, recall_due, recall_end, Sampler
 from .heapcache import HeapPromptCache
 from .slab import DecodeSlab, seated_slab, slab_key
 
@@ -50,6 +50,13 @@ class DecodeRow:
         self.token: Optional[int] = None
         self.logprobs: Optional[mx.array] = None   # [vocab] the last token was sampled from
         self.recalling: Optional[Future] = None   # its prompt's recall, picking on another thread
+        self.left = params.max_tokens   # tokens it may still sample
+        self.ahead: Optional[tuple[mx.array, mx.array]] = None   # its next step, queued: (token [1], logprobs)
+
+    def took(self, token: mx.array, logprobs: mx.array, host: Optional[int] = None) -> None:
+        """The token this step sampled ([1] on the device; `host`: its id, read already)."""
+        self.next, self.logprobs, self.left = token, logprobs, self.left - 1
+        self.token = token.item() if host is None else host
 
     @property
     def waiting(self) -> bool:
@@ -152,7 +159,38 @@ def _part(x: mx.array, a: int, b: int) -> mx.array:
 
 
 def step_rows(model, rows: list[DecodeRow], chunks: Sequence[tuple[HeapPromptCache, Sequence[int]]] = (),
-              slabs: Optional[dict] = None, picker: Optional[Executor] = None) -> list[Optional[Exception]]:
+              slabs: Optional[dict] = None, picker: Optional[Executor] = None,
+              ahead: bool = False) -> list[Optional[Exception]]:
+    """_step_rows, and with `ahead` (the engine's steps: MLXBackend.step_rows) a row that steps
+    alone (no other row, no chunk) has its next step queued before its token is read (_run_ahead:
+    one session decodes pipelined, as the round-robin generator does). Its caller ends such a
+    row with end_row before anything else touches its heap.
+    A row whose step ran ahead takes that step's token in the next call, fed in no forward again
+    (its K/V are in its heap already); a step that stops it (EOS, a stop string, a cancel) leaves
+    that token fed, as the round-robin generator does (end_row waits for it)."""
+    if len(rows) == 1 and not chunks and rows[0].ahead is not None:   # one session, decoding: pipelined
+        row = rows[0]
+        (y, logprobs), row.ahead = row.ahead, None
+        row.took(y, logprobs, host=-1)
+        if ahead:
+            _run_ahead(model, row)
+        row.token = y.item()
+        return [None]
+    ready = [row for row in rows if row.ahead is not None]
+    fed = [row for row in rows if row.ahead is None]
+    got = iter(_step_rows(model, fed, chunks, slabs, picker) if fed or chunks else [])
+    errors = [None if row.ahead is not None else next(got) for row in rows] + list(got)
+    for row in ready:
+        (y, logprobs), row.ahead = row.ahead, None
+        row.took(y, logprobs)
+    if ahead and len(rows) == 1 and not chunks and errors[0] is None and not rows[0].waiting \
+            and rows[0].prompt is None and rows[0].next is not None:
+        _run_ahead(model, rows[0])
+    return errors
+
+
+def _step_rows(model, rows: list[DecodeRow], chunks: Sequence[tuple[HeapPromptCache, Sequence[int]]] = (),
+               slabs: Optional[dict] = None, picker: Optional[Executor] = None) -> list[Optional[Exception]]:
     """Feed each row's pending token and `chunks` ((cache, ids) of prefills riding along) in one
     forward; each row then samples its next token with its own sampler.
 
@@ -197,8 +235,24 @@ def step_rows(model, rows: list[DecodeRow], chunks: Sequence[tuple[HeapPromptCac
     tokens = sample_rows([row.sample for row in order], logits, logprobs)        # [B]
     mx.eval(tokens, logprobs, fed, [c.score_arrays() for c in caches])
     for b, (row, token) in enumerate(zip(order, tokens.tolist())):
-        row.next, row.token, row.logprobs = tokens[b: b + 1], token, logprobs[b]
+        row.took(tokens[b: b + 1], logprobs[b], token)
     return errors
+
+
+def _run_ahead(model, row: DecodeRow) -> None:
+    """Queue the row's next step (feed its token, sample the one after) without waiting for it, as
+    mlx-lm's generate_step and the round-robin generator do: the device computes it while the host
+    reads this step's token and the engine sends it. Not where the row has sampled its last token;
+    a heap that cannot make room (an eviction's page-out) is left to the next step, which reports it."""
+    if row.left <= 0:
+        return
+    try:
+        leave_slab(row.cache)
+        y, logprobs = decode_step(model, row.cache, row.next, row.sample)
+    except Exception:
+        return
+    mx.async_eval(y, logprobs, *row.cache.score_arrays())
+    row.ahead = (y, logprobs)
 
 
 def _seat(rows: list[DecodeRow], slabs: dict) -> None:
@@ -228,8 +282,12 @@ def leave_slab(cache: HeapPromptCache) -> None:
 
 
 def end_row(row: DecodeRow) -> None:
-    """The row's run ended (or failed): a pick still running for it is waited for (it reads the
-    heap's page store) and dropped, and its heap leaves the batch."""
+    """The row's run ended (or failed): a step queued ahead lands (its token stays fed) and its
+    sample is dropped, a pick still running for it is waited for (it reads the heap's page store)
+    and dropped, and its heap leaves the batch."""
+    if row.ahead is not None:
+        mx.eval(row.ahead, [c.state for c in row.cache], row.cache.score_arrays())
+        row.ahead = None
     if row.recalling is not None:
         wait([row.recalling])
         row.recalling = None

@@ -424,7 +424,7 @@ def recall_end(model, cache: HeapPromptCache, question: paging.Question, chunk: 
             cancelled)
 
 
-def _step(model, cache: HeapPromptCache, tokens: mx.array, sampler, share=None):
+def decode_step(model, cache: HeapPromptCache, tokens: mx.array, sampler, share=None):
     compiled = compiled_step(model, cache) if getattr(cache, "compile_decode", False) and tokens.shape[0] == 1 else None
     if compiled is not None:
         logits = compiled(cache, tokens)   # [1, vocab]; the heap's own work inside, uncompiled
@@ -458,11 +458,11 @@ def generate_steps(model, cache: HeapPromptCache, prompt: Sequence[int], params:
     prefill_turn(model, cache, prompt, chunk, progress, cancelled)
     if params.max_tokens == 0:
         return
-    y, lp = _step(model, cache, mx.array(prompt[-1:], dtype=mx.uint32), sampler, share)
+    y, lp = decode_step(model, cache, mx.array(prompt[-1:], dtype=mx.uint32), sampler, share)
     mx.async_eval(y, lp, *cache.score_arrays())
     for n in range(params.max_tokens):
         if n + 1 < params.max_tokens:
-            next_y, next_lp = _step(model, cache, y, sampler, share)
+            next_y, next_lp = decode_step(model, cache, y, sampler, share)
             mx.async_eval(next_y, next_lp, *cache.score_arrays())
         yield y.item(), lp
         if n + 1 < params.max_tokens:
