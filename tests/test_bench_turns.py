@@ -17,7 +17,7 @@ def test_rewinding_reads_only_each_new_turn_where_reading_again_reads_the_conver
 
     rc = main(["bench", "turns", "--model", str(model_dirs("llama")), "--backend", "torch", "--budget", "96",
                "--slack", "32", "--recent", "16", "--turns", "6", "--question", "40", "--reasoning", "30",
-               "--answer", "10", "--threads", "1"])
+               "--answer", "10", "--threads", "1", "--facts", "2"])
     assert rc == 0
     out = capsys.readouterr().out
     result = json.loads(out.strip().splitlines()[-1])
@@ -33,3 +33,9 @@ def test_rewinding_reads_only_each_new_turn_where_reading_again_reads_the_conver
     assert last["again_read"] == last["prompt"] > last["rewind_read"]   # past the heap: read again in full
     assert result["total"]["rewind"]["read"] < result["total"]["again"]["read"]
     assert result["total"]["rewind"]["sessions"] < result["total"]["again"]["sessions"]
+    found = result["facts"]   # two keys planted in the first message, asked after the last turn in each arm
+    assert len(found["planted"]) == 2 and "pass keys planted" in out
+    for arm in ("rewind", "again"):
+        assert len(found[arm]["keys"]) == 2 and 0 <= found[arm]["hits"] <= 2
+    assert found["rewind"]["read"] < last["rewind_read"] + 40 < found["again"]["read"]   # the first question:
+    # rewound to where the last reply began, or the conversation read again

@@ -163,6 +163,9 @@ def add_parser(sub) -> None:
                        help="tokens of each reply's reasoning, which the client does not send back (about; default 600)")
     turns.add_argument("--answer", type=_positive, default=100, metavar="TOKENS",
                        help="tokens of each reply's answer (about; default 100)")
+    turns.add_argument("--facts", type=int, default=0, metavar="K",
+                       help="pass keys planted in the first message and asked after the last turn, in each arm: "
+                            "what rewinding costs the answers (0: none; default 0)")
     add_threads_arg(turns)
     turns.set_defaults(func=run_turns_bench, model="demo")
 
@@ -483,8 +486,10 @@ def run_turns_bench(args) -> int:
     backend = load_backend(model_spec(args), args.backend)
     set_threads(backend, args)
     cfg = heap_config(args, backend)
+    if args.facts < 0:
+        raise SystemExit("--facts must be >= 0")
     result = run(backend, cfg, args.turns, args.question, args.reasoning, args.answer,
-                 log=lambda m: print(m, file=sys.stderr))
+                 log=lambda m: print(m, file=sys.stderr), facts=args.facts)
     emit("turns", report(result, cfg, table), {"model": backend.model_name, "backend": backend.name,
                                                "heap": cfg.to_dict(), **result})
     return 0
