@@ -50,6 +50,38 @@ def test_batched_engine_gives_each_session_its_tokens_alone(demo, REQUESTS, monk
     assert max(len(rows) for rows, _ in log.steps) == len(REQUESTS), "all four decoded in one forward"
 
 
+def test_sessions_run_ahead_when_alone_with_their_tokens_alone(demo, REQUESTS, monkeypatch):
+    """The batch's ahead mode (on CUDA by default, forced here): a session stepping alone has its
+    next step queued before its token is read; every session's text is its text alone, and a
+    session's next turn (after a stop token, fed ahead) continues from what its cache holds."""
+    want = alone_texts(demo, REQUESTS)
+    monkeypatch.setattr(demo, "batch_ahead", True)
+    queued = []
+    step_rows = demo.step_rows
+
+    def spy(rows, chunks=()):
+        errors = step_rows(rows, chunks)
+        queued.append(sum(r.ahead is not None for r in rows))
+        return errors
+
+    monkeypatch.setattr(demo, "step_rows", spy)
+    eng = engine(demo)
+    try:
+        got = replies(eng, REQUESTS)
+        first = drain(submit(eng, REQUESTS[1][0], max_tokens=30)[1])
+        sid = first[-1].session_id
+        stop_id = [i for e in first if isinstance(e, Delta) for i in e.ids][10]
+        stopped = drain(submit(eng, [5, 6, 7], session_id=sid, max_tokens=30, stop_token_ids=[stop_id])[1])
+        again = drain(submit(eng, [8, 9], session_id=sid, max_tokens=10)[1])
+    finally:
+        eng.stop()
+    assert [t for t, _ in got] == want
+    assert sum(q > 0 for q in queued) > 20, "sessions decoded ahead"
+    assert text(stopped)[1] == "stop" and text(again)[1] == "length"
+    # the stop token was fed ahead and the session's history holds it: the next turn reads only its own
+    assert again[-1].prompt_read == 2 and again[-1].usage.cached_tokens == again[-1].usage.prompt_tokens - 2
+
+
 @pytest.mark.parametrize("family", ["gemma3_text", "gpt_oss"])
 def test_sessions_with_sliding_layers_decode_in_the_batch_with_their_tokens_alone(model_dirs, monkeypatch, family):
     """gemma3 (sdpa) and gpt-oss (eager attention with its sinks): sliding-window sessions in the batch."""

@@ -669,3 +669,51 @@ def test_sliding_window_sessions_decode_and_read_in_the_batch_as_alone(model_dir
             assert a.cumulative_length == b.cumulative_length
             torch.testing.assert_close(a.keys, b.keys, atol=1e-4, rtol=0)
     assert any(c.heap_layers[0].heap.evictions for c in (r.cache for r in rows)), "rows evicted"
+
+
+@pytest.mark.parametrize("slabs", [None, {}], ids=["per-heap", "slab"])
+def test_a_row_stepping_alone_runs_ahead_as_alone(llama, slabs):
+    """With `ahead` (the engine's steps on CUDA; forced here) a row stepping on its own has its
+    next step run before its token is read. A second row joining takes the batch with it (the first
+    takes its queued step's token, fed in no forward again) and, once it has left, the first runs
+    ahead again: tokens and heaps as alone, past evictions. A queued step that cannot make room is
+    the next step's error; end_row drops a queued step, its token fed."""
+    ps = prompts(llama, (150, 40), seed=21)
+    params = [SamplingParams(max_tokens=70), SamplingParams(max_tokens=20)]
+    want = [alone(llama, SMALL, p, sp) for p, sp in zip(ps, params)]
+    rows = [start_row(llama.model, llama.new_cache(SMALL), ps[0], params[0], defer=True)]
+    tokens, queued = [[], []], 0
+    for step in range(70):
+        if step == 15:
+            rows.append(start_row(llama.model, llama.new_cache(SMALL), ps[1], params[1], defer=True))
+        live = [(i, r) for i, r in enumerate(rows) if len(tokens[i]) < params[i].max_tokens]
+        assert step_rows(llama.model, [r for _, r in live], slabs=slabs, ahead=True) == [None] * len(live)
+        for i, r in live:
+            tokens[i].append(r.token)
+            if len(tokens[i]) == params[i].max_tokens:
+                leave_slab(r)
+        queued += rows[0].ahead is not None
+    assert 45 <= queued < 69, queued   # ahead alone, not beside the second row, nor after its last token
+    for (want_tokens, _, want_cache), got, row in zip(want, tokens, rows):
+        assert got == want_tokens
+        assert row.ahead is None
+        assert_same_heap(want_cache, row.cache, atol=1e-4)
+    assert rows[0].cache.heap_layers[0].heap.evictions > 0
+    row = start_row(llama.model, rows[0].cache, prompts(llama, (5,), seed=22)[0], SamplingParams(max_tokens=50), defer=True)
+    seen = rows[0].cache.tokens_seen
+    for _ in range(10):
+        assert step_rows(llama.model, [row], slabs=slabs, ahead=True) == [None]
+    assert row.ahead is not None
+    leave_slab(row)
+    assert row.ahead is None and row.cache.tokens_seen == seen + 5 + 10   # the turn, and the 10 tokens taken
+    row = start_row(llama.model, row.cache, [7, 8], SamplingParams(max_tokens=50), defer=True)
+    assert step_rows(llama.model, [row], slabs=slabs, ahead=True) == [None] and row.ahead is not None
+    before = row.cache.tokens_seen
+
+    def full(n):
+        raise OSError("page writer: disk full")
+
+    row.cache.due = full   # the step queued next finds no room
+    step_rows(llama.model, [row], slabs=slabs, ahead=True)   # takes the queued token, queues the next
+    error = step_rows(llama.model, [row], slabs=slabs, ahead=True)[0]
+    assert isinstance(error, OSError) and row.ahead is None and row.cache.tokens_seen == before   # fed nothing

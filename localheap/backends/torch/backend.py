@@ -85,6 +85,9 @@ class TorchBackend:
         self.vocab_size = model.get_input_embeddings().num_embeddings   # ids a prompt may use
         self.slabs: dict = {}          # the decode batch's heap buffers, by slab key (slab.py)
         self.batch_slabs = True        # False: every row of a batch attends on its own (per-heap sdpa)
+        # a session decoding alone in the batch has its next step queued before its token is read
+        # (batch._run_ahead), as the generator pipelines: on CUDA, where the host would idle the card
+        self.batch_ahead = self.device.type == "cuda"
         self.recall_picker: Optional[ThreadPoolExecutor] = None   # see _picker
         # the engine may read a prompt chunk on a second thread beside the decode batch (engine/lane.py):
         # forward passes share no state but their caches; on CUDA both would queue on one stream (untested)
@@ -194,7 +197,8 @@ class TorchBackend:
     def step_rows(self, rows: list, chunks=()) -> list:
         """Feed each row's token (and `chunks`: (cache, ids) of prefills) in one forward; per row,
         then per chunk: None (advanced) or the error that stopped it alone."""
-        return batch.step_rows(self.model, rows, chunks, self.slabs if self.batch_slabs else None, self._picker())
+        return batch.step_rows(self.model, rows, chunks, self.slabs if self.batch_slabs else None, self._picker(),
+                               ahead=self.batch_ahead)
 
     def _picker(self) -> Optional[ThreadPoolExecutor]:
         """paging.new_picker, started on first use (None: LOCALHEAP_RECALL_PICKER=step)."""
@@ -205,7 +209,8 @@ class TorchBackend:
         return self.recall_picker
 
     def end_row(self, row: batch.DecodeRow) -> None:
-        """The row's run ended (its last sampled token stays unfed): its heap leaves the batch."""
+        """The row's run ended (its last sampled token stays unfed, unless a step queued ahead fed
+        it): its heap leaves the batch."""
         batch.leave_slab(row)
 
     def question_tokens(self, cache: HeapCache, n: int) -> int:

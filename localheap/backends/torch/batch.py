@@ -40,12 +40,14 @@ class DecodeRow:
     token yet: its first step feeds the prompt (riding in the batch where no recall is due)."""
 
     def __init__(self, cache: HeapCache, sampler: Sampler, logits: Optional[torch.Tensor] = None,
-                 prompt: Optional[list[int]] = None):
+                 prompt: Optional[list[int]] = None, max_tokens: int = 1 << 62):
         self.cache, self.sampler = cache, sampler
         self.slab: Optional[DecodeSlab] = None   # the slab its heap is a row of, while it is
         self.prompt = prompt                     # tokens to feed before the first sample
         self.recalling: Optional[Future] = None  # its prompt's recall, picking on another thread
         self.logits = self.next = self.token = None
+        self.left = max_tokens                  # tokens it may still sample
+        self.ahead: Optional[tuple] = None       # its next step, queued: (logits, token [1]) or (error, None)
         if logits is not None:
             self.sampled(logits)
 
@@ -55,6 +57,7 @@ class DecodeRow:
         self.next = self.sampler.sample(logits) if token is None else token
         self.token = int(self.next) if host is None else host
         self.prompt = None
+        self.left -= 1
 
     @property
     def waiting(self) -> bool:
@@ -70,8 +73,8 @@ def start_row(model, cache: HeapCache, prompt: Sequence[int], params: SamplingPa
         raise ValueError("generation needs at least one new prompt token")
     sampler = Sampler(params, cache.device)
     if defer:
-        return DecodeRow(cache, sampler, prompt=list(prompt))
-    return DecodeRow(cache, sampler, prefill_turn(model, cache, prompt, progress, cancelled))
+        return DecodeRow(cache, sampler, prompt=list(prompt), max_tokens=params.max_tokens)
+    return DecodeRow(cache, sampler, prefill_turn(model, cache, prompt, progress, cancelled), max_tokens=params.max_tokens)
 
 
 def _rides(row: DecodeRow) -> bool:
@@ -206,7 +209,53 @@ def forward_packed(model, parts: list, tokens: list[torch.Tensor]) -> torch.Tens
 
 
 def step_rows(model, rows: list[DecodeRow], chunks: Sequence[tuple[HeapCache, Sequence[int]]] = (),
-              slabs: Optional[dict] = None, picker: Optional[Executor] = None) -> list[Optional[Exception]]:
+              slabs: Optional[dict] = None, picker: Optional[Executor] = None,
+              ahead: bool = False) -> list[Optional[Exception]]:
+    """_step_rows, and with `ahead` (the engine's steps on CUDA: TorchBackend.step_rows) a row
+    that steps alone (no other row, no chunk) has its next step queued before its token is read,
+    as the generator pipelines on CUDA: the card computes it while the host reads this token and
+    the engine sends it. A row whose step ran ahead takes that step's token in the next call, fed
+    in no forward again; a step that stops it (EOS, a stop string, a cancel) leaves that token fed,
+    as the generator does. Nothing runs ahead past the row's max_tokens. The caller ends such a row
+    with end_row before anything else touches its heap."""
+    if len(rows) == 1 and not chunks and rows[0].ahead is not None:   # one session, decoding: pipelined
+        row = rows[0]
+        (logits, token), row.ahead = row.ahead, None
+        if token is None:   # the queued step could not make room: this step's error
+            return [logits]
+        row.logits, row.next, row.left = logits, token, row.left - 1
+        if ahead:
+            _run_ahead(model, row, slabs)
+        row.token = int(token)
+        return [None]
+    fed = [row for row in rows if row.ahead is None]
+    got = iter(_step_rows(model, fed, chunks, slabs, picker) if fed or chunks else [])
+    errors = [None if row.ahead is not None else next(got) for row in rows] + list(got)
+    for i, row in enumerate(rows):
+        if row.ahead is not None:
+            (logits, token), row.ahead = row.ahead, None
+            if token is None:
+                errors[i] = logits
+            else:
+                row.sampled(logits, token)
+    if ahead and len(rows) == 1 and not chunks and errors[0] is None and rows[0].prompt is None \
+            and not rows[0].waiting:
+        _run_ahead(model, rows[0], slabs)
+    return errors
+
+
+def _run_ahead(model, row: DecodeRow, slabs: Optional[dict]) -> None:
+    """Queue the row's next step without reading its token (row.ahead); not past its max_tokens."""
+    if row.left <= 0:
+        return
+    error = _step_rows(model, [row], (), slabs, None, read=False)[0]
+    if error is not None:
+        row.ahead = (error, None)
+
+
+def _step_rows(model, rows: list[DecodeRow], chunks: Sequence[tuple[HeapCache, Sequence[int]]] = (),
+               slabs: Optional[dict] = None, picker: Optional[Executor] = None,
+               read: bool = True) -> list[Optional[Exception]]:
     """Feed each row's pending token (and `chunks`: (cache, ids) of prefills, riding in the same
     forward) in one pass; each row then samples its next token with its own sampler.
 
@@ -218,7 +267,8 @@ def step_rows(model, rows: list[DecodeRow], chunks: Sequence[tuple[HeapCache, Se
     Returns one entry per row, then one per chunk: None when it advanced (or waits), else the
     error that stopped it before the forward (making room: an eviction event or its page-out),
     which leaves the others untouched. An error in the forward itself raises (every part is
-    suspect). One host read per step: the rows' sampled ids together."""
+    suspect). One host read per step: the rows' sampled ids together (none with `read` False:
+    each row keeps (logits, token on the device) as its `ahead`)."""
     errors: list[Optional[Exception]] = [None] * (len(rows) + len(chunks))
     feeding: list[int] = []
     alone = [i for i, row in enumerate(rows) if row.prompt is not None and not _rides(row)]
@@ -274,6 +324,10 @@ def step_rows(model, rows: list[DecodeRow], chunks: Sequence[tuple[HeapCache, Se
     logits = forward_packed(model, parts, tokens)
     if order:
         sampled = sample_rows([row.sampler for row in order], logits[: len(order)])   # [rows]
+        if not read:
+            for i, row in enumerate(order):
+                row.ahead = (logits[i], sampled[i: i + 1])
+            return errors
         host = sampled.tolist()
         for i, (row, value) in enumerate(zip(order, host)):
             row.sampled(logits[i], sampled[i: i + 1], value)
@@ -341,7 +395,9 @@ def in_slab(row: DecodeRow) -> bool:
 
 def leave_slab(row: DecodeRow) -> None:
     """The row's heap gets buffers of its own again (its run ended, failed, or waits a step);
-    a pick still running for it is waited for (it reads the heap's page store) and dropped."""
+    a pick still running for it is waited for (it reads the heap's page store) and dropped, and
+    so is the sample of a step queued ahead (its token stays fed)."""
+    row.ahead = None
     if row.recalling is not None:
         wait([row.recalling])
         row.recalling = None
