@@ -248,9 +248,10 @@ def _run_ahead(model, row: DecodeRow) -> None:
         return
     try:
         leave_slab(row.cache)
-        y, logprobs = decode_step(model, row.cache, row.next, row.sample)
+        row.cache.make_room(1)
     except Exception:
-        return
+        return   # the next step makes room again, and says why it cannot
+    y, logprobs = decode_step(model, row.cache, row.next, row.sample)   # (its room made: no second event)
     mx.async_eval(y, logprobs, *row.cache.score_arrays())
     row.ahead = (y, logprobs)
 
