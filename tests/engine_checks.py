@@ -19,15 +19,19 @@ CFG = HeapConfig(budget=48, sinks=4, recent=8, slack=16, prefill_chunk=32)
 
 
 class StepLog:
-    """Wraps step_rows: which sessions' rows each batched step advanced, and whether a chunk rode."""
+    """Wraps step_rows: which sessions' rows each batched step advanced, whether a chunk rode, and
+    how many rows had their next step queued ahead after it."""
 
     def __init__(self, backend, monkeypatch):
         self.steps: list[tuple[list[int], bool]] = []
+        self.ahead: list[int] = []
         real = backend.step_rows
 
         def spy(rows, chunks=()):
             self.steps.append(([id(r.cache) for r in rows], bool(chunks)))
-            return real(rows, chunks)
+            errors = real(rows, chunks)
+            self.ahead.append(sum(getattr(r, "ahead", None) is not None for r in rows))
+            return errors
 
         monkeypatch.setattr(backend, "step_rows", spy)
 

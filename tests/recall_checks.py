@@ -1,8 +1,10 @@
 """What the torch, MLX and backend-neutral recall tests share: a small heap with recall on,
-random prompts, and checks of a page store (numpy in, no backend)."""
+random prompts, and checks of a page store (numpy in, no backend); and the decode batch's checks
+both backends run (BatchKit)."""
 
 import numpy as np
 
+from localheap.generation import SamplingParams
 from localheap.heap import HeapConfig
 
 # f32 pages (exact); 32 of the 96 slots are the recall region, 4 pages of 8 tokens
@@ -143,3 +145,59 @@ def check_row_ended_mid_pick(kit: BatchKit, monkeypatch) -> None:
             pass
     assert again.token is not None and again.cache.recall_log[-1]["tokens"] > 0
     assert b.tokens_in_cache(again.cache) == before + 8
+
+
+def step_with_document(kit: BatchKit, rows: list, params: list, reader, chunks: list, got,
+                       tokens: list, records: list, steps: int = 30) -> None:
+    """Step `rows` (each until its max_tokens) with one document chunk riding per step while
+    chunks last, appending each row's token to `tokens[i]` and got(row) (its logits, logprobs) to
+    `records[i]`; every heap attends as a lone part (sliding layers: no slab)."""
+    slabs: dict = {}
+    for step in range(steps):
+        live = [i for i in range(len(rows)) if len(tokens[i]) < params[i].max_tokens]
+        riding = [(reader, chunks[step])] if step < len(chunks) else []
+        assert kit.step_rows(kit.backend.model, [rows[i] for i in live], riding, slabs=slabs) == \
+            [None] * (len(live) + len(riding))
+        for i in live:
+            tokens[i].append(rows[i].token)
+            records[i].append(got(rows[i]))
+    assert not any(slab.members for slab in slabs.values()), "sliding caches attend as lone parts"
+
+
+def check_row_runs_ahead(kit: BatchKit, cfg, got) -> list:
+    """With `ahead` (the engine's steps) a row stepping on its own has its next step queued before
+    its token is read. A second row joining at step 15 takes the batch with it (the first takes its
+    queued step's token, fed in no forward again) and, once it has left, the first runs ahead
+    again: tokens and heaps as alone, past evictions. end_row drops a queued step's sample, its token
+    fed. `got(row)`: what each step records beside the token (logits, logprobs). Returns, per row,
+    (alone's tokens, records, cache), the row and its records, for the backend's own checks."""
+    model, ps = kit.backend.model, kit.prompts(kit.backend, (150, 40), seed=21)
+    params = [SamplingParams(max_tokens=70), SamplingParams(max_tokens=20)]
+    want = [kit.alone(kit.backend, cfg, p, sp) for p, sp in zip(ps, params)]
+    rows = [kit.start_row(model, kit.backend.new_cache(cfg), ps[0], params[0], defer=True)]
+    tokens, records, queued, slabs = [[], []], [[], []], 0, {}
+    for step in range(70):
+        if step == 15:
+            rows.append(kit.start_row(model, kit.backend.new_cache(cfg), ps[1], params[1], defer=True))
+        live = [(i, r) for i, r in enumerate(rows) if len(tokens[i]) < params[i].max_tokens]
+        assert kit.step_rows(model, [r for _, r in live], slabs=slabs, ahead=True) == [None] * len(live)
+        for i, r in live:
+            tokens[i].append(r.token)
+            records[i].append(got(r))
+            if len(tokens[i]) == params[i].max_tokens:
+                kit.end_row(r)
+        queued += rows[0].ahead is not None
+    assert 45 <= queued < 69, queued   # ahead alone, not beside the second row, nor after its last token
+    for (want_tokens, _, want_cache), got, row in zip(want, tokens, rows):
+        assert got == want_tokens
+        assert row.ahead is None
+        kit.same_heap(want_cache, row.cache)
+    assert rows[0].cache.heap_layers[0].heap.evictions > 0
+    row = kit.start_row(model, kit.backend.new_cache(cfg), kit.prompts(kit.backend, (30,), seed=22)[0],
+                        SamplingParams(max_tokens=50), defer=True)
+    for _ in range(10):
+        assert kit.step_rows(model, [row], slabs=slabs, ahead=True) == [None]
+    assert row.ahead is not None
+    kit.end_row(row)
+    assert row.ahead is None and row.cache.tokens_seen == 30 + 10   # the prompt, and the 10 tokens taken
+    return list(zip(want, rows, records))

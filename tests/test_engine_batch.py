@@ -56,15 +56,7 @@ def test_sessions_run_ahead_when_alone_with_their_tokens_alone(demo, REQUESTS, m
     session's next turn (after a stop token, fed ahead) continues from what its cache holds."""
     want = alone_texts(demo, REQUESTS)
     monkeypatch.setattr(demo, "batch_ahead", True)
-    queued = []
-    step_rows = demo.step_rows
-
-    def spy(rows, chunks=()):
-        errors = step_rows(rows, chunks)
-        queued.append(sum(r.ahead is not None for r in rows))
-        return errors
-
-    monkeypatch.setattr(demo, "step_rows", spy)
+    log = StepLog(demo, monkeypatch)
     eng = engine(demo)
     try:
         got = replies(eng, REQUESTS)
@@ -76,7 +68,7 @@ def test_sessions_run_ahead_when_alone_with_their_tokens_alone(demo, REQUESTS, m
     finally:
         eng.stop()
     assert [t for t, _ in got] == want
-    assert sum(q > 0 for q in queued) > 20, "sessions decoded ahead"
+    assert sum(q > 0 for q in log.ahead) > 20, "sessions decoded ahead"
     assert text(stopped)[1] == "stop" and text(again)[1] == "length"
     # the stop token was fed ahead and the session's history holds it: the next turn reads only its own
     assert again[-1].prompt_read == 2 and again[-1].usage.cached_tokens == again[-1].usage.prompt_tokens - 2

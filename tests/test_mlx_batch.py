@@ -11,7 +11,8 @@ mx = pytest.importorskip("mlx.core", reason="mlx is not installed (a CUDA machin
 pytest.importorskip("mlx_lm")
 
 from recall_checks import CFG as RECALL_CFG  # noqa: E402
-from recall_checks import BatchKit, check_picks_beside_the_batch, check_row_ended_mid_pick, load_all  # noqa: E402
+from recall_checks import (BatchKit, check_picks_beside_the_batch, check_row_ended_mid_pick, check_row_runs_ahead,  # noqa: E402
+                           load_all, step_with_document)
 
 from localheap.backends.mlx import MLXBackend  # noqa: E402
 from localheap.backends.mlx.cache import HeapKVCache  # noqa: E402
@@ -434,15 +435,7 @@ def test_sliding_window_sessions_decode_and_read_in_the_batch_as_alone(model_dir
         backend.prefill(solo, c)
     rows = [start_row(backend.model, backend.new_cache(SMALL), p, sp, defer=True) for p, sp in zip(ps, params)]
     tokens, logprobs = [[] for _ in rows], [[] for _ in rows]
-    slabs = {}
-    for step in range(30):
-        live = [i for i, r in enumerate(rows) if len(tokens[i]) < params[i].max_tokens]
-        riding = [(reader, chunks[step])] if step < len(chunks) else []
-        assert step_rows(backend.model, [rows[i] for i in live], riding, slabs=slabs) == [None] * (len(live) + len(riding))
-        for i in live:
-            tokens[i].append(rows[i].token)
-            logprobs[i].append(rows[i].logprobs)
-    assert not any(slab.members for slab in slabs.values()), "sliding caches attend as lone parts"
+    step_with_document(kit(backend), rows, params, reader, chunks, lambda r: r.logprobs, tokens, logprobs)
     for (want_tokens, want_logprobs, cache), got, row in zip(want, tokens, rows):
         assert got == want_tokens
         assert max_diff(logprobs[rows.index(row)], want_logprobs) <= LOGPROBS_ATOL
@@ -460,42 +453,11 @@ def test_sliding_window_sessions_decode_and_read_in_the_batch_as_alone(model_dir
 
 @pytest.mark.parametrize("cfg", [SMALL, RECALL_CFG], ids=["snapkv", "recall"])
 def test_a_row_stepping_alone_runs_ahead_as_alone(llama, cfg):
-    """With `ahead` (the engine's steps) a row stepping on its own has its next step queued before
-    its token is read. A second row joining takes the batch with it (the first takes its queued
-    step's token, fed in no forward again) and, once it has left, the first runs ahead again:
-    tokens, logprobs, heaps and pages as alone, past evictions. end_row lands a queued step: its
-    token stays fed, as the round-robin generator leaves it."""
-    ps = prompts(llama, (150, 40), seed=21)
-    params = [SamplingParams(max_tokens=70), SamplingParams(max_tokens=20)]
-    want = [alone(llama, cfg, p, sp) for p, sp in zip(ps, params)]
-    rows = [start_row(llama.model, llama.new_cache(cfg), ps[0], params[0], defer=True)]
-    tokens, logprobs, slabs, queued = [[], []], [[], []], {}, 0
-    for step in range(70):
-        if step == 15:
-            rows.append(start_row(llama.model, llama.new_cache(cfg), ps[1], params[1], defer=True))
-        live = [(i, r) for i, r in enumerate(rows) if len(tokens[i]) < params[i].max_tokens]
-        assert step_rows(llama.model, [r for _, r in live], slabs=slabs, ahead=True) == [None] * len(live)
-        for i, r in live:
-            tokens[i].append(r.token)
-            logprobs[i].append(r.logprobs)
-            if len(tokens[i]) == params[i].max_tokens:
-                end_row(r)
-        queued += rows[0].ahead is not None
-    assert 45 <= queued < 69, queued   # ahead alone, not beside the second row, nor after its last token
-    for (want_tokens, want_logprobs, want_cache), got, lps, row in zip(want, tokens, logprobs, rows):
-        assert got == want_tokens
-        assert max_diff(lps, want_logprobs) <= LOGPROBS_ATOL
-        assert row.ahead is None
-        assert_same_heap(want_cache, row.cache)
+    """recall_checks.check_row_runs_ahead (the engine's steps run ahead on MLX), with each step's
+    logprobs as alone too, and the recall tier's pages."""
+    for (_, want_logprobs, want_cache), row, logprobs in check_row_runs_ahead(kit(llama), cfg, lambda r: r.logprobs):
+        assert max_diff(logprobs, want_logprobs) <= LOGPROBS_ATOL
         if cfg.recall:
             for c in (want_cache, row.cache):
                 c.writer.drain()
             assert row.cache.pages.tokens == want_cache.pages.tokens
-    assert rows[0].cache.heap_layers[0].heap.evictions > 0
-    row = start_row(llama.model, rows[0].cache, prompts(llama, (5,), seed=22)[0], SamplingParams(max_tokens=50), defer=True)
-    seen = rows[0].cache.tokens_seen
-    for _ in range(10):
-        assert step_rows(llama.model, [row], ahead=True) == [None]
-    assert row.ahead is not None
-    end_row(row)
-    assert row.ahead is None and row.cache.tokens_seen == seen + 5 + 10   # the turn, and the 10 tokens taken

@@ -66,13 +66,6 @@ def test_one_session_decodes_ahead_and_its_turns_read_as_round_robin(demo, monke
     (the round-robin generator's pipelining); a turn ended by a stop token leaves that token fed
     as round-robin does, so the session's next turn reuses and reads what it reads round-robin."""
     first = requests_for(demo)[1][0]
-    queued = []
-    step_rows = demo.step_rows
-
-    def spy(rows, chunks=()):
-        errors = step_rows(rows, chunks)
-        queued.append(sum(r.ahead is not None for r in rows))
-        return errors
 
     def conversation(eng) -> list:
         evs = drain(submit(eng, first, max_tokens=40)[1])
@@ -87,7 +80,7 @@ def test_one_session_decodes_ahead_and_its_turns_read_as_round_robin(demo, monke
         want = conversation(rr)
     finally:
         rr.stop()
-    monkeypatch.setattr(demo, "step_rows", spy)
+    log = StepLog(demo, monkeypatch)
     eng = engine(demo)
     try:
         assert eng.batched
@@ -96,7 +89,7 @@ def test_one_session_decodes_ahead_and_its_turns_read_as_round_robin(demo, monke
         eng.stop()
     assert got == want
     assert want[1][0][1] == "stop" and want[1][0][2] < 40, "the second turn ended on its stop token"
-    assert sum(queued) >= len(queued) - 4, "the session decoded ahead in the batch"
+    assert sum(log.ahead) >= len(log.ahead) - 4, "the session decoded ahead in the batch"
 
 
 def test_sessions_with_sliding_layers_decode_in_the_batch_with_their_tokens_alone(model_dirs, monkeypatch):

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 import torch
 from recall_checks import CFG as RECALL_CFG
-from recall_checks import BatchKit, check_picks_beside_the_batch, check_row_ended_mid_pick, load_all
+from recall_checks import (BatchKit, check_picks_beside_the_batch, check_row_ended_mid_pick, check_row_runs_ahead, load_all,
+                           step_with_document)
 
 from localheap.backends.torch import TorchBackend, graphed, lean, slab, slab_cpu
 from localheap.backends.torch.batch import leave_slab, make_rooms, start_row, step_rows
@@ -647,15 +648,8 @@ def test_sliding_window_sessions_decode_and_read_in_the_batch_as_alone(model_dir
     chunks = [doc[i:i + 12] for i in range(0, len(doc), 12)]
     for c in chunks:
         backend.prefill(solo, c)
-    tokens, logits = [[rows[0].token]] + [[], []], [[rows[0].logits.clone()]] + [[], []]
-    slabs = {}
-    for step in range(30):
-        live = [i for i, r in enumerate(rows) if len(tokens[i]) < params[i].max_tokens]
-        riding = [(reader, chunks[step])] if step < len(chunks) else []
-        assert step_rows(backend.model, [rows[i] for i in live], riding, slabs=slabs) == [None] * (len(live) + len(riding))
-        for i in live:
-            tokens[i].append(rows[i].token)
-            logits[i].append(rows[i].logits.clone())
+    tokens, logits = [[rows[0].token], [], []], [[rows[0].logits.clone()], [], []]
+    step_with_document(kit(backend), rows, params, reader, chunks, lambda r: r.logits.clone(), tokens, logits)
     for i, (want_tokens, want_logits, cache) in enumerate(want):
         assert tokens[i] == want_tokens, i
         diff = max((a - b).abs().max().item() for a, b in zip(logits[i], want_logits))
@@ -671,49 +665,20 @@ def test_sliding_window_sessions_decode_and_read_in_the_batch_as_alone(model_dir
     assert any(c.heap_layers[0].heap.evictions for c in (r.cache for r in rows)), "rows evicted"
 
 
-@pytest.mark.parametrize("slabs", [None, {}], ids=["per-heap", "slab"])
-def test_a_row_stepping_alone_runs_ahead_as_alone(llama, slabs):
-    """With `ahead` (the engine's steps on CUDA; forced here) a row stepping on its own has its
-    next step run before its token is read. A second row joining takes the batch with it (the first
-    takes its queued step's token, fed in no forward again) and, once it has left, the first runs
-    ahead again: tokens and heaps as alone, past evictions. A queued step that cannot make room is
-    the next step's error; end_row drops a queued step, its token fed."""
-    ps = prompts(llama, (150, 40), seed=21)
-    params = [SamplingParams(max_tokens=70), SamplingParams(max_tokens=20)]
-    want = [alone(llama, SMALL, p, sp) for p, sp in zip(ps, params)]
-    rows = [start_row(llama.model, llama.new_cache(SMALL), ps[0], params[0], defer=True)]
-    tokens, queued = [[], []], 0
-    for step in range(70):
-        if step == 15:
-            rows.append(start_row(llama.model, llama.new_cache(SMALL), ps[1], params[1], defer=True))
-        live = [(i, r) for i, r in enumerate(rows) if len(tokens[i]) < params[i].max_tokens]
-        assert step_rows(llama.model, [r for _, r in live], slabs=slabs, ahead=True) == [None] * len(live)
-        for i, r in live:
-            tokens[i].append(r.token)
-            if len(tokens[i]) == params[i].max_tokens:
-                leave_slab(r)
-        queued += rows[0].ahead is not None
-    assert 45 <= queued < 69, queued   # ahead alone, not beside the second row, nor after its last token
-    for (want_tokens, _, want_cache), got, row in zip(want, tokens, rows):
-        assert got == want_tokens
-        assert row.ahead is None
-        assert_same_heap(want_cache, row.cache, atol=1e-4)
-    assert rows[0].cache.heap_layers[0].heap.evictions > 0
-    row = start_row(llama.model, rows[0].cache, prompts(llama, (5,), seed=22)[0], SamplingParams(max_tokens=50), defer=True)
-    seen = rows[0].cache.tokens_seen
-    for _ in range(10):
-        assert step_rows(llama.model, [row], slabs=slabs, ahead=True) == [None]
-    assert row.ahead is not None
-    leave_slab(row)
-    assert row.ahead is None and row.cache.tokens_seen == seen + 5 + 10   # the turn, and the 10 tokens taken
-    row = start_row(llama.model, row.cache, [7, 8], SamplingParams(max_tokens=50), defer=True)
-    assert step_rows(llama.model, [row], slabs=slabs, ahead=True) == [None] and row.ahead is not None
+def test_a_row_stepping_alone_runs_ahead_as_alone(llama):
+    """recall_checks.check_row_runs_ahead (the engine's steps run ahead on CUDA; forced here), with
+    each step's logits as alone, and a queued step that cannot make room is the next step's error,
+    fed nothing."""
+    for (_, want_logits, _), _, logits in check_row_runs_ahead(kit(llama), SMALL, lambda r: r.logits.clone()):
+        assert max((a - b).abs().max().item() for a, b in zip(logits, want_logits)) <= LOGITS_ATOL
+    row = start_row(llama.model, llama.new_cache(SMALL), [7, 8, 9], SamplingParams(max_tokens=50), defer=True)
+    assert step_rows(llama.model, [row], slabs={}, ahead=True) == [None] and row.ahead is not None
     before = row.cache.tokens_seen
 
     def full(n):
         raise OSError("page writer: disk full")
 
     row.cache.due = full   # the step queued next finds no room
-    step_rows(llama.model, [row], slabs=slabs, ahead=True)   # takes the queued token, queues the next
-    error = step_rows(llama.model, [row], slabs=slabs, ahead=True)[0]
+    step_rows(llama.model, [row], slabs={}, ahead=True)   # takes the queued token, queues the next
+    error = step_rows(llama.model, [row], slabs={}, ahead=True)[0]
     assert isinstance(error, OSError) and row.ahead is None and row.cache.tokens_seen == before   # fed nothing
