@@ -47,6 +47,11 @@ def _post(url: str, body: dict, timeout: float = 3600.0, path: str = "/v1/chat/c
         conn.close()
 
 
+def _read(usage: dict) -> int:
+    """Prompt tokens a request read (prompt_tokens - cached_tokens)."""
+    return usage["prompt_tokens"] - ((usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0))
+
+
 def _planted(k: int, seed: int = 0) -> list[tuple[str, str]]:
     """k (name, key) pairs: held-out names, keys of distinct digits (needle.make_key)."""
     import numpy as np
@@ -78,9 +83,8 @@ def _ask(backend, srv, history: list[dict], planted: list[tuple[str, str]]) -> d
             ids = ids + facts.follow_up(hf, name)
         out = _post(srv.url, {"model": srv.services.model_id, "prompt": ids, "temperature": 0,
                               "max_tokens": needle.MAX_ANSWER_TOKENS}, path="/v1/completions")
-        usage = out["usage"]
         if read is None:
-            read = usage["prompt_tokens"] - ((usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0))
+            read = _read(out["usage"])
         said = out["choices"][0]["text"]
         given.append(needle.read_key(said))
         ids = ids + needle.encode(hf, said)
@@ -125,24 +129,22 @@ def run(backend, cfg, turns: int, question: int, reasoning: int, answer: int, lo
                                       "max_tokens": len(ids) + 8, "temperature": 0})
                 seconds = time.perf_counter() - start
                 history[arm].append({"role": "assistant", "content": said})   # the reasoning dropped
-                usage = out["usage"]
-                cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
-                row.update({"prompt": usage["prompt_tokens"], f"{arm}_read": usage["prompt_tokens"] - cached,
+                row.update({"prompt": out["usage"]["prompt_tokens"], f"{arm}_read": _read(out["usage"]),
                             f"{arm}_s": seconds, f"{arm}_session": out.get("localheap", {}).get("session_id")})
             log(f"turn {t + 1}: prompt {row['prompt']} tokens; read {row['rewind_read']} (rewind), "
                 f"{row['again_read']} (read again)")
             rows.append(row)
-        asked = {arm: _ask(backend, servers[arm], history[arm], planted) for arm in ARMS} if planted else None
+        probes = {arm: _ask(backend, servers[arm], history[arm], planted) for arm in ARMS} if planted else None
     finally:
         for srv in servers.values():
             srv.stop()
     total = {arm: {"read": sum(r[f"{arm}_read"] for r in rows), "seconds": sum(r[f"{arm}_s"] for r in rows),
                    "sessions": len({r[f"{arm}_session"] for r in rows})} for arm in ARMS}
-    if asked is not None:
+    if probes is not None:
         for arm in ARMS:
-            log(f"{arm}: {asked[arm]['hits']} of {len(planted)} keys ({asked[arm]['keys']}; "
-                f"the first question read {asked[arm]['read']} tokens)")
-    return {"rows": rows, "total": total, "facts": planted and {"planted": planted, **(asked or {})},
+            log(f"{arm}: {probes[arm]['hits']} of {len(planted)} keys ({probes[arm]['keys']}; "
+                f"the first question read {probes[arm]['read']} tokens)")
+    return {"rows": rows, "total": total, "facts": {"planted": planted, **probes} if probes else None,
             "read_ratio": total["again"]["read"] / max(1, total["rewind"]["read"]),
             "seconds_ratio": total["again"]["seconds"] / max(1e-9, total["rewind"]["seconds"])}
 

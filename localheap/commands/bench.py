@@ -483,11 +483,11 @@ def run_turns_bench(args) -> int:
     from ..bench.turns import report, run
     from ..models import load_backend
 
+    if args.facts < 0:
+        raise SystemExit("--facts must be >= 0")
     backend = load_backend(model_spec(args), args.backend)
     set_threads(backend, args)
     cfg = heap_config(args, backend)
-    if args.facts < 0:
-        raise SystemExit("--facts must be >= 0")
     result = run(backend, cfg, args.turns, args.question, args.reasoning, args.answer,
                  log=lambda m: print(m, file=sys.stderr), facts=args.facts)
     emit("turns", report(result, cfg, table), {"model": backend.model_name, "backend": backend.name,

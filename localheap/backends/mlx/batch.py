@@ -171,7 +171,7 @@ def step_rows(model, rows: list[DecodeRow], chunks: Sequence[tuple[HeapPromptCac
     if len(rows) == 1 and not chunks and rows[0].ahead is not None:   # one session, decoding: pipelined
         row = rows[0]
         (y, logprobs), row.ahead = row.ahead, None
-        row.took(y, logprobs, host=-1)
+        row.took(y, logprobs, host=-1)   # its id read below, once the step after is queued
         if ahead:
             _run_ahead(model, row)
         row.token = y.item()

@@ -186,9 +186,6 @@ def forward_packed(model, parts: list, tokens: list[torch.Tensor]) -> torch.Tens
         positions += [c.position_ids(1 if isinstance(part, DecodeSlab) else n) for c in caches]
     positions = torch.cat(positions, dim=1)                                               # [1, N]
     ids = torch.cat(tokens)[None]                                                         # [1, N]
-    keep = []
-    for part, (a, b) in zip(parts, zip([0] + list(accumulate(lengths))[:-1], accumulate(lengths))):
-        keep += list(range(a, b)) if isinstance(part, DecodeSlab) else [b - 1]
     caches = [c for part in parts for c in (part.members if isinstance(part, DecodeSlab) else [part])]
     lean = lean_packed(model, caches)
     if lean is None and len(parts) == 1 and not isinstance(parts[0], DecodeSlab):   # one heap: its own forward, as alone
@@ -196,6 +193,9 @@ def forward_packed(model, parts: list, tokens: list[torch.Tensor]) -> torch.Tens
             out = model(input_ids=ids, position_ids=positions, past_key_values=parts[0], use_cache=True,
                         logits_to_keep=1, heap=parts[0])
         return out.logits[0].to(dtype=torch.float32)
+    keep = []
+    for part, (a, b) in zip(parts, zip([0] + list(accumulate(lengths))[:-1], accumulate(lengths))):
+        keep += list(range(a, b)) if isinstance(part, DecodeSlab) else [b - 1]
     first = parts[0].members[0] if isinstance(parts[0], DecodeSlab) else parts[0]
     step = PackedStep(parts, lengths, len(first.layers))
     keep = torch.tensor(keep, device=ids.device)
@@ -223,7 +223,7 @@ def step_rows(model, rows: list[DecodeRow], chunks: Sequence[tuple[HeapCache, Se
         (logits, token), row.ahead = row.ahead, None
         if token is None:   # the queued step could not make room: this step's error
             return [logits]
-        row.logits, row.next, row.left = logits, token, row.left - 1
+        row.sampled(logits, token, host=-1)   # its id read below, once the step after is queued
         if ahead:
             _run_ahead(model, row, slabs)
         row.token = int(token)
