@@ -16,7 +16,7 @@ import threading
 from pathlib import Path
 from typing import Sequence
 
-FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mistral", "gemma", "gemma3_text", "gpt_oss")
+FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mistral", "gemma", "gemma3_text", "gpt_oss", "phi3", "glm4")
 
 # Hidden size is a perfect square so Gemma's sqrt(hidden) embedding scale is exact
 # in bfloat16 (mlx-lm's gemma3_text rounds it to bf16, transformers does not).
@@ -50,6 +50,8 @@ ARCHITECTURES = {
     "gemma": "GemmaForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
     "gpt_oss": "GptOssForCausalLM",
+    "phi3": "Phi3ForCausalLM",
+    "glm4": "Glm4ForCausalLM",
 }
 
 BOS, EOS, PAD = "<|begin|>", "<|end|>", "<|pad|>"
@@ -176,7 +178,7 @@ def _model_config(family, size, tok, rope_scaling, rope_traditional, dtype) -> d
         "bos_token_id": tok.token_to_id(BOS),
         "eos_token_id": tok.token_to_id(EOS),
         "pad_token_id": tok.token_to_id(PAD),
-        "tie_word_embeddings": family not in ("llama", "mistral", "qwen3_moe", "gpt_oss"),   # as the real ones
+        "tie_word_embeddings": family not in ("llama", "mistral", "qwen3_moe", "gpt_oss", "glm4"),   # as the real ones
         "attention_bias": False,
         "attention_dropout": 0.0,
         "use_cache": True,
@@ -206,6 +208,13 @@ def _model_config(family, size, tok, rope_scaling, rope_traditional, dtype) -> d
             # which transformers honours: on the real weights the two libraries differ by that)
             cfg["rope_scaling"] = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
                                    "truncate": True, "original_max_position_embeddings": 4096}
+    if family == "phi3":   # Phi-4-mini's layout: q, k, v in one projection, RoPE on 3/4 of each head (split
+        # halves), tied embeddings (its longrope scaling is left out: transformers switches its factors by length)
+        cfg.update(hidden_act="silu", partial_rotary_factor=0.75, resid_pdrop=0.0, embd_pdrop=0.0,
+                   original_max_position_embeddings=cfg["max_position_embeddings"], tie_word_embeddings=True)
+    if family == "glm4":   # GLM-4-0414's layout: biased q, k, v, RoPE on half of each head in interleaved
+        # pairs, norms after attention and after the MLP as well as before
+        cfg.update(hidden_act="silu", attention_bias=True, partial_rotary_factor=0.5)
     if family == "gemma":
         # mlx-lm's gemma uses exact erf GELU; transformers rewrites "gelu" to the tanh
         # approximation, so name the exact Python GELU explicitly.

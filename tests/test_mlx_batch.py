@@ -417,6 +417,23 @@ def test_batch_step_bench_tables(llama):
     assert all(0 < r["chat_kept"] and 0 < r["doc_kept"] for r in side)
 
 
+@SLABS
+@pytest.mark.parametrize("family", ["phi3", "glm4"])
+def test_partial_rotary_sessions_in_the_batch_equal_alone(model_dirs, family, slabs):
+    """phi3 (q, k, v in one projection; RoPE on 3/4 of a head) and glm4 (half a head, interleaved
+    pairs): rows evicting at different steps give the tokens, logprobs and heaps they give alone."""
+    backend = MLXBackend.load(model_dirs(family))
+    ps = prompts(backend, (9, 60, 110), seed=3)
+    params = [SamplingParams(max_tokens=m) for m in (40, 30, 20)]
+    want = [alone(backend, SMALL, p, sp) for p, sp in zip(ps, params)]
+    tokens, logprobs, caches = batched(backend, SMALL, ps, params, slabs=slabs)
+    assert tokens == [w[0] for w in want]
+    for (_, want_lp, cache), got_lp, got in zip(want, logprobs, caches):
+        assert max_diff(got_lp, want_lp) <= LOGPROBS_ATOL
+        assert_same_heap(cache, got)
+    assert len({c.heap_layers[0].heap.evictions for c in caches} - {0}) >= 2, "rows evicted, at different steps"
+
+
 @pytest.mark.parametrize("family", ["gemma3_text", "gpt_oss"])
 def test_sliding_window_sessions_decode_and_read_in_the_batch_as_alone(model_dirs, family):
     """gemma3 and gpt-oss (learned sinks): sessions whose sliding layers are mlx-lm's rotating

@@ -13,7 +13,7 @@ from localheap.backends.mlx.generate import generate_steps, generate_tokens
 from localheap.generation import SamplingParams
 from localheap.heap import HeapConfig
 
-FAMILIES = ["llama", "qwen2", "qwen3", "qwen3_moe", "mistral", "gemma", "gemma3_text", "gpt_oss"]
+FAMILIES = ["llama", "qwen2", "qwen3", "qwen3_moe", "mistral", "gemma", "gemma3_text", "gpt_oss", "phi3", "glm4"]
 SLACK = 64
 
 
@@ -53,12 +53,17 @@ def test_greedy_matches_stock(model_dirs, family, positions):
     assert cache.stats().evicted == 0
 
 
-@pytest.mark.parametrize("rope", ["llama3", "traditional"])
+# Phi-4-mini's rope scaling on the tiny phi3 (6 frequency pairs: 3/4 of a 16-dim head)
+LONGROPE = {"rope_type": "longrope", "type": "longrope", "original_max_position_embeddings": 256,
+            "short_factor": [1.0] * 6, "long_factor": [1.0 + i / 3 for i in range(6)]}
+
+
+@pytest.mark.parametrize("rope", ["llama3", "traditional", "longrope"])
 def test_greedy_matches_stock_rope_variants(model_dirs, rope):
-    kwargs = ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                "high_freq_factor": 4.0, "original_max_position_embeddings": 64}}
-              if rope == "llama3" else {"rope_traditional": True})
-    model, tokenizer = load(str(model_dirs("llama", **kwargs)))
+    kwargs = {"llama3": {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                          "high_freq_factor": 4.0, "original_max_position_embeddings": 64}},
+              "traditional": {"rope_traditional": True}, "longrope": {"rope_scaling": LONGROPE}}[rope]
+    model, tokenizer = load(str(model_dirs("phi3" if rope == "longrope" else "llama", **kwargs)))
     prompt = prompt_ids(tokenizer)
     expected = stock_steps(model, prompt, 256)
     cache = make_heap_cache(model, HeapConfig(budget=1024, slack=SLACK, recent=64))

@@ -24,6 +24,14 @@ ROPES = {
     "yarn": dict(traditional=False, scaling_config={
         "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
         "beta_fast": 32, "beta_slow": 1}),
+    # part of each head rotated, the rest passed through: phi3 (3/4, split halves), glm4 (1/2, interleaved)
+    "partial": dict(traditional=False, scaling_config=None, dims=24),
+    "partial-traditional": dict(traditional=True, scaling_config=None, dims=16),
+    # Phi-4-mini's: longrope (mlx-lm's SuScaledRoPE, its long factors at every length, and an input
+    # scale applied once when a key is first rotated) on 3/4 of each head
+    "longrope-partial": dict(traditional=False, dims=24, scaling_config={
+        "rope_type": "longrope", "original_max_position_embeddings": 64,
+        "short_factor": [1.0 + i / 12 for i in range(12)], "long_factor": [1.0 + i / 4 for i in range(12)]}),
 }
 
 
@@ -31,7 +39,8 @@ ROPES = {
 def test_compact_repack_equals_fresh_rotation(rope_name):
     """After repacks, every cached key equals its raw key rotated at its new slot."""
     D, H, T = 32, 2, 200
-    rope = initialize_rope(D, 10000.0, ROPES[rope_name]["traditional"], ROPES[rope_name]["scaling_config"], 4096)
+    spec = ROPES[rope_name]
+    rope = initialize_rope(spec.get("dims", D), 10000.0, spec["traditional"], spec["scaling_config"], 4096)
     cfg = HeapConfig(budget=40, sinks=4, recent=8, slack=16, policy="random", positions="compact")
     cache = HeapKVCache(LayerHeap(cfg, H, cfg.budget), RopeSpec.from_module(rope))
     raw = mx.random.normal((1, H, T, D), key=mx.random.key(1))

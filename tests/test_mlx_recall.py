@@ -72,12 +72,16 @@ def test_pages_hold_exactly_the_evicted_kv(llama, monkeypatch):
         np.testing.assert_allclose(got_k[h], want, atol=1e-4, rtol=1e-4)
 
 
-def test_recalled_keys_equal_a_fresh_rotation_at_their_new_slot(llama):
-    tokens = prompt(llama, 300, seed=1)
-    stock_k, stock_v = stock_kv(llama, tokens)
+@pytest.mark.parametrize("family", ["llama", "phi3", "glm4"])
+def test_recalled_keys_equal_a_fresh_rotation_at_their_new_slot(model_dirs, llama, family):
+    """Also where RoPE turns part of each head (phi3: 3/4 in split halves; glm4: 1/2, interleaved)."""
+    backend = llama if family == "llama" else MLXBackend.load(model_dirs(family))
+    tokens = prompt(backend, 300, seed=1)
+    stock_k, stock_v = stock_kv(backend, tokens)
+    rope = backend.model.model.layers[0].self_attn.rope
     for positions in ("compact", "absolute"):
-        cache = llama.new_cache(CFG.with_(positions=positions))
-        list(generate_tokens(llama.model, cache, tokens, SamplingParams(max_tokens=1)))
+        cache = backend.new_cache(CFG.with_(positions=positions))
+        list(generate_tokens(backend.model, cache, tokens, SamplingParams(max_tokens=1)))
         assert cache.recall_log and cache.recall_log[-1]["tokens"] == CFG.recall_budget
         layer = cache.heap_layers[0]
         n = layer.heap.resident
@@ -88,8 +92,9 @@ def test_recalled_keys_equal_a_fresh_rotation_at_their_new_slot(llama):
             slots = np.flatnonzero(rec[h])
             pos = layer.heap.positions[h, slots]
             at = slots if positions == "compact" else pos
-            # R(at) k_raw = R(at - p) R(p) k_raw
-            want = np.array(layer.rope.rotate(mx.array(stock_k[h, pos][None]), (at - pos)[None]))[0]
+            # R(at) k_raw = R(at - p) R(p) k_raw, by the model's own rope module (one token per row)
+            moved = rope(mx.array(stock_k[h, pos])[:, None, None], offset=mx.array((at - pos).astype(np.int32)))
+            want = np.array(moved)[:, 0, 0]
             np.testing.assert_allclose(keys[h, slots], want, atol=1e-4, rtol=1e-4)
             np.testing.assert_allclose(values[h, slots], stock_v[h, pos], atol=1e-5, rtol=1e-5)
 

@@ -3,12 +3,15 @@
 import pytest
 
 from localheap.models import ModelNotFound, detect_backend, presets, resolve_model
+from localheap.randmodel import FAMILIES
 
 
 def test_aliases_are_data_with_hub_repos():
     p = presets()
     assert "llama3-8b-q4" in p and p["llama3-8b-q4"].repo.startswith("mlx-community/")
     assert {e.family for e in p.values()} >= {"llama", "qwen2", "qwen3", "mistral", "gemma3_text"}
+    # every preset's architecture is one the tests build and check against stock
+    assert {e.family for e in p.values()} <= set(FAMILIES)
 
 
 def test_unknown_name_is_a_clear_error():

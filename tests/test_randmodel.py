@@ -145,7 +145,7 @@ def test_family_specific_config(models):
     layer_types = cfg["gemma3_text"]["layer_types"]
     assert {"sliding_attention", "full_attention"} <= set(layer_types)
     assert {f for f, c in cfg.items() if c["tie_word_embeddings"]} == {
-        "qwen2", "qwen3", "gemma", "gemma3_text"
+        "qwen2", "qwen3", "gemma", "gemma3_text", "phi3"
     }
     hf = transformers.AutoModelForCausalLM.from_pretrained(models["qwen2"])
     assert hf.model.layers[0].self_attn.q_proj.bias is not None
@@ -154,6 +154,15 @@ def test_family_specific_config(models):
     assert all(hasattr(layer.mlp, "gate") and hasattr(layer.mlp, "experts") for layer in moe.model.layers)
     hf = transformers.AutoModelForCausalLM.from_pretrained(models["qwen3"])
     assert hasattr(hf.model.layers[0].self_attn, "q_norm")
+    phi = transformers.AutoModelForCausalLM.from_pretrained(models["phi3"])   # q, k, v in one projection
+    assert hasattr(phi.model.layers[0].self_attn, "qkv_proj") and not hasattr(phi.model.layers[0].self_attn, "k_proj")
+    glm = transformers.AutoModelForCausalLM.from_pretrained(models["glm4"])
+    assert glm.model.layers[0].self_attn.k_proj.bias is not None
+    assert hasattr(glm.model.layers[0], "post_self_attn_layernorm")
+    # RoPE on part of each head: 3/4 (phi3), 1/2 (glm4)
+    head = cfg["phi3"]["head_dim"]
+    assert 2 * phi.model.rotary_emb.inv_freq.shape[0] == 3 * head // 4
+    assert 2 * glm.model.rotary_emb.inv_freq.shape[0] == head // 2
 
 
 def test_seeded_weights_and_bfloat16(tmp_path):

@@ -619,6 +619,24 @@ def test_bfloat16_batch_logits_within_tolerance_of_alone(llama_bf16, slabs):
     assert max(diffs) <= 16 * bf16_ulp(scale), (max(diffs), scale)
 
 
+@pytest.mark.parametrize("slabs", [None, {}], ids=["per-heap", "slab"])
+@pytest.mark.parametrize("family", ["phi3", "glm4"])
+def test_partial_rotary_sessions_in_the_batch_equal_alone(model_dirs, family, slabs):
+    """phi3 (q, k, v in one projection, RoPE on 3/4 of a head) and glm4 (half a head, interleaved
+    pairs): rows that evict at different steps (compact positions re-rotate the kept keys by the
+    model's layout) give the tokens, logits and heaps they give alone, per heap and in a slab."""
+    backend = TorchBackend.load(model_dirs(family), dtype=torch.float32)
+    ps = prompts(backend, (9, 60, 110), seed=3)
+    params = [SamplingParams(max_tokens=m) for m in (40, 30, 20)]
+    want = [alone(backend, SMALL, p, sp) for p, sp in zip(ps, params)]
+    tokens, logits, caches = batched(backend, SMALL, ps, params, slabs)
+    assert tokens == [w[0] for w in want]
+    for (_, want_logits, cache), got_logits, got in zip(want, logits, caches):
+        assert max((a - b).abs().max().item() for a, b in zip(got_logits, want_logits)) <= LOGITS_ATOL
+        assert_same_heap(cache, got, atol=1e-4)
+    assert len({c.heap_layers[0].heap.evictions for c in caches} - {0}) >= 2, "rows evicted, at different steps"
+
+
 @pytest.mark.parametrize("family", ["gemma3_text", "gpt_oss"])
 def test_sliding_window_sessions_decode_and_read_in_the_batch_as_alone(model_dirs, family):
     """gemma3 (sdpa) and gpt-oss (its eager attention, learned sinks): sessions with sliding layers

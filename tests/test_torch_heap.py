@@ -1,16 +1,17 @@
 """Torch heap invariants: re-rotation, positions, bounded memory, policies under eviction, persistence."""
 
+import sys
+
 import numpy as np
 import pytest
 import torch
 from transformers.cache_utils import DynamicSlidingWindowLayer
-from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from heap_checks import assert_stream_invariants
 
 from localheap.backends.torch import HeapLayer, TorchBackend
 from localheap.backends.torch.generate import generate_steps, generate_tokens, prefill
-from localheap.backends.torch.rope import TABLE_LIMIT, RopeSpec
+from localheap.backends.torch.rope import TABLE_LIMIT, RopeSpec, UnsupportedRope
 from localheap.generation import SamplingParams
 from localheap.heap import POLICIES, HeapConfig, HeapConfigError, LayerHeap, SlotView
 
@@ -41,11 +42,14 @@ def long_prompt(tokenizer, n):
     return tokenizer.encode(text)[:n]
 
 
-@pytest.mark.parametrize("base,D", [(10000.0, 32), (500000.0, 64), (1e6, 128)])
-def test_the_table_rotation_is_the_rotation_bit_for_bit(base, D):
+@pytest.mark.parametrize("base,D,R,interleaved", [(10000.0, 32, 32, False), (500000.0, 64, 64, False),
+                                                   (1e6, 128, 128, False), (10000.0, 96, 72, False),
+                                                   (10000.0, 128, 64, True)])
+def test_the_table_rotation_is_the_rotation_bit_for_bit(base, D, R, interleaved):
     """shift_back (cached cos/sin of whole shifts: eviction's re-rotation and the page-out's
-    un-rotation of slot-rotated keys) gives rotate's bits for every shift it is asked for."""
-    rope = RopeSpec(1.0 / base ** (torch.arange(0, D, 2, dtype=torch.float32) / D))
+    un-rotation of slot-rotated keys) gives rotate's bits for every shift it is asked for: whole
+    heads in split halves, phi3's 3/4 of a head, glm4's half of one in interleaved pairs."""
+    rope = RopeSpec(1.0 / base ** (torch.arange(0, R, 2, dtype=torch.float32) / R), D, interleaved)
     n = 8192
     x = torch.randn(2, n, D, generator=torch.Generator().manual_seed(3))
     shifts = torch.stack([torch.arange(n), torch.randperm(n, generator=torch.Generator().manual_seed(4))])
@@ -57,24 +61,84 @@ def test_the_table_rotation_is_the_rotation_bit_for_bit(base, D):
     far = shifts + TABLE_LIMIT
     assert torch.equal(rope.rotate_ahead(x, far), rope.rotate(x, far))
     assert torch.equal(rope.rotate_ahead(x, shifts - 5), rope.rotate(x, shifts - 5))
+    # the dims past R pass through untouched; the rotated ones move
+    moved = rope.rotate(x, shifts)
+    assert torch.equal(moved[..., R:], x[..., R:]) and not torch.equal(moved[..., :R], x[..., :R])
 
 
-@pytest.mark.parametrize("rope_name", list(ROPES))
-def test_compact_repack_equals_fresh_rotation(model_dirs, rope_name):
+def model_rotation(model):
+    """x [1, H, n, D] rotated at positions [n] by the model's own rotary module and
+    apply_rotary_pos_emb (its layout and partial rotary included)."""
+    apply = sys.modules[type(model.model.layers[0].self_attn).__module__].apply_rotary_pos_emb
+
+    def rotate_at(x, positions):
+        cos, sin = model.model.rotary_emb(x, torch.as_tensor(positions)[None])
+        return apply(x, x, cos, sin)[1]
+
+    return rotate_at
+
+
+@pytest.mark.parametrize("family", ["phi3", "glm4"])
+def test_the_rotary_layout_is_read_from_the_model(model_dirs, family):
+    """phi3 rotates 3/4 of a head in split halves, glm4 half of one in interleaved pairs: the spec
+    says so, and rotating by a delta is the model's own rotation by it."""
+    model = load_fp32(model_dirs(family)).model
+    D = model.config.head_dim
+    rope = RopeSpec.from_model(model, "full_attention", D)
+    assert (rope.rotary_dims, rope.interleaved, rope.standard) == \
+        ({"phi3": 3 * D // 4, "glm4": D // 2}[family], family == "glm4", False)
+    x = torch.randn(1, 2, 5, D, generator=torch.Generator().manual_seed(0))
+    rotate_at = model_rotation(model)
+    torch.testing.assert_close(rope.rotate(x, torch.arange(7, 12)), rotate_at(x, list(range(7, 12))),
+                               atol=1e-5, rtol=1e-5)
+
+
+def test_a_rotation_that_changes_with_the_length_is_refused_before_any_request(model_dirs, capsys):
+    """transformers' longrope (Phi-4-mini's) picks its factors by the length: no key can move, so a
+    heap that would move one is refused by check_heap (serve runs it before taking requests) with
+    the flags that work, and a heap that moves none runs."""
+    from localheap.cli import main
+
+    LONGROPE = {"rope_type": "longrope", "type": "longrope", "original_max_position_embeddings": 256,
+                "short_factor": [1.0] * 6, "long_factor": [1.0 + i / 3 for i in range(6)]}
+    path = model_dirs("phi3", rope_scaling=LONGROPE)
+    backend = load_fp32(path)
+    moving = (HeapConfig(budget=64, recent=8),
+              HeapConfig(budget=64, recent=8, positions="absolute", recall=True, page_size=8, recall_budget=16),
+              HeapConfig(budget=64, recent=8, positions="absolute", policy="geometry"))
+    for cfg in moving:
+        with pytest.raises(UnsupportedRope, match="--positions absolute --recall off"):
+            backend.check_heap(cfg)
+    cfg = HeapConfig(budget=64, slack=16, recent=8, positions="absolute")
+    backend.check_heap(cfg)
+    cache = backend.new_cache(cfg)
+    assert len(list(backend.generate(cache, long_prompt(backend.tokenizer, 200), SamplingParams(max_tokens=4)))) == 4
+    assert cache.stats().evicted > 0
+    assert main(["serve", "--model", str(path), "--backend", "torch", "--no-persist", "--port", "1"]) == 2
+    assert "longrope RoPE depends on the sequence length" in capsys.readouterr().err
+
+
+def test_a_rotary_layout_it_cannot_tell_is_refused(model_dirs, monkeypatch):
+    """A model whose apply_rotary_pos_emb matches neither layout is refused, not guessed."""
+    model = load_fp32(model_dirs("llama")).model
+    module = sys.modules[type(model.model.layers[0].self_attn).__module__]
+    monkeypatch.setattr(module, "apply_rotary_pos_emb", lambda q, k, cos, sin: (q.flip(-1), k.flip(-1)))
+    with pytest.raises(UnsupportedRope, match="rotary layout"):
+        RopeSpec.from_model(model, "full_attention", model.config.head_dim)
+
+
+@pytest.mark.parametrize("family,rope_name", [("llama", r) for r in ROPES] + [("phi3", "default"), ("glm4", "default")])
+def test_compact_repack_equals_fresh_rotation(model_dirs, family, rope_name):
     """After repacks, every cached key equals its raw key rotated at its new slot by the model's own RoPE."""
     kwargs = {"rope_scaling": ROPES[rope_name]} if ROPES[rope_name] else {}
-    model = load_fp32(model_dirs("llama", **kwargs)).model
-    rotary = model.model.rotary_emb
+    model = load_fp32(model_dirs(family, **kwargs)).model
     D, H, T = model.config.head_dim, 2, 200
     cfg = HeapConfig(budget=40, sinks=4, recent=8, slack=16, policy="random", positions="compact")
     layer = HeapLayer(LayerHeap(cfg, H, cfg.budget), D, torch.float32, torch.device("cpu"),
                       RopeSpec.from_model(model, "full_attention", D))
     gen = torch.Generator().manual_seed(1)
     raw, values = torch.randn(1, H, T, D, generator=gen), torch.randn(1, H, T, D, generator=gen)
-
-    def rotate_at(x, positions):   # x: [1, H, n, D] rotated at positions [n], as the model does it
-        cos, sin = rotary(x, torch.as_tensor(positions)[None])
-        return apply_rotary_pos_emb(x, x, cos, sin)[1]
+    rotate_at = model_rotation(model)
 
     done = 0
     while done < T:
@@ -105,7 +169,8 @@ def test_policies_stay_bounded_and_keep_sinks(llama, policy, positions):
     assert_stream_invariants(cache.heap_layers, cfg, min_evictions=10)
 
 
-@pytest.mark.parametrize("family,profile", [("llama", "pyramid"), ("gemma3_text", "uniform")])
+@pytest.mark.parametrize("family,profile", [("llama", "pyramid"), ("gemma3_text", "uniform"), ("phi3", "pyramid"),
+                                            ("glm4", "pyramid")])
 def test_compact_equals_absolute_when_the_shift_is_uniform(model_dirs, family, profile):
     """Without sinks, streaming keeps a contiguous window: compact positions are the absolute ones
     minus a constant, and RoPE attention only sees differences. Logits must then agree, which

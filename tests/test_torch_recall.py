@@ -2,6 +2,8 @@
 positions, the question recalls the page with the fact, sessions keep their pages, the
 disk budget drops pages, and a heap that never evicts is still the stock cache."""
 
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -58,14 +60,25 @@ def test_pages_hold_exactly_the_evicted_kv(llama, monkeypatch):
     assert_recorded_pages(cache, recorded, lambda keys, slots: rope.rotate(keys, -torch.as_tensor(slots)).numpy())
 
 
-def test_recalled_keys_equal_a_fresh_rotation_at_their_new_slot(llama):
-    tokens = prompt(llama, 300, seed=1)
+@pytest.mark.parametrize("family", ["llama", "phi3", "glm4"])
+def test_recalled_keys_equal_a_fresh_rotation_at_their_new_slot(model_dirs, llama, family):
+    """Recalled keys sit where the model's own rotation puts them (phi3 and glm4 rotate part of each
+    head, glm4 in interleaved pairs: a page-out or merge in the wrong layout lands elsewhere)."""
+    backend = llama if family == "llama" else TorchBackend.load(model_dirs(family), device="cpu", dtype=torch.float32)
+    model = backend.model
+    apply = sys.modules[type(model.model.layers[0].self_attn).__module__].apply_rotary_pos_emb
+
+    def model_rotate(x, deltas):   # x [n, D] moved by deltas [n] with the model's rotary module and function
+        cos, sin = model.model.rotary_emb(x[None], torch.as_tensor(deltas)[None])
+        return apply(x[None, None], x[None, None], cos, sin)[1][0, 0]
+
+    tokens = prompt(backend, 300, seed=1)
     for positions in ("compact", "absolute"):
-        cache = llama.new_cache(CFG.with_(positions=positions))
-        list(generate_tokens(llama.model, cache, tokens, SamplingParams(max_tokens=1)))
+        cache = backend.new_cache(CFG.with_(positions=positions))
+        list(generate_tokens(model, cache, tokens, SamplingParams(max_tokens=1)))
         assert cache.recall_log and cache.recall_log[-1]["tokens"] == CFG.recall_budget
         layer = cache.heap_layers[0]
-        stock_k, stock_v = stock_kv(llama, tokens)
+        stock_k, stock_v = stock_kv(backend, tokens)
         n = layer.heap.resident
         rec = layer.heap.recalled[:, :n]
         assert rec.sum(axis=1).tolist() == [CFG.recall_budget] * rec.shape[0]
@@ -73,7 +86,7 @@ def test_recalled_keys_equal_a_fresh_rotation_at_their_new_slot(llama):
             slots = np.flatnonzero(rec[h])
             pos = layer.heap.positions[h, slots]
             at = slots if positions == "compact" else pos
-            want = layer.rope.rotate(stock_k[h, pos], torch.as_tensor(at - pos))   # R(at) k_raw = R(at - p) R(p) k_raw
+            want = model_rotate(stock_k[h, pos], at - pos)   # R(at) k_raw = R(at - p) R(p) k_raw
             torch.testing.assert_close(layer.keys[0, h, slots], want, atol=1e-4, rtol=1e-4)
             torch.testing.assert_close(layer.values[0, h, slots], stock_v[h, pos], atol=1e-5, rtol=1e-5)
 

@@ -35,6 +35,11 @@ class Backend(Protocol):
     weights_bytes: int
     vocab_size: Optional[int]   # token ids are 0..vocab_size-1 (None: unknown, not checked)
 
+    def check_heap(self, cfg: HeapConfig) -> None:
+        """Raise now (HeapConfigError, UnsupportedRope) what new_cache would refuse under cfg,
+        without allocating a heap: serve checks its settings before it takes requests."""
+        ...
+
     def new_cache(self, cfg: HeapConfig, pages_dir: Optional[Path] = None) -> Any:
         """A fresh heap; with cfg.recall its page store lives in `pages_dir` (default: a temp dir)."""
         ...

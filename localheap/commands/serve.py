@@ -205,6 +205,7 @@ def run(args) -> int:
         settings.disk_total = disk_total("auto", settings.sessions_dir or Path(tempfile.gettempdir()))
     if args.distributed:
         return serve_ranks(backend, settings, args)
+    backend.check_heap(settings.heap)   # a heap the model cannot have fails here, not at each request
     ranks.check_layout(settings.sessions_dir if settings.persist_sessions else None, None)
     app = create_app(backend, settings)   # BudgetTooSmall here says what would fit
     return serve_built(app, backend, settings, args)

@@ -113,6 +113,12 @@ class HeapConfig:
     def needs_query_stats(self) -> bool:
         return self.policy == "geometry"
 
+    @property
+    def moves_keys(self) -> bool:
+        """Whether the backend must turn a cached key to another RoPE position (or back to none):
+        compact positions shift keys, recall stores pages before RoPE, geometry un-rotates queries."""
+        return self.positions == "compact" or self.needs_query_stats or self.recall
+
     def layer_budgets(self, n_layers: int) -> list[int]:
         """Budget of each layer. Pyramid keeps the same total, more in lower layers."""
         if self.profile == "uniform" or n_layers == 1:

@@ -14,7 +14,7 @@ from .. import paging
 from ..base import ModelShapes
 from . import batch
 from .generate import embed_rows, generate_tokens, prefill, prefill_pooled, prefill_scored
-from .heapcache import HeapPromptCache, attention_module, kv_geometry, make_heap_cache
+from .heapcache import HeapPromptCache, attention_module, check_heap, kv_geometry, make_heap_cache
 from .persist import load_heap, save_heap
 
 
@@ -51,6 +51,10 @@ class MLXBackend:
     def default_prefill_chunk(self) -> int:
         """The CLI's --prefill-chunk when not given (a HeapConfig without one prefills by the slack)."""
         return default_prefill_chunk()
+
+    def check_heap(self, cfg: HeapConfig) -> None:
+        """Raise now what new_cache would refuse under cfg (the model's RoPE, its layer kinds)."""
+        check_heap(self.model, cfg)
 
     def new_cache(self, cfg: HeapConfig, pages_dir: Optional[Path] = None) -> HeapPromptCache:
         """A fresh heap; with recall on its page store lives in `pages_dir` (default: a temp dir)."""
@@ -157,7 +161,7 @@ class MLXBackend:
         intermediate = args.intermediate_size
         return ModelShapes(layers=len(layers), hidden=args.hidden_size,
                            intermediate=max(intermediate) if isinstance(intermediate, (list, tuple)) else intermediate,
-                           q_heads=attn.q_proj.weight.shape[0] // head_dim, kv_heads=n_kv, head_dim=head_dim,
+                           q_heads=int(getattr(attn, "n_heads", None) or args.num_attention_heads), kv_heads=n_kv, head_dim=head_dim,
                            vocab=args.vocab_size, dtype_bytes=next(floats).dtype.size, score_copies=0 if fused else 2)
 
     def save_cache(self, cache, path: Path, snapshot: bool = False) -> None:

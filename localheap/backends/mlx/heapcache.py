@@ -159,6 +159,26 @@ class HeapPromptCache(HeapRollback, list):
         return combine([c.heap.stats() for c in self.heap_layers], self.kv_nbytes, paging.page_stats(self))
 
 
+def check_heap(model, cfg: HeapConfig) -> tuple[list, list, dict]:
+    """What a heap of `model` under `cfg` needs, without allocating it: mlx-lm's own caches for
+    the model, the indices of the layers the heap takes (mlx-lm's plain KVCache), and each one's
+    RoPE where cfg moves keys. Raises what the heap cannot do (no such layer; a rotation it
+    cannot move a key by; recall without a RoPE module to store pages before)."""
+    layers = list(model.layers)
+    stock = model.make_cache() if hasattr(model, "make_cache") else [KVCache() for _ in layers]
+    heap_ids = [i for i, c in enumerate(stock) if type(c) is KVCache]
+    if not heap_ids:
+        raise HeapConfigError(f"{type(model).__module__} has no full-attention KV layers for a heap")
+    specs = {}
+    for i in heap_ids:
+        attn = attention_module(layers[i])
+        rope = getattr(attn, "rope", None)
+        specs[i] = RopeSpec.from_module(rope) if rope is not None and cfg.moves_keys else None
+        if cfg.recall and specs[i] is None:
+            raise HeapConfigError(f"recall needs the RoPE module of {type(attn).__name__}; use --recall off")
+    return stock, heap_ids, specs
+
+
 def make_heap_cache(model, cfg: HeapConfig, pages_dir: Optional[Path] = None,
                     budgets: Optional[list] = None, pages_state=None) -> HeapPromptCache:
     """Build the heap for `model`: heap layers where mlx-lm would use a plain KVCache;
@@ -168,23 +188,12 @@ def make_heap_cache(model, cfg: HeapConfig, pages_dir: Optional[Path] = None,
     passes its share of the whole model's). `pages_state`: the saved state its page store opens
     at (a saved heap's; None: a new store)."""
     attention.install()
-    layers = list(model.layers)
-    stock = model.make_cache() if hasattr(model, "make_cache") else [KVCache() for _ in layers]
-    heap_ids = [i for i, c in enumerate(stock) if type(c) is KVCache]
-    if not heap_ids:
-        raise HeapConfigError(f"{type(model).__module__} has no full-attention KV layers for a heap")
+    stock, heap_ids, specs = check_heap(model, cfg)
     budgets = budgets or cfg.layer_budgets(len(heap_ids))
     caches = list(stock)
     for j, i in enumerate(heap_ids):
-        attn = attention_module(layers[i])
-        n_kv, head_dim = kv_geometry(attn)
-        rope = getattr(attn, "rope", None)
-        # compact positions shift keys; geometry un-rotates queries; recall stores pre-RoPE pages
-        wants_rope = cfg.positions == "compact" or cfg.needs_query_stats or cfg.recall
-        spec = RopeSpec.from_module(rope) if rope is not None and wants_rope else None
-        if cfg.recall and spec is None:
-            raise HeapConfigError(f"recall needs the RoPE module of {type(attn).__name__}; use --recall off")
-        caches[i] = HeapKVCache(LayerHeap(cfg, n_kv, budgets[j], layer=j), spec)
+        n_kv, head_dim = kv_geometry(attention_module(model.layers[i]))
+        caches[i] = HeapKVCache(LayerHeap(cfg, n_kv, budgets[j], layer=j), specs[i])
     cache = HeapPromptCache(caches, cfg)
     if cfg.recall:
         paging.attach_pages(cache, n_kv, head_dim, pages_dir, pages_state)

@@ -15,6 +15,10 @@ import mlx.core as mx
 import numpy as np
 
 
+MOVES_NO_KEY = (": a key cannot be moved to another position (as compact positions, recall and the geometry policy "
+                "do); use --positions absolute --recall off, and a policy other than geometry")
+
+
 class UnsupportedRope(ValueError):
     """A RoPE variant whose rotation is not a pure function of position delta."""
 
@@ -31,7 +35,7 @@ class RopeSpec:
     def from_module(cls, rope) -> "RopeSpec":
         name = type(rope).__name__
         if name == "DynamicNTKScalingRoPE":
-            raise UnsupportedRope("dynamic NTK RoPE depends on the sequence length; use positions='absolute'")
+            raise UnsupportedRope(f"dynamic NTK RoPE depends on the sequence length{MOVES_NO_KEY}")
         dims = getattr(rope, "dims", None) or getattr(rope, "dim", None)
         if dims is None:
             raise UnsupportedRope(f"cannot read the rotary dims of {name}")

@@ -15,7 +15,7 @@ from ...heap import HeapConfig, HeapStats, kv_bytes_per_token
 from ..base import ModelShapes
 from .. import paging
 from . import attention, batch
-from .cache import HeapCache, decoder_layers, kv_geometry, make_heap_cache
+from .cache import HeapCache, check_heap, decoder_layers, kv_geometry, make_heap_cache
 from .generate import embed_rows, generate_tokens, prefill, prefill_pooled, prefill_scored
 from .persist import load_heap, save_heap
 
@@ -144,6 +144,10 @@ class TorchBackend:
         """The CLI's --prefill-chunk when not given (a HeapConfig without one prefills by the slack)."""
         return default_prefill_chunk(self.device)
 
+    def check_heap(self, cfg: HeapConfig) -> None:
+        """Raise now what new_cache would refuse under cfg (the model's RoPE, its layer kinds)."""
+        check_heap(self.model, cfg)
+
     def new_cache(self, cfg: HeapConfig, pages_dir: Optional[Path] = None) -> HeapCache:
         """A fresh heap; with recall on its page store lives in `pages_dir` (default: a temp dir)."""
         cache = make_heap_cache(self.model, cfg, pages_dir)
@@ -257,7 +261,7 @@ class TorchBackend:
         tests/test_activation_plan.py); logits are computed for the last position only."""
         text = self.model.config.get_text_config()
         n_kv, head_dim = kv_geometry(self.model)
-        q_heads = decoder_layers(self.model)[0].self_attn.q_proj.out_features // head_dim
+        q_heads = decoder_layers(self.model)[0].self_attn.o_proj.in_features // head_dim
         return ModelShapes(layers=text.num_hidden_layers, hidden=text.hidden_size,
                            intermediate=text.intermediate_size, q_heads=q_heads, kv_heads=n_kv, head_dim=head_dim,
                            vocab=self.model.get_input_embeddings().num_embeddings,

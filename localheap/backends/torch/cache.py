@@ -187,8 +187,9 @@ def decoder_layers(model) -> list:
 def kv_geometry(model) -> tuple[int, int]:
     """(kv_heads, head_dim) of the model's attention layers."""
     attn = decoder_layers(model)[0].self_attn
-    head_dim = int(attn.head_dim)
-    return attn.k_proj.out_features // head_dim, head_dim
+    text = model.config.get_text_config()
+    n_kv = getattr(text, "num_key_value_heads", None) or text.num_attention_heads   # phi3 projects q, k, v in one
+    return int(n_kv), int(attn.head_dim)
 
 
 def model_ropes(model, kinds: set, head_dim: int) -> dict:
@@ -202,31 +203,37 @@ def model_ropes(model, kinds: set, head_dim: int) -> dict:
     return {kind: have[(kind, head_dim)] for kind in kinds}
 
 
+def check_heap(model, cfg: HeapConfig) -> tuple[list, list, dict]:
+    """What a heap of `model` under `cfg` needs, without allocating it: its layer kinds, their
+    kwargs, and the RoPE of each kind where cfg moves keys. Raises what the heap cannot do
+    (no full-attention layer; a rotation it cannot move a key by)."""
+    layer_types, layer_kwargs = get_layer_types_and_kwargs(model.config.get_text_config())
+    if "full_attention" not in layer_types:
+        raise HeapConfigError(f"{type(model).__name__} has no full-attention KV layers for a heap")
+    unknown = set(layer_types) - {"full_attention", "sliding_attention"}
+    if unknown:
+        raise HeapConfigError(f"layer type {sorted(unknown)[0]!r} ({type(model).__name__}) is not supported by the heap")
+    ropes = model_ropes(model, set(layer_types), kv_geometry(model)[1]) if cfg.moves_keys else {}
+    return layer_types, layer_kwargs, ropes
+
+
 def make_heap_cache(model, cfg: HeapConfig, pages_dir: Optional[Path] = None, pages_state=None) -> HeapCache:
     """Build the heap for `model`: heap layers where transformers would use a full-attention
     layer; sliding-window layers keep transformers' own bounded cache layer. With recall on,
     its page store lives in `pages_dir` (default: a temp dir that goes with the cache), opened at
     `pages_state` (a saved heap's; None: a new store)."""
     attention.install(model)
-    layer_types, layer_kwargs = get_layer_types_and_kwargs(model.config.get_text_config())
-    heap_ids = [i for i, t in enumerate(layer_types) if t == "full_attention"]
-    if not heap_ids:
-        raise HeapConfigError(f"{type(model).__name__} has no full-attention KV layers for a heap")
-    budgets = iter(cfg.layer_budgets(len(heap_ids)))
+    layer_types, layer_kwargs, ropes = check_heap(model, cfg)
+    budgets = iter(cfg.layer_budgets(sum(t == "full_attention" for t in layer_types)))
     n_kv, head_dim = kv_geometry(model)
-    weight = decoder_layers(model)[0].self_attn.k_proj.weight
-    # compact positions shift keys (repacks, per-layer offsets); geometry un-rotates queries
-    wants_rope = cfg.positions == "compact" or cfg.needs_query_stats or cfg.recall   # recall: pre-RoPE pages
-    ropes = model_ropes(model, set(layer_types), head_dim) if wants_rope else {}
+    weight = decoder_layers(model)[0].self_attn.o_proj.weight
     layers = []
     for kind, kwargs in zip(layer_types, layer_kwargs):
         if kind == "full_attention":
             heap = LayerHeap(cfg, n_kv, next(budgets), layer=sum(isinstance(x, HeapLayer) for x in layers))
             layers.append(HeapLayer(heap, head_dim, weight.dtype, weight.device, ropes.get(kind)))
-        elif kind == "sliding_attention":
+        else:   # sliding_attention (check_heap refused any other kind)
             layers.append(SlidingLayer(kwargs["sliding_window"], ropes.get(kind)))
-        else:
-            raise HeapConfigError(f"layer type {kind!r} ({type(model).__name__}) is not supported by the heap")
     cache = HeapCache(layers, cfg)
     if cfg.recall:
         paging.attach_pages(cache, n_kv, head_dim, pages_dir, pages_state)

@@ -224,7 +224,7 @@ class HeapLayer(PendingView, CacheLayerMixin):
         (H, k), n = idx.shape, self.heap.resident
         cap, D = self.keys.shape[2], self.keys.shape[3]
         rotate = deltas is not None and self.rope is not None
-        kernel = slab_cpu.evicts(self.keys)
+        kernel = slab_cpu.evicts(self.keys) if self.rope is None or self.rope.standard else None
         if kernel is not None:   # in place, one pass over the slots, the same bits (deltas = arange - idx)
             cos, sin = self.rope.table(self.device, n - k) if rotate else (_NONE, _NONE)
             kernel.compact(self.keys[0], self.values[0], idx.contiguous(), cos, sin, rotate)

@@ -26,7 +26,8 @@ def gather_evicted(cache, plan) -> list[tuple]:
 
     def take(layer, idx: torch.Tensor, scores: torch.Tensor) -> tuple:
         value = torch.gather(scores, 1, idx).float()
-        kernel = slab_cpu.evicts(layer.keys) if layer.heap.cfg.positions != "absolute" else None
+        kernel = (slab_cpu.evicts(layer.keys) if layer.heap.cfg.positions != "absolute" and layer.rope.standard
+                  else None)   # the kernel rotates whole heads in split halves
         if kernel is not None:   # gathered and un-rotated in one pass, the same bits
             cos, sin = layer.rope.table(layer.device, layer.keys.shape[2])
             pre, values = kernel.take_rotated(layer.keys[0], layer.values[0], idx.contiguous(), cos, sin)

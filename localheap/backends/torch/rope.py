@@ -1,8 +1,12 @@
 """Re-rotation of cached keys and queries: move a vector from RoPE position p to p + delta.
 
-transformers rotates with `x * cos + rotate_half(x) * sin` (split halves) using the
-model's `inv_freq`. A rotation composes, R(p + d) = R(d) R(p), so rotating by the
-delta equals rotating the raw vector at the new position up to float rounding. The
+transformers rotates with `x * cos + rotate_half(x) * sin` using the model's `inv_freq`, over
+the first R = 2 * len(inv_freq) dims of a head (all of them, or a part: phi3's and glm4's
+`partial_rotary_factor`; the rest pass through), in one of two layouts: split halves (llama,
+pair i is dims i and i + R/2) or interleaved (glm, glm4: pair i is dims 2i and 2i + 1). The
+layout lives in the model's code, not its config, so it is read by running the model's own
+`apply_rotary_pos_emb` on a probe. A rotation composes, R(p + d) = R(d) R(p), so rotating by
+the delta equals rotating the raw vector at the new position up to float rounding. The
 `attention_scaling` factor (yarn, longrope) is applied once at the original rotation
 and must not be applied again, so deltas use a pure rotation.
 """
@@ -10,13 +14,15 @@ and must not be applied again, so deltas use a pure rotation.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Union
+from typing import Optional, Union
 
 import numpy as np
 import torch
 
 # inv_freq depends on the sequence length: a delta is not a fixed rotation
 _POSITION_DEPENDENT = ("dynamic", "longrope")
+MOVES_NO_KEY = (": a key cannot be moved to another position (as compact positions, recall and the geometry policy "
+                "do); use --positions absolute --recall off, and a policy other than geometry")
 TABLE_LIMIT = 1 << 16   # rotate_ahead's largest delta from the table (its cos/sin: 2 x 65,536 x D/2 floats)
 
 
@@ -26,8 +32,19 @@ class UnsupportedRope(ValueError):
 
 @dataclass
 class RopeSpec:
-    inv_freq: torch.Tensor   # [D/2] float32
-    _tables: dict = field(default_factory=dict, repr=False)   # device -> (cos, sin) [shifts + 1, D/2]
+    inv_freq: torch.Tensor   # [R/2] float32
+    head_dim: Optional[int] = None   # D >= R (None: D = R)
+    interleaved: bool = False        # pairs (2i, 2i + 1), else (i, i + R/2)
+    _tables: dict = field(default_factory=dict, repr=False)   # device -> (cos, sin) [shifts + 1, R/2]
+
+    @property
+    def rotary_dims(self) -> int:
+        return 2 * self.inv_freq.shape[0]
+
+    @property
+    def standard(self) -> bool:
+        """Every dim rotated, in split halves: the layout slab_cpu's kernels are written for."""
+        return not self.interleaved and (self.head_dim is None or self.head_dim == self.rotary_dims)
 
     @classmethod
     def from_model(cls, model, layer_type: str, head_dim: int) -> "RopeSpec":
@@ -37,26 +54,35 @@ class RopeSpec:
         if isinstance(rope_type, dict):
             rope_type = rope_type.get(layer_type, "default")
         if rope_type in _POSITION_DEPENDENT:
-            raise UnsupportedRope(f"{rope_type} RoPE depends on the sequence length; use positions='absolute'")
+            raise UnsupportedRope(f"{rope_type} RoPE depends on the sequence length{MOVES_NO_KEY}")
         inv_freq = getattr(rotary, f"{layer_type}_inv_freq", None)
         if inv_freq is None:
             inv_freq = getattr(rotary, "inv_freq", None)
         if inv_freq is None:
             raise UnsupportedRope(f"cannot read the rotary frequencies of {type(rotary).__name__}")
-        if 2 * inv_freq.shape[0] != head_dim:
-            raise UnsupportedRope(f"partial rotary ({2 * inv_freq.shape[0]} of {head_dim} dims) is not supported")
-        return cls(inv_freq.detach().float().clone())
+        rotary = 2 * inv_freq.shape[0]
+        if rotary > head_dim or rotary % 2:
+            raise UnsupportedRope(f"{rotary} rotary dims do not fit a head of {head_dim}")
+        spec = cls(inv_freq.detach().float().clone(), head_dim)
+        spec.interleaved = _interleaved(model, spec)
+        return spec
 
     def rotate(self, x: torch.Tensor, deltas: Union[np.ndarray, torch.Tensor, int]) -> torch.Tensor:
         """x: [..., n, D]; deltas: int, or per-token [..., n] (broadcast against x). Same dtype out."""
         inv_freq = self.inv_freq.to(x.device)
         d = torch.as_tensor(deltas, device=x.device)
-        angles = d.to(torch.float32)[..., None] * inv_freq        # [..., n, D/2]
-        emb = torch.cat((angles, angles), dim=-1)
+        angles = d.to(torch.float32)[..., None] * inv_freq        # [..., n, R/2]
+        R = self.rotary_dims
         xf = x.float()
-        half = xf.shape[-1] // 2
-        rotated_half = torch.cat((-xf[..., half:], xf[..., :half]), dim=-1)
-        return (xf * emb.cos() + rotated_half * emb.sin()).to(x.dtype)
+        xr = xf[..., :R] if R < xf.shape[-1] else xf
+        if self.interleaved:
+            emb = angles.repeat_interleave(2, dim=-1)
+            rotated_half = torch.stack((-xr[..., 1::2], xr[..., 0::2]), dim=-1).flatten(-2)
+        else:
+            emb = torch.cat((angles, angles), dim=-1)
+            rotated_half = torch.cat((-xr[..., R // 2:], xr[..., :R // 2]), dim=-1)
+        out = xr * emb.cos() + rotated_half * emb.sin()
+        return _with_rest(out, xf, R).to(x.dtype)
 
 
     def shift_back(self, x: torch.Tensor, shifts: torch.Tensor, max_shift: int) -> torch.Tensor:
@@ -64,7 +90,7 @@ class RopeSpec:
         front by at most the evicted count), from a cached cos/sin table: the same float32 angles
         as `rotate`, so the same bits, without a cos and sin per key."""
         cos, sin = self.table(x.device, max_shift)
-        return _turned(x, cos[shifts], -sin[shifts])          # sin is odd
+        return self._turned(x, cos[shifts], -sin[shifts])          # sin is odd
 
     def rotate_ahead(self, x: torch.Tensor, deltas: Union[np.ndarray, torch.Tensor]) -> torch.Tensor:
         """`rotate(x, deltas)` bit for bit, for whole deltas >= 0 (a recall's merge: recalled keys
@@ -76,10 +102,10 @@ class RopeSpec:
             return self.rotate(x, deltas)
         cos, sin = self.table(x.device, int(deltas.max()))
         d = torch.as_tensor(deltas, device=x.device)
-        return _turned(x, cos[d], sin[d])
+        return self._turned(x, cos[d], sin[d])
 
     def table(self, device: torch.device, max_shift: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(cos, sin) [>= max_shift + 1, D/2] float32 of the shifts 0, 1, ...: cached, grown on demand."""
+        """(cos, sin) [>= max_shift + 1, R/2] float32 of the shifts 0, 1, ...: cached, grown on demand."""
         table = self._tables.get(device)
         if table is None or table[0].shape[0] <= max_shift:
             size = max(max_shift + 1, 2 * (table[0].shape[0] if table is not None else 256))
@@ -88,13 +114,54 @@ class RopeSpec:
         return table
 
 
-def _turned(x: torch.Tensor, c: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
-    """x [..., D] rotated by angles whose cos and sin are c, s [..., D/2] (rotate_half's layout), in
-    float32, in `rotate`'s order of operations; x's dtype out."""
-    xf = x.float()
-    half = xf.shape[-1] // 2
-    lo, hi = xf[..., :half], xf[..., half:]
-    return torch.cat((lo * c - hi * s, hi * c + lo * s), dim=-1).to(x.dtype)
+    def _turned(self, x: torch.Tensor, c: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+        """x [..., D] rotated by angles whose cos and sin are c, s [..., R/2], in float32, in
+        `rotate`'s order of operations (lo*c + (-hi)*s is lo*c - hi*s exactly); x's dtype out."""
+        R = self.rotary_dims
+        xf = x.float()
+        if self.interleaved:
+            lo, hi = xf[..., 0:R:2], xf[..., 1:R:2]
+            out = torch.stack((lo * c - hi * s, hi * c + lo * s), dim=-1).flatten(-2)
+        else:
+            lo, hi = xf[..., :R // 2], xf[..., R // 2:R]
+            out = torch.cat((lo * c - hi * s, hi * c + lo * s), dim=-1)
+        return _with_rest(out, xf, R).to(x.dtype)
+
+
+def _with_rest(rotated: torch.Tensor, xf: torch.Tensor, R: int) -> torch.Tensor:
+    """The rotated first R dims followed by the dims that pass through unrotated."""
+    return rotated if R == xf.shape[-1] else torch.cat((rotated, xf[..., R:]), dim=-1)
+
+
+def _interleaved(model, spec: RopeSpec) -> bool:
+    """Which layout the model's own `apply_rotary_pos_emb` rotates in: run it on a probe, with
+    the [..., R] cos/sin the llama-style rotary modules give, at angles no two pairs share, and
+    compare with both layouts. Where that cannot run (no such function; gpt-oss's takes [..., R/2]
+    tables) a whole-head rotation is taken as split halves, transformers' llama's layout; a partial
+    one, or a function that matches neither layout, is refused rather than guessed."""
+    import sys
+
+    layers = model.get_decoder().layers if hasattr(model, "get_decoder") else []
+    attn = getattr(layers[0], "self_attn", None) if len(layers) else None
+    apply = getattr(sys.modules.get(type(attn).__module__), "apply_rotary_pos_emb", None)
+    D, half = spec.head_dim, spec.rotary_dims // 2
+    probe = torch.randn(1, 1, 1, D, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    angles = torch.linspace(0.3, 2.9, half, dtype=torch.float64)
+    emb = torch.cat((angles, angles))[None, None]                 # [1, 1, R]
+    try:
+        got = apply(probe, probe, emb.cos(), emb.sin())[0].float() if apply is not None else None
+    except (TypeError, RuntimeError):
+        got = None
+    if got is not None and got.shape == probe.shape:
+        for interleaved in (False, True):
+            want = RopeSpec(torch.ones(half), D, interleaved)._turned(probe.float(), angles.float().cos(),
+                                                                      angles.float().sin())
+            if torch.allclose(got, want, atol=1e-5):
+                return interleaved
+    elif spec.standard:
+        return False
+    raise UnsupportedRope(f"cannot tell the rotary layout of {type(model).__name__} "
+                          f"({spec.rotary_dims} of {spec.head_dim} dims rotated)")
 
 
 def _rotary_module(model):
