@@ -38,10 +38,13 @@ def _stock_rows(backend, tokens: list[int], chunk: int) -> np.ndarray:
     if backend.name == "torch":
         from transformers import DynamicCache
 
+        from localheap.backends.torch.attention import cache_kwarg
+
         cache = DynamicCache(config=backend.model.config)
         with torch.no_grad():
             for a in range(0, len(tokens), chunk):
-                out = backend.model(torch.tensor([tokens[a:a + chunk]], device=backend.model.device), past_key_values=cache, use_cache=True,
+                out = backend.model(torch.tensor([tokens[a:a + chunk]], device=backend.model.device),
+                                    **cache_kwarg(backend.model, cache), use_cache=True,
                                     logits_to_keep=0)
                 rows.append(torch.log_softmax(out.logits[0].float(), dim=-1).cpu().numpy())
         return np.concatenate(rows)

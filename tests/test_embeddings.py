@@ -41,11 +41,13 @@ def _stock_hidden(backend, tokens: list[int], chunk: int) -> np.ndarray:
     if backend.name == "torch":
         from transformers import DynamicCache
 
+        from localheap.backends.torch.attention import cache_kwarg
+
         cache = DynamicCache(config=backend.model.config)
         with torch.no_grad():
             for a in range(0, len(tokens), chunk):
                 out = backend.model.base_model(torch.tensor([tokens[a:a + chunk]], device=backend.model.device),
-                                               past_key_values=cache,
+                                               **cache_kwarg(backend.model.base_model, cache),
                                                use_cache=True)
                 rows.append(out.last_hidden_state[0].float().cpu().numpy())
         return np.concatenate(rows)

@@ -12,6 +12,7 @@ from transformers import DynamicCache
 
 from localheap.backends.torch import TorchBackend
 from localheap.backends.torch import recall as recall_mod
+from localheap.backends.torch.attention import cache_kwarg
 from localheap.backends.torch.generate import generate_tokens, prefill
 from localheap.generation import SamplingParams
 from localheap.heap import HeapConfig
@@ -31,7 +32,7 @@ def stock_kv(backend, tokens):
     backend.model.set_attn_implementation("sdpa")
     try:
         with torch.no_grad():
-            backend.model(input_ids=torch.tensor([tokens]), past_key_values=cache, use_cache=True)
+            backend.model(input_ids=torch.tensor([tokens]), **cache_kwarg(backend.model, cache), use_cache=True)
     finally:
         backend.model.set_attn_implementation("localheap_sdpa")
     return cache.layers[0].keys[0], cache.layers[0].values[0]

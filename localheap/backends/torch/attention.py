@@ -9,6 +9,7 @@ forwards unknown keywords down to the attention function). Without it, this is s
 
 from __future__ import annotations
 
+import inspect
 import sys
 from functools import lru_cache
 
@@ -115,3 +116,18 @@ def install(model) -> None:
     AttentionMaskInterface.register(ATTN_EAGER, eager_mask)
     if model is not None and model.config._attn_implementation != heap_implementation(model):
         model.set_attn_implementation(heap_implementation(model))
+
+
+def cache_kwarg(model, cache) -> dict:
+    """The KV cache as the model's forward takes it: `cache=` where it has that argument
+    (transformers 5.24 renamed it; `past_key_values` warns there and goes in 5.40), else
+    `past_key_values=`. Read from the forward's signature once per class."""
+    kind = type(model)
+    name = _CACHE_ARG.get(kind)
+    if name is None:
+        params = inspect.signature(kind.forward).parameters
+        name = _CACHE_ARG[kind] = "cache" if "cache" in params else "past_key_values"
+    return {name: cache}
+
+
+_CACHE_ARG: dict = {}

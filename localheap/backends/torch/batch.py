@@ -190,7 +190,7 @@ def forward_packed(model, parts: list, tokens: list[torch.Tensor]) -> torch.Tens
     lean = lean_packed(model, caches)
     if lean is None and len(parts) == 1 and not isinstance(parts[0], DecodeSlab):   # one heap: its own forward, as alone
         with torch.no_grad():
-            out = model(input_ids=ids, position_ids=positions, past_key_values=parts[0], use_cache=True,
+            out = model(input_ids=ids, position_ids=positions, **attention.cache_kwarg(model, parts[0]), use_cache=True,
                         logits_to_keep=1, heap=parts[0])
         return out.logits[0].to(dtype=torch.float32)
     keep = []
@@ -203,7 +203,7 @@ def forward_packed(model, parts: list, tokens: list[torch.Tensor]) -> torch.Tens
         linear = batch_linear(lean.embed.weight) if len(caches) > 1 else F.linear   # one session: stock's op
         return lean.run(step, ids, positions, keep, linear)[0].to(dtype=torch.float32)
     with torch.no_grad():
-        out = model(input_ids=ids, position_ids=positions, past_key_values=step, use_cache=True,
+        out = model(input_ids=ids, position_ids=positions, **attention.cache_kwarg(model, step), use_cache=True,
                     logits_to_keep=keep, heap=step)
     return out.logits[0].to(dtype=torch.float32)
 

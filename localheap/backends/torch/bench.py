@@ -38,7 +38,7 @@ def stock_tokens(model, cache: DynamicCache, prompt: list[int], max_tokens: int)
 
     def step(ids: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():   # per call: a generator must not leak no_grad to its caller
-            return model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+            return model(input_ids=ids, **attention.cache_kwarg(model, cache), use_cache=True, logits_to_keep=1).logits
 
     ids = torch.tensor([prompt], device=device)
     for start in range(0, len(prompt), STOCK_PREFILL_CHUNK):
@@ -276,7 +276,7 @@ def run_memory(backend, total: int, checkpoints: list[int], cfg: HeapConfig, sto
 
             def stock_step(ids):
                 with torch.no_grad():
-                    model(input_ids=ids[None], past_key_values=stock, use_cache=True, logits_to_keep=1)
+                    model(input_ids=ids[None], **attention.cache_kwarg(model, stock), use_cache=True, logits_to_keep=1)
 
             stream("stock-full", stock_step, lambda: _stock_kv_bytes(stock), stock_points, STOCK_PREFILL_CHUNK)
         finally:

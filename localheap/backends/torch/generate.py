@@ -22,6 +22,7 @@ from ...generation import (ADAPTIVE_PEAK, ADAPTIVE_SHARPNESS, ADAPTIVE_WIDTH, DY
                            check_logit_bias, handoff, scored_rows)
 from .. import paging
 from . import recall
+from .attention import cache_kwarg
 from .cache import HeapCache
 from .lean import lean_step
 
@@ -33,7 +34,7 @@ def forward(model, cache: HeapCache, tokens: torch.Tensor) -> torch.Tensor:
         return lean(cache, tokens)   # the same ops without transformers' module glue
     cache.make_room(n)
     with torch.no_grad():
-        out = model(input_ids=tokens[None], position_ids=cache.position_ids(n), past_key_values=cache,
+        out = model(input_ids=tokens[None], position_ids=cache.position_ids(n), **cache_kwarg(model, cache),
                     use_cache=True, logits_to_keep=1, heap=cache)
     return out.logits[0, -1].to(dtype=torch.float32, copy=True)
 
@@ -68,7 +69,7 @@ def prefill_scored(model, cache: HeapCache, tokens: Sequence[int], following: in
         n = min(rows, total - a)
         cache.make_room(n)
         with torch.no_grad():
-            logits = model(input_ids=ids[a:a + n][None], position_ids=cache.position_ids(n), past_key_values=cache,
+            logits = model(input_ids=ids[a:a + n][None], position_ids=cache.position_ids(n), **cache_kwarg(model, cache),
                            use_cache=True, logits_to_keep=0, heap=cache).logits[0]   # [n, vocab]
             for b in range(0, n, SCORED_BLOCK):
                 logprobs = torch.log_softmax(logits[b:b + SCORED_BLOCK].float(), dim=-1)
@@ -93,7 +94,7 @@ def prefill_pooled(model, cache: HeapCache, tokens: Sequence[int], pool) -> None
         n = min(cache.cfg.chunk, total - a)
         cache.make_room(n)
         with torch.no_grad():
-            hidden = body(input_ids=ids[a:a + n][None], position_ids=cache.position_ids(n), past_key_values=cache,
+            hidden = body(input_ids=ids[a:a + n][None], position_ids=cache.position_ids(n), **cache_kwarg(body, cache),
                           use_cache=True, heap=cache).last_hidden_state[0].float()   # [n, hidden]
             pool.add(hidden.sum(dim=0).cpu().numpy(), n, hidden[-1].cpu().numpy())
 

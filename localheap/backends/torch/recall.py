@@ -15,6 +15,7 @@ import torch
 from .. import paging
 from ..slots import split_keep_indices
 from . import slab_cpu
+from .attention import cache_kwarg
 
 _NUMPY = {torch.int64: np.int64, torch.float32: np.float32, torch.float16: np.float16}
 
@@ -69,7 +70,7 @@ def probe(model, cache, question: torch.Tensor) -> dict:
     try:
         with torch.no_grad():
             model(input_ids=question[None], position_ids=cache.position_ids(question.shape[0]),
-                  past_key_values=cache, use_cache=True, logits_to_keep=1, heap=cache)
+                  **cache_kwarg(model, cache), use_cache=True, logits_to_keep=1, heap=cache)
         ids = sorted(cache.capture)
         host = torch.stack([cache.capture[i] for i in ids]).cpu().numpy()   # one transfer, all layers
         queries = dict(zip(ids, host))
