@@ -16,7 +16,7 @@ import threading
 from pathlib import Path
 from typing import Sequence
 
-FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mistral", "gemma", "gemma3_text", "gpt_oss", "phi3", "glm4")
+FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mistral", "gemma", "gemma3_text", "gpt_oss", "phi3", "glm4", "glm4_moe")
 
 # Hidden size is a perfect square so Gemma's sqrt(hidden) embedding scale is exact
 # in bfloat16 (mlx-lm's gemma3_text rounds it to bf16, transformers does not).
@@ -52,6 +52,7 @@ ARCHITECTURES = {
     "gpt_oss": "GptOssForCausalLM",
     "phi3": "Phi3ForCausalLM",
     "glm4": "Glm4ForCausalLM",
+    "glm4_moe": "Glm4MoeForCausalLM",
 }
 
 BOS, EOS, PAD = "<|begin|>", "<|end|>", "<|pad|>"
@@ -178,7 +179,7 @@ def _model_config(family, size, tok, rope_scaling, rope_traditional, dtype) -> d
         "bos_token_id": tok.token_to_id(BOS),
         "eos_token_id": tok.token_to_id(EOS),
         "pad_token_id": tok.token_to_id(PAD),
-        "tie_word_embeddings": family not in ("llama", "mistral", "qwen3_moe", "gpt_oss", "glm4"),   # as the real ones
+        "tie_word_embeddings": family not in ("llama", "mistral", "qwen3_moe", "gpt_oss", "glm4", "glm4_moe"),   # as the real ones
         "attention_bias": False,
         "attention_dropout": 0.0,
         "use_cache": True,
@@ -215,6 +216,13 @@ def _model_config(family, size, tok, rope_scaling, rope_traditional, dtype) -> d
     if family == "glm4":   # GLM-4-0414's layout: biased q, k, v, RoPE on half of each head in interleaved
         # pairs, norms after attention and after the MLP as well as before
         cfg.update(hidden_act="silu", attention_bias=True, partial_rotary_factor=0.5)
+    if family == "glm4_moe":   # GLM-4.5(-Air)'s layout scaled down: biased q, k, v, RoPE on half of each head
+        # (split halves here, unlike glm4), a dense first layer, then sigmoid-routed experts beside a shared one
+        cfg.update(hidden_act="silu", attention_bias=True, partial_rotary_factor=0.5, use_qk_norm=False,
+                   n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
+                   moe_intermediate_size=cfg["intermediate_size"] // 2, first_k_dense_replace=1,
+                   routed_scaling_factor=1.0, n_group=1, topk_group=1, norm_topk_prob=True, rope_scaling=None,
+                   num_nextn_predict_layers=0)
     if family == "gemma":
         # mlx-lm's gemma uses exact erf GELU; transformers rewrites "gelu" to the tanh
         # approximation, so name the exact Python GELU explicitly.

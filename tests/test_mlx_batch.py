@@ -418,10 +418,11 @@ def test_batch_step_bench_tables(llama):
 
 
 @SLABS
-@pytest.mark.parametrize("family", ["phi3", "glm4"])
+@pytest.mark.parametrize("family", ["phi3", "glm4", "glm4_moe"])
 def test_partial_rotary_sessions_in_the_batch_equal_alone(model_dirs, family, slabs):
-    """phi3 (q, k, v in one projection; RoPE on 3/4 of a head) and glm4 (half a head, interleaved
-    pairs): rows evicting at different steps give the tokens, logprobs and heaps they give alone."""
+    """phi3 (q, k, v in one projection; RoPE on 3/4 of a head), glm4 (half a head, interleaved
+    pairs) and glm4_moe (half a head in split halves; experts): rows evicting at different steps
+    give the tokens, logprobs and heaps they give alone."""
     backend = MLXBackend.load(model_dirs(family))
     ps = prompts(backend, (9, 60, 110), seed=3)
     params = [SamplingParams(max_tokens=m) for m in (40, 30, 20)]

@@ -72,7 +72,7 @@ def test_pages_hold_exactly_the_evicted_kv(llama, monkeypatch):
         np.testing.assert_allclose(got_k[h], want, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("family", ["llama", "phi3", "glm4"])
+@pytest.mark.parametrize("family", ["llama", "phi3", "glm4", "glm4_moe"])
 def test_recalled_keys_equal_a_fresh_rotation_at_their_new_slot(model_dirs, llama, family):
     """Also where RoPE turns part of each head (phi3: 3/4 in split halves; glm4: 1/2, interleaved)."""
     backend = llama if family == "llama" else MLXBackend.load(model_dirs(family))

@@ -163,6 +163,9 @@ def test_family_specific_config(models):
     head = cfg["phi3"]["head_dim"]
     assert 2 * phi.model.rotary_emb.inv_freq.shape[0] == 3 * head // 4
     assert 2 * glm.model.rotary_emb.inv_freq.shape[0] == head // 2
+    moe = transformers.AutoModelForCausalLM.from_pretrained(models["glm4_moe"])   # dense first layer, then experts
+    assert not hasattr(moe.model.layers[0].mlp, "experts")
+    assert all(hasattr(layer.mlp, "experts") and hasattr(layer.mlp, "shared_experts") for layer in moe.model.layers[1:])
 
 
 def test_seeded_weights_and_bfloat16(tmp_path):

@@ -620,11 +620,12 @@ def test_bfloat16_batch_logits_within_tolerance_of_alone(llama_bf16, slabs):
 
 
 @pytest.mark.parametrize("slabs", [None, {}], ids=["per-heap", "slab"])
-@pytest.mark.parametrize("family", ["phi3", "glm4"])
+@pytest.mark.parametrize("family", ["phi3", "glm4", "glm4_moe"])
 def test_partial_rotary_sessions_in_the_batch_equal_alone(model_dirs, family, slabs):
-    """phi3 (q, k, v in one projection, RoPE on 3/4 of a head) and glm4 (half a head, interleaved
-    pairs): rows that evict at different steps (compact positions re-rotate the kept keys by the
-    model's layout) give the tokens, logits and heaps they give alone, per heap and in a slab."""
+    """phi3 (q, k, v in one projection, RoPE on 3/4 of a head), glm4 (half a head, interleaved
+    pairs) and glm4_moe (half a head in split halves; experts): rows that evict at different steps
+    (compact positions re-rotate the kept keys in the model's layout) give the tokens, logits and
+    heaps they give alone, per heap and in a slab."""
     backend = TorchBackend.load(model_dirs(family), dtype=torch.float32)
     ps = prompts(backend, (9, 60, 110), seed=3)
     params = [SamplingParams(max_tokens=m) for m in (40, 30, 20)]

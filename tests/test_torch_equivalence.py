@@ -15,7 +15,8 @@ from localheap.backends.torch.generate import generate_steps, generate_tokens
 from localheap.generation import SamplingParams
 from localheap.heap import HeapConfig
 
-FAMILIES = ["llama", "qwen2", "qwen3", "qwen3_moe", "mistral", "gemma", "gemma3_text", "gpt_oss", "phi3", "glm4"]
+FAMILIES = ["llama", "qwen2", "qwen3", "qwen3_moe", "mistral", "gemma", "gemma3_text", "gpt_oss", "phi3", "glm4",
+            "glm4_moe"]
 SLACK = 64
 NEW_TOKENS = 256
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")

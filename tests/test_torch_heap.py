@@ -78,15 +78,16 @@ def model_rotation(model):
     return rotate_at
 
 
-@pytest.mark.parametrize("family", ["phi3", "glm4"])
+@pytest.mark.parametrize("family", ["phi3", "glm4", "glm4_moe"])
 def test_the_rotary_layout_is_read_from_the_model(model_dirs, family):
-    """phi3 rotates 3/4 of a head in split halves, glm4 half of one in interleaved pairs: the spec
-    says so, and rotating by a delta is the model's own rotation by it."""
+    """phi3 rotates 3/4 of a head in split halves, glm4 half of one in interleaved pairs, glm4_moe
+    half of one in split halves: the spec says so, and rotating by a delta is the model's own
+    rotation by it."""
     model = load_fp32(model_dirs(family)).model
     D = model.config.head_dim
     rope = RopeSpec.from_model(model, "full_attention", D)
     assert (rope.rotary_dims, rope.interleaved, rope.standard) == \
-        ({"phi3": 3 * D // 4, "glm4": D // 2}[family], family == "glm4", False)
+        ({"phi3": 3 * D // 4, "glm4": D // 2, "glm4_moe": D // 2}[family], family == "glm4", False)
     x = torch.randn(1, 2, 5, D, generator=torch.Generator().manual_seed(0))
     rotate_at = model_rotation(model)
     torch.testing.assert_close(rope.rotate(x, torch.arange(7, 12)), rotate_at(x, list(range(7, 12))),

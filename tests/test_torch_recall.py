@@ -61,7 +61,7 @@ def test_pages_hold_exactly_the_evicted_kv(llama, monkeypatch):
     assert_recorded_pages(cache, recorded, lambda keys, slots: rope.rotate(keys, -torch.as_tensor(slots)).numpy())
 
 
-@pytest.mark.parametrize("family", ["llama", "phi3", "glm4"])
+@pytest.mark.parametrize("family", ["llama", "phi3", "glm4", "glm4_moe"])
 def test_recalled_keys_equal_a_fresh_rotation_at_their_new_slot(model_dirs, llama, family):
     """Recalled keys sit where the model's own rotation puts them (phi3 and glm4 rotate part of each
     head, glm4 in interleaved pairs: a page-out or merge in the wrong layout lands elsewhere)."""
