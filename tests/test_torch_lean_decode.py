@@ -26,7 +26,7 @@ def decode(backend, cfg, enabled, monkeypatch, params=SamplingParams(max_tokens=
     return [t for t, _ in steps], torch.stack([lg for _, lg in steps]), len(calls), cache.stats()
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral", "phi3", "glm4"])
 @pytest.mark.parametrize("cfg", [HeapConfig(budget=4096), HeapConfig(budget=48, sinks=4, recent=8, slack=16),
                                  HeapConfig(budget=48, sinks=4, recent=8, slack=16, profile="pyramid")],
                          ids=["full", "evicting", "pyramid"])

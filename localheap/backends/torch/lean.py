@@ -5,7 +5,8 @@ small model (module calls, keyword plumbing, mask building, output objects). Thi
 model's own ops in its own order (embedding, its rotary module, RMSNorm as LlamaRMSNorm computes
 it, apply_rotary_pos_emb, the heap layer's update, the heap attention function, the MLP), so its
 logits are transformers' bit for bit (tests/test_torch_lean_decode.py holds it to that). It knows
-the Llama family's layer layout only; anything else keeps the full forward.
+the Llama family's layer layout (LeanDecode) and phi3's and glm4's (LeanFusedDecode); anything else
+keeps the full forward. Each model's lean step is checked once against its full forward (`agrees`).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from . import attention
 
 log = logging.getLogger("localheap.torch")
 FAMILIES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+FUSED_FAMILIES = ("Phi3ForCausalLM", "Glm4ForCausalLM")   # LeanFusedDecode
 ENABLED = os.environ.get("LOCALHEAP_LEAN_DECODE", "1") != "0"   # 0: every step through the full forward
 BATCH_GEMM = os.environ.get("LOCALHEAP_BATCH_GEMM", "onednn")     # aten: a batch's matmuls as one session's
 ONEDNN_MIN_WEIGHTS = 1 << 20   # batch_linear: oneDNN for weights of this many elements or more
@@ -78,6 +80,9 @@ def _has_onednn() -> bool:   # asked once per process, not at every step
 class LeanDecode:
     """One decode token through a Llama-shaped model over a heap cache."""
 
+    FAMILIES = FAMILIES
+    MLP = ("gate_proj", "up_proj", "down_proj")   # bias-free in the families it takes
+
     def __init__(self, model):
         from importlib import import_module
 
@@ -88,25 +93,27 @@ class LeanDecode:
         self.norm = (inner.norm.weight, inner.norm.variance_epsilon)
         self.head = model.lm_head
         self.rope = import_module(type(model).__module__).apply_rotary_pos_emb
-        self.layers = []
-        for layer in inner.layers:
-            a, m = layer.self_attn, layer.mlp
-            self.layers.append((
-                a, (layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon),
-                (a.q_proj.weight, a.q_proj.bias), (a.k_proj.weight, a.k_proj.bias), (a.v_proj.weight, a.v_proj.bias),
-                (a.o_proj.weight, a.o_proj.bias),
-                (layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon),
-                m.gate_proj.weight, m.up_proj.weight, m.down_proj.weight, m.act_fn,
-            ))
+        self.layers = [self._layer(layer) for layer in inner.layers]
 
     @staticmethod
-    def supports(model) -> bool:
-        if type(model).__name__ not in FAMILIES or model.training:
+    def _layer(layer) -> tuple:
+        a, m = layer.self_attn, layer.mlp
+        return (
+            a, (layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon),
+            (a.q_proj.weight, a.q_proj.bias), (a.k_proj.weight, a.k_proj.bias), (a.v_proj.weight, a.v_proj.bias),
+            (a.o_proj.weight, a.o_proj.bias),
+            (layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon),
+            m.gate_proj.weight, m.up_proj.weight, m.down_proj.weight, m.act_fn,
+        )
+
+    @classmethod
+    def supports(cls, model) -> bool:
+        if type(model).__name__ not in cls.FAMILIES or model.training:
             return False
         cfg = model.config
         mlp = model.model.layers[0].mlp
         return (getattr(cfg, "layer_types", None) in (None, ["full_attention"] * cfg.num_hidden_layers)
-                and all(getattr(mlp, n).bias is None for n in ("gate_proj", "up_proj", "down_proj")))
+                and all(getattr(mlp, n).bias is None for n in cls.MLP))
 
     def __call__(self, cache, token: torch.Tensor) -> torch.Tensor:
         """token: [1] id on the device. Returns the next logits [vocab] fp32 (what generate.forward returns)."""
@@ -141,13 +148,66 @@ class LeanDecode:
             return linear(h[:, -1:, :] if keep is None else h[:, keep, :], self.head.weight, self.head.bias)
 
 
+class LeanFusedDecode(LeanDecode):
+    """The lean step of phi3 (Phi-3, Phi-4-mini: q, k and v in one projection) and glm4 (GLM-4-0414:
+    biased q, k and v; norms after attention and after the MLP too): gate and up in one projection
+    (`gate, up = chunk(2)`, then `up * act(gate)`), each model's ops in its order. Their partial RoPE
+    is the model's own apply_rotary_pos_emb, as in every lean step."""
+
+    FAMILIES = FUSED_FAMILIES
+    MLP = ("gate_up_proj", "down_proj")
+
+    @staticmethod
+    def _layer(layer) -> tuple:
+        a, m = layer.self_attn, layer.mlp
+        norm = lambda n: (n.weight, n.variance_epsilon) if n is not None else None   # noqa: E731
+        if hasattr(a, "qkv_proj"):   # phi3: split by the config's head counts, as its attention does
+            q_size = a.config.num_attention_heads * a.head_dim
+            qkv = (a.qkv_proj.weight, a.qkv_proj.bias, q_size, q_size + a.num_key_value_heads * a.head_dim)
+            q = k = v = None
+        else:
+            qkv = None
+            q, k, v = ((p.weight, p.bias) for p in (a.q_proj, a.k_proj, a.v_proj))
+        return (a, norm(layer.input_layernorm), qkv, q, k, v, (a.o_proj.weight, a.o_proj.bias),
+                norm(getattr(layer, "post_self_attn_layernorm", None)), norm(layer.post_attention_layernorm),
+                m.gate_up_proj.weight, m.down_proj.weight, m.activation_fn, norm(getattr(layer, "post_mlp_layernorm", None)))
+
+    def run(self, cache, ids: torch.Tensor, pos: torch.Tensor, keep: Optional[torch.Tensor],
+            linear: Callable = F.linear) -> torch.Tensor:
+        """LeanDecode.run for these layouts."""
+        N = ids.shape[1]
+        with torch.no_grad():
+            h = self.embed(ids)                                       # [1, N, hidden]
+            cos, sin = self.rotary(h, pos)
+            for i, (a, ln1, qkv, q, k, v, o, post_attn, ln2, gate_up, down, act, post_mlp) in enumerate(self.layers):
+                x = _rms_norm(h, *ln1)
+                shape = (1, N, -1, a.head_dim)
+                if qkv is not None:
+                    fused = linear(x, qkv[0], qkv[1])
+                    qf, kf, vf = fused[..., :qkv[2]], fused[..., qkv[2]:qkv[3]], fused[..., qkv[3]:]
+                else:
+                    qf, kf, vf = linear(x, *q), linear(x, *k), linear(x, *v)
+                qs, ks = self.rope(qf.view(shape).transpose(1, 2), kf.view(shape).transpose(1, 2), cos, sin)
+                vs = vf.view(shape).transpose(1, 2)
+                ks, vs = cache.layers[i].update(ks, vs)
+                out, _ = attention.heap_sdpa(a, qs, ks, vs, None, heap=cache, dropout=0.0, scaling=a.scaling)
+                out = linear(out.reshape(1, N, -1).contiguous(), *o)
+                h = h + (_rms_norm(out, *post_attn) if post_attn is not None else out)
+                x = _rms_norm(h, *ln2)
+                g, up = linear(x, gate_up).chunk(2, dim=-1)
+                out = linear(up * act(g), down)
+                h = h + (_rms_norm(out, *post_mlp) if post_mlp is not None else out)
+            h = _rms_norm(h, *self.norm)
+            return linear(h[:, -1:, :] if keep is None else h[:, keep, :], self.head.weight, self.head.bias)
+
+
 def lean_step(model, cache) -> Optional[LeanDecode]:
     """The model's lean step when this cache can take it (heap layers only, no recall probe, no
     packed batch), else None: the caller runs the full forward."""
     if not _takes_lean(model, cache):
         return None
     lean = _lean(model)
-    if lean is not None and getattr(cache, "compile_decode", False):
+    if type(lean) is LeanDecode and getattr(cache, "compile_decode", False):   # compiled.py: Llama's layout
         from .compiled import compiled_step
 
         return compiled_step(model) or lean
@@ -160,7 +220,7 @@ def lean_packed(model, caches: list) -> Optional[LeanDecode]:
     if not caches or not all(_takes_lean(model, c) for c in caches):
         return None
     lean = _lean(model)
-    if lean is not None and all(getattr(c, "compile_decode", False) for c in caches):
+    if type(lean) is LeanDecode and all(getattr(c, "compile_decode", False) for c in caches):
         from .compiled import compiled_packed
 
         return compiled_packed(model) or lean
@@ -181,7 +241,8 @@ def _takes_lean(model, cache) -> bool:
 def _lean(model) -> Optional[LeanDecode]:
     lean = model.__dict__.get("_localheap_lean", False)
     if lean is False:
-        lean = LeanDecode(model) if LeanDecode.supports(model) else None
+        kind = next((k for k in (LeanDecode, LeanFusedDecode) if k.supports(model)), None)
+        lean = kind(model) if kind is not None else None
         model.__dict__["_localheap_lean"] = lean   # set before the check: its own steps find it
         if lean is not None and not agrees(model):
             log.warning("the lean decode step's logits differ from transformers' forward on this model, device "
