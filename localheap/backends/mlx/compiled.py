@@ -109,7 +109,8 @@ def agrees(model, step: CompiledDecode, n: int = 9) -> bool:
     ids = mx.arange(n, dtype=mx.uint32) % model.args.vocab_size
     logits = []
     for compiled in (False, True):
-        cache = make_heap_cache(model, HeapConfig(budget=64, recent=8, slack=16, recall=False))
+        # absolute positions, as lean.agrees: a RoPE no key can move (longrope, dynamic NTK) runs too
+        cache = make_heap_cache(model, HeapConfig(budget=64, recent=8, slack=16, recall=False, positions="absolute"))
         cache.make_room(n - 1)
         model(ids[None, :-1], cache=cache)
         logits.append(step(cache, ids[-1:]) if compiled else _forward(model, cache, ids[-1:]))

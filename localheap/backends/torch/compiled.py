@@ -335,7 +335,8 @@ def agrees_packed(model) -> bool:
     for on in (False, True):
         caches = []
         for j in range(3):
-            cache = make_heap_cache(model, HeapConfig(budget=64, recent=8, slack=16, recall=False))
+            # absolute positions, as lean.agrees: a RoPE no key can move (longrope, dynamic NTK) runs too
+            cache = make_heap_cache(model, HeapConfig(budget=64, recent=8, slack=16, recall=False, positions="absolute"))
             forward(model, cache, ids[: 4 + j])
             cache.compile_decode = on
             caches.append(cache)

@@ -263,7 +263,8 @@ def agrees(model, n: int = 9, setting: str = "lean_decode") -> bool:
     ids = torch.arange(n, device=model.device) % model.config.vocab_size
     logits = []
     for on in (False, True):
-        cache = make_heap_cache(model, HeapConfig(budget=64, recent=8, slack=16, recall=False))
+        # absolute positions: nothing here moves a key, and a RoPE no key can move (longrope) runs too
+        cache = make_heap_cache(model, HeapConfig(budget=64, recent=8, slack=16, recall=False, positions="absolute"))
         cache.lean_decode = setting != "lean_decode"
         forward(model, cache, ids[:-1])
         setattr(cache, setting, on)

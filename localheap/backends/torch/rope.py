@@ -60,9 +60,8 @@ class RopeSpec:
             inv_freq = getattr(rotary, "inv_freq", None)
         if inv_freq is None:
             raise UnsupportedRope(f"cannot read the rotary frequencies of {type(rotary).__name__}")
-        rotary = 2 * inv_freq.shape[0]
-        if rotary > head_dim or rotary % 2:
-            raise UnsupportedRope(f"{rotary} rotary dims do not fit a head of {head_dim}")
+        if 2 * inv_freq.shape[0] > head_dim:
+            raise UnsupportedRope(f"{2 * inv_freq.shape[0]} rotary dims do not fit a head of {head_dim}")
         spec = cls(inv_freq.detach().float().clone(), head_dim)
         spec.interleaved = _interleaved(model, spec)
         return spec
