@@ -5,7 +5,8 @@ Each renders `tools`, assistant `tool_calls` and `tool` results the way its fami
 Qwen2.5/Qwen3/Hermes (<tool_call> blocks, <tool_response> in a user turn, <think> reasoning,
 enable_thinking), Mistral v0.3 ([AVAILABLE_TOOLS], [TOOL_CALLS] with 9-character ids,
 [TOOL_RESULTS]), Llama 3.1 (ipython environment, JSON calls with "parameters") and Qwen3-Coder
-(XML calls: <function=NAME> with <parameter=KEY> values as raw text).
+(XML calls: <function=NAME> with <parameter=KEY> values as raw text). Phi-4-mini's is its own
+(published in its tokenizer_config.json, and short): the tools are a system message's field.
 The end of turn is the tiny tokenizer's EOS, <|end|>."""
 
 from __future__ import annotations
@@ -149,6 +150,24 @@ HARMONY = (   # gpt-oss: a system and a developer message, channels, calls addre
     "{%- endif %}{%- endfor %}"
     "{%- if add_generation_prompt %}<|start|>assistant{% endif %}"
 )
+# Phi-4-mini's own template (microsoft/Phi-4-mini-instruct, mlx-community/Phi-4-mini-instruct-4bit): a
+# system message's `tools` field between <|tool|> and <|/tool|>, every message `<|role|>content<|end|>`
+PHI4_MINI = (
+    "{% for message in messages %}{% if message['role'] == 'system' and 'tools' in message and "
+    "message['tools'] is not none %}{{ '<|' + message['role'] + '|>' + message['content'] + '<|tool|>' + "
+    "message['tools'] + '<|/tool|>' + '<|end|>' }}{% else %}{{ '<|' + message['role'] + '|>' + "
+    "message['content'] + '<|end|>' }}{% endif %}{% endfor %}{% if add_generation_prompt %}"
+    "{{ '<|assistant|>' }}{% else %}{{ eos_token }}{% endif %}"
+)
+PHI4_TOKENS = ("<|tool|>", "<|/tool|>", "<|tool_call|>", "<|/tool_call|>")   # special, as in its tokenizer
+
+
+def phi4_mini_model(model_dirs, out_dir: Path) -> Path:
+    """The tiny phi3 model (Phi-4-mini's architecture) with Phi-4-mini's template and tool tokens;
+    its EOS is <|end|>, as Phi-4-mini's is."""
+    return with_template(model_dirs("phi3", special=PHI4_TOKENS), out_dir, PHI4_MINI)
+
+
 HARMONY_TOKENS = ("<|start|>", "<|message|>", "<|channel|>", "<|constrain|>", "<|return|>", "<|call|>")
 
 TEMPLATES = {"qwen": QWEN, "qwen3-coder": QWEN_XML, "glm-4.5": GLM45, "mistral": MISTRAL, "llama3.1": LLAMA31}

@@ -11,7 +11,7 @@ import json
 
 import pytest
 
-from family_templates import QWEN, TEMPLATES, with_template
+from family_templates import QWEN, TEMPLATES, phi4_mini_model, with_template
 
 openai = pytest.importorskip("openai")
 jsonschema = pytest.importorskip("jsonschema")
@@ -378,6 +378,68 @@ def test_an_xml_call_the_reply_opens_is_held_to_the_tools(model_dirs, tmp_path_f
                     max_tokens=90)
             calls = r.choices[0].message.tool_calls or []
             assert not calls or (getattr(r, "localheap", None) or {}).get("tool_call_errors"), r
+
+
+def test_phi4_mini_calls_results_and_held_calls_through_the_server(model_dirs, tmp_path_factory, torch_one_thread):
+    """Phi-4-mini (its own template, on the phi3 architecture): the tools in the system message's
+    `tools` field, a list of calls without its closing token (as the model often writes it) read as
+    two calls, whole and streamed; the results sent back as `tool` turns reuse the whole first turn
+    (the calls written back as generated, <|end|> its EOS). With tool_choice auto a call the reply
+    opens is held to the tools (free, the same openings give none); with tool_choice required the
+    reply is calls only."""
+    reply = ('<|tool_call|>[{"name": "get_weather", "arguments": {"city": "Nice"}}, '
+             '{"name": "get_time", "arguments": {}}]<|/tool_call|>')
+    with serve(phi4_mini_model(model_dirs, tmp_path_factory.mktemp("phi4") / "m"), HeapConfig(budget=1024)) as srv:
+        c = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
+        svc = srv.services
+        for text in (reply, reply[:-len("<|/tool_call|>")]):
+            ids = svc.tokenizer.encode(text, add_special_tokens=False)
+            svc.force_tokens = lambda: ForcedTokens(ids, svc.backend.eos_token_ids)
+            history = [{"role": "user", "content": "Nice?"}]
+            first = ask(c, history)
+            assert first.choices[0].finish_reason == "tool_calls" and first.choices[0].message.content is None
+            calls = first.choices[0].message.tool_calls
+            assert [(x.function.name, json.loads(x.function.arguments)) for x in calls] == \
+                [("get_weather", {"city": "Nice"}), ("get_time", {})]
+            streamed = {}
+            for chunk in ask(c, history, stream=True):
+                for tc in (chunk.choices[0].delta.tool_calls or []) if chunk.choices else []:
+                    streamed.setdefault(tc.index, [tc.function.name, ""])[1] += tc.function.arguments or ""
+            assert [(n, json.loads(a)) for n, a in streamed.values()] == [("get_weather", {"city": "Nice"}),
+                                                                        ("get_time", {})]
+        ids = svc.tokenizer.encode(reply, add_special_tokens=False)
+        first = ask(c, history)
+        history += [first.choices[0].message] + [{"role": "tool", "tool_call_id": x.id, "content": "20C"}
+                                                 for x in first.choices[0].message.tool_calls]
+        svc.force_tokens = None
+        second = ask(c, history, max_tokens=4)
+        assert second.localheap["session_id"] == first.localheap["session_id"]
+        assert second.usage.prompt_tokens_details.cached_tokens >= \
+            first.usage.prompt_tokens + first.usage.completion_tokens - 1
+        # <|tool_call|> is one token, known to the grammar a step late (grammar.LazyGrammar): the token
+        # after it is drawn free, where Phi-4-mini writes its list's "["; a random model does not
+        svc.lead_tokens = svc.tokenizer.encode("<|tool_call|>[", add_special_tokens=False)
+        for seed in range(3):
+            r = ask(c, [{"role": "user", "content": "any city"}], tools=TIGHT, temperature=1.0, seed=seed,
+                    max_tokens=90)
+            assert r.choices[0].message.tool_calls and not (getattr(r, "localheap", None) or {}).get(
+                "tool_call_errors"), r
+            for call in r.choices[0].message.tool_calls:
+                args = json.loads(call.function.arguments)
+                if call.function.name == "get_weather":
+                    jsonschema.validate(args, CITY)
+                else:
+                    assert call.function.name == "get_time" and args == {}
+        svc.settings.tool_grammar = False   # the same openings, free: no valid call (the test can fail)
+        for seed in range(3):
+            r = ask(c, [{"role": "user", "content": "any city"}], tools=TIGHT, temperature=1.0, seed=seed,
+                    max_tokens=90)
+            calls = r.choices[0].message.tool_calls or []
+            assert not calls or (getattr(r, "localheap", None) or {}).get("tool_call_errors"), r
+        svc.lead_tokens = None
+        r = ask(c, [{"role": "user", "content": "any city"}], tools=TIGHT, tool_choice="required",
+                temperature=1.0, seed=5, max_tokens=90)
+        assert r.choices[0].finish_reason == "tool_calls" and r.choices[0].message.content is None, r
 
 
 def test_tools_on_a_template_without_them_are_described_in_a_system_message(model_dirs, torch_one_thread):

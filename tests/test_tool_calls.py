@@ -8,14 +8,14 @@ import json
 
 import pytest
 
-from family_templates import TEMPLATES, with_template
+from family_templates import TEMPLATES, phi4_mini_model, with_template
 from localheap.engine.detok import TextStream
 from localheap.server.errors import BadRequest
 from localheap.server.prompts import ChatOptions, chat_prompt
 from localheap.server.prompts import _messages as template_messages
 from localheap.server.schemas import ChatMessage
 from localheap.server.toolcalls import CallArgs, CallStart, OutputParser, Text
-from localheap.server.toolformats import GLM, Hermes, Llama, Mistral, Prompted, QwenXML, ToolCall, tool_format
+from localheap.server.toolformats import GLM, Hermes, Llama, Mistral, Phi4Mini, Prompted, QwenXML, ToolCall, tool_format
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
                                             "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
@@ -30,13 +30,15 @@ def tokenizers(model_dirs, tmp_path_factory):
     root = tmp_path_factory.mktemp("families")
     toks = {name: AutoTokenizer.from_pretrained(with_template(base, root / name, t)) for name, t in TEMPLATES.items()}
     toks["plain"] = AutoTokenizer.from_pretrained(base)
+    toks["phi4-mini"] = AutoTokenizer.from_pretrained(phi4_mini_model(model_dirs, root / "phi4-mini"))
     return toks
 
 
 FORMATS = {"qwen": Hermes, "qwen3-coder": QwenXML, "glm-4.5": GLM, "mistral": Mistral, "llama3.1": Llama,
-           "plain": Prompted}
+           "phi4-mini": Phi4Mini, "plain": Prompted}
 XML_CALL = "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n</tool_call>"
 GLM_CALL = "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n</tool_call>"
+PHI_CALL = '<|tool_call|>[{"name": "get_weather", "arguments": {"city": "Paris"}}]<|/tool_call|>'
 
 
 @pytest.mark.parametrize("family", sorted(FORMATS))
@@ -64,6 +66,7 @@ def _history(call_id: str) -> list[ChatMessage]:
     ("glm-4.5", GLM_CALL, "<|observation|>\n<tool_response>\n18C, sunny\n</tool_response>"),
     ("plain", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
      "<tool_response>\n18C, sunny\n</tool_response>"),
+    ("phi4-mini", "<|assistant|>" + PHI_CALL + "<|end|>", "<|tool|>18C, sunny<|end|><|user|>And tomorrow?"),
 ])
 def test_tools_calls_and_results_go_through_the_template(tokenizers, family, call_text, result_text):
     tok = tokenizers[family]
@@ -151,6 +154,10 @@ REPLIES = {
                  [("get_weather", {"city": "Paris"}, False), ("get_weather", {"city": "Lyon"}, False)]),
     "plain": ('Sure.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": Paris}}\n</tool_call>',
               [("content", "Sure.\n"), ("get_weather", "{\"city\": Paris}", True)]),
+    "phi4-mini": ('Let me check.<|tool_call|>[{"name": "get_weather", "arguments": {"city": "Paris"}}, '
+                  '{"name": "get_weather", "arguments": {"city": "Lyon"}}]',   # no <|/tool_call|>: often so
+                  [("content", "Let me check."), ("get_weather", {"city": "Paris"}, False),
+                   ("get_weather", {"city": "Lyon"}, False)]),
 }
 
 
@@ -181,6 +188,8 @@ CUT = {   # a reply held to calls (tool_choice "required"), cut by max_tokens: (
                 ("<tool_call>get_wea", [])],
     "qwen3-coder": [("<tool_call>\n<function=get_weather>\n<parameter=city>\nPa", [("get_weather", "{}", True)]),
                     ("<tool_call>\n<func", [])],
+    "phi4-mini": [('<|tool_call|>[{"name": "get_weather", "arguments": {"ci', [("get_weather", '{"ci', True)]),
+                  ('<|tool_call|>[{"na', []), ("<|tool_", [])],
     "llama3.1": [('{"name": "get_weather", "parameters": {"city": "Paris"}}; {"na',   # one JSON reply: as written
                   [("get_weather", '{"city": "Paris"}}; {"na', True)]),
                  ('{"na', [])],
@@ -224,6 +233,7 @@ def test_llama_json_that_is_not_a_call_is_content_and_a_prompt_inside_think_is_r
     ("plain", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'),
     ("qwen3-coder", XML_CALL),
     ("glm-4.5", GLM_CALL),
+    ("phi4-mini", PHI_CALL),
 ])
 def test_a_forced_call_grammar_takes_the_family_syntax_and_nothing_else(tokenizers, family, text):
     pytest.importorskip("llguidance")
@@ -276,6 +286,7 @@ def _feed(g, tok, text: str) -> list:
     ("llama3.1", "  ", '{"name": "get_weather", "parameters": {"city": "Paris"}}', ""),
     ("qwen3-coder", "Let me look. ", XML_CALL, "\nDone."),
     ("glm-4.5", "Let me look. ", GLM_CALL, "\nDone."),
+    ("phi4-mini", "Let me look. ", PHI_CALL, "\nDone."),
 ])
 def test_a_lazy_grammar_holds_only_the_call_the_reply_opens(tokenizers, family, before, call, after):
     """tool_choice auto: free text, then the call the reply opens is held (its trigger's tokens and
@@ -340,6 +351,35 @@ def test_a_lazy_grammar_for_newer_mistral_takes_name_args_json(tokenizers, tmp_p
     assert _feed(_lazy(tok, Mistral()), tok, '[TOOL_CALLS][{"name"')[-1] is None
     forced = Grammar(tok, {tok.eos_token_id}, call_grammar(Mistral(), TOOLS, "required", True, tok))
     assert None not in _feed(forced, tok, text + text) and set(forced.allowed().nonzero()[0]) >= {tok.eos_token_id}
+
+
+@pytest.mark.parametrize("body,want", [
+    ('[{"name": "get_weather", "arguments": {"city": "Paris"}}]', [("get_weather", {"city": "Paris"})]),
+    ('{"name": "get_weather", "arguments": {"city": "Paris"}}', [("get_weather", {"city": "Paris"})]),
+    ('{"name": "f", "arguments": {}}, {"name": "g", "parameters": {"x": 1}}', [("f", {}), ("g", {"x": 1})]),
+    ('\n[{"name": "f", "arguments": "{\\"x\\": 2}"}]\n', [("f", {"x": 2})]),
+])
+def test_phi4_mini_calls_read_as_its_model_writes_them(body, want):
+    """A list of calls, one object alone, objects without the list's brackets, arguments as a JSON
+    string; what is not a call after all (no name) is not one."""
+    calls = Phi4Mini().parse(body)
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == want and not any(c.error for c in calls)
+    assert Phi4Mini().parse('["Paris"]') is None and Phi4Mini().parse("not json") is None
+
+
+def test_phi4_mini_tools_go_in_the_system_message_and_a_request_without_one_gets_one(tokenizers):
+    """Its template writes only a system message's `tools` field: the tools go there (in OpenAI's
+    function objects, as JSON); without a system message one is added; without tools nothing is."""
+    tok = tokenizers["phi4-mini"]
+    msgs = _history("c1")[1:]   # no system message
+    with_tools = chat_prompt(tok, msgs, opts=ChatOptions(TOOLS, tool_format(tok))).text
+    head = "<|system|>" + Phi4Mini.SYSTEM + "<|tool|>"
+    assert with_tools.startswith(head) and "<|/tool|><|end|><|user|>Weather in Paris?" in with_tools
+    listed = with_tools[len(head):with_tools.index("<|/tool|>")]
+    assert json.loads(listed) == [TOOLS[0]["function"]]
+    without = chat_prompt(tok, msgs, opts=ChatOptions(None, tool_format(tok))).text
+    assert without.startswith("<|user|>Weather in Paris?") and PHI_CALL in without   # a past call still written
+    assert tok.encode(PHI_CALL, add_special_tokens=False)[0] == tok.convert_tokens_to_ids("<|tool_call|>")
 
 
 def test_a_template_without_tools_gets_calls_and_results_as_alternating_text(tokenizers):

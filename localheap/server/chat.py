@@ -21,7 +21,7 @@ from .prompts import ChatOptions
 from .services import Services, owner
 from .toolcalls import THINK, OutputParser
 from .harmony import CALL, CHANNEL, CONSTRAIN, END, MESSAGE, START, HarmonyParser
-from .toolformats import GLM, Harmony, Hermes, Llama, Mistral, QwenXML, ToolFormat, tool_format
+from .toolformats import GLM, Harmony, Hermes, Llama, Mistral, Phi4Mini, QwenXML, ToolFormat, tool_format
 
 
 @dataclass
@@ -148,6 +148,10 @@ def call_grammar(fmt: ToolFormat, tools: list[dict], choice: str, parallel: bool
         return (f'start: block{more}\nblock: "<tool_call>\\n" fn "\\n</tool_call>"\n'
                 + _tagged_call(chosen, arguments, "fn", QWEN_XML))
     call = _call_rule(fmt, chosen, arguments)
+    if isinstance(fmt, Phi4Mini):
+        more = ' ("," " " call)*' if many else ""
+        opener, closer = _token_ref(tokenizer, fmt.starts[0]), _token_ref(tokenizer, fmt.end)
+        return f'start: {opener} "[" call{more} "]" {closer}\ncall: {call}\n'
     if isinstance(fmt, Llama):
         more = ' ("; " call)*' if many else ""
         return f"start: call{more}\ncall: {call}\n"
@@ -175,6 +179,9 @@ def call_triggers(fmt: ToolFormat, tools: list[dict], tokenizer: Any,
     call = _call_rule(fmt, tools, arguments)
     if isinstance(fmt, Mistral):
         return [Trigger("[TOOL_CALLS]", f'start: "[" call ("," " " call)* "]"\ncall: {call}\n')]
+    if isinstance(fmt, Phi4Mini):   # the list, then its closing token (the model may leave it out: held here)
+        closer = _token_ref(tokenizer, fmt.end)
+        return [Trigger(fmt.starts[0], f'start: "[" call ("," " " call)* "]" {closer}\ncall: {call}\n')]
     if isinstance(fmt, Llama):
         one = f"start: call\ncall: {call}\n"
         return [Trigger("<|python_tag|>", one), Trigger('{"name"', one, at_start=True, inclusive=True)]

@@ -15,7 +15,7 @@ from ..sessions import Prompt
 from ..sessions.session import token_array
 from .errors import BadRequest, PromptTooLong
 from .schemas import ChatMessage, CompletionRequest
-from .toolformats import Harmony, ToolFormat, prompted_call, prompted_tools
+from .toolformats import Harmony, ToolFormat
 from .tokens import PIECE_CHARS, check_chars, encode_bounded, encode_plain, release_freed_memory, special_head
 
 _LONG_TEXTS = threading.Lock()
@@ -78,13 +78,13 @@ def _messages(messages: list[ChatMessage], opts: Optional[ChatOptions] = None) -
         # "developer" is OpenAI's newer name for the system role; templates know "system"
         d = {"role": "system" if m.role == "developer" else m.role, "content": _text(m.text(), "messages")}
         if m.tool_calls and opts.prompted:
-            d["content"] = "\n".join([d["content"]] * bool(d["content"]) +
-                                     [prompted_call(c.function.name, c.function.arguments) for c in m.tool_calls])
+            d["content"] = opts.fmt.written_calls(d["content"], [(c.function.name, c.function.arguments)
+                                                                 for c in m.tool_calls])
         elif m.tool_calls:
             d["tool_calls"] = [{"id": c.id, "type": "function",
                                 "function": {"name": c.function.name, "arguments": _arguments(c.function.arguments)}}
                                for c in m.tool_calls]
-        if m.role == "tool" and opts.prompted:
+        if m.role == "tool" and opts.prompted and opts.fmt.results_as_user:
             result = f"<tool_response>\n{d['content']}\n</tool_response>"
             if out and out[-1].get("tool_results"):   # results of one turn's calls: one message
                 out[-1]["content"] += "\n" + result
@@ -105,11 +105,7 @@ def _messages(messages: list[ChatMessage], opts: Optional[ChatOptions] = None) -
     for d in out:
         d.pop("tool_results", None)
     if opts.prompted and opts.tools:
-        text = prompted_tools(opts.tools)
-        if out and out[0]["role"] == "system":
-            out[0] = {**out[0], "content": text + "\n\n" + out[0]["content"]}
-        else:
-            out.insert(0, {"role": "system", "content": text})
+        out = opts.fmt.with_tools(out, opts.tools)
     return out
 
 

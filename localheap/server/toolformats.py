@@ -10,6 +10,9 @@ same text the model was trained to answer), and how a call in that syntax is rea
   each value as raw text, typed by the tool's schema.
 - gpt-oss (harmony): a message addressed `to=functions.NAME` on the commentary channel, its body
   the JSON arguments, ended by <|call|>; read with the reply's channels by harmony.HarmonyParser.
+- Phi-4-mini: the tools as JSON in the system message's `tools` field (its template writes them
+  between <|tool|> and <|/tool|>), a call `<|tool_call|>[{"name": ..., "arguments": {...}}, ...]<|/tool_call|>`
+  (the closing token often left out), results as the template's `tool` turns.
 - A template that does not render `tools` (Llama 3.0, Gemma 3, the tiny test models): the tools
   are described in a system message and the model is asked for Hermes-style blocks.
 """
@@ -96,9 +99,19 @@ class ToolFormat:
     leading_json = False           # a reply that starts with '{' is a call (Llama)
     make_id: Callable[[], str] = staticmethod(openai_call_id)
     in_template = True             # the template renders `tools` itself
+    results_as_user = False        # (not in_template) results written into a user turn: no tool role
 
     def parse(self, body: str) -> Optional[list[ToolCall]]:
         """The calls in `body` (markers stripped), or None: not calls after all."""
+        raise NotImplementedError
+
+    def written_calls(self, content: str, calls: list[tuple[str, str]]) -> str:
+        """(not in_template) An assistant's text with its earlier calls (name, arguments as sent)
+        written into it, as the model writes them: the template cannot render `tool_calls`."""
+        raise NotImplementedError
+
+    def with_tools(self, messages: list[dict], tools: list[dict]) -> list[dict]:
+        """(not in_template) The messages with the tools (OpenAI's shape) where this family reads them."""
         raise NotImplementedError
 
     def parse_block(self, body: str, closed: bool) -> Optional[list[ToolCall]]:
@@ -125,6 +138,56 @@ class Prompted(Hermes):
     """A template without tools: they are described in a system message, calls are Hermes blocks."""
     name = "prompted"
     in_template = False
+    results_as_user = True
+
+    def written_calls(self, content: str, calls: list[tuple[str, str]]) -> str:
+        return "\n".join([content] * bool(content) + [prompted_call(n, a) for n, a in calls])
+
+    def with_tools(self, messages: list[dict], tools: list[dict]) -> list[dict]:
+        text = prompted_tools(tools)
+        if messages and messages[0]["role"] == "system":
+            return [{**messages[0], "content": text + "\n\n" + messages[0]["content"]}] + messages[1:]
+        return [{"role": "system", "content": text}] + messages
+
+
+class Phi4Mini(ToolFormat):
+    """Phi-4-mini: its template writes a system message's `tools` field (JSON text) between <|tool|>
+    and <|/tool|>, and every message as `<|role|>content<|end|>`, so a result is a `tool` turn; the
+    model writes a list of calls between <|tool_call|> and <|/tool_call|> (often without the latter:
+    the list then runs to the end of the reply). Past calls are written back into the assistant's
+    text the same way."""
+    name = "phi4_mini"
+    starts = ("<|tool_call|>",)
+    end = "<|/tool_call|>"
+    in_template = False
+    SYSTEM = "You are a helpful assistant with some tools."   # Microsoft's example, where a request has none
+
+    def parse(self, body: str) -> Optional[list[ToolCall]]:
+        text = body.strip()
+        values = _json_values(text)
+        if values is None and text.startswith("{"):   # several objects without the list's brackets
+            values = _json_values("[" + text + "]")
+        if not values:
+            call = _loose_call(body, self.make_id)
+            return None if call is None else [call]
+        calls: list[ToolCall] = []
+        for v in values:
+            for obj in v if isinstance(v, list) else [v]:
+                call = _call(obj, self.make_id)
+                if call is None:
+                    return None
+                calls.append(call)
+        return calls or None
+
+    def written_calls(self, content: str, calls: list[tuple[str, str]]) -> str:
+        body = ", ".join(f'{{"name": {json.dumps(n, ensure_ascii=False)}, "arguments": {a or "{}"}}}' for n, a in calls)
+        return f"{content}{self.starts[0]}[{body}]{self.end}"
+
+    def with_tools(self, messages: list[dict], tools: list[dict]) -> list[dict]:
+        listed = json.dumps([t["function"] for t in tools], ensure_ascii=False)
+        if messages and messages[0]["role"] == "system":
+            return [{**messages[0], "tools": listed}] + messages[1:]
+        return [{"role": "system", "content": self.SYSTEM, "tools": listed}] + messages
 
 
 class Mistral(ToolFormat):
@@ -283,7 +346,7 @@ def template_source(tokenizer: Any) -> str:
     return ""
 
 
-FORMATS = {f.name: f for f in (Hermes, QwenXML, GLM, Mistral, Llama, Harmony, Prompted)}
+FORMATS = {f.name: f for f in (Hermes, QwenXML, GLM, Mistral, Llama, Harmony, Phi4Mini, Prompted)}
 
 
 def tool_format(tokenizer: Any, name: Optional[str] = None) -> ToolFormat:
@@ -297,6 +360,8 @@ def tool_format(tokenizer: Any, name: Optional[str] = None) -> ToolFormat:
         return QwenXML()
     if "<arg_key>" in src and "<arg_value>" in src:
         return GLM()
+    if "<|tool|>" in src and "<|/tool|>" in src:
+        return Phi4Mini()
     if "<tool_call>" in src:
         return Hermes()
     if "[TOOL_CALLS]" in src:
