@@ -33,7 +33,8 @@ class Constraint(Protocol):
     One object per request: it holds the request's position in the grammar."""
 
     def allowed(self) -> Optional[Any]:
-        """A numpy bool array: True for the ids allowed next (ids past its end are not), or None for any."""
+        """A numpy bool array: True for the ids allowed next (ids past its end are not), or None for any,
+        or a grammar.IfLast (a mask that holds only after one of a few ids still on the device)."""
 
     def advance(self, token: int) -> None:
         """The token just sampled."""

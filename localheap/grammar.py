@@ -132,6 +132,65 @@ class Trigger:
     inclusive: bool = False
 
 
+@dataclass
+class IfLast:
+    """A mask that applies only where the token still on the device (the sampler's last draw,
+    unread on the host) is one of a few ids: what a lazy grammar allows after a call's opener that
+    is one token by itself (Qwen's `<tool_call>`, Phi-4-mini's `<|tool_call|>`), so the token after
+    it is held without reading the one before it. `masks`: (id, bool [vocab] the grammar allows
+    after it) pairs; `cache`: the sampler's copies of them on its device (kept across steps)."""
+    token: Any
+    masks: list
+    cache: dict
+
+    def host(self, token: int) -> Optional[np.ndarray]:
+        """The mask where `token` is the last one (tests, and samplers that read it anyway)."""
+        return next((m for i, m in self.masks if i == token), None)
+
+
+def if_last_torch(scores: Any, c: IfLast) -> Any:
+    """scores [1, vocab] (torch) with the ids each opener's grammar refuses at -inf where the token
+    in flight is that opener: on the device, no host sync."""
+    vocab = scores.shape[-1]
+    for tid, keep in c.cache.get(("torch", scores.device, vocab)) or _to_torch(c, scores.device, vocab):
+        hit = c.token.reshape(-1)[:1] == tid                  # [1] bool, on the device
+        scores = scores.masked_fill(hit & ~keep, float("-inf"))
+    return scores
+
+
+def _to_torch(c: IfLast, device: Any, vocab: int) -> list:
+    import torch
+
+    out = []
+    for tid, mask in c.masks:
+        keep = np.zeros(vocab, dtype=bool)
+        n = min(len(mask), vocab)
+        keep[:n] = mask[:n]
+        out.append((tid, torch.from_numpy(keep).to(device)))
+    c.cache[("torch", device, vocab)] = out
+    return out
+
+
+def if_last_mlx(scores: Any, c: IfLast) -> Any:
+    """if_last_torch for an mlx [..., vocab] array."""
+    import mlx.core as mx
+
+    vocab = scores.shape[-1]
+    pairs = c.cache.get(("mlx", vocab))
+    if pairs is None:
+        pairs = []
+        for tid, mask in c.masks:
+            keep = np.zeros(vocab, dtype=bool)
+            n = min(len(mask), vocab)
+            keep[:n] = mask[:n]
+            pairs.append((tid, mx.array(keep)))
+        c.cache[("mlx", vocab)] = pairs
+    for tid, keep in pairs:
+        hit = c.token.reshape(-1)[:1] == tid
+        scores = mx.where(mx.logical_and(hit, mx.logical_not(keep)), -mx.inf, scores)
+    return scores
+
+
 class LazyGrammar:
     """A Constraint for a reply that may call tools (tool_choice auto): the reply is free (nothing
     masked: a reply that opens no call samples exactly as with no constraint) until a trigger opens
@@ -144,9 +203,11 @@ class LazyGrammar:
     A sampler that can hand it the token still on the device (`see`, not `advance`) keeps its decode
     pipelining while the reply is free: a token is read on the host one step late, once the next
     one is queued, unless the mask depends on it (inside a call, or where the text so far ends with
-    part of a trigger). Only a trigger that is one token by itself (Qwen's `<tool_call>`) is known a
-    step late: the token after it is sampled free and goes to the grammar as the call's first (the
-    model writes its own syntax there; where the grammar refuses it, the call goes free)."""
+    part of a trigger). A trigger that is one token by itself (Qwen's `<tool_call>`) is read a step
+    late too: while the reply is free (past its reasoning) the mask is an IfLast, which the sampler
+    applies on the device only where the token in flight is that opener, so the token after it is
+    held by the call's grammar all the same (a sampler that hands tokens with `advance` reads each
+    at once and never gets one)."""
 
     THINK, END_THINK = b"<think>", b"</think>"
 
@@ -167,6 +228,12 @@ class LazyGrammar:
         self.pending: list = []                # tokens seen on the device, not yet read (see)
         self.prefixes = {text[:k] for _, text in self.triggers for k in range(1, len(text))}
         self.longest = max(map(len, self.prefixes), default=0)
+        self.openers = {}                      # id -> trigger: a trigger that is that one token
+        for t, text in self.triggers:
+            ids = [] if t.at_start or t.inclusive else tokenizer.encode(t.text, add_special_tokens=False)
+            if len(ids) == 1 and self.ll.decode_bytes(ids) == text:
+                self.openers.setdefault(ids[0], t)
+        self.if_last: Optional[IfLast] = None  # made at the first free step with a token in flight
 
     def allowed(self) -> Optional[np.ndarray]:
         while self.pending and (len(self.pending) > 1 or self._must_read()):
@@ -177,6 +244,12 @@ class LazyGrammar:
             mask = np.zeros(max(self.eos_ids) + 1, dtype=bool)
             mask[self.eos_ids] = True
             return mask
+        if self.pending and self.openers and self.thinking is not True:   # it may be an opener
+            if self.if_last is None:
+                self.if_last = IfLast(None, [(i, Grammar(self.tokenizer, self.eos_ids, t.grammar).allowed())
+                                             for i, t in self.openers.items()], {})
+            self.if_last.token = self.pending[-1]
+            return self.if_last
         return None
 
     def see(self, token: Any) -> None:

@@ -10,6 +10,7 @@ import pytest
 
 from family_templates import TEMPLATES, phi4_mini_model, with_template
 from localheap.engine.detok import TextStream
+from localheap.grammar import IfLast
 from localheap.server.errors import BadRequest
 from localheap.server.prompts import ChatOptions, chat_prompt
 from localheap.server.prompts import _messages as template_messages
@@ -183,12 +184,16 @@ CUT = {   # a reply held to calls (tool_choice "required"), cut by max_tokens: (
              ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa',
               [("get_weather", '{"city": "Pa', True)])],       # its name known: the call as written, flagged
     "mistral": [('[TOOL_CALLS][{"name": "get_weather", "arguments": {"ci', [("get_weather", '{"ci', True)]),
+                ('[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}, {"na',   # the whole call kept
+                 [("get_weather", {"city": "Paris"}, False)]),
                 ('[TOOL_CALLS][{"na', []), ('[TOOL_CA', [])],
     "glm-4.5": [("<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Pa", [("get_weather", "{}", True)]),
                 ("<tool_call>get_wea", [])],
     "qwen3-coder": [("<tool_call>\n<function=get_weather>\n<parameter=city>\nPa", [("get_weather", "{}", True)]),
                     ("<tool_call>\n<func", [])],
     "phi4-mini": [('<|tool_call|>[{"name": "get_weather", "arguments": {"ci', [("get_weather", '{"ci', True)]),
+                  ('<|tool_call|>[{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": "get_weather", '
+                   '"arguments": {"ci', [("get_weather", {"city": "Paris"}, False), ("get_weather", '{"ci', True)]),
                   ('<|tool_call|>[{"na', []), ("<|tool_", [])],
     "llama3.1": [('{"name": "get_weather", "parameters": {"city": "Paris"}}; {"na',   # one JSON reply: as written
                   [("get_weather", '{"city": "Paris"}}; {"na', True)]),
@@ -438,10 +443,14 @@ class _OnDevice:
 def _feed_lagged(g, tok, text: str) -> tuple[list, list]:
     """As a pipelining sampler drives it: allowed() before each draw, see() after; per token 'free',
     'held' or None (refused), and at each step how many tokens the host had read."""
-    seen, reads, read_at = [], [], []
+    seen, reads, read_at, last = [], [], [], None
     for t in tok.encode(text, add_special_tokens=False):
         mask = g.allowed()
         read_at.append(len(reads))
+        if isinstance(mask, IfLast):   # applied on the device after the token in flight (`last`)
+            assert mask.token.token == last
+            mask = mask.host(last)
+        last = t
         if mask is not None and not mask[t]:
             seen.append(None)
             break
@@ -454,7 +463,8 @@ def test_a_lazy_grammar_reads_free_tokens_a_step_late_and_holds_the_call_the_sam
     """Free text: at each draw the host has read the tokens before the last one only (the sampler's
     pipelining is kept); where the text ends with part of the opener it reads the last one too, so a
     call over several tokens is held exactly as with advance(). An opener that is one token by itself
-    is known a step late: the token after it is drawn free and the grammar takes it as the call's first."""
+    is read a step late too, but the mask of the draw after it (an IfLast, applied on the device only
+    after that token) holds the call's first token all the same."""
     pytest.importorskip("llguidance")
     from transformers import AutoTokenizer
 
@@ -472,13 +482,39 @@ def test_a_lazy_grammar_reads_free_tokens_a_step_late_and_holds_the_call_the_sam
     seen, _ = _feed_lagged(g, one, before + call + " ok")
     first = len(one.encode(before + "<tool_call>", add_special_tokens=False))
     end = len(one.encode(before + call, add_special_tokens=False))
-    assert seen[first] == "free" and set(seen[first + 1:end]) == {"held"} and set(seen[end:]) == {"free"}, seen
+    assert set(seen[first:end]) == {"held"} and set(seen[end:]) == {"free"}, seen
     g.allowed()
     assert g.held == 1 and g.broken is None
-    g = _lazy(one)   # a first token the grammar refuses: that call goes free, flagged
-    _feed_lagged(g, one, before + call.replace("<tool_call>\n", "<tool_call> ") + " ok")
-    g.allowed()
-    assert g.held == 1 and g.broken
+    seen, _ = _feed_lagged(_lazy(one), one, before + call.replace("<tool_call>\n", "<tool_call> ") + " ok")
+    assert seen[-1] is None and len(seen) == first + 1   # the first token after the opener is held too
+    g = _lazy(one)   # inside reasoning the opener opens nothing: no mask after it
+    seen, _ = _feed_lagged(g, one, "<think>" + before + call.replace("<tool_call>\n", "<tool_call> ") + "</think>")
+    assert set(seen) == {"free"} and g.held == 0
+
+
+def test_the_mask_after_a_one_token_opener_applies_on_the_device_only_after_it():
+    """IfLast on each backend's sampler: the grammar's mask where the token in flight is the opener,
+    the scores untouched where it is not (no host read either way)."""
+    import numpy as np
+    import torch
+
+    from localheap.backends.torch.generate import _masked
+
+    keep = np.array([True, False, True, False, False])
+    scores = torch.zeros(1, 6)
+    c = IfLast(torch.tensor([7]), [(7, keep)], {})
+    out = _masked(scores, c)
+    assert torch.isinf(out[0]).tolist() == [False, True, False, True, True, True]
+    c.token = torch.tensor([3])
+    assert torch.equal(_masked(scores, c), scores)
+    mlx_generate = pytest.importorskip("localheap.backends.mlx.generate", exc_type=ImportError)
+    import mlx.core as mx
+
+    c = IfLast(mx.array([7]), [(7, keep)], {})
+    out = np.array(mlx_generate.masked(mx.zeros((1, 6)), c))
+    assert np.isinf(out[0]).tolist() == [False, True, False, True, True, True]
+    c.token = mx.array([3])
+    assert not np.isinf(np.array(mlx_generate.masked(mx.zeros((1, 6)), c))).any()
 
 
 def test_qwen3_coder_values_are_typed_by_the_tools_schemas():
@@ -555,3 +591,23 @@ def test_glm_values_are_typed_by_the_tools_schemas():
     (stray,) = GLM().parse("f\n<arg_key>n</arg_key>\nhalf")
     assert stray.error and "outside its arguments" in stray.error
     assert GLM().parse('\n{"name": "f", "arguments": {}}\n') is None and GLM().parse("\n") is None
+
+
+@pytest.mark.parametrize("backend_name", ["torch", "mlx"])
+def test_a_one_token_opener_holds_the_call_with_the_decode_pipelined(model_dirs, tmp_path_factory, backend_name):
+    """`bench structured`'s tool paths on Phi-4-mini's template and tokens (<|tool_call|> one token),
+    through each backend's real sampler at temperature 1: the lazy grammar handed tokens on the device
+    (pipelined, IfLast after a possible opener) draws exactly what it draws reading each token at
+    once, and replies made to open a call come back valid when held, not when free."""
+    pytest.importorskip("llguidance")
+    if backend_name == "mlx":
+        pytest.importorskip("mlx_lm")
+    from localheap.bench.structured import run_tools
+    from localheap.heap import HeapConfig
+    from localheap.models import load_backend
+
+    backend = load_backend(str(phi4_mini_model(model_dirs, tmp_path_factory.mktemp("phi4b") / "m")), backend_name)
+    rows = {r["path"]: r for r in run_tools(backend, HeapConfig(budget=256), 48, 4, log=lambda _: None)}
+    assert rows["auto, grammar read at once"]["valid_calls"] == "same tokens as pipelined", rows
+    assert rows["call opened, held"]["valid_calls"] == "4 of 4", rows
+    assert rows["call opened, free"]["valid_calls"] == "0 of 4", rows

@@ -91,7 +91,7 @@ class ChatPlan:
         enforce a tool's schema (tool_choice auto never refused a schema: the calls go free, logged)."""
         if not self.callable:   # allowed_tools that name only hosted tools: nothing to hold a call to
             return None
-        triggers = call_triggers(opts.fmt, self.callable, svc.tokenizer, self.arguments)
+        triggers = call_triggers(opts.fmt, self.callable, svc.tokenizer, self.arguments, self.parallel)
         for t in triggers:
             error = grammar_error(t.grammar)
             if error:
@@ -161,7 +161,7 @@ def call_grammar(fmt: ToolFormat, tools: list[dict], choice: str, parallel: bool
 
 
 def call_triggers(fmt: ToolFormat, tools: list[dict], tokenizer: Any,
-                  arguments: Optional[dict] = None) -> list[Trigger]:
+                  arguments: Optional[dict] = None, parallel: bool = True) -> list[Trigger]:
     """Where a free reply opens a call in the family's syntax, and the grammar of what follows: the
     call's body, up to the end of its block (Hermes) or of its list (Mistral), or the one call
     (Llama: a reply that begins `{"name"`, or after `<|python_tag|>`)."""
@@ -177,11 +177,12 @@ def call_triggers(fmt: ToolFormat, tools: list[dict], tokenizer: Any,
         return [Trigger("<tool_call>", 'start: "\\n" fn "\\n</tool_call>"\n'
                         + _tagged_call(tools, arguments, "fn", QWEN_XML))]
     call = _call_rule(fmt, tools, arguments)
+    more = ' ("," " " call)*' if parallel else ""   # a list of calls: one, with parallel_tool_calls false
     if isinstance(fmt, Mistral):
-        return [Trigger("[TOOL_CALLS]", f'start: "[" call ("," " " call)* "]"\ncall: {call}\n')]
+        return [Trigger("[TOOL_CALLS]", f'start: "[" call{more} "]"\ncall: {call}\n')]
     if isinstance(fmt, Phi4Mini):   # the list, then its closing token (the model may leave it out: held here)
         closer = _token_ref(tokenizer, fmt.end)
-        return [Trigger(fmt.starts[0], f'start: "[" call ("," " " call)* "]" {closer}\ncall: {call}\n')]
+        return [Trigger(fmt.starts[0], f'start: "[" call{more} "]" {closer}\ncall: {call}\n')]
     if isinstance(fmt, Llama):
         one = f"start: call\ncall: {call}\n"
         return [Trigger("<|python_tag|>", one), Trigger('{"name"', one, at_start=True, inclusive=True)]

@@ -90,6 +90,28 @@ def _json_values(text: str) -> Optional[list]:
         out.append(value)
 
 
+def _list_calls(text: str, make_id: Callable[[], str]) -> Optional[list[ToolCall]]:
+    """The calls of a JSON list of them (or of objects one after another without its brackets),
+    each object read alone: a list cut short gives its whole calls, then the one it cut (its name
+    and arguments as written, flagged) where its name was written. None: not calls after all."""
+    dec, at, calls = json.JSONDecoder(), 0, []
+    while True:
+        while at < len(text) and text[at] in " \t\r\n,[]":
+            at += 1
+        if at == len(text):
+            return calls or None
+        try:
+            value, at = dec.raw_decode(text, at)
+        except ValueError:
+            cut = _loose_call(text[at:], make_id)
+            return calls + [cut] if cut is not None else calls or None
+        for obj in value if isinstance(value, list) else [value]:
+            call = _call(obj, make_id)
+            if call is None:
+                return None
+            calls.append(call)
+
+
 class ToolFormat:
     """One family's tool-call syntax. `starts`: markers that open calls in a reply; `end`: what
     closes one call (None: the calls run to the end of the reply)."""
@@ -163,21 +185,7 @@ class Phi4Mini(ToolFormat):
     SYSTEM = "You are a helpful assistant with some tools."   # Microsoft's example, where a request has none
 
     def parse(self, body: str) -> Optional[list[ToolCall]]:
-        text = body.strip()
-        values = _json_values(text)
-        if values is None and text.startswith("{"):   # several objects without the list's brackets
-            values = _json_values("[" + text + "]")
-        if not values:
-            call = _loose_call(body, self.make_id)
-            return None if call is None else [call]
-        calls: list[ToolCall] = []
-        for v in values:
-            for obj in v if isinstance(v, list) else [v]:
-                call = _call(obj, self.make_id)
-                if call is None:
-                    return None
-                calls.append(call)
-        return calls or None
+        return _list_calls(body, self.make_id)
 
     def written_calls(self, content: str, calls: list[tuple[str, str]]) -> str:
         body = ", ".join(f'{{"name": {json.dumps(n, ensure_ascii=False)}, "arguments": {a or "{}"}}}' for n, a in calls)
@@ -205,19 +213,10 @@ class Mistral(ToolFormat):
                 call = _call({"name": name.strip(), "arguments": args.strip()}, self.make_id)
                 calls.append(call)
                 continue
-            values = _json_values(part)
-            if values is None:
-                call = _loose_call(part, self.make_id)
-                if call is None:
-                    return None
-                calls.append(call)
-                continue
-            for v in values:
-                for obj in v if isinstance(v, list) else [v]:
-                    call = _call(obj, self.make_id)
-                    if call is None:
-                        return None
-                    calls.append(call)
+            listed = _list_calls(part, self.make_id)
+            if listed is None:
+                return None
+            calls += listed
         return calls or None
 
 

@@ -16,6 +16,7 @@ import numpy as np
 from mlx_lm.sample_utils import make_sampler
 
 from ...dry import dry_state
+from ...grammar import IfLast, if_last_mlx
 from ...generation import (ADAPTIVE_PEAK, ADAPTIVE_SHARPNESS, ADAPTIVE_WIDTH, DYNATEMP_FLOOR, MIROSTAT_M,
                            SCORED_BLOCK, LogprobRecorder, ProgressFn, SamplingParams, TokenLogprob,
                            check_logit_bias, handoff, scored_rows)
@@ -261,9 +262,12 @@ def typical(lp: mx.array, mass: float) -> mx.array:
 
 
 def masked(scores: mx.array, allowed) -> mx.array:
-    """scores with the ids a constraint disallows at -inf (allowed None: all allowed)."""
+    """scores with the ids a constraint disallows at -inf (allowed None: all allowed; an IfLast:
+    only where the token still on the device is one of its ids)."""
     if allowed is None:
         return scores
+    if isinstance(allowed, IfLast):
+        return if_last_mlx(scores, allowed)
     keep = np.zeros(scores.shape[-1], dtype=bool)
     n = min(len(allowed), keep.shape[0])
     keep[:n] = allowed[:n]

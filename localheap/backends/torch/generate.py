@@ -17,6 +17,7 @@ from transformers.generation.logits_process import (MinPLogitsWarper, Temperatur
                                                     TopPLogitsWarper, TypicalLogitsWarper)
 
 from ...dry import dry_state
+from ...grammar import IfLast, if_last_torch
 from ...generation import (ADAPTIVE_PEAK, ADAPTIVE_SHARPNESS, ADAPTIVE_WIDTH, DYNATEMP_FLOOR, MIROSTAT_M,
                            SCORED_BLOCK, LogprobRecorder, ProgressFn, SamplingParams, TokenLogprob,
                            check_logit_bias, handoff, scored_rows)
@@ -408,9 +409,12 @@ def post_entry(drawn: Optional[torch.Tensor], token: torch.Tensor, top: int):
 
 
 def _masked(scores: torch.Tensor, allowed) -> torch.Tensor:
-    """scores [1, vocab] with the ids a constraint disallows at -inf (None: all allowed)."""
+    """scores [1, vocab] with the ids a constraint disallows at -inf (None: all allowed; an IfLast:
+    only where the token still on the device is one of its ids)."""
     if allowed is None:
         return scores
+    if isinstance(allowed, IfLast):
+        return if_last_torch(scores, allowed)
     keep = torch.zeros(scores.shape[-1], dtype=torch.bool)
     n = min(len(allowed), scores.shape[-1])
     keep[:n] = torch.from_numpy(allowed[:n])
