@@ -148,47 +148,44 @@ class IfLast:
         return next((m for i, m in self.masks if i == token), None)
 
 
-def if_last_torch(scores: Any, c: IfLast) -> Any:
-    """scores [1, vocab] (torch) with the ids each opener's grammar refuses at -inf where the token
-    in flight is that opener: on the device, no host sync."""
-    vocab = scores.shape[-1]
-    for tid, keep in c.cache.get(("torch", scores.device, vocab)) or _to_torch(c, scores.device, vocab):
-        hit = c.token.reshape(-1)[:1] == tid                  # [1] bool, on the device
-        scores = scores.masked_fill(hit & ~keep, float("-inf"))
-    return scores
-
-
-def _to_torch(c: IfLast, device: Any, vocab: int) -> list:
-    import torch
-
-    out = []
-    for tid, mask in c.masks:
+def _penalties(c: IfLast, vocab: int) -> tuple[np.ndarray, np.ndarray]:
+    """[len(masks) + 1, vocab] float32 to add to the scores (row 0: nothing; row i + 1: -inf where
+    opener i's grammar refuses), and the openers' ids."""
+    table = np.zeros((len(c.masks) + 1, vocab), dtype=np.float32)
+    for i, (_, mask) in enumerate(c.masks):
         keep = np.zeros(vocab, dtype=bool)
         n = min(len(mask), vocab)
         keep[:n] = mask[:n]
-        out.append((tid, torch.from_numpy(keep).to(device)))
-    c.cache[("torch", device, vocab)] = out
-    return out
+        table[i + 1][~keep] = -np.inf
+    return table, np.array([tid for tid, _ in c.masks], dtype=np.int64)
+
+
+def if_last_torch(scores: Any, c: IfLast) -> Any:
+    """scores [1, vocab] (torch) with the ids an opener's grammar refuses at -inf where the token in
+    flight is that opener: one row of a table picked on the device and added, no host sync."""
+    import torch
+
+    key = ("torch", scores.device, scores.shape[-1])
+    if key not in c.cache:
+        table, ids = _penalties(c, scores.shape[-1])
+        c.cache[key] = (torch.from_numpy(table).to(scores.device), torch.from_numpy(ids).to(scores.device),
+                        torch.arange(1, len(ids) + 1, device=scores.device))
+    table, ids, rows = c.cache[key]
+    row = ((c.token.reshape(-1)[:1] == ids).long() * rows).sum()   # 0: not an opener
+    return scores + table[row]
 
 
 def if_last_mlx(scores: Any, c: IfLast) -> Any:
     """if_last_torch for an mlx [..., vocab] array."""
     import mlx.core as mx
 
-    vocab = scores.shape[-1]
-    pairs = c.cache.get(("mlx", vocab))
-    if pairs is None:
-        pairs = []
-        for tid, mask in c.masks:
-            keep = np.zeros(vocab, dtype=bool)
-            n = min(len(mask), vocab)
-            keep[:n] = mask[:n]
-            pairs.append((tid, mx.array(keep)))
-        c.cache[("mlx", vocab)] = pairs
-    for tid, keep in pairs:
-        hit = c.token.reshape(-1)[:1] == tid
-        scores = mx.where(mx.logical_and(hit, mx.logical_not(keep)), -mx.inf, scores)
-    return scores
+    key = ("mlx", scores.shape[-1])
+    if key not in c.cache:
+        table, ids = _penalties(c, scores.shape[-1])
+        c.cache[key] = (mx.array(table), mx.array(ids), mx.arange(1, len(ids) + 1))
+    table, ids, rows = c.cache[key]
+    row = ((c.token.reshape(-1)[:1].astype(mx.int64) == ids).astype(mx.int64) * rows).sum()
+    return scores + table[row]
 
 
 class LazyGrammar:
