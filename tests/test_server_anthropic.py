@@ -63,6 +63,12 @@ def test_tool_use_then_tool_result(client, server, force):
     r2 = client.messages.create(model=model(server), max_tokens=80, tools=TOOLS, messages=history)
     assert r2.stop_reason == "end_turn" and r2.content[0].text == "Sunny, 18C."
     assert r2.usage.cache_read_input_tokens >= r.usage.input_tokens + r.usage.output_tokens - 1
+    # the blocks as the SDK dumps them (its optional fields as None: caller, toolset_name) are taken too
+    history[1] = {"role": "assistant", "content": [b.model_dump() for b in r.content]}
+    history[2]["content"][0]["toolset_name"] = None
+    force("Sunny, 18C.")
+    r3 = client.messages.create(model=model(server), max_tokens=80, tools=TOOLS, messages=history)
+    assert r3.content[0].text == "Sunny, 18C." and r3.usage.cache_read_input_tokens >= r2.usage.cache_read_input_tokens
 
 
 def test_streaming_events_thinking_and_tool_use(client, server, force):

@@ -47,6 +47,8 @@ class ToolUseBlock(Strict):
     name: str
     input: dict[str, Any]
     cache_control: CacheControl = None
+    caller: Optional[dict[str, Any]] = None      # accepted, unused (the SDK's blocks dump it, as None)
+    toolset_name: Optional[str] = None           # accepted, unused
 
 
 class ToolResultBlock(Strict):
@@ -55,6 +57,7 @@ class ToolResultBlock(Strict):
     content: Union[str, list[TextBlock], None] = None
     is_error: Optional[bool] = None
     cache_control: CacheControl = None
+    toolset_name: Optional[str] = None           # accepted, unused
 
     def text(self) -> str:
         text = self.content if isinstance(self.content, str) else "".join(b.text for b in self.content or [])
