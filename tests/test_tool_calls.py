@@ -501,12 +501,15 @@ def test_the_mask_after_a_one_token_opener_applies_on_the_device_only_after_it()
     from localheap.backends.torch.generate import _masked
 
     keep = np.array([True, False, True, False, False])
-    scores = torch.zeros(1, 6)
-    c = IfLast(torch.tensor([7]), [(7, keep)], {})
-    out = _masked(scores, c)
-    assert torch.isinf(out[0]).tolist() == [False, True, False, True, True, True]
-    c.token = torch.tensor([3])
-    assert torch.equal(_masked(scores, c), scores)
+    for device in ["cpu"] + ["cuda"] * torch.cuda.is_available():
+        scores = torch.zeros(1, 6, device=device)
+        c = IfLast(torch.tensor([7], device=device), [(7, keep), (9, ~keep)], {})
+        out = _masked(scores, c)
+        assert out.device == scores.device and torch.isinf(out[0]).tolist() == [False, True, False, True, True, True]
+        c.token = torch.tensor([9], device=device)
+        assert torch.isinf(_masked(scores, c)[0]).tolist() == [True, False, True, False, False, True]
+        c.token = torch.tensor([3], device=device)
+        assert torch.equal(_masked(scores, c), scores)
     mlx_generate = pytest.importorskip("localheap.backends.mlx.generate", exc_type=ImportError)
     import mlx.core as mx
 
