@@ -124,12 +124,13 @@ def grammar_error(grammar: str) -> Optional[str]:
 @dataclass(frozen=True)
 class Trigger:
     """Where a call opens in a free reply: the text `text`; what follows it is held to `grammar`.
-    `at_start`: only as the reply's first text (after its reasoning and spaces); `inclusive`: the
-    grammar begins with `text` itself (the call's own first bytes, as Llama's `{"name"`)."""
+    `at_start`: only as the reply's first text (after its reasoning and spaces; `exact`: no spaces);
+    `inclusive`: the grammar begins with `text` itself (the call's own first bytes, as Llama's `{"name"`)."""
     text: str
     grammar: str
     at_start: bool = False
     inclusive: bool = False
+    exact: bool = False            # (at_start) at the very first byte: no whitespace before it (GLM-4)
 
 
 @dataclass
@@ -298,9 +299,10 @@ class LazyGrammar:
             region = bytes(self.out[self.free_from:])
             head = region.lstrip()
             for trig, text in list(self.starts):
-                if head.startswith(text):
-                    return self._hold(trig, self.free_from + len(region) - len(head), text)
-                if not text.startswith(head):
+                lead = region if trig.exact else head
+                if lead.startswith(text):
+                    return self._hold(trig, self.free_from + len(region) - len(lead), text)
+                if not text.startswith(lead):
                     self.starts.remove((trig, text))
         found = None
         for trig, text in self.triggers:

@@ -7,6 +7,7 @@ enable_thinking), Mistral v0.3 ([AVAILABLE_TOOLS], [TOOL_CALLS] with 9-character
 [TOOL_RESULTS]), Llama 3.1 (ipython environment, JSON calls with "parameters") and Qwen3-Coder
 (XML calls: <function=NAME> with <parameter=KEY> values as raw text). Phi-4-mini's is its own
 (published in its tokenizer_config.json, and short): the tools are a system message's field.
+GLM-4-0414's follows its template's structure: a call's name is its turn's `metadata`.
 The end of turn is the tiny tokenizer's EOS, <|end|>."""
 
 from __future__ import annotations
@@ -166,6 +167,41 @@ def phi4_mini_model(model_dirs, out_dir: Path) -> Path:
     """The tiny phi3 model (Phi-4-mini's architecture) with Phi-4-mini's template and tool tokens;
     its EOS is <|end|>, as Phi-4-mini's is."""
     return with_template(model_dirs("phi3", special=PHI4_TOKENS), out_dir, PHI4_MINI)
+
+
+# GLM-4-0414's structure (THUDM/GLM-4-32B-0414): `tools` listed in a system turn by the template, a
+# past call an assistant turn whose `metadata` is the tool's name (then a space, a newline and its
+# arguments), a result an `observation` turn; a text reply begins with a newline
+GLM4_0414 = (
+    "[gMASK]<sop>{%- if tools -%}<|system|>\n# 可用工具{% for tool in tools %}"
+    "{%- set function = tool.function if tool.get('function') else tool %}\n\n## {{ function.name }}\n\n"
+    "{{ function | tojson(indent=4) }}\n在调用上述函数时，请使用 Json 格式表示调用的参数。{%- endfor %}{%- endif -%}"
+    "{%- for msg in messages %}{%- if msg.role == 'system' %}<|system|>\n{{ msg.content }}{%- endif %}{%- endfor %}"
+    "{%- for message in messages if message.role != 'system' %}{%- set role = message['role'] %}"
+    "{%- set content = message['content'] %}{%- set meta = message.get('metadata', '') %}"
+    "{%- if role == 'user' %}<|user|>\n{{ content }}{%- elif role == 'assistant' and not meta %}<|assistant|>\n"
+    "{{ content }}{%- elif role == 'assistant' and meta %}<|assistant|>{{ meta }} \n{{ content }}"
+    "{%- elif role == 'observation' %}<|observation|>\n{{ content }}{%- endif %}{%- endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+GLM4_TOKENS = ("[gMASK]", "<sop>", "<|observation|>")
+
+
+def glm4_model(model_dirs, out_dir: Path) -> Path:
+    """The tiny glm4 model (GLM-4-0414's architecture) with its template's structure; it stops at
+    <|user|> and <|observation|> (after a call) as at its EOS, as GLM-4-0414 does."""
+    if out_dir.exists():
+        return out_dir
+    path = with_template(model_dirs("glm4", special=GLM4_TOKENS), out_dir, GLM4_0414)
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(path / "tokenizer.json"))
+    stops = [tok.token_to_id("<|end|>"), tok.token_to_id("<|user|>"), tok.token_to_id("<|observation|>")]
+    for name in ("config.json", "generation_config.json"):
+        cfg = json.loads((path / name).read_text())
+        cfg["eos_token_id"] = stops
+        (path / name).write_text(json.dumps(cfg))
+    return path
 
 
 HARMONY_TOKENS = ("<|start|>", "<|message|>", "<|channel|>", "<|constrain|>", "<|return|>", "<|call|>")

@@ -11,7 +11,7 @@ import json
 
 import pytest
 
-from family_templates import QWEN, TEMPLATES, phi4_mini_model, with_template
+from family_templates import QWEN, TEMPLATES, glm4_model, phi4_mini_model, with_template
 
 openai = pytest.importorskip("openai")
 jsonschema = pytest.importorskip("jsonschema")
@@ -440,6 +440,58 @@ def test_phi4_mini_calls_results_and_held_calls_through_the_server(model_dirs, t
         r = ask(c, [{"role": "user", "content": "any city"}], tools=TIGHT, tool_choice="required",
                 temperature=1.0, seed=5, max_tokens=90)
         assert r.choices[0].finish_reason == "tool_calls" and r.choices[0].message.content is None, r
+
+
+def test_glm4_0414_calls_results_and_held_calls_through_the_server(model_dirs, tmp_path_factory, torch_one_thread):
+    """GLM-4-0414 (its template's structure, the glm4 architecture): a reply that is a tool's name and
+    its JSON arguments comes back as a call; the call goes back as an assistant turn with `metadata`
+    and the result as an `observation` turn, and the whole first turn is reused (the model stopped
+    at <|observation|>, which the template writes there); a text reply loses the template's leading
+    newline and is reused the same way. With tool_choice auto a reply that begins with a tool's name
+    is held to that call (free, the same openings give none); tool_choice required gives one call."""
+    with serve(glm4_model(model_dirs, tmp_path_factory.mktemp("glm4") / "m"), HeapConfig(budget=1024)) as srv:
+        c = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
+        svc = srv.services
+
+        def force(text, stop="<|observation|>"):
+            ids = svc.tokenizer.encode(text + stop, add_special_tokens=False)
+            svc.force_tokens = lambda: ForcedTokens(ids, svc.backend.eos_token_ids)
+
+        force('get_weather \n{"city": "Nice"}')
+        history = [{"role": "user", "content": "Nice?"}]
+        first = ask(c, history)
+        (call,) = first.choices[0].message.tool_calls
+        assert (call.function.name, json.loads(call.function.arguments)) == ("get_weather", {"city": "Nice"})
+        assert first.choices[0].finish_reason == "tool_calls" and first.choices[0].message.content is None
+        history += [first.choices[0].message, {"role": "tool", "tool_call_id": call.id, "content": "20C"}]
+        force("\nIt is 20C in Nice.", "<|user|>")
+        second = ask(c, history)
+        assert second.choices[0].message.content == "It is 20C in Nice." and not second.choices[0].message.tool_calls
+        assert second.localheap["session_id"] == first.localheap["session_id"]
+        assert second.usage.prompt_tokens_details.cached_tokens >= \
+            first.usage.prompt_tokens + first.usage.completion_tokens - 1   # all it fed (not its last token)
+        history += [second.choices[0].message, {"role": "user", "content": "Thanks."}]
+        svc.force_tokens = None
+        third = ask(c, history, max_tokens=4)
+        assert third.usage.prompt_tokens_details.cached_tokens >= \
+            second.usage.prompt_tokens + second.usage.completion_tokens - 1
+        svc.lead_tokens = svc.tokenizer.encode("get_weather", add_special_tokens=False)
+        for seed in range(3):
+            r = ask(c, [{"role": "user", "content": "any city"}], tools=TIGHT, temperature=1.0, seed=seed,
+                    max_tokens=90)
+            (call,) = r.choices[0].message.tool_calls
+            assert not (getattr(r, "localheap", None) or {}).get("tool_call_errors"), r
+            jsonschema.validate(json.loads(call.function.arguments), CITY)
+        svc.settings.tool_grammar = False   # the same openings, free: no valid call (the test can fail)
+        for seed in range(3):
+            r = ask(c, [{"role": "user", "content": "any city"}], tools=TIGHT, temperature=1.0, seed=seed,
+                    max_tokens=90)
+            calls = r.choices[0].message.tool_calls or []
+            assert not calls or (getattr(r, "localheap", None) or {}).get("tool_call_errors"), r
+        svc.lead_tokens = None
+        r = ask(c, [{"role": "user", "content": "any city"}], tools=TIGHT, tool_choice="required",
+                temperature=1.0, seed=5, max_tokens=90)
+        assert r.choices[0].finish_reason == "tool_calls" and len(r.choices[0].message.tool_calls) == 1, r
 
 
 def test_tools_on_a_template_without_them_are_described_in_a_system_message(model_dirs, torch_one_thread):

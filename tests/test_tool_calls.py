@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from family_templates import TEMPLATES, phi4_mini_model, with_template
+from family_templates import TEMPLATES, glm4_model, phi4_mini_model, with_template
 from localheap.engine.detok import TextStream
 from localheap.grammar import IfLast
 from localheap.server.errors import BadRequest
@@ -16,7 +16,8 @@ from localheap.server.prompts import ChatOptions, chat_prompt
 from localheap.server.prompts import _messages as template_messages
 from localheap.server.schemas import ChatMessage
 from localheap.server.toolcalls import CallArgs, CallStart, OutputParser, Text
-from localheap.server.toolformats import GLM, Hermes, Llama, Mistral, Phi4Mini, Prompted, QwenXML, ToolCall, tool_format
+from localheap.server.toolformats import (GLM, GLM4, Hermes, Llama, Mistral, Phi4Mini, Prompted, QwenXML, ToolCall,
+                                          tool_format)
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
                                             "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
@@ -32,11 +33,12 @@ def tokenizers(model_dirs, tmp_path_factory):
     toks = {name: AutoTokenizer.from_pretrained(with_template(base, root / name, t)) for name, t in TEMPLATES.items()}
     toks["plain"] = AutoTokenizer.from_pretrained(base)
     toks["phi4-mini"] = AutoTokenizer.from_pretrained(phi4_mini_model(model_dirs, root / "phi4-mini"))
+    toks["glm-4"] = AutoTokenizer.from_pretrained(glm4_model(model_dirs, root / "glm-4"))
     return toks
 
 
 FORMATS = {"qwen": Hermes, "qwen3-coder": QwenXML, "glm-4.5": GLM, "mistral": Mistral, "llama3.1": Llama,
-           "phi4-mini": Phi4Mini, "plain": Prompted}
+           "phi4-mini": Phi4Mini, "glm-4": GLM4, "plain": Prompted}
 XML_CALL = "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n</tool_call>"
 GLM_CALL = "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n</tool_call>"
 PHI_CALL = '<|tool_call|>[{"name": "get_weather", "arguments": {"city": "Paris"}}]<|/tool_call|>'
@@ -68,6 +70,8 @@ def _history(call_id: str) -> list[ChatMessage]:
     ("plain", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
      "<tool_response>\n18C, sunny\n</tool_response>"),
     ("phi4-mini", "<|assistant|>" + PHI_CALL + "<|end|>", "<|tool|>18C, sunny<|end|><|user|>And tomorrow?"),
+    ("glm-4", '<|user|>\nWeather in Paris?<|assistant|>get_weather \n{"city": "Paris"}<|observation|>',
+     "<|observation|>\n18C, sunny<|user|>\nAnd tomorrow?<|assistant|>"),
 ])
 def test_tools_calls_and_results_go_through_the_template(tokenizers, family, call_text, result_text):
     tok = tokenizers[family]
@@ -239,6 +243,7 @@ def test_llama_json_that_is_not_a_call_is_content_and_a_prompt_inside_think_is_r
     ("qwen3-coder", XML_CALL),
     ("glm-4.5", GLM_CALL),
     ("phi4-mini", PHI_CALL),
+    ("glm-4", 'get_weather \n{"city": "Paris"}'),
 ])
 def test_a_forced_call_grammar_takes_the_family_syntax_and_nothing_else(tokenizers, family, text):
     pytest.importorskip("llguidance")
@@ -385,6 +390,40 @@ def test_phi4_mini_tools_go_in_the_system_message_and_a_request_without_one_gets
     without = chat_prompt(tok, msgs, opts=ChatOptions(None, tool_format(tok))).text
     assert without.startswith("<|user|>Weather in Paris?") and PHI_CALL in without   # a past call still written
     assert tok.encode(PHI_CALL, add_special_tokens=False)[0] == tok.convert_tokens_to_ids("<|tool_call|>")
+
+
+@pytest.mark.parametrize("text,want", [
+    ('get_weather \n{"city": "Paris"}', [("get_weather", {"city": "Paris"}, False)]),
+    ('get_weather\n{"city": "Paris"}', [("get_weather", {"city": "Paris"}, False)]),
+    ("\nIt is sunny.\nget_weather\n{}", [("content", "It is sunny.\nget_weather\n{}")]),   # the newline: its template's
+    ("get_weather is a tool I have.", [("content", "get_weather is a tool I have.")]),
+    ('get_time\n{"city": "Paris"}', [("content", 'get_time\n{"city": "Paris"}')]),   # not an offered tool
+    ("get_weather\nsunny", [("content", "get_weather\nsunny")]),
+    ("get_weather", [("content", "get_weather")]),
+    ("<think>a call</think>get_weather \n{}", [("reasoning", "a call"), ("get_weather", {}, False)]),
+])
+def test_glm4_a_reply_that_begins_with_a_tools_name_and_json_is_a_call(text, want):
+    """GLM-4-0414: a call is the whole reply, the tool's name on its first line, then its JSON
+    arguments; any other reply is text (its first newline, which its template writes, dropped)."""
+    for size in range(1, len(text) + 1):
+        assert _parse_in_pieces(GLM4().bind(TOOLS), text, size) == want, size
+    cut = 'get_weather \n{"city": "Pa'   # held to calls and cut by max_tokens: flagged; before its name: nothing
+    assert _parse_in_pieces(GLM4().bind(TOOLS), cut, 3, forced=True) == [("get_weather", '{"city": "Pa', True)]
+    assert _parse_in_pieces(GLM4().bind(TOOLS), "get_wea", 2, forced=True) == []
+
+
+def test_glm4_a_call_the_reply_opens_with_is_held(tokenizers):
+    """tool_choice auto: a reply that begins with an offered tool's name is held to its call; its
+    arguments to the schema; a reply that begins otherwise is free."""
+    pytest.importorskip("llguidance")
+    tok = tokenizers["glm-4"]
+    call = 'get_weather \n{"city": "Paris"}'
+    g = _lazy(tok)
+    seen = _feed(g, tok, call)
+    assert None not in seen and g.held == 1 and g.broken is None and "held" in seen and g.active is None
+    assert _feed(_lazy(tok), tok, call.replace("city", "town"))[-1] is None
+    g = _lazy(tok)
+    assert set(_feed(g, tok, "\nget_weather \n{}")) == {"free"} and g.held == 0
 
 
 def test_a_template_without_tools_gets_calls_and_results_as_alternating_text(tokenizers):

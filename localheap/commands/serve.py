@@ -87,7 +87,7 @@ def add_parser(sub) -> None:
                    help="on SIGTERM/Ctrl-C, requests get this long to finish; then each is stopped and ends "
                         "with a final event saying what was kept, sessions are saved, and the server exits 0")
     p.add_argument("--tool-format", default="auto",
-                   choices=("auto", "hermes", "qwen3_xml", "glm45", "mistral", "llama3_json", "harmony", "phi4_mini", "prompted"),
+                   choices=("auto", "hermes", "qwen3_xml", "glm45", "glm4", "mistral", "llama3_json", "harmony", "phi4_mini", "prompted"),
                    help="how the model writes tool calls (default: auto, recognised from its chat template)")
     p.add_argument("--no-tool-grammar", action="store_true",
                    help="sample the tool calls a reply opens freely (tool_choice auto); by default, once the model "

@@ -21,7 +21,7 @@ from .prompts import ChatOptions
 from .services import Services, owner
 from .toolcalls import THINK, OutputParser
 from .harmony import CALL, CHANNEL, CONSTRAIN, END, MESSAGE, START, HarmonyParser
-from .toolformats import GLM, Harmony, Hermes, Llama, Mistral, Phi4Mini, QwenXML, ToolFormat, tool_format
+from .toolformats import GLM, GLM4, Harmony, Hermes, Llama, Mistral, Phi4Mini, QwenXML, ToolFormat, tool_format
 
 
 @dataclass
@@ -47,8 +47,8 @@ class ChatPlan:
     def options(self, svc: Services) -> ChatOptions:
         """The format is known even without tools: a history may hold calls and results to render."""
         fmt = tool_format(svc.tokenizer, svc.settings.tool_format)
-        if isinstance(fmt, QwenXML):   # its values are typed by the tools' schemas (GLM's too)
-            fmt.bind(self.tools)
+        if isinstance(fmt, (QwenXML, GLM4)):   # its values are typed by the tools' schemas (GLM's too);
+            fmt.bind(self.tools)               # GLM-4's calls open with their names
         return ChatOptions(self.tools or None, fmt, dict(self.template_kwargs or {}))
 
     def parser(self, opts: ChatOptions, prompt: Prompt) -> OutputParser:
@@ -99,7 +99,7 @@ class ChatPlan:
                           [error.splitlines()[0][:200]])
                 return None
         return LazyGrammar(svc.tokenizer, svc.backend.eos_token_ids, triggers, in_think=_in_think(prompt),
-                           once=not self.parallel)
+                           once=not self.parallel or opts.fmt.leading_name)   # (GLM-4: a call is the reply)
 
 
 def _in_think(prompt: Prompt) -> bool:
@@ -139,6 +139,8 @@ def call_grammar(fmt: ToolFormat, tools: list[dict], choice: str, parallel: bool
         return f'start: {opener} "[" call{more} "]"\ncall: {_call_rule(fmt, chosen, arguments)}\n'
     if isinstance(fmt, Harmony):   # a call ends the reply (<|call|> is a stop token): one call
         return harmony_call(chosen, arguments, tokenizer)
+    if isinstance(fmt, GLM4):   # the reply is one call
+        return _glm4_calls(chosen, arguments)
     if isinstance(fmt, GLM):
         more = ' ("\\n" block)*' if many else ""
         return (f'start: block{more}\nblock: "<tool_call>" fn "</tool_call>"\n'
@@ -173,6 +175,9 @@ def call_triggers(fmt: ToolFormat, tools: list[dict], tokenizer: Any,
                 Trigger("to=functions.", named, at_start=True)]   # the first header's role is the prompt's
     if isinstance(fmt, GLM):
         return [Trigger("<tool_call>", 'start: fn "</tool_call>"\n' + _tagged_call(tools, arguments, "fn", GLM_ARGS))]
+    if isinstance(fmt, GLM4):   # a reply that begins with a tool's name (any: the grammar reads it whole)
+        calls = _glm4_calls(tools, arguments)
+        return [Trigger(t["function"]["name"], calls, at_start=True, inclusive=True, exact=True) for t in tools]
     if isinstance(fmt, QwenXML):
         return [Trigger("<tool_call>", 'start: "\\n" fn "\\n</tool_call>"\n'
                         + _tagged_call(tools, arguments, "fn", QWEN_XML))]
@@ -188,6 +193,16 @@ def call_triggers(fmt: ToolFormat, tools: list[dict], tokenizer: Any,
         return [Trigger("<|python_tag|>", one), Trigger('{"name"', one, at_start=True, inclusive=True)]
     assert isinstance(fmt, Hermes)
     return [Trigger("<tool_call>", f'start: "\\n" call "\\n</tool_call>"\ncall: {call}\n')]
+
+
+def _glm4_calls(tools: list[dict], arguments: Optional[dict]) -> str:
+    """One GLM-4-0414 call of any of `tools`: its name, the space its template writes (or not), a
+    newline, its JSON arguments."""
+    rules = [f"start: {' | '.join(f'c{i}' for i in range(len(tools)))}"]
+    for i, t in enumerate(tools):
+        rules.append(f'c{i}: {json.dumps(t["function"]["name"])} " "? "\\n" c{i}_args')
+        rules.append(f"c{i}_args: {json_rule(_arguments(t, arguments))}")
+    return "\n".join(rules) + "\n"
 
 
 def _harmony_named(tools: list[dict], arguments: Optional[dict], tokenizer: Any, top: str = "start") -> str:

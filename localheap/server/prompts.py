@@ -77,6 +77,13 @@ def _messages(messages: list[ChatMessage], opts: Optional[ChatOptions] = None) -
     for m in messages:
         # "developer" is OpenAI's newer name for the system role; templates know "system"
         d = {"role": "system" if m.role == "developer" else m.role, "content": _text(m.text(), "messages")}
+        if m.tool_calls and opts.fmt is not None and opts.fmt.metadata_calls:   # GLM-4: a turn a call
+            out.extend(opts.fmt.call_turns(d["content"], [(c.function.name, c.function.arguments)
+                                                          for c in m.tool_calls]))
+            continue
+        if m.role == "tool" and opts.fmt is not None and opts.fmt.metadata_calls:
+            out.append({"role": "observation", "content": d["content"]})
+            continue
         if m.tool_calls and opts.prompted:
             d["content"] = opts.fmt.written_calls(d["content"], [(c.function.name, c.function.arguments)
                                                                  for c in m.tool_calls])

@@ -43,7 +43,7 @@ class ServerSettings:
     max_tokens_limit: int = 32768              # the largest max_tokens a request may ask (400 beyond)
     shutdown_grace_s: float = 10.0             # SIGTERM: requests get this long, then are cancelled
     heap: HeapConfig = field(default_factory=HeapConfig)
-    tool_format: Optional[str] = None          # hermes | qwen3_xml | glm45 | mistral | llama3_json | harmony | phi4_mini | prompted (None: from the template)
+    tool_format: Optional[str] = None          # hermes | qwen3_xml | glm45 | glm4 | mistral | llama3_json | harmony | phi4_mini | prompted (None: from the template)
     tool_grammar: bool = True                  # tool_choice auto: a call the reply opens is held to the tools' schemas
     web_dir: Optional[Path] = field(default_factory=package_web_dir)
     heap_events_interval: float = 0.5          # seconds between /v1/heap/events messages

@@ -36,6 +36,7 @@ class Text:
 
 Piece = Union[Text, ToolCall, CallStart, CallArgs]
 
+_NAME_START = re.compile(r"[A-Za-z_][\w.\-]* ?")   # what may begin a GLM-4 call's first line
 _HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"([^"\\]+)"\s*,\s*"arguments"\s*:\s*(?=\S)')   # then its arguments
 _TAIL = re.compile(r'\s*\}?\s*$')   # what may close the call object rather than belong to the arguments
 
@@ -83,6 +84,7 @@ class OutputParser(StepParser):
         self.calls = 0
         self.strip = False          # drop the whitespace after </think> or a call
         self.streaming: Optional[list] = None   # the call whose arguments are being passed on
+        self.named = not (fmt is not None and fmt.leading_name)   # (GLM-4) the reply's first line is read
 
     def _starts(self) -> list[str]:
         starts = list(self.fmt.starts) if self.fmt else []
@@ -106,6 +108,12 @@ class OutputParser(StepParser):
     def _step(self, out: list[Piece], final: bool) -> bool:
         """One transition; False when nothing more can be decided from the text so far."""
         if self.mode == "text":
+            if not self.named:
+                opened = self._leading_name(final)
+                if opened is None:
+                    return False
+                if opened:
+                    return True
             if self.at_start and not final and not self.pending.strip():
                 return False   # only whitespace so far: a marker may still follow
             hit = _earliest(self.pending, self._starts(), self.at_start)
@@ -133,6 +141,7 @@ class OutputParser(StepParser):
                 self._emit("reasoning", self.pending[:i], out)
                 self.pending = self.pending[i + len(END_THINK):]
                 self.mode, self.at_start, self.strip = "text", True, True
+                self.named = not (self.fmt is not None and self.fmt.leading_name)   # a call may follow
                 return True
             keep = 0 if final else _partial(self.pending, [END_THINK])
             self._emit("reasoning", self.pending[:len(self.pending) - keep], out)
@@ -148,6 +157,28 @@ class OutputParser(StepParser):
             return True
         self.body += self.pending   # "rest": parsed once the reply is complete
         self.pending = ""
+        return False
+
+    def _leading_name(self, final: bool) -> Optional[bool]:
+        """(GLM-4) Whether the reply opens with a call, a tool's name on its first line then its JSON
+        arguments (True: the reply is the call, read when it ends), not (False: text, its leading
+        newline, the template's, dropped), or None: not known yet."""
+        text = self.pending
+        if not text:
+            return None if not final else False
+        line, nl, rest = text.partition("\n")
+        if not nl and not final and len(line) <= 128 and (not line or line[0] not in " \t\r<") and \
+                _NAME_START.fullmatch(line):
+            return None   # the first line may still be a tool's name
+        rest = rest.lstrip()
+        if nl and self.fmt.opens_call(line) and not rest and not final:
+            return None   # a name: its arguments may follow
+        self.named = True
+        if nl and self.fmt.opens_call(line) and rest.startswith("{"):
+            self.mode, self.raw_start, self.body, self.pending = "rest", "", text, ""
+            return True
+        if text.startswith("\n"):
+            self.pending = text[1:]
         return False
 
     def _emit(self, kind: str, text: str, out: list[Piece]) -> None:

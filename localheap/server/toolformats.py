@@ -13,6 +13,8 @@ same text the model was trained to answer), and how a call in that syntax is rea
 - Phi-4-mini: the tools as JSON in the system message's `tools` field (its template writes them
   between <|tool|> and <|/tool|>), a call `<|tool_call|>[{"name": ..., "arguments": {...}}, ...]<|/tool_call|>`
   (the closing token often left out), results as the template's `tool` turns.
+- GLM-4-0414: a reply that begins with a tool's name on its first line and its JSON arguments on the
+  next; past calls as assistant turns with `metadata`, results as `observation` turns.
 - A template that does not render `tools` (Llama 3.0, Gemma 3, the tiny test models): the tools
   are described in a system message and the model is asked for Hermes-style blocks.
 """
@@ -122,6 +124,8 @@ class ToolFormat:
     make_id: Callable[[], str] = staticmethod(openai_call_id)
     in_template = True             # the template renders `tools` itself
     results_as_user = False        # (not in_template) results written into a user turn: no tool role
+    leading_name = False           # a call is a reply that begins with a tool's name on its own line (GLM-4)
+    metadata_calls = False         # past calls as turns of their own (call_turns), results as `observation`
 
     def parse(self, body: str) -> Optional[list[ToolCall]]:
         """The calls in `body` (markers stripped), or None: not calls after all."""
@@ -320,6 +324,44 @@ class GLM(QwenXML):
         return calls
 
 
+_NAME_LINE = re.compile(r"[A-Za-z_][\w.\-]*")
+
+
+class GLM4(ToolFormat):
+    """GLM-4-0414 (GLM-4-9B/32B-0414): a call is a reply that begins with the tool's name on its first
+    line and has its JSON arguments on the next (one call a turn; the model then stops at
+    <|observation|>). Its template renders `tools` itself, a past call as an assistant turn whose
+    `metadata` is the name and whose content is the arguments, a result as an `observation` turn;
+    its text replies begin with the newline the template writes after <|assistant|>.
+    `bind` gives it the request's tools: only their names open a call."""
+    name = "glm4"
+    leading_name = True
+    metadata_calls = True
+
+    def __init__(self) -> None:
+        self.names: Optional[set] = None
+
+    def bind(self, tools: Optional[list[dict]]) -> "GLM4":
+        self.names = {t["function"]["name"] for t in tools or []} or None
+        return self
+
+    def opens_call(self, line: str) -> bool:
+        """Whether a reply's first line (the name, maybe with the space its template writes) opens a call."""
+        name = line.strip()
+        return bool(_NAME_LINE.fullmatch(name)) and (self.names is None or name in self.names)
+
+    def parse(self, body: str) -> Optional[list[ToolCall]]:
+        line, sep, args = body.partition("\n")
+        if not sep or not self.opens_call(line) or not args.strip().startswith("{"):
+            return None
+        return [_call({"name": line.strip(), "arguments": args.strip()}, self.make_id)]
+
+    def call_turns(self, content: str, calls: list[tuple[str, str]]) -> list[dict]:
+        """An assistant's calls as its template renders them: one turn a call, after its text if any."""
+        turns = [{"role": "assistant", "content": content}] if content else []
+        return turns + [{"role": "assistant", "metadata": n, "content": a} for n, a in calls]
+
+
 class Harmony(ToolFormat):
     """gpt-oss's channels (harmony.py reads its replies, with or without tools)."""
     name = "harmony"
@@ -345,7 +387,7 @@ def template_source(tokenizer: Any) -> str:
     return ""
 
 
-FORMATS = {f.name: f for f in (Hermes, QwenXML, GLM, Mistral, Llama, Harmony, Phi4Mini, Prompted)}
+FORMATS = {f.name: f for f in (Hermes, QwenXML, GLM, GLM4, Mistral, Llama, Harmony, Phi4Mini, Prompted)}
 
 
 def tool_format(tokenizer: Any, name: Optional[str] = None) -> ToolFormat:
@@ -359,6 +401,8 @@ def tool_format(tokenizer: Any, name: Optional[str] = None) -> ToolFormat:
         return QwenXML()
     if "<arg_key>" in src and "<arg_value>" in src:
         return GLM()
+    if "<|observation|>" in src and "metadata" in src:
+        return GLM4()
     if "<|tool|>" in src and "<|/tool|>" in src:
         return Phi4Mini()
     if "<tool_call>" in src:
