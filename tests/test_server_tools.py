@@ -351,6 +351,31 @@ def test_a_call_and_its_result_round_trip_in_each_family(model_dirs, tmp_path_fa
         assert second.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens - 1
 
 
+def _held_and_free(c, svc, opener: str, seeds: int = 3, **kw) -> None:
+    """Replies made to open a call with `opener` (a random model never would): held by the grammar,
+    each comes back as valid calls of TIGHT's tools; free (serve --no-tool-grammar), the same openings
+    give none (the test can fail)."""
+    svc.lead_tokens = svc.tokenizer.encode(opener, add_special_tokens=False)
+    for seed in range(seeds):
+        r = ask(c, [{"role": "user", "content": "any city"}], tools=TIGHT, temperature=1.0, seed=seed,
+                max_tokens=90, **kw)
+        calls = r.choices[0].message.tool_calls or []
+        assert calls and not (getattr(r, "localheap", None) or {}).get("tool_call_errors"), r
+        for call in calls:
+            args = json.loads(call.function.arguments)
+            if call.function.name == "get_weather":
+                jsonschema.validate(args, CITY)
+            else:
+                assert call.function.name == "get_time" and args == {}
+    svc.settings.tool_grammar = False
+    for seed in range(seeds):
+        r = ask(c, [{"role": "user", "content": "any city"}], tools=TIGHT, temperature=1.0, seed=seed,
+                max_tokens=90, **kw)
+        calls = r.choices[0].message.tool_calls or []
+        assert not calls or (getattr(r, "localheap", None) or {}).get("tool_call_errors"), r
+    svc.settings.tool_grammar, svc.lead_tokens = True, None
+
+
 @pytest.mark.parametrize("family", ["qwen3-coder", "glm-4.5"])
 def test_an_xml_call_the_reply_opens_is_held_to_the_tools(model_dirs, tmp_path_factory, torch_one_thread, family):
     """Qwen3-Coder's and GLM-4.5's calls (tool_choice auto): once the random model has opened one, the
@@ -360,24 +385,7 @@ def test_an_xml_call_the_reply_opens_is_held_to_the_tools(model_dirs, tmp_path_f
     with serve(with_template(model_dirs("qwen2"), tmp, TEMPLATES[family])) as srv:
         c = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
         svc = srv.services
-        svc.lead_tokens = svc.tokenizer.encode("<tool_call>", add_special_tokens=False)
-        for seed in range(4):
-            r = ask(c, [{"role": "user", "content": "any city"}], tools=TIGHT, temperature=1.0, seed=seed,
-                    max_tokens=90)
-            calls = r.choices[0].message.tool_calls or []
-            assert calls and not (getattr(r, "localheap", None) or {}).get("tool_call_errors"), r
-            for call in calls:
-                args = json.loads(call.function.arguments)
-                if call.function.name == "get_weather":
-                    jsonschema.validate(args, CITY)
-                else:
-                    assert call.function.name == "get_time" and args == {}
-        svc.settings.tool_grammar = False   # the same openings, free: no valid call (the test can fail)
-        for seed in range(4):
-            r = ask(c, [{"role": "user", "content": "any city"}], tools=TIGHT, temperature=1.0, seed=seed,
-                    max_tokens=90)
-            calls = r.choices[0].message.tool_calls or []
-            assert not calls or (getattr(r, "localheap", None) or {}).get("tool_call_errors"), r
+        _held_and_free(c, svc, "<tool_call>", seeds=4)
 
 
 def test_phi4_mini_calls_results_and_held_calls_through_the_server(model_dirs, tmp_path_factory, torch_one_thread):
@@ -417,26 +425,9 @@ def test_phi4_mini_calls_results_and_held_calls_through_the_server(model_dirs, t
         assert second.usage.prompt_tokens_details.cached_tokens >= \
             first.usage.prompt_tokens + first.usage.completion_tokens - 1
         # <|tool_call|> is one token, read by the grammar a step late: the draw after it is held on the
-        # device (grammar.IfLast), so even a random model's next token is the call's "["
-        svc.lead_tokens = svc.tokenizer.encode("<|tool_call|>", add_special_tokens=False)
-        for seed in range(3):   # one call (parallel_tool_calls false): a random model's list is not cut short
-            r = ask(c, [{"role": "user", "content": "any city"}], tools=TIGHT, temperature=1.0, seed=seed,
-                    max_tokens=90, parallel_tool_calls=False)
-            assert r.choices[0].message.tool_calls and not (getattr(r, "localheap", None) or {}).get(
-                "tool_call_errors"), r
-            for call in r.choices[0].message.tool_calls:
-                args = json.loads(call.function.arguments)
-                if call.function.name == "get_weather":
-                    jsonschema.validate(args, CITY)
-                else:
-                    assert call.function.name == "get_time" and args == {}
-        svc.settings.tool_grammar = False   # the same openings, free: no valid call (the test can fail)
-        for seed in range(3):
-            r = ask(c, [{"role": "user", "content": "any city"}], tools=TIGHT, temperature=1.0, seed=seed,
-                    max_tokens=90)
-            calls = r.choices[0].message.tool_calls or []
-            assert not calls or (getattr(r, "localheap", None) or {}).get("tool_call_errors"), r
-        svc.lead_tokens = None
+        # device (grammar.IfLast), so even a random model's next token is the call's "["; one call
+        # (parallel_tool_calls false): a random model's list is not cut short
+        _held_and_free(c, svc, "<|tool_call|>", parallel_tool_calls=False)
         r = ask(c, [{"role": "user", "content": "any city"}], tools=TIGHT, tool_choice="required",
                 temperature=1.0, seed=5, max_tokens=90)
         assert r.choices[0].finish_reason == "tool_calls" and r.choices[0].message.content is None, r
@@ -475,20 +466,7 @@ def test_glm4_0414_calls_results_and_held_calls_through_the_server(model_dirs, t
         third = ask(c, history, max_tokens=4)
         assert third.usage.prompt_tokens_details.cached_tokens >= \
             second.usage.prompt_tokens + second.usage.completion_tokens - 1
-        svc.lead_tokens = svc.tokenizer.encode("get_weather", add_special_tokens=False)
-        for seed in range(3):
-            r = ask(c, [{"role": "user", "content": "any city"}], tools=TIGHT, temperature=1.0, seed=seed,
-                    max_tokens=90)
-            (call,) = r.choices[0].message.tool_calls
-            assert not (getattr(r, "localheap", None) or {}).get("tool_call_errors"), r
-            jsonschema.validate(json.loads(call.function.arguments), CITY)
-        svc.settings.tool_grammar = False   # the same openings, free: no valid call (the test can fail)
-        for seed in range(3):
-            r = ask(c, [{"role": "user", "content": "any city"}], tools=TIGHT, temperature=1.0, seed=seed,
-                    max_tokens=90)
-            calls = r.choices[0].message.tool_calls or []
-            assert not calls or (getattr(r, "localheap", None) or {}).get("tool_call_errors"), r
-        svc.lead_tokens = None
+        _held_and_free(c, svc, "get_weather")
         r = ask(c, [{"role": "user", "content": "any city"}], tools=TIGHT, tool_choice="required",
                 temperature=1.0, seed=5, max_tokens=90)
         assert r.choices[0].finish_reason == "tool_calls" and len(r.choices[0].message.tool_calls) == 1, r
