@@ -470,6 +470,15 @@ def test_glm4_0414_calls_results_and_held_calls_through_the_server(model_dirs, t
         r = ask(c, [{"role": "user", "content": "any city"}], tools=TIGHT, tool_choice="required",
                 temperature=1.0, seed=5, max_tokens=90)
         assert r.choices[0].finish_reason == "tool_calls" and len(r.choices[0].message.tool_calls) == 1, r
+        chat = [{"role": "user", "content": "Hello?"}]   # no tools: the text loses the newline all the same
+        force("\nHello there, a long reply.", "<|user|>")
+        plain = c.chat.completions.create(model=model(c), messages=chat, max_tokens=40)
+        assert plain.choices[0].message.content == "Hello there, a long reply."
+        svc.force_tokens = None
+        chat += [plain.choices[0].message, {"role": "user", "content": "And?"}]
+        again = c.chat.completions.create(model=model(c), messages=chat, max_tokens=4)
+        assert again.usage.prompt_tokens_details.cached_tokens >= \
+            plain.usage.prompt_tokens + plain.usage.completion_tokens - 1
 
 
 def test_tools_on_a_template_without_them_are_described_in_a_system_message(model_dirs, torch_one_thread):

@@ -406,10 +406,13 @@ def test_glm4_a_reply_that_begins_with_a_tools_name_and_json_is_a_call(text, wan
     """GLM-4-0414: a call is the whole reply, the tool's name on its first line, then its JSON
     arguments; any other reply is text (its first newline, which its template writes, dropped)."""
     for size in range(1, len(text) + 1):
-        assert _parse_in_pieces(GLM4().bind(TOOLS), text, size) == want, size
+        assert _parse_in_pieces(GLM4().bind(TOOLS), text, size, lead="\n") == want, size
     cut = 'get_weather \n{"city": "Pa'   # held to calls and cut by max_tokens: flagged; before its name: nothing
-    assert _parse_in_pieces(GLM4().bind(TOOLS), cut, 3, forced=True) == [("get_weather", '{"city": "Pa', True)]
-    assert _parse_in_pieces(GLM4().bind(TOOLS), "get_wea", 2, forced=True) == []
+    assert _parse_in_pieces(GLM4().bind(TOOLS), cut, 3, forced=True, lead="\n") == [("get_weather", '{"city": "Pa', True)]
+    assert _parse_in_pieces(GLM4().bind(TOOLS), "get_wea", 2, forced=True, lead="\n") == []
+    for size in (1, 2, 40):   # without tools (no format to parse calls with) the newline goes too
+        assert _parse_in_pieces(None, "\nHi.\n", size, lead="\n") == [("content", "Hi.\n")]
+        assert _parse_in_pieces(None, "Hi.", size, lead="\n") == [("content", "Hi.")]
 
 
 def test_glm4_a_call_the_reply_opens_with_is_held(tokenizers):

@@ -58,7 +58,8 @@ class ChatPlan:
         if isinstance(opts.fmt, Harmony):
             return HarmonyParser(tools=bool(self.tools) and self.choice != "none", forced=self.forced)
         fmt = opts.fmt if self.tools and self.choice != "none" else None
-        return OutputParser(fmt, reasoning=True, in_think=_in_think(prompt), forced=self.forced)
+        return OutputParser(fmt, reasoning=True, in_think=_in_think(prompt), forced=self.forced,
+                            lead=opts.fmt.text_lead if opts.fmt is not None else "")
 
     @property
     def forced(self) -> bool:

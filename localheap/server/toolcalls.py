@@ -72,8 +72,9 @@ class OutputParser(StepParser):
     then returns no call for it rather than its markup as content."""
 
     def __init__(self, fmt: Optional[ToolFormat], reasoning: bool = True, in_think: bool = False,
-                 forced: bool = False):
+                 forced: bool = False, lead: str = ""):
         self.fmt = fmt
+        self.lead = lead            # what the template writes before a reply's text (GLM-4's newline): dropped
         self.forced = forced
         self.reasoning = reasoning
         self.mode = "think" if in_think else "text"     # text | think | call | rest
@@ -114,6 +115,12 @@ class OutputParser(StepParser):
                     return False
                 if opened:
                     return True
+            if self.lead:
+                if not final and len(self.pending) < len(self.lead) and self.lead.startswith(self.pending):
+                    return False
+                if self.pending.startswith(self.lead):
+                    self.pending = self.pending[len(self.lead):]
+                self.lead = ""
             if self.at_start and not final and not self.pending.strip():
                 return False   # only whitespace so far: a marker may still follow
             hit = _earliest(self.pending, self._starts(), self.at_start)
@@ -161,8 +168,8 @@ class OutputParser(StepParser):
 
     def _leading_name(self, final: bool) -> Optional[bool]:
         """(GLM-4) Whether the reply opens with a call, a tool's name on its first line then its JSON
-        arguments (True: the reply is the call, read when it ends), not (False: text, its leading
-        newline, the template's, dropped), or None: not known yet."""
+        arguments (True: the reply is the call, read when it ends), not (False: text), or None: not
+        known yet."""
         text = self.pending
         if not text:
             return None if not final else False
@@ -177,8 +184,6 @@ class OutputParser(StepParser):
         if nl and self.fmt.opens_call(line) and rest.startswith("{"):
             self.mode, self.raw_start, self.body, self.pending = "rest", "", text, ""
             return True
-        if text.startswith("\n"):
-            self.pending = text[1:]
         return False
 
     def _emit(self, kind: str, text: str, out: list[Piece]) -> None:

@@ -126,6 +126,7 @@ class ToolFormat:
     results_as_user = False        # (not in_template) results written into a user turn: no tool role
     leading_name = False           # a call is a reply that begins with a tool's name on its own line (GLM-4)
     metadata_calls = False         # past calls as turns of their own (call_turns), results as `observation`
+    text_lead = ""                 # what a text reply begins with that its template writes (not the model's text)
 
     def parse(self, body: str) -> Optional[list[ToolCall]]:
         """The calls in `body` (markers stripped), or None: not calls after all."""
@@ -337,6 +338,7 @@ class GLM4(ToolFormat):
     name = "glm4"
     leading_name = True
     metadata_calls = True
+    text_lead = "\n"               # `<|assistant|>\n{{ content }}`: a text reply's first newline
 
     def __init__(self) -> None:
         self.names: Optional[set] = None
