@@ -244,10 +244,12 @@ class LazyGrammar:
             return mask
         if self.pending and self.openers and self.thinking is not True:   # it may be an opener
             if self.if_last is None:
-                self.if_last = IfLast(None, [(i, Grammar(self.tokenizer, self.eos_ids, t.grammar).allowed())
-                                             for i, t in self.openers.items()], {})
-            self.if_last.token = self.pending[-1]
-            return self.if_last
+                masks = [(i, Grammar(self.tokenizer, self.eos_ids, t.grammar).allowed())
+                         for i, t in self.openers.items()]
+                self.if_last = IfLast(None, [(i, m) for i, m in masks if m is not None], {})
+            if self.if_last.masks:
+                self.if_last.token = self.pending[-1]
+                return self.if_last
         return None
 
     def see(self, token: Any) -> None:

@@ -48,7 +48,8 @@ class ChatOptions:
 
     @property
     def prompted(self) -> bool:
-        """Tools described in a system message: the template cannot render them."""
+        """Tools and past calls written by the format (into a system message or its `tools` field,
+        and the assistant's text): the template does not take `tools` and `tool_calls`."""
         return self.fmt is not None and not self.fmt.in_template
 
     def template_args(self) -> dict:
