@@ -144,10 +144,6 @@ class IfLast:
     masks: list
     cache: dict
 
-    def host(self, token: int) -> Optional[np.ndarray]:
-        """The mask where `token` is the last one (tests, and samplers that read it anyway)."""
-        return next((m for i, m in self.masks if i == token), None)
-
 
 def _penalties(c: IfLast, vocab: int) -> tuple[np.ndarray, np.ndarray]:
     """[len(masks) + 1, vocab] float32 to add to the scores (row 0: nothing; row i + 1: -inf where

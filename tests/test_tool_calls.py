@@ -491,7 +491,7 @@ def _feed_lagged(g, tok, text: str) -> tuple[list, list]:
         read_at.append(len(reads))
         if isinstance(mask, IfLast):   # applied on the device after the token in flight (`last`)
             assert mask.token.token == last
-            mask = mask.host(last)
+            mask = next((m for i, m in mask.masks if i == last), None)
         last = t
         if mask is not None and not mask[t]:
             seen.append(None)

@@ -141,11 +141,11 @@ def run_tools(backend, cfg, tokens: int, repeats: int, log: Callable[[str], None
             t["s"] += s
             t["outputs"].append(out)
             if path.startswith("call opened"):
-                text = tok.decode([t for t in out if t not in eos], skip_special_tokens=False)
-                body = text[text.find(opener) + len(opener):]
-                if fmt.leading_name:
+                text = tok.decode([i for i in out if i not in eos], skip_special_tokens=False)
+                if fmt.leading_name:   # the reply is the call, its name included
                     calls = fmt.parse(text) or []
                 else:
+                    body = text[text.find(opener) + len(opener):]
                     calls = (fmt.parse(body.split(fmt.end)[0]) if fmt.end is None or fmt.end in body else None) or []
                 t["calls"] += 1
                 t["valid"] += bool(calls) and all(_valid_call(c) for c in calls)
