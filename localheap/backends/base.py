@@ -75,6 +75,16 @@ class Backend(Protocol):
         tokens == rollback_mark(cache))."""
         ...
 
+    def cuttable(self, cache: Any) -> bool:
+        """Whether `cut` can take a span of tokens out of the cache (backends/slots.HeapRollback.cut);
+        a backend without it (a sharded heap) never cuts."""
+        ...
+
+    def cut(self, cache: Any, spans: list) -> int:
+        """Keep only the tokens in `spans` ([start, stop) pairs, the first from 0), joined end to
+        end; returns the tokens the cache holds then."""
+        ...
+
     def stats(self, cache: Any) -> HeapStats: ...
 
     def kv_bytes_per_token(self) -> int: ...

@@ -71,6 +71,7 @@ class HeapRollback:
     mark_at: Optional[int] = None   # tokens held at mark()
     _marked: Optional[list] = None  # the stock layers' state then (None with only heap layers)
     rewinds = 0                     # rewinds done (stats, tests)
+    cuts = 0                        # cuts done (stats, tests)
 
     def rollback_floor(self) -> int:
         """Fewest tokens the cache can be rolled back to anywhere at or above: exactly back to the
@@ -165,6 +166,38 @@ class HeapRollback:
             layer.rewind(seen, self.host_scores(layer))
         self.rewinds += 1
 
+    def cuttable(self) -> bool:
+        """Whether `cut` can take tokens out of the middle: every layer a heap (a sliding window
+        cannot drop a span) and RoPE positions in slot order (compact: a repack re-rotates the
+        kept keys to their new places; absolute positions would keep the gap)."""
+        return self.only_heap_layers and self.cfg.positions == "compact"
+
+    def cut(self, spans: list) -> int:
+        """Keep only the tokens in `spans` (ascending disjoint [start, stop), the first from 0),
+        joined end to end: what a client that trimmed old messages resends (--cache-reuse). The
+        kept keys are re-rotated to their new positions; their K/V still carry what the cut
+        tokens added to them (as llama.cpp's cache reuse, and unlike reading the shorter history
+        again). With recall on, the page store forgets every page from the first cut on (its
+        positions would be stale) and the recalled slots are released first (their pages stay
+        where they are older). Each KV head is cut to the fewest any head keeps. Returns the
+        tokens held now. RollbackRefused when the page store cannot forget: nothing changed."""
+        assert self.cuttable() and spans and spans[0][0] == 0, spans
+        assert all(a < b <= c for (_, a), (b, c) in zip(spans, spans[1:])) and spans[-1][1] <= self.tokens_seen, spans
+        if self.pages is not None:
+            try:
+                self.writer.drain()
+                self.pages.forget_from(spans[0][1])
+            except Exception as e:
+                raise RollbackRefused(f"the page store did not forget the cut pages: {e}") from e
+        for layer in self.heap_layers:
+            release = layer.heap.release_plan()
+            if release is not None:
+                layer.repack(release, evicting=False)
+            layer.cut(spans, self.host_scores(layer))
+        self.mark_at, self._marked = None, None
+        self.cuts += 1
+        return self.tokens_seen
+
 
 SCORE_ARRAYS = ("scores", "counts", "window")
 
@@ -208,6 +241,14 @@ class PendingView:
         plan, dropped = self.heap.rewind_plan(seen, scores)
         self.heap.seen = seen   # before apply: the repack is booked at `seen`, the floor from now on
         self.repack(plan, evicting=False)
+        self.heap.evicted += dropped
+
+    def cut(self, spans: list, scores: np.ndarray) -> None:
+        """Keep only the tokens in `spans`, renumbered end to end (HeapRollback.cut): a repack on
+        the device that re-rotates the kept keys. scores: [H_kv, resident] on the host."""
+        plan, dropped = self.heap.keep_plan(spans, scores)
+        self.repack(plan, evicting=False)
+        self.heap.renumber(spans)
         self.heap.evicted += dropped
 
     def snapshot(self) -> dict:

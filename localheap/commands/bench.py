@@ -1,4 +1,4 @@
-"""`localheap bench speed|memory|needle|attention-mass|serve|batch-step|turns`: the heap against the stock path (serve: the
+"""`localheap bench speed|memory|needle|attention-mass|serve|batch-step|turns|trim`: the heap against the stock path (serve: the
 batched engine against the round-robin one), in one run."""
 
 from __future__ import annotations
@@ -168,6 +168,25 @@ def add_parser(sub) -> None:
                             "what rewinding costs the answers (0: none; default 0)")
     add_threads_arg(turns)
     turns.set_defaults(func=run_turns_bench, model="demo")
+
+    trim = bsub.add_parser("trim", help="a client that trims its oldest messages to fit its window: cutting the "
+                                        "session to the shorter history (serve --cache-reuse) against reading it again")
+    add_model_args(trim)
+    add_heap_args(trim)
+    trim.add_argument("--turns", type=_positive, default=24, help="turns of the conversation (default 24)")
+    trim.add_argument("--window", type=_positive, default=3072, metavar="TOKENS",
+                      help="tokens the client's prompt may hold; older exchanges are dropped (default 3072)")
+    trim.add_argument("--question", type=_positive, default=200, metavar="TOKENS",
+                      help="tokens of each user message (about; default 200)")
+    trim.add_argument("--answer", type=_positive, default=100, metavar="TOKENS",
+                      help="tokens of each reply (about; default 100)")
+    trim.add_argument("--cache-reuse", type=_positive, default=64, metavar="N",
+                      help="the reuse arm's serve --cache-reuse (default 64)")
+    trim.add_argument("--facts", type=int, default=0, metavar="K",
+                      help="pass keys in the system message, asked after the last turn in each arm: what a cut "
+                           "heap costs the answers (0: none; default 0)")
+    add_threads_arg(trim)
+    trim.set_defaults(func=run_trim_bench, model="demo")
 
     mass = bsub.add_parser("attention-mass", help="share of the true attention mass each policy's kept set captures")
     add_model_args(mass)
@@ -492,6 +511,22 @@ def run_turns_bench(args) -> int:
                  log=lambda m: print(m, file=sys.stderr), facts=args.facts)
     emit("turns", report(result, cfg, table), {"model": backend.model_name, "backend": backend.name,
                                                "heap": cfg.to_dict(), **result})
+    return 0
+
+
+def run_trim_bench(args) -> int:
+    from ..bench.trim import report, run
+    from ..models import load_backend
+
+    if args.facts < 0:
+        raise SystemExit("--facts must be >= 0")
+    backend = load_backend(model_spec(args), args.backend)
+    set_threads(backend, args)
+    cfg = heap_config(args, backend)
+    result = run(backend, cfg, args.turns, args.window, args.question, args.answer, args.cache_reuse,
+                 log=lambda m: print(m, file=sys.stderr), facts=args.facts)
+    emit("trim", report(result, cfg, args.window, args.cache_reuse, table),
+         {"model": backend.model_name, "backend": backend.name, "heap": cfg.to_dict(), **result})
     return 0
 
 

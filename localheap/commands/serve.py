@@ -72,6 +72,12 @@ def add_parser(sub) -> None:
     p.add_argument("--max-queue", type=int, default=32, help="requests waiting beyond those (503 beyond)")
     p.add_argument("--max-sessions", type=int, default=256, help="sessions kept (oldest idle ones are dropped)")
     p.add_argument("--max-resident-sessions", type=int, default=8, help="idle sessions beyond are spilled to disk")
+    p.add_argument("--cache-reuse", type=int, default=0, metavar="N",
+                   help="a client that trims old messages (to fit its own context) resends the conversation "
+                        "without them: keep the session's runs of at least N tokens that the shorter history "
+                        "still holds, re-rotated to their new positions, instead of reading them again; their "
+                        "K/V still carry what the trimmed messages added (as llama.cpp's --cache-reuse). "
+                        "0 = off: the shorter history is read again, as the stock path would (default: 0)")
     p.add_argument("--sessions-dir", type=Path, default=None,
                    help="where sessions are spilled and saved (default: ~/.cache/localheap/sessions/MODEL)")
     p.add_argument("--disk-total", default="auto", metavar="SIZE",
@@ -139,6 +145,8 @@ def settings_from_args(args):
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
     if args.max_queue < 0:
         raise ValueError("--max-queue must be >= 0")
+    if args.cache_reuse < 0:
+        raise ValueError("--cache-reuse must be >= 0 (0: off)")
     if args.max_prompt_tokens is not None and args.max_prompt_tokens < 1:
         raise ValueError("--max-prompt-tokens must be >= 1")
     if args.admission_timeout < 0 or args.max_observers < 1:
@@ -160,7 +168,7 @@ def settings_from_args(args):
         max_batch=max_batch, max_active=max_active, batched=not args.round_robin, mixed_chunk=args.mixed_chunk,
         prefill_lane={"auto": None, "on": True, "off": False}[args.prefill_lane],
         max_sessions=max(args.max_sessions, args.max_resident_sessions),
-        max_resident_sessions=args.max_resident_sessions, persist_sessions=args.persist,
+        max_resident_sessions=args.max_resident_sessions, persist_sessions=args.persist, cache_reuse=args.cache_reuse,
         sessions_dir=args.sessions_dir,
         ram_budget=parse_bytes(args.ram_budget) if args.ram_budget else None,
         default_max_tokens=args.default_max_tokens, max_tokens_limit=args.max_tokens_limit,

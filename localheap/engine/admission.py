@@ -101,7 +101,7 @@ class AdmissionQueue:
             sessions = [] if documents else [x for x in self.store.sessions() if mine(x)]
             checkpoints = [] if documents else [c for c in self.store.checkpoints.all()
                                                 if c.session_id in self.store and mine(self.store.get(c.session_id))]
-            match = match_session(sessions, req.prompt, encode, tok.decode, checkpoints)
+            match = match_session(sessions, req.prompt, encode, tok.decode, checkpoints, self.store.cache_reuse)
         try:
             if match is not None and match.checkpoint is not None:
                 match.session = branching.new_branch(self.store, match.checkpoint.session_id, scratch)
@@ -235,6 +235,8 @@ class AdmissionQueue:
             self.store.disk.admit(s, match.cached + len(match.new_tokens))
             if match.rollback is not None:
                 branching.roll_back(self.backend, s, match.rollback, self.store)
+            if match.cut is not None:
+                branching.cut(self.backend, s, match.cut, self.store)
         except Exception:
             if created:
                 self.store.delete(s.id)

@@ -25,6 +25,8 @@ def settle(backend: Any, s: Session, reply_start: Optional[int] = None) -> None:
     s.rollback_floor = floor(s.cache) if floor is not None and s.cache is not None else None
     mark = getattr(backend, "rollback_mark", None)
     s.rollback_mark = mark(s.cache) if mark is not None and s.cache is not None else None
+    cuttable = getattr(backend, "cuttable", None)
+    s.cuttable = bool(cuttable(s.cache)) if cuttable is not None and s.cache is not None else False
     s.reply_start = len(s.fed) if reply_start is None else reply_start
 
 
@@ -53,6 +55,29 @@ def roll_back(backend: Any, s: Session, tokens: int, store: Optional[SessionStor
             store.rollbacks += 1
             store.rewinds += rewound
         s.truncate(tokens)
+    assert backend.tokens_in_cache(s.cache) == len(s.fed)
+    settle(backend, s)
+
+
+def cut(backend: Any, s: Session, spans: list, store: Optional[SessionStore] = None) -> None:
+    """Keep only the session's tokens in `spans` (a client resent its history with old messages
+    trimmed: match.trimmed_spans). Failures as in roll_back."""
+    try:
+        backend.cut(s.cache, spans)
+    except RollbackRefused:
+        if store is not None:
+            store.rollbacks_refused += 1
+        raise   # the cache is as it was
+    except Exception:
+        if store is not None and not store.rollback(s, fed_before=len(s.fed)):
+            log.error("session %s dropped: a cut failed and it has no saved copy", s.id)
+            store.delete(s.id)
+        raise
+    before = len(s.fed)
+    s.cut(spans)
+    log.info("session %s cut from %d to %d tokens (a history with messages trimmed)", s.id, before, len(s.fed))
+    if store is not None:
+        store.cuts += 1
     assert backend.tokens_in_cache(s.cache) == len(s.fed)
     settle(backend, s)
 

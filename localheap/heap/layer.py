@@ -256,15 +256,42 @@ class LayerHeap:
         ascend), cut to the fewest any head holds by `scores` [H, resident] (higher = keep; sinks and
         recalled slots first): heads evict apart, so one head kept more of them than another. The
         caller books it: `seen` set, then `apply(plan, evicting=False)`."""
+        return self.keep_plan([(0, seen)], scores)
+
+    def keep_plan(self, spans: list, scores: np.ndarray) -> tuple[RepackPlan, int]:
+        """The repack that keeps only the resident tokens whose positions lie in `spans` (ascending,
+        disjoint [start, stop) pairs, the first from 0), and how many of those it drops besides:
+        every KV head is cut to the fewest any head keeps, by `scores` as in rewind_plan."""
         n = self.resident
-        before = self.positions[:, :n] < seen
-        counts = before.sum(axis=1)
+        pos = self.positions[:, :n]
+        inside = np.zeros(pos.shape, dtype=bool)
+        for lo, hi in spans:
+            inside |= (pos >= lo) & (pos < hi)
+        counts = inside.sum(axis=1)
         m = int(counts.min())
         ranked = np.where(self.recalled[:, :n], np.inf, np.asarray(scores, np.float64))
-        ranked = np.where(before, ranked, -np.inf)   # ties: select_keep's stable sort takes the older slot
-        keep_indices = select_keep(ranked, m, min(self.cfg.sinks, m), 0)
-        assert (np.take_along_axis(self.positions[:, :n], keep_indices, axis=1) < seen).all()
+        ranked = np.where(inside, ranked, -np.inf)   # ties: select_keep's stable sort takes the older slot
+        first = int((pos < spans[0][1]).sum(axis=1).min()) if n else 0   # slots before the first cut (<= m)
+        keep_indices = select_keep(ranked, m, min(self.cfg.sinks, first), 0)
+        assert np.take_along_axis(inside, keep_indices, axis=1).all()
         return RepackPlan(keep_indices=keep_indices, deltas=self._deltas(keep_indices)), int(counts.max()) - m
+
+    def renumber(self, spans: list) -> int:
+        """After a repack by keep_plan(spans): the kept tokens take the positions they have in the
+        spans joined end to end (the history without what lies between them); every token read
+        from here on follows them. Recalled slots were released first (HeapRollback.cut). Returns
+        the tokens the spans hold (the new `seen`)."""
+        assert not self.n_recalled, "release the recalled slots before a cut"
+        pos = self.positions[:, : self.resident]
+        new = pos.copy()
+        at = 0
+        for lo, hi in spans:
+            sel = (pos >= lo) & (pos < hi)
+            new[sel] = pos[sel] - lo + at
+            at += hi - lo
+        pos[:] = new
+        self.seen = self.repacked_at = at
+        return at
 
     def view_positions(self) -> np.ndarray:
         return self.positions[:, : self.resident].copy()

@@ -43,7 +43,7 @@ def create_app(backend: Any, settings: Optional[ServerSettings] = None, governor
         settings.heap = settings.heap.with_(recall_ram_tokens=plan.recall_max_tokens)
     store = SessionStore(backend, settings.heap, settings.sessions_dir, durable=settings.persist_sessions,
                          max_resident=settings.max_resident_sessions, max_sessions=settings.max_sessions,
-                         disk_total=settings.disk_total or 0)
+                         disk_total=settings.disk_total or 0, cache_reuse=settings.cache_reuse)
     engine = Engine(backend, store, governor, max_active=settings.max_active, max_queued=settings.max_queued,
                     admission_timeout=settings.admission_timeout, max_batch=settings.max_batch,
                     batched=None if settings.batched else False, mixed_chunk=settings.mixed_chunk,

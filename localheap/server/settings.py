@@ -35,6 +35,7 @@ class ServerSettings:
     max_queued: int = 32                       # waiting beyond those; more -> 503
     max_sessions: int = 256
     max_resident_sessions: int = 8             # more idle sessions are spilled to disk
+    cache_reuse: int = 0                       # a trimmed history keeps runs of at least this many tokens (0: read again)
     sessions_dir: Optional[Path] = None        # spill directory (default: a temporary one)
     disk_total: Optional[int] = 0              # bytes the whole sessions directory may hold (0: no bound; None: auto, serve fills it in)
     persist_sessions: bool = False             # save sessions at shutdown, load them at start

@@ -149,8 +149,9 @@ class MetricsCollector:
             ("session_rollbacks", "sessions rolled back to a prompt's shared prefix (a rewritten or regenerated turn)",
              svc.store.rollbacks),
             ("session_rewinds", "of those, heaps rewound past an eviction (--rewind)", svc.store.rewinds),
-            ("session_rollbacks_refused", "rewinds the page store's disk refused (the prompt read into a new session)",
-             svc.store.rollbacks_refused),
+            ("session_rollbacks_refused", "rewinds and cuts the page store's disk refused (the prompt read into a "
+             "new session)", svc.store.rollbacks_refused),
+            ("session_cuts", "sessions cut to a client's trimmed history (--cache-reuse)", svc.store.cuts),
             ("budget_spills", "idle heaps spilled to stay in budget", mem["spilled_total"]),
             ("budget_rejections", "heap admissions the RAM budget refused (each may be retried in the queue)",
              mem["rejected_total"]),

@@ -8,6 +8,12 @@ new session starts from a checkpoint at or before it. A session a client address
 never rolled back for another request (that client relies on what it holds). A chat template that renders past
 assistant turns differently from its generation prompt (dropped reasoning, an added marker)
 still shares everything up to the last reply.
+
+A client that trims old messages to fit its own context window resends the conversation without
+them. With `min_chunk` (serve --cache-reuse N) such a prompt continues the session it trims: the
+prompt is the session's shared prefix, then runs of at least `min_chunk` of the session's later
+tokens, in order and reaching to its latest reply; the session is cut to those spans
+(Match.cut, backends/slots.HeapRollback.cut) instead of reading them again.
 """
 
 from __future__ import annotations
@@ -48,6 +54,7 @@ class Match:
     cached: int                  # tokens reused (the session holds them once rolled back / forked)
     rollback: Optional[int] = None   # roll the session back to this many tokens first
     checkpoint: object = None        # Checkpoint to start a new session from
+    cut: Optional[list] = None       # keep only these [start, stop) spans of the session first (a trimmed history)
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -92,12 +99,55 @@ def _rollback_point(s: Session, shared: int, prompt_len: int) -> Optional[int]:
     return keep
 
 
+PROBE = 16   # tokens of the prompt looked up in the session at once when finding a trimmed history's runs
+
+
+def trimmed_spans(fed: Sequence[int], ids: Sequence[int], shared: int, min_chunk: int,
+                  reach: int) -> Optional[list[tuple[int, int]]]:
+    """The spans of `fed` that, joined, begin `ids` (its first `shared` tokens, then runs of at
+    least `min_chunk` tokens found later in `fed`, each after the last, the earliest that fits),
+    when the last run reaches `reach` (the session's latest reply: a trim keeps the newest
+    messages); None otherwise. At least the prompt's last token is left to feed."""
+    f, p = _ids(fed), _ids(ids)
+    if shared < 1 or min_chunk < 1 or len(p) - shared <= min_chunk:
+        return None
+    spans, at, frm = [(0, shared)], shared, shared
+    while at < len(p) - 1 and frm < len(f):
+        k = min(PROBE, min_chunk, len(p) - at)
+        hay = f[frm:]
+        if len(hay) < k:
+            break
+        starts = np.flatnonzero(hay[: len(hay) - k + 1] == p[at])
+        if k > 1 and starts.size:
+            windows = np.lib.stride_tricks.sliding_window_view(hay, k)[starts]
+            starts = starts[(windows == p[at:at + k]).all(axis=1)]
+        run = None
+        for j in starts:
+            n = common_prefix(hay[j:], p[at:])
+            if n >= min_chunk:
+                run = (frm + int(j), n)
+                break
+        if run is None:
+            break
+        start, n = run
+        spans.append((start, start + n))
+        at, frm = at + n, start + n
+    held = sum(b - a for a, b in spans)
+    if held >= len(p):   # leave the last token to feed
+        a, b = spans[-1]
+        spans[-1] = (a, b - (held - len(p) + 1))
+    if len(spans) < 2 or spans[-1][1] - spans[-1][0] < 1 or spans[-1][1] < reach:
+        return None
+    return spans
+
+
 def match_session(sessions: Iterable[Session], prompt: Prompt, encode: Encode, decode: Decode,
-                  checkpoints: Iterable = ()) -> Optional[Match]:
+                  checkpoints: Iterable = (), min_chunk: int = 0) -> Optional[Match]:
     """The idle session (or checkpoint) that continues `prompt` with the most reused tokens.
 
-    Ties go to the cheapest: a session that needs nothing undone, then a rollback, then a
-    checkpoint (loaded from disk into a new session)."""
+    Ties go to the cheapest: a session that needs nothing undone, then a rollback or a cut, then
+    a checkpoint (loaded from disk into a new session). `min_chunk` > 0: a session may be cut to
+    the prompt's trimmed history (trimmed_spans)."""
     ids = prompt.tokens   # a list or an int32 array: common_prefix takes both
     best: Optional[tuple[tuple[int, int], Match]] = None
 
@@ -119,6 +169,12 @@ def match_session(sessions: Iterable[Session], prompt: Prompt, encode: Encode, d
         keep = _rollback_point(s, shared, len(ids))
         if keep is not None:
             offer(Match(s, prompt.tokens[keep:], keep, rollback=keep), 1)
+        if min_chunk and s.cuttable and not s.addressed and shared < len(s.fed):
+            reach = min(len(s.fed), s.reply_start if s.reply_start is not None else len(s.fed))
+            spans = trimmed_spans(s.fed, ids, shared, min_chunk, reach)
+            if spans is not None:
+                held = sum(b - a for a, b in spans)
+                offer(Match(s, prompt.tokens[held:], held, cut=spans), 1)
     for c in checkpoints:
         if c.n < len(ids) and common_prefix(c.tokens, ids) == c.n:
             offer(Match(None, prompt.tokens[c.n:], c.n, checkpoint=c), 0)

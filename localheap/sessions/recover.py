@@ -123,6 +123,7 @@ def _session(d: SessionDir, sid: str, cfg: HeapConfig, entry: dict, gen: Optiona
                 turns=int(number("turns", 0)), origin=origin, title=title, owner=owner)
     if gen is not None:
         s.fed, s.spill_path, s.saved_gen, s.saved_tokens = tokens, d.heap_path(sid, gen), gen, len(tokens)
+        s.saved_crc = zlib.crc32(tokens.tobytes())
         crc = entry.get("heap_crc")
         s.heap_crc = crc if isinstance(crc, int) and not isinstance(crc, bool) else None
     s.refresh()

@@ -46,6 +46,7 @@ class Session:
     spill_path: Optional[Path] = None                  # heap file of the saved copy on disk, if any
     saved_gen: Optional[int] = None                    # generation of that copy (sessions/disk.py)
     saved_tokens: int = 0                              # len(fed) when it was saved
+    saved_crc: Optional[int] = None                    # CRC-32 of those tokens (a cut may have changed fed since)
     heap_crc: Optional[int] = None                     # CRC-32 of that heap file (checked on restore)
     dirty: bool = False                                # the cache changed since it was saved
     busy: bool = False
@@ -61,6 +62,7 @@ class Session:
     history: tuple = ()
     rollback_floor: Optional[int] = None   # fewest tokens the cache rolls back to (None: no rollback)
     rollback_mark: Optional[int] = None    # one point below the floor it also rolls back to (sliding layers' mark)
+    cuttable: bool = False                 # its cache can be cut to a trimmed history (backends/slots.HeapRollback.cut)
     reply_start: Optional[int] = None      # tokens held before the latest reply began (None: all of them)
     checkpoints: list = field(default_factory=list)   # token counts of its saved checkpoints
     addressed: bool = False   # a client named it (X-Session-Id): never rolled back for another request
@@ -90,6 +92,12 @@ class Session:
         """Forget the history after the first `tokens` (the cache was rolled back with it)."""
         del self.fed[tokens:]
         self._text_tokens = -1
+
+    def cut(self, spans: Sequence[tuple[int, int]]) -> None:
+        """Keep only the history in `spans`, joined (the cache was cut with it)."""
+        self.fed = token_array([t for a, b in spans for t in self.fed[a:b]])
+        self._text_tokens = -1
+        self.dirty = True   # as long as the saved copy, perhaps, but not the same tokens
 
     def text(self, decode: Callable[[list[int]], str]) -> str:
         """The fed tokens decoded (cached until more tokens are fed)."""

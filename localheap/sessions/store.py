@@ -37,7 +37,8 @@ class SessionStore:
     directory cannot be written."""
 
     def __init__(self, backend: Any, cfg: HeapConfig, spill_dir: Optional[Path] = None,
-                 max_resident: int = 8, max_sessions: int = 256, durable: bool = False, disk_total: int = 0):
+                 max_resident: int = 8, max_sessions: int = 256, durable: bool = False, disk_total: int = 0,
+                 cache_reuse: int = 0):
         assert max_resident >= 1 and max_sessions >= max_resident
         self.backend = backend
         self.cfg = cfg
@@ -60,7 +61,9 @@ class SessionStore:
         self.rebuilt = 0                          # heaps rebuilt from their tokens (unreadable heap or pages)
         self.rollbacks = 0                        # sessions rolled back to a prompt's shared prefix (engine/branching.py)
         self.rewinds = 0                          # of those, past an eviction (backends/slots.py)
-        self.rollbacks_refused = 0                # rewinds the page store's disk refused (the prompt read anew)
+        self.rollbacks_refused = 0                # rewinds and cuts the page store's disk refused (the prompt read anew)
+        self.cuts = 0                             # sessions cut to a client's trimmed history (--cache-reuse)
+        self.cache_reuse = cache_reuse            # fewest tokens of a run a trimmed history keeps (0: none)
 
     def mark_degraded(self, key: str, reason: str) -> None:
         if self.degraded.get(key) != reason:
@@ -229,16 +232,16 @@ class SessionStore:
         """save's second half, after write_heap: the tokens, the index (the commit), then the
         previous generation's files removed."""
         gen, crc = written
-        old = (s.spill_path, s.saved_gen, s.saved_tokens, s.dirty, s.heap_crc)
+        old = (s.spill_path, s.saved_gen, s.saved_tokens, s.dirty, s.heap_crc, s.saved_crc)
         try:
             self.dir.write_tokens(s.id, gen, s.fed)
             faults.step("save.tokens")
             s.spill_path, s.saved_gen, s.saved_tokens, s.dirty = self.dir.heap_path(s.id, gen), gen, len(s.fed), False
-            s.heap_crc = crc
+            s.heap_crc, s.saved_crc = crc, zlib.crc32(s.fed.tobytes())
             self._commit()
             faults.step("save.index")
         except BaseException as e:
-            s.spill_path, s.saved_gen, s.saved_tokens, s.dirty, s.heap_crc = old
+            s.spill_path, s.saved_gen, s.saved_tokens, s.dirty, s.heap_crc, s.saved_crc = old
             self._remove_gen(s.id, gen)
             if isinstance(e, OSError):
                 raise SpillFailed(self.spill_dir, e) from e
@@ -312,6 +315,12 @@ class SessionStore:
         to empty when the run started on an empty session (the turn in flight is lost).
         False when neither exists."""
         s.busy = False
+        if fed_before and s.spill_path is not None and not self._fed_extends_saved(s):
+            try:   # cut since it was saved (--cache-reuse): the saved copy's own tokens
+                s.fed = self.dir.read_tokens(s.id, s.saved_gen)
+            except (OSError, ValueError) as e:
+                log.error("session %s: its saved tokens are unreadable (%s)", s.id, e)
+                return False
         if fed_before == 0 or (s.spill_path is not None and s.saved_tokens <= len(s.fed)):
             keep = 0 if fed_before == 0 else s.saved_tokens
             if keep == 0 and s.spill_path is not None:
@@ -323,6 +332,12 @@ class SessionStore:
             s.refresh()
             return True
         return False
+
+    @staticmethod
+    def _fed_extends_saved(s: Session) -> bool:
+        """Whether the session's tokens begin with those of its saved copy."""
+        return s.saved_tokens <= len(s.fed) and (
+            s.saved_crc is None or zlib.crc32(s.fed[:s.saved_tokens].tobytes()) == s.saved_crc)
 
     def enforce_limits(self, keep: Optional[Session] = None, spare: Optional[Session] = None) -> None:
         """Spill idle least-recently-used heaps beyond max_resident; drop the oldest idle
@@ -406,7 +421,8 @@ class SessionStore:
         # every session a client was told of (201, or its reply's first token), busy ones too: one
         # whose first turn is in flight comes back with no tokens (gen None), not as a 404
         return [{"id": s.id, "gen": s.saved_gen, "tokens": s.saved_tokens,
-                 "crc": zlib.crc32(s.fed[:s.saved_tokens].tobytes()), "heap_crc": s.heap_crc,
+                 "crc": s.saved_crc if s.saved_crc is not None else zlib.crc32(s.fed[:s.saved_tokens].tobytes()),
+                 "heap_crc": s.heap_crc,
                  "created": s.created, "last_used": s.last_used, "turns": s.turns,
                  "origin": s.origin, "title": s.title, "owner": s.owner}   # owner: the API key's digest
                 for s in self.sessions() if not (s.ephemeral or s.scratch)]

@@ -126,6 +126,12 @@ class MLXBackend:
     def truncate(self, cache, tokens: int) -> None:
         cache.truncate(tokens)
 
+    def cuttable(self, cache) -> bool:
+        return cache.cuttable()
+
+    def cut(self, cache, spans: list) -> int:
+        return cache.cut(spans)
+
     def stats(self, cache) -> HeapStats:
         return cache.stats()
 

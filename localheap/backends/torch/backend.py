@@ -235,6 +235,12 @@ class TorchBackend:
     def truncate(self, cache, tokens: int) -> None:
         cache.truncate(tokens)
 
+    def cuttable(self, cache) -> bool:
+        return cache.cuttable()
+
+    def cut(self, cache, spans: list) -> int:
+        return cache.cut(spans)
+
     def stats(self, cache: HeapCache) -> HeapStats:
         return cache.stats()
 

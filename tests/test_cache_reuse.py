@@ -1,0 +1,158 @@
+"""Cutting spans out of a session's heap (--cache-reuse): a client that trims old messages
+resends the conversation without them, and the heap keeps what it holds of the rest, re-rotated
+to the shorter history's positions (backends/slots.HeapRollback.cut). The first layer's K/V
+depend only on each token and its position, so there the cut heap must hold what reading the
+shorter history gives; deeper layers still carry what the cut tokens added to them."""
+
+import numpy as np
+import pytest
+
+from localheap.heap import HeapConfig, LayerHeap, SlotView
+from tests.test_mark import _backend
+
+FULL = HeapConfig(budget=1024, slack=64, recent=64, recall=False)
+SMALL = dict(budget=64, sinks=4, recent=8, slack=32, policy="h2o")
+
+
+def test_a_cut_keeps_each_heads_tokens_in_the_spans_renumbered_end_to_end():
+    cfg = HeapConfig(**SMALL)
+    heap = LayerHeap(cfg, n_kv_heads=2, budget=cfg.budget)
+    heap.append(90)
+    scores = np.tile(np.arange(90.0), (2, 1))
+    scores[0, 40:60] = -1   # the heads evict apart: head 0 drops 40-59, head 1 the oldest unprotected
+    heap.apply(heap.plan(SlotView(positions=heap.view_positions(), attention=scores)))
+    heap.append(20)         # 90-109
+    spans = [(0, 30), (70, 100)]   # the client dropped 30-69 and the last 10
+    inside = [((p < 30) | ((p >= 70) & (p < 100))).sum() for p in heap.positions[:, :heap.resident]]
+    plan, dropped = heap.keep_plan(spans, np.tile(np.arange(heap.resident, dtype=float), (2, 1)))
+    kept = np.take_along_axis(heap.positions[:, :heap.resident], plan.keep_indices, axis=1)
+    assert plan.keep == min(inside) and dropped == max(inside) - min(inside)
+    assert ((kept < 30) | ((kept >= 70) & (kept < 100))).all() and (kept[:, :4] == np.arange(4)).all()
+    assert (plan.deltas == np.arange(plan.keep) - plan.keep_indices).all()   # compact: slot j from slot i
+    heap.apply(plan, evicting=False)
+    assert heap.renumber(spans) == 60 == heap.seen == heap.repacked_at
+    new = heap.positions[:, :heap.resident]
+    assert (np.diff(new, axis=1) > 0).all() and new.max() < 60
+    assert (new == np.where(kept < 30, kept, kept - 40)).all()
+    assert heap.rope_offset() == heap.resident   # the next token follows the kept ones
+
+
+@pytest.mark.parametrize("kind", ["torch", "mlx"])
+def test_the_first_layer_after_a_cut_is_what_reading_the_shorter_history_gives(model_dirs, torch_one_thread, kind):
+    backend, steps = _backend(kind, model_dirs("llama"))
+    ids = backend.tokenizer.encode(" ".join(f"message {i} says the heap keeps what matters" for i in range(30)))[:200]
+    spans = [(0, 20), (90, 180)]
+    short = ids[:20] + ids[90:180]
+
+    cut = backend.new_cache(FULL)
+    backend.prefill(cut, ids)
+    assert backend.cuttable(cut)
+    assert backend.cut(cut, spans) == len(short) == backend.tokens_in_cache(cut)
+    fresh = backend.new_cache(FULL)
+    backend.prefill(fresh, short)
+
+    def first_layer(cache):
+        layer = cache.heap_layers[0]
+        n = layer.heap.resident
+        return np.asarray(layer.keys[0, :, :n]).astype(np.float64), np.asarray(layer.values[0, :, :n])
+
+    (k_cut, v_cut), (k_fresh, v_fresh) = first_layer(cut), first_layer(fresh)
+    assert np.array_equal(v_cut, v_fresh)   # values are copied, not recomputed
+    assert np.abs(k_cut - k_fresh).max() < 1e-4 * max(1.0, np.abs(k_fresh).max())   # re-rotated keys
+    assert cut.heap_layers[0].heap.positions[:, :len(short)].tolist() == [list(range(len(short)))] * 2
+    # deeper layers are not the fresh read's (the cut tokens shaped them), yet the heap runs on
+    got = steps(cut, [ids[180]], 8)
+    assert backend.tokens_in_cache(cut) == len(short) + 8 and len(got) == 8
+
+
+@pytest.mark.parametrize("kind", ["torch", "mlx"])
+def test_a_cut_with_recall_forgets_the_pages_from_the_first_cut_and_goes_on(model_dirs, torch_one_thread, tmp_path, kind):
+    backend, steps = _backend(kind, model_dirs("llama"))
+    cfg = HeapConfig(budget=96, sinks=4, recent=16, slack=32, policy="snapkv", recall=True, recall_budget=32, page_size=8,
+                     page_format="f32", obs_window=8)
+    ids = backend.tokenizer.encode(" ".join(f"line {i} of a long talk about heaps" for i in range(80)))[:500]
+    cache = backend.new_cache(cfg, pages_dir=tmp_path / "pages")
+    backend.prefill(cache, ids[:400])
+    steps(cache, ids[400:401], 4)   # a question: recall runs and pins pages
+    cache.writer.drain()
+    assert cache.pages.pages > 0 and any(layer.heap.n_recalled for layer in cache.heap_layers)
+    held = backend.tokens_in_cache(cache)
+    assert backend.cut(cache, [(0, 100), (300, held)]) == held - 200
+    assert cache.cuts == 1
+    for layer in cache.heap_layers:
+        pos = layer.heap.positions[:, :layer.heap.resident]
+        assert (np.diff(pos, axis=1) > 0).all() and pos.max() < held - 200 and not layer.heap.n_recalled
+    for layer in range(len(cache.heap_layers)):   # no page may bring back a token past the first cut
+        live = np.flatnonzero(cache.pages.layers[layer].live)
+        assert (cache.pages.positions(layer, live) < 100).all()
+    got = steps(cache, ids[401:410], 40)   # feeds, evicts into the store again, recalls
+    assert len(got) == 40 and backend.tokens_in_cache(cache) == held - 200 + 9 + 39
+
+
+def test_a_cache_with_sliding_layers_or_absolute_positions_is_not_cuttable(model_dirs, torch_one_thread):
+    torch = pytest.importorskip("torch")
+    from localheap.backends.torch import TorchBackend
+
+    backend = TorchBackend.load(model_dirs("gemma3_text"), device="cpu", dtype=torch.float32)
+    assert not backend.cuttable(backend.new_cache(FULL))
+    backend = TorchBackend.load(model_dirs("llama"), device="cpu", dtype=torch.float32)
+    assert not backend.cuttable(backend.new_cache(HeapConfig(budget=1024, positions="absolute", recall=False)))
+
+
+# -- which prompt is a trimmed history (pure matching, fake sessions) ------------------------------
+
+def _session(history: str, reply_start=None, cuttable=True):
+    from localheap.sessions import Session
+    from localheap.sessions.session import token_array
+
+    s = Session(id="s", cfg=FULL, fed=token_array([ord(c) for c in history]))
+    s.rollback_floor, s.reply_start, s.cuttable = len(history), reply_start, cuttable
+    return s
+
+
+def _match(sessions, text: str, min_chunk: int = 8):
+    from localheap.sessions import Prompt, match_session
+
+    return match_session(sessions, Prompt([ord(c) for c in text], text), lambda t: [ord(c) for c in t],
+                         lambda ids: "".join(map(chr, ids)), min_chunk=min_chunk)
+
+
+SYS = "<sys>be brief</sys>"
+TURNS = ["<u>first question here</u><a>first answer given</a>", "<u>second question asked</u><a>second reply</a>",
+         "<u>third question now</u><a>third answer back</a>"]
+
+
+def test_a_history_without_its_oldest_turn_cuts_the_session_to_what_the_prompt_keeps():
+    s = _session(SYS + "".join(TURNS))
+    m = _match([s], SYS + TURNS[1] + TURNS[2] + "<u>fourth</u><a>")
+    # the shared prefix runs into the next turn's "<u>", then one run from the second turn's text on
+    assert m.session is s and m.rollback is None and m.cut == [(0, len(SYS) + 3), (len(SYS) + len(TURNS[0]) + 3, len(s.fed))]
+    assert m.cached == len(SYS) + len(TURNS[1]) + len(TURNS[2])
+    assert "".join(chr(t) for t in m.new_tokens) == "<u>fourth</u><a>"
+    s.cut(m.cut)
+    assert "".join(map(chr, s.fed)) == SYS + TURNS[1] + TURNS[2]
+
+
+def test_a_trim_in_the_middle_takes_two_runs_and_a_rewritten_last_reply_ends_the_last():
+    s = _session(SYS + "".join(TURNS) + "<think>hmm</think>fine", reply_start=len(SYS + "".join(TURNS)))
+    m = _match([s], SYS + TURNS[0] + TURNS[2] + "fine<u>more</u><a>")
+    head = len(SYS + TURNS[0]) + 3   # through the next turn's "<u>"
+    assert m.cut == [(0, head), (head + len(TURNS[1]), s.reply_start)]   # the reasoning dropped: up to the reply
+    assert m.cached == head + len(TURNS[2]) - 3 and "".join(map(chr, m.new_tokens)) == "fine<u>more</u><a>"
+
+
+def test_no_cut_without_the_flag_for_short_runs_for_a_prompt_that_drops_the_latest_turn_or_for_a_named_session():
+    s = _session(SYS + "".join(TURNS))
+    trimmed = SYS + TURNS[1] + TURNS[2] + "<u>fourth</u><a>"
+    assert _match([s], trimmed, min_chunk=0) is None   # off: nothing shared beyond the system prompt worth a rollback
+    assert _match([s], trimmed, min_chunk=200) is None   # the runs are shorter than asked
+    assert _match([s], SYS + TURNS[1] + "<u>fourth</u><a>") is None   # the latest turn is not in it: not this talk
+    s.addressed = True
+    assert _match([s], trimmed) is None
+    assert _match([_session(SYS + "".join(TURNS), cuttable=False)], trimmed) is None
+
+
+def test_a_prompt_that_extends_the_session_is_never_cut():
+    s = _session(SYS + "".join(TURNS))
+    m = _match([s], SYS + "".join(TURNS) + "<u>more</u><a>")
+    assert m.cut is None and m.cached == len(s.fed)
