@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from localheap.heap import HeapConfig, LayerHeap, SlotView
-from tests.test_mark import _backend
+from test_mark import _backend
 
 FULL = HeapConfig(budget=1024, slack=64, recent=64, recall=False)
 SMALL = dict(budget=64, sinks=4, recent=8, slack=32, policy="h2o")
@@ -156,3 +156,64 @@ def test_a_prompt_that_extends_the_session_is_never_cut():
     s = _session(SYS + "".join(TURNS))
     m = _match([s], SYS + "".join(TURNS) + "<u>more</u><a>")
     assert m.cut is None and m.cached == len(s.fed)
+
+
+def test_a_turn_that_fails_after_a_cut_falls_back_to_the_saved_copy_and_its_own_tokens(model_dirs, torch_one_thread,
+                                                                                       tmp_path):
+    """The saved copy holds the uncut history: a failed turn after a cut goes back to it whole (its
+    tokens read from disk, not the cut ones cut short), and the index keeps the copy's own CRC."""
+    import json
+    import zlib
+
+    from localheap.engine import branching
+    from localheap.sessions import SessionStore
+    from localheap.sessions.session import token_array
+
+    backend, _ = _backend("torch", model_dirs("llama"))
+    store = SessionStore(backend, FULL, tmp_path, durable=True, cache_reuse=8)
+    ids = backend.tokenizer.encode(" ".join(f"message {i} says the heap keeps what matters" for i in range(30)))[:200]
+    s = store.create()
+    store.make_resident(s)
+    backend.prefill(s.cache, ids)
+    s.extend(ids)
+    branching.settle(backend, s)
+    store.save(s)
+    assert s.cuttable and s.saved and s.saved_crc == zlib.crc32(s.fed.tobytes())
+    branching.cut(backend, s, [(0, 20), (90, 200)], store)
+    assert len(s.fed) == 130 and backend.tokens_in_cache(s.cache) == 130 and not s.saved and store.cuts == 1
+    other = store.create()   # another session's save rewrites the index: this one's entry keeps its saved CRC
+    store.make_resident(other)
+    backend.prefill(other.cache, ids[:30])
+    other.extend(ids[:30])
+    store.save(other)
+    entry = next(e for e in json.loads((tmp_path / "index.json").read_text())["sessions"] if e["id"] == s.id)
+    assert entry["tokens"] == 200 and entry["crc"] == zlib.crc32(token_array(ids).tobytes())
+    assert store.rollback(s, fed_before=len(s.fed))   # the turn after the cut failed
+    assert s.fed.tolist() == ids and s.cache is None
+    store.make_resident(s)
+    assert backend.tokens_in_cache(s.cache) == 200
+
+
+def test_a_cut_heap_with_recall_is_saved_spilled_and_restored_as_it_was(model_dirs, torch_one_thread, tmp_path):
+    from localheap.engine import branching
+    from localheap.sessions import SessionStore
+
+    backend, steps = _backend("torch", model_dirs("llama"))
+    cfg = HeapConfig(budget=96, sinks=4, recent=16, slack=32, policy="snapkv", recall=True, recall_budget=32,
+                     page_size=8, page_format="f32", obs_window=8)
+    store = SessionStore(backend, cfg, tmp_path, cache_reuse=8)
+    ids = backend.tokenizer.encode(" ".join(f"line {i} of a long talk about heaps" for i in range(80)))[:500]
+    s = store.create()
+    store.make_resident(s)
+    backend.prefill(s.cache, ids[:400])
+    s.extend(ids[:400])
+    branching.settle(backend, s)
+    store.save(s)
+    branching.cut(backend, s, [(0, 100), (300, 400)], store)
+    before = backend.stats(s.cache).to_dict()
+    store.spill(s.id)
+    assert s.cache is None and s.saved_tokens == 200
+    store.restore(s.id)
+    assert backend.stats(s.cache).to_dict() == before and backend.tokens_in_cache(s.cache) == 200
+    got = steps(s.cache, ids[400:410], 20)   # a question: recall over what the store kept, then decode
+    assert len(got) == 20 and backend.tokens_in_cache(s.cache) == 229

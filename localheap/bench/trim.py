@@ -83,11 +83,11 @@ def run(backend, cfg, turns: int, window: int, question: int, answer: int, min_c
             log(f"turn {t + 1}: prompt {row['prompt']} tokens ({row['messages']} messages); read "
                 f"{row['reuse_read']} (reuse), {row['again_read']} (read again)")
             rows.append(row)
+        cuts = servers["reuse"].services.store.cuts   # the turns' (the probe's first question may trim once more)
         probes = None
         if planted:
             messages, _ = _fit(hf, system, history + [{"role": "user", "content": "?"}], window)
             probes = {arm: _ask(backend, servers[arm], messages[:-1], planted) for arm in ARMS}
-        cuts = servers["reuse"].services.store.cuts
     finally:
         for srv in servers.values():
             srv.stop()

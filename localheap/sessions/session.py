@@ -95,7 +95,10 @@ class Session:
 
     def cut(self, spans: Sequence[tuple[int, int]]) -> None:
         """Keep only the history in `spans`, joined (the cache was cut with it)."""
-        self.fed = token_array([t for a, b in spans for t in self.fed[a:b]])
+        kept = token_array()
+        for a, b in spans:
+            kept.extend(self.fed[a:b])
+        self.fed[:] = kept   # in place, as truncate
         self._text_tokens = -1
         self.dirty = True   # as long as the saved copy, perhaps, but not the same tokens
 
