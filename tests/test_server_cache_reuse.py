@@ -19,7 +19,7 @@ from tool_server import qwen_model, serve  # noqa: E402
 
 HEAP = HeapConfig(budget=64, slack=32, recent=16)   # the conversation outgrows it: a cut after evictions
 SYSTEM = {"role": "system", "content": "You answer in one short line about the heap."}
-QUESTIONS = [f"Question {i}: which tokens does the heap keep when the context grows past its budget?" for i in range(5)]
+QUESTION = "which tokens does the heap keep when the context grows past its budget?"
 REPLY = "It keeps the sinks, the recent window and the tokens that drew attention."
 
 
@@ -30,13 +30,13 @@ def servers(model_dirs, tmp_path_factory, torch_one_thread):
         yield {"on": on, "off": off}
 
 
-def chat(srv, messages) -> tuple[dict, str]:
+def chat(srv, messages, **extra) -> tuple[dict, str]:
     svc = srv.services
     ids = svc.tokenizer.encode(REPLY, add_special_tokens=False)
     svc.force_tokens = lambda: ForcedTokens(ids, svc.backend.eos_token_ids)
     try:
         r = httpx.post(srv.url + "/v1/chat/completions", timeout=120,
-                       json={"model": "m", "messages": messages, "max_tokens": 40})
+                       json={"model": "m", "messages": messages, "max_tokens": 40, **extra})
     finally:
         svc.force_tokens = None
     assert r.status_code == 200, r.text
@@ -48,28 +48,50 @@ def cuts(srv) -> float:
     return float(re.search(r"^localheap_session_cuts(?:_total)? ([0-9.e+-]+)$", text, re.M).group(1))
 
 
+def converse(srv, system: dict, topic: str, **extra) -> dict:
+    """Four turns, then the history without its first exchange and a fifth question (`extra` in that
+    request's body): its usage, whether it ran on the same session, that session, the server's
+    cuts, and how many tokens the fourth turn read."""
+    history, sid = [system], None
+    for i in range(4):
+        history.append({"role": "user", "content": f"{topic} {i}: {QUESTION}"})
+        body, sid_now = chat(srv, history)
+        assert sid in (None, sid_now) and body["choices"][0]["message"]["content"] == REPLY
+        read = body["usage"]["prompt_tokens"] - body["usage"]["prompt_tokens_details"]["cached_tokens"]
+        sid = sid_now
+        history.append({"role": "assistant", "content": REPLY})
+    before = cuts(srv)
+    trimmed = [system] + history[3:] + [{"role": "user", "content": f"{topic} 4: {QUESTION}"}]
+    body, sid_trimmed = chat(srv, trimmed, **extra)
+    session = httpx.get(f"{srv.url}/v1/sessions/{sid_trimmed}", timeout=60).json()
+    return {"usage": body["usage"], "same": sid_trimmed == sid, "session": session, "cuts": cuts(srv) - before,
+            "read": read}
+
+
 def test_a_trimmed_history_is_cut_from_its_session_with_the_flag_and_read_again_without(servers):
-    got = {}
-    for arm, srv in servers.items():
-        history, sid = [SYSTEM], None
-        for q in QUESTIONS[:4]:
-            history.append({"role": "user", "content": q})
-            body, sid_now = chat(srv, history)
-            read = body["usage"]["prompt_tokens"] - body["usage"]["prompt_tokens_details"]["cached_tokens"]
-            assert sid in (None, sid_now) and body["choices"][0]["message"]["content"] == REPLY
-            sid = sid_now
-            history.append({"role": "assistant", "content": REPLY})
-        trimmed = [SYSTEM] + history[3:] + [{"role": "user", "content": QUESTIONS[4]}]   # the first exchange dropped
-        body, sid_trimmed = chat(srv, trimmed)
-        session = httpx.get(f"{srv.url}/v1/sessions/{sid_trimmed}", timeout=60).json()
-        got[arm] = (body["usage"], sid_trimmed == sid, session, cuts(srv), read)
-    usage, same, session, n, read = got["on"]
-    assert same and n == 1
-    prompt, cached = usage["prompt_tokens"], usage["prompt_tokens_details"]["cached_tokens"]
-    print(prompt, cached, read)
-    assert prompt - cached == read   # only the new turn was read, as in the untrimmed turn before it
-    assert session["tokens"] == prompt + usage["completion_tokens"] - 1   # the session holds the shorter history
-    assert session["heap"]["tokens_seen"] == session["tokens"]
-    usage_off, same_off, _, n_off, _ = got["off"]
-    assert not same_off and n_off == 0 and usage_off["prompt_tokens"] == prompt
-    assert usage_off["prompt_tokens_details"]["cached_tokens"] < 20   # the system prompt at most
+    got = {arm: converse(srv, SYSTEM, "Question") for arm, srv in servers.items()}
+    on = got["on"]
+    assert on["same"] and on["cuts"] == 1
+    prompt, cached = on["usage"]["prompt_tokens"], on["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert prompt - cached == on["read"]   # only the new turn was read, as in the untrimmed turn before it
+    assert on["session"]["tokens"] == prompt + on["usage"]["completion_tokens"] - 1   # the shorter history
+    assert on["session"]["heap"]["tokens_seen"] == on["session"]["tokens"]
+    off = got["off"]
+    assert not off["same"] and off["cuts"] == 0 and off["usage"]["prompt_tokens"] == prompt
+    assert off["usage"]["prompt_tokens_details"]["cached_tokens"] < 20   # the system prompt at most
+
+
+def test_a_request_sets_its_own_cache_reuse_as_llama_servers_n_cache_reuse(servers):
+    system = {"role": "system", "content": "You answer in one line about eviction."}
+    asked = converse(servers["off"], system, "Query", n_cache_reuse=16)
+    assert asked["same"] and asked["cuts"] == 1
+    refused = converse(servers["on"], system, "Query", n_cache_reuse=0)
+    assert not refused["same"] and refused["cuts"] == 0
+
+
+def test_llama_servers_completion_route_takes_n_cache_reuse():
+    from localheap.server.llamacpp import LlamaRequest
+
+    assert LlamaRequest(prompt="x", n_cache_reuse=256).n_cache_reuse == 256
+    with pytest.raises(ValueError):
+        LlamaRequest(prompt="x", n_cache_reuse=-1)

@@ -101,7 +101,9 @@ class AdmissionQueue:
             sessions = [] if documents else [x for x in self.store.sessions() if mine(x)]
             checkpoints = [] if documents else [c for c in self.store.checkpoints.all()
                                                 if c.session_id in self.store and mine(self.store.get(c.session_id))]
-            match = match_session(sessions, req.prompt, encode, tok.decode, checkpoints, self.store.cache_reuse)
+            reuse = getattr(req, "cache_reuse", None)
+            match = match_session(sessions, req.prompt, encode, tok.decode, checkpoints,
+                                  self.store.cache_reuse if reuse is None else reuse)
         try:
             if match is not None and match.checkpoint is not None:
                 match.session = branching.new_branch(self.store, match.checkpoint.session_id, scratch)

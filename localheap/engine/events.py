@@ -86,6 +86,7 @@ class Generate:
     scratch: bool = False         # an editor's completion (/infill, a suffix): its session is a cache for the next
                                   # one: never saved nor in the index, matched only by scratch requests, at most
                                   # SCRATCH_KEEP an owner, and the one a fork of its checkpoint replaces is dropped
+    cache_reuse: Optional[int] = None   # a trimmed history's fewest tokens a run (n_cache_reuse; None: the server's)
 
 
 @dataclass

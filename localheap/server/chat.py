@@ -337,10 +337,12 @@ def _token_ref(tokenizer: Any, text: str) -> str:
 
 async def start(svc: Services, request: Request, prompt: Prompt, params: SamplingParams,
                 session_id: Optional[str], title: Optional[str],
-                ephemeral: bool = False, scratch: bool = False) -> tuple[Job, JobEvents, Started]:
+                ephemeral: bool = False, scratch: bool = False,
+                cache_reuse: Optional[int] = None) -> tuple[Job, JobEvents, Started]:
     """Queue a generation on the session the prompt extends (or `session_id`); returns once admitted.
     `ephemeral`: a session of its own, never matched or saved, deleted when the reply ends.
-    `scratch`: an editor's completion (engine.Generate.scratch)."""
+    `scratch`: an editor's completion (engine.Generate.scratch). `cache_reuse`: the request's
+    n_cache_reuse (None: serve --cache-reuse)."""
     who = owner(request)
     if session_id is not None:
         if ephemeral:
@@ -352,6 +354,7 @@ async def start(svc: Services, request: Request, prompt: Prompt, params: Samplin
                          f"{svc.settings.max_tokens_limit}", "max_tokens", "max_tokens_too_large")
     job, events, started = await submit(svc.engine, lambda emit: Generate(prompt, params, emit, session_id, who,
                                                                                ephemeral=ephemeral,
-                                                                               scratch=scratch))
+                                                                               scratch=scratch,
+                                                                               cache_reuse=cache_reuse))
     await svc.name_session(started.session_id, title)
     return job, events, started

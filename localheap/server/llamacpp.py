@@ -9,7 +9,8 @@ these; they run on the same engine, sessions, heap and prefix reuse as every oth
 Options are llama-server's, with its defaults (temperature 0.8, top_k 40, top_p 0.95, min_p
 0.05). Samplers this server does not have (repetition, DRY, XTC, Mirostat, typical, top-n-sigma)
 are accepted at the value that turns them off and refused otherwise; options that tune llama.cpp's
-runtime (slots, cache reuse, progress) are accepted and unused; any other field is a 400."""
+runtime (slots, progress) are accepted and unused (`n_cache_reuse` is serve --cache-reuse for the
+request); any other field is a 400."""
 
 from __future__ import annotations
 
@@ -43,7 +44,7 @@ ALIASES = {"nucleus": "top_p", "temp": "temperature", "typ": "typ_p"}   # llama.
 OFF = {"lora": lambda v: not v}
 # llama.cpp's runtime options and tuning that changes nothing here: accepted, unused
 UNUSED = {"penalize_nl", "min_keep",
-          "t_max_prompt_ms", "id_slot", "n_keep", "n_discard", "n_cache_reuse", "timings_per_token",
+          "t_max_prompt_ms", "id_slot", "n_keep", "n_discard", "timings_per_token",
           "sse_ping_interval", "model", "id_task", "response_fields", "penalty_last_n"}
 # the options a SamplingParams check may name in its message (a 400's param)
 OPTION_NAMES = ("repeat_penalty", "repeat_last_n", "dry_multiplier", "dry_base", "dry_allowed_length",
@@ -109,6 +110,7 @@ class LlamaRequest(BaseModel):
     samplers: Union[list[str], str, None] = None
     stream: bool = False
     cache_prompt: bool = True
+    n_cache_reuse: Optional[int] = Field(None, ge=0)   # serve --cache-reuse for this request (0: off; None: the server's)
     return_tokens: bool = False
     response_fields: Optional[list[str]] = None
     n_indent: int = Field(0, ge=0)

@@ -213,6 +213,8 @@ class SamplingFields(Strict):
     store: Optional[bool] = None
     samplers: Union[list[str], str, None] = None   # extension (llama-server's): the samplers left out are off
     cache_prompt: Optional[bool] = None            # extension (llama-server's): accepted (prefixes are always reused)
+    n_cache_reuse: Optional[int] = Field(None, ge=0)   # extension (llama-server's): serve --cache-reuse for this
+    # request (0: off; absent: the server's)
     return_progress: Optional[bool] = None         # extension (llama-server's): stream chunks with prompt_progress
     post_sampling_probs: Optional[bool] = None     # extension (llama-server's): logprobs of the distribution drawn
     # from, after the sampler chain (generation.LogprobRecorder.post); chat writes them as prob and top_probs

@@ -209,7 +209,7 @@ async def _respond(reply: Reply, body: SamplingFields, prompts: Union[Prompt, li
                 params = make_params(j)
                 job, events, started = await start(svc, request, prompt, params, session_id if i == 0 else None,
                                                    title if i == 0 else None, ephemeral or i > 0,
-                                                   scratch and not (ephemeral or i > 0))
+                                                   scratch and not (ephemeral or i > 0), body.n_cache_reuse)
                 choices.append(Choice(i, job, events, make_parser(), echo=make_echo(params, k), started=started))
                 starts.append(started)
     except BaseException:
