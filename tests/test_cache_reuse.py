@@ -217,3 +217,17 @@ def test_a_cut_heap_with_recall_is_saved_spilled_and_restored_as_it_was(model_di
     assert backend.stats(s.cache).to_dict() == before and backend.tokens_in_cache(s.cache) == 200
     got = steps(s.cache, ids[400:410], 20)   # a question: recall over what the store kept, then decode
     assert len(got) == 20 and backend.tokens_in_cache(s.cache) == 229
+
+
+def test_with_the_flag_a_dropped_reasoning_block_is_cut_out_and_the_answer_kept():
+    """Any run of at least min_chunk tokens counts: a template that drops the reply's reasoning sends
+    the answer back, which the session holds after the reasoning: cut out, not rewound and read again."""
+    history = SYS + "".join(TURNS)
+    answer = "the heap keeps the tokens that matter"
+    s = _session(history + "<think>let me think this through</think>" + answer, reply_start=len(history))
+    s.rollback_mark = len(history)   # where the reply began
+    m = _match([s], history + answer + "<u>next</u><a>")
+    assert m.cut == [(0, len(history)), (len(s.fed) - len(answer), len(s.fed))]
+    assert m.cached == len(history + answer)
+    m = _match([s], history + answer + "<u>next</u><a>", min_chunk=0)   # off: a rollback to the reply's start
+    assert m.cut is None and m.rollback == len(history)

@@ -180,7 +180,7 @@ class HeapRollback:
         again). With recall on, the page store forgets every page from the first cut on (its
         positions would be stale) and the recalled slots are released first (their pages stay
         where they are older). Each KV head is cut to the fewest any head keeps. Returns the
-        tokens held now. RollbackRefused when the page store cannot forget: nothing changed."""
+        tokens held now. RollbackRefused when the page store cannot forget: the heap is as it was."""
         assert self.cuttable() and spans and spans[0][0] == 0, spans
         assert all(a < b <= c for (_, a), (b, c) in zip(spans, spans[1:])) and spans[-1][1] <= self.tokens_seen, spans
         if self.pages is not None:

@@ -121,15 +121,13 @@ def trimmed_spans(fed: Sequence[int], ids: Sequence[int], shared: int, min_chunk
         if k > 1 and starts.size:
             windows = np.lib.stride_tricks.sliding_window_view(hay, k)[starts]
             starts = starts[(windows == p[at:at + k]).all(axis=1)]
-        run = None
-        for j in starts:
-            n = common_prefix(hay[j:], p[at:])
-            if n >= min_chunk:
-                run = (frm + int(j), n)
-                break
-        if run is None:
+        want = p[at:at + min_chunk]
+        # the first candidate whose next min_chunk tokens match (each checked over min_chunk tokens
+        # only: a repetitive history has many candidates), then its whole run
+        j = next((int(j) for j in starts if np.array_equal(hay[j:j + min_chunk], want)), None)
+        if j is None or len(want) < min_chunk:
             break
-        start, n = run
+        start, n = frm + j, common_prefix(hay[j:], p[at:])
         spans.append((start, start + n))
         at, frm = at + n, start + n
     held = sum(b - a for a, b in spans)
