@@ -7,21 +7,14 @@ shorter history gives; deeper layers still carry what the cut tokens added to th
 import numpy as np
 import pytest
 
-from localheap.heap import HeapConfig, LayerHeap, SlotView
-from test_mark import _backend
+from localheap.heap import HeapConfig
+from test_mark import _backend, heads_evicted_apart
 
 FULL = HeapConfig(budget=1024, slack=64, recent=64, recall=False)
-SMALL = dict(budget=64, sinks=4, recent=8, slack=32, policy="h2o")
 
 
 def test_a_cut_keeps_each_heads_tokens_in_the_spans_renumbered_end_to_end():
-    cfg = HeapConfig(**SMALL)
-    heap = LayerHeap(cfg, n_kv_heads=2, budget=cfg.budget)
-    heap.append(90)
-    scores = np.tile(np.arange(90.0), (2, 1))
-    scores[0, 40:60] = -1   # the heads evict apart: head 0 drops 40-59, head 1 the oldest unprotected
-    heap.apply(heap.plan(SlotView(positions=heap.view_positions(), attention=scores)))
-    heap.append(20)         # 90-109
+    heap = heads_evicted_apart()   # 0-109, the heads holding different tokens
     spans = [(0, 30), (70, 100)]   # the client dropped 30-69 and the last 10
     inside = [((p < 30) | ((p >= 70) & (p < 100))).sum() for p in heap.positions[:, :heap.resident]]
     plan, dropped = heap.keep_plan(spans, np.tile(np.arange(heap.resident, dtype=float), (2, 1)))

@@ -108,14 +108,21 @@ def test_a_mark_taken_between_decode_steps(model_dirs, torch_one_thread, kind):
 SMALL = dict(budget=64, sinks=4, recent=8, slack=32, policy="h2o")
 
 
-def test_a_rewind_keeps_each_heads_older_slots_cut_to_the_fewest_by_score():
+def heads_evicted_apart() -> LayerHeap:
+    """A two-head heap of 90 tokens after an eviction in which head 0 dropped 40-59 and head 1 its
+    oldest unprotected ones, then 20 more (positions 90-109)."""
     cfg = HeapConfig(**SMALL)
     heap = LayerHeap(cfg, n_kv_heads=2, budget=cfg.budget)
     heap.append(90)
     scores = np.tile(np.arange(90.0), (2, 1))
-    scores[0, 40:60] = -1   # head 0 drops 40-59, head 1 the oldest unprotected ones
+    scores[0, 40:60] = -1
     heap.apply(heap.plan(SlotView(positions=heap.view_positions(), attention=scores)))
-    heap.append(20)         # the reply: positions 90-109
+    heap.append(20)
+    return heap
+
+
+def test_a_rewind_keeps_each_heads_older_slots_cut_to_the_fewest_by_score():
+    heap = heads_evicted_apart()   # the reply: positions 90-109
     n = heap.resident
     scores = np.tile(np.arange(n, dtype=float), (2, 1))
     heap.apply(RepackPlan(keep_indices=np.stack([np.r_[0:4, 10:n], np.r_[0:4, 6:n - 4]]), deltas=None))

@@ -152,40 +152,25 @@ def add_parser(sub) -> None:
     add_threads_arg(st)
     st.set_defaults(func=run_structured_bench, model="demo")
 
-    turns = bsub.add_parser("turns", help="a conversation whose template rewrites each reply, past the heap: "
-                                          "rewinding against reading it again (--rewind on/off)")
-    add_model_args(turns)
-    add_heap_args(turns)
-    turns.add_argument("--turns", type=_positive, default=12, help="turns of the conversation (default 12)")
-    turns.add_argument("--question", type=_positive, default=400, metavar="TOKENS",
-                       help="tokens of each user message (about; default 400)")
+    turns = _conversation_parser(bsub, "turns", "a conversation whose template rewrites each reply, past the heap: "
+                                                "rewinding against reading it again (--rewind on/off)",
+                                 turns=12, question=400, answer=100, answer_help="each reply's answer",
+                                 facts_help="pass keys planted in the first message and asked after the last turn, "
+                                            "in each arm: what rewinding costs the answers")
     turns.add_argument("--reasoning", type=_positive, default=600, metavar="TOKENS",
                        help="tokens of each reply's reasoning, which the client does not send back (about; default 600)")
-    turns.add_argument("--answer", type=_positive, default=100, metavar="TOKENS",
-                       help="tokens of each reply's answer (about; default 100)")
-    turns.add_argument("--facts", type=int, default=0, metavar="K",
-                       help="pass keys planted in the first message and asked after the last turn, in each arm: "
-                            "what rewinding costs the answers (0: none; default 0)")
-    add_threads_arg(turns)
     turns.set_defaults(func=run_turns_bench, model="demo")
 
-    trim = bsub.add_parser("trim", help="a client that trims its oldest messages to fit its window: cutting the "
-                                        "session to the shorter history (serve --cache-reuse) against reading it again")
-    add_model_args(trim)
-    add_heap_args(trim)
-    trim.add_argument("--turns", type=_positive, default=24, help="turns of the conversation (default 24)")
+    trim = _conversation_parser(bsub, "trim", "a client that trims its oldest messages to fit its window: cutting "
+                                              "the session to the shorter history (serve --cache-reuse) against "
+                                              "reading it again",
+                                turns=24, question=200, answer=100, answer_help="each reply",
+                                facts_help="pass keys in the system message, asked after the last turn in each "
+                                           "arm: what a cut heap costs the answers")
     trim.add_argument("--window", type=_positive, default=3072, metavar="TOKENS",
                       help="tokens the client's prompt may hold; older exchanges are dropped (default 3072)")
-    trim.add_argument("--question", type=_positive, default=200, metavar="TOKENS",
-                      help="tokens of each user message (about; default 200)")
-    trim.add_argument("--answer", type=_positive, default=100, metavar="TOKENS",
-                      help="tokens of each reply (about; default 100)")
     trim.add_argument("--cache-reuse", type=_positive, default=64, metavar="N",
                       help="the reuse arm's serve --cache-reuse (default 64)")
-    trim.add_argument("--facts", type=int, default=0, metavar="K",
-                      help="pass keys in the system message, asked after the last turn in each arm: what a cut "
-                           "heap costs the answers (0: none; default 0)")
-    add_threads_arg(trim)
     trim.set_defaults(func=run_trim_bench, model="demo")
 
     mass = bsub.add_parser("attention-mass", help="share of the true attention mass each policy's kept set captures")
@@ -498,15 +483,37 @@ def run_structured_bench(args) -> int:
     return 0
 
 
-def run_turns_bench(args) -> int:
-    from ..bench.turns import report, run
+def _conversation_parser(bsub, name: str, help: str, turns: int, question: int, answer: int, answer_help: str,
+                         facts_help: str):
+    """A bench of a conversation through the server, turn by turn in two arms (turns, trim)."""
+    p = bsub.add_parser(name, help=help)
+    add_model_args(p)
+    add_heap_args(p)
+    p.add_argument("--turns", type=_positive, default=turns, help=f"turns of the conversation (default {turns})")
+    p.add_argument("--question", type=_positive, default=question, metavar="TOKENS",
+                   help=f"tokens of each user message (about; default {question})")
+    p.add_argument("--answer", type=_positive, default=answer, metavar="TOKENS",
+                   help=f"tokens of {answer_help} (about; default {answer})")
+    p.add_argument("--facts", type=int, default=0, metavar="K", help=f"{facts_help} (0: none; default 0)")
+    add_threads_arg(p)
+    return p
+
+
+def _conversation_backend(args):
+    """A conversation bench's backend (threads set) and heap config."""
     from ..models import load_backend
 
     if args.facts < 0:
         raise SystemExit("--facts must be >= 0")
     backend = load_backend(model_spec(args), args.backend)
     set_threads(backend, args)
-    cfg = heap_config(args, backend)
+    return backend, heap_config(args, backend)
+
+
+def run_turns_bench(args) -> int:
+    from ..bench.turns import report, run
+
+    backend, cfg = _conversation_backend(args)
     result = run(backend, cfg, args.turns, args.question, args.reasoning, args.answer,
                  log=lambda m: print(m, file=sys.stderr), facts=args.facts)
     emit("turns", report(result, cfg, table), {"model": backend.model_name, "backend": backend.name,
@@ -516,13 +523,8 @@ def run_turns_bench(args) -> int:
 
 def run_trim_bench(args) -> int:
     from ..bench.trim import report, run
-    from ..models import load_backend
 
-    if args.facts < 0:
-        raise SystemExit("--facts must be >= 0")
-    backend = load_backend(model_spec(args), args.backend)
-    set_threads(backend, args)
-    cfg = heap_config(args, backend)
+    backend, cfg = _conversation_backend(args)
     result = run(backend, cfg, args.turns, args.window, args.question, args.answer, args.cache_reuse,
                  log=lambda m: print(m, file=sys.stderr), facts=args.facts)
     emit("trim", report(result, cfg, args.window, args.cache_reuse, table),

@@ -30,6 +30,23 @@ def settle(backend: Any, s: Session, reply_start: Optional[int] = None) -> None:
     s.reply_start = len(s.fed) if reply_start is None else reply_start
 
 
+def _change_cache(change, s: Session, store: Optional[SessionStore], what: str) -> None:
+    """Run `change` (a rollback or a cut of the session's cache). RollbackRefused: the cache is as it
+    was, counted and raised. Any other error: the cache cannot be trusted, so the session falls back
+    to its saved copy, or is dropped without one, and the error is raised."""
+    try:
+        change()
+    except RollbackRefused:
+        if store is not None:
+            store.rollbacks_refused += 1
+        raise   # the cache is as it was
+    except Exception:
+        if store is not None and not store.rollback(s, fed_before=len(s.fed)):
+            log.error("session %s dropped: %s failed and it has no saved copy", s.id, what)
+            store.delete(s.id)
+        raise
+
+
 def roll_back(backend: Any, s: Session, tokens: int, store: Optional[SessionStore] = None) -> None:
     """Forget the session's tokens after the first `tokens` (see match.py). When that fails the
     cache cannot be trusted (--distributed: a rank's heap may be cut back and another's not): the
@@ -37,17 +54,7 @@ def roll_back(backend: Any, s: Session, tokens: int, store: Optional[SessionStor
     RollbackRefused leaves the cache and the session as they were."""
     if tokens < len(s.fed):
         rewinds = getattr(s.cache, "rewinds", 0)
-        try:
-            backend.truncate(s.cache, tokens)
-        except RollbackRefused:
-            if store is not None:
-                store.rollbacks_refused += 1
-            raise   # the cache is as it was
-        except Exception:
-            if store is not None and not store.rollback(s, fed_before=len(s.fed)):
-                log.error("session %s dropped: a rollback failed and it has no saved copy", s.id)
-                store.delete(s.id)
-            raise
+        _change_cache(lambda: backend.truncate(s.cache, tokens), s, store, "a rollback")
         rewound = getattr(s.cache, "rewinds", 0) > rewinds
         if rewound:
             log.info("session %s rewound from %d to %d tokens (its reply had evicted)", s.id, len(s.fed), tokens)
@@ -62,17 +69,7 @@ def roll_back(backend: Any, s: Session, tokens: int, store: Optional[SessionStor
 def cut(backend: Any, s: Session, spans: list, store: Optional[SessionStore] = None) -> None:
     """Keep only the session's tokens in `spans` (a client resent its history with old messages
     trimmed: match.trimmed_spans). Failures as in roll_back."""
-    try:
-        backend.cut(s.cache, spans)
-    except RollbackRefused:
-        if store is not None:
-            store.rollbacks_refused += 1
-        raise   # the cache is as it was
-    except Exception:
-        if store is not None and not store.rollback(s, fed_before=len(s.fed)):
-            log.error("session %s dropped: a cut failed and it has no saved copy", s.id)
-            store.delete(s.id)
-        raise
+    _change_cache(lambda: backend.cut(s.cache, spans), s, store, "a cut")
     before = len(s.fed)
     s.cut(spans)
     log.info("session %s cut from %d to %d tokens (a history with messages trimmed)", s.id, before, len(s.fed))
