@@ -503,6 +503,7 @@ def test_a_restarted_server_continues_a_kept_response(model_dirs, tmp_path_facto
     ({"top_logprobs": 21}, "top_logprobs"),
     ({"frobnicate": 1}, "frobnicate"),
     ({"max_output_tokens": 0}, "max_output_tokens"),
+    ({"max_tool_calls": -1}, "max_tool_calls"),
     ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format"),
 ])
 def test_what_it_cannot_do_is_a_400(server, fields, param):
@@ -512,6 +513,15 @@ def test_what_it_cannot_do_is_a_400(server, fields, param):
     r = httpx.post(server.url + "/v1/responses", json=body, timeout=60)
     assert r.status_code == (404 if param in ("previous_response_id", "input.0") else 400), r.text
     assert r.json()["error"]["param"] == param
+
+
+def test_max_tool_calls_is_accepted_and_returned(server, client, force):
+    """It bounds hosted tools' calls (OpenAI's); none is ever made here, so any bound holds. A
+    function call is not a hosted tool's: it still comes back."""
+    force('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>')
+    r = client.responses.create(model=model(server), input="Paris?", tools=TOOLS + [{"type": "web_search"}],
+                                max_tool_calls=0, max_output_tokens=60)
+    assert r.max_tool_calls == 0 and [i.type for i in r.output] == ["function_call"]
 
 
 def test_an_unknown_model_is_a_404(server):

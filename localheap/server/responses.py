@@ -316,7 +316,8 @@ class ResponsesRequest(Strict):
     conversation: Optional[Any] = None           # refused
     background: Optional[bool] = None            # refused when true
     top_logprobs: Optional[int] = Field(None, ge=0, le=TOP_LOGPROBS_MAX)   # with logprobs: alternatives per token
-    max_tool_calls: Optional[int] = None         # refused when set
+    max_tool_calls: Optional[int] = Field(None, ge=0)   # accepted, returned: it bounds hosted tools' calls,
+                                                       # and none is ever made here (they are not offered)
 
     def unsupported(self) -> Optional[tuple[str, str]]:
         """(param, message) for the first field set to something this server cannot do."""
@@ -327,8 +328,6 @@ class ResponsesRequest(Strict):
             return "store", "previous_response_id continues a stored response; this request has store: false"
         if self.background:
             return "background", "background responses are not supported"
-        if self.max_tool_calls is not None:
-            return "max_tool_calls", "max_tool_calls is not supported"
         names = [o.name for o in self.offered]
         if len(set(names)) < len(names):
             dup = next(n for n in names if names.count(n) > 1)
@@ -731,7 +730,8 @@ class Built:
             fmt = r.text.format.model_dump(by_alias=True, exclude_none=True)
         body = {"id": self.id, "object": "response", "created_at": self.created, "status": status,
                 "error": None, "incomplete_details": None, "instructions": r.instructions,
-                "max_output_tokens": r.max_output_tokens, "model": self.model, "output": self.items,
+                "max_output_tokens": r.max_output_tokens, "max_tool_calls": r.max_tool_calls,
+                "model": self.model, "output": self.items,
                 "parallel_tool_calls": r.parallel_tool_calls is not False,
                 "previous_response_id": r.previous_response_id,
                 "reasoning": {"effort": r.reasoning.effort if r.reasoning else None, "summary": None},
