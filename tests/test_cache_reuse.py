@@ -224,3 +224,59 @@ def test_with_the_flag_a_dropped_reasoning_block_is_cut_out_and_the_answer_kept(
     assert m.cached == len(history + answer)
     m = _match([s], history + answer + "<u>next</u><a>", min_chunk=0)   # off: a rollback to the reply's start
     assert m.cut is None and m.rollback == len(history)
+
+
+def test_a_session_read_back_at_start_rolls_back_and_is_cut_as_before_the_restart(model_dirs, torch_one_thread,
+                                                                                  tmp_path):
+    """The index keeps where a saved copy rolls back to and whether it can be cut: before, a session
+    read back at start had neither until it had run a turn, so its first trimmed (or regenerated)
+    turn read the whole history again."""
+    from localheap.engine import branching
+    from localheap.sessions import Prompt, SessionStore, match_session
+
+    backend, _ = _backend("torch", model_dirs("llama"))
+    store = SessionStore(backend, FULL, tmp_path, durable=True)
+    ids = backend.tokenizer.encode(" ".join(f"message {i} says the heap keeps what matters" for i in range(30)))[:200]
+    s = store.create()
+    store.make_resident(s)
+    backend.prefill(s.cache, ids)
+    s.extend(ids)
+    branching.settle(backend, s, reply_start=180)   # as after a turn whose reply began at 180
+    store.save(s)
+    again = SessionStore(backend, FULL, tmp_path, durable=True)
+    assert again.load_persisted(store.model_id) == 1
+    r = again.get(s.id)
+    assert r.cache is None and (r.rollback_floor, r.reply_start, r.cuttable) == (s.rollback_floor, 180, True)
+    same = lambda ids: ids   # noqa: E731 - (no text: encode and decode are not called)
+    regenerated = Prompt(ids[:180] + ids[:3])   # the last reply regenerated: a rollback to where it began
+    m = match_session([r], regenerated, same, same)
+    assert m.session is r and m.rollback == 180 and m.cut is None
+    trimmed = Prompt(ids[:20] + ids[90:200] + ids[:3])   # (a repetitive text: the longest run is taken)
+    m = match_session([r], trimmed, same, same, min_chunk=8)
+    assert m.session is r and m.cut == [(0, 20), (90, 200)]
+    again.make_resident(r)
+    branching.cut(backend, r, m.cut, again)
+    assert backend.tokens_in_cache(r.cache) == 130 == len(r.fed)
+
+
+def test_a_stale_rollback_point_or_cut_flag_is_refused_with_the_heap_as_it_was(model_dirs, torch_one_thread):
+    """What an index said (rollback_floor, cuttable) is a hint: the heap's own points decide, and a
+    point it cannot reach is a RollbackRefused (the prompt is then read into a new session)."""
+    from localheap.engine import branching
+    from localheap.sessions import RollbackRefused, Session
+
+    backend, _ = _backend("torch", model_dirs("llama"))
+    ids = backend.tokenizer.encode(" ".join(f"message {i} says the heap keeps what matters" for i in range(30)))[:200]
+    s = Session(id="s", cfg=FULL)
+    s.cache = backend.new_cache(HeapConfig(budget=64, slack=32, recent=16, recall=False, rewind=False))
+    backend.prefill(s.cache, ids)
+    s.extend(ids)
+    floor = backend.rollback_floor(s.cache)
+    assert floor > 50
+    s.rollback_floor = 0   # stale
+    with pytest.raises(RollbackRefused):
+        branching.roll_back(backend, s, 50)
+    s.cache.cfg = s.cache.cfg.with_(positions="absolute")   # as a heap that cannot be cut
+    with pytest.raises(RollbackRefused):
+        branching.cut(backend, s, [(0, 20), (90, 200)])
+    assert backend.tokens_in_cache(s.cache) == 200 == len(s.fed)

@@ -54,7 +54,14 @@ def roll_back(backend: Any, s: Session, tokens: int, store: Optional[SessionStor
     RollbackRefused leaves the cache and the session as they were."""
     if tokens < len(s.fed):
         rewinds = getattr(s.cache, "rewinds", 0)
-        _change_cache(lambda: backend.truncate(s.cache, tokens), s, store, "a rollback")
+
+        def truncate() -> None:
+            floor = backend.rollback_floor(s.cache)   # the heap's own, which a stale s.rollback_floor may not be
+            if tokens < floor and tokens != backend.rollback_mark(s.cache):
+                raise RollbackRefused(f"the heap rolls back to {floor} tokens at the fewest, not {tokens}")
+            backend.truncate(s.cache, tokens)
+
+        _change_cache(truncate, s, store, "a rollback")
         rewound = getattr(s.cache, "rewinds", 0) > rewinds
         if rewound:
             log.info("session %s rewound from %d to %d tokens (its reply had evicted)", s.id, len(s.fed), tokens)
@@ -69,7 +76,12 @@ def roll_back(backend: Any, s: Session, tokens: int, store: Optional[SessionStor
 def cut(backend: Any, s: Session, spans: list, store: Optional[SessionStore] = None) -> None:
     """Keep only the session's tokens in `spans` (a client resent its history with old messages
     trimmed: match.trimmed_spans). Failures as in roll_back."""
-    _change_cache(lambda: backend.cut(s.cache, spans), s, store, "a cut")
+    def cut_cache() -> None:
+        if not backend.cuttable(s.cache):   # (s.cuttable was read from an index: the heap says)
+            raise RollbackRefused("this heap cannot be cut")
+        backend.cut(s.cache, spans)
+
+    _change_cache(cut_cache, s, store, "a cut")
     before = len(s.fed)
     s.cut(spans)
     log.info("session %s cut from %d to %d tokens (a history with messages trimmed)", s.id, before, len(s.fed))

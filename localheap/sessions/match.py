@@ -100,12 +100,13 @@ def _rollback_point(s: Session, shared: int, prompt_len: int) -> Optional[int]:
 
 
 PROBE = 16   # tokens of the prompt looked up in the session at once when finding a trimmed history's runs
+RUN_CANDIDATES = 32   # places a run may start that are measured whole (a repetitive history has many)
 
 
 def trimmed_spans(fed: Sequence[int], ids: Sequence[int], shared: int, min_chunk: int,
                   reach: int) -> Optional[list[tuple[int, int]]]:
     """The spans of `fed` that, joined, begin `ids` (its first `shared` tokens, then runs of at
-    least `min_chunk` tokens found later in `fed`, each after the last, the earliest that fits),
+    least `min_chunk` tokens found later in `fed`, each after the last, the longest that fits),
     when the last run reaches `reach` (the session's latest reply: a trim keeps the newest
     messages); None otherwise. At least the prompt's last token is left to feed."""
     f, p = _ids(fed), _ids(ids)
@@ -122,12 +123,16 @@ def trimmed_spans(fed: Sequence[int], ids: Sequence[int], shared: int, min_chunk
             windows = np.lib.stride_tricks.sliding_window_view(hay, k)[starts]
             starts = starts[(windows == p[at:at + k]).all(axis=1)]
         want = p[at:at + min_chunk]
-        # the first candidate whose next min_chunk tokens match (each checked over min_chunk tokens
-        # only: a repetitive history has many candidates), then its whole run
-        j = next((int(j) for j in starts if np.array_equal(hay[j:j + min_chunk], want)), None)
-        if j is None or len(want) < min_chunk:
+        if len(want) < min_chunk:
             break
-        start, n = frm + j, common_prefix(hay[j:], p[at:])
+        # the candidates whose next min_chunk tokens match (each checked over min_chunk tokens only: a
+        # repetitive history has many), the first RUN_CANDIDATES of them measured whole: the longest
+        # run wins (the earliest of those), not a shorter repeat of its first tokens further back
+        found = [int(j) for j in starts if np.array_equal(hay[j:j + min_chunk], want)][:RUN_CANDIDATES]
+        if not found:
+            break
+        n, j = max((common_prefix(hay[j:], p[at:]), -j) for j in found)
+        start = frm - j
         spans.append((start, start + n))
         at, frm = at + n, start + n
     held = sum(b - a for a, b in spans)

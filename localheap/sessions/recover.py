@@ -124,6 +124,12 @@ def _session(d: SessionDir, sid: str, cfg: HeapConfig, entry: dict, gen: Optiona
     if gen is not None:
         s.fed, s.spill_path, s.saved_gen, s.saved_tokens = tokens, d.heap_path(sid, gen), gen, len(tokens)
         s.saved_crc = zlib.crc32(tokens.tobytes())
+        floor, start = entry.get("rollback_floor"), entry.get("reply_start")
+        ok = lambda v: isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= len(tokens)   # noqa: E731
+        s.rollback_floor = floor if ok(floor) else None
+        s.reply_start = start if ok(start) else None
+        s.cuttable = entry.get("cuttable") is True
+        s.saved_points = (s.rollback_floor, s.reply_start, s.cuttable)
         crc = entry.get("heap_crc")
         s.heap_crc = crc if isinstance(crc, int) and not isinstance(crc, bool) else None
     s.refresh()

@@ -47,6 +47,7 @@ class Session:
     saved_gen: Optional[int] = None                    # generation of that copy (sessions/disk.py)
     saved_tokens: int = 0                              # len(fed) when it was saved
     saved_crc: Optional[int] = None                    # CRC-32 of those tokens (a cut may have changed fed since)
+    saved_points: Optional[tuple] = None               # (rollback_floor, reply_start, cuttable) of that copy
     heap_crc: Optional[int] = None                     # CRC-32 of that heap file (checked on restore)
     dirty: bool = False                                # the cache changed since it was saved
     busy: bool = False

@@ -29,6 +29,15 @@ ANY_OWNER = object()   # info() without an ownership check (the server's own loo
 log = logging.getLogger("localheap.sessions")
 
 
+def points_entry(points: Optional[tuple]) -> dict:
+    """Where a saved copy rolls back to and whether it can be cut, for the index: a session read
+    back at start then rolls back and is cut as before the restart (recover.py reads them)."""
+    if points is None:
+        return {}
+    floor, reply_start, cuttable = points
+    return {"rollback_floor": floor, "reply_start": reply_start, "cuttable": bool(cuttable)}
+
+
 class SessionStore:
     """durable: the directory is the sessions' record across restarts: every change is
     committed to its index, a heap saved after each turn stays on disk after a restore,
@@ -232,16 +241,17 @@ class SessionStore:
         """save's second half, after write_heap: the tokens, the index (the commit), then the
         previous generation's files removed."""
         gen, crc = written
-        old = (s.spill_path, s.saved_gen, s.saved_tokens, s.dirty, s.heap_crc, s.saved_crc)
+        old = (s.spill_path, s.saved_gen, s.saved_tokens, s.dirty, s.heap_crc, s.saved_crc, s.saved_points)
         try:
             self.dir.write_tokens(s.id, gen, s.fed)
             faults.step("save.tokens")
             s.spill_path, s.saved_gen, s.saved_tokens, s.dirty = self.dir.heap_path(s.id, gen), gen, len(s.fed), False
             s.heap_crc, s.saved_crc = crc, zlib.crc32(s.fed.tobytes())
+            s.saved_points = (s.rollback_floor, s.reply_start, s.cuttable)   # the heap's (the session is idle)
             self._commit()
             faults.step("save.index")
         except BaseException as e:
-            s.spill_path, s.saved_gen, s.saved_tokens, s.dirty, s.heap_crc, s.saved_crc = old
+            s.spill_path, s.saved_gen, s.saved_tokens, s.dirty, s.heap_crc, s.saved_crc, s.saved_points = old
             self._remove_gen(s.id, gen)
             if isinstance(e, OSError):
                 raise SpillFailed(self.spill_dir, e) from e
@@ -422,7 +432,7 @@ class SessionStore:
         # whose first turn is in flight comes back with no tokens (gen None), not as a 404
         return [{"id": s.id, "gen": s.saved_gen, "tokens": s.saved_tokens,
                  "crc": s.saved_crc if s.saved_crc is not None else zlib.crc32(s.fed[:s.saved_tokens].tobytes()),
-                 "heap_crc": s.heap_crc,
+                 "heap_crc": s.heap_crc, **points_entry(s.saved_points),
                  "created": s.created, "last_used": s.last_used, "turns": s.turns,
                  "origin": s.origin, "title": s.title, "owner": s.owner}   # owner: the API key's digest
                 for s in self.sessions() if not (s.ephemeral or s.scratch)]
