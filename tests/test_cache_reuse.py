@@ -280,3 +280,27 @@ def test_a_stale_rollback_point_or_cut_flag_is_refused_with_the_heap_as_it_was(m
     with pytest.raises(RollbackRefused):
         branching.cut(backend, s, [(0, 20), (90, 200)])
     assert backend.tokens_in_cache(s.cache) == 200 == len(s.fed)
+
+
+def test_a_kept_reply_sampled_as_other_tokens_than_its_text_gives_matches_by_text():
+    """A reply sampled as tokens the tokenizer would not choose for its text: the prompt's tokens
+    differ there, so no run of tokens reaches the latest reply; the session's tail from the trim on
+    still decodes to text that begins the rest of the prompt's, as a whole history matches by text."""
+    from localheap.sessions import Prompt, Session, match_session
+    from localheap.sessions.session import token_array
+
+    AB = 1000   # one token for "ab", which the tokenizer below never chooses
+    decode = lambda ids: "".join("ab" if i == AB else chr(i) for i in ids)   # noqa: E731
+    encode = lambda text: [ord(c) for c in text]   # noqa: E731
+    sampled = [AB if t == "ab" else ord(t) for t in ["<", "a", ">", "w", "e", " ", "ab", "o", "u", "t", "<", "/",
+                                                      "a", ">"]]   # "<a>we about</a>" with "ab" as one token
+    turns = [encode(t) for t in TURNS]
+    fed = encode(SYS) + turns[0] + turns[1][:-len("<a>second reply</a>")] + sampled + turns[2]
+    s = Session(id="s", cfg=FULL, fed=token_array(fed))
+    s.rollback_floor, s.reply_start, s.cuttable = len(fed), len(fed), True
+    text = SYS + TURNS[1][:-len("<a>second reply</a>")] + "<a>we about</a>" + TURNS[2] + "<u>new</u><a>"
+    m = match_session([s], Prompt(encode(text), text), encode, decode, min_chunk=8)
+    start = len(SYS) + len(TURNS[0]) + 3   # the shared prefix runs into the kept turn's "<u>"
+    assert m.cut == [(0, len(SYS) + 3), (start, len(fed))] and m.cached == len(fed) - len(TURNS[0])
+    assert decode(m.new_tokens) == "<u>new</u><a>"
+    assert match_session([s], Prompt(encode(text)), encode, decode, min_chunk=8) is None   # no text: no match

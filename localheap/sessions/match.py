@@ -13,7 +13,9 @@ A client that trims old messages to fit its own context window resends the conve
 them. With `min_chunk` (serve --cache-reuse N) such a prompt continues the session it trims: the
 prompt is the session's shared prefix, then runs of at least `min_chunk` of the session's later
 tokens, in order and reaching to its latest reply; the session is cut to those spans
-(Match.cut, backends/slots.HeapRollback.cut) instead of reading them again.
+(Match.cut, backends/slots.HeapRollback.cut) instead of reading them again. Where a kept reply
+re-tokenizes as other tokens, the session's tail from the trim on may still match by text
+(_trimmed_text), as a whole history does by _text_prefix.
 """
 
 from __future__ import annotations
@@ -144,6 +146,42 @@ def trimmed_spans(fed: Sequence[int], ids: Sequence[int], shared: int, min_chunk
     return spans
 
 
+TEXT_CANDIDATES = 4   # places a trimmed history's text match is tried from (each decodes the session's rest)
+
+
+def _trimmed_text(s: Session, prompt: Prompt, shared: int, min_chunk: int, encode: Encode,
+                  decode: Decode) -> Optional[tuple[list[tuple[int, int]], list[int]]]:
+    """A trimmed history whose kept replies re-tokenize as other tokens (a reply sampled as tokens
+    the tokenizer would not choose for its text), as _text_prefix matches an untrimmed one: the
+    session's tokens from some point b on (where at least `min_chunk` of the prompt's tokens after
+    the shared prefix begin) decode to text that begins the rest of the prompt's text. Returns the
+    spans [(0, shared), (b, end)] and the rest of the prompt's text encoded; None otherwise."""
+    f, p = _ids(s.fed), _ids(prompt.tokens)
+    if prompt.text is None or len(p) - shared <= min_chunk or len(f) > 2 * len(p) + TEXT_MATCH_SLACK:
+        return None
+    head = decode(f[:shared].tolist())
+    if not prompt.text.startswith(head):
+        return None
+    rest, want = prompt.text[len(head):], p[shared:shared + min_chunk]
+    hay = f[shared + 1:]
+    if len(hay) < min_chunk:
+        return None
+    starts = np.flatnonzero(hay[: len(hay) - min_chunk + 1] == want[0])
+    tried = 0
+    for j in starts:
+        if not np.array_equal(hay[j:j + min_chunk], want):
+            continue
+        b = shared + 1 + int(j)
+        tail = decode(f[b:].tolist())
+        if len(tail) < len(rest) and rest.startswith(tail):
+            new = encode(rest[len(tail):])
+            return ([(0, shared), (b, len(f))], new) if new else None
+        tried += 1
+        if tried == TEXT_CANDIDATES:
+            break
+    return None
+
+
 def match_session(sessions: Iterable[Session], prompt: Prompt, encode: Encode, decode: Decode,
                   checkpoints: Iterable = (), min_chunk: int = 0) -> Optional[Match]:
     """The idle session (or checkpoint) that continues `prompt` with the most reused tokens.
@@ -178,6 +216,11 @@ def match_session(sessions: Iterable[Session], prompt: Prompt, encode: Encode, d
             if spans is not None:
                 held = sum(b - a for a, b in spans)
                 offer(Match(s, prompt.tokens[held:], held, cut=spans), 1)
+            else:
+                trimmed = _trimmed_text(s, prompt, shared, min_chunk, encode, decode)
+                if trimmed is not None:
+                    spans, rest = trimmed
+                    offer(Match(s, rest, sum(b - a for a, b in spans), cut=spans), 1)
     for c in checkpoints:
         if c.n < len(ids) and common_prefix(c.tokens, ids) == c.n:
             offer(Match(None, prompt.tokens[c.n:], c.n, checkpoint=c), 0)
