@@ -499,7 +499,7 @@ def test_a_restarted_server_continues_a_kept_response(model_dirs, tmp_path_facto
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}]}, "input.0.content.0"),
     ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input.0"),   # (none is kept: a 404)
     ({"tool_choice": {"type": "function", "name": "nope"}, "tools": TOOLS}, "tool_choice"),
-    ({"background": True}, "background"),
+    ({"background": True, "store": False}, "store"),
     ({"top_logprobs": 21}, "top_logprobs"),
     ({"frobnicate": 1}, "frobnicate"),
     ({"max_output_tokens": 0}, "max_output_tokens"),
@@ -643,3 +643,247 @@ def test_an_item_held_by_two_kept_responses_stays_referable_until_both_go(tmp_pa
     with pytest.raises(ResponseNotFound):
         resolved()
     log.close()
+
+
+# --- background responses --------------------------------------------------------------------
+
+def _ended(client, response_id: str, timeout: float = 120.0):
+    """Poll a background response until it leaves queued and in_progress."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while True:
+        r = client.responses.retrieve(response_id)
+        if r.status not in ("queued", "in_progress"):
+            return r
+        assert time.monotonic() < deadline, f"{response_id} still {r.status}"
+        time.sleep(0.05)
+
+
+class _Stalled:
+    """The engine thread held between steps (a call that waits): what is submitted meanwhile
+    stays queued, what runs does not step, until `release`."""
+
+    def __init__(self, server):
+        import threading
+
+        self.go, self.held = threading.Event(), threading.Event()
+
+        def hold():
+            self.held.set()
+            self.go.wait(60)
+
+        self.done = server.services.engine.call(hold)
+        assert self.held.wait(30)
+
+    def release(self) -> None:
+        self.go.set()
+        self.done.result(30)
+
+
+def test_a_background_response_is_answered_at_once_and_polled_to_its_end(server, client, force):
+    """background: true answers queued before the engine has taken it (the engine held here), runs
+    on, and polls to the reply the same request gives in the foreground; it can be continued by
+    previous_response_id once it has ended, not before."""
+    force("Hello there.")
+    fore = client.responses.create(model=model(server), input="Say hello", max_output_tokens=20)
+    stall = _Stalled(server)
+    try:
+        back = client.responses.create(model=model(server), input="Say hello", max_output_tokens=20, background=True)
+        assert back.status == "queued" and back.background is True and back.output == []
+        assert client.responses.retrieve(back.id).status == "queued"
+        with pytest.raises(openai.BadRequestError) as e:   # not before it has ended
+            client.responses.create(model=model(server), previous_response_id=back.id, input="x")
+        assert e.value.body["param"] == "previous_response_id"
+    finally:
+        stall.release()
+    done = _ended(client, back.id)
+    assert done.status == "completed" and done.error is None and done.background is True
+    assert done.output_text == fore.output_text == "Hello there."
+    assert done.usage.output_tokens == fore.usage.output_tokens
+    assert done.localheap["session_id"] == fore.localheap["session_id"]   # the same conversation's session
+    force("Fine.")
+    after = client.responses.create(model=model(server), previous_response_id=back.id, input="And then?")
+    assert after.output_text == "Fine." and after.localheap["session_id"] == done.localheap["session_id"]
+    assert fore.background is False
+
+
+def test_a_background_stream_outlives_its_client_and_is_read_again(server, client, force):
+    """A streamed background response: created and queued, in_progress once admitted, then the
+    reply's events. The client leaving does not stop it, and GET ?stream=true&starting_after=N
+    gives the events after N, as they were sent."""
+    import httpx
+
+    force("One two three four.")
+    kw = dict(model=model(server), input="Count", max_output_tokens=40, temperature=0)
+    whole = events_of(client, background=True, **kw)
+    types = [e.type for e in whole]
+    assert types[:3] == ["response.created", "response.queued", "response.in_progress"], types
+    assert types[-1] == "response.completed" and [e.sequence_number for e in whole] == list(range(len(whole)))
+    assert whole[0].response.status == "queued" and whole[2].response.status == "in_progress"
+    rid = whole[0].response.id
+    assert whole[-1].response.output_text == "One two three four."
+    again = list(client.responses.retrieve(rid, stream=True, starting_after=3))
+    assert [e.model_dump() for e in again] == [e.model_dump() for e in whole[4:]]
+    # a client that leaves after the first event: the reply runs on to its end
+    stall = _Stalled(server)
+    try:
+        with httpx.stream("POST", server.url + "/v1/responses", json={**kw, "stream": True, "background": True},
+                          timeout=60) as r:
+            first = next(r.iter_lines())
+        assert first == "event: response.created"
+        (gone,) = [rid for rid, run in server.services.backgrounds._runs.items() if not run.ended]
+    finally:
+        stall.release()
+    left = _ended(client, gone)
+    assert left.status == "completed" and left.output_text == "One two three four."
+
+
+def test_a_background_response_is_cancelled_queued_or_running(server, client, force):
+    """Cancel while queued: it ends cancelled with nothing generated. Cancel while running (the
+    engine held after its first tokens): it ends cancelled with the text it had, which its session
+    keeps. A second cancel returns it as it is; cancelling one that completed, or one not run in
+    the background, is a 400; so is streaming again a response that was not a background one."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    kw = dict(model=model(server), max_output_tokens=3000, temperature=0)
+    stall = _Stalled(server)
+    try:
+        queued = client.responses.create(input="Never run", background=True, **kw)
+        with ThreadPoolExecutor(1) as pool:   # (a cancel waits for the engine to end the run)
+            cancelling = pool.submit(client.responses.cancel, queued.id)
+            stall.release()
+            cancelled = cancelling.result(60)
+    finally:
+        stall.go.set()
+    assert cancelled.status == "cancelled" and cancelled.output == [] and cancelled.usage is None
+    assert client.responses.retrieve(queued.id).status == "cancelled"
+    assert client.responses.cancel(queued.id).status == "cancelled"   # again: as it is
+
+    force("one two three " * 400)   # (a random model's own reply may end at once)
+    stream = client.responses.create(input="Run a while", background=True, stream=True, **kw)
+    rid = None
+    for event in stream:
+        rid = rid or event.response.id
+        if event.type == "response.output_text.delta":
+            break
+    stream.close()
+    stall = _Stalled(server)
+    try:
+        running = client.responses.retrieve(rid)
+        assert running.status == "in_progress" and running.output_text   # its output so far
+        with ThreadPoolExecutor(1) as pool:
+            cancelling = pool.submit(client.responses.cancel, rid)
+            stall.release()
+            cancelled = cancelling.result(60)
+    finally:
+        stall.go.set()
+    assert cancelled.status == "cancelled" and cancelled.output[0].status == "incomplete"
+    assert 0 < cancelled.usage.output_tokens < 3000 and cancelled.output_text.startswith(running.output_text)
+    session = server.services.store.info(cancelled.localheap["session_id"])
+    assert session["tokens"] >= cancelled.usage.input_tokens + cancelled.usage.output_tokens - 1   # kept
+
+    force("Done.")
+    finished = _ended(client, client.responses.create(model=model(server), input="Quick", background=True).id)
+    foreground = client.responses.create(model=model(server), input="Quick")
+    for rid in (finished.id, foreground.id):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.responses.cancel(rid)
+        assert e.value.body["param"] == "response_id"
+    with pytest.raises(openai.BadRequestError) as e:
+        list(client.responses.retrieve(foreground.id, stream=True))
+    assert e.value.body["param"] == "stream"
+    with pytest.raises(openai.NotFoundError):
+        client.responses.cancel("resp_unknown")
+
+
+def test_background_errors_come_back_at_once_or_as_a_failed_response(server, client):
+    """Refused before it is queued (a 400): store: false, max_output_tokens over the limit, an
+    unknown session. One the engine fails is a failed response with the error."""
+    import httpx
+
+    base = {"model": model(server), "input": "hi", "background": True}
+    for fields, param in [({"store": False}, "store"), ({"max_output_tokens": 10 ** 7}, "max_tokens")]:
+        r = httpx.post(server.url + "/v1/responses", json={**base, **fields}, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    r = httpx.post(server.url + "/v1/responses", json=base, headers={"X-Session-Id": "sess_" + "0" * 20}, timeout=60)
+    assert r.status_code == 404, r.text
+    svc = server.services
+
+    class Breaks:   # a constraint that fails the run on the engine after its first token
+        def __init__(self):
+            self.first = svc.tokenizer.encode("Hello", add_special_tokens=False)[0]
+            self.calls = 0
+
+        def allowed(self):
+            import numpy as np
+
+            self.calls += 1
+            if self.calls > 1:
+                raise RuntimeError("the constraint broke")
+            mask = np.zeros(self.first + 1, bool)
+            mask[self.first] = True
+            return mask
+
+        def advance(self, token):
+            pass
+
+    svc.force_tokens = Breaks
+    try:
+        back = client.responses.create(model=model(server), input="Fail", max_output_tokens=20, background=True)
+    finally:
+        svc.force_tokens = None
+    failed = _ended(client, back.id)
+    assert failed.status == "failed" and failed.error.code == "internal_error"
+    assert "the details are in the server log" in failed.error.message   # (as a foreground request's 500)
+    assert failed.background is True and failed.usage is None
+
+
+def test_a_background_response_the_server_stopped_in_comes_back_failed(tmp_path):
+    """A background response kept queued (or running) when the server stopped reads back failed,
+    with an error that says so; one that ended reads back as it ended."""
+    from localheap.server.responses import ResponseLog
+
+    path = tmp_path / "responses.jsonl"
+    log = ResponseLog(path=path)
+    req = ResponsesRequest(model="m", input="hi", background=True)
+    log.add({"id": "resp_a", "status": "queued", "background": True, "error": None, "output": []}, req, None)
+    log.add({"id": "resp_b", "status": "in_progress", "background": True, "error": None, "output": []}, req, None)
+    done = {"id": "resp_b", "status": "completed", "background": True, "error": None, "output": []}
+    log.add(done, req, None)   # resp_b ended: added again
+    assert len(log._kept) == 2 and log.chars == sum(k.chars for k in log._kept.values())
+    log.close()
+    again = ResponseLog(path=path)
+    a = again.get("resp_a", None).body
+    assert a["status"] == "failed" and a["error"]["code"] == "server_error" and "stopped" in a["error"]["message"]
+    assert again.get("resp_b", None).body == done
+    assert [m.content for m in ResponsesRequest(model="m", input="x").chat_messages(again.conversation("resp_a", None))] \
+        == ["hi", "x"]
+    again.close()
+
+
+def test_a_server_stopped_during_a_background_response_reads_it_back_failed(model_dirs, tmp_path_factory, tmp_path,
+                                                                            torch_one_thread):
+    """The server stops while a background response runs: after the restart, GET says failed (the
+    server stopped), and the response can still be continued by previous_response_id."""
+    from localheap.grammar import ForcedTokens
+
+    model_dir = qwen_model(model_dirs, tmp_path_factory)
+    settings = dict(sessions_dir=tmp_path, persist_sessions=True)
+    with serve(model_dir, **settings) as srv:
+        svc = srv.services
+        ids = svc.tokenizer.encode("one two three " * 400, add_special_tokens=False)
+        svc.force_tokens = lambda: ForcedTokens(ids, svc.backend.eos_token_ids)   # no early end
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
+        stall = _Stalled(srv)
+        try:
+            back = client.responses.create(model=model(srv), input="Go on", max_output_tokens=3000, background=True)
+        finally:
+            stall.release()   # it runs; the server stops under it
+    with serve(model_dir, **settings) as srv:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
+        got = client.responses.retrieve(back.id)
+        assert got.status == "failed" and got.background is True and "server stopped" in got.error.message
+        again = client.responses.create(model=model(srv), previous_response_id=back.id, input="Again?",
+                                        max_output_tokens=2)
+        assert again.status in ("completed", "incomplete")

@@ -344,6 +344,19 @@ async def start(svc: Services, request: Request, prompt: Prompt, params: Samplin
     `scratch`: an editor's completion (engine.Generate.scratch). `cache_reuse`: the request's
     n_cache_reuse (None: serve --cache-reuse)."""
     who = owner(request)
+    check_start(svc, who, params, session_id, ephemeral)
+    job, events, started = await submit(svc.engine, lambda emit: Generate(prompt, params, emit, session_id, who,
+                                                                               ephemeral=ephemeral,
+                                                                               scratch=scratch,
+                                                                               cache_reuse=cache_reuse))
+    await svc.name_session(started.session_id, title)
+    return job, events, started
+
+
+def check_start(svc: Services, who: Optional[str], params: SamplingParams, session_id: Optional[str],
+                ephemeral: bool = False) -> None:
+    """What `start` refuses before it queues anything (a background response checks it before
+    it answers)."""
     if session_id is not None:
         if ephemeral:
             raise BadRequest(f"\"store\": false runs in a session of its own that is not kept; it cannot continue "
@@ -352,9 +365,3 @@ async def start(svc: Services, request: Request, prompt: Prompt, params: Samplin
     if params.max_tokens > svc.settings.max_tokens_limit:   # one request must not hold the engine forever
         raise BadRequest(f"max_tokens {params.max_tokens} is over this server's limit of "
                          f"{svc.settings.max_tokens_limit}", "max_tokens", "max_tokens_too_large")
-    job, events, started = await submit(svc.engine, lambda emit: Generate(prompt, params, emit, session_id, who,
-                                                                               ephemeral=ephemeral,
-                                                                               scratch=scratch,
-                                                                               cache_reuse=cache_reuse))
-    await svc.name_session(started.session_id, title)
-    return job, events, started

@@ -314,7 +314,7 @@ class ResponsesRequest(Strict):
                                                  # comes back as text; nothing encrypted)
     previous_response_id: Optional[str] = None   # continue a response kept in memory (ResponseLog)
     conversation: Optional[Any] = None           # refused
-    background: Optional[bool] = None            # refused when true
+    background: Optional[bool] = None            # answered at once (queued), polled, cancelled (background.py)
     top_logprobs: Optional[int] = Field(None, ge=0, le=TOP_LOGPROBS_MAX)   # with logprobs: alternatives per token
     max_tool_calls: Optional[int] = Field(None, ge=0)   # accepted, returned: it bounds hosted tools' calls,
                                                        # and none is ever made here (they are not offered)
@@ -326,8 +326,9 @@ class ResponsesRequest(Strict):
                                     "input, or previous_response_id")
         if self.previous_response_id is not None and self.store is False:
             return "store", "previous_response_id continues a stored response; this request has store: false"
-        if self.background:
-            return "background", "background responses are not supported"
+        if self.background and self.store is False:
+            return "store", ("a background response is kept to be polled (GET /v1/responses/ID): it cannot "
+                             "have store: false")
         names = [o.name for o in self.offered]
         if len(set(names)) < len(names):
             dup = next(n for n in names if names.count(n) > 1)
@@ -464,6 +465,11 @@ class ResponsesRequest(Strict):
                         allowed)
 
 
+UNFINISHED = ("queued", "in_progress")   # a background response's statuses before it ends
+STOPPED = {"code": "server_error", "message": "the server stopped before this background response ended (its "
+           "session keeps what was generated: send the conversation again)"}
+
+
 class ResponseNotFound(ApiError):
     status, code = 404, "response_not_found"
 
@@ -520,6 +526,7 @@ class ResponseLog:
         self._append({"add": body["id"], **kept.record()})
 
     def _keep(self, response_id: str, kept: Kept) -> None:
+        self._drop(response_id)   # a background response is added queued, then again once it ends
         self._kept[response_id] = kept
         self.chars += kept.chars
         for item in kept.items:
@@ -572,6 +579,9 @@ class ResponseLog:
         chain, at = [], response_id
         while at is not None:
             kept = self.get(at, owner, "previous_response_id")
+            if kept.body.get("status") in UNFINISHED:
+                raise BadRequest(f"response {at!r} is still {kept.body['status']} (a background response): "
+                                 f"continue it once it has ended", "previous_response_id")
             chain.append(kept.items)
             at = kept.previous
         return [item for items in reversed(chain) for item in items]
@@ -662,6 +672,9 @@ class ResponseLog:
                 log.warning("%s line %d does not read (%s): the responses from there on are dropped", self.path, n, e)
                 bad = True
                 break
+        for kept in self._kept.values():
+            if kept.body.get("status") in UNFINISHED:   # a background response the server stopped in
+                kept.body.update(status="failed", error=STOPPED)
         if bad:
             records = [{"add": rid, **k.record()} for rid, k in self._kept.items()]
             self._lines = len(records)
@@ -717,6 +730,7 @@ class Built:
         self.pending: list = []               # TokenLogprob entries read since the last message text (read)
         self.tools = {o.name: o for o in request.offered}   # the names the model calls them by
         self.custom_args = ""                 # a custom tool call's arguments as written (JSON: {"input": ...})
+        self.background = bool(request.background)
 
     def event(self, type_: str, **data) -> dict:
         body = {"type": type_, "sequence_number": self.sequence, **data}
@@ -729,7 +743,7 @@ class Built:
         if r.text is not None and r.text.format is not None:
             fmt = r.text.format.model_dump(by_alias=True, exclude_none=True)
         body = {"id": self.id, "object": "response", "created_at": self.created, "status": status,
-                "error": None, "incomplete_details": None, "instructions": r.instructions,
+                "background": self.background, "error": None, "incomplete_details": None, "instructions": r.instructions,
                 "max_output_tokens": r.max_output_tokens, "max_tool_calls": r.max_tool_calls,
                 "model": self.model, "output": self.items,
                 "parallel_tool_calls": r.parallel_tool_calls is not False,
@@ -895,4 +909,16 @@ class Built:
         status = "incomplete" if cut else "completed"
         body = self.response(status, done, extension)
         events.append(self.event("response.incomplete" if cut else "response.completed", response=body))
+        return body, events
+
+    def stop(self, status: str, error: Optional[dict] = None, done: Optional[Finished] = None,
+             extension: Optional[dict] = None) -> tuple[dict, list[dict]]:
+        """(the whole response, the events that end its stream) for a reply that did not run to its
+        end: "cancelled" (its open item incomplete; no event says so, the stream just ends) or
+        "failed" with `error` ({"code", "message"}; response.failed)."""
+        events = self.close("incomplete")
+        body = self.response(status, done, extension)
+        body["error"] = error
+        if status == "failed":
+            events.append(self.event("response.failed", response=body))
         return body, events

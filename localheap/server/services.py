@@ -38,6 +38,7 @@ class Services:
     lead_tokens: Any = None              # tests only: ids each chat reply begins with, then its own constraint
     _token_text: Optional[TokenText] = None
     _responses: Any = None
+    _backgrounds: Any = None
 
     @property
     def model_id(self) -> str:
@@ -69,6 +70,15 @@ class Services:
             path = self.store.spill_dir / RESPONSES_FILE if self.settings.persist_sessions else None
             self._responses = ResponseLog(path=path)
         return self._responses
+
+    @property
+    def backgrounds(self) -> Any:
+        """The background responses running, and the latest ended (background.Backgrounds)."""
+        if self._backgrounds is None:
+            from .background import Backgrounds
+
+            self._backgrounds = Backgrounds()
+        return self._backgrounds
 
     @property
     def token_text(self) -> TokenText:

@@ -16,12 +16,13 @@ from sse_starlette import EventSourceResponse
 from ...engine import Delta, Finished, Job
 from ...generation import LogprobRecorder, SamplingParams
 from ..bridge import JobEvents, follow, watch_disconnect
-from ..chat import start
-from ..errors import Unsupported, to_response
+from ..background import Run, sse
+from ..chat import check_start, start
+from ..errors import BadRequest, Unsupported, to_response
 from ..formats import extension, saved_headers
 from ..prompts import chat_prompt, tokenize
 from ..logonce import warn_once
-from ..responses import Built, ResponsesRequest
+from ..responses import STOPPED, Built, ResponsesRequest
 from ..services import Services, owner, services
 from ..toolcalls import OutputParser
 from .openai import SESSION_HEADER, addressed_session
@@ -53,11 +54,23 @@ async def create_response(body: ResponsesRequest, request: Request, svc: Service
     title = next((m.text() for m in messages if m.role == "user"), None)
     # `store: false` (Codex sends it on every turn) keeps the session: OpenAI's store is about fetching
     # the response later, which this server never offers; the session is its prompt cache
-    job, events, started = await start(svc, request, prompt, params, x_session_id, title)
     built = Built(body, svc.model_id, lambda text: len(svc.tokenizer.encode(text, add_special_tokens=False)))
     parser = plan.parser(opts, prompt)
-    headers = {SESSION_HEADER: started.session_id}
     keep = (lambda whole: svc.responses.add(whole, body, who)) if body.store is not False else (lambda whole: None)
+    if body.background:
+        check_start(svc, who, params, x_session_id)   # refused now, not as a failed response later
+        run = Run(built, who)
+        svc.backgrounds.add(run)
+        run.push([built.event("response.created", response=built.response("queued")),
+                  built.event("response.queued", response=built.response("queued"))])
+        keep(run.snapshot())   # kept queued: a server stopped before it ends answers for it as failed
+        run.task = asyncio.create_task(_background(svc, request, run, prompt, params, x_session_id, title, parser,
+                                                   keep, token_text))
+        if body.stream:
+            return EventSourceResponse(run.read(), sep="\n")
+        return JSONResponse(run.snapshot())
+    job, events, started = await start(svc, request, prompt, params, x_session_id, title)
+    headers = {SESSION_HEADER: started.session_id}
     if not body.stream:
         watcher = asyncio.create_task(watch_disconnect(request, job))   # the client gone: the job stops
         try:
@@ -77,8 +90,46 @@ async def create_response(body: ResponsesRequest, request: Request, svc: Service
 
 
 @router.get("/v1/responses/{response_id}")
-async def get_response(response_id: str, request: Request, svc: Services = Depends(services)) -> dict:
-    return svc.responses.get(response_id, owner(request)).body
+async def get_response(response_id: str, request: Request, stream: bool = False, starting_after: int = -1,
+                       svc: Services = Depends(services)):
+    """A kept response (a background one as it stands: its output so far while it runs); with
+    `stream`, a background response's events after `starting_after`, then each as it comes."""
+    who = owner(request)
+    run = svc.backgrounds.get(response_id, who)
+    if stream:
+        if run is None:
+            kept = svc.responses.get(response_id, who)   # (404 where none is kept)
+            why = "ended a while ago: its events are no longer kept (GET it without stream)" \
+                if kept.body.get("background") else "was not a background response: only those stream again"
+            raise BadRequest(f"response {response_id!r} {why}", "stream")
+        return EventSourceResponse(run.read(starting_after), sep="\n")
+    if run is not None:
+        return run.snapshot()
+    return svc.responses.get(response_id, who).body
+
+
+CANCEL_WAIT_S = 30.0   # a cancel waits this long for the engine to end the run (its next step)
+
+
+@router.post("/v1/responses/{response_id}/cancel")
+async def cancel_response(response_id: str, request: Request, svc: Services = Depends(services)) -> dict:
+    """Stop a background response that is queued or running: it ends "cancelled", with the output
+    it had (its session keeps the tokens generated, as for a client gone). One already cancelled
+    comes back as it is; any other that ended, or a response not run in the background, is a 400."""
+    who = owner(request)
+    run = svc.backgrounds.get(response_id, who)
+    if run is not None and not run.ended:
+        run.cancel()
+        await run.wait_end(CANCEL_WAIT_S)
+        return run.snapshot()
+    body = run.snapshot() if run is not None else svc.responses.get(response_id, who).body
+    if not body.get("background"):
+        raise BadRequest(f"response {response_id!r} was not run in the background: only background responses "
+                         f"can be cancelled", "response_id")
+    if body["status"] != "cancelled":
+        raise BadRequest(f"response {response_id!r} has ended ({body['status']}): it cannot be cancelled",
+                         "response_id")
+    return body
 
 
 @router.delete("/v1/responses/{response_id}")
@@ -92,29 +143,81 @@ async def _stream(built: Built, parser: OutputParser, job: Job, events: JobEvent
                   keep: Callable[[dict], None], token_text=None) -> AsyncIterator[dict]:
     """response.created and .in_progress; per output item: added, its content part, its text or
     arguments in deltas, done; then response.completed (or .incomplete: max_output_tokens)."""
-    yield _sse(built.event("response.created", response={**built.response("in_progress"),
+    yield sse(built.event("response.created", response={**built.response("in_progress"),
                                                          "localheap": {"session_id": session_id}}))
-    yield _sse(built.event("response.in_progress", response=built.response("in_progress")))
+    yield sse(built.event("response.in_progress", response=built.response("in_progress")))
     first_token_at: Optional[float] = None
     try:
         async for event in follow(job, events):
             if isinstance(event, Delta):
                 first_token_at = first_token_at or time.monotonic()
                 for e in built.read(parser, event.text, event.logprobs, token_text):
-                    yield _sse(e)
+                    yield sse(e)
             elif isinstance(event, Finished):
                 for e in built.read(parser, None, None, token_text):
-                    yield _sse(e)
+                    yield sse(e)
                 decode_s = time.monotonic() - first_token_at if first_token_at is not None else None
                 whole, ending = built.finish(event, extension(event, decode_s))
                 keep(whole)
                 for e in ending:
-                    yield _sse(e)
+                    yield sse(e)
     except Exception as e:   # headers are gone: an error event, as OpenAI sends one
         err = json.loads(to_response(e).body)["error"]
-        yield _sse(built.event("error", code=err["code"], message=err["message"], param=err["param"]))
+        yield sse(built.event("error", code=err["code"], message=err["message"], param=err["param"]))
 
 
-def _sse(event: dict) -> dict:
-    return {"event": event["type"], "data": json.dumps(event, separators=(",", ":"))}
+async def _background(svc: Services, request: Request, run: Run, prompt, params: SamplingParams,
+                      session_id: Optional[str], title: Optional[str], parser: OutputParser,
+                      keep: Callable[[dict], None], token_text=None) -> None:
+    """A background response's reply, with nobody waiting on it: its events into the run, its
+    end kept (completed or incomplete as any response; cancelled; failed, with the error)."""
+    built = run.built
+    try:
+        try:
+            job, events, started = await start(svc, request, prompt, params, session_id, title)
+        except asyncio.CancelledError:
+            if not run.cancel_asked:   # the server is stopping
+                raise
+            _ended(svc, run, keep, *built.stop("cancelled"))
+            return
+        run.job = job
+        if run.cancel_asked:
+            job.cancel()
+        run.extra = {"session_id": started.session_id}
+        run.status = "in_progress"
+        run.push([built.event("response.in_progress", response=run.snapshot())])
+        first_token_at: Optional[float] = None
+        async for event in follow(job, events):
+            if isinstance(event, Delta):
+                first_token_at = first_token_at or time.monotonic()
+                run.push(built.read(parser, event.text, event.logprobs, token_text))
+            elif isinstance(event, Finished):
+                events_ = built.read(parser, None, None, token_text)
+                decode_s = time.monotonic() - first_token_at if first_token_at is not None else None
+                ext = extension(event, decode_s)
+                if event.finish_reason == "cancelled" and run.cancel_asked:
+                    whole, ending = built.stop("cancelled", done=event, extension=ext)
+                elif event.finish_reason == "cancelled":   # the server stopping (SIGTERM): what it had is kept
+                    whole, ending = built.stop("failed", STOPPED, event, ext)
+                else:
+                    whole, ending = built.finish(event, ext)
+                _ended(svc, run, keep, whole, events_ + ending)
+    except asyncio.CancelledError:
+        raise
+    except Exception as e:   # refused by the engine (over the budget, the queue full), or failed in it
+        err = json.loads(to_response(e).body)["error"]
+        _ended(svc, run, keep, *built.stop("failed", {"code": err["code"] or err["type"], "message": err["message"]}))
+
+
+def _ended(svc: Services, run: Run, keep: Callable[[dict], None], whole: dict, events: list[dict]) -> None:
+    if run.extra and "localheap" not in whole:
+        whole["localheap"] = dict(run.extra)
+    run.end(whole, events)
+    keep(whole)
+    svc.backgrounds.ended(run)
+
+
+async def _replay(run: Run, after: int = -1) -> AsyncIterator[dict]:
+    async for message in run.read(after):
+        yield message
 
