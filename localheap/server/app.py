@@ -16,7 +16,8 @@ from ..governor.budget import request_room
 from ..sessions import SessionStore
 from . import errors
 from .middleware import CheckHost, LimitBody, RequireApiKey, checks_host
-from .routes import anthropic, branches, embeddings, observe, llamacpp, ollama, openai, responses, sessions, tokenize
+from .routes import (anthropic, branches, conversations, embeddings, observe, llamacpp, ollama, openai, responses,
+                     sessions, tokenize)
 from .services import Services
 from .settings import ServerSettings
 from .telemetry import ThroughputHistory, metrics_registry
@@ -64,6 +65,7 @@ def create_app(backend: Any, settings: Optional[ServerSettings] = None, governor
             if on_start is not None:
                 on_start(store)
             svc.responses   # the kept responses read back
+            svc.conversations
         engine.start()
         sampler = asyncio.create_task(svc.throughput.run(svc))
         try:
@@ -76,15 +78,17 @@ def create_app(backend: Any, settings: Optional[ServerSettings] = None, governor
                 n = store.persist_all(backend.model_name)
                 log.info("saved %d session(s) to %s", n, store.spill_dir)
             store.close()
-            if svc._responses is not None:
-                svc._responses.close()   # its queued writes done
+            for kept in (svc._responses, svc._conversations):
+                if kept is not None:
+                    kept.close()   # its queued writes done
             if on_close is not None:
                 on_close()
 
     app = FastAPI(title="localheap", version="0.1.0", lifespan=lifespan, docs_url="/docs", redoc_url=None)
     app.state.services = svc
     errors.install(app)
-    for module in (openai, embeddings, responses, anthropic, ollama, llamacpp, sessions, branches, tokenize, observe):
+    for module in (openai, embeddings, responses, conversations, anthropic, ollama, llamacpp, sessions, branches,
+                   tokenize, observe):
         app.include_router(module.router)
     app.add_middleware(LimitBody, max_bytes=settings.max_body_bytes)
     if settings.keys:

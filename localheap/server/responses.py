@@ -11,11 +11,9 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import secrets
 import time
 from collections import OrderedDict
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
 from pathlib import Path
@@ -26,9 +24,9 @@ from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, TypeAdapt
 from ..engine import Finished
 from ..generation import TOP_LOGPROBS_MAX
 from ..grammar import GrammarError, json_grammar, lark_regex
-from ..heap.private import open_private
 from .chat import ChatPlan
 from .errors import ApiError, BadRequest
+from .jsonlines import JsonLines
 from .logonce import warn_once
 from .logprobs import chat_content
 from .prompts import with_effort
@@ -287,6 +285,10 @@ class StreamOptions(Strict):
     include_obfuscation: Optional[bool] = None
 
 
+class ConversationRef(Strict):
+    id: str
+
+
 class ResponsesRequest(Strict):
     model: str
     input: Union[str, list[Item]]
@@ -313,7 +315,7 @@ class ResponsesRequest(Strict):
     include: Optional[list[str]] = None          # "message.output_text.logprobs"; the rest accepted (reasoning
                                                  # comes back as text; nothing encrypted)
     previous_response_id: Optional[str] = None   # continue a response kept in memory (ResponseLog)
-    conversation: Optional[Any] = None           # refused
+    conversation: Union[str, ConversationRef, None] = None   # /v1/conversations: its items come first
     background: Optional[bool] = None            # answered at once (queued), polled, cancelled (background.py)
     top_logprobs: Optional[int] = Field(None, ge=0, le=TOP_LOGPROBS_MAX)   # with logprobs: alternatives per token
     max_tool_calls: Optional[int] = Field(None, ge=0)   # accepted, returned: it bounds hosted tools' calls,
@@ -321,9 +323,8 @@ class ResponsesRequest(Strict):
 
     def unsupported(self) -> Optional[tuple[str, str]]:
         """(param, message) for the first field set to something this server cannot do."""
-        if self.conversation is not None:
-            return "conversation", ("conversation objects are not supported: send the whole conversation in "
-                                    "input, or previous_response_id")
+        if self.conversation is not None and self.previous_response_id is not None:
+            return "conversation", "conversation and previous_response_id cannot be used together"
         if self.previous_response_id is not None and self.store is False:
             return "store", "previous_response_id continues a stored response; this request has store: false"
         if self.background and self.store is False:
@@ -358,6 +359,11 @@ class ResponsesRequest(Strict):
         if self.tool_choice in ("required",) and not self.offered:
             return "tool_choice", "tool_choice needs tools"
         return None
+
+    @property
+    def conversation_id(self) -> Optional[str]:
+        c = self.conversation
+        return c.id if isinstance(c, ConversationRef) else c
 
     @property
     def logprobs(self) -> Optional[int]:
@@ -499,12 +505,11 @@ class ResponseLog:
     past `max_kept` responses or `max_chars` characters. Each keeps only what it added, so a long
     conversation costs its length once; a chain whose start was dropped says so. Event loop only.
 
-    With `path` (the sessions directory's responses.jsonl) they outlive a restart or a crash: each
-    added or deleted response is a line appended and fsynced (on a thread of its own, in order,
-    so the event loop never waits on the disk), read back at start; a line a crash cut short is
-    dropped (that response alone is lost), and the file is rewritten atomically once it holds
-    twice what is kept. A write that fails is logged: the log goes on in memory. Reads are not
-    written: after a restart the oldest added are the first dropped."""
+    With `path` (the sessions directory's responses.jsonl, a JsonLines) they outlive a restart or a
+    crash: each added or deleted response is a line appended, read back at start; a line a crash
+    cut short is dropped (that response alone is lost), and the file is rewritten once it holds
+    twice what is kept. Reads are not written: after a restart the oldest added are the first
+    dropped."""
 
     def __init__(self, max_kept: int = 4096, max_chars: int = 16_000_000, path: Optional[Path] = None):
         self.max_kept, self.max_chars = max_kept, max_chars
@@ -512,14 +517,12 @@ class ResponseLog:
         self._items: dict[str, dict[str, Any]] = {}   # item id -> {id of a kept response holding it: the item}
         self.chars = 0
         self.path = path
-        self._lines = 0                        # lines in the file (records and deletions)
-        self._writer: Optional[ThreadPoolExecutor] = None
+        self._file = JsonLines(path, "responses") if path is not None else None
         if path is not None:
             self._load()
-            self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="localheap-responses")
 
     def add(self, body: dict, request: ResponsesRequest, owner: Optional[str]) -> None:
-        items = request.input_items + [_output_item(i) for i in body["output"]]
+        items = request.input_items + [output_item(i) for i in body["output"]]
         chars = len(json.dumps(body)) + sum(len(i.model_dump_json()) for i in request.input_items)
         kept = Kept(body, items, request.previous_response_id, owner, chars)
         self._keep(body["id"], kept)
@@ -593,92 +596,41 @@ class ResponseLog:
 
     def flush(self) -> None:
         """Wait for the writes queued so far (tests, shutdown)."""
-        if self._writer is not None:
-            self._writer.submit(lambda: None).result()
+        if self._file is not None:
+            self._file.flush()
 
     def close(self) -> None:
-        if self._writer is not None:
-            self._writer.shutdown(wait=True)
-            self._writer = None
+        if self._file is not None:
+            self._file.close()
 
     # -- the file --
 
     def _append(self, record: dict) -> None:
-        if self._writer is None:
+        if self._file is None:
             return
-        self._lines += 1
-        line = (json.dumps(record, separators=(",", ":")) + "\n").encode()
-        if self._lines > 2 * len(self._kept) + 64:   # mostly dropped and deleted ones: rewrite what is kept
-            records = [{"add": rid, **k.record()} for rid, k in self._kept.items()]
-            self._lines = len(records)
-            self._writer.submit(self._rewrite, records)
+        if self._file.lines + 1 > 2 * len(self._kept) + 64:   # mostly dropped and deleted ones: rewrite what is kept
+            self._file.rewrite(self._records())
         else:
-            self._writer.submit(self._write_line, line)
+            self._file.append(record)
 
-    def _write_line(self, line: bytes) -> None:
-        try:
-            fd = open_private(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
-            try:
-                os.write(fd, line)
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        except OSError as e:
-            log.error("could not write to %s: %s (responses are kept in memory meanwhile)", self.path, e)
-
-    def _rewrite(self, records: list[dict]) -> None:
-        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
-        try:
-            fd = open_private(tmp)
-            with os.fdopen(fd, "wb") as f:
-                for r in records:
-                    f.write((json.dumps(r, separators=(",", ":")) + "\n").encode())
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, self.path)
-            dir_fd = os.open(self.path.parent, os.O_RDONLY)
-            try:
-                os.fsync(dir_fd)
-            finally:
-                os.close(dir_fd)
-        except OSError as e:
-            tmp.unlink(missing_ok=True)
-            log.error("could not rewrite %s: %s (responses are kept in memory meanwhile)", self.path, e)
+    def _records(self) -> list[dict]:
+        return [{"add": rid, **k.record()} for rid, k in self._kept.items()]
 
     def _load(self) -> None:
         """The kept responses from the file: records in order, deletions applied; a line that
         does not read (the tail a crash cut short) ends the reading, and the file is rewritten."""
-        if not self.path.exists():
-            return
-        try:
-            data = self.path.read_bytes()
-        except OSError as e:
-            log.error("could not read %s: %s (starting with no kept responses)", self.path, e)
-            return
-        lines = data.split(b"\n")
-        complete = lines[:-1] if not data.endswith(b"\n") else lines
-        bad = not data.endswith(b"\n") and bool(lines[-1])
-        for n, line in enumerate(complete, 1):
-            if not line:
-                continue
-            try:
-                r = json.loads(line)
-                if "delete" in r:
-                    self._drop(r["delete"])
-                else:
-                    self._keep(r["add"], Kept.from_record(r))
-                self._lines += 1
-            except (ValueError, KeyError, TypeError) as e:
-                log.warning("%s line %d does not read (%s): the responses from there on are dropped", self.path, n, e)
-                bad = True
-                break
+        def apply(r: dict) -> None:
+            if "delete" in r:
+                self._drop(r["delete"])
+            else:
+                self._keep(r["add"], Kept.from_record(r))
+
+        whole = self._file.load(apply)
         for kept in self._kept.values():
             if kept.body.get("status") in UNFINISHED:   # a background response the server stopped in
                 kept.body.update(status="failed", error=STOPPED)
-        if bad:
-            records = [{"add": rid, **k.record()} for rid, k in self._kept.items()]
-            self._lines = len(records)
-            self._rewrite(records)
+        if not whole:
+            self._file.rewrite(self._records(), now=True)
         log.info("%d kept responses read from %s", len(self._kept), self.path)
 
 
@@ -686,7 +638,7 @@ _OUTPUT_ITEMS = {"message": MessageItem, "function_call": FunctionCallItem, "cus
                  "reasoning": ReasoningItem}
 
 
-def _output_item(item: dict):
+def output_item(item: dict):
     """An output item as the input item a client would send back."""
     return _OUTPUT_ITEMS[item["type"]].model_validate(item)
 
@@ -748,6 +700,7 @@ class Built:
                 "model": self.model, "output": self.items,
                 "parallel_tool_calls": r.parallel_tool_calls is not False,
                 "previous_response_id": r.previous_response_id,
+                "conversation": {"id": r.conversation_id} if r.conversation_id else None,
                 "reasoning": {"effort": r.reasoning.effort if r.reasoning else None, "summary": None},
                 "store": r.store is not False, "temperature": r.temperature, "text": {"format": fmt},
                 "tool_choice": r.tool_choice.model_dump(exclude_none=True) if isinstance(r.tool_choice, BaseModel)

@@ -20,6 +20,7 @@ from .settings import ServerSettings
 
 NAME_TIMEOUT_S = 5.0
 RESPONSES_FILE = "responses.jsonl"   # the kept /v1/responses, in the sessions directory
+CONVERSATIONS_FILE = "conversations.jsonl"   # /v1/conversations, beside it
 
 
 @dataclass
@@ -39,6 +40,7 @@ class Services:
     _token_text: Optional[TokenText] = None
     _responses: Any = None
     _backgrounds: Any = None
+    _conversations: Any = None
 
     @property
     def model_id(self) -> str:
@@ -70,6 +72,16 @@ class Services:
             path = self.store.spill_dir / RESPONSES_FILE if self.settings.persist_sessions else None
             self._responses = ResponseLog(path=path)
         return self._responses
+
+    @property
+    def conversations(self) -> Any:
+        """/v1/conversations and their items (conversations.ConversationLog), kept as the responses are."""
+        if self._conversations is None:
+            from .conversations import ConversationLog
+
+            path = self.store.spill_dir / CONVERSATIONS_FILE if self.settings.persist_sessions else None
+            self._conversations = ConversationLog(path=path)
+        return self._conversations
 
     @property
     def backgrounds(self) -> Any:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from typing import AsyncIterator, Callable, Optional
 
@@ -18,16 +19,17 @@ from ...generation import LogprobRecorder, SamplingParams
 from ..bridge import JobEvents, follow, watch_disconnect
 from ..background import Run, sse
 from ..chat import check_start, start
-from ..errors import BadRequest, Unsupported, to_response
+from ..errors import ApiError, BadRequest, Unsupported, to_response
 from ..formats import extension, saved_headers
 from ..prompts import chat_prompt, tokenize
 from ..logonce import warn_once
-from ..responses import STOPPED, Built, ResponsesRequest
+from ..responses import STOPPED, Built, ResponsesRequest, output_item
 from ..services import Services, owner, services
 from ..toolcalls import OutputParser
 from .openai import SESSION_HEADER, addressed_session
 
 router = APIRouter()
+log = logging.getLogger("localheap.server")
 
 
 @router.post("/v1/responses")
@@ -42,7 +44,8 @@ async def create_response(body: ResponsesRequest, request: Request, svc: Service
     warn_once("hosted tools this server cannot run, left out of the prompt: %s", sorted(body.hosted_tools))
     plan = body.plan()
     opts = plan.options(svc)
-    before = svc.responses.conversation(body.previous_response_id, who) if body.previous_response_id else []
+    before = svc.responses.conversation(body.previous_response_id, who) if body.previous_response_id else \
+        svc.conversations.inputs(body.conversation_id, who) if body.conversation_id else []
     messages = body.chat_messages(before)
     prompt = await tokenize(chat_prompt, svc.tokenizer, messages, limit=svc.settings.max_prompt_tokens, opts=opts)
     default = min(svc.settings.default_max_tokens, svc.settings.max_tokens_limit)
@@ -52,11 +55,9 @@ async def create_response(body: ResponsesRequest, request: Request, svc: Service
                             logprobs=None if top is None else LogprobRecorder(top))
     token_text = svc.token_text if top is not None else None
     title = next((m.text() for m in messages if m.role == "user"), None)
-    # `store: false` (Codex sends it on every turn) keeps the session: OpenAI's store is about fetching
-    # the response later, which this server never offers; the session is its prompt cache
     built = Built(body, svc.model_id, lambda text: len(svc.tokenizer.encode(text, add_special_tokens=False)))
     parser = plan.parser(opts, prompt)
-    keep = (lambda whole: svc.responses.add(whole, body, who)) if body.store is not False else (lambda whole: None)
+    keep = _keeper(svc, body, who)
     if body.background:
         check_start(svc, who, params, x_session_id)   # refused now, not as a failed response later
         run = Run(built, who)
@@ -164,6 +165,24 @@ async def _stream(built: Built, parser: OutputParser, job: Job, events: JobEvent
     except Exception as e:   # headers are gone: an error event, as OpenAI sends one
         err = json.loads(to_response(e).body)["error"]
         yield sse(built.event("error", code=err["code"], message=err["message"], param=err["param"]))
+
+
+def _keeper(svc: Services, body: ResponsesRequest, who: Optional[str]) -> Callable[[dict], None]:
+    """What is kept of a response as it stands (a background one is kept queued too): the response
+    (unless `store: false`, which Codex sends every turn: that keeps the session all the same, the
+    conversation's prompt cache); once it has completed (or incomplete), its input and output
+    added to the conversation it names."""
+    def keep(whole: dict) -> None:
+        if body.store is not False:
+            svc.responses.add(whole, body, who)
+        if body.conversation_id and whole["status"] in ("completed", "incomplete"):
+            try:
+                svc.conversations.add_items(body.conversation_id,
+                                            body.input_items + [output_item(i) for i in whole["output"]], who)
+            except ApiError as e:   # deleted while the response ran: the reply still goes out
+                log.warning("response %s: its conversation was not extended: %s", whole["id"], e)
+
+    return keep
 
 
 async def _background(svc: Services, request: Request, run: Run, prompt, params: SamplingParams,
