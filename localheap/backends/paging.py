@@ -380,15 +380,21 @@ class Recalling:
     picked: Optional[dict] = None
 
 
+def release_recalled(cache) -> None:
+    """The tokens the latest recall brought back leave every heap layer (their pages stay in the
+    store): before a new recall picks, and before a cut."""
+    for layer in cache.heap_layers:
+        release = layer.heap.release_plan()
+        if release is not None:
+            layer.repack(release, evicting=False)
+
+
 def recall_begin(cache, n_question: int, probe: Callable[[], dict]) -> Recalling:
     """The heap's part before the pick, on the thread that steps the heap: the last recall
     released, room made for the question and a full recall region, the question probed."""
     t0 = time.perf_counter()
     parts: dict[str, float] = {}
-    for layer in cache.heap_layers:
-        release = layer.heap.release_plan()
-        if release is not None:
-            layer.repack(release, evicting=False)
+    release_recalled(cache)
     # Room for the question and a full recall region is made BEFORE scoring: tokens evicted now go
     # to the store and compete with the older pages (evicting after scoring would page out tokens
     # that no question ever scores, the fact among them).

@@ -10,6 +10,7 @@ from typing import Callable, Optional
 import numpy as np
 
 from ..sessions.errors import RollbackRefused
+from .paging import release_recalled
 
 
 def row_error(fn: Callable[[], object]) -> Optional[Exception]:
@@ -189,10 +190,8 @@ class HeapRollback:
                 self.pages.forget_from(spans[0][1])
             except Exception as e:
                 raise RollbackRefused(f"the page store did not forget the cut pages: {e}") from e
+        release_recalled(self)
         for layer in self.heap_layers:
-            release = layer.heap.release_plan()
-            if release is not None:
-                layer.repack(release, evicting=False)
             layer.cut(spans, self.host_scores(layer))
         self.mark_at, self._marked = None, None
         self.cuts += 1

@@ -20,8 +20,9 @@ re-tokenizes as other tokens, the session's tail from the trim on may still matc
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
-from typing import Callable, Iterable, Optional, Sequence
+from typing import Callable, Iterable, Iterator, Optional, Sequence
 
 import numpy as np
 
@@ -105,6 +106,22 @@ PROBE = 16   # tokens of the prompt looked up in the session at once when findin
 RUN_CANDIDATES = 32   # places a run may start that are measured whole (a repetitive history has many)
 
 
+def occurrences(hay: np.ndarray, want: np.ndarray) -> Iterator[int]:
+    """Where `want` occurs in `hay`, in order: its first PROBE tokens compared at once at every place
+    its first token is, then each place left checked over all of `want`."""
+    n = len(want)
+    if n == 0 or len(hay) < n:
+        return
+    starts = np.flatnonzero(hay[: len(hay) - n + 1] == want[0])
+    k = min(PROBE, n)
+    if k > 1 and starts.size:
+        windows = np.lib.stride_tricks.sliding_window_view(hay, k)[starts]
+        starts = starts[(windows == want[:k]).all(axis=1)]
+    for j in starts:
+        if np.array_equal(hay[j:j + n], want):
+            yield int(j)
+
+
 def trimmed_spans(fed: Sequence[int], ids: Sequence[int], shared: int, min_chunk: int,
                   reach: int) -> Optional[list[tuple[int, int]]]:
     """The spans of `fed` that, joined, begin `ids` (its first `shared` tokens, then runs of at
@@ -116,21 +133,13 @@ def trimmed_spans(fed: Sequence[int], ids: Sequence[int], shared: int, min_chunk
         return None
     spans, at, frm = [(0, shared)], shared, shared
     while at < len(p) - 1 and frm < len(f):
-        k = min(PROBE, min_chunk, len(p) - at)
-        hay = f[frm:]
-        if len(hay) < k:
-            break
-        starts = np.flatnonzero(hay[: len(hay) - k + 1] == p[at])
-        if k > 1 and starts.size:
-            windows = np.lib.stride_tricks.sliding_window_view(hay, k)[starts]
-            starts = starts[(windows == p[at:at + k]).all(axis=1)]
-        want = p[at:at + min_chunk]
+        hay, want = f[frm:], p[at:at + min_chunk]
         if len(want) < min_chunk:
             break
         # the candidates whose next min_chunk tokens match (each checked over min_chunk tokens only: a
         # repetitive history has many), the first RUN_CANDIDATES of them measured whole: the longest
         # run wins (the earliest of those), not a shorter repeat of its first tokens further back
-        found = [int(j) for j in starts if np.array_equal(hay[j:j + min_chunk], want)][:RUN_CANDIDATES]
+        found = list(itertools.islice(occurrences(hay, want), RUN_CANDIDATES))
         if not found:
             break
         n, j = max((common_prefix(hay[j:], p[at:]), -j) for j in found)
@@ -166,17 +175,12 @@ def _trimmed_text(s: Session, prompt: Prompt, shared: int, min_chunk: int, encod
     hay = f[shared + 1:]
     if len(hay) < min_chunk:
         return None
-    starts = np.flatnonzero(hay[: len(hay) - min_chunk + 1] == want[0])
-    tried = 0
-    for j in starts:
-        if not np.array_equal(hay[j:j + min_chunk], want):
-            continue
-        b = shared + 1 + int(j)
+    for tried, j in enumerate(occurrences(hay, want), 1):
+        b = shared + 1 + j
         tail = decode(f[b:].tolist())
         if len(tail) < len(rest) and rest.startswith(tail):
             new = encode(rest[len(tail):])
             return ([(0, shared), (b, len(f))], new) if new else None
-        tried += 1
         if tried == TEXT_CANDIDATES:
             break
     return None
