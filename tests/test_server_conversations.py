@@ -7,6 +7,8 @@ the conversations outlive a restart and a torn line."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 openai = pytest.importorskip("openai")
@@ -34,6 +36,11 @@ def test_a_conversation_and_its_items(client):
                                               {"type": "message", "role": "user", "content": "One"}],
                                        metadata={"topic": "count"})
     assert conv.id.startswith("conv_") and conv.metadata == {"topic": "count"}
+    import httpx
+
+    kept = float(re.search(r"^localheap_conversations (\S+)$", httpx.get(str(client.base_url).removesuffix("/v1/") +
+                                                                          "/metrics", timeout=30).text, re.M).group(1))
+    assert kept >= 1
     assert client.conversations.retrieve(conv.id).created_at == conv.created_at
     added = client.conversations.items.create(conv.id, items=[
         {"role": "assistant", "content": "Two"},

@@ -692,6 +692,10 @@ def test_a_background_response_is_answered_at_once_and_polled_to_its_end(server,
         back = client.responses.create(model=model(server), input="Say hello", max_output_tokens=20, background=True)
         assert back.status == "queued" and back.background is True and back.output == []
         assert client.responses.retrieve(back.id).status == "queued"
+        import httpx
+
+        metrics = httpx.get(server.url + "/metrics", timeout=30).text
+        assert re.search(r"^localheap_background_responses 1\.0$", metrics, re.M)
         with pytest.raises(openai.BadRequestError) as e:   # not before it has ended
             client.responses.create(model=model(server), previous_response_id=back.id, input="x")
         assert e.value.body["param"] == "previous_response_id"

@@ -90,6 +90,9 @@ class ConversationLog:
                 self._file.rewrite(self._records(), now=True)
             log.info("%d conversations read from %s", len(self._convs), path)
 
+    def __len__(self) -> int:
+        return len(self._convs)
+
     # -- what the routes call --
 
     def create(self, items: list, metadata: Optional[dict], owner: Optional[str]) -> Conversation:

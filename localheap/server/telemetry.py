@@ -205,6 +205,9 @@ class MetricsCollector:
              len(svc.store.degraded)),
             ("sessions_unsaved", "sessions whose latest turn is not on disk (kept in memory, retried)",
              len(eng.unsaved)),
+            ("background_responses", "background /v1/responses queued or running",
+             svc._backgrounds.running if svc._backgrounds is not None else 0),
+            ("conversations", "/v1/conversations kept", len(svc._conversations) if svc._conversations is not None else 0),
         ]
         for name, help_, value in gauges:
             yield GaugeMetricFamily(f"localheap_{name}", help_, value=value)
