@@ -82,14 +82,82 @@ def test_a_cut_with_recall_forgets_the_pages_from_the_first_cut_and_goes_on(mode
     assert len(got) == 40 and backend.tokens_in_cache(cache) == held - 200 + 9 + 39
 
 
-def test_a_cache_with_sliding_layers_or_absolute_positions_is_not_cuttable(model_dirs, torch_one_thread):
+def test_a_cache_with_absolute_positions_is_not_cuttable(model_dirs, torch_one_thread):
     torch = pytest.importorskip("torch")
     from localheap.backends.torch import TorchBackend
 
-    backend = TorchBackend.load(model_dirs("gemma3_text"), device="cpu", dtype=torch.float32)
-    assert not backend.cuttable(backend.new_cache(FULL))
     backend = TorchBackend.load(model_dirs("llama"), device="cpu", dtype=torch.float32)
     assert not backend.cuttable(backend.new_cache(HeapConfig(budget=1024, positions="absolute", recall=False)))
+
+
+def _window(kind, cache):
+    """The first sliding layer's keys and values [H, n, D] in the order of their tokens."""
+    layer = cache.stock_layers()[0]
+    if kind == "torch":
+        return np.asarray(layer.keys[0], np.float64), np.asarray(layer.values[0], np.float64)
+    return (np.array(layer._temporal_order(layer.keys)[0]).astype(np.float64),
+            np.array(layer._temporal_order(layer.values)[0]).astype(np.float64))
+
+
+@pytest.mark.parametrize("kind", ["torch", "mlx"])
+@pytest.mark.parametrize("family", ["gpt_oss", "gemma3_text"])
+def test_a_sliding_layer_is_left_as_it_is_where_its_window_lies_in_the_last_span(model_dirs, torch_one_thread, kind,
+                                                                                  family):
+    """gpt-oss and gemma3: a sliding layer runs at its own absolute positions, so a cut whose last
+    span holds its window leaves it as it is. In the first layer (whose K/V depend on each token
+    and its position alone) the window then holds what reading the shorter history gives, at
+    positions shifted by the tokens cut (RoPE: the same keys relative to each other, so the same
+    attention for the next query, which sits at the layer's own position)."""
+    from localheap.sessions import RollbackRefused
+
+    backend, steps = _backend(kind, model_dirs(family))
+    ids = backend.tokenizer.encode(" ".join(f"message {i} says the heap keeps what matters" for i in range(30)))[:200]
+    spans = [(0, 20), (90, 200)]
+    short = ids[:20] + ids[90:200]
+    cut = backend.new_cache(FULL)
+    backend.prefill(cut, ids)
+    assert backend.cuttable(cut)
+    k0, v0 = _window(kind, cut)
+    for bad in ([(0, 20), (90, 199)],          # ends short of where the window stands (and no mark there)
+                [(0, 20), (90, 110), (180, 200)]):   # its last span shorter than the window
+        with pytest.raises(RollbackRefused):
+            backend.cut(cut, bad)
+        assert backend.tokens_in_cache(cut) == 200   # the cache as it was
+    assert backend.cut(cut, spans) == len(short) == backend.tokens_in_cache(cut)
+    k1, v1 = _window(kind, cut)
+    assert np.array_equal(k0, k1) and np.array_equal(v0, v1)   # left as it was
+    fresh = backend.new_cache(FULL)
+    backend.prefill(fresh, short)
+    kf, vf = _window(kind, fresh)
+    n = min(v1.shape[1], vf.shape[1])   # (mlx-lm's rotating cache may hold a chunk's worth more, masked)
+    assert n >= cut.stock_window(cut.stock_layers()[0]) - 1
+    k1, v1, kf, vf = k1[:, -n:], v1[:, -n:], kf[:, -n:], vf[:, -n:]
+    assert np.abs(v1 - vf).max() < 1e-3 * max(1.0, np.abs(vf).max())
+    gram, gram_fresh = k1 @ np.swapaxes(k1, 1, 2), kf @ np.swapaxes(kf, 1, 2)   # keys against each other
+    assert np.abs(gram - gram_fresh).max() < 1e-3 * max(1.0, np.abs(gram_fresh).max())
+    got = steps(cut, [ids[0]], 8)   # the heap runs on
+    assert backend.tokens_in_cache(cut) == len(short) + 8 and len(got) == 8
+
+
+@pytest.mark.parametrize("kind", ["torch", "mlx"])
+def test_a_cut_that_ends_at_the_mark_brings_the_sliding_layers_back_there(model_dirs, torch_one_thread, kind):
+    """A trimmed history whose last run ends where the latest reply began (a reasoning model whose
+    past analysis the template drops): the sliding layers come back to the mark, the heap layers
+    keep the spans, and the next turn runs on."""
+    backend, steps = _backend(kind, model_dirs("gpt_oss"))
+    ids = backend.tokenizer.encode(" ".join(f"message {i} says the heap keeps what matters" for i in range(30)))[:200]
+    cache = backend.new_cache(FULL)
+    backend.prefill(cache, ids[:-1])
+    cache.mark()
+    k_mark, v_mark = _window(kind, cache)
+    steps(cache, ids[-1:], 12)   # the reply
+    assert backend.tokens_in_cache(cache) == 200 + 11
+    assert backend.cut(cache, [(0, 20), (90, 199)]) == 129 == backend.tokens_in_cache(cache)
+    k, v = _window(kind, cache)
+    assert np.array_equal(k, k_mark) and np.array_equal(v, v_mark)
+    assert backend.rollback_mark(cache) is None   # the mark is spent
+    got = steps(cache, ids[199:200], 6)
+    assert len(got) == 6 and backend.tokens_in_cache(cache) == 129 + 6
 
 
 # -- which prompt is a trimmed history (pure matching, fake sessions) ------------------------------
@@ -132,6 +200,23 @@ def test_a_trim_in_the_middle_takes_two_runs_and_a_rewritten_last_reply_ends_the
     head = len(SYS + TURNS[0]) + 3   # through the next turn's "<u>"
     assert m.cut == [(0, head), (head + len(TURNS[1]), s.reply_start)]   # the reasoning dropped: up to the reply
     assert m.cached == head + len(TURNS[2]) - 3 and "".join(map(chr, m.new_tokens)) == "fine<u>more</u><a>"
+
+
+def test_with_sliding_layers_a_last_run_that_ends_inside_the_reply_ends_where_it_began():
+    """gpt-oss re-renders its past reply with <|end|> where it sampled <|return|>: the run goes
+    into the reply and stops short of its end. A heap alone keeps that much; with sliding layers
+    (cut_at_reply) the run ends where the reply began, and the reply is read again."""
+    reply = "<a>the answer</a>$"
+    history = SYS + "".join(TURNS) + reply
+    sent = SYS + TURNS[1] + TURNS[2] + reply[:-1] + "#<u>next</u><a>"
+    start = len(SYS + "".join(TURNS))
+    heap_only = _match([_session(history, reply_start=start)], sent)
+    assert heap_only.cut[-1][1] == len(history) - 1   # all of the reply but its last token
+    s = _session(history, reply_start=start)
+    s.cut_at_reply = True
+    m = _match([s], sent)
+    assert m.cut[:-1] == heap_only.cut[:-1] and m.cut[-1] == (heap_only.cut[-1][0], start)
+    assert m.cached == sum(b - a for a, b in m.cut) and "".join(map(chr, m.new_tokens)) == reply[:-1] + "#<u>next</u><a>"
 
 
 def test_no_cut_without_the_flag_for_short_runs_for_a_prompt_that_drops_the_latest_turn_or_for_a_named_session():

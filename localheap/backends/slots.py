@@ -135,6 +135,12 @@ class HeapRollback:
         update, never edits one in place: a shallow copy is one; MLX's override copies its arrays)."""
         return dict(attrs)
 
+    def _restore_marked(self) -> None:
+        """The stock layers as they were at the mark (a copy: the mark stays usable)."""
+        for layer, state in self._marked:
+            vars(layer).clear()
+            vars(layer).update(self.copy_stock_state(state))
+
     def truncate(self, seen: int) -> None:
         """Forget every token after the first `seen` (rollback_floor() <= seen, or seen == rollback_mark())."""
         to_mark = seen < self.tokens_seen and seen == self.rollback_mark()   # (only with stock layers)
@@ -146,9 +152,7 @@ class HeapRollback:
         else:
             self.rewind(seen)
         if to_mark:
-            for layer, state in self._marked:
-                vars(layer).clear()
-                vars(layer).update(self.copy_stock_state(state))   # a copy: the mark stays usable
+            self._restore_marked()
         if self.mark_at is not None and self.mark_at > seen:
             self.mark_at, self._marked = None, None   # the tokens fed from here on are not the ones marked
 
@@ -168,10 +172,31 @@ class HeapRollback:
         self.rewinds += 1
 
     def cuttable(self) -> bool:
-        """Whether `cut` can take tokens out of the middle: every layer a heap (a sliding window
-        cannot drop a span) and RoPE positions in slot order (compact: a repack re-rotates the
-        kept keys to their new places; absolute positions would keep the gap)."""
-        return self.only_heap_layers and self.cfg.positions == "compact"
+        """Whether `cut` can take tokens out of the middle: RoPE positions in slot order (compact: a
+        repack re-rotates the kept keys to their new places; absolute positions would keep the
+        gap). A cache with sliding layers is cut where the spans allow it (cut_refusal)."""
+        return self.cfg.positions == "compact"
+
+    def stock_window(self, layer) -> int:
+        """The tokens a stock (sliding-window) layer holds at most."""
+        raise NotImplementedError
+
+    def cut_refusal(self, spans: list) -> Optional[str]:
+        """Why `spans` cannot be cut here (None: they can). A sliding layer cannot drop a span, but
+        it runs at its own absolute positions (the heap's compact ones are not its), so it needs no
+        change where its window lies in the last span: the spans must end where it stands (every
+        token held) or at the mark (its state then is kept), and the last span must be at least
+        a window long."""
+        if self.only_heap_layers:
+            return None
+        end, last = spans[-1][1], spans[-1][1] - spans[-1][0]
+        if end != self.tokens_seen and not (end == self.mark_at and self._marked is not None):
+            return (f"a sliding-window layer keeps its state only as it is now ({self.tokens_seen} tokens) or at its "
+                    f"mark, not at {end}")
+        window = max(self.stock_window(layer) for layer in self.stock_layers())
+        if last < window:
+            return f"the last span kept ({last} tokens) is shorter than a sliding window ({window})"
+        return None
 
     def cut(self, spans: list) -> int:
         """Keep only the tokens in `spans` (ascending disjoint [start, stop), the first from 0),
@@ -180,10 +205,16 @@ class HeapRollback:
         tokens added to them (as llama.cpp's cache reuse, and unlike reading the shorter history
         again). With recall on, the page store forgets every page from the first cut on (its
         positions would be stale) and the recalled slots are released first (their pages stay
-        where they are older). Each KV head is cut to the fewest any head keeps. Returns the
-        tokens held now. RollbackRefused when the page store cannot forget: the heap is as it was."""
+        where they are older). Each KV head is cut to the fewest any head keeps. Sliding layers are
+        left as they are, or as they were at the mark where the spans end there (cut_refusal).
+        Returns the tokens held now. RollbackRefused when the spans cannot be cut here, or the page
+        store cannot forget: the cache is as it was."""
         assert self.cuttable() and spans and spans[0][0] == 0, spans
         assert all(a < b <= c for (_, a), (b, c) in zip(spans, spans[1:])) and spans[-1][1] <= self.tokens_seen, spans
+        refusal = self.cut_refusal(spans)
+        if refusal is not None:
+            raise RollbackRefused(refusal)
+        to_mark = not self.only_heap_layers and spans[-1][1] < self.tokens_seen
         if self.pages is not None:
             try:
                 self.writer.drain()
@@ -193,6 +224,8 @@ class HeapRollback:
         release_recalled(self)
         for layer in self.heap_layers:
             layer.cut(spans, self.host_scores(layer))
+        if to_mark:
+            self._restore_marked()
         self.mark_at, self._marked = None, None
         self.cuts += 1
         return self.tokens_seen

@@ -27,6 +27,7 @@ def settle(backend: Any, s: Session, reply_start: Optional[int] = None) -> None:
     s.rollback_mark = mark(s.cache) if mark is not None and s.cache is not None else None
     cuttable = getattr(backend, "cuttable", None)
     s.cuttable = bool(cuttable(s.cache)) if cuttable is not None and s.cache is not None else False
+    s.cut_at_reply = s.cuttable and not getattr(s.cache, "only_heap_layers", True)   # sliding layers beside the heap
     s.reply_start = len(s.fed) if reply_start is None else reply_start
 
 

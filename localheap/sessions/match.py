@@ -123,11 +123,13 @@ def occurrences(hay: np.ndarray, want: np.ndarray) -> Iterator[int]:
 
 
 def trimmed_spans(fed: Sequence[int], ids: Sequence[int], shared: int, min_chunk: int,
-                  reach: int) -> Optional[list[tuple[int, int]]]:
+                  reach: int, at_reply: bool = False) -> Optional[list[tuple[int, int]]]:
     """The spans of `fed` that, joined, begin `ids` (its first `shared` tokens, then runs of at
     least `min_chunk` tokens found later in `fed`, each after the last, the longest that fits),
     when the last run reaches `reach` (the session's latest reply: a trim keeps the newest
-    messages); None otherwise. At least the prompt's last token is left to feed."""
+    messages); None otherwise. At least the prompt's last token is left to feed. `at_reply`: a
+    last run that ends inside the reply ends at `reach` instead (a sliding layer can come back
+    to where the reply began, not to a point inside it)."""
     f, p = _ids(fed), _ids(ids)
     if shared < 1 or min_chunk < 1 or len(p) - shared <= min_chunk:
         return None
@@ -146,6 +148,12 @@ def trimmed_spans(fed: Sequence[int], ids: Sequence[int], shared: int, min_chunk
         start = frm - j
         spans.append((start, start + n))
         at, frm = at + n, start + n
+    if at_reply and len(spans) > 1 and reach < spans[-1][1] < len(f):
+        a = spans[-1][0]
+        if a < reach:
+            spans[-1] = (a, reach)
+        else:   # a run inside the reply alone: the one before must reach it
+            spans.pop()
     held = sum(b - a for a, b in spans)
     if held >= len(p):   # leave the last token to feed
         a, b = spans[-1]
@@ -216,7 +224,7 @@ def match_session(sessions: Iterable[Session], prompt: Prompt, encode: Encode, d
             offer(Match(s, prompt.tokens[keep:], keep, rollback=keep), 1)
         if min_chunk and s.cuttable and not s.addressed and shared < len(s.fed):
             reach = min(len(s.fed), s.reply_start if s.reply_start is not None else len(s.fed))
-            spans = trimmed_spans(s.fed, ids, shared, min_chunk, reach)
+            spans = trimmed_spans(s.fed, ids, shared, min_chunk, reach, s.cut_at_reply)
             if spans is not None:
                 held = sum(b - a for a, b in spans)
                 offer(Match(s, prompt.tokens[held:], held, cut=spans), 1)

@@ -64,6 +64,7 @@ class Session:
     rollback_floor: Optional[int] = None   # fewest tokens the cache rolls back to (None: no rollback)
     rollback_mark: Optional[int] = None    # one point below the floor it also rolls back to (sliding layers' mark)
     cuttable: bool = False                 # its cache can be cut to a trimmed history (backends/slots.HeapRollback.cut)
+    cut_at_reply: bool = False             # ... only through its whole latest reply or up to its start (sliding layers)
     reply_start: Optional[int] = None      # tokens held before the latest reply began (None: all of them)
     checkpoints: list = field(default_factory=list)   # token counts of its saved checkpoints
     addressed: bool = False   # a client named it (X-Session-Id): never rolled back for another request

@@ -69,6 +69,9 @@ class HeapPromptCache(HeapRollback, list):
         """mlx-lm's rotating cache writes into its arrays in place: copies of them."""
         return {k: mx.array(v) if isinstance(v, mx.array) else v for k, v in attrs.items()}
 
+    def stock_window(self, layer) -> int:
+        return layer.max_size   # (mlx-lm's rotating cache)
+
     def host_scores(self, layer) -> np.ndarray:
         """The layer's eviction scores [H_kv, resident] on the host (a rewind's pick)."""
         return np.array(pinned_scores(layer).astype(mx.float32))

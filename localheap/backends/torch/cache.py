@@ -67,6 +67,9 @@ class HeapCache(HeapRollback, Cache):
         """The layers that are transformers' own (sliding windows)."""
         return [layer for layer in self.layers if not isinstance(layer, HeapLayer)]
 
+    def stock_window(self, layer) -> int:
+        return layer.sliding_window
+
     def host_scores(self, layer) -> np.ndarray:
         """The layer's eviction scores [H_kv, resident] on the host (a rewind's pick)."""
         return pinned_scores(layer).float().cpu().numpy()
