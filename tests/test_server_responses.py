@@ -891,3 +891,37 @@ def test_a_server_stopped_during_a_background_response_reads_it_back_failed(mode
         again = client.responses.create(model=model(srv), previous_response_id=back.id, input="Again?",
                                         max_output_tokens=2)
         assert again.status in ("completed", "incomplete")
+
+
+def test_input_tokens_counts_the_prompt_a_response_reads(server, client, force):
+    """POST /v1/responses/input_tokens: the prompt's tokens, as the response's usage.input_tokens
+    (whole conversation, a chain continued, tools and instructions rendered)."""
+    force("Fine.")
+    kw = dict(input="Weather in Paris?", instructions="Be brief.", tools=TOOLS)
+    counted = client.responses.input_tokens.count(model=model(server), **kw)
+    first = client.responses.create(model=model(server), max_output_tokens=8, **kw)
+    assert counted.object == "response.input_tokens" and counted.input_tokens == first.usage.input_tokens
+    more = client.responses.input_tokens.count(previous_response_id=first.id, input="And Nice?", tools=TOOLS)
+    second = client.responses.create(model=model(server), previous_response_id=first.id, input="And Nice?",
+                                     tools=TOOLS, max_output_tokens=8)
+    assert more.input_tokens == second.usage.input_tokens > counted.input_tokens
+
+
+def test_input_items_lists_what_a_response_was_asked_with(server, client, force):
+    force("Fine.")
+    one = client.responses.create(model=model(server), input="Just this", max_output_tokens=8)
+    (item,) = client.responses.input_items.list(one.id).data
+    assert item.type == "message" and item.role == "user" and item.content[0].text == "Just this"
+    assert item.id.startswith("msg_")
+    sent = [{"role": "user", "content": "A"}, {"role": "assistant", "content": "B"},
+            {"type": "function_call", "call_id": "c1", "name": "get_time", "arguments": "{}"},
+            {"type": "function_call_output", "call_id": "c1", "output": "noon"}]
+    two = client.responses.create(model=model(server), input=sent, tools=TOOLS, max_output_tokens=8)
+    every = list(client.responses.input_items.list(two.id, order="asc", limit=1))   # the SDK pages by after
+    assert [i.type for i in every] == ["message", "message", "function_call", "function_call_output"]
+    assert len({i.id for i in every}) == 4
+    newest = client.responses.input_items.list(two.id, limit=2)   # desc by default
+    assert [i.id for i in newest.data] == [every[3].id, every[2].id] and newest.has_more
+    assert [i.id for i in client.responses.input_items.list(two.id, order="asc")] == [i.id for i in every]
+    with pytest.raises(openai.NotFoundError):
+        client.responses.input_items.list("resp_nope")

@@ -20,12 +20,10 @@ from pydantic import ValidationError
 
 from .errors import ApiError, BadRequest
 from .jsonlines import JsonLines
-from .responses import _ITEM, ItemReference, MessageItem, OtherItem, new_id
+from .responses import _ITEM, ID_PREFIX, ItemReference, MessageItem, OtherItem, new_id
 
 log = logging.getLogger("localheap.server")
 
-ID_PREFIX = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs",
-             "custom_tool_call": "ctc", "custom_tool_call_output": "ctco"}
 MAX_METADATA = 16   # keys, as OpenAI's
 
 
@@ -60,7 +58,7 @@ def item_json(item: Any) -> dict:
                          f"function_call_output, custom_tool_call, custom_tool_call_output and reasoning can)")
     out = item.model_dump(mode="json", by_alias=True, exclude_none=True)
     kind = out.setdefault("type", "message")
-    out["id"] = out.get("id") or new_id(ID_PREFIX[kind])
+    out["id"] = out.get("id") or new_id(ID_PREFIX[kind])   # (kept responses' items have theirs: with_ids)
     out.setdefault("status", "completed")
     if isinstance(item, MessageItem) and isinstance(item.content, str):
         part = "output_text" if item.role == "assistant" else "input_text"
@@ -143,18 +141,9 @@ class ConversationLog:
         return conv
 
     def page(self, conv_id: str, owner: Optional[str], after: Optional[str], limit: int, order: str) -> dict:
-        """A page of its items, oldest first (order "asc") or newest first ("desc"), after the item `after`."""
+        """A page of its items (cursor_page)."""
         conv = self.get(conv_id, owner)
-        ids = list(conv.items) if order == "asc" else list(reversed(conv.items))
-        start = 0
-        if after is not None:
-            if after not in conv.items:
-                raise ItemNotFound(f"conversation {conv_id!r} has no item {after!r}", "after")
-            start = ids.index(after) + 1
-        chosen = ids[start:start + limit]
-        return {"object": "list", "data": [conv.items[i] for i in chosen],
-                "first_id": chosen[0] if chosen else None, "last_id": chosen[-1] if chosen else None,
-                "has_more": start + limit < len(ids)}
+        return cursor_page(list(conv.items.values()), after, limit, order, f"conversation {conv_id!r}")
 
     def inputs(self, conv_id: str, owner: Optional[str]) -> list:
         """Its items as a response's input items, oldest first (what the prompt renders before the input)."""
@@ -237,6 +226,22 @@ class ConversationLog:
             self._file.rewrite(self._records())
         else:
             self._file.append(record)
+
+
+def cursor_page(items: list[dict], after: Optional[str], limit: int, order: str, whose: str) -> dict:
+    """A list page of `items` (each with an id), oldest first (order "asc") or newest first
+    ("desc"), after the item `after` (404 where `whose` has none of that id)."""
+    ids = [i["id"] for i in items]
+    if order != "asc":
+        items, ids = items[::-1], ids[::-1]
+    start = 0
+    if after is not None:
+        if after not in ids:
+            raise ItemNotFound(f"{whose} has no item {after!r}", "after")
+        start = ids.index(after) + 1
+    chosen = items[start:start + limit]
+    return {"object": "list", "data": chosen, "first_id": chosen[0]["id"] if chosen else None,
+            "last_id": chosen[-1]["id"] if chosen else None, "has_more": start + limit < len(ids)}
 
 
 def _metadata(metadata: Optional[dict]) -> dict:

@@ -471,6 +471,13 @@ class ResponsesRequest(Strict):
                         allowed)
 
 
+class InputTokensRequest(ResponsesRequest):
+    """POST /v1/responses/input_tokens: a response's request, to count its prompt's tokens."""
+    model: Optional[str] = None
+    input: Union[str, list[Item]] = ""
+    personality: Optional[str] = None   # accepted, unused
+
+
 UNFINISHED = ("queued", "in_progress")   # a background response's statuses before it ends
 STOPPED = {"code": "server_error", "message": "the server stopped before this background response ended (its "
            "session keeps what was generated: send the conversation again)"}
@@ -483,7 +490,7 @@ class ResponseNotFound(ApiError):
 @dataclass
 class Kept:
     """A stored response: its body as returned, the items it added to the conversation (its own
-    input, then its output) and the response it continued."""
+    input, then its output; each with an id: with_ids) and the response it continued."""
     body: dict
     items: list
     previous: Optional[str]
@@ -497,7 +504,25 @@ class Kept:
 
     @classmethod
     def from_record(cls, r: dict) -> "Kept":
-        return cls(r["body"], [_ITEM.validate_python(i) for i in r["items"]], r["previous"], r["owner"], r["chars"])
+        return cls(r["body"], with_ids([_ITEM.validate_python(i) for i in r["items"]]), r["previous"], r["owner"],
+                   r["chars"])
+
+    @property
+    def input_items(self) -> list:
+        """The items of its request (the rest are its output)."""
+        return self.items[:len(self.items) - len(self.body.get("output") or [])]
+
+
+ID_PREFIX = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs",
+             "custom_tool_call": "ctc", "custom_tool_call_output": "ctco"}
+
+
+def with_ids(items: list) -> list:
+    """`items`, each given an id where it came without one (a client's message; a call's output)."""
+    for item in items:
+        if getattr(item, "id", "") is None:
+            item.id = new_id(ID_PREFIX[getattr(item, "type", None) or "message"])
+    return items
 
 
 class ResponseLog:
@@ -522,7 +547,7 @@ class ResponseLog:
             self._load()
 
     def add(self, body: dict, request: ResponsesRequest, owner: Optional[str]) -> None:
-        items = request.input_items + [output_item(i) for i in body["output"]]
+        items = with_ids(request.input_items) + [output_item(i) for i in body["output"]]
         chars = len(json.dumps(body)) + sum(len(i.model_dump_json()) for i in request.input_items)
         kept = Kept(body, items, request.previous_response_id, owner, chars)
         self._keep(body["id"], kept)

@@ -8,9 +8,9 @@ import asyncio
 import json
 import logging
 import time
-from typing import AsyncIterator, Callable, Optional
+from typing import AsyncIterator, Callable, Literal, Optional
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import JSONResponse
 from sse_starlette import EventSourceResponse
 
@@ -23,7 +23,8 @@ from ..errors import ApiError, BadRequest, Unsupported, to_response
 from ..formats import extension, saved_headers
 from ..prompts import chat_prompt, tokenize
 from ..logonce import warn_once
-from ..responses import STOPPED, Built, ResponsesRequest, output_item
+from ..conversations import cursor_page, item_json
+from ..responses import STOPPED, Built, InputTokensRequest, ResponsesRequest, output_item
 from ..services import Services, owner, services
 from ..toolcalls import OutputParser
 from .openai import SESSION_HEADER, addressed_session
@@ -35,19 +36,8 @@ log = logging.getLogger("localheap.server")
 @router.post("/v1/responses")
 async def create_response(body: ResponsesRequest, request: Request, svc: Services = Depends(services),
                           x_session_id: Optional[str] = Depends(addressed_session)):
-    svc.check_model(body.model)
     who = owner(request)
-    svc.responses.resolve(body, who)
-    bad = body.unsupported()
-    if bad is not None:
-        raise Unsupported(bad[1], bad[0])
-    warn_once("hosted tools this server cannot run, left out of the prompt: %s", sorted(body.hosted_tools))
-    plan = body.plan()
-    opts = plan.options(svc)
-    before = svc.responses.conversation(body.previous_response_id, who) if body.previous_response_id else \
-        svc.conversations.inputs(body.conversation_id, who) if body.conversation_id else []
-    messages = body.chat_messages(before)
-    prompt = await tokenize(chat_prompt, svc.tokenizer, messages, limit=svc.settings.max_prompt_tokens, opts=opts)
+    plan, opts, messages, prompt = await _prompt(svc, body, who)
     default = min(svc.settings.default_max_tokens, svc.settings.max_tokens_limit)
     top = body.logprobs
     params = SamplingParams(max_tokens=body.max_output_tokens or default, temperature=body.temperature,
@@ -88,6 +78,41 @@ async def create_response(body: ResponsesRequest, request: Request, svc: Service
         raise RuntimeError("job ended without a Finished event")
     return EventSourceResponse(_stream(built, parser, job, events, started.session_id, keep, token_text),
                                headers=headers, sep="\n")
+
+
+async def _prompt(svc: Services, body: ResponsesRequest, who: Optional[str]) -> tuple:
+    """(plan, chat options, messages, prompt) of a request: what it refuses, refused; its input after
+    the items of the response it continues or of the conversation it names, rendered as chat."""
+    svc.check_model(body.model)
+    svc.responses.resolve(body, who)
+    bad = body.unsupported()
+    if bad is not None:
+        raise Unsupported(bad[1], bad[0])
+    warn_once("hosted tools this server cannot run, left out of the prompt: %s", sorted(body.hosted_tools))
+    plan = body.plan()
+    opts = plan.options(svc)
+    before = svc.responses.conversation(body.previous_response_id, who) if body.previous_response_id else \
+        svc.conversations.inputs(body.conversation_id, who) if body.conversation_id else []
+    messages = body.chat_messages(before)
+    prompt = await tokenize(chat_prompt, svc.tokenizer, messages, limit=svc.settings.max_prompt_tokens, opts=opts)
+    return plan, opts, messages, prompt
+
+
+@router.post("/v1/responses/input_tokens")
+async def count_input_tokens(body: InputTokensRequest, request: Request, svc: Services = Depends(services)) -> dict:
+    """The tokens of the prompt a response to `body` would read (its whole conversation rendered),
+    before any is reused from a session."""
+    _, _, _, prompt = await _prompt(svc, body, owner(request))
+    return {"object": "response.input_tokens", "input_tokens": len(prompt.tokens)}
+
+
+@router.get("/v1/responses/{response_id}/input_items")
+async def list_input_items(response_id: str, request: Request, after: Optional[str] = None,
+                           limit: int = Query(20, ge=1, le=100), order: Literal["asc", "desc"] = "desc",
+                           svc: Services = Depends(services)) -> dict:
+    """A page of the items a kept response was asked with (its continued chain's are its own)."""
+    kept = svc.responses.get(response_id, owner(request))
+    return cursor_page([item_json(i) for i in kept.input_items], after, limit, order, f"response {response_id!r}")
 
 
 @router.get("/v1/responses/{response_id}")
