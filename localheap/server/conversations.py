@@ -19,7 +19,7 @@ from typing import Any, Optional
 from pydantic import ValidationError
 
 from .errors import ApiError, BadRequest
-from .jsonlines import JsonLines
+from .jsonlines import FileBacked, JsonLines
 from .responses import _ITEM, ID_PREFIX, ItemReference, MessageItem, OtherItem, new_id
 
 log = logging.getLogger("localheap.server")
@@ -70,7 +70,7 @@ def _chars(items) -> int:
     return sum(len(str(i)) for i in items)
 
 
-class ConversationLog:
+class ConversationLog(FileBacked):
     """The conversations, the least recently used dropped past `max_chars` characters of items
     (logged: a client that comes back to one gets a 404 that says so). With `path` (the sessions
     directory's conversations.jsonl, a JsonLines) they outlive a restart or a crash: each change
@@ -148,14 +148,6 @@ class ConversationLog:
     def inputs(self, conv_id: str, owner: Optional[str]) -> list:
         """Its items as a response's input items, oldest first (what the prompt renders before the input)."""
         return [_ITEM.validate_python(i) for i in self.get(conv_id, owner, "conversation").items.values()]
-
-    def flush(self) -> None:
-        if self._file is not None:
-            self._file.flush()
-
-    def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
 
     # -- in memory, and the file --
 

@@ -11,7 +11,7 @@ import logging
 import os
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Optional
 
 from ..heap.private import open_private
 
@@ -106,3 +106,17 @@ class JsonLines:
         except OSError as e:
             tmp.unlink(missing_ok=True)
             log.error("could not rewrite %s: %s (%s are kept in memory meanwhile)", self.path, e, self.what)
+
+
+class FileBacked:
+    """What a log kept in a JsonLines (`_file`; None: in memory only) offers the server: wait for
+    its writes (tests, shutdown), and close it."""
+    _file: Optional[JsonLines] = None
+
+    def flush(self) -> None:
+        if self._file is not None:
+            self._file.flush()
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()

@@ -26,7 +26,7 @@ from ..generation import TOP_LOGPROBS_MAX
 from ..grammar import GrammarError, json_grammar, lark_regex
 from .chat import ChatPlan
 from .errors import ApiError, BadRequest
-from .jsonlines import JsonLines
+from .jsonlines import FileBacked, JsonLines
 from .logonce import warn_once
 from .logprobs import chat_content
 from .prompts import with_effort
@@ -525,7 +525,7 @@ def with_ids(items: list) -> list:
     return items
 
 
-class ResponseLog:
+class ResponseLog(FileBacked):
     """The responses kept for previous_response_id and GET /v1/responses/{id}, the oldest dropped
     past `max_kept` responses or `max_chars` characters. Each keeps only what it added, so a long
     conversation costs its length once; a chain whose start was dropped says so. Event loop only.
@@ -618,15 +618,6 @@ class ResponseLog:
         self.get(response_id, owner)
         self._drop(response_id)
         self._append({"delete": response_id})
-
-    def flush(self) -> None:
-        """Wait for the writes queued so far (tests, shutdown)."""
-        if self._file is not None:
-            self._file.flush()
-
-    def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
 
     # -- the file --
 
