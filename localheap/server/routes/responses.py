@@ -257,11 +257,8 @@ def _ended(svc: Services, run: Run, keep: Callable[[dict], None], whole: dict, e
     if run.extra and "localheap" not in whole:
         whole["localheap"] = dict(run.extra)
     run.end(whole, events)
-    keep(whole)
     svc.backgrounds.ended(run)
-
-
-async def _replay(run: Run, after: int = -1) -> AsyncIterator[dict]:
-    async for message in run.read(after):
-        yield message
-
+    try:
+        keep(whole)
+    except Exception:   # (in memory, GET still has it from the run while it is among the latest)
+        log.exception("background response %s: its end was not kept", whole["id"])
