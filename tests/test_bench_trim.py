@@ -35,3 +35,21 @@ def test_cutting_reads_only_each_new_turn_where_reading_again_reads_the_window(m
     for arm in ("reuse", "again"):
         assert len(found[arm]["keys"]) == 2
         assert found[arm]["hits"] == sum(g == k for g, (_, k) in zip(found[arm]["keys"], found["planted"]))
+
+
+def test_keys_in_the_middle_turns_message_must_stay_in_the_window(model_dirs, capsys, torch_one_thread):
+    """--facts-in message: the keys open the middle turn's user message; asked at the end in each
+    arm (the window still holds that message: checked, and a window too short for it is an error)."""
+    from localheap.cli import main
+
+    args = ["bench", "trim", "--model", str(model_dirs("llama")), "--backend", "torch", "--budget", "96", "--slack",
+            "32", "--recent", "16", "--turns", "6", "--question", "30", "--answer", "10", "--cache-reuse", "8",
+            "--threads", "1", "--facts", "2", "--facts-in", "message"]
+    assert main(args + ["--window", "200"]) == 0
+    out = capsys.readouterr().out
+    result = json.loads(out.strip().splitlines()[-1])
+    assert result["facts_in"] == "message" and "the middle turn's message" in out
+    assert all(len(result["facts"][arm]["keys"]) == 2 for arm in ("reuse", "again"))
+    assert result["cuts"] >= 1
+    assert main(args + ["--window", "120"]) != 0
+    assert "no longer holds" in capsys.readouterr().err

@@ -59,7 +59,14 @@ def test_the_first_layer_after_a_cut_is_what_reading_the_shorter_history_gives(m
 
 
 @pytest.mark.parametrize("kind", ["torch", "mlx"])
-def test_a_cut_with_recall_forgets_the_pages_from_the_first_cut_and_goes_on(model_dirs, torch_one_thread, tmp_path, kind):
+def test_a_cut_with_recall_keeps_the_kept_runs_pages_at_their_new_places_and_goes_on(model_dirs, torch_one_thread,
+                                                                                    tmp_path, kind):
+    """With recall on, the tokens of the kept runs that the heap had evicted stay in the page store,
+    read back at their places in the shorter history with their own K/V (the keys are kept before
+    RoPE: nothing to re-rotate); the cut tokens are never read back. The heap then evicts into the
+    store and recalls again, its positions ascending and apart from the pages'."""
+    from test_pages import _by_position
+
     backend, steps = _backend(kind, model_dirs("llama"))
     cfg = HeapConfig(budget=96, sinks=4, recent=16, slack=32, policy="snapkv", recall=True, recall_budget=32, page_size=8,
                      page_format="f32", obs_window=8)
@@ -70,16 +77,26 @@ def test_a_cut_with_recall_forgets_the_pages_from_the_first_cut_and_goes_on(mode
     cache.writer.drain()
     assert cache.pages.pages > 0 and any(layer.heap.n_recalled for layer in cache.heap_layers)
     held = backend.tokens_in_cache(cache)
+    layers = range(len(cache.heap_layers))
+    before = [_by_position(cache.pages, i) for i in layers]
     assert backend.cut(cache, [(0, 100), (300, held)]) == held - 200
     assert cache.cuts == 1
     for layer in cache.heap_layers:
         pos = layer.heap.positions[:, :layer.heap.resident]
         assert (np.diff(pos, axis=1) > 0).all() and pos.max() < held - 200 and not layer.heap.n_recalled
-    for layer in range(len(cache.heap_layers)):   # no page may bring back a token past the first cut
-        live = np.flatnonzero(cache.pages.layers[layer].live)
-        assert (cache.pages.positions(layer, live) < 100).all()
+    kept_run = 0
+    for i in layers:
+        after = _by_position(cache.pages, i)
+        moved = {(h, p if p < 100 else p - 200): key for (h, p), key in before[i].items() if p < 100 or p >= 300}
+        assert after and all(moved[x] == key for x, key in after.items())   # its own K/V, at its new place
+        kept_run += sum(p >= 100 for _, p in after)
+        live = np.flatnonzero(cache.pages.layers[i].live)
+        read = cache.pages.positions(i, live)
+        assert (read < held - 200).all()
+    assert kept_run > 0   # the kept run's evicted tokens are still in the store
     got = steps(cache, ids[401:410], 40)   # feeds, evicts into the store again, recalls
     assert len(got) == 40 and backend.tokens_in_cache(cache) == held - 200 + 9 + 39
+    assert any(layer.heap.n_recalled for layer in cache.heap_layers)
 
 
 def test_a_cache_with_absolute_positions_is_not_cuttable(model_dirs, torch_one_thread):

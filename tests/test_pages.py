@@ -778,3 +778,70 @@ def test_a_rewind_forgets_every_page_and_tail_token_at_or_past_its_point(tmp_pat
     assert again.load(0, np.array([again.summaries(0)[0]] * H))[0].max() < 30
     snap = PageStore(tmp_path / "snap", PageGeometry(1, H, D, P, "f32"), summary="minmax")
     assert snap.pages == 3
+
+
+def _by_position(store, layer=0):
+    """{(head, position now): key row} of every live page's tokens (the cut ones left out)."""
+    slots = store.summaries(layer)[0]
+    pos, k, _ = store.load(layer, np.array([slots] * H)) if len(slots) else (np.zeros((H, 0), int), None, None)
+    return {(h, int(p)): k[h, j].tobytes() for h in range(H) for j, p in enumerate(pos[h])}
+
+
+def test_a_cut_maps_the_pages_tokens_to_the_shorter_history_and_forgets_the_others(tmp_path):
+    """PageStore.cut(spans): a token inside the spans is read back (positions, load, the spans in
+    RAM, the partial page) at its place in the spans joined end to end, with its own K/V; one
+    outside is never read back; a page that keeps none is tombstoned. Records are not rewritten:
+    the cut is in the state, so a reopened store reads through it, and a page written after the cut
+    (in the new places) is not mapped again. A second cut composes with the first."""
+    rng = np.random.default_rng(5)
+    s = store(tmp_path)
+    order = rng.permutation(60)                          # evicted out of order, as a heap evicts
+    pos = np.stack([order, np.roll(order, 7)])           # each head its own tokens in each page
+    k = rng.standard_normal((H, 60, D)).astype(np.float32)
+    s.append(0, np.array([[100, 101, 102, 103], [104, 105, 106, 107]]),
+             *rng.standard_normal((2, H, 4, D)).astype(np.float32))   # a page the cut keeps nothing of
+    s.append(0, pos, k, k.copy())                        # 15 pages
+    tail = np.array([[70, 12, 45], [71, 13, 46]])        # the partial page
+    tk = rng.standard_normal((H, 3, D)).astype(np.float32)
+    s.append(0, tail, tk, tk.copy())
+    before = _by_position(s)
+
+    def through(p, spans):
+        at = 0
+        for lo, hi in spans:
+            if lo <= p < hi:
+                return at + p - lo
+            at += hi - lo
+        return None
+
+    spans = [(0, 10), (40, 75)]                          # 10-39 cut, and all from 75 on
+    s.cut(spans)
+    after = _by_position(s)
+    want = {(h, through(p, spans)): key for (h, p), key in before.items() if through(p, spans) is not None}
+    assert set(after) <= set(want) and all(after[x] == want[x] for x in after)
+    fewest = min(sum(1 for h2, _ in want if h2 == h) for h in range(H))   # load: each head as many as all
+    assert [sum(1 for h2, _ in after if h2 == h) for h in range(H)] == [fewest] * H
+    L = s.layers[0]
+    assert L.tail_pos.tolist() == [[40, 15], [41, 16]]   # 12 and 13 cut: each head keeps two, in order
+    np.testing.assert_array_equal(L.tail_k, tk[:, [0, 2]])
+    live = np.flatnonzero(L.live)
+    assert len(live) == 15 and not L.live[0]             # the page of 100-107 alone: gone
+    read = s.positions(0, live)
+    for j, slot in enumerate(live):                      # the spans in RAM hold the tokens read back
+        for h in range(H):
+            got = read[j, h][read[j, h] >= 0]
+            assert (L.span[slot, h, 0] <= got).all() and (got <= L.span[slot, h, 1]).all()
+    s.append(0, np.array([[45, 46, 47, 48]] * H), *rng.standard_normal((2, H, 4, D)).astype(np.float32))
+    mid = _by_position(s)                                # a page written after the cut: [40, 15, 45, 46]
+    assert {(0, 45), (1, 46)} <= set(mid) and all(mid[x] == after[x] for x in after if x in mid)
+    s.checkpoint()
+    s.close()
+    again = store(tmp_path)
+    assert _by_position(again) == mid                    # the cut read back from the state
+    second = [(0, 4), (9, 49)]                           # a second cut: 4-8 of the shorter history
+    again.cut(second)
+    twice = _by_position(again)
+    assert twice and all(twice[x] == mid[(x[0], next(p for p in range(60) if through(p, second) == x[1]))]
+                         for x in twice)
+    assert max(p for _, p in twice) < 44
+    again.close()

@@ -319,7 +319,8 @@ def gather_taken(store, layer: int, slots: np.ndarray, taken: list, r: int) -> t
         recs = store.read(layer, slots[pages], strict=True)
         u = np.zeros(src.shape, np.int64)
         u[~tail] = np.searchsorted(pages, src[~tail])
-        pos[~tail] = recs["positions"][u[~tail], heads[~tail], off[~tail]]
+        pos[~tail] = store.map_positions(recs["positions"][u[~tail], heads[~tail], off[~tail]],
+                                         recs["seq"][u[~tail]])
     order_h = np.argsort(pos, axis=1, kind="stable")                      # each head's in position order
     rows = np.arange(len(taken))[:, None]
     tail, off = tail[rows, order_h], off[rows, order_h]

@@ -203,12 +203,12 @@ class HeapRollback:
         joined end to end: what a client that trimmed old messages resends (--cache-reuse). The
         kept keys are re-rotated to their new positions; their K/V still carry what the cut
         tokens added to them (as llama.cpp's cache reuse, and unlike reading the shorter history
-        again). With recall on, the page store forgets every page from the first cut on (its
-        positions would be stale) and the recalled slots are released first (their pages stay
-        where they are older). Each KV head is cut to the fewest any head keeps. Sliding layers are
-        left as they are, or as they were at the mark where the spans end there (cut_refusal).
-        Returns the tokens held now. RollbackRefused when the spans cannot be cut here, or the page
-        store cannot forget: the cache is as it was."""
+        again). With recall on, the page store is cut too (PageStore.cut: its tokens in the spans
+        are recalled at their new places, the others forgotten), and the recalled slots are
+        released first (their pages stay in the store). Each KV head is cut to the fewest any head
+        keeps. Sliding layers are left as they are, or as they were at the mark where the spans end
+        there (cut_refusal). Returns the tokens held now. RollbackRefused when the spans cannot be
+        cut here, or the page store's disk refuses: the heap is as it was."""
         assert self.cuttable() and spans and spans[0][0] == 0, spans
         assert all(a < b <= c for (_, a), (b, c) in zip(spans, spans[1:])) and spans[-1][1] <= self.tokens_seen, spans
         refusal = self.cut_refusal(spans)
@@ -218,9 +218,9 @@ class HeapRollback:
         if self.pages is not None:
             try:
                 self.writer.drain()
-                self.pages.forget_from(spans[0][1])
+                self.pages.cut(spans)
             except Exception as e:
-                raise RollbackRefused(f"the page store did not forget the cut pages: {e}") from e
+                raise RollbackRefused(f"the page store was not cut: {e}") from e
         release_recalled(self)
         for layer in self.heap_layers:
             layer.cut(spans, self.host_scores(layer))

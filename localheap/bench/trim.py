@@ -13,7 +13,9 @@ this process share the loaded model, one per arm; each turn is sent to one and t
 With `facts` K > 0 the system message holds K pass keys (facts.FACT, held-out names), which a
 trim never drops; after the last turn each arm is asked for every key (bench/turns._ask). The keys
 each arm gives back say what a cut heap (its K/V still shaped by the trimmed messages) costs the
-answers against one read anew.
+answers against one read anew. With `facts_in` "message" the keys open the user message of the
+middle turn instead: the window must still hold it at the end (checked), and past the heap it has
+been evicted, so the answers say whether a cut keeps what recall brings back of the kept runs.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ def _fit(hf, system: dict, history: list[dict], window: int) -> tuple[list[dict]
 
 
 def run(backend, cfg, turns: int, window: int, question: int, answer: int, min_chunk: int,
-        log: Callable[[str], None], facts: int = 0) -> dict:
+        log: Callable[[str], None], facts: int = 0, facts_in: str = "system") -> dict:
     """window: tokens the client's prompt may hold; question, answer: about how many tokens each
     user message and reply holds; min_chunk: the reuse arm's --cache-reuse."""
     from ..grammar import ForcedTokens
@@ -51,8 +53,9 @@ def run(backend, cfg, turns: int, window: int, question: int, answer: int, min_c
 
     hf = needle._hf(backend.tokenizer)
     planted = _planted(facts)
-    system = {"role": "system", "content": "You answer briefly." + "".join(
-        " " + FACT.format(name=n, key=k).strip() for n, k in planted)}
+    keys = "".join(" " + FACT.format(name=n, key=k).strip() for n, k in planted)
+    system = {"role": "system", "content": "You answer briefly." + (keys if facts_in == "system" else "")}
+    keyed = turns // 2 if facts_in == "message" and planted else None   # the turn whose message holds them
     servers = {arm: ServerThread(create_app(backend, ServerSettings(
         heap=cfg, web_dir=None, cache_reuse=min_chunk if arm == "reuse" else 0))).start() for arm in ARMS}
     try:
@@ -66,7 +69,8 @@ def run(backend, cfg, turns: int, window: int, question: int, answer: int, min_c
             tok = backend.tokenizer
             said = _text(tok, answer, f"answer {t} word")
             ids = tok.encode(said, add_special_tokens=False)
-            history.append({"role": "user", "content": _text(tok, question, f"note {t} line")})
+            text = _text(tok, question, f"note {t} line")
+            history.append({"role": "user", "content": keys.strip() + " " + text if t == keyed else text})
             messages, n = _fit(hf, system, history, window)
             history = messages[1:]
             row = {"turn": t + 1, "prompt": n, "messages": len(messages)}
@@ -87,6 +91,9 @@ def run(backend, cfg, turns: int, window: int, question: int, answer: int, min_c
         probes = None
         if planted:
             messages, _ = _fit(hf, system, history + [{"role": "user", "content": "?"}], window)
+            if keyed is not None and not any(keys.strip() in str(m["content"]) for m in messages):
+                raise ValueError(f"the window no longer holds turn {keyed + 1}'s keys at the end: a larger "
+                                 f"--window, or fewer --turns")
             probes = {arm: _ask(backend, servers[arm], messages[:-1], planted) for arm in ARMS}
     finally:
         for srv in servers.values():
@@ -98,7 +105,7 @@ def run(backend, cfg, turns: int, window: int, question: int, answer: int, min_c
     if probes is not None:
         for arm in ARMS:
             log(f"{arm}: {probes[arm]['hits']} of {len(planted)} keys ({probes[arm]['keys']})")
-    return {"rows": rows, "total": total, "cuts": cuts, "trimmed_turns": len(trimmed),
+    return {"rows": rows, "total": total, "cuts": cuts, "trimmed_turns": len(trimmed), "facts_in": facts_in,
             "facts": {"planted": planted, **probes} if probes else None,
             "read_ratio": total["again"]["read"] / max(1, total["reuse"]["read"]),
             "seconds_ratio": total["again"]["seconds"] / max(1e-9, total["reuse"]["seconds"]),
@@ -121,6 +128,7 @@ def report(result: dict, cfg, window: int, min_chunk: int, table) -> str:
     found = result.get("facts")
     if found:
         k = len(found["planted"])
-        lines.append(f"pass keys in the system message, asked after the last turn: reuse {found['reuse']['hits']} "
+        where = "the system message" if result.get("facts_in", "system") == "system" else "the middle turn's message"
+        lines.append(f"pass keys in {where}, asked after the last turn: reuse {found['reuse']['hits']} "
                      f"of {k}, read again {found['again']['hits']} of {k}")
     return "\n".join(lines)

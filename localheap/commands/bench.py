@@ -171,6 +171,10 @@ def add_parser(sub) -> None:
                       help="tokens the client's prompt may hold; older exchanges are dropped (default 3072)")
     trim.add_argument("--cache-reuse", type=_positive, default=64, metavar="N",
                       help="the reuse arm's serve --cache-reuse (default 64)")
+    trim.add_argument("--facts-in", choices=("system", "message"), default="system",
+                      help="where the pass keys are: the system message, which no trim drops, or the user message "
+                           "of the middle turn, which the window still holds at the end and the heap has evicted "
+                           "(recall brings it back) (default system)")
     trim.set_defaults(func=run_trim_bench, model="demo")
 
     mass = bsub.add_parser("attention-mass", help="share of the true attention mass each policy's kept set captures")
@@ -526,7 +530,7 @@ def run_trim_bench(args) -> int:
 
     backend, cfg = _conversation_backend(args)
     result = run(backend, cfg, args.turns, args.window, args.question, args.answer, args.cache_reuse,
-                 log=lambda m: print(m, file=sys.stderr), facts=args.facts)
+                 log=lambda m: print(m, file=sys.stderr), facts=args.facts, facts_in=args.facts_in)
     emit("trim", report(result, cfg, args.window, args.cache_reuse, table),
          {"model": backend.model_name, "backend": backend.name, "heap": cfg.to_dict(), **result})
     return 0

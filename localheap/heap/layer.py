@@ -12,6 +12,7 @@ from typing import Callable, Optional
 import numpy as np
 
 from .config import HeapConfig
+from .pages import cut_positions
 from .policies import Policy, SlotView, make_policy
 from .selection import add_noise_floor, select_keep
 from .stats import LayerStats
@@ -283,13 +284,8 @@ class LayerHeap:
         the tokens the spans hold (the new `seen`)."""
         assert not self.n_recalled, "release the recalled slots before a cut"
         pos = self.positions[:, : self.resident]
-        new = pos.copy()
-        at = 0
-        for lo, hi in spans:
-            sel = (pos >= lo) & (pos < hi)
-            new[sel] = pos[sel] - lo + at
-            at += hi - lo
-        pos[:] = new
+        pos[:] = cut_positions(pos, np.asarray(spans, np.int64).reshape(-1, 2))   # (keep_plan kept only tokens in them)
+        at = sum(hi - lo for lo, hi in spans)
         self.seen = self.repacked_at = at
         return at
 

@@ -200,6 +200,41 @@ def _join(tail: np.ndarray, x: np.ndarray) -> np.ndarray:
     return np.concatenate([tail, x], axis=1, dtype=dtype)
 
 
+def cut_positions(pos: np.ndarray, spans: np.ndarray) -> np.ndarray:
+    """Positions inside `spans` ([k, 2] ascending [start, stop)) at their places in the spans joined
+    end to end; -1 for the others (and for -1)."""
+    pos = np.asarray(pos, np.int64)
+    starts, stops = spans[:, 0], spans[:, 1]
+    offsets = np.concatenate([[0], np.cumsum(stops - starts)[:-1]])
+    i = np.searchsorted(starts, pos, side="right") - 1
+    j = np.maximum(i, 0)
+    inside = (i >= 0) & (pos < stops[j]) & (pos >= 0)
+    return np.where(inside, offsets[j] + pos - starts[j], -1)
+
+
+def hull_through(lo: np.ndarray, hi: np.ndarray, spans: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Spans [first, last] (arrays alike) mapped through a cut to `spans`: (first, last, has), the
+    hull of the places the kept positions among them take (has: some position inside is kept; a
+    page's own tokens are among the positions of its span, so the hull holds theirs)."""
+    starts, stops = spans[:, 0], spans[:, 1]
+    # the first kept position at or after lo: lo itself inside a span, else the next span's start
+    i = np.searchsorted(stops, lo, side="right")                 # first span ending after lo
+    first = np.where(i < len(starts), np.maximum(lo, starts[np.minimum(i, len(starts) - 1)]), -1)
+    # the last kept position at or before hi: hi itself inside a span, else the previous span's end - 1
+    k = np.searchsorted(starts, hi, side="right") - 1            # last span starting at or before hi
+    last = np.where(k >= 0, np.minimum(hi, stops[np.maximum(k, 0)] - 1), -1)
+    has = (lo >= 0) & (first >= 0) & (last >= 0) & (first <= last)
+    return cut_positions(np.where(has, first, 0), spans), cut_positions(np.where(has, last, 0), spans), has
+
+
+def page_span(pos: np.ndarray) -> np.ndarray:
+    """[H, P] positions (-1: none) -> [H, 2] (first, last) of each head's; (-1, -1) for a head with none."""
+    valid = pos >= 0
+    first = np.where(valid, pos, np.iinfo(np.int64).max).min(axis=1)
+    last = np.where(valid, pos, -1).max(axis=1)
+    return np.stack([np.where(valid.any(axis=1), first, -1), last], axis=1)
+
+
 class _Layer:
     """RAM side of one layer's file: summaries of the live records, the partial page, free slots."""
 
@@ -209,7 +244,8 @@ class _Layer:
         # reads every live page's summary dimension-major, without a transpose
         self.sums = {f: np.zeros((H, D, 0), np.float16) for f in fields}
         self.dims = lane_order(D)
-        self.span = np.zeros((0, H, 2), np.int64)      # [slots, H, (first, last position)]
+        self.span = np.zeros((0, H, 2), np.int64)      # [slots, H, (first, last position)]; (-1, -1): none
+        self.seq = np.zeros(0, np.int64)               # [slots]: each record's sequence number
         self.live = np.zeros(0, bool)                  # [slots]
         self.value = np.zeros(0, np.float32)
         self.free: list[int] = []
@@ -228,9 +264,17 @@ class _Layer:
         pad = lambda a: np.concatenate([a, np.zeros((extra, *a.shape[1:]), a.dtype)])   # noqa: E731
         self.sums = {f: np.concatenate([a, np.zeros((*a.shape[:2], extra), a.dtype)], axis=2)
                      for f, a in self.sums.items()}
-        self.live, self.value, self.span = pad(self.live), pad(self.value), pad(self.span)
+        self.live, self.value, self.span, self.seq = pad(self.live), pad(self.value), pad(self.span), pad(self.seq)
         self.free.extend(range(n + extra - 1, n - 1, -1))   # lowest slot popped first
         self.free.sort(reverse=True)
+
+    def keep_tail(self, pos: np.ndarray, keep: np.ndarray) -> None:
+        """The partial page's tokens where `keep` [H, t], at positions `pos` [H, t], in order; each
+        KV head cut to the fewest any keeps."""
+        t = int(keep.sum(axis=1).min())
+        idx = np.stack([np.flatnonzero(row)[:t] for row in keep])   # [H, t]
+        self.tail_pos, self.tail_value = np.take_along_axis(pos, idx, 1), np.take_along_axis(self.tail_value, idx, 1)
+        self.tail_k, self.tail_v = (np.take_along_axis(a, idx[..., None], 1) for a in (self.tail_k, self.tail_v))
 
     def put_summaries(self, slots, recs: np.ndarray) -> None:
         """The summaries ([H, D] each) of records `recs` [k] into the RAM columns of `slots` [k]."""
@@ -273,6 +317,10 @@ class PageStore:
         self.lost = 0               # pages lost with a directory removed under the store
         self.corrupt = 0            # records that failed their check (tombstoned), since opened
         self.version: Optional[int] = None   # the state version opened or last written
+        # the session's cuts (--cache-reuse), oldest first: (the first sequence number after it, the
+        # spans kept [k, 2]). A record keeps the positions it was written with; one older than a cut
+        # reads through it (cut_positions), so its tokens come back at the shorter history's places
+        self.cuts: list[tuple[int, np.ndarray]] = []
         self.fault: Optional[str] = None   # why page-out fails now (None: it works)
         self._fds: list[int] = []
         self._closed = False
@@ -486,7 +534,7 @@ class PageStore:
         for _ in range(len(slots)):
             faults.step("pages.write")
         L.put_summaries(slots, recs)
-        L.live[slots], L.value[slots], L.span[slots] = True, recs["value"], spans
+        L.live[slots], L.value[slots], L.span[slots], L.seq[slots] = True, recs["value"], spans, recs["seq"]
         self.seq += len(slots)
         self.written += len(slots)
 
@@ -545,11 +593,56 @@ class PageStore:
                     gone += 1
                 keep = L.tail_pos < seen
                 if not keep.all():
-                    t = int(keep.sum(axis=1).min())
-                    idx = np.stack([np.flatnonzero(row)[:t] for row in keep])   # [H, t], order kept
-                    L.tail_pos, L.tail_value = (np.take_along_axis(a, idx, 1) for a in (L.tail_pos, L.tail_value))
-                    L.tail_k, L.tail_v = (np.take_along_axis(a, idx[..., None], 1) for a in (L.tail_k, L.tail_v))
+                    L.keep_tail(L.tail_pos, keep)
         return gone
+
+    def cut(self, spans: Sequence[tuple[int, int]]) -> int:
+        """The session was cut to `spans` (backends/slots.HeapRollback.cut; queued writes done): its
+        pages' tokens inside them take their places in the spans joined end to end, the others are
+        forgotten. Records stay as written (a checkpoint may link them): the cut is kept in the
+        state (`cuts`), and positions read from a record older than it pass through it. In RAM, each
+        page's span is mapped (the kept tokens' hull); a page that keeps no token is tombstoned, and
+        the partial page loses the cut tokens (each KV head cut to the fewest any keeps). Raises
+        OSError when the disk refuses a tombstone: the store is then as it was but for the pages
+        tombstoned before (which kept none of the spans' tokens). Returns the pages forgotten."""
+        spans = np.asarray(spans, np.int64).reshape(-1, 2)
+        gone = 0
+        with self._appending:
+            mapped = []
+            for layer, L in enumerate(self.layers):   # the pages that keep nothing go first (a refusal
+                live = np.flatnonzero(L.live)          # there leaves the store in the old frame)
+                lo, hi, has = hull_through(L.span[live, :, 0], L.span[live, :, 1], spans)
+                for slot in live[~has.any(axis=1)]:
+                    self._tombstone(layer, int(slot))
+                    gone += 1
+                mapped.append((live, lo, hi, has))
+            self.cuts.append((self.seq, spans))
+            for L, (live, lo, hi, has) in zip(self.layers, mapped):
+                L.span[live, :, 0], L.span[live, :, 1] = np.where(has, lo, -1), np.where(has, hi, -1)
+                if L.tail_pos.size:
+                    pos = cut_positions(L.tail_pos, spans)
+                    L.keep_tail(pos, pos >= 0)
+            self._prune_cuts()
+        return gone
+
+    def _prune_cuts(self) -> None:
+        """Cuts no live record is older than are no longer read through."""
+        oldest = min((int(L.seq[L.live].min()) for L in self.layers if L.live.any()), default=self.seq)
+        self.cuts = [(at, spans) for at, spans in self.cuts if at > oldest]
+
+    def map_positions(self, positions: np.ndarray, seqs: np.ndarray) -> np.ndarray:
+        """Positions read from records (any shape; `seqs` their records' sequence numbers, broadcast
+        to it) at their places now: through every cut made after the record was written; -1 for a
+        token a cut dropped (and for -1)."""
+        if not self.cuts:
+            return positions
+        out = np.array(positions, np.int64)
+        seqs = np.broadcast_to(seqs, out.shape)
+        for at, spans in self.cuts:
+            older = seqs < at
+            if older.any():
+                out[older] = cut_positions(out[older], spans)
+        return out
 
     def _drop(self, layer: int, slot: int) -> None:
         self._tombstone(layer, slot)
@@ -616,7 +709,7 @@ class PageStore:
 
     def _state_meta(self) -> dict:
         return {"geometry": asdict(self.g), "seq": self.seq, "dropped": self.dropped, "written": self.written,
-                "reclaimed": self.reclaimed}
+                "reclaimed": self.reclaimed, "cuts": [[at, spans.tolist()] for at, spans in self.cuts]}
 
     def _tails(self) -> dict:
         tails = {}
@@ -668,7 +761,7 @@ class PageStore:
         lo = self.dtype.fields[_META_FIELDS[0]][1]
         crc = np.fromiter((zlib.crc32(view[i * size + lo: (i + 1) * size]) for i in range(n)), np.uint32, n)
         ok = full & (recs["magic"] == MAGIC) & (crc == recs["crc_meta"])
-        out[ok] = recs["positions"][ok]
+        out[ok] = self.map_positions(recs["positions"][ok], recs["seq"][ok][:, None, None])
         return out
 
     def tail(self, layer: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -714,11 +807,13 @@ class PageStore:
         keys, values = decode(recs, self.g.fmt)                 # [u, H, P, D]
         inv = inv.reshape(H, k)
         heads = np.arange(H)[:, None]
-        pos = recs["positions"][inv, heads]                     # [H, k, P]
+        pos = self.map_positions(recs["positions"][inv, heads], recs["seq"][inv][..., None])   # [H, k, P]
         ks, vs = keys[inv, heads], values[inv, heads]           # [H, k, P, D]
         P, D = self.g.page_size, self.g.head_dim
         pos, ks, vs = pos.reshape(H, k * P), ks.reshape(H, k * P, D), vs.reshape(H, k * P, D)
         order = np.argsort(pos, axis=1, kind="stable")
+        # a cut's dropped tokens (-1) sort first: each head keeps its last tokens, as many as every head has
+        order = order[:, k * P - int((pos >= 0).sum(axis=1).min()):]
         return (np.take_along_axis(pos, order, 1), np.take_along_axis(ks, order[..., None], 1),
                 np.take_along_axis(vs, order[..., None], 1))
 
@@ -830,6 +925,7 @@ class PageStore:
                 raise CorruptPageState(f"page store state {state}: layer {i}'s partial page is malformed")
         self.seq, self.dropped, self.written = int(meta["seq"]), int(meta["dropped"]), int(meta["written"])
         self.reclaimed = int(meta.get("reclaimed", 0))
+        self.cuts = [(int(at), np.asarray(spans, np.int64).reshape(-1, 2)) for at, spans in meta.get("cuts", [])]
         for i, L in enumerate(self.layers):
             size = os.fstat(self._fds[i]).st_size
             n = size // self.record_bytes                      # a torn last record is ignored
@@ -846,9 +942,13 @@ class PageStore:
             ok[_copies(recs["seq"], ok)] = False   # an interrupted compaction's copies: tombstoned below
             for slot in np.flatnonzero(ok):
                 rec = recs[slot]
+                pos = self.map_positions(rec["positions"], rec["seq"])
+                if (pos < 0).all():   # every token cut (a store whose cut's tombstones did not land)
+                    ok[slot] = False
+                    continue
                 L.put_summaries([slot], recs[slot: slot + 1])
-                L.live[slot], L.value[slot] = True, rec["value"]
-                L.span[slot] = np.stack([rec["positions"].min(axis=1), rec["positions"].max(axis=1)], axis=1)
+                L.live[slot], L.value[slot], L.seq[slot] = True, rec["value"], rec["seq"]
+                L.span[slot] = page_span(pos)
             L.free = sorted((int(s) for s in np.flatnonzero(~L.live[: len(L.live)])), reverse=True)
             # records written after the state (a turn that never committed, or a parent's appends a
             # fork copied): tombstoned, or a later state's larger sequence number would take them for valid
