@@ -85,7 +85,7 @@ class Run:
     async def read(self, after: int = -1) -> AsyncIterator[dict]:
         """The SSE messages of the events after sequence number `after`, then each as it comes,
         until it ends. A reader that leaves changes nothing: the reply runs on."""
-        at = after + 1
+        at = max(0, after + 1)
         while True:
             changed = self._changed
             while at < len(self.events):
