@@ -16,8 +16,10 @@ ollama = pytest.importorskip("ollama")
 openai = pytest.importorskip("openai")
 
 from localheap.server.ollama import ChatRequest  # noqa: E402
-from localheap.server.prompts import ChatOptions, chat_prompt  # noqa: E402
+from localheap.server.errors import PromptTooLong  # noqa: E402
+from localheap.server.prompts import ChatOptions, after_context, chat_prompt  # noqa: E402
 from localheap.server.schemas import ChatMessage  # noqa: E402
+from localheap.sessions import Prompt  # noqa: E402
 from localheap.server.toolformats import tool_format  # noqa: E402
 from tool_server import CALL, CITY, qwen_model, serve  # noqa: E402
 
@@ -233,9 +235,54 @@ def test_what_it_cannot_do_is_a_400_in_ollamas_shape(server, body, param):
     neutral = {"repeat_penalty": 1.0, "num_ctx": 8192, "mirostat": 0, "num_predict": 2}
     assert ollama.Client(host=server.url).chat(model=model(server), messages=[{"role": "user", "content": "x"}],
                                                options=neutral).eval_count <= 2
-    r = httpx.post(server.url + "/api/generate", json={"model": model(server), "prompt": "x", "context": [1, 2]},
-                   timeout=60)
+    r = httpx.post(server.url + "/api/generate", json={"model": model(server), "prompt": "x", "context": [1, 2],
+                                                       "suffix": "y"}, timeout=60)
     assert r.status_code == 400 and "context" in r.json()["error"]
+
+
+def test_a_replys_context_continues_its_session(server, client):
+    """/api/generate's `context` (deprecated by Ollama, still sent by its clients): the final line
+    gives the prompt's and reply's ids; sent back, the next prompt is read after them in the same
+    session (only the new ids read), and the reply is what those ids give as a token prompt."""
+    options = {"temperature": 0, "num_predict": 6}
+
+    def generate(**body) -> dict:
+        r = httpx.post(server.url + "/api/generate", json={"model": model(server), "options": options,
+                                                           "stream": False, **body}, timeout=60)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    first = generate(prompt="The pass key")
+    asked = chat_prompt(server.services.tokenizer, [ChatMessage(role="user", content="The pass key")]).tokens
+    assert first["context"][:len(asked)] == list(asked) and len(first["context"]) == len(asked) + first["eval_count"]
+    then = chat_prompt(server.services.tokenizer, [ChatMessage(role="user", content="And then")]).tokens
+    second = generate(prompt="And then", context=first["context"])
+    assert second["localheap"]["session_id"] == first["localheap"]["session_id"]
+    assert second["prompt_eval_count"] == len(then) + 1   # the reply's last id (never fed), then the new ones
+    ids = first["context"] + list(then)
+    assert second["context"][:len(ids)] == ids
+    same = httpx.post(server.url + "/v1/completions", json={"prompt": ids, "max_tokens": 6, "temperature": 0},
+                      timeout=60).json()
+    assert second["response"] == same["choices"][0]["text"]
+    assert client.generate(model=model(server), prompt="x", raw=True, options=options).context is None
+    streamed = list(client.generate(model=model(server), prompt="The pass key", options=options, stream=True))
+    assert streamed[-1].context == first["context"] and all(p.context is None for p in streamed[:-1])
+    r = httpx.post(server.url + "/api/generate", json={"model": model(server), "prompt": "x", "context": [10 ** 9],
+                                                       "stream": False}, timeout=60)
+    assert r.status_code == 400 and "out of range" in r.json()["error"], r.text[:300]
+    with pytest.raises(PromptTooLong):
+        after_context(server.services.tokenizer, first["context"], Prompt(then), len(first["context"]))
+
+
+def test_a_context_keeps_one_bos(model_dirs):
+    """A template that writes the BOS: the prompt after a context loses its own (the context's is first)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dirs("llama"))
+    asked = chat_prompt(tok, [ChatMessage(role="user", content="hi")]).tokens
+    assert asked[0] == tok.bos_token_id
+    joined = after_context(tok, list(asked) + [5], Prompt(asked)).tokens
+    assert joined == list(asked) + [5] + list(asked[1:]) and joined.count(tok.bos_token_id) == 1
 
 
 def test_an_api_key_guards_the_ollama_routes(model_dirs, tmp_path_factory, torch_one_thread):

@@ -62,6 +62,7 @@ class Finished:
     interrupted: Optional[str] = None    # "shutdown": the server stopped the run (SIGTERM), not the client
     stop_word: Optional[str] = None      # the stop sequence that ended the reply (finish_reason "stop")
     stop_id: Optional[int] = None        # the stop_token_ids id that ended it (EOS is neither)
+    end_id: Optional[int] = None         # the id that ended it, an EOS or a stop_token_ids one (in no Delta's ids)
 
 
 @dataclass

@@ -222,7 +222,8 @@ class Run:
         stop_id = self.stop_token if self.stop_token is not None and self.stop_token not in self.backend.eos_token_ids \
             else None
         return Finished(self.session.id, self.finish_reason or "cancelled", usage, self.session.snapshot,
-                        prompt_read=read, interrupted=interrupted, stop_word=word, stop_id=stop_id)
+                        prompt_read=read, interrupted=interrupted, stop_word=word, stop_id=stop_id,
+                        end_id=self.stop_token)
 
     def _publish_stats(self, force: bool) -> None:
         now = time.monotonic()

@@ -206,7 +206,7 @@ class GenerateRequest(OllamaRequest):
     raw: bool = False
     suffix: Optional[str] = None   # fill in the middle (a model with FIM tokens: fim.py); "" = none
     template: Optional[str] = None
-    context: Optional[list[int]] = None
+    context: Optional[list[int]] = None   # an earlier reply's context (its prompt's and reply's ids): read first
     images: Optional[list[str]] = None
 
     def unsupported(self) -> Optional[tuple[str, str]]:
@@ -216,9 +216,8 @@ class GenerateRequest(OllamaRequest):
             return "system", "a fill-in-the-middle prompt (suffix) has no place for a system message"
         if self.template:
             return "template", "a template of the request's own is not supported: the model's chat template is used"
-        if self.context:
-            return "context", ("context (the token ids of an earlier reply) is not supported: send the text; the "
-                               "session it extends is found and its prefix reused")
+        if self.context and self.suffix:
+            return "context", "a fill-in-the-middle prompt (suffix) takes no context"
         if self.raw and self.system:
             return "system", "raw prompts take no system message"
         return None

@@ -16,7 +16,8 @@ from ..sessions.session import token_array
 from .errors import BadRequest, PromptTooLong
 from .schemas import ChatMessage, CompletionRequest
 from .toolformats import Harmony, ToolFormat
-from .tokens import PIECE_CHARS, check_chars, encode_bounded, encode_plain, release_freed_memory, special_head
+from .tokens import (PIECE_CHARS, check_chars, encode_bounded, encode_plain, leading_specials, release_freed_memory,
+                     special_head)
 
 _LONG_TEXTS = threading.Lock()
 
@@ -233,6 +234,19 @@ def completion_prompt(tokenizer: Any, p: Union[str, list[int]], limit: Optional[
         raise BadRequest("the prompt is empty", "prompt")
     plain = encode_bounded(tokenizer, text, limit, "prompt")
     return Prompt(with_specials(tokenizer, text, plain), None, plain)
+
+
+def after_context(tokenizer: Any, context: Sequence[int], prompt: Prompt, limit: Optional[int] = None) -> Prompt:
+    """Ollama's `context` (the ids an earlier /api/generate reply returned) with `prompt` after it: the
+    prompt's ids without the BOS it starts with (the context has its own). Token ids, not text read
+    again, so the session that reply ended extends as it is."""
+    head, ids = leading_specials(tokenizer), list(prompt.tokens)
+    if head and ids[:len(head)] == head:
+        ids = ids[len(head):]
+    tokens = list(context) + ids
+    if limit is not None and len(tokens) > limit:
+        raise PromptTooLong(limit, len(tokens), "context")
+    return Prompt(tokens, None, None)   # ids are checked against the vocabulary by the engine
 
 
 def document_prompt(tokenizer: Any, text: str, role: str, raw: bool, limit: Optional[int] = None) -> Prompt:

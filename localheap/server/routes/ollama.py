@@ -28,7 +28,7 @@ from ..logonce import warn_once
 from ..embeddings import check_backend, embed, embedding_prompt, input_limit
 from ..ollama import (OLLAMA_VERSION, ChatRequest, EmbedRequest, GenerateRequest, LegacyEmbeddingsRequest, ShowRequest,
                       call_dict, final_fields, model_entry, now_iso, tag)
-from ..prompts import chat_prompt, completion_prompt, tokenize
+from ..prompts import after_context, chat_prompt, completion_prompt, tokenize
 from ..services import Services, services
 from ..toolcalls import OutputParser, Text
 from ..toolformats import ToolCall, template_source
@@ -199,9 +199,12 @@ async def generate(request: Request, svc: Services = Depends(services), x_sessio
     else:
         prompt = await tokenize(chat_prompt, svc.tokenizer, body.chat_messages(), limit=svc.settings.max_prompt_tokens,
                                 opts=opts)
+    if body.context:   # an earlier reply's ids, this prompt after them (as Ollama: deprecated there, still sent)
+        prompt = after_context(svc.tokenizer, body.context, prompt, svc.settings.max_prompt_tokens)
     return await _run(request, svc, body, prompt, plan.parser(opts, prompt), plan.constraint(svc, opts, prompt),
                       x_session_id, body.prompt, chat=False, stop_ids=ends,
-                      scratch=bool(body.suffix) and x_session_id is None)
+                      scratch=bool(body.suffix) and x_session_id is None,
+                      context=None if body.raw or body.suffix else prompt.tokens)
 
 
 @router.post("/api/embed")
@@ -256,13 +259,14 @@ def _loaded(svc: Services, stream: bool, reply: dict):
 
 async def _run(request: Request, svc: Services, body, prompt, parser: OutputParser, constraint,
                session_id: Optional[str], title: Optional[str], chat: bool, stop_ids: Sequence[int] = (),
-               scratch: bool = False):
+               scratch: bool = False, context: Optional[Sequence[int]] = None):
+    """context: the prompt's ids, for the final line's `context` (generate, not raw)."""
     began = time.monotonic()
     default = min(svc.settings.default_max_tokens, svc.settings.max_tokens_limit)
     params = body.params(default, constraint)
     params.stop_token_ids += list(stop_ids)
     job, events, started = await start(svc, request, prompt, params, session_id, title, scratch=scratch)
-    reply = Reply(svc, parser, chat, began, svc.token_text if params.logprobs is not None else None)
+    reply = Reply(svc, parser, chat, began, svc.token_text if params.logprobs is not None else None, context)
     headers = {SESSION_HEADER: started.session_id}
     if body.stream:
         return StreamingResponse(_lines(reply, job, events), media_type=NDJSON, headers=headers)
@@ -289,11 +293,14 @@ async def _lines(reply: "Reply", job: Job, events: JobEvents) -> AsyncIterator[s
 
 class Reply:
     """A job's Deltas as Ollama's lines: text (chat: message.content; generate: response),
-    thinking, tool calls (chat: each whole, once written), then the final line."""
+    thinking, tool calls (chat: each whole, once written), then the final line: with `context` given
+    (the prompt's ids), the prompt's and reply's ids under "context", the id that ended it included."""
 
-    def __init__(self, svc: Services, parser: OutputParser, chat: bool, began: float, token_text=None):
+    def __init__(self, svc: Services, parser: OutputParser, chat: bool, began: float, token_text=None,
+                 context: Optional[Sequence[int]] = None):
         self.svc, self.parser, self.chat, self.began = svc, parser, chat, began
         self.token_text = token_text          # logprobs asked for: a token's text and bytes
+        self.context = list(context) if context is not None else None
         self.pending: list = []               # TokenLogprob entries not yet in a line
         self.first_token: Optional[float] = None
         self.done: Optional[Finished] = None
@@ -305,6 +312,8 @@ class Reply:
             if isinstance(event, Delta):
                 self.first_token = self.first_token or time.monotonic()
                 self.pending += event.logprobs or []
+                if self.context is not None:
+                    self.context += event.ids or []
                 for line in self._pieces(self.parser.feed(event.text)):
                     yield self._with_logprobs(line)
             elif isinstance(event, Finished):
@@ -351,6 +360,8 @@ class Reply:
 
     def _final(self, done: Finished) -> dict:
         line = {**self._line(), **final_fields(done, self.began, self.first_token, time.monotonic())}
+        if self.context is not None:
+            line["context"] = self.context + ([done.end_id] if done.end_id is not None else [])
         ext = {"session_id": done.session_id, "heap": done.session.get("heap"), **save_fields(done)}
         if self.call_errors:
             ext["tool_call_errors"] = self.call_errors
