@@ -209,15 +209,8 @@ class ConversationLog(FileBacked):
                 out.append({"add": c.id, "items": list(c.items.values())})
         return out
 
-    def _write(self, record: dict) -> None:
-        """A change made in memory, onto the file (or the file rewritten from memory, which holds it)."""
-        if self._file is None:
-            return
-        live = len(self._convs) + sum(1 for c in self._convs.values() if c.items)
-        if self._file.lines + 1 > 2 * live + 64:   # mostly what is gone: rewrite what is kept
-            self._file.rewrite(self._records())
-        else:
-            self._file.append(record)
+    def _live(self) -> int:
+        return len(self._convs) + sum(1 for c in self._convs.values() if c.items)
 
 
 def cursor_page(items: list[dict], after: Optional[str], limit: int, order: str, whose: str) -> dict:

@@ -110,8 +110,26 @@ class JsonLines:
 
 class FileBacked:
     """What a log kept in a JsonLines (`_file`; None: in memory only) offers the server: wait for
-    its writes (tests, shutdown), and close it."""
+    its writes (tests, shutdown), and close it; and to the log, its changes written."""
     _file: Optional[JsonLines] = None
+
+    def _records(self) -> list[dict]:
+        """What the log keeps, as the lines of a file rewritten whole."""
+        raise NotImplementedError
+
+    def _live(self) -> int:
+        """The lines what the log keeps takes (its `_records()`, not built)."""
+        raise NotImplementedError
+
+    def _write(self, record: dict) -> None:
+        """A change made in memory, onto the file: a line appended, or the file rewritten from memory
+        (which holds the change) once it would hold mostly what is gone."""
+        if self._file is None:
+            return
+        if self._file.lines + 1 > 2 * self._live() + 64:
+            self._file.rewrite(self._records())
+        else:
+            self._file.append(record)
 
     def flush(self) -> None:
         if self._file is not None:

@@ -551,7 +551,7 @@ class ResponseLog(FileBacked):
         chars = len(json.dumps(body)) + sum(len(i.model_dump_json()) for i in request.input_items)
         kept = Kept(body, items, request.previous_response_id, owner, chars)
         self._keep(body["id"], kept)
-        self._append({"add": body["id"], **kept.record()})
+        self._write({"add": body["id"], **kept.record()})
 
     def _keep(self, response_id: str, kept: Kept) -> None:
         self._drop(response_id)   # a background response is added queued, then again once it ends
@@ -617,17 +617,12 @@ class ResponseLog(FileBacked):
     def delete(self, response_id: str, owner: Optional[str]) -> None:
         self.get(response_id, owner)
         self._drop(response_id)
-        self._append({"delete": response_id})
+        self._write({"delete": response_id})
 
     # -- the file --
 
-    def _append(self, record: dict) -> None:
-        if self._file is None:
-            return
-        if self._file.lines + 1 > 2 * len(self._kept) + 64:   # mostly dropped and deleted ones: rewrite what is kept
-            self._file.rewrite(self._records())
-        else:
-            self._file.append(record)
+    def _live(self) -> int:
+        return len(self._kept)
 
     def _records(self) -> list[dict]:
         return [{"add": rid, **k.record()} for rid, k in self._kept.items()]
