@@ -843,54 +843,93 @@ def test_background_errors_come_back_at_once_or_as_a_failed_response(server, cli
     assert failed.background is True and failed.usage is None
 
 
-def test_a_background_response_the_server_stopped_in_comes_back_failed(tmp_path):
-    """A background response kept queued (or running) when the server stopped reads back failed,
-    with an error that says so; one that ended reads back as it ended."""
-    from localheap.server.responses import ResponseLog
+def test_a_background_response_the_server_stopped_in_reads_back_to_run_again(tmp_path):
+    """A background response kept queued (or running) when the server stopped, with its request,
+    reads back to run again, RUNS times in all at most; then, or kept without its request, it reads
+    back failed with an error that says so. One that ended reads back as it ended."""
+    from localheap.server.responses import RUNS, ResponseLog
 
     path = tmp_path / "responses.jsonl"
     log = ResponseLog(path=path)
     req = ResponsesRequest(model="m", input="hi", background=True)
-    log.add({"id": "resp_a", "status": "queued", "background": True, "error": None, "output": []}, req, None)
-    log.add({"id": "resp_b", "status": "in_progress", "background": True, "error": None, "output": []}, req, None)
-    done = {"id": "resp_b", "status": "completed", "background": True, "error": None, "output": []}
-    log.add(done, req, None)   # resp_b ended: added again
-    assert len(log._kept) == 2 and log.chars == sum(k.chars for k in log._kept.values())
+
+    def queued(rid: str, status: str = "queued") -> dict:
+        return {"id": rid, "status": status, "background": True, "error": None, "output": []}
+
+    again = {"request": req.model_dump(mode="json", exclude_unset=True), "session_id": None}
+    log.add(queued("resp_a"), req, None)   # (no request kept with it: as a server before resuming kept them)
+    log.add(queued("resp_b", "in_progress"), req, None, {**again, "runs": 1})
+    done = {**queued("resp_b"), "status": "completed"}
+    log.add(done, req, None, {**again, "runs": 1})   # resp_b ended: added again, nothing to run again
+    log.add(queued("resp_c"), req, None, {**again, "runs": 1})
+    log.add(queued("resp_d"), req, "key2", {**again, "runs": RUNS})
+    assert len(log._kept) == 4 and log.chars == sum(k.chars for k in log._kept.values())
     log.close()
-    again = ResponseLog(path=path)
-    a = again.get("resp_a", None).body
+    back = ResponseLog(path=path)
+    a = back.get("resp_a", None).body
     assert a["status"] == "failed" and a["error"]["code"] == "server_error" and "stopped" in a["error"]["message"]
-    assert again.get("resp_b", None).body == done
-    assert [m.content for m in ResponsesRequest(model="m", input="x").chat_messages(again.conversation("resp_a", None))] \
+    assert back.get("resp_b", None).body == done
+    d = back.get("resp_d", "key2").body
+    assert d["status"] == "failed" and f"each of the {RUNS} times" in d["error"]["message"]
+    (rid, kept), = back.resumable()
+    assert rid == "resp_c" and kept.body["status"] == "queued" and kept.resume["runs"] == 1
+    assert ResponsesRequest.model_validate(kept.resume["request"]).input == "hi" and back.resumable() == []
+    back.fail("resp_c", {"code": "x", "message": "gone"})
+    assert [m.content for m in ResponsesRequest(model="m", input="x").chat_messages(back.conversation("resp_a", None))] \
         == ["hi", "x"]
-    again.close()
+    back.close()
+    third = ResponseLog(path=path)
+    assert third.get("resp_c", None).body["error"]["message"] == "gone" and third.resumable() == []
+    third.close()
 
 
-def test_a_server_stopped_during_a_background_response_reads_it_back_failed(model_dirs, tmp_path_factory, tmp_path,
-                                                                            torch_one_thread):
-    """The server stops while a background response runs: after the restart, GET says failed (the
-    server stopped), and the response can still be continued by previous_response_id."""
+def _forced_server(model_dir, text: str, **settings):
+    """The tool server with its replies forced to `text` from its first request on (a background
+    response run again at start included)."""
     from localheap.grammar import ForcedTokens
+    from localheap.models import load_backend
+    from localheap.server import ServerSettings, create_app
+    from localheap.server.testing import ServerThread
+    from tool_server import HEAP
 
+    app = create_app(load_backend(str(model_dir), "torch"), ServerSettings(heap=HEAP, web_dir=None, **settings))
+    svc = app.state.services
+    ids = svc.tokenizer.encode(text, add_special_tokens=False)
+    svc.force_tokens = lambda: ForcedTokens(ids, svc.backend.eos_token_ids)
+    return ServerThread(app)
+
+
+def test_a_background_response_the_server_stopped_in_runs_again_after_its_restart(model_dirs, tmp_path_factory,
+                                                                                  tmp_path, torch_one_thread):
+    """The server stops while a background response runs: at the restart it runs again from its
+    start, under its id, and polls to the reply that server gives (its forced text); it is then
+    continued by previous_response_id, and a third start leaves it as it ended."""
     model_dir = qwen_model(model_dirs, tmp_path_factory)
     settings = dict(sessions_dir=tmp_path, persist_sessions=True)
-    with serve(model_dir, **settings) as srv:
-        svc = srv.services
-        ids = svc.tokenizer.encode("one two three " * 400, add_special_tokens=False)
-        svc.force_tokens = lambda: ForcedTokens(ids, svc.backend.eos_token_ids)   # no early end
+    with _forced_server(model_dir, "one two three " * 400, **settings) as srv:   # no early end
         client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
         stall = _Stalled(srv)
         try:
-            back = client.responses.create(model=model(srv), input="Go on", max_output_tokens=3000, background=True)
+            back = client.responses.create(model=model(srv), input="Go on", max_output_tokens=3000, background=True,
+                                           instructions="Be brief.")
         finally:
             stall.release()   # it runs; the server stops under it
+    with _forced_server(model_dir, "Done at last.", **settings) as srv:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
+        got = _ended(client, back.id)
+        assert got.status == "completed" and got.output_text == "Done at last." and got.background is True
+        assert got.created_at == back.created_at and got.instructions == "Be brief."
+        events = list(client.responses.retrieve(back.id, stream=True))
+        assert events[0].type == "response.created" and events[-1].type == "response.completed"
+        again = client.responses.create(model=model(srv), previous_response_id=back.id, input="Again?",
+                                        max_output_tokens=2, instructions="Be brief.")
+        assert again.status in ("completed", "incomplete")
+        assert again.localheap["session_id"] == got.localheap["session_id"]
+        assert again.usage.input_tokens_details.cached_tokens > 0
     with serve(model_dir, **settings) as srv:
         client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
-        got = client.responses.retrieve(back.id)
-        assert got.status == "failed" and got.background is True and "server stopped" in got.error.message
-        again = client.responses.create(model=model(srv), previous_response_id=back.id, input="Again?",
-                                        max_output_tokens=2)
-        assert again.status in ("completed", "incomplete")
+        assert client.responses.retrieve(back.id).output_text == "Done at last."
+        assert srv.services.backgrounds.running == 0
 
 
 def test_input_tokens_counts_the_prompt_a_response_reads(server, client, force):

@@ -68,10 +68,14 @@ def create_app(backend: Any, settings: Optional[ServerSettings] = None, governor
             svc.conversations
         engine.start()
         sampler = asyncio.create_task(svc.throughput.run(svc))
+        # the background responses a stopped server left unfinished run again
+        resuming = asyncio.create_task(responses.resume_backgrounds(svc)) if settings.persist_sessions else None
         try:
             yield
         finally:
             sampler.cancel()
+            if resuming is not None:
+                resuming.cancel()
             # cancels runs; the backend is this thread's from here on, unless the engine died
             # or is stuck: then the copies each finished turn left on disk are what survives
             if engine.stop() and settings.persist_sessions:

@@ -335,15 +335,16 @@ def _token_ref(tokenizer: Any, text: str) -> str:
     return f"<[{ids[0]}]>" if len(ids) == 1 else json.dumps(text)
 
 
-async def start(svc: Services, request: Request, prompt: Prompt, params: SamplingParams,
+async def start(svc: Services, request: Optional[Request], prompt: Prompt, params: SamplingParams,
                 session_id: Optional[str], title: Optional[str],
                 ephemeral: bool = False, scratch: bool = False,
-                cache_reuse: Optional[int] = None) -> tuple[Job, JobEvents, Started]:
+                cache_reuse: Optional[int] = None, who: Optional[str] = None) -> tuple[Job, JobEvents, Started]:
     """Queue a generation on the session the prompt extends (or `session_id`); returns once admitted.
     `ephemeral`: a session of its own, never matched or saved, deleted when the reply ends.
     `scratch`: an editor's completion (engine.Generate.scratch). `cache_reuse`: the request's
-    n_cache_reuse (None: serve --cache-reuse)."""
-    who = owner(request)
+    n_cache_reuse (None: serve --cache-reuse). With no `request` (a background response run again
+    after a restart), the sessions matched are `who`'s."""
+    who = owner(request) if request is not None else who
     check_start(svc, who, params, session_id, ephemeral)
     job, events, started = await submit(svc.engine, lambda emit: Generate(prompt, params, emit, session_id, who,
                                                                                ephemeral=ephemeral,

@@ -479,8 +479,11 @@ class InputTokensRequest(ResponsesRequest):
 
 
 UNFINISHED = ("queued", "in_progress")   # a background response's statuses before it ends
+RUNS = 3   # a background response the server stopped in runs again at its restart, this many times in all at most
 STOPPED = {"code": "server_error", "message": "the server stopped before this background response ended (its "
            "session keeps what was generated: send the conversation again)"}
+STOPPED_EACH_RUN = {"code": "server_error", "message": f"the server stopped during this background response each of the "
+                    f"{RUNS} times it ran (it is not run again: send the conversation again)"}
 
 
 class ResponseNotFound(ApiError):
@@ -496,16 +499,18 @@ class Kept:
     previous: Optional[str]
     owner: Optional[str]
     chars: int
+    resume: Optional[dict] = None   # a background response not ended: its request (JSON), X-Session-Id, runs so far
 
     def record(self) -> dict:
         return {"body": self.body, "items": [i.model_dump(mode="json", by_alias=True, exclude_none=True)
                                              for i in self.items],
-                "previous": self.previous, "owner": self.owner, "chars": self.chars}
+                "previous": self.previous, "owner": self.owner, "chars": self.chars,
+                **({"resume": self.resume} if self.resume is not None else {})}
 
     @classmethod
     def from_record(cls, r: dict) -> "Kept":
         return cls(r["body"], with_ids([_ITEM.validate_python(i) for i in r["items"]]), r["previous"], r["owner"],
-                   r["chars"])
+                   r["chars"], r.get("resume"))
 
     @property
     def input_items(self) -> list:
@@ -534,10 +539,16 @@ class ResponseLog(FileBacked):
     crash: each added or deleted response is a line appended, read back at start; a line a crash
     cut short is dropped (that response alone is lost), and the file is rewritten once it holds
     twice what is kept. Reads are not written: after a restart the oldest added are the first
-    dropped."""
+    dropped.
+
+    A background response is kept queued with its request (`resume`), and again when it ends. One
+    the server stopped in (queued or running) is read back to run again from its start (`resumable`),
+    RUNS times in all at most (a response that brings the server down would otherwise at each
+    start); past that it reads back failed."""
 
     def __init__(self, max_kept: int = 4096, max_chars: int = 16_000_000, path: Optional[Path] = None):
         self.max_kept, self.max_chars = max_kept, max_chars
+        self._resumable: list[str] = []   # read back unfinished, to run again
         self._kept: OrderedDict[str, Kept] = OrderedDict()
         self._items: dict[str, dict[str, Any]] = {}   # item id -> {id of a kept response holding it: the item}
         self.chars = 0
@@ -546,10 +557,13 @@ class ResponseLog(FileBacked):
         if path is not None:
             self._load()
 
-    def add(self, body: dict, request: ResponsesRequest, owner: Optional[str]) -> None:
+    def add(self, body: dict, request: ResponsesRequest, owner: Optional[str], resume: Optional[dict] = None) -> None:
+        """Keep a response (again: a background one, queued with `resume`, then ended)."""
         items = with_ids(request.input_items) + [output_item(i) for i in body["output"]]
-        chars = len(json.dumps(body)) + sum(len(i.model_dump_json()) for i in request.input_items)
-        kept = Kept(body, items, request.previous_response_id, owner, chars)
+        resume = resume if body.get("status") in UNFINISHED else None
+        chars = len(json.dumps(body)) + sum(len(i.model_dump_json()) for i in request.input_items) + \
+            (len(json.dumps(resume)) if resume is not None else 0)
+        kept = Kept(body, items, request.previous_response_id, owner, chars, resume)
         self._keep(body["id"], kept)
         self._write({"add": body["id"], **kept.record()})
 
@@ -614,6 +628,19 @@ class ResponseLog(FileBacked):
             at = kept.previous
         return [item for items in reversed(chain) for item in items]
 
+    def resumable(self) -> list[tuple[str, Kept]]:
+        """The background responses read back unfinished that run again (each once: taken)."""
+        out = [(rid, self._kept[rid]) for rid in self._resumable if rid in self._kept]
+        self._resumable = []
+        return out
+
+    def fail(self, response_id: str, error: dict) -> None:
+        """A kept background response ended failed without running (`error`: code and message)."""
+        kept = self._kept[response_id]
+        kept.body.update(status="failed", error=error)
+        kept.resume = None
+        self._write({"add": response_id, **kept.record()})
+
     def delete(self, response_id: str, owner: Optional[str]) -> None:
         self.get(response_id, owner)
         self._drop(response_id)
@@ -637,9 +664,14 @@ class ResponseLog(FileBacked):
                 self._keep(r["add"], Kept.from_record(r))
 
         whole = self._file.load(apply)
-        for kept in self._kept.values():
-            if kept.body.get("status") in UNFINISHED:   # a background response the server stopped in
-                kept.body.update(status="failed", error=STOPPED)
+        for rid, kept in self._kept.items():
+            if kept.body.get("status") not in UNFINISHED:
+                continue
+            if kept.resume is not None and kept.resume.get("runs", RUNS) < RUNS:   # the server stopped in it
+                self._resumable.append(rid)
+            else:   # kept before resuming was (no request), or stopped in each time it ran
+                kept.body.update(status="failed", error=STOPPED_EACH_RUN if kept.resume is not None else STOPPED)
+                kept.resume = None
         if not whole:
             self._file.rewrite(self._records(), now=True)
         log.info("%d kept responses read from %s", len(self._kept), self.path)

@@ -8,7 +8,8 @@ import asyncio
 import json
 import logging
 import time
-from typing import AsyncIterator, Callable, Literal, Optional
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Callable, Literal, Optional
 
 from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import JSONResponse
@@ -16,6 +17,7 @@ from sse_starlette import EventSourceResponse
 
 from ...engine import Delta, Finished, Job
 from ...generation import LogprobRecorder, SamplingParams
+from ...sessions import Prompt
 from ..bridge import JobEvents, follow, watch_disconnect
 from ..background import Run, sse
 from ..chat import check_start, start
@@ -37,30 +39,15 @@ log = logging.getLogger("localheap.server")
 async def create_response(body: ResponsesRequest, request: Request, svc: Services = Depends(services),
                           x_session_id: Optional[str] = Depends(addressed_session)):
     who = owner(request)
-    plan, opts, messages, prompt = await _prompt(svc, body, who)
-    default = min(svc.settings.default_max_tokens, svc.settings.max_tokens_limit)
-    top = body.logprobs
-    params = SamplingParams(max_tokens=body.max_output_tokens or default, temperature=body.temperature,
-                            top_p=body.top_p, constraint=plan.constraint(svc, opts, prompt),
-                            logprobs=None if top is None else LogprobRecorder(top))
-    token_text = svc.token_text if top is not None else None
-    title = next((m.text() for m in messages if m.role == "user"), None)
-    built = Built(body, svc.model_id, lambda text: len(svc.tokenizer.encode(text, add_special_tokens=False)))
-    parser = plan.parser(opts, prompt)
-    keep = _keeper(svc, body, who)
+    p = await _planned(svc, body, who)
     if body.background:
-        check_start(svc, who, params, x_session_id)   # refused now, not as a failed response later
-        run = Run(built, who)
-        svc.backgrounds.add(run)
-        run.push([built.event("response.created", response=built.response("queued")),
-                  built.event("response.queued", response=built.response("queued"))])
-        keep(run.snapshot())   # kept queued: a server stopped before it ends answers for it as failed
-        run.task = asyncio.create_task(_background(svc, request, run, prompt, params, x_session_id, title, parser,
-                                                   keep, token_text))
+        check_start(svc, who, p.params, x_session_id)   # refused now, not as a failed response later
+        run = _launch(svc, p, who, x_session_id, runs=1)
         if body.stream:
             return EventSourceResponse(run.read(), sep="\n")
         return JSONResponse(run.snapshot())
-    job, events, started = await start(svc, request, prompt, params, x_session_id, title)
+    built, parser, keep, token_text = p.built, p.parser, p.keep, p.token_text
+    job, events, started = await start(svc, request, p.prompt, p.params, x_session_id, p.title)
     headers = {SESSION_HEADER: started.session_id}
     if not body.stream:
         watcher = asyncio.create_task(watch_disconnect(request, job))   # the client gone: the job stops
@@ -78,6 +65,65 @@ async def create_response(body: ResponsesRequest, request: Request, svc: Service
         raise RuntimeError("job ended without a Finished event")
     return EventSourceResponse(_stream(built, parser, job, events, started.session_id, keep, token_text),
                                headers=headers, sep="\n")
+
+
+@dataclass
+class _Planned:
+    """A response request made ready to run: its prompt, sampling, parser and what keeps it."""
+    body: ResponsesRequest
+    built: Built
+    prompt: Prompt
+    params: SamplingParams
+    parser: OutputParser
+    keep: Callable[..., None]
+    token_text: Any
+    title: Optional[str]
+
+
+async def _planned(svc: Services, body: ResponsesRequest, who: Optional[str]) -> _Planned:
+    plan, opts, messages, prompt = await _prompt(svc, body, who)
+    default = min(svc.settings.default_max_tokens, svc.settings.max_tokens_limit)
+    top = body.logprobs
+    params = SamplingParams(max_tokens=body.max_output_tokens or default, temperature=body.temperature,
+                            top_p=body.top_p, constraint=plan.constraint(svc, opts, prompt),
+                            logprobs=None if top is None else LogprobRecorder(top))
+    built = Built(body, svc.model_id, lambda text: len(svc.tokenizer.encode(text, add_special_tokens=False)))
+    return _Planned(body, built, prompt, params, plan.parser(opts, prompt), _keeper(svc, body, who),
+                    svc.token_text if top is not None else None,
+                    next((m.text() for m in messages if m.role == "user"), None))
+
+
+def _launch(svc: Services, p: _Planned, who: Optional[str], session_id: Optional[str], runs: int) -> Run:
+    """A background response queued: kept queued with its request (a server stopped before it ends
+    runs it again at its restart), its reply run on a task of its own."""
+    run = Run(p.built, who)
+    svc.backgrounds.add(run)
+    run.push([p.built.event("response.created", response=p.built.response("queued")),
+              p.built.event("response.queued", response=p.built.response("queued"))])
+    p.keep(run.snapshot(), {"request": p.body.model_dump(mode="json", by_alias=True, exclude_unset=True),
+                            "session_id": session_id, "runs": runs})
+    run.task = asyncio.create_task(_background(svc, who, run, p, session_id))
+    return run
+
+
+async def resume_backgrounds(svc: Services) -> None:
+    """At start: the background responses a server stopped in (queued or running), run again from
+    their start under the same id (their events numbered from 0 again), each its request as it was
+    sent; one that cannot be (its X-Session-Id or the response it continues gone) ends failed."""
+    for rid, kept in svc.responses.resumable():
+        resume = kept.resume
+        try:
+            body = ResponsesRequest.model_validate(resume["request"])
+            p = await _planned(svc, body, kept.owner)
+            check_start(svc, kept.owner, p.params, resume["session_id"])
+        except Exception as e:   # noqa: BLE001 - what a request would be refused for, as its failure
+            err = json.loads(to_response(e).body)["error"]
+            svc.responses.fail(rid, {"code": err["code"] or err["type"], "message": err["message"]})
+            log.warning("background response %s was not run again after the restart: %s", rid, err["message"])
+            continue
+        p.built.id, p.built.created = rid, kept.body.get("created_at", p.built.created)
+        _launch(svc, p, kept.owner, resume["session_id"], runs=resume["runs"] + 1)
+        log.info("background response %s runs again after the restart (run %d)", rid, resume["runs"] + 1)
 
 
 async def _prompt(svc: Services, body: ResponsesRequest, who: Optional[str]) -> tuple:
@@ -192,14 +238,14 @@ async def _stream(built: Built, parser: OutputParser, job: Job, events: JobEvent
         yield sse(built.event("error", code=err["code"], message=err["message"], param=err["param"]))
 
 
-def _keeper(svc: Services, body: ResponsesRequest, who: Optional[str]) -> Callable[[dict], None]:
-    """What is kept of a response as it stands (a background one is kept queued too): the response
-    (unless `store: false`, which Codex sends every turn: that keeps the session all the same, the
-    conversation's prompt cache); once it has completed (or incomplete), its input and output
-    added to the conversation it names."""
-    def keep(whole: dict) -> None:
+def _keeper(svc: Services, body: ResponsesRequest, who: Optional[str]) -> Callable[..., None]:
+    """What is kept of a response as it stands (a background one is kept queued too, with what runs
+    it again: `resume`): the response (unless `store: false`, which Codex sends every turn: that
+    keeps the session all the same, the conversation's prompt cache); once it has completed (or
+    incomplete), its input and output added to the conversation it names."""
+    def keep(whole: dict, resume: Optional[dict] = None) -> None:
         if body.store is not False:
-            svc.responses.add(whole, body, who)
+            svc.responses.add(whole, body, who, resume)
         if body.conversation_id and whole["status"] in ("completed", "incomplete"):
             try:
                 svc.conversations.add_items(body.conversation_id,
@@ -210,15 +256,15 @@ def _keeper(svc: Services, body: ResponsesRequest, who: Optional[str]) -> Callab
     return keep
 
 
-async def _background(svc: Services, request: Request, run: Run, prompt, params: SamplingParams,
-                      session_id: Optional[str], title: Optional[str], parser: OutputParser,
-                      keep: Callable[[dict], None], token_text=None) -> None:
+async def _background(svc: Services, who: Optional[str], run: Run, p: _Planned, session_id: Optional[str]) -> None:
     """A background response's reply, with nobody waiting on it: its events into the run, its
-    end kept (completed or incomplete as any response; cancelled; failed, with the error)."""
-    built = run.built
+    end kept (completed or incomplete as any response; cancelled; failed, with the error). The
+    server stopping under it ends it failed here, and keeps nothing: what is kept is the response
+    queued, which runs again at the restart."""
+    built, parser, keep, token_text = run.built, p.parser, p.keep, p.token_text
     try:
         try:
-            job, events, started = await start(svc, request, prompt, params, session_id, title)
+            job, events, started = await start(svc, None, p.prompt, p.params, session_id, p.title, who=who)
         except asyncio.CancelledError:
             if not run.cancel_asked:   # the server is stopping
                 raise
@@ -241,8 +287,10 @@ async def _background(svc: Services, request: Request, run: Run, prompt, params:
                 ext = extension(event, decode_s)
                 if event.finish_reason == "cancelled" and run.cancel_asked:
                     whole, ending = built.stop("cancelled", done=event, extension=ext)
-                elif event.finish_reason == "cancelled":   # the server stopping (SIGTERM): what it had is kept
+                elif event.finish_reason == "cancelled":   # the server stopping (SIGTERM): it runs again at the restart
                     whole, ending = built.stop("failed", STOPPED, event, ext)
+                    _ended(svc, run, None, whole, events_ + ending)
+                    return
                 else:
                     whole, ending = built.finish(event, ext)
                 _ended(svc, run, keep, whole, events_ + ending)
@@ -253,11 +301,14 @@ async def _background(svc: Services, request: Request, run: Run, prompt, params:
         _ended(svc, run, keep, *built.stop("failed", {"code": err["code"] or err["type"], "message": err["message"]}))
 
 
-def _ended(svc: Services, run: Run, keep: Callable[[dict], None], whole: dict, events: list[dict]) -> None:
+def _ended(svc: Services, run: Run, keep: Optional[Callable[..., None]], whole: dict, events: list[dict]) -> None:
+    """The run ended with `whole`; kept unless `keep` is None (the server stopping)."""
     if run.extra and "localheap" not in whole:
         whole["localheap"] = dict(run.extra)
     run.end(whole, events)
     svc.backgrounds.ended(run)
+    if keep is None:
+        return
     try:
         keep(whole)
     except Exception:   # (in memory, GET still has it from the run while it is among the latest)
