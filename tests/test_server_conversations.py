@@ -87,6 +87,35 @@ def test_bad_items_and_metadata_are_400s(server, client):
     assert e.value.body["param"] == "conversation"
 
 
+def test_an_item_reference_adds_the_item_it_names(server, client, force):
+    """item_reference items, in a conversation's items or a response's input: the item of that id a
+    kept response or a conversation holds (the same key's), else a 404 naming the reference."""
+    import httpx
+
+    force("Paris.")
+    asked = client.responses.create(model=model(server), input="Capital of France?", max_output_tokens=8)
+    answer = asked.output[-1]
+    conv = client.conversations.create(items=[{"type": "item_reference", "id": answer.id}])
+    listed = client.conversations.items.list(conv.id).data
+    assert [(i.id, i.type, i.content[0].text) for i in listed] == [(answer.id, "message", "Paris.")]
+    added = client.conversations.items.create(conv.id, items=[{"role": "user", "content": "And Spain?"}])
+    other = client.conversations.create(items=[{"type": "item_reference", "id": added.data[0].id}])
+    assert client.conversations.items.list(other.id).data[0].content[0].text == "And Spain?"
+    force("Madrid.")
+    direct = client.responses.create(model=model(server), max_output_tokens=8, input=[
+        {"role": "user", "content": "Capital of France?"}, {"role": "assistant", "content": "Paris."},
+        {"role": "user", "content": "And Spain?"}])
+    by_ref = client.responses.create(model=model(server), max_output_tokens=8, input=[
+        {"role": "user", "content": "Capital of France?"}, {"type": "item_reference", "id": answer.id},
+        {"type": "item_reference", "id": added.data[0].id}])   # one a response's, one a conversation's
+    assert by_ref.usage.input_tokens == direct.usage.input_tokens and by_ref.output_text == "Madrid."
+    for url in (f"/v1/conversations/{conv.id}/items", "/v1/conversations"):
+        r = httpx.post(server.url + url, json={"items": [{"role": "user", "content": "x"},
+                                                         {"type": "item_reference", "id": "msg_nope"}]}, timeout=30)
+        assert r.status_code == 404 and r.json()["error"]["param"] == "items.1", r.text
+    assert len(client.conversations.items.list(conv.id).data) == 2   # nothing added
+
+
 def test_a_response_on_a_conversation_reads_it_and_adds_to_it(server, client, force):
     """Each turn names the conversation: the prompt is its items then the input (the prompt the
     whole conversation sent as input renders, token for token, in the same session), and its

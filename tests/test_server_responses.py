@@ -621,7 +621,7 @@ def test_an_item_reference_is_the_kept_item(server, force):
 def test_an_item_held_by_two_kept_responses_stays_referable_until_both_go(tmp_path):
     """A client that sends an output item back whole keeps it in its next response too: the
     reference resolves while either response is kept (and only for the key that owns one)."""
-    from localheap.server.responses import ResponseLog, ResponseNotFound
+    from localheap.server.responses import ResponseLog, ResponseNotFound, resolve_references
 
     log = ResponseLog(max_kept=10, path=tmp_path / "responses.jsonl")
     _kept_turns(log, 1)   # resp_0 holds msg_0 (its output)
@@ -631,8 +631,8 @@ def test_an_item_held_by_two_kept_responses_stays_referable_until_both_go(tmp_pa
 
     def resolved(owner="key-1"):
         req = ResponsesRequest(model="m", input=[{"type": "item_reference", "id": "msg_0"}])
-        log.resolve(req, owner)
-        return req.input[0].model_dump(exclude_none=True)
+        item, = resolve_references(req.input, [lambda i: log.find_item(i, owner)], "input")
+        return item.model_dump(exclude_none=True)
 
     assert resolved()["content"][0]["text"] == "reply 0"
     with pytest.raises(ResponseNotFound):

@@ -53,9 +53,10 @@ def item_json(item: Any) -> dict:
     message's text content as one text part (input_text; output_text for the assistant's)."""
     if isinstance(item, dict):
         item = _ITEM.validate_python(item)
-    if isinstance(item, (ItemReference, OtherItem)):
+    if isinstance(item, (ItemReference, OtherItem)):   # (an item_reference is resolved before: resolve_references)
         raise BadRequest(f"{item.type!r} items cannot be added to a conversation here (messages, function_call, "
-                         f"function_call_output, custom_tool_call, custom_tool_call_output and reasoning can)")
+                         f"function_call_output, custom_tool_call, custom_tool_call_output, reasoning and "
+                         f"item_reference can)")
     out = item.model_dump(mode="json", by_alias=True, exclude_none=True)
     kind = out.setdefault("type", "message")
     out["id"] = out.get("id") or new_id(ID_PREFIX[kind])   # (kept responses' items have theirs: with_ids)
@@ -144,6 +145,13 @@ class ConversationLog(FileBacked):
         """A page of its items (cursor_page)."""
         conv = self.get(conv_id, owner)
         return cursor_page(list(conv.items.values()), after, limit, order, f"conversation {conv_id!r}")
+
+    def find_item(self, item_id: str, owner: Optional[str]) -> Optional[dict]:
+        """The item of that id in `owner`'s conversations (the latest used holding it), or None."""
+        for conv in reversed(self._convs.values()):
+            if conv.owner == owner and item_id in conv.items:
+                return conv.items[item_id]
+        return None
 
     def inputs(self, conv_id: str, owner: Optional[str]) -> list:
         """Its items as a response's input items, oldest first (what the prompt renders before the input)."""
@@ -234,6 +242,11 @@ def _metadata(metadata: Optional[dict]) -> dict:
     if len(metadata) > MAX_METADATA or not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
         raise BadRequest(f"metadata is at most {MAX_METADATA} string keys with string values", "metadata")
     return dict(metadata)
+
+
+def item_finders(svc: Any, owner: Optional[str]) -> list:
+    """Where an item_reference of `owner`'s is looked up: the kept responses, then the conversations."""
+    return [lambda i: svc.responses.find_item(i, owner), lambda i: svc.conversations.find_item(i, owner)]
 
 
 def validate_items(items: Any, param: str = "items") -> list:

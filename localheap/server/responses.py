@@ -518,6 +518,24 @@ class Kept:
         return self.items[:len(self.items) - len(self.body.get("output") or [])]
 
 
+def resolve_references(items: list, finders: list[Callable[[str], Any]], param: str) -> list:
+    """`items` with each item_reference replaced by the item it names, from the first of `finders`
+    (an id -> the item, or None) that has it; a 404 where none has (its response was not stored, or
+    was dropped or deleted, or it is another key's)."""
+    if not any(isinstance(i, ItemReference) for i in items):
+        return items
+    out = []
+    for n, item in enumerate(items):
+        if isinstance(item, ItemReference):
+            found = next((f for f in (find(item.id) for find in finders) if f is not None), None)
+            if found is None:
+                raise ResponseNotFound(f"no item {item.id!r} is kept here (it belongs to a response that was not "
+                                       f"stored, or was dropped or deleted: send the item itself)", f"{param}.{n}")
+            item = _ITEM.validate_python(found) if isinstance(found, dict) else found
+        out.append(item)
+    return out
+
+
 ID_PREFIX = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs",
              "custom_tool_call": "ctc", "custom_tool_call_output": "ctco"}
 
@@ -589,22 +607,10 @@ class ResponseLog(FileBacked):
                 if not holders:
                     del self._items[item.id]
 
-    def resolve(self, request: ResponsesRequest, owner: Optional[str]) -> None:
-        """Replace each item_reference in the request's input by the kept item it names (404 where
-        none is kept: its response was dropped, deleted, or another key's)."""
-        if isinstance(request.input, str) or not any(isinstance(i, ItemReference) for i in request.input):
-            return
-        out = []
-        for n, item in enumerate(request.input):
-            if isinstance(item, ItemReference):
-                found = [kept for rid, kept in self._items.get(item.id, {}).items() if self._kept[rid].owner == owner]
-                if not found:
-                    raise ResponseNotFound(f"no item {item.id!r} is kept here (it belongs to a response that was "
-                                           f"not stored, or was dropped or deleted: send the item itself)",
-                                           f"input.{n}")
-                item = found[-1]
-            out.append(item)
-        request.input = out
+    def find_item(self, item_id: str, owner: Optional[str]) -> Any:
+        """The item of that id in `owner`'s kept responses (the latest holding it), or None."""
+        found = [item for rid, item in self._items.get(item_id, {}).items() if self._kept[rid].owner == owner]
+        return found[-1] if found else None
 
     def get(self, response_id: str, owner: Optional[str], param: str = "response_id") -> Kept:
         kept = self._kept.get(response_id)

@@ -7,7 +7,8 @@ from typing import Any, Literal, Optional
 
 from fastapi import APIRouter, Depends, Query
 
-from ..conversations import validate_items
+from ..conversations import item_finders, validate_items
+from ..responses import resolve_references
 from ..schemas import Strict
 from ..services import Services, owner, services
 
@@ -34,7 +35,8 @@ class ItemsCreate(Strict):
 async def create_conversation(body: Optional[ConversationCreate] = None, who: Optional[str] = Depends(owner),
                               svc: Services = Depends(services)) -> dict:
     body = body or ConversationCreate()
-    return svc.conversations.create(validate_items(body.items), body.metadata, who).body()
+    items = resolve_references(validate_items(body.items), item_finders(svc, who), "items")
+    return svc.conversations.create(items, body.metadata, who).body()
 
 
 @router.get("/{conversation_id}")
@@ -60,7 +62,9 @@ async def delete_conversation(conversation_id: str, who: Optional[str] = Depends
 @router.post("/{conversation_id}/items")
 async def add_items(conversation_id: str, body: ItemsCreate, who: Optional[str] = Depends(owner),
                     svc: Services = Depends(services)) -> dict:
-    added = svc.conversations.add_items(conversation_id, validate_items(body.items), who)
+    svc.conversations.get(conversation_id, who)   # 404 first
+    items = resolve_references(validate_items(body.items), item_finders(svc, who), "items")
+    added = svc.conversations.add_items(conversation_id, items, who)
     return {"object": "list", "data": added, "first_id": added[0]["id"] if added else None,
             "last_id": added[-1]["id"] if added else None, "has_more": False}
 

@@ -25,8 +25,8 @@ from ..errors import ApiError, BadRequest, Unsupported, to_response
 from ..formats import extension, saved_headers
 from ..prompts import chat_prompt, tokenize
 from ..logonce import warn_once
-from ..conversations import cursor_page, item_json
-from ..responses import STOPPED, Built, InputTokensRequest, ResponsesRequest, output_item
+from ..conversations import cursor_page, item_finders, item_json
+from ..responses import STOPPED, Built, InputTokensRequest, ResponsesRequest, output_item, resolve_references
 from ..services import Services, owner, services
 from ..toolcalls import OutputParser
 from .openai import SESSION_HEADER, addressed_session
@@ -130,7 +130,8 @@ async def _prompt(svc: Services, body: ResponsesRequest, who: Optional[str]) -> 
     """(plan, chat options, messages, prompt) of a request: what it refuses, refused; its input after
     the items of the response it continues or of the conversation it names, rendered as chat."""
     svc.check_model(body.model)
-    svc.responses.resolve(body, who)
+    if not isinstance(body.input, str):   # each item_reference, the item it names
+        body.input = resolve_references(body.input, item_finders(svc, who), "input")
     bad = body.unsupported()
     if bad is not None:
         raise Unsupported(bad[1], bad[0])
