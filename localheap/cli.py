@@ -1,4 +1,4 @@
-"""`localheap` command line: serve, chat, generate, bench. Each command lives in localheap/commands/.
+"""`localheap` command line: serve, chat, generate, bench, models. Each command lives in localheap/commands/.
 
 Without --model every command runs the small demo model bundled in the package (no download)."""
 
@@ -8,7 +8,7 @@ import argparse
 import importlib
 import sys
 
-COMMANDS = ("serve", "chat", "generate", "bench")
+COMMANDS = ("serve", "chat", "generate", "bench", "models")
 
 
 class DefaultsHelp(argparse.ArgumentDefaultsHelpFormatter):
