@@ -274,6 +274,22 @@ def test_a_replys_context_continues_its_session(server, client):
         after_context(server.services.tokenizer, first["context"], Prompt(then), len(first["context"]))
 
 
+def test_a_reply_a_stop_sequence_ended_gives_its_text_as_context(server, force):
+    """The stop sequence's tokens are not the conversation's: the context is the prompt's ids and
+    the reply's text as returned, tokenized; the next turn after it reads in the same session."""
+    force("Hello there. END and more")
+    body = {"model": model(server), "prompt": "Greet me", "stream": False, "options": {"stop": ["END"]}}
+    first = httpx.post(server.url + "/api/generate", json=body, timeout=60).json()
+    asked = chat_prompt(server.services.tokenizer, [ChatMessage(role="user", content="Greet me")]).tokens
+    assert first["response"] == "Hello there. "
+    tok = server.services.tokenizer
+    assert first["context"] == list(asked) + tok.encode("Hello there. ", add_special_tokens=False)
+    force("Fine.")
+    second = httpx.post(server.url + "/api/generate", json={**body, "prompt": "Again", "context": first["context"]},
+                        timeout=60).json()
+    assert second["response"] == "Fine." and second["localheap"]["session_id"] == first["localheap"]["session_id"]
+
+
 def test_a_context_keeps_one_bos(model_dirs):
     """A template that writes the BOS: the prompt after a context loses its own (the context's is first)."""
     from transformers import AutoTokenizer

@@ -30,6 +30,7 @@ from ..ollama import (OLLAMA_VERSION, ChatRequest, EmbedRequest, GenerateRequest
                       call_dict, final_fields, model_entry, now_iso, tag)
 from ..prompts import after_context, chat_prompt, completion_prompt, tokenize
 from ..services import Services, services
+from ..tokens import encode_plain
 from ..toolcalls import OutputParser, Text
 from ..toolformats import ToolCall, template_source
 from .openai import SESSION_HEADER, addressed_session
@@ -294,13 +295,17 @@ async def _lines(reply: "Reply", job: Job, events: JobEvents) -> AsyncIterator[s
 class Reply:
     """A job's Deltas as Ollama's lines: text (chat: message.content; generate: response),
     thinking, tool calls (chat: each whole, once written), then the final line: with `context` given
-    (the prompt's ids), the prompt's and reply's ids under "context", the id that ended it included."""
+    (the prompt's ids), the prompt's and reply's ids under "context", the id that ended it included
+    (a reply a stop sequence ended: its text as returned, tokenized, as Ollama's; the sequence's
+    tokens are not the conversation's)."""
 
     def __init__(self, svc: Services, parser: OutputParser, chat: bool, began: float, token_text=None,
                  context: Optional[Sequence[int]] = None):
         self.svc, self.parser, self.chat, self.began = svc, parser, chat, began
         self.token_text = token_text          # logprobs asked for: a token's text and bytes
         self.context = list(context) if context is not None else None
+        self.asked = len(self.context) if context is not None else 0   # of those, the prompt's
+        self.text = ""                                                # the reply's text (context only)
         self.pending: list = []               # TokenLogprob entries not yet in a line
         self.first_token: Optional[float] = None
         self.done: Optional[Finished] = None
@@ -314,6 +319,7 @@ class Reply:
                 self.pending += event.logprobs or []
                 if self.context is not None:
                     self.context += event.ids or []
+                    self.text += event.text
                 for line in self._pieces(self.parser.feed(event.text)):
                     yield self._with_logprobs(line)
             elif isinstance(event, Finished):
@@ -360,7 +366,9 @@ class Reply:
 
     def _final(self, done: Finished) -> dict:
         line = {**self._line(), **final_fields(done, self.began, self.first_token, time.monotonic())}
-        if self.context is not None:
+        if self.context is not None and done.stop_word is not None:
+            line["context"] = self.context[:self.asked] + encode_plain(self.svc.tokenizer, self.text)
+        elif self.context is not None:
             line["context"] = self.context + ([done.end_id] if done.end_id is not None else [])
         ext = {"session_id": done.session_id, "heap": done.session.get("heap"), **save_fields(done)}
         if self.call_errors:
