@@ -1,8 +1,9 @@
 """Background responses (POST /v1/responses with `background: true`): the request is answered at
 once (status "queued"), the reply runs on with no client attached, and GET /v1/responses/{id}
 polls it, streams it again from any event (`?stream=true&starting_after=N`), POST
-/v1/responses/{id}/cancel stops it. A response is kept (ResponseLog) when it is queued and again
-when it ends, so a server stopped in between answers for it as "failed" after its restart.
+/v1/responses/{id}/cancel stops it. A response is kept (ResponseLog) when it is queued, with its
+request, and again when it ends, so a server stopped in between runs it again at its restart
+(routes/responses.resume_backgrounds; RUNS times in all at most, then it reads back "failed").
 
 Event loop only."""
 
