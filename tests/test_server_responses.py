@@ -932,6 +932,28 @@ def test_a_background_response_the_server_stopped_in_runs_again_after_its_restar
         assert srv.services.backgrounds.running == 0
 
 
+def test_a_background_response_that_cannot_run_again_reads_back_failed_with_why(model_dirs, tmp_path_factory,
+                                                                                tmp_path, torch_one_thread):
+    """The server restarts serving the model under another name: the response it stopped in, which
+    names the old one, is not run again; it reads back failed with the reason its request would now
+    be refused for, and a third start leaves it so."""
+    model_dir = qwen_model(model_dirs, tmp_path_factory)
+    settings = dict(sessions_dir=tmp_path, persist_sessions=True)
+    with _forced_server(model_dir, "one two three " * 400, served_model_names=["first"], **settings) as srv:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
+        stall = _Stalled(srv)
+        try:
+            back = client.responses.create(model="first", input="Go on", max_output_tokens=3000, background=True)
+        finally:
+            stall.release()   # it runs; the server stops under it
+    for _ in range(2):
+        with serve(model_dir, served_model_names=["second"], **settings) as srv:
+            client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
+            got = _ended(client, back.id, timeout=30)   # (the resume runs as the server starts)
+            assert got.status == "failed" and "'first' is not served here" in got.error.message
+            assert got.error.code == "model_not_found" and srv.services.backgrounds.running == 0
+
+
 def test_input_tokens_counts_the_prompt_a_response_reads(server, client, force):
     """POST /v1/responses/input_tokens: the prompt's tokens, as the response's usage.input_tokens
     (whole conversation, a chain continued, tools and instructions rendered)."""
