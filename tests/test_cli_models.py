@@ -39,7 +39,7 @@ def _models(cache: Path, *args: str) -> subprocess.CompletedProcess:
 def test_list_pull_and_remove(tmp_path):
     cache = tmp_path / "hub"
     qwen = _cached_repo(cache, QWEN, 2_500_000)
-    _cached_repo(cache, "someone/own-model", 10)
+    _cached_repo(cache, "someone/own-model", 10)   # the same commit hash as qwen's (a copy of a repo shares them)
     listed = _models(cache)
     assert listed.returncode == 0, listed.stderr
     rows = {line.split()[0]: line for line in listed.stdout.splitlines() if line.strip()}

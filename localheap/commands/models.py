@@ -4,6 +4,7 @@ its progress shown, remove one to free its disk."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -72,11 +73,12 @@ def _size(entry) -> str:
 
 
 def _human(n: int) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if n < 1000 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+    units = ("B", "KB", "MB", "GB", "TB")
+    step = 0
+    while n >= 1000 and step < len(units) - 1:
         n /= 1000
-    raise AssertionError
+        step += 1
+    return f"{n:.0f} B" if step == 0 else f"{n:.1f} {units[step]}"
 
 
 def list_models() -> None:
@@ -118,7 +120,12 @@ def remove(spec: str) -> int:
     entry = _cached(repo, cache)
     if entry is None:
         raise ModelNotFound(f"{spec} ({repo}) is not downloaded: nothing to remove")
-    strategy = cache.delete_revisions(*[r.commit_hash for r in entry.revisions])
+    # The plan drawn over this repo alone: hub revisions are looked up by hash over the whole cache, and a
+    # copy of a repo (a mirror, a re-upload with its history) shares its hashes, so a plan over the cache
+    # could take the other repo's directory instead. Blobs it shares with others still count as the hub
+    # counts them (cache_dir kept).
+    strategy = dataclasses.replace(cache, repos=frozenset({entry})).delete_revisions(
+        *[r.commit_hash for r in entry.revisions])
     freed = strategy.expected_freed_size
     strategy.execute()   # (every revision: the repo's whole directory)
     print(f"removed {spec} ({repo}): {_human(freed)} freed")
