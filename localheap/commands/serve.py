@@ -8,6 +8,7 @@ import re
 import sys
 import tempfile
 from pathlib import Path
+from typing import Optional
 
 from . import ranks
 from .common import (TOTAL_SHARE, add_compile_arg, add_decode_arg, add_distributed_arg, add_graphs_arg, add_heap_args,
@@ -84,6 +85,10 @@ def add_parser(sub) -> None:
                    help="bytes the whole sessions directory may hold (pages, heaps, tokens, checkpoints), e.g. 50G; "
                         "past it idle sessions give space back, least recently used first; 0 = no bound "
                         f"(default auto: 1/{TOTAL_SHARE} of the free space on its disk plus what it holds, at start)")
+    p.add_argument("--slot-save-path", type=Path, default=None, metavar="DIR",
+                   help="where llama-server's POST /slots/ID?action=save writes a slot's session as one file, "
+                        "and action=restore reads one back as a new session (made if missing; default: none, "
+                        "those actions answer 501 as llama-server's do)")
     p.add_argument("--no-persist", dest="persist", action="store_false",
                    help="do not save sessions at shutdown nor restore them at start (default: they are saved)")
     p.add_argument("--default-max-tokens", type=int, default=8192, help="chat reply limit when a request sets none")
@@ -155,6 +160,8 @@ def settings_from_args(args):
         raise ValueError("--shutdown-grace must be between 0 and 3600 seconds")
     if args.distributed and args.disk_total.strip().lower() != "auto" and disk_total(args.disk_total):
         raise ValueError(DISK_TOTAL_RANKS)
+    if args.slot_save_path is not None and args.distributed:
+        raise ValueError("--slot-save-path is not supported with --distributed (a slot file holds one host's heap)")
     names = list(dict.fromkeys(n.strip() for n in args.served_model_name))
     if any(not n for n in names):
         raise ValueError("--served-model-name takes non-empty names")
@@ -169,7 +176,7 @@ def settings_from_args(args):
         prefill_lane={"auto": None, "on": True, "off": False}[args.prefill_lane],
         max_sessions=max(args.max_sessions, args.max_resident_sessions),
         max_resident_sessions=args.max_resident_sessions, persist_sessions=args.persist, cache_reuse=args.cache_reuse,
-        sessions_dir=args.sessions_dir,
+        sessions_dir=args.sessions_dir, slot_save_path=slot_dir(args.slot_save_path),
         ram_budget=parse_bytes(args.ram_budget) if args.ram_budget else None,
         default_max_tokens=args.default_max_tokens, max_tokens_limit=args.max_tokens_limit,
         shutdown_grace_s=args.shutdown_grace, heap=heap_config(args),
@@ -177,6 +184,18 @@ def settings_from_args(args):
         tool_format=None if args.tool_format == "auto" else args.tool_format,
         tool_grammar=not args.no_tool_grammar, embed_pooling=args.embed_pooling,
     )
+
+
+def slot_dir(path: Optional[Path]) -> Optional[Path]:
+    """--slot-save-path made (if missing) before the model loads: a directory that cannot be is an error now."""
+    if path is None:
+        return None
+    from ..sessions.slotfiles import prepare_dir
+
+    try:
+        return prepare_dir(path)
+    except OSError as e:
+        raise ValueError(f"--slot-save-path {path}: {e.strerror or e}") from None
 
 
 def api_keys(args) -> list[str]:

@@ -97,8 +97,9 @@ def new_branch(store: SessionStore, source_id: str, scratch: bool = False) -> Se
     return store.create(owner=store.get(source_id).owner if source_id in store else None, scratch=scratch)
 
 
-def fork_into(store: SessionStore, s: Session, c: Checkpoint) -> None:
-    """Fill the new, empty session `s` with checkpoint `c` (its heap, tokens and earlier checkpoints)."""
+def fork_into(store: SessionStore, s: Session, c: Checkpoint, inherit: bool = True) -> None:
+    """Fill the new, empty session `s` with checkpoint `c` (its heap, tokens and, with `inherit`,
+    the earlier checkpoints of c's session; without, c is already one of s's own)."""
     assert not s.fed and s.cache is None
     try:
         cache = store.checkpoints.load(c, s.cfg, pages_dir=store.pages_dir(s))
@@ -111,7 +112,8 @@ def fork_into(store: SessionStore, s: Session, c: Checkpoint) -> None:
         store.rebuilt += 1
     s.cache, s.fed, s.dirty = cache, token_array(c.tokens), True
     s.cfg = getattr(cache, "cfg", s.cfg)
-    store.checkpoints.inherit(c, s)
+    if inherit:
+        store.checkpoints.inherit(c, s)
     settle(store.backend, s)
     s.refresh(store.backend.stats(cache))
 

@@ -40,6 +40,15 @@ class Slots:
         if slot.run is run:
             slot.last, slot.run = figures(run, running=False), None
 
+    def hold(self, slot_id: int, session, owner) -> None:
+        """The idle slot now holds `session` (a slot file restored into it, slotstate.py): shown as
+        the last run's figures are, its tokens all cached."""
+        n = len(session.fed)
+        self.slots[slot_id].last = {
+            "id_task": -1, "session_id": session.id, "owner": owner, "n_prompt_tokens": n,
+            "n_prompt_tokens_processed": 0, "n_prompt_tokens_cache": n, "params": {},
+            "next_token": {"has_next_token": False, "n_remain": -1, "n_decoded": 0}}
+
     def view(self) -> list[dict]:
         """One entry a slot: is_processing, and the figures of its run (or of the last one it held)."""
         return [{"id": s.id, "is_processing": s.run is not None,

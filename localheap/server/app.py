@@ -4,16 +4,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import shutil
 from contextlib import asynccontextmanager
 from typing import Any, Callable, Optional
 
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
-from ..engine import Engine, Governor
+from ..engine import Engine, Governor, slotstate
 from ..governor import MemoryPlan, default_budget, governor_for, plan_for
 from ..governor.budget import request_room
-from ..sessions import SessionStore
+from ..sessions import SessionStore, slotfiles
 from . import errors
 from .middleware import CheckHost, LimitBody, RequireApiKey, checks_host
 from .routes import (anthropic, branches, conversations, embeddings, observe, llamacpp, ollama, openai, responses,
@@ -35,6 +36,8 @@ def create_app(backend: Any, settings: Optional[ServerSettings] = None, governor
     (--distributed: the other ranks prune what no saved session holds); `on_close` runs last
     (the other ranks stop following)."""
     settings = settings or ServerSettings()
+    if settings.slot_save_path is not None:
+        settings.slot_save_path = slotfiles.prepare_dir(settings.slot_save_path)
     if governor is None:
         plan = plan_for(backend, settings.heap, settings.ram_budget)   # BudgetTooSmall when nothing fits
         governor = governor_for(backend, plan)
@@ -66,6 +69,7 @@ def create_app(backend: Any, settings: Optional[ServerSettings] = None, governor
                 on_start(store)
             svc.responses   # the kept responses read back
             svc.conversations
+        shutil.rmtree(store.checkpoints.root / slotstate.STAGING, ignore_errors=True)   # a crash's slot saves
         engine.start()
         sampler = asyncio.create_task(svc.throughput.run(svc))
         # the background responses a stopped server left unfinished run again

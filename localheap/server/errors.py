@@ -71,6 +71,11 @@ class NotSupported(ApiError):
     status, type, code = 501, "not_supported_error", "not_supported"
 
 
+class SlotFileUnwritable(ApiError):
+    """--slot-save-path refused a slot file (full, read-only, gone): the file of that name is as it was."""
+    status, type, code = 507, "server_error", "slot_save_path_unwritable"
+
+
 class TooManyObservers(ApiError):
     status, type, code = 503, "server_error", "too_many_observers"
 

@@ -39,6 +39,7 @@ class ServerSettings:
     sessions_dir: Optional[Path] = None        # spill directory (default: a temporary one)
     disk_total: Optional[int] = 0              # bytes the whole sessions directory may hold (0: no bound; None: auto, serve fills it in)
     persist_sessions: bool = False             # save sessions at shutdown, load them at start
+    slot_save_path: Optional[Path] = None      # llama-server's slot files (POST /slots/ID?action=save): None: a 501
     ram_budget: Optional[int] = None           # bytes (None: 75% of physical memory)
     default_max_tokens: int = 8192             # chat replies when the request sets no limit
     max_tokens_limit: int = 32768              # the largest max_tokens a request may ask (400 beyond)

@@ -108,6 +108,12 @@ class Checkpoints:
                     os.chmod(dst, FILE_MODE)
             self._add(child, Checkpoint(child.id, c.tokens, path))
 
+    def adopt(self, s: Session, c: Checkpoint) -> Checkpoint:
+        """Register a checkpoint whose files were put in the session's folder from elsewhere (a
+        slot file read back, engine/slotstate.py)."""
+        assert c.session_id == s.id and c.path.parent == self.root / s.id and c.path.exists()
+        return self._add(s, c)
+
     def drop(self, session_id: str) -> None:
         self._by_session.pop(session_id, None)
         self._owners.pop(session_id, None)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shutil
 import time
 from contextlib import aclosing
 from dataclasses import dataclass, field
@@ -17,12 +18,12 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 from sse_starlette import EventSourceResponse
 
-from ...engine import Delta, Feed, Finished, Job, Progress
+from ...engine import Delta, Feed, Finished, Job, Progress, slotstate
 from ...grammar import Grammar, GrammarError, json_grammar
-from ...sessions import Prompt
+from ...sessions import Prompt, slotfiles
 from ..bridge import JobEvents, follow, merged, submit, watch_disconnect
 from ..chat import start
-from ..errors import BadRequest, NoSlotFree, NotSupported, to_response
+from ..errors import BadRequest, NoSlotFree, NotSupported, SlotFileUnwritable, to_response
 from ..fim import fim_format
 from ..formats import save_fields
 from ..llamacpp import (Cut, LlamaRequest, infill_context, infill_prompt, mixed_prompt, pick_fields, piece_of,
@@ -164,11 +165,83 @@ async def slots(request: Request, fail_on_no_slot: Optional[str] = None, svc: Se
 
 
 @router.post("/slots/{id_slot}")
-async def slot_action(id_slot: str) -> dict:
-    """llama-server's slot save, restore and erase: sessions here are saved as they go and are
-    restored, checkpointed and deleted through /v1/sessions."""
-    raise NotSupported("slot save, restore and erase are not supported: sessions are saved after every turn; "
-                       "use POST /v1/sessions/ID/checkpoint, /restore and DELETE /v1/sessions/ID")
+async def slot_action(id_slot: str, request: Request, action: Optional[str] = None,
+                      svc: Services = Depends(services)) -> dict:
+    """llama-server's slot save, restore and erase (serve --slot-save-path DIR; without it a 501, as
+    llama-server answers). save: the session the slot last ran, as one file in DIR; restore: that
+    file read back as a new session of the caller's, which the next prompt extending its tokens
+    continues; erase: the slot's session deleted. A busy slot is waited for (--admission-timeout)."""
+    root = svc.settings.slot_save_path
+    if root is None:
+        raise NotSupported("This server does not support slots action. Start it with `--slot-save-path` "
+                           "(sessions here are also saved after every turn: /v1/sessions checkpoints, "
+                           "restores and deletes them)")
+    try:
+        slot = int(id_slot)
+    except ValueError:
+        raise BadRequest("Invalid slot ID", "id_slot") from None
+    if action not in ("save", "restore", "erase"):
+        raise BadRequest("Invalid action: save, restore or erase", "action")
+    body = await read_json(request, SlotFileBody) if action != "erase" else None
+    who = owner(request)
+    began = time.perf_counter()
+    try:
+        if action == "erase":
+            n = await _on_idle_slot(svc, lambda: slotstate.erase(svc.engine, slot, who))
+            return {"id_slot": slot, "n_erased": n}
+        filename = slotfiles.check_name(body.filename)
+        if action == "save":
+            n, staged = await _on_idle_slot(svc, lambda: slotstate.stage_save(svc.engine, slot, who))
+            try:
+                size = await asyncio.to_thread(slotfiles.write, root, filename, staged, n, svc.store.model_id,
+                                               svc.backend.name)
+            except OSError as e:
+                raise SlotFileUnwritable(f"cannot write slot file {filename!r} in {root}: {e.strerror or e} "
+                                         f"(a file of that name is as it was)") from e
+            finally:
+                slotstate.unstage(staged)
+            return {"id_slot": slot, "filename": filename, "n_saved": n, "n_written": size,
+                    "timings": {"save_ms": (time.perf_counter() - began) * 1000}}
+        sid, into = slotstate.restore_target(svc.engine)
+        meta, size, heap = await asyncio.to_thread(slotfiles.read, root, filename, into, svc.store.model_id,
+                                                   svc.backend.name, getattr(svc.backend, "vocab_size", None))
+        extra = {}
+        if heap is None:   # an empty slot's file: the slot lets go of what it held, as llama-server's empties
+            await _on_idle_slot(svc, lambda: slotstate.let_go(svc.engine, slot))
+        else:
+            try:
+                session = await _on_idle_slot(svc, lambda: slotstate.restore(svc.engine, slot, who, sid, heap,
+                                                                             f"slot file {filename}"))
+            except BaseException:
+                await asyncio.to_thread(shutil.rmtree, into, True)   # (restore removed the session it made)
+                raise
+            extra = {"localheap": {"session_id": session.id}}
+        return {"id_slot": slot, "filename": filename, "n_restored": meta.tokens, "n_read": size,
+                "timings": {"restore_ms": (time.perf_counter() - began) * 1000}, **extra}
+    except slotfiles.SlotFileError as e:
+        raise BadRequest(str(e), "filename") from e
+    except slotstate.NoSuchSlot as e:
+        raise BadRequest(str(e), "id_slot") from e
+
+
+class SlotFileBody(BaseModel):
+    """The body of a slot save or restore: the file's name inside --slot-save-path."""
+    model_config = ConfigDict(extra="ignore")
+    filename: Optional[str] = None
+
+
+async def _on_idle_slot(svc: Services, fn):
+    """fn() on the engine thread once the slot is idle (llama-server defers a slot task while its
+    slot runs); a 503 when it stays busy past --admission-timeout."""
+    deadline = time.monotonic() + svc.settings.admission_timeout
+    while True:
+        try:
+            return await asyncio.wrap_future(svc.engine.call(fn))
+        except slotstate.SlotBusy as e:
+            if time.monotonic() >= deadline:
+                raise NoSlotFree(f"{e}: it ran past --admission-timeout ({svc.settings.admission_timeout:g} s)") \
+                    from None
+            await asyncio.sleep(0.05)
 
 
 def _constraint(svc: Services, body: LlamaRequest):

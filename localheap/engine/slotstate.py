@@ -1,0 +1,154 @@
+"""llama-server's slot save, restore and erase, on the engine thread (Engine.call). A slot runs
+one request at a time and remembers the session of the last one it ran (slots.py); these act on
+that session. The files themselves are written and read on another thread
+(sessions/slotfiles.py); here are the parts that touch sessions and heaps:
+
+- save: the session checkpointed at its tokens (as POST /v1/sessions/ID/checkpoint does), the
+  checkpoint's files hard-linked into a staging folder of their own (the checkpoint may be
+  dropped while the file is written), for slotfiles.write; then the staging folder removed.
+- restore: a new session of the caller's, holding what the file held: its checkpoint (extracted
+  into the session's checkpoint folder) registered as the session's first, and its heap loaded,
+  so that the next prompt that extends its tokens continues it, and one that parts from them
+  forks from that checkpoint, as with any session here.
+- erase: the slot's session deleted (its heap and files); a web UI conversation is let go by
+  the slot, never deleted by it.
+
+A slot answers for the caller's sessions only (API keys): another key's session is as if the
+slot held nothing.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import uuid
+from pathlib import Path
+from typing import Any, Optional
+
+from ..heap.pages import link_tree
+from ..heap.private import private_dir
+from ..sessions import SessionNotFound
+from ..sessions.checkpoints import Checkpoint
+from ..sessions.diskbudget import dir_bytes
+from ..sessions.session import token_array
+from . import branching
+
+STAGING = ".slot-staging"   # under the checkpoints folder: an unknown name there is removed at start
+
+
+class SlotBusy(RuntimeError):
+    """The slot runs a request (its caller may wait for it to end)."""
+
+
+class NoSuchSlot(ValueError):
+    pass
+
+
+def _slot(engine: Any, id_slot: int):
+    if not 0 <= id_slot < len(engine.slots.slots):
+        raise NoSuchSlot(f"Invalid slot ID: {id_slot} (this server has slots 0..{len(engine.slots.slots) - 1})")
+    slot = engine.slots.slots[id_slot]
+    if slot.run is not None:
+        raise SlotBusy(f"slot {id_slot} is busy")
+    return slot
+
+
+def held(engine: Any, id_slot: int, who: Optional[str]):
+    """The session the idle slot last ran, if the caller owns it and it still holds tokens."""
+    slot = _slot(engine, id_slot)
+    last = slot.last or {}
+    sid = last.get("session_id")
+    if sid is None or last.get("owner") != who or sid not in engine.store:
+        return None
+    s = engine.store.get(sid)
+    return s if s.fed and s.owner == who else None
+
+
+def stage_save(engine: Any, id_slot: int, who: Optional[str]) -> tuple[int, Optional[Path]]:
+    """(tokens, staging folder) for slotfiles.write: the slot's session checkpointed and its
+    checkpoint's files linked into a folder of their own; (0, None) for a slot holding nothing."""
+    s = held(engine, id_slot, who)
+    if s is None:
+        return 0, None
+    c = engine.checkpoint_session(s.id)
+    staged = engine.store.checkpoints.root / STAGING / uuid.uuid4().hex
+    try:
+        private_dir(staged)
+        pages = c.path.with_suffix(".pages")
+        if pages.is_dir():
+            link_tree(pages, staged / pages.name)
+        for src in (c.path.with_suffix(".tokens"), c.path):
+            try:
+                os.link(src, staged / src.name)
+            except OSError:   # a filesystem without hard links
+                shutil.copyfile(src, staged / src.name)
+    except BaseException:
+        shutil.rmtree(staged, ignore_errors=True)
+        raise
+    return c.n, staged
+
+
+def unstage(staged: Optional[Path]) -> None:
+    if staged is not None:
+        shutil.rmtree(staged, ignore_errors=True)
+
+
+def restore_target(engine: Any) -> tuple[str, Path]:
+    """A new session id and the empty folder its checkpoint is extracted into (off the engine thread)."""
+    from ..sessions.disk import new_id
+
+    sid = new_id()
+    return sid, engine.store.checkpoints.root / sid
+
+
+def restore(engine: Any, id_slot: int, who: Optional[str], sid: str, heap: Path, title: str):
+    """The extracted checkpoint `heap` (in restore_target's folder) made session `sid`, resident
+    and held by the slot. On failure the session and its folder are removed."""
+    store = engine.store
+    _slot(engine, id_slot)
+    tokens = token_array(_read_tokens(heap.with_suffix(".tokens")))
+    s = store.create(session_id=sid, owner=who, title=title)
+    try:
+        store.enforce_limits(keep=s)
+        engine.admission.admit_heap(s)
+        store.disk.room_for(dir_bytes(heap.with_suffix(".pages")) + store.heap_bytes(), s)   # the live copy
+        c = store.checkpoints.adopt(s, Checkpoint(s.id, tokens, heap))
+        branching.fork_into(store, s, c, inherit=False)
+        if store.durable:   # in the index with its tokens now, as a finished turn is
+            store.save(s)
+    except BaseException:
+        try:
+            store.delete(s.id)
+        except SessionNotFound:
+            pass
+        raise
+    store.touch(s)
+    engine.slots.hold(id_slot, s, who)
+    return s
+
+
+def erase(engine: Any, id_slot: int, who: Optional[str]) -> int:
+    """Tokens the slot's session held, now forgotten (0: it held nothing of the caller's)."""
+    s = held(engine, id_slot, who)
+    slot = engine.slots.slots[id_slot]
+    if s is None:
+        if (slot.last or {}).get("owner") == who:   # (its session gone or empty; another key's hold stays)
+            slot.last = None
+        return 0
+    slot.last = None
+    if s.origin == "web":   # the web UI's conversations are the user's: the slot only lets go of them
+        return 0
+    n = len(s.fed)
+    engine.delete_session(s.id)
+    return n
+
+
+def let_go(engine: Any, id_slot: int) -> None:
+    """The idle slot holds nothing now (its session stays as it is)."""
+    _slot(engine, id_slot).last = None
+
+
+def _read_tokens(path: Path):
+    from ..sessions.slotfiles import read_tokens
+
+    return read_tokens(path)

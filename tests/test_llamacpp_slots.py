@@ -1,0 +1,242 @@
+"""llama-server's slot save, restore and erase (POST /slots/ID?action=..., serve --slot-save-path;
+engine/slotstate.py, sessions/slotfiles.py): a slot's session saved as one file, read back by
+another server (its own sessions directory: a restart, or another machine) as a session that
+continues as the saved one did, evicted tokens and page store included; erase forgets the slot's
+session; a busy slot is waited for; another key's session is not the caller's to save or erase;
+a failed save leaves the file as it was; names, files and slots that are no good are 400s, and
+without --slot-save-path every action is llama-server's 501."""
+
+from __future__ import annotations
+
+import errno
+import io
+import json
+import os
+import tarfile
+import threading
+import time
+
+import httpx
+import numpy as np
+import pytest
+import torch
+
+from recall_checks import CFG
+
+pytestmark = pytest.mark.usefixtures("torch_one_thread")
+
+
+@pytest.fixture(scope="module")
+def backend(tmp_path_factory):
+    pytest.importorskip("fastapi")
+    from localheap.backends.torch import TorchBackend
+    from localheap.randmodel import build_random_model
+
+    return TorchBackend.load(build_random_model("qwen2", tmp_path_factory.mktemp("model")), dtype=torch.float32)
+
+
+def _server(backend, tmp_path, name: str, **kw):
+    from localheap.server import ServerSettings, create_app
+    from localheap.server.testing import ServerThread
+
+    settings = ServerSettings(web_dir=None, default_max_tokens=16, heap=CFG, sessions_dir=tmp_path / name,
+                              **{"slot_save_path": tmp_path / "slots", **kw})
+    return ServerThread(create_app(backend, settings))
+
+
+def _ids(backend, n: int, seed: int) -> list[int]:
+    return np.random.default_rng(seed).integers(10, backend.vocab_size, n).tolist()
+
+
+def _complete(srv, prompt, n: int = 8, headers=None) -> dict:
+    r = httpx.post(srv.url + "/completion", json={"prompt": prompt, "n_predict": n, "temperature": 0,
+                                                  "return_tokens": True}, headers=headers, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def _slot(srv, i, action: str, status: int = 200, headers=None, **body):
+    r = httpx.post(f"{srv.url}/slots/{i}", params={"action": action}, json=body or None, headers=headers, timeout=120)
+    assert r.status_code == status, r.text
+    return r.json()
+
+
+def test_a_slot_file_read_back_by_another_server_continues_as_the_saved_session(backend, tmp_path):
+    prompt = _ids(backend, 300, seed=1)   # 300 tokens through a 96-slot heap: evictions, pages on disk
+    follow = _ids(backend, 12, seed=2)
+    with _server(backend, tmp_path, "a") as srv:
+        first = _complete(srv, prompt, n=6)
+        s = srv.services.store.get(srv.services.engine.slots.slots[0].last["session_id"])
+        held = len(s.fed)
+        saved = _slot(srv, 0, "save", filename="chat.bin")
+        assert saved["n_saved"] == held and saved["n_written"] == (tmp_path / "slots" / "chat.bin").stat().st_size
+        whole = prompt + first["tokens"] + follow
+        there = _complete(srv, whole)   # the saved session, continued in the server that saved it
+        assert there["tokens_cached"] == held
+    with tarfile.open(tmp_path / "slots" / "chat.bin") as tar:
+        names = tar.getnames()
+    assert names[0] == "localheap-slot.json" and names[-1] == f"{held}.safetensors"
+    assert any(n.startswith(f"{held}.pages/") for n in names)   # the evicted tokens' page store went with it
+    assert not list((tmp_path / "a" / "checkpoints" / ".slot-staging").glob("*"))   # staging removed
+
+    with _server(backend, tmp_path, "b", persist_sessions=True) as srv:   # another sessions directory
+        assert len(srv.services.store) == 0
+        restored = _slot(srv, 3, "restore", filename="chat.bin")
+        assert restored["n_restored"] == held and restored["n_read"] == saved["n_written"]
+        sid = restored["localheap"]["session_id"]
+        s = srv.services.store.get(sid)
+        assert len(s.fed) == held and s.saved_tokens == held   # a durable store has it on disk at once
+        view = httpx.get(srv.url + "/slots").json()[3]
+        assert view["n_prompt_tokens_cache"] == held and view["localheap"]["session_id"] == sid
+        here = _complete(srv, whole)
+        assert here["tokens_cached"] == held and here["tokens"] == there["tokens"]
+        # the file's point is the session's first checkpoint: a prompt parting from the later tokens forks there
+        assert srv.services.store.checkpoints.of(sid)[0].n == held
+        again = _slot(srv, 0, "restore", filename="chat.bin")   # restored twice: two sessions, both the same
+        assert again["localheap"]["session_id"] != sid and again["n_restored"] == held
+
+
+def test_erase_forgets_the_slots_session_and_an_unused_slot_saves_and_restores_nothing(backend, tmp_path):
+    prompt = _ids(backend, 40, seed=3)
+    with _server(backend, tmp_path, "a") as srv:
+        done = _complete(srv, prompt, n=4)
+        sid = srv.services.engine.slots.slots[0].last["session_id"]
+        n = len(srv.services.store.get(sid).fed)
+        assert _slot(srv, 0, "erase") == {"id_slot": 0, "n_erased": n}
+        assert sid not in srv.services.store
+        assert _complete(srv, prompt + done["tokens"], n=2)["tokens_cached"] == 0   # read anew
+        assert _slot(srv, 0, "erase")["n_erased"] > 0 and _slot(srv, 0, "erase")["n_erased"] == 0
+        empty = _slot(srv, 5, "save", filename="empty.bin")   # never used: llama-server saves an empty prompt
+        assert empty["n_saved"] == 0
+        assert _slot(srv, 5, "restore", filename="empty.bin")["n_restored"] == 0 and len(srv.services.store) == 0
+
+
+def test_a_busy_slot_is_saved_once_its_run_ends(backend, tmp_path):
+    with _server(backend, tmp_path, "a") as srv:
+        ended = {}
+
+        def stream():
+            body = {"prompt": _ids(backend, 30, seed=4), "n_predict": 48, "temperature": 0, "stream": True}
+            with httpx.stream("POST", srv.url + "/completion", json=body, timeout=120) as r:
+                for _ in r.iter_lines():
+                    ended["at"] = time.monotonic()
+
+        t = threading.Thread(target=stream)
+        t.start()
+        deadline = time.monotonic() + 60
+        while not httpx.get(srv.url + "/slots").json()[0]["is_processing"]:
+            assert time.monotonic() < deadline and t.is_alive()
+            time.sleep(0.01)
+        saved = _slot(srv, 0, "save", filename="busy.bin")
+        at = time.monotonic()
+        t.join()
+        assert at >= ended["at"] - 0.5   # answered after the run's last line, not while it ran
+        sid = srv.services.engine.slots.slots[0].last["session_id"]
+        assert saved["n_saved"] == len(srv.services.store.get(sid).fed) >= 30 + 47
+
+
+def test_a_slot_answers_for_its_callers_sessions_only(backend, tmp_path):
+    with _server(backend, tmp_path, "a", api_keys=["key-a", "key-b"]) as srv:
+        a, b = ({"Authorization": f"Bearer {k}"} for k in ("key-a", "key-b"))
+        _complete(srv, _ids(backend, 30, seed=5), n=2, headers=a)
+        sid = srv.services.engine.slots.slots[0].last["session_id"]
+        assert _slot(srv, 0, "save", headers=b, filename="b.bin")["n_saved"] == 0
+        assert _slot(srv, 0, "erase", headers=b)["n_erased"] == 0 and sid in srv.services.store
+        assert _slot(srv, 0, "save", headers=a, filename="a.bin")["n_saved"] > 0   # b's erase left a's hold as it was
+        restored = _slot(srv, 1, "restore", headers=b, filename="b.bin")
+        assert restored["n_restored"] == 0
+
+
+def test_a_save_the_disk_refuses_leaves_the_file_as_it_was(backend, tmp_path, monkeypatch):
+    from localheap.sessions import slotfiles
+
+    with _server(backend, tmp_path, "a") as srv:
+        _complete(srv, _ids(backend, 30, seed=6), n=2)
+        _slot(srv, 0, "save", filename="keep.bin")
+        before = (tmp_path / "slots" / "keep.bin").read_bytes()
+        _complete(srv, _ids(backend, 50, seed=7), n=2)
+
+        class Full:   # the slot file's rename refused (the module's own os: a checkpoint's writes go on)
+            def __getattr__(self, name):
+                return getattr(os, name)
+
+            @staticmethod
+            def replace(*a, **kw):
+                raise OSError(errno.ENOSPC, "No space left on device")
+
+        monkeypatch.setattr(slotfiles, "os", Full())
+        r = httpx.post(srv.url + "/slots/0", params={"action": "save"}, json={"filename": "keep.bin"}, timeout=60)
+        assert r.status_code == 507 and r.json()["error"]["code"] == "slot_save_path_unwritable", r.text
+        monkeypatch.undo()
+        assert (tmp_path / "slots" / "keep.bin").read_bytes() == before
+        assert sorted(p.name for p in (tmp_path / "slots").iterdir()) == ["keep.bin"]   # no temp file left
+
+
+def _tar(path, members: dict) -> None:
+    with tarfile.open(path, "w") as tar:
+        for name, data in members.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+
+
+def test_names_files_and_slots_that_are_no_good_are_400s(backend, tmp_path):
+    slots = tmp_path / "slots"
+    with _server(backend, tmp_path, "a") as srv:
+        _complete(srv, _ids(backend, 20, seed=8), n=2)
+        _slot(srv, 0, "save", filename="good.bin")
+        for name in ("../x.bin", "a/b", "", " a", "a.", ".hidden", "a\x00b", "x" * 256, None):
+            body = {"filename": name} if name is not None else {}
+            assert _slot(srv, 0, "save", 400, **body)["error"]["param"] == "filename"
+        assert _slot(srv, "x", "save", 400, filename="a")["error"]["message"] == "Invalid slot ID"
+        assert _slot(srv, 8, "save", 400, filename="a")["error"]["param"] == "id_slot"
+        assert _slot(srv, 0, "jump", 400, filename="a")["error"]["param"] == "action"
+        assert "no slot file" in _slot(srv, 0, "restore", 400, filename="missing.bin")["error"]["message"]
+
+        (slots / "noise.bin").write_bytes(np.random.default_rng(0).bytes(5000))
+        assert _slot(srv, 0, "restore", 400, filename="noise.bin")["error"]["param"] == "filename"
+        with tarfile.open(slots / "good.bin") as tar:
+            manifest = json.loads(tar.extractfile("localheap-slot.json").read())
+            members = {m.name: tar.extractfile(m).read() for m in tar.getmembers() if m.isfile()}
+        other = {**members, "localheap-slot.json": json.dumps({**manifest, "model": "another/model"}).encode()}
+        _tar(slots / "other.bin", other)
+        assert "another/model" in _slot(srv, 0, "restore", 400, filename="other.bin")["error"]["message"]
+        n = manifest["tokens"]
+        escape = {"localheap-slot.json": members["localheap-slot.json"], f"{n}.tokens": members[f"{n}.tokens"],
+                  f"{n}.pages/../../../../outside.txt": b"x", f"{n}.safetensors": members[f"{n}.safetensors"]}
+        _tar(slots / "escape.bin", escape)
+        _slot(srv, 0, "restore", 400, filename="escape.bin")
+        assert not list(tmp_path.rglob("outside.txt"))
+        torn = {**members, f"{n}.tokens": members[f"{n}.tokens"][:-4]}
+        _tar(slots / "torn.bin", torn)
+        _slot(srv, 0, "restore", 400, filename="torn.bin")
+        assert len(srv.services.store) == 1   # none of those made a session
+        leftovers = [p for p in (tmp_path / "a" / "checkpoints").iterdir() if p.name != ".slot-staging"]
+        assert all(p.name in srv.services.store for p in leftovers)   # nor left an extraction behind
+
+
+def test_without_a_slot_save_path_every_action_is_llama_servers_501(backend, tmp_path):
+    with _server(backend, tmp_path, "a", slot_save_path=None) as srv:
+        for action in ("save", "restore", "erase"):
+            r = _slot(srv, 0, action, 501, filename="a.bin")
+            assert r["error"]["message"].startswith("This server does not support slots action. Start it with "
+                                                    "`--slot-save-path`")
+
+
+def test_serve_makes_the_slot_directory_before_the_model_loads(tmp_path):
+    from localheap.cli import build_parser
+    from localheap.commands.serve import settings_from_args
+
+    def parse(*args):
+        return settings_from_args(build_parser().parse_args(["serve", *args]))
+
+    assert parse().slot_save_path is None
+    slots = tmp_path / "x" / "slots"
+    slots.mkdir(parents=True)
+    (slots / ".a.bin.0123abcd.localheap-tmp").write_bytes(b"a save a crash cut short")
+    (slots / "a.bin").write_bytes(b"kept")
+    assert parse("--slot-save-path", str(slots)).slot_save_path == slots
+    assert sorted(p.name for p in slots.iterdir()) == ["a.bin"]
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ValueError, match="--slot-save-path"):
+        parse("--slot-save-path", str(tmp_path / "file" / "slots"))
