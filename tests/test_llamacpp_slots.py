@@ -35,6 +35,18 @@ def backend(tmp_path_factory):
     return TorchBackend.load(build_random_model("qwen2", tmp_path_factory.mktemp("model")), dtype=torch.float32)
 
 
+@pytest.fixture(scope="module", params=["torch", "mlx"])
+def either(request, backend):
+    """The random qwen2 on torch; the demo model on MLX (skipped where mlx is not installed)."""
+    if request.param == "torch":
+        return backend
+    pytest.importorskip("mlx.core", reason="mlx is not installed (a CUDA machine has none)")
+    from localheap.backends.mlx import MLXBackend
+    from localheap.models import demo_model_dir
+
+    return MLXBackend.load(demo_model_dir())
+
+
 def _server(backend, tmp_path, name: str, **kw):
     from localheap.server import ServerSettings, create_app
     from localheap.server.testing import ServerThread
@@ -61,16 +73,17 @@ def _slot(srv, i, action: str, status: int = 200, headers=None, **body):
     return r.json()
 
 
-def test_a_slot_file_read_back_by_another_server_continues_as_the_saved_session(backend, tmp_path):
+def test_a_slot_file_read_back_by_another_server_continues_as_the_saved_session(either, tmp_path):
+    backend = either
     prompt = _ids(backend, 300, seed=1)   # 300 tokens through a 96-slot heap: evictions, pages on disk
     follow = _ids(backend, 12, seed=2)
     with _server(backend, tmp_path, "a") as srv:
-        first = _complete(srv, prompt, n=6)
+        _complete(srv, prompt, n=6)
         s = srv.services.store.get(srv.services.engine.slots.slots[0].last["session_id"])
         held = len(s.fed)
         saved = _slot(srv, 0, "save", filename="chat.bin")
         assert saved["n_saved"] == held and saved["n_written"] == (tmp_path / "slots" / "chat.bin").stat().st_size
-        whole = prompt + first["tokens"] + follow
+        whole = list(s.fed) + follow   # (its reply as the session holds it: an EOS that ended it too)
         there = _complete(srv, whole)   # the saved session, continued in the server that saved it
         assert there["tokens_cached"] == held
     with tarfile.open(tmp_path / "slots" / "chat.bin") as tar:
