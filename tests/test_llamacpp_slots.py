@@ -103,6 +103,7 @@ def test_a_slot_file_read_back_by_another_server_continues_as_the_saved_session(
         assert view["n_prompt_tokens_cache"] == held and view["localheap"]["session_id"] == sid
         here = _complete(srv, whole)
         assert here["tokens_cached"] == held and here["tokens"] == there["tokens"]
+        assert here["timings"]["prompt_n"] == len(follow)   # what a client reads to see the restore held
         # the file's point is the session's first checkpoint: a prompt parting from the later tokens forks there
         assert srv.services.store.checkpoints.of(sid)[0].n == held
         again = _slot(srv, 0, "restore", filename="chat.bin")   # restored twice: two sessions, both the same

@@ -177,6 +177,16 @@ def add_parser(sub) -> None:
                            "(recall brings it back) (default system)")
     trim.set_defaults(func=run_trim_bench, model="demo")
 
+    slots = bsub.add_parser("slots", help="a long session's next turn on a server that does not hold it: its slot "
+                                          "file (serve --slot-save-path) restored first, against the prompt read again")
+    add_model_args(slots)
+    add_heap_args(slots)
+    slots.add_argument("--contexts", type=_ints, default=[4096, 16384, 65536],
+                       help="session lengths measured (8k, 1m accepted; default 4096,16384,65536)")
+    slots.add_argument("--repeats", type=_positive, default=3, help="runs of each arm per length, interleaved (default 3)")
+    add_threads_arg(slots)
+    slots.set_defaults(func=run_slots_bench, model="demo")
+
     mass = bsub.add_parser("attention-mass", help="share of the true attention mass each policy's kept set captures")
     add_model_args(mass)
     add_heap_args(mass)
@@ -533,6 +543,19 @@ def run_trim_bench(args) -> int:
                  log=lambda m: print(m, file=sys.stderr), facts=args.facts, facts_in=args.facts_in)
     emit("trim", report(result, cfg, args.window, args.cache_reuse, table),
          {"model": backend.model_name, "backend": backend.name, "heap": cfg.to_dict(), **result})
+    return 0
+
+
+def run_slots_bench(args) -> int:
+    from ..bench.slotfile import report, run
+    from ..models import load_backend
+
+    backend = load_backend(model_spec(args), args.backend)
+    set_threads(backend, args)
+    cfg = heap_config(args, backend)
+    result = run(backend, cfg, args.contexts, args.repeats, log=lambda m: print(m, file=sys.stderr))
+    emit("slots", report(result, cfg, table), {"model": backend.model_name, "backend": backend.name,
+                                               "heap": cfg.to_dict(), **result})
     return 0
 
 
