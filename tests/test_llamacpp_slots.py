@@ -227,6 +227,24 @@ def test_names_files_and_slots_that_are_no_good_are_400s(backend, tmp_path):
         assert len(srv.services.store) == 1   # none of those made a session
         leftovers = [p for p in (tmp_path / "a" / "checkpoints").iterdir() if p.name != ".slot-staging"]
         assert all(p.name in srv.services.store for p in leftovers)   # nor left an extraction behind
+        assert not list((tmp_path / "a" / "checkpoints").glob(".slot-staging/*"))
+
+
+def test_a_slot_file_whose_heap_cannot_be_read_is_restored_from_its_tokens(backend, tmp_path):
+    """The tokens are the truth (as for a checkpoint): a heap file cut short is read again from them."""
+    slots = tmp_path / "slots"
+    with _server(backend, tmp_path, "a") as srv:
+        _complete(srv, _ids(backend, 150, seed=9), n=2)
+        n = _slot(srv, 0, "save", filename="good.bin")["n_saved"]
+    with tarfile.open(slots / "good.bin") as tar:
+        members = {m.name: tar.extractfile(m).read() for m in tar.getmembers() if m.isfile()}
+    members[f"{n}.safetensors"] = members[f"{n}.safetensors"][:200]
+    _tar(slots / "cut.bin", members)
+    with _server(backend, tmp_path, "b") as srv:
+        restored = _slot(srv, 0, "restore", filename="cut.bin")
+        s = srv.services.store.get(restored["localheap"]["session_id"])
+        assert restored["n_restored"] == n == len(s.fed) and srv.services.store.rebuilt == 1
+        assert _complete(srv, list(s.fed) + _ids(backend, 5, seed=10), n=2)["tokens_cached"] == n
 
 
 def test_without_a_slot_save_path_every_action_is_llama_servers_501(backend, tmp_path):

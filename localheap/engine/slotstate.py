@@ -7,7 +7,8 @@ that session. The files themselves are written and read on another thread
   checkpoint's files hard-linked into a staging folder of their own (the checkpoint may be
   dropped while the file is written), for slotfiles.write; then the staging folder removed.
 - restore: a new session of the caller's, holding what the file held: its checkpoint (extracted
-  into the session's checkpoint folder) registered as the session's first, and its heap loaded,
+  into a staging folder, then moved into the session's checkpoint folder) registered as the
+  session's first, and its heap loaded,
   so that the next prompt that extends its tokens continues it, and one that parts from them
   forks from that checkpoint, as with any session here.
 - erase: the slot's session deleted (its heap and files); a web UI conversation is let go by
@@ -27,7 +28,6 @@ from typing import Any, Optional
 
 from ..heap.pages import link_tree
 from ..heap.private import private_dir
-from ..sessions import SessionNotFound
 from ..sessions.checkpoints import Checkpoint
 from ..sessions.diskbudget import dir_bytes
 from ..sessions.session import token_array
@@ -93,34 +93,43 @@ def unstage(staged: Optional[Path]) -> None:
         shutil.rmtree(staged, ignore_errors=True)
 
 
-def restore_target(engine: Any) -> tuple[str, Path]:
-    """A new session id and the empty folder its checkpoint is extracted into (off the engine thread)."""
+def restore_target(engine: Any) -> Path:
+    """An empty staging folder a slot file is extracted into (off the engine thread); removed at the
+    next start if a crash leaves it."""
+    return engine.store.checkpoints.root / STAGING / uuid.uuid4().hex
+
+
+def restore(engine: Any, id_slot: int, who: Optional[str], heap: Path, title: str):
+    """The checkpoint extracted beside `heap` (restore_target's folder) made a new session's first
+    checkpoint, its heap loaded, the session held by the slot. Its files are moved out of the
+    staging folder first, the heap file last (what is left there is the caller's to remove). On
+    failure the session and its files are removed."""
     from ..sessions.disk import new_id
 
-    sid = new_id()
-    return sid, engine.store.checkpoints.root / sid
-
-
-def restore(engine: Any, id_slot: int, who: Optional[str], sid: str, heap: Path, title: str):
-    """The extracted checkpoint `heap` (in restore_target's folder) made session `sid`, resident
-    and held by the slot. On failure the session and its folder are removed."""
     store = engine.store
     _slot(engine, id_slot)
-    tokens = token_array(_read_tokens(heap.with_suffix(".tokens")))
-    s = store.create(session_id=sid, owner=who, title=title)
+    sid = new_id()
+    folder = store.checkpoints.root / sid
+    s = None
     try:
+        private_dir(folder)
+        for name in (heap.with_suffix(".tokens").name, heap.with_suffix(".pages").name, heap.name):
+            if (heap.parent / name).exists():
+                os.rename(heap.parent / name, folder / name)
+        path = folder / heap.name
+        tokens = token_array(_read_tokens(path.with_suffix(".tokens")))
+        s = store.create(session_id=sid, owner=who, title=title)
         store.enforce_limits(keep=s)
         engine.admission.admit_heap(s)
-        store.disk.room_for(dir_bytes(heap.with_suffix(".pages")) + store.heap_bytes(), s)   # the live copy
-        c = store.checkpoints.adopt(s, Checkpoint(s.id, tokens, heap))
+        store.disk.room_for(dir_bytes(path.with_suffix(".pages")) + store.heap_bytes(), s)   # the live copy
+        c = store.checkpoints.adopt(s, Checkpoint(s.id, tokens, path))
         branching.fork_into(store, s, c, inherit=False)
         if store.durable:   # in the index with its tokens now, as a finished turn is
             store.save(s)
     except BaseException:
-        try:
+        if s is not None and s.id in store:
             store.delete(s.id)
-        except SessionNotFound:
-            pass
+        shutil.rmtree(folder, ignore_errors=True)
         raise
     store.touch(s)
     engine.slots.hold(id_slot, s, who)

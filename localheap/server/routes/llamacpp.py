@@ -182,6 +182,9 @@ async def slot_action(id_slot: str, request: Request, action: Optional[str] = No
         raise BadRequest("Invalid slot ID", "id_slot") from None
     if action not in ("save", "restore", "erase"):
         raise BadRequest("Invalid action: save, restore or erase", "action")
+    if not 0 <= slot < len(svc.engine.slots.slots):   # (a fixed list: read here before any file work)
+        raise BadRequest(f"Invalid slot ID: {slot} (this server has slots 0..{len(svc.engine.slots.slots) - 1})",
+                         "id_slot")
     body = await read_json(request, SlotFileBody) if action != "erase" else None
     who = owner(request)
     began = time.perf_counter()
@@ -202,20 +205,19 @@ async def slot_action(id_slot: str, request: Request, action: Optional[str] = No
                 slotstate.unstage(staged)
             return {"id_slot": slot, "filename": filename, "n_saved": n, "n_written": size,
                     "timings": {"save_ms": (time.perf_counter() - began) * 1000}}
-        sid, into = slotstate.restore_target(svc.engine)
-        meta, size, heap = await asyncio.to_thread(slotfiles.read, root, filename, into, svc.store.model_id,
-                                                   svc.backend.name, getattr(svc.backend, "vocab_size", None))
-        extra = {}
-        if heap is None:   # an empty slot's file: the slot lets go of what it held, as llama-server's empties
-            await _on_idle_slot(svc, lambda: slotstate.let_go(svc.engine, slot))
-        else:
-            try:
-                session = await _on_idle_slot(svc, lambda: slotstate.restore(svc.engine, slot, who, sid, heap,
+        into = slotstate.restore_target(svc.engine)
+        try:
+            meta, size, heap = await asyncio.to_thread(slotfiles.read, root, filename, into, svc.store.model_id,
+                                                       svc.backend.name, getattr(svc.backend, "vocab_size", None))
+            extra = {}
+            if heap is None:   # an empty slot's file: the slot lets go of what it held, as llama-server's empties
+                await _on_idle_slot(svc, lambda: slotstate.let_go(svc.engine, slot))
+            else:
+                session = await _on_idle_slot(svc, lambda: slotstate.restore(svc.engine, slot, who, heap,
                                                                              f"slot file {filename}"))
-            except BaseException:
-                await asyncio.to_thread(shutil.rmtree, into, True)   # (restore removed the session it made)
-                raise
-            extra = {"localheap": {"session_id": session.id}}
+                extra = {"localheap": {"session_id": session.id}}
+        finally:   # (a restore moved its files out; one still to run, its caller gone, then finds none and fails)
+            await asyncio.to_thread(shutil.rmtree, into, True)
         return {"id_slot": slot, "filename": filename, "n_restored": meta.tokens, "n_read": size,
                 "timings": {"restore_ms": (time.perf_counter() - began) * 1000}, **extra}
     except slotfiles.SlotFileError as e:
