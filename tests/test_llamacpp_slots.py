@@ -108,6 +108,12 @@ def test_a_slot_file_read_back_by_another_server_continues_as_the_saved_session(
         assert srv.services.store.checkpoints.of(sid)[0].n == held
         again = _slot(srv, 0, "restore", filename="chat.bin")   # restored twice: two sessions, both the same
         assert again["localheap"]["session_id"] != sid and again["n_restored"] == held
+    with _server(backend, tmp_path, "b", persist_sessions=True) as srv:   # restarted: the restored sessions kept
+        kept = srv.services.store.get(again["localheap"]["session_id"])
+        assert len(kept.fed) == kept.saved_tokens == held and kept.title == "slot file chat.bin"
+        assert httpx.delete(f"{srv.url}/v1/sessions/{sid}").status_code == 200   # (it went on: whole, then a reply)
+        again_here = _complete(srv, whole)
+        assert again_here["tokens_cached"] == held and again_here["tokens"] == there["tokens"]
 
 
 def test_erase_forgets_the_slots_session_and_an_unused_slot_saves_and_restores_nothing(backend, tmp_path):
