@@ -155,6 +155,58 @@ def test_a_busy_slot_is_saved_once_its_run_ends(backend, tmp_path):
         assert saved["n_saved"] == len(srv.services.store.get(sid).fed) >= 30 + 47
 
 
+def test_id_slot_runs_a_request_on_that_slot_so_each_slot_saves_its_own_conversation(backend, tmp_path):
+    """A client keeping one conversation per slot (llama-server's id_slot): restore each into its slot,
+    continue each there, save each slot again: each file holds its own conversation."""
+    a, b = _ids(backend, 40, seed=11), _ids(backend, 60, seed=12)
+    with _server(backend, tmp_path, "a") as srv:
+        for slot, prompt in ((0, a), (1, b)):
+            body = {"prompt": prompt, "n_predict": 2, "temperature": 0, "id_slot": slot}
+            assert httpx.post(srv.url + "/completion", json=body, timeout=120).json()["id_slot"] == slot
+            _slot(srv, slot, "save", filename=f"conv{slot}.bin")
+        assert _complete(srv, _ids(backend, 10, seed=13), n=1)["id_slot"] == 0   # none named: the lowest free
+        r = httpx.post(srv.url + "/completion", json={"prompt": a, "n_predict": 1, "id_slot": 8}, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "id_slot"
+    with _server(backend, tmp_path, "b") as srv:
+        held = {slot: _slot(srv, slot, "restore", filename=f"conv{slot}.bin")["n_restored"] for slot in (1, 0)}
+        for slot in (1, 0):   # slot 1's conversation first: with the lowest free slot it would run on slot 0
+            sid = srv.services.engine.slots.slots[slot].last["session_id"]
+            follow = list(srv.services.store.get(sid).fed) + _ids(backend, 5, seed=14 + slot)
+            body = {"prompt": follow, "n_predict": 3, "temperature": 0, "id_slot": slot}
+            out = httpx.post(srv.url + "/completion", json=body, timeout=120).json()
+            assert out["id_slot"] == slot and out["tokens_cached"] == held[slot]
+        for slot in (0, 1):
+            sid = srv.services.engine.slots.slots[slot].last["session_id"]
+            again = _slot(srv, slot, "save", filename=f"conv{slot}.bin")
+            assert again["n_saved"] == len(srv.services.store.get(sid).fed) > held[slot]
+        assert _slot(srv, 0, "save", filename="x.bin")["n_saved"] != _slot(srv, 1, "save", filename="y.bin")["n_saved"]
+
+
+def test_a_request_for_a_busy_slot_waits_for_it_and_holds_up_no_other(backend, tmp_path):
+    with _server(backend, tmp_path, "a") as srv:
+        ended, out = {}, {}
+
+        def post(key, body):
+            out[key] = httpx.post(srv.url + "/completion", json=body, timeout=120).json()
+            ended[key] = time.monotonic()
+
+        long = threading.Thread(target=post, args=("long", {"prompt": _ids(backend, 20, seed=20), "n_predict": 200,
+                                                            "temperature": 0, "ignore_eos": True, "id_slot": 1}))
+        long.start()
+        deadline = time.monotonic() + 60
+        while not httpx.get(srv.url + "/slots").json()[1]["is_processing"]:
+            assert time.monotonic() < deadline and long.is_alive()
+            time.sleep(0.01)
+        pinned = threading.Thread(target=post, args=("pinned", {"prompt": _ids(backend, 20, seed=21), "n_predict": 1,
+                                                                "id_slot": 1}))
+        pinned.start()
+        post("free", {"prompt": _ids(backend, 20, seed=22), "n_predict": 1})
+        long.join()
+        pinned.join()
+        assert out["long"]["id_slot"] == out["pinned"]["id_slot"] == 1 and out["free"]["id_slot"] == 0
+        assert ended["free"] < ended["long"]   # (the pinned one ran on slot 1: after the long one left it)
+
+
 def test_a_slot_answers_for_its_callers_sessions_only(backend, tmp_path):
     with _server(backend, tmp_path, "a", api_keys=["key-a", "key-b"]) as srv:
         a, b = ({"Authorization": f"Bearer {k}"} for k in ("key-a", "key-b"))

@@ -43,9 +43,11 @@ class AdmissionQueue:
         self.vocab_size: Optional[int] = getattr(backend, "vocab_size", None)
 
     def admit(self, slot_free: Callable[[], bool], start: Callable[[Job, Any, bool], None],
-              fail: Callable[[Job, Exception], None], drop: Callable[[Job], None]) -> None:
+              fail: Callable[[Job, Exception], None], drop: Callable[[Job], None],
+              slot_open: Callable[[int], bool] = lambda i: True) -> None:
         """Start waiting jobs in arrival order while `slot_free()`: `start(job, match, created)`
-        runs a placed job, `fail(job, error)` refuses one, `drop(job)` ends a cancelled one."""
+        runs a placed job, `fail(job, error)` refuses one, `drop(job)` ends a cancelled one. A job
+        that names a slot (id_slot) waits, behind none of the others, until `slot_open(slot)`."""
         skipped: deque[Job] = deque()
         blocked = time.monotonic() < self._room_check_at
         while self.waiting and slot_free():
@@ -56,6 +58,14 @@ class AdmissionQueue:
             sid = job.request.session_id
             if sid is not None and sid in self.store and self.store.get(sid).busy:
                 skipped.append(job)
+                continue
+            want = getattr(job.request, "slot", None)
+            try:
+                if want is not None and not slot_open(want):
+                    skipped.append(job)
+                    continue
+            except ValueError as e:   # no such slot (the routes check first)
+                fail(job, e)
                 continue
             try:
                 start(job, *self.place(job.request, blocked))

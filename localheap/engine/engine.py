@@ -304,7 +304,8 @@ class Engine:
     def _admit(self) -> None:
         """Start waiting jobs (admission.py: arrival order, FIFO for RAM, placement)."""
         self.admission.admit(slot_free=lambda: len(self._active) < self.max_active, start=self._run,
-                             fail=self._fail, drop=lambda job: self._end(job, None, "cancelled"))
+                             fail=self._fail, drop=lambda job: self._end(job, None, "cancelled"),
+                             slot_open=self.slots.free)
 
     def _room_freed(self) -> None:
         self.admission.room_freed()
@@ -317,10 +318,10 @@ class Engine:
         self.store.touch(s)
         s.refresh()
         self._active.append(run)
-        self.slots.take(run)
+        self.slots.take(run, getattr(job.request, "slot", None))
         self.counters.prompt_tokens += run.prompt_tokens
         self.counters.cached_tokens += run.cached
-        self._emit(job, Started(s.id, run.prompt_tokens, run.cached))
+        self._emit(job, Started(s.id, run.prompt_tokens, run.cached, run.slot))
 
     def _throttle(self, run: Run) -> float:
         """Thermal pressure: smaller prefill chunks and a pause; returns the pause."""

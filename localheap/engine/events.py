@@ -22,6 +22,7 @@ class Started:
     session_id: str
     prompt_tokens: int   # tokens the session holds once the prompt is fed
     cached_tokens: int   # of those, reused from the session
+    slot: int = -1       # the engine's slot the run holds (slots.py)
 
 
 @dataclass
@@ -88,6 +89,7 @@ class Generate:
                                   # one: never saved nor in the index, matched only by scratch requests, at most
                                   # SCRATCH_KEEP an owner, and the one a fork of its checkpoint replaces is dropped
     cache_reuse: Optional[int] = None   # a trimmed history's fewest tokens a run (n_cache_reuse; None: the server's)
+    slot: Optional[int] = None    # llama-server's id_slot: run on this slot, once it is free (None: the lowest free)
 
 
 @dataclass

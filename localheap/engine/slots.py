@@ -30,15 +30,22 @@ class Slots:
     def __init__(self, n: int):
         self.slots = [Slot(i) for i in range(n)]
 
-    def take(self, run) -> None:
-        """Put `run` on the lowest free slot (the engine admits no more runs than slots)."""
-        slot = next(s for s in self.slots if s.run is None)
+    def take(self, run, want: Optional[int] = None) -> None:
+        """Put `run` on slot `want`, or on the lowest free one (the engine admits no more runs than
+        slots, and a run that wants a slot only once that one is free: free)."""
+        slot = self.slots[want] if want is not None else next(s for s in self.slots if s.run is None)
+        assert slot.run is None, f"slot {slot.id} is taken"
         slot.run, run.slot = run, slot.id
 
     def leave(self, run) -> None:
         slot = self.slots[run.slot]
         if slot.run is run:
             slot.last, slot.run = figures(run, running=False), None
+
+    def free(self, i: int) -> bool:
+        if not 0 <= i < len(self.slots):
+            raise ValueError(f"Invalid slot ID: {i} (this server has slots 0..{len(self.slots) - 1})")
+        return self.slots[i].run is None
 
     def hold(self, slot_id: int, session, owner) -> None:
         """The idle slot now holds `session` (a slot file restored into it, slotstate.py): shown as

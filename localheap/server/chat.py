@@ -338,18 +338,20 @@ def _token_ref(tokenizer: Any, text: str) -> str:
 async def start(svc: Services, request: Optional[Request], prompt: Prompt, params: SamplingParams,
                 session_id: Optional[str], title: Optional[str],
                 ephemeral: bool = False, scratch: bool = False,
-                cache_reuse: Optional[int] = None, who: Optional[str] = None) -> tuple[Job, JobEvents, Started]:
+                cache_reuse: Optional[int] = None, who: Optional[str] = None,
+                slot: Optional[int] = None) -> tuple[Job, JobEvents, Started]:
     """Queue a generation on the session the prompt extends (or `session_id`); returns once admitted.
     `ephemeral`: a session of its own, never matched or saved, deleted when the reply ends.
     `scratch`: an editor's completion (engine.Generate.scratch). `cache_reuse`: the request's
-    n_cache_reuse (None: serve --cache-reuse). With no `request` (a background response run again
+    n_cache_reuse (None: serve --cache-reuse). `slot`: llama-server's id_slot (engine.Generate.slot). With no `request` (a background response run again
     after a restart), the sessions matched are `who`'s."""
     who = owner(request) if request is not None else who
     check_start(svc, who, params, session_id, ephemeral)
     job, events, started = await submit(svc.engine, lambda emit: Generate(prompt, params, emit, session_id, who,
                                                                                ephemeral=ephemeral,
                                                                                scratch=scratch,
-                                                                               cache_reuse=cache_reuse))
+                                                                               cache_reuse=cache_reuse,
+                                                                               slot=slot))
     await svc.name_session(started.session_id, title)
     return job, events, started
 

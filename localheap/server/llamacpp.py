@@ -111,6 +111,7 @@ class LlamaRequest(BaseModel):
     stream: bool = False
     cache_prompt: bool = True
     n_cache_reuse: Optional[int] = Field(None, ge=0)   # serve --cache-reuse for this request (0: off; None: the server's)
+    id_slot: int = -1   # run on this slot, once it is free (-1: any); its session is still the one the prompt extends
     return_tokens: bool = False
     response_fields: Optional[list[str]] = None
     n_indent: int = Field(0, ge=0)

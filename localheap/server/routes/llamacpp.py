@@ -289,6 +289,7 @@ class Slot:
     probs: list[dict] = field(default_factory=list)
     cut_short: bool = False   # n_indent or t_max_predict_ms ended it
     done: Optional[Finished] = None
+    slot: int = -1            # the engine's slot it ran on
 
 
 async def _answer(request: Request, svc: Services, body: LlamaRequest, prompts: list, stop_ids,
@@ -296,6 +297,9 @@ async def _answer(request: Request, svc: Services, body: LlamaRequest, prompts: 
     vocab = getattr(svc.backend, "vocab_size", None)
     default = min(svc.settings.default_max_tokens, svc.settings.max_tokens_limit)
     n = body.completions(len(prompts))
+    if not -1 <= body.id_slot < len(svc.engine.slots.slots):
+        raise BadRequest(f"Invalid slot ID: {body.id_slot} (this server has slots 0..{len(svc.engine.slots.slots) - 1}; "
+                         f"-1: any)", "id_slot")
     slots: list[Slot] = []
     try:
         for k, prompt in enumerate(prompts):
@@ -307,9 +311,10 @@ async def _answer(request: Request, svc: Services, body: LlamaRequest, prompts: 
                 began = time.monotonic()
                 title = prompt.text if i == 0 else None
                 job, events, started = await start(svc, request, prompt, params, None, title, own,
-                                                   scratch and not own, body.n_cache_reuse)
+                                                   scratch and not own, body.n_cache_reuse,
+                                                   slot=None if body.id_slot < 0 else body.id_slot)
                 slots.append(Slot(i, job, events, started.session_id, started.prompt_tokens, started.cached_tokens,
-                                  began, Cut(body.n_indent, body.t_max_predict_ms)))
+                                  began, Cut(body.n_indent, body.t_max_predict_ms), slot=started.slot))
     except BaseException:
         for s in slots:
             s.job.cancel()
@@ -358,7 +363,7 @@ class Reply:
                     s.cut_short = True
                     s.job.cancel()   # the engine ends it at its next step; the session keeps what it fed
                 if text or ids:
-                    piece = {"index": s.index, "content": text, "tokens": ids, "stop": False, "id_slot": -1,
+                    piece = {"index": s.index, "content": text, "tokens": ids, "stop": False, "id_slot": s.slot,
                              "tokens_predicted": event.tokens, "tokens_evaluated": s.prompt_tokens}
                     if probs:
                         piece["completion_probabilities"] = probs
@@ -369,7 +374,7 @@ class Reply:
                 return
 
     def progress_piece(self, s: Slot, event: Progress) -> dict:
-        return {"index": s.index, "content": "", "tokens": [], "stop": False, "id_slot": -1, "tokens_predicted": 0,
+        return {"index": s.index, "content": "", "tokens": [], "stop": False, "id_slot": s.slot, "tokens_predicted": 0,
                 "tokens_evaluated": s.prompt_tokens,
                 "prompt_progress": prompt_progress(s.prompt_tokens, s.cached, event.done, event.total, s.began,
                                                    time.monotonic())}
@@ -380,7 +385,7 @@ class Reply:
         predicted = done.usage.completion_tokens
         content = "".join(s.content)
         out = {"index": s.index, "content": content if not self.body.stream else "",
-               "tokens": s.ids if self.body.return_tokens and not self.body.stream else [], "id_slot": -1,
+               "tokens": s.ids if self.body.return_tokens and not self.body.stream else [], "id_slot": s.slot,
                "stop": True, "model": self.svc.model_id, "tokens_predicted": predicted,
                "tokens_evaluated": s.prompt_tokens, "generation_settings": self.settings,
                "has_new_line": "\n" in content, "truncated": False,
