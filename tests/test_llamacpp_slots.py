@@ -182,6 +182,20 @@ def test_id_slot_runs_a_request_on_that_slot_so_each_slot_saves_its_own_conversa
         assert _slot(srv, 0, "save", filename="x.bin")["n_saved"] != _slot(srv, 1, "save", filename="y.bin")["n_saved"]
 
 
+def test_the_openai_routes_take_id_slot_too(backend, tmp_path):
+    with _server(backend, tmp_path, "a") as srv:
+        model = srv.services.model_id
+        body = {"model": model, "messages": [{"role": "user", "content": "hello there"}], "max_tokens": 3, "id_slot": 3,
+                "n": 2}
+        r = httpx.post(srv.url + "/v1/chat/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        sid = r.headers["X-Session-Id"]
+        assert srv.services.engine.slots.slots[3].last["session_id"] == sid   # the first choice's
+        assert _slot(srv, 3, "save", filename="chat.bin")["n_saved"] == len(srv.services.store.get(sid).fed)
+        bad = httpx.post(srv.url + "/v1/completions", json={"model": model, "prompt": "a", "id_slot": 99}, timeout=60)
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "id_slot"
+
+
 def test_a_request_for_a_busy_slot_waits_for_it_and_holds_up_no_other(backend, tmp_path):
     with _server(backend, tmp_path, "a") as srv:
         ended, out = {}, {}

@@ -356,6 +356,16 @@ async def start(svc: Services, request: Optional[Request], prompt: Prompt, param
     return job, events, started
 
 
+def check_slot(svc: Services, id_slot: Optional[int]) -> Optional[int]:
+    """llama-server's id_slot: the engine slot a request runs on (None: any; -1 says so too), or a 400."""
+    if id_slot is None or id_slot == -1:
+        return None
+    n = len(svc.engine.slots.slots)
+    if not 0 <= id_slot < n:
+        raise BadRequest(f"Invalid slot ID: {id_slot} (this server has slots 0..{n - 1}; -1: any)", "id_slot")
+    return id_slot
+
+
 def check_start(svc: Services, who: Optional[str], params: SamplingParams, session_id: Optional[str],
                 ephemeral: bool = False) -> None:
     """What `start` refuses before it queues anything (a background response checks it before

@@ -44,7 +44,7 @@ ALIASES = {"nucleus": "top_p", "temp": "temperature", "typ": "typ_p"}   # llama.
 OFF = {"lora": lambda v: not v}
 # llama.cpp's runtime options and tuning that changes nothing here: accepted, unused
 UNUSED = {"penalize_nl", "min_keep",
-          "t_max_prompt_ms", "id_slot", "n_keep", "n_discard", "timings_per_token",
+          "t_max_prompt_ms", "n_keep", "n_discard", "timings_per_token",
           "sse_ping_interval", "model", "id_task", "response_fields", "penalty_last_n"}
 # the options a SamplingParams check may name in its message (a 400's param)
 OPTION_NAMES = ("repeat_penalty", "repeat_last_n", "dry_multiplier", "dry_base", "dry_allowed_length",

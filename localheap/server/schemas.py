@@ -215,6 +215,8 @@ class SamplingFields(Strict):
     cache_prompt: Optional[bool] = None            # extension (llama-server's): accepted (prefixes are always reused)
     n_cache_reuse: Optional[int] = Field(None, ge=0)   # extension (llama-server's): serve --cache-reuse for this
     # request (0: off; absent: the server's)
+    id_slot: Optional[int] = None                  # extension (llama-server's): the first choice runs on this slot
+    # once it is free (-1 or absent: any; POST /slots/ID?action=save then saves that session)
     return_progress: Optional[bool] = None         # extension (llama-server's): stream chunks with prompt_progress
     post_sampling_probs: Optional[bool] = None     # extension (llama-server's): logprobs of the distribution drawn
     # from, after the sampler chain (generation.LogprobRecorder.post); chat writes them as prob and top_probs

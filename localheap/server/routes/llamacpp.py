@@ -22,7 +22,7 @@ from ...engine import Delta, Feed, Finished, Job, Progress, slotstate
 from ...grammar import Grammar, GrammarError, json_grammar
 from ...sessions import Prompt, slotfiles
 from ..bridge import JobEvents, follow, merged, submit, watch_disconnect
-from ..chat import start
+from ..chat import check_slot, start
 from ..errors import BadRequest, NoSlotFree, NotSupported, SlotFileUnwritable, to_response
 from ..fim import fim_format
 from ..formats import save_fields
@@ -297,9 +297,7 @@ async def _answer(request: Request, svc: Services, body: LlamaRequest, prompts: 
     vocab = getattr(svc.backend, "vocab_size", None)
     default = min(svc.settings.default_max_tokens, svc.settings.max_tokens_limit)
     n = body.completions(len(prompts))
-    if not -1 <= body.id_slot < len(svc.engine.slots.slots):
-        raise BadRequest(f"Invalid slot ID: {body.id_slot} (this server has slots 0..{len(svc.engine.slots.slots) - 1}; "
-                         f"-1: any)", "id_slot")
+    slot = check_slot(svc, body.id_slot)
     slots: list[Slot] = []
     try:
         for k, prompt in enumerate(prompts):
@@ -312,7 +310,7 @@ async def _answer(request: Request, svc: Services, body: LlamaRequest, prompts: 
                 title = prompt.text if i == 0 else None
                 job, events, started = await start(svc, request, prompt, params, None, title, own,
                                                    scratch and not own, body.n_cache_reuse,
-                                                   slot=None if body.id_slot < 0 else body.id_slot)
+                                                   slot=slot)
                 slots.append(Slot(i, job, events, started.session_id, started.prompt_tokens, started.cached_tokens,
                                   began, Cut(body.n_indent, body.t_max_predict_ms), slot=started.slot))
     except BaseException:

@@ -18,7 +18,7 @@ from ...generation import LogprobRecorder, SamplingParams, check_logit_bias
 from ...sessions import Prompt
 from ...sessions.disk import valid_id
 from ..bridge import JobEvents, collect, follow, merged
-from ..chat import ChatPlan, start
+from ..chat import ChatPlan, check_slot, start
 from ..errors import BadRequest, Unsupported, to_response
 from ..fim import fim_format, fim_prompt
 from ..logonce import warn_once
@@ -200,6 +200,7 @@ async def _respond(reply: Reply, body: SamplingFields, prompts: Union[Prompt, li
     together in the engine's batch. `scratch`: an editor's completion (engine.Generate.scratch)."""
     prompts = prompts if isinstance(prompts, list) else [prompts]
     ephemeral = body.store is False or own_sessions   # absent: kept, so the next turn reuses this one (see README)
+    slot = check_slot(svc, body.id_slot)
     choices: list[Choice] = []
     starts: list[Started] = []
     try:
@@ -209,7 +210,8 @@ async def _respond(reply: Reply, body: SamplingFields, prompts: Union[Prompt, li
                 params = make_params(j)
                 job, events, started = await start(svc, request, prompt, params, session_id if i == 0 else None,
                                                    title if i == 0 else None, ephemeral or i > 0,
-                                                   scratch and not (ephemeral or i > 0), body.n_cache_reuse)
+                                                   scratch and not (ephemeral or i > 0), body.n_cache_reuse,
+                                                   slot=slot if i == 0 else None)
                 choices.append(Choice(i, job, events, make_parser(), echo=make_echo(params, k), started=started))
                 starts.append(started)
     except BaseException:
