@@ -126,9 +126,18 @@ def test_erase_forgets_the_slots_session_and_an_unused_slot_saves_and_restores_n
         assert sid not in srv.services.store
         assert _complete(srv, prompt + done["tokens"], n=2)["tokens_cached"] == 0   # read anew
         assert _slot(srv, 0, "erase")["n_erased"] > 0 and _slot(srv, 0, "erase")["n_erased"] == 0
+        web = httpx.post(srv.url + "/v1/sessions", headers={"X-Localheap-Client": "web"}).json()["id"]
+        chat = {"model": srv.services.model_id, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+                "id_slot": 4}
+        assert httpx.post(srv.url + "/v1/chat/completions", json=chat, headers={"X-Session-Id": web},
+                          timeout=120).status_code == 200
+        assert srv.services.engine.slots.slots[4].last["session_id"] == web
+        assert _slot(srv, 4, "erase")["n_erased"] == 0 and web in srv.services.store   # the web UI's: let go only
+        assert srv.services.engine.slots.slots[4].last is None
         empty = _slot(srv, 5, "save", filename="empty.bin")   # never used: llama-server saves an empty prompt
         assert empty["n_saved"] == 0
-        assert _slot(srv, 5, "restore", filename="empty.bin")["n_restored"] == 0 and len(srv.services.store) == 0
+        assert _slot(srv, 5, "restore", filename="empty.bin")["n_restored"] == 0
+        assert [s.id for s in srv.services.store.sessions()] == [web]   # nothing made
 
 
 def test_a_busy_slot_is_saved_once_its_run_ends(backend, tmp_path):
