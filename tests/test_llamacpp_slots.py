@@ -240,6 +240,10 @@ def test_a_slot_answers_for_its_callers_sessions_only(backend, tmp_path):
         assert _slot(srv, 0, "save", headers=a, filename="a.bin")["n_saved"] > 0   # b's erase left a's hold as it was
         restored = _slot(srv, 1, "restore", headers=b, filename="b.bin")
         assert restored["n_restored"] == 0
+        # a's file is not b's to read (as if missing) nor to replace
+        assert "no slot file" in _slot(srv, 1, "restore", 400, headers=b, filename="a.bin")["error"]["message"]
+        assert "another API key" in _slot(srv, 1, "save", 400, headers=b, filename="a.bin")["error"]["message"]
+        assert _slot(srv, 1, "restore", headers=a, filename="a.bin")["n_restored"] > 0
 
 
 def test_a_save_the_disk_refuses_leaves_the_file_as_it_was(backend, tmp_path, monkeypatch):

@@ -52,6 +52,7 @@ class SlotFile:
     model: str
     backend: str
     saved_at: float
+    owner: Optional[str] = None   # the API key's id that saved it (None: a server without keys)
 
 
 def check_name(filename: object) -> str:
@@ -79,14 +80,18 @@ def prepare_dir(root: Path) -> Path:
     return root
 
 
-def write(root: Path, filename: str, staged: Optional[Path], n: int, model: str, backend: str) -> int:
+def write(root: Path, filename: str, staged: Optional[Path], n: int, model: str, backend: str,
+          owner: Optional[str] = None) -> int:
     """Write the slot file `root/filename` from a checkpoint's files linked into `staged` (None:
-    an empty slot, the manifest alone). Returns the file's bytes. Atomic: on any failure the file
-    of that name is as it was and the temp file is gone."""
+    an empty slot, the manifest alone), as `owner`'s (an API key's id). Returns the file's bytes.
+    Atomic: on any failure the file of that name is as it was and the temp file is gone. A file
+    of that name another key saved is not replaced (SlotFileError)."""
     target = Path(root) / check_name(filename)
+    if target.is_file() and _owner_of(target) not in (owner, _NOT_OURS):
+        raise SlotFileError(f"{filename!r} is another API key's slot file: choose another name")
     tmp = target.with_name(f".{filename}.{uuid.uuid4().hex[:8]}{TMP_TAG}")
     manifest = json.dumps({"format": FORMAT, "version": VERSION, "tokens": n, "model": model,
-                           "backend": backend, "saved_at": time.time()}).encode()
+                           "backend": backend, "saved_at": time.time(), "owner": owner}).encode()
     try:
         private_dir(target.parent)   # (removed while the server ran: made again)
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE)
@@ -109,13 +114,17 @@ def write(root: Path, filename: str, staged: Optional[Path], n: int, model: str,
     return target.stat().st_size
 
 
-def read(root: Path, filename: str, into: Path, model: str, backend: str, vocab: Optional[int]) -> tuple[SlotFile, int, Optional[Path]]:
+def read(root: Path, filename: str, into: Path, model: str, backend: str, vocab: Optional[int],
+         owner: Optional[str] = None) -> tuple[SlotFile, int, Optional[Path]]:
     """Extract the slot file `root/filename` into the empty directory `into`: (its manifest, its
     bytes, the heap file's path there, None for an empty slot). SlotFileError when it is missing,
-    is not a slot file, or was saved for another model or backend; what was extracted is removed."""
+    is not a slot file, was saved for another model or backend, or by another API key than
+    `owner` (as if it were missing: a key must not learn what another saved); what was extracted
+    is removed."""
     path = Path(root) / check_name(filename)
+    missing = SlotFileError(f"no slot file {filename!r} in the server's --slot-save-path")
     if not path.is_file():
-        raise SlotFileError(f"no slot file {filename!r} in the server's --slot-save-path")
+        raise missing
     size = path.stat().st_size
     try:
         with tarfile.open(path, mode="r:") as tar:
@@ -123,6 +132,8 @@ def read(root: Path, filename: str, into: Path, model: str, backend: str, vocab:
             if first is None or first.name != MANIFEST or not first.isfile() or first.size > 1 << 16:
                 raise SlotFileError(f"{filename!r} is not a localheap slot file")
             meta = _manifest(tar.extractfile(first).read(), filename)
+            if meta.owner != owner:
+                raise missing
             if meta.model != model or meta.backend != backend:
                 raise SlotFileError(f"{filename!r} was saved by a server running {meta.model} on {meta.backend}; "
                                     f"this one runs {model} on {backend}")
@@ -157,6 +168,21 @@ def read(root: Path, filename: str, into: Path, model: str, backend: str, vocab:
         raise
 
 
+_NOT_OURS = object()   # a file of that name that is no slot file (the client's to replace, as llama-server would)
+
+
+def _owner_of(path: Path):
+    """The owner a slot file's manifest names; _NOT_OURS for a file that is no slot file."""
+    try:
+        with tarfile.open(path, mode="r:") as tar:
+            first = tar.next()
+            if first is None or first.name != MANIFEST or not first.isfile() or first.size > 1 << 16:
+                return _NOT_OURS
+            return _manifest(tar.extractfile(first).read(), path.name).owner
+    except (tarfile.TarError, OSError, SlotFileError, UnicodeDecodeError):
+        return _NOT_OURS
+
+
 def read_tokens(path: Path) -> array:
     tokens = array("i")
     data = Path(path).read_bytes()
@@ -177,7 +203,9 @@ def _manifest(raw: bytes, filename: str) -> SlotFile:
         n = meta["tokens"]
         if not isinstance(n, int) or isinstance(n, bool) or n < 0:
             raise ValueError("a token count that is no count")
-        return SlotFile(n, str(meta["model"]), str(meta["backend"]), float(meta.get("saved_at", 0)))
+        who = meta.get("owner")
+        return SlotFile(n, str(meta["model"]), str(meta["backend"]), float(meta.get("saved_at", 0)),
+                        who if isinstance(who, str) else None)
     except SlotFileError:
         raise
     except (ValueError, KeyError, TypeError, AttributeError) as e:

@@ -197,7 +197,7 @@ async def slot_action(id_slot: str, request: Request, action: Optional[str] = No
             n, staged = await _on_idle_slot(svc, lambda: slotstate.stage_save(svc.engine, slot, who))
             try:
                 size = await asyncio.to_thread(slotfiles.write, root, filename, staged, n, svc.store.model_id,
-                                               svc.backend.name)
+                                               svc.backend.name, who)
             except OSError as e:
                 raise SlotFileUnwritable(f"cannot write slot file {filename!r} in {root}: {e.strerror or e} "
                                          f"(a file of that name is as it was)") from e
@@ -208,7 +208,8 @@ async def slot_action(id_slot: str, request: Request, action: Optional[str] = No
         into = slotstate.restore_target(svc.engine)
         try:
             meta, size, heap = await asyncio.to_thread(slotfiles.read, root, filename, into, svc.store.model_id,
-                                                       svc.backend.name, getattr(svc.backend, "vocab_size", None))
+                                                       svc.backend.name, getattr(svc.backend, "vocab_size", None),
+                                                       who)
             extra = {}
             if heap is None:   # an empty slot's file: the slot lets go of what it held, as llama-server's empties
                 await _on_idle_slot(svc, lambda: slotstate.let_go(svc.engine, slot))
