@@ -845,3 +845,18 @@ def test_a_cut_maps_the_pages_tokens_to_the_shorter_history_and_forgets_the_othe
                          for x in twice)
     assert max(p for _, p in twice) < 44
     again.close()
+
+
+def test_page_span_of_a_batch_is_each_pages_span():
+    """A reopen takes every record's span at once (page_span over [k, H, P])."""
+    from localheap.heap.pages import page_span
+
+    rng = np.random.default_rng(5)
+    pos = rng.integers(0, 1000, (6, 3, 8))
+    pos[rng.random(pos.shape) < 0.3] = -1
+    pos[2, 1] = -1   # a head with no token left
+    batch = page_span(pos)
+    assert batch.shape == (6, 3, 2)
+    for k in range(6):
+        assert np.array_equal(batch[k], page_span(pos[k]))
+    assert batch[2, 1].tolist() == [-1, -1]

@@ -13,6 +13,7 @@ server's start is not timed. Reports each arm's mean, and the ratio read / resto
 
 from __future__ import annotations
 
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -46,6 +47,13 @@ def run(backend, cfg, contexts: list[int], repeats: int, log: Callable[[str], No
             heap=cfg, web_dir=None, sessions_dir=root / f"sessions{made[0]}", slot_save_path=root / "slots",
             default_max_tokens=1)))
 
+    try:
+        return _run(backend, contexts, repeats, log, server)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)   # (the files grow with the contexts: 78 MiB at 64K)
+
+
+def _run(backend, contexts: list[int], repeats: int, log: Callable[[str], None], server) -> dict:
     rng = np.random.default_rng(0)
     rows = []
     for n in contexts:

@@ -228,11 +228,12 @@ def hull_through(lo: np.ndarray, hi: np.ndarray, spans: np.ndarray) -> tuple[np.
 
 
 def page_span(pos: np.ndarray) -> np.ndarray:
-    """[H, P] positions (-1: none) -> [H, 2] (first, last) of each head's; (-1, -1) for a head with none."""
+    """[..., H, P] positions (-1: none) -> [..., H, 2] (first, last) of each head's; (-1, -1) for a
+    head with none (a batch of pages at once: [k, H, P] -> [k, H, 2])."""
     valid = pos >= 0
-    first = np.where(valid, pos, np.iinfo(np.int64).max).min(axis=1)
-    last = np.where(valid, pos, -1).max(axis=1)
-    return np.stack([np.where(valid.any(axis=1), first, -1), last], axis=1)
+    first = np.where(valid, pos, np.iinfo(np.int64).max).min(axis=-1)
+    last = np.where(valid, pos, -1).max(axis=-1)
+    return np.stack([np.where(valid.any(axis=-1), first, -1), last], axis=-1)
 
 
 class _Layer:
@@ -931,24 +932,26 @@ class PageStore:
             n = size // self.record_bytes                      # a torn last record is ignored
             recs = np.fromfile(self._file(i), self.dtype, count=n) if n else np.zeros(0, self.dtype)
             L.grow(n)
-            ok = np.zeros(n, bool)
-            for slot, rec in enumerate(recs):
-                if rec["magic"] != MAGIC or rec["seq"] >= self.seq:
-                    continue
-                if _crc(rec, _META_FIELDS) != rec["crc_meta"]:
-                    self.corrupt += 1
-                    continue
-                ok[slot] = True
+            # all of a layer's records at once: the header checksums (_crc over the fields is one
+            # crc32 over their run of bytes), positions, spans and summaries, as a read does (load)
+            ok = (recs["magic"] == MAGIC) & (recs["seq"] < self.seq)
+            if n:
+                raw = recs.view(np.uint8).reshape(n, -1)
+                cand = np.flatnonzero(ok)
+                crc = np.fromiter((zlib.crc32(raw[j, self._meta_run]) for j in cand), np.uint32, len(cand))
+                bad = cand[crc != recs["crc_meta"][cand]]
+                self.corrupt += len(bad)
+                ok[bad] = False
             ok[_copies(recs["seq"], ok)] = False   # an interrupted compaction's copies: tombstoned below
-            for slot in np.flatnonzero(ok):
-                rec = recs[slot]
-                pos = self.map_positions(rec["positions"], rec["seq"])
-                if (pos < 0).all():   # every token cut (a store whose cut's tombstones did not land)
-                    ok[slot] = False
-                    continue
-                L.put_summaries([slot], recs[slot: slot + 1])
-                L.live[slot], L.value[slot], L.seq[slot] = True, rec["value"], rec["seq"]
-                L.span[slot] = page_span(pos)
+            slots = np.flatnonzero(ok)
+            pos = self.map_positions(recs["positions"][slots], recs["seq"][slots][:, None, None])
+            gone = (pos < 0).all(axis=(1, 2))   # every token cut (a store whose cut's tombstones did not land)
+            ok[slots[gone]] = False
+            slots, pos = slots[~gone], pos[~gone]
+            if len(slots):
+                L.put_summaries(slots, recs[slots])
+                L.live[slots], L.value[slots], L.seq[slots] = True, recs["value"][slots], recs["seq"][slots]
+                L.span[slots] = page_span(pos)
             L.free = sorted((int(s) for s in np.flatnonzero(~L.live[: len(L.live)])), reverse=True)
             # records written after the state (a turn that never committed, or a parent's appends a
             # fork copied): tombstoned, or a later state's larger sequence number would take them for valid
