@@ -309,6 +309,10 @@ def test_names_files_and_slots_that_are_no_good_are_400s(backend, tmp_path):
         torn = {**members, f"{n}.tokens": members[f"{n}.tokens"][:-4]}
         _tar(slots / "torn.bin", torn)
         _slot(srv, 0, "restore", 400, filename="torn.bin")
+        outside = np.frombuffer(members[f"{n}.tokens"], np.int32).copy()
+        outside[-1] = backend.vocab_size   # an id this model has not
+        _tar(slots / "outside.bin", {**members, f"{n}.tokens": outside.tobytes()})
+        assert "vocabulary" in _slot(srv, 0, "restore", 400, filename="outside.bin")["error"]["message"]
         assert len(srv.services.store) == 1   # none of those made a session
         leftovers = [p for p in (tmp_path / "a" / "checkpoints").iterdir() if p.name != ".slot-staging"]
         assert all(p.name in srv.services.store for p in leftovers)   # nor left an extraction behind

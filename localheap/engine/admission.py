@@ -21,6 +21,7 @@ from . import branching
 from .errors import InvalidTokens, OverBudget
 from .events import Feed, Job
 from .governor import Governor
+from .slots import InvalidSlot
 
 log = logging.getLogger("localheap.engine")
 ROOM_RECHECK_S = 0.1   # how often a job waiting for RAM asks the governor again (runs ending ask at once)
@@ -64,7 +65,7 @@ class AdmissionQueue:
                 if want is not None and not slot_open(want):
                     skipped.append(job)
                     continue
-            except ValueError as e:   # no such slot (the routes check first)
+            except InvalidSlot as e:   # no such slot (the routes check first)
                 fail(job, e)
                 continue
             try:

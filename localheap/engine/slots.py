@@ -19,6 +19,10 @@ SHOWN_PARAMS = ("temperature", "top_k", "top_p", "min_p", "typical_p", "seed", "
                 "presence_penalty", "frequency_penalty", "dry_multiplier", "mirostat", "stop")
 
 
+class InvalidSlot(ValueError):
+    """A slot id this server does not have (a client's error: 400)."""
+
+
 @dataclass
 class Slot:
     id: int
@@ -42,10 +46,14 @@ class Slots:
         if slot.run is run:
             slot.last, slot.run = figures(run, running=False), None
 
-    def free(self, i: int) -> bool:
+    def check(self, i: int) -> int:
+        """`i` if it is a slot here, else InvalidSlot."""
         if not 0 <= i < len(self.slots):
-            raise ValueError(f"Invalid slot ID: {i} (this server has slots 0..{len(self.slots) - 1})")
-        return self.slots[i].run is None
+            raise InvalidSlot(f"Invalid slot ID: {i} (this server has slots 0..{len(self.slots) - 1})")
+        return i
+
+    def free(self, i: int) -> bool:
+        return self.slots[self.check(i)].run is None
 
     def hold(self, slot_id: int, session, owner) -> None:
         """The idle slot now holds `session` (a slot file restored into it, slotstate.py): shown as

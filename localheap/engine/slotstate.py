@@ -40,14 +40,8 @@ class SlotBusy(RuntimeError):
     """The slot runs a request (its caller may wait for it to end)."""
 
 
-class NoSuchSlot(ValueError):
-    pass
-
-
 def _slot(engine: Any, id_slot: int):
-    if not 0 <= id_slot < len(engine.slots.slots):
-        raise NoSuchSlot(f"Invalid slot ID: {id_slot} (this server has slots 0..{len(engine.slots.slots) - 1})")
-    slot = engine.slots.slots[id_slot]
+    slot = engine.slots.slots[engine.slots.check(id_slot)]
     if slot.run is not None:
         raise SlotBusy(f"slot {id_slot} is busy")
     return slot
@@ -58,7 +52,7 @@ def held(engine: Any, id_slot: int, who: Optional[str]):
     slot = _slot(engine, id_slot)
     last = slot.last or {}
     sid = last.get("session_id")
-    if sid is None or last.get("owner") != who or sid not in engine.store:
+    if sid is None or sid not in engine.store:
         return None
     s = engine.store.get(sid)
     return s if s.fed and s.owner == who else None
@@ -99,8 +93,8 @@ def restore_target(engine: Any) -> Path:
     return engine.store.checkpoints.root / STAGING / uuid.uuid4().hex
 
 
-def restore(engine: Any, id_slot: int, who: Optional[str], heap: Path, title: str):
-    """The checkpoint extracted beside `heap` (restore_target's folder) made a new session's first
+def restore(engine: Any, id_slot: int, who: Optional[str], heap: Path, tokens, title: str):
+    """The checkpoint extracted beside `heap` (restore_target's folder; its `tokens`, read there) made a new session's first
     checkpoint, its heap loaded, the session held by the slot. Its files are moved out of the
     staging folder first, the heap file last (what is left there is the caller's to remove). On
     failure the session and its files are removed."""
@@ -117,12 +111,11 @@ def restore(engine: Any, id_slot: int, who: Optional[str], heap: Path, title: st
             if (heap.parent / name).exists():
                 os.rename(heap.parent / name, folder / name)
         path = folder / heap.name
-        tokens = token_array(_read_tokens(path.with_suffix(".tokens")))
         s = store.create(session_id=sid, owner=who, title=title)
         store.enforce_limits(keep=s)
         engine.admission.admit_heap(s)
         store.disk.room_for(dir_bytes(path.with_suffix(".pages")) + store.heap_bytes(), s)   # the live copy
-        c = store.checkpoints.adopt(s, Checkpoint(s.id, tokens, path))
+        c = store.checkpoints.adopt(s, Checkpoint(s.id, token_array(tokens), path))
         branching.fork_into(store, s, c, inherit=False)
         if store.durable:   # in the index with its tokens now, as a finished turn is
             store.save(s)
@@ -155,9 +148,3 @@ def erase(engine: Any, id_slot: int, who: Optional[str]) -> int:
 def let_go(engine: Any, id_slot: int) -> None:
     """The idle slot holds nothing now (its session stays as it is)."""
     _slot(engine, id_slot).last = None
-
-
-def _read_tokens(path: Path):
-    from ..sessions.slotfiles import read_tokens
-
-    return read_tokens(path)

@@ -10,6 +10,7 @@ from typing import Any, Callable, Optional
 from fastapi import Request
 
 from ..engine import Generate, Job, Started
+from ..engine.slots import InvalidSlot
 from ..generation import SamplingParams
 from ..grammar import (Grammar, GrammarError, LazyGrammar, LeadingTokens, Trigger, grammar_error, json_grammar,
                        json_rule)
@@ -343,8 +344,9 @@ async def start(svc: Services, request: Optional[Request], prompt: Prompt, param
     """Queue a generation on the session the prompt extends (or `session_id`); returns once admitted.
     `ephemeral`: a session of its own, never matched or saved, deleted when the reply ends.
     `scratch`: an editor's completion (engine.Generate.scratch). `cache_reuse`: the request's
-    n_cache_reuse (None: serve --cache-reuse). `slot`: llama-server's id_slot (engine.Generate.slot). With no `request` (a background response run again
-    after a restart), the sessions matched are `who`'s."""
+    n_cache_reuse (None: serve --cache-reuse). `slot`: llama-server's id_slot (engine.Generate.slot).
+    With no `request` (a background response run again after a restart), the sessions matched are
+    `who`'s."""
     who = owner(request) if request is not None else who
     check_start(svc, who, params, session_id, ephemeral)
     job, events, started = await submit(svc.engine, lambda emit: Generate(prompt, params, emit, session_id, who,
@@ -360,10 +362,10 @@ def check_slot(svc: Services, id_slot: Optional[int]) -> Optional[int]:
     """llama-server's id_slot: the engine slot a request runs on (None: any; -1 says so too), or a 400."""
     if id_slot is None or id_slot == -1:
         return None
-    n = len(svc.engine.slots.slots)
-    if not 0 <= id_slot < n:
-        raise BadRequest(f"Invalid slot ID: {id_slot} (this server has slots 0..{n - 1}; -1: any)", "id_slot")
-    return id_slot
+    try:
+        return svc.engine.slots.check(id_slot)
+    except InvalidSlot as e:
+        raise BadRequest(f"{e}; -1: any", "id_slot") from None
 
 
 def check_start(svc: Services, who: Optional[str], params: SamplingParams, session_id: Optional[str],

@@ -23,6 +23,7 @@ from .. import faults
 from ..heap import HeapConfig
 from ..heap.pages import link_tree
 from ..heap.private import FILE_MODE, private_dir, write_private
+from .disk import read_token_file
 from .session import Session, token_array
 
 log = logging.getLogger("localheap.sessions")
@@ -138,12 +139,8 @@ class Checkpoints:
                 tokens_file = path.with_suffix(".tokens")
                 if not path.stem.isdigit() or not tokens_file.exists():
                     continue
-                tokens = token_array()
                 try:
-                    data = tokens_file.read_bytes()
-                    if len(data) % tokens.itemsize:
-                        raise ValueError("a torn token file")
-                    tokens.frombytes(data)
+                    tokens = read_token_file(tokens_file)
                 except (OSError, ValueError) as e:
                     log.warning("checkpoint %s: unreadable token file (%s); removed", path, e)
                     continue

@@ -44,6 +44,16 @@ def new_id() -> str:
     return f"sess_{uuid.uuid4().hex[:20]}"
 
 
+def read_token_file(path: Path) -> array:
+    """A token file's int32 ids (a session's, a checkpoint's, a slot file's); ValueError when torn."""
+    data = Path(path).read_bytes()
+    if len(data) % 4:
+        raise ValueError(f"token file of {len(data)} bytes is not a whole number of int32 ids")
+    tokens = array("i")
+    tokens.frombytes(data)
+    return tokens
+
+
 def file_crc(path: Path) -> int:
     """CRC-32 of a file's bytes (a saved heap's, kept in the index: a flipped byte is caught on restore)."""
     crc = 0
@@ -178,12 +188,7 @@ class SessionDir:
         return found
 
     def read_tokens(self, session_id: str, gen: int) -> array:
-        data = self.tokens_path(session_id, gen).read_bytes()
-        if len(data) % 4:
-            raise ValueError(f"token file of {len(data)} bytes is not a whole number of int32 ids")
-        tokens = array("i")
-        tokens.frombytes(data)
-        return tokens
+        return read_token_file(self.tokens_path(session_id, gen))
 
     def remove(self, session_id: str, keep_gen: Optional[int] = None) -> None:
         """Remove a session's files, all of them or all but generation keep_gen."""

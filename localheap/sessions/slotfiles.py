@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Optional
 
 from ..heap.private import FILE_MODE, private_dir
+from .disk import read_token_file
 
 MANIFEST = "localheap-slot.json"
 FORMAT = "localheap-slot"
@@ -59,15 +60,14 @@ def check_name(filename: object) -> str:
     """A file name inside --slot-save-path, as llama-server takes one: a single name, no path."""
     if not isinstance(filename, str) or not filename:
         raise SlotFileError("filename is required: a file name inside the server's --slot-save-path")
-    if (len(filename.encode("utf-8", "surrogatepass")) > MAX_NAME_BYTES or _BAD_CHARS.search(filename)
-            or filename in (".", "..") or filename != filename.strip() or filename.endswith(".")
-            or filename.startswith(".") or filename.endswith(TMP_TAG)):
-        raise SlotFileError("Invalid filename: one file name (no path, no leading dot, no trailing dot or "
-                            "space, no control or reserved characters, at most 255 bytes)")
     try:
-        filename.encode("utf-8")
+        size = len(filename.encode("utf-8"))
     except UnicodeEncodeError:
         raise SlotFileError("Invalid filename: not valid UTF-8") from None
+    if (size > MAX_NAME_BYTES or _BAD_CHARS.search(filename) or filename != filename.strip()
+            or filename.endswith(".") or filename.startswith(".") or filename.endswith(TMP_TAG)):
+        raise SlotFileError("Invalid filename: one file name (no path, no leading dot, no trailing dot or "
+                            "space, no control or reserved characters, at most 255 bytes)")
     return filename
 
 
@@ -115,9 +115,9 @@ def write(root: Path, filename: str, staged: Optional[Path], n: int, model: str,
 
 
 def read(root: Path, filename: str, into: Path, model: str, backend: str, vocab: Optional[int],
-         owner: Optional[str] = None) -> tuple[SlotFile, int, Optional[Path]]:
+         owner: Optional[str] = None) -> tuple[SlotFile, int, Optional[Path], array]:
     """Extract the slot file `root/filename` into the empty directory `into`: (its manifest, its
-    bytes, the heap file's path there, None for an empty slot). SlotFileError when it is missing,
+    bytes, the heap file's path there (None for an empty slot), its tokens). SlotFileError when it is missing,
     is not a slot file, was saved for another model or backend, or by another API key than
     `owner` (as if it were missing: a key must not learn what another saved); what was extracted
     is removed."""
@@ -128,17 +128,14 @@ def read(root: Path, filename: str, into: Path, model: str, backend: str, vocab:
     size = path.stat().st_size
     try:
         with tarfile.open(path, mode="r:") as tar:
-            first = tar.next()
-            if first is None or first.name != MANIFEST or not first.isfile() or first.size > 1 << 16:
-                raise SlotFileError(f"{filename!r} is not a localheap slot file")
-            meta = _manifest(tar.extractfile(first).read(), filename)
+            first, meta = _head(tar, filename)
             if meta.owner != owner:
                 raise missing
             if meta.model != model or meta.backend != backend:
                 raise SlotFileError(f"{filename!r} was saved by a server running {meta.model} on {meta.backend}; "
                                     f"this one runs {model} on {backend}")
             if meta.tokens == 0:
-                return meta, size, None
+                return meta, size, None, array("i")
             private_dir(into)
             heap = None
             for member in tar:
@@ -154,12 +151,15 @@ def read(root: Path, filename: str, into: Path, model: str, backend: str, vocab:
                     heap = into / member.name
             if heap is None or not (into / f"{meta.tokens}.tokens").is_file():
                 raise SlotFileError(f"{filename!r} is incomplete: no heap file or no tokens")
-            tokens = read_tokens(into / f"{meta.tokens}.tokens")
+            try:
+                tokens = read_token_file(into / f"{meta.tokens}.tokens")
+            except ValueError as e:
+                raise SlotFileError(f"{filename!r}: {e}") from None
             if len(tokens) != meta.tokens:
                 raise SlotFileError(f"{filename!r} holds {len(tokens)} tokens where its manifest says {meta.tokens}")
-            if vocab is not None and any(t < 0 or t >= vocab for t in tokens):
+            if vocab is not None and (min(tokens) < 0 or max(tokens) >= vocab):   # (not empty: tokens > 0)
                 raise SlotFileError(f"{filename!r} holds token ids outside this model's vocabulary")
-            return meta, size, heap
+            return meta, size, heap, tokens
     except (tarfile.TarError, OSError, UnicodeDecodeError) as e:
         shutil.rmtree(into, ignore_errors=True)
         raise SlotFileError(f"{filename!r} cannot be read as a slot file: {e}") from e
@@ -175,21 +175,17 @@ def _owner_of(path: Path):
     """The owner a slot file's manifest names; _NOT_OURS for a file that is no slot file."""
     try:
         with tarfile.open(path, mode="r:") as tar:
-            first = tar.next()
-            if first is None or first.name != MANIFEST or not first.isfile() or first.size > 1 << 16:
-                return _NOT_OURS
-            return _manifest(tar.extractfile(first).read(), path.name).owner
+            return _head(tar, path.name)[1].owner
     except (tarfile.TarError, OSError, SlotFileError, UnicodeDecodeError):
         return _NOT_OURS
 
 
-def read_tokens(path: Path) -> array:
-    tokens = array("i")
-    data = Path(path).read_bytes()
-    if len(data) % tokens.itemsize:
-        raise SlotFileError(f"{path.name}: a torn token file")
-    tokens.frombytes(data)
-    return tokens
+def _head(tar: tarfile.TarFile, filename: str) -> tuple[tarfile.TarInfo, SlotFile]:
+    """A slot file's first member, its manifest, read; SlotFileError for a file that is no slot file."""
+    first = tar.next()
+    if first is None or first.name != MANIFEST or not first.isfile() or first.size > 1 << 16:
+        raise SlotFileError(f"{filename!r} is not a localheap slot file")
+    return first, _manifest(tar.extractfile(first).read(), filename)
 
 
 def _manifest(raw: bytes, filename: str) -> SlotFile:

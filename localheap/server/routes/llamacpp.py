@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from sse_starlette import EventSourceResponse
 
 from ...engine import Delta, Feed, Finished, Job, Progress, slotstate
+from ...engine.slots import InvalidSlot
 from ...grammar import Grammar, GrammarError, json_grammar
 from ...sessions import Prompt, slotfiles
 from ..bridge import JobEvents, follow, merged, submit, watch_disconnect
@@ -182,9 +183,10 @@ async def slot_action(id_slot: str, request: Request, action: Optional[str] = No
         raise BadRequest("Invalid slot ID", "id_slot") from None
     if action not in ("save", "restore", "erase"):
         raise BadRequest("Invalid action: save, restore or erase", "action")
-    if not 0 <= slot < len(svc.engine.slots.slots):   # (a fixed list: read here before any file work)
-        raise BadRequest(f"Invalid slot ID: {slot} (this server has slots 0..{len(svc.engine.slots.slots) - 1})",
-                         "id_slot")
+    try:
+        svc.engine.slots.check(slot)   # (a fixed list: read here, before any file work)
+    except InvalidSlot as e:
+        raise BadRequest(str(e), "id_slot") from None
     body = await read_json(request, SlotFileBody) if action != "erase" else None
     who = owner(request)
     began = time.perf_counter()
@@ -207,14 +209,14 @@ async def slot_action(id_slot: str, request: Request, action: Optional[str] = No
                     "timings": {"save_ms": (time.perf_counter() - began) * 1000}}
         into = slotstate.restore_target(svc.engine)
         try:
-            meta, size, heap = await asyncio.to_thread(slotfiles.read, root, filename, into, svc.store.model_id,
-                                                       svc.backend.name, getattr(svc.backend, "vocab_size", None),
-                                                       who)
+            meta, size, heap, tokens = await asyncio.to_thread(
+                slotfiles.read, root, filename, into, svc.store.model_id, svc.backend.name,
+                getattr(svc.backend, "vocab_size", None), who)
             extra = {}
             if heap is None:   # an empty slot's file: the slot lets go of what it held, as llama-server's empties
                 await _on_idle_slot(svc, lambda: slotstate.let_go(svc.engine, slot))
             else:
-                session = await _on_idle_slot(svc, lambda: slotstate.restore(svc.engine, slot, who, heap,
+                session = await _on_idle_slot(svc, lambda: slotstate.restore(svc.engine, slot, who, heap, tokens,
                                                                              f"slot file {filename}"))
                 extra = {"localheap": {"session_id": session.id}}
         finally:   # (a restore moved its files out; one still to run, its caller gone, then finds none and fails)
@@ -223,8 +225,6 @@ async def slot_action(id_slot: str, request: Request, action: Optional[str] = No
                 "timings": {"restore_ms": (time.perf_counter() - began) * 1000}, **extra}
     except slotfiles.SlotFileError as e:
         raise BadRequest(str(e), "filename") from e
-    except slotstate.NoSuchSlot as e:
-        raise BadRequest(str(e), "id_slot") from e
 
 
 class SlotFileBody(BaseModel):
