@@ -107,6 +107,36 @@ def test_the_template_is_recognised_as_harmony(model_dirs, tmp_path_factory):
     assert isinstance(tool_format(AutoTokenizer.from_pretrained(path)), Harmony)
 
 
+def test_a_custom_tools_recursive_lark_format_holds_a_harmony_call(model_dirs, tmp_path_factory):
+    """A custom tool held to a Lark grammar with recursion (LarkInput): a forced harmony call's
+    `{"input": ...}` takes what the grammar takes, JSON-escaped, and nothing else."""
+    pytest.importorskip("llguidance")
+    from transformers import AutoTokenizer
+
+    from localheap.grammar import Grammar
+    from localheap.larkformat import LarkInput
+    from localheap.server.chat import call_grammar
+    from localheap.server.responses import CUSTOM_PARAMETERS
+
+    tok = AutoTokenizer.from_pretrained(harmony_model(model_dirs, tmp_path_factory.mktemp("harmony-lark") / "m"))
+    tools = [{"type": "function", "function": {"name": "calc", "parameters": CUSTOM_PARAMETERS}}]
+    held = {"calc": LarkInput(CUSTOM_PARAMETERS, 'start: "(" start ")" | "\\"x\\"" | LF start\n%import common.LF')}
+    grammar = call_grammar(Harmony(), tools, "required", False, tok, held)
+
+    def takes(text: str) -> bool:
+        g = Grammar(tok, {tok.eos_token_id}, grammar)
+        call = ('<|channel|>commentary to=functions.calc <|constrain|>json<|message|>{"input": %s}<|call|>'
+                % json.dumps(text))
+        for t in tok.encode(call, add_special_tokens=False):
+            if not g.allowed()[t]:
+                return False
+            g.advance(t)
+        return g.matcher.is_accepting()
+
+    assert takes('(("x"))') and takes('(\n"x")')
+    assert not takes('(("x")') and not takes("((x))")
+
+
 # --- through the server -------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")

@@ -177,26 +177,49 @@ line: ("+" | "-") /[a-z]{1,8}/ LF   -> changed
 """
 EDIT = re.compile(r"edit [a-z]{1,8}\.txt\n(?:[+-][a-z]{1,8}\n){1,3}")
 PHONE = re.compile(r"[0-9]{3}-[0-9]{4}")
+NEST_LARK = """
+// two or three lines, each a word between quotes or a bracketed pair of such items
+start: item (LF item)~1..2
+item: "\\"" WORD "\\"" | "[" item ("," item)? "]"
+WORD: /[a-z]{1,5}/
+%import common.LF
+"""
+
+
+def nested(text: str) -> bool:
+    """Whether `text` is in NEST_LARK's language (not a regular one: brackets are read innermost first)."""
+    item = r'"[a-z]{1,5}"'
+    while True:
+        inner = re.sub(r"\[%s(?:,%s)?\]" % (item, item), '"x"', text)
+        if inner == text:
+            return re.fullmatch(r"%s(?:\n%s){1,2}" % (item, item), text) is not None
+        text = inner
+
+
 FORMAT_TOOLS = [{"type": "custom", "name": "edit", "format": {"type": "grammar", "syntax": "lark", "definition": EDIT_LARK}},
                 {"type": "custom", "name": "dial", "format": {"type": "grammar", "syntax": "regex",
                                                               "definition": PHONE.pattern}},
                 {"type": "custom", "name": "nest", "format": {"type": "grammar", "syntax": "lark",
-                                                              "definition": 'start: "(" start ")" | "x"'}}]
+                                                              "definition": NEST_LARK}},
+                {"type": "custom", "name": "odd", "format": {"type": "grammar", "syntax": "lark",
+                                                             "definition": 'start: "(" start ")" | /(?=x)x/'}}]
 
 
 def test_a_custom_tools_grammar_holds_its_input(server, lead, caplog):
     """Responses custom tools with a `format` grammar: once the (random) model calls one, its input is
-    held to the grammar: a Lark grammar without recursion (spelled out as one expression) or a regex.
-    A recursive Lark grammar is not enforced: logged, the request still served. Without the grammar
-    (serve --no-tool-grammar) the same calls' inputs do not match (the test can fail)."""
+    held to the grammar: a Lark grammar without recursion (spelled out as one expression), a regex,
+    or a Lark grammar with recursion (its rules, rewritten for the JSON string the input is written
+    in: quotes and newlines escaped). One this server cannot rewrite (a lookahead) is not
+    enforced: logged, the request still served. Without the grammar (serve --no-tool-grammar) the same
+    calls' inputs do not match (the test can fail)."""
     import httpx
 
-    def inputs(name: str, n: int = 3) -> list:
+    def inputs(name: str, n: int = 3, most: int = 120) -> list:
         lead('<tool_call>\n{"name": "%s", "arguments": {"input": "' % name)
         out = []
         for _ in range(n):
             r = httpx.post(server.url + "/v1/responses", timeout=60, json={
-                "model": model(server), "input": "Go.", "tools": FORMAT_TOOLS, "max_output_tokens": 120,
+                "model": model(server), "input": "Go.", "tools": FORMAT_TOOLS, "max_output_tokens": most,
                 "temperature": 1.0})
             assert r.status_code == 200, r.text
             calls = [o for o in r.json()["output"] if o["type"] == "custom_tool_call"]
@@ -204,13 +227,15 @@ def test_a_custom_tools_grammar_holds_its_input(server, lead, caplog):
         return out
 
     with caplog.at_level("WARNING", logger="localheap.server"):
-        edits, dials = inputs("edit"), inputs("dial")
+        edits, dials, nests = inputs("edit"), inputs("dial"), inputs("nest", 4, 400)
     assert all(e is not None and EDIT.fullmatch(e) for e in edits), edits
     assert all(d is not None and PHONE.fullmatch(d) for d in dials), dials
-    assert "nest" in caplog.text and "recurses" in caplog.text
+    assert all(n is not None and nested(n) for n in nests), nests
+    assert all('"' in n and "\n" in n for n in nests), nests   # (escaped in the call's JSON, read back)
+    assert "odd" in caplog.text and "nest" not in caplog.text
     server.services.settings.tool_grammar = False
-    loose = inputs("edit") + inputs("dial")
-    assert not any(x is not None and (EDIT.fullmatch(x) or PHONE.fullmatch(x)) for x in loose), loose
+    loose = inputs("edit") + inputs("dial") + inputs("nest")
+    assert not any(x is not None and (EDIT.fullmatch(x) or PHONE.fullmatch(x) or nested(x)) for x in loose), loose
 
 
 def test_a_custom_tool_named_or_allowed_by_tool_choice_is_called_with_its_format(server):

@@ -235,16 +235,19 @@ def test_llama_json_that_is_not_a_call_is_content_and_a_prompt_inside_think_is_r
         assert _parse_in_pieces(Mistral(), "[TOOL_CALLS]f[ARGS]{\"x\": 1}", size) == [("f", {"x": 1}, False)]
 
 
-@pytest.mark.parametrize("family,text", [
-    ("qwen", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'),
-    ("mistral", '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}]'),
-    ("llama3.1", '{"name": "get_weather", "parameters": {"city": "Paris"}}'),
-    ("plain", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'),
-    ("qwen3-coder", XML_CALL),
-    ("glm-4.5", GLM_CALL),
-    ("phi4-mini", PHI_CALL),
-    ("glm-4", 'get_weather \n{"city": "Paris"}'),
-])
+WEATHER_CALLS = {
+    "qwen": '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
+    "mistral": '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}]',
+    "llama3.1": '{"name": "get_weather", "parameters": {"city": "Paris"}}',
+    "plain": '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
+    "qwen3-coder": XML_CALL,
+    "glm-4.5": GLM_CALL,
+    "phi4-mini": PHI_CALL,
+    "glm-4": 'get_weather \n{"city": "Paris"}',
+}
+
+
+@pytest.mark.parametrize("family,text", sorted(WEATHER_CALLS.items()))
 def test_a_forced_call_grammar_takes_the_family_syntax_and_nothing_else(tokenizers, family, text):
     pytest.importorskip("llguidance")
     from localheap.grammar import Grammar
@@ -445,11 +448,12 @@ def test_a_template_without_tools_gets_calls_and_results_as_alternating_text(tok
     ('start: WORD ":" [" "] item~2..3  // a list\nitem: "x".."z" -> one\n%import common.WORD',
      ["ab:xy", "ab: zzz"], ["ab:x", "ab:xyzx", "1:xy"]),
     ('start: head\n    | "-" head\nhead: "Q"i LF\n%import common.LF', ["q\n", "-Q\n"], ["--q\n", "q"]),
+    ('start: "a"{2,3} "b"{,1} # llguidance\'s repeat', ["aa", "aaab"], ["a", "aabb"]),
 ])
 def test_a_lark_grammar_without_recursion_is_one_regex(lark, yes, no):
     import re
 
-    from localheap.grammar import lark_regex
+    from localheap.larkformat import lark_regex
 
     rx = re.compile(lark_regex(lark))
     assert all(rx.fullmatch(s) for s in yes), (lark_regex(lark), yes)
@@ -465,10 +469,154 @@ def test_a_lark_grammar_without_recursion_is_one_regex(lark, yes, no):
     ('start: "x"\n%import common.UNHEARD', "UNHEARD"),
 ])
 def test_what_a_lark_grammar_cannot_spell_out_is_refused(lark, why):
-    from localheap.grammar import GrammarError, lark_regex
+    from localheap.grammar import GrammarError
+    from localheap.larkformat import lark_regex
 
     with pytest.raises(GrammarError, match=why):
         lark_regex(lark)
+
+
+CALC = r"""
+// a sum of products, a bracket holding a sum, strings between quotes; spaces and newlines between
+start: sum
+?sum: product (("+" | "-") product)*
+?product: atom ("*" atom)*
+atom: NUMBER | "(" sum ")" | STRING | "'" /[a-z]+/i | "#"{1,2} NUMBER
+STRING: /"[^"\n]*"/
+%import common.NUMBER
+%import common.WS
+%ignore WS
+"""
+CALC_YES = ["1+2", '(1 + "a b") * 2', " ( ( 4 ) )\n", '"x"\t+(3)', "'Ab * 2.5", '"\\"', "## 3+#1"]
+CALC_NO = ["(1+2", "1 2", '"a\nb"', "2*", "'1", '"\\"\\"', "###3"]
+
+
+def _json_calc_grammar(json_string: bool) -> str:
+    from localheap.larkformat import lark_rules
+
+    quote = '"\\""' if json_string else ""
+    return f"start: {quote} g {quote}\n" + lark_rules(CALC, "g", json_string)
+
+
+@pytest.mark.parametrize("json_string", [True, False])
+def test_a_lark_grammar_with_recursion_holds_its_strings_as_json_writes_them(tokenizers, json_string):
+    """Any Lark grammar (recursion, %ignore, regexes with classes and flags) as rules: inside a JSON
+    string its strings are taken only as json.dumps writes them (a quote, a backslash, a newline or a
+    tab escaped), and what the grammar refuses is refused; as they are, the same strings raw."""
+    pytest.importorskip("llguidance")
+    from localheap.grammar import Grammar
+
+    tok = tokenizers["plain"]
+    grammar = _json_calc_grammar(json_string)
+
+    def takes(text: str, written: bool = False) -> bool:
+        g = Grammar(tok, {tok.eos_token_id}, grammar)
+        for t in tok.encode(json.dumps(text) if json_string and not written else text, add_special_tokens=False):
+            if not g.allowed()[t]:
+                return False
+            g.advance(t)
+        return bool(g.allowed()[tok.eos_token_id])
+
+    assert all(takes(s) for s in CALC_YES), [s for s in CALC_YES if not takes(s)]
+    assert not any(takes(s) for s in CALC_NO), [s for s in CALC_NO if takes(s)]
+    if json_string:   # an escape json.dumps does not write, or a raw newline, is refused
+        assert takes('"1 + 2"', written=True) and not takes('"1 +\\u0020 2"', written=True)
+        assert not takes('"1 +\n2"', written=True)
+
+
+@pytest.mark.parametrize("regex,yes,no", [
+    (r"[^a]", ["b", '\\"', "\\n", "\\u0001", "é"], ["a", '"', "\n", "\\u0061"]),
+    (r"(?i)q.", ["Qx", "q\\t"], ["q\\n", "qx\\n"]),
+    (r"\d{2}|x+?", ["12", "xxx"], ["1", "1x"]),
+])
+def test_a_regex_is_rewritten_for_the_strings_json_writes(regex, yes, no):
+    import re
+
+    from localheap.larkformat import json_regex
+
+    # (Rust's class intersection [[c]&&[^...]] read by Python as a lookahead and the class)
+    python = re.compile(json_regex(regex).replace("[[", r'(?!["\\\x00-\x1f])[').replace(r'&&[^"\\\x00-\x1f]]', ""))
+    assert all(python.fullmatch(s) for s in yes), (json_regex(regex), yes)
+    assert not any(python.fullmatch(s) for s in no), (json_regex(regex), no)
+
+
+@pytest.mark.parametrize("regex,why", [(r"^a", "anchor"), (r"(?=a)a", "lookaround"), (r"(a)\1", "backreference")])
+def test_a_regex_json_cannot_hold_is_refused(regex, why):
+    from localheap.grammar import GrammarError
+    from localheap.larkformat import json_regex
+
+    with pytest.raises(GrammarError, match=why):
+        json_regex(regex)
+
+
+@pytest.mark.parametrize("lark,why", [
+    ('start: a\na: %json {"type": "object"}', "%json"),
+    ('start: "x" <|end|>', "cannot be read"),
+    ('start: "x"\n%declare A', "%declare"),
+    ('start: "(" start ")" | b', "does not define"),
+    ('start: "(" start ")" | /(?<=a)x/', "lookaround"),
+])
+def test_what_lark_rules_cannot_rewrite_is_refused(lark, why):
+    from localheap.grammar import GrammarError
+    from localheap.larkformat import lark_rules
+
+    with pytest.raises(GrammarError, match=why):
+        lark_rules(lark, "g")
+
+
+CALC_CALLS = {
+    "qwen": '<tool_call>\n{{"name": "calc", "arguments": {{"input": {j}}}}}\n</tool_call>',
+    "plain": '<tool_call>\n{{"name": "calc", "arguments": {{"input": {j}}}}}\n</tool_call>',
+    "mistral": '[TOOL_CALLS][{{"name": "calc", "arguments": {{"input": {j}}}}}]',
+    "llama3.1": '{{"name": "calc", "parameters": {{"input": {j}}}}}',
+    "phi4-mini": '<|tool_call|>[{{"name": "calc", "arguments": {{"input": {j}}}}}]<|/tool_call|>',
+    "glm-4": 'calc \n{{"input": {j}}}',
+    "qwen3-coder": "<tool_call>\n<function=calc>\n<parameter=input>\n{raw}\n</parameter>\n</function>\n</tool_call>",
+    "glm-4.5": "<tool_call>calc\n<arg_key>input</arg_key>\n<arg_value>{raw}</arg_value>\n</tool_call>",
+}
+
+
+@pytest.mark.parametrize("family", sorted(CALC_CALLS))
+def test_a_custom_tool_held_to_a_recursive_lark_grammar_in_every_family(tokenizers, family):
+    """A custom tool whose Lark format recurses (LarkInput): each family's forced call grammar, with a
+    function tool beside it, takes the call in its own syntax with an input the format takes (JSON-
+    escaped where the family writes JSON, raw where it tags), refuses one it does not, and still
+    takes the function's call; the lazy grammar of tool_choice auto holds the call the same."""
+    pytest.importorskip("llguidance")
+    from localheap.grammar import Grammar
+    from localheap.larkformat import LarkInput
+    from localheap.server.chat import call_grammar
+    from localheap.server.responses import CUSTOM_PARAMETERS
+
+    tok = tokenizers[family]
+    tools = TOOLS + [{"type": "function", "function": {"name": "calc", "parameters": CUSTOM_PARAMETERS}}]
+    held = {"calc": LarkInput(CUSTOM_PARAMETERS, CALC)}
+    grammar = call_grammar(tool_format(tok), tools, "required", False, tok, held)
+
+    def takes(text: str) -> bool:
+        g = Grammar(tok, {tok.eos_token_id}, grammar)
+        for t in tok.encode(text, add_special_tokens=False):
+            if not g.allowed()[t]:
+                return False
+            g.advance(t)
+        return set(g.allowed().nonzero()[0]) == {tok.eos_token_id}
+
+    def call(text: str) -> str:
+        return CALC_CALLS[family].format(j=json.dumps(text), raw=text)
+
+    for text in ("1 + 2", '("a" + 3)*\n4'):
+        assert takes(call(text)), (family, text)
+        held_lazily = _feed(_lazy_with(tok, tools, held), tok, call(text))
+        assert None not in held_lazily and "held" in held_lazily, (family, text, held_lazily)
+    assert not takes(call("(1 + 2")) and not takes(call("1 2"))
+    assert takes(WEATHER_CALLS[family])
+
+
+def _lazy_with(tok, tools, held):
+    from localheap.grammar import LazyGrammar
+    from localheap.server.chat import call_triggers
+
+    return LazyGrammar(tok, {tok.eos_token_id}, call_triggers(tool_format(tok), tools, tok, held))
 
 
 class _OnDevice:

@@ -14,6 +14,7 @@ from ..engine.slots import InvalidSlot
 from ..generation import SamplingParams
 from ..grammar import (Grammar, GrammarError, LazyGrammar, LeadingTokens, Trigger, grammar_error, json_grammar,
                        json_rule)
+from ..larkformat import LarkInput, lark_rules
 from ..sessions import Prompt
 from .bridge import JobEvents, submit
 from .errors import BadRequest
@@ -123,7 +124,14 @@ def _call_rule(fmt: ToolFormat, tools: list[dict], arguments: Optional[dict] = N
     schemas = [{"type": "object", "additionalProperties": False, "required": ["name", args_key],
                 "properties": {"name": {"const": t["function"]["name"]}, args_key: _arguments(t, arguments)}}
                for t in tools]
-    return json_rule(schemas[0] if len(schemas) == 1 else {"anyOf": schemas})
+    held = [s["properties"][args_key] for s in schemas]
+    if not any(isinstance(h, LarkInput) for h in held):
+        return json_rule(schemas[0] if len(schemas) == 1 else {"anyOf": schemas})
+    rules = []   # a call per tool, its JSON written out around its arguments as %json writes them (every
+    for i, (t, args) in enumerate(zip(tools, held)):   # one: llguidance refused a %json beside a literal that began as it did)
+        head = json.dumps(f'{{"name": {json.dumps(t["function"]["name"])}, "{args_key}": ')
+        rules.append(f'call_{i}: {head} call_{i}_args "}}"\ncall_{i}_args: {_args_rule(args, f"call_{i}_args")}')
+    return " | ".join(f"call_{i}" for i in range(len(tools))) + "\n" + "\n".join(rules)
 
 
 def call_grammar(fmt: ToolFormat, tools: list[dict], choice: str, parallel: bool, tokenizer: Any,
@@ -203,7 +211,7 @@ def _glm4_calls(tools: list[dict], arguments: Optional[dict]) -> str:
     rules = [f"start: {' | '.join(f'c{i}' for i in range(len(tools)))}"]
     for i, t in enumerate(tools):
         rules.append(f'c{i}: {json.dumps(t["function"]["name"])} " "? "\\n" c{i}_args')
-        rules.append(f"c{i}_args: {json_rule(_arguments(t, arguments))}")
+        rules.append(f"c{i}_args: {_args_rule(_arguments(t, arguments), f'c{i}_args')}")
     return "\n".join(rules) + "\n"
 
 
@@ -216,7 +224,7 @@ def _harmony_named(tools: list[dict], arguments: Optional[dict], tokenizer: Any,
              f'{top}_head: " " {con} "json" | {ch} "commentary" (" " {con}? "json")?']
     for i, t in enumerate(tools):
         rules.append(f"{top}_{i}: {json.dumps(t['function']['name'])} {top}_head {msg} {top}_{i}_args {call}")
-        rules.append(f"{top}_{i}_args: {json_rule(_arguments(t, arguments))}")
+        rules.append(f"{top}_{i}_args: {_args_rule(_arguments(t, arguments), f'{top}_{i}_args')}")
     return "\n".join(rules) + "\n"
 
 
@@ -248,7 +256,8 @@ def _named_calls(tools: list[dict], arguments: Optional[dict], tokenizer: Any, t
     for i, t in enumerate(tools):
         name = t["function"]["name"]
         schema = _arguments(t, arguments)
-        rules += [f"{top}_{i}: {json.dumps(name)} {args} {top}_{i}_args", f"{top}_{i}_args: {json_rule(schema)}"]
+        rules += [f"{top}_{i}: {json.dumps(name)} {args} {top}_{i}_args",
+                  f"{top}_{i}_args: {_args_rule(schema, f'{top}_{i}_args')}"]
     return "\n".join(rules) + "\n"
 
 
@@ -292,7 +301,10 @@ def _tagged_call(tools: list[dict], arguments: Optional[dict], top: str, syntax:
             params = ""
             for j, (key, prop) in enumerate(props.items()):
                 value = f"{top}_{i}_{j}"
-                rules.append(f"{value}: {_xml_value(prop, syntax)}")
+                if isinstance(schema, LarkInput) and key == "input":   # the raw text, held to the Lark rules
+                    rules.append(f"{value}: {value}_in{syntax.close}\n" + lark_rules(schema.lark, f"{value}_in", False))
+                else:
+                    rules.append(f"{value}: {_xml_value(prop, syntax)}")
                 params += f' ({json.dumps(syntax.opens(key))} {value} "\\n")' + ("" if key in required else "?")
         rules.append(f'{top}_{i}: {json.dumps(syntax.head(t["function"]["name"]))}{params}{syntax.tail}')
     return "\n".join(rules) + "\n"
@@ -318,6 +330,14 @@ def _xml_value(prop: dict, syntax: _Tagged) -> str:
     if kind == "boolean":
         return '("true" | "false")' + close
     return json_rule(prop) + close
+
+
+def _args_rule(schema: dict, name: str) -> str:
+    """The rule body of a call's JSON arguments held to `schema` (the rule is `name`): its `%json`, or
+    for a custom tool held to Lark rules, `{"input": "..."}` around them, the rules on the lines after."""
+    if not isinstance(schema, LarkInput):
+        return json_rule(schema)
+    return f'"{{\\"input\\": \\"" {name}_in "\\"}}"\n' + lark_rules(schema.lark, f"{name}_in")
 
 
 def _arguments(tool: dict, arguments: Optional[dict]) -> dict:

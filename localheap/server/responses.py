@@ -23,7 +23,8 @@ from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, TypeAdapt
 
 from ..engine import Finished
 from ..generation import TOP_LOGPROBS_MAX
-from ..grammar import GrammarError, json_grammar, lark_regex
+from ..grammar import GrammarError, grammar_error, json_grammar
+from ..larkformat import LarkInput, lark_regex, lark_rules
 from .chat import ChatPlan
 from .errors import ApiError, BadRequest
 from .jsonlines import FileBacked, JsonLines
@@ -143,8 +144,8 @@ class FunctionTool(Strict):
 
 class CustomTool(Strict):
     """A freeform tool: the model writes its input as text. Offered to the model as a function of
-    one string argument, `input`; a `format` grammar (a regex, or a Lark grammar without recursion)
-    holds that string once the model calls the tool."""
+    one string argument, `input`; a `format` grammar (a regex, or a Lark grammar) holds that string
+    once the model calls the tool."""
     type: Literal["custom"]
     name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
     description: Optional[str] = None
@@ -168,15 +169,33 @@ class CustomTool(Strict):
 
 @lru_cache(maxsize=64)
 def _format_schema(syntax: str, definition: str) -> tuple[Optional[dict], Optional[str]]:
-    """(the input's schema, None) for a grammar format, or (None, why not); remembered, since a client
-    (Codex) sends the same tools every turn and spelling out and compiling one takes milliseconds."""
+    """(the input's schema, None) for a grammar format, or (None, why not): a regex, or a Lark grammar
+    spelled out as one, as the string's `pattern`; a Lark grammar that cannot be (it recurses, or has
+    %ignore) as its rules (LarkInput). Remembered, since a client (Codex) sends the same tools every
+    turn and spelling out and compiling one takes milliseconds."""
     try:
         regex = definition if syntax == "regex" else lark_regex(definition)
+    except GrammarError:
+        return _lark_schema(definition)
+    try:
         schema = {**CUSTOM_PARAMETERS, "properties": {"input": {"type": "string", "pattern": f"^(?:{regex})$"}}}
         json_grammar(schema)
     except GrammarError as e:
         return None, str(e)
     return schema, None
+
+
+def _lark_schema(definition: str) -> tuple[Optional[dict], Optional[str]]:
+    """A Lark grammar as rules, checked as llguidance compiles them: inside a JSON string, and as
+    they are (the tagged families write a string argument raw)."""
+    try:
+        for json_string in (True, False):
+            error = grammar_error('start: "\\"" g "\\""\n' + lark_rules(definition, "g", json_string))
+            if error:
+                return None, "the Lark grammar cannot be enforced: " + error.splitlines()[0][:200]
+    except GrammarError as e:
+        return None, str(e)
+    return LarkInput(CUSTOM_PARAMETERS, definition), None
 
 
 class NamespaceTool(Strict):
