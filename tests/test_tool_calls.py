@@ -524,6 +524,44 @@ def test_a_lark_grammar_with_recursion_holds_its_strings_as_json_writes_them(tok
         assert not takes('"1 +\n2"', written=True)
 
 
+def test_inside_a_json_string_a_lark_grammar_takes_what_it_takes_raw(tokenizers):
+    """Random CALC sums (quotes, tabs, newlines, backslashes), some with a character put in, dropped
+    or changed: the rules rewritten for a JSON string take a string's json.dumps exactly where the
+    grammar as it is (llguidance's own lexer over the original terminals) takes the string."""
+    pytest.importorskip("llguidance")
+    import random
+
+    from localheap.grammar import Grammar
+
+    tok = tokenizers["plain"]
+    escaped, raw = _json_calc_grammar(True), _json_calc_grammar(False)
+
+    def takes(grammar: str, text: str) -> bool:
+        g = Grammar(tok, {tok.eos_token_id}, grammar)
+        ids, m = g.ll.tokenize_bytes(text.encode()), g.matcher
+        return m.validate_tokens(ids) == len(ids) and m.consume_tokens(ids) and m.is_accepting()
+
+    rnd = random.Random(0)
+
+    def sum_(depth: int = 0) -> str:
+        r = rnd.random()
+        if depth > 3 or r < 0.3:
+            return rnd.choice(["1", "2.5", '"a b"', '"\\"', "'Ab", "#7", '"\t"'])
+        if r < 0.5:
+            return "(" + sum_(depth + 1) + ")"
+        return sum_(depth + 1) + rnd.choice([" + ", "*", "-", "\n*\n", "\t+ "]) + sum_(depth + 1)
+
+    taken = 0
+    for _ in range(300):
+        text = sum_()
+        for _ in range(rnd.choice([0, 0, 1, 2])):
+            at, c = rnd.randrange(len(text) + 1), rnd.choice('1+()"a \n\t\\\'#*-.')
+            text = rnd.choice([text[:at] + c + text[at:], text[:at] + text[at + 1:], text[:at] + c + text[at + 1:]])
+        taken += takes(raw, text)
+        assert takes(escaped, json.dumps(text)) == takes(raw, text), text
+    assert 100 < taken < 300   # (both kinds were seen)
+
+
 @pytest.mark.parametrize("regex,yes,no", [
     (r"[^a]", ["b", '\\"', "\\n", "\\u0001", "é"], ["a", '"', "\n", "\\u0061"]),
     (r"(?i)q.", ["Qx", "q\\t"], ["q\\n", "qx\\n"]),
