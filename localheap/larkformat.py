@@ -228,7 +228,8 @@ def _in_class(c: str) -> str:
 @lru_cache(maxsize=1)
 def _plain_chars() -> str:
     """Every character JSON writes as it is (but surrogates), to ask a class whether it holds one."""
-    return "".join(chr(i) for i in range(0x20, 0x110000) if chr(i) not in '"\\' and not 0xD800 <= i < 0xE000)
+    spans = ((0x20, 0x22), (0x23, 0x5C), (0x5D, 0xD800), (0xE000, 0x110000))   # (not " \\ or surrogates)
+    return "".join("".join(map(chr, range(a, b))) for a, b in spans)
 
 
 def json_regex(body: str, flags: str = "") -> str:
