@@ -906,6 +906,14 @@ class PageStore:
         self._fds.extend(os.open(self._file(i), os.O_RDWR) for i in range(self.g.n_layers))
 
     # -- reopening ------------------------------------------------------------------
+    def _headers(self, layer: int, n: int) -> np.ndarray:
+        """The headers of the layer's first `n` records [n] (header_dtype), read through a map of
+        the file: the payloads (about nine tenths of a record) are neither read nor copied."""
+        if not n:
+            return np.zeros(0, self.header_dtype)
+        mapped = np.memmap(self._file(layer), np.uint8, mode="r", shape=(n * self.record_bytes,))
+        return np.array(np.ndarray((n,), self.header_dtype, buffer=mapped, strides=(self.record_bytes,)))
+
     def _load(self, state: Union[int, str, None]) -> None:
         """Open at `state` (see __init__); records past it are tombstoned, other states removed."""
         if state == LATEST:
@@ -930,7 +938,7 @@ class PageStore:
         for i, L in enumerate(self.layers):
             size = os.fstat(self._fds[i]).st_size
             n = size // self.record_bytes                      # a torn last record is ignored
-            recs = np.fromfile(self._file(i), self.dtype, count=n) if n else np.zeros(0, self.dtype)
+            recs = self._headers(i, n)
             L.grow(n)
             # all of a layer's records at once: the header checksums (_crc over the fields is one
             # crc32 over their run of bytes), positions, spans and summaries, as a read does (load)
