@@ -22,7 +22,7 @@ from localheap.server.prompts import ChatOptions, chat_prompt  # noqa: E402
 from localheap.server.responses import ResponsesRequest  # noqa: E402
 from localheap.server.schemas import ChatMessage  # noqa: E402
 from localheap.server.toolformats import tool_format  # noqa: E402
-from tool_server import CALL, CITY, qwen_model, serve  # noqa: E402
+from tool_server import CALL, CITY, NEST_LARK, nested, qwen_model, serve  # noqa: E402
 
 TOOLS = [{"type": "function", "name": "get_weather", "description": "Weather in a city", "parameters": CITY},
          {"type": "function", "name": "get_time", "parameters": {"type": "object", "properties": {}}}]
@@ -177,25 +177,6 @@ line: ("+" | "-") /[a-z]{1,8}/ LF   -> changed
 """
 EDIT = re.compile(r"edit [a-z]{1,8}\.txt\n(?:[+-][a-z]{1,8}\n){1,3}")
 PHONE = re.compile(r"[0-9]{3}-[0-9]{4}")
-NEST_LARK = """
-// two or three lines, each a word between quotes or a bracketed pair of such items
-start: item (LF item)~1..2
-item: "\\"" WORD "\\"" | "[" item ("," item)? "]"
-WORD: /[a-z]{1,5}/
-%import common.LF
-"""
-
-
-def nested(text: str) -> bool:
-    """Whether `text` is in NEST_LARK's language (not a regular one: brackets are read innermost first)."""
-    item = r'"[a-z]{1,5}"'
-    while True:
-        inner = re.sub(r"\[%s(?:,%s)?\]" % (item, item), '"x"', text)
-        if inner == text:
-            return re.fullmatch(r"%s(?:\n%s){1,2}" % (item, item), text) is not None
-        text = inner
-
-
 FORMAT_TOOLS = [{"type": "custom", "name": "edit", "format": {"type": "grammar", "syntax": "lark", "definition": EDIT_LARK}},
                 {"type": "custom", "name": "dial", "format": {"type": "grammar", "syntax": "regex",
                                                               "definition": PHONE.pattern}},

@@ -18,7 +18,7 @@ jsonschema = pytest.importorskip("jsonschema")
 
 from localheap.grammar import ForcedTokens  # noqa: E402
 from localheap.heap import HeapConfig  # noqa: E402
-from tool_server import CALL, CITY, HEAP, qwen_model, serve  # noqa: E402
+from tool_server import CALL, CITY, HEAP, NEST_LARK, nested, qwen_model, serve  # noqa: E402
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
                                             "parameters": CITY}},
@@ -99,6 +99,64 @@ def test_arguments_that_are_not_json_come_back_flagged(client, force):
     chunks = list(ask(client, [{"role": "user", "content": "Paris?"}], stream=True))
     flagged = [c.localheap for c in chunks if getattr(c, "localheap", None) and "tool_call_errors" in c.localheap]
     assert len(flagged) == 1
+
+
+NEST = {"type": "custom", "custom": {"name": "nest", "description": "Nested lists.", "format": {
+    "type": "grammar", "grammar": {"syntax": "lark", "definition": NEST_LARK}}}}
+SQL = {"type": "custom", "custom": {"name": "run_sql", "description": "Run a query."}}   # free text
+SQL_CALL = '<tool_call>\n{"name": "run_sql", "arguments": {"input": "SELECT \\"a\\"\\nFROM t;"}}\n</tool_call>'
+
+
+def test_a_custom_tool_call_whole_streamed_and_sent_back(client, force):
+    """Chat Completions custom tools (OpenAI's {"type": "custom", "custom": {...}}): offered to the model
+    as a function of one string, `input`; its call comes back {"type": "custom", "custom": {"name",
+    "input"}} (streamed: its id and name first, its input once written), sent back in the history it
+    renders the prompt as it was (the session's tokens reused), and arguments that are not
+    {"input": "..."} come back as written, flagged."""
+    force(SQL_CALL)
+    history = [{"role": "user", "content": "Count the rows."}]
+    first = ask(client, history, tools=TOOLS + [SQL])
+    choice = first.choices[0]
+    (call,) = choice.message.tool_calls
+    assert choice.finish_reason == "tool_calls" and call.type == "custom" and call.id.startswith("call_")
+    assert (call.custom.name, call.custom.input) == ("run_sql", 'SELECT "a"\nFROM t;')
+    chunks = list(ask(client, history, tools=TOOLS + [SQL], stream=True))
+    deltas = [tc for c in chunks if c.choices for tc in c.choices[0].delta.tool_calls or []]
+    custom = [_field(d.custom, "name") or "" for d in deltas], [_field(d.custom, "input") or "" for d in deltas]
+    assert deltas[0].type == "custom" and deltas[0].id and custom[0][0] == "run_sql"   # (SDKs before the
+    assert "".join(custom[1]) == 'SELECT "a"\nFROM t;' and len(deltas) == 2          # delta's custom: a dict)
+    force("Three rows.")
+    history += [choice.message, {"role": "tool", "tool_call_id": call.id, "content": "3"}]
+    second = ask(client, history, tools=TOOLS + [SQL])
+    assert second.choices[0].message.content == "Three rows."
+    assert second.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens + first.usage.completion_tokens - 1
+    force('<tool_call>\n{"name": "run_sql", "arguments": {"query": "x"}}\n</tool_call>')
+    r = ask(client, [{"role": "user", "content": "Go."}], tools=[SQL])
+    (call,) = r.choices[0].message.tool_calls
+    assert call.custom.input == '{"query": "x"}' and "string 'input'" in r.localheap["tool_call_errors"][0]["error"]
+
+
+def _field(obj, key: str):
+    return obj.get(key) if isinstance(obj, dict) else getattr(obj, key, None)
+
+
+def test_a_custom_tools_format_holds_its_input_and_tool_choice_names_it(client):
+    """A custom tool's grammar format (a recursive Lark grammar here) holds the (random) model's input;
+    tool_choice {"type": "custom", "custom": {"name"}} and allowed_tools naming it force its call; a
+    choice naming a custom tool that is not offered, or a custom tool named as another tool is, is a 400."""
+    choices = [{"type": "custom", "custom": {"name": "nest"}},
+               {"type": "allowed_tools", "allowed_tools": {"mode": "required", "tools": [
+                   {"type": "custom", "custom": {"name": "nest"}}]}}]
+    for seed in range(4):
+        r = ask(client, [{"role": "user", "content": "Go."}], tools=TOOLS + [NEST, SQL], temperature=1.0, seed=seed,
+                max_tokens=400, tool_choice=choices[seed % 2], parallel_tool_calls=False)
+        (call,) = r.choices[0].message.tool_calls
+        assert call.type == "custom" and call.custom.name == "nest" and nested(call.custom.input), call
+    bad = [dict(tools=TOOLS, tool_choice=choices[0]),
+           dict(tools=TOOLS + [{"type": "custom", "custom": {"name": "get_weather"}}])]
+    for kw in bad:
+        with pytest.raises(openai.BadRequestError):
+            ask(client, [{"role": "user", "content": "Go."}], **kw)
 
 
 def test_tool_choice_none_returns_text_and_a_reasoning_reply_splits(client, force):

@@ -3,6 +3,7 @@ field (session id and heap stats) that OpenAI SDKs keep as an extra attribute an
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -26,6 +27,7 @@ class Reply:
     token_text: Optional[TokenText] = None
     sent_chars: dict = field(default_factory=dict)   # choice -> a text stream's characters so far (text_offset)
     post: bool = False        # post_sampling_probs: chat entries as llama-server writes them (prob, top_probs)
+    custom: frozenset = frozenset()   # the names of the request's custom tools (their calls: {"custom": ...})
 
     def __post_init__(self) -> None:
         self.id = self.id or ("chatcmpl-" if self.kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
@@ -117,8 +119,8 @@ class Reply:
                 if reasoning:
                     message["reasoning_content"] = reasoning
                 if calls:
-                    message["tool_calls"] = [tool_call_dict(c) for c in calls]
-                    add_call_errors(ext, calls)
+                    message["tool_calls"] = [tool_call_dict(c, custom=self.custom) for c in calls]
+                    add_call_errors(ext, calls, custom=self.custom)
             choices.append(choice)
         body.update(choices=choices, usage=usage_dict(total_usage([out.done for out in outs], n)), localheap=ext)
         return body
@@ -156,14 +158,34 @@ def total_usage(dones: list[Finished], n: Optional[int] = None) -> Usage:
                  sum(u.cached_tokens for u in firsts))
 
 
-def tool_call_dict(call: ToolCall, index: Optional[int] = None) -> dict:
-    d = {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+def tool_call_dict(call: ToolCall, index: Optional[int] = None, custom: frozenset = frozenset()) -> dict:
+    """A call as Chat Completions writes it: a function's, or (its name in `custom`) a custom tool's."""
+    if call.name in custom:
+        d = {"id": call.id, "type": "custom", "custom": {"name": call.name, "input": custom_input(call)[0]}}
+    else:
+        d = {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
     return d if index is None else {"index": index, **d}
 
 
-def add_call_errors(ext: dict, calls: list[ToolCall], first_index: int = 0) -> None:
-    """Calls whose arguments are not JSON are returned as written, and named here."""
-    errors = [{"index": first_index + i, "id": c.id, "error": c.error} for i, c in enumerate(calls) if c.error]
+def custom_input(call: ToolCall) -> tuple[str, Optional[str]]:
+    """A custom tool call's input from the arguments the model wrote ({"input": "..."}); arguments
+    that do not read so come back whole, with the error."""
+    if call.error is not None:
+        return call.arguments, call.error
+    try:
+        value = json.loads(call.arguments)
+    except ValueError as e:
+        return call.arguments, str(e)
+    if isinstance(value, dict) and isinstance(value.get("input"), str):
+        return value["input"], None
+    return call.arguments, "a custom tool's arguments are an object with a string 'input'"
+
+
+def add_call_errors(ext: dict, calls: list[ToolCall], first_index: int = 0, custom: frozenset = frozenset()) -> None:
+    """Calls whose arguments are not JSON (a custom tool's: not {"input": "..."}) are returned as
+    written, and named here."""
+    errors = [{"index": first_index + i, "id": c.id, "error": error} for i, c in enumerate(calls)
+              if (error := custom_input(c)[1] if c.name in custom else c.error)]
     if errors:
         ext.setdefault("tool_call_errors", []).extend(errors)
 

@@ -26,6 +26,7 @@ from ..generation import TOP_LOGPROBS_MAX
 from ..grammar import GrammarError, grammar_error, json_grammar
 from ..larkformat import LarkInput, lark_regex, lark_rules
 from .chat import ChatPlan
+from .formats import custom_input
 from .errors import ApiError, BadRequest
 from .jsonlines import FileBacked, JsonLines
 from .logonce import warn_once
@@ -247,7 +248,7 @@ CUSTOM_PARAMETERS = {"type": "object", "properties": {"input": {"type": "string"
                      "additionalProperties": False}
 
 
-def _offer(t: Union[FunctionTool, CustomTool], namespace: Optional[NamespaceTool] = None) -> Offered:
+def offer(t: Union[FunctionTool, CustomTool], namespace: Optional[NamespaceTool] = None) -> Offered:
     ns = namespace.name if namespace is not None else None
     description = t.description
     if namespace is not None and namespace.description:
@@ -399,9 +400,9 @@ class ResponsesRequest(Strict):
         out: list[Offered] = []
         for t in self.tools or []:
             if isinstance(t, NamespaceTool):
-                out += [_offer(inner, t) for inner in t.tools]
+                out += [offer(inner, t) for inner in t.tools]
             elif isinstance(t, (FunctionTool, CustomTool)):
-                out.append(_offer(t))
+                out.append(offer(t))
         return out
 
     @property
@@ -717,20 +718,6 @@ def _text(content: Union[str, list]) -> str:
     return content if isinstance(content, str) else "".join(p.text for p in content if isinstance(p, InputText))
 
 
-def _custom_input(arguments: str, error: Optional[str]) -> tuple[str, Optional[str]]:
-    """A custom tool call's input from the arguments the model wrote ({"input": "..."}); arguments
-    that do not read so come back whole, with the error."""
-    if error is None:
-        try:
-            value = json.loads(arguments)
-        except ValueError as e:
-            return arguments, str(e)
-        if isinstance(value, dict) and isinstance(value.get("input"), str):
-            return value["input"], None
-        error = "a custom tool's arguments are an object with a string 'input'"
-    return arguments, error
-
-
 def new_id(prefix: str) -> str:
     return f"{prefix}_{secrets.token_hex(12)}"
 
@@ -830,7 +817,7 @@ class Built:
             item = self.open
             error = piece.error
             if item["type"] == "custom_tool_call":
-                item["input"], error = _custom_input(piece.arguments, error)
+                item["input"], error = custom_input(piece)
             else:
                 item["arguments"] = piece.arguments
             if error is not None:   # returned as written, named in the response's `localheap`

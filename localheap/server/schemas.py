@@ -3,6 +3,8 @@ we know but cannot honour are refused with a message saying so (see `unsupported
 
 from __future__ import annotations
 
+import json
+
 from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -42,10 +44,27 @@ class FunctionCall(Strict):
     arguments: str               # JSON text, as OpenAI sends it
 
 
+class CustomCall(Strict):
+    name: str
+    input: str
+
+
 class ToolCallItem(Strict):
+    """A call in an assistant message: a function's, or a custom tool's (its `input`), which reads
+    as the function call the model wrote for it (custom tools are offered as a function of `input`)."""
     id: str
-    type: Literal["function"] = "function"
-    function: FunctionCall
+    type: Literal["function", "custom"] = "function"
+    function: Optional[FunctionCall] = None
+    custom: Optional[CustomCall] = None
+
+    @model_validator(mode="after")
+    def _as_function(self):
+        if self.type == "custom" and self.custom is not None:
+            self.function = FunctionCall(name=self.custom.name,
+                                         arguments=json.dumps({"input": self.custom.input}, ensure_ascii=False))
+        if self.function is None or (self.type == "custom") != (self.custom is not None):
+            raise ValueError(f"a {self.type} tool call carries its `{self.type}` object (and only that)")
+        return self
 
 
 class ChatMessage(Strict):
@@ -84,18 +103,49 @@ class FunctionDef(Strict):
     strict: Optional[bool] = None
 
 
-class Tool(Strict):
-    type: Literal["function"]
-    function: FunctionDef
+class CustomToolDef(Strict):
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    description: Optional[str] = None
+    format: Optional[dict[str, Any]] = None   # {"type": "text"}, or {"type": "grammar", "grammar": {syntax, definition}}
+
+
+class _FunctionOrCustom(Strict):
+    """A tool, or a choice of one: of type T, it carries its T object (`function` or `custom`), and only that."""
+    type: Literal["function", "custom"]
+
+    @model_validator(mode="after")
+    def _one(self):
+        if (self.type == "custom") != (self.custom is not None) or (self.type == "function") != (self.function is not None):
+            raise ValueError(f"a {self.type} tool carries its `{self.type}` object (and only that)")
+        return self
+
+    @property
+    def name(self) -> str:
+        return self.custom.name if self.custom is not None else self.function.name
+
+
+class Tool(_FunctionOrCustom):
+    """A function tool, or a custom (freeform) one as Chat Completions writes it: offered to the model
+    as a function of one string, `input`, its format grammar holding that string (as the Responses
+    API's custom tools); its calls come back as {"type": "custom", "custom": {"name", "input"}}."""
+    function: Optional[FunctionDef] = None
+    custom: Optional[CustomToolDef] = None
+
+    def responses_format(self) -> Optional[dict]:
+        """A custom tool's format in the Responses API's shape ({"type": "grammar", "syntax", "definition"})."""
+        fmt = self.custom.format
+        if isinstance(fmt, dict) and fmt.get("type") == "grammar" and isinstance(fmt.get("grammar"), dict):
+            return {"type": "grammar", **fmt["grammar"]}
+        return fmt
 
 
 class NamedFunction(Strict):
     name: str
 
 
-class NamedToolChoice(Strict):
-    type: Literal["function"]
-    function: NamedFunction
+class NamedToolChoice(_FunctionOrCustom):
+    function: Optional[NamedFunction] = None
+    custom: Optional[NamedFunction] = None
 
 
 class AllowedSet(Strict):
@@ -316,11 +366,14 @@ class ChatCompletionRequest(SamplingFields):
             return name, "the legacy functions/function_call fields are not supported: use tools and tool_choice"
         if self.tool_choice not in (None, "none", "auto") and not self.tools:
             return "tool_choice", "tool_choice needs tools"
+        custom = {t.name for t in self.tools or () if t.type == "custom"}
+        if len(custom) + len({t.name for t in self.tools or ()} - custom) < len(self.tools or ()):
+            return "tools", "a custom tool's name is the name of no other tool (its calls come back by name)"
         named = [self.tool_choice] if isinstance(self.tool_choice, NamedToolChoice) else \
             self.tool_choice.allowed_tools.tools if isinstance(self.tool_choice, AllowedTools) else []
         for n in named:
-            if n.function.name not in {t.function.name for t in self.tools}:
-                return "tool_choice", f"tool_choice names {n.function.name!r}, which is not in tools"
+            if (n.type, n.name) not in {(t.type, t.name) for t in self.tools}:
+                return "tool_choice", f"tool_choice names the {n.type} tool {n.name!r}, which is not in tools"
         if self.response_format is not None and self.response_format.type != "text" and \
                 self.tool_choice not in (None, "none", "auto") and not (
                     isinstance(self.tool_choice, AllowedTools) and self.tool_choice.allowed_tools.mode == "auto"):

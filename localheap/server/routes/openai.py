@@ -23,9 +23,10 @@ from ..errors import BadRequest, Unsupported, to_response
 from ..fim import fim_format, fim_prompt
 from ..logonce import warn_once
 from ..llamacpp import cut_fields, dry_fields, penalties_on, prompt_progress, switched
-from ..formats import (Echo, Out, Reply, add_call_errors, extension, finish_reason, saved_headers, stop_reason,
-                       tool_call_dict, total_usage)
+from ..formats import (Echo, Out, Reply, add_call_errors, custom_input, extension, finish_reason, saved_headers,
+                       stop_reason, tool_call_dict, total_usage)
 from ..prompts import chat_prompt, completion_prompt, tokenize, with_effort
+from ..responses import CustomTool, offer
 from ..schemas import AllowedTools, ChatCompletionRequest, CompletionRequest, SamplingFields
 from ..services import Services, services
 from ..toolcalls import CallArgs, CallStart, OutputParser, Piece
@@ -71,7 +72,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, svc: S
     default = min(svc.settings.default_max_tokens, svc.settings.max_tokens_limit)
     top = body.top_logprobs or 0 if body.logprobs else None
     reply = Reply("chat", svc.model_id, token_text=svc.token_text if body.logprobs else None,
-                  post=bool(body.post_sampling_probs))
+                  post=bool(body.post_sampling_probs),
+                  custom=frozenset(t.name for t in body.tools or () if t.type == "custom"))
     return await _respond(reply, body, prompt, request, svc, x_session_id, first_user,
                           lambda i: _params(body, svc, body.limit(default), i, plan.constraint(svc, opts, prompt), top),
                           lambda: plan.parser(opts, prompt))
@@ -131,18 +133,30 @@ def _plan(body: ChatCompletionRequest) -> ChatPlan:
     if choice is None:
         choice = "auto"
     elif isinstance(choice, AllowedTools):
-        choice, allowed = choice.allowed_tools.mode, [t.function.name for t in choice.allowed_tools.tools]
+        choice, allowed = choice.allowed_tools.mode, [t.name for t in choice.allowed_tools.tools]
     elif not isinstance(choice, str):
-        choice = choice.function.name
+        choice = choice.name
     fmt = body.response_format
     schema = None
     if fmt is not None and fmt.type == "json_object":
         schema = {}
     elif fmt is not None and fmt.type == "json_schema":
         schema = fmt.json_schema.schema_ or {}
-    tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
+    tools, arguments = None, {}
+    if body.tools:   # a custom tool as the Responses API offers one: a function of `input`, held to its format
+        tools = []
+        for t in body.tools:
+            if t.type == "custom":
+                o = offer(CustomTool(type="custom", name=t.name, description=t.custom.description,
+                                     format=t.responses_format()))
+                tools.append(o.chat())
+                if o.enforce is not None:
+                    arguments[o.name] = o.enforce
+            else:
+                tools.append(t.model_dump(exclude_none=True))
     return ChatPlan(tools, choice, body.parallel_tool_calls is not False, schema,
-                    with_effort(body.chat_template_kwargs, body.reasoning_effort), allowed=allowed)
+                    with_effort(body.chat_template_kwargs, body.reasoning_effort),
+                    arguments or None, allowed=allowed)
 
 
 def _params(body: SamplingFields, svc: Services, max_tokens: int, choice: int = 0, constraint=None,
@@ -181,6 +195,7 @@ class Choice:
     events: JobEvents
     parser: Optional[OutputParser] = None
     calls: int = 0
+    custom_open: bool = False                       # the call being written is a custom tool's
     logprobs: list = field(default_factory=list)   # chat: entries whose tokens' text the parser holds back
     first_token_at: Optional[float] = None
     echo: Optional[Echo] = None                     # completions' echo: the prompt, sent before the reply
@@ -306,18 +321,27 @@ def _piece_chunk(reply: Reply, piece: Piece, c: Choice, usage: bool) -> Optional
     its place in the reply), whole or as it is written (its id and name, then its arguments in
     parts); it carries the choice's logprobs (the entries of the tokens read since its last chunk)."""
     index, logprobs = c.calls, c.logprobs
-    errors = _call_errors(piece, index)
-    if isinstance(piece, ToolCall) and piece.streamed:
+    errors = _call_errors(piece, index, reply.custom)
+    if isinstance(piece, ToolCall) and piece.streamed and piece.name in reply.custom:
+        delta = {"tool_calls": [{"index": index, "custom": {"input": custom_input(piece)[0]}}]}   # whole, at its end
+    elif isinstance(piece, ToolCall) and piece.streamed:
         if not errors:
             return None
         return _data(reply.chunk(None, delta={}, with_usage_field=usage, extension=errors, logprobs=logprobs,
                                  index=c.index))
-    if isinstance(piece, ToolCall):
-        delta = {"tool_calls": [tool_call_dict(piece, index)]}
+    elif isinstance(piece, ToolCall):
+        delta = {"tool_calls": [tool_call_dict(piece, index, reply.custom)]}
+    elif isinstance(piece, CallStart) and piece.name in reply.custom:
+        c.custom_open = True
+        delta = {"tool_calls": [{"index": index, "id": piece.id, "type": "custom",
+                                 "custom": {"name": piece.name, "input": ""}}]}
     elif isinstance(piece, CallStart):
+        c.custom_open = False
         delta = {"tool_calls": [{"index": index, "id": piece.id, "type": "function",
                                  "function": {"name": piece.name, "arguments": ""}}]}
     elif isinstance(piece, CallArgs):
+        if c.custom_open:   # (a custom call's input is known once its arguments are whole)
+            return None
         delta = {"tool_calls": [{"index": index, "function": {"arguments": piece.text}}]}
     else:
         delta = {"content" if piece.kind == "content" else "reasoning_content": piece.text}
@@ -325,12 +349,12 @@ def _piece_chunk(reply: Reply, piece: Piece, c: Choice, usage: bool) -> Optional
                              index=c.index))
 
 
-def _call_errors(piece: Piece, index: int) -> Optional[dict]:
-    if not isinstance(piece, ToolCall) or piece.error is None:
+def _call_errors(piece: Piece, index: int, custom: frozenset) -> Optional[dict]:
+    if not isinstance(piece, ToolCall):
         return None
     ext: dict = {}
-    add_call_errors(ext, [piece], index)
-    return ext
+    add_call_errors(ext, [piece], index, custom)
+    return ext or None
 
 
 def _data(body: dict) -> dict:
