@@ -153,7 +153,11 @@ def test_a_custom_tools_format_holds_its_input_and_tool_choice_names_it(client):
         (call,) = r.choices[0].message.tool_calls
         assert call.type == "custom" and call.custom.name == "nest" and nested(call.custom.input), call
     bad = [dict(tools=TOOLS, tool_choice=choices[0]),
-           dict(tools=TOOLS + [{"type": "custom", "custom": {"name": "get_weather"}}])]
+           dict(tools=TOOLS + [{"type": "custom", "custom": {"name": "get_weather"}}]),
+           dict(tools=[NEST, NEST])]
+    from localheap.server.schemas import ChatCompletionRequest   # (two functions of one name: as before)
+    assert ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "Go."}],
+                                 tools=TOOLS + TOOLS[:1]).unsupported() is None
     for kw in bad:
         with pytest.raises(openai.BadRequestError):
             ask(client, [{"role": "user", "content": "Go."}], **kw)

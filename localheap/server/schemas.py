@@ -106,7 +106,7 @@ class FunctionDef(Strict):
 class CustomToolDef(Strict):
     name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
     description: Optional[str] = None
-    format: Optional[dict[str, Any]] = None   # {"type": "text"}, or {"type": "grammar", "grammar": {syntax, definition}}
+    format: Optional[dict[str, Any]] = None   # {"type": "text"} or {"type": "grammar", "grammar": {syntax, definition}}
 
 
 class _FunctionOrCustom(Strict):
@@ -115,7 +115,7 @@ class _FunctionOrCustom(Strict):
 
     @model_validator(mode="after")
     def _one(self):
-        if (self.type == "custom") != (self.custom is not None) or (self.type == "function") != (self.function is not None):
+        if (self.custom is not None, self.function is not None) != (self.type == "custom", self.type == "function"):
             raise ValueError(f"a {self.type} tool carries its `{self.type}` object (and only that)")
         return self
 
@@ -366,8 +366,8 @@ class ChatCompletionRequest(SamplingFields):
             return name, "the legacy functions/function_call fields are not supported: use tools and tool_choice"
         if self.tool_choice not in (None, "none", "auto") and not self.tools:
             return "tool_choice", "tool_choice needs tools"
-        custom = {t.name for t in self.tools or () if t.type == "custom"}
-        if len(custom) + len({t.name for t in self.tools or ()} - custom) < len(self.tools or ()):
+        custom = [t.name for t in self.tools or () if t.type == "custom"]
+        if len(set(custom)) < len(custom) or set(custom) & {t.name for t in self.tools or () if t.type == "function"}:
             return "tools", "a custom tool's name is the name of no other tool (its calls come back by name)"
         named = [self.tool_choice] if isinstance(self.tool_choice, NamedToolChoice) else \
             self.tool_choice.allowed_tools.tools if isinstance(self.tool_choice, AllowedTools) else []
