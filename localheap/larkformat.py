@@ -69,7 +69,7 @@ def _lark_statements(text: str) -> tuple[dict[str, list], list[list]]:
             words = st[0][1].split()
             if words[0] == "%import" and len(words) >= 2 and words[1].startswith("common."):
                 names = words[1][len("common."):].strip("()").split(",") + words[2:]
-                for i, name in enumerate(n.strip() for n in names if n.strip() not in ("", "->")):
+                for name in (n.strip() for n in names if n.strip() not in ("", "->")):
                     if name not in _COMMON:
                         raise GrammarError(f"the Lark grammar imports {name!r}, which this server does not know")
                     rules[name] = [("regex", "/" + _COMMON[name] + "/")]
@@ -262,14 +262,17 @@ def _class_of(op, av) -> str:
         elif kind is _sc.CATEGORY and value in _CATEGORIES:
             parts.append(_CATEGORIES[value])
         else:
-            raise GrammarError(f"a class in the grammar's regular expressions uses {kind}, which this server does not read")
+            raise GrammarError(f"a class in the grammar's regular expressions uses {kind}, "
+                               "which this server does not read")
     return "[" + "^" * negate + "".join(parts) + "]"
 
 
-def _split(cls: str, flags: int) -> tuple[bool, list[str]]:
-    """Whether class `cls` holds characters JSON writes as they are, and which it writes escaped."""
+@lru_cache(maxsize=1024)
+def _split(cls: str, flags: int) -> tuple[bool, tuple[str, ...]]:
+    """Whether class `cls` holds characters JSON writes as they are, and which it writes escaped
+    (remembered: each class is asked whether it is risky, then rewritten)."""
     python = re.compile(cls, re.IGNORECASE if flags & _sc.SRE_FLAG_IGNORECASE else 0)
-    return bool(python.search(_plain_chars())), [c for c in _SPECIALS if python.match(c)]
+    return bool(python.search(_plain_chars())), tuple(c for c in _SPECIALS if python.match(c))
 
 
 class _Rewrite:
@@ -310,16 +313,15 @@ class _Rewrite:
             lo, hi, inner = av
             many = hi == _sc.MAXREPEAT
             inner = self.seq(inner, flags)
-            if self.rules:
-                if not inner or hi == 0:
-                    return ""
-                q = {(0, True): "*", (1, True): "+"}.get((lo, many)) or ("?" if (lo, hi) == (0, 1) else
-                                                                           f"~{lo} ({inner})*" if many else
-                                                                           f"~{lo}" if lo == hi else f"~{lo}..{hi}")
-                return f"({inner}){q}"
-            q = {(0, True): "*", (1, True): "+"}.get((lo, many)) or ("?" if (lo, hi) == (0, 1) else
-                                                                       f"{{{lo},}}" if many else f"{{{lo},{hi}}}")
-            return f"(?:{inner}){q}"
+            if self.rules and (not inner or hi == 0):
+                return ""
+            if many and lo < 2 or (lo, hi) == (0, 1):
+                q = "?" if not many else "*+"[lo]
+            elif self.rules:   # (Lark's x~M..N; no open bound: M of them, then any more)
+                q = f"~{lo} ({inner})*" if many else f"~{lo}" if lo == hi else f"~{lo}..{hi}"
+            else:
+                q = f"{{{lo},}}" if many else f"{{{lo},{hi}}}"
+            return f"({inner}){q}" if self.rules else f"(?:{inner}){q}"
         raise GrammarError(f"the grammar's regular expressions use {str(op).lower()}, which this server does not "
                            "rewrite for a JSON string (anchors, lookarounds and backreferences)")
 
@@ -380,20 +382,18 @@ def lark_rules(text: str, top: str, json_string: bool = True) -> str:
             trees[token] = _parse(body.replace("\\/", "/"), flags)
         return trees[token]
 
-    def risky(tokens: list) -> bool:
-        return json_string and any(kind == "regex" and _goes_on_escaped(*tree(tok)) for kind, tok in tokens)
+    def written_as_rules(tokens: list) -> bool:
+        """Whether a terminal's definition (or %ignore's) is written as rules: a regex in it could go
+        on with an escape, or it names a terminal written so."""
+        return json_string and any(kind == "regex" and _goes_on_escaped(*tree(tok)) or
+                                   kind == "name" and tok in as_rules for kind, tok in tokens)
 
-    as_rules = {n for n in rules if _terminal(n) and risky(rules[n])}   # terminals written as rules
-    grown = True
-    while grown:   # (and the terminals made of them)
-        more = {n for n in rules if _terminal(n) and n not in as_rules
-                and any(kind == "name" and tok in as_rules for kind, tok in rules[n])}
+    as_rules: set = set()
+    while more := {n for n in rules if _terminal(n) and n not in as_rules and written_as_rules(rules[n])}:
         as_rules |= more
-        grown = bool(more)
     ignore = None
     if ignores:
-        ignore = f"{top}_ignored" if any(risky(tokens) for tokens in ignores) or \
-            any(kind == "name" and tok in as_rules for tokens in ignores for kind, tok in tokens) else f"{top.upper()}_IGNORED"
+        ignore = f"{top}_ignored" if any(written_as_rules(tokens) for tokens in ignores) else f"{top.upper()}_IGNORED"
 
     def rename(n: str) -> str:
         if n not in rules:
@@ -430,7 +430,8 @@ def lark_rules(text: str, top: str, json_string: bool = True) -> str:
             if (kind, tok) == ("op", "->"):   # an alias names the tree's node only
                 at += 1
                 continue
-            if kind == "string" and at + 1 < len(tokens) and tokens[at] == ("op", "..") and tokens[at + 1][0] == "string":
+            ranged = at + 1 < len(tokens) and tokens[at] == ("op", "..") and tokens[at + 1][0] == "string"
+            if kind == "string" and ranged:
                 lo, hi = _literal_text(tok)[0], _literal_text(tokens[at + 1][1])[0]
                 if len(lo) != 1 or len(hi) != 1:
                     raise GrammarError(f"the Lark grammar's range {tok}..{tokens[at + 1][1]} is not of characters")

@@ -271,11 +271,11 @@ def test_a_forced_call_grammar_takes_the_family_syntax_and_nothing_else(tokenize
     assert takes("Sure") is None
 
 
-def _lazy(tok, family_fmt=None):
+def _lazy(tok, family_fmt=None, tools=TOOLS, arguments=None):
     from localheap.grammar import LazyGrammar
     from localheap.server.chat import call_triggers
 
-    return LazyGrammar(tok, {tok.eos_token_id}, call_triggers(family_fmt or tool_format(tok), TOOLS, tok))
+    return LazyGrammar(tok, {tok.eos_token_id}, call_triggers(family_fmt or tool_format(tok), tools, tok, arguments))
 
 
 def _feed(g, tok, text: str) -> list:
@@ -644,17 +644,10 @@ def test_a_custom_tool_held_to_a_recursive_lark_grammar_in_every_family(tokenize
 
     for text in ("1 + 2", '("a" + 3)*\n4'):
         assert takes(call(text)), (family, text)
-        held_lazily = _feed(_lazy_with(tok, tools, held), tok, call(text))
+        held_lazily = _feed(_lazy(tok, tools=tools, arguments=held), tok, call(text))
         assert None not in held_lazily and "held" in held_lazily, (family, text, held_lazily)
     assert not takes(call("(1 + 2")) and not takes(call("1 2"))
     assert takes(WEATHER_CALLS[family])
-
-
-def _lazy_with(tok, tools, held):
-    from localheap.grammar import LazyGrammar
-    from localheap.server.chat import call_triggers
-
-    return LazyGrammar(tok, {tok.eos_token_id}, call_triggers(tool_format(tok), tools, tok, held))
 
 
 class _OnDevice:
