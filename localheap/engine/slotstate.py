@@ -94,8 +94,8 @@ def restore_target(engine: Any) -> Path:
 
 
 def restore(engine: Any, id_slot: int, who: Optional[str], heap: Path, tokens, title: str):
-    """The checkpoint extracted beside `heap` (restore_target's folder; its `tokens`, read there) made a new session's first
-    checkpoint, its heap loaded, the session held by the slot. Its files are moved out of the
+    """The checkpoint extracted beside `heap` (restore_target's folder; its `tokens`, read there) made
+    a new session's first checkpoint, its heap loaded, the session held by the slot. Its files are moved out of the
     staging folder first, the heap file last (what is left there is the caller's to remove). On
     failure the session and its files are removed."""
     from ..sessions.disk import new_id

@@ -127,8 +127,10 @@ def _call_rule(fmt: ToolFormat, tools: list[dict], arguments: Optional[dict] = N
     held = [s["properties"][args_key] for s in schemas]
     if not any(isinstance(h, LarkInput) for h in held):
         return json_rule(schemas[0] if len(schemas) == 1 else {"anyOf": schemas})
-    rules = []   # a call per tool, its JSON written out around its arguments as %json writes them (every
-    for i, (t, args) in enumerate(zip(tools, held)):   # one: llguidance refused a %json beside a literal that began as it did)
+    # a call per tool, its JSON written out around its arguments as %json writes them (every one:
+    # beside a literal that began as it did, llguidance did not take a %json call)
+    rules = []
+    for i, (t, args) in enumerate(zip(tools, held)):
         head = json.dumps(f'{{"name": {json.dumps(t["function"]["name"])}, "{args_key}": ')
         rules.append(f'call_{i}: {head} call_{i}_args "}}"\ncall_{i}_args: {_args_rule(args, f"call_{i}_args")}')
     return " | ".join(f"call_{i}" for i in range(len(tools))) + "\n" + "\n".join(rules)

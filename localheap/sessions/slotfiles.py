@@ -117,8 +117,8 @@ def write(root: Path, filename: str, staged: Optional[Path], n: int, model: str,
 def read(root: Path, filename: str, into: Path, model: str, backend: str, vocab: Optional[int],
          owner: Optional[str] = None) -> tuple[SlotFile, int, Optional[Path], array]:
     """Extract the slot file `root/filename` into the empty directory `into`: (its manifest, its
-    bytes, the heap file's path there (None for an empty slot), its tokens). SlotFileError when it is missing,
-    is not a slot file, was saved for another model or backend, or by another API key than
+    bytes, the heap file's path there (None for an empty slot), its tokens). SlotFileError when it
+    is missing, is not a slot file, was saved for another model or backend, or by another API key than
     `owner` (as if it were missing: a key must not learn what another saved); what was extracted
     is removed."""
     path = Path(root) / check_name(filename)
