@@ -120,6 +120,50 @@ def test_codex_runs_a_command_and_a_namespaced_tool(model_dirs, tmp_path_factory
     assert usage["cached_input_tokens"] > usage["input_tokens"] / 2, "each turn continued the session"
 
 
+def test_codex_applies_a_patch_through_its_freeform_tool(model_dirs, tmp_path_factory, tmp_path, torch_one_thread):
+    """A model Codex's catalog (model_catalog_json) gives the freeform apply_patch tool: Codex offers
+    it as a custom tool held to its Lark grammar, reads the streamed custom_tool_call (its input in
+    parts: apply_patch_streaming_events), applies the patch, and sends the call and its output back."""
+    codex = cli("codex", "LOCALHEAP_CODEX")
+    patch = '*** Begin Patch\n*** Add File: notes.txt\n+hello "heap"\n+\tindented\n*** End Patch\n'
+    replies = ["<tool_call>\n" + json.dumps({"name": "apply_patch", "arguments": {"input": patch}}) + "\n</tool_call>",
+               "Patched."]
+    home, work = tmp_path / "home", tmp_path / "work"
+    home.mkdir()
+    work.mkdir()
+
+    def run(url: str, model_id: str):
+        (home / "catalog.json").write_text(json.dumps({"models": [{
+            "slug": model_id, "display_name": "localheap", "description": "A local model.",
+            "apply_patch_tool_type": "freeform", "shell_type": "shell_command", "visibility": "list",
+            "supported_in_api": True, "priority": 1, "context_window": 32768,
+            "truncation_policy": {"mode": "tokens", "limit": 10000}, "supported_reasoning_levels": [],
+            "input_modalities": ["text"], "supports_parallel_tool_calls": False, "support_verbosity": False,
+            "experimental_supported_tools": [], "base_instructions": "You edit files."}]}))
+        (home / "config.toml").write_text(
+            f'model_catalog_json = "{home / "catalog.json"}"\nmodel = "{model_id}"\nmodel_provider = "localheap"\n'
+            'suppress_unstable_features_warning = true\n'
+            f'[model_providers.localheap]\nname = "localheap"\nbase_url = "{url}/v1"\nwire_api = "responses"\n'
+            'env_key = "LOCALHEAP_KEY"\n[features]\napply_patch_freeform = true\napply_patch_streaming_events = true\n')
+        env = {**os.environ, "CODEX_HOME": str(home), "LOCALHEAP_KEY": "unused"}
+        return subprocess.run([codex, "exec", "--json", "--skip-git-repo-check",
+                               "--dangerously-bypass-approvals-and-sandbox", "write the notes"],
+                              cwd=work, env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=300)
+
+    done, bodies = run_forced(model_dirs, tmp_path_factory, "/v1/responses", replies, run)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (work / "notes.txt").read_text() == 'hello "heap"\n\tindented\n', "Codex applied the patch"
+    (tool,) = [t for t in bodies[0]["tools"] if t.get("name") == "apply_patch"]
+    assert tool["type"] == "custom" and tool["format"]["syntax"] == "lark"   # what the test is about
+    events = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    assert [e["item"]["text"] for e in events if e["type"] == "item.completed"
+            and e["item"]["type"] == "agent_message"] == ["Patched."]
+    (call,) = [i for i in bodies[1]["input"] if i.get("type") == "custom_tool_call"]
+    assert call["name"] == "apply_patch" and call["input"] == patch
+    assert any(i.get("type") == "custom_tool_call_output" and i["call_id"] == call["call_id"]
+               for i in bodies[1]["input"])
+
+
 def test_claude_code_runs_a_command(model_dirs, tmp_path_factory, tmp_path, torch_one_thread):
     claude = cli("claude", "LOCALHEAP_CLAUDE")
     replies = ['<tool_call>\n{"name": "Bash", "arguments": {"command": "echo hello-from-claude > out.txt", '

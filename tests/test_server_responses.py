@@ -305,6 +305,8 @@ def test_codex_tools_namespaces_custom_and_hosted(server, force):
         **body, "stream": True}).text.splitlines() if line.startswith("data:")]
     types = [e["type"] for e in events]
     assert types.count("response.custom_tool_call_input.done") == 1
+    deltas = [e["delta"] for e in events if e["type"] == "response.custom_tool_call_input.delta"]
+    assert "".join(deltas) == PATCH and len(deltas) > 3, "the input in parts as it is written"
     assert "response.function_call_arguments.done" in types
     (added,) = [e["item"] for e in events if e["type"] == "response.output_item.added"
                 and e["item"]["type"] == "custom_tool_call"]
@@ -314,6 +316,34 @@ def test_codex_tools_namespaces_custom_and_hosted(server, force):
     assert done[0]["namespace"] == "agents"
     assert events[-1]["type"] == "response.completed"
     assert events[-1]["response"]["tools"][3]["type"] == "web_search"   # echoed as asked
+
+
+def test_a_custom_call_cut_short_keeps_the_input_read_so_far(server, force):
+    """max_output_tokens cuts a custom call inside its input: the item is incomplete, its input
+    what was decoded of the string so far; its deltas join to the input its done event gives. A
+    function call cut so is an incomplete item too."""
+    import httpx
+
+    force("<tool_call>\n" + json.dumps({"name": "apply_patch", "arguments": {"input": PATCH * 4}}))
+    for stream in (False, True):
+        r = httpx.post(server.url + "/v1/responses", timeout=60, json={
+            "model": model(server), "input": "Edit.", "tools": CODEX_TOOLS[2:3], "max_output_tokens": 40,
+            "stream": stream})
+        if not stream:
+            body = r.json()
+            (call,) = body["output"]
+            continue
+        events = [json.loads(line[5:]) for line in r.text.splitlines() if line.startswith("data:")]
+        deltas = [e["delta"] for e in events if e["type"] == "response.custom_tool_call_input.delta"]
+        (done,) = [e["input"] for e in events if e["type"] == "response.custom_tool_call_input.done"]
+        assert "".join(deltas) == done == call["input"] and events[-1]["type"] == "response.incomplete"
+    assert body["status"] == "incomplete" and call["status"] == "incomplete"
+    assert 0 < len(call["input"]) < len(PATCH * 4) and (PATCH * 4).startswith(call["input"])
+    force("<tool_call>\n" + json.dumps({"name": "get_weather", "arguments": {"city": "Paris " * 20}}))
+    body = httpx.post(server.url + "/v1/responses", timeout=60, json={
+        "model": model(server), "input": "Weather?", "tools": CODEX_TOOLS[:1], "max_output_tokens": 30}).json()
+    (call,) = body["output"]
+    assert call["type"] == "function_call" and call["status"] == "incomplete" and body["status"] == "incomplete"
 
 
 def test_custom_tool_arguments_that_do_not_read_come_back_flagged(server, force):

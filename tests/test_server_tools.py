@@ -110,7 +110,8 @@ SQL_CALL = '<tool_call>\n{"name": "run_sql", "arguments": {"input": "SELECT \\"a
 def test_a_custom_tool_call_whole_streamed_and_sent_back(client, force):
     """Chat Completions custom tools (OpenAI's {"type": "custom", "custom": {...}}): offered to the model
     as a function of one string, `input`; its call comes back {"type": "custom", "custom": {"name",
-    "input"}} (streamed: its id and name first, its input once written), sent back in the history it
+    "input"}} (streamed: its id and name first, then its input in parts, decoded from the JSON string
+    the model writes it in), sent back in the history it
     renders the prompt as it was (the session's tokens reused), and arguments that are not
     {"input": "..."} come back as written, flagged."""
     force(SQL_CALL)
@@ -124,7 +125,8 @@ def test_a_custom_tool_call_whole_streamed_and_sent_back(client, force):
     deltas = [tc for c in chunks if c.choices for tc in c.choices[0].delta.tool_calls or []]
     custom = [_field(d.custom, "name") or "" for d in deltas], [_field(d.custom, "input") or "" for d in deltas]
     assert deltas[0].type == "custom" and deltas[0].id and custom[0][0] == "run_sql"   # (SDKs before the
-    assert "".join(custom[1]) == 'SELECT "a"\nFROM t;' and len(deltas) == 2          # delta's custom: a dict)
+    assert "".join(custom[1]) == 'SELECT "a"\nFROM t;' and len(deltas) > 3          # delta's custom: a dict)
+    assert all(custom[1][1:]) and not any(custom[0][1:]), "the input in parts as it is written, decoded"
     force("Three rows.")
     history += [choice.message, {"role": "tool", "tool_call_id": call.id, "content": "3"}]
     second = ask(client, history, tools=TOOLS + [SQL])
@@ -134,6 +136,10 @@ def test_a_custom_tool_call_whole_streamed_and_sent_back(client, force):
     r = ask(client, [{"role": "user", "content": "Go."}], tools=[SQL])
     (call,) = r.choices[0].message.tool_calls
     assert call.custom.input == '{"query": "x"}' and "string 'input'" in r.localheap["tool_call_errors"][0]["error"]
+    chunks = list(ask(client, [{"role": "user", "content": "Go."}], tools=[SQL], stream=True))
+    parts = [_field(tc.custom, "input") or "" for c in chunks if c.choices for tc in c.choices[0].delta.tool_calls or []]
+    assert "".join(parts) == '{"query": "x"}', "streamed: the arguments as written, once they are whole"
+    assert sum("tool_call_errors" in (getattr(c, "localheap", None) or {}) for c in chunks) == 1
 
 
 def _field(obj, key: str):

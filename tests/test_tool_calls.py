@@ -12,6 +12,7 @@ from family_templates import TEMPLATES, glm4_model, phi4_mini_model, with_templa
 from localheap.engine.detok import TextStream
 from localheap.grammar import IfLast
 from localheap.server.errors import BadRequest
+from localheap.server.formats import InputStream
 from localheap.server.prompts import ChatOptions, chat_prompt
 from localheap.server.prompts import _messages as template_messages
 from localheap.server.schemas import ChatMessage
@@ -835,3 +836,28 @@ def test_a_one_token_opener_holds_the_call_with_the_decode_pipelined(model_dirs,
     assert rows["auto, grammar read at once"]["valid_calls"] == "same tokens as pipelined", rows
     assert rows["call opened, held"]["valid_calls"] == "4 of 4", rows
     assert rows["call opened, free"]["valid_calls"] == "0 of 4", rows
+
+
+def test_a_custom_calls_input_streams_as_json_reads_it_however_the_arguments_are_cut():
+    """InputStream decodes {"input": "..."} as it is written: the parts given join to what
+    json.loads reads, wherever the text is cut (inside an escape, a surrogate pair, the key); an
+    escape is given only once whole; arguments that are not {"input": "..."} give nothing."""
+    import random
+
+    rng = random.Random(7)
+    alphabet = ["a", '"', "\\", "\n", "\t", "é", "😀", "\u2028", "/", "\x01", "\ud83d", "}", " "]
+    for _ in range(2000):
+        value = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 16)))
+        args = json.dumps({"input": value}, ensure_ascii=rng.random() < 0.5, indent=rng.choice([None, 1]))
+        cuts = sorted(rng.sample(range(len(args) + 1), rng.randint(0, min(8, len(args)))))
+        stream, given, at = InputStream(), [], 0
+        for cut in cuts + [len(args)]:
+            given.append(stream.feed(args[at:cut]))
+            at = cut
+        assert "".join(given) == value and stream.rest(value) == "", (args, cuts)
+    stream = InputStream()
+    assert [stream.feed(t) for t in ['{"in', 'put": "ab\\u00', 'e9\\ud83d', '\\ude00"}']] == ["", "ab", "é", "😀"]
+    stream = InputStream()
+    assert stream.feed('{"patch": "x"}') == "" and stream.rest('{"patch": "x"}') == '{"patch": "x"}'
+    stream = InputStream()
+    assert stream.feed('{"input": "abc", "more": 1}') == "abc" and stream.rest('{"input"') is None

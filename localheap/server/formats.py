@@ -4,6 +4,7 @@ field (session id and heap stats) that OpenAI SDKs keep as an extra attribute an
 from __future__ import annotations
 
 import json
+import re
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -169,16 +170,110 @@ def tool_call_dict(call: ToolCall, index: Optional[int] = None, custom: frozense
 
 def custom_input(call: ToolCall) -> tuple[str, Optional[str]]:
     """A custom tool call's input from the arguments the model wrote ({"input": "..."}); arguments
-    that do not read so come back whole, with the error."""
-    if call.error is not None:
-        return call.arguments, call.error
+    that do not read so come back whole, with the error, but for arguments that end inside the
+    string (a call cut short): what was written of it."""
     try:
+        if call.error is not None:
+            raise ValueError(call.error)
         value = json.loads(call.arguments)
     except ValueError as e:
-        return call.arguments, str(e)
+        read = InputStream()
+        written = read.feed(call.arguments)
+        return (written if read.at is not None and not read.ended else call.arguments), str(e)
     if isinstance(value, dict) and isinstance(value.get("input"), str):
         return value["input"], None
     return call.arguments, "a custom tool's arguments are an object with a string 'input'"
+
+
+_INPUT_HEAD = re.compile(r'\s*\{\s*"input"\s*:\s*"')
+_ESCAPES = {'"': '"', "\\": "\\", "/": "/", "b": "\b", "f": "\f", "n": "\n", "r": "\r", "t": "\t"}
+
+
+class InputStream:
+    """A custom tool call's input as its arguments ({"input": "..."}) are written: `feed` gives the
+    input's text decoded since the last feed (an escape is held back until it is whole), nothing
+    before the arguments read as {"input": " or after the string's closing quote. `rest(input)`:
+    what the whole input (custom_input's) adds to what was given; None where it does not go on
+    from it (arguments that did not read as {"input": "..."}: the input is then the arguments)."""
+
+    def __init__(self) -> None:
+        self.args = ""
+        self.at: Optional[int] = None   # where the string's next character is in `args`
+        self.sent = ""
+        self.ended = False
+
+    def feed(self, text: str) -> str:
+        self.args += text
+        if self.ended:
+            return ""
+        if self.at is None:
+            head = _INPUT_HEAD.match(self.args)
+            if head is None:
+                self.ended = len(self.args) > 64 or not _may_open(self.args)
+                return ""
+            self.at = head.end()
+        s, i, out = self.args, self.at, []
+        while i < len(s):
+            c = s[i]
+            if c == '"':
+                self.ended = True
+                break
+            if c != "\\":
+                out.append(c)
+                i += 1
+                continue
+            if i + 1 == len(s):
+                break
+            e = s[i + 1]
+            if e in _ESCAPES:
+                out.append(_ESCAPES[e])
+                i += 2
+                continue
+            char, size = _unicode_escape(s, i)
+            if size == 0:   # not whole yet
+                break
+            if char is None:   # not an escape JSON has: the string is not read on
+                self.ended = True
+                break
+            out.append(char)
+            i += size
+        self.at = i
+        piece = "".join(out)
+        self.sent += piece
+        return piece
+
+    def rest(self, whole: str) -> Optional[str]:
+        return whole[len(self.sent):] if whole.startswith(self.sent) else None
+
+
+def _may_open(text: str) -> bool:
+    """Whether `text` may still become {"input": " (whitespace aside)."""
+    bare = re.sub(r"\s+", "", text)
+    return '{"input":"'.startswith(bare)
+
+
+def _unicode_escape(s: str, i: int) -> tuple[Optional[str], int]:
+    """The \\uXXXX escape (a surrogate pair: both) at s[i]: (its character, its length); (None, 0)
+    while it is not whole, (None, 1) where it is not one."""
+    def code(j: int) -> Optional[int]:
+        digits = s[j + 2:j + 6]
+        return int(digits, 16) if s[j + 1] == "u" and len(digits) == 4 and \
+            all(d in "0123456789abcdefABCDEF" for d in digits) else None
+    if s[i + 1] != "u":
+        return None, 1
+    if len(s) < i + 6:
+        return (None, 0) if all(d in "0123456789abcdefABCDEF" for d in s[i + 2:]) else (None, 1)
+    high = code(i)
+    if high is None:
+        return None, 1
+    if not 0xD800 <= high < 0xDC00:
+        return chr(high), 6
+    if len(s) < i + 12:
+        return (None, 0) if "\\u".startswith(s[i + 6:i + 8]) else (chr(high), 6)
+    low = code(i + 6) if s[i + 6] == "\\" else None
+    if low is None or not 0xDC00 <= low < 0xE000:
+        return chr(high), 6   # a lone surrogate, as json.loads reads it
+    return chr(0x10000 + ((high - 0xD800) << 10) + (low - 0xDC00)), 12
 
 
 def add_call_errors(ext: dict, calls: list[ToolCall], first_index: int = 0, custom: frozenset = frozenset()) -> None:

@@ -26,7 +26,7 @@ from ..generation import TOP_LOGPROBS_MAX
 from ..grammar import GrammarError, grammar_error, json_grammar
 from ..larkformat import LarkInput, lark_regex, lark_rules
 from .chat import ChatPlan
-from .formats import custom_input
+from .formats import InputStream, custom_input
 from .errors import ApiError, BadRequest
 from .jsonlines import FileBacked, JsonLines
 from .logonce import warn_once
@@ -738,7 +738,7 @@ class Built:
         self.call_errors: list[dict] = []     # calls whose arguments are not JSON
         self.pending: list = []               # TokenLogprob entries read since the last message text (read)
         self.tools = {o.name: o for o in request.offered}   # the names the model calls them by
-        self.custom_args = ""                 # a custom tool call's arguments as written (JSON: {"input": ...})
+        self.custom_args = InputStream()      # a custom tool call's arguments as written ({"input": ...}), read
         self.background = bool(request.background)
 
     def event(self, type_: str, **data) -> dict:
@@ -780,9 +780,10 @@ class Built:
                 body["localheap"]["ignored_tools"] = r.hosted_tools
         return body
 
-    def feed(self, piece: Piece, logprobs: Optional[list[dict]] = None) -> list[dict]:
+    def feed(self, piece: Piece, logprobs: Optional[list[dict]] = None, last: bool = False) -> list[dict]:
         """The events of one piece of the reply; a message's text comes with `logprobs` (entries as
-        chat's logprobs.content), if asked for."""
+        chat's logprobs.content), if asked for. `last`: the reply has ended (a call at its end whose
+        arguments do not read is left open: finish closes it, incomplete where the limit cut it)."""
         out: list[dict] = []
         if isinstance(piece, Text):
             kind = "message" if piece.kind == "content" else "reasoning"
@@ -803,8 +804,8 @@ class Built:
             out += self._call(piece.id, piece.name)
         elif isinstance(piece, CallArgs):
             item = self.open
-            if item["type"] == "custom_tool_call":   # its input is known once the arguments are whole
-                self.custom_args += piece.text
+            if item["type"] == "custom_tool_call":   # its input as it is read from the arguments
+                out += self._input_delta(item, self.custom_args.feed(piece.text))
             else:
                 item["arguments"] += piece.text
                 out.append(self.event("response.function_call_arguments.delta", item_id=item["id"],
@@ -817,14 +818,26 @@ class Built:
             item = self.open
             error = piece.error
             if item["type"] == "custom_tool_call":
-                item["input"], error = custom_input(piece)
+                whole, error = custom_input(piece)
+                out += self._input_delta(item, self.custom_args.rest(whole) or "")
+                item["input"] = whole   # (arguments that did not read: its done event says what it is)
             else:
                 item["arguments"] = piece.arguments
             if error is not None:   # returned as written, named in the response's `localheap`
                 self.call_errors.append({"index": self.calls, "call_id": piece.id, "error": error})
             self.calls += 1
-            out += self.close()
+            if not (last and error is not None):
+                out += self.close()
         return out
+
+    def _input_delta(self, item: dict, text: str, index: Optional[int] = None) -> list[dict]:
+        """A custom tool call's input goes on by `text`."""
+        if not text:
+            return []
+        item["input"] += text
+        index = len(self.items) - 1 if index is None else index
+        return [self.event("response.custom_tool_call_input.delta", item_id=item["id"], output_index=index,
+                           delta=text)]
 
     def _call(self, call_id: str, name: str) -> list[dict]:
         """A call's item added: a function_call, or a custom tool's custom_tool_call; a namespaced
@@ -834,7 +847,7 @@ class Built:
         if tool is not None and tool.namespace:
             fields["namespace"] = tool.namespace
         if tool is not None and tool.custom:
-            self.custom_args = ""
+            self.custom_args = InputStream()
             return self._add("custom_tool_call", **fields)
         return self._add("function_call", **fields)
 
@@ -872,11 +885,8 @@ class Built:
             out.append(self.event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
                                   name=item["name"], arguments=item["arguments"]))
         elif item["type"] == "custom_tool_call":
-            if status != "completed" and not item["input"]:   # cut short: its arguments as far as written
-                item["input"] = self.custom_args
-            if item["input"]:
-                out.append(self.event("response.custom_tool_call_input.delta", item_id=item["id"],
-                                      output_index=index, delta=item["input"]))
+            if status != "completed" and self.custom_args.at is None and not item["input"]:   # cut before its input
+                out += self._input_delta(item, self.custom_args.args, index)
             out.append(self.event("response.custom_tool_call_input.done", item_id=item["id"], output_index=index,
                                   input=item["input"]))
         else:
@@ -906,7 +916,7 @@ class Built:
             logprobs = None
             if token_text is not None and content and piece is content[0]:
                 logprobs, self.pending = chat_content(token_text, self.pending), []
-            out += self.feed(piece, logprobs)
+            out += self.feed(piece, logprobs, last=text is None)
         if pieces and not content:
             self.pending = []
         return out

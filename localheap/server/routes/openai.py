@@ -23,7 +23,7 @@ from ..errors import BadRequest, Unsupported, to_response
 from ..fim import fim_format, fim_prompt
 from ..logonce import warn_once
 from ..llamacpp import cut_fields, dry_fields, penalties_on, prompt_progress, switched
-from ..formats import (Echo, Out, Reply, add_call_errors, custom_input, extension, finish_reason, saved_headers,
+from ..formats import (Echo, InputStream, Out, Reply, add_call_errors, custom_input, extension, finish_reason, saved_headers,
                        stop_reason, tool_call_dict, total_usage)
 from ..prompts import chat_prompt, completion_prompt, tokenize, with_effort
 from ..responses import CustomTool, offer
@@ -195,7 +195,7 @@ class Choice:
     events: JobEvents
     parser: Optional[OutputParser] = None
     calls: int = 0
-    custom_open: bool = False                       # the call being written is a custom tool's
+    custom_input: Optional[InputStream] = None      # the call being written is a custom tool's: its input read
     logprobs: list = field(default_factory=list)   # chat: entries whose tokens' text the parser holds back
     first_token_at: Optional[float] = None
     echo: Optional[Echo] = None                     # completions' echo: the prompt, sent before the reply
@@ -323,7 +323,10 @@ def _piece_chunk(reply: Reply, piece: Piece, c: Choice, usage: bool) -> Optional
     index, logprobs = c.calls, c.logprobs
     errors = _call_errors(piece, index, reply.custom)
     if isinstance(piece, ToolCall) and piece.streamed and piece.name in reply.custom:
-        delta = {"tool_calls": [{"index": index, "custom": {"input": custom_input(piece)[0]}}]}   # whole, at its end
+        rest = c.custom_input.rest(custom_input(piece)[0]) if c.custom_input is not None else None
+        if not rest and not errors:
+            return None
+        delta = {"tool_calls": [{"index": index, "custom": {"input": rest}}]} if rest else {}
     elif isinstance(piece, ToolCall) and piece.streamed:
         if not errors:
             return None
@@ -332,17 +335,21 @@ def _piece_chunk(reply: Reply, piece: Piece, c: Choice, usage: bool) -> Optional
     elif isinstance(piece, ToolCall):
         delta = {"tool_calls": [tool_call_dict(piece, index, reply.custom)]}
     elif isinstance(piece, CallStart) and piece.name in reply.custom:
-        c.custom_open = True
+        c.custom_input = InputStream()
         delta = {"tool_calls": [{"index": index, "id": piece.id, "type": "custom",
                                  "custom": {"name": piece.name, "input": ""}}]}
     elif isinstance(piece, CallStart):
-        c.custom_open = False
+        c.custom_input = None
         delta = {"tool_calls": [{"index": index, "id": piece.id, "type": "function",
                                  "function": {"name": piece.name, "arguments": ""}}]}
     elif isinstance(piece, CallArgs):
-        if c.custom_open:   # (a custom call's input is known once its arguments are whole)
-            return None
-        delta = {"tool_calls": [{"index": index, "function": {"arguments": piece.text}}]}
+        if c.custom_input is not None:   # a custom call's input as it is read from its arguments
+            text = c.custom_input.feed(piece.text)
+            if not text:
+                return None
+            delta = {"tool_calls": [{"index": index, "custom": {"input": text}}]}
+        else:
+            delta = {"tool_calls": [{"index": index, "function": {"arguments": piece.text}}]}
     else:
         delta = {"content" if piece.kind == "content" else "reasoning_content": piece.text}
     return _data(reply.chunk(None, delta=delta, with_usage_field=usage, extension=errors, logprobs=logprobs,
