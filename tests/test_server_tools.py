@@ -398,7 +398,8 @@ def test_a_call_and_its_result_round_trip_in_each_family(model_dirs, tmp_path_fa
     """Mistral's template writes the call's id into the call (9 letters and digits, checked by the
     template), so the history it renders differs from the reply as generated: the session is reused
     by rolling back to where they part (within the heap). Llama 3.1's calls are whole-reply JSON;
-    Qwen3-Coder's are XML with raw-text values, GLM-4.5's key and value pairs after its reasoning."""
+    Qwen3-Coder's are XML with raw-text values, GLM-4.5's key and value pairs after its reasoning (both
+    streamed in parts as the JSON they are read as)."""
     tmp = tmp_path_factory.mktemp(family) / "m"
     with serve(with_template(model_dirs("llama"), tmp, TEMPLATES[family]), HeapConfig(budget=1024)) as srv:
         c = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
@@ -417,6 +418,14 @@ def test_a_call_and_its_result_round_trip_in_each_family(model_dirs, tmp_path_fa
         assert second.localheap["session_id"] == first.localheap["session_id"]
         # at least the first prompt (its last token may merge with the reply's first when re-tokenized)
         assert second.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens - 1
+        streamed = {}
+        for chunk in ask(c, [{"role": "user", "content": "Nice, again?"}], stream=True):
+            for tc in (chunk.choices[0].delta.tool_calls or []) if chunk.choices else []:
+                streamed.setdefault(tc.index, [tc.function.name, []])[1].append(tc.function.arguments or "")
+        ((name, parts),) = streamed.values()
+        assert name == "get_weather" and json.loads("".join(parts)) == {"city": "Nice"}
+        if family in ("qwen3-coder", "glm-4.5"):   # tagged arguments stream as the JSON they are read as
+            assert sum(bool(p) for p in parts) > 2, parts
 
 
 def _held_and_free(c, svc, opener: str, seeds: int = 3, **kw) -> None:

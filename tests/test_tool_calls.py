@@ -192,9 +192,11 @@ CUT = {   # a reply held to calls (tool_choice "required"), cut by max_tokens: (
                 ('[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}, {"na',   # the whole call kept
                  [("get_weather", {"city": "Paris"}, False)]),
                 ('[TOOL_CALLS][{"na', []), ('[TOOL_CA', [])],
-    "glm-4.5": [("<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Pa", [("get_weather", "{}", True)]),
+    "glm-4.5": [("<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Pa",   # a string: as far as written
+                 [("get_weather", '{"city": "Pa"}', True)]),
                 ("<tool_call>get_wea", [])],
-    "qwen3-coder": [("<tool_call>\n<function=get_weather>\n<parameter=city>\nPa", [("get_weather", "{}", True)]),
+    "qwen3-coder": [("<tool_call>\n<function=get_weather>\n<parameter=city>\nPa",
+                     [("get_weather", '{"city": "Pa"}', True)]),
                     ("<tool_call>\n<func", [])],
     "phi4-mini": [('<|tool_call|>[{"name": "get_weather", "arguments": {"ci', [("get_weather", '{"ci', True)]),
                   ('<|tool_call|>[{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": "get_weather", '
@@ -861,3 +863,45 @@ def test_a_custom_calls_input_streams_as_json_reads_it_however_the_arguments_are
     assert stream.feed('{"patch": "x"}') == "" and stream.rest('{"patch": "x"}') == '{"patch": "x"}'
     stream = InputStream()
     assert stream.feed('{"input": "abc", "more": 1}') == "abc" and stream.rest('{"input"') is None
+
+
+WRITE = [{"type": "function", "function": {"name": "write", "parameters": {"type": "object", "properties": {
+    "path": {"type": "string"}, "n": {"type": "integer"}, "flags": {"type": "array"}, "ok": {"type": ["boolean", "null"]}}}}}]
+
+
+def _tagged_call(fmt, pairs: list[tuple[str, str]], closed: bool = True) -> str:
+    if isinstance(fmt, GLM):
+        body = "write\n" + "".join(f"<arg_key>{k}</arg_key>\n<arg_value>{v}</arg_value>\n" for k, v in pairs)
+    else:
+        body = "\n<function=write>\n" + "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in pairs) + "</function>\n"
+    return "<tool_call>" + body + ("</tool_call>" if closed else "")
+
+
+@pytest.mark.parametrize("fmt", [QwenXML, GLM], ids=["qwen3-coder", "glm-4.5"])
+def test_a_tagged_call_streams_its_arguments_as_the_json_they_are_read_as(fmt):
+    """Qwen3-Coder's and GLM-4.5's calls (each argument in tags, its value raw) stream as they are
+    written: the name once whole, then the arguments as JSON in parts, a string's characters before
+    its tag closes. Whatever the pieces the text comes in, the parts join to the call's arguments,
+    and they read as the family's whole parse reads the call (typed by the schema: the array, the
+    integer, the boolean); a value holding what looks like the start of its closing tag, quotes,
+    backslashes, tabs, newlines at its ends and non-ASCII text reads back as written."""
+    import random
+
+    rng = random.Random(3)
+    pieces = ["a", "\n", "\t", '"', "\\", "é", "😀", "</param", "</arg_val", "<", ">", " "]
+    f = fmt().bind(WRITE)
+    for trial in range(150):
+        pairs = [("path", "".join(rng.choice(pieces) for _ in range(rng.randint(0, 12))))]
+        pairs += rng.sample([("n", "12"), ("flags", "[1, \"x\"]"), ("ok", "true"), ("note", "plain\ntext")], rng.randint(0, 3))
+        text = "Writing it.\n" + _tagged_call(f, pairs)
+        want = json.loads(f.parse(text.split("<tool_call>", 1)[1][:-len("</tool_call>")])[0].arguments)
+        sizes = [1, 2, 3, 5, 8, len(text)] if trial < 20 else [rng.randint(1, 12)]
+        for size in sizes:
+            got = _parse_in_pieces(f, text, size)   # (asserts the streamed parts join to the call's arguments)
+            assert got == [("content", "Writing it.\n"), ("write", want, False)], (text, size)
+    parser = OutputParser(fmt().bind(WRITE))
+    text = _tagged_call(f, [("path", "a.txt"), ("note", "x" * 40 + "\n" + "y" * 40)])
+    seen = [p for i in range(0, len(text), 4) for p in parser.feed(text[i:i + 4])] + parser.finish()
+    args = [p.text for p in seen if isinstance(p, CallArgs)]
+    assert len(args) > 10 and "".join(args) == '{"path": "a.txt", "note": "' + "x" * 40 + "\\n" + "y" * 40 + '"}'
+    assert any("x" in a for a in args[:-3]), "the note's text came before its tag closed"

@@ -10,7 +10,7 @@ import re
 from dataclasses import dataclass
 from typing import Optional, Union
 
-from .toolformats import ToolCall, ToolFormat
+from .toolformats import ToolCall, ToolFormat, raw_string, typed_value
 
 THINK, END_THINK = "<think>", "</think>"
 
@@ -85,6 +85,7 @@ class OutputParser(StepParser):
         self.calls = 0
         self.strip = False          # drop the whitespace after </think> or a call
         self.streaming: Optional[list] = None   # the call whose arguments are being passed on
+        self.tagged: Optional[TaggedStream] = None   # the same, for a family that tags each argument
         self.named = not (fmt is not None and fmt.leading_name)   # (GLM-4) the reply's first line is read
 
     def _starts(self) -> list[str]:
@@ -203,7 +204,12 @@ class OutputParser(StepParser):
     def _stream_call(self, text: str, out: list[Piece]) -> None:
         """The arguments of a call in progress as far as they are known: a call whose text opens
         with its name and then its arguments is started, and its arguments are passed on as they
-        come, all but what may be the call's own closing brace."""
+        come, all but what may be the call's own closing brace; a family that tags each argument:
+        its arguments as the JSON they are read as (TaggedStream)."""
+        if self.fmt.tags is not None:
+            self.tagged = self.tagged or TaggedStream(self.fmt)
+            out.extend(self.tagged.feed(text))
+            return
         if self.streaming is None:
             head = _HEAD.match(text)
             if head is None:
@@ -216,6 +222,16 @@ class OutputParser(StepParser):
             self.streaming[3] = upto
 
     def _close_call(self, body: str, out: list[Piece], end: str = "") -> None:
+        tagged, self.tagged = self.tagged, None
+        if tagged is None and self.fmt is not None and self.fmt.tags is not None:
+            tagged = TaggedStream(self.fmt)   # a call that came whole is read the same way
+        pieces = tagged.close(body, closed=bool(end)) if tagged is not None else None
+        if pieces is not None:   # the call is what was passed on, and the rest
+            self.mode, self.body = "text", ""
+            self.at_start, self.strip = False, True
+            self.calls += 1
+            out.extend(pieces)
+            return
         if self.streaming is not None:   # its arguments are what was passed on, and the rest up to the brace
             self._stream_call(body, out)
             call_id, name, start, sent = self.streaming
@@ -239,6 +255,82 @@ class OutputParser(StepParser):
         self.at_start, self.strip = False, True
         self.calls += len(calls)
         out.extend(calls)
+
+
+class TaggedStream:
+    """A call of a family that tags each argument (Qwen3-Coder, GLM-4.5: ToolFormat.tags) read as it
+    is written: its name once whole (CallStart), then its arguments (CallArgs) as the JSON text they
+    are read as, each typed by the tool's schema: a string value's characters as they come (escaped
+    as json.dumps escapes them, a character at a time, so the parts join to that text; a newline or
+    the start of the closing tag at its end held back until it is known to be the value's), any
+    other value once its tag closes. Its parts join to the call's arguments, which are the family's
+    `parse` (an argument given twice stays twice in the text; a string whose tag never closed,
+    the call cut short, ends as far as it was passed on)."""
+
+    def __init__(self, fmt: ToolFormat):
+        self.fmt, self.tags = fmt, fmt.tags
+        self.id = ""
+        self.name: Optional[str] = None
+        self.scan = 0              # where the next argument is looked for in the call's text
+        self.whole = "{"           # the JSON of the whole arguments read so far (without the closing brace)
+        self.sent = ""             # the arguments' JSON text passed on
+
+    def feed(self, text: str) -> list[Piece]:
+        out: list[Piece] = []
+        if self.name is None:
+            head = self.tags.head.match(text)
+            name = head.group(1).strip() if head is not None else ""
+            if not name or name.startswith("{"):   # (GLM-4.5: JSON is another family's call, not this one's)
+                return out
+            self.id, self.name, self.scan = self.fmt.make_id(), name, head.end()
+            out.append(CallStart(self.id, name))
+        while (pair := self.tags.pair.search(text, self.scan)) is not None:
+            self.whole += (", " if self.whole != "{" else "") + self._entry(pair.group(1), pair.group(2))
+            self.scan = pair.end()
+        self._send(self.whole + self._open_string(text), out)
+        return out
+
+    def close(self, body: str, closed: bool) -> Optional[list[Piece]]:
+        """The rest of the arguments and the call (its error the family's parse says); None where
+        the call's name was never read (not a call of this family: the family's parse decides)."""
+        out = self.feed(body)
+        if self.name is None:
+            return None
+        args = self.whole + "}"
+        if not args.startswith(self.sent):   # a string passed on in part whose tag never closed: as far as passed on
+            args = self.sent + '"}'
+        self._send(args, out)
+        calls = self.fmt.parse_block(body, closed)
+        error = calls[0].error if calls else "the call does not read as the family writes one"
+        out.append(ToolCall(self.id, self.name, args, error, streamed=True))
+        return out
+
+    def _send(self, text: str, out: list[Piece]) -> None:
+        if len(text) > len(self.sent) and text.startswith(self.sent):
+            out.append(CallArgs(text[len(self.sent):]))
+            self.sent = text
+
+    def _entry(self, key: str, raw: str) -> str:
+        value = typed_value(raw, self.fmt.schema(self.name, key))
+        return json.dumps(key.strip(), ensure_ascii=False) + ": " + json.dumps(value, ensure_ascii=False)
+
+    def _open_string(self, text: str) -> str:
+        """The JSON of the argument being written, as far as it is known: a string's opening and its
+        characters so far; nothing for any other value (nor before its key is whole)."""
+        at = text.find(self.tags.key_open, self.scan)
+        key = self.tags.key.match(text, at) if at >= 0 else None
+        if key is None or not raw_string(self.fmt.schema(self.name, key.group(1))):
+            return ""
+        raw = text[key.end():]
+        if self.tags.trim:
+            if not raw:
+                return ""   # (a newline that opens the value is the markup's)
+            raw = raw[1:] if raw.startswith("\n") else raw
+        raw = raw[:len(raw) - _partial(raw, [self.tags.value_end])]
+        if self.tags.trim and raw.endswith("\n"):
+            raw = raw[:-1]
+        return (", " if self.whole != "{" else "") + json.dumps(key.group(1).strip(), ensure_ascii=False) + ': "' + \
+            json.dumps(raw, ensure_ascii=False)[1:-1]
 
 
 def _earliest(text: str, markers: list[str], at_start: bool) -> Optional[tuple[int, str]]:

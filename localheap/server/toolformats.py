@@ -127,6 +127,7 @@ class ToolFormat:
     leading_name = False           # a call is a reply that begins with a tool's name on its own line (GLM-4)
     metadata_calls = False         # past calls as turns of their own (call_turns), results as `observation`
     text_lead = ""                 # what a text reply begins with that its template writes (not the model's text)
+    tags: Optional["TagSyntax"] = None   # each argument in tags (Qwen3-Coder, GLM-4.5): read as it is written
 
     def parse(self, body: str) -> Optional[list[ToolCall]]:
         """The calls in `body` (markers stripped), or None: not calls after all."""
@@ -245,12 +246,20 @@ _FUNCTION = re.compile(r"\s*<function=([^>\n]+)>(.*?)(</function>\s*)?$", re.S)
 _PARAM = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.S)
 
 
+def _kind(schema: Optional[dict]) -> Optional[str]:
+    kind = (schema or {}).get("type")
+    return next((k for k in kind if k != "null"), None) if isinstance(kind, list) else kind
+
+
+def raw_string(schema: Optional[dict]) -> bool:
+    """Whether an XML call's parameter of this schema is a string as written (typed_value)."""
+    return _kind(schema) in (None, "string")
+
+
 def typed_value(raw: str, schema: Optional[dict]) -> Any:
     """An XML call's parameter as the tool's schema types it: a string as written; a number, boolean,
     null, object or array read as JSON (as written where it does not read)."""
-    kind = (schema or {}).get("type")
-    if isinstance(kind, list):
-        kind = next((k for k in kind if k != "null"), None)
+    kind = _kind(schema)
     if kind in (None, "string"):
         return raw
     try:
@@ -261,12 +270,30 @@ def typed_value(raw: str, schema: Optional[dict]) -> Any:
     return value
 
 
+@dataclass(frozen=True)
+class TagSyntax:
+    """How a family that tags each argument writes a call, for reading it as it is written
+    (toolcalls.TaggedStream): `head` matches the call's text up to its name, whole (group 1);
+    `pair` one whole argument, key and raw value (what `parse` reads); `key` an argument's opening,
+    its key whole (group 1), up to where its value begins; `key_open` the literal that begins one;
+    `value_end` what closes a value; `trim`: one newline at a value's start and one at its end are
+    the markup's, not the value's."""
+    head: re.Pattern
+    pair: re.Pattern
+    key: re.Pattern
+    key_open: str
+    value_end: str
+    trim: bool
+
+
 class QwenXML(ToolFormat):
     """Qwen3-Coder's calls: a function's name and each parameter in tags, values as raw text (a
     string needs no JSON escaping). `bind` gives it the request's tools, whose schemas type them."""
     name = "qwen3_xml"
     starts = ("<tool_call>",)
     end = "</tool_call>"
+    tags = TagSyntax(re.compile(r"\s*<function=([^>\n]+)>"), _PARAM, re.compile(r"<parameter=([^>\n]+)>"),
+                     "<parameter=", "</parameter>", trim=True)
 
     def __init__(self) -> None:
         self.schemas: dict[str, dict] = {}
@@ -287,8 +314,11 @@ class QwenXML(ToolFormat):
 
     def typed_arguments(self, name: str, pairs: list[tuple[str, str]]) -> str:
         """(key, raw value) pairs of a call of `name` as JSON arguments, typed by its tool's schema."""
-        props = (self.schemas.get(name) or {}).get("properties") or {}
-        return json.dumps({k.strip(): typed_value(v, props.get(k.strip())) for k, v in pairs}, ensure_ascii=False)
+        return json.dumps({k.strip(): typed_value(v, self.schema(name, k)) for k, v in pairs}, ensure_ascii=False)
+
+    def schema(self, name: str, key: str) -> Optional[dict]:
+        """The schema of argument `key` of tool `name` (None: not known)."""
+        return ((self.schemas.get(name) or {}).get("properties") or {}).get(key.strip())
 
 
 _GLM_HEAD = re.compile(r"\s*([^<\n]*)")
@@ -300,6 +330,8 @@ class GLM(QwenXML):
     an <arg_key>/<arg_value> pair, values as raw text (a string as written, the rest as JSON);
     `bind` gives it the request's tools, whose schemas type them."""
     name = "glm45"
+    tags = TagSyntax(re.compile(r"\s*([^<\n]*[^<\s][^<\n]*)(?=[<\n])"), _GLM_ARG,
+                     re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>", re.S), "<arg_key>", "</arg_value>", trim=False)
 
     def parse(self, body: str) -> Optional[list[ToolCall]]:
         head = _GLM_HEAD.match(body)
