@@ -38,7 +38,6 @@ Piece = Union[Text, ToolCall, CallStart, CallArgs]
 
 _NAME_START = re.compile(r"[A-Za-z_][\w.\-]* ?")   # what may begin a GLM-4 call's first line
 _HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"([^"\\]+)"\s*,\s*"arguments"\s*:\s*(?=\S)')   # then its arguments
-_TAIL = re.compile(r'\s*\}?\s*$')   # what may close the call object rather than belong to the arguments
 
 
 class StepParser:
@@ -216,7 +215,7 @@ class OutputParser(StepParser):
                 return
             self.streaming = [self.fmt.make_id(), head.group(1), head.end(), head.end()]   # id, name, start, sent
             out.append(CallStart(self.streaming[0], head.group(1)))
-        upto = max(self.streaming[3], len(text) - len(_TAIL.search(text).group(0)))
+        upto = max(self.streaming[3], _before_tail(text))
         if upto > self.streaming[3]:
             out.append(CallArgs(text[self.streaming[3]:upto]))
             self.streaming[3] = upto
@@ -272,6 +271,8 @@ class TaggedStream:
         self.id = ""
         self.name: Optional[str] = None
         self.scan = 0              # where the next argument is looked for in the call's text
+        self.looked = 0            # where a value's end was last looked for
+        self.escaped = (-1, 0, "")   # the open string's start, its characters escaped so far, their JSON
         self.whole = "{"           # the JSON of the whole arguments read so far (without the closing brace)
         self.sent = ""             # the arguments' JSON text passed on
 
@@ -284,9 +285,11 @@ class TaggedStream:
                 return out
             self.id, self.name, self.scan = self.fmt.make_id(), name, head.end()
             out.append(CallStart(self.id, name))
-        while (pair := self.tags.pair.search(text, self.scan)) is not None:
-            self.whole += (", " if self.whole != "{" else "") + self._entry(pair.group(1), pair.group(2))
-            self.scan = pair.end()
+        if text.find(self.tags.value_end, max(self.scan, self.looked)) >= 0:   # (an argument ends only so)
+            while (pair := self.tags.pair.search(text, self.scan)) is not None:
+                self.whole += (", " if self.whole != "{" else "") + self._entry(pair.group(1), pair.group(2))
+                self.scan = pair.end()
+        self.looked = len(text) - len(self.tags.value_end) + 1
         self._send(self.whole + self._open_string(text), out)
         return out
 
@@ -321,16 +324,29 @@ class TaggedStream:
         key = self.tags.key.match(text, at) if at >= 0 else None
         if key is None or not raw_string(self.fmt.schema(self.name, key.group(1))):
             return ""
-        raw = text[key.end():]
+        start = key.end()
         if self.tags.trim:
-            if not raw:
+            if start == len(text):
                 return ""   # (a newline that opens the value is the markup's)
-            raw = raw[1:] if raw.startswith("\n") else raw
-        raw = raw[:len(raw) - _partial(raw, [self.tags.value_end])]
-        if self.tags.trim and raw.endswith("\n"):
-            raw = raw[:-1]
+            start += text.startswith("\n", start)
+        end = len(text) - _partial(text[-len(self.tags.value_end):], [self.tags.value_end])
+        if self.tags.trim and end > start and text[end - 1] == "\n":
+            end -= 1
+        at, n, escaped = self.escaped if self.escaped[0] == start else (start, 0, "")
+        if end - start < n:
+            n, escaped = 0, ""
+        escaped += json.dumps(text[start + n:end], ensure_ascii=False)[1:-1]   # (a character at a time)
+        self.escaped = (start, max(end - start, 0), escaped)
         return (", " if self.whole != "{" else "") + json.dumps(key.group(1).strip(), ensure_ascii=False) + ': "' + \
-            json.dumps(raw, ensure_ascii=False)[1:-1]
+            escaped
+
+
+def _before_tail(text: str) -> int:
+    """Where what may close the call object rather than belong to the arguments (whitespace, a '}',
+    whitespace) begins at the end of `text` (found from the end: a search from the start costs the
+    whole text at every delta)."""
+    end = len(text.rstrip())
+    return len(text[:end - 1].rstrip()) if end and text[end - 1] == "}" else end
 
 
 def _earliest(text: str, markers: list[str], at_start: bool) -> Optional[tuple[int, str]]:
