@@ -905,3 +905,32 @@ def test_a_tagged_call_streams_its_arguments_as_the_json_they_are_read_as(fmt):
     args = [p.text for p in seen if isinstance(p, CallArgs)]
     assert len(args) > 10 and "".join(args) == '{"path": "a.txt", "note": "' + "x" * 40 + "\\n" + "y" * 40 + '"}'
     assert any("x" in a for a in args[:-3]), "the note's text came before its tag closed"
+
+
+def test_newer_mistral_calls_stream_their_arguments_and_read_the_same_in_any_pieces():
+    """Mistral's newer calls (`[TOOL_CALLS]name[ARGS]{...}`, one marker a call, to the reply's end)
+    stream as they are written: the name once [ARGS] has come, then the arguments as written (their
+    parts join to the call's arguments: _parse_in_pieces checks it), the call once the next marker or
+    the end has come; every chunking gives what the family's whole parse gives, a call cut short is
+    flagged, and a reply whose calls are the v0.3 list is read whole at its end as before."""
+    fmt = Mistral()
+    text = ('Checking.[TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "days": [1, 2]}  [TOOL_CALLS]get_time[ARGS]{}\n')
+    want = [("content", "Checking."), ("get_weather", {"city": "Paris", "days": [1, 2]}, False), ("get_time", {}, False)]
+    for size in range(1, len(text) + 1):
+        assert _parse_in_pieces(fmt, text, size) == want, size
+    cut = '[TOOL_CALLS]get_weather[ARGS]{"city": "Pa'
+    for size in range(1, len(cut) + 1):
+        assert _parse_in_pieces(fmt, cut, size, forced=True) == [("get_weather", '{"city": "Pa', True)], size
+        assert _parse_in_pieces(fmt, "[TOOL_CALLS]get_wea"[:size + 12], size, forced=True) == []
+    listed = '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}]'
+    for size in (1, 5, len(listed)):
+        assert _parse_in_pieces(fmt, listed, size) == [("get_weather", {"city": "Paris"}, False)]
+    mixed = '[TOOL_CALLS]get_time[ARGS]{}[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Nice"}}]'
+    for size in (1, 7, len(mixed)):
+        assert _parse_in_pieces(fmt, mixed, size) == [("get_time", {}, False), ("get_weather", {"city": "Nice"}, False)]
+    parser = OutputParser(fmt)
+    long_call = '[TOOL_CALLS]write[ARGS]' + json.dumps({"path": "a.txt", "content": "x" * 200})
+    seen = [p for i in range(0, len(long_call), 5) for p in parser.feed(long_call[i:i + 5])]
+    assert isinstance(seen[0], CallStart) and sum(isinstance(p, CallArgs) for p in seen) > 30, "streamed before the end"
+    (call,) = [p for p in seen + parser.finish() if isinstance(p, ToolCall)]
+    assert call.streamed and json.loads(call.arguments)["content"] == "x" * 200

@@ -85,6 +85,7 @@ class OutputParser(StepParser):
         self.strip = False          # drop the whitespace after </think> or a call
         self.streaming: Optional[list] = None   # the call whose arguments are being passed on
         self.tagged: Optional[TaggedStream] = None   # the same, for a family that tags each argument
+        self.marked: Optional[MarkedStream] = None   # the same, for Mistral's calls (one marker each)
         self.named = not (fmt is not None and fmt.leading_name)   # (GLM-4) the reply's first line is read
 
     def _starts(self) -> list[str]:
@@ -162,8 +163,11 @@ class OutputParser(StepParser):
             self._close_call(self.body + self.pending[:i], out, self.fmt.end)
             self.pending = self.pending[i + len(self.fmt.end):]
             return True
-        self.body += self.pending   # "rest": parsed once the reply is complete
+        self.body += self.pending   # "rest": parsed once the reply is complete (Mistral's calls: as they come)
         self.pending = ""
+        if self.fmt.marked_calls:
+            self.marked = self.marked or MarkedStream(self.fmt)
+            out.extend(self.marked.feed(self.body))
         return False
 
     def _leading_name(self, final: bool) -> Optional[bool]:
@@ -224,12 +228,20 @@ class OutputParser(StepParser):
         tagged, self.tagged = self.tagged, None
         if tagged is None and self.fmt is not None and self.fmt.tags is not None:
             tagged = TaggedStream(self.fmt)   # a call that came whole is read the same way
-        pieces = tagged.close(body, closed=bool(end)) if tagged is not None else None
-        if pieces is not None:   # the call is what was passed on, and the rest
+        marked, self.marked = self.marked, None
+        if marked is None and self.fmt is not None and self.fmt.marked_calls and self.mode == "rest":
+            marked = MarkedStream(self.fmt)
+        pieces = tagged.close(body, closed=bool(end)) if tagged is not None else \
+            marked.close(body) if marked is not None else None
+        if pieces is not None:   # the calls are what was passed on, and the rest
             self.mode, self.body = "text", ""
             self.at_start, self.strip = False, True
-            self.calls += 1
-            out.extend(pieces)
+            for p in pieces:
+                if isinstance(p, Text):
+                    self._emit(p.kind, p.text, out)
+                else:
+                    self.calls += isinstance(p, ToolCall)
+                    out.append(p)
             return
         if self.streaming is not None:   # its arguments are what was passed on, and the rest up to the brace
             self._stream_call(body, out)
@@ -339,6 +351,74 @@ class TaggedStream:
         self.escaped = (start, max(end - start, 0), escaped)
         return (", " if self.whole != "{" else "") + json.dumps(key.group(1).strip(), ensure_ascii=False) + ': "' + \
             escaped
+
+
+class MarkedStream:
+    """Mistral's calls as they are written, each `[TOOL_CALLS]name[ARGS]{...}` (the marker a token,
+    the calls running to the reply's end): a call's name once its [ARGS] has come (CallStart), then
+    its arguments as written (CallArgs), whitespace at their end held back until more follows; the
+    call (its arguments stripped, as the family's parse reads them) once the next marker or the
+    reply's end has come. A reply whose first call is written otherwise (the v0.3 list) is read whole
+    at its end, as before (`close` gives None); a later part written otherwise is read alone then."""
+
+    MARKER = "[TOOL_CALLS]"
+
+    def __init__(self, fmt: ToolFormat):
+        self.fmt = fmt
+        self.at = 0                  # where the part being written begins in the body
+        self.call: Optional[list] = None   # the call being written: id, name, where its arguments begin, sent
+        self.started = False         # a call was passed on
+        self.off = False             # the first call is not written so: nothing is passed on
+        self.rest: list[str] = []    # parts after a call that are written otherwise
+
+    def feed(self, body: str, final: bool = False) -> list[Piece]:
+        out: list[Piece] = []
+        while not self.off:
+            j = body.find(self.MARKER, self.at)
+            if j < 0:
+                break
+            self._part(body, self.at, j, True, out)
+            self.at = j + len(self.MARKER)
+        if not self.off:
+            self._part(body, self.at, len(body) - (0 if final else _partial(body, [self.MARKER])), final, out)
+        return out
+
+    def close(self, body: str) -> Optional[list[Piece]]:
+        out = self.feed(body, final=True)
+        if not self.started:
+            return None
+        for part in self.rest:
+            calls = self.fmt.parse(part)
+            out.extend(calls if calls is not None else [Text("content", part)])
+        return out
+
+    def _part(self, body: str, start: int, end: int, whole: bool, out: list[Piece]) -> None:
+        """The part body[start:end] (`whole`: nothing more will be added to it)."""
+        if self.call is None:
+            i = body.find("[ARGS]", start, end)
+            if i < 0:
+                part = body[start:end]
+                if not self.started and (whole and part.strip() or part.lstrip()[:1] in ("[", "{")):
+                    self.off = True   # not written so: the reply is read whole at its end
+                elif self.started and whole and part.strip():
+                    self.rest.append(part)
+                return
+            self.call = [self.fmt.make_id(), body[start:i].strip(), i + len("[ARGS]"), ""]
+            self.started = True
+            out.append(CallStart(self.call[0], self.call[1]))
+        call_id, name, begin, sent = self.call
+        args = body[begin:end].strip()
+        if len(args) > len(sent):
+            out.append(CallArgs(args[len(sent):]))
+            self.call[3] = args
+        if whole:
+            try:
+                json.loads(args)
+                error = None
+            except ValueError as e:
+                error = f"the arguments are not valid JSON: {e}"
+            out.append(ToolCall(call_id, name, args, error, streamed=True))
+            self.call = None
 
 
 def _before_tail(text: str) -> int:

@@ -128,6 +128,7 @@ class ToolFormat:
     metadata_calls = False         # past calls as turns of their own (call_turns), results as `observation`
     text_lead = ""                 # what a text reply begins with that its template writes (not the model's text)
     tags: Optional["TagSyntax"] = None   # each argument in tags (Qwen3-Coder, GLM-4.5): read as it is written
+    marked_calls = False           # each call after a marker of its own, to the reply's end (Mistral's name[ARGS])
 
     def parse(self, body: str) -> Optional[list[ToolCall]]:
         """The calls in `body` (markers stripped), or None: not calls after all."""
@@ -208,6 +209,7 @@ class Mistral(ToolFormat):
     name = "mistral"
     starts = ("[TOOL_CALLS]",)
     make_id = staticmethod(mistral_call_id)
+    marked_calls = True
 
     def parse(self, body: str) -> Optional[list[ToolCall]]:
         calls: list[ToolCall] = []
