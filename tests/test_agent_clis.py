@@ -82,6 +82,23 @@ def run_forced(model_dirs, tmp_path_factory, path: str, replies: list[str], comm
     return done, bodies
 
 
+def codex_exec(codex: str, home: Path, work: Path, url: str, model_id: str, prompt: str, top: str = "",
+               tables: str = ""):
+    """`codex exec` at the server as a Responses provider (`top`: more top-level settings, `tables`:
+    more TOML tables), its approvals and sandbox bypassed."""
+    (home / "config.toml").write_text(
+        f'{top}model = "{model_id}"\nmodel_provider = "localheap"\n[model_providers.localheap]\n'
+        f'name = "localheap"\nbase_url = "{url}/v1"\nwire_api = "responses"\nenv_key = "LOCALHEAP_KEY"\n{tables}')
+    env = {**os.environ, "CODEX_HOME": str(home), "LOCALHEAP_KEY": "unused"}
+    return subprocess.run([codex, "exec", "--json", "--skip-git-repo-check",
+                           "--dangerously-bypass-approvals-and-sandbox", prompt],
+                          cwd=work, env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=300)
+
+
+def agent_messages(events: list[dict]) -> list[str]:
+    return [e["item"]["text"] for e in events if e["type"] == "item.completed" and e["item"]["type"] == "agent_message"]
+
+
 def test_codex_runs_a_command_and_a_namespaced_tool(model_dirs, tmp_path_factory, tmp_path, torch_one_thread):
     codex = cli("codex", "LOCALHEAP_CODEX")
     replies = ['<tool_call>\n{"name": "exec_command", "arguments": {"cmd": "echo hello-from-codex"}}\n</tool_call>',
@@ -91,23 +108,14 @@ def test_codex_runs_a_command_and_a_namespaced_tool(model_dirs, tmp_path_factory
     home.mkdir()
     work.mkdir()
 
-    def run(url: str, model_id: str):
-        (home / "config.toml").write_text(
-            f'model = "{model_id}"\nmodel_provider = "localheap"\n[model_providers.localheap]\n'
-            f'name = "localheap"\nbase_url = "{url}/v1"\nwire_api = "responses"\nenv_key = "LOCALHEAP_KEY"\n')
-        env = {**os.environ, "CODEX_HOME": str(home), "LOCALHEAP_KEY": "unused"}
-        return subprocess.run([codex, "exec", "--json", "--skip-git-repo-check",
-                               "--dangerously-bypass-approvals-and-sandbox", "say hello"],
-                              cwd=work, env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=300)
-
-    done, bodies = run_forced(model_dirs, tmp_path_factory, "/v1/responses", replies, run)
+    done, bodies = run_forced(model_dirs, tmp_path_factory, "/v1/responses", replies,
+                              lambda url, model_id: codex_exec(codex, home, work, url, model_id, "say hello"))
     assert done.returncode == 0, done.stderr[-3000:]
     events = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
     (ran,) = [e["item"] for e in events if e["type"] == "item.completed"
               and e["item"]["type"] == "command_execution"]
     assert ran["aggregated_output"] == "hello-from-codex\n" and ran["exit_code"] == 0
-    assert [e["item"]["text"] for e in events if e["type"] == "item.completed"
-            and e["item"]["type"] == "agent_message"] == ["All done."]
+    assert agent_messages(events) == ["All done."]
     assert "unsupported call" not in done.stderr, "the namespaced call reached its tool"
     assert len(bodies) == 3
     assert any(t["type"] == "namespace" for t in bodies[0]["tools"])   # what the test is about
@@ -140,15 +148,9 @@ def test_codex_applies_a_patch_through_its_freeform_tool(model_dirs, tmp_path_fa
             "truncation_policy": {"mode": "tokens", "limit": 10000}, "supported_reasoning_levels": [],
             "input_modalities": ["text"], "supports_parallel_tool_calls": False, "support_verbosity": False,
             "experimental_supported_tools": [], "base_instructions": "You edit files."}]}))
-        (home / "config.toml").write_text(
-            f'model_catalog_json = "{home / "catalog.json"}"\nmodel = "{model_id}"\nmodel_provider = "localheap"\n'
-            'suppress_unstable_features_warning = true\n'
-            f'[model_providers.localheap]\nname = "localheap"\nbase_url = "{url}/v1"\nwire_api = "responses"\n'
-            'env_key = "LOCALHEAP_KEY"\n[features]\napply_patch_freeform = true\napply_patch_streaming_events = true\n')
-        env = {**os.environ, "CODEX_HOME": str(home), "LOCALHEAP_KEY": "unused"}
-        return subprocess.run([codex, "exec", "--json", "--skip-git-repo-check",
-                               "--dangerously-bypass-approvals-and-sandbox", "write the notes"],
-                              cwd=work, env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=300)
+        return codex_exec(codex, home, work, url, model_id, "write the notes",
+                          top=f'model_catalog_json = "{home / "catalog.json"}"\nsuppress_unstable_features_warning = true\n',
+                          tables="[features]\napply_patch_freeform = true\napply_patch_streaming_events = true\n")
 
     done, bodies = run_forced(model_dirs, tmp_path_factory, "/v1/responses", replies, run)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -156,8 +158,7 @@ def test_codex_applies_a_patch_through_its_freeform_tool(model_dirs, tmp_path_fa
     (tool,) = [t for t in bodies[0]["tools"] if t.get("name") == "apply_patch"]
     assert tool["type"] == "custom" and tool["format"]["syntax"] == "lark"   # what the test is about
     events = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
-    assert [e["item"]["text"] for e in events if e["type"] == "item.completed"
-            and e["item"]["type"] == "agent_message"] == ["Patched."]
+    assert agent_messages(events) == ["Patched."]
     (call,) = [i for i in bodies[1]["input"] if i.get("type") == "custom_tool_call"]
     assert call["name"] == "apply_patch" and call["input"] == patch
     assert any(i.get("type") == "custom_tool_call_output" and i["call_id"] == call["call_id"]
@@ -210,8 +211,7 @@ def test_codex_oss_takes_the_server_for_ollama(model_dirs, tmp_path_factory, tmp
     done, bodies = run_forced(model_dirs, tmp_path_factory, "/v1/responses", ["Hello from the heap."], run)
     assert done.returncode == 0, done.stderr[-3000:]
     events = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
-    assert [e["item"]["text"] for e in events if e["type"] == "item.completed"
-            and e["item"]["type"] == "agent_message"] == ["Hello from the heap."]
+    assert agent_messages(events) == ["Hello from the heap."]
     assert len(bodies) == 1
 
 
