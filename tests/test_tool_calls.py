@@ -202,8 +202,9 @@ CUT = {   # a reply held to calls (tool_choice "required"), cut by max_tokens: (
                   ('<|tool_call|>[{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": "get_weather", '
                    '"arguments": {"ci', [("get_weather", {"city": "Paris"}, False), ("get_weather", '{"ci', True)]),
                   ('<|tool_call|>[{"na', []), ("<|tool_", [])],
-    "llama3.1": [('{"name": "get_weather", "parameters": {"city": "Paris"}}; {"na',   # one JSON reply: as written
-                  [("get_weather", '{"city": "Paris"}}; {"na', True)]),
+    "llama3.1": [('{"name": "get_weather", "parameters": {"city": "Paris"}}; {"na',   # the whole call kept
+                  [("get_weather", {"city": "Paris"}, False)]),
+                 ('{"name": "get_weather", "parameters": {"ci', [("get_weather", '{"ci', True)]),
                  ('{"na', [])],
 }
 
@@ -934,3 +935,41 @@ def test_newer_mistral_calls_stream_their_arguments_and_read_the_same_in_any_pie
     assert isinstance(seen[0], CallStart) and sum(isinstance(p, CallArgs) for p in seen) > 30, "streamed before the end"
     (call,) = [p for p in seen + parser.finish() if isinstance(p, ToolCall)]
     assert call.streamed and json.loads(call.arguments)["content"] == "x" * 200
+
+
+@pytest.mark.parametrize("fmt,opening,closing,key", [(Phi4Mini, "<|tool_call|>[", "]<|/tool_call|>", "arguments"),
+                                                     (Mistral, "[TOOL_CALLS][", "]", "arguments"),
+                                                     (Llama, "", "", "parameters")],
+                         ids=["phi4-mini", "mistral-v0.3", "llama3.1"])
+def test_calls_written_as_json_objects_stream_and_read_as_the_whole_parse(fmt, opening, closing, key):
+    """Calls written as JSON objects in a row (Phi-4-mini's and Mistral v0.3's lists, Llama 3.1's
+    objects separated by ';') stream as they are written: the name once the arguments' object opens,
+    the arguments as written (strings holding braces, brackets, escaped quotes; nested objects), the
+    call once they close. In pieces of any size the parts join to each call's arguments, and the calls
+    read as the family's whole parse reads them; an object whose keys come in another order, or whose
+    arguments are a JSON string, is read whole."""
+    import random
+
+    rng = random.Random(5)
+    f = fmt()
+    values = ["x", "}{", '"q"', "a\\\\b", "[1, {2}]", "é", "😀", "\n"]
+    for trial in range(60):
+        objects = []
+        for _ in range(rng.randint(1, 3)):
+            args = {"s": rng.choice(values) * rng.randint(0, 3), "n": {"deep": [rng.randint(0, 9), {"k": rng.choice(values)}]}}
+            if rng.random() < 0.2:
+                objects.append(json.dumps({key: args, "name": "late"}))   # keys the other way round: read whole
+            elif rng.random() < 0.1:
+                objects.append(json.dumps({"name": "stringy", key: json.dumps(args)}))   # arguments as a string
+            else:
+                objects.append(json.dumps({"name": "f", key: args}, ensure_ascii=rng.random() < 0.5))
+        text = opening + (", " if opening else "; ").join(objects) + closing
+        whole = f.parse(text[len(f.starts[0]):] if opening else text) or []
+        want = [(c.name, json.loads(c.arguments), False) for c in whole]
+        sizes = [1, 2, 3, 7, len(text)] if trial < 10 else [rng.randint(1, 20)]
+        for size in sizes:
+            assert _parse_in_pieces(f, text, size) == want, (text, size)
+    parser = OutputParser(f)
+    text = opening + json.dumps({"name": "write", key: {"content": "y" * 300}}) + closing
+    seen = [p for i in range(0, len(text), 6) for p in parser.feed(text[i:i + 6])]
+    assert isinstance(seen[0], CallStart) and sum(isinstance(p, CallArgs) for p in seen) > 40, "streamed as written"

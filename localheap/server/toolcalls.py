@@ -10,7 +10,7 @@ import re
 from dataclasses import dataclass
 from typing import Optional, Union
 
-from .toolformats import ToolCall, ToolFormat, raw_string, typed_value
+from .toolformats import ToolCall, ToolFormat, _list_calls, _loose_call, raw_string, typed_value
 
 THINK, END_THINK = "<think>", "</think>"
 
@@ -86,6 +86,7 @@ class OutputParser(StepParser):
         self.streaming: Optional[list] = None   # the call whose arguments are being passed on
         self.tagged: Optional[TaggedStream] = None   # the same, for a family that tags each argument
         self.marked: Optional[MarkedStream] = None   # the same, for Mistral's calls (one marker each)
+        self.listed: Optional[ListedStream] = None   # the same, for calls written as JSON objects in a row
         self.named = not (fmt is not None and fmt.leading_name)   # (GLM-4) the reply's first line is read
 
     def _starts(self) -> list[str]:
@@ -168,6 +169,9 @@ class OutputParser(StepParser):
         if self.fmt.marked_calls:
             self.marked = self.marked or MarkedStream(self.fmt)
             out.extend(self.marked.feed(self.body))
+        if self.fmt.listed_calls and (self.marked is None or self.marked.off):
+            self.listed = self.listed or ListedStream(self.fmt)
+            out.extend(self.listed.feed(self.body))
         return False
 
     def _leading_name(self, final: bool) -> Optional[bool]:
@@ -213,6 +217,10 @@ class OutputParser(StepParser):
             self.tagged = self.tagged or TaggedStream(self.fmt)
             out.extend(self.tagged.feed(text))
             return
+        if self.fmt.listed_calls:
+            self.listed = self.listed or ListedStream(self.fmt)
+            out.extend(self.listed.feed(text))
+            return
         if self.streaming is None:
             head = _HEAD.match(text)
             if head is None:
@@ -231,8 +239,13 @@ class OutputParser(StepParser):
         marked, self.marked = self.marked, None
         if marked is None and self.fmt is not None and self.fmt.marked_calls and self.mode == "rest":
             marked = MarkedStream(self.fmt)
+        listed, self.listed = self.listed, None
+        if listed is None and self.fmt is not None and self.fmt.listed_calls:
+            listed = ListedStream(self.fmt)   # calls that came whole are read the same way
         pieces = tagged.close(body, closed=bool(end)) if tagged is not None else \
             marked.close(body) if marked is not None else None
+        if pieces is None and listed is not None and tagged is None:
+            pieces = listed.close(body)
         if pieces is not None:   # the calls are what was passed on, and the rest
             self.mode, self.body = "text", ""
             self.at_start, self.strip = False, True
@@ -419,6 +432,148 @@ class MarkedStream:
                 error = f"the arguments are not valid JSON: {e}"
             out.append(ToolCall(call_id, name, args, error, streamed=True))
             self.call = None
+
+
+_OBJECT_HEAD = re.compile(r'\{\s*"name"\s*:\s*"([^"\\]+)"\s*,\s*"(?:arguments|parameters)"\s*:\s*(?=\{)')
+_IN_STRING = re.compile(r'["\\]')
+_OUTSIDE = re.compile(r'["{}\[\]]')
+
+
+class ListedStream:
+    """Calls written as JSON objects in a row (Llama 3.1's `{"name", "parameters"}` separated by ';';
+    the lists of `{"name", "arguments"}` of Mistral's v0.3 and Phi-4-mini) read as they are written:
+    an object that opens with its name and then its object of arguments is started once its
+    arguments begin (CallStart), they are passed on as written (CallArgs), and the call comes once
+    they close (its arguments as written); the rest of the object is skipped. An object written
+    otherwise (keys in another order, arguments as a string) is read whole once it closes. A reply
+    whose first object is not a call this way, or that is not JSON objects in a row, is read whole
+    at its end as before (`close` gives None); after a call, text that is not is read alone then."""
+
+    SEPARATORS = " \t\r\n,;[]"
+
+    def __init__(self, fmt: ToolFormat):
+        self.fmt = fmt
+        self.state = "between"       # between | head | args | tail | stopped
+        self.pos = 0                 # where the next object may begin (between), or the stopped text
+        self.obj = 0                 # where the object being read begins
+        self.scan, self.depth, self.in_string, self.escaped = 0, 0, False, False   # JSON read so far
+        self.call: Optional[list] = None   # id, name, where its arguments begin, how much was passed on
+        self.started = False
+        self.off = False
+
+    def feed(self, body: str) -> list[Piece]:
+        out: list[Piece] = []
+        while not self.off and self.state != "stopped":
+            if self.state == "between":
+                i = self.pos
+                while i < len(body) and body[i] in self.SEPARATORS:
+                    i += 1
+                self.pos = i
+                if i == len(body):
+                    break
+                if body[i] != "{":
+                    self._stop()
+                    break
+                self.state, self.obj = "head", i
+                self.scan, self.depth, self.in_string, self.escaped = i, 0, False, False
+            if self.state == "head":
+                head = _OBJECT_HEAD.match(body, self.obj)
+                if head is None:
+                    if not self._read(body, 0):
+                        break
+                    self._whole(body[self.obj:self.scan], out)   # closed, and not a call this reader takes
+                    continue
+                self.call = [self.fmt.make_id(), head.group(1), head.end(), 0]
+                self.started = True
+                out.append(CallStart(self.call[0], self.call[1]))
+                self.state, self.scan, self.depth, self.in_string, self.escaped = "args", head.end(), 1, False, False
+            if self.state == "args":
+                closed = self._read(body, 1)
+                self._pass_on(body, self.scan if closed else len(body), out)
+                if not closed:
+                    break
+                self._call(body[self.call[2]:self.scan], out)
+                self.state = "tail"
+            if self.state == "tail":
+                if not self._read(body, 0):
+                    break
+                self.pos, self.state = self.scan, "between"
+        return out
+
+    def close(self, body: str) -> Optional[list[Piece]]:
+        """The calls and text left once the reply (or the calls' block) ended; None where none was
+        started (the family's parse reads the whole)."""
+        out = self.feed(body)
+        if not self.started:
+            return None
+        if self.state == "args":   # cut short: its arguments as written, flagged
+            self._call(body[self.call[2]:], out)
+        elif self.state == "head":   # cut short before its arguments: a call only where its name was written
+            cut = _loose_call(body[self.obj:], self.fmt.make_id)
+            out.extend([cut] if cut is not None else [])
+        elif self.state == "stopped":
+            self._whole(body[self.pos:], out)
+        return out
+
+    def _stop(self) -> None:
+        if self.started:
+            self.state = "stopped"   # read alone at the end
+        else:
+            self.off = True
+
+    def _whole(self, text: str, out: list[Piece]) -> None:
+        """An object (or the text left) that is not a call this reader streams: its calls whole, or
+        (after a call) the text as written; before any call the reply is read whole at its end."""
+        if not self.started:
+            self.off = True
+            return
+        calls = _list_calls(text, self.fmt.make_id)
+        out.extend(calls if calls is not None else [Text("content", text)])
+        self.pos, self.state = self.obj + len(text), "between"
+
+    def _pass_on(self, body: str, upto: int, out: list[Piece]) -> None:
+        start, sent = self.call[2], self.call[3]
+        if upto - start > sent:
+            out.append(CallArgs(body[start + sent:upto]))
+            self.call[3] = upto - start
+
+    def _call(self, args: str, out: list[Piece]) -> None:
+        try:
+            json.loads(args)
+            error = None
+        except ValueError as e:
+            error = f"the arguments are not valid JSON: {e}"
+        out.append(ToolCall(self.call[0], self.call[1], args, error, streamed=True))
+        self.call = None
+
+    def _read(self, body: str, until: int) -> bool:
+        """Read JSON on from `scan`: True once a bracket brings the depth back to `until` (`scan`
+        just past it), False at the text's end."""
+        i, depth, in_string, escaped = self.scan, self.depth, self.in_string, self.escaped
+        while True:
+            if escaped:
+                if i >= len(body):
+                    break
+                i, escaped = i + 1, False
+                continue
+            hit = (_IN_STRING if in_string else _OUTSIDE).search(body, i)
+            if hit is None:
+                i = len(body)
+                break
+            c, i = hit.group(0), hit.end()
+            if in_string:
+                in_string, escaped = c != '"', c == "\\"
+            elif c == '"':
+                in_string = True
+            elif c in "{[":
+                depth += 1
+            else:
+                depth -= 1
+                if depth == until:
+                    self.scan, self.depth, self.in_string, self.escaped = i, depth, False, False
+                    return True
+        self.scan, self.depth, self.in_string, self.escaped = i, depth, in_string, escaped
+        return False
 
 
 def _before_tail(text: str) -> int:

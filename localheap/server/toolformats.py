@@ -129,6 +129,7 @@ class ToolFormat:
     text_lead = ""                 # what a text reply begins with that its template writes (not the model's text)
     tags: Optional["TagSyntax"] = None   # each argument in tags (Qwen3-Coder, GLM-4.5): read as it is written
     marked_calls = False           # each call after a marker of its own, to the reply's end (Mistral's name[ARGS])
+    listed_calls = False           # calls as JSON objects in a row (Llama 3.1, Mistral's v0.3 list, Phi-4-mini)
 
     def parse(self, body: str) -> Optional[list[ToolCall]]:
         """The calls in `body` (markers stripped), or None: not calls after all."""
@@ -188,6 +189,7 @@ class Phi4Mini(ToolFormat):
     name = "phi4_mini"
     starts = ("<|tool_call|>",)
     end = "<|/tool_call|>"
+    listed_calls = True
     in_template = False
     SYSTEM = "You are a helpful assistant with some tools."   # Microsoft's example, where a request has none
 
@@ -210,6 +212,7 @@ class Mistral(ToolFormat):
     starts = ("[TOOL_CALLS]",)
     make_id = staticmethod(mistral_call_id)
     marked_calls = True
+    listed_calls = True
 
     def parse(self, body: str) -> Optional[list[ToolCall]]:
         calls: list[ToolCall] = []
@@ -232,6 +235,7 @@ class Llama(ToolFormat):
     name = "llama3_json"
     starts = ("<|python_tag|>",)
     leading_json = True
+    listed_calls = True
 
     def parse(self, body: str) -> Optional[list[ToolCall]]:
         values = _json_values(body)
