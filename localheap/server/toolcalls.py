@@ -212,7 +212,8 @@ class OutputParser(StepParser):
         """The arguments of a call in progress as far as they are known: a call whose text opens
         with its name and then its arguments is started, and its arguments are passed on as they
         come, all but what may be the call's own closing brace; a family that tags each argument:
-        its arguments as the JSON they are read as (TaggedStream)."""
+        its arguments as the JSON they are read as (TaggedStream); calls written as JSON objects in
+        a row: each as it comes (ListedStream)."""
         if self.fmt.tags is not None:
             self.tagged = self.tagged or TaggedStream(self.fmt)
             out.extend(self.tagged.feed(text))
@@ -232,20 +233,24 @@ class OutputParser(StepParser):
             out.append(CallArgs(text[self.streaming[3]:upto]))
             self.streaming[3] = upto
 
+    def _read_block(self, body: str, closed: bool) -> Optional[list[Piece]]:
+        """The pieces left of a block of calls that ended, from the family's reader (the one that
+        read it as it came, or a new one: a block that came whole is read the same way); None where
+        the family has none or it started no call (the family's parse reads the block)."""
+        tagged, marked, listed = self.tagged, self.marked, self.listed
+        self.tagged = self.marked = self.listed = None
+        fmt = self.fmt
+        if fmt is None:
+            return None
+        if fmt.tags is not None:
+            return (tagged or TaggedStream(fmt)).close(body, closed)
+        pieces = (marked or MarkedStream(fmt)).close(body) if fmt.marked_calls and self.mode == "rest" else None
+        if pieces is None and fmt.listed_calls:
+            pieces = (listed or ListedStream(fmt)).close(body)
+        return pieces
+
     def _close_call(self, body: str, out: list[Piece], end: str = "") -> None:
-        tagged, self.tagged = self.tagged, None
-        if tagged is None and self.fmt is not None and self.fmt.tags is not None:
-            tagged = TaggedStream(self.fmt)   # a call that came whole is read the same way
-        marked, self.marked = self.marked, None
-        if marked is None and self.fmt is not None and self.fmt.marked_calls and self.mode == "rest":
-            marked = MarkedStream(self.fmt)
-        listed, self.listed = self.listed, None
-        if listed is None and self.fmt is not None and self.fmt.listed_calls:
-            listed = ListedStream(self.fmt)   # calls that came whole are read the same way
-        pieces = tagged.close(body, closed=bool(end)) if tagged is not None else \
-            marked.close(body) if marked is not None else None
-        if pieces is None and listed is not None and tagged is None:
-            pieces = listed.close(body)
+        pieces = self._read_block(body, closed=bool(end))
         if pieces is not None:   # the calls are what was passed on, and the rest
             self.mode, self.body = "text", ""
             self.at_start, self.strip = False, True
