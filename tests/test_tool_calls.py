@@ -411,12 +411,16 @@ def test_phi4_mini_tools_go_in_the_system_message_and_a_request_without_one_gets
 ])
 def test_glm4_a_reply_that_begins_with_a_tools_name_and_json_is_a_call(text, want):
     """GLM-4-0414: a call is the whole reply, the tool's name on its first line, then its JSON
-    arguments; any other reply is text (its first newline, which its template writes, dropped)."""
+    arguments (streamed as written); any other reply is text (its first newline, which its template
+    writes, dropped)."""
     for size in range(1, len(text) + 1):
         assert _parse_in_pieces(GLM4().bind(TOOLS), text, size, lead="\n") == want, size
     cut = 'get_weather \n{"city": "Pa'   # held to calls and cut by max_tokens: flagged; before its name: nothing
     assert _parse_in_pieces(GLM4().bind(TOOLS), cut, 3, forced=True, lead="\n") == [("get_weather", '{"city": "Pa', True)]
     assert _parse_in_pieces(GLM4().bind(TOOLS), "get_wea", 2, forced=True, lead="\n") == []
+    parser, long_call = OutputParser(GLM4().bind(TOOLS), lead="\n"), 'get_weather\n{"city": "' + "P" * 100 + '"}\n'
+    seen = [p for i in range(0, len(long_call), 4) for p in parser.feed(long_call[i:i + 4])]
+    assert isinstance(seen[0], CallStart) and sum(isinstance(p, CallArgs) for p in seen) > 20, "streamed as written"
     for size in (1, 2, 40):   # without tools (no format to parse calls with) the newline goes too
         assert _parse_in_pieces(None, "\nHi.\n", size, lead="\n") == [("content", "Hi.\n")]
         assert _parse_in_pieces(None, "Hi.", size, lead="\n") == [("content", "Hi.")]

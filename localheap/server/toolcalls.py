@@ -87,6 +87,7 @@ class OutputParser(StepParser):
         self.tagged: Optional[TaggedStream] = None   # the same, for a family that tags each argument
         self.marked: Optional[MarkedStream] = None   # the same, for Mistral's calls (one marker each)
         self.listed: Optional[ListedStream] = None   # the same, for calls written as JSON objects in a row
+        self.leading: Optional[LeadingStream] = None   # the same, for GLM-4's call (a name, then its arguments)
         self.named = not (fmt is not None and fmt.leading_name)   # (GLM-4) the reply's first line is read
 
     def _starts(self) -> list[str]:
@@ -172,6 +173,9 @@ class OutputParser(StepParser):
         if self.fmt.listed_calls and (self.marked is None or self.marked.off):
             self.listed = self.listed or ListedStream(self.fmt)
             out.extend(self.listed.feed(self.body))
+        if self.fmt.leading_name:
+            self.leading = self.leading or LeadingStream(self.fmt)
+            out.extend(self.leading.feed(self.body))
         return False
 
     def _leading_name(self, final: bool) -> Optional[bool]:
@@ -237,13 +241,15 @@ class OutputParser(StepParser):
         """The pieces left of a block of calls that ended, from the family's reader (the one that
         read it as it came, or a new one: a block that came whole is read the same way); None where
         the family has none or it started no call (the family's parse reads the block)."""
-        tagged, marked, listed = self.tagged, self.marked, self.listed
-        self.tagged = self.marked = self.listed = None
+        tagged, marked, listed, leading = self.tagged, self.marked, self.listed, self.leading
+        self.tagged = self.marked = self.listed = self.leading = None
         fmt = self.fmt
         if fmt is None:
             return None
         if fmt.tags is not None:
             return (tagged or TaggedStream(fmt)).close(body, closed)
+        if fmt.leading_name and self.mode == "rest":
+            return (leading or LeadingStream(fmt)).close(body)
         pieces = (marked or MarkedStream(fmt)).close(body) if fmt.marked_calls and self.mode == "rest" else None
         if pieces is None and fmt.listed_calls:
             pieces = (listed or ListedStream(fmt)).close(body)
@@ -437,6 +443,44 @@ class MarkedStream:
                 error = f"the arguments are not valid JSON: {e}"
             out.append(ToolCall(call_id, name, args, error, streamed=True))
             self.call = None
+
+
+class LeadingStream:
+    """GLM-4-0414's call (the reply: a tool's name on its first line, its JSON arguments after it) as
+    it is written: started once its arguments begin, they are passed on as written (whitespace at
+    their end held back), the call (its arguments stripped, as the family's parse reads them) once
+    the reply ends."""
+
+    def __init__(self, fmt: ToolFormat):
+        self.fmt = fmt
+        self.call: Optional[list] = None   # id, name, where its arguments begin, how much was passed on
+
+    def feed(self, body: str) -> list[Piece]:
+        out: list[Piece] = []
+        if self.call is None:
+            line, sep, args = body.partition("\n")
+            if not sep or not self.fmt.opens_call(line) or not args.lstrip().startswith("{"):
+                return out
+            self.call = [self.fmt.make_id(), line.strip(), len(body) - len(args.lstrip()), 0]
+            out.append(CallStart(self.call[0], self.call[1]))
+        args = body[self.call[2]:].rstrip()
+        if len(args) > self.call[3]:
+            out.append(CallArgs(args[self.call[3]:]))
+            self.call[3] = len(args)
+        return out
+
+    def close(self, body: str) -> Optional[list[Piece]]:
+        out = self.feed(body)
+        if self.call is None:
+            return None
+        args = body[self.call[2]:].rstrip()
+        try:
+            json.loads(args)
+            error = None
+        except ValueError as e:
+            error = f"the arguments are not valid JSON: {e}"
+        out.append(ToolCall(self.call[0], self.call[1], args, error, streamed=True))
+        return out
 
 
 _OBJECT_HEAD = re.compile(r'\{\s*"name"\s*:\s*"([^"\\]+)"\s*,\s*"(?:arguments|parameters)"\s*:\s*(?=\{)')
