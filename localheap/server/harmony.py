@@ -15,12 +15,11 @@ The prompt ends with `<|start|>assistant`, so a reply begins with a header.
 
 from __future__ import annotations
 
-import json
 import re
 from typing import Optional
 
-from .toolcalls import CallArgs, CallStart, Piece, StepParser, Text, _partial
-from .toolformats import ToolCall, openai_call_id
+from .toolcalls import CallArgs, CallStart, Piece, StepParser, Text, _partial, streamed_call
+from .toolformats import openai_call_id
 
 START, CHANNEL, MESSAGE, END = "<|start|>", "<|channel|>", "<|message|>", "<|end|>"
 CONSTRAIN, CALL, RETURN = "<|constrain|>", "<|call|>", "<|return|>"
@@ -108,13 +107,7 @@ class HarmonyParser(StepParser):
     def _close(self, out: list[Piece]) -> None:
         """A message ends (or the reply does): a call is complete."""
         if self.kind == "call":
-            call_id, name, args = self.call
-            try:
-                json.loads(args)
-                error = None
-            except ValueError as e:
-                error = f"the arguments are not valid JSON: {e}"
-            out.append(ToolCall(call_id, name, args, error, streamed=True))   # its arguments as streamed
+            out.append(streamed_call(*self.call))   # its arguments as streamed
         self.mode, self.kind, self.call = "header", "content", None
 
     def _emit(self, kind: str, text: str, out: list[Piece]) -> None:

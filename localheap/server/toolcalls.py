@@ -40,6 +40,17 @@ _NAME_START = re.compile(r"[A-Za-z_][\w.\-]* ?")   # what may begin a GLM-4 call
 _HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"([^"\\]+)"\s*,\s*"arguments"\s*:\s*(?=\S)')   # then its arguments
 
 
+def streamed_call(call_id: str, name: str, args: str) -> ToolCall:
+    """A call whose CallStart and CallArgs went before it: its arguments as passed on, flagged where
+    they are not JSON."""
+    try:
+        json.loads(args)
+        error = None
+    except ValueError as e:
+        error = f"the arguments are not valid JSON: {e}"
+    return ToolCall(call_id, name, args, error, streamed=True)
+
+
 class StepParser:
     """Text deltas in, pieces out, through `_step(out, final)`: one transition at a time, False
     when nothing more can be decided from the text so far (`pending`)."""
@@ -271,15 +282,9 @@ class OutputParser(StepParser):
             self._stream_call(body, out)
             call_id, name, start, sent = self.streaming
             self.streaming, self.mode, self.body = None, "text", ""
-            args = body[start:sent]
-            try:
-                json.loads(args)
-                error = None
-            except ValueError as e:
-                error = f"the arguments are not valid JSON: {e}"
             self.at_start, self.strip = False, True
             self.calls += 1
-            out.append(ToolCall(call_id, name, args, error, streamed=True))
+            out.append(streamed_call(call_id, name, body[start:sent]))
             return
         calls = self.fmt.parse_block(body, closed=bool(end))
         self.mode, self.body = "text", ""
@@ -436,12 +441,7 @@ class MarkedStream:
             out.append(CallArgs(args[len(sent):]))
             self.call[3] = args
         if whole:
-            try:
-                json.loads(args)
-                error = None
-            except ValueError as e:
-                error = f"the arguments are not valid JSON: {e}"
-            out.append(ToolCall(call_id, name, args, error, streamed=True))
+            out.append(streamed_call(call_id, name, args))
             self.call = None
 
 
@@ -473,13 +473,7 @@ class LeadingStream:
         out = self.feed(body)
         if self.call is None:
             return None
-        args = body[self.call[2]:].rstrip()
-        try:
-            json.loads(args)
-            error = None
-        except ValueError as e:
-            error = f"the arguments are not valid JSON: {e}"
-        out.append(ToolCall(self.call[0], self.call[1], args, error, streamed=True))
+        out.append(streamed_call(self.call[0], self.call[1], body[self.call[2]:].rstrip()))
         return out
 
 
@@ -587,12 +581,7 @@ class ListedStream:
             self.call[3] = upto - start
 
     def _call(self, args: str, out: list[Piece]) -> None:
-        try:
-            json.loads(args)
-            error = None
-        except ValueError as e:
-            error = f"the arguments are not valid JSON: {e}"
-        out.append(ToolCall(self.call[0], self.call[1], args, error, streamed=True))
+        out.append(streamed_call(self.call[0], self.call[1], args))
         self.call = None
 
     def _read(self, body: str, until: int) -> bool:
