@@ -130,8 +130,9 @@ def test_codex_runs_a_command_and_a_namespaced_tool(model_dirs, tmp_path_factory
 
 def test_codex_applies_a_patch_through_its_freeform_tool(model_dirs, tmp_path_factory, tmp_path, torch_one_thread):
     """A model Codex's catalog (model_catalog_json) gives the freeform apply_patch tool: Codex offers
-    it as a custom tool held to its Lark grammar, reads the streamed custom_tool_call (its input in
-    parts: apply_patch_streaming_events), applies the patch, and sends the call and its output back."""
+    it as a custom tool with its Lark grammar, reads the streamed custom_tool_call (with
+    apply_patch_streaming_events on), applies the patch, and sends the call and its output back. (That
+    the input streams in parts is test_server_responses' to check: Codex's output does not show the parts.)"""
     codex = cli("codex", "LOCALHEAP_CODEX")
     patch = '*** Begin Patch\n*** Add File: notes.txt\n+hello "heap"\n+\tindented\n*** End Patch\n'
     replies = ["<tool_call>\n" + json.dumps({"name": "apply_patch", "arguments": {"input": patch}}) + "\n</tool_call>",

@@ -186,15 +186,15 @@ def custom_input(call: ToolCall) -> tuple[str, Optional[str]]:
 
 
 _INPUT_HEAD = re.compile(r'\s*\{\s*"input"\s*:\s*"')
-_ESCAPES = {'"': '"', "\\": "\\", "/": "/", "b": "\b", "f": "\f", "n": "\n", "r": "\r", "t": "\t"}
 
 
 class InputStream:
     """A custom tool call's input as its arguments ({"input": "..."}) are written: `feed` gives the
-    input's text decoded since the last feed (an escape is held back until it is whole), nothing
-    before the arguments read as {"input": " or after the string's closing quote. `rest(input)`:
-    what the whole input (custom_input's) adds to what was given; None where it does not go on
-    from it (arguments that did not read as {"input": "..."}: the input is then the arguments)."""
+    input's text decoded since the last feed (an escape is held back until it is whole, a surrogate
+    pair's first half until its second could no longer come), nothing before the arguments read as
+    {"input": " or after the string's closing quote. `rest(input)`: what the whole input
+    (custom_input's) adds to what was given; None where it does not go on from it (arguments that did
+    not read as {"input": "..."}: the input is then the arguments)."""
 
     def __init__(self) -> None:
         self.args = ""
@@ -212,33 +212,13 @@ class InputStream:
                 self.ended = len(self.args) > 64 or not _may_open(self.args)
                 return ""
             self.at = head.end()
-        s, i, out = self.args, self.at, []
-        while i < len(s):
-            c = s[i]
-            if c == '"':
-                self.ended = True
-                break
-            if c != "\\":
-                out.append(c)
-                i += 1
-                continue
-            if i + 1 == len(s):
-                break
-            e = s[i + 1]
-            if e in _ESCAPES:
-                out.append(_ESCAPES[e])
-                i += 2
-                continue
-            char, size = _unicode_escape(s, i)
-            if size == 0:   # not whole yet
-                break
-            if char is None:   # not an escape JSON has: the string is not read on
-                self.ended = True
-                break
-            out.append(char)
-            i += size
-        self.at = i
-        piece = "".join(out)
+        end = _WHOLE.match(self.args, self.at).end()
+        tail = self.args[end:]
+        self.ended = tail.startswith('"') or bool(tail) and not _PART_ESCAPE.match(tail)
+        piece = json.loads(f'"{self.args[self.at:end]}"', strict=False)
+        if not self.ended and _HIGH_HALF.match(self.args, end - 6, end) and "\ud800" <= piece[-1] <= "\udbff":
+            piece, end = piece[:-1], end - 6   # a pair's first half, written \uXXXX
+        self.at = end
         self.sent += piece
         return piece
 
@@ -246,34 +226,15 @@ class InputStream:
         return whole[len(self.sent):] if whole.startswith(self.sent) else None
 
 
+_WHOLE = re.compile(r'(?:[^"\\]+|\\["\\/bfnrt]|\\u[0-9a-fA-F]{4})*')   # characters and whole escapes
+_PART_ESCAPE = re.compile(r'\\(?:u[0-9a-fA-F]{0,3})?\Z')                   # an escape not whole yet
+_HIGH_HALF = re.compile(r'\\u[dD][89abAB][0-9a-fA-F]{2}\Z')
+
+
 def _may_open(text: str) -> bool:
     """Whether `text` may still become {"input": " (whitespace aside)."""
     bare = re.sub(r"\s+", "", text)
     return '{"input":"'.startswith(bare)
-
-
-def _unicode_escape(s: str, i: int) -> tuple[Optional[str], int]:
-    """The \\uXXXX escape (a surrogate pair: both) at s[i]: (its character, its length); (None, 0)
-    while it is not whole, (None, 1) where it is not one."""
-    def code(j: int) -> Optional[int]:
-        digits = s[j + 2:j + 6]
-        return int(digits, 16) if s[j + 1] == "u" and len(digits) == 4 and \
-            all(d in "0123456789abcdefABCDEF" for d in digits) else None
-    if s[i + 1] != "u":
-        return None, 1
-    if len(s) < i + 6:
-        return (None, 0) if all(d in "0123456789abcdefABCDEF" for d in s[i + 2:]) else (None, 1)
-    high = code(i)
-    if high is None:
-        return None, 1
-    if not 0xD800 <= high < 0xDC00:
-        return chr(high), 6
-    if len(s) < i + 12:
-        return (None, 0) if "\\u".startswith(s[i + 6:i + 8]) else (chr(high), 6)
-    low = code(i + 6) if s[i + 6] == "\\" else None
-    if low is None or not 0xDC00 <= low < 0xE000:
-        return chr(high), 6   # a lone surrogate, as json.loads reads it
-    return chr(0x10000 + ((high - 0xD800) << 10) + (low - 0xDC00)), 12
 
 
 def add_call_errors(ext: dict, calls: list[ToolCall], first_index: int = 0, custom: frozenset = frozenset()) -> None:
