@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Optional, Protocol, Union
 
 from .toolformats import ToolCall, ToolFormat, _list_calls, _loose_call, raw_string, typed_value
 
@@ -94,11 +94,7 @@ class OutputParser(StepParser):
         self.raw_start = ""         # the marker that opened it (put back if it is not a call)
         self.calls = 0
         self.strip = False          # drop the whitespace after </think> or a call
-        self.streaming: Optional[list] = None   # the call whose arguments are being passed on
-        self.tagged: Optional[TaggedStream] = None   # the same, for a family that tags each argument
-        self.marked: Optional[MarkedStream] = None   # the same, for Mistral's calls (one marker each)
-        self.listed: Optional[ListedStream] = None   # the same, for calls written as JSON objects in a row
-        self.leading: Optional[LeadingStream] = None   # the same, for GLM-4's call (a name, then its arguments)
+        self.reader: Optional[CallReader] = None   # the family's reader of the block of calls being read
         self.named = not (fmt is not None and fmt.leading_name)   # (GLM-4) the reply's first line is read
 
     def _starts(self) -> list[str]:
@@ -176,18 +172,16 @@ class OutputParser(StepParser):
             self._close_call(self.body + self.pending[:i], out, self.fmt.end)
             self.pending = self.pending[i + len(self.fmt.end):]
             return True
-        self.body += self.pending   # "rest": parsed once the reply is complete (Mistral's calls: as they come)
+        self.body += self.pending   # "rest": the reply's calls to its end, read as they come where the family has a reader
         self.pending = ""
-        if self.fmt.marked_calls:
-            self.marked = self.marked or MarkedStream(self.fmt)
-            out.extend(self.marked.feed(self.body))
-        if self.fmt.listed_calls and (self.marked is None or self.marked.off):
-            self.listed = self.listed or ListedStream(self.fmt)
-            out.extend(self.listed.feed(self.body))
-        if self.fmt.leading_name:
-            self.leading = self.leading or LeadingStream(self.fmt)
-            out.extend(self.leading.feed(self.body))
+        if self._reader() is not None:
+            out.extend(self.reader.feed(self.body))
         return False
+
+    def _reader(self) -> Optional[CallReader]:
+        if self.reader is None:
+            self.reader = call_reader(self.fmt, self.mode)
+        return self.reader
 
     def _leading_name(self, final: bool) -> Optional[bool]:
         """(GLM-4) Whether the reply opens with a call, a tool's name on its first line then its JSON
@@ -224,50 +218,16 @@ class OutputParser(StepParser):
             out.append(Text(kind, text))
 
     def _stream_call(self, text: str, out: list[Piece]) -> None:
-        """The arguments of a call in progress as far as they are known: a call whose text opens
-        with its name and then its arguments is started, and its arguments are passed on as they
-        come, all but what may be the call's own closing brace; a family that tags each argument:
-        its arguments as the JSON they are read as (TaggedStream); calls written as JSON objects in
-        a row: each as it comes (ListedStream)."""
-        if self.fmt.tags is not None:
-            self.tagged = self.tagged or TaggedStream(self.fmt)
-            out.extend(self.tagged.feed(text))
-            return
-        if self.fmt.listed_calls:
-            self.listed = self.listed or ListedStream(self.fmt)
-            out.extend(self.listed.feed(text))
-            return
-        if self.streaming is None:
-            head = _HEAD.match(text)
-            if head is None:
-                return
-            self.streaming = [self.fmt.make_id(), head.group(1), head.end(), head.end()]   # id, name, start, sent
-            out.append(CallStart(self.streaming[0], head.group(1)))
-        upto = max(self.streaming[3], _before_tail(text))
-        if upto > self.streaming[3]:
-            out.append(CallArgs(text[self.streaming[3]:upto]))
-            self.streaming[3] = upto
-
-    def _read_block(self, body: str, closed: bool) -> Optional[list[Piece]]:
-        """The pieces left of a block of calls that ended, from the family's reader (the one that
-        read it as it came, or a new one: a block that came whole is read the same way); None where
-        the family has none or it started no call (the family's parse reads the block)."""
-        tagged, marked, listed, leading = self.tagged, self.marked, self.listed, self.leading
-        self.tagged = self.marked = self.listed = self.leading = None
-        fmt = self.fmt
-        if fmt is None:
-            return None
-        if fmt.tags is not None:
-            return (tagged or TaggedStream(fmt)).close(body, closed)
-        if fmt.leading_name and self.mode == "rest":
-            return (leading or LeadingStream(fmt)).close(body)
-        pieces = (marked or MarkedStream(fmt)).close(body) if fmt.marked_calls and self.mode == "rest" else None
-        if pieces is None and fmt.listed_calls:
-            pieces = (listed or ListedStream(fmt)).close(body)
-        return pieces
+        """The calls of a block in progress (its text so far) as far as they are known."""
+        out.extend(self._reader().feed(text))
 
     def _close_call(self, body: str, out: list[Piece], end: str = "") -> None:
-        pieces = self._read_block(body, closed=bool(end))
+        """A block of calls that ended (`end`: at its closing marker; else the reply ended): the
+        pieces its reader has left (the one that read it as it came, or a new one: a block that came
+        whole is read the same way, but HeadStream's), or, where the reader started no call, the
+        family's parse of the whole."""
+        reader, self.reader = self.reader or call_reader(self.fmt, self.mode), None
+        pieces = reader.close(body, bool(end)) if reader is not None else None
         if pieces is not None:   # the calls are what was passed on, and the rest
             self.mode, self.body = "text", ""
             self.at_start, self.strip = False, True
@@ -278,14 +238,6 @@ class OutputParser(StepParser):
                     self.calls += isinstance(p, ToolCall)
                     out.append(p)
             return
-        if self.streaming is not None:   # its arguments are what was passed on, and the rest up to the brace
-            self._stream_call(body, out)
-            call_id, name, start, sent = self.streaming
-            self.streaming, self.mode, self.body = None, "text", ""
-            self.at_start, self.strip = False, True
-            self.calls += 1
-            out.append(streamed_call(call_id, name, body[start:sent]))
-            return
         calls = self.fmt.parse_block(body, closed=bool(end))
         self.mode, self.body = "text", ""
         if calls is None:   # not a call after all: the text as the model wrote it
@@ -295,6 +247,81 @@ class OutputParser(StepParser):
         self.at_start, self.strip = False, True
         self.calls += len(calls)
         out.extend(calls)
+
+
+class CallReader(Protocol):
+    """A family's reader of a block of calls as it is written: `feed(text)` (the block's text so far)
+    gives the pieces it adds; `close(text, closed)` (the whole block; `closed`: it ended at its
+    closing marker, not cut) the pieces left, or None where it started no call (the family's parse
+    then reads the block)."""
+
+    def feed(self, text: str) -> list[Piece]: ...
+
+    def close(self, text: str, closed: bool = True) -> Optional[list[Piece]]: ...
+
+
+def call_reader(fmt: Optional[ToolFormat], mode: str) -> Optional[CallReader]:
+    """The reader of a block of calls of `fmt` ("call": between its markers; "rest": the reply's
+    rest, the family having no closing marker); None where the block is read whole at its end."""
+    if fmt is None:
+        return None
+    if fmt.tags is not None:
+        return TaggedStream(fmt)
+    if mode == "call":
+        return ListedStream(fmt) if fmt.listed_calls else HeadStream(fmt)
+    if fmt.leading_name:
+        return LeadingStream(fmt)
+    if fmt.marked_calls:   # (Mistral: its v0.3 list where the first call is not marked)
+        return FirstOf(MarkedStream(fmt), ListedStream(fmt)) if fmt.listed_calls else MarkedStream(fmt)
+    return ListedStream(fmt) if fmt.listed_calls else None
+
+
+class HeadStream:
+    """One call written as a JSON object that opens with its name and then its arguments (Hermes's
+    `{"name": ..., "arguments": ...}`): started once its arguments begin (CallStart), they are passed
+    on as they come (CallArgs), all but what may be the object's own closing brace. A call that did
+    not start so before its block ended is the family's parse's (`close` gives None)."""
+
+    def __init__(self, fmt: ToolFormat):
+        self.fmt = fmt
+        self.call: Optional[list] = None   # id, name, where its arguments begin, where what was passed on ends
+
+    def feed(self, text: str) -> list[Piece]:
+        out: list[Piece] = []
+        if self.call is None:
+            head = _HEAD.match(text)
+            if head is None:
+                return out
+            self.call = [self.fmt.make_id(), head.group(1), head.end(), head.end()]
+            out.append(CallStart(self.call[0], head.group(1)))
+        upto = max(self.call[3], _before_tail(text))
+        if upto > self.call[3]:
+            out.append(CallArgs(text[self.call[3]:upto]))
+            self.call[3] = upto
+        return out
+
+    def close(self, text: str, closed: bool = True) -> Optional[list[Piece]]:
+        if self.call is None:
+            return None
+        out = self.feed(text)
+        call_id, name, start, sent = self.call
+        out.append(streamed_call(call_id, name, text[start:sent]))
+        return out
+
+
+class FirstOf:
+    """The first reader while it may read the block, then the second (which reads the same text)."""
+
+    def __init__(self, first, second):
+        self.first, self.second = first, second
+
+    def feed(self, text: str) -> list[Piece]:
+        out = self.first.feed(text)
+        return out + self.second.feed(text) if self.first.off else out
+
+    def close(self, text: str, closed: bool = True) -> Optional[list[Piece]]:
+        pieces = self.first.close(text, closed)
+        return pieces if pieces is not None else self.second.close(text, closed)
 
 
 class TaggedStream:
@@ -334,7 +361,7 @@ class TaggedStream:
         self._send(self.whole + self._open_string(text), out)
         return out
 
-    def close(self, body: str, closed: bool) -> Optional[list[Piece]]:
+    def close(self, body: str, closed: bool = True) -> Optional[list[Piece]]:
         """The rest of the arguments and the call (its error the family's parse says); None where
         the call's name was never read (not a call of this family: the family's parse decides)."""
         out = self.feed(body)
@@ -412,7 +439,7 @@ class MarkedStream:
             self._part(body, self.at, len(body) - (0 if final else _partial(body, [self.MARKER])), final, out)
         return out
 
-    def close(self, body: str) -> Optional[list[Piece]]:
+    def close(self, body: str, closed: bool = True) -> Optional[list[Piece]]:
         out = self.feed(body, final=True)
         if not self.started:
             return None
@@ -469,7 +496,7 @@ class LeadingStream:
             self.call[3] = len(args)
         return out
 
-    def close(self, body: str) -> Optional[list[Piece]]:
+    def close(self, body: str, closed: bool = True) -> Optional[list[Piece]]:
         out = self.feed(body)
         if self.call is None:
             return None
@@ -543,7 +570,7 @@ class ListedStream:
                 self.pos, self.state = self.scan, "between"
         return out
 
-    def close(self, body: str) -> Optional[list[Piece]]:
+    def close(self, body: str, closed: bool = True) -> Optional[list[Piece]]:
         """The calls and text left once the reply (or the calls' block) ended; None where none was
         started (the family's parse reads the whole)."""
         out = self.feed(body)
