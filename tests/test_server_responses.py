@@ -18,6 +18,7 @@ import pytest
 openai = pytest.importorskip("openai")
 jsonschema = pytest.importorskip("jsonschema")
 
+from localheap.server.background import RUN_EVENTS  # noqa: E402
 from localheap.server.prompts import ChatOptions, chat_prompt  # noqa: E402
 from localheap.server.responses import ResponsesRequest  # noqa: E402
 from localheap.server.schemas import ChatMessage  # noqa: E402
@@ -938,8 +939,9 @@ def _forced_server(model_dir, text: str, **settings):
 def test_a_background_response_the_server_stopped_in_runs_again_after_its_restart(model_dirs, tmp_path_factory,
                                                                                   tmp_path, torch_one_thread):
     """The server stops while a background response runs: at the restart it runs again from its
-    start, under its id, and polls to the reply that server gives (its forced text); it is then
-    continued by previous_response_id, and a third start leaves it as it ended."""
+    start, under its id, and polls to the reply that server gives (its forced text); its events are
+    numbered as run 2's, so a reader of run 1's events is told (409) rather than sent a splice of
+    two runs; it is then continued by previous_response_id, and a third start leaves it as it ended."""
     model_dir = qwen_model(model_dirs, tmp_path_factory)
     settings = dict(sessions_dir=tmp_path, persist_sessions=True)
     with _forced_server(model_dir, "one two three " * 400, **settings) as srv:   # no early end
@@ -957,6 +959,11 @@ def test_a_background_response_the_server_stopped_in_runs_again_after_its_restar
         assert got.created_at == back.created_at and got.instructions == "Be brief."
         events = list(client.responses.retrieve(back.id, stream=True))
         assert events[0].type == "response.created" and events[-1].type == "response.completed"
+        assert [e.sequence_number for e in events] == list(range(RUN_EVENTS, RUN_EVENTS + len(events)))   # run 2's
+        with pytest.raises(openai.ConflictError, match="runs again from its start since a server restart"):
+            client.responses.retrieve(back.id, stream=True, starting_after=3)   # a reader of run 1's events
+        later = client.responses.retrieve(back.id, stream=True, starting_after=events[2].sequence_number)
+        assert [e.sequence_number for e in later] == [e.sequence_number for e in events[3:]]
         again = client.responses.create(model=model(srv), previous_response_id=back.id, input="Again?",
                                         max_output_tokens=2, instructions="Be brief.")
         assert again.status in ("completed", "incomplete")

@@ -17,15 +17,17 @@ from typing import AsyncIterator, Optional
 from .responses import UNFINISHED, Built
 
 KEEP_FINISHED = 64   # ended runs whose events stay in memory for a stream read again
+RUN_EVENTS = 10 ** 9   # run k (after k - 1 restarts) numbers its events from (k - 1) * RUN_EVENTS
 
 
 class Run:
     """One background response: its stream's events so far, in order (an event's index is its
-    sequence_number; each kept as the SSE message it is sent as: an event's response is the one
-    of its moment), its status, the job once the engine admitted it."""
+    sequence_number less `first`, its run's first; each kept as the SSE message it is sent as: an
+    event's response is the one of its moment), its status, the job once the engine admitted it."""
 
     def __init__(self, built: Built, owner: Optional[str]):
         self.built, self.owner = built, owner
+        self.first = built.sequence
         self.events: list[dict] = []
         self.status = "queued"
         self.body: Optional[dict] = None   # the whole response once it ended
@@ -86,7 +88,7 @@ class Run:
     async def read(self, after: int = -1) -> AsyncIterator[dict]:
         """The SSE messages of the events after sequence number `after`, then each as it comes,
         until it ends. A reader that leaves changes nothing: the reply runs on."""
-        at = max(0, after + 1)
+        at = max(0, after + 1 - self.first)
         while True:
             changed = self._changed
             while at < len(self.events):

@@ -39,6 +39,10 @@ class BadRequest(ApiError):
     pass
 
 
+class Conflict(ApiError):
+    status = 409
+
+
 class Unsupported(ApiError):
     code = "unsupported_parameter"
 

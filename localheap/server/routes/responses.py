@@ -19,9 +19,9 @@ from ...engine import Delta, Finished, Job
 from ...generation import LogprobRecorder, SamplingParams
 from ...sessions import Prompt
 from ..bridge import JobEvents, follow, watch_disconnect
-from ..background import Run, sse
+from ..background import RUN_EVENTS, Run, sse
 from ..chat import check_start, start
-from ..errors import ApiError, BadRequest, Unsupported, to_response
+from ..errors import ApiError, BadRequest, Conflict, Unsupported, to_response
 from ..formats import extension, saved_headers
 from ..prompts import chat_prompt, tokenize
 from ..logonce import warn_once
@@ -96,6 +96,7 @@ async def _planned(svc: Services, body: ResponsesRequest, who: Optional[str]) ->
 def _launch(svc: Services, p: _Planned, who: Optional[str], session_id: Optional[str], runs: int) -> Run:
     """A background response queued: kept queued with its request (a server stopped before it ends
     runs it again at its restart), its reply run on a task of its own."""
+    p.built.sequence = (runs - 1) * RUN_EVENTS   # (a reader of an earlier run's events can be told)
     run = Run(p.built, who)
     svc.backgrounds.add(run)
     run.push([p.built.event("response.created", response=p.built.response("queued")),
@@ -108,8 +109,9 @@ def _launch(svc: Services, p: _Planned, who: Optional[str], session_id: Optional
 
 async def resume_backgrounds(svc: Services) -> None:
     """At start: the background responses a server stopped in (queued or running), run again from
-    their start under the same id (their events numbered from 0 again), each its request as it was
-    sent; one that cannot be (its X-Session-Id or the response it continues gone) ends failed."""
+    their start under the same id (their events numbered on from RUN_EVENTS times the runs before),
+    each its request as it was sent; one that cannot be (its X-Session-Id or the response it
+    continues gone) ends failed."""
     for rid, kept in svc.responses.resumable():
         resume = kept.resume
         try:
@@ -175,6 +177,11 @@ async def get_response(response_id: str, request: Request, stream: bool = False,
             why = "ended a while ago: its events are no longer kept (GET it without stream)" \
                 if kept.body.get("background") else "was not a background response: only those stream again"
             raise BadRequest(f"response {response_id!r} {why}", "stream")
+        if 0 <= starting_after < run.first - 1:
+            raise Conflict(f"response {response_id!r} runs again from its start since a server restart: event "
+                           f"{starting_after} was an earlier run's (the events of this run are numbered from "
+                           f"{run.first}); read it again from its start, without starting_after",
+                           "starting_after", "response_restarted")
         return EventSourceResponse(run.read(starting_after), sep="\n")
     if run is not None:
         return run.snapshot()
