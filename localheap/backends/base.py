@@ -8,6 +8,7 @@ from typing import Any, Callable, Iterator, Optional, Protocol, Sequence
 
 from ..generation import ProgressFn, SamplingParams
 from ..heap import HeapConfig, HeapStats
+from .paging import question_length
 
 
 @dataclass(frozen=True)
@@ -114,3 +115,35 @@ class Backend(Protocol):
     def memory(self) -> dict:
         """Allocator figures in bytes: active, peak, cache (whatever the backend knows)."""
         ...
+
+
+class HeapCacheCalls:
+    """The Backend methods both backends answer from their heap cache alone (its own methods of the
+    same names): a backend class takes them by inheriting this."""
+
+    def question_tokens(self, cache: Any, n: int) -> int:
+        """How many of a turn's `n` new prompt tokens the engine holds back for the turn's first
+        step (start_row, generate): the question a recall probes with, as `generate` on the whole
+        turn would (paging.question_length)."""
+        return question_length(cache, n)
+
+    def tokens_in_cache(self, cache: Any) -> int:
+        return cache.tokens_seen
+
+    def rollback_floor(self, cache: Any) -> int:
+        return cache.rollback_floor()
+
+    def rollback_mark(self, cache: Any) -> Optional[int]:
+        return cache.rollback_mark()
+
+    def truncate(self, cache: Any, tokens: int) -> None:
+        cache.truncate(tokens)
+
+    def cuttable(self, cache: Any) -> bool:
+        return cache.cuttable()
+
+    def cut(self, cache: Any, spans: list) -> int:
+        return cache.cut(spans)
+
+    def stats(self, cache: Any) -> HeapStats:
+        return cache.stats()

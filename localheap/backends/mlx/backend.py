@@ -9,9 +9,9 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from ...generation import LogprobRecorder, ProgressFn, SamplingParams
-from ...heap import HeapConfig, HeapStats, kv_bytes_per_token
+from ...heap import HeapConfig, kv_bytes_per_token
 from .. import paging
-from ..base import ModelShapes
+from ..base import HeapCacheCalls, ModelShapes
 from . import batch
 from .generate import embed_rows, generate_tokens, prefill, prefill_pooled, prefill_scored
 from .heapcache import HeapPromptCache, attention_module, check_heap, kv_geometry, make_heap_cache
@@ -25,7 +25,7 @@ def default_prefill_chunk() -> int:
     return 2048 if mx.metal.is_available() else 512
 
 
-class MLXBackend:
+class MLXBackend(HeapCacheCalls):
     name = "mlx"
 
     def __init__(self, model, tokenizer, model_name: str = "model"):
@@ -107,33 +107,6 @@ class MLXBackend:
         """The row's run ended (its last sampled token stays unfed, unless a step queued ahead fed
         it): a pick still running for it is waited for and dropped, and its heap leaves the batch."""
         batch.end_row(row)
-
-    def question_tokens(self, cache, n: int) -> int:
-        """How many of a turn's `n` new prompt tokens the engine holds back for the turn's first
-        step (start_row, generate): the question a recall probes with, as `generate` on the whole
-        turn would (paging.question_length)."""
-        return paging.question_length(cache, n)
-
-    def tokens_in_cache(self, cache) -> int:
-        return cache.tokens_seen
-
-    def rollback_floor(self, cache) -> int:
-        return cache.rollback_floor()
-
-    def rollback_mark(self, cache) -> Optional[int]:
-        return cache.rollback_mark()
-
-    def truncate(self, cache, tokens: int) -> None:
-        cache.truncate(tokens)
-
-    def cuttable(self, cache) -> bool:
-        return cache.cuttable()
-
-    def cut(self, cache, spans: list) -> int:
-        return cache.cut(spans)
-
-    def stats(self, cache) -> HeapStats:
-        return cache.stats()
 
     def _kv_layout(self) -> tuple[int, int, int]:
         layers = list(self.model.layers)

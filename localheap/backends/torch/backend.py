@@ -11,8 +11,8 @@ from typing import Callable, Iterator, Optional, Sequence
 import torch
 
 from ...generation import LogprobRecorder, ProgressFn, SamplingParams
-from ...heap import HeapConfig, HeapStats, kv_bytes_per_token
-from ..base import ModelShapes
+from ...heap import HeapConfig, kv_bytes_per_token
+from ..base import HeapCacheCalls, ModelShapes
 from .. import paging
 from . import attention, batch
 from .cache import HeapCache, check_heap, decoder_layers, kv_geometry, make_heap_cache
@@ -65,7 +65,7 @@ def default_prefill_chunk(device: torch.device) -> int:
     return 2048 if device.type == "cuda" else 512
 
 
-class TorchBackend:
+class TorchBackend(HeapCacheCalls):
     name = "torch"
 
     def __init__(self, model, tokenizer, model_name: str = "model", fused_decode: bool = False):
@@ -216,33 +216,6 @@ class TorchBackend:
         """The row's run ended (its last sampled token stays unfed, unless a step queued ahead fed
         it): its heap leaves the batch."""
         batch.leave_slab(row)
-
-    def question_tokens(self, cache: HeapCache, n: int) -> int:
-        """How many of a turn's `n` new prompt tokens the engine holds back for the turn's first
-        step (start_row, generate): the question a recall probes with, as `generate` on the whole
-        turn would (paging.question_length)."""
-        return paging.question_length(cache, n)
-
-    def tokens_in_cache(self, cache: HeapCache) -> int:
-        return cache.tokens_seen
-
-    def rollback_floor(self, cache) -> int:
-        return cache.rollback_floor()
-
-    def rollback_mark(self, cache) -> Optional[int]:
-        return cache.rollback_mark()
-
-    def truncate(self, cache, tokens: int) -> None:
-        cache.truncate(tokens)
-
-    def cuttable(self, cache) -> bool:
-        return cache.cuttable()
-
-    def cut(self, cache, spans: list) -> int:
-        return cache.cut(spans)
-
-    def stats(self, cache: HeapCache) -> HeapStats:
-        return cache.stats()
 
     def kv_bytes_per_token(self) -> int:
         n_kv, head_dim = kv_geometry(self.model)
