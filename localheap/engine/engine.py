@@ -263,6 +263,13 @@ class Engine:
 
     def _fail_all(self, make_error: Callable[[], Exception]) -> None:
         jobs = [r.job for r in self._active] + [r.job for _, r in self._saving] + list(self.admission.waiting)
+        for job in jobs + self._fail_queued(make_error):
+            self._end(job, Failed(make_error()), "failed")
+
+    def _fail_queued(self, make_error: Callable[[], Exception]) -> list[Job]:
+        """The calls waiting (turns, commands in the inbox) failed with make_error() (not one its
+        caller cancelled); the jobs in the inbox taken out and returned."""
+        jobs = []
         while self._turns:
             fut = self._turns.popleft()[1]
             if fut.set_running_or_notify_cancel():
@@ -271,13 +278,11 @@ class Engine:
             try:
                 item = self._inbox.get_nowait()
             except queue.Empty:
-                break
+                return jobs
             if isinstance(item, Job):
                 jobs.append(item)
             elif item is not None and item[1].set_running_or_notify_cancel():
                 item[1].set_exception(make_error())
-        for job in jobs:
-            self._end(job, Failed(make_error()), "failed")
 
     def _drain(self, timeout: Optional[float]) -> bool:
         """Take everything in the inbox (waiting up to `timeout` for the first item, None:
@@ -736,19 +741,8 @@ class Engine:
             self._saver.shutdown()
         while self.admission.waiting:
             self._end(self.admission.waiting.popleft(), Failed(EngineStopped()), "failed")
-        while self._turns:
-            fut = self._turns.popleft()[1]
-            if fut.set_running_or_notify_cancel():
-                fut.set_exception(EngineStopped())
-        while True:
-            try:
-                item = self._inbox.get_nowait()
-            except queue.Empty:
-                break
-            if isinstance(item, Job):
-                self._end(item, Failed(EngineStopped()), "failed")
-            elif item is not None and item[1].set_running_or_notify_cancel():   # (not one its caller cancelled)
-                item[1].set_exception(EngineStopped())
+        for job in self._fail_queued(EngineStopped):
+            self._end(job, Failed(EngineStopped()), "failed")
 
     # --- session commands (engine thread, via call) ---
 
