@@ -434,6 +434,33 @@ def test_page_writer_runs_jobs_in_order_and_reports_errors():
         w.drain()
 
 
+def test_page_writer_lets_go_of_a_job_once_it_ran():
+    """What a job holds (evicted K/V: torch tensors) is freed once it has run, while the writer's
+    thread waits for more, not when the thread ends: freeing a tensor takes the GIL again, and a
+    daemon thread that asks for it while the interpreter finalizes is ended inside torch's C++
+    code, which aborts the process ("terminate called without an active exception")."""
+    import gc
+    import time
+    import weakref
+
+    class Held:
+        pass
+
+    w = PageWriter()
+    held = Held()
+    gone = weakref.ref(held)
+    w.submit(lambda held=held: None)
+    del held
+    w.drain()
+    until = time.monotonic() + 2.0   # (the thread drops it just after drain returns)
+    while gone() is not None and time.monotonic() < until:
+        gc.collect()
+        time.sleep(0.01)
+    assert gone() is None, "the writer's thread still holds the job it ran"
+    assert w._thread is not None and w._thread.is_alive()   # (not freed by the thread ending: it waits IDLE_S)
+    w.close()
+
+
 def test_page_writer_bounds_the_jobs_waiting_behind_it():
     """A writer that falls behind (a low-priority thread on busy cores) makes submit wait once
     MAX_QUEUED jobs wait, so evicted K/V cannot pile up in RAM; every job still runs, in order."""

@@ -223,6 +223,7 @@ class PageWriter:
         self._closed = False
         self._error: Optional[BaseException] = None
         self._thread: Optional[threading.Thread] = None
+        self._ending: Optional[threading.Thread] = None   # the last thread that ended idle
         _WRITERS.add(self)
 
     def close(self, timeout: Optional[float] = None) -> None:
@@ -230,7 +231,7 @@ class PageWriter:
         self.release_parts()
         with self._cv:
             self._closed = True
-            thread = self._thread
+            thread = self._thread or self._ending
             self._cv.notify_all()
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout)
@@ -331,10 +332,14 @@ class PageWriter:
                 while not self._jobs:
                     if self._closed or (not self._cv.wait(timeout=self.IDLE_S) and not self._jobs):
                         self._thread = None   # idle or closed: exit; the next submit starts a new thread
+                        self._ending = threading.current_thread()   # (close joins it: it may still be ending)
                         return
                 job = self._jobs.popleft()
                 self._busy = True
             self._execute(job)
+            del job   # what it holds (K/V, torch tensors) freed now, not when the thread ends: a
+            # tensor's free takes the GIL again, and in an interpreter finalizing, a daemon thread
+            # that asks for it is ended inside torch's C++ code, which aborts the process
 
 
 _WRITERS: "weakref.WeakSet[PageWriter]" = weakref.WeakSet()
