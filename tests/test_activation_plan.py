@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 from fastapi.testclient import TestClient
@@ -60,7 +61,26 @@ class ShapedBackend(FakeBackend):
         return self._heap
 
 
-def test_an_800m_budget_is_refused_for_the_32k_heap_and_says_why():
+class FixedRSS:
+    """psutil.Process as the plan reads it, with a fixed RSS: what the plan measures of this test
+    process would otherwise be whatever the tests before it left loaded (run after the others, it
+    passed 1.8 GiB, and the runtime, not the activations, was then what did not fit)."""
+
+    def __init__(self, rss: int):
+        self.rss = rss
+
+    def __call__(self):
+        return self
+
+    def memory_info(self):
+        return self
+
+
+def test_an_800m_budget_is_refused_for_the_32k_heap_and_says_why(monkeypatch):
+    import localheap.governor.setup as setup
+
+    monkeypatch.setattr(setup, "psutil", SimpleNamespace(Process=FixedRSS(200 * MiB),
+                                                         virtual_memory=setup.psutil.virtual_memory))
     with pytest.raises(BudgetTooSmall) as e:
         plan_for(ShapedBackend(TINY_MLX), HEAP_32K, 800 * MiB)
     msg = str(e.value)
