@@ -54,3 +54,20 @@ def test_backend_choice():
     assert detect_backend("auto") in ("mlx", "torch")
     with pytest.raises(ValueError):
         detect_backend("cuda")
+
+
+def test_auto_without_torch_off_apple_silicon_takes_mlx_and_says_it_is_slower(monkeypatch, caplog):
+    """auto falls back to MLX where the torch backend cannot be imported; off Apple Silicon that is
+    MLX's CPU backend, and the user is told what it costs and how to get torch."""
+    import sys
+
+    import localheap.backends as backends
+
+    monkeypatch.setattr(sys, "platform", "linux")
+    monkeypatch.delattr(backends, "torch", raising=False)
+    monkeypatch.setitem(sys.modules, "localheap.backends.torch", None)   # the import fails
+    with caplog.at_level("WARNING", logger="localheap"):
+        assert detect_backend("auto") == "mlx"
+        assert detect_backend("mlx") == "mlx"
+    said = [r.getMessage() for r in caplog.records if r.name == "localheap"]
+    assert len(said) == 1 and "localheap[torch]" in said[0] and "--backend mlx" in said[0]
