@@ -201,3 +201,31 @@ def test_output_config_json_schema_is_enforced(client, server):
                                output_config={"format": {"type": "json_schema", "schema": schema}})
     assert r.stop_reason == "end_turn"
     jsonschema.validate(json.loads(r.content[0].text), schema)
+
+
+def test_text_documents_and_search_results_are_read_as_text(client, server):
+    """A plain-text document (a `text` or `content` source) and a search result reach the prompt as
+    their title, context or source, then their text, set off by a blank line; a PDF document and
+    Anthropic's own tool types are refused by name."""
+    def count(content):
+        return client.messages.count_tokens(model=model(server), messages=[{"role": "user", "content": content}]).input_tokens
+
+    doc = {"type": "document", "title": "Notes", "context": "from the desk",
+           "source": {"type": "text", "media_type": "text/plain", "data": "The code is 4417."}}
+    ask = {"type": "text", "text": "What is the code?"}
+    as_text = count("Notes\nfrom the desk\nThe code is 4417.\n\nWhat is the code?")
+    assert count([doc, ask]) == as_text
+    parts = {**doc, "source": {"type": "content", "content": [{"type": "text", "text": "The code "},
+                                                              {"type": "text", "text": "is 4417."}]}}
+    assert count([parts, ask]) == as_text
+    found = {"type": "search_result", "source": "https://example.com/a", "title": "A page",
+             "content": [{"type": "text", "text": "The code is 4417."}]}
+    assert count([found, ask]) == count("A page\nhttps://example.com/a\nThe code is 4417.\n\nWhat is the code?")
+    assert count([doc, ask]) != count([ask])
+    with pytest.raises(anthropic.BadRequestError) as e:
+        count([{"type": "document", "source": {"type": "base64", "media_type": "application/pdf", "data": "AAAA"}}])
+    assert "'base64' source" in e.value.message
+    with pytest.raises(anthropic.BadRequestError) as e:
+        client.messages.create(model=model(server), max_tokens=5, messages=[{"role": "user", "content": "x"}],
+                               tools=[{"type": "web_search_20250305", "name": "web_search", "max_uses": 1}])
+    assert "'web_search_20250305'" in e.value.message and "custom tools" in e.value.message

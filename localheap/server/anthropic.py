@@ -9,7 +9,7 @@ import json
 import secrets
 from typing import Any, Literal, Optional, Union
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from ..engine import Finished
 from .chat import ChatPlan
@@ -65,16 +65,64 @@ class ToolResultBlock(Strict):
 
 
 class MediaBlock(Strict):
-    """Images and documents: recognised, so that they are refused by name."""
+    """Images, documents and search results. A plain-text document (a `text` source, or a `content`
+    source of text blocks) and a search result (text blocks) are read as text: their title, context
+    or source URL, then their text. Images and other documents (PDF, URL) are refused by name."""
     type: Literal["image", "document", "search_result"]
     source: Any = None
     cache_control: CacheControl = None
     title: Optional[str] = None
     context: Optional[str] = None
     citations: Any = None
+    content: Optional[list[TextBlock]] = None   # a search result's
+
+    def text(self) -> Optional[str]:
+        """The block as the model reads it, or None where this server cannot read it."""
+        src = self.source if isinstance(self.source, dict) else {}
+        if self.type == "search_result" and self.content is not None and isinstance(self.source, str):
+            body, head = "".join(b.text for b in self.content), [self.title, self.source]
+        elif self.type == "document" and src.get("type") == "text" and isinstance(src.get("data"), str):
+            body, head = src["data"], [self.title, self.context]
+        elif self.type == "document" and src.get("type") == "content":
+            blocks = src.get("content")
+            if isinstance(blocks, str):
+                body = blocks
+            elif isinstance(blocks, list) and all(isinstance(b, dict) and b.get("type") == "text"
+                                                  and isinstance(b.get("text"), str) for b in blocks):
+                body = "".join(b["text"] for b in blocks)
+            else:
+                return None
+            head = [self.title, self.context]
+        else:
+            return None
+        return "\n".join([h for h in head if h] + [body])
+
+    def refusal(self) -> str:
+        kind = (self.source or {}).get("type") if isinstance(self.source, dict) else None
+        if self.type == "document":
+            return (f"document content blocks with a {kind!r} source are not supported: this server serves text "
+                    f"models and reads documents with a 'text' or 'content' source")
+        return f"{self.type} content blocks are not supported: this server serves text models"
 
 
 Block = Union[TextBlock, ThinkingBlock, RedactedThinkingBlock, ToolUseBlock, ToolResultBlock, MediaBlock]
+
+
+def _text(blocks: list, where: str) -> str:
+    """The text of a message's text blocks and readable media blocks, in order (a media block set off
+    from its neighbours by a blank line); BadRequest for a media block this server cannot read."""
+    out, after_media = "", False
+    for b in blocks:
+        if isinstance(b, MediaBlock):
+            text = b.text()
+            if text is None:
+                raise BadRequest(b.refusal(), where)
+            out += ("\n\n" if out else "") + text
+            after_media = True
+        elif isinstance(b, TextBlock):
+            out += ("\n\n" if after_media and out else "") + b.text
+            after_media = False
+    return out
 
 
 class Message(Strict):
@@ -83,6 +131,9 @@ class Message(Strict):
 
 
 class ToolDef(Strict):
+    """A client tool with its input_schema. Anthropic's own tool types (server tools such as
+    web_search or code_execution, and the schema-less client tools bash, text_editor, computer,
+    memory) are refused by their type: this server can run none and has no schema for them."""
     name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,128}$")
     description: Optional[str] = None
     input_schema: dict[str, Any]
@@ -93,6 +144,15 @@ class ToolDef(Strict):
     input_examples: Optional[list[Any]] = None
     strict: Optional[bool] = None
     eager_input_streaming: Optional[bool] = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _custom_only(cls, data: Any) -> Any:
+        kind = data.get("type") if isinstance(data, dict) else None
+        if kind not in (None, "custom"):
+            raise ValueError(f"tools of type {kind!r} (Anthropic's own: its server tools and its schema-less client "
+                             f"tools) are not supported: this server takes custom tools with an input_schema")
+        return data
 
 
 class ToolChoice(Strict):
@@ -143,11 +203,7 @@ class CountTokensRequest(Strict):
             out.append(ChatMessage(role="system", content=system))
         for i, m in enumerate(self.messages):
             blocks = [TextBlock(type="text", text=m.content)] if isinstance(m.content, str) else m.content
-            media = next((b for b in blocks if isinstance(b, MediaBlock)), None)
-            if media is not None:
-                raise BadRequest(f"{media.type} content blocks are not supported: this server serves text models",
-                                 f"messages.{i}.content")
-            text = "".join(b.text for b in blocks if isinstance(b, TextBlock))
+            text = _text(blocks, f"messages.{i}.content")
             if m.role == "system":   # where it stands, as a system message (the OpenAI routes take one there too)
                 out.append(ChatMessage(role="system", content=text))
                 continue
