@@ -1,6 +1,7 @@
 """Shared fixtures: tiny random-weight models of real architectures, built once per session."""
 
 import os
+import tempfile
 
 import pytest
 
@@ -8,6 +9,22 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # serve and chat freeze what is alive when they start (commands/common.freeze_startup_objects): in
 # this process that would keep every earlier test's cycles for ever (test_cli.py tests it unfrozen)
 os.environ.setdefault("LOCALHEAP_GC_FREEZE", "0")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def temp_root(tmp_path_factory):
+    """What the code under test puts in the system temp directory (a store's spill directory, a
+    chat's, a rank's, a server subprocess's) goes under this run's pytest directory, which pytest
+    prunes (it keeps the last three runs): a test run never leaves hundreds of directories in /tmp."""
+    root = tmp_path_factory.mktemp("tmp", numbered=False)
+    saved = os.environ.get("TMPDIR"), tempfile.tempdir
+    os.environ["TMPDIR"] = tempfile.tempdir = str(root)
+    yield root
+    if saved[0] is None:
+        os.environ.pop("TMPDIR", None)
+    else:
+        os.environ["TMPDIR"] = saved[0]
+    tempfile.tempdir = saved[1]
 
 
 @pytest.fixture(scope="session")
