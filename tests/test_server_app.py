@@ -57,6 +57,56 @@ def test_cors_allows_only_the_servers_own_origin_unless_configured():
         assert "access-control-allow-origin" not in preflight("http://evil.example").headers
 
 
+def test_a_web_page_of_another_site_cannot_post_to_the_server_without_a_preflight():
+    """A page elsewhere posts text/plain (no preflight, so CORS would not stop it running): 403 in
+    each API's own error shape, logged once; the server's own page, a configured origin, an
+    extension's, a reverse proxy's name and programs that send no Origin are served."""
+    settings = ServerSettings(port=8000, web_dir=None, cors_origins=["http://tools.example"])
+    body = '{"model": "fake-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}'
+    completion = '{"model": "fake-model", "prompt": "hi", "max_tokens": 2}'
+    with TestClient(create_app(FakeBackend(), settings), base_url=LOCAL) as client:
+        def post(path, origin=None, content=body, **headers):
+            headers = {"Content-Type": "text/plain", **({"Origin": origin} if origin else {}), **headers}
+            return client.post(path, content=content, headers=headers)
+
+        for origin in ("http://evil.example", "https://127.0.0.1:8000.evil.example", "null", "http://localhost:3000"):
+            r = post("/v1/chat/completions", origin)
+            assert r.status_code == 403 and r.json()["error"]["code"] == "cross_origin_refused", (origin, r.text)
+            assert f"--cors-origin {origin}" in r.json()["error"]["message"]
+        ollama = post("/api/generate", "http://evil.example", '{"model": "fake-model", "prompt": "x", "stream": false}')
+        assert ollama.status_code == 403 and "another site" in ollama.json()["error"]   # Ollama's {"error": text}
+        anthropic = post("/v1/messages", "http://evil.example")
+        assert anthropic.status_code == 403 and anthropic.json()["error"]["type"] == "permission_error"
+        assert post("/slots/0?action=erase", "http://evil.example").status_code == 403
+        assert client.get("/v1/models", headers={"Origin": "http://evil.example"}).status_code == 200   # reads: CORS
+
+        json = {"Content-Type": "application/json"}
+        for origin, extra in (("http://127.0.0.1:8000", {}), ("http://tools.example/", {}), (None, {}),
+                              ("chrome-extension://abcdefgh", {}), ("moz-extension://1234", {}),
+                              ("https://chat.example.com", {"X-Forwarded-Host": "chat.example.com"})):
+            r = post("/v1/completions", origin, completion, **json, **extra)
+            assert r.status_code == 200, (origin, r.text)
+    settings = ServerSettings(port=8000, web_dir=None, cors_origins=["*"])
+    with TestClient(create_app(FakeBackend(), settings), base_url=LOCAL) as client:
+        r = client.post("/v1/completions", content=completion, headers={"Origin": "http://evil.example", **json})
+        assert r.status_code == 200
+
+
+def test_api_bodies_are_read_as_json_whatever_their_content_type_says():
+    """`curl -d '{...}'` labels its JSON a form: read as JSON (llama-server and Ollama do), and a body
+    that is not JSON says so, in place of pydantic's "Input should be a valid dictionary"."""
+    with TestClient(create_app(FakeBackend(), ServerSettings(port=8000, web_dir=None)), base_url=LOCAL) as client:
+        for kind in ("application/x-www-form-urlencoded", "text/plain; charset=utf-8", None):
+            headers = {"Content-Type": kind} if kind else {}
+            r = client.post("/v1/completions", content='{"model": "fake-model", "prompt": "hi", "max_tokens": 2}',
+                            headers=headers)
+            assert r.status_code == 200, (kind, r.text)
+            r = client.post("/tokenize", content='{"content": "hi"}', headers=headers)
+            assert r.status_code == 200 and r.json()["tokens"], (kind, r.text)
+            r = client.post("/v1/completions", content="prompt=hi&max_tokens=2", headers=headers)
+            assert r.status_code == 400 and r.json()["error"]["code"] == "json_invalid", (kind, r.text)
+
+
 def test_serve_without_a_model_or_demo_exits_2_with_a_message(monkeypatch, capsys):
     """An installation without the bundled demo model: `serve` says what to pass, no traceback."""
     import localheap.models

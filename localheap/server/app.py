@@ -16,7 +16,7 @@ from ..governor import MemoryPlan, default_budget, governor_for, plan_for
 from ..governor.budget import request_room
 from ..sessions import SessionStore, slotfiles
 from . import errors
-from .middleware import CheckHost, LimitBody, RequireApiKey, checks_host
+from .middleware import BodiesAreJson, CheckHost, CheckOrigin, LimitBody, RequireApiKey, checks_host
 from .routes import (anthropic, branches, conversations, embeddings, observe, llamacpp, ollama, openai, responses,
                      sessions, tokenize)
 from .services import Services
@@ -99,6 +99,8 @@ def create_app(backend: Any, settings: Optional[ServerSettings] = None, governor
                    tokenize, observe):
         app.include_router(module.router)
     app.add_middleware(LimitBody, max_bytes=settings.max_body_bytes)
+    app.add_middleware(BodiesAreJson)
+    app.add_middleware(CheckOrigin, allowed=settings.own_origins + list(settings.cors_origins))
     if settings.keys:
         app.add_middleware(RequireApiKey, api_keys=settings.keys)
     app.add_middleware(CORSMiddleware, allow_origins=settings.own_origins + list(settings.cors_origins),

@@ -51,6 +51,10 @@ class Unauthorized(ApiError):
     status, code = 401, "invalid_api_key"
 
 
+class Forbidden(ApiError):
+    status, type = 403, "permission_error"
+
+
 class UnknownModel(ApiError):
     status, code = 404, "model_not_found"
 

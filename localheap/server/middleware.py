@@ -1,4 +1,4 @@
-"""ASGI middleware: Host check, API keys, request body limit. Errors go through errors.to_response."""
+"""ASGI middleware: Host check, Origin check, API keys, request body limit. Errors go through errors.to_response."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from starlette.concurrency import run_in_threadpool
 
-from .errors import ApiError, Unauthorized, for_path, to_response
+from .errors import ApiError, Forbidden, Unauthorized, for_path, to_response
+from .logonce import warn_once
 from .tokens import release_freed_memory
 
 log = logging.getLogger("localheap.server")
@@ -97,6 +98,77 @@ class CheckHost:
                                  f"{', '.join(sorted(self.names | self.extra))} (see --allow-host)", code="invalid_host")
                 await to_response(error)(scope, receive, send)
                 return
+        await self.app(scope, receive, send)
+
+
+SAFE_METHODS = ("GET", "HEAD", "OPTIONS")
+WEB_SCHEMES = ("http", "https")
+
+
+class CheckOrigin:
+    """Refuse a request that can change something (any method but GET, HEAD and OPTIONS) sent by a
+    web page of another site. A browser sends such a page's POST without asking first when its body
+    is a form or text/plain (no CORS preflight): CORS only keeps the page from reading the answer,
+    so without this any site the user visits could run generations on a server at localhost, or
+    save and erase its slots. Allowed: no Origin header (SDKs, curl, other programs); the request's
+    own origin (the Origin names the Host it was sent to, or the X-Forwarded-Host a reverse proxy
+    passes on, which no page can set without a preflight: the web UI, however it is reached; where
+    the server is bound to a name, CheckHost vouches for that name); the origins CORS allows
+    (--cors-origin; `*`: every one); and origins that are not web pages (a browser extension's or
+    an app's: chrome-extension://, moz-extension://, tauri://, ...), as Ollama allows them."""
+
+    def __init__(self, app: ASGIApp, allowed: list[str]):
+        self.app = app
+        self.any = "*" in allowed
+        self.allowed = {o.rstrip("/").lower() for o in allowed}
+
+    def permits(self, origin: str, hosts: list[str]) -> bool:
+        origin = origin.strip().rstrip("/").lower()
+        if self.any or origin in self.allowed:
+            return True
+        scheme, sep, netloc = origin.partition("://")
+        if not sep:   # "null": a sandboxed frame's or a file's page (--cors-origin null allows it)
+            return False
+        return scheme not in WEB_SCHEMES or netloc in (h.strip().lower() for h in hosts)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] not in SAFE_METHODS:
+            headers = dict(scope["headers"])
+            origin = headers.get(b"origin")
+            if origin is not None:
+                origin_s = origin.decode("latin-1")
+                hosts = [headers.get(b"host", b"").decode("latin-1"),
+                         headers.get(b"x-forwarded-host", b"").decode("latin-1").split(",")[0]]
+                if not self.permits(origin_s, hosts):
+                    warn_once("refused requests from web pages of other sites (start the server with "
+                              "--cors-origin ORIGIN to allow one): %s", [origin_s])
+                    error = Forbidden(f"a {scope['method']} from the web page at {origin_s!r} (another site) is "
+                                      f"refused: start the server with --cors-origin {origin_s} to allow "
+                                      f"that page to use it", code="cross_origin_refused")
+                    await for_path(scope["path"], to_response(error))(scope, receive, send)
+                    return
+        await self.app(scope, receive, send)
+
+
+class BodiesAreJson:
+    """An API route's body is read as JSON whatever its Content-Type says (none, a form, text/plain),
+    as llama-server and Ollama read theirs: `curl -d '{...}'` labels JSON a form, and a client
+    told "Input should be a valid dictionary" would not guess why. (CheckOrigin keeps the web pages
+    of other sites, whose form posts need no preflight, out.) Bodies that are not JSON are still
+    refused as such."""
+
+    RELABELLED = (b"", b"application/x-www-form-urlencoded", b"text/plain")
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] not in SAFE_METHODS and \
+                scope["path"].startswith(PROTECTED_PREFIXES):
+            kind = dict(scope["headers"]).get(b"content-type", b"").split(b";")[0].strip().lower()
+            if kind in self.RELABELLED:
+                headers = [(k, v) for k, v in scope["headers"] if k != b"content-type"]
+                scope = {**scope, "headers": headers + [(b"content-type", b"application/json")]}
         await self.app(scope, receive, send)
 
 
