@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -152,3 +153,58 @@ def test_serve_with_no_model_serves_the_bundled_demo(tmp_path):
     finally:
         proc.terminate()
         proc.wait(timeout=60)
+
+
+def test_a_port_that_is_taken_or_no_port_fails_before_the_model_loads(monkeypatch, capsys):
+    import socket
+
+    import localheap.models
+    from localheap.cli import main
+
+    def no_load(*a, **k):
+        raise AssertionError("the model was loaded before the port was checked")
+
+    monkeypatch.setattr(localheap.models, "load_backend", no_load)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main(["serve", "--port", str(port), "--no-persist"]) == 2
+    err = capsys.readouterr().err
+    assert f"port {port} on 127.0.0.1 is in use" in err and "--port N" in err and "Traceback" not in err
+    with pytest.raises(SystemExit) as e:
+        main(["serve", "--port", "99999"])
+    assert e.value.code == 2 and "'99999' is not a TCP port (0-65535)" in capsys.readouterr().err
+
+
+def test_a_second_server_on_a_sessions_directory_in_use_is_refused_until_the_first_is_gone(tmp_path):
+    """Two servers on one sessions directory would restore the same sessions and write over each
+    other's index: the second is refused, naming the first; once the first is gone (kill -9
+    included) the directory is free."""
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import sys, time; from pathlib import Path; from types import SimpleNamespace\n"
+        "from localheap.commands.serve import lock_sessions_dir\n"
+        "held = lock_sessions_dir(Path(sys.argv[1]), 'serve.lock', SimpleNamespace(host='127.0.0.1', port=8123))\n"
+        "print('held', flush=True); time.sleep(600)"), str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        second = subprocess.run([sys.executable, "-m", "localheap.cli", "serve", "--sessions-dir", str(tmp_path),
+                                 "--backend", "torch", "--port", "0"], capture_output=True, text=True, timeout=180)
+        err = second.stderr
+        assert second.returncode == 2, err
+        assert (f"the sessions directory {tmp_path} is in use by another localheap serve (pid {holder.pid}, "
+                f"http://127.0.0.1:8123): stop that one") in err, err
+        assert not (tmp_path / "index.json").exists()   # nothing restored, nothing written
+    finally:
+        holder.kill()
+        holder.wait()
+    from types import SimpleNamespace
+
+    from localheap.commands import serve
+
+    lock = serve.lock_sessions_dir(tmp_path, "serve.lock", SimpleNamespace(host="127.0.0.1", port=8124))   # free
+    try:
+        assert (tmp_path / "serve.lock").read_text() == f"pid {os.getpid()}, http://127.0.0.1:8124\n"
+    finally:
+        lock.close()
+    serve.lock_sessions_dir(tmp_path, "serve.lock", SimpleNamespace(host="127.0.0.1", port=8125)).close()

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import argparse
+import errno
 import logging
 import os
 import re
+import socket
 import sys
 import tempfile
 from pathlib import Path
-from typing import Optional
+from typing import IO, Optional
 
 from . import ranks
 from .common import (TOTAL_SHARE, add_compile_arg, add_decode_arg, add_distributed_arg, add_graphs_arg, add_heap_args,
@@ -31,7 +34,7 @@ def add_parser(sub) -> None:
     p.add_argument("--host", default="127.0.0.1",
                    help="bind address (default: localhost only; 0.0.0.0 opens the server to the network "
                         "and turns off the Host-header check)")
-    p.add_argument("--port", type=int, default=8000, help="TCP port")
+    p.add_argument("--port", type=port_number, default=8000, help="TCP port")
     p.add_argument("--allow-host", action="append", default=[], metavar="NAME",
                    help="also answer requests whose Host header is NAME (e.g. a reverse proxy's name; repeatable)")
     p.add_argument("--served-model-name", nargs="+", default=[], metavar="NAME",
@@ -117,6 +120,65 @@ def add_parser(sub) -> None:
 DISK_TOTAL_RANKS = ("--disk-total does not run with --distributed: it takes space back by dropping a session's "
                     "lowest-value pages, and each rank would rank and drop its own, so the ranks' page stores (and the "
                     "recall vote summed across them) would part; leave it out or give 0")
+
+
+def port_number(text: str) -> int:
+    try:
+        port = int(text)
+    except ValueError:
+        port = -1
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a TCP port (0-65535)")
+    return port
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Fail before the model loads when the port is taken: the server would find out only once it
+    had loaded the model and restored every session. (Port 0: the system picks one.)"""
+    if port == 0:
+        return
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)   # as uvicorn binds: a closed socket's TIME_WAIT is no user
+        try:
+            s.bind((host.strip("[]"), port))
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                raise ValueError(f"port {port} on {host} is in use (by another server: is a localheap serve "
+                                 f"running already? GET http://{host}:{port}/health says); pass --port N") from None
+            raise ValueError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+
+
+def lock_sessions_dir(path: Path, name: str, settings) -> Optional[IO]:
+    """`path/name`, open and locked, for the server to hold while it runs (closing it lets go): a
+    second server on the same sessions directory would restore the same sessions, then write over
+    the first one's index and heaps. The system lets go of it however the process ends (kill -9
+    too). None where nothing can be locked (no flock: Windows; a directory that cannot be written,
+    which the store refuses with its own message)."""
+    try:
+        import fcntl
+    except ImportError:   # pragma: no cover
+        return None
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        f = open(path / name, "a+")
+    except OSError:
+        return None
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        f.seek(0)
+        who = f.read().strip()
+        f.close()
+        if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            return None   # a file system without locks: as on Windows
+        raise ValueError(f"the sessions directory {path} is in use by another localheap serve"
+                         f"{f' ({who})' if who else ''}: stop that one, or give this one a directory of its "
+                         f"own (--sessions-dir DIR) or none (--no-persist)") from None
+    f.seek(0)
+    f.truncate()
+    f.write(f"pid {os.getpid()}, http://{settings.host}:{settings.port}\n")
+    f.flush()
+    return f
 
 
 def default_sessions_dir(model_name: str) -> Path:
@@ -221,6 +283,8 @@ def run(args) -> int:
     from ..server import create_app
 
     settings = settings_from_args(args)   # bad flags fail before the model loads
+    if not args.distributed or os.environ.get("MLX_RANK", "0") == "0":   # (rank 0 alone listens)
+        check_port_free(settings.host, settings.port)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s:     %(name)s: %(message)s")
     backend = ranks.load_rank(args) if args.distributed else load_backend(model_spec(args), args.backend)
     apply_decode_attention(backend, args, batched=True)
@@ -228,14 +292,23 @@ def run(args) -> int:
     settings.max_batch, settings.max_active = batch_limits(args, default_max_batch(backend))
     if settings.persist_sessions and settings.sessions_dir is None:
         settings.sessions_dir = default_sessions_dir(backend.model_name)
-    if settings.disk_total is None:   # auto: measured where the sessions directory is (or a temp dir goes)
-        settings.disk_total = disk_total("auto", settings.sessions_dir or Path(tempfile.gettempdir()))
-    if args.distributed:
-        return serve_ranks(backend, settings, args)
-    backend.check_heap(settings.heap)   # a heap the model cannot have fails here, not at each request
-    ranks.check_layout(settings.sessions_dir if settings.persist_sessions else None, None)
-    app = create_app(backend, settings)   # BudgetTooSmall here says what would fit
-    return serve_built(app, backend, settings, args)
+    lock = None
+    if settings.persist_sessions:
+        rank = backend.rank if args.distributed else None   # (ranks on one host may share a directory)
+        lock = lock_sessions_dir(Path(settings.sessions_dir),
+                                 "serve.lock" if rank is None else f"serve.rank{rank}.lock", settings)
+    try:
+        if settings.disk_total is None:   # auto: measured where the sessions directory is (or a temp dir goes)
+            settings.disk_total = disk_total("auto", settings.sessions_dir or Path(tempfile.gettempdir()))
+        if args.distributed:
+            return serve_ranks(backend, settings, args)
+        backend.check_heap(settings.heap)   # a heap the model cannot have fails here, not at each request
+        ranks.check_layout(settings.sessions_dir if settings.persist_sessions else None, None)
+        app = create_app(backend, settings)   # BudgetTooSmall here says what would fit
+        return serve_built(app, backend, settings, args)
+    finally:
+        if lock is not None:
+            lock.close()   # (the lock goes with it)
 
 
 def serve_ranks(backend, settings, args) -> int:
