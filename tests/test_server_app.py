@@ -205,6 +205,7 @@ def test_a_second_server_on_a_sessions_directory_in_use_is_refused_until_the_fir
     lock = serve.lock_sessions_dir(tmp_path, "serve.lock", SimpleNamespace(host="127.0.0.1", port=8124))   # free
     try:
         assert (tmp_path / "serve.lock").read_text() == f"pid {os.getpid()}, http://127.0.0.1:8124\n"
+        assert (tmp_path / "serve.lock").stat().st_mode & 0o777 == 0o600
     finally:
         lock.close()
     serve.lock_sessions_dir(tmp_path, "serve.lock", SimpleNamespace(host="127.0.0.1", port=8125)).close()

@@ -158,9 +158,11 @@ def lock_sessions_dir(path: Path, name: str, settings) -> Optional[IO]:
         import fcntl
     except ImportError:   # pragma: no cover
         return None
+    from ..heap.private import open_private, private_dir
+
     try:
-        path.mkdir(parents=True, exist_ok=True)
-        f = open(path / name, "a+")
+        private_dir(path)   # 0700 and 0600, as the store makes its own
+        f = os.fdopen(open_private(path / name, os.O_RDWR | os.O_CREAT), "r+")
     except OSError:
         return None
     try:
