@@ -98,7 +98,7 @@ class MediaBlock(Strict):
         return "\n".join([h for h in head if h] + [body])
 
     def refusal(self) -> str:
-        kind = (self.source or {}).get("type") if isinstance(self.source, dict) else None
+        kind = self.source.get("type") if isinstance(self.source, dict) else None
         if self.type == "document":
             return (f"document content blocks with a {kind!r} source are not supported: this server serves text "
                     f"models and reads documents with a 'text' or 'content' source")

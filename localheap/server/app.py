@@ -100,10 +100,11 @@ def create_app(backend: Any, settings: Optional[ServerSettings] = None, governor
         app.include_router(module.router)
     app.add_middleware(LimitBody, max_bytes=settings.max_body_bytes)
     app.add_middleware(BodiesAreJson)
-    app.add_middleware(CheckOrigin, allowed=settings.own_origins + list(settings.cors_origins))
+    origins = settings.own_origins + list(settings.cors_origins)   # what a browser page may call it from
+    app.add_middleware(CheckOrigin, allowed=origins)
     if settings.keys:
         app.add_middleware(RequireApiKey, api_keys=settings.keys)
-    app.add_middleware(CORSMiddleware, allow_origins=settings.own_origins + list(settings.cors_origins),
+    app.add_middleware(CORSMiddleware, allow_origins=origins,
                        allow_methods=["GET", "POST", "PATCH", "DELETE", "OPTIONS"],
                        allow_headers=["Authorization", "Content-Type", "X-Session-Id", "X-Localheap-Client", "X-Api-Key",
                                       "Anthropic-Version", "Anthropic-Beta"],

@@ -129,7 +129,7 @@ class CheckOrigin:
         scheme, sep, netloc = origin.partition("://")
         if not sep:   # "null": a sandboxed frame's or a file's page (--cors-origin null allows it)
             return False
-        return scheme not in WEB_SCHEMES or netloc in (h.strip().lower() for h in hosts)
+        return scheme not in WEB_SCHEMES or netloc in {h.strip().lower() for h in hosts if h.strip()}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["method"] not in SAFE_METHODS:
