@@ -44,8 +44,21 @@ def demo_model_dir() -> Optional[Path]:
     return path if (path / "config.json").exists() else None
 
 
+def model_name_of(spec: Optional[str]) -> Optional[str]:
+    """The name a loaded backend will carry for a --model argument, known without loading or
+    downloading it (the server locks its sessions directory, named after it, before the model
+    loads); None for the in-memory real shapes (named with the dtype the device picks)."""
+    if spec is None or spec == "demo":
+        return "demo"
+    if spec.startswith("random:"):
+        from . import randbig
+        return None if randbig.is_real_shape(spec[len("random:"):]) else spec
+    local = Path(spec).expanduser()
+    return local.name if local.exists() else spec
+
+
 def resolve_model(spec: Optional[str], progress: bool = True) -> tuple[Path, str]:
-    """(directory, display name) for a --model argument."""
+    """(directory, display name) for a --model argument; the name is model_name_of(spec)."""
     if spec is None or spec == "demo":
         path = demo_model_dir()
         if path is None:

@@ -177,7 +177,28 @@ def test_a_port_that_is_taken_or_no_port_fails_before_the_model_loads(monkeypatc
     assert e.value.code == 2 and "'99999' is not a TCP port (0-65535)" in capsys.readouterr().err
 
 
-def test_a_second_server_on_a_sessions_directory_in_use_is_refused_until_the_first_is_gone(tmp_path):
+def test_a_server_open_to_the_network_without_an_api_key_says_so_at_start(monkeypatch, capsys):
+    import localheap.models
+    from localheap.cli import main
+
+    def stop(*a, **k):
+        raise localheap.models.ModelNotFound("stopped before loading")
+
+    monkeypatch.setattr(localheap.models, "load_backend", stop)
+    monkeypatch.delenv("LOCALHEAP_API_KEY", raising=False)
+    said = {}
+    for host, key in (("0.0.0.0", None), ("0.0.0.0", "k1"), ("127.0.0.1", None), ("192.168.1.5", None)):
+        if key:
+            monkeypatch.setenv("LOCALHEAP_API_KEY", key)
+        else:
+            monkeypatch.delenv("LOCALHEAP_API_KEY", raising=False)
+        assert main(["serve", "--host", host, "--port", "0", "--no-persist"]) == 2
+        said[(host, key)] = "no API key is set" in capsys.readouterr().err
+    assert said == {("0.0.0.0", None): True, ("0.0.0.0", "k1"): False, ("127.0.0.1", None): False,
+                    ("192.168.1.5", None): True}
+
+
+def test_a_second_server_on_a_sessions_directory_in_use_is_refused_until_the_first_is_gone(tmp_path, monkeypatch, capsys):
     """Two servers on one sessions directory would restore the same sessions and write over each
     other's index: the second is refused, naming the first; once the first is gone (kill -9
     included) the directory is free."""
@@ -186,15 +207,33 @@ def test_a_second_server_on_a_sessions_directory_in_use_is_refused_until_the_fir
         "from localheap.commands.serve import lock_sessions_dir\n"
         "held = lock_sessions_dir(Path(sys.argv[1]), 'serve.lock', SimpleNamespace(host='127.0.0.1', port=8123))\n"
         "print('held', flush=True); time.sleep(600)"), str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    import localheap.models
+    from localheap.cli import main
+
+    def no_load(*a, **k):
+        raise AssertionError("the model was loaded before the sessions directory was found in use")
+
+    monkeypatch.setattr(localheap.models, "load_backend", no_load)
+    monkeypatch.setenv("LOCALHEAP_CACHE", str(tmp_path / "cache"))
+    default = tmp_path / "cache" / "sessions" / "demo"   # the demo model's default directory
+    default.mkdir(parents=True)
     try:
         assert holder.stdout.readline().strip() == "held"
-        second = subprocess.run([sys.executable, "-m", "localheap.cli", "serve", "--sessions-dir", str(tmp_path),
-                                 "--backend", "torch", "--port", "0"], capture_output=True, text=True, timeout=180)
-        err = second.stderr
-        assert second.returncode == 2, err
-        assert (f"the sessions directory {tmp_path} is in use by another localheap serve (pid {holder.pid}, "
-                f"http://127.0.0.1:8123): stop that one") in err, err
-        assert not (tmp_path / "index.json").exists()   # nothing restored, nothing written
+        for flags, where in ((["--sessions-dir", str(tmp_path)], tmp_path), ([], default)):
+            if where == default:
+                holder.kill()
+                holder.wait()
+                holder = subprocess.Popen([sys.executable, "-c", (
+                    "import sys, time; from pathlib import Path; from types import SimpleNamespace\n"
+                    "from localheap.commands.serve import lock_sessions_dir\n"
+                    "held = lock_sessions_dir(Path(sys.argv[1]), 'serve.lock', SimpleNamespace(host='127.0.0.1', port=8123))\n"
+                    "print('held', flush=True); time.sleep(600)"), str(default)], stdout=subprocess.PIPE, text=True)
+                assert holder.stdout.readline().strip() == "held"
+            assert main(["serve", *flags, "--port", "0"]) == 2   # refused before the model loads (no_load)
+            err = capsys.readouterr().err
+            assert (f"the sessions directory {where} is in use by another localheap serve (pid {holder.pid}, "
+                    f"http://127.0.0.1:8123): stop that one") in err, err
+            assert not (where / "index.json").exists()   # nothing restored, nothing written
     finally:
         holder.kill()
         holder.wait()

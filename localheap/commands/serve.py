@@ -183,6 +183,21 @@ def lock_sessions_dir(path: Path, name: str, settings) -> Optional[IO]:
     return f
 
 
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1", "[::1]")
+
+
+def warn_open_without_key(settings) -> None:
+    """A server on the network (--host other than loopback) without an API key answers anyone who can
+    reach it; with a wildcard address the Host check is off too, so a web page whose name resolves to
+    this machine can drive it (DNS rebinding). Said once at start, not refused: a trusted LAN is a
+    choice."""
+    if settings.host in LOOPBACK_HOSTS or settings.host.startswith("127.") or settings.keys:
+        return
+    print(f"localheap: warning: --host {settings.host} serves everyone who can reach this machine, and no API key "
+          f"is set: anyone on the network can run generations and read or delete sessions; set LOCALHEAP_API_KEY "
+          f"(or --api-keys-file) to require one", file=sys.stderr)
+
+
 def default_sessions_dir(model_name: str) -> Path:
     slug = re.sub(r"[^A-Za-z0-9._-]+", "_", model_name).strip("_") or "model"
     base = Path(os.environ.get("LOCALHEAP_CACHE", Path.home() / ".cache" / "localheap"))
@@ -281,21 +296,32 @@ def api_keys(args) -> list[str]:
 
 
 def run(args) -> int:
-    from ..models import load_backend
+    from ..models import load_backend, model_name_of
     from ..server import create_app
 
     settings = settings_from_args(args)   # bad flags fail before the model loads
     if not args.distributed or os.environ.get("MLX_RANK", "0") == "0":   # (rank 0 alone listens)
         check_port_free(settings.host, settings.port)
+    warn_open_without_key(settings)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s:     %(name)s: %(message)s")
-    backend = ranks.load_rank(args) if args.distributed else load_backend(model_spec(args), args.backend)
+    lock = None
+    if settings.persist_sessions and not args.distributed:   # before the model loads, where its directory is known
+        if settings.sessions_dir is None and (name := model_name_of(model_spec(args))) is not None:
+            settings.sessions_dir = default_sessions_dir(name)
+        if settings.sessions_dir is not None:
+            lock = lock_sessions_dir(Path(settings.sessions_dir), "serve.lock", settings)
+    try:
+        backend = ranks.load_rank(args) if args.distributed else load_backend(model_spec(args), args.backend)
+    except BaseException:
+        if lock is not None:
+            lock.close()
+        raise
     apply_decode_attention(backend, args, batched=True)
     settings.heap = with_backend_chunk(settings.heap, args, backend)
     settings.max_batch, settings.max_active = batch_limits(args, default_max_batch(backend))
     if settings.persist_sessions and settings.sessions_dir is None:
         settings.sessions_dir = default_sessions_dir(backend.model_name)
-    lock = None
-    if settings.persist_sessions:
+    if settings.persist_sessions and lock is None:
         rank = backend.rank if args.distributed else None   # (ranks on one host may share a directory)
         lock = lock_sessions_dir(Path(settings.sessions_dir),
                                  "serve.lock" if rank is None else f"serve.rank{rank}.lock", settings)
