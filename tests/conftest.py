@@ -10,6 +10,21 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # this process that would keep every earlier test's cycles for ever (test_cli.py tests it unfrozen)
 os.environ.setdefault("LOCALHEAP_GC_FREEZE", "0")
 
+# The files that take longest, longest first (serial durations on the CI machine, 2 cores,
+# 2026-11-30: 310 s for the first, about 25 s for the last). The README's test command runs the
+# files on two workers or more (pytest-xdist, --dist loadfile, which hands each worker the next file
+# when it has done one): a long file handed out last would leave one worker running it alone.
+SLOW_FIRST = ("test_mlx_distributed_serve.py", "test_mlx_distributed.py", "test_torch_compiled_decode.py",
+              "test_commit_faults.py", "test_demo_model.py", "test_budget_server.py", "test_server_disk.py",
+              "test_mlx_batch.py", "test_facts.py", "test_server_tools.py", "test_fault_injection.py",
+              "test_web_layout.py", "test_web_ui.py", "test_agent_clis.py", "test_engine_batch.py",
+              "test_server_app.py", "test_serve_crash.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(SLOW_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))   # stable: the rest as collected
+
 
 @pytest.fixture(scope="session", autouse=True)
 def temp_root(tmp_path_factory):
