@@ -26,11 +26,14 @@ def serve(backend=None, **settings) -> ServerThread:
 def test_a_rebinding_host_header_is_refused():
     with serve() as srv:
         port = srv.port
-        for host in (f"evil.example:{port}", "evil.example", f"localhost.evil.example:{port}", f"localhost:{port + 1}"):
+        for host in (f"evil.example:{port}", "evil.example", f"localhost.evil.example:{port}", "localhost:abc",
+                     f"evil.example:{port}:localhost"):
             r = httpx.get(srv.url + "/v1/models", headers={"Host": host})
             assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_host", (host, r.text)
             assert "evil" not in httpx.get(srv.url + "/health").text
-        for host in (f"localhost:{port}", f"127.0.0.1:{port}", f"[::1]:{port}", f"LOCALHOST:{port}"):
+        # this machine's names on another port: a forward of the server (ssh -L 9000:localhost:PORT)
+        for host in (f"localhost:{port}", f"127.0.0.1:{port}", f"[::1]:{port}", f"LOCALHOST:{port}", "localhost",
+                     "localhost:9000", "127.0.0.1:9000", "[::1]:9000"):
             assert httpx.get(srv.url + "/v1/models", headers={"Host": host}).status_code == 200, host
     with serve(allowed_hosts=["box.lan"]) as srv:   # --allow-host: a proxy's name, any port
         assert httpx.get(srv.url + "/v1/models", headers={"Host": "box.lan:443"}).status_code == 200

@@ -70,8 +70,10 @@ class RequireApiKey:
 class CheckHost:
     """Refuse requests whose Host header names another site (DNS rebinding: a page on
     evil.example whose name resolves to 127.0.0.1 must not reach a loopback server).
-    Accepted: localhost, 127.0.0.1, [::1] and the bound host, on the port the server
-    listens on, plus names the operator allowed (--allow-host: a proxy's name, on any port)."""
+    Accepted: localhost, 127.0.0.1, [::1] and the bound host, plus names the operator allowed
+    (--allow-host: a proxy's name), on any port: what rebinding forges is the name (a page's own,
+    which it cannot make "localhost"), while a Host naming this machine on another port comes
+    through a forward of it (ssh -L 9000:localhost:8000, an editor's port forwarding)."""
 
     def __init__(self, app: ASGIApp, bound_host: str, extra: list[str] = ()):
         self.app = app
@@ -79,20 +81,17 @@ class CheckHost:
         self.names = {n.lower() for n in (*LOOPBACK_NAMES, bound)}
         self.extra = {n.lower() for n in extra}
 
-    def allowed(self, host: str, port: Optional[int]) -> bool:
+    def allowed(self, host: str) -> bool:
         name, _, given_port = host.rpartition(":") if not host.endswith("]") else (host, "", "")
-        if not name:                      # no port in the header: the scheme's default
-            name, given_port = host, ""
+        if not name or not given_port.isdigit():   # no port in the header (the scheme's default)
+            name = host
         name = name.lower()
-        if name in self.extra:
-            return True
-        return name in self.names and (port is None or (given_port or "80") == str(port))
+        return name in self.names or name in self.extra
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] in ("http", "websocket"):
             host = dict(scope["headers"]).get(b"host", b"").decode("latin-1").strip()
-            server = scope.get("server")
-            if not self.allowed(host, server[1] if server else None):
+            if not self.allowed(host):
                 log.warning("refused a request for Host %r (not this server's name; DNS rebinding?)", host)
                 error = ApiError(f"unknown Host header {host!r}: this server answers only to "
                                  f"{', '.join(sorted(self.names | self.extra))} (see --allow-host)", code="invalid_host")
