@@ -302,7 +302,7 @@ def run(args) -> int:
     settings = settings_from_args(args)   # bad flags fail before the model loads
     if not args.distributed or os.environ.get("MLX_RANK", "0") == "0":   # (rank 0 alone listens)
         check_port_free(settings.host, settings.port)
-    warn_open_without_key(settings)
+        warn_open_without_key(settings)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s:     %(name)s: %(message)s")
     lock = None
     if settings.persist_sessions and not args.distributed:   # before the model loads, where its directory is known
