@@ -187,7 +187,8 @@ def test_a_server_open_to_the_network_without_an_api_key_says_so_at_start(monkey
     monkeypatch.setattr(localheap.models, "load_backend", stop)
     monkeypatch.delenv("LOCALHEAP_API_KEY", raising=False)
     said = {}
-    for host, key in (("0.0.0.0", None), ("0.0.0.0", "k1"), ("127.0.0.1", None), ("192.168.1.5", None)):
+    for host, key in (("0.0.0.0", None), ("0.0.0.0", "k1"), ("127.0.0.1", None), ("192.168.1.5", None),
+                      ("127.0.0.2", None), ("::1", None), ("localhost", None), ("box.lan", None)):
         if key:
             monkeypatch.setenv("LOCALHEAP_API_KEY", key)
         else:
@@ -195,18 +196,23 @@ def test_a_server_open_to_the_network_without_an_api_key_says_so_at_start(monkey
         assert main(["serve", "--host", host, "--port", "0", "--no-persist"]) == 2
         said[(host, key)] = "no API key is set" in capsys.readouterr().err
     assert said == {("0.0.0.0", None): True, ("0.0.0.0", "k1"): False, ("127.0.0.1", None): False,
-                    ("192.168.1.5", None): True}
+                    ("192.168.1.5", None): True, ("127.0.0.2", None): False, ("::1", None): False,
+                    ("localhost", None): False, ("box.lan", None): True}
 
 
 def test_a_second_server_on_a_sessions_directory_in_use_is_refused_until_the_first_is_gone(tmp_path, monkeypatch, capsys):
     """Two servers on one sessions directory would restore the same sessions and write over each
     other's index: the second is refused, naming the first; once the first is gone (kill -9
     included) the directory is free."""
-    holder = subprocess.Popen([sys.executable, "-c", (
-        "import sys, time; from pathlib import Path; from types import SimpleNamespace\n"
-        "from localheap.commands.serve import lock_sessions_dir\n"
-        "held = lock_sessions_dir(Path(sys.argv[1]), 'serve.lock', SimpleNamespace(host='127.0.0.1', port=8123))\n"
-        "print('held', flush=True); time.sleep(600)"), str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    def hold(path):
+        """A process that holds `path`'s lock as a server on port 8123 would."""
+        return subprocess.Popen([sys.executable, "-c", (
+            "import sys, time; from pathlib import Path; from types import SimpleNamespace\n"
+            "from localheap.commands.serve import lock_sessions_dir\n"
+            "held = lock_sessions_dir(Path(sys.argv[1]), 'serve.lock', SimpleNamespace(host='127.0.0.1', port=8123))\n"
+            "print('held', flush=True); time.sleep(600)"), str(path)], stdout=subprocess.PIPE, text=True)
+
+    holder = hold(tmp_path)
     import localheap.models
     from localheap.cli import main
 
@@ -223,11 +229,7 @@ def test_a_second_server_on_a_sessions_directory_in_use_is_refused_until_the_fir
             if where == default:
                 holder.kill()
                 holder.wait()
-                holder = subprocess.Popen([sys.executable, "-c", (
-                    "import sys, time; from pathlib import Path; from types import SimpleNamespace\n"
-                    "from localheap.commands.serve import lock_sessions_dir\n"
-                    "held = lock_sessions_dir(Path(sys.argv[1]), 'serve.lock', SimpleNamespace(host='127.0.0.1', port=8123))\n"
-                    "print('held', flush=True); time.sleep(600)"), str(default)], stdout=subprocess.PIPE, text=True)
+                holder = hold(default)
                 assert holder.stdout.readline().strip() == "held"
             assert main(["serve", *flags, "--port", "0"]) == 2   # refused before the model loads (no_load)
             err = capsys.readouterr().err

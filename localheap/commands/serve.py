@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import ipaddress
 import logging
 import os
 import re
@@ -183,7 +184,13 @@ def lock_sessions_dir(path: Path, name: str, settings) -> Optional[IO]:
     return f
 
 
-LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1", "[::1]")
+def is_loopback(host: str) -> bool:
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 def warn_open_without_key(settings) -> None:
@@ -191,7 +198,7 @@ def warn_open_without_key(settings) -> None:
     reach it; with a wildcard address the Host check is off too, so a web page whose name resolves to
     this machine can drive it (DNS rebinding). Said once at start, not refused: a trusted LAN is a
     choice."""
-    if settings.host in LOOPBACK_HOSTS or settings.host.startswith("127.") or settings.keys:
+    if is_loopback(settings.host) or settings.keys:
         return
     print(f"localheap: warning: --host {settings.host} serves everyone who can reach this machine, and no API key "
           f"is set: anyone on the network can run generations and read or delete sessions; set LOCALHEAP_API_KEY "
@@ -305,27 +312,22 @@ def run(args) -> int:
         warn_open_without_key(settings)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s:     %(name)s: %(message)s")
     lock = None
-    if settings.persist_sessions and not args.distributed:   # before the model loads, where its directory is known
-        if settings.sessions_dir is None and (name := model_name_of(model_spec(args))) is not None:
-            settings.sessions_dir = default_sessions_dir(name)
-        if settings.sessions_dir is not None:
-            lock = lock_sessions_dir(Path(settings.sessions_dir), "serve.lock", settings)
     try:
+        if settings.persist_sessions and not args.distributed:   # before the model loads, where its directory is known
+            if settings.sessions_dir is None and (name := model_name_of(model_spec(args))) is not None:
+                settings.sessions_dir = default_sessions_dir(name)
+            if settings.sessions_dir is not None:
+                lock = lock_sessions_dir(Path(settings.sessions_dir), "serve.lock", settings)
         backend = ranks.load_rank(args) if args.distributed else load_backend(model_spec(args), args.backend)
-    except BaseException:
-        if lock is not None:
-            lock.close()
-        raise
-    apply_decode_attention(backend, args, batched=True)
-    settings.heap = with_backend_chunk(settings.heap, args, backend)
-    settings.max_batch, settings.max_active = batch_limits(args, default_max_batch(backend))
-    if settings.persist_sessions and settings.sessions_dir is None:
-        settings.sessions_dir = default_sessions_dir(backend.model_name)
-    if settings.persist_sessions and lock is None:
-        rank = backend.rank if args.distributed else None   # (ranks on one host may share a directory)
-        lock = lock_sessions_dir(Path(settings.sessions_dir),
-                                 "serve.lock" if rank is None else f"serve.rank{rank}.lock", settings)
-    try:
+        apply_decode_attention(backend, args, batched=True)
+        settings.heap = with_backend_chunk(settings.heap, args, backend)
+        settings.max_batch, settings.max_active = batch_limits(args, default_max_batch(backend))
+        if settings.persist_sessions and settings.sessions_dir is None:
+            settings.sessions_dir = default_sessions_dir(backend.model_name)
+        if settings.persist_sessions and lock is None:
+            rank = backend.rank if args.distributed else None   # (ranks on one host may share a directory)
+            lock = lock_sessions_dir(Path(settings.sessions_dir),
+                                     "serve.lock" if rank is None else f"serve.rank{rank}.lock", settings)
         if settings.disk_total is None:   # auto: measured where the sessions directory is (or a temp dir goes)
             settings.disk_total = disk_total("auto", settings.sessions_dir or Path(tempfile.gettempdir()))
         if args.distributed:
