@@ -123,3 +123,53 @@ def _ignore(fn, *args):
         fn(*args)
     except (AssertionError, httpx.HTTPError):
         pass   # the server went away under it, as intended
+
+
+def test_kill_9_mid_background_response_goes_on_from_what_reached_the_disk(tmp_path):
+    """kill -9 while a background response runs: at the restart it goes on from what of it reached
+    the disk. Its events kept are those a reader saw (as they were sent, numbered as then), and its
+    reply runs on from their last token: its output (cancelled once run 2 has sent a few events)
+    begins with their text and goes on."""
+    srv = Server(tmp_path)
+    try:
+        r = httpx.post(srv.url + "/v1/responses", timeout=60,
+                       json={"model": MODEL, "input": "Never stop.", "background": True,
+                             "max_output_tokens": 100000, "temperature": 0})
+        assert r.status_code == 200, r.text
+        rid = r.json()["id"]
+        seen = _events(srv.url, rid, lambda got: len(got) == 40)
+        time.sleep(0.5)   # the reply runs on; its writer keeps up
+        srv.proc.send_signal(signal.SIGKILL)
+        srv.proc.wait(30)
+    finally:
+        srv.kill()
+    assert (tmp_path / "background" / f"{rid}.jsonl").exists()
+
+    srv = Server(tmp_path)
+    try:
+        events = _events(srv.url, rid, lambda got: sum(e["sequence_number"] >= 10 ** 9 for e in got) == 5)
+        r = httpx.post(f"{srv.url}/v1/responses/{rid}/cancel", timeout=60)
+        assert r.status_code == 200 and r.json()["status"] == "cancelled", r.text
+        body = httpx.get(f"{srv.url}/v1/responses/{rid}").json()
+    finally:
+        srv.kill()
+    kept = [e for e in events if e["sequence_number"] < 10 ** 9]
+    assert len(kept) >= len(seen) and kept[:len(seen)] == seen
+    assert [e["sequence_number"] for e in kept] == list(range(len(kept)))
+    before = "".join(e["delta"] for e in kept if e["type"] == "response.output_text.delta")
+    text = body["output"][0]["content"][0]["text"]
+    assert before and text.startswith(before) and len(text) > len(before)
+    assert body["usage"] is None or body["usage"]["output_tokens"] > len(kept) - 4
+    assert not (tmp_path / "background" / f"{rid}.jsonl").exists()
+
+
+def _events(url: str, rid: str, enough) -> list[dict]:
+    """A background response's events (GET ?stream=true) until enough(the events so far)."""
+    out = []
+    with httpx.stream("GET", f"{url}/v1/responses/{rid}", params={"stream": "true"}, timeout=120) as r:
+        for line in r.iter_lines():
+            if line.startswith("data:"):
+                out.append(json.loads(line[5:]))
+                if enough(out):
+                    break
+    return out

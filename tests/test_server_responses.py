@@ -936,43 +936,112 @@ def _forced_server(model_dir, text: str, **settings):
     return ServerThread(app)
 
 
-def test_a_background_response_the_server_stopped_in_runs_again_after_its_restart(model_dirs, tmp_path_factory,
-                                                                                  tmp_path, torch_one_thread):
-    """The server stops while a background response runs: at the restart it runs again from its
-    start, under its id, and polls to the reply that server gives (its forced text); its events are
-    numbered as run 2's, so a reader of run 1's events is told (409) rather than sent a splice of
-    two runs; it is then continued by previous_response_id, and a third start leaves it as it ended."""
-    model_dir = qwen_model(model_dirs, tmp_path_factory)
-    settings = dict(sessions_dir=tmp_path, persist_sessions=True)
-    with _forced_server(model_dir, "one two three " * 400, **settings) as srv:   # no early end
+def _stopped_midway(model_dir, text: str, settings: dict, seen: int = 12, **request):
+    """A background response the server stops in midway: its reply forced to `text`, the server held
+    once a reader has `seen` of its events (returned, with the response), then stopped."""
+    with _forced_server(model_dir, text, **settings) as srv:
         client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
+        back = client.responses.create(model=model(srv), input="Go on", max_output_tokens=3000, background=True,
+                                       **request)
+        events = []
+        for event in client.responses.retrieve(back.id, stream=True):
+            events.append(event)
+            if len(events) == seen:
+                break
         stall = _Stalled(srv)
         try:
-            back = client.responses.create(model=model(srv), input="Go on", max_output_tokens=3000, background=True,
-                                           instructions="Be brief.")
+            assert client.responses.retrieve(back.id).status == "in_progress"
         finally:
-            stall.release()   # it runs; the server stops under it
-    with _forced_server(model_dir, "Done at last.", **settings) as srv:
+            stall.release()   # it runs on a step or two; the server stops under it
+    return back, events
+
+
+def _deltas(events) -> str:
+    return "".join(e.delta for e in events if e.type == "response.output_text.delta")
+
+
+def test_a_background_response_the_server_stopped_in_goes_on_after_its_restart(model_dirs, tmp_path_factory,
+                                                                               tmp_path, torch_one_thread):
+    """The server stops while a background response runs, some of its reply sent: at the restart it
+    goes on from there under its id. Its events kept are sent again as they were (numbers, item
+    ids); its reply goes on from its last token kept (run 2 forces another text: the reply is run
+    1's tokens, then run 2's from that place on) and usage counts both runs' tokens. A reader of
+    a kept event is sent what follows it, one of an event not kept is told (409) rather than sent
+    a splice of two runs; it is then continued by previous_response_id, and a third start leaves it
+    as it ended."""
+    model_dir = qwen_model(model_dirs, tmp_path_factory)
+    settings = dict(sessions_dir=tmp_path, persist_sessions=True)
+    back, seen = _stopped_midway(model_dir, "one two three " * 400, settings, instructions="Be brief.")
+    with _forced_server(model_dir, "four five six " * 100, **settings) as srv:
         client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
         got = _ended(client, back.id)
-        assert got.status == "completed" and got.output_text == "Done at last." and got.background is True
+        assert got.status == "completed" and got.background is True
         assert got.created_at == back.created_at and got.instructions == "Be brief."
         events = list(client.responses.retrieve(back.id, stream=True))
-        assert events[0].type == "response.created" and events[-1].type == "response.completed"
-        assert [e.sequence_number for e in events] == list(range(RUN_EVENTS, RUN_EVENTS + len(events)))   # run 2's
-        with pytest.raises(openai.ConflictError, match="runs again from its start since a server restart"):
-            client.responses.retrieve(back.id, stream=True, starting_after=3)   # a reader of run 1's events
-        later = client.responses.retrieve(back.id, stream=True, starting_after=events[2].sequence_number)
-        assert [e.sequence_number for e in later] == [e.sequence_number for e in events[3:]]
+        kept = [e for e in events if e.sequence_number < RUN_EVENTS]
+        assert [e.model_dump() for e in kept[:len(seen)]] == [e.model_dump() for e in seen]   # as they were sent
+        assert [e.sequence_number for e in events] == \
+            list(range(len(kept))) + list(range(RUN_EVENTS, RUN_EVENTS + len(events) - len(kept)))
+        assert events[-1].type == "response.completed" and events[-1].response.output[0].id == seen[-1].item_id
+        tok = srv.services.tokenizer
+        first = tok.encode("one two three " * 400, add_special_tokens=False)
+        second = tok.encode("four five six " * 100, add_special_tokens=False)
+        before = _deltas(kept)
+        k = next(k for k in range(len(first)) if tok.decode(first[:k]) == before)   # the tokens run 1 kept
+        assert len(seen) < k + 4 < len(second)   # (a delta a token, from the in_progress event on)
+        assert got.output_text == before + tok.decode(second[k:]) == _deltas(events)
+        assert got.usage.output_tokens == len(second) + 1   # (its EOS too, as any reply's)
+        later = list(client.responses.retrieve(back.id, stream=True, starting_after=3))   # a kept event
+        assert [e.sequence_number for e in later] == [e.sequence_number for e in events[4:]]
+        with pytest.raises(openai.ConflictError, match="was an earlier run's and was not kept"):
+            client.responses.retrieve(back.id, stream=True, starting_after=len(kept))   # run 1's response.failed
         again = client.responses.create(model=model(srv), previous_response_id=back.id, input="Again?",
                                         max_output_tokens=2, instructions="Be brief.")
         assert again.status in ("completed", "incomplete")
         assert again.localheap["session_id"] == got.localheap["session_id"]
         assert again.usage.input_tokens_details.cached_tokens > 0
+    assert not list((tmp_path / "background").glob("*"))   # what it kept is gone with its end
     with serve(model_dir, **settings) as srv:
         client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
-        assert client.responses.retrieve(back.id).output_text == "Done at last."
+        assert client.responses.retrieve(back.id).output_text == got.output_text
         assert srv.services.backgrounds.running == 0
+
+
+def test_a_background_response_whose_kept_reply_is_torn_or_does_not_read_again(model_dirs, tmp_path_factory,
+                                                                               tmp_path, torch_one_thread):
+    """What a crash leaves of a background response's kept reply: a last line cut short is dropped
+    and the reply goes on from the line before it; a reply that does not read again as it was sent
+    (a line changed) runs again from its start, its events numbered as run 2's."""
+    model_dir = qwen_model(model_dirs, tmp_path_factory)
+    settings = dict(sessions_dir=tmp_path, persist_sessions=True)
+    back, seen = _stopped_midway(model_dir, "one two three " * 400, settings)
+    path = tmp_path / "background" / f"{back.id}.jsonl"
+    lines = path.read_bytes().split(b"\n")[:-1]
+    records = [json.loads(line) for line in lines]
+    assert [[e["type"] for e in r["e"]] for r in records[:2]] == \
+        [["response.created", "response.queued"], ["response.in_progress"]]
+    path.write_bytes(b"\n".join(lines[:8]) + b"\n" + lines[8][:20])   # torn within its 9th line
+    whole = sum(len(r["e"]) for r in records[:8])
+    with _forced_server(model_dir, "four five six " * 100, **settings) as srv:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
+        got = _ended(client, back.id)
+        events = list(client.responses.retrieve(back.id, stream=True))
+        kept = [e for e in events if e.sequence_number < RUN_EVENTS]
+        assert [e.model_dump() for e in kept] == [e.model_dump() for e in seen[:whole]]
+        assert got.output_text.startswith(_deltas(seen[:whole])) and "four" in got.output_text
+    back, seen = _stopped_midway(model_dir, "one two three " * 400, settings)
+    path = tmp_path / "background" / f"{back.id}.jsonl"
+    records = [json.loads(line) for line in path.read_bytes().split(b"\n")[:-1]]
+    records[4]["d"][0] += "X"   # a piece read again that gives other events than those kept of it
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    with _forced_server(model_dir, "four five six " * 100, **settings) as srv:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
+        got = _ended(client, back.id)
+        second = srv.services.tokenizer.encode("four five six " * 100, add_special_tokens=False)
+        assert got.status == "completed" and got.output_text == srv.services.tokenizer.decode(second)
+        events = list(client.responses.retrieve(back.id, stream=True))
+        assert events[0].type == "response.created" and events[0].sequence_number == RUN_EVENTS
+        assert not path.exists()
 
 
 def test_a_background_response_that_cannot_run_again_reads_back_failed_with_why(model_dirs, tmp_path_factory,

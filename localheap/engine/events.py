@@ -90,6 +90,9 @@ class Generate:
                                   # SCRATCH_KEEP an owner, and the one a fork of its checkpoint replaces is dropped
     cache_reuse: Optional[int] = None   # a trimmed history's fewest tokens a run (n_cache_reuse; None: the server's)
     slot: Optional[int] = None    # llama-server's id_slot: run on this slot, once it is free (None: the lowest free)
+    reply_begun: int = 0          # the prompt's last n tokens are a reply begun before (a background response run on
+                                  # after a restart): read as prompt, but counted as the reply's (usage), and its text
+                                  # goes on from theirs; params.max_tokens is what is left of the reply's limit
 
 
 @dataclass

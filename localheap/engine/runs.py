@@ -36,6 +36,7 @@ class Run:
         self.created = False                            # the session was made for this run
         self.slot = -1                                  # the engine's slot it holds (slots.Slots)
         self.prompt_tokens = cached + len(new_tokens)
+        self.begun = 0 if isinstance(job.request, Feed) else job.request.reply_begun   # (Generate.reply_begun)
         self.chunk = session.cfg.chunk                 # prefill chunk (the heap evicts before each)
         # prompt logprobs (an echo): every token but the last is read by prefill_scored, on its own
         self.scored = None if isinstance(job.request, Feed) else job.request.params.prompt_logprobs
@@ -122,7 +123,7 @@ class Run:
         defer = req.params.max_tokens > 0   # the first step feeds it, in the batch where it can
         self._mark()
         self.row = self.backend.start_row(self.session.cache, self.last, self._params(), defer=defer)
-        self.stream = TextStream(self.backend.tokenizer.decode, req.params.stop)
+        self.stream = self._text_stream()
         if not defer:
             self.finish_reason = "length"   # sampled but not taken: the token is not fed either
             self._publish_stats(force=True)
@@ -135,17 +136,25 @@ class Run:
         if mark is not None:
             mark()
 
+    def _text_stream(self) -> TextStream:
+        """The reply's detokenizer; a reply begun before (Generate.reply_begun) read into it first, its
+        text not sent again (what it held back, an incomplete character, comes with the next token)."""
+        stream = TextStream(self.backend.tokenizer.decode, self.request.params.stop)
+        if self.begun:
+            for token in self.request.prompt.tokens[-self.begun:]:
+                stream.add(int(token))
+        return stream
+
     def _params(self):
         """The request's sampling params for the backend: with the context the repetition penalty
         and DRY look back over (the session's tokens and the turn's held-back ones), where on."""
         return self.request.params.with_context(self.session.fed, self.last)
 
     def _decode_one(self) -> None:
-        req: Generate = self.request
         if self.gen is None:
             self._mark()
             self.gen = self.backend.generate(self.session.cache, self.last, self._params())
-            self.stream = TextStream(self.backend.tokenizer.decode, req.params.stop)
+            self.stream = self._text_stream()
         token = next(self.gen, None)
         if token is None:
             self.finish_reason = "length"
@@ -189,7 +198,7 @@ class Run:
             self.logprobs_sent = due
         if text or entries:
             ids, self.ids_sent = self.completion[self.ids_sent:due], due
-            self.request.emit(Delta(text, len(self.completion), entries, ids))
+            self.request.emit(Delta(text, self.begun + len(self.completion), entries, ids))
 
     def close(self) -> None:
         """Stop generating and bring the session's history in line with its cache."""
@@ -215,7 +224,8 @@ class Run:
         self.session.extend(candidates[:fed_here])
 
     def finished_event(self) -> Finished:
-        usage = Usage(self.prompt_tokens, len(self.completion), self.cached)
+        prompt = self.prompt_tokens - self.begun   # a reply begun before counts as the reply's
+        usage = Usage(prompt, self.begun + len(self.completion), min(self.cached, prompt))
         read = max(0, min(self.prompt_tokens, len(self.session.fed)) - self.cached)
         interrupted = "shutdown" if self.finish_reason is None and self.job.cancel_reason == "shutdown" else None
         word = self.stream.stops.matched if self.stream is not None else None

@@ -2,33 +2,49 @@
 once (status "queued"), the reply runs on with no client attached, and GET /v1/responses/{id}
 polls it, streams it again from any event (`?stream=true&starting_after=N`), POST
 /v1/responses/{id}/cancel stops it. A response is kept (ResponseLog) when it is queued, with its
-request, and again when it ends, so a server stopped in between runs it again at its restart
-(routes/responses.resume_backgrounds; RUNS times in all at most, then it reads back "failed").
+request, and again when it ends; meanwhile its events and the reply's pieces go to a file of its
+own (Progress), so a server stopped or crashed in between goes on with it at its restart from the
+last piece kept (routes/responses.resume_backgrounds; RUNS times in all at most, then it reads
+back "failed").
 
-Event loop only."""
+Event loop only (but Progress's writes, on the responses' writer thread)."""
 
 from __future__ import annotations
 
 import asyncio
+import bisect
 import json
+import logging
+import os
+import random
+import threading
 from collections import OrderedDict
+from pathlib import Path
 from typing import AsyncIterator, Optional
 
+from ..heap.private import open_private
+from .ids import seeded
+from .jsonlines import FileBacked
 from .responses import UNFINISHED, Built
+
+log = logging.getLogger("localheap.server")
 
 KEEP_FINISHED = 64   # ended runs whose events stay in memory for a stream read again
 RUN_EVENTS = 10 ** 9   # run k (after k - 1 restarts) numbers its events from (k - 1) * RUN_EVENTS
 
 
 class Run:
-    """One background response: its stream's events so far, in order (an event's index is its
-    sequence_number less `first`, its run's first; each kept as the SSE message it is sent as: an
-    event's response is the one of its moment), its status, the job once the engine admitted it."""
+    """One background response: its stream's events so far, in order (each kept as the SSE message
+    it is sent as: an event's response is the one of its moment; `numbers` their sequence numbers:
+    those of earlier runs kept, then this run's from `first`), its status, the job once the engine
+    admitted it. `ids`: the source of its items' and calls' ids (ids.SOURCE in its task)."""
 
     def __init__(self, built: Built, owner: Optional[str]):
         self.built, self.owner = built, owner
         self.first = built.sequence
         self.events: list[dict] = []
+        self.numbers: list[int] = []
+        self.ids: random.Random = seeded(built.id)
         self.status = "queued"
         self.body: Optional[dict] = None   # the whole response once it ended
         self.extra: dict = {}              # the `localheap` fields while it runs (its session)
@@ -57,6 +73,7 @@ class Run:
     def push(self, events: list[dict], status: Optional[str] = None) -> None:
         """Events appended (and a new status), the readers woken."""
         self.events += [sse(e) for e in events]
+        self.numbers += [e["sequence_number"] for e in events]
         if status is not None:
             self.status = status
         self._changed.set()
@@ -85,10 +102,18 @@ class Run:
             except asyncio.TimeoutError:
                 return
 
+    def lost(self, after: int) -> bool:
+        """Whether event `after` was sent by an earlier run and not kept (the events after it are
+        not known: a crash took them before they reached the disk)."""
+        if after < 0 or after >= self.first - 1:
+            return False
+        at = bisect.bisect_left(self.numbers, after)
+        return at == len(self.numbers) or self.numbers[at] != after
+
     async def read(self, after: int = -1) -> AsyncIterator[dict]:
         """The SSE messages of the events after sequence number `after`, then each as it comes,
         until it ends. A reader that leaves changes nothing: the reply runs on."""
-        at = max(0, after + 1 - self.first)
+        at = bisect.bisect_right(self.numbers, after)
         while True:
             changed = self._changed
             while at < len(self.events):
@@ -107,8 +132,9 @@ def sse(event: dict) -> dict:
 class Backgrounds:
     """The background responses running, and the latest KEEP_FINISHED ended ones (their events)."""
 
-    def __init__(self, keep_finished: int = KEEP_FINISHED):
+    def __init__(self, keep_finished: int = KEEP_FINISHED, progress: Optional["Progress"] = None):
         self.keep_finished = keep_finished
+        self.progress = progress   # None: in memory (a restart does not run them again)
         self._runs: OrderedDict[str, Run] = OrderedDict()
 
     def add(self, run: Run) -> None:
@@ -129,3 +155,100 @@ class Backgrounds:
     @property
     def running(self) -> int:
         return sum(not r.ended for r in self._runs.values())
+
+
+class Progress:
+    """What each background response has done so far, in a file of its own (`directory`/<id>.jsonl)
+    written on the kept responses' writer thread (`log`: in order with its records, so a response
+    kept ended is on disk before its file goes): a line per change, each {"e": the events it sent}
+    with {"d": [text, ids, logprobs]}, the Delta they came of (logprobs as [[id, logprob, [[id,
+    logprob], ...]], ...] or null), or {"x": the response's `localheap` fields}. Lines waiting are
+    written together, with one fsync; a crash leaves the lines written before it (a torn last one
+    is dropped when read back)."""
+
+    def __init__(self, directory: Path, log_: FileBacked):
+        self.directory, self.log = directory, log_
+        self._waiting: dict[str, list[bytes]] = {}
+        self._lock = threading.Lock()
+
+    def path(self, response_id: str) -> Path:
+        return self.directory / f"{response_id}.jsonl"
+
+    def add(self, response_id: str, record: dict) -> None:
+        line = (json.dumps(record, separators=(",", ":")) + "\n").encode()
+        with self._lock:
+            waiting = self._waiting.setdefault(response_id, [])
+            waiting.append(line)
+            first = len(waiting) == 1
+        if first:
+            self.log.submit(self._write, response_id)
+
+    def drop(self, response_id: str) -> None:
+        """Its file deleted (once what was queued before is written)."""
+        with self._lock:
+            self._waiting.pop(response_id, None)
+        self.log.submit(self._unlink, response_id)
+
+    def read(self, response_id: str) -> list[dict]:
+        """Its records (none without a file), the file cut to the whole ones (start only)."""
+        path = self.path(response_id)
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            return []
+        except OSError as e:
+            log.error("could not read %s: %s (the response runs again from its start)", path, e)
+            return []
+        records, good = [], 0
+        for line in data.split(b"\n")[:-1]:   # (a last line without its newline is torn)
+            try:
+                record = json.loads(line)
+            except ValueError:
+                break
+            if not isinstance(record, dict):
+                break
+            records.append(record)
+            good += len(line) + 1
+        if good < len(data):
+            log.warning("%s: %d bytes after its last whole line dropped (a crash cut them short)", path,
+                        len(data) - good)
+            os.truncate(path, good)
+        return records
+
+    def reset(self, response_id: str) -> None:
+        """Its file deleted now (start only: a response that runs again from its start)."""
+        self.path(response_id).unlink(missing_ok=True)
+
+    def stale(self, keep: set[str]) -> None:
+        """The files of responses not in `keep` deleted (start only: ended while its file stayed)."""
+        if not self.directory.is_dir():
+            return
+        for path in self.directory.glob("*.jsonl"):
+            if path.stem not in keep:
+                path.unlink(missing_ok=True)
+
+    def _write(self, response_id: str) -> None:
+        with self._lock:
+            lines = self._waiting.pop(response_id, [])
+        if not lines:
+            return
+        path = self.path(response_id)
+        try:
+            self.directory.mkdir(mode=0o700, exist_ok=True)
+            fd = open_private(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+            try:
+                data = memoryview(b"".join(lines))
+                while data:
+                    data = data[os.write(fd, data):]
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        except OSError as e:
+            log.error("could not write to %s: %s (a restart runs the response again from an earlier point)",
+                      path, e)
+
+    def _unlink(self, response_id: str) -> None:
+        try:
+            self.path(response_id).unlink(missing_ok=True)
+        except OSError as e:
+            log.error("could not delete %s: %s", self.path(response_id), e)

@@ -362,11 +362,12 @@ async def start(svc: Services, request: Optional[Request], prompt: Prompt, param
                 session_id: Optional[str], title: Optional[str],
                 ephemeral: bool = False, scratch: bool = False,
                 cache_reuse: Optional[int] = None, who: Optional[str] = None,
-                slot: Optional[int] = None) -> tuple[Job, JobEvents, Started]:
+                slot: Optional[int] = None, reply_begun: int = 0) -> tuple[Job, JobEvents, Started]:
     """Queue a generation on the session the prompt extends (or `session_id`); returns once admitted.
     `ephemeral`: a session of its own, never matched or saved, deleted when the reply ends.
     `scratch`: an editor's completion (engine.Generate.scratch). `cache_reuse`: the request's
     n_cache_reuse (None: serve --cache-reuse). `slot`: llama-server's id_slot (engine.Generate.slot).
+    `reply_begun`: the prompt ends with that many tokens of a reply begun before (engine.Generate).
     With no `request` (a background response run again after a restart), the sessions matched are
     `who`'s."""
     who = owner(request) if request is not None else who
@@ -375,7 +376,8 @@ async def start(svc: Services, request: Optional[Request], prompt: Prompt, param
                                                                                ephemeral=ephemeral,
                                                                                scratch=scratch,
                                                                                cache_reuse=cache_reuse,
-                                                                               slot=slot))
+                                                                               slot=slot,
+                                                                               reply_begun=reply_begun))
     await svc.name_session(started.session_id, title)
     return job, events, started
 

@@ -131,6 +131,11 @@ class FileBacked:
         else:
             self._file.append(record)
 
+    def submit(self, fn: Callable, arg) -> None:
+        """fn(arg) on the log's writer thread, in order with its writes (nothing without a file)."""
+        if self._file is not None:
+            self._file._submit(fn, arg)
+
     def flush(self) -> None:
         if self._file is not None:
             self._file.flush()

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import logging
-import secrets
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -27,6 +26,7 @@ from ..grammar import GrammarError, grammar_error, json_grammar
 from ..larkformat import LarkInput, lark_regex, lark_rules
 from .chat import ChatPlan
 from .formats import InputStream, custom_input
+from .ids import hex_id
 from .errors import ApiError, BadRequest
 from .jsonlines import FileBacked, JsonLines
 from .logonce import warn_once
@@ -582,7 +582,8 @@ class ResponseLog(FileBacked):
     dropped.
 
     A background response is kept queued with its request (`resume`), and again when it ends. One
-    the server stopped in (queued or running) is read back to run again from its start (`resumable`),
+    the server stopped in (queued or running) is read back to run on (`resumable`; from what its
+    background.Progress kept),
     RUNS times in all at most (a response that brings the server down would otherwise at each
     start); past that it reads back failed."""
 
@@ -719,7 +720,7 @@ def _text(content: Union[str, list]) -> str:
 
 
 def new_id(prefix: str) -> str:
-    return f"{prefix}_{secrets.token_hex(12)}"
+    return f"{prefix}_{hex_id(12)}"
 
 
 class Built:

@@ -20,6 +20,7 @@ from .settings import ServerSettings
 
 NAME_TIMEOUT_S = 5.0
 RESPONSES_FILE = "responses.jsonl"   # the kept /v1/responses, in the sessions directory
+BACKGROUND_DIR = "background"        # beside it: what each background response running has done (background.Progress)
 CONVERSATIONS_FILE = "conversations.jsonl"   # /v1/conversations, beside it
 
 
@@ -87,9 +88,11 @@ class Services:
     def backgrounds(self) -> Any:
         """The background responses running, and the latest ended (background.Backgrounds)."""
         if self._backgrounds is None:
-            from .background import Backgrounds
+            from .background import Backgrounds, Progress
 
-            self._backgrounds = Backgrounds()
+            path = self.responses.path   # their progress beside the kept responses, written by their writer
+            self._backgrounds = Backgrounds(progress=None if path is None else
+                                            Progress(path.parent / BACKGROUND_DIR, self.responses))
         return self._backgrounds
 
     @property

@@ -23,10 +23,12 @@ from __future__ import annotations
 
 import json
 import re
-import secrets
 import string
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
+
+from .ids import choice, hex_id
+
 
 @dataclass
 class ToolCall:
@@ -38,12 +40,12 @@ class ToolCall:
 
 
 def openai_call_id() -> str:
-    return "call_" + secrets.token_hex(12)
+    return "call_" + hex_id(12)
 
 
 def mistral_call_id() -> str:
     """Mistral's templates refuse any id but 9 letters and digits."""
-    return "".join(secrets.choice(string.ascii_letters + string.digits) for _ in range(9))
+    return "".join(choice(string.ascii_letters + string.digits) for _ in range(9))
 
 _NAME = re.compile(r'"name"\s*:\s*"([^"]+)"')
 _ARGS = re.compile(r'"(?:arguments|parameters)"\s*:\s*(.*?)\s*\}?\s*$', re.S)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from array import array
 import logging
 import time
 from dataclasses import dataclass
@@ -16,10 +17,11 @@ from fastapi.responses import JSONResponse
 from sse_starlette import EventSourceResponse
 
 from ...engine import Delta, Finished, Job
-from ...generation import LogprobRecorder, SamplingParams
+from ...generation import LogprobRecorder, SamplingParams, TokenLogprob
 from ...sessions import Prompt
 from ..bridge import JobEvents, follow, watch_disconnect
 from ..background import RUN_EVENTS, Run, sse
+from ..ids import SOURCE
 from ..chat import check_start, start
 from ..errors import ApiError, BadRequest, Conflict, Unsupported, to_response
 from ..formats import extension, saved_headers
@@ -78,6 +80,7 @@ class _Planned:
     keep: Callable[..., None]
     token_text: Any
     title: Optional[str]
+    begun: int = 0   # the prompt ends with this many tokens of the reply begun by an earlier run (_replay)
 
 
 async def _planned(svc: Services, body: ResponsesRequest, who: Optional[str]) -> _Planned:
@@ -93,14 +96,18 @@ async def _planned(svc: Services, body: ResponsesRequest, who: Optional[str]) ->
                     next((m.text() for m in messages if m.role == "user"), None))
 
 
-def _launch(svc: Services, p: _Planned, who: Optional[str], session_id: Optional[str], runs: int) -> Run:
+def _launch(svc: Services, p: _Planned, who: Optional[str], session_id: Optional[str], runs: int,
+            run: Optional[Run] = None) -> Run:
     """A background response queued: kept queued with its request (a server stopped before it ends
-    runs it again at its restart), its reply run on a task of its own."""
-    p.built.sequence = (runs - 1) * RUN_EVENTS   # (a reader of an earlier run's events can be told)
-    run = Run(p.built, who)
+    runs it again at its restart), its reply run on a task of its own. `run`: the earlier runs'
+    events kept, its reply read again (_replay)."""
+    p.built.sequence = (runs - 1) * RUN_EVENTS   # (a reader of an earlier run's events not kept can be told)
+    if run is None:
+        run = Run(p.built, who)
+        _push(svc, run, [p.built.event("response.created", response=p.built.response("queued")),
+                         p.built.event("response.queued", response=p.built.response("queued"))])
+    run.first = p.built.sequence
     svc.backgrounds.add(run)
-    run.push([p.built.event("response.created", response=p.built.response("queued")),
-              p.built.event("response.queued", response=p.built.response("queued"))])
     p.keep(run.snapshot(), {"request": p.body.model_dump(mode="json", by_alias=True, exclude_unset=True),
                             "session_id": session_id, "runs": runs})
     run.task = asyncio.create_task(_background(svc, who, run, p, session_id))
@@ -108,12 +115,18 @@ def _launch(svc: Services, p: _Planned, who: Optional[str], session_id: Optional
 
 
 async def resume_backgrounds(svc: Services) -> None:
-    """At start: the background responses a server stopped in (queued or running), run again from
-    their start under the same id (their events numbered on from RUN_EVENTS times the runs before),
-    each its request as it was sent; one that cannot be (its X-Session-Id or the response it
-    continues gone) ends failed."""
-    for rid, kept in svc.responses.resumable():
+    """At start: the background responses a server stopped in (queued or running) run on under the
+    same id, each its request as it was sent: its events kept are sent again as they were, and
+    its reply goes on from the last piece kept (_replay; events numbered on from RUN_EVENTS times
+    the runs before), or, where none was kept or what was kept does not read again, from its
+    start. One that cannot run (its X-Session-Id or the response it continues gone) ends failed."""
+    resumable = svc.responses.resumable()
+    progress = svc.backgrounds.progress
+    if progress is not None:
+        progress.stale({rid for rid, _ in resumable})
+    for rid, kept in resumable:
         resume = kept.resume
+        runs = resume["runs"] + 1
         try:
             body = ResponsesRequest.model_validate(resume["request"])
             p = await _planned(svc, body, kept.owner)
@@ -121,11 +134,85 @@ async def resume_backgrounds(svc: Services) -> None:
         except Exception as e:   # noqa: BLE001 - what a request would be refused for, as its failure
             err = json.loads(to_response(e).body)["error"]
             svc.responses.fail(rid, {"code": err["code"] or err["type"], "message": err["message"]})
+            if progress is not None:
+                progress.drop(rid)
             log.warning("background response %s was not run again after the restart: %s", rid, err["message"])
             continue
         p.built.id, p.built.created = rid, kept.body.get("created_at", p.built.created)
-        _launch(svc, p, kept.owner, resume["session_id"], runs=resume["runs"] + 1)
-        log.info("background response %s runs again after the restart (run %d)", rid, resume["runs"] + 1)
+        records = progress.read(rid) if progress is not None else []
+        run = _replay(p, kept.owner, records) if records else None
+        if records and run is None:
+            progress.reset(rid)
+            p = await _planned(svc, body, kept.owner)
+            p.built.id, p.built.created = rid, kept.body.get("created_at", p.built.created)
+        _launch(svc, p, kept.owner, resume["session_id"], runs=runs, run=run)
+        how = "from its start" if run is None else f"after the {p.begun} reply tokens kept ({len(run.events)} events)"
+        log.info("background response %s runs on after the restart (run %d) %s", rid, runs, how)
+
+
+def _replay(p: _Planned, who: Optional[str], records: list[dict]) -> Optional[Run]:
+    """The run of a response an earlier run began, from what that kept (background.Progress): its
+    events as they were sent, its reply's pieces read again into p.built and p.parser (which must
+    give those events again, ids and all: ids.SOURCE seeded as then), and p made to go on from
+    them (the reply's ids after the prompt, max_output_tokens less them, the constraint past
+    them). None where they do not read again (p is then spent)."""
+    run = Run(p.built, who)
+    built, reply = p.built, []
+    source = SOURCE.set(run.ids)
+    try:
+        for r in records:
+            events = r.get("e", [])
+            if "x" in r:
+                run.extra = dict(r["x"])
+            if "d" in r:
+                text, ids, entries = r["d"]
+                if events:
+                    built.sequence = events[0]["sequence_number"]
+                logprobs = None if entries is None else [TokenLogprob(t, lp, [tuple(x) for x in top])
+                                                         for t, lp, top in entries]
+                again = json.loads(json.dumps(built.read(p.parser, text, logprobs, p.token_text)))
+                if again != events:
+                    log.warning("background response %s: its kept reply does not read again as it was sent "
+                                "(event %s): it runs again from its start", built.id,
+                                events[0]["sequence_number"] if events else built.sequence)
+                    return None
+                reply += [int(t) for t in ids]
+            elif events:
+                built.sequence = events[-1]["sequence_number"] + 1
+            run.push(events)
+        for token in reply:
+            if p.params.constraint is not None:
+                p.params.constraint.advance(token)
+    except Exception:   # noqa: BLE001 - a record that does not read: from the start rather than not at all
+        log.exception("background response %s: what was kept of it does not read again: it runs again from "
+                      "its start", built.id)
+        return None
+    finally:
+        SOURCE.reset(source)
+    if reply:
+        cont = p.prompt.continuation
+        p.prompt = Prompt(_then(p.prompt.tokens, reply), None, None if cont is None else _then(cont, reply))
+        p.params.max_tokens = max(0, p.params.max_tokens - len(reply))
+        p.begun = len(reply)
+    return run
+
+
+def _then(tokens, more: list[int]):
+    """`tokens` (a list, or an int32 array: a long prompt's) followed by `more`, as the same kind."""
+    if isinstance(tokens, array):
+        out = array("i", tokens)
+        out.extend(more)
+        return out
+    return list(tokens) + more
+
+
+def _push(svc: Services, run: Run, events: list[dict], status: Optional[str] = None, **record) -> None:
+    """Events of a background run sent (to its readers) and kept (its progress file: what a
+    restart goes on from), with what else `record` holds (the Delta they came of: `d`)."""
+    run.push(events, status)
+    progress = svc.backgrounds.progress
+    if progress is not None:
+        progress.add(run.id, {"e": events, **record})
 
 
 async def _prompt(svc: Services, body: ResponsesRequest, who: Optional[str]) -> tuple:
@@ -177,11 +264,11 @@ async def get_response(response_id: str, request: Request, stream: bool = False,
             why = "ended a while ago: its events are no longer kept (GET it without stream)" \
                 if kept.body.get("background") else "was not a background response: only those stream again"
             raise BadRequest(f"response {response_id!r} {why}", "stream")
-        if 0 <= starting_after < run.first - 1:
-            raise Conflict(f"response {response_id!r} runs again from its start since a server restart: event "
-                           f"{starting_after} was an earlier run's (the events of this run are numbered from "
-                           f"{run.first}); read it again from its start, without starting_after",
-                           "starting_after", "response_restarted")
+        if run.lost(starting_after):
+            raise Conflict(f"response {response_id!r} runs on since a server restart from what was kept of it: "
+                           f"event {starting_after} was an earlier run's and was not kept (the events after it "
+                           f"are not the ones sent then; this run's are numbered from {run.first}); read it "
+                           f"again from its start, without starting_after", "starting_after", "response_restarted")
         return EventSourceResponse(run.read(starting_after), sep="\n")
     if run is not None:
         return run.snapshot()
@@ -270,9 +357,12 @@ async def _background(svc: Services, who: Optional[str], run: Run, p: _Planned, 
     server stopping under it ends it failed here, and keeps nothing: what is kept is the response
     queued, which runs again at the restart."""
     built, parser, keep, token_text = run.built, p.parser, p.keep, p.token_text
+    SOURCE.set(run.ids)   # (this task's context: its items' ids are the ones a restart reads again)
+    begun_before = any(m["event"] == "response.in_progress" for m in run.events)   # (an earlier run's)
     try:
         try:
-            job, events, started = await start(svc, None, p.prompt, p.params, session_id, p.title, who=who)
+            job, events, started = await start(svc, None, p.prompt, p.params, session_id, p.title, who=who,
+                                               reply_begun=p.begun)
         except asyncio.CancelledError:
             if not run.cancel_asked:   # the server is stopping
                 raise
@@ -283,12 +373,18 @@ async def _background(svc: Services, who: Optional[str], run: Run, p: _Planned, 
             job.cancel()
         run.extra = {"session_id": started.session_id}
         run.status = "in_progress"
-        run.push([built.event("response.in_progress", response=run.snapshot())])
+        if begun_before:
+            _push(svc, run, [], x=run.extra)
+        else:
+            _push(svc, run, [built.event("response.in_progress", response=run.snapshot())], x=run.extra)
         first_token_at: Optional[float] = None
         async for event in follow(job, events):
             if isinstance(event, Delta):
                 first_token_at = first_token_at or time.monotonic()
-                run.push(built.read(parser, event.text, event.logprobs, token_text))
+                entries = None if event.logprobs is None else [[e.token, e.logprob, [list(x) for x in e.top]]
+                                                               for e in event.logprobs]
+                _push(svc, run, built.read(parser, event.text, event.logprobs, token_text),
+                      d=[event.text, list(event.ids or []), entries])
             elif isinstance(event, Finished):
                 events_ = built.read(parser, None, None, token_text)
                 decode_s = time.monotonic() - first_token_at if first_token_at is not None else None
@@ -316,9 +412,11 @@ def _ended(svc: Services, run: Run, keep: Optional[Callable[..., None]], whole: 
         whole["localheap"] = dict(run.extra)
     run.end(whole, events)
     svc.backgrounds.ended(run)
-    if keep is None:
+    if keep is None:   # (its progress stays: the restart goes on from it)
         return
     try:
         keep(whole)
     except Exception:   # (in memory, GET still has it from the run while it is among the latest)
         log.exception("background response %s: its end was not kept", whole["id"])
+    if svc.backgrounds.progress is not None:   # (after its end, on the same writer)
+        svc.backgrounds.progress.drop(whole["id"])
