@@ -502,8 +502,8 @@ UNFINISHED = ("queued", "in_progress")   # a background response's statuses befo
 RUNS = 3   # a background response the server stopped in runs again at its restart, this many times in all at most
 STOPPED = {"code": "server_error", "message": "the server stopped before this background response ended (its "
            "session keeps what was generated: send the conversation again)"}
-STOPPING = {"code": "server_error", "message": "the server is stopping: this background response runs again from "
-            "its start when it restarts (GET it then)"}
+STOPPING = {"code": "server_error", "message": "the server is stopping: this background response goes on from "
+            "where it is when it restarts (GET it then)"}
 STOPPED_EACH_RUN = {"code": "server_error", "message": f"the server stopped during this background response each of the "
                     f"{RUNS} times it ran (it is not run again: send the conversation again)"}
 
