@@ -65,6 +65,9 @@ def main(argv=None) -> int:
     if args.command is None:   # `localheap` alone: say what there is
         parser.print_help()
         return 0
+    # the program itself (the console script, python -m localheap.cli), not a caller's main([...]):
+    # what it does to its interpreter (models.leave_torch_out) touches nothing else
+    args.own_process = argv is None
     try:
         return int(args.func(args) or 0)
     except UserError as e:

@@ -23,6 +23,26 @@ def test_generate_prints_text_and_heap_stats(model_path, tmp_path, capsys):
     assert evicted > 1000
 
 
+def test_the_program_on_mlx_leaves_torch_out_and_prints_the_same_text(model_path, tmp_path, capsys):
+    """`localheap generate --backend mlx` as a program of its own never imports torch (transformers
+    runs mlx-lm's tokenizer without it) and prints what the same command run from this process
+    prints; a caller's main([...]) leaves its interpreter as it was."""
+    import subprocess
+    import sys
+
+    import torch  # noqa: F401  (here: imported before, and still there after)
+
+    cmd = ["generate", "--model", model_path, "--backend", "mlx", "--prompt", "The heap keeps", "--max-tokens", "12"]
+    assert main(cmd) == 0
+    here = capsys.readouterr().out
+    probe = ("import sys; import localheap.cli as cli; sys.argv = ['localheap', *sys.argv[1:]]; rc = cli.main(); "
+             "print('torch imported:', sys.modules.get('torch') is not None, file=sys.stderr); sys.exit(rc)")
+    run = subprocess.run([sys.executable, "-c", probe, *cmd], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert "torch imported: False" in run.stderr and run.stdout == here
+    assert sys.modules.get("torch") is not None
+
+
 def test_generate_bad_policy_is_a_usage_error(model_path, capsys):
     with pytest.raises(SystemExit) as e:
         main(["generate", "--model", model_path, "--prompt", "x", "--policy", "lru"])

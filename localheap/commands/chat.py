@@ -12,8 +12,8 @@ from pathlib import Path
 from ..engine.errors import RankLost
 from ..generation import SamplingParams
 from .common import (add_compile_arg, add_decode_arg, add_distributed_arg, add_graphs_arg, add_heap_args, add_model_args,
-                     add_penalty_args, apply_decode_attention, freeze_startup_objects, heap_config, model_spec,
-                     penalty_params, with_backend_chunk)
+                     add_penalty_args, apply_decode_attention, freeze_startup_objects, heap_config,
+                     load_model_backend, penalty_params, with_backend_chunk)
 from .progress import ProgressBar
 
 PROMPT, MORE = ">>> ", "... "
@@ -75,8 +75,6 @@ def _more(read_line) -> str | None:
 
 
 def run(args) -> int:
-    from ..models import load_backend
-
     try:
         import readline  # noqa: F401  (line editing and history for input())
     except ImportError:
@@ -95,7 +93,7 @@ def run(args) -> int:
         backend = Leader(backend)
         ranks.lead(backend, beat, args.step_timeout)   # a rank gone or stuck mid-reply: rank 0 says so, exits
     else:
-        backend = load_backend(model_spec(args), args.backend)
+        backend = load_model_backend(args)
         apply_decode_attention(backend, args, batched=True)
     cfg = with_backend_chunk(cfg, args, backend)
     try:

@@ -209,13 +209,18 @@ def add_distributed_arg(p: argparse.ArgumentParser, watched: bool = False, steps
 
 
 def load_model_backend(args):
-    """The backend for --model/--backend, or this rank's shard with --distributed."""
-    if getattr(args, "distributed", None):
-        if args.backend == "torch":
-            raise SystemExit("--distributed runs on the mlx backend (mlx.launch); drop --backend torch")
+    """The backend for --model/--backend, or this rank's shard with --distributed; on MLX, the
+    program's own process leaves torch out (models.leave_torch_out)."""
+    from ..models import detect_backend, leave_torch_out, load_backend
+
+    distributed = getattr(args, "distributed", None)
+    if distributed and args.backend == "torch":
+        raise SystemExit("--distributed runs on the mlx backend (mlx.launch); drop --backend torch")
+    if getattr(args, "own_process", False) and (distributed or detect_backend(args.backend) == "mlx"):
+        leave_torch_out(model_spec(args))
+    if distributed:
         from ..backends.mlx.distributed import load_backend as load_shard
         return load_shard(model_spec(args), args.distributed)
-    from ..models import load_backend
     return load_backend(model_spec(args), args.backend)
 
 

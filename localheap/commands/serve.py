@@ -16,8 +16,8 @@ from typing import IO, Optional
 
 from . import ranks
 from .common import (TOTAL_SHARE, add_compile_arg, add_decode_arg, add_distributed_arg, add_graphs_arg, add_heap_args,
-                     add_model_args, apply_decode_attention, disk_total, freeze_startup_objects, heap_config, model_spec,
-                     with_backend_chunk)
+                     add_model_args, apply_decode_attention, disk_total, freeze_startup_objects, heap_config,
+                     load_model_backend, model_spec, with_backend_chunk)
 
 
 def add_parser(sub) -> None:
@@ -303,7 +303,7 @@ def api_keys(args) -> list[str]:
 
 
 def run(args) -> int:
-    from ..models import load_backend, model_name_of
+    from ..models import model_name_of
     from ..server import create_app
 
     settings = settings_from_args(args)   # bad flags fail before the model loads
@@ -318,7 +318,7 @@ def run(args) -> int:
                 settings.sessions_dir = default_sessions_dir(name)
             if settings.sessions_dir is not None:
                 lock = lock_sessions_dir(Path(settings.sessions_dir), "serve.lock", settings)
-        backend = ranks.load_rank(args) if args.distributed else load_backend(model_spec(args), args.backend)
+        backend = ranks.load_rank(args) if args.distributed else load_model_backend(args)
         apply_decode_attention(backend, args, batched=True)
         settings.heap = with_backend_chunk(settings.heap, args, backend)
         settings.max_batch, settings.max_active = batch_limits(args, default_max_batch(backend))
