@@ -202,15 +202,16 @@ def test_a_server_open_to_the_network_without_an_api_key_says_so_at_start(monkey
 
 def test_a_second_server_on_a_sessions_directory_in_use_is_refused_until_the_first_is_gone(tmp_path, monkeypatch, capsys):
     """Two servers on one sessions directory would restore the same sessions and write over each
-    other's index: the second is refused, naming the first; once the first is gone (kill -9
+    other's index: the second is refused, naming the first, before its model loads (a rank of
+    --distributed too, whose launcher names its rank: its own lock); once the first is gone (kill -9
     included) the directory is free."""
-    def hold(path):
-        """A process that holds `path`'s lock as a server on port 8123 would."""
+    def hold(path, name="serve.lock"):
+        """A process that holds `path`'s lock `name` as a server on port 8123 would."""
         return subprocess.Popen([sys.executable, "-c", (
             "import sys, time; from pathlib import Path; from types import SimpleNamespace\n"
             "from localheap.commands.serve import lock_sessions_dir\n"
-            "held = lock_sessions_dir(Path(sys.argv[1]), 'serve.lock', SimpleNamespace(host='127.0.0.1', port=8123))\n"
-            "print('held', flush=True); time.sleep(600)"), str(path)], stdout=subprocess.PIPE, text=True)
+            "held = lock_sessions_dir(Path(sys.argv[1]), sys.argv[2], SimpleNamespace(host='127.0.0.1', port=8123))\n"
+            "print('held', flush=True); time.sleep(600)"), str(path), name], stdout=subprocess.PIPE, text=True)
 
     holder = hold(tmp_path)
     import localheap.models
@@ -236,6 +237,16 @@ def test_a_second_server_on_a_sessions_directory_in_use_is_refused_until_the_fir
             assert (f"the sessions directory {where} is in use by another localheap serve (pid {holder.pid}, "
                     f"http://127.0.0.1:8123): stop that one") in err, err
             assert not (where / "index.json").exists()   # nothing restored, nothing written
+        holder.kill()
+        holder.wait()
+        holder = hold(tmp_path, "serve.rank1.lock")
+        assert holder.stdout.readline().strip() == "held"
+        import localheap.backends.mlx.distributed as shards
+        monkeypatch.setattr(shards, "load_backend", no_load)
+        monkeypatch.setenv("MLX_RANK", "1")
+        assert main(["serve", "--distributed", "tensor", "--sessions-dir", str(tmp_path), "--port", "0"]) == 2
+        assert f"the sessions directory {tmp_path} is in use by another localheap serve (pid {holder.pid}" \
+            in capsys.readouterr().err
     finally:
         holder.kill()
         holder.wait()

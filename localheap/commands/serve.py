@@ -313,21 +313,28 @@ def run(args) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s:     %(name)s: %(message)s")
     lock = None
     try:
-        if settings.persist_sessions and not args.distributed:   # before the model loads, where its directory is known
+        # (ranks on one host may share a directory: a lock each; a rank's number, where its launcher
+        # says it before the model loads: mlx.launch's MLX_RANK)
+        told = os.environ.get("MLX_RANK", "")
+        early_rank = int(told) if args.distributed and told.isdigit() else None
+        if settings.persist_sessions and (not args.distributed or early_rank is not None):
+            # before the model loads, where its directory is known: a second server is refused at once
             if settings.sessions_dir is None and (name := model_name_of(model_spec(args))) is not None:
                 settings.sessions_dir = default_sessions_dir(name)
             if settings.sessions_dir is not None:
-                lock = lock_sessions_dir(Path(settings.sessions_dir), "serve.lock", settings)
+                lock = lock_sessions_dir(Path(settings.sessions_dir), _lock_name(early_rank), settings)
         backend = ranks.load_rank(args) if args.distributed else load_model_backend(args)
         apply_decode_attention(backend, args, batched=True)
         settings.heap = with_backend_chunk(settings.heap, args, backend)
         settings.max_batch, settings.max_active = batch_limits(args, default_max_batch(backend))
         if settings.persist_sessions and settings.sessions_dir is None:
             settings.sessions_dir = default_sessions_dir(backend.model_name)
+        if args.distributed and lock is not None and backend.rank != early_rank:   # (a launcher that lied)
+            lock.close()
+            lock = None
         if settings.persist_sessions and lock is None:
-            rank = backend.rank if args.distributed else None   # (ranks on one host may share a directory)
             lock = lock_sessions_dir(Path(settings.sessions_dir),
-                                     "serve.lock" if rank is None else f"serve.rank{rank}.lock", settings)
+                                     _lock_name(backend.rank if args.distributed else None), settings)
         if settings.disk_total is None:   # auto: measured where the sessions directory is (or a temp dir goes)
             settings.disk_total = disk_total("auto", settings.sessions_dir or Path(tempfile.gettempdir()))
         if args.distributed:
@@ -339,6 +346,11 @@ def run(args) -> int:
     finally:
         if lock is not None:
             lock.close()   # (the lock goes with it)
+
+
+def _lock_name(rank: Optional[int]) -> str:
+    """The lock file a server (None) or a rank of --distributed holds in its sessions directory."""
+    return "serve.lock" if rank is None else f"serve.rank{rank}.lock"
 
 
 def serve_ranks(backend, settings, args) -> int:
