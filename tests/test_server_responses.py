@@ -936,18 +936,24 @@ def _forced_server(model_dir, text: str, **settings):
     return ServerThread(app)
 
 
-def _stopped_midway(model_dir, text: str, settings: dict, seen: int = 12, **request):
+def _stopped_midway(model_dir, text: str, settings: dict, seen=12, max_output_tokens: int = 3000, **request):
     """A background response the server stops in midway: its reply forced to `text`, the server held
-    once a reader has `seen` of its events (returned, with the response), then stopped."""
+    once a reader has `seen` of its events (or once seen(the events so far) holds; returned, with the
+    response), then stopped."""
+    enough = seen if callable(seen) else lambda got: len(got) == seen
     with _forced_server(model_dir, text, **settings) as srv:
         client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
-        back = client.responses.create(model=model(srv), input="Go on", max_output_tokens=3000, background=True,
-                                       **request)
+        back = client.responses.create(model=model(srv), input="Go on", max_output_tokens=max_output_tokens,
+                                       background=True, **request)
         events = []
-        for event in client.responses.retrieve(back.id, stream=True):
-            events.append(event)
-            if len(events) == seen:
-                break
+        stream = client.responses.retrieve(back.id, stream=True)
+        try:
+            for event in stream:
+                events.append(event)
+                if enough(events):
+                    break
+        finally:
+            stream.close()   # (a reader left open would hold the server's stop for its grace period)
         stall = _Stalled(srv)
         try:
             assert client.responses.retrieve(back.id).status == "in_progress"
@@ -1005,6 +1011,32 @@ def test_a_background_response_the_server_stopped_in_goes_on_after_its_restart(m
         client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
         assert client.responses.retrieve(back.id).output_text == got.output_text
         assert srv.services.backgrounds.running == 0
+
+
+def test_a_background_response_stopped_inside_a_tool_call_goes_on_with_the_same_call(model_dirs, tmp_path_factory,
+                                                                                    tmp_path, torch_one_thread):
+    """The server stops while a background response writes a tool call's arguments: at the restart
+    the call goes on, the same item and call id (the parser's ids come from the response's seeded
+    source: read again, they are the ones sent), and its arguments end whole."""
+    model_dir = qwen_model(model_dirs, tmp_path_factory)
+    settings = dict(sessions_dir=tmp_path, persist_sessions=True)
+    note = "many words " * 80
+    text = "Noting it. <tool_call>\n" + json.dumps({"name": "take_note", "arguments": {"text": note}}) + "\n</tool_call>"
+    tools = [{"type": "function", "name": "take_note", "description": "Keep a note",
+              "parameters": {"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]}}]
+    args = lambda got: sum(e.type == "response.function_call_arguments.delta" for e in got) == 20   # noqa: E731
+    back, seen = _stopped_midway(model_dir, text, settings, args, max_output_tokens=20000, tools=tools)
+    added = next(e for e in seen if e.type == "response.output_item.added" and e.item.type == "function_call")
+    with _forced_server(model_dir, text, **settings) as srv:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
+        got = _ended(client, back.id)
+        assert got.status == "completed", got.error
+        events = list(client.responses.retrieve(back.id, stream=True))
+    assert [e.model_dump() for e in events[:len(seen)]] == [e.model_dump() for e in seen]
+    assert any(e.sequence_number >= RUN_EVENTS and e.type == "response.function_call_arguments.delta" for e in events)
+    call = got.output[-1]
+    assert call.type == "function_call" and (call.id, call.call_id) == (added.item.id, added.item.call_id)
+    assert json.loads(call.arguments) == {"text": note} and got.status == "completed"
 
 
 def test_a_background_response_whose_kept_reply_is_torn_or_does_not_read_again(model_dirs, tmp_path_factory,
