@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import re
+from typing import Optional
 
 import pytest
 
@@ -936,12 +937,14 @@ def _forced_server(model_dir, text: str, **settings):
     return ServerThread(app)
 
 
-def _stopped_midway(model_dir, text: str, settings: dict, seen=12, max_output_tokens: int = 3000, **request):
-    """A background response the server stops in midway: its reply forced to `text`, the server held
+def _stopped_midway(model_dir, forced: Optional[str], settings: dict, seen=12, max_output_tokens: int = 3000,
+                    **request):
+    """A background response the server stops in midway: its reply forced to `forced` (None: the
+    model's own), the server held
     once a reader has `seen` of its events (or once seen(the events so far) holds; returned, with the
     response), then stopped."""
     enough = seen if callable(seen) else lambda got: len(got) == seen
-    with _forced_server(model_dir, text, **settings) as srv:
+    with (_forced_server(model_dir, forced, **settings) if forced is not None else serve(model_dir, **settings)) as srv:
         client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
         back = client.responses.create(model=model(srv), input="Go on", max_output_tokens=max_output_tokens,
                                        background=True, **request)
@@ -1037,6 +1040,26 @@ def test_a_background_response_stopped_inside_a_tool_call_goes_on_with_the_same_
     call = got.output[-1]
     assert call.type == "function_call" and (call.id, call.call_id) == (added.item.id, added.item.call_id)
     assert json.loads(call.arguments) == {"text": note} and got.status == "completed"
+
+
+def test_a_background_response_held_to_a_schema_goes_on_held_to_it(model_dirs, tmp_path_factory, tmp_path,
+                                                                   torch_one_thread):
+    """The model's own reply held to a JSON schema, stopped midway: at the restart its grammar is
+    brought past the kept reply, and the reply it goes on to reads as JSON valid for the schema."""
+    model_dir = qwen_model(model_dirs, tmp_path_factory)
+    settings = dict(sessions_dir=tmp_path, persist_sessions=True)
+    schema = {"type": "object", "properties": {"words": {"type": "array", "minItems": 30, "maxItems": 30,
+                                                         "items": {"type": "string", "maxLength": 6}}},
+              "required": ["words"], "additionalProperties": False}
+    fmt = {"format": {"type": "json_schema", "name": "words", "schema": schema, "strict": True}}
+    back, seen = _stopped_midway(model_dir, None, settings, 30, text=fmt)
+    with serve(model_dir, **settings) as srv:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
+        got = _ended(client, back.id)
+        events = list(client.responses.retrieve(back.id, stream=True))
+    assert [e.model_dump() for e in events[:len(seen)]] == [e.model_dump() for e in seen]
+    assert got.status == "completed" and got.output_text.startswith(_deltas(seen)) and events[-1].sequence_number > RUN_EVENTS
+    jsonschema.validate(json.loads(got.output_text), schema)
 
 
 def test_a_background_response_whose_kept_reply_is_torn_or_does_not_read_again(model_dirs, tmp_path_factory,

@@ -180,9 +180,14 @@ def _replay(p: _Planned, who: Optional[str], records: list[dict]) -> Optional[Ru
             elif events:
                 built.sequence = events[-1]["sequence_number"] + 1
             run.push(events)
-        for token in reply:
-            if p.params.constraint is not None:
-                p.params.constraint.advance(token)
+        constraint = p.params.constraint
+        for token in reply if constraint is not None else ():
+            constraint.advance(token)
+        refused = getattr(constraint, "error", None) or getattr(constraint, "broken", None)
+        if refused:   # (its grammar did not take the reply: a guess at where it stands would be worse)
+            log.warning("background response %s: its grammar does not take its kept reply again (%s): it runs "
+                        "again from its start", built.id, refused)
+            return None
     except Exception:   # noqa: BLE001 - a record that does not read: from the start rather than not at all
         log.exception("background response %s: what was kept of it does not read again: it runs again from "
                       "its start", built.id)
