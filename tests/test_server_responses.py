@@ -974,13 +974,14 @@ def test_a_background_response_the_server_stopped_in_goes_on_after_its_restart(m
     """The server stops while a background response runs, some of its reply sent: at the restart it
     goes on from there under its id. Its events kept are sent again as they were (numbers, item
     ids); its reply goes on from its last token kept (run 2 forces another text: the reply is run
-    1's tokens, then run 2's from that place on) and usage counts both runs' tokens. A reader of
+    1's tokens, then run 2's from that place on); usage and logprobs count both runs' tokens. A reader of
     a kept event is sent what follows it, one of an event not kept is told (409) rather than sent
     a splice of two runs; it is then continued by previous_response_id, and a third start leaves it
     as it ended."""
     model_dir = qwen_model(model_dirs, tmp_path_factory)
     settings = dict(sessions_dir=tmp_path, persist_sessions=True)
-    back, seen = _stopped_midway(model_dir, "one two three " * 400, settings, instructions="Be brief.")
+    back, seen = _stopped_midway(model_dir, "one two three " * 400, settings, instructions="Be brief.",
+                                 include=["message.output_text.logprobs"], top_logprobs=2)
     with _forced_server(model_dir, "four five six " * 100, **settings) as srv:
         client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
         got = _ended(client, back.id)
@@ -1000,6 +1001,7 @@ def test_a_background_response_the_server_stopped_in_goes_on_after_its_restart(m
         assert len(seen) < k + 4 < len(second)   # (a delta a token, from the in_progress event on)
         assert got.output_text == before + tok.decode(second[k:]) == _deltas(events)
         assert got.usage.output_tokens == len(second) + 1   # (its EOS too, as any reply's)
+        assert len(got.output[0].content[0].logprobs) == len(second)   # each token's, kept and new
         later = list(client.responses.retrieve(back.id, stream=True, starting_after=3))   # a kept event
         assert [e.sequence_number for e in later] == [e.sequence_number for e in events[4:]]
         with pytest.raises(openai.ConflictError, match="was an earlier run's and was not kept"):
