@@ -73,7 +73,8 @@ def create_app(backend: Any, settings: Optional[ServerSettings] = None, governor
         engine.start()
         sampler = asyncio.create_task(svc.throughput.run(svc))
         # the background responses a stopped server left unfinished run again
-        resuming = asyncio.create_task(responses.resume_backgrounds(svc)) if settings.persist_sessions else None
+        resuming = asyncio.create_task(responses.resume_backgrounds(svc, responses.resumable_backgrounds(svc))) \
+            if settings.persist_sessions else None
         try:
             yield
         finally:

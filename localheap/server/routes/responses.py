@@ -114,16 +114,23 @@ def _launch(svc: Services, p: _Planned, who: Optional[str], session_id: Optional
     return run
 
 
-async def resume_backgrounds(svc: Services) -> None:
+def resumable_backgrounds(svc: Services) -> list:
+    """At start, before any request: the background responses to run on (ResponseLog.resumable),
+    the progress files of any other deleted (left by one that ended as the server stopped)."""
+    resumable = svc.responses.resumable()
+    if svc.backgrounds.progress is not None:
+        svc.backgrounds.progress.stale({rid for rid, _ in resumable})
+    return resumable
+
+
+async def resume_backgrounds(svc: Services, resumable: list) -> None:
     """At start: the background responses a server stopped in (queued or running) run on under the
     same id, each its request as it was sent: its events kept are sent again as they were, and
     its reply goes on from the last piece kept (_replay; events numbered on from RUN_EVENTS times
     the runs before), or, where none was kept or what was kept does not read again, from its
-    start. One that cannot run (its X-Session-Id or the response it continues gone) ends failed."""
-    resumable = svc.responses.resumable()
+    start. One that cannot run (its X-Session-Id or the response it continues gone) ends failed.
+    `resumable`: resumable_backgrounds'."""
     progress = svc.backgrounds.progress
-    if progress is not None:
-        progress.stale({rid for rid, _ in resumable})
     for rid, kept in resumable:
         resume = kept.resume
         runs = resume["runs"] + 1
