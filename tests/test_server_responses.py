@@ -1101,6 +1101,72 @@ def test_a_background_response_whose_kept_reply_is_torn_or_does_not_read_again(m
         assert not path.exists()
 
 
+def test_a_background_response_s_progress_is_written_before_its_events_go_out(tmp_path):
+    """Each record of a background response's progress is in its file when `add` returns (before
+    its events are sent: a crash of the server cannot take an event a reader saw), its fsync left to
+    the writer thread: one for the records written meanwhile, none once the file is deleted."""
+    from localheap.server.background import Progress
+
+    class Held:   # a writer thread that has not come round yet
+        def __init__(self):
+            self.calls = []
+
+        def submit(self, fn, arg):
+            self.calls.append((fn, arg))
+
+    held = Held()
+    progress = Progress(tmp_path / "background", held)
+    records = [{"e": [{"sequence_number": n, "type": "x"}]} for n in range(3)]
+    progress.add("resp_a", records[0])
+    progress.add("resp_a", records[1])
+    assert progress.read("resp_a") == records[:2]
+    assert [arg for _, arg in held.calls] == ["resp_a"]   # one sync for both
+    fn, arg = held.calls.pop()
+    fn(arg)
+    progress.add("resp_a", records[2])
+    assert progress.read("resp_a") == records and [arg for _, arg in held.calls] == ["resp_a"]
+    progress.drop("resp_a")
+    for fn, arg in held.calls:
+        fn(arg)
+    assert not progress.path("resp_a").exists()
+
+
+def test_a_background_response_whose_end_a_crash_kept_only_in_its_progress_reads_back_ended(
+        model_dirs, tmp_path_factory, tmp_path, torch_one_thread):
+    """A background response ends and the server dies before its end is kept (here: the kept
+    responses never get it, and its progress file is not deleted): its end was written to its
+    progress before any reader was sent it, so at the restart it reads back ended as it was, its
+    events all there, and is not run again (run 2 would force another text)."""
+    from localheap.server.responses import UNFINISHED
+
+    model_dir = qwen_model(model_dirs, tmp_path_factory)
+    settings = dict(sessions_dir=tmp_path, persist_sessions=True)
+    with _forced_server(model_dir, "one two three " * 5, **settings) as srv:
+        svc = srv.services
+        add = svc.responses.add
+        svc.responses.add = lambda whole, *a, **k: add(whole, *a, **k) if whole["status"] in UNFINISHED else None
+        svc.backgrounds.progress.drop = lambda rid: None
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
+        back = client.responses.create(model=model(srv), input="Go on", background=True, max_output_tokens=100)
+        got = _ended(client, back.id)
+        events = list(client.responses.retrieve(back.id, stream=True))
+    assert got.status == "completed" and got.output_text == "one two three " * 5
+    assert (tmp_path / "background" / f"{back.id}.jsonl").exists()
+    with _forced_server(model_dir, "four five six " * 100, **settings) as srv:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
+        again = client.responses.retrieve(back.id)
+        assert again.model_dump() == got.model_dump()
+        assert [e.model_dump() for e in client.responses.retrieve(back.id, stream=True)] == \
+            [e.model_dump() for e in events]
+        later = list(client.responses.retrieve(back.id, stream=True, starting_after=3))
+        assert [e.model_dump() for e in later] == [e.model_dump() for e in events[4:]]
+        assert srv.services.backgrounds.running == 0
+    assert not (tmp_path / "background" / f"{back.id}.jsonl").exists()
+    with serve(model_dir, **settings) as srv:   # (and it was kept ended)
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
+        assert client.responses.retrieve(back.id).model_dump() == got.model_dump()
+
+
 def test_a_background_response_that_cannot_run_again_reads_back_failed_with_why(model_dirs, tmp_path_factory,
                                                                                 tmp_path, torch_one_thread):
     """The server restarts serving the model under another name: the response it stopped in, which

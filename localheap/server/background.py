@@ -7,7 +7,7 @@ own (Progress), so a server stopped or crashed in between goes on with it at its
 last piece kept (routes/responses.resume_backgrounds; RUNS times in all at most, then it reads
 back "failed").
 
-Event loop only (but Progress's writes, on the responses' writer thread)."""
+Event loop only (but Progress's fsyncs and deletes, on the responses' writer thread)."""
 
 from __future__ import annotations
 
@@ -158,35 +158,56 @@ class Backgrounds:
 
 
 class Progress:
-    """What each background response has done so far, in a file of its own (`directory`/<id>.jsonl)
-    written on the kept responses' writer thread (`log`: in order with its records, so a response
-    kept ended is on disk before its file goes): a line per change, each {"e": the events it sent}
-    with {"d": [text, ids, logprobs]}, the Delta they came of (logprobs as [[id, logprob, [[id,
-    logprob], ...]], ...] or null), or {"x": the response's `localheap` fields}. Lines waiting are
-    written together, with one fsync; a crash leaves the lines written before it (a torn last one
-    is dropped when read back)."""
+    """What each background response has done so far, in a file of its own (`directory`/<id>.jsonl):
+    a line per change, each {"e": the events it sent} with {"d": [text, ids, logprobs]}, the Delta
+    they came of (logprobs as [[id, logprob, [[id, logprob], ...]], ...] or null), or {"x": the
+    response's `localheap` fields}. A line is written (to the system's file cache) before its events
+    are sent, so no reader sees an event a crash of the server (kill -9 included) loses; it is
+    fsynced on the kept responses' writer thread (`log`), lines written meanwhile with one fsync, so
+    a crash of the machine loses at most the last moments. The file is deleted on that thread too,
+    in order with its records (a response kept ended is on disk before its file goes). A torn last
+    line is dropped when read back."""
 
     def __init__(self, directory: Path, log_: FileBacked):
         self.directory, self.log = directory, log_
-        self._waiting: dict[str, list[bytes]] = {}
+        self._unsynced: set[str] = set()
+        self._failed: set[str] = set()   # logged once each
         self._lock = threading.Lock()
 
     def path(self, response_id: str) -> Path:
         return self.directory / f"{response_id}.jsonl"
 
     def add(self, response_id: str, record: dict) -> None:
+        """`record` written (its fsync to follow on the writer thread); before its events are sent."""
         line = (json.dumps(record, separators=(",", ":")) + "\n").encode()
+        path = self.path(response_id)
+        try:
+            try:
+                fd = open_private(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+            except FileNotFoundError:
+                self.directory.mkdir(mode=0o700, exist_ok=True)
+                fd = open_private(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+            try:
+                data = memoryview(line)
+                while data:
+                    data = data[os.write(fd, data):]
+            finally:
+                os.close(fd)
+        except OSError as e:
+            if response_id not in self._failed:
+                self._failed.add(response_id)
+                log.error("could not write to %s: %s (a restart runs the response again from an earlier point)",
+                          path, e)
+            return
         with self._lock:
-            waiting = self._waiting.setdefault(response_id, [])
-            waiting.append(line)
-            first = len(waiting) == 1
+            first = response_id not in self._unsynced
+            self._unsynced.add(response_id)
         if first:
-            self.log.submit(self._write, response_id)
+            self.log.submit(self._sync, response_id)
 
     def drop(self, response_id: str) -> None:
         """Its file deleted (once what was queued before is written)."""
-        with self._lock:
-            self._waiting.pop(response_id, None)
+        self._failed.discard(response_id)
         self.log.submit(self._unlink, response_id)
 
     def read(self, response_id: str) -> list[dict]:
@@ -227,25 +248,23 @@ class Progress:
             if path.stem not in keep:
                 path.unlink(missing_ok=True)
 
-    def _write(self, response_id: str) -> None:
+    def _sync(self, response_id: str) -> None:
         with self._lock:
-            lines = self._waiting.pop(response_id, [])
-        if not lines:
-            return
+            self._unsynced.discard(response_id)
         path = self.path(response_id)
         try:
-            self.directory.mkdir(mode=0o700, exist_ok=True)
-            fd = open_private(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
-            try:
-                data = memoryview(b"".join(lines))
-                while data:
-                    data = data[os.write(fd, data):]
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            fd = os.open(path, os.O_WRONLY | os.O_APPEND)
+        except FileNotFoundError:
+            return   # (dropped)
         except OSError as e:
-            log.error("could not write to %s: %s (a restart runs the response again from an earlier point)",
-                      path, e)
+            log.error("could not sync %s: %s", path, e)
+            return
+        try:
+            os.fsync(fd)
+        except OSError as e:
+            log.error("could not sync %s: %s (a crash of the machine may lose its last lines)", path, e)
+        finally:
+            os.close(fd)
 
     def _unlink(self, response_id: str) -> None:
         try:

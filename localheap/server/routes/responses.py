@@ -83,6 +83,10 @@ class _Planned:
     begun: int = 0   # the prompt ends with this many tokens of the reply begun by an earlier run (_replay)
 
 
+def _built(svc: Services, body: ResponsesRequest) -> Built:
+    return Built(body, svc.model_id, lambda text: len(svc.tokenizer.encode(text, add_special_tokens=False)))
+
+
 async def _planned(svc: Services, body: ResponsesRequest, who: Optional[str]) -> _Planned:
     plan, opts, messages, prompt = await _prompt(svc, body, who)
     default = min(svc.settings.default_max_tokens, svc.settings.max_tokens_limit)
@@ -90,7 +94,7 @@ async def _planned(svc: Services, body: ResponsesRequest, who: Optional[str]) ->
     params = SamplingParams(max_tokens=body.max_output_tokens or default, temperature=body.temperature,
                             top_p=body.top_p, constraint=plan.constraint(svc, opts, prompt),
                             logprobs=None if top is None else LogprobRecorder(top))
-    built = Built(body, svc.model_id, lambda text: len(svc.tokenizer.encode(text, add_special_tokens=False)))
+    built = _built(svc, body)
     return _Planned(body, built, prompt, params, plan.parser(opts, prompt), _keeper(svc, body, who),
                     svc.token_text if top is not None else None,
                     next((m.text() for m in messages if m.role == "user"), None))
@@ -134,6 +138,10 @@ async def resume_backgrounds(svc: Services, resumable: list) -> None:
     for rid, kept in resumable:
         resume = kept.resume
         runs = resume["runs"] + 1
+        records = progress.read(rid) if progress is not None else []
+        if records and "end" in records[-1]:
+            _ended_before(svc, rid, kept, records)
+            continue
         try:
             body = ResponsesRequest.model_validate(resume["request"])
             p = await _planned(svc, body, kept.owner)
@@ -146,7 +154,6 @@ async def resume_backgrounds(svc: Services, resumable: list) -> None:
             log.warning("background response %s was not run again after the restart: %s", rid, err["message"])
             continue
         p.built.id, p.built.created = rid, kept.body.get("created_at", p.built.created)
-        records = progress.read(rid) if progress is not None else []
         run = _replay(p, kept.owner, records) if records else None
         if records and run is None:
             progress.reset(rid)
@@ -155,6 +162,26 @@ async def resume_backgrounds(svc: Services, resumable: list) -> None:
         _launch(svc, p, kept.owner, resume["session_id"], runs=runs, run=run)
         how = "from its start" if run is None else f"after the {p.begun} reply tokens kept ({len(run.events)} events)"
         log.info("background response %s runs on after the restart (run %d) %s", rid, runs, how)
+
+
+def _ended_before(svc: Services, rid: str, kept, records: list[dict]) -> None:
+    """A background response whose end reached its progress file but not the kept responses (a
+    crash in between): its end kept now, its events readable again as those of a run ended."""
+    body = ResponsesRequest.model_validate(kept.resume["request"])
+    whole = records[-1]["end"]
+    built = _built(svc, body)
+    built.id, built.created = rid, whole.get("created_at", built.created)
+    run = Run(built, kept.owner)
+    for r in records:
+        run.push(r.get("e", []))
+    run.first = run.numbers[-1] + 1 if run.numbers else 0   # (all it sent was kept)
+    run.end(whole, [])
+    svc.backgrounds.add(run)
+    svc.backgrounds.ended(run)
+    _keeper(svc, body, kept.owner)(whole)
+    svc.backgrounds.progress.drop(rid)
+    log.info("background response %s had ended (%s) as the server stopped: its end is kept now", rid,
+             whole.get("status"))
 
 
 def _replay(p: _Planned, who: Optional[str], records: list[dict]) -> Optional[Run]:
@@ -219,12 +246,13 @@ def _then(tokens, more: list[int]):
 
 
 def _push(svc: Services, run: Run, events: list[dict], status: Optional[str] = None, **record) -> None:
-    """Events of a background run sent (to its readers) and kept (its progress file: what a
-    restart goes on from), with what else `record` holds (the Delta they came of: `d`)."""
-    run.push(events, status)
+    """Events of a background run kept (its progress file: what a restart goes on from), with what
+    else `record` holds (the Delta they came of: `d`), then sent to its readers: none sees an event
+    a crash of the server loses."""
     progress = svc.backgrounds.progress
     if progress is not None:
         progress.add(run.id, {"e": events, **record})
+    run.push(events, status)
 
 
 async def _prompt(svc: Services, body: ResponsesRequest, who: Optional[str]) -> tuple:
@@ -422,6 +450,8 @@ def _ended(svc: Services, run: Run, keep: Optional[Callable[..., None]], whole: 
     """The run ended with `whole`; kept unless `keep` is None (the server stopping)."""
     if run.extra and "localheap" not in whole:
         whole["localheap"] = dict(run.extra)
+    if keep is not None and svc.backgrounds.progress is not None:   # (before a reader sees the end)
+        svc.backgrounds.progress.add(run.id, {"e": events, "end": whole})
     run.end(whole, events)
     svc.backgrounds.ended(run)
     if keep is None:   # (its progress stays: the restart goes on from it)
