@@ -883,8 +883,10 @@ def test_background_errors_come_back_at_once_or_as_a_failed_response(server, cli
 
 def test_a_background_response_the_server_stopped_in_reads_back_to_run_again(tmp_path):
     """A background response kept queued (or running) when the server stopped, with its request,
-    reads back to run again, RUNS times in all at most; then, or kept without its request, it reads
-    back failed with an error that says so. One that ended reads back as it ended."""
+    reads back to run again, unless it was stopped in RUNS runs in a row that kept no reply token
+    (a run that kept one begins the count again; one kept before the count: RUNS runs in all); then,
+    or kept without its request, it reads back failed with an error that says so. One that ended
+    reads back as it ended."""
     from localheap.server.responses import RUNS, ResponseLog
 
     path = tmp_path / "responses.jsonl"
@@ -901,23 +903,27 @@ def test_a_background_response_the_server_stopped_in_reads_back_to_run_again(tmp
     log.add(done, req, None, {**again, "runs": 1})   # resp_b ended: added again, nothing to run again
     log.add(queued("resp_c"), req, None, {**again, "runs": 1})
     log.add(queued("resp_d"), req, "key2", {**again, "runs": RUNS})
-    assert len(log._kept) == 4 and log.chars == sum(k.chars for k in log._kept.values())
+    log.add(queued("resp_e"), req, None, {**again, "runs": RUNS + 4, "stalled": 0})   # its last run went on
+    log.add(queued("resp_f"), req, None, {**again, "runs": RUNS + 4, "stalled": RUNS})
+    assert len(log._kept) == 6 and log.chars == sum(k.chars for k in log._kept.values())
     log.close()
     back = ResponseLog(path=path)
     a = back.get("resp_a", None).body
     assert a["status"] == "failed" and a["error"]["code"] == "server_error" and "stopped" in a["error"]["message"]
     assert back.get("resp_b", None).body == done
     d = back.get("resp_d", "key2").body
-    assert d["status"] == "failed" and f"each of the {RUNS} times" in d["error"]["message"]
-    (rid, kept), = back.resumable()
-    assert rid == "resp_c" and kept.body["status"] == "queued" and kept.resume["runs"] == 1
+    assert d["status"] == "failed" and f"in {RUNS} runs in a row that wrote nothing more" in d["error"]["message"]
+    assert back.get("resp_f", None).body["error"] == d["error"]
+    (rid, kept), (rid_e, _) = back.resumable()
+    assert rid == "resp_c" and kept.body["status"] == "queued" and kept.resume["runs"] == 1 and rid_e == "resp_e"
     assert ResponsesRequest.model_validate(kept.resume["request"]).input == "hi" and back.resumable() == []
     back.fail("resp_c", {"code": "x", "message": "gone"})
     assert [m.content for m in ResponsesRequest(model="m", input="x").chat_messages(back.conversation("resp_a", None))] \
         == ["hi", "x"]
     back.close()
     third = ResponseLog(path=path)
-    assert third.get("resp_c", None).body["error"]["message"] == "gone" and third.resumable() == []
+    assert third.get("resp_c", None).body["error"]["message"] == "gone"
+    assert [rid for rid, _ in third.resumable()] == ["resp_e"]
     third.close()
 
 
@@ -965,6 +971,13 @@ def _stopped_midway(model_dir, forced: Optional[str], settings: dict, seen=12, m
     return back, events
 
 
+def _resume_kept(sessions_dir, response_id: str) -> dict:
+    """`runs` and `stalled` of what runs a background response again, as last kept."""
+    lines = (sessions_dir / "responses.jsonl").read_text().splitlines()
+    resume = [r for r in map(json.loads, lines) if r.get("add") == response_id][-1]["resume"]
+    return {k: resume[k] for k in ("runs", "stalled")}
+
+
 def _deltas(events) -> str:
     return "".join(e.delta for e in events if e.type == "response.output_text.delta")
 
@@ -982,6 +995,7 @@ def test_a_background_response_the_server_stopped_in_goes_on_after_its_restart(m
     settings = dict(sessions_dir=tmp_path, persist_sessions=True)
     back, seen = _stopped_midway(model_dir, "one two three " * 400, settings, instructions="Be brief.",
                                  include=["message.output_text.logprobs"], top_logprobs=2)
+    assert _resume_kept(tmp_path, back.id) == {"runs": 1, "stalled": 0}   # (run 1 kept tokens: not counted)
     with _forced_server(model_dir, "four five six " * 100, **settings) as srv:
         client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
         got = _ended(client, back.id)

@@ -4,8 +4,8 @@ polls it, streams it again from any event (`?stream=true&starting_after=N`), POS
 /v1/responses/{id}/cancel stops it. A response is kept (ResponseLog) when it is queued, with its
 request, and again when it ends; meanwhile its events and the reply's pieces go to a file of its
 own (Progress), so a server stopped or crashed in between goes on with it at its restart from the
-last piece kept (routes/responses.resume_backgrounds; RUNS times in all at most, then it reads
-back "failed").
+last piece kept (routes/responses.resume_backgrounds; unless it was stopped in RUNS runs in a row
+that kept nothing more of its reply: it then reads back "failed").
 
 Event loop only (but Progress's fsyncs and deletes, on the responses' writer thread)."""
 

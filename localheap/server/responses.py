@@ -499,13 +499,15 @@ class InputTokensRequest(ResponsesRequest):
 
 
 UNFINISHED = ("queued", "in_progress")   # a background response's statuses before it ends
-RUNS = 3   # a background response the server stopped in runs again at its restart, this many times in all at most
+RUNS = 3   # a background response the server stopped in runs on at its restart, but not after RUNS
+#            runs in a row that kept no reply token
 STOPPED = {"code": "server_error", "message": "the server stopped before this background response ended (its "
            "session keeps what was generated: send the conversation again)"}
 STOPPING = {"code": "server_error", "message": "the server is stopping: this background response goes on from "
             "where it is when it restarts (GET it then)"}
-STOPPED_EACH_RUN = {"code": "server_error", "message": f"the server stopped during this background response each of the "
-                    f"{RUNS} times it ran (it is not run again: send the conversation again)"}
+STOPPED_EACH_RUN = {"code": "server_error", "message": f"the server stopped during this background response in "
+                    f"{RUNS} runs in a row that wrote nothing more of it (it is not run again: send the conversation "
+                    f"again)"}
 
 
 class ResponseNotFound(ApiError):
@@ -584,8 +586,9 @@ class ResponseLog(FileBacked):
     A background response is kept queued with its request (`resume`), and again when it ends. One
     the server stopped in (queued or running) is read back to run on (`resumable`; from what its
     background.Progress kept),
-    RUNS times in all at most (a response that brings the server down would otherwise at each
-    start); past that it reads back failed."""
+    unless the server stopped in it in RUNS runs in a row that kept no reply token (a response that
+    brings the server down would otherwise at each start): then it reads back failed. (`resume`:
+    its request, session, `runs` so far, and `stalled`: stalled_runs.)"""
 
     def __init__(self, max_kept: int = 4096, max_chars: int = 16_000_000, path: Optional[Path] = None):
         self.max_kept, self.max_chars = max_kept, max_chars
@@ -696,7 +699,7 @@ class ResponseLog(FileBacked):
         for rid, kept in self._kept.items():
             if kept.body.get("status") not in UNFINISHED:
                 continue
-            if kept.resume is not None and kept.resume.get("runs", RUNS) < RUNS:   # the server stopped in it
+            if kept.resume is not None and stalled_runs(kept.resume) < RUNS:   # the server stopped in it
                 self._resumable.append(rid)
             else:   # kept before resuming was (no request), or stopped in each time it ran
                 kept.body.update(status="failed", error=STOPPED_EACH_RUN if kept.resume is not None else STOPPED)
@@ -704,6 +707,12 @@ class ResponseLog(FileBacked):
         if not whole:
             self._file.rewrite(self._records(), now=True)
         log.info("%d kept responses read from %s", len(self._kept), self.path)
+
+
+def stalled_runs(resume: dict) -> int:
+    """The runs in a row, the last one's included, that kept no reply token: the last one counts
+    until it keeps one (it is then kept 0). (Kept by a server before this count: all its runs.)"""
+    return resume.get("stalled", resume.get("runs", RUNS))
 
 
 _OUTPUT_ITEMS = {"message": MessageItem, "function_call": FunctionCallItem, "custom_tool_call": CustomToolCallItem,

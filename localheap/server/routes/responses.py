@@ -28,7 +28,8 @@ from ..formats import extension, saved_headers
 from ..prompts import chat_prompt, tokenize
 from ..logonce import warn_once
 from ..conversations import cursor_page, item_finders, item_json
-from ..responses import STOPPED, STOPPING, Built, InputTokensRequest, ResponsesRequest, output_item, resolve_references
+from ..responses import (STOPPED, STOPPING, Built, InputTokensRequest, ResponsesRequest, output_item, resolve_references,
+                         stalled_runs)
 from ..services import Services, owner, services
 from ..toolcalls import OutputParser
 from .openai import SESSION_HEADER, addressed_session
@@ -81,6 +82,7 @@ class _Planned:
     token_text: Any
     title: Optional[str]
     begun: int = 0   # the prompt ends with this many tokens of the reply begun by an earlier run (_replay)
+    resume: Optional[dict] = None   # a background response's: what runs it again (_launch)
 
 
 def _built(svc: Services, body: ResponsesRequest) -> Built:
@@ -101,10 +103,11 @@ async def _planned(svc: Services, body: ResponsesRequest, who: Optional[str]) ->
 
 
 def _launch(svc: Services, p: _Planned, who: Optional[str], session_id: Optional[str], runs: int,
-            run: Optional[Run] = None) -> Run:
+            run: Optional[Run] = None, stalled: int = 1) -> Run:
     """A background response queued: kept queued with its request (a server stopped before it ends
     runs it again at its restart), its reply run on a task of its own. `run`: the earlier runs'
-    events kept, its reply read again (_replay)."""
+    events kept, its reply read again (_replay). `stalled`: the runs in a row, this one included,
+    that kept no reply token (responses.stalled_runs: kept 0 once this one keeps one)."""
     p.built.sequence = (runs - 1) * RUN_EVENTS   # (a reader of an earlier run's events not kept can be told)
     if run is None:
         run = Run(p.built, who)
@@ -112,8 +115,9 @@ def _launch(svc: Services, p: _Planned, who: Optional[str], session_id: Optional
                          p.built.event("response.queued", response=p.built.response("queued"))])
     run.first = p.built.sequence
     svc.backgrounds.add(run)
-    p.keep(run.snapshot(), {"request": p.body.model_dump(mode="json", by_alias=True, exclude_unset=True),
-                            "session_id": session_id, "runs": runs})
+    p.resume = {"request": p.body.model_dump(mode="json", by_alias=True, exclude_unset=True),
+                "session_id": session_id, "runs": runs, "stalled": stalled}
+    p.keep(run.snapshot(), p.resume)
     run.task = asyncio.create_task(_background(svc, who, run, p, session_id))
     return run
 
@@ -138,6 +142,7 @@ async def resume_backgrounds(svc: Services, resumable: list) -> None:
     for rid, kept in resumable:
         resume = kept.resume
         runs = resume["runs"] + 1
+        stalled = stalled_runs(resume) + 1   # (this run too, until it keeps a token)
         records = progress.read(rid) if progress is not None else []
         if records and "end" in records[-1]:
             _ended_before(svc, rid, kept, records)
@@ -159,7 +164,7 @@ async def resume_backgrounds(svc: Services, resumable: list) -> None:
             progress.reset(rid)
             p = await _planned(svc, body, kept.owner)
             p.built.id, p.built.created = rid, kept.body.get("created_at", p.built.created)
-        _launch(svc, p, kept.owner, resume["session_id"], runs=runs, run=run)
+        _launch(svc, p, kept.owner, resume["session_id"], runs=runs, run=run, stalled=stalled)
         how = "from its start" if run is None else f"after the {p.begun} reply tokens kept ({len(run.events)} events)"
         log.info("background response %s runs on after the restart (run %d) %s", rid, runs, how)
 
@@ -425,6 +430,13 @@ async def _background(svc: Services, who: Optional[str], run: Run, p: _Planned, 
                                                                for e in event.logprobs]
                 _push(svc, run, built.read(parser, event.text, event.logprobs, token_text),
                       d=[event.text, list(event.ids or []), entries])
+                if p.resume["stalled"] and event.ids:   # (this run goes on: the count of runs stopped in begins again)
+                    p.resume = {**p.resume, "stalled": 0}
+                    source = SOURCE.set(None)   # (what it kept takes no id of the reply's source)
+                    try:
+                        keep(run.snapshot(), p.resume)
+                    finally:
+                        SOURCE.reset(source)
             elif isinstance(event, Finished):
                 events_ = built.read(parser, None, None, token_text)
                 decode_s = time.monotonic() - first_token_at if first_token_at is not None else None
