@@ -87,6 +87,8 @@ def create_app(backend: Any, settings: Optional[ServerSettings] = None, governor
                 n = store.persist_all(backend.model_name)
                 log.info("saved %d session(s) to %s", n, store.spill_dir)
             store.close()
+            if svc._backgrounds is not None and svc._backgrounds.progress is not None:
+                svc._backgrounds.progress.close()   # (the files of those it runs on at the restart)
             for kept in (svc._responses, svc._conversations):
                 if kept is not None:
                     kept.close()   # its queued writes done

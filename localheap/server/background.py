@@ -172,6 +172,7 @@ class Progress:
         self.directory, self.log = directory, log_
         self._unsynced: set[str] = set()
         self._failed: set[str] = set()   # logged once each
+        self._fds: dict[str, int] = {}   # the file of each response written to, open (until `drop`)
         self._lock = threading.Lock()
 
     def path(self, response_id: str) -> Path:
@@ -182,17 +183,17 @@ class Progress:
         line = (json.dumps(record, separators=(",", ":")) + "\n").encode()
         path = self.path(response_id)
         try:
-            try:
-                fd = open_private(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
-            except FileNotFoundError:
-                self.directory.mkdir(mode=0o700, exist_ok=True)
-                fd = open_private(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
-            try:
-                data = memoryview(line)
-                while data:
-                    data = data[os.write(fd, data):]
-            finally:
-                os.close(fd)
+            fd = self._fds.get(response_id)
+            if fd is None:
+                try:
+                    fd = open_private(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+                except FileNotFoundError:
+                    self.directory.mkdir(mode=0o700, exist_ok=True)
+                    fd = open_private(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+                self._fds[response_id] = fd
+            data = memoryview(line)
+            while data:
+                data = data[os.write(fd, data):]
         except OSError as e:
             if response_id not in self._failed:
                 self._failed.add(response_id)
@@ -205,9 +206,18 @@ class Progress:
         if first:
             self.log.submit(self._sync, response_id)
 
+    def close(self) -> None:
+        """The files open for writing closed (what is written stays: the server stopping)."""
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
     def drop(self, response_id: str) -> None:
-        """Its file deleted (once what was queued before is written)."""
+        """Its file closed, and deleted on the writer thread (after what was submitted before)."""
         self._failed.discard(response_id)
+        fd = self._fds.pop(response_id, None)
+        if fd is not None:
+            os.close(fd)
         self.log.submit(self._unlink, response_id)
 
     def read(self, response_id: str) -> list[dict]:
