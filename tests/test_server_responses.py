@@ -927,6 +927,23 @@ def test_a_background_response_the_server_stopped_in_reads_back_to_run_again(tmp
     third.close()
 
 
+def test_a_running_response_is_kept_as_it_was_when_kept(tmp_path):
+    """A background response kept queued or running is kept as it stood then: its output, which
+    goes on growing in the run (and which the writer thread may write out again later), is not
+    the kept one."""
+    from localheap.server.responses import ResponseLog
+
+    log = ResponseLog(path=tmp_path / "responses.jsonl")
+    req = ResponsesRequest(model="m", input="hi", background=True)
+    body = {"id": "resp_a", "status": "in_progress", "background": True, "error": None, "output": []}
+    log.add(body, req, None, {"request": req.model_dump(mode="json", exclude_unset=True), "session_id": None,
+                              "runs": 1, "stalled": 1})
+    body["output"].append({"type": "message", "id": "msg_1", "role": "assistant", "status": "in_progress",
+                           "content": []})
+    assert log.get("resp_a", None).body["output"] == [] and log._records()[0]["body"]["output"] == []
+    log.close()
+
+
 def _forced_server(model_dir, text: str, **settings):
     """The tool server with its replies forced to `text` from its first request on (a background
     response run again at start included)."""

@@ -605,7 +605,10 @@ class ResponseLog(FileBacked):
         """Keep a response (again: a background one, queued with `resume`, then ended)."""
         items = with_ids(request.input_items) + [output_item(i) for i in body["output"]]
         resume = resume if body.get("status") in UNFINISHED else None
-        chars = len(json.dumps(body)) + sum(len(i.model_dump_json()) for i in request.input_items) + \
+        text = json.dumps(body)
+        if resume is not None:   # (a running response's output goes on growing: this moment's is kept)
+            body = json.loads(text)
+        chars = len(text) + sum(len(i.model_dump_json()) for i in request.input_items) + \
             (len(json.dumps(resume)) if resume is not None else 0)
         kept = Kept(body, items, request.previous_response_id, owner, chars, resume)
         self._keep(body["id"], kept)
