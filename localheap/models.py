@@ -47,12 +47,19 @@ def demo_model_dir() -> Optional[Path]:
 def model_name_of(spec: Optional[str]) -> Optional[str]:
     """The name a loaded backend will carry for a --model argument, known without loading or
     downloading it (the server locks its sessions directory, named after it, before the model
-    loads); None for the in-memory real shapes (named with the dtype the device picks)."""
+    loads). An in-memory real shape's carries the dtype its device takes (torch imported to
+    tell: it builds it; None where torch is not installed)."""
     if spec is None or spec == "demo":
         return "demo"
     if spec.startswith("random:"):
         from . import randbig
-        return None if randbig.is_real_shape(spec[len("random:"):]) else spec
+        shape = spec[len("random:"):]
+        if not randbig.is_real_shape(shape):
+            return spec
+        try:
+            return randbig.model_name(shape)
+        except ImportError:   # (loading it says why)
+            return None
     local = Path(spec).expanduser()
     return local.name if local.exists() else spec
 

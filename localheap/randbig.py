@@ -77,16 +77,29 @@ def build(spec: str, device: str = "cuda", dtype: str = "bfloat16"):
     return model.eval(), tokenizer
 
 
-def load_torch_backend(spec: str, device=None):
-    """A TorchBackend over `build(spec)` on the default device (bf16 on CUDA, fp32 elsewhere)."""
+def _device_dtype(device=None) -> tuple:
+    """(the torch device, the name of the dtype the shapes are built in there: bf16 on CUDA, fp32
+    elsewhere)."""
     import torch
 
-    from .backends.torch import TorchBackend, attention
     from .backends.torch.backend import default_device, default_dtype
 
     dev = torch.device(device) if device else default_device()
-    dtype = str(default_dtype(dev)).split(".")[-1]
+    return dev, str(default_dtype(dev)).split(".")[-1]
+
+
+def model_name(spec: str, device=None) -> str:
+    """The name the backend of `spec` built on `device` carries (known before it is built: the
+    server locks the sessions directory named after it first)."""
+    return f"random:{spec} ({_device_dtype(device)[1]}, in memory)"
+
+
+def load_torch_backend(spec: str, device=None):
+    """A TorchBackend over `build(spec)` on the default device (bf16 on CUDA, fp32 elsewhere)."""
+    from .backends.torch import TorchBackend, attention
+
+    dev, dtype = _device_dtype(device)
     attention.install(None)
     model, tokenizer = build(spec, str(dev), dtype)
     attention.install(model)
-    return TorchBackend(model, tokenizer, model_name=f"random:{spec} ({dtype}, in memory)")
+    return TorchBackend(model, tokenizer, model_name=model_name(spec, dev))

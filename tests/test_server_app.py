@@ -202,8 +202,8 @@ def test_a_server_open_to_the_network_without_an_api_key_says_so_at_start(monkey
 
 def test_a_second_server_on_a_sessions_directory_in_use_is_refused_until_the_first_is_gone(tmp_path, monkeypatch, capsys):
     """Two servers on one sessions directory would restore the same sessions and write over each
-    other's index: the second is refused, naming the first, before its model loads (a rank of
-    --distributed too, whose launcher names its rank: its own lock); once the first is gone (kill -9
+    other's index: the second is refused, naming the first, before its model loads (an in-memory
+    real shape's too; a rank of --distributed, whose launcher names its rank: its own lock); once the first is gone (kill -9
     included) the directory is free."""
     def hold(path, name="serve.lock"):
         """A process that holds `path`'s lock `name` as a server on port 8123 would."""
@@ -224,13 +224,18 @@ def test_a_second_server_on_a_sessions_directory_in_use_is_refused_until_the_fir
     monkeypatch.setenv("LOCALHEAP_CACHE", str(tmp_path / "cache"))
     default = tmp_path / "cache" / "sessions" / "demo"   # the demo model's default directory
     default.mkdir(parents=True)
+    from localheap import randbig
+    from localheap.commands.serve import default_sessions_dir
+    real = default_sessions_dir(randbig.model_name("llama:8b"))   # (an 8B shape built in memory: not twice)
+    real.mkdir(parents=True)
     try:
         assert holder.stdout.readline().strip() == "held"
-        for flags, where in ((["--sessions-dir", str(tmp_path)], tmp_path), ([], default)):
-            if where == default:
+        for flags, where in ((["--sessions-dir", str(tmp_path)], tmp_path), ([], default),
+                             (["--model", "random:llama:8b"], real)):
+            if where != tmp_path:
                 holder.kill()
                 holder.wait()
-                holder = hold(default)
+                holder = hold(where)
                 assert holder.stdout.readline().strip() == "held"
             assert main(["serve", *flags, "--port", "0"]) == 2   # refused before the model loads (no_load)
             err = capsys.readouterr().err
