@@ -1135,7 +1135,8 @@ def test_a_background_response_whose_kept_reply_is_torn_or_does_not_read_again(m
 def test_a_background_response_s_progress_is_written_before_its_events_go_out(tmp_path):
     """Each record of a background response's progress is in its file when `add` returns (before
     its events are sent: a crash of the server cannot take an event a reader saw), its fsync left to
-    the writer thread: one for the records written meanwhile, none once the file is deleted."""
+    the writer thread: one for the records written meanwhile, none once the file is deleted. Of
+    many responses written to (the queued write their first events), OPEN_FILES files stay open."""
     from localheap.server.background import Progress
 
     class Held:   # a writer thread that has not come round yet
@@ -1160,6 +1161,14 @@ def test_a_background_response_s_progress_is_written_before_its_events_go_out(tm
     for fn, arg in held.calls:
         fn(arg)
     assert not progress.path("resp_a").exists()
+    from localheap.server.background import OPEN_FILES
+    many = [f"resp_{i}" for i in range(OPEN_FILES + 8)]   # (queued ones too write their first events)
+    for n, rid in enumerate(many + many):
+        progress.add(rid, {"n": n})
+        assert len(progress._fds) <= OPEN_FILES
+    assert all(progress.read(rid) == [{"n": i}, {"n": i + len(many)}] for i, rid in enumerate(many))
+    progress.close()
+    assert not progress._fds
 
 
 def test_a_background_response_whose_end_a_crash_kept_only_in_its_progress_reads_back_ended(

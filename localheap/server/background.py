@@ -157,6 +157,9 @@ class Backgrounds:
         return sum(not r.ended for r in self._runs.values())
 
 
+OPEN_FILES = 32   # Progress keeps this many files open at most (macOS gives a process 256 descriptors)
+
+
 class Progress:
     """What each background response has done so far, in a file of its own (`directory`/<id>.jsonl):
     a line per change, each {"e": the events it sent} with {"d": [text, ids, logprobs]}, the Delta
@@ -172,7 +175,8 @@ class Progress:
         self.directory, self.log = directory, log_
         self._unsynced: set[str] = set()
         self._failed: set[str] = set()   # logged once each
-        self._fds: dict[str, int] = {}   # the file of each response written to, open (until `drop`)
+        # the files of the responses written to latest, open (until `drop`, or OPEN_FILES later ones)
+        self._fds: OrderedDict[str, int] = OrderedDict()
         self._lock = threading.Lock()
 
     def path(self, response_id: str) -> Path:
@@ -191,6 +195,10 @@ class Progress:
                     self.directory.mkdir(mode=0o700, exist_ok=True)
                     fd = open_private(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
                 self._fds[response_id] = fd
+                if len(self._fds) > OPEN_FILES:   # (many queued: a system's few descriptors are not spent)
+                    os.close(self._fds.popitem(last=False)[1])
+            else:
+                self._fds.move_to_end(response_id)
             data = memoryview(line)
             while data:
                 data = data[os.write(fd, data):]
