@@ -203,8 +203,8 @@ def test_a_server_open_to_the_network_without_an_api_key_says_so_at_start(monkey
 def test_a_second_server_on_a_sessions_directory_in_use_is_refused_until_the_first_is_gone(tmp_path, monkeypatch, capsys):
     """Two servers on one sessions directory would restore the same sessions and write over each
     other's index: the second is refused, naming the first, before its model loads (an in-memory
-    real shape's too; a rank of --distributed, whose launcher names its rank: its own lock); once the first is gone (kill -9
-    included) the directory is free."""
+    real shape's too; a rank of --distributed, whose launcher names its rank: its own lock); once
+    the first is gone (kill -9 included) the directory is free."""
     def hold(path, name="serve.lock"):
         """A process that holds `path`'s lock `name` as a server on port 8123 would."""
         return subprocess.Popen([sys.executable, "-c", (
@@ -246,8 +246,8 @@ def test_a_second_server_on_a_sessions_directory_in_use_is_refused_until_the_fir
         holder.wait()
         holder = hold(tmp_path, "serve.rank1.lock")
         assert holder.stdout.readline().strip() == "held"
-        import localheap.backends.mlx.distributed as shards
-        monkeypatch.setattr(shards, "load_backend", no_load)
+        from localheap.commands import ranks
+        monkeypatch.setattr(ranks, "load_rank", no_load)   # (its shard: no mlx needed to be refused before it)
         monkeypatch.setenv("MLX_RANK", "1")
         assert main(["serve", "--distributed", "tensor", "--sessions-dir", str(tmp_path), "--port", "0"]) == 2
         assert f"the sessions directory {tmp_path} is in use by another localheap serve (pid {holder.pid}" \
