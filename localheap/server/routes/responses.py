@@ -144,12 +144,18 @@ async def resume_backgrounds(svc: Services, resumable: list) -> None:
         runs = resume["runs"] + 1
         stalled = stalled_runs(resume) + 1   # (this run too, until it keeps a token)
         records = progress.read(rid) if progress is not None else []
-        if records and "end" in records[-1]:
-            _ended_before(svc, rid, kept, records)
-            continue
+
+        async def planned() -> _Planned:
+            p = await _planned(svc, body, kept.owner)
+            p.built.id, p.built.created = rid, kept.body.get("created_at", p.built.created)
+            return p
+
         try:
             body = ResponsesRequest.model_validate(resume["request"])
-            p = await _planned(svc, body, kept.owner)
+            if records and "end" in records[-1]:
+                _ended_before(svc, rid, kept, body, records)
+                continue
+            p = await planned()
             check_start(svc, kept.owner, p.params, resume["session_id"])
         except Exception as e:   # noqa: BLE001 - what a request would be refused for, as its failure
             err = json.loads(to_response(e).body)["error"]
@@ -158,21 +164,18 @@ async def resume_backgrounds(svc: Services, resumable: list) -> None:
                 progress.drop(rid)
             log.warning("background response %s was not run again after the restart: %s", rid, err["message"])
             continue
-        p.built.id, p.built.created = rid, kept.body.get("created_at", p.built.created)
         run = _replay(p, kept.owner, records) if records else None
         if records and run is None:
             progress.reset(rid)
-            p = await _planned(svc, body, kept.owner)
-            p.built.id, p.built.created = rid, kept.body.get("created_at", p.built.created)
+            p = await planned()
         _launch(svc, p, kept.owner, resume["session_id"], runs=runs, run=run, stalled=stalled)
         how = "from its start" if run is None else f"after the {p.begun} reply tokens kept ({len(run.events)} events)"
         log.info("background response %s runs on after the restart (run %d) %s", rid, runs, how)
 
 
-def _ended_before(svc: Services, rid: str, kept, records: list[dict]) -> None:
+def _ended_before(svc: Services, rid: str, kept, body: ResponsesRequest, records: list[dict]) -> None:
     """A background response whose end reached its progress file but not the kept responses (a
     crash in between): its end kept now, its events readable again as those of a run ended."""
-    body = ResponsesRequest.model_validate(kept.resume["request"])
     whole = records[-1]["end"]
     built = _built(svc, body)
     built.id, built.created = rid, whole.get("created_at", built.created)
