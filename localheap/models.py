@@ -137,8 +137,9 @@ def detect_backend(preferred: str = "auto") -> str:
 def leave_torch_out(spec: Optional[str]) -> None:
     """For a process that runs MLX alone: torch, which transformers (mlx-lm's tokenizers) imports
     wherever it is installed, is hidden (`import torch` fails as where it is not installed, and
-    transformers runs without it). Where torch is installed that is about 2.4 s of start and 180 MiB
-    of RSS a process (measured on the x86 CI machine; each rank of --distributed is one). Nothing is
+    transformers runs without it). Where torch is installed that is about 2.4 s of start and 240 MB
+    of RSS a process (measured on a 2-core x86 machine: the demo server held 151 MB at start where
+    it held 390; each rank of --distributed is one process). Nothing is
     hidden where torch is imported already, or for a random: spec (its builder prefers torch, for the
     same weights everywhere). Call it before anything imports transformers."""
     if "torch" in sys.modules or (spec or "").startswith("random:"):

@@ -103,8 +103,9 @@ class Run:
                 return
 
     def lost(self, after: int) -> bool:
-        """Whether event `after` was sent by an earlier run and not kept (the events after it are
-        not known: a crash took them before they reached the disk)."""
+        """Whether event `after` was sent by an earlier run and not kept (those a stopping server
+        sends as it stops, or one a crash of the machine took before it reached the disk): the
+        events after it are not known."""
         if after < 0 or after >= self.first - 1:
             return False
         at = bisect.bisect_left(self.numbers, after)

@@ -585,10 +585,9 @@ class ResponseLog(FileBacked):
 
     A background response is kept queued with its request (`resume`), and again when it ends. One
     the server stopped in (queued or running) is read back to run on (`resumable`; from what its
-    background.Progress kept),
-    unless the server stopped in it in RUNS runs in a row that kept no reply token (a response that
-    brings the server down would otherwise at each start): then it reads back failed. (`resume`:
-    its request, session, `runs` so far, and `stalled`: stalled_runs.)"""
+    background.Progress kept), unless the server stopped in it in RUNS runs in a row that kept no
+    reply token (a response that brings the server down would otherwise at each start): then it
+    reads back failed. (`resume`: its request, session, `runs` so far, and `stalled`: stalled_runs.)"""
 
     def __init__(self, max_kept: int = 4096, max_chars: int = 16_000_000, path: Optional[Path] = None):
         self.max_kept, self.max_chars = max_kept, max_chars
