@@ -255,7 +255,15 @@ def test_structured_output_on_two_ranks_binds_every_rank(tmp_path):
     assert got == want, (got, want)
 
 
-def test_a_killed_rank_fails_requests_clearly_and_health_says_so(tmp_path):
+IDLE_S = 4.0          # an idle server's follower is watched this long
+IDLE_CPU_S = 1.0     # and may use this much CPU in it (MLX's ring polls: waiting in a collective, a whole core)
+
+
+def test_an_idle_follower_sleeps_and_a_killed_rank_fails_requests_clearly_and_health_says_so(tmp_path):
+    """Idle (after a reply, pings every 2 s), the follower waits for rank 0's wake, not in the ring's
+    collective, which polls its socket: a core busy for as long as the server is idle. Then rank 1
+    killed: requests fail clearly, /health says so, what was saved stays."""
+    psutil = pytest.importorskip("psutil")
     model_dir = demo_model_dir()
     if model_dir is None:
         pytest.skip("no bundled demo model in this installation")
@@ -263,6 +271,11 @@ def test_a_killed_rank_fails_requests_clearly_and_health_says_so(tmp_path):
     with Ranks(tmp_path, model_dir, "tensor", sessions) as ranks:
         post = lambda path, json, headers={}: httpx.post(ranks.url + path, json=json, timeout=120)  # noqa: E731
         chat(post, [], TURNS[0], ranks.model)
+        follower = psutil.Process(ranks.procs[1].pid)
+        before = sum(follower.cpu_times()[:2])
+        time.sleep(IDLE_S)
+        idle = sum(follower.cpu_times()[:2]) - before
+        assert idle < IDLE_CPU_S, f"the idle follower used {idle:.2f} s of CPU in {IDLE_S:g} s"
         ranks.procs[1].kill()
         ranks.procs[1].wait()
         deadline = time.monotonic() + 30

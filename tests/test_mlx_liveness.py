@@ -48,6 +48,30 @@ def test_a_silent_peer_is_lost_after_the_timeout_and_one_that_says_bye_is_not():
     beat.close()
 
 
+def test_a_follower_waits_for_each_wake_and_not_once_rank_0_said_bye():
+    """A follower's wait before each command (Heartbeat.wait_wake) ends once per wake rank 0 sent
+    (two wakes: two commands, in any chunking of the bytes), blocks without one, and ends at
+    once after BYE (the "stop" that follows it is sent without a wake reaching anyone)."""
+    rank0_end, follower_end = socket.socketpair()
+    lead = Heartbeat({1: rank0_end}, 30)   # not started: wake() is rank 0's engine thread writing
+    beat = Heartbeat({0: follower_end}, 30).start()
+    lead.wake()
+    lead.wake()
+    for _ in range(2):
+        done = threading.Event()
+        threading.Thread(target=lambda: (beat.wait_wake(), done.set()), daemon=True).start()
+        assert done.wait(3), "a wake sent did not end a wait"
+    done = threading.Event()
+    threading.Thread(target=lambda: (beat.wait_wake(), done.set()), daemon=True).start()
+    assert not done.wait(2.5), "a wait ended with no wake sent"
+    lead.close()   # BYE
+    assert done.wait(3), "a wait went on after rank 0 said BYE"
+    began = time.monotonic()
+    beat.wait_wake()
+    assert time.monotonic() - began < 0.5
+    beat.close()
+
+
 def test_an_orderly_close_with_beats_unread_ends_the_connection_without_a_reset():
     """Over TCP, as between hosts: rank 0 closes while the follower's beats sit unread in its
     buffer. A plain close() then sends a reset after the BYE, and a follower that reads the reset

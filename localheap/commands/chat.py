@@ -90,7 +90,7 @@ def run(args) -> int:
         beat = ranks.heartbeat(backend, args.rank_timeout, args.step_timeout)
         if backend.rank != 0:
             return ranks.follower(backend, None, beat)
-        backend = Leader(backend)
+        backend = Leader(backend, heartbeat=beat)
         ranks.lead(backend, beat, args.step_timeout)   # a rank gone or stuck mid-reply: rank 0 says so, exits
     else:
         backend = load_model_backend(args)

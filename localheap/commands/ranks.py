@@ -193,7 +193,7 @@ def follower(backend, sessions_dir: Optional[Path], beat=None, reading=None) -> 
     if beat is not None:
         beat.on_lost = lambda rank, why: exit_now(f"rank 0 {why}: this rank exits", 1)
         beat.start()
-    code = follow(backend, root, remove_files, reading, prune_files)
+    code = follow(backend, root, remove_files, reading, prune_files, wait=beat.wait_wake if beat is not None else None)
     if code == OUT_OF_STEP_EXIT:   # leave the ring now: a normal exit may wait on it, rank 0 with it
         exit_now(f"rank {backend.rank} leaves the ring (exit status {code})", code)
     if beat is not None:

@@ -367,7 +367,7 @@ def serve_ranks(backend, settings, args) -> int:
     if backend.rank != 0:
         sensors = governor_for(backend, plan).sensors   # this rank's allocator limits; its memory for admissions
         return ranks.follower(backend, sessions_dir, beat, ranks.own_reading(sensors, plan.budget))
-    leader = Leader(backend)
+    leader = Leader(backend, heartbeat=beat)   # from its first command: the followers wait for its wake
     try:
         governor = governor_for(leader, plan)
         governor.sensors = ranks.RankSensors(governor.sensors, leader, plan.budget)   # admissions: every rank's RAM

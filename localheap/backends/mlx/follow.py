@@ -94,12 +94,15 @@ def memory_reading(reading) -> tuple[int, int]:
         return -(1 << 62), 1 << 62
 
 
-def follow(backend: DistributedMLXBackend, root: Path, remove_files=None, reading=None, prune_files=None) -> int:
+def follow(backend: DistributedMLXBackend, root: Path, remove_files=None, reading=None, prune_files=None,
+           wait=None) -> int:
     """A follower rank's loop: rank 0's heap calls on this rank's shard, until it says stop;
     `remove_files(root, session_id, keep_gen, whole, checkpoint)` removes this rank's files of a
     session (or of one of its checkpoints); `reading()` is this rank's (RSS past its RAM budget,
     available bytes) for rank 0's admissions; `prune_files(root, keep, tag)` removes this rank's
-    files (named with `tag`) of what rank 0's saved sessions do not hold, at start.
+    files (named with `tag`) of what rank 0's saved sessions do not hold, at start; `wait()`
+    returns when rank 0 says its next command comes (Heartbeat.wait_wake: MLX's ring waits in a
+    collective by polling, a core busy for as long as it waits).
     Returns the exit status (1: rank 0 was lost; OUT_OF_STEP_EXIT: a forward failed here, see the
     log, and the process must exit now)."""
     assert backend.rank != 0
@@ -110,6 +113,8 @@ def follow(backend: DistributedMLXBackend, root: Path, remove_files=None, readin
     stalls = Faults(os.environ.get(STALL_ENV), stall=True)   # in the call itself, after any start check
     path = lambda p: None if p is None else root / p   # noqa: E731  (an absolute p stays as it is)
     while True:
+        if wait is not None:
+            wait()
         try:
             cmd = json.loads(broadcast(backend.ranks, None))
         except RuntimeError as e:

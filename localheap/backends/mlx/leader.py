@@ -73,7 +73,7 @@ def error_note(e: Optional[BaseException]) -> str:
 class Leader:
     """Rank 0's backend for the engine: each heap call is sent to the followers, then run."""
 
-    def __init__(self, backend: DistributedMLXBackend, root: Optional[Path] = None):
+    def __init__(self, backend: DistributedMLXBackend, root: Optional[Path] = None, heartbeat=None):
         assert backend.rank == 0
         self.backend = backend
         self.root = Path(root) if root is not None else None   # the sessions directory
@@ -81,7 +81,7 @@ class Leader:
         self.failures = 0                  # calls that failed on a follower only (RankFailed)
         self.last_failure: Optional[str] = None
         self.stopped = False
-        self.heartbeat = None              # liveness.Heartbeat, when the ranks have one
+        self.heartbeat = heartbeat         # liveness.Heartbeat, when the ranks have one (it wakes the followers)
         self.on_stuck: Optional[Callable[[RankLost], None]] = None   # the engine thread cannot come back
         self._inside = 0                   # > 0 while this rank is in a call that meets the others
         self._since: Optional[float] = None   # when that call began (time.monotonic)
@@ -112,6 +112,8 @@ class Leader:
             raise RankLost(self.lost)
         drop, self._dropped = self._dropped, []
         self._op = op
+        if self.heartbeat is not None:   # the followers wait for this before they enter the broadcast
+            self.heartbeat.wake()
         self._guard(lambda: broadcast(self.ranks, json.dumps({"op": op, "drop": drop, **args}).encode()))
 
     def _guard(self, work):

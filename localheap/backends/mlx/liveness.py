@@ -2,7 +2,10 @@
 
 MLX's ring collectives cannot be interrupted, and a collective running when a peer dies does not
 always fail (MLX 0.32, CPU): rank 0 can wait in it for ever. So each follower keeps a connection
-to rank 0 that carries one byte a second each way and nothing else. A process that ends (kill -9,
+to rank 0 that carries one byte a second each way, and, from rank 0, one byte before each command
+it sends (a wake: MLX's ring waits for a collective by polling its socket, so a follower idle in
+one would keep a core busy for as long as the server is idle; it waits here for the wake instead,
+then enters the collective). A process that ends (kill -9,
 a crash, a follower leaving the ring after failing mid-step) has its connection closed by its
 kernel: the other side knows at once. A host that vanishes (power, cable) falls silent: known
 after `timeout` seconds. Rank 0 reports such a rank lost (`on_lost`); a follower whose rank 0 is
@@ -26,7 +29,7 @@ log = logging.getLogger("localheap.distributed")
 BEAT_S = 1.0        # one byte each way this often
 TIMEOUT_S = 30.0    # (default) a rank silent this long is lost
 CONNECT_S = 30.0    # a follower's connect at start
-BEAT, BYE = b".", b"x"   # BYE: an orderly end, not a loss
+BEAT, BYE, WAKE = b".", b"x", b"!"   # BYE: an orderly end, not a loss; WAKE: a command follows
 GRACE_S = 2.0       # an orderly close waits this long at most for the peers to close their side
 HOST_ENV = "LOCALHEAP_RANK0_HOST"
 HELLO = "<iq"   # a follower's first words: its rank and the key rank 0 sent through a collective
@@ -62,6 +65,8 @@ class Heartbeat:
         self.gone: dict[int, str] = {}   # rank -> why it counts as lost
         self._any_gone = threading.Event()
         self._closed = threading.Event()
+        self._wakes = threading.Semaphore(0)   # a follower: commands rank 0 said it is sending
+        self._ended = threading.Event()        # a follower: rank 0 said BYE (its last command follows)
         self._thread = threading.Thread(target=self._run, name="localheap-heartbeat", daemon=True)
 
     def start(self) -> "Heartbeat":
@@ -91,6 +96,22 @@ class Heartbeat:
                 s.close()
             except OSError:
                 s.close()
+
+    def wake(self) -> None:
+        """Rank 0, before each command: every follower may enter the command's collective now."""
+        for s in list(self.peers.values()):
+            try:
+                s.sendall(WAKE)
+            except OSError:   # gone: the heartbeat's own loop says so
+                pass
+
+    def wait_wake(self) -> None:
+        """A follower, before it enters the next command's collective: until rank 0 says one
+        comes (WAKE), or until no wake can come (rank 0 said BYE, or this heartbeat ended): then
+        the collective itself waits, as it would without a heartbeat."""
+        while not (self._ended.is_set() or self._closed.is_set() or not self.peers):
+            if self._wakes.acquire(timeout=BEAT_S):
+                return
 
     def wait_gone(self, timeout: float) -> Optional[str]:
         """"rank R WHY" for the first rank found gone, waiting up to `timeout` s for one (a ring
@@ -134,7 +155,11 @@ class Heartbeat:
             data, why = b"", f"dropped its connection ({e.strerror or e})"
         else:
             why = "ended (its process is gone: killed, crashed, or it left the ring; see its log)"
+        if data.count(WAKE):
+            self._wakes.release(data.count(WAKE))
         if BYE in data:
+            self._ended.set()
+            self._wakes.release()   # a wait in progress ends now
             self.peers.pop(rank).close()   # it ended in order
         elif not data:
             self._gone(rank, why)
