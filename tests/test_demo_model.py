@@ -58,9 +58,10 @@ def test_demo_sixteen_keys_both_backends():
     """v2: 16 named facts (held-out names, held-out filler) in 4096 tokens, one asked about.
     Teacher-forced greedy check (all argmaxes of " <key>." right == greedy decoding answers the key):
     v2 is right on 96-97% of such episodes (training/README.md), so of 4 seeded episodes at least 3;
-    mlx-lm's argmax equals transformers' at every answer step of every episode, mlx-lm reading the
-    episode through its own cache 512 tokens at a time as its generate does (a whole 4K forward
-    costs MLX's CPU backend about 25 s, its attention quadratic; the chunks about 15 s)."""
+    mlx-lm's argmax equals transformers' at every answer step of the first two episodes, mlx-lm
+    reading the episode through its own cache 512 tokens at a time as its generate does (a whole 4K
+    forward costs MLX's CPU backend about 25 s, its attention quadratic; the chunks about 15 s: two
+    episodes, not four, keep the test's time in bounds)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -85,7 +86,7 @@ def test_demo_sixteen_keys_both_backends():
     from mlx_lm.models.cache import make_prompt_cache
 
     model, _ = load(str(DEMO))
-    for ep, ids, ref in zip(eps, rows, refs):
+    for ep, ids, ref in list(zip(eps, rows, refs))[:2]:
         x, cache = ids[:-1], make_prompt_cache(model)
         head = len(ep.tokens) - 1   # the last chunk holds every answer step
         for i in range(0, head, 512):
