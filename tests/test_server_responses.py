@@ -1171,6 +1171,75 @@ def test_a_background_response_s_progress_is_written_before_its_events_go_out(tm
     assert not progress._fds
 
 
+def test_a_background_run_s_readers_get_its_events_once_their_lines_are_fsynced(tmp_path, monkeypatch):
+    """A reader of a background run is sent an event only once the line holding it is fsynced (a
+    crash of the machine cannot take an event a reader saw, so reading on after a restart from the
+    last event seen never meets one the restart does not know); events that are never kept (a
+    stopping server's last) go out at once, with any still unsynced before them; an end goes out
+    once on the disk too."""
+    import asyncio
+    import os
+    from types import SimpleNamespace
+
+    from localheap.server import background as bg
+    from localheap.server.routes.responses import _push
+
+    class Held:   # the writer thread, run by hand
+        def __init__(self):
+            self.calls = []
+
+        def submit(self, fn, arg):
+            self.calls.append((fn, arg))
+
+        def run(self):
+            calls, self.calls = self.calls, []
+            for fn, arg in calls:
+                fn(arg)
+
+    synced = []
+    real_fsync = os.fsync
+    monkeypatch.setattr(bg.os, "fsync", lambda fd: (synced.append(fd), real_fsync(fd)))
+    held = Held()
+    backgrounds = bg.Backgrounds(progress=bg.Progress(tmp_path / "background", held))
+    svc = SimpleNamespace(backgrounds=backgrounds)
+    event = lambda n: {"type": "response.output_text.delta", "sequence_number": n}   # noqa: E731
+
+    async def main():
+        run = bg.Run(SimpleNamespace(sequence=0, id="resp_a"), None)
+        backgrounds.add(run)
+        seen = []
+
+        async def reader():
+            async for message in run.read():
+                seen.append(json.loads(message["data"])["sequence_number"])
+
+        task = asyncio.create_task(reader())
+        _push(svc, run, [event(0), event(1)])
+        _push(svc, run, [event(2)])
+        await asyncio.sleep(0.05)
+        assert seen == [] and run.visible == 0 and not synced   # written, not fsynced: not sent
+        held.run()   # one fsync for both lines
+        await asyncio.sleep(0.05)
+        assert seen == [0, 1, 2] and len(synced) == 1
+        _push(svc, run, [event(3)])
+        await asyncio.sleep(0.05)
+        assert seen == [0, 1, 2]
+        run.push([event(4)])   # never kept (a stopping server's): out at once, with 3 before it
+        await asyncio.sleep(0.05)
+        assert seen == [0, 1, 2, 3, 4]
+        held.run()
+        whole = {"status": "completed"}
+        assert backgrounds.progress.add(run.id, {"e": [event(5)], "end": whole}, len(run.events) + 1)
+        run.end(whole, [event(5)], synced=False)   # as routes/responses._ended ends it
+        await asyncio.sleep(0.05)
+        assert seen == [0, 1, 2, 3, 4] and not task.done()   # its end not on the disk yet: the stream open
+        held.run()
+        await asyncio.wait_for(task, 1)
+        assert seen == [0, 1, 2, 3, 4, 5]
+
+    asyncio.run(main())
+
+
 def test_a_background_response_whose_end_a_crash_kept_only_in_its_progress_reads_back_ended(
         model_dirs, tmp_path_factory, tmp_path, torch_one_thread):
     """A background response ends and the server dies before its end is kept (here: the kept

@@ -5,7 +5,8 @@ polls it, streams it again from any event (`?stream=true&starting_after=N`), POS
 request, and again when it ends; meanwhile its events and the reply's pieces go to a file of its
 own (Progress), so a server stopped or crashed in between goes on with it at its restart from the
 last piece kept (routes/responses.resume_backgrounds; unless it was stopped in RUNS runs in a row
-that kept nothing more of its reply: it then reads back "failed").
+that kept nothing more of its reply: it then reads back "failed"). An event reaches a reader once
+its line is fsynced: no crash, even of the machine, takes an event a reader saw.
 
 Event loop only (but Progress's fsyncs and deletes, on the responses' writer thread)."""
 
@@ -20,7 +21,7 @@ import random
 import threading
 from collections import OrderedDict
 from pathlib import Path
-from typing import AsyncIterator, Optional
+from typing import AsyncIterator, Callable, Optional
 
 from ..heap.private import open_private
 from .ids import seeded
@@ -36,14 +37,16 @@ RUN_EVENTS = 10 ** 9   # run k (after k - 1 restarts) numbers its events from (k
 class Run:
     """One background response: its stream's events so far, in order (each kept as the SSE message
     it is sent as: an event's response is the one of its moment; `numbers` their sequence numbers:
-    those of earlier runs kept, then this run's from `first`), its status, the job once the engine
-    admitted it. `ids`: the source of its items' and calls' ids (ids.SOURCE in its task)."""
+    those of earlier runs kept, then this run's from `first`; `visible` of them a reader may be sent:
+    those on the disk, or never to be kept), its status, the job once the engine admitted it. `ids`:
+    the source of its items' and calls' ids (ids.SOURCE in its task)."""
 
     def __init__(self, built: Built, owner: Optional[str]):
         self.built, self.owner = built, owner
         self.first = built.sequence
         self.events: list[dict] = []
         self.numbers: list[int] = []
+        self.visible = 0
         self.ids: random.Random = seeded(built.id)
         self.status = "queued"
         self.body: Optional[dict] = None   # the whole response once it ended
@@ -70,18 +73,30 @@ class Run:
             body["localheap"] = dict(self.extra)
         return body
 
-    def push(self, events: list[dict], status: Optional[str] = None) -> None:
-        """Events appended (and a new status), the readers woken."""
+    def push(self, events: list[dict], status: Optional[str] = None, synced: bool = True) -> None:
+        """Events appended (and a new status), the readers woken; unless `synced`, its readers are
+        sent them once `synced_to` says their line is on the disk (with those before them)."""
         self.events += [sse(e) for e in events]
         self.numbers += [e["sequence_number"] for e in events]
+        if synced:
+            self.visible = len(self.events)
         if status is not None:
             self.status = status
+        self._wake()
+
+    def synced_to(self, mark: int) -> None:
+        """The first `mark` events are on the disk: readers may be sent them."""
+        if mark > self.visible:
+            self.visible = min(mark, len(self.events))
+            self._wake()
+
+    def end(self, body: dict, events: list[dict], synced: bool = True) -> None:
+        self.body = body
+        self.push(events, body["status"], synced)
+
+    def _wake(self) -> None:
         self._changed.set()
         self._changed = asyncio.Event()
-
-    def end(self, body: dict, events: list[dict]) -> None:
-        self.body = body
-        self.push(events, body["status"])
 
     def cancel(self) -> None:
         """Stop it: the job cancelled (the engine ends it at its next step, keeping what it
@@ -104,23 +119,22 @@ class Run:
 
     def lost(self, after: int) -> bool:
         """Whether event `after` was sent by an earlier run and not kept (those a stopping server
-        sends as it stops, or one a crash of the machine took before it reached the disk): the
-        events after it are not known."""
+        sends as it stops): the events after it are not known."""
         if after < 0 or after >= self.first - 1:
             return False
         at = bisect.bisect_left(self.numbers, after)
         return at == len(self.numbers) or self.numbers[at] != after
 
     async def read(self, after: int = -1) -> AsyncIterator[dict]:
-        """The SSE messages of the events after sequence number `after`, then each as it comes,
-        until it ends. A reader that leaves changes nothing: the reply runs on."""
+        """The SSE messages of the events after sequence number `after`, then each as it comes
+        (once on the disk), until it ends. A reader that leaves changes nothing: the reply runs on."""
         at = bisect.bisect_right(self.numbers, after)
         while True:
             changed = self._changed
-            while at < len(self.events):
+            while at < self.visible:
                 yield self.events[at]
                 at += 1
-            if self.ended:
+            if self.ended and at >= len(self.events):
                 return
             await changed.wait()
 
@@ -137,9 +151,27 @@ class Backgrounds:
         self.keep_finished = keep_finished
         self.progress = progress   # None: in memory (a restart does not run them again)
         self._runs: OrderedDict[str, Run] = OrderedDict()
+        self._loop: Optional[asyncio.AbstractEventLoop] = None
+        if progress is not None:
+            progress.on_synced = self._synced
 
     def add(self, run: Run) -> None:
         self._runs[run.id] = run
+        try:
+            self._loop = asyncio.get_running_loop()   # (the server's: where its runs' readers wait)
+        except RuntimeError:
+            pass
+
+    def _synced(self, response_id: str, mark: int) -> None:
+        """(The writer thread) `response_id`'s first `mark` events are on the disk."""
+        def show() -> None:
+            run = self._runs.get(response_id)
+            if run is not None:
+                run.synced_to(mark)
+        try:
+            self._loop.call_soon_threadsafe(show)
+        except (AttributeError, RuntimeError):   # no loop yet, or closed (the server stopped)
+            pass
 
     def get(self, response_id: str, owner: Optional[str]) -> Optional[Run]:
         run = self._runs.get(response_id)
@@ -165,16 +197,19 @@ class Progress:
     """What each background response has done so far, in a file of its own (`directory`/<id>.jsonl):
     a line per change, each {"e": the events it sent} with {"d": [text, ids, logprobs]}, the Delta
     they came of (logprobs as [[id, logprob, [[id, logprob], ...]], ...] or null), or {"x": the
-    response's `localheap` fields}. A line is written (to the system's file cache) before its events
-    are sent, so no reader sees an event a crash of the server (kill -9 included) loses; it is
-    fsynced on the kept responses' writer thread (`log`), lines written meanwhile with one fsync, so
-    a crash of the machine loses at most the last moments. The file is deleted on that thread too,
+    response's `localheap` fields}. A line is written (to the system's file cache), then fsynced on
+    the kept responses' writer thread (`log`), lines written meanwhile with one fsync; `on_synced(id,
+    mark)` then says so, with the `mark` its last line was added with (its run's event count): a
+    run's events are sent to its readers only then, so no reader sees an event a crash loses, of the
+    server (kill -9 included) or of the machine. The file is deleted on that thread too,
     in order with its records (a response kept ended is on disk before its file goes). A torn last
     line is dropped when read back."""
 
     def __init__(self, directory: Path, log_: FileBacked):
         self.directory, self.log = directory, log_
         self._unsynced: set[str] = set()
+        self._marks: dict[str, int] = {}   # each response's mark of the last line written
+        self.on_synced: Optional[Callable[[str, int], None]] = None
         self._failed: set[str] = set()   # logged once each
         # the files of the responses written to latest, open (until `drop`, or OPEN_FILES later ones)
         self._fds: OrderedDict[str, int] = OrderedDict()
@@ -183,8 +218,10 @@ class Progress:
     def path(self, response_id: str) -> Path:
         return self.directory / f"{response_id}.jsonl"
 
-    def add(self, response_id: str, record: dict) -> None:
-        """`record` written (its fsync to follow on the writer thread); before its events are sent."""
+    def add(self, response_id: str, record: dict, mark: Optional[int] = None) -> bool:
+        """`record` written, its fsync to follow on the writer thread (then `on_synced(response_id,
+        mark)`, where `mark` is given); False where it could not be written (its events then go
+        out as they are: the restart runs the response again from an earlier point)."""
         line = (json.dumps(record, separators=(",", ":")) + "\n").encode()
         path = self.path(response_id)
         try:
@@ -208,12 +245,15 @@ class Progress:
                 self._failed.add(response_id)
                 log.error("could not write to %s: %s (a restart runs the response again from an earlier point)",
                           path, e)
-            return
+            return False
         with self._lock:
             first = response_id not in self._unsynced
             self._unsynced.add(response_id)
+            if mark is not None:
+                self._marks[response_id] = mark
         if first:
             self.log.submit(self._sync, response_id)
+        return True
 
     def close(self) -> None:
         """The files open for writing closed (what is written stays: the server stopping)."""
@@ -268,22 +308,26 @@ class Progress:
                 path.unlink(missing_ok=True)
 
     def _sync(self, response_id: str) -> None:
-        with self._lock:
+        with self._lock:   # (lines written from here on are another fsync's)
             self._unsynced.discard(response_id)
+            mark = self._marks.pop(response_id, None)
         path = self.path(response_id)
         try:
             fd = os.open(path, os.O_WRONLY | os.O_APPEND)
         except FileNotFoundError:
-            return   # (dropped)
+            fd = None   # (dropped)
         except OSError as e:
             log.error("could not sync %s: %s", path, e)
-            return
-        try:
-            os.fsync(fd)
-        except OSError as e:
-            log.error("could not sync %s: %s (a crash of the machine may lose its last lines)", path, e)
-        finally:
-            os.close(fd)
+            fd = None
+        if fd is not None:
+            try:
+                os.fsync(fd)
+            except OSError as e:
+                log.error("could not sync %s: %s (a crash of the machine may lose its last lines)", path, e)
+            finally:
+                os.close(fd)
+        if mark is not None and self.on_synced is not None:   # (failed too: its readers are not held for ever)
+            self.on_synced(response_id, mark)
 
     def _unlink(self, response_id: str) -> None:
         try:

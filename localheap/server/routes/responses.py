@@ -255,12 +255,11 @@ def _then(tokens, more: list[int]):
 
 def _push(svc: Services, run: Run, events: list[dict], status: Optional[str] = None, **record) -> None:
     """Events of a background run kept (its progress file: what a restart goes on from), with what
-    else `record` holds (the Delta they came of: `d`), then sent to its readers: none sees an event
-    a crash of the server loses."""
+    else `record` holds (the Delta they came of: `d`), then sent to its readers once on the disk:
+    none sees an event a crash loses."""
     progress = svc.backgrounds.progress
-    if progress is not None:
-        progress.add(run.id, {"e": events, **record})
-    run.push(events, status)
+    written = progress is not None and progress.add(run.id, {"e": events, **record}, len(run.events) + len(events))
+    run.push(events, status, synced=not written)
 
 
 async def _prompt(svc: Services, body: ResponsesRequest, who: Optional[str]) -> tuple:
@@ -465,9 +464,9 @@ def _ended(svc: Services, run: Run, keep: Optional[Callable[..., None]], whole: 
     """The run ended with `whole`; kept unless `keep` is None (the server stopping)."""
     if run.extra and "localheap" not in whole:
         whole["localheap"] = dict(run.extra)
-    if keep is not None and svc.backgrounds.progress is not None:   # (before a reader sees the end)
-        svc.backgrounds.progress.add(run.id, {"e": events, "end": whole})
-    run.end(whole, events)
+    written = keep is not None and svc.backgrounds.progress is not None and \
+        svc.backgrounds.progress.add(run.id, {"e": events, "end": whole}, len(run.events) + len(events))
+    run.end(whole, events, synced=not written)   # (a reader sees the end once it is on the disk)
     svc.backgrounds.ended(run)
     if keep is None:   # (its progress stays: the restart goes on from it)
         return
