@@ -792,6 +792,11 @@ def test_a_background_response_is_cancelled_queued_or_running(server, client, fo
     stall = _Stalled(server)
     try:
         queued = client.responses.create(input="Never run", background=True, **kw)
+        with client.responses.retrieve(queued.id, stream=True) as events:   # its first events, while queued
+            it = iter(events)
+            first = [next(it).type, next(it).type]   # (each out once on the disk)
+        assert first == ["response.created", "response.queued"]
+        assert client.responses.retrieve(queued.id).status == "queued"
         with ThreadPoolExecutor(1) as pool:   # (a cancel waits for the engine to end the run)
             cancelling = pool.submit(client.responses.cancel, queued.id)
             stall.release()
@@ -969,8 +974,15 @@ def _stopped_midway(model_dir, forced: Optional[str], settings: dict, seen=12, m
     enough = seen if callable(seen) else lambda got: len(got) == seen
     with (_forced_server(model_dir, forced, **settings) if forced is not None else serve(model_dir, **settings)) as srv:
         client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
-        back = client.responses.create(model=model(srv), input="Go on", max_output_tokens=max_output_tokens,
-                                       background=True, **request)
+        stall = _Stalled(srv)   # queued, the first of a fresh server: its first events reach a reader (once fsynced)
+        try:
+            back = client.responses.create(model=model(srv), input="Go on", max_output_tokens=max_output_tokens,
+                                           background=True, **request)
+            with client.responses.retrieve(back.id, stream=True, timeout=30) as queued:
+                it = iter(queued)
+                assert [next(it).type, next(it).type] == ["response.created", "response.queued"]
+        finally:
+            stall.release()
         events = []
         stream = client.responses.retrieve(back.id, stream=True)
         try:

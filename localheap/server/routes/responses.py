@@ -109,12 +109,14 @@ def _launch(svc: Services, p: _Planned, who: Optional[str], session_id: Optional
     events kept, its reply read again (_replay). `stalled`: the runs in a row, this one included,
     that kept no reply token (responses.stalled_runs: kept 0 once this one keeps one)."""
     p.built.sequence = (runs - 1) * RUN_EVENTS   # (a reader of an earlier run's events not kept can be told)
-    if run is None:
+    fresh = run is None
+    if fresh:
         run = Run(p.built, who)
+    svc.backgrounds.add(run)   # (before its first events: their syncs are told to the runs it holds)
+    if fresh:
         _push(svc, run, [p.built.event("response.created", response=p.built.response("queued")),
                          p.built.event("response.queued", response=p.built.response("queued"))])
     run.first = p.built.sequence
-    svc.backgrounds.add(run)
     p.resume = {"request": p.body.model_dump(mode="json", by_alias=True, exclude_unset=True),
                 "session_id": session_id, "runs": runs, "stalled": stalled}
     p.keep(run.snapshot(), p.resume)
