@@ -51,7 +51,8 @@ def test_a_silent_peer_is_lost_after_the_timeout_and_one_that_says_bye_is_not():
 def test_a_follower_waits_for_each_wake_and_not_once_rank_0_said_bye():
     """A follower's wait before each command (Heartbeat.wait_wake) ends once per wake rank 0 sent
     (two wakes: two commands, in any chunking of the bytes), blocks without one, and ends at
-    once after BYE (the "stop" that follows it is sent without a wake reaching anyone)."""
+    once after BYE (the "stop" that follows it is sent without a wake reaching anyone), or where no
+    thread reads the wakes."""
     rank0_end, follower_end = socket.socketpair()
     lead = Heartbeat({1: rank0_end}, 30)   # not started: wake() is rank 0's engine thread writing
     beat = Heartbeat({0: follower_end}, 30).start()
@@ -70,6 +71,10 @@ def test_a_follower_waits_for_each_wake_and_not_once_rank_0_said_bye():
     beat.wait_wake()
     assert time.monotonic() - began < 0.5
     beat.close()
+    idle, _ = socket.socketpair()
+    began = time.monotonic()
+    Heartbeat({0: idle}, 30).wait_wake()   # no thread reads wakes (never started, or died): no wait
+    assert time.monotonic() - began < 0.5
 
 
 def test_an_orderly_close_with_beats_unread_ends_the_connection_without_a_reset():

@@ -107,9 +107,9 @@ class Heartbeat:
 
     def wait_wake(self) -> None:
         """A follower, before it enters the next command's collective: until rank 0 says one
-        comes (WAKE), or until no wake can come (rank 0 said BYE, or this heartbeat ended): then
-        the collective itself waits, as it would without a heartbeat."""
-        while not (self._ended.is_set() or self._closed.is_set() or not self.peers):
+        comes (WAKE), or until no wake can come (rank 0 said BYE, or this heartbeat ended, its
+        thread included): then the collective itself waits, as it would without a heartbeat."""
+        while not (self._ended.is_set() or self._closed.is_set() or not self.peers) and self._thread.is_alive():
             if self._wakes.acquire(timeout=BEAT_S):
                 return
 
