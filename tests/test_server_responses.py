@@ -1252,6 +1252,54 @@ def test_a_background_run_s_readers_get_its_events_once_their_lines_are_fsynced(
     asyncio.run(main())
 
 
+def test_a_progress_line_and_a_kept_response_are_synced_to_the_drive(tmp_path, monkeypatch):
+    """On macOS fsync leaves data in the drive's cache: a background response's progress line (whose
+    readers wait for its sync) and a kept response's line are flushed with F_FULLFSYNC where the
+    system has it (sessions.disk.fsync_fd), plain fsync where it is refused or unknown (Linux)."""
+    import os
+
+    from localheap.sessions import disk
+    from localheap.server.background import Progress
+    from localheap.server.jsonlines import JsonLines
+
+    calls = []
+
+    class MacFcntl:   # fcntl as on macOS
+        F_FULLFSYNC = 51
+        refuse = False
+
+        @classmethod
+        def fcntl(cls, fd, op):
+            calls.append(("full", op))
+            if cls.refuse:
+                raise OSError(45, "Operation not supported")
+
+    real_fsync = os.fsync
+    monkeypatch.setattr(disk, "fcntl", MacFcntl)
+    monkeypatch.setattr(disk.os, "fsync", lambda fd: (calls.append(("fsync", None)), real_fsync(fd)))
+
+    class Held:
+        def __init__(self):
+            self.calls = []
+
+        def submit(self, fn, arg):
+            self.calls.append((fn, arg))
+
+    held = Held()
+    progress = Progress(tmp_path / "background", held)
+    progress.add("resp_a", {"e": []}, 0)
+    for fn, arg in held.calls:
+        fn(arg)
+    assert calls == [("full", 51)]
+    MacFcntl.refuse, calls[:] = True, []   # a file system that refuses it
+    lines = JsonLines(tmp_path / "kept.jsonl", "kept responses")
+    lines._write_line(b'{"a":1}\n')
+    assert calls == [("full", 51), ("fsync", None)]
+    assert (tmp_path / "kept.jsonl").read_bytes() == b'{"a":1}\n'
+    lines.close()
+    progress.close()
+
+
 def test_a_background_response_whose_end_a_crash_kept_only_in_its_progress_reads_back_ended(
         model_dirs, tmp_path_factory, tmp_path, torch_one_thread):
     """A background response ends and the server dies before its end is kept (here: the kept

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import AsyncIterator, Callable, Optional
 
 from ..heap.private import open_private
+from ..sessions.disk import fsync_fd
 from .ids import seeded
 from .jsonlines import FileBacked
 from .responses import UNFINISHED, Built
@@ -321,7 +322,7 @@ class Progress:
             fd = None
         if fd is not None:
             try:
-                os.fsync(fd)
+                fsync_fd(fd)   # (to the drive itself: its readers wait for this)
             except OSError as e:
                 log.error("could not sync %s: %s (a crash of the machine may lose its last lines)", path, e)
             finally:

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from ..heap.private import open_private
+from ..sessions.disk import fsync_fd
 
 log = logging.getLogger("localheap.server")
 
@@ -82,7 +83,7 @@ class JsonLines:
             fd = open_private(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
             try:
                 os.write(fd, line)
-                os.fsync(fd)
+                fsync_fd(fd)
             finally:
                 os.close(fd)
         except OSError as e:

@@ -63,18 +63,23 @@ def file_crc(path: Path) -> int:
     return crc
 
 
+def fsync_fd(fd: int) -> None:
+    """Flush an open file or directory to stable storage. On macOS fsync leaves data in the
+    drive's cache; F_FULLFSYNC flushes it (what the laptops this serves need after a power loss)."""
+    if hasattr(fcntl, "F_FULLFSYNC"):
+        try:
+            fcntl.fcntl(fd, fcntl.F_FULLFSYNC)
+            return
+        except OSError:   # some file systems refuse it: plain fsync then
+            pass
+    os.fsync(fd)
+
+
 def _fsync(path: Path) -> None:
-    """Flush a file or directory to stable storage. On macOS fsync leaves data in the drive's
-    cache; F_FULLFSYNC flushes it (what the laptops this serves need after a power loss)."""
+    """fsync_fd of the file or directory at `path`."""
     fd = os.open(path, os.O_RDONLY)
     try:
-        if hasattr(fcntl, "F_FULLFSYNC"):
-            try:
-                fcntl.fcntl(fd, fcntl.F_FULLFSYNC)
-                return
-            except OSError:   # some file systems refuse it: plain fsync then
-                pass
-        os.fsync(fd)
+        fsync_fd(fd)
     finally:
         os.close(fd)
 
