@@ -1144,6 +1144,22 @@ def test_a_background_response_whose_kept_reply_is_torn_or_does_not_read_again(m
         assert not path.exists()
 
 
+class HeldWriter:
+    """The kept responses' writer thread (FileBacked.submit) as a test holds it: what is submitted
+    runs when `run` says."""
+
+    def __init__(self):
+        self.calls = []
+
+    def submit(self, fn, arg):
+        self.calls.append((fn, arg))
+
+    def run(self):
+        calls, self.calls = self.calls, []
+        for fn, arg in calls:
+            fn(arg)
+
+
 def test_a_background_response_s_progress_is_written_before_its_events_go_out(tmp_path):
     """Each record of a background response's progress is in its file when `add` returns (before
     its events are sent: a crash of the server cannot take an event a reader saw), its fsync left to
@@ -1151,14 +1167,7 @@ def test_a_background_response_s_progress_is_written_before_its_events_go_out(tm
     many responses written to (the queued write their first events), OPEN_FILES files stay open."""
     from localheap.server.background import Progress
 
-    class Held:   # a writer thread that has not come round yet
-        def __init__(self):
-            self.calls = []
-
-        def submit(self, fn, arg):
-            self.calls.append((fn, arg))
-
-    held = Held()
+    held = HeldWriter()   # a writer thread that has not come round yet
     progress = Progress(tmp_path / "background", held)
     records = [{"e": [{"sequence_number": n, "type": "x"}]} for n in range(3)]
     progress.add("resp_a", records[0])
@@ -1196,22 +1205,10 @@ def test_a_background_run_s_readers_get_its_events_once_their_lines_are_fsynced(
     from localheap.server import background as bg
     from localheap.server.routes.responses import _push
 
-    class Held:   # the writer thread, run by hand
-        def __init__(self):
-            self.calls = []
-
-        def submit(self, fn, arg):
-            self.calls.append((fn, arg))
-
-        def run(self):
-            calls, self.calls = self.calls, []
-            for fn, arg in calls:
-                fn(arg)
-
     synced = []
     real_fsync = os.fsync
     monkeypatch.setattr(bg.os, "fsync", lambda fd: (synced.append(fd), real_fsync(fd)))
-    held = Held()
+    held = HeldWriter()   # the writer thread, run by hand
     backgrounds = bg.Backgrounds(progress=bg.Progress(tmp_path / "background", held))
     svc = SimpleNamespace(backgrounds=backgrounds)
     event = lambda n: {"type": "response.output_text.delta", "sequence_number": n}   # noqa: E731
@@ -1278,18 +1275,10 @@ def test_a_progress_line_and_a_kept_response_are_synced_to_the_drive(tmp_path, m
     monkeypatch.setattr(disk, "fcntl", MacFcntl)
     monkeypatch.setattr(disk.os, "fsync", lambda fd: (calls.append(("fsync", None)), real_fsync(fd)))
 
-    class Held:
-        def __init__(self):
-            self.calls = []
-
-        def submit(self, fn, arg):
-            self.calls.append((fn, arg))
-
-    held = Held()
+    held = HeldWriter()
     progress = Progress(tmp_path / "background", held)
     progress.add("resp_a", {"e": []}, 0)
-    for fn, arg in held.calls:
-        fn(arg)
+    held.run()
     assert calls == [("full", 51)]
     MacFcntl.refuse, calls[:] = True, []   # a file system that refuses it
     lines = JsonLines(tmp_path / "kept.jsonl", "kept responses")
