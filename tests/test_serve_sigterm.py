@@ -105,7 +105,8 @@ def test_sigterm_mid_stream_ends_each_stream_with_what_was_kept(tmp_path):
         doc_sid = httpx.post(url + "/v1/sessions").json()["id"]
         r = httpx.post(url + "/v1/chat/completions", headers={"X-Session-Id": chat_sid}, timeout=120, json={
             "model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": DOC[:3000]}]})
-        assert r.status_code == 200 and r.headers["X-Localheap-Saved"] == "true"
+        # (seen once under CI load: a 200 without the header; the reply and the log say why next time)
+        assert r.status_code == 200 and r.headers.get("X-Localheap-Saved") == "true", (r.headers, r.text, chat_sid)
         assert httpx.post(url + f"/v1/sessions/{chat_sid}/checkpoint", timeout=60).status_code == 201
 
         # greedy: this model's greedy reply never samples EOS (checked to 20,000 tokens); sampled, it may
@@ -131,10 +132,12 @@ def test_sigterm_mid_stream_ends_each_stream_with_what_was_kept(tmp_path):
         reply.join(10)
         doc.join(10)
         view.join(10)
-    finally:
+    except BaseException:
         if proc.poll() is None:
             proc.kill()
             proc.wait(30)
+        print(proc.stdout.read()[-6000:])   # the server's log, shown with the failure
+        raise
     out = proc.stdout.read()
     assert code == 0, out
     assert exited < GRACE_S + 15, exited
