@@ -100,8 +100,7 @@ def lead(leader, beat, step_timeout: float, on_stuck=None) -> None:
     (Engine.abandon), by default rank 0 exits."""
     leader.on_stuck = on_stuck or (lambda error: exit_now(f"localheap: {error}", 1))
     leader.watch(step_timeout)
-    if beat is not None:
-        leader.heartbeat = beat
+    if beat is not None:   # (the Leader was made with it: its commands wake the followers)
         beat.on_lost = leader.rank_gone
         beat.start()
 

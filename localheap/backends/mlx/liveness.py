@@ -155,8 +155,9 @@ class Heartbeat:
             data, why = b"", f"dropped its connection ({e.strerror or e})"
         else:
             why = "ended (its process is gone: killed, crashed, or it left the ring; see its log)"
-        if data.count(WAKE):
-            self._wakes.release(data.count(WAKE))
+        wakes = data.count(WAKE)
+        if wakes:
+            self._wakes.release(wakes)
         if BYE in data:
             self._ended.set()
             self._wakes.release()   # a wait in progress ends now
