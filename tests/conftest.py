@@ -2,6 +2,7 @@
 
 import os
 import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -69,6 +70,13 @@ def torch_one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+@pytest.fixture
+def ranks_without_torch(monkeypatch):
+    """The processes a test starts (MLX ranks) run without torch (tests/without_torch/sitecustomize.py)."""
+    here = str(Path(__file__).parent / "without_torch")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([here, *filter(None, [os.environ.get("PYTHONPATH")])]))
 
 
 @pytest.fixture
