@@ -72,11 +72,32 @@ def torch_one_thread():
     torch.set_num_threads(n)
 
 
+RANK_ENV = Path(__file__).parent / "rank_env"
+
+
+@pytest.fixture(scope="session")
+def calm_ring(tmp_path_factory):
+    """tests/rank_env/calm_ring.c built (None where there is no C compiler, or not on Linux)."""
+    import shutil
+    import subprocess
+    import sys
+
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if not sys.platform.startswith("linux") or cc is None:
+        return None
+    out = tmp_path_factory.mktemp("calm_ring") / "calm_ring.so"
+    built = subprocess.run([cc, "-O2", "-shared", "-fPIC", "-o", str(out), str(RANK_ENV / "calm_ring.c"), "-ldl"],
+                           capture_output=True, text=True)
+    return out if built.returncode == 0 else None
+
+
 @pytest.fixture
-def ranks_without_torch(monkeypatch):
-    """The processes a test starts (MLX ranks) run without torch (tests/without_torch/sitecustomize.py)."""
-    here = str(Path(__file__).parent / "without_torch")
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([here, *filter(None, [os.environ.get("PYTHONPATH")])]))
+def rank_env(monkeypatch, calm_ring):
+    """The processes a test starts (the MLX ranks) run without torch (rank_env/sitecustomize.py) and,
+    on Linux, with rank_env/calm_ring.c preloaded: MLX's ring waits in poll() instead of spinning."""
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(RANK_ENV), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    if calm_ring is not None:
+        monkeypatch.setenv("LD_PRELOAD", " ".join([str(calm_ring), *filter(None, [os.environ.get("LD_PRELOAD")])]))
 
 
 @pytest.fixture

@@ -18,7 +18,7 @@ import pytest
 
 mx = pytest.importorskip("mlx.core", reason="mlx is not installed (a CUDA machine has none)")
 pytest.importorskip("mlx_lm")
-pytestmark = pytest.mark.usefixtures("ranks_without_torch")   # the ranks start as on a Mac without torch
+pytestmark = pytest.mark.usefixtures("rank_env")   # the ranks: no torch (as on a Mac), a ring that waits calmly
 
 import distributed_cases as dc  # noqa: E402
 
