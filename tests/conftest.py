@@ -12,7 +12,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("LOCALHEAP_GC_FREEZE", "0")
 
 # The files that take longest, longest first (serial durations on the CI machine, 2 cores,
-# 2026-11-30: 310 s for the first, about 25 s for the last). The README's test command runs the
+# 2026-12-01: 254 s for the first, about 25 s for the last). The README's test command runs the
 # files on two workers or more (pytest-xdist, --dist loadfile, which hands each worker the next file
 # when it has done one): a long file handed out last would leave one worker running it alone.
 SLOW_FIRST = ("test_mlx_distributed_serve.py", "test_mlx_distributed.py", "test_torch_compiled_decode.py",
