@@ -93,9 +93,8 @@ def calm_ring(tmp_path_factory):
 
 @pytest.fixture
 def rank_env(monkeypatch, calm_ring):
-    """The processes a test starts (the MLX ranks) run without torch (rank_env/sitecustomize.py) and,
-    on Linux, with rank_env/calm_ring.c preloaded: MLX's ring waits in poll() instead of spinning."""
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(RANK_ENV), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    """The processes a test starts (the MLX ranks) run, on Linux, with rank_env/calm_ring.c
+    preloaded: MLX's ring waits in poll() instead of spinning."""
     if calm_ring is not None:
         monkeypatch.setenv("LD_PRELOAD", " ".join([str(calm_ring), *filter(None, [os.environ.get("LD_PRELOAD")])]))
 

@@ -90,4 +90,7 @@ def main(model_dir: str, mode: str, out: str, die: bool = False) -> None:
 
 
 if __name__ == "__main__":
+    from localheap.models import leave_torch_out
+
+    leave_torch_out(None)   # as the CLI's MLX processes do (commands/common.load_model_backend)
     main(sys.argv[1], sys.argv[2], sys.argv[3], die=len(sys.argv) > 4 and sys.argv[4] == "die")

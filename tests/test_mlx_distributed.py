@@ -18,7 +18,7 @@ import pytest
 
 mx = pytest.importorskip("mlx.core", reason="mlx is not installed (a CUDA machine has none)")
 pytest.importorskip("mlx_lm")
-pytestmark = pytest.mark.usefixtures("rank_env")   # the ranks: no torch (as on a Mac), a ring that waits calmly
+pytestmark = pytest.mark.usefixtures("rank_env")   # the ranks: a ring that waits in poll(), not spinning
 
 import distributed_cases as dc  # noqa: E402
 

@@ -19,7 +19,7 @@ import pytest
 pytest.importorskip("mlx.core", reason="mlx is not installed (a CUDA machine has none)")
 pytest.importorskip("mlx_lm")
 httpx = pytest.importorskip("httpx")
-pytestmark = pytest.mark.usefixtures("rank_env")   # the ranks: no torch (as on a Mac), a ring that waits calmly
+pytestmark = pytest.mark.usefixtures("rank_env")   # the ranks: a ring that waits in poll(), not spinning
 
 from fastapi.testclient import TestClient  # noqa: E402
 

@@ -11,7 +11,7 @@ import time
 import pytest
 
 pytest.importorskip("mlx.core", reason="mlx is not installed (a CUDA machine has none)")
-pytestmark = pytest.mark.usefixtures("rank_env")   # the ranks: no torch (as on a Mac), a ring that waits calmly
+pytestmark = pytest.mark.usefixtures("rank_env")   # the ranks: a ring that waits in poll(), not spinning
 
 from localheap.backends.mlx import leader as leader_mod  # noqa: E402
 from localheap.backends.mlx.leader import Leader  # noqa: E402
