@@ -114,9 +114,6 @@ def download(repo: str, progress: bool = True) -> Path:
     return Path(path)
 
 
-_SAID_NO_TORCH = False   # detect_backend's warning that torch is missing is given once a process
-
-
 def detect_backend(preferred: str = "auto") -> str:
     """auto: mlx on Apple Silicon, torch with CUDA, else torch on the CPU when installed
     (measured faster than MLX's CPU backend, see README), else mlx."""
@@ -129,10 +126,8 @@ def detect_backend(preferred: str = "auto") -> str:
     try:
         from .backends import torch as _  # noqa: F401  (imports torch and transformers)
     except ImportError as e:
-        global _SAID_NO_TORCH
-        if _SAID_NO_TORCH:   # (serve asks twice: before and after models.leave_torch_out, whose reason is not the user's)
-            return "mlx"
-        _SAID_NO_TORCH = True
+        if "torch" in sys.modules and sys.modules["torch"] is None:   # left out (leave_torch_out): MLX was
+            return "mlx"                                               # chosen already, and the user told why
         logging.getLogger("localheap").warning(
             "the torch backend is unavailable (%s), so MLX runs here on its CPU backend, which ran prefill "
             "about 16x and decode about 1.4x slower than torch on an x86 CPU (README, Backends): "
