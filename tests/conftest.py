@@ -1,6 +1,9 @@
 """Shared fixtures: tiny random-weight models of real architectures, built once per session."""
 
 import os
+import shutil
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -78,10 +81,6 @@ RANK_ENV = Path(__file__).parent / "rank_env"
 @pytest.fixture(scope="session")
 def calm_ring(tmp_path_factory):
     """tests/rank_env/calm_ring.c built (None where there is no C compiler, or not on Linux)."""
-    import shutil
-    import subprocess
-    import sys
-
     cc = shutil.which("cc") or shutil.which("gcc")
     if not sys.platform.startswith("linux") or cc is None:
         return None
