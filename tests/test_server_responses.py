@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from typing import Optional
 
 import pytest
@@ -965,6 +966,32 @@ def _forced_server(model_dir, text: str, **settings):
     return ServerThread(app)
 
 
+class _Paced:
+    """The engine held `gap` s between steps (a call it runs between steps; the next is sent once
+    that one has run) until `stop`: a reader of a reply that a fast machine decodes in a fraction
+    of a second (a schema's 30 words: 0.23 s once) still catches it midway."""
+
+    def __init__(self, server, gap: float = 0.02):
+        import threading
+
+        self.on = threading.Event()
+        self.on.set()
+
+        def pace():
+            while self.on.is_set():
+                try:
+                    server.services.engine.call(lambda: time.sleep(gap)).result(30)
+                except Exception:   # the engine stopping: nothing left to pace
+                    return
+
+        self.thread = threading.Thread(target=pace, daemon=True)
+        self.thread.start()
+
+    def stop(self) -> None:
+        """No more pauses after the one under way (which may wait behind a stall: not joined)."""
+        self.on.clear()
+
+
 def _stopped_midway(model_dir, forced: Optional[str], settings: dict, seen=12, max_output_tokens: int = 3000,
                     **request):
     """A background response the server stops in midway: its reply forced to `forced` (None: the
@@ -983,6 +1010,7 @@ def _stopped_midway(model_dir, forced: Optional[str], settings: dict, seen=12, m
                 assert [next(it).type, next(it).type] == ["response.created", "response.queued"]
         finally:
             stall.release()
+        paced = _Paced(srv)
         events = []
         stream = client.responses.retrieve(back.id, stream=True)
         try:
@@ -992,6 +1020,7 @@ def _stopped_midway(model_dir, forced: Optional[str], settings: dict, seen=12, m
                     break
         finally:
             stream.close()   # (a reader left open would hold the server's stop for its grace period)
+        paced.stop()   # (its last pause may run after the stall below)
         stall = _Stalled(srv)
         try:
             assert client.responses.retrieve(back.id).status == "in_progress"
