@@ -6,14 +6,13 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
 from typing import Optional
 
 import httpx
-from server_process import wait_until_healthy
+from server_process import free_port, wait_until_healthy
 
 FLAGS = ["--backend", "torch", "--budget", "96", "--slack", "32", "--recent", "16", "--recall", "on",
          "--recall-budget", "32", "--page-size", "8", "--prefill-chunk", "32", "--policy", "snapkv"]
@@ -22,12 +21,6 @@ OPS = [("doc", DOC), ("chat", "What is fact 3?"), ("chat", "And fact 5?")]
 QUESTION = "Which fact came last?"
 START_TIMEOUT_S = 240
 DOWN = (httpx.TransportError,)   # the server went away under the request
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Server:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -15,17 +14,11 @@ import time
 import httpx
 import psutil
 import pytest
-from server_process import wait_until_healthy
+from server_process import free_port, wait_until_healthy
 
 MODEL = "random:llama:tiny"
 HEAP = ["--budget", "32768", "--recent", "64", "--slack", "256"]   # ~17 MiB per heap on the tiny model
 DOC = " ".join(f"note {i}: the value of key{i} is {i * 7 % 101}." for i in range(120))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Server:

@@ -8,7 +8,6 @@ error, never a hang. The rank program and its cases: distributed_cases.py."""
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -25,6 +24,7 @@ import distributed_cases as dc  # noqa: E402
 from localheap.backends.mlx import MLXBackend  # noqa: E402
 from localheap.backends.mlx.distributed import DistributedError, lost_rank_errors, require_ranks, shard  # noqa: E402
 from localheap.models import demo_model_dir  # noqa: E402
+from server_process import free_ports  # noqa: E402
 
 HERE = Path(__file__).parent
 LAUNCH = Path(sys.executable).with_name("mlx.launch")
@@ -153,12 +153,7 @@ def test_generate_with_a_rank_stuck_mid_run_exits_within_the_step_timeout(tmp_pa
     model_dir = demo_model_dir()
     if model_dir is None:
         pytest.skip("no bundled demo model in this installation")
-    socks = [socket.socket() for _ in range(2)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
+    ports = free_ports(2)
     hosts = tmp_path / "hosts.json"
     hosts.write_text(json.dumps([[f"127.0.0.1:{ports[0]}"], [f"127.0.0.1:{ports[1]}"]]))
     cmd = [sys.executable, "-m", "localheap.cli", "generate", "--distributed", "tensor", "--model", str(model_dir),

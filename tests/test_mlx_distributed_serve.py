@@ -8,7 +8,6 @@ refused; a killed rank fails requests with a clear 503 and /health says which.""
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -25,6 +24,7 @@ from fastapi.testclient import TestClient  # noqa: E402
 
 from localheap.commands.ranks import check_layout  # noqa: E402
 from localheap.models import demo_model_dir  # noqa: E402
+from server_process import free_ports, listens  # noqa: E402
 
 START_S = 240     # two ranks loading on a busy 2-core CPU
 HEAP = ["--budget", "48", "--recent", "8", "--slack", "16", "--prefill-chunk", "32"]
@@ -34,16 +34,6 @@ TURNS = ["Tell me a long story about a cat who lives in a lighthouse by the sea.
          "Now tell me what the cat eats for breakfast, and why it likes fish so much.",
          "And what happens when the winter storm comes to the lighthouse?"]
 MAX_TOKENS = 40
-
-
-def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
 
 
 class Ranks:
@@ -83,7 +73,8 @@ class Ranks:
             if any(p.poll() is not None for p in self.procs):
                 raise AssertionError("a rank exited while starting\n" + self.log())
             try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                if (httpx.get(self.url + "/health", timeout=2).status_code == 200
+                        and listens(self.procs[0].pid, int(self.url.rsplit(":", 1)[1]))):
                     return self
             except httpx.HTTPError:
                 pass

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -15,7 +14,7 @@ import time
 
 import httpx
 import pytest
-from server_process import wait_until_healthy
+from server_process import free_port, wait_until_healthy
 
 pytest.importorskip("torch")
 
@@ -23,12 +22,6 @@ MODEL = "random:llama:tiny"
 HEAP = ["--budget", "64", "--recent", "16", "--slack", "32", "--policy", "h2o"]
 GRACE_S = 2.0
 START_TIMEOUT_S = 240   # importing torch on a loaded 2-core machine takes a while
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Server:

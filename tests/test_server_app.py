@@ -121,14 +121,13 @@ def test_serve_without_a_model_or_demo_exits_2_with_a_message(monkeypatch, capsy
 
 def test_serve_with_no_model_serves_the_bundled_demo(tmp_path):
     """The README's serve command, after its install step: no --model -> the demo model answers."""
-    import socket
     import time
 
     import httpx
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    from server_process import free_port
+
+    port = free_port()
     cmd = [sys.executable, "-m", "localheap.cli", "serve", "--port", str(port), "--no-persist",
            "--sessions-dir", str(tmp_path), "--log-level", "warning"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

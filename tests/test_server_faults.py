@@ -6,12 +6,12 @@ engine that dies (/health 503, the server exits with status 1)."""
 from __future__ import annotations
 
 import shutil
-import socket
 import threading
 import time
 
 import httpx
 import pytest
+from server_process import free_port
 
 pytest.importorskip("torch")
 
@@ -98,12 +98,6 @@ def test_bad_input_answers_400_and_keeps_the_session(backend, tmp_path):
         r = http.post("/v1/completions", headers={"X-Session-Id": sid},
                       json={"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 2, "temperature": 0})
         assert r.status_code == 200 and r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == tokens
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_a_dead_engine_says_so_and_the_server_exits(backend, tmp_path):
