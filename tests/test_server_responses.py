@@ -980,15 +980,15 @@ class _Paced:
         def pace():
             while self.on.is_set():
                 try:
-                    server.services.engine.call(lambda: time.sleep(gap)).result(30)
-                except Exception:   # the engine stopping: nothing left to pace
+                    server.services.engine.call(lambda: time.sleep(gap)).result(5)
+                except Exception:   # the engine stopped (or stalled): nothing left to pace
                     return
 
         self.thread = threading.Thread(target=pace, daemon=True)
         self.thread.start()
 
     def stop(self) -> None:
-        """No more pauses after the one under way (which may wait behind a stall: not joined)."""
+        """No more pauses (the one under way, on an engine that stopped, gives up after 5 s: not joined)."""
         self.on.clear()
 
 
@@ -1020,12 +1020,12 @@ def _stopped_midway(model_dir, forced: Optional[str], settings: dict, seen=12, m
                     break
         finally:
             stream.close()   # (a reader left open would hold the server's stop for its grace period)
-        paced.stop()   # (its last pause may run after the stall below)
         stall = _Stalled(srv)
         try:
             assert client.responses.retrieve(back.id).status == "in_progress"
         finally:
-            stall.release()   # it runs on a step or two; the server stops under it
+            stall.release()   # it runs on a step or two, paced still; the server stops under it
+    paced.stop()
     return back, events
 
 
