@@ -398,7 +398,8 @@ def test_calls_in_turn_take_one_engine_step_each(demo):
         assert [eng.call_in_turn(lambda: time.sleep(0.02)).result(timeout=30) for _ in range(3)] == [None] * 3
         assert eng._side_free_at == 0.0   # nothing decoded: nothing was deferred
         q = queue.Queue()
-        params = SamplingParams(max_tokens=2000, constraint=ForcedTokens(ids(1990, 4), demo.eos_token_ids))
+        # (cancelled below, once the calls ran: long enough to outlast them on a far faster machine)
+        params = SamplingParams(max_tokens=20000, constraint=ForcedTokens(ids(19990, 4), demo.eos_token_ids))
         job = eng.submit(Generate(Prompt(ids(20, 3)), params, q.put, ephemeral=True))
         until_deltas(q, 1)   # it decodes
         seen = []   # (engine step, reply tokens so far, start, end) of each call
