@@ -16,6 +16,8 @@ import psutil
 import pytest
 from server_process import free_port, wait_until_healthy
 
+from localheap.randmodel import random_model_dir
+
 MODEL = "random:llama:tiny"
 HEAP = ["--budget", "32768", "--recent", "64", "--slack", "256"]   # ~17 MiB per heap on the tiny model
 DOC = " ".join(f"note {i}: the value of key{i} is {i * 7 % 101}." for i in range(120))
@@ -28,6 +30,9 @@ class Server:
         cmd = [sys.executable, "-m", "localheap.cli", "serve", "--model", MODEL, "--backend", "mlx",
                "--port", str(self.port), "--ram-budget", budget, "--sessions-dir", str(sessions_dir),
                "--log-level", "warning", *HEAP, *extra]
+        # the model built here first: a server that builds it measures a runtime 50 MiB larger (on a
+        # fresh machine, CI's: 2.6 heaps of 17 MiB in the budget test's tight budget then held 4)
+        random_model_dir(MODEL.removeprefix("random:"))
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self.peak_rss = 0
         self._watch = True
@@ -74,11 +79,6 @@ class Server:
 @pytest.fixture(scope="module")
 def sizes(tmp_path_factory):
     """weights, runtime and heap bytes as a generously budgeted server measures them."""
-    from localheap.randmodel import random_model_dir
-
-    # built here first: a server that builds the model measures a runtime 50 MiB larger (on a fresh
-    # machine, CI's: 2.6 heaps of 17 MiB in the tight budget below then held 4 heaps)
-    random_model_dir(MODEL.removeprefix("random:"))
     # 1500M: generous, yet under 2 GiB, so its request room is the same 128 MiB as the tight budget's
     srv = Server("1500M", tmp_path_factory.mktemp("probe"), extra=["--no-persist"])
     try:
