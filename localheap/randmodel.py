@@ -296,9 +296,13 @@ def parse_random_spec(spec: str) -> tuple[str, str]:
             f"expected one of: {', '.join(FAMILIES)}"
         )
     if size not in SIZES:
+        from .randbig import SHAPES
+
+        real = [s for s in SHAPES if s.startswith(f"{family}:")]
         raise ValueError(
             f"unknown model size {size!r} in spec {spec!r}; "
             f"expected one of: {', '.join(SIZES)}"
+            + (f", or a real shape built in memory (torch): {', '.join(real)}" if real else "")
         )
     return family, size
 

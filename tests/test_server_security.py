@@ -131,3 +131,22 @@ def test_keys_come_from_the_environment_a_file_or_the_command_line_with_a_warnin
     assert settings_from_args(args).keys == ["env-key-0", "cli-key-1", "cli-key-2"]
     err = capsys.readouterr().err
     assert "warning" in err and "LOCALHEAP_API_KEY" in err and "cli-key" not in err
+
+
+def test_a_keys_file_without_a_key_refuses_to_start_rather_than_serve_open(tmp_path, monkeypatch):
+    from localheap.cli import build_parser, main
+    from localheap.commands.serve import settings_from_args
+
+    monkeypatch.delenv("LOCALHEAP_API_KEY", raising=False)
+    keys_file = tmp_path / "keys"
+    for text in ("", "\n\n", "# the team's keys go here\n   \n  # none yet\n"):
+        keys_file.write_text(text)
+        args = build_parser().parse_args(["serve", "--api-keys-file", str(keys_file)])
+        with pytest.raises(ValueError, match="holds no key"):
+            settings_from_args(args)
+    # the command says so and exits before loading a model
+    assert main(["serve", "--api-keys-file", str(keys_file), "--port", "1"]) == 2
+    monkeypatch.setenv("LOCALHEAP_API_KEY", "env-key-0")   # another key does not make an empty file right
+    args = build_parser().parse_args(["serve", "--api-keys-file", str(keys_file)])
+    with pytest.raises(ValueError, match="holds no key"):
+        settings_from_args(args)

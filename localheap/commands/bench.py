@@ -22,20 +22,45 @@ from .common import (add_compile_arg, add_decode_arg, add_distributed_arg, add_h
 from .progress import ProgressBar
 
 
-def _ints(text: str) -> list[int]:
-    out = []
-    for part in text.split(","):
-        part = part.strip().lower()
-        mult = 1_000_000 if part.endswith("m") else 1024 if part.endswith("k") else 1
-        out.append(int(float(part.rstrip("mk")) * mult))
-    return out
+def _count(part: str, least: int = 1) -> int:
+    """One count: a whole number, or with k (x1024) or m (x1,000,000): 8k, 1m, 1.5m."""
+    text = part.strip().lower()
+    mult = 1_000_000 if text.endswith("m") else 1024 if text.endswith("k") else 1
+    try:
+        value = float(text.rstrip("mk")) * mult
+    except ValueError:
+        value = None
+    if value is None or value != value or value in (float("inf"), float("-inf")) or value != int(value):
+        raise argparse.ArgumentTypeError(f"{part.strip()!r} is not a whole number (e.g. 4096, 8k or 1m)")
+    if value < least:
+        raise argparse.ArgumentTypeError(f"{part.strip()!r}: must be >= {least}")
+    return int(value)
+
+
+def _ints(text: str, least: int = 1) -> list[int]:
+    """A comma-separated list of counts, each >= `least`: 2048,8k,1m."""
+    parts = [p for p in text.split(",") if p.strip()]
+    if not parts:
+        raise argparse.ArgumentTypeError(f"{text!r}: give one or more numbers, comma-separated (e.g. 4096,8k)")
+    return [_count(p, least) for p in parts]
+
+
+def _ints0(text: str) -> list[int]:
+    """As _ints, where 0 means: skip that table."""
+    return _ints(text, least=0)
+
+
+def _some_ints(text: str) -> list[int]:
+    """As _ints, where an empty list ("") means: none."""
+    return _ints(text) if text.strip() else []
 
 
 def _positive(text: str) -> int:
-    n = int(text)
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1: {text!r}")
-    return n
+    return _count(text, 1)
+
+
+def _natural(text: str) -> int:
+    return _count(text, 0)
 
 
 def _choices(options):
@@ -78,8 +103,8 @@ def add_parser(sub) -> None:
                        help="torch on CUDA: also decode as serve's engine does for one session, eagerly (heap-batch) "
                             "and as replayed CUDA graphs (heap-graphed, serve's --cuda-graphs), in the same run")
     speed.add_argument("--contexts", type=_ints, default=[2048, 8192, 32768], help="prompt lengths measured (8k, 1m accepted)")
-    speed.add_argument("--decode-tokens", type=int, default=64, help="tokens decoded per cell")
-    speed.add_argument("--repeats", type=int, default=1, help="best of N per cell")
+    speed.add_argument("--decode-tokens", type=_positive, default=64, help="tokens decoded per cell")
+    speed.add_argument("--repeats", type=_positive, default=1, help="best of N per cell")
     add_threads_arg(speed)
     add_distributed_arg(speed)
     speed.set_defaults(func=run_speed)
@@ -99,14 +124,14 @@ def add_parser(sub) -> None:
     needle = bsub.add_parser("needle", help="pass-key retrieval under eviction, per policy and pruning level")
     add_model_args(needle)
     add_heap_args(needle)
-    needle.add_argument("--context", type=int, default=4096, help="document length of the main table")
+    needle.add_argument("--context", type=_positive, default=4096, help="document length of the main table")
     needle.add_argument("--prune", type=_fractions, default=list(NEEDLE_PRUNE),
                         help="pruning levels at --context: 0.1,0.5 or 10%%,50%% (budget = the rest)")
-    needle.add_argument("--trials", type=int, default=100, help="episodes per cell at --context")
-    needle.add_argument("--long-contexts", type=_ints, default=list(NEEDLE_LONG_CONTEXTS),
-                        help="longer documents, at fewer trials")
-    needle.add_argument("--long-trials", type=int, default=20, help="episodes per cell at the long contexts")
-    needle.add_argument("--long-full", type=_ints, default=[],
+    needle.add_argument("--trials", type=_positive, default=100, help="episodes per cell at --context")
+    needle.add_argument("--long-contexts", type=_some_ints, default=list(NEEDLE_LONG_CONTEXTS),
+                        help="longer documents, at fewer trials (\"\": none)")
+    needle.add_argument("--long-trials", type=_positive, default=20, help="episodes per cell at the long contexts")
+    needle.add_argument("--long-full", type=_some_ints, default=[],
                         help="long contexts that also get a full-cache cell (slow: attention over the whole context)")
     needle.add_argument("--seed", type=int, default=0, help="seed of the episodes")
     needle.add_argument("--keys", type=_positive, default=1,
@@ -132,7 +157,7 @@ def add_parser(sub) -> None:
     add_model_args(prof)
     add_heap_args(prof)
     prof.add_argument("--context", type=_ints, default=[65536], help="prompt length profiled (64k, 1m accepted)")
-    prof.add_argument("--decode-tokens", type=int, default=0,
+    prof.add_argument("--decode-tokens", type=_natural, default=0,
                       help="profile this many decode steps after the prompt instead of the prefill")
     add_decode_arg(prof)
     add_compile_arg(prof)
@@ -190,9 +215,9 @@ def add_parser(sub) -> None:
     mass = bsub.add_parser("attention-mass", help="share of the true attention mass each policy's kept set captures")
     add_model_args(mass)
     add_heap_args(mass)
-    mass.add_argument("--context", type=int, default=4096, help="document length")
+    mass.add_argument("--context", type=_positive, default=4096, help="document length")
     mass.add_argument("--prune", type=_fractions, default=[0.5, 0.9], help="pruning levels (budget = the rest)")
-    mass.add_argument("--trials", type=int, default=4, help="documents (needle episodes) averaged")
+    mass.add_argument("--trials", type=_positive, default=4, help="documents (needle episodes) averaged")
     mass.add_argument("--seed", type=int, default=0, help="seed of the documents")
     mass.set_defaults(func=run_attention_mass_bench, model="demo")
     ppl = bsub.add_parser("perplexity", help="what eviction costs the predictions of a long text, per policy and "
@@ -211,12 +236,12 @@ def add_parser(sub) -> None:
     serve.add_argument("--clients", type=_ints, default=[1, 2, 4, 8, 16], help="concurrent clients per round")
     serve.add_argument("--context", type=_ints, default=[4096],
                        help="tokens of document each client's session holds before it asks (one value)")
-    serve.add_argument("--stagger", type=int, default=256,
+    serve.add_argument("--stagger", type=_natural, default=256,
                        help="session i of N holds context + i x STAGGER / N tokens, so their decode eviction events "
                             "(every --slack tokens) fall on different steps as real sessions' do; 0: all aligned "
                             "(default: 256, serve's default slack)")
     serve.add_argument("--decode-tokens", type=_positive, default=64, help="tokens each client asks for")
-    serve.add_argument("--doc-tokens", type=_ints, default=[65536],
+    serve.add_argument("--doc-tokens", type=_ints0, default=[65536],
                        help="the document read beside a decoding chat (0: skip that table)")
     serve.add_argument("--engines", default="batched,round-robin",
                        help="engines compared, interleaved per round: batched (serve's default), mixed (batched, --prefill-lane off), passive (batched, OMP_WAIT_POLICY=PASSIVE), round-robin (default: batched,round-robin)")
@@ -245,11 +270,11 @@ def add_parser(sub) -> None:
                                               "and of a chunk beside a decode")
     add_model_args(step)
     add_heap_args(step, recall=True)
-    step.add_argument("--context", type=int, default=4096, help="tokens each session holds (default 4096)")
+    step.add_argument("--context", type=_positive, default=4096, help="tokens each session holds (default 4096)")
     step.add_argument("--rows", type=_ints, default=[1, 2, 4, 8], help="batch sizes (default 1,2,4,8)")
     step.add_argument("--steps", type=_positive, default=40, help="steps timed per batch size and round (default 40)")
     step.add_argument("--repeats", type=_positive, default=3, help="interleaved rounds, median (default 3)")
-    step.add_argument("--mixed-chunks", type=_ints, default=[16, 32, 64, 128],
+    step.add_argument("--mixed-chunks", type=_ints0, default=[16, 32, 64, 128],
                       help="document tokens riding beside a decoding chat (0: skip that table; default 16,32,64,128)")
     step.add_argument("--events", action="store_true",
                       help="also time eviction events due on the same step: one batched plan against one by one")
@@ -267,7 +292,7 @@ def add_parser(sub) -> None:
 
 
 def add_threads_arg(parser) -> None:
-    parser.add_argument("--threads", type=int, default=None,
+    parser.add_argument("--threads", type=_positive, default=None,
                         help="torch intra-op threads, 1 is steadier on a small shared CPU (default: torch's own)")
 
 
@@ -508,7 +533,7 @@ def _conversation_parser(bsub, name: str, help: str, turns: int, question: int, 
                    help=f"tokens of each user message (about; default {question})")
     p.add_argument("--answer", type=_positive, default=answer, metavar="TOKENS",
                    help=f"tokens of {answer_help} (about; default {answer})")
-    p.add_argument("--facts", type=int, default=0, metavar="K", help=f"{facts_help} (0: none; default 0)")
+    p.add_argument("--facts", type=_natural, default=0, metavar="K", help=f"{facts_help} (0: none; default 0)")
     add_threads_arg(p)
     return p
 

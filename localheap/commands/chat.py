@@ -11,7 +11,7 @@ from pathlib import Path
 
 from ..engine.errors import RankLost
 from ..generation import SamplingParams
-from .common import (add_compile_arg, add_decode_arg, add_distributed_arg, add_graphs_arg, add_heap_args, add_model_args,
+from .common import (check_heap_fits, add_compile_arg, add_decode_arg, add_distributed_arg, add_graphs_arg, add_heap_args, add_model_args,
                      add_penalty_args, apply_decode_attention, freeze_startup_objects, heap_config,
                      load_model_backend, penalty_params, with_backend_chunk)
 from .progress import ProgressBar
@@ -80,6 +80,9 @@ def run(args) -> int:
     except ImportError:
         pass
     cfg = heap_config(args)   # bad flags fail before the model loads
+    if sys.stdin is None or sys.stdin.closed:   # (`<&-`: Python starts without one)
+        raise ValueError("chat reads its messages from standard input, which is closed; give it a terminal or "
+                         "a file (localheap chat < messages.txt)")
     print("loading the model...", file=sys.stderr, flush=True)
     if args.distributed:   # rank 0 chats on a Leader; the other ranks follow its heap calls
         from ..backends.mlx.leader import Leader
@@ -96,6 +99,7 @@ def run(args) -> int:
         backend = load_model_backend(args)
         apply_decode_attention(backend, args, batched=True)
     cfg = with_backend_chunk(cfg, args, backend)
+    check_heap_fits(backend, cfg)
     try:
         return chat_on(backend, cfg, args)
     finally:

@@ -17,11 +17,12 @@ from ..heap.config import PAGE_FORMATS, RECALL_SCORES, RECALL_SELECTS, RECALL_SU
 log = logging.getLogger("localheap")
 
 
-def add_model_args(p: argparse.ArgumentParser, required: bool = False) -> None:
-    p.add_argument("--model", default=None, required=required,
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    which = p.add_mutually_exclusive_group()   # one model: --model with --random-model is an error, not a choice
+    which.add_argument("--model", default=None,
                    help="alias from models.toml, local model directory, hub repo id, or random:FAMILY:SIZE "
                         "(default: the small demo model bundled in the package, no download)")
-    p.add_argument("--random-model", default=None, metavar="FAMILY:SIZE",
+    which.add_argument("--random-model", default=None, metavar="FAMILY:SIZE",
                    help="build a random-weight model of a real architecture locally, no weights needed "
                         "(e.g. llama:tiny); real shapes (llama:1b, llama:8b, qwen3:0.6b, qwen3:8b, qwen2:7b, "
                         "mistral:7b) are built in memory on the device, never saved (torch; meant for GPUs) "
@@ -357,3 +358,27 @@ def with_backend_chunk(cfg: HeapConfig, args, backend) -> HeapConfig:
     if getattr(args, "prefill_chunk", None) is None and not cfg.prefill_chunk:
         return cfg.with_(prefill_chunk=backend.default_prefill_chunk())
     return cfg
+
+
+def check_heap_fits(backend, cfg: HeapConfig) -> None:
+    """generate and chat (which have no --ram-budget): a heap, with its prefill's activations, that the
+    RAM available now cannot hold is refused before it is allocated (a tensor that large fails in the
+    allocator, or, where the system overcommits, the machine swaps)."""
+    import psutil
+
+    from ..governor.activations import prefill_activations
+    from ..governor.setup import largest_budget
+    from ..heap.stats import format_bytes
+
+    shapes = backend.model_shapes()
+
+    def need(c: HeapConfig) -> int:
+        return int(backend.heap_bytes(c)) + prefill_activations(shapes, c).total
+
+    free = psutil.virtual_memory().available
+    if need(cfg) <= free:
+        return
+    fits = largest_budget(cfg, lambda c: need(c) <= free)
+    raise ValueError(f"a heap of --budget {cfg.budget:,} tokens needs {format_bytes(need(cfg))} of RAM (its KV and "
+                     f"a prefill chunk's activations) and {format_bytes(free)} is available: give a smaller "
+                     f"--budget (about {fits:,} tokens would fit now; the default is {HeapConfig().budget:,})")

@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 from ..generation import SamplingParams, StopMatcher
-from .common import (add_compile_arg, add_decode_arg, add_distributed_arg, add_heap_args, add_model_args,
+from .common import (check_heap_fits, add_compile_arg, add_decode_arg, add_distributed_arg, add_heap_args, add_model_args,
                      add_penalty_args, apply_decode_attention, heap_config, load_model_backend, penalty_params)
 from .progress import ProgressBar
 from .ranks import StepWatch
@@ -35,14 +35,25 @@ def add_parser(sub) -> None:
     p.set_defaults(func=run)
 
 
+def read_prompt(path: Path) -> str:
+    """--prompt-file's text (UTF-8), or a ValueError that says why not."""
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"--prompt-file {path} is not UTF-8 text (byte {e.start}: {e.reason})") from None
+    except OSError as e:
+        raise ValueError(f"cannot read --prompt-file {path}: {e.strerror or e}") from None
+
+
 def run(args) -> int:
-    text = args.prompt if args.prompt is not None else args.prompt_file.read_text()
+    text = args.prompt if args.prompt is not None else read_prompt(args.prompt_file)
     heap_config(args)   # bad heap flags fail before the model loads
     backend = load_model_backend(args)
     apply_decode_attention(backend, args)
     if getattr(backend, "rank", 0) != 0:   # a follower rank: the same steps, rank 0 prints
         sys.stdout = sys.stderr = open(os.devnull, "w")
     cfg = heap_config(args, backend)
+    check_heap_fits(backend, cfg)
     tok = backend.tokenizer
     if args.chat:
         tokens = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)

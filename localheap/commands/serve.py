@@ -133,20 +133,39 @@ def port_number(text: str) -> int:
     return port
 
 
-def check_port_free(host: str, port: int) -> None:
+def bind_host(text: str) -> str:
+    """--host as the socket takes it: an IPv6 address without the brackets a URL puts around it."""
+    host = text.strip()
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if not host:
+        raise ValueError("--host takes an address or a name, e.g. 127.0.0.1, ::1 or 0.0.0.0")
+    return host
+
+
+def check_port_free(host: str, port: int) -> Optional[socket.socket]:
     """Fail before the model loads when the port is taken: the server would find out only once it
-    had loaded the model and restored every session. (Port 0: the system picks one.)"""
-    if port == 0:
-        return
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as s:
+    had loaded the model and restored every session. Port 0 (the system picks one): the socket,
+    bound, for the server to listen on, so that the port it prints and records is the one it serves."""
+    from ..server.settings import url_host
+
+    s = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    try:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)   # as uvicorn binds: a closed socket's TIME_WAIT is no user
         try:
-            s.bind((host.strip("[]"), port))
+            s.bind((host, port))
         except OSError as e:
             if e.errno == errno.EADDRINUSE:
                 raise ValueError(f"port {port} on {host} is in use (by another server: is a localheap serve "
-                                 f"running already? GET http://{host}:{port}/health says); pass --port N") from None
-            raise ValueError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+                                 f"running already? GET http://{url_host(host)}:{port}/health says); pass --port N") from None
+            raise ValueError(f"cannot listen on {url_host(host)}:{port}: {e.strerror or e}") from None
+        if port == 0:
+            kept, s = s, None
+            return kept
+        return None
+    finally:
+        if s is not None:
+            s.close()
 
 
 def lock_sessions_dir(path: Path, name: str, settings) -> Optional[IO]:
@@ -179,7 +198,7 @@ def lock_sessions_dir(path: Path, name: str, settings) -> Optional[IO]:
                          f"own (--sessions-dir DIR) or none (--no-persist)") from None
     f.seek(0)
     f.truncate()
-    f.write(f"pid {os.getpid()}, http://{settings.host}:{settings.port}\n")
+    f.write(f"pid {os.getpid()}, {settings.base_url}\n")
     f.flush()
     return f
 
@@ -253,7 +272,7 @@ def settings_from_args(args):
         raise ValueError("--served-model-name takes non-empty names")
     max_batch, max_active = batch_limits(args)   # run() sets the device's default once it is loaded
     return ServerSettings(
-        host=args.host, port=args.port, api_keys=api_keys(args), served_model_names=names,
+        host=bind_host(args.host), port=args.port, api_keys=api_keys(args), served_model_names=names,
         cors_origins=list(args.cors_origin),
         allowed_hosts=list(args.allow_host), max_prompt_tokens=args.max_prompt_tokens,
         admission_timeout=args.admission_timeout, max_observers=args.max_observers,
@@ -292,7 +311,12 @@ def api_keys(args) -> list[str]:
             lines = args.api_keys_file.read_text().splitlines()
         except OSError as e:
             raise ValueError(f"cannot read --api-keys-file {args.api_keys_file}: {e.strerror}") from None
-        keys += [k.strip() for k in lines if k.strip() and not k.lstrip().startswith("#")]
+        found = [k.strip() for k in lines if k.strip() and not k.lstrip().startswith("#")]
+        if not found:   # a keys file meant to lock the server: starting open would be the worst outcome
+            raise ValueError(f"--api-keys-file {args.api_keys_file} holds no key (every line is empty or a # "
+                             f"comment), so the server would answer without one: add a key, one a line, or "
+                             f"leave the flag out")
+        keys += found
     if args.api_key:
         print("localheap: warning: an API key given with --api-key is visible to every user of this machine "
               "(ps, /proc); use LOCALHEAP_API_KEY or --api-keys-file", file=sys.stderr)
@@ -308,7 +332,9 @@ def run(args) -> int:
 
     settings = settings_from_args(args)   # bad flags fail before the model loads
     if not args.distributed or os.environ.get("MLX_RANK", "0") == "0":   # (rank 0 alone listens)
-        check_port_free(settings.host, settings.port)
+        args.listen_socket = check_port_free(settings.host, settings.port)   # port 0: its socket, bound
+        if args.listen_socket is not None:
+            settings.port = args.listen_socket.getsockname()[1]
         warn_open_without_key(settings)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s:     %(name)s: %(message)s")
     lock = None
@@ -408,7 +434,6 @@ def serve_built(app, backend, settings, args) -> int:
     print(f"localheap: sessions in {app.state.services.store.spill_dir}, at most "
           f"{format_bytes(settings.disk_total) if settings.disk_total else 'unbounded'} in all (--disk-total)",
           file=sys.stderr)
-    print(f"localheap: serving http://{settings.host}:{settings.port}  (OpenAI base_url: "
-          f"http://{settings.host}:{settings.port}/v1)", file=sys.stderr)
+    print(f"localheap: serving {settings.base_url}  (OpenAI base_url: {settings.base_url}/v1)", file=sys.stderr)
     freeze_startup_objects()
-    return serve_app(app, settings, args.log_level)
+    return serve_app(app, settings, args.log_level, sock=getattr(args, "listen_socket", None))

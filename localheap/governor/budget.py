@@ -79,13 +79,17 @@ class MemoryPlan:
             return 0
         return self.recall_base_tokens + max(0, self.free_for_heaps - self.heap) // self.recall_token_bytes
 
-    def check(self, heap_tokens: int, bytes_per_token: int) -> "MemoryPlan":
-        """Raise BudgetTooSmall with what would fit, else return self."""
+    def check(self, heap_tokens: int, bytes_per_token: int, fits_budget: int | None = None) -> "MemoryPlan":
+        """Raise BudgetTooSmall with what would fit, else return self. `fits_budget`: the largest
+        --budget that fits, where the caller searched for it (else estimated from the room left)."""
         if self.max_resident >= 1:
             return self
         need = self.weights + self.overhead + self.heap
         room = self.free_for_heaps
-        if room > 0 and bytes_per_token > 0:
+        if fits_budget:
+            advice = (f"A heap of {fits_budget:,} tokens would fit (--budget {fits_budget}); "
+                      f"or raise --ram-budget to at least {fmt(need)}.")
+        elif fits_budget is None and room > 0 and bytes_per_token > 0:
             fits = room // bytes_per_token
             advice = (f"A heap of about {max(0, fits - 300):,} tokens would fit (--budget); "
                       f"or raise --ram-budget to at least {fmt(need)}.")

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import psutil
 
@@ -38,17 +38,38 @@ def plan_for(backend: Any, cfg: HeapConfig, ram_budget: Optional[int]) -> Memory
     Raises BudgetTooSmall (with what would fit) when not even one heap fits.
     """
     budget = ram_budget or default_budget()
-    weights = int(backend.weights_bytes)
     rss = psutil.Process().memory_info().rss
-    requests = request_room(budget)
     shapes = backend.model_shapes()
-    activations = prefill_activations(shapes, cfg).total
-    overhead = max(0, rss - weights) + weights // 10 + RUNTIME_FLOOR + activations + requests
-    heap = int(backend.heap_bytes(cfg)) + recall_summary_bytes(shapes, cfg)
-    plan = MemoryPlan(budget=budget, weights=weights, heap=heap, overhead=overhead, requests=requests,
-                      activations=activations, recall_base_tokens=recall_plan_tokens(shapes, cfg),
-                      recall_token_bytes=recall_token_bytes(shapes, cfg))
-    return plan.check(heap_tokens=cfg.layer_capacity(cfg.budget), bytes_per_token=backend.kv_bytes_per_token())
+
+    def plan_at(c: HeapConfig) -> MemoryPlan:
+        weights = int(backend.weights_bytes)
+        requests = request_room(budget)
+        activations = prefill_activations(shapes, c).total
+        overhead = max(0, rss - weights) + weights // 10 + RUNTIME_FLOOR + activations + requests
+        heap = int(backend.heap_bytes(c)) + recall_summary_bytes(shapes, c)
+        return MemoryPlan(budget=budget, weights=weights, heap=heap, overhead=overhead, requests=requests,
+                          activations=activations, recall_base_tokens=recall_plan_tokens(shapes, c),
+                          recall_token_bytes=recall_token_bytes(shapes, c))
+
+    plan = plan_at(cfg)
+    fits = None if plan.max_resident >= 1 else largest_budget(cfg, lambda c: plan_at(c).max_resident >= 1)
+    return plan.check(heap_tokens=cfg.layer_capacity(cfg.budget), bytes_per_token=backend.kv_bytes_per_token(),
+                      fits_budget=fits)
+
+
+def largest_budget(cfg: HeapConfig, fits: Callable[[HeapConfig], bool]) -> int:
+    """The largest --budget under cfg's for which fits(cfg with it) (0: none). The prefill's
+    activations grow with the heap, so what fits is searched, not divided out."""
+    lo, hi = 0, cfg.budget - 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        try:
+            ok = fits(cfg.with_(budget=mid, recent=min(cfg.recent, mid),
+                                recall_budget=min(cfg.recall_budget, max(1, mid // 2))))
+        except ValueError:   # (a HeapConfigError: too small a budget for the other settings)
+            ok = False
+        lo, hi = (mid, hi) if ok else (lo, mid - 1)
+    return lo
 
 
 def governor_for(backend: Any, plan: MemoryPlan) -> Governor:

@@ -4,6 +4,7 @@ directory creates through these."""
 
 from __future__ import annotations
 
+import errno
 import os
 from pathlib import Path
 
@@ -21,8 +22,8 @@ def private_dir(path: Path, parents: bool = True) -> None:
     try:
         path.mkdir(mode=DIR_MODE)
     except FileExistsError:
-        if not path.is_dir():
-            raise
+        if not path.is_dir():   # a file (or a link to one) where the directory should be: say that
+            raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(path)) from None
         return
     os.chmod(path, DIR_MODE)   # mkdir's mode passes through the umask
 

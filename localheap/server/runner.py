@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import socket
 import sys
 import threading
 from typing import Callable, Iterator, Optional
@@ -79,8 +80,10 @@ def _exit_after(seconds: float) -> threading.Timer:
     return timer
 
 
-def serve_app(app: FastAPI, settings: ServerSettings, log_level: str = "info") -> int:
-    """Serve until a signal (0) or until the engine dies (1)."""
+def serve_app(app: FastAPI, settings: ServerSettings, log_level: str = "info",
+              sock: Optional[socket.socket] = None) -> int:
+    """Serve until a signal (0) or until the engine dies (1); on `sock` where given (bound: serve's
+    --port 0), else on settings' host and port."""
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=log_level,
                             timeout_graceful_shutdown=settings.shutdown_grace_s + FINAL_S)
     server = DeadlineServer(config)
@@ -102,7 +105,7 @@ def serve_app(app: FastAPI, settings: ServerSettings, log_level: str = "info") -
 
     engine.on_fatal = engine_failed
     try:
-        server.run()
+        server.run(sockets=[sock] if sock is not None else None)
     except KeyboardInterrupt:
         # uvicorn re-raises the SIGINT it captured once shutdown is done: the shutdown was graceful
         pass

@@ -10,6 +10,11 @@ from typing import Optional
 from ..governor.budget import parse_size as parse_bytes  # noqa: F401  (re-exported)
 from ..heap import HeapConfig
 
+def url_host(host: str) -> str:
+    """A host as a URL writes it: an IPv6 address in brackets."""
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
 def package_web_dir() -> Optional[Path]:
     """localheap/web when it holds an index.html (the UI ships there)."""
     path = Path(str(resources.files("localheap.web")))
@@ -62,4 +67,8 @@ class ServerSettings:
     @property
     def own_origins(self) -> list[str]:
         hosts = {self.host, "127.0.0.1", "localhost"} if self.host in ("127.0.0.1", "localhost") else {self.host}
-        return sorted(f"http://{h}:{self.port}" for h in hosts)
+        return sorted(f"http://{url_host(h)}:{self.port}" for h in hosts)
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{url_host(self.host)}:{self.port}"
