@@ -114,6 +114,9 @@ class LogprobRecorder:
         return len(self._entries)
 
 
+SEED_SPACE = 1 << 64   # seeds are taken modulo this (a request's seed + its choice's index stays in range)
+
+
 @dataclass
 class SamplingParams:
     max_tokens: int = 256
@@ -165,6 +168,8 @@ class SamplingParams:
                                ("frequency_penalty", PENALTY_RANGE)):
             if not lo <= getattr(self, name) <= hi:
                 raise ValueError(f"{name} must be in [{lo:g}, {hi:g}]")
+        if self.seed is not None:   # as an unsigned 64-bit number: what both backends' generators take (torch
+            self.seed = int(self.seed) % SEED_SPACE   # reads a negative seed so too; MLX refuses one)
         self.logit_bias = {int(k): float(v) for k, v in (self.logit_bias or {}).items()}   # (JSON: keys as text)
         self.stop_token_ids = [int(t) for t in self.stop_token_ids or []]
         if any(t < 0 for t in self.stop_token_ids):

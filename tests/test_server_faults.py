@@ -5,6 +5,7 @@ engine that dies (/health 503, the server exits with status 1)."""
 
 from __future__ import annotations
 
+import json
 import shutil
 import threading
 import time
@@ -31,7 +32,8 @@ def backend(torch_one_thread):
 
 
 def settings(tmp_path, **kw) -> ServerSettings:
-    return ServerSettings(heap=HEAP, web_dir=None, sessions_dir=tmp_path / "sessions", max_tokens_limit=256, **kw)
+    kw.setdefault("max_tokens_limit", 256)
+    return ServerSettings(heap=HEAP, web_dir=None, sessions_dir=tmp_path / "sessions", **kw)
 
 
 def chat(http, content, sid=None, **kw):
@@ -146,3 +148,86 @@ def test_the_sessions_dir_is_checked_at_start(backend, tmp_path):
     with pytest.raises(SpillFailed, match="cannot save sessions to .*sessions") as e:
         create_app(backend, settings(tmp_path, persist_sessions=True))
     assert isinstance(e.value, UserError)   # the CLI prints it and exits 2, no traceback
+
+
+def post_raw(http, path, raw):
+    return http.post(path, content=raw, headers={"Content-Type": "application/json"})
+
+
+def test_a_lone_surrogate_anywhere_is_a_400_that_names_where(backend, tmp_path):
+    """Tool descriptions, a past call's arguments, embeddings' inputs, a conversation's metadata:
+    400 naming the field, nothing made (the tokenizer's TypeError was a 500)."""
+    app = create_app(backend, settings(tmp_path))
+    bad = "\\ud800"
+    user = '{"role": "user", "content": "hi"}'
+    with ServerThread(app) as srv, httpx.Client(base_url=srv.url, timeout=60) as http:
+        for path, raw, param in (
+            ("/v1/chat/completions", '{"model": "%s", "max_tokens": 2, "messages": [%s], "tools": [{"type": '
+             '"function", "function": {"name": "f", "description": "d%s"}}]}' % (MODEL, user, bad),
+             "tools.0.function.description"),
+            ("/v1/chat/completions", '{"model": "%s", "max_tokens": 2, "messages": [%s, {"role": "assistant", '
+             '"tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": '
+             '"{\\"a\\": \\"%s\\"}"}}]}, {"role": "tool", "tool_call_id": "c1", "content": "ok"}]}' % (MODEL, user, bad),
+             "messages.1.tool_calls.0.function.arguments"),
+            ("/v1/messages", '{"model": "%s", "max_tokens": 2, "messages": [%s], "tools": [{"name": "f", '
+             '"description": "d%s", "input_schema": {"type": "object"}}]}' % (MODEL, user, bad),
+             "tools.0.function.description"),
+            ("/v1/embeddings", '{"model": "%s", "input": ["fine", "a%s"]}' % (MODEL, bad), "input"),
+            ("/v1/conversations", '{"metadata": {"k": "v%s"}}' % bad, "metadata.k"),
+            ("/v1/conversations", '{"items": [{"type": "message", "role": "user", "content": "a%s"}]}' % bad,
+             "items.0.content.0.text"),
+        ):
+            r = post_raw(http, path, raw)
+            assert r.status_code == 400, (path, r.text)
+            err = r.json()["error"]
+            assert err["param"] == param and "lone surrogate" in err["message"], (path, err)
+        r = post_raw(http, "/api/chat", '{"model": "%s", "stream": false, "messages": [{"role": "user", '
+                                        '"content": "a%s"}]}' % (MODEL, bad))
+        assert r.status_code == 400 and "not valid JSON (" in r.json()["error"], r.text
+        assert http.get("/health").json()["status"] == "ok"
+        assert len(srv.services.conversations._convs) == 0   # the refused conversations were not made
+
+
+def test_seeds_are_64_bit_numbers_signed_or_not(backend, tmp_path):
+    from localheap.generation import SamplingParams
+
+    assert SamplingParams(seed=-1).seed == 2**64 - 1 and SamplingParams(seed=2**64 + 5).seed == 5
+    app = create_app(backend, settings(tmp_path))
+    with ServerThread(app) as srv, httpx.Client(base_url=srv.url, timeout=60) as http:
+        for seed in (2**64, -(2**63) - 1, 10**30):
+            r = chat(http, "hi", seed=seed, temperature=1.0)
+            assert r.status_code == 400 and r.json()["error"]["param"] == "seed", r.text
+        replies = {}
+        for seed in (-1, 2**64 - 1, 2**63 - 1):   # (the last with n=2: its second choice's seed wraps)
+            r = chat(http, "hi", seed=seed, temperature=1.0, max_tokens=8, n=2)
+            assert r.status_code == 200, r.text
+            replies[seed] = [c["message"]["content"] for c in r.json()["choices"]]
+        assert replies[-1] == replies[2**64 - 1]   # the same seed, written signed and unsigned
+        r = http.post("/api/generate", json={"model": MODEL, "prompt": "hi", "stream": False,
+                                             "options": {"seed": 2**70, "num_predict": 2}})
+        assert r.status_code == 200, r.text
+
+
+def test_deleting_a_busy_session_ends_its_reply_saying_so(backend, tmp_path):
+    """DELETE of a session a request is running on stops that request (it does not wait for it):
+    the reply ends with "interrupted": "deleted", nothing saved, and the session is gone."""
+    app = create_app(backend, settings(tmp_path, persist_sessions=True, max_tokens_limit=20000))
+    with ServerThread(app) as srv, httpx.Client(base_url=srv.url, timeout=60) as http:
+        sid = chat(http, "first turn").headers["X-Session-Id"]
+        chunks = []
+        with http.stream("POST", "/v1/chat/completions", headers={"X-Session-Id": sid}, json={
+                "model": MODEL, "max_tokens": 20000, "stream": True,
+                "logit_bias": {str(t): -100 for t in backend.eos_token_ids},   # (no end before the DELETE)
+                "messages": [{"role": "user", "content": "first turn"}, {"role": "assistant", "content": "x"},
+                             {"role": "user", "content": "a long reply"}]}) as s:
+            for line in s.iter_lines():
+                if line.startswith("data: {"):
+                    chunks.append(json.loads(line[6:]))
+                    if len(chunks) == 3:
+                        r = http.delete(f"/v1/sessions/{sid}")
+                        assert r.status_code == 200 and r.json()["deleted"] is True
+        last = chunks[-1]["localheap"]
+        assert last["interrupted"] == "deleted" and "saved" not in last and "kept" not in last, last
+        assert sum(1 for c in chunks if c["choices"] and c["choices"][0]["delta"].get("content")) < 19000
+        assert http.get(f"/v1/sessions/{sid}").status_code == 404
+        assert not list((tmp_path / "sessions").glob(f"{sid}*"))

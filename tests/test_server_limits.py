@@ -159,3 +159,37 @@ def test_max_batch_and_max_active_default_by_device():
     assert batch_limits(args("--max-batch", "4"), 16) == (4, 8)
     with pytest.raises(ValueError, match="max-batch"):
         parse("--max-batch", "0")
+
+
+def test_a_body_too_large_or_a_foreign_host_answers_in_the_routes_own_error_shape():
+    """The middleware's refusals (413, an unknown Host) come as the route family's errors do:
+    Anthropic's on /v1/messages, Ollama's on /api/*, OpenAI's elsewhere."""
+    big = {"model": MODEL, "messages": [{"role": "user", "content": "x" * 5000}], "max_tokens": 1}
+    with serve(max_body_bytes=2000) as srv:
+        def chunks():   # no Content-Length: the limit is found while reading
+            yield json.dumps(big).encode()
+
+        for send in (lambda path: httpx.post(srv.url + path, json=big),
+                     lambda path: httpx.post(srv.url + path, content=chunks(),
+                                             headers={"Content-Type": "application/json"})):
+            r = send("/v1/messages")
+            assert r.status_code == 413 and r.json()["type"] == "error", r.text
+            assert r.json()["error"]["type"] == "request_too_large"
+            r = send("/v1/messages/count_tokens")
+            assert r.status_code == 413 and r.json()["type"] == "error", r.text
+            r = send("/api/chat")
+            assert r.status_code == 413 and "request body too large" in r.json()["error"], r.text
+            r = send("/v1/chat/completions")
+            assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large", r.text
+        r = httpx.post(srv.url + "/v1/messages", json=big, headers={"Host": "evil.example"})
+        assert r.status_code == 400 and r.json()["type"] == "error" and "unknown Host" in r.json()["error"]["message"]
+        r = httpx.post(srv.url + "/api/chat", json=big, headers={"Host": "evil.example"})
+        assert r.status_code == 400 and "unknown Host" in r.json()["error"]
+
+
+def test_an_empty_or_broken_body_says_so():
+    with serve() as srv:
+        r = httpx.post(srv.url + "/v1/chat/completions", content=b"", headers={"Content-Type": "application/json"})
+        assert r.status_code == 400 and r.json()["error"]["message"] == "the request body is empty: send a JSON object"
+        r = httpx.post(srv.url + "/api/chat", content=b'{"model": "x", "messages": [', headers={"Content-Type": "application/json"})
+        assert r.status_code == 400 and r.json()["error"].startswith("the request body is not valid JSON (")

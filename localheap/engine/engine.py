@@ -599,6 +599,8 @@ class Engine:
         saved = None
         if s.ephemeral:
             self.store.delete(s.id)   # before the reply ends: the client sees it end with nothing kept
+        elif run.job.cancel_reason == "deleted" and run.finish_reason is None:
+            pass   # delete_session removes the session next: nothing to save
         elif self.store.durable and not s.scratch:   # (an editor's scratch session is never saved)
             # before the reply ends: a turn the client saw finish survives kill -9
             if self.saves_off_thread and self._needs_save(s) and not self._stopping:
@@ -762,7 +764,7 @@ class Engine:
         """Cancel whatever runs on the session, then forget it."""
         s = self.store.get(session_id)
         for run in [r for r in self._active if r.session is s]:
-            run.job.cancel()
+            run.job.cancel("deleted")   # its reply ends now, saying so ("interrupted": "deleted"), nothing saved
             self._finish(run)
         self._settle_saves(block=True)   # its save, from a run cancelled just now or ended before
         for job in [j for j in self.admission.waiting if j.request.session_id == session_id]:

@@ -51,6 +51,11 @@ class Usage:
         return self.prompt_tokens + self.completion_tokens
 
 
+# Finished.interrupted: "shutdown" (SIGTERM: the session keeps what the run read and wrote, saved);
+# "deleted" (DELETE of its session: the reply ends, nothing is kept)
+INTERRUPTIONS = ("shutdown", "deleted")
+
+
 @dataclass
 class Finished:
     session_id: str
@@ -60,7 +65,7 @@ class Finished:
     prompt_read: int = 0                 # of the new prompt tokens, those the session now holds
     saved: Optional[bool] = None         # the turn is on disk (None: this store keeps nothing on disk)
     save_error: Optional[str] = None     # why it is not (it stays in memory and is saved when it can be)
-    interrupted: Optional[str] = None    # "shutdown": the server stopped the run (SIGTERM), not the client
+    interrupted: Optional[str] = None    # why the server stopped the run, not the client: INTERRUPTIONS
     stop_word: Optional[str] = None      # the stop sequence that ended the reply (finish_reason "stop")
     stop_id: Optional[int] = None        # the stop_token_ids id that ended it (EOS is neither)
     end_id: Optional[int] = None         # the id that ended it, an EOS or a stop_token_ids one (in no Delta's ids)

@@ -14,7 +14,7 @@ from typing import Any, Iterator, Optional
 
 from ..sessions import Session
 from .detok import TextStream
-from .events import Delta, Feed, Finished, Generate, Job, Progress, Usage
+from .events import INTERRUPTIONS, Delta, Feed, Finished, Generate, Job, Progress, Usage
 
 STATS_INTERVAL_S = 0.1   # how often a busy session republishes its heap stats
 
@@ -227,7 +227,8 @@ class Run:
         prompt = self.prompt_tokens - self.begun   # a reply begun before counts as the reply's
         usage = Usage(prompt, self.begun + len(self.completion), min(self.cached, prompt))
         read = max(0, min(self.prompt_tokens, len(self.session.fed)) - self.cached)
-        interrupted = "shutdown" if self.finish_reason is None and self.job.cancel_reason == "shutdown" else None
+        interrupted = self.job.cancel_reason if self.finish_reason is None and self.job.cancel_reason in INTERRUPTIONS \
+            else None
         word = self.stream.stops.matched if self.stream is not None else None
         stop_id = self.stop_token if self.stop_token is not None and self.stop_token not in self.backend.eos_token_ids \
             else None

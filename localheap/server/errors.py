@@ -166,9 +166,12 @@ def _validation(exc: RequestValidationError) -> JSONResponse:
     loc = [str(p) for p in first.get("loc", ()) if p != "body" and not _union_branch(p)]
     param = ".".join(loc) or None
     if first.get("type") == "json_invalid":
-        message, param = "the request body is not valid JSON", None
+        detail = str((first.get("ctx") or {}).get("error") or first.get("msg") or "").removeprefix("Invalid JSON: ")
+        message, param = f"the request body is not valid JSON{f' ({detail})' if detail else ''}", None
     elif first.get("type") == "extra_forbidden":
         message = f"unsupported parameter {param!r}: this server does not accept it"
+    elif first.get("type") == "missing" and param is None:   # no body at all
+        message = "the request body is empty: send a JSON object"
     elif first.get("type") == "missing":
         message = f"missing required parameter {param!r}"
     else:

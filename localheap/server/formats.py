@@ -281,13 +281,15 @@ SAVED_HEADER = "X-Localheap-Saved"
 def save_fields(done: Finished) -> dict:
     """What a reply says about its turn on disk: "saved" (absent where the server keeps nothing on
     disk), "save_error" when it is not saved, and, for a run the server stopped (SIGTERM), what
-    was kept of it."""
+    was kept of it; a run stopped by its session's DELETE says so, and nothing was kept."""
     out: dict = {}
     if done.saved is not None:
         out["saved"] = done.saved
     if done.save_error is not None:
         out["save_error"] = done.save_error
-    if done.interrupted is not None:
+    if done.interrupted == "deleted":   # (its session is gone: nothing was kept)
+        out["interrupted"] = done.interrupted
+    elif done.interrupted is not None:
         out["interrupted"] = done.interrupted
         out["kept"] = {"prompt_tokens_read": done.prompt_read,
                        "prompt_tokens": done.usage.prompt_tokens - done.usage.cached_tokens,

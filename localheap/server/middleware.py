@@ -95,7 +95,7 @@ class CheckHost:
                 log.warning("refused a request for Host %r (not this server's name; DNS rebinding?)", host)
                 error = ApiError(f"unknown Host header {host!r}: this server answers only to "
                                  f"{', '.join(sorted(self.names | self.extra))} (see --allow-host)", code="invalid_host")
-                await to_response(error)(scope, receive, send)
+                await for_path(scope["path"], to_response(error))(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 
@@ -191,7 +191,7 @@ class LimitBody:
             return
         length = dict(scope["headers"]).get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.max_bytes:
-            await to_response(self._error())(scope, receive, send)
+            await for_path(scope["path"], to_response(self._error()))(scope, receive, send)
             return
         seen = 0
 

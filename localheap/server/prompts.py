@@ -4,7 +4,6 @@ document takes a while to tokenize). Knows the tokenizer, never a tensor."""
 from __future__ import annotations
 
 import json
-import re
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence, Union
@@ -16,12 +15,11 @@ from ..sessions.session import token_array
 from .errors import BadRequest, PromptTooLong
 from .schemas import ChatMessage, CompletionRequest
 from .toolformats import Harmony, ToolFormat
-from .tokens import (PIECE_CHARS, check_chars, encode_bounded, encode_plain, leading_specials, release_freed_memory,
-                     special_head)
+from .tokens import (PIECE_CHARS, SURROGATE, check_chars, check_unicode, encode_bounded, encode_plain,
+                     leading_specials, release_freed_memory, special_head, surrogate_path)
 
 _LONG_TEXTS = threading.Lock()
 
-_SURROGATE = re.compile("[\ud800-\udfff]")
 # A finished exchange rendered before new turns, so that the difference between the two
 # renders is exactly what the template adds for the new turns (no BOS, no default system).
 _PLACEHOLDER = [{"role": "user", "content": "\u2047"}, {"role": "assistant", "content": "\u2048"}]
@@ -127,12 +125,7 @@ def _arguments(text: str) -> Any:
 
 
 def _text(text: str, param: str) -> str:
-    r"""JSON may carry lone surrogates ("\ud800") that no tokenizer encodes: 400, not 500.
-    A search, not an encode: no copy of a large document."""
-    bad = _SURROGATE.search(text)
-    if bad is not None:
-        raise BadRequest(f"{param} holds invalid unicode (a lone surrogate at character {bad.start()})", param)
-    return text
+    return check_unicode(text, param)
 
 
 def render(tokenizer: Any, messages: list[dict], add_generation_prompt: bool, **template_args) -> str:
@@ -197,6 +190,10 @@ def chat_prompt(tokenizer: Any, messages: list[ChatMessage], add_generation_prom
     msgs = _messages(messages, opts)
     args = opts.template_args() if opts is not None else {}
     text = render(tokenizer, msgs, add_generation_prompt, **args)
+    if SURROGATE.search(text):   # (the messages' texts are checked: in tools, tool calls' arguments, names)
+        where = surrogate_path(opts.tools if opts is not None else None, "tools") or surrogate_path(
+            [m.model_dump(exclude_none=True) for m in messages], "messages") or "messages"
+        raise BadRequest(f"{where} holds invalid unicode (a lone surrogate, which no tokenizer encodes)", where)
     tokens = encode_bounded(tokenizer, text, limit)
     cont = render_continuation(tokenizer, msgs, add_generation_prompt, **args)
     return Prompt(tokens, text, _tail_ids(tokenizer, text, tokens, cont) if cont is not None else None)

@@ -505,6 +505,8 @@ STOPPED = {"code": "server_error", "message": "the server stopped before this ba
            "session keeps what was generated: send the conversation again)"}
 STOPPING = {"code": "server_error", "message": "the server is stopping: this background response goes on from "
             "where it is when it restarts (GET it then)"}
+SESSION_DELETED = {"code": "session_deleted", "message": "its session was deleted (DELETE /v1/sessions/ID) while "
+                                                      "this response ran: nothing of it is kept"}
 STOPPED_EACH_RUN = {"code": "server_error", "message": f"the server stopped during this background response in "
                     f"{RUNS} runs in a row that wrote nothing more of it (it is not run again: send the conversation "
                     f"again)"}

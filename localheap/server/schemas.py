@@ -224,7 +224,7 @@ class SamplingFields(Strict):
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=0)                  # extension (OpenAI has none)
     min_p: float = Field(0.0, ge=MIN_P_RANGE[0], le=MIN_P_RANGE[1])   # extension (vLLM's, llama.cpp's): 0 = off
-    seed: Optional[int] = None
+    seed: Optional[int] = Field(None, ge=-(1 << 63), lt=1 << 64)   # a 64-bit number, signed or not
     stop: Optional[Union[str, list[str]]] = None
     n: int = Field(1, ge=1, le=MAX_CHOICES)      # choices: they decode together in the batch
     presence_penalty: Optional[float] = Field(None, ge=PENALTY_RANGE[0], le=PENALTY_RANGE[1])

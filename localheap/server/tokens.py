@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import ctypes
 import gc
+import re
 from array import array
 from typing import Any, Optional
 
 from ..sessions.session import token_array
 
-from .errors import PromptTooLong
+from .errors import BadRequest, PromptTooLong
 
 PIECE_CHARS = 1 << 16      # ~16K tokens a piece: ~10 MB of tokenizer transient at a time
 WINDOW_CHARS = 48          # context checked on each side of a cut
@@ -44,8 +45,40 @@ def release_freed_memory() -> None:
 _TRIM: Any = None
 
 
-def encode_plain(tokenizer: Any, text: str) -> list[int]:
-    return list(tokenizer.encode(text, add_special_tokens=False))
+SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def check_unicode(text: str, param: Optional[str]) -> str:
+    r"""JSON may carry lone surrogates ("\ud800") that no tokenizer encodes: 400, not 500.
+    A search, not an encode: no copy of a large document."""
+    bad = SURROGATE.search(text)
+    if bad is not None:
+        raise BadRequest(f"{param or 'the request'} holds invalid unicode (a lone surrogate, "
+                         f"\\u{ord(bad.group()):04x}, at character {bad.start()})", param)
+    return text
+
+
+def surrogate_path(value: Any, path: str) -> Optional[str]:
+    """The dotted path (tools.0.function.description) of the first string in `value` (dicts,
+    lists, strings) that holds a lone surrogate; None where none does."""
+    if isinstance(value, str):
+        return path if SURROGATE.search(value) else None
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, (list, tuple)) else ()
+    for key, item in items:
+        if isinstance(key, str) and SURROGATE.search(key):
+            return f"{path}.{key}" if path else key
+        found = surrogate_path(item, f"{path}.{key}" if path else str(key))
+        if found is not None:
+            return found
+    return None
+
+
+def encode_plain(tokenizer: Any, text: str, param: Optional[str] = None) -> list[int]:
+    try:
+        return list(tokenizer.encode(text, add_special_tokens=False))
+    except (TypeError, UnicodeEncodeError):   # (what the tokenizers library raises on a lone surrogate)
+        check_unicode(text, param)
+        raise
 
 
 def special_head(tokenizer: Any) -> Optional[list[int]]:
@@ -96,7 +129,7 @@ def encode_bounded(tokenizer: Any, text: str, limit: Optional[int], param: str =
     start = 0
     while start < len(text):
         end = _cut(tokenizer, text, start + PIECE_CHARS) if len(text) - start > PIECE_CHARS else len(text)
-        ids.extend(encode_plain(tokenizer, text[start:end]))
+        ids.extend(encode_plain(tokenizer, text[start:end], param))
         if limit is not None and len(ids) > limit:
             raise PromptTooLong(limit, len(ids), param)
         start = end

@@ -28,7 +28,7 @@ from ..formats import extension, saved_headers
 from ..prompts import chat_prompt, tokenize
 from ..logonce import warn_once
 from ..conversations import cursor_page, item_finders, item_json
-from ..responses import (STOPPED, STOPPING, Built, InputTokensRequest, ResponsesRequest, output_item, resolve_references,
+from ..responses import (SESSION_DELETED, STOPPED, STOPPING, Built, InputTokensRequest, ResponsesRequest, output_item, resolve_references,
                          stalled_runs)
 from ..services import Services, owner, services
 from ..toolcalls import OutputParser
@@ -447,6 +447,8 @@ async def _background(svc: Services, who: Optional[str], run: Run, p: _Planned, 
                 ext = extension(event, decode_s)
                 if event.finish_reason == "cancelled" and run.cancel_asked:
                     whole, ending = built.stop("cancelled", done=event, extension=ext)
+                elif event.finish_reason == "cancelled" and event.interrupted == "deleted":
+                    whole, ending = built.stop("failed", SESSION_DELETED, event, ext)
                 elif event.finish_reason == "cancelled":   # the server stopping (SIGTERM): it runs again at the restart
                     kept = svc.responses.path is not None   # (in memory: nothing runs it again)
                     whole, ending = built.stop("failed", STOPPING if kept else STOPPED, event, ext)
