@@ -231,3 +231,47 @@ def test_deleting_a_busy_session_ends_its_reply_saying_so(backend, tmp_path):
         assert sum(1 for c in chunks if c["choices"] and c["choices"][0]["delta"].get("content")) < 19000
         assert http.get(f"/v1/sessions/{sid}").status_code == 404
         assert not list((tmp_path / "sessions").glob(f"{sid}*"))
+
+
+def test_errors_name_the_field_as_the_request_wrote_it(backend, tmp_path):
+    """param is the request's own path (no union member names), the reply limit goes by the route's
+    name for it, and values OpenAI does not define are refused instead of ignored."""
+    app = create_app(backend, settings(tmp_path))
+    user = {"role": "user", "content": "hi"}
+    with ServerThread(app) as srv, httpx.Client(base_url=srv.url, timeout=60) as http:
+        for path, body, param in (
+            ("/v1/responses", {"model": MODEL, "input": [{"role": "bogus", "content": "x"}]}, "input.0.role"),
+            ("/v1/responses", {"model": MODEL, "input": [{"type": "message", "role": "bogus", "content": "x"}]},
+             "input.0.role"),
+            ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "text",
+                                                                                                  "txt": "x"}]}]},
+             "messages.0.content.0.text"),
+            ("/v1/responses", {"model": MODEL, "input": "x", "include": ["bogus"]}, "include.0"),
+            ("/v1/responses", {"model": MODEL, "input": "x", "reasoning": {"effort": "extreme"}}, "reasoning.effort"),
+            ("/v1/chat/completions", {"model": MODEL, "messages": [user], "reasoning_effort": "extreme"},
+             "reasoning_effort"),
+            ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": [
+                {"type": "refusal", "refusal": "no"}]}]}, "messages.0"),
+            ("/v1/responses", {"model": MODEL, "input": "x", "max_output_tokens": 10**6}, "max_output_tokens"),
+            ("/completion", {"prompt": "x", "n_predict": 10**6}, "n_predict"),
+            ("/v1/chat/completions", {"model": MODEL, "messages": [user], "max_tokens": 10**6}, "max_tokens"),
+        ):
+            r = http.post(path, json=body)
+            assert r.status_code == 400, (path, r.text)
+            err = r.json()["error"]
+            assert err["param"] == param, (path, err)
+            assert "MessageItem" not in err["message"] and "not supported" not in err["message"], err
+        r = http.post("/api/generate", json={"model": MODEL, "prompt": "x", "stream": False,
+                                             "options": {"num_predict": 10**6}})
+        assert r.status_code == 400 and r.json()["error"].startswith("num_predict 1000000 is over"), r.text
+        for effort in ("none", "minimal", "xhigh"):
+            r = http.post("/v1/chat/completions", json={"model": MODEL, "messages": [user], "max_tokens": 2,
+                                                        "reasoning_effort": effort})
+            assert r.status_code == 200, r.text
+        r = http.post("/v1/responses", json={"model": MODEL, "input": "x", "max_output_tokens": 2,
+                                             "include": ["reasoning.encrypted_content", "message.output_text.logprobs"]})
+        assert r.status_code == 200, r.text
+        # an SDK sends a past refusal back as an assistant's part: read as its text
+        r = http.post("/v1/chat/completions", json={"model": MODEL, "max_tokens": 2, "messages": [
+            user, {"role": "assistant", "content": [{"type": "refusal", "refusal": "I cannot."}]}, user]})
+        assert r.status_code == 200, r.text

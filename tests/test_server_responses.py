@@ -532,7 +532,7 @@ def test_a_restarted_server_continues_a_kept_response(model_dirs, tmp_path_facto
     ({"previous_response_id": "resp_1"}, "previous_response_id"),
     ({"previous_response_id": "resp_1", "store": False}, "store"),
     ({"conversation": "conv_1"}, "conversation"),
-    ({"tools": [{"type": "function", "name": "bad name"}]}, "tools.0.function.name"),
+    ({"tools": [{"type": "function", "name": "bad name"}]}, "tools.0.name"),   # (the request's own path)
     ({"tools": [TOOLS[0], {"type": "namespace", "name": "n", "tools": [TOOLS[1]]}, {**TOOLS[1], "name": "n.get_time"}]},
      "tools"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}]}, "input.0.content.0"),
@@ -851,7 +851,7 @@ def test_background_errors_come_back_at_once_or_as_a_failed_response(server, cli
     import httpx
 
     base = {"model": model(server), "input": "hi", "background": True}
-    for fields, param in [({"store": False}, "store"), ({"max_output_tokens": 10 ** 7}, "max_tokens")]:
+    for fields, param in [({"store": False}, "store"), ({"max_output_tokens": 10 ** 7}, "max_output_tokens")]:
         r = httpx.post(server.url + "/v1/responses", json={**base, **fields}, timeout=60)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
     r = httpx.post(server.url + "/v1/responses", json=base, headers={"X-Session-Id": "sess_" + "0" * 20}, timeout=60)

@@ -157,13 +157,32 @@ def _union_branch(part) -> bool:
     return part == "str" or str(part).startswith(("list[", "tagged-union["))
 
 
+def _field_path(loc: list, body) -> list[str]:
+    """pydantic's error location as the request's own field path: without the names of the union
+    members it tried (`str`, `MessageItem`, a tag: `text` in messages.0.content.0.text.text), which
+    are found as the steps the body has no such key or index for (the last step, a missing field, kept)."""
+    out, node = [], body
+    for k, part in enumerate(loc):
+        last = k == len(loc) - 1
+        if isinstance(node, dict) and isinstance(part, str) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and isinstance(part, int) and 0 <= part < len(node):
+            node = node[part]
+        elif node is not None and not last or _union_branch(part):
+            continue   # a union member's name, not a field
+        else:
+            node = None
+        out.append(str(part))
+    return out
+
+
 def _validation(exc: RequestValidationError) -> JSONResponse:
     errors = exc.errors()
     # a list where a Union also takes a string: the list's own error says what is wrong, "not a string" does not
     errors = [e for e in errors
               if not (e.get("type") == "string_type" and tuple(e.get("loc", ()))[-1:] == ("str",))] or errors
     first = errors[0] if errors else {"loc": (), "msg": "invalid request", "type": ""}
-    loc = [str(p) for p in first.get("loc", ()) if p != "body" and not _union_branch(p)]
+    loc = _field_path([p for p in first.get("loc", ()) if p != "body"], getattr(exc, "body", None))
     param = ".".join(loc) or None
     if first.get("type") == "json_invalid":
         detail = str((first.get("ctx") or {}).get("error") or first.get("msg") or "").removeprefix("Invalid JSON: ")
@@ -208,9 +227,25 @@ def for_path(path: str, response: JSONResponse) -> JSONResponse:
     return JSONResponse(body, status_code=response.status_code, headers=headers)
 
 
+# What each route family calls the reply limit that chat.check_start names max_tokens
+LIMIT_NAMES = (("/v1/responses", "max_output_tokens"), ("/api/", "options.num_predict"), ("/completion", "n_predict"),
+               ("/infill", "n_predict"))
+
+
+def named_for(path: str, exc: Exception) -> Exception:
+    """`exc` with the route's own name for the reply limit (a Responses client sent max_output_tokens)."""
+    if isinstance(exc, ApiError) and exc.code == "max_tokens_too_large":
+        name = next((n for prefix, n in LIMIT_NAMES if path.startswith(prefix)), None)
+        if name is not None:
+            renamed = BadRequest(str(exc).replace("max_tokens", name.rpartition(".")[2], 1), name, exc.code)
+            renamed.status = exc.status
+            return renamed
+    return exc
+
+
 def install(app: FastAPI) -> None:
     async def handle(request: Request, exc: Exception) -> JSONResponse:
-        return for_path(request.url.path, to_response(exc))
+        return for_path(request.url.path, to_response(named_for(request.url.path, exc)))
 
     for cls in (ApiError, SessionNotFound, SessionBusy, SessionLost, SpillFailed, RollbackRefused, DiskTotalExceeded,
                 OSError, EngineFailed, InvalidTokens, RankFailed, RankLost,

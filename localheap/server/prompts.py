@@ -57,7 +57,7 @@ class ChatOptions:
         return dict(self.template_kwargs)
 
 
-EFFORTS = {"minimal": "low", "low": "low", "medium": "medium", "high": "high"}
+EFFORTS = {"minimal": "low", "low": "low", "medium": "medium", "high": "high", "xhigh": "high"}   # (EFFORT_VALUES)
 
 
 def with_effort(kwargs: Optional[dict], effort: Optional[str]) -> Optional[dict]:

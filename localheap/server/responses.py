@@ -18,7 +18,7 @@ from functools import cached_property, lru_cache
 from pathlib import Path
 from typing import Annotated, Any, Callable, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, TypeAdapter
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, TypeAdapter, ValidationError
 
 from ..engine import Finished
 from ..generation import TOP_LOGPROBS_MAX
@@ -32,7 +32,7 @@ from .jsonlines import FileBacked, JsonLines
 from .logonce import warn_once
 from .logprobs import chat_content
 from .prompts import with_effort
-from .schemas import ChatMessage, Strict
+from .schemas import EFFORT_VALUES, ChatMessage, Strict
 from .toolcalls import CallArgs, CallStart, Piece, Text
 from .toolformats import ToolCall
 
@@ -133,6 +133,9 @@ class OtherItem(BaseModel):
 Item = Union[MessageItem, FunctionCallItem, FunctionCallOutputItem, CustomToolCallItem, CustomToolCallOutputItem,
              ReasoningItem, ItemReference, OtherItem]
 _ITEM = TypeAdapter(Item)
+_TYPED = {"message": MessageItem, "function_call": FunctionCallItem, "function_call_output": FunctionCallOutputItem,
+          "custom_tool_call": CustomToolCallItem, "custom_tool_call_output": CustomToolCallOutputItem,
+          "reasoning": ReasoningItem, "item_reference": ItemReference}
 
 
 class FunctionTool(Strict):
@@ -295,8 +298,14 @@ class TextConfig(Strict):
     verbosity: Optional[str] = None              # accepted, unused
 
 
+# OpenAI's `include` values: what each asks for is there where this server has it (logprobs), else nothing
+INCLUDE_VALUES = ("message.output_text.logprobs", "reasoning.encrypted_content", "web_search_call.action.sources",
+                  "web_search_call.results", "code_interpreter_call.outputs", "computer_call_output.output.image_url",
+                  "file_search_call.results", "message.input_image.image_url")
+
+
 class ReasoningConfig(Strict):
-    effort: Optional[str] = None                 # "none" turns a thinking template's thinking off
+    effort: Optional[Literal[EFFORT_VALUES]] = None   # "none" turns a thinking template's thinking off
     summary: Optional[str] = None                # accepted: reasoning comes back as written
     generate_summary: Optional[str] = None
 
@@ -332,8 +341,8 @@ class ResponsesRequest(Strict):
     service_tier: Optional[str] = None           # accepted, unused
     client_metadata: Optional[dict[str, Any]] = None   # Codex's thread and turn ids: accepted, unused
     truncation: Optional[Literal["auto", "disabled"]] = None   # the heap keeps any length: nothing to truncate
-    include: Optional[list[str]] = None          # "message.output_text.logprobs"; the rest accepted (reasoning
-                                                 # comes back as text; nothing encrypted)
+    include: Optional[list[Literal[INCLUDE_VALUES]]] = None   # "message.output_text.logprobs"; the rest accepted
+                                                 # (reasoning comes back as text; nothing encrypted)
     previous_response_id: Optional[str] = None   # continue a response kept in memory (ResponseLog)
     conversation: Union[str, ConversationRef, None] = None   # /v1/conversations: its items come first
     background: Optional[bool] = None            # answered at once (queued), polled, cancelled (background.py)
@@ -356,6 +365,13 @@ class ResponsesRequest(Strict):
             return "tools", f"two tools are named {dup!r}"
         items = [] if isinstance(self.input, str) else self.input
         for i, item in enumerate(items):
+            if isinstance(item, OtherItem) and item.type in _TYPED:   # a known item, malformed: its model says how
+                try:
+                    _TYPED[item.type].model_validate(item.model_dump())
+                except ValidationError as e:
+                    first = e.errors()[0]
+                    where = ".".join([f"input.{i}", *(str(p) for p in first["loc"])])
+                    return where, f"invalid {where}: {first['msg']}"
             if isinstance(item, OtherItem):
                 return f"input.{i}", f"{item.type!r} input items are not supported (messages, function_call, " \
                     "function_call_output, custom_tool_call, custom_tool_call_output and reasoning are)"

@@ -25,6 +25,10 @@ class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+# OpenAI's reasoning efforts ("none": no reasoning, where the template can); prompts.EFFORTS maps them
+EFFORT_VALUES = ("none", "minimal", "low", "medium", "high", "xhigh")
+
+
 class TextPart(Strict):
     type: Literal["text"]
     text: str
@@ -34,6 +38,12 @@ class MediaPart(BaseModel):
     """An image, audio or file part (OpenAI's chat schema): parsed only to be refused by name."""
     model_config = ConfigDict(extra="allow")
     type: Literal["image_url", "input_audio", "file"]
+
+
+class RefusalPart(Strict):
+    """An assistant's refusal, as OpenAI's SDKs send a past reply back (read as its text)."""
+    type: Literal["refusal"]
+    refusal: str
 
 
 MEDIA_NAMES = {"image_url": "an image", "input_audio": "audio", "file": "a file"}
@@ -69,7 +79,8 @@ class ToolCallItem(Strict):
 
 class ChatMessage(Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Union[str, list[Annotated[Union[TextPart, MediaPart], Field(discriminator="type")]], None] = None
+    content: Union[str, list[Annotated[Union[TextPart, MediaPart, RefusalPart], Field(discriminator="type")]],
+                   None] = None
     name: Optional[str] = None
     tool_calls: Optional[list[ToolCallItem]] = None     # assistant: the calls it made
     tool_call_id: Optional[str] = None                  # tool: the call this answers
@@ -87,13 +98,17 @@ class ChatMessage(Strict):
             raise ValueError("only an assistant message carries tool_calls")
         if self.role == "tool" and not self.tool_call_id:
             raise ValueError("a tool message needs the tool_call_id it answers")
+        if self.role != "assistant" and isinstance(self.content, list) and \
+                any(isinstance(p, RefusalPart) for p in self.content):
+            raise ValueError("only an assistant message carries a refusal part")
         return self
 
     def text(self) -> str:
         if self.content is None:
             return ""
         return self.content if isinstance(self.content, str) else "".join(
-            p.text for p in self.content if isinstance(p, TextPart))
+            p.text if isinstance(p, TextPart) else p.refusal for p in self.content
+            if isinstance(p, (TextPart, RefusalPart)))
 
 
 class FunctionDef(Strict):
@@ -349,7 +364,7 @@ class ChatCompletionRequest(SamplingFields):
     functions: Optional[list[Any]] = None
     function_call: Optional[Any] = None
     chat_template_kwargs: Optional[dict[str, Any]] = None   # extension (vLLM's): e.g. {"enable_thinking": false}
-    reasoning_effort: Optional[str] = None                   # the template's reasoning_effort (gpt-oss's)
+    reasoning_effort: Optional[Literal[EFFORT_VALUES]] = None   # the template's reasoning_effort (gpt-oss's)
     verbosity: Optional[Literal["low", "medium", "high"]] = None   # accepted, unused (OpenAI's gpt-5 hint)
     prediction: Optional[dict[str, Any]] = None   # accepted, unused (a speed hint: the reply is the same)
     modalities: Optional[list[Literal["text"]]] = None   # text only: this server writes no audio
