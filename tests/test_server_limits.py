@@ -193,3 +193,22 @@ def test_an_empty_or_broken_body_says_so():
         assert r.status_code == 400 and r.json()["error"]["message"] == "the request body is empty: send a JSON object"
         r = httpx.post(srv.url + "/api/chat", content=b'{"model": "x", "messages": [', headers={"Content-Type": "application/json"})
         assert r.status_code == 400 and r.json()["error"].startswith("the request body is not valid JSON (")
+
+
+@pytest.mark.parametrize("loc, body, path", [
+    (["messages", 0, "content", 0, "text", "text"], {"messages": [{"content": [{"type": "text", "text": 5}]}]},
+     "messages.0.content.0.text"),                       # a tagged union's tag before the field it names
+    (["messages", 0, "content", 0, "text", "text"], {"messages": [{"content": [{"type": "text", "txt": "x"}]}]},
+     "messages.0.content.0.text"),                       # ... before a missing field
+    (["tools", 0, "function", "name"], {"tools": [{"type": "function", "function": {"name": "a b"}}]},
+     "tools.0.function.name"),                           # a field named as the type is a field
+    (["tools", 0, "function", "name"], {"tools": [{"type": "function", "name": "a b"}]}, "tools.0.name"),
+    (["input", 0, "MessageItem", "role"], {"input": [{"role": "x"}]}, "input.0.role"),
+    (["messages", 0, "content", "str"], {"messages": [{"content": 5}]}, "messages.0.content"),
+    (["messages"], {}, "messages"),
+    ([], None, ""),
+])
+def test_an_error_location_is_the_request_s_own_field_path(loc, body, path):
+    from localheap.server.errors import _field_path
+
+    assert ".".join(_field_path(loc, body)) == path

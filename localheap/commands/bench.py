@@ -25,9 +25,9 @@ from .progress import ProgressBar
 def _count(part: str, least: int = 1) -> int:
     """One count: a whole number, or with k (x1024) or m (x1,000,000): 8k, 1m, 1.5m."""
     text = part.strip().lower()
-    mult = 1_000_000 if text.endswith("m") else 1024 if text.endswith("k") else 1
+    mult = {"m": 1_000_000, "k": 1024}.get(text[-1:], 1)
     try:
-        value = float(text.rstrip("mk")) * mult
+        value = float(text[:-1] if mult > 1 else text) * mult
     except ValueError:
         value = None
     if value is None or value != value or value in (float("inf"), float("-inf")) or value != int(value):

@@ -11,8 +11,8 @@ from pathlib import Path
 
 from ..engine.errors import RankLost
 from ..generation import SamplingParams
-from .common import (check_heap_fits, add_compile_arg, add_decode_arg, add_distributed_arg, add_graphs_arg, add_heap_args, add_model_args,
-                     add_penalty_args, apply_decode_attention, freeze_startup_objects, heap_config,
+from .common import (add_compile_arg, add_decode_arg, add_distributed_arg, add_graphs_arg, add_heap_args, add_model_args,
+                     add_penalty_args, apply_decode_attention, check_heap_fits, freeze_startup_objects, heap_config,
                      load_model_backend, penalty_params, with_backend_chunk)
 from .progress import ProgressBar
 

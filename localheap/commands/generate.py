@@ -8,8 +8,9 @@ import time
 from pathlib import Path
 
 from ..generation import SamplingParams, StopMatcher
-from .common import (check_heap_fits, add_compile_arg, add_decode_arg, add_distributed_arg, add_heap_args, add_model_args,
-                     add_penalty_args, apply_decode_attention, heap_config, load_model_backend, penalty_params)
+from .common import (add_compile_arg, add_decode_arg, add_distributed_arg, add_heap_args, add_model_args,
+                     add_penalty_args, apply_decode_attention, check_heap_fits, heap_config, load_model_backend,
+                     penalty_params)
 from .progress import ProgressBar
 from .ranks import StepWatch
 

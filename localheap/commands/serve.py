@@ -179,6 +179,7 @@ def lock_sessions_dir(path: Path, name: str, settings) -> Optional[IO]:
     except ImportError:   # pragma: no cover
         return None
     from ..heap.private import open_private, private_dir
+    from ..server.settings import url_host
 
     try:
         private_dir(path)   # 0700 and 0600, as the store makes its own
@@ -198,7 +199,7 @@ def lock_sessions_dir(path: Path, name: str, settings) -> Optional[IO]:
                          f"own (--sessions-dir DIR) or none (--no-persist)") from None
     f.seek(0)
     f.truncate()
-    f.write(f"pid {os.getpid()}, {settings.base_url}\n")
+    f.write(f"pid {os.getpid()}, http://{url_host(settings.host)}:{settings.port}\n")
     f.flush()
     return f
 
@@ -332,10 +333,10 @@ def run(args) -> int:
 
     settings = settings_from_args(args)   # bad flags fail before the model loads
     if not args.distributed or os.environ.get("MLX_RANK", "0") == "0":   # (rank 0 alone listens)
+        warn_open_without_key(settings)
         args.listen_socket = check_port_free(settings.host, settings.port)   # port 0: its socket, bound
         if args.listen_socket is not None:
             settings.port = args.listen_socket.getsockname()[1]
-        warn_open_without_key(settings)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s:     %(name)s: %(message)s")
     lock = None
     try:

@@ -87,7 +87,9 @@ class MemoryPlan:
         need = self.weights + self.overhead + self.heap
         room = self.free_for_heaps
         if fits_budget:
-            advice = (f"A heap of {fits_budget:,} tokens would fit (--budget {fits_budget}); "
+            chunk = (" (the prefill activations grow with --prefill-chunk x the heap's capacity: a smaller "
+                     "--prefill-chunk shrinks them too)") if self.activations and need - self.activations <= self.budget else ""
+            advice = (f"A heap of {fits_budget:,} tokens would fit (--budget {fits_budget}){chunk}; "
                       f"or raise --ram-budget to at least {fmt(need)}.")
         elif fits_budget is None and room > 0 and bytes_per_token > 0:
             fits = room // bytes_per_token

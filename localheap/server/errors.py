@@ -164,11 +164,13 @@ def _field_path(loc: list, body) -> list[str]:
     out, node = [], body
     for k, part in enumerate(loc):
         last = k == len(loc) - 1
+        if isinstance(node, dict) and not last and part == node.get("type") and loc[k + 1] in node:
+            continue   # a tagged union's tag, before the field it names ({"type": "text", "text": 5})
         if isinstance(node, dict) and isinstance(part, str) and part in node:
             node = node[part]
         elif isinstance(node, list) and isinstance(part, int) and 0 <= part < len(node):
             node = node[part]
-        elif node is not None and not last or _union_branch(part):
+        elif _union_branch(part) or (node is not None and not last):
             continue   # a union member's name, not a field
         else:
             node = None
