@@ -435,6 +435,10 @@ def serve_built(app, backend, settings, args) -> int:
     print(f"localheap: sessions in {app.state.services.store.spill_dir}, at most "
           f"{format_bytes(settings.disk_total) if settings.disk_total else 'unbounded'} in all (--disk-total)",
           file=sys.stderr)
-    print(f"localheap: serving {settings.base_url}  (OpenAI base_url: {settings.base_url}/v1)", file=sys.stderr)
     freeze_startup_objects()
-    return serve_app(app, settings, args.log_level, sock=getattr(args, "listen_socket", None))
+
+    def listening() -> None:   # (once it listens: a script that waits for this line can connect at once)
+        print(f"localheap: serving {settings.base_url}  (OpenAI base_url: {settings.base_url}/v1)", file=sys.stderr,
+              flush=True)
+
+    return serve_app(app, settings, args.log_level, sock=getattr(args, "listen_socket", None), on_listening=listening)

@@ -38,6 +38,14 @@ class DeadlineServer(uvicorn.Server):
     interrupt: Optional[threading.Timer] = None
     on_signal: Optional[Callable[[], None]] = None
     on_grace_end: Optional[Callable[[], None]] = None
+    on_listening: Optional[Callable[[], None]] = None
+
+    async def startup(self, sockets: Optional[list[socket.socket]] = None) -> None:
+        """uvicorn's, then on_listening once the app has started and its sockets listen (a line that
+        says where it serves comes when a client can connect there)."""
+        await super().startup(sockets=sockets)
+        if self.started and self.on_listening is not None:
+            self.on_listening()
 
     def arm_deadline(self) -> None:
         if self.deadline is None:
@@ -81,12 +89,13 @@ def _exit_after(seconds: float) -> threading.Timer:
 
 
 def serve_app(app: FastAPI, settings: ServerSettings, log_level: str = "info",
-              sock: Optional[socket.socket] = None) -> int:
+              sock: Optional[socket.socket] = None, on_listening: Optional[Callable[[], None]] = None) -> int:
     """Serve until a signal (0) or until the engine dies (1); on `sock` where given (bound: serve's
-    --port 0), else on settings' host and port."""
+    --port 0), else on settings' host and port; on_listening is called once it listens."""
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=log_level,
                             timeout_graceful_shutdown=settings.shutdown_grace_s + FINAL_S)
     server = DeadlineServer(config)
+    server.on_listening = on_listening
     svc = app.state.services
     engine = svc.engine
     # streams end with their final event (below), not when sse-starlette sees the signal
