@@ -362,16 +362,18 @@ async def start(svc: Services, request: Optional[Request], prompt: Prompt, param
                 session_id: Optional[str], title: Optional[str],
                 ephemeral: bool = False, scratch: bool = False,
                 cache_reuse: Optional[int] = None, who: Optional[str] = None,
-                slot: Optional[int] = None, reply_begun: int = 0) -> tuple[Job, JobEvents, Started]:
+                slot: Optional[int] = None, reply_begun: int = 0,
+                limit_param: str = "max_tokens") -> tuple[Job, JobEvents, Started]:
     """Queue a generation on the session the prompt extends (or `session_id`); returns once admitted.
     `ephemeral`: a session of its own, never matched or saved, deleted when the reply ends.
     `scratch`: an editor's completion (engine.Generate.scratch). `cache_reuse`: the request's
     n_cache_reuse (None: serve --cache-reuse). `slot`: llama-server's id_slot (engine.Generate.slot).
     `reply_begun`: the prompt ends with that many tokens of a reply begun before (engine.Generate).
+    `limit_param`: what the route calls the reply limit, for its error (check_start).
     With no `request` (a background response run again after a restart), the sessions matched are
     `who`'s."""
     who = owner(request) if request is not None else who
-    check_start(svc, who, params, session_id, ephemeral)
+    check_start(svc, who, params, session_id, ephemeral, limit_param)
     job, events, started = await submit(svc.engine, lambda emit: Generate(prompt, params, emit, session_id, who,
                                                                                ephemeral=ephemeral,
                                                                                scratch=scratch,
@@ -393,14 +395,15 @@ def check_slot(svc: Services, id_slot: Optional[int]) -> Optional[int]:
 
 
 def check_start(svc: Services, who: Optional[str], params: SamplingParams, session_id: Optional[str],
-                ephemeral: bool = False) -> None:
+                ephemeral: bool = False, limit_param: str = "max_tokens") -> None:
     """What `start` refuses before it queues anything (a background response checks it before
-    it answers)."""
+    it answers). `limit_param`: the reply limit's name in the route's requests (max_output_tokens,
+    n_predict, options.num_predict), as its error names it."""
     if session_id is not None:
         if ephemeral:
             raise BadRequest(f"\"store\": false runs in a session of its own that is not kept; it cannot continue "
                              f"session {session_id!r} (drop X-Session-Id or \"store\": false)", "store")
         svc.store.info(session_id, who)   # unknown id, or another key's: 404 before queueing
     if params.max_tokens > svc.settings.max_tokens_limit:   # one request must not hold the engine forever
-        raise BadRequest(f"max_tokens {params.max_tokens} is over this server's limit of "
-                         f"{svc.settings.max_tokens_limit}", "max_tokens", "max_tokens_too_large")
+        raise BadRequest(f"{limit_param.rpartition('.')[2]} {params.max_tokens} is over this server's limit of "
+                         f"{svc.settings.max_tokens_limit}", limit_param, "max_tokens_too_large")

@@ -59,6 +59,10 @@ class UnknownModel(ApiError):
     status, code = 404, "model_not_found"
 
 
+class InvalidUnicode(BadRequest):
+    """A text holding a lone surrogate ("\\ud800" in JSON), which no tokenizer encodes."""
+
+
 class PromptTooLong(ApiError):
     """More prompt tokens than the RAM budget lets one request hold (OpenAI's code for it)."""
     code = "context_length_exceeded"
@@ -229,25 +233,9 @@ def for_path(path: str, response: JSONResponse) -> JSONResponse:
     return JSONResponse(body, status_code=response.status_code, headers=headers)
 
 
-# What each route family calls the reply limit that chat.check_start names max_tokens
-LIMIT_NAMES = (("/v1/responses", "max_output_tokens"), ("/api/", "options.num_predict"), ("/completion", "n_predict"),
-               ("/infill", "n_predict"))
-
-
-def named_for(path: str, exc: Exception) -> Exception:
-    """`exc` with the route's own name for the reply limit (a Responses client sent max_output_tokens)."""
-    if isinstance(exc, ApiError) and exc.code == "max_tokens_too_large":
-        name = next((n for prefix, n in LIMIT_NAMES if path.startswith(prefix)), None)
-        if name is not None:
-            renamed = BadRequest(str(exc).replace("max_tokens", name.rpartition(".")[2], 1), name, exc.code)
-            renamed.status = exc.status
-            return renamed
-    return exc
-
-
 def install(app: FastAPI) -> None:
     async def handle(request: Request, exc: Exception) -> JSONResponse:
-        return for_path(request.url.path, to_response(named_for(request.url.path, exc)))
+        return for_path(request.url.path, to_response(exc))
 
     for cls in (ApiError, SessionNotFound, SessionBusy, SessionLost, SpillFailed, RollbackRefused, DiskTotalExceeded,
                 OSError, EngineFailed, InvalidTokens, RankFailed, RankLost,

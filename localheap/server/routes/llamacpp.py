@@ -311,7 +311,7 @@ async def _answer(request: Request, svc: Services, body: LlamaRequest, prompts: 
                 title = prompt.text if i == 0 else None
                 job, events, started = await start(svc, request, prompt, params, None, title, own,
                                                    scratch and not own, body.n_cache_reuse,
-                                                   slot=slot)
+                                                   slot=slot, limit_param="n_predict")
                 slots.append(Slot(i, job, events, started.session_id, started.prompt_tokens, started.cached_tokens,
                                   began, Cut(body.n_indent, body.t_max_predict_ms), slot=started.slot))
     except BaseException:

@@ -266,7 +266,8 @@ async def _run(request: Request, svc: Services, body, prompt, parser: OutputPars
     default = min(svc.settings.default_max_tokens, svc.settings.max_tokens_limit)
     params = body.params(default, constraint)
     params.stop_token_ids += list(stop_ids)
-    job, events, started = await start(svc, request, prompt, params, session_id, title, scratch=scratch)
+    job, events, started = await start(svc, request, prompt, params, session_id, title, scratch=scratch,
+                                       limit_param="options.num_predict")
     reply = Reply(svc, parser, chat, began, svc.token_text if params.logprobs is not None else None, context)
     headers = {SESSION_HEADER: started.session_id}
     if body.stream:

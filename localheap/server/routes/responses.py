@@ -35,6 +35,7 @@ from ..toolcalls import OutputParser
 from .openai import SESSION_HEADER, addressed_session
 
 router = APIRouter()
+LIMIT = "max_output_tokens"   # the reply limit, as a Responses request calls it (check_start's errors)
 log = logging.getLogger("localheap.server")
 
 
@@ -44,13 +45,13 @@ async def create_response(body: ResponsesRequest, request: Request, svc: Service
     who = owner(request)
     p = await _planned(svc, body, who)
     if body.background:
-        check_start(svc, who, p.params, x_session_id)   # refused now, not as a failed response later
+        check_start(svc, who, p.params, x_session_id, limit_param=LIMIT)   # refused now, not as a failed response later
         run = _launch(svc, p, who, x_session_id, runs=1)
         if body.stream:
             return EventSourceResponse(run.read(), sep="\n")
         return JSONResponse(run.snapshot())
     built, parser, keep, token_text = p.built, p.parser, p.keep, p.token_text
-    job, events, started = await start(svc, request, p.prompt, p.params, x_session_id, p.title)
+    job, events, started = await start(svc, request, p.prompt, p.params, x_session_id, p.title, limit_param=LIMIT)
     headers = {SESSION_HEADER: started.session_id}
     if not body.stream:
         watcher = asyncio.create_task(watch_disconnect(request, job))   # the client gone: the job stops
@@ -158,7 +159,7 @@ async def resume_backgrounds(svc: Services, resumable: list) -> None:
                 _ended_before(svc, rid, kept, body, records)
                 continue
             p = await planned()
-            check_start(svc, kept.owner, p.params, resume["session_id"])
+            check_start(svc, kept.owner, p.params, resume["session_id"], limit_param=LIMIT)
         except Exception as e:   # noqa: BLE001 - what a request would be refused for, as its failure
             err = json.loads(to_response(e).body)["error"]
             svc.responses.fail(rid, {"code": err["code"] or err["type"], "message": err["message"]})
@@ -411,7 +412,7 @@ async def _background(svc: Services, who: Optional[str], run: Run, p: _Planned, 
     try:
         try:
             job, events, started = await start(svc, None, p.prompt, p.params, session_id, p.title, who=who,
-                                               reply_begun=p.begun)
+                                               reply_begun=p.begun, limit_param=LIMIT)
         except asyncio.CancelledError:
             if not run.cancel_asked:   # the server is stopping
                 raise
