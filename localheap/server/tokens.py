@@ -20,7 +20,7 @@ from typing import Any, Optional
 
 from ..sessions.session import token_array
 
-from .errors import BadRequest, PromptTooLong
+from .errors import InvalidUnicode, PromptTooLong
 
 PIECE_CHARS = 1 << 16      # ~16K tokens a piece: ~10 MB of tokenizer transient at a time
 WINDOW_CHARS = 48          # context checked on each side of a cut
@@ -45,15 +45,15 @@ def release_freed_memory() -> None:
 _TRIM: Any = None
 
 
-SURROGATE = re.compile("[\ud800-\udfff]")
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def check_unicode(text: str, param: Optional[str]) -> str:
     r"""JSON may carry lone surrogates ("\ud800") that no tokenizer encodes: 400, not 500.
     A search, not an encode: no copy of a large document."""
-    bad = SURROGATE.search(text)
+    bad = _SURROGATE.search(text)
     if bad is not None:
-        raise BadRequest(f"{param or 'the request'} holds invalid unicode (a lone surrogate, "
+        raise InvalidUnicode(f"{param or 'the request'} holds invalid unicode (a lone surrogate, "
                          f"\\u{ord(bad.group()):04x}, at character {bad.start()})", param)
     return text
 
@@ -62,10 +62,10 @@ def surrogate_path(value: Any, path: str) -> Optional[str]:
     """The dotted path (tools.0.function.description) of the first string in `value` (dicts,
     lists, strings) that holds a lone surrogate; None where none does."""
     if isinstance(value, str):
-        return path if SURROGATE.search(value) else None
+        return path if _SURROGATE.search(value) else None
     items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, (list, tuple)) else ()
     for key, item in items:
-        if isinstance(key, str) and SURROGATE.search(key):
+        if isinstance(key, str) and _SURROGATE.search(key):
             return f"{path}.{key}" if path else key
         found = surrogate_path(item, f"{path}.{key}" if path else str(key))
         if found is not None:
