@@ -41,9 +41,10 @@ def plan_for(backend: Any, cfg: HeapConfig, ram_budget: Optional[int]) -> Memory
     rss = psutil.Process().memory_info().rss
     shapes = backend.model_shapes()
 
+    weights = int(backend.weights_bytes)
+    requests = request_room(budget)
+
     def plan_at(c: HeapConfig) -> MemoryPlan:
-        weights = int(backend.weights_bytes)
-        requests = request_room(budget)
         activations = prefill_activations(shapes, c).total
         overhead = max(0, rss - weights) + weights // 10 + RUNTIME_FLOOR + activations + requests
         heap = int(backend.heap_bytes(c)) + recall_summary_bytes(shapes, c)

@@ -287,10 +287,9 @@ def save_fields(done: Finished) -> dict:
         out["saved"] = done.saved
     if done.save_error is not None:
         out["save_error"] = done.save_error
-    if done.interrupted == "deleted":   # (its session is gone: nothing was kept)
+    if done.interrupted is not None:
         out["interrupted"] = done.interrupted
-    elif done.interrupted is not None:
-        out["interrupted"] = done.interrupted
+    if done.interrupted == "shutdown":   # (a DELETE's session is gone: nothing was kept)
         out["kept"] = {"prompt_tokens_read": done.prompt_read,
                        "prompt_tokens": done.usage.prompt_tokens - done.usage.cached_tokens,
                        "completion_tokens": done.usage.completion_tokens,
