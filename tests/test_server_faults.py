@@ -254,6 +254,7 @@ def test_errors_name_the_field_as_the_request_wrote_it(backend, tmp_path):
                 {"type": "refusal", "refusal": "no"}]}]}, "messages.0"),
             ("/v1/responses", {"model": MODEL, "input": "x", "max_output_tokens": 10**6}, "max_output_tokens"),
             ("/completion", {"prompt": "x", "n_predict": 10**6}, "n_predict"),
+            ("/completions", {"prompt": "x", "n_predict": 10**6}, "n_predict"),   # (llama-server's other name)
             ("/v1/chat/completions", {"model": MODEL, "messages": [user], "max_tokens": 10**6}, "max_tokens"),
         ):
             r = http.post(path, json=body)
