@@ -40,6 +40,8 @@ def test_multi_line_input_rules():
     assert read_message(lines('"""', "a", "", "b", '"""', "not read")) == "a\n\nb"
     assert read_message(lines()) is None
     assert read_message(lines('"""', "unterminated")) == "unterminated"
+    # bytes that are not UTF-8 (Python reads them as lone surrogates): U+FFFD, which tokenizers encode
+    assert read_message(lines(b"caf\xe9 \xff".decode("utf-8", "surrogateescape"))) == "caf\ufffd \ufffd"
 
 
 def test_chat_reads_a_document_and_answers(tmp_path):

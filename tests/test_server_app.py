@@ -120,7 +120,9 @@ def test_serve_without_a_model_or_demo_exits_2_with_a_message(monkeypatch, capsy
 
 
 def test_serve_with_no_model_serves_the_bundled_demo(tmp_path):
-    """The README's serve command, after its install step: no --model -> the demo model answers."""
+    """The README's serve command, after its install step: no --model -> the demo model answers.
+    With --no-persist, --sessions-dir holds the sessions' temporary directory, removed at exit,
+    and what it held before is left alone."""
     import time
 
     import httpx
@@ -130,6 +132,7 @@ def test_serve_with_no_model_serves_the_bundled_demo(tmp_path):
     port = free_port()
     cmd = [sys.executable, "-m", "localheap.cli", "serve", "--port", str(port), "--no-persist",
            "--sessions-dir", str(tmp_path), "--log-level", "warning"]
+    (tmp_path / "index.json").write_text("a persisting server's")
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -149,9 +152,13 @@ def test_serve_with_no_model_serves_the_bundled_demo(tmp_path):
         assert r.status_code == 200, r.text
         body = r.json()
         assert body["choices"][0]["finish_reason"] in ("stop", "length") and body["usage"]["completion_tokens"] >= 1
+        scratch = [p for p in tmp_path.iterdir() if p.name.startswith("localheap-sessions-")]
+        assert len(scratch) == 1 and scratch[0].is_dir(), list(tmp_path.iterdir())
     finally:
         proc.terminate()
         proc.wait(timeout=60)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["index.json"]   # its own removed, nothing else
+    assert (tmp_path / "index.json").read_text() == "a persisting server's"
 
 
 def test_a_port_that_is_taken_or_no_port_fails_before_the_model_loads(monkeypatch, capsys):

@@ -155,37 +155,118 @@ def post_raw(http, path, raw):
 
 
 def test_a_lone_surrogate_anywhere_is_a_400_that_names_where(backend, tmp_path):
-    """Tool descriptions, a past call's arguments, embeddings' inputs, a conversation's metadata:
-    400 naming the field, nothing made (the tokenizer's TypeError was a 500)."""
+    """Any field of any route: tool descriptions, a past call's arguments, a message's name, stop
+    strings, metadata, a schema, embeddings' inputs, a conversation's items. 400 naming the field in
+    the route family's shape, nothing run or made (the tokenizer's TypeError was a 500; a stored
+    response's metadata failed to be written after the reply ran; a stop string or a name passed)."""
     app = create_app(backend, settings(tmp_path))
     bad = "\\ud800"
     user = '{"role": "user", "content": "hi"}'
+    chat_body = '{"model": "%s", "max_tokens": 2, "messages": [%s]' % (MODEL, user)
     with ServerThread(app) as srv, httpx.Client(base_url=srv.url, timeout=60) as http:
         for path, raw, param in (
-            ("/v1/chat/completions", '{"model": "%s", "max_tokens": 2, "messages": [%s], "tools": [{"type": '
-             '"function", "function": {"name": "f", "description": "d%s"}}]}' % (MODEL, user, bad),
-             "tools.0.function.description"),
+            ("/v1/chat/completions", chat_body + ', "tools": [{"type": "function", "function": {"name": "f", '
+             '"description": "d%s"}}]}' % bad, "tools.0.function.description"),
             ("/v1/chat/completions", '{"model": "%s", "max_tokens": 2, "messages": [%s, {"role": "assistant", '
              '"tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": '
              '"{\\"a\\": \\"%s\\"}"}}]}, {"role": "tool", "tool_call_id": "c1", "content": "ok"}]}' % (MODEL, user, bad),
              "messages.1.tool_calls.0.function.arguments"),
+            ("/v1/chat/completions", '{"model": "%s", "max_tokens": 2, "messages": [{"role": "user", "content": '
+             '"hi", "name": "n%s"}]}' % (MODEL, bad), "messages.0.name"),
+            ("/v1/chat/completions", chat_body + ', "stop": ["a", "b\\udfff"]}', "stop.1"),
+            ("/v1/chat/completions", chat_body + ', "store": true, "metadata": {"k": "v%s"}}' % bad, "metadata.k"),
+            ("/v1/chat/completions", chat_body + ', "response_format": {"type": "json_schema", "json_schema": '
+             '{"name": "x", "schema": {"type": "object", "description": "d%s"}}}}' % bad,
+             "response_format.json_schema.schema.description"),
+            ("/v1/chat/completions", chat_body + ', "logit_bias": {"1%s": 1}}' % bad, "logit_bias.1\\ud800"),
+            ("/v1/completions", '{"model": "%s", "max_tokens": 2, "prompt": "hi", "stop": "a%s"}' % (MODEL, bad),
+             "stop"),
             ("/v1/messages", '{"model": "%s", "max_tokens": 2, "messages": [%s], "tools": [{"name": "f", '
              '"description": "d%s", "input_schema": {"type": "object"}}]}' % (MODEL, user, bad),
-             "tools.0.function.description"),
-            ("/v1/embeddings", '{"model": "%s", "input": ["fine", "a%s"]}' % (MODEL, bad), "input"),
+             "tools.0.description"),
+            ("/v1/messages", '{"model": "%s", "max_tokens": 2, "messages": [%s], "system": "s%s"}' % (MODEL, user, bad),
+             "system"),
+            ("/v1/messages", '{"model": "%s", "max_tokens": 2, "messages": [%s], "stop_sequences": ["a%s"]}'
+             % (MODEL, user, bad), "stop_sequences.0"),
+            ("/v1/responses", '{"model": "%s", "max_output_tokens": 2, "input": "hi", "metadata": {"k": "v%s"}}'
+             % (MODEL, bad), "metadata.k"),
+            ("/v1/responses", '{"model": "%s", "max_output_tokens": 2, "input": "hi", "instructions": "i%s"}'
+             % (MODEL, bad), "instructions"),
+            ("/v1/embeddings", '{"model": "%s", "input": ["fine", "a%s"]}' % (MODEL, bad), "input.1"),
             ("/v1/conversations", '{"metadata": {"k": "v%s"}}' % bad, "metadata.k"),
             ("/v1/conversations", '{"items": [{"type": "message", "role": "user", "content": "a%s"}]}' % bad,
-             "items.0.content.0.text"),
+             "items.0.content"),
+            ("/v1/sessions", '{"title": "t%s"}' % bad, "title"),
+            ("/tokenize", '{"content": "a%s"}' % bad, "content"),
+            ("/completion", '{"prompt": "hi", "n_predict": 2, "stop": ["a%s"]}' % bad, "stop.0"),
+            ("/api/generate", '{"model": "%s", "stream": false, "prompt": "hi", "options": {"stop": ["a%s"]}}'
+             % (MODEL, bad), "options.stop.0"),
+            # (a surrogate written as UTF-8's three bytes, which Python's JSON reader takes too)
+            ("/v1/chat/completions", chat_body[:-1] + ', {"role": "user", "content": "a\xed\xa0\x80"}]}',
+             "messages.1.content"),
         ):
-            r = post_raw(http, path, raw)
+            r = http.post(path, content=raw.encode("latin-1") if "\xed" in raw else raw,
+                          headers={"Content-Type": "application/json"})
             assert r.status_code == 400, (path, r.text)
-            err = r.json()["error"]
+            body = r.json()
+            err = body["error"] if path.startswith("/v1/") or not path.startswith("/api/") else \
+                {"message": body["error"], "param": body["localheap"]["param"]}
             assert err["param"] == param and "lone surrogate" in err["message"], (path, err)
-        r = post_raw(http, "/api/chat", '{"model": "%s", "stream": false, "messages": [{"role": "user", '
-                                        '"content": "a%s"}]}' % (MODEL, bad))
-        assert r.status_code == 400 and "not valid JSON (" in r.json()["error"], r.text
+            assert body.get("type") == ("error" if path == "/v1/messages" else None), body   # the family's shape
+        r = http.post("/v1/chat/completions", content=chat_body.encode()[:-2] + b'\xff"}]}',
+                      headers={"Content-Type": "application/json"})
+        assert r.status_code == 400 and "not UTF-8 text (invalid start byte" in r.json()["error"]["message"], r.text
+        # a pair (an emoji as ensure_ascii writes it) is text, an escaped backslash before "ud800" too
+        for text, back in (("\\ud83d\\ude00", "\U0001F600"), ("\\\\ud800", "\\ud800")):
+            r = http.post("/tokenize", content='{"content": "%s"}' % text, headers={"Content-Type": "application/json"})
+            assert r.status_code == 200, r.text
+            assert http.post("/detokenize", json={"tokens": r.json()["tokens"]}).json()["content"] == back
         assert http.get("/health").json()["status"] == "ok"
         assert len(srv.services.conversations._convs) == 0   # the refused conversations were not made
+        assert http.get("/v1/sessions").json()["data"] == []   # nor sessions, nor replies run
+        assert len(srv.services.responses._kept) == 0
+
+
+def test_every_api_route_checks_its_body_for_lone_surrogates(backend, tmp_path):
+    """Every route is a JsonRoute (the test above: what its check answers), so a router added later
+    without api_router() fails here."""
+    from fastapi.routing import APIRoute
+
+    from localheap.server.routes import JsonRoute
+
+    def walk(routes):   # (FastAPI >= 0.16x keeps an included router whole: its routes are inside)
+        for r in routes:
+            inner = getattr(r, "original_router", None)
+            yield from walk(inner.routes) if inner is not None else [r]
+
+    app = create_app(backend, settings(tmp_path))
+    routes = [r for r in walk(app.routes) if isinstance(r, APIRoute) and r.path != "/"]
+    assert len(routes) > 50 and all(isinstance(r, JsonRoute) for r in routes), \
+        [r.path for r in routes if not isinstance(r, JsonRoute)]
+
+
+def test_a_route_that_takes_no_body_refuses_one_that_says_something(backend, tmp_path):
+    """A checkpoint, a spill, a delete: a body with fields is a 400 naming them (a client sending
+    `{"tokens": N}` to checkpoint, which fork takes, learns that it was not read); none, `{}` or
+    `null` is what clients send."""
+    app = create_app(backend, settings(tmp_path))
+    with ServerThread(app) as srv, httpx.Client(base_url=srv.url, timeout=60) as http:
+        sid = chat(http, "hello there").headers["X-Session-Id"]
+        r = http.post(f"/v1/sessions/{sid}/checkpoint", json={"tokens": 3})
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["message"] == ("POST /v1/sessions/{session_id}/checkpoint takes no body "
+                                                "(it was sent one with: tokens)")
+        assert http.get(f"/v1/sessions/{sid}").json()["checkpoints"] == []   # nothing was made
+        for body in (None, "{}", " null "):
+            r = http.post(f"/v1/sessions/{sid}/checkpoint", content=body, headers={"Content-Type": "application/json"})
+            assert r.status_code == 201, r.text
+        assert http.post(f"/v1/sessions/{sid}/spill", content="not json").status_code == 400
+        assert http.post(f"/v1/sessions/{sid}/spill", json={}).status_code == 200
+        r = http.request("DELETE", "/v1/responses/resp_x", json={"force": True})
+        assert r.status_code == 400 and "takes no body" in r.json()["error"]["message"], r.text
+        assert http.delete("/v1/responses/resp_x").status_code == 404   # without one: read as it was
+        r = http.post(f"/v1/sessions/{sid}/fork", json={"tokens": 10**6})   # (takes one: the latest checkpoint)
+        assert r.status_code == 201, r.text
 
 
 def test_seeds_are_64_bit_numbers_signed_or_not(backend, tmp_path):

@@ -47,7 +47,13 @@ def add_parser(sub) -> None:
 
 
 def read_message(read_line=input) -> str | None:
-    """One message from the terminal (None at end of input); see the module docstring."""
+    """One message from the terminal (None at end of input); see the module docstring. Bytes that
+    are not UTF-8 (Python reads them as lone surrogates) come as U+FFFD, as /doc reads a file."""
+    text = _message(read_line)
+    return None if text is None else text.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+
+
+def _message(read_line) -> str | None:
     try:
         line = read_line(PROMPT)
     except EOFError:

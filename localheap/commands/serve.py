@@ -8,6 +8,7 @@ import ipaddress
 import logging
 import os
 import re
+import shutil
 import socket
 import sys
 import tempfile
@@ -94,7 +95,8 @@ def add_parser(sub) -> None:
                         "and action=restore reads one back as a new session (made if missing; default: none, "
                         "those actions answer 501 as llama-server's do)")
     p.add_argument("--no-persist", dest="persist", action="store_false",
-                   help="do not save sessions at shutdown nor restore them at start (default: they are saved)")
+                   help="do not save sessions at shutdown nor restore them at start: they spill into a temporary "
+                        "directory removed at exit, inside --sessions-dir where given (default: they are saved)")
     p.add_argument("--default-max-tokens", type=int, default=8192, help="chat reply limit when a request sets none")
     p.add_argument("--max-tokens-limit", type=int, default=32768,
                    help="the largest max_tokens a request may ask for (400 beyond)")
@@ -339,6 +341,7 @@ def run(args) -> int:
             settings.port = args.listen_socket.getsockname()[1]
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s:     %(name)s: %(message)s")
     lock = None
+    scratch = scratch_sessions_dir(settings)
     try:
         # (ranks on one host may share a directory: a lock each; a rank's number, where its launcher
         # says it before the model loads: mlx.launch's MLX_RANK)
@@ -373,6 +376,27 @@ def run(args) -> int:
     finally:
         if lock is not None:
             lock.close()   # (the lock goes with it)
+        if scratch is not None:
+            shutil.rmtree(scratch, ignore_errors=True)
+
+
+def scratch_sessions_dir(settings) -> Optional[Path]:
+    """--no-persist with --sessions-dir DIR: the sessions spill into a temporary directory of their own
+    inside DIR (settings.sessions_dir, returned: removed at exit), as they would in the system's
+    temporary directory without it. DIR picks the disk (the system's may be in RAM: a tmpfs); the
+    sessions a persisting server saved there are left alone (no lock needed, nothing read or
+    written over, no disk bound reclaiming them)."""
+    if settings.persist_sessions or settings.sessions_dir is None:
+        return None
+    from ..heap.private import private_dir
+
+    parent = Path(settings.sessions_dir)
+    try:
+        private_dir(parent)
+        settings.sessions_dir = Path(tempfile.mkdtemp(prefix="localheap-sessions-", dir=parent))
+    except OSError as e:
+        raise ValueError(f"cannot use --sessions-dir {parent}: {e.strerror or e}") from None
+    return settings.sessions_dir
 
 
 def _lock_name(rank: Optional[int]) -> str:

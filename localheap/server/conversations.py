@@ -21,7 +21,6 @@ from pydantic import ValidationError
 from .errors import ApiError, BadRequest
 from .jsonlines import FileBacked, JsonLines
 from .responses import _ITEM, ID_PREFIX, ItemReference, MessageItem, OtherItem, new_id
-from .tokens import surrogate_path
 
 log = logging.getLogger("localheap.server")
 
@@ -97,7 +96,7 @@ class ConversationLog(FileBacked):
 
     def create(self, items: list, metadata: Optional[dict], owner: Optional[str]) -> Conversation:
         conv = Conversation(new_id("conv"), int(time.time()), _metadata(metadata), owner)
-        added = _storable([item_json(i) for i in items])
+        added = [item_json(i) for i in items]
         self._convs[conv.id] = conv
         self._write({"create": conv.id, "created_at": conv.created_at, "metadata": conv.metadata, "owner": owner})
         self._add(conv, added)
@@ -125,7 +124,7 @@ class ConversationLog(FileBacked):
     def add_items(self, conv_id: str, items: list, owner: Optional[str]) -> list[dict]:
         """The items (input items, or their dicts) added in order, as listed (with their ids)."""
         conv = self.get(conv_id, owner)
-        added = _storable([item_json(i) for i in items])
+        added = [item_json(i) for i in items]
         self._add(conv, added)
         return added
 
@@ -242,16 +241,7 @@ def _metadata(metadata: Optional[dict]) -> dict:
     metadata = metadata or {}
     if len(metadata) > MAX_METADATA or not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
         raise BadRequest(f"metadata is at most {MAX_METADATA} string keys with string values", "metadata")
-    return _storable(dict(metadata), "metadata")
-
-
-def _storable(value, param: str = "items"):
-    """`value` where it can be written to the conversations file (UTF-8): checked before anything
-    changes, so a lone surrogate is a 400 with nothing half made, not a record that cannot be written."""
-    where = surrogate_path(value, param)
-    if where is not None:
-        raise BadRequest(f"{where} holds invalid unicode (a lone surrogate)", where)
-    return value
+    return dict(metadata)
 
 
 def item_finders(svc: Any, owner: Optional[str]) -> list:

@@ -12,11 +12,11 @@ from starlette.concurrency import run_in_threadpool
 
 from ..sessions import Prompt
 from ..sessions.session import token_array
-from .errors import BadRequest, InvalidUnicode, PromptTooLong
+from .errors import BadRequest, PromptTooLong
 from .schemas import ChatMessage, CompletionRequest
 from .toolformats import Harmony, ToolFormat
-from .tokens import (PIECE_CHARS, check_chars, check_unicode, encode_bounded, encode_plain,
-                     leading_specials, release_freed_memory, special_head, surrogate_path)
+from .tokens import (PIECE_CHARS, check_chars, encode_bounded, encode_plain,
+                     leading_specials, release_freed_memory, special_head)
 
 _LONG_TEXTS = threading.Lock()
 
@@ -76,7 +76,7 @@ def _messages(messages: list[ChatMessage], opts: Optional[ChatOptions] = None) -
     out: list[dict] = []
     for m in messages:
         # "developer" is OpenAI's newer name for the system role; templates know "system"
-        d = {"role": "system" if m.role == "developer" else m.role, "content": check_unicode(m.text(), "messages")}
+        d = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
         if m.tool_calls and opts.fmt is not None and opts.fmt.metadata_calls:   # GLM-4: a turn a call
             out.extend(opts.fmt.call_turns(d["content"], [(c.function.name, c.function.arguments)
                                                           for c in m.tool_calls]))
@@ -186,13 +186,7 @@ def chat_prompt(tokenizer: Any, messages: list[ChatMessage], add_generation_prom
     msgs = _messages(messages, opts)
     args = opts.template_args() if opts is not None else {}
     text = render(tokenizer, msgs, add_generation_prompt, **args)
-    try:
-        tokens = encode_bounded(tokenizer, text, limit)
-    except InvalidUnicode:   # (not in a message's text, checked above: in tools, a call's arguments, a name)
-        where = surrogate_path(opts.tools if opts is not None else None, "tools") or surrogate_path(
-            [m.model_dump(exclude_none=True) for m in messages], "messages") or "messages"
-        raise InvalidUnicode(f"{where} holds invalid unicode (a lone surrogate, which no tokenizer encodes)",
-                             where) from None
+    tokens = encode_bounded(tokenizer, text, limit)
     cont = render_continuation(tokenizer, msgs, add_generation_prompt, **args)
     return Prompt(tokens, text, _tail_ids(tokenizer, text, tokens, cont) if cont is not None else None)
 
@@ -224,7 +218,7 @@ def completion_prompt(tokenizer: Any, p: Union[str, list[int]], limit: Optional[
         if limit is not None and len(p) > limit:
             raise PromptTooLong(limit, len(p), "prompt")
         return Prompt(list(p), None, list(p))   # ids are checked against the vocabulary by the engine
-    text = check_unicode(p, "prompt")
+    text = p
     if not text:
         raise BadRequest("the prompt is empty", "prompt")
     plain = encode_bounded(tokenizer, text, limit, "prompt")
@@ -245,7 +239,6 @@ def after_context(tokenizer: Any, context: Sequence[int], prompt: Prompt, limit:
 
 
 def document_prompt(tokenizer: Any, text: str, role: str, raw: bool, limit: Optional[int] = None) -> Prompt:
-    check_unicode(text, "text")
     if raw:
         plain = encode_bounded(tokenizer, text, limit, "text")
         return Prompt(with_specials(tokenizer, text, plain), None, plain)

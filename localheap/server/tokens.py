@@ -13,6 +13,7 @@ ids may differ at the cut; memory stays bounded. Knows the tokenizer, never a te
 from __future__ import annotations
 
 import ctypes
+import json
 import gc
 import re
 from array import array
@@ -58,6 +59,31 @@ def check_unicode(text: str, param: Optional[str]) -> str:
     return text
 
 
+# a JSON escape of a lone surrogate: a high one not followed by a low one, or a low one not after a
+# high one (an escaped backslash before "u" can look like one too: the parse then finds none)
+# (or a surrogate written as UTF-8's three bytes, which Python's JSON reader also takes)
+_LONE_ESCAPE = re.compile(rb"\\u[dD][89abAB][0-9a-fA-F]{2}(?!\\u[dD][c-fC-F])|"
+                          rb"(?<![\\]u[dD][89abAB][0-9a-fA-F]{2})\\u[dD][c-fC-F][0-9a-fA-F]{2}|"
+                          rb"\xed[\xa0-\xbf][\x80-\xbf]")
+
+
+def check_json_unicode(body: bytes) -> None:
+    r"""A JSON request body holding a lone surrogate ("\ud800", which JSON allows and no tokenizer
+    encodes nor UTF-8 writes): InvalidUnicode naming the field (messages.0.name), whichever field it
+    is, before anything runs. One search of the raw bytes; the body is parsed again only where it
+    finds one (a valid pair, an emoji as ensure_ascii writes it, does not count)."""
+    if _LONE_ESCAPE.search(body) is None:
+        return
+    try:
+        value = json.loads(body)
+    except ValueError:   # not JSON: the route says so
+        return
+    where = surrogate_path(value, "")
+    if where is not None:
+        raise InvalidUnicode(f"{where or 'the request body'} holds invalid unicode (a lone surrogate: JSON's "
+                             f"\\ud800-\\udfff escapes come in pairs)", where or None)
+
+
 def surrogate_path(value: Any, path: str) -> Optional[str]:
     """The dotted path (tools.0.function.description) of the first string in `value` (dicts,
     lists, strings) that holds a lone surrogate; None where none does."""
@@ -65,7 +91,8 @@ def surrogate_path(value: Any, path: str) -> Optional[str]:
         return path if _SURROGATE.search(value) else None
     items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, (list, tuple)) else ()
     for key, item in items:
-        if isinstance(key, str) and _SURROGATE.search(key):
+        if isinstance(key, str) and _SURROGATE.search(key):   # (named as an escape: the error is UTF-8 too)
+            key = key.encode("utf-8", "backslashreplace").decode()
             return f"{path}.{key}" if path else key
         found = surrogate_path(item, f"{path}.{key}" if path else str(key))
         if found is not None:

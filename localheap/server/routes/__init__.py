@@ -1,0 +1,57 @@
+"""The API's routers. Each is made by `api_router()`: its routes check a JSON body for lone surrogates
+before FastAPI reads it (JsonRoute)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Callable, Coroutine
+
+from fastapi import APIRouter, Request, Response
+from fastapi.routing import APIRoute
+from starlette.exceptions import HTTPException
+
+from ..errors import BadRequest
+from ..tokens import check_json_unicode
+
+
+class JsonRoute(APIRoute):
+    """A route whose JSON body is refused, naming the field, when it holds a lone surrogate: JSON
+    allows "\\ud800", Python reads it, and then any field could fail where the text is tokenized or
+    written to disk (a 500, or a reply whose record cannot be kept), or pass unused. One check here
+    holds every field of every route."""
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handler = super().get_route_handler()
+        # a route that takes no body (no model of one, nor the request to read it: a checkpoint, a
+        # spill, a delete) refuses one that says something: a client that meant it (`{"tokens": N}`
+        # sent to checkpoint, which fork takes) would otherwise not learn it was ignored
+        takes_none = self.body_field is None and self.dependant.request_param_name is None
+
+        async def checked(request: Request) -> Response:
+            if request.method not in ("GET", "HEAD", "OPTIONS"):
+                body = await request.body()   # (kept on the request: read once)
+                check_json_unicode(body)
+                if takes_none and body.strip() not in (b"", b"{}", b"null"):
+                    raise BadRequest(f"{request.method} {self.path} takes no body{_fields(body)}")
+            try:
+                return await handler(request)
+            except HTTPException as e:   # FastAPI's "There was an error parsing the body": say which
+                cause = e.__cause__
+                if isinstance(cause, UnicodeDecodeError):
+                    raise BadRequest(f"the request body is not UTF-8 text ({cause.reason}: byte "
+                                     f"{cause.start:,})") from None
+                raise
+
+        return checked
+
+
+def api_router(**kwargs: Any) -> APIRouter:
+    return APIRouter(route_class=JsonRoute, **kwargs)
+
+
+def _fields(body: bytes) -> str:
+    try:
+        value = json.loads(body)
+    except ValueError:
+        return ""
+    return f" (it was sent one with: {', '.join(map(str, value))})" if isinstance(value, dict) and value else ""

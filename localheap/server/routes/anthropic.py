@@ -8,7 +8,7 @@ import asyncio
 import json
 from typing import AsyncIterator, Optional, Union
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import Depends, Request
 from fastapi.responses import JSONResponse
 from sse_starlette import EventSourceResponse
 
@@ -24,9 +24,10 @@ from ..prompts import chat_prompt, tokenize
 from ..services import Services, services
 from ..toolcalls import CallArgs, CallStart, OutputParser, Piece, Text
 from ..toolformats import ToolCall
+from . import api_router
 from .openai import SESSION_HEADER, addressed_session
 
-router = APIRouter()
+router = api_router()
 
 
 @router.post("/v1/messages/count_tokens")

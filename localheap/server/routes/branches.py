@@ -6,13 +6,14 @@ from __future__ import annotations
 import asyncio
 from typing import Optional
 
-from fastapi import APIRouter, Depends
+from fastapi import Depends
 from pydantic import Field
 
 from ..schemas import Strict
 from ..services import Services, owner, services
+from . import api_router
 
-router = APIRouter(prefix="/v1/sessions")
+router = api_router(prefix="/v1/sessions")
 
 
 class ForkRequest(Strict):

@@ -5,14 +5,15 @@ from __future__ import annotations
 
 from typing import Any, Literal, Optional
 
-from fastapi import APIRouter, Depends, Query
+from fastapi import Depends, Query
 
 from ..conversations import item_finders, validate_items
 from ..responses import resolve_references
 from ..schemas import Strict
 from ..services import Services, owner, services
+from . import api_router
 
-router = APIRouter(prefix="/v1/conversations")
+router = api_router(prefix="/v1/conversations")
 
 # A conversation is visible only to the API key that created it (another key's answers 404
 # exactly like a missing one), as sessions and kept responses are.

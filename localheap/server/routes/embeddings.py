@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import Depends, Request
 from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
 
@@ -15,8 +15,9 @@ from ..errors import BadRequest
 from ..prompts import tokenize
 from ..schemas import EmbeddingRequest
 from ..services import Services, services
+from . import api_router
 
-router = APIRouter()
+router = api_router()
 
 
 @router.post("/v1/embeddings")

@@ -13,7 +13,7 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Optional
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import Depends, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 from sse_starlette import EventSourceResponse
@@ -34,10 +34,11 @@ from ..schemas import TOKENIZE_MAX_CHARS, ChatMessage
 from ..services import Services, owner, services
 from ..tokens import PIECE_CHARS, encode_bounded
 from ..toolformats import template_source
+from . import api_router
 from .ollama import read_json
 from .openai import SESSION_HEADER
 
-router = APIRouter()
+router = api_router()
 
 
 class TokenizeBody(BaseModel):

@@ -6,7 +6,7 @@ import asyncio
 import json
 from typing import Optional
 
-from fastapi import APIRouter, Depends, Query, Request
+from fastapi import Depends, Query, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from sse_starlette import EventSourceResponse
@@ -14,8 +14,9 @@ from sse_starlette import EventSourceResponse
 from ..errors import TooManyObservers
 from ..services import Services, owner, services
 from ..telemetry import heap_snapshot, prometheus
+from . import api_router
 
-router = APIRouter()
+router = api_router()
 MIN_INTERVAL_S = 0.1   # below this a stream costs real CPU and slows decode for everyone
 
 

@@ -10,7 +10,7 @@ import json
 import time
 from typing import AsyncIterator, Optional, Sequence
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import Depends, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
@@ -33,9 +33,10 @@ from ..services import Services, services
 from ..tokens import encode_plain
 from ..toolcalls import OutputParser, Text
 from ..toolformats import ToolCall, template_source
+from . import api_router
 from .openai import SESSION_HEADER, addressed_session
 
-router = APIRouter()
+router = api_router()
 NDJSON = "application/x-ndjson"
 
 

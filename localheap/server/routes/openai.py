@@ -9,7 +9,7 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable, Optional, Sequence, Union
 
-from fastapi import APIRouter, Depends, Header, Request
+from fastapi import Depends, Header, Request
 from fastapi.responses import JSONResponse
 from sse_starlette import EventSourceResponse
 
@@ -31,8 +31,9 @@ from ..schemas import AllowedTools, ChatCompletionRequest, CompletionRequest, Sa
 from ..services import Services, services
 from ..toolcalls import CallArgs, CallStart, OutputParser, Piece
 from ..toolformats import ToolCall
+from . import api_router
 
-router = APIRouter()
+router = api_router()
 SESSION_HEADER = "X-Session-Id"
 
 

@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, Literal, Optional
 
-from fastapi import APIRouter, Depends, Query, Request
+from fastapi import Depends, Query, Request
 from fastapi.responses import JSONResponse
 from sse_starlette import EventSourceResponse
 
@@ -32,9 +32,10 @@ from ..responses import (SESSION_DELETED, STOPPED, STOPPING, Built, InputTokensR
                          stalled_runs)
 from ..services import Services, owner, services
 from ..toolcalls import OutputParser
+from . import api_router
 from .openai import SESSION_HEADER, addressed_session
 
-router = APIRouter()
+router = api_router()
 LIMIT = "max_output_tokens"   # the reply limit, as a Responses request calls it (check_start's errors)
 log = logging.getLogger("localheap.server")
 
@@ -329,11 +330,11 @@ CANCEL_WAIT_S = 30.0   # a cancel waits this long for the engine to end the run 
 
 
 @router.post("/v1/responses/{response_id}/cancel")
-async def cancel_response(response_id: str, request: Request, svc: Services = Depends(services)) -> dict:
+async def cancel_response(response_id: str, who: Optional[str] = Depends(owner),
+                          svc: Services = Depends(services)) -> dict:
     """Stop a background response that is queued or running: it ends "cancelled", with the output
     it had (its session keeps the tokens generated, as for a client gone). One already cancelled
     comes back as it is; any other that ended, or a response not run in the background, is a 400."""
-    who = owner(request)
     run = svc.backgrounds.get(response_id, who)
     if run is not None and not run.ended:
         run.cancel()
@@ -350,9 +351,10 @@ async def cancel_response(response_id: str, request: Request, svc: Services = De
 
 
 @router.delete("/v1/responses/{response_id}")
-async def delete_response(response_id: str, request: Request, svc: Services = Depends(services)) -> dict:
+async def delete_response(response_id: str, who: Optional[str] = Depends(owner),
+                          svc: Services = Depends(services)) -> dict:
     """Forget a kept response (its conversation's session stays: DELETE /v1/sessions/{id} for that)."""
-    svc.responses.delete(response_id, owner(request))
+    svc.responses.delete(response_id, who)
     return {"id": response_id, "object": "response", "deleted": True}
 
 

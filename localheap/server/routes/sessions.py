@@ -7,7 +7,7 @@ import asyncio
 import json
 from typing import AsyncIterator, Optional
 
-from fastapi import APIRouter, Depends, Header, Request
+from fastapi import Depends, Header, Request
 from fastapi.responses import JSONResponse
 from sse_starlette import EventSourceResponse
 
@@ -19,8 +19,9 @@ from ...sessions.session import short_title
 from ..prompts import document_prompt, tokenize
 from ..schemas import DocumentRequest, SessionFields
 from ..services import Services, owner, services
+from . import api_router
 
-router = APIRouter(prefix="/v1/sessions")
+router = api_router(prefix="/v1/sessions")
 PROGRESS_INTERVAL_S = 0.1
 CLIENT_HEADER = "X-Localheap-Client"   # "web": the web UI's own conversations; anything else is an API session
 

@@ -3,14 +3,15 @@ document dialog shows it before a document is read; characters / 4 is off by 2x 
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Depends
+from fastapi import Depends
 
 from ..prompts import tokenize as bounded
 from ..tokens import encode_bounded
 from ..schemas import TokenizeRequest
 from ..services import Services, services
+from . import api_router
 
-router = APIRouter()
+router = api_router()
 
 
 @router.post("/v1/tokenize")
