@@ -13,7 +13,6 @@ ids may differ at the cut; memory stays bounded. Knows the tokenizer, never a te
 from __future__ import annotations
 
 import ctypes
-import json
 import gc
 import re
 from array import array
@@ -59,25 +58,21 @@ def check_unicode(text: str, param: Optional[str]) -> str:
     return text
 
 
-# a JSON escape of a lone surrogate: a high one not followed by a low one, or a low one not after a
-# high one (an escaped backslash before "u" can look like one too: the parse then finds none)
-# (or a surrogate written as UTF-8's three bytes, which Python's JSON reader also takes)
-_LONE_ESCAPE = re.compile(rb"\\u[dD][89abAB][0-9a-fA-F]{2}(?!\\u[dD][c-fC-F])|"
-                          rb"(?<![\\]u[dD][89abAB][0-9a-fA-F]{2})\\u[dD][c-fC-F][0-9a-fA-F]{2}|"
-                          rb"\xed[\xa0-\xbf][\x80-\xbf]")
+# a surrogate's JSON escape, or its three UTF-8 bytes (which Python's JSON reader takes too); each
+# search starts at a literal byte, so it runs at memchr's pace (25 ms for a 16 MB body)
+_MAYBE_SURROGATE = (re.compile(rb"\\u[dD][89a-fA-F]"), re.compile(rb"\xed[\xa0-\xbf]"))
 
 
-def check_json_unicode(body: bytes) -> None:
-    r"""A JSON request body holding a lone surrogate ("\ud800", which JSON allows and no tokenizer
-    encodes nor UTF-8 writes): InvalidUnicode naming the field (messages.0.name), whichever field it
-    is, before anything runs. One search of the raw bytes; the body is parsed again only where it
-    finds one (a valid pair, an emoji as ensure_ascii writes it, does not count)."""
-    if _LONE_ESCAPE.search(body) is None:
-        return
-    try:
-        value = json.loads(body)
-    except ValueError:   # not JSON: the route says so
-        return
+def may_hold_surrogates(body: bytes) -> bool:
+    """Whether a JSON body may hold a lone surrogate ("\\ud800": JSON allows it, no tokenizer encodes
+    it, no UTF-8 file holds it). A pair (an emoji as ensure_ascii writes it) passes here too: then
+    check_surrogates on the parsed body tells."""
+    return any(rx.search(body) for rx in _MAYBE_SURROGATE)
+
+
+def check_surrogates(value: Any) -> None:
+    """InvalidUnicode naming the field (messages.0.name) of a parsed JSON body that holds a lone
+    surrogate, whichever field it is."""
     where = surrogate_path(value, "")
     if where is not None:
         raise InvalidUnicode(f"{where or 'the request body'} holds invalid unicode (a lone surrogate: JSON's "

@@ -11,7 +11,7 @@ from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException
 
 from ..errors import BadRequest
-from ..tokens import check_json_unicode
+from ..tokens import check_surrogates, may_hold_surrogates
 
 
 class JsonRoute(APIRoute):
@@ -30,7 +30,12 @@ class JsonRoute(APIRoute):
         async def checked(request: Request) -> Response:
             if request.method not in ("GET", "HEAD", "OPTIONS"):
                 body = await request.body()   # (kept on the request: read once)
-                check_json_unicode(body)
+                if may_hold_surrogates(body):
+                    try:
+                        value = await request.json()   # (kept too: the route's own reading takes it)
+                    except ValueError:   # not JSON: the route says so
+                        value = None
+                    check_surrogates(value)
                 if takes_none and body.strip() not in (b"", b"{}", b"null"):
                     raise BadRequest(f"{request.method} {self.path} takes no body{_fields(body)}")
             try:
