@@ -58,6 +58,24 @@ def json_rule(schema: dict) -> str:
     return "%json " + json.dumps({**schema, "x-guidance": {**JSON_STYLE, **schema.get("x-guidance", {})}})
 
 
+def has_local_refs(value: Any) -> bool:
+    """Whether a JSON schema refers into itself ({"$ref": "#/$defs/A"}, "#")."""
+    if isinstance(value, dict):
+        ref = value.get("$ref")
+        return (isinstance(ref, str) and ref.startswith("#")) or any(has_local_refs(v) for v in value.values())
+    return isinstance(value, list) and any(has_local_refs(v) for v in value)
+
+
+def rebased(value: Any, base: str) -> Any:
+    """A JSON schema's copy whose references into itself point under `base` (a JSON pointer, e.g.
+    "/$defs/args"): to place it inside another schema that holds it there too, where its own
+    "#/$defs/A" would no longer resolve."""
+    if isinstance(value, dict):
+        return {k: "#" + base + v[1:] if k == "$ref" and isinstance(v, str) and v.startswith("#") else rebased(v, base)
+                for k, v in value.items()}
+    return [rebased(v, base) for v in value] if isinstance(value, list) else value
+
+
 def json_grammar(schema: Optional[dict]) -> str:
     """The llguidance grammar for any JSON object (schema None) or for `schema`, checked."""
     import llguidance

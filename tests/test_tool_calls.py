@@ -658,6 +658,47 @@ def test_a_custom_tool_held_to_a_recursive_lark_grammar_in_every_family(tokenize
     assert takes(WEATHER_CALLS[family])
 
 
+# a tool whose schema refers into itself (pydantic writes a nested model so: openai.pydantic_function_tool)
+PLACE = {"type": "object", "properties": {"city": {"type": "string"}, "near": {"$ref": "#/$defs/Place"}},
+         "required": ["city"], "additionalProperties": False}
+SAVE = {"type": "function", "function": {"name": "save", "parameters": {
+    "type": "object", "$defs": {"Place": PLACE}, "additionalProperties": False, "required": ["home"],
+    "properties": {"home": {"$ref": "#/$defs/Place"}, "count": {"type": "integer"}}}}}
+SAVE_CALLS = {family: call.replace("calc", "save").replace('{{"input": {j}}}', "{j}")
+              for family, call in CALC_CALLS.items() if family not in ("qwen3-coder", "glm-4.5")}
+SAVE_CALLS["qwen3-coder"] = "<tool_call>\n<function=save>\n<parameter=home>\n{raw}\n</parameter>\n</function>\n</tool_call>"
+SAVE_CALLS["glm-4.5"] = "<tool_call>save\n<arg_key>home</arg_key>\n<arg_value>{raw}</arg_value>\n</tool_call>"
+
+
+@pytest.mark.parametrize("family", sorted(SAVE_CALLS))
+def test_a_forced_call_holds_a_schema_with_references_into_itself(tokenizers, family):
+    """$defs and "$ref": "#/$defs/Place" (nested, and a Place inside a Place): placed inside the
+    call's schema the references no longer resolved, and the request was a 400 ("Pointer
+    '/$defs/Place' does not exist"); they are rebased onto a copy of the tool's schema."""
+    pytest.importorskip("llguidance")
+    from localheap.grammar import Grammar
+    from localheap.server.chat import call_grammar
+
+    tok = tokenizers[family]
+    grammar = call_grammar(tool_format(tok), [SAVE] + TOOLS, "required", False, tok)
+
+    def takes_text(text: str) -> bool:
+        g = Grammar(tok, {tok.eos_token_id}, grammar)
+        for t in tok.encode(text, add_special_tokens=False):
+            if not g.allowed()[t]:
+                return False
+            g.advance(t)
+        return set(g.allowed().nonzero()[0]) == {tok.eos_token_id}
+
+    def takes(home: dict) -> bool:
+        args = json.dumps(home if family in ("qwen3-coder", "glm-4.5") else {"home": home})
+        return takes_text(SAVE_CALLS[family].format(j=args, raw=args))
+
+    assert takes({"city": "Paris"}) and takes({"city": "Paris", "near": {"city": "Lyon"}})
+    assert not takes({"city": 5}) and not takes({"city": "Paris", "near": {"town": "Lyon"}})
+    assert takes_text(WEATHER_CALLS[family])   # the other tool's calls as before
+
+
 class _OnDevice:
     """A sampled token as a sampler hands it over ([1] array); records when the host reads it."""
 

@@ -12,8 +12,8 @@ from fastapi import Request
 from ..engine import Generate, Job, Started
 from ..engine.slots import InvalidSlot
 from ..generation import SamplingParams
-from ..grammar import (Grammar, GrammarError, LazyGrammar, LeadingTokens, Trigger, grammar_error, json_grammar,
-                       json_rule)
+from ..grammar import (Grammar, GrammarError, LazyGrammar, LeadingTokens, Trigger, grammar_error, has_local_refs,
+                       json_grammar, json_rule, rebased)
 from ..larkformat import LarkInput, lark_rules
 from ..sessions import Prompt
 from .bridge import JobEvents, submit
@@ -121,12 +121,16 @@ def _call_rule(fmt: ToolFormat, tools: list[dict], arguments: Optional[dict] = N
     """The `%json` rule of one call of any of `tools`, in the family's keys; `arguments`: a tool's
     schema to enforce where it is not its `parameters` (a custom tool's format)."""
     args_key = "parameters" if isinstance(fmt, Llama) else "arguments"
-    schemas = [{"type": "object", "additionalProperties": False, "required": ["name", args_key],
-                "properties": {"name": {"const": t["function"]["name"]}, args_key: _arguments(t, arguments)}}
-               for t in tools]
-    held = [s["properties"][args_key] for s in schemas]
+    held = [_arguments(t, arguments) for t in tools]
     if not any(isinstance(h, LarkInput) for h in held):
-        return json_rule(schemas[0] if len(schemas) == 1 else {"anyOf": schemas})
+        # a tool's schema inside the call's: its references into itself ("#/$defs/A") rebased onto
+        # a copy of it in the call schema's $defs
+        defs = {f"args_{i}": rebased(h, f"/$defs/args_{i}") for i, h in enumerate(held) if has_local_refs(h)}
+        schemas = [{"type": "object", "additionalProperties": False, "required": ["name", args_key],
+                    "properties": {"name": {"const": t["function"]["name"]}, args_key: defs.get(f"args_{i}", h)}}
+                   for i, (t, h) in enumerate(zip(tools, held))]
+        root = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
+        return json_rule({**root, "$defs": defs} if defs else root)
     # a call per tool, its JSON written out around its arguments as %json writes them (every one:
     # beside a literal that began as it did, llguidance did not take a %json call)
     rules = []
@@ -306,16 +310,17 @@ def _tagged_call(tools: list[dict], arguments: Optional[dict], top: str, syntax:
                 if isinstance(schema, LarkInput) and key == "input":   # the raw text, held to the Lark rules
                     rules.append(f"{value}: {value}_in{syntax.close}\n" + lark_rules(schema.lark, f"{value}_in", False))
                 else:
-                    rules.append(f"{value}: {_xml_value(prop, syntax)}")
+                    rules.append(f"{value}: {_xml_value(prop, syntax, schema)}")
                 params += f' ({json.dumps(syntax.opens(key))} {value} "\\n")' + ("" if key in required else "?")
         rules.append(f'{top}_{i}: {json.dumps(syntax.head(t["function"]["name"]))}{params}{syntax.tail}')
     return "\n".join(rules) + "\n"
 
 
-def _xml_value(prop: dict, syntax: _Tagged) -> str:
-    """The grammar of one tagged argument's value, through its close."""
+def _xml_value(prop: dict, syntax: _Tagged, schema: dict) -> str:
+    """The grammar of one tagged argument's value (`prop`, a property of the tool's `schema`), through
+    its close."""
     close, text = syntax.close, syntax.text_name
-    kind = prop.get("type")
+    kind = prop.get("type", _pointed(schema, prop.get("$ref")).get("type"))   # ({"$ref": ...}: its target's)
     if isinstance(prop.get("enum"), list) and prop["enum"] and all(isinstance(v, str) for v in prop["enum"]):
         return "(" + " | ".join(json.dumps(v) for v in prop["enum"]) + ")" + close
     if kind == "string" and isinstance(prop.get("pattern"), str):
@@ -331,7 +336,21 @@ def _xml_value(prop: dict, syntax: _Tagged) -> str:
         return r"/-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][+-]?[0-9]+)?/" + close
     if kind == "boolean":
         return '("true" | "false")' + close
+    if has_local_refs(prop):   # its references are into the tool's schema: a copy of that in its $defs
+        return json_rule({**rebased(prop, "/$defs/args"), "$defs": {"args": rebased(schema, "/$defs/args")}}) + close
     return json_rule(prop) + close
+
+
+def _pointed(schema: dict, ref: Any) -> dict:
+    """What a reference into `schema` ("#/$defs/A") points at; {} where it is none (or not local)."""
+    if not isinstance(ref, str) or not ref.startswith("#"):
+        return {}
+    at: Any = schema
+    for part in ref[1:].split("/")[1:]:
+        part = part.replace("~1", "/").replace("~0", "~")
+        at = at.get(part) if isinstance(at, dict) else at[int(part)] if isinstance(at, list) and part.isdigit() \
+            and int(part) < len(at) else None
+    return at if isinstance(at, dict) else {}
 
 
 def _args_rule(schema: dict, name: str) -> str:
