@@ -313,7 +313,8 @@ def test_allowed_tools_keep_every_tool_in_the_prompt_and_hold_calls_to_the_allow
 
 def test_a_forced_call_cut_by_max_tokens_returns_no_markup_as_content(client):
     """The grammar's call cut short: no content (its markup is not the model's text), finish_reason length;
-    the call comes back, flagged, once its name is written."""
+    the call comes back, flagged, once its name is written. A forced reply's content is null, never ""
+    (whole, and in every chunk streamed), cut before a call's name too."""
     for max_tokens in (2, 6, 12, 20):
         for stream in (False, True):
             kw = dict(tool_choice="required", temperature=1.0, seed=max_tokens, max_tokens=max_tokens)
@@ -325,11 +326,12 @@ def test_a_forced_call_cut_by_max_tokens_returns_no_markup_as_content(client):
                 content, calls, finish = "", {}, None
                 for chunk in ask(client, [{"role": "user", "content": "any city"}], stream=True, **kw):
                     for choice in chunk.choices:
+                        assert choice.delta.content is None, chunk
                         content += choice.delta.content or ""
                         for d in choice.delta.tool_calls or []:
                             calls.setdefault(d.index, d.function.name)
                         finish = choice.finish_reason or finish
-            assert not content, (max_tokens, stream, content)
+            assert content is None if not stream else not content, (max_tokens, stream, content)
             assert finish == "length", (max_tokens, stream, finish)
             names = [c.function.name for c in calls] if not stream else list(calls.values())
             assert set(names) <= {"get_weather", "get_time"}, names

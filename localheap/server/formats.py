@@ -29,6 +29,7 @@ class Reply:
     sent_chars: dict = field(default_factory=dict)   # choice -> a text stream's characters so far (text_offset)
     post: bool = False        # post_sampling_probs: chat entries as llama-server writes them (prob, top_probs)
     custom: frozenset = frozenset()   # the names of the request's custom tools (their calls: {"custom": ...})
+    forced: bool = False      # held to tool calls (tool_choice required or a name): content is null, never ""
 
     def __post_init__(self) -> None:
         self.id = self.id or ("chatcmpl-" if self.kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
@@ -45,7 +46,8 @@ class Reply:
         if self.kind == "text":
             return {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish}
         if stream:
-            delta = {"role": "assistant", "content": text or ""} if first else ({"content": text} if text else {})
+            delta = {"role": "assistant", "content": None if self.forced else text or ""} if first else \
+                ({"content": text} if text else {})
             return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
         return {"index": index, "message": {"role": "assistant", "content": text, "refusal": None},
                 "logprobs": None, "finish_reason": finish}
@@ -115,7 +117,7 @@ class Reply:
             if out.pieces is not None:
                 message = choice["message"]
                 content = "".join(p.text for p in out.pieces if isinstance(p, Text) and p.kind == "content")
-                message["content"] = content or (None if calls else "")
+                message["content"] = content or (None if calls or self.forced else "")
                 reasoning = "".join(p.text for p in out.pieces if isinstance(p, Text) and p.kind == "reasoning")
                 if reasoning:
                     message["reasoning_content"] = reasoning

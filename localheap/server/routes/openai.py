@@ -74,7 +74,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, svc: S
     top = body.top_logprobs or 0 if body.logprobs else None
     reply = Reply("chat", svc.model_id, token_text=svc.token_text if body.logprobs else None,
                   post=bool(body.post_sampling_probs),
-                  custom=frozenset(t.name for t in body.tools or () if t.type == "custom"))
+                  custom=frozenset(t.name for t in body.tools or () if t.type == "custom"), forced=plan.forced)
     return await _respond(reply, body, prompt, request, svc, x_session_id, first_user,
                           lambda i: _params(body, svc, body.limit(default), i, plan.constraint(svc, opts, prompt), top),
                           lambda: plan.parser(opts, prompt))
