@@ -269,6 +269,49 @@ def test_a_route_that_takes_no_body_refuses_one_that_says_something(backend, tmp
         assert r.status_code == 201, r.text
 
 
+def test_a_client_gone_before_its_body_is_whole_is_no_internal_error(backend, tmp_path, caplog):
+    """Half a body, then the connection closed: a 400 nobody reads, nothing logged as an error (the
+    body read before FastAPI's raised ClientDisconnect: two tracebacks, "internal error")."""
+    import logging
+    import socket
+
+    app = create_app(backend, settings(tmp_path))
+    with ServerThread(app) as srv, httpx.Client(base_url=srv.url, timeout=60) as http, \
+            caplog.at_level(logging.WARNING):
+        for path in ("/v1/chat/completions", "/v1/messages", "/api/chat"):
+            with socket.create_connection(("127.0.0.1", srv.port)) as s:
+                s.sendall(f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                          f"Content-Length: 500\r\n\r\n{{\"messages\":".encode())
+                time.sleep(0.3)
+        time.sleep(0.5)
+        assert chat(http, "hi").status_code == 200
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert not errors, [r.getMessage() for r in errors]
+
+
+def test_null_for_an_optional_field_is_leaving_it_out(backend, tmp_path):
+    """OpenAI's API takes null for any optional parameter and SDKs send it (`temperature=None`):
+    the default, on every route family, where it was a 400 ("Input should be a valid number").
+    A required field's null is still a 400."""
+    app = create_app(backend, settings(tmp_path))
+    nulls = {"temperature": None, "top_p": None, "n": None, "stream": None, "top_k": None}
+    with ServerThread(app) as srv, httpx.Client(base_url=srv.url, timeout=60) as http:
+        a = chat(http, "hello", seed=3, temperature=0.9).json()["choices"][0]["message"]["content"]
+        r = chat(http, "hello", seed=3, **{**nulls, "temperature": 0.9})
+        assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == a, r.text
+        for path, body in (("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2, **nulls}),
+                           ("/v1/responses", {"model": MODEL, "input": "hi", "max_output_tokens": 2,
+                                              "temperature": None, "top_p": None, "stream": None}),
+                           ("/v1/messages", {"model": MODEL, "max_tokens": 2, "temperature": None, "stream": None,
+                                             "messages": [{"role": "user", "content": "hi"}]})):
+            assert http.post(path, json=body).status_code == 200, (path, http.post(path, json=body).text)
+        r = http.post("/v1/chat/completions", json={"model": MODEL, "messages": None})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
+        # an id with a colon of its own answers to ID:latest on Ollama's routes too, as the README says
+        r = http.post("/api/show", json={"model": MODEL + ":latest"})
+        assert r.status_code == 200, r.text
+
+
 def test_seeds_are_64_bit_numbers_signed_or_not(backend, tmp_path):
     from localheap.generation import SamplingParams
 

@@ -3,9 +3,10 @@ we know but cannot honour are refused with a message saying so (see `unsupported
 
 from __future__ import annotations
 
+import functools
 import json
-
-from typing import Annotated, Any, Literal, Optional, Union
+import types
+from typing import Annotated, Any, Literal, Optional, Union, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -22,7 +23,35 @@ MAX_PROMPTS = 32              # a completion request's batch of prompts (times n
 
 
 class Strict(BaseModel):
+    """A request body (or part of one) that refuses unknown fields. A null sent for a field that has
+    a default and takes no null reads as absent: OpenAI's API takes null for any optional parameter,
+    and SDKs send it so (`temperature=None`, a LangChain default)."""
     model_config = ConfigDict(extra="forbid")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_absent(cls, data: Any) -> Any:
+        if isinstance(data, dict) and None in data.values():
+            defaulted = _defaulted(cls)
+            data = {k: v for k, v in data.items() if v is not None or k not in defaulted}
+        return data
+
+
+@functools.lru_cache(maxsize=None)
+def _defaulted(cls: type) -> frozenset:
+    """The keys of `cls`'s fields that have a default and do not take None."""
+    return frozenset(f.alias or name for name, f in cls.model_fields.items()
+                     if not f.is_required() and not _takes_none(f.annotation))
+
+
+def _takes_none(annotation: Any) -> bool:
+    if annotation in (None, type(None), Any):
+        return True
+    if get_origin(annotation) is Annotated:
+        return _takes_none(get_args(annotation)[0])
+    if get_origin(annotation) in (Union, types.UnionType, Literal):
+        return any(a is None or _takes_none(a) for a in get_args(annotation))
+    return False
 
 
 # OpenAI's reasoning efforts ("none": no reasoning, where the template can); prompts.EFFORTS maps them

@@ -1,5 +1,6 @@
-"""The API's routers. Each is made by `api_router()`: its routes check a JSON body for lone surrogates
-before FastAPI reads it (JsonRoute)."""
+"""The API's routers. Each is made by `api_router()`: its routes (JsonRoute) read the body once
+before FastAPI does, and refuse a lone surrogate in it, naming the field, a body where the route
+takes none, and a body that is not UTF-8, naming the byte."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from typing import Any, Callable, Coroutine
 from fastapi import APIRouter, Request, Response
 from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
 from ..errors import BadRequest
 from ..tokens import check_surrogates, may_hold_surrogates
@@ -29,7 +31,11 @@ class JsonRoute(APIRoute):
 
         async def checked(request: Request) -> Response:
             if request.method not in ("GET", "HEAD", "OPTIONS"):
-                body = await request.body()   # (kept on the request: read once)
+                try:
+                    body = await request.body()   # (kept on the request: read once)
+                except ClientDisconnect:   # gone before its body was whole: nobody to answer, nothing to log
+                    raise BadRequest("the client closed the connection before the request body was whole") \
+                        from None
                 if may_hold_surrogates(body):
                     try:
                         value = await request.json()   # (kept too: the route's own reading takes it)

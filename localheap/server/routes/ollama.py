@@ -42,7 +42,13 @@ NDJSON = "application/x-ndjson"
 
 def _check_model(svc: Services, model: str) -> None:
     """Ollama's names carry a tag: the served model answers to its id and to id:latest."""
-    svc.check_model(next((n for n in svc.model_names if model == tag(n)), model))
+    svc.check_model(next((n for n in svc.model_names if model in answers_to(n)), model))
+
+
+def answers_to(name: str) -> tuple[str, ...]:
+    """A served name, as Ollama lists it (tag: "id:latest" for an id without a colon), and with
+    ":latest" after it (an id with a colon of its own, random:llama:tiny, is listed as it is)."""
+    return name, tag(name), f"{name}:latest"
 
 
 @router.get("/api/version")
@@ -130,7 +136,7 @@ def _served(svc: Services, body: "_Named", what: str) -> bool:
     name = body.model or body.name
     if not name:
         raise BadRequest(f"{what} needs the model's name", "model")
-    return any(name in (n, tag(n)) for n in svc.model_names)
+    return any(name in answers_to(n) for n in svc.model_names)
 
 
 @router.post("/api/pull")
