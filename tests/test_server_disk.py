@@ -3,6 +3,8 @@ requests ("store": false) leave nothing behind."""
 
 from __future__ import annotations
 
+import time
+
 import httpx
 import pytest
 
@@ -226,3 +228,42 @@ def test_checkpoints_go_after_pages_and_before_sessions(backend, tmp_path):
     assert m["localheap_disk_reclaimed_checkpoints_total"] > 0 and m["localheap_disk_reclaimed_sessions_total"] == 0
     assert sessions[ids[0]]["checkpoints"] == [] and sessions[ids[0]]["reclaimed"]["checkpoints"] == 1
     assert sessions[ids[-1]]["checkpoints"] and sessions[ids[-1]]["reclaimed"] is None
+
+
+def test_the_session_about_to_run_gives_back_its_own_checkpoint_then_pages(backend, tmp_path):
+    """One session that read a document, alone under a bound that its next turn does not fit: no
+    idle session can give the room, so it gives back its own checkpoint (whose links pin its page
+    files) and then its lowest-value pages, and answers (it was a 507 on every retry). The
+    directory never passes the bound; a bound that even all of that would not meet is still a 507."""
+    from localheap.sessions.diskbudget import dir_bytes
+
+    settings = ServerSettings(heap=HEAP, web_dir=None, sessions_dir=tmp_path, persist_sessions=True,
+                              disk_total=64 << 20)
+    with ServerThread(create_app(backend, settings)) as srv, httpx.Client(base_url=srv.url, timeout=120) as http:
+        sid = http.post("/v1/sessions").json()["id"]
+        done = http.post(f"/v1/sessions/{sid}/documents", json={"text": DOC + " " + DOC, "stream": False})
+        assert done.status_code == 200, done.text
+        store = srv.services.store
+        s, disk = store.get(sid), store.disk
+        while s.busy or dir_bytes(tmp_path) != (time.sleep(0.2) or dir_bytes(tmp_path)):   # its writes settled
+            pass
+        assert s.checkpoints and s.cache is not None
+        used, least = dir_bytes(tmp_path), disk.reserve(s, pages=False) + disk._index_rewrite()
+        pinned = s.cache.pages.shared_bytes
+        cp = sum(p.stat().st_size for p in (store.checkpoints.root / sid).rglob("*")
+                 if p.is_file() and p.stat().st_nlink == 1)
+        pages = dir_bytes(store.pages_dir(s))
+        assert pinned > 0 and pages > 4 * (cp + 4096), (pinned, pages, cp)
+        disk.total = used + least - pinned - cp - pages // 4   # past what dropping the checkpoint gives back
+        r = chat(http, "What does the heap keep?", headers={"X-Session-Id": sid})
+        assert r.status_code == 200, r.text
+        assert dir_bytes(tmp_path) <= disk.total, (dir_bytes(tmp_path), disk.total)
+        info = http.get(f"/v1/sessions/{sid}").json()
+        assert info["checkpoints"] == [] and info["reclaimed"]["checkpoints"] == 1, info["reclaimed"]
+        assert info["reclaimed"]["pages"] > 0, info["reclaimed"]
+        assert r.json()["localheap"]["heap"]["pages"]["pages_reclaimed"] > 0
+        disk.total = 64 << 10   # less than its heap: nothing it gives back would do; refused, nothing taken
+        before = files(tmp_path)
+        r = chat(http, "And the sinks?", headers={"X-Session-Id": sid})
+        assert r.status_code == 507 and r.json()["error"]["code"] == "disk_total_exceeded", r.text
+        assert files(tmp_path) == before

@@ -5,7 +5,8 @@ Every file under the directory counts (heaps, token files, pages, checkpoints, t
 moved aside), a file with several hard links once. Past the bound, space comes back from idle
 sessions, least recently used first: their lowest-value pages (compacted out of the files),
 then their checkpoints, then whole sessions (which then answer 410, like a lost one); never a
-busy session, nor the one about to run. The room left is shared by the sessions that run, as
+busy session. The one about to run gives back its own checkpoints, then its lowest-value pages,
+only where the idle ones could not give the room. The room left is shared by the sessions that run, as
 their page stores' disk budget (each drops its lowest-value pages beyond it, as --disk-budget
 does), after a reserve for what their next save writes. A request that cannot fit even so is
 refused: DiskTotalExceeded (507).
@@ -198,18 +199,54 @@ class DiskTotal:
         ids = {s.id for s in running}
         need = sum(self.reserve(s) for s in running) + self._index_rewrite()
         over = self.usage() + need - self.total
-        # the least it can run with: its save, without pages (it pages out only what room is left)
-        least = sum(self.reserve(s, pages=False) for s in running) + self._index_rewrite()
-        if over > 0 and strict:   # refused before anything is taken back when even all of it would not do
+
+        def least() -> int:   # the least they can run with: their saves, without pages (they page out
+            return sum(self.reserve(s, pages=False) for s in running) + self._index_rewrite()   # what room is left)
+
+        if over > 0 and strict:   # refused before anything is taken back when even all of it would not do,
             held = self.used - sum(b for sid, b in self.by_session.items() if sid not in ids and sid in self.store)
-            if held + least > self.total:
+            own, pinned = self._own_bytes(keep), getattr(self._pages(keep), "shared_bytes", 0)
+            if held - own + least() - pinned > self.total:   # its own pages and checkpoints gone too
                 raise DiskTotalExceeded(self.reserve(keep, pages=False), self.total, held)
         if over > 0:
             self.reclaim(over, exclude=ids)
-            over = self.usage() + need - self.total
-        if strict and self.used + least > self.total:
+        if strict and self.usage() + least() > self.total:
+            self._own_room(keep, lambda: self.usage() + least() - self.total)
+        if strict and self.used + least() > self.total:
             raise DiskTotalExceeded(self.reserve(keep, pages=False), self.total, self.used)
-        self._share(running, max(0, self.total - self.used - least))
+        self._share(running, max(0, self.total - self.used - least()))
+
+    def _own_room(self, s: Session, over) -> None:
+        """The session about to run, where the idle ones could not give the room (`over()`: bytes still
+        wanted): its checkpoints (their links pin its page files: a page dropped in one would be a
+        copy first), then its lowest-value pages, as an idle session's (spilled, its closed store
+        compacted, made resident again)."""
+        for step in (self._drop_checkpoints, self._drop_pages, self._drop_pages):   # (pages again: what a
+            wanted = over()                                               # compaction frees is not all a drop's)
+            if wanted <= 0:
+                return
+            got = step(s, wanted)
+            self.reclaimed.add(got)
+            s.reclaimed.add(got)
+            self.store.make_resident(s)
+            s.refresh()
+            if got.bytes or got.checkpoints:
+                log.warning("--disk-total: session %s, about to run, gave back its own %s (the idle ones could "
+                            "not give the room)", s.id, "checkpoints" if step == self._drop_checkpoints else "pages")
+
+    def _own_bytes(self, s: Session) -> int:
+        """Bytes of the session's pages and checkpoints (a file linked from both once)."""
+        seen, total = set(), 0
+        for root in (self.store.pages_dir(s), self.store.checkpoints.root / s.id):
+            for p in root.rglob("*") if root.is_dir() else ():
+                try:
+                    st = p.stat()
+                except OSError:
+                    continue
+                if p.is_file() and (st.st_dev, st.st_ino) not in seen:
+                    seen.add((st.st_dev, st.st_ino))
+                    total += st.st_size
+        return total
 
     def _share(self, running: list[Session], room: int) -> None:
         """Each running page store may grow its files by an equal part of `room`: its disk budget
