@@ -126,6 +126,24 @@ def test_serve_refuses_a_heap_the_budget_cannot_hold_naming_one_it_can():
         plan_for(backend, HeapConfig(budget=fits + 1, prefill_chunk=512), ram)
 
 
+def test_max_sessions_bounds_the_resident_ones_and_is_never_raised():
+    """--max-sessions 3 kept 8 sessions: it was raised to the default --max-resident-sessions."""
+    from localheap.cli import build_parser
+    from localheap.commands.serve import settings_from_args
+
+    def settings(*flags):
+        return settings_from_args(build_parser().parse_args(["serve", "--port", "9", *flags]))
+
+    s = settings("--max-sessions", "3")
+    assert (s.max_sessions, s.max_resident_sessions) == (3, 3)
+    s = settings()
+    assert (s.max_sessions, s.max_resident_sessions) == (256, 8)
+    s = settings("--max-sessions", "3", "--max-resident-sessions", "2")
+    assert (s.max_sessions, s.max_resident_sessions) == (3, 2)
+    with pytest.raises(ValueError, match="--max-resident-sessions 4 is more than --max-sessions 3"):
+        settings("--max-sessions", "3", "--max-resident-sessions", "4")
+
+
 def test_a_file_where_a_directory_should_be_is_called_that(tmp_path, capsys):
     from localheap.heap.private import private_dir
 

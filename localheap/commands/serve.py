@@ -77,7 +77,8 @@ def add_parser(sub) -> None:
                    help="serve one run per forward pass in turn, without batching (for comparison)")
     p.add_argument("--max-queue", type=int, default=32, help="requests waiting beyond those (503 beyond)")
     p.add_argument("--max-sessions", type=int, default=256, help="sessions kept (oldest idle ones are dropped)")
-    p.add_argument("--max-resident-sessions", type=int, default=8, help="idle sessions beyond are spilled to disk")
+    p.add_argument("--max-resident-sessions", type=int, default=None,
+                   help="idle sessions beyond are spilled to disk (default: 8, or --max-sessions where fewer)")
     p.add_argument("--cache-reuse", type=int, default=0, metavar="N",
                    help="a client that trims old messages (to fit its own context) resends the conversation "
                         "without them: keep the session's runs of at least N tokens that the shorter history "
@@ -250,12 +251,20 @@ def batch_limits(args, device_max_batch: int = DEFAULT_MAX_BATCH) -> tuple[int, 
     return max_batch, args.max_active or max(DEFAULT_MAX_BATCH, max_batch)
 
 
+DEFAULT_RESIDENT_SESSIONS = 8
+
+
 def settings_from_args(args):
     from ..server import ServerSettings, parse_bytes
 
     for name in ("max_active", "max_batch", "mixed_chunk", "max_sessions", "max_resident_sessions", "default_max_tokens", "max_tokens_limit"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+    if args.max_resident_sessions is None:   # a resident session is a kept one: no more than --max-sessions
+        args.max_resident_sessions = min(DEFAULT_RESIDENT_SESSIONS, args.max_sessions)
+    elif args.max_resident_sessions > args.max_sessions:
+        raise ValueError(f"--max-resident-sessions {args.max_resident_sessions} is more than --max-sessions "
+                         f"{args.max_sessions}: a resident session is one of those kept")
     if args.max_queue < 0:
         raise ValueError("--max-queue must be >= 0")
     if args.cache_reuse < 0:
@@ -282,7 +291,7 @@ def settings_from_args(args):
         max_body_bytes=parse_bytes(args.max_body), max_queued=args.max_queue,
         max_batch=max_batch, max_active=max_active, batched=not args.round_robin, mixed_chunk=args.mixed_chunk,
         prefill_lane={"auto": None, "on": True, "off": False}[args.prefill_lane],
-        max_sessions=max(args.max_sessions, args.max_resident_sessions),
+        max_sessions=args.max_sessions,
         max_resident_sessions=args.max_resident_sessions, persist_sessions=args.persist, cache_reuse=args.cache_reuse,
         sessions_dir=args.sessions_dir, slot_save_path=slot_dir(args.slot_save_path),
         ram_budget=parse_bytes(args.ram_budget) if args.ram_budget else None,
