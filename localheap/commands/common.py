@@ -241,7 +241,7 @@ def add_heap_args(p: argparse.ArgumentParser, recall: bool = False) -> None:
     p.add_argument("--slack", type=int, default=d.slack, help="decode append room = decode eviction interval")
     p.add_argument("--prefill-chunk", type=int, default=None, metavar="N",
                    help="tokens per prefill forward, evicting before each (default: the backend's for its "
-                        "device, e.g. 2048 on CUDA); the heap holds sinks + budget + max(slack, chunk)")
+                        "device, e.g. 2048 on CUDA; 0: the slack); the heap holds sinks + budget + max(slack, chunk)")
     p.add_argument("--evict-stagger", default="off", choices=("off", "on"),
                    help="torch: a heap's decode evictions one layer a step instead of every layer at once (a "
                         "decode batch's rows all wait for an event); each layer still evicts once per slack, one "
