@@ -59,11 +59,18 @@ def save_heap(cache: HeapPromptCache, path: Path, snapshot: bool = False) -> Non
             arrays[f"{i}.positions"] = mx.array(st["positions"])
             arrays[f"{i}.counters"] = mx.array(st["counters"])
             arrays[f"{i}.recalled"] = mx.array(st["recalled"])
-        else:
-            entry = {"kind": "stock", "meta_state": list(c.meta_state) if not c.empty() else None}
+        else:   # mlx-lm's own (a sliding window's RotatingKVCache): its state's arrays, and its numbers
+            entry = {"kind": "stock", "state": None}   # (mlx-lm 0.32 keeps them in `state`; older ones in meta_state)
             if not c.empty():
+                numbers = {}
                 for j, a in enumerate(c.state):
-                    arrays[f"{i}.state{j}"] = a
+                    if isinstance(a, mx.array):
+                        arrays[f"{i}.state{j}"] = a
+                    else:
+                        numbers[str(j)] = a
+                entry["state"] = {"n": len(c.state), "numbers": numbers}
+                if getattr(c, "meta_state", None):
+                    entry["meta_state"] = list(c.meta_state)
         meta["layers"].append(entry)
     private_dir(path.parent)
     tmp = path.with_name(path.name + ".tmp.safetensors")
@@ -110,7 +117,13 @@ def load_heap(model, path: Path, pages_dir: Optional[Path] = None, budgets: Opti
                     if f"{i}.{name}" in arrays:
                         c.put(name, slice(0, n), arrays[f"{i}.{name}"])
                 c.qsum = arrays.get(f"{i}.qsum")
-        elif entry["meta_state"] is not None:
+        elif entry.get("state") is not None:
+            numbers = entry["state"]["numbers"]
+            c.state = tuple(numbers[str(j)] if str(j) in numbers else arrays[f"{i}.state{j}"]
+                            for j in range(entry["state"]["n"]))
+            if entry.get("meta_state"):
+                c.meta_state = tuple(entry["meta_state"])
+        elif entry.get("meta_state") is not None:   # a file of an mlx-lm before 0.32: the arrays, the rest there
             n_state = sum(1 for key in arrays if key.startswith(f"{i}.state"))
             c.state = tuple(arrays[f"{i}.state{j}"] for j in range(n_state))
             c.meta_state = tuple(entry["meta_state"])
