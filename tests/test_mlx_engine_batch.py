@@ -104,3 +104,18 @@ def test_a_turn_after_a_paged_out_document_recalls_for_its_question(demo, tmp_pa
 
 def test_a_turn_recalls_while_the_other_sessions_decode(demo, tmp_path, monkeypatch):
     check_turn_recalls_beside_the_batch(demo, tmp_path, monkeypatch)
+
+
+def test_seeded_rows_that_sample_at_random_draw_in_the_batch_what_they_draw_alone(demo, REQUESTS):
+    """Four seeded chats at temperature 1 in one batch: each reply is the one it gets alone (so `n`'s
+    choice i is the reply of seed + i). They shared mlx's global generator, so a row's draws
+    depended on the rows beside it; each seeded draw now steps a generator of its own."""
+    reqs = [(toks, {**params, "temperature": 1.0, "seed": 10 + i, **({"top_p": 0.9} if i % 2 else {})})
+            for i, (toks, params) in enumerate(REQUESTS)]
+    want = alone_texts(demo, reqs)
+    eng = engine(demo, batched=True)
+    try:
+        got = [t for t, _ in replies(eng, reqs)]
+    finally:
+        eng.stop()
+    assert got == want and len(set(want)) == 4

@@ -41,7 +41,13 @@ class Sampler:
         self.adaptive = AdaptiveP(params) if params.adaptive else None
         self.post = params.logprobs is not None and params.logprobs.post   # (the chain's distribution recorded)
         self.drawn = None   # [1, vocab] the log-distribution the last draw was from (post, plain draws)
-        if params.dynamic_temperature or self.adaptive is not None or (self.post and not params.greedy):
+        # a seeded draw steps a generator of its own, as mlx's global one steps once seeded (the same
+        # draws alone), so rows of one batch that sample at random draw what each draws alone (n's
+        # choices: seed + i); XTC, mirostat and adaptive-p draw from the global one (seeded at the turn)
+        self.key = mx.random.key(params.seed) if params.seed is not None and not params.greedy and \
+            not params.mirostatted and self.adaptive is None and params.xtc_probability <= 0.0 else None
+        if params.dynamic_temperature or self.adaptive is not None or (self.post and not params.greedy) or \
+                self.key is not None:
             self.base = chained_sampler(params, self._draw if self.adaptive is None else self.adaptive.sample)
         self.mirostat = Mirostat(params) if params.mirostatted else None
         self.cuts = [] if params.greedy or self.mirostat is not None else \
@@ -109,10 +115,15 @@ class Sampler:
         return y
 
     def _draw(self, x: mx.array) -> mx.array:
-        """mlx-lm's categorical draw, the log-distribution kept for a post-sampling recorder."""
+        """mlx-lm's categorical draw, the log-distribution kept for a post-sampling recorder; seeded,
+        with the key mlx's generator would give it (split: the next key, and the one drawn with)."""
         if self.post:
             self.drawn = x - mx.logsumexp(x, axis=-1, keepdims=True)
-        return mx.random.categorical(x)
+        if self.key is None:
+            return mx.random.categorical(x)
+        keys = mx.random.split(self.key)
+        self.key = keys[0]
+        return mx.random.categorical(x, key=keys[1])
 
 
 def window_counts(window: np.ndarray, vocab: int) -> np.ndarray:
