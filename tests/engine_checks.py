@@ -114,18 +114,22 @@ def alone_texts(demo, requests):
         eng.stop()
 
 
+def batched_texts(demo, requests):
+    """The requests' replies, run together in one batched engine."""
+    eng = engine(demo, batched=True)
+    try:
+        return [t for t, _ in replies(eng, requests)]
+    finally:
+        eng.stop()
+
+
 def check_params_ride_the_batch(demo, extra: dict) -> None:
     """Four chats in one batch, two of them with `extra` sampling params (greedy): each reply is the
     one it gets alone, and the changed replies are not the plain ones (the params reach the step)."""
     plain = requests_for(demo)
     reqs = [(toks, {**params, **(extra if i % 2 else {})}) for i, (toks, params) in enumerate(plain)]
     want = alone_texts(demo, reqs)
-    eng = engine(demo, batched=True)
-    try:
-        got = [t for t, _ in replies(eng, reqs)]
-    finally:
-        eng.stop()
-    assert got == want
+    assert batched_texts(demo, reqs) == want
     unchanged = alone_texts(demo, [plain[1], plain[3]])
     assert all(a != b for a, b in zip([want[1], want[3]], unchanged)), (want, unchanged)
 

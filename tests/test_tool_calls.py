@@ -610,6 +610,18 @@ def test_what_lark_rules_cannot_rewrite_is_refused(lark, why):
         lark_rules(lark, "g")
 
 
+def _takes_whole(tok, grammar: str, text: str) -> bool:
+    """Whether the grammar takes `text`'s tokens one by one and then allows only the end."""
+    from localheap.grammar import Grammar
+
+    g = Grammar(tok, {tok.eos_token_id}, grammar)
+    for t in tok.encode(text, add_special_tokens=False):
+        if not g.allowed()[t]:
+            return False
+        g.advance(t)
+    return set(g.allowed().nonzero()[0]) == {tok.eos_token_id}
+
+
 CALC_CALLS = {
     "qwen": '<tool_call>\n{{"name": "calc", "arguments": {{"input": {j}}}}}\n</tool_call>',
     "plain": '<tool_call>\n{{"name": "calc", "arguments": {{"input": {j}}}}}\n</tool_call>',
@@ -629,7 +641,6 @@ def test_a_custom_tool_held_to_a_recursive_lark_grammar_in_every_family(tokenize
     escaped where the family writes JSON, raw where it tags), refuses one it does not, and still
     takes the function's call; the lazy grammar of tool_choice auto holds the call the same."""
     pytest.importorskip("llguidance")
-    from localheap.grammar import Grammar
     from localheap.larkformat import LarkInput
     from localheap.server.chat import call_grammar
     from localheap.server.responses import CUSTOM_PARAMETERS
@@ -640,12 +651,7 @@ def test_a_custom_tool_held_to_a_recursive_lark_grammar_in_every_family(tokenize
     grammar = call_grammar(tool_format(tok), tools, "required", False, tok, held)
 
     def takes(text: str) -> bool:
-        g = Grammar(tok, {tok.eos_token_id}, grammar)
-        for t in tok.encode(text, add_special_tokens=False):
-            if not g.allowed()[t]:
-                return False
-            g.advance(t)
-        return set(g.allowed().nonzero()[0]) == {tok.eos_token_id}
+        return _takes_whole(tok, grammar, text)
 
     def call(text: str) -> str:
         return CALC_CALLS[family].format(j=json.dumps(text), raw=text)
@@ -676,27 +682,18 @@ def test_a_forced_call_holds_a_schema_with_references_into_itself(tokenizers, fa
     call's schema the references no longer resolved, and the request was a 400 ("Pointer
     '/$defs/Place' does not exist"); they are rebased onto a copy of the tool's schema."""
     pytest.importorskip("llguidance")
-    from localheap.grammar import Grammar
     from localheap.server.chat import call_grammar
 
     tok = tokenizers[family]
     grammar = call_grammar(tool_format(tok), [SAVE] + TOOLS, "required", False, tok)
 
-    def takes_text(text: str) -> bool:
-        g = Grammar(tok, {tok.eos_token_id}, grammar)
-        for t in tok.encode(text, add_special_tokens=False):
-            if not g.allowed()[t]:
-                return False
-            g.advance(t)
-        return set(g.allowed().nonzero()[0]) == {tok.eos_token_id}
-
     def takes(home: dict) -> bool:
         args = json.dumps(home if family in ("qwen3-coder", "glm-4.5") else {"home": home})
-        return takes_text(SAVE_CALLS[family].format(j=args, raw=args))
+        return _takes_whole(tok, grammar, SAVE_CALLS[family].format(j=args, raw=args))
 
     assert takes({"city": "Paris"}) and takes({"city": "Paris", "near": {"city": "Lyon"}})
     assert not takes({"city": 5}) and not takes({"city": "Paris", "near": {"town": "Lyon"}})
-    assert takes_text(WEATHER_CALLS[family])   # the other tool's calls as before
+    assert _takes_whole(tok, grammar, WEATHER_CALLS[family])   # the other tool's calls as before
 
 
 class _OnDevice:
