@@ -285,7 +285,8 @@ def test_a_client_gone_before_its_body_is_whole_is_no_internal_error(backend, tm
                 time.sleep(0.3)
         time.sleep(0.5)
         assert chat(http, "hi").status_code == 200
-    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    # (the server's own records: asyncio may log another test's client, collected meanwhile)
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR and r.name.startswith(("localheap", "uvicorn"))]
     assert not errors, [r.getMessage() for r in errors]
 
 
