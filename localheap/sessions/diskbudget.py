@@ -210,7 +210,8 @@ class DiskTotal:
                 raise DiskTotalExceeded(self.reserve(keep, pages=False), self.total, held)
         if over > 0:
             self.reclaim(over, exclude=ids)
-        if strict and self.usage() + least() > self.total:
+            self.usage()   # (measured again only where something may have been taken back)
+        if strict and self.used + least() > self.total:
             self._own_room(keep, lambda: self.usage() + least() - self.total)
         if strict and self.used + least() > self.total:
             raise DiskTotalExceeded(self.reserve(keep, pages=False), self.total, self.used)
