@@ -114,3 +114,43 @@ def test_seeded_rows_that_sample_at_random_draw_in_the_batch_what_they_draw_alon
             for i, (toks, params) in enumerate(REQUESTS)]
     want = alone_texts(demo, reqs)
     assert batched_texts(demo, reqs) == want and len(set(want)) == 4
+
+
+def test_xtc_mirostat_and_adaptive_p_rows_draw_in_the_batch_what_they_draw_alone(demo, REQUESTS):
+    """The samplers that draw more than the token (XTC's coin) or draw it themselves (mirostat,
+    adaptive-p) step the row's own generator too: four seeded rows, one plain and one of each,
+    reply in one batch as alone. They drew from mlx's global generator, shared by the batch."""
+    kinds = [{}, {"xtc_probability": 0.5, "xtc_threshold": 0.05}, {"mirostat": 2, "mirostat_tau": 4.0},
+             {"adaptive_target": 0.3}]
+    reqs = [(toks, {**params, "temperature": 1.0, "seed": 20 + i, **kinds[i]})
+            for i, (toks, params) in enumerate(REQUESTS)]
+    want = alone_texts(demo, reqs)
+    assert batched_texts(demo, reqs) == want and len(set(want)) == 4
+
+
+@pytest.mark.parametrize("kind", [{}, {"top_p": 0.9}, {"xtc_probability": 0.5, "xtc_threshold": 0.05},
+                                  {"mirostat": 2, "mirostat_tau": 4.0}, {"mirostat": 1}, {"adaptive_target": 0.3},
+                                  {"adaptive_target": 0.3, "xtc_probability": 0.5}])
+def test_a_seeded_samplers_own_generator_draws_what_mlxs_seeded_global_one_draws(kind):
+    """A seeded request's draws (its own key, split per draw) are the ones an unseeded sampler makes
+    from mlx's global generator seeded with that seed: seeded replies are what they were alone
+    before rows had generators of their own."""
+    import mlx.core as mx
+    import numpy as np
+
+    from localheap.backends.mlx.generate import Sampler
+    from localheap.generation import SamplingParams
+
+    rng = np.random.default_rng(0)
+    rows = [mx.array(rng.normal(size=(1, 300)).astype(np.float32) * 2) for _ in range(40)]
+
+    def draws(seed):
+        sample = Sampler(SamplingParams(temperature=1.0, seed=seed, **kind))
+        return [sample(r, r - mx.logsumexp(r, axis=-1, keepdims=True)).item() for r in rows]
+
+    mx.random.seed(11)
+    own = draws(11)
+    mx.random.seed(11)
+    assert draws(None) == own and len(set(own)) > 20
+    mx.random.seed(11)
+    assert draws(12) != own

@@ -42,9 +42,7 @@ class DecodeRow:
     included; the last one rides in the batch)."""
 
     def __init__(self, cache: HeapPromptCache, params: SamplingParams, prompt: Sequence[int]):
-        if params.seed is not None:   # the global generator, seeded at the turn's start as alone
-            mx.random.seed(params.seed)
-        self.cache, self.sample = cache, Sampler(params)
+        self.cache, self.sample = cache, Sampler(params)   # (seeded: every draw with its own key)
         self.prompt: Optional[list[int]] = list(prompt)
         self.next: Optional[mx.array] = None
         self.token: Optional[int] = None

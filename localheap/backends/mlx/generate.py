@@ -38,18 +38,18 @@ class Sampler:
         self.base = make_sampler(temp=params.temperature, top_p=params.top_p, top_k=params.top_k,
                                  min_p=params.min_p, xtc_probability=params.xtc_probability,
                                  xtc_threshold=params.xtc_threshold, xtc_special_tokens=[])
-        self.adaptive = AdaptiveP(params) if params.adaptive else None
+        self.adaptive = AdaptiveP(params, self.next_key) if params.adaptive else None
         self.post = params.logprobs is not None and params.logprobs.post   # (the chain's distribution recorded)
         self.drawn = None   # [1, vocab] the log-distribution the last draw was from (post, plain draws)
         # a seeded draw steps a generator of its own, as mlx's global one steps once seeded (the same
         # draws alone), so rows of one batch that sample at random draw what each draws alone (n's
-        # choices: seed + i); XTC, mirostat and adaptive-p draw from the global one (seeded at the turn)
-        self.key = mx.random.key(params.seed) if params.seed is not None and not params.greedy and \
-            not params.mirostatted and self.adaptive is None and params.xtc_probability <= 0.0 else None
+        # choices: seed + i): the categorical draw, XTC's coin, mirostat's and adaptive-p's draws
+        self.key = mx.random.key(params.seed) if params.seed is not None and not params.greedy else None
         if params.dynamic_temperature or self.adaptive is not None or (self.post and not params.greedy) or \
                 self.key is not None:
-            self.base = chained_sampler(params, self._draw if self.adaptive is None else self.adaptive.sample)
-        self.mirostat = Mirostat(params) if params.mirostatted else None
+            self.base = chained_sampler(params, self._draw if self.adaptive is None else self.adaptive.sample,
+                                        self.next_key)
+        self.mirostat = Mirostat(params, self.next_key) if params.mirostatted else None
         self.cuts = [] if params.greedy or self.mirostat is not None else \
             ([lambda lp, n=params.top_n_sigma: top_n_sigma(lp, n)] if params.top_n_sigma > 0.0 else []) + \
             ([lambda lp, m=params.typical_p: typical(lp, m)] if params.typical_p < 1.0 else [])
@@ -115,15 +115,19 @@ class Sampler:
         return y
 
     def _draw(self, x: mx.array) -> mx.array:
-        """mlx-lm's categorical draw, the log-distribution kept for a post-sampling recorder; seeded,
-        with the key mlx's generator would give it (split: the next key, and the one drawn with)."""
+        """mlx-lm's categorical draw, the log-distribution kept for a post-sampling recorder."""
         if self.post:
             self.drawn = x - mx.logsumexp(x, axis=-1, keepdims=True)
+        return mx.random.categorical(x, key=self.next_key())
+
+    def next_key(self) -> Optional[mx.array]:
+        """The key of this request's next draw: seeded, the one mlx's generator would give it (split:
+        the next key, and the one drawn with); unseeded, None (the global generator)."""
         if self.key is None:
-            return mx.random.categorical(x)
+            return None
         keys = mx.random.split(self.key)
         self.key = keys[0]
-        return mx.random.categorical(x, key=keys[1])
+        return keys[1]
 
 
 def window_counts(window: np.ndarray, vocab: int) -> np.ndarray:
@@ -147,11 +151,12 @@ def repeat_penalized(scores: mx.array, window: mx.array, penalty: float) -> mx.a
     return mx.where(hit, mx.where(scores < 0, scores * penalty, scores / penalty), scores)
 
 
-def chained_sampler(params: SamplingParams, select):
+def chained_sampler(params: SamplingParams, select, next_key=lambda: None):
     """mlx-lm's sampler chain (its own top-p, min-p, XTC and top-k, in its order), the temperature
     (or the one llama.cpp's dynatemp gives what they leave: SamplingParams.dynamic_temperature),
-    then `select` (mx.random.categorical, or adaptive-p's draw) on the scaled logprobs."""
-    from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, apply_xtc
+    then `select` (mx.random.categorical, or adaptive-p's draw) on the scaled logprobs. XTC's coin
+    is drawn with `next_key()` (None: mlx's global generator)."""
+    from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
     def sample(lp: mx.array) -> mx.array:
         if 0.0 < params.top_p < 1.0:
@@ -159,7 +164,7 @@ def chained_sampler(params: SamplingParams, select):
         if params.min_p > 0.0:
             lp = apply_min_p(lp, params.min_p)
         if params.xtc_probability > 0.0:
-            lp = apply_xtc(lp, params.xtc_probability, params.xtc_threshold, [])
+            lp = xtc(lp, params.xtc_probability, params.xtc_threshold, next_key())
         if params.top_k > 0:
             lp = apply_top_k(lp, params.top_k)
         t = dynamic_temperature(lp, params.temperature, params.dynatemp_range, params.dynatemp_exponent) \
@@ -180,11 +185,22 @@ def dynamic_temperature(lp: mx.array, temperature: float, spread: float, exponen
     return mx.maximum(lo + (hi - lo) * mx.clip(entropy / mx.log(n), 0, 1) ** exponent, DYNATEMP_FLOOR)
 
 
+def xtc(lp: mx.array, probability: float, threshold: float, key: Optional[mx.array]) -> mx.array:
+    """mlx-lm's apply_xtc (with chance `probability`, every id over `threshold` but the least likely
+    of them cut), its coin drawn with `key` (None: mlx's global generator, as apply_xtc draws)."""
+    coin = mx.random.uniform(0, 1, key=key)
+    probs = mx.softmax(lp, -1)
+    mask = probs > mx.where(probs > threshold, probs, mx.inf).min(axis=-1, keepdims=True)
+    return mx.where(coin > probability, lp, mx.where(mask, -mx.inf, lp))
+
+
 class Mirostat:
     """Mirostat 1 or 2 (SamplingParams.mirostatted) on MLX: mu an array beside the step (lazy, no
-    host sync), the draw mlx-lm's categorical over the ids it keeps."""
+    host sync), the draw mlx-lm's categorical over the ids it keeps, with `next_key()` (None: mlx's
+    global generator)."""
 
-    def __init__(self, params: SamplingParams):
+    def __init__(self, params: SamplingParams, next_key=lambda: None):
+        self.next_key = next_key
         self.version, self.tau, self.eta = params.mirostat, params.mirostat_tau, params.mirostat_eta
         self.mu = mx.array(2.0 * self.tau, dtype=mx.float32)
 
@@ -213,16 +229,18 @@ class Mirostat:
     def sample(self, scores: mx.array) -> mx.array:
         x = mx.where(self.keep(scores), scores.astype(mx.float32), -mx.inf)
         logp = self.drawn = x - mx.logsumexp(x, axis=-1, keepdims=True)
-        y = mx.random.categorical(logp)
+        y = mx.random.categorical(logp, key=self.next_key())
         self.mu = self.mu - self.eta * (-logp[0, y[0]] / math.log(2.0) - self.tau)
         return y
 
 
 class AdaptiveP:
     """llama.cpp's adaptive-p (SamplingParams.adaptive) on MLX: the EMA's weighted sum an array
-    beside the step (lazy, no host sync); the draw mlx-lm's categorical."""
+    beside the step (lazy, no host sync); the draw mlx-lm's categorical, with `next_key()` (None:
+    mlx's global generator)."""
 
-    def __init__(self, params: SamplingParams):
+    def __init__(self, params: SamplingParams, next_key=lambda: None):
+        self.next_key = next_key
         self.target, self.decay = min(params.adaptive_target, 1.0), params.adaptive_decay
         self.weighted = mx.array(self.target / (1.0 - self.decay), dtype=mx.float32)
         self.total = 1.0 / (1.0 - self.decay)
@@ -239,7 +257,7 @@ class AdaptiveP:
     def sample(self, scores: mx.array) -> mx.array:
         probs, drawn = self.distribution(scores)
         self.drawn = drawn
-        y = mx.random.categorical(drawn)
+        y = mx.random.categorical(drawn, key=self.next_key())
         self.weighted = probs[0, y[0]] + self.decay * self.weighted
         self.total = 1.0 + self.decay * self.total
         return y
