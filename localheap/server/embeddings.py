@@ -129,6 +129,11 @@ async def embed(svc: Services, request: Request, prompts: list[Prompt], pooling:
     watcher = asyncio.create_task(_watch(request, tasks))
     try:
         await asyncio.gather(*tasks)
+    except asyncio.CancelledError:
+        if not (watcher.done() and not watcher.cancelled() and watcher.result()):
+            raise   # (the route itself cancelled: the server is stopping)
+        # the client left and its inputs were cancelled: nobody to answer, nothing to log as an error
+        raise BadRequest("the client closed the connection before its embeddings were made") from None
     finally:
         watcher.cancel()
         for t in tasks:
@@ -137,11 +142,12 @@ async def embed(svc: Services, request: Request, prompts: list[Prompt], pooling:
     return vectors
 
 
-async def _watch(request: Request, tasks: list) -> None:
-    """Cancel the inputs' tasks (and so their jobs) when the client leaves."""
+async def _watch(request: Request, tasks: list) -> bool:
+    """Cancel the inputs' tasks (and so their jobs) when the client leaves (True: it did)."""
     while not all(t.done() for t in tasks):
         if await request.is_disconnected():
             for t in tasks:
                 t.cancel()
-            return
+            return True
         await asyncio.sleep(DISCONNECT_POLL_S)
+    return False
