@@ -5,6 +5,7 @@ Knows nothing about tensors or tokenizers' internals: text in, text out.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Callable, Optional, Protocol
 
@@ -156,6 +157,10 @@ class SamplingParams:
     # penalties' windows reach (with_context; the engine sets it)
 
     def __post_init__(self) -> None:
+        for f in fields(self):   # (JSON readers take NaN and Infinity, which every range check below lets by)
+            value = getattr(self, f.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ValueError(f"{f.name} must be a finite number (it was {value})")
         if self.max_tokens < 0:
             raise ValueError("max_tokens must be >= 0")
         if self.temperature < 0:

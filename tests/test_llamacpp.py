@@ -284,6 +284,28 @@ def test_infill_builds_the_repo_level_prompt_and_writes_the_stock_middle(server)
     assert got["tokens"] == want and got["content"] == server.services.tokenizer.decode(want)
 
 
+def test_infill_reads_special_tokens_text_in_the_files_as_text(server):
+    """A file may hold a special token's text (this server's own fim.py holds `<|fim_middle|>`):
+    llama-server reads input_prefix, input_suffix and input_extra with parse_special off, so the
+    prompt's FIM structure is only its own tokens. They were read as those tokens."""
+    code = "x = '<|fim_middle|><|file_sep|><|fim_pad|>'\n"
+    extra = [{"filename": "t<|file_sep|>.py", "text": code}]
+    got = _post(server, "/infill", {"input_prefix": code, "input_suffix": code, "input_extra": extra,
+                                    "prompt": "a", "n_predict": 6, "temperature": 0, "return_tokens": True})
+
+    def text(s):
+        return list(server.services.tokenizer.encode(s, add_special_tokens=False, split_special_tokens=True))
+
+    sep = _special(server, "<|file_sep|>")
+    assert _special(server, "<|fim_middle|>") not in text(code)
+    ids = (_bos(server) + [_special(server, "<|repo_name|>")] + text("myproject\n") + [sep]
+           + text("t<|file_sep|>.py\n" + code) + [sep] + text("filename\n") + [_special(server, "<|fim_prefix|>")]
+           + text(code) + [_special(server, "<|fim_suffix|>")] + text(code) + [_special(server, "<|fim_middle|>")]
+           + _plain(server, "a"))
+    assert got["tokens_evaluated"] == len(ids)
+    assert got["tokens"] == _stock(server, ids, 6, ends=(_special(server, "<|fim_pad|>"), sep))
+
+
 def test_n_indent_cuts_a_line_less_indented_than_the_cursor(server, force):
     force("x = 1\n        y = 2\n    z\nw")
     got = _post(server, "/infill", {"input_prefix": "if a:\n    ", "input_suffix": "", "n_indent": 4,

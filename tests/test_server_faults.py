@@ -330,7 +330,7 @@ def test_seeds_are_64_bit_numbers_signed_or_not(backend, tmp_path):
         assert replies[-1] == replies[2**64 - 1]   # the same seed, written signed and unsigned
         r = http.post("/api/generate", json={"model": MODEL, "prompt": "hi", "stream": False,
                                              "options": {"seed": 2**70, "num_predict": 2}})
-        assert r.status_code == 200, r.text
+        assert r.status_code == 400 and r.json()["localheap"]["param"] == "options.seed", r.text
 
 
 def test_deleting_a_busy_session_ends_its_reply_saying_so(backend, tmp_path):
@@ -401,3 +401,49 @@ def test_errors_name_the_field_as_the_request_wrote_it(backend, tmp_path):
         r = http.post("/v1/chat/completions", json={"model": MODEL, "max_tokens": 2, "messages": [
             user, {"role": "assistant", "content": [{"type": "refusal", "refusal": "I cannot."}]}, user]})
         assert r.status_code == 200, r.text
+
+
+def test_llamacpp_and_ollama_options_take_null_as_their_default_and_refuse_what_is_not_a_number(backend, tmp_path):
+    """llama-server's json_value reads a null as the default, and Ollama's options are JSON numbers:
+    /completion's nulls were a 400 ("Input should be a valid integer"), Ollama's a 400 with a raw
+    Python message; a stop option that was not text was a 500 (a traceback in the stop matcher),
+    NaN and Infinity reached the sampler (a traceback in the engine, or a reply that could not be
+    written as JSON), and a seed past 64 bits wrapped silently."""
+    app = create_app(backend, settings(tmp_path))
+    with ServerThread(app) as srv, httpx.Client(base_url=srv.url, timeout=60) as http:
+        def completion(**kw):
+            return http.post("/completion", json={"prompt": "hello there", "n_predict": 6, "seed": 5,
+                                                  "temperature": 1.0, **kw})
+
+        want = completion().json()["content"]
+        nulls = {k: None for k in ("top_k", "top_p", "min_p", "stream", "n_probs", "cache_prompt", "id_slot",
+                                   "return_tokens", "n_indent", "repeat_penalty", "samplers")}
+        r = completion(**nulls)
+        assert r.status_code == 200 and r.json()["content"] == want, r.text
+
+        def generate(stream=False, **options):
+            return http.post("/api/generate", json={"model": MODEL, "prompt": "hello there", "stream": stream,
+                                                    "options": {"num_predict": 6, "seed": 5, **options}})
+
+        want = generate().json()["response"]
+        r = generate(temperature=None, top_p=None, top_k=None, min_p=None, repeat_penalty=None, stop=None)
+        assert r.status_code == 200 and r.json()["response"] == want, r.text
+        for options, name in (({"stop": [1]}, "stop"), ({"stop": ["ok", 2]}, "stop"), ({"stop": {"a": 1}}, "stop"),
+                              ({"temperature": "0.5"}, "temperature"), ({"top_k": True}, "top_k"),
+                              ({"seed": 2**64}, "seed")):
+            for stream in (False, True):
+                r = generate(stream, **options)
+                assert r.status_code == 400 and r.json()["localheap"]["param"] == f"options.{name}", (options, r.text)
+        # NaN and Infinity: Python's JSON reader takes them (no JSON writer sends them)
+        for path, body, param in (("/api/generate", '{"model": "%s", "prompt": "hi", "options": {"temperature": NaN}}'
+                                   % MODEL, "options.temperature"),
+                                  ("/completion", '{"prompt": "hi", "n_predict": 2, "temperature": Infinity}',
+                                   "temperature"),
+                                  ("/v1/chat/completions", '{"model": "%s", "max_tokens": 2, "top_p": NaN, '
+                                   '"messages": [{"role": "user", "content": "hi"}]}' % MODEL, "top_p")):
+            r = http.post(path, content=body, headers={"Content-Type": "application/json"})
+            assert r.status_code == 400, (path, r.text)
+            err = r.json()
+            assert (err["localheap"]["param"] if path == "/api/generate" else err["error"]["param"]) == param, r.text
+        r = completion(seed=2**64)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "seed", r.text

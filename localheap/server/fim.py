@@ -65,10 +65,11 @@ def require_fim(tokenizer: Any, param: str, instead: str) -> FimFormat:
 
 
 def fim_ids(tokenizer: Any, fmt: FimFormat, prefix: str, suffix: str, limit: Optional[int],
-            params: tuple[str, str] = ("prompt", "suffix")) -> array:
-    """<prefix> PREFIX <suffix> SUFFIX <middle> (PSM): the model writes what goes between."""
-    before = encode_bounded(tokenizer, prefix, limit, params[0])
-    after = encode_bounded(tokenizer, suffix, limit, params[1])
+            params: tuple[str, str] = ("prompt", "suffix"), specials: bool = True) -> array:
+    """<prefix> PREFIX <suffix> SUFFIX <middle> (PSM): the model writes what goes between
+    (`specials` False: a special token's text in PREFIX or SUFFIX is text)."""
+    before = encode_bounded(tokenizer, prefix, limit, params[0], specials)
+    after = encode_bounded(tokenizer, suffix, limit, params[1], specials)
     return token_array([fmt.prefix]) + before + token_array([fmt.suffix]) + after + token_array([fmt.middle])
 
 

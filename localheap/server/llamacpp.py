@@ -28,7 +28,7 @@ from .errors import BadRequest, PromptTooLong, Unsupported
 from .fim import fim_format, fim_ids, require_fim
 from .logprobs import TokenText, finite
 from .logonce import warn_once
-from .schemas import MAX_CHOICES
+from .schemas import MAX_CHOICES, NullIsAbsent
 from .tokens import encode_bounded, encode_plain, leading_specials
 
 # llama-server's sampler names, and the letters of its --sampling-seq form
@@ -63,9 +63,9 @@ class ExtraChunk(BaseModel):
     text: str = ""
 
 
-class LlamaRequest(BaseModel):
+class LlamaRequest(NullIsAbsent):
     """POST /completion and /infill (infill: input_prefix, input_suffix, input_extra; its `prompt`
-    is text after the middle token, the reply's start)."""
+    is text after the middle token, the reply's start). A null is the field's default."""
     model_config = ConfigDict(extra="allow")
 
     prompt: Any = ""
@@ -78,7 +78,7 @@ class LlamaRequest(BaseModel):
     min_p: float = 0.05
     n_predict: int = -1
     max_tokens: Optional[int] = None            # (llama-server's other name for n_predict)
-    seed: Optional[int] = -1
+    seed: Optional[int] = Field(-1, ge=-(1 << 63), lt=1 << 64)   # a 64-bit number, signed or not (-1: random)
     stop: Union[str, list[str], None] = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -399,14 +399,15 @@ def mixed_prompt(tokenizer: Any, p: PromptForm, limit: Optional[int]) -> Prompt:
 def infill_context(tokenizer: Any, req: "LlamaRequest", limit: Optional[int]) -> Prompt:
     """What comes before <prefix> in infill's prompt: [BOS], then, where the model has the
     repo-level tokens, <|repo_name|>myproject\\n, each extra file as <|file_sep|>NAME\\nTEXT and
-    <|file_sep|>filename\\n (the file being edited); else the extra texts as they are. A 400 for a
-    model without fill-in-the-middle tokens."""
+    <|file_sep|>filename\\n (the file being edited); else the extra texts as they are. The files'
+    names and texts are read as text, a special token's text in them too (as llama-server does:
+    a file may hold `<|file_sep|>`). A 400 for a model without fill-in-the-middle tokens."""
     require_fim(tokenizer, "input_prefix", "it cannot infill; use /completion")
     vocab = tokenizer.get_vocab()
     body = token_array()
 
     def text(s: str) -> None:
-        body.extend(encode_bounded(tokenizer, s, limit, "input_extra"))
+        body.extend(encode_bounded(tokenizer, s, limit, "input_extra", specials=False))
         if limit is not None and len(body) > limit:
             raise PromptTooLong(limit, len(body), "input_extra")
 
@@ -427,13 +428,15 @@ def infill_context(tokenizer: Any, req: "LlamaRequest", limit: Optional[int]) ->
 
 def infill_prompt(tokenizer: Any, req: "LlamaRequest", limit: Optional[int]) -> Prompt:
     """infill_context, then <prefix> PREFIX <suffix> SUFFIX <middle> PROMPT: the model writes the
-    middle, starting with PROMPT."""
+    middle, starting with PROMPT (PREFIX and SUFFIX read as text, special tokens' text too; PROMPT's
+    special tokens' text read as those tokens, as llama-server reads them)."""
     if not isinstance(req.prompt, str):
         raise BadRequest("infill's prompt is a text (it follows the middle token)", "prompt")
     head = infill_context(tokenizer, req, limit)
     fmt = fim_format(tokenizer)
     body = token_array(head.continuation)
-    body.extend(fim_ids(tokenizer, fmt, req.input_prefix, req.input_suffix, limit, ("input_prefix", "input_suffix")))
+    body.extend(fim_ids(tokenizer, fmt, req.input_prefix, req.input_suffix, limit, ("input_prefix", "input_suffix"),
+                        specials=False))
     body.extend(encode_bounded(tokenizer, req.prompt, limit, "prompt"))
     if limit is not None and len(body) > limit:
         raise PromptTooLong(limit, len(body), "prompt")

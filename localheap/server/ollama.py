@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import time
 from typing import Annotated, Any, Literal, Optional, Union
 
@@ -90,6 +91,20 @@ class LegacyEmbeddingsRequest(Strict):
     keep_alive: Union[str, int, float, None] = None
 
 
+# the options read as numbers (Ollama's: each a JSON number; an integer option takes a float's whole part)
+OPTION_NUMBERS = ("num_predict", "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty",
+                  "frequency_penalty", "repeat_penalty", "repeat_last_n", "typical_p", "mirostat", "mirostat_tau",
+                  "mirostat_eta")
+
+
+def _number(options: dict, name: str, default: Any, kind: type = float) -> Any:
+    """options[name] (or `default`) as `kind`: a 400 naming it where it is not a finite JSON number."""
+    value = options.get(name, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise BadRequest(f"options.{name} must be a number (it was {value!r:.80})", f"options.{name}")
+    return kind(value)
+
+
 class OllamaRequest(Strict):
     """What /api/chat and /api/generate share."""
     model: str
@@ -105,7 +120,7 @@ class OllamaRequest(Strict):
 
     def params(self, default_max: int, constraint: Any = None) -> SamplingParams:
         """The options as sampling (num_predict -1 or absent: the server's default reply limit)."""
-        o = dict(self.options or {})
+        o = {k: v for k, v in (self.options or {}).items() if v is not None}   # null: the option's default
         for name, neutral in NEUTRAL_OPTIONS.items():
             value = o.pop(name, None)
             if value is not None and neutral is not None and value != neutral:
@@ -113,31 +128,34 @@ class OllamaRequest(Strict):
                                  f"leave it out or {neutral})", f"options.{name}")
         for name in RUNTIME_OPTIONS:
             o.pop(name, None)
-        known = {"temperature", "top_p", "top_k", "min_p", "seed", "num_predict", "stop", "presence_penalty",
-                 "frequency_penalty", "repeat_penalty", "repeat_last_n", "typical_p", "mirostat", "mirostat_tau",
-                 "mirostat_eta"}
-        unknown = sorted(set(o) - known)
+        unknown = sorted(set(o) - set(OPTION_NUMBERS) - {"stop"})
         if unknown:   # Ollama logs "invalid option provided" and goes on (llm.nvim sends rope_frequency_base)
             warn_once("Ollama options this server does not know, ignored (as Ollama ignores them): %s", unknown)
         limit = o.get("num_predict")
-        stop = o.get("stop") or []
+        stop = o.get("stop", [])
+        stop = [stop] if isinstance(stop, str) else stop
+        if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+            raise BadRequest(f"options.stop must be a string or a list of strings (it was {stop!r:.80})",
+                             "options.stop")
+        seed = None if o.get("seed") in (None, -1) else _number(o, "seed", None, int)   # -1: Ollama's default, random
+        if seed is not None and not -(1 << 63) <= seed < 1 << 64:
+            raise BadRequest(f"options.seed must be a 64-bit number (it was {seed})", "options.seed")
         try:
-            return SamplingParams(max_tokens=default_max if limit in (None, -1, -2) else int(limit),
-                                  temperature=float(o.get("temperature", 0.8)), top_p=float(o.get("top_p", 0.9)),
-                                  top_k=int(o.get("top_k", 40)), min_p=float(o.get("min_p", 0.0)),
-                                  seed=None if o.get("seed") is None else int(o["seed"]),
-                                  stop=[stop] if isinstance(stop, str) else list(stop),
-                                  presence_penalty=float(o.get("presence_penalty", 0.0)),
-                                  frequency_penalty=float(o.get("frequency_penalty", 0.0)),
+            return SamplingParams(max_tokens=default_max if limit in (None, -1, -2) else _number(o, "num_predict", 0, int),
+                                  temperature=_number(o, "temperature", 0.8), top_p=_number(o, "top_p", 0.9),
+                                  top_k=_number(o, "top_k", 40, int), min_p=_number(o, "min_p", 0.0),
+                                  seed=seed, stop=stop,
+                                  presence_penalty=_number(o, "presence_penalty", 0.0),
+                                  frequency_penalty=_number(o, "frequency_penalty", 0.0),
                                   windowed_penalties=True,
-                                  repeat_penalty=float(o.get("repeat_penalty", 1.0)),
-                                  repeat_last_n=int(o.get("repeat_last_n", 64)),
-                                  typical_p=min(1.0, float(o.get("typical_p", 1.0))),
-                                  mirostat=int(o.get("mirostat", 0)), mirostat_tau=float(o.get("mirostat_tau", 5.0)),
-                                  mirostat_eta=float(o.get("mirostat_eta", 0.1)), constraint=constraint,
+                                  repeat_penalty=_number(o, "repeat_penalty", 1.0),
+                                  repeat_last_n=_number(o, "repeat_last_n", 64, int),
+                                  typical_p=min(1.0, _number(o, "typical_p", 1.0)),
+                                  mirostat=_number(o, "mirostat", 0, int), mirostat_tau=_number(o, "mirostat_tau", 5.0),
+                                  mirostat_eta=_number(o, "mirostat_eta", 0.1), constraint=constraint,
                                   logprobs=LogprobRecorder(self.top_logprobs or 0) if self.logprobs else None)
-        except (TypeError, ValueError) as e:
-            name = next((n for n in ("repeat_penalty", "repeat_last_n", "typical_p", "mirostat") if n in str(e)), None)
+        except ValueError as e:
+            name = next((n for n in sorted(OPTION_NUMBERS, key=len, reverse=True) if n in str(e)), None)
             raise BadRequest(f"options: {e}", f"options.{name}" if name else "options") from e
 
     def schema(self) -> Optional[dict]:

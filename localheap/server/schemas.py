@@ -22,11 +22,12 @@ MAX_CHOICES = 8               # n: the engine's default decode batch
 MAX_PROMPTS = 32              # a completion request's batch of prompts (times n): the engine's default queue
 
 
-class Strict(BaseModel):
-    """A request body (or part of one) that refuses unknown fields. A null sent for a field that has
-    a default and takes no null reads as absent: OpenAI's API takes null for any optional parameter,
-    and SDKs send it so (`temperature=None`, a LangChain default)."""
-    model_config = ConfigDict(extra="forbid")
+class NullIsAbsent(BaseModel):
+    """A request body where a null sent for a field that has a default and takes no null reads as
+    absent: OpenAI's API takes null for any optional parameter, and SDKs send it so
+    (`temperature=None`, a LangChain default); llama-server's json_value reads a null as the default.
+    A float field refuses NaN and Infinity, which Python's JSON reader takes (no JSON writer sends them)."""
+    model_config = ConfigDict(allow_inf_nan=False)
 
     @model_validator(mode="before")
     @classmethod
@@ -35,6 +36,11 @@ class Strict(BaseModel):
             defaulted = _defaulted(cls)
             data = {k: v for k, v in data.items() if v is not None or k not in defaulted}
         return data
+
+
+class Strict(NullIsAbsent):
+    """A request body (or part of one) that refuses unknown fields (a null: NullIsAbsent)."""
+    model_config = ConfigDict(extra="forbid")
 
 
 @functools.lru_cache(maxsize=None)

@@ -95,8 +95,12 @@ def surrogate_path(value: Any, path: str) -> Optional[str]:
     return None
 
 
-def encode_plain(tokenizer: Any, text: str, param: Optional[str] = None) -> list[int]:
+def encode_plain(tokenizer: Any, text: str, param: Optional[str] = None, specials: bool = True) -> list[int]:
+    """The ids of `text`, no special tokens added; a special token's text read as that token, or with
+    `specials` False as text (llama-server's parse_special false)."""
     try:
+        if not specials:
+            return list(tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True))
         return list(tokenizer.encode(text, add_special_tokens=False))
     except (TypeError, UnicodeEncodeError):   # (what the tokenizers library raises on a lone surrogate)
         check_unicode(text, param)
@@ -143,15 +147,16 @@ def check_chars(tokenizer: Any, chars: int, limit: Optional[int], param: str) ->
             raise PromptTooLong(limit, at_least, param)
 
 
-def encode_bounded(tokenizer: Any, text: str, limit: Optional[int], param: str = "messages") -> array:
-    """The ids of `text` (no special tokens added) as int32s (4 bytes a token, where a list
-    holds 40), raising PromptTooLong past `limit`."""
+def encode_bounded(tokenizer: Any, text: str, limit: Optional[int], param: str = "messages",
+                   specials: bool = True) -> array:
+    """The ids of `text` (no special tokens added; `specials`: encode_plain's) as int32s (4 bytes a
+    token, where a list holds 40), raising PromptTooLong past `limit`."""
     check_chars(tokenizer, len(text), limit, param)
     ids = token_array()
     start = 0
     while start < len(text):
         end = _cut(tokenizer, text, start + PIECE_CHARS) if len(text) - start > PIECE_CHARS else len(text)
-        ids.extend(encode_plain(tokenizer, text[start:end], param))
+        ids.extend(encode_plain(tokenizer, text[start:end], param, specials))
         if limit is not None and len(ids) > limit:
             raise PromptTooLong(limit, len(ids), param)
         start = end
