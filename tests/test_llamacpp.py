@@ -304,6 +304,8 @@ def test_infill_reads_special_tokens_text_in_the_files_as_text(server):
            + _plain(server, "a"))
     assert got["tokens_evaluated"] == len(ids)
     assert got["tokens"] == _stock(server, ids, 6, ends=(_special(server, "<|fim_pad|>"), sep))
+    # Ollama's /api/show lists "insert" for a model that takes a suffix (editors turn FIM on by it)
+    assert "insert" in _post(server, "/api/show", {"model": server.services.model_id})["capabilities"]
 
 
 def test_n_indent_cuts_a_line_less_indented_than_the_cursor(server, force):

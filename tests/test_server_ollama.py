@@ -75,6 +75,11 @@ def test_generate_whole_streamed_and_raw(server, client):
     assert raw.response == text.choices[0].text   # raw: no template, as /v1/completions
     loaded = client.generate(model=model(server), prompt="")
     assert loaded.done and loaded.done_reason == "load" and loaded.response == ""
+    for keep in (0, "0", "0s", "0m"):   # Ollama's unload: it says so (the model stays: it is the one served)
+        gone = client.generate(model=model(server), prompt="", keep_alive=keep)
+        assert gone.done_reason == "unload", keep
+        assert client.chat(model=model(server), messages=[], keep_alive=keep).done_reason == "unload"
+    assert client.generate(model=model(server), prompt="", keep_alive="5m").done_reason == "load"
     # Ollama's repetition penalty: taken (it was refused), a greedy raw reply is what /v1/completions
     # gives with llama-server's same option, and a strong one changes the reply
     assert client.generate(model=model(server), prompt="x", options={"num_predict": 4, "typical_p": 0.5, "seed": 1})
@@ -189,6 +194,7 @@ def test_tags_show_ps_version(server, client):
     assert entry.details.family == "qwen2"
     shown = client.show(model(server))
     assert "tools" in shown.capabilities and shown.template and shown.modelinfo["general.architecture"] == "qwen2"
+    assert "insert" not in shown.capabilities   # (no fill-in-the-middle tokens: test_llamacpp's model has them)
     assert client.ps().models[0].model == entry.model
     v = httpx.get(server.url + "/api/version", timeout=10).json()
     assert v["version"] and v["localheap"] is None or isinstance(v["localheap"], str)

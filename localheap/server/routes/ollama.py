@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 from typing import AsyncIterator, Optional, Sequence
 
@@ -116,6 +117,8 @@ async def show(request: Request, svc: Services = Depends(services)) -> dict:
         capabilities.append("tools")
     if "<think>" in template:
         capabilities.append("thinking")
+    if fim_format(svc.tokenizer) is not None:   # a suffix is taken (editors turn fill in the middle on by it)
+        capabilities.append("insert")
     shapes = svc.backend.model_shapes()
     family = entry["details"]["family"]
     return {"modelfile": "", "parameters": "", "template": template, "details": entry["details"],
@@ -178,7 +181,7 @@ async def chat(request: Request, svc: Services = Depends(services), x_session_id
     body = await read_json(request, ChatRequest)
     _check_model(svc, body.model)
     if not body.messages:   # Ollama's way to load a model: done at once
-        return _loaded(svc, body.stream, {"message": {"role": "assistant", "content": ""}})
+        return _loaded(svc, body, {"message": {"role": "assistant", "content": ""}})
     plan = body.plan()
     opts = plan.options(svc)
     msgs = body.chat_messages()
@@ -195,7 +198,7 @@ async def generate(request: Request, svc: Services = Depends(services), x_sessio
     if bad is not None:
         raise Unsupported(bad[1], bad[0])
     if not body.prompt:   # loads the model
-        return _loaded(svc, body.stream, {"response": ""})
+        return _loaded(svc, body, {"response": ""})
     plan = body.plan()
     opts = plan.options(svc)
     ends = ()
@@ -258,11 +261,22 @@ async def embeddings_route(request: Request, svc: Services = Depends(services)) 
     return {"embedding": finish(vector, normalize=False).tolist()}
 
 
-def _loaded(svc: Services, stream: bool, reply: dict):
-    line = {"model": tag(svc.model_id), "created_at": now_iso(), **reply, "done": True, "done_reason": "load"}
-    if stream:
+def _loaded(svc: Services, body, reply: dict):
+    """The answer to a request with nothing to run: Ollama's load, or with keep_alive 0 its unload (the
+    model stays: it is the one this server serves)."""
+    done = "unload" if _zero_duration(body.keep_alive) else "load"
+    line = {"model": tag(svc.model_id), "created_at": now_iso(), **reply, "done": True, "done_reason": done}
+    if body.stream:
         return StreamingResponse(iter([json.dumps(line) + "\n"]), media_type=NDJSON)
     return JSONResponse(line)
+
+
+def _zero_duration(value) -> bool:
+    """Whether keep_alive is 0 (a number of seconds, or Ollama's duration text: "0", "0s", "0m")."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return value == 0
+    m = re.fullmatch(r"\s*(\d*\.?\d*)\s*(ns|us|µs|ms|s|m|h)?\s*", value) if isinstance(value, str) else None
+    return m is not None and m.group(1) not in ("", ".") and float(m.group(1)) == 0
 
 
 async def _run(request: Request, svc: Services, body, prompt, parser: OutputParser, constraint,
