@@ -275,6 +275,7 @@ def test_ids_dimensions_and_the_heaps_size(server):
     ({"input": ""}, "input"), ({"input": []}, "input"), ({"input": ["a", ""]}, "input"),
     ({"input": ["a"] * 2049}, "input"), ({"input": "a", "dimensions": 100000}, "dimensions"),
     ({"input": [[5, 10 ** 7]]}, "input"), ({"input": "a", "encoding_format": "int8"}, None),
+    ({"input": [True]}, None), ({"input": [[1, False]]}, None),   # (a boolean was read as the id 1 or 0)
 ])
 def test_bad_requests_are_400s(server, body, param):
     r = _post(server, **body)

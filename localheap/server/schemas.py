@@ -8,7 +8,7 @@ import json
 import types
 from typing import Annotated, Any, Literal, Optional, Union, get_args, get_origin
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
 
 from ..generation import (DRY_BASE_MAX, DRY_MULTIPLIER_MAX, DYNATEMP_MAX, LOGIT_BIAS_RANGE, MIN_P_RANGE,
                           MIROSTAT_TAU_MAX, PENALTY_RANGE, REPEAT_PENALTY_MAX, TOP_LOGPROBS_MAX, TOP_N_SIGMA_MAX)
@@ -499,7 +499,7 @@ MAX_EMBED_INPUTS = 2048   # inputs per embeddings request (OpenAI's limit)
 class EmbeddingRequest(Strict):
     """POST /v1/embeddings: a text or a list of ids, or a batch of either."""
     model: str
-    input: Union[str, list[str], list[int], list[list[int]]]
+    input: Union[str, list[str], list[StrictInt], list[list[StrictInt]]]   # (ids: never true/false or "5")
     encoding_format: Literal["float", "base64"] = "float"   # base64: float32 little-endian (the OpenAI SDK's default)
     dimensions: Optional[int] = Field(None, ge=1)            # the first N components, then unit length again
     user: Optional[str] = None                               # accepted, unused
