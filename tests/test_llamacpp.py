@@ -411,7 +411,7 @@ def test_options_it_has_no_sampler_for_are_refused_unless_off(server):
     base = {"prompt": "a", "n_predict": 2}
     for name, value in (("lora", [{"id": 0, "scale": 1.0}]),):
         bad = _post(server, "/completion", {**base, name: value}, status=400)
-        assert bad["error"]["param"] == name and "no such sampler" in bad["error"]["message"]
+        assert bad["error"]["param"] == name and "no LoRA adapters" in bad["error"]["message"]
     off = {"repeat_penalty": 1.0, "mirostat": 0, "typical_p": 1.0, "dry_multiplier": 0.0, "repeat_last_n": 64,
            "xtc_probability": 0.0, "top_n_sigma": -1, "dynatemp_range": 0.0,
            "id_slot": -1, "n_keep": 0, "cache_prompt": True, "timings_per_token": False, "samplers": "kpmt"}

@@ -447,3 +447,26 @@ def test_llamacpp_and_ollama_options_take_null_as_their_default_and_refuse_what_
             assert (err["localheap"]["param"] if path == "/api/generate" else err["error"]["param"]) == param, r.text
         r = completion(seed=2**64)
         assert r.status_code == 400 and r.json()["error"]["param"] == "seed", r.text
+
+
+def test_a_schema_that_cannot_be_enforced_is_a_400_naming_where_it_was_given(backend, tmp_path):
+    """The JSON schema's compile error was a ValueError past the route: a 400 with param null on chat,
+    Responses, Messages and Ollama alike."""
+    bad = {"type": "nonsense"}
+    user = [{"role": "user", "content": "hi"}]
+    cases = (("/v1/chat/completions", {"messages": user, "response_format": {
+                 "type": "json_schema", "json_schema": {"name": "x", "schema": bad}}}, "response_format"),
+             ("/v1/responses", {"input": "hi", "text": {"format": {"type": "json_schema", "name": "x", "schema": bad}}},
+              "text.format"),
+             ("/v1/messages", {"max_tokens": 4, "messages": user,
+                               "output_config": {"format": {"type": "json_schema", "schema": bad}}},
+              "output_config.format"),
+             ("/api/chat", {"messages": user, "stream": False, "format": bad}, "format"),
+             ("/api/generate", {"prompt": "hi", "stream": False, "format": bad}, "format"))
+    app = create_app(backend, settings(tmp_path))
+    with ServerThread(app) as srv, httpx.Client(base_url=srv.url, timeout=60) as http:
+        for path, body, param in cases:
+            r = http.post(path, json={"model": MODEL, **body})
+            err = r.json()
+            got = err["localheap"]["param"] if path.startswith("/api/") else err["error"]["param"]
+            assert r.status_code == 400 and got == param and "cannot be enforced" in r.text, (path, r.text)

@@ -228,6 +228,8 @@ def test_options_and_fields_it_does_not_know_are_ignored_as_ollama_ignores_them(
     ({"options": {"repeat_last_n": -2}}, "options.repeat_last_n"),
     ({"messages": [{"role": "user", "content": "x", "images": ["aGk="]}]}, "messages.0.images"),
     ({"messages": "hi"}, None),
+    ({"format": 5}, "format"), ({"format": "yaml"}, "format"),   # (not "format.literal['','json']")
+    ({"format": {"type": "nonsense"}}, "format"),
 ])
 def test_what_it_cannot_do_is_a_400_in_ollamas_shape(server, body, param):
     payload = {"model": model(server), "messages": [{"role": "user", "content": "hi"}], "stream": False, **body}

@@ -240,7 +240,8 @@ class CountTokensRequest(Strict):
         fmt = self.output_config.format if self.output_config is not None else None
         if fmt is not None and choice not in ("auto", "none"):
             raise BadRequest("output_config.format and a forced tool_choice cannot be combined", "output_config")
-        return ChatPlan(tools, choice, parallel, fmt.schema_ if fmt is not None else None, kwargs)
+        return ChatPlan(tools, choice, parallel, fmt.schema_ if fmt is not None else None, kwargs,
+                        schema_param="output_config.format")
 
 
 class MessagesRequest(CountTokensRequest):

@@ -40,6 +40,7 @@ class ChatPlan:
     template_kwargs: Optional[dict] = None
     arguments: Optional[dict] = None
     allowed: Optional[list[str]] = None
+    schema_param: str = "response_format"   # where the request gave json_schema (a 400's param)
 
     @property
     def callable(self) -> list[dict]:
@@ -75,7 +76,10 @@ class ChatPlan:
         if svc.force_tokens is not None:
             return svc.force_tokens()
         if self.json_schema is not None:
-            grammar = json_grammar(self.json_schema or None)   # checked: a schema it cannot take is a 400
+            try:
+                grammar = json_grammar(self.json_schema or None)   # checked: a schema it cannot take is a 400
+            except GrammarError as e:
+                raise BadRequest(str(e), self.schema_param) from e
             if isinstance(opts.fmt, Harmony):   # the JSON is the final message's body
                 grammar = harmony_final(self.json_schema or {"type": "object"}, svc.tokenizer)
         elif self.forced:
@@ -87,7 +91,7 @@ class ChatPlan:
         try:
             return _leading(svc, Grammar(svc.tokenizer, svc.backend.eos_token_ids, grammar))
         except GrammarError as e:
-            raise BadRequest(str(e), "response_format" if self.json_schema is not None else "tool_choice") from e
+            raise BadRequest(str(e), self.schema_param if self.json_schema is not None else "tool_choice") from e
 
     def lazy(self, svc: Services, opts: ChatOptions, prompt: Prompt) -> Optional[LazyGrammar]:
         """The calls a free reply opens, held to the tools' schemas; None where llguidance cannot

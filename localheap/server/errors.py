@@ -158,7 +158,8 @@ def to_response(exc: Exception) -> JSONResponse:
 
 def _union_branch(part) -> bool:
     """A loc element naming which member of a Union pydantic tried ("str", "list[...]"), not a field."""
-    return part == "str" or str(part).startswith(("list[", "tagged-union["))
+    return part in ("str", "int", "float", "bool", "none") or \
+        str(part).startswith(("list[", "tagged-union[", "literal[", "dict[", "function-"))
 
 
 def _field_path(loc: list, body) -> list[str]:

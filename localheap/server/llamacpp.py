@@ -42,6 +42,7 @@ ALIASES = {"nucleus": "top_p", "temp": "temperature", "typ": "typ_p"}   # llama.
 
 # options this server has nothing for: accepted only at the value that leaves them off
 OFF = {"lora": lambda v: not v}
+OFF_WHY = {"lora": "this server applies no LoRA adapters"}
 # llama.cpp's runtime options and tuning that changes nothing here: accepted, unused
 UNUSED = {"penalize_nl", "min_keep",
           "t_max_prompt_ms", "n_keep", "n_discard", "timings_per_token",
@@ -223,8 +224,8 @@ def check_options(extras: dict, strict: bool = True) -> list[str]:
         except TypeError:
             ok = False
         if not ok:
-            raise BadRequest(f"{name} {value!r} is not supported: this server has no such sampler (leave it out, "
-                             f"or send the value that turns it off)", name)
+            raise BadRequest(f"{name} {value!r:.80} is not supported: {OFF_WHY.get(name, 'this server has no such sampler')} "
+                             f"(leave it out, or send the value that turns it off)", name)
     return sorted(ignored)
 
 

@@ -215,7 +215,7 @@ class ChatRequest(OllamaRequest):
 
     def plan(self) -> ChatPlan:
         tools = [{"type": "function", "function": t.function} for t in self.tools or []] or None
-        return ChatPlan(tools, "auto", True, self.schema(), self.template_kwargs())
+        return ChatPlan(tools, "auto", True, self.schema(), self.template_kwargs(), schema_param="format")
 
 
 class GenerateRequest(OllamaRequest):
@@ -245,7 +245,7 @@ class GenerateRequest(OllamaRequest):
         return system + [ChatMessage(role="user", content=self.prompt)]
 
     def plan(self) -> ChatPlan:
-        return ChatPlan(None, "auto", True, self.schema(), self.template_kwargs())
+        return ChatPlan(None, "auto", True, self.schema(), self.template_kwargs(), schema_param="format")
 
 
 def now_iso() -> str:

@@ -504,7 +504,7 @@ class ResponsesRequest(Strict):
             kwargs = with_effort({"enable_thinking": self.reasoning.effort != "none"}, self.reasoning.effort)
         arguments = {o.name: o.enforce for o in self.offered if o.enforce is not None}
         return ChatPlan(tools, choice, self.parallel_tool_calls is not False, schema, kwargs, arguments or None,
-                        allowed)
+                        allowed, schema_param="text.format")
 
 
 class InputTokensRequest(ResponsesRequest):
