@@ -255,3 +255,29 @@ def test_a_refusing_disk_without_mounts(backend, tmp_path, monkeypatch):
             assert tokens(http, sid) > on_disk(tmp_path, sid)
         wait_saved(http)
         assert on_disk(tmp_path, sid) == tokens(http, sid)
+
+
+def test_a_server_starts_on_a_full_disk_reads_what_is_saved_and_saves_once_there_is_room(backend, small_disk):
+    """A crash on a full disk left it full: the start's write check refused ("cannot save sessions
+    to ...: No space left on device") and nothing was served. A full directory (not an unwritable
+    one) now starts degraded, its sessions read back and answering, and the first save once there
+    is room clears it."""
+    settings = ServerSettings(heap=HEAP, web_dir=None, sessions_dir=small_disk, persist_sessions=True)
+    with ServerThread(create_app(backend, settings)) as srv, httpx.Client(base_url=srv.url, timeout=120) as http:
+        sid = http.post("/v1/sessions").json()["id"]
+        assert chat(http, sid, DOC + " What does the heap keep?").headers["X-Localheap-Saved"] == "true"
+        saved = tokens(http, sid)
+    ballast = fill(small_disk)
+    with ServerThread(create_app(backend, settings)) as srv, httpx.Client(base_url=srv.url, timeout=120) as http:
+        health = http.get("/health").json()
+        assert health["status"] == "degraded" and any("No space" in d for d in health["degraded"]), health
+        assert all(d.count("cannot save sessions") == 1 for d in health["degraded"]), health   # (said twice)
+        assert tokens(http, sid) == saved
+        r = chat(http, sid, "And then?")
+        assert r.status_code == 200 and r.headers["X-Localheap-Saved"] == "false", r.text
+        ballast.unlink()
+        wait_saved(http)
+        assert http.get("/health").json()["status"] == "ok" and on_disk(small_disk, sid) == tokens(http, sid)
+    with pytest.raises(Exception, match="Read-only|cannot save"):   # unwritable (not full) still refuses
+        with read_only(small_disk):
+            create_app(backend, settings)

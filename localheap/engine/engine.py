@@ -29,6 +29,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Optional
 
 from ..sessions import Session, SessionNotFound, SessionStore
+from ..sessions.store import DIR_FULL
 from . import branching
 from .admission import AdmissionQueue
 from .errors import EngineFailed, EngineStopped, OverBudget, Overloaded
@@ -666,6 +667,7 @@ class Engine:
             save()
         except Exception as e:
             return self._save_failed(s, e)
+        self.store.clear_degraded(DIR_FULL)   # (a directory found full at start: there is room again)
         self._saved(s.id)
         return True
 

@@ -69,6 +69,7 @@ def create_app(backend: Any, settings: Optional[ServerSettings] = None, governor
                 on_start(store)
             svc.responses   # the kept responses read back
             svc.conversations
+            store.room_again()   # a directory found full at start: room made by recovery or --disk-total
         shutil.rmtree(store.checkpoints.root / slotstate.STAGING, ignore_errors=True)   # a crash's slot saves
         engine.start()
         sampler = asyncio.create_task(svc.throughput.run(svc))

@@ -100,6 +100,8 @@ class SessionDir:
                 os.chmod(self.root, DIR_MODE)   # saved sessions decode to conversation text
             self.write_bytes(self.root / ".write-check", b"ok")
             (self.root / ".write-check").unlink()
+        except SpillFailed:
+            raise
         except OSError as e:
             raise SpillFailed(self.root, e) from e
 

@@ -19,6 +19,8 @@ class SpillFailed(OSError):
     """The sessions directory refused a write (full, unwritable, gone, not a directory)."""
 
     def __init__(self, directory, cause: BaseException):
+        while isinstance(cause, SpillFailed):   # (one wrapped in another: said once)
+            cause = cause.cause
         reason = cause.strerror if isinstance(cause, OSError) and cause.strerror else str(cause) or type(cause).__name__
         super().__init__(f"cannot save sessions to {directory}: {reason}")
         self.directory, self.cause = directory, cause

@@ -6,6 +6,7 @@ read published snapshots and are safe from any thread.
 
 from __future__ import annotations
 
+import errno
 import logging
 import shutil
 import tempfile
@@ -22,6 +23,9 @@ from .checkpoints import Checkpoints
 from .disk import SessionDir, file_crc, new_id, valid_id
 from .diskbudget import DiskTotal
 from .errors import SessionBusy, SessionLost, SessionNotFound, SpillFailed
+
+FULL = {errno.ENOSPC, errno.EDQUOT}   # a write refused for room (the directory is writable)
+DIR_FULL = "sessions-dir:full"        # the degraded key of a directory found full at start
 from .recover import recover_sessions
 from .session import ORIGINS, Session
 
@@ -55,7 +59,13 @@ class SessionStore:
         self._own_dir = spill_dir is None
         self.spill_dir = Path(spill_dir or tempfile.mkdtemp(prefix="localheap-sessions-"))
         self.dir = SessionDir(self.spill_dir)
-        self.dir.check()
+        full = None
+        try:
+            self.dir.check()
+        except SpillFailed as e:   # full, not unwritable (a crash on a full disk): start, to read what is saved
+            if not (durable and isinstance(e.cause, OSError) and e.cause.errno in FULL):   # and to make room
+                raise
+            full = e
         self.durable = durable
         self.max_resident = max_resident
         self.max_sessions = max_sessions
@@ -67,12 +77,25 @@ class SessionStore:
         self.checkpoints = Checkpoints(self.spill_dir / "checkpoints", backend)
         self.disk = DiskTotal(self, disk_total)   # --disk-total (0: none) and page-out faults
         self.degraded: dict[str, str] = {}        # what /health reports: key -> reason
+        if full is not None:   # (cleared by the first save that succeeds)
+            self.mark_degraded(DIR_FULL, f"{full}: sessions are read, none saved until there is room "
+                                         f"(delete sessions, or start with --disk-total)")
         self.rebuilt = 0                          # heaps rebuilt from their tokens (unreadable heap or pages)
         self.rollbacks = 0                        # sessions rolled back to a prompt's shared prefix (engine/branching.py)
         self.rewinds = 0                          # of those, past an eviction (backends/slots.py)
         self.rollbacks_refused = 0                # rewinds and cuts the page store's disk refused (the prompt read anew)
         self.cuts = 0                             # sessions cut to a client's trimmed history (--cache-reuse)
         self.cache_reuse = cache_reuse            # fewest tokens of a run a trimmed history keeps (0: none)
+
+    def room_again(self) -> None:
+        """Clear DIR_FULL where the directory takes a write again (what a crash left was read, and
+        cleaned up, or --disk-total reclaimed)."""
+        if DIR_FULL in self.degraded:
+            try:
+                self.dir.check()
+            except SpillFailed:
+                return
+            self.clear_degraded(DIR_FULL)
 
     def mark_degraded(self, key: str, reason: str) -> None:
         if self.degraded.get(key) != reason:
