@@ -122,3 +122,41 @@ def test_checkpoints_keep_the_first_and_newest_cap_the_total_and_survive_a_resta
     with pytest.raises(OSError):
         store.save(a)
     assert a.checkpoints == [9, 12] and sorted(p.name for p in (tmp_path / "a").iterdir()) == []
+
+
+def test_checkpoints_a_start_cannot_list_are_left_as_they_are_and_the_start_goes_on(tmp_path, monkeypatch):
+    """A session's checkpoint folder, or the whole checkpoints folder, that cannot be listed (mode
+    000 where the server lacks CAP_DAC_OVERRIDE) stopped the server's start with a PermissionError:
+    now those checkpoints are not read (nor removed) and the others are."""
+    from pathlib import Path
+
+    from test_engine import FakeBackend, FakeCache
+
+    from localheap.sessions.checkpoints import Checkpoints
+
+    store = Checkpoints(tmp_path, FakeBackend())
+    sessions = []
+    for name in ("a", "b"):
+        s = session("doc")
+        s.id, s.cache = name, FakeCache(CFG)
+        s.fed = token_array(encode("doc"))
+        s.cache.tokens = encode("doc")
+        store.save(s)
+        sessions.append(s)
+    listed = Path.iterdir
+
+    def refusing(names):
+        def iterdir(self):
+            if self.name in names:
+                raise PermissionError(13, "Permission denied", str(self))
+            return listed(self)
+        return iterdir
+
+    monkeypatch.setattr(Path, "iterdir", refusing({"a"}))
+    restarted = Checkpoints(tmp_path, FakeBackend())
+    assert restarted.load_persisted(sessions) == 1 and restarted.of("a") == [] and len(restarted.of("b")) == 1
+    assert sorted(p.name for p in listed(tmp_path / "a")) == ["3.safetensors", "3.tokens"]
+    monkeypatch.setattr(Path, "iterdir", refusing({tmp_path.name}))
+    assert Checkpoints(tmp_path, FakeBackend()).load_persisted(sessions) == 0
+    monkeypatch.undo()
+    assert Checkpoints(tmp_path, FakeBackend()).load_persisted(sessions) == 2

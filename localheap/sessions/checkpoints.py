@@ -127,34 +127,50 @@ class Checkpoints:
         if not self.root.is_dir():
             return 0
         known = {s.id: s for s in sessions}
+        try:
+            folders = sorted(self.root.iterdir())
+        except OSError as e:   # (unreadable: its sessions start with no checkpoints; nothing is removed)
+            log.warning("checkpoints %s not read (%s); sessions start without them", self.root, e)
+            return 0
         found = 0
-        for folder in sorted(self.root.iterdir()):
-            s = known.get(folder.name)
-            if s is None or not folder.is_dir():
-                log.info("removing checkpoints %s: they belong to no session", folder)
-                shutil.rmtree(folder, ignore_errors=True) if folder.is_dir() else folder.unlink(missing_ok=True)
+        for folder in folders:
+            try:
+                found += self._load_folder(folder, known)
+            except OSError as e:
+                log.warning("checkpoints %s not read (%s); left as they are", folder, e)
+        return found
+
+    def _load_folder(self, folder: Path, known: dict) -> int:
+        """load_persisted's work for one session's folder: the checkpoints registered."""
+        found = 0
+        s = known.get(folder.name)
+        if s is None or not folder.is_dir():
+            log.info("removing checkpoints %s: they belong to no session", folder)
+            shutil.rmtree(folder, ignore_errors=True) if folder.is_dir() else folder.unlink(missing_ok=True)
+            return 0
+        entries = sorted(folder.iterdir())   # (unreadable: raises before anything is registered or removed)
+        kept = set()
+        heaps = (p for p in entries if p.suffix == ".safetensors")
+        for path in sorted(heaps, key=lambda p: int(p.stem) if p.stem.isdigit() else -1):
+            tokens_file = path.with_suffix(".tokens")
+            if not path.stem.isdigit() or not tokens_file.exists():
                 continue
-            kept = set()
-            for path in sorted(folder.glob("*.safetensors"), key=lambda p: int(p.stem) if p.stem.isdigit() else -1):
-                tokens_file = path.with_suffix(".tokens")
-                if not path.stem.isdigit() or not tokens_file.exists():
-                    continue
-                try:
-                    tokens = read_token_file(tokens_file)
-                except (OSError, ValueError) as e:
-                    log.warning("checkpoint %s: unreadable token file (%s); removed", path, e)
-                    continue
-                if len(tokens) != int(path.stem):
-                    log.warning("checkpoint %s: token file does not match its name; removed", path)
-                    continue
-                self._add(s, Checkpoint(s.id, tokens, path))
-                kept.add(path.stem)
-                found += 1
-            for leftover in sorted(folder.iterdir()):
-                if leftover.name.split(".")[0] not in kept or leftover.name.endswith(".tmp") or ".tmp." in leftover.name:
-                    log.info("removing %s: left by a checkpoint that never completed", leftover)
-                    shutil.rmtree(leftover, ignore_errors=True) if leftover.is_dir() else leftover.unlink(missing_ok=True)
-            s.refresh()
+            try:
+                tokens = read_token_file(tokens_file)
+            except (OSError, ValueError) as e:
+                log.warning("checkpoint %s: unreadable token file (%s); removed", path, e)
+                continue
+            if len(tokens) != int(path.stem):
+                log.warning("checkpoint %s: token file does not match its name; removed", path)
+                continue
+            self._add(s, Checkpoint(s.id, tokens, path))
+            kept.add(path.stem)
+            found += 1
+        for leftover in entries:
+            if leftover.name.split(".")[0] not in kept or leftover.name.endswith(".tmp") or ".tmp." in leftover.name:
+                log.info("removing %s: left by a checkpoint that never completed", leftover)
+                shutil.rmtree(leftover, ignore_errors=True) if leftover.is_dir() else leftover.unlink(missing_ok=True)
+        s.refresh()
         return found
 
     def _add(self, s: Session, c: Checkpoint) -> Checkpoint:
