@@ -267,3 +267,46 @@ def test_the_session_about_to_run_gives_back_its_own_checkpoint_then_pages(backe
         r = chat(http, "And the sinks?", headers={"X-Session-Id": sid})
         assert r.status_code == 507 and r.json()["error"]["code"] == "disk_total_exceeded", r.text
         assert files(tmp_path) == before
+
+
+def test_a_checkpoint_or_fork_the_disk_refuses_is_a_507_and_the_checkpoint_stays(backend, tmp_path, monkeypatch):
+    """A fork whose own copy of the checkpoint's pages the disk refused (ENOSPC) took the checkpoint
+    for unreadable and deleted it; a checkpoints folder replaced by a file, or a checkpoint's files
+    removed under the server, were 500s. Now: 507s that leave the checkpoint as it was, and a fork
+    from a checkpoint whose files are gone reads its tokens again and forgets it."""
+    import errno
+    import shutil
+
+    import localheap.backends.paging as paging
+
+    settings = ServerSettings(heap=HEAP, web_dir=None, sessions_dir=tmp_path, persist_sessions=True)
+    with ServerThread(create_app(backend, settings)) as srv, httpx.Client(base_url=srv.url, timeout=120) as http:
+        sid = http.post("/v1/sessions").json()["id"]
+        assert http.post(f"/v1/sessions/{sid}/documents", json={"text": DOC, "stream": False}).status_code == 200
+        (n,) = http.get(f"/v1/sessions/{sid}").json()["checkpoints"]
+        folder = srv.services.store.checkpoints.root / sid
+        kept = files(folder)
+        assert any(".pages/" in f for f in kept), kept   # (recall evicted: the fork copies pages)
+
+        def full(src, dst, state=None):
+            raise OSError(errno.ENOSPC, "No space left on device", str(src), None, str(dst))
+
+        with monkeypatch.context() as m:
+            m.setattr(paging, "copy_tree", full)
+            r = http.post(f"/v1/sessions/{sid}/fork", json={"tokens": n})
+            assert r.status_code == 507 and r.json()["error"]["code"] == "sessions_dir_unwritable", r.text
+        assert http.get(f"/v1/sessions/{sid}").json()["checkpoints"] == [n] and files(folder) == kept
+        assert len(http.get("/v1/sessions").json()["data"]) == 1   # (the fork's session is gone)
+        assert chat(http, "And then?", headers={"X-Session-Id": sid}).status_code == 200   # (a new point)
+        root = srv.services.store.checkpoints.root
+        root.rename(tmp_path / "aside")
+        root.write_text("not a folder")
+        r = http.post(f"/v1/sessions/{sid}/checkpoint")
+        assert r.status_code == 507 and r.json()["error"]["code"] == "sessions_dir_unwritable", r.text
+        root.unlink()
+        (tmp_path / "aside").rename(root)
+        assert http.post(f"/v1/sessions/{sid}/fork", json={"tokens": n}).status_code == 201
+        shutil.rmtree(folder)   # removed under the server: the fork reads the tokens again
+        r = http.post(f"/v1/sessions/{sid}/fork", json={"tokens": n})
+        assert r.status_code == 201 and r.json()["tokens"] == n, r.text
+        assert http.get(f"/v1/sessions/{sid}").json()["checkpoints"] == []

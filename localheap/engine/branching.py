@@ -4,10 +4,14 @@ checkpoints themselves (taken after a document is read, or on request). Engine t
 
 from __future__ import annotations
 
+import errno
 import logging
+import os
+import shutil
+from pathlib import Path
 from typing import Any, Optional
 
-from ..sessions import RollbackRefused, Session, SessionBusy, SessionStore
+from ..sessions import DiskTotalExceeded, RollbackRefused, Session, SessionBusy, SessionStore, SpillFailed
 from ..sessions.checkpoints import Checkpoint
 from ..sessions.diskbudget import dir_bytes
 from ..sessions.session import token_array
@@ -101,9 +105,13 @@ def fork_into(store: SessionStore, s: Session, c: Checkpoint, inherit: bool = Tr
     """Fill the new, empty session `s` with checkpoint `c` (its heap, tokens and, with `inherit`,
     the earlier checkpoints of c's session; without, c is already one of s's own)."""
     assert not s.fed and s.cache is None
+    pages_dir = store.pages_dir(s)
     try:
-        cache = store.checkpoints.load(c, s.cfg, pages_dir=store.pages_dir(s))
+        cache = store.checkpoints.load(c, s.cfg, pages_dir=pages_dir)
     except Exception as e:   # an unreadable checkpoint: its tokens are the truth, read them again
+        if _refused_write(e, pages_dir):   # the fork's own copy could not be written: the checkpoint is fine
+            shutil.rmtree(pages_dir, ignore_errors=True)
+            raise SpillFailed(store.spill_dir, e) from e
         log.warning("checkpoint %s unreadable (%s: %s); removed, and its %d tokens read again", c.path,
                     type(e).__name__, e, c.n)
         store.checkpoints.discard(c)
@@ -116,6 +124,16 @@ def fork_into(store: SessionStore, s: Session, c: Checkpoint, inherit: bool = Tr
         store.checkpoints.inherit(c, s)
     settle(store.backend, s)
     s.refresh(store.backend.stats(cache))
+
+
+def _refused_write(e: BaseException, written: Path) -> bool:
+    """Whether `e` is a write refused (full, read-only), or any failure at a path under `written`
+    (the fork's page store, which a checkpoint's load copies into), not the checkpoint's own files."""
+    if not isinstance(e, OSError):
+        return False
+    if isinstance(e, SpillFailed) or e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS):
+        return True
+    return any(f is not None and Path(os.fsdecode(f)).is_relative_to(written) for f in (e.filename, e.filename2))
 
 
 def checkpoint(store: SessionStore, session_id: str) -> Checkpoint:
@@ -133,7 +151,14 @@ def checkpoint(store: SessionStore, session_id: str) -> Checkpoint:
 
 
 def checkpoint_quietly(store: SessionStore, s: Session) -> None:
-    """The automatic checkpoint after a document: a failure is logged, the request still succeeds."""
+    """The automatic checkpoint after a document: a failure is logged, the request still succeeds.
+    Under --disk-total it is made only where there is room (taken back from idle sessions, as for an
+    explicit checkpoint); where there is none it is left out."""
+    try:
+        store.disk.room_for(store.heap_bytes() + 4 * len(s.fed), s)
+    except DiskTotalExceeded as e:
+        log.info("session %s: the document's checkpoint left out: %s", s.id, e)
+        return
     try:
         store.checkpoints.save(s)
         s.refresh()

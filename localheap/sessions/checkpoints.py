@@ -24,6 +24,7 @@ from ..heap import HeapConfig
 from ..heap.pages import link_tree
 from ..heap.private import FILE_MODE, private_dir, write_private
 from .disk import read_token_file
+from .errors import SpillFailed
 from .session import Session, token_array
 
 log = logging.getLogger("localheap.sessions")
@@ -70,14 +71,19 @@ class Checkpoints:
             if c.n == len(s.fed) and c.tokens == s.fed:
                 return c
         path = self.root / s.id / f"{len(s.fed)}.safetensors"
-        private_dir(path.parent)
         try:
+            private_dir(path.parent)
             _write_tokens(path.with_suffix(".tokens"), s.fed)   # tokens first: the heap file marks it complete
             faults.step("checkpoint.tokens")
             self.backend.save_cache(s.cache, path, snapshot=True)   # written atomically by the backend
-        except BaseException:
-            remove_checkpoint_files(path)
-            path.with_name(path.with_suffix(".tokens").name + ".tmp").unlink(missing_ok=True)
+        except BaseException as e:
+            try:
+                remove_checkpoint_files(path)
+                path.with_name(path.with_suffix(".tokens").name + ".tmp").unlink(missing_ok=True)
+            except OSError:   # (the folder itself is what failed)
+                pass
+            if isinstance(e, OSError) and not isinstance(e, SpillFailed):   # full, read-only, a folder gone or
+                raise SpillFailed(self.root, e) from e                        # a file in its place: a 507
             raise
         faults.step("checkpoint.heap")
         return self._add(s, Checkpoint(s.id, token_array(s.fed), path))
@@ -93,21 +99,36 @@ class Checkpoints:
         for c in self.of(parent.session_id):
             if c.n > parent.n or c.tokens != parent.tokens[:c.n]:
                 continue
-            path = self.root / child.id / c.path.name
-            private_dir(path.parent)
-            if c.path.with_suffix(".pages").is_dir():
-                link_tree(c.path.with_suffix(".pages"), path.with_suffix(".pages"))
-            shards = sorted(c.path.parent.glob(f"{c.path.stem}.*-rank*of*"))   # --distributed: this host's ranks'
-            for shard in (x for x in shards if x.is_dir()):
-                link_tree(shard, path.parent / shard.name)
-            files = [(x, path.parent / x.name) for x in shards if not x.is_dir()]
-            for src, dst in (*files, (c.path.with_suffix(".tokens"), path.with_suffix(".tokens")), (c.path, path)):
+            try:
+                self._inherit_one(c, child)
+            except OSError as e:
                 try:
-                    os.link(src, dst)
-                except OSError:   # a filesystem without hard links
-                    shutil.copyfile(src, dst)
-                    os.chmod(dst, FILE_MODE)
-            self._add(child, Checkpoint(child.id, c.tokens, path))
+                    remove_checkpoint_files(self.root / child.id / c.path.name)
+                except OSError:
+                    pass
+                if not c.path.exists():   # its files are gone (removed under the server): it is forgotten
+                    log.warning("checkpoint %s: its files are gone (%s); forgotten", c.path, e)
+                    self._remove(c)
+                    continue
+                raise SpillFailed(self.root, e) from e
+
+    def _inherit_one(self, c: Checkpoint, child: Session) -> None:
+        """inherit's work for one checkpoint: the child's links to its files, registered."""
+        path = self.root / child.id / c.path.name
+        private_dir(path.parent)
+        if c.path.with_suffix(".pages").is_dir():
+            link_tree(c.path.with_suffix(".pages"), path.with_suffix(".pages"))
+        shards = sorted(c.path.parent.glob(f"{c.path.stem}.*-rank*of*"))   # --distributed: this host's ranks'
+        for shard in (x for x in shards if x.is_dir()):
+            link_tree(shard, path.parent / shard.name)
+        files = [(x, path.parent / x.name) for x in shards if not x.is_dir()]
+        for src, dst in (*files, (c.path.with_suffix(".tokens"), path.with_suffix(".tokens")), (c.path, path)):
+            try:
+                os.link(src, dst)
+            except OSError:   # a filesystem without hard links
+                shutil.copyfile(src, dst)
+                os.chmod(dst, FILE_MODE)
+        self._add(child, Checkpoint(child.id, c.tokens, path))
 
     def adopt(self, s: Session, c: Checkpoint) -> Checkpoint:
         """Register a checkpoint whose files were put in the session's folder from elsewhere (a
@@ -197,6 +218,7 @@ class Checkpoints:
         self._by_session[c.session_id] = left
         if c.session_id in self._owners:
             self._owners[c.session_id].checkpoints = [x.n for x in left]
+            self._owners[c.session_id].refresh()   # (the listing's snapshot too)
 
 
     def _remove_files(self, c: Checkpoint) -> None:
