@@ -310,3 +310,31 @@ def test_a_checkpoint_or_fork_the_disk_refuses_is_a_507_and_the_checkpoint_stays
         r = http.post(f"/v1/sessions/{sid}/fork", json={"tokens": n})
         assert r.status_code == 201 and r.json()["tokens"] == n, r.text
         assert http.get(f"/v1/sessions/{sid}").json()["checkpoints"] == []
+
+
+def test_the_documents_own_checkpoint_asks_the_disk_total_for_room_first(backend, tmp_path, monkeypatch):
+    """The automatic checkpoint after a document was written without asking --disk-total (the
+    directory passed the bound by its heap file until the next reclaim): it asks for room as an
+    explicit checkpoint does, and where there is none the document is read without it."""
+    from localheap.sessions import DiskTotalExceeded
+    from localheap.sessions.diskbudget import DiskTotal
+
+    asked = []
+    room_for = DiskTotal.room_for
+
+    def spy(self, nbytes, *keep):
+        asked.append(nbytes)
+        if len(asked) > 1:
+            raise DiskTotalExceeded(nbytes, self.total, self.used)
+        return room_for(self, nbytes, *keep)
+
+    monkeypatch.setattr(DiskTotal, "room_for", spy)
+    settings = ServerSettings(heap=HEAP, web_dir=None, sessions_dir=tmp_path, persist_sessions=True,
+                              disk_total=64 << 20)
+    with ServerThread(create_app(backend, settings)) as srv, httpx.Client(base_url=srv.url, timeout=120) as http:
+        for want in (1, 0):   # room, then none
+            sid = http.post("/v1/sessions").json()["id"]
+            done = http.post(f"/v1/sessions/{sid}/documents", json={"text": DOC, "stream": False})
+            assert done.status_code == 200, done.text
+            assert len(http.get(f"/v1/sessions/{sid}").json()["checkpoints"]) == want
+    assert len(asked) == 2 and asked[0] >= srv.services.store.heap_bytes()
