@@ -698,6 +698,11 @@ def test_batched_header_reads_match_the_per_field_crc_and_flag_bad_records(tmp_p
         got = s.positions(0, np.array([5, 1, 3, 0, 9, 2]))             # slot 9: past the file's end
         for i, slot in enumerate([5, 1, 3, 0, 9, 2]):
             np.testing.assert_array_equal(got[i], want[slot] if slot in (0, 2, 5) else -1)
+        # the live pages whose headers failed are tombstoned and counted, as read() does (the
+        # recall's span pick skipped them silently); slot 9 is no page
+        assert s.corrupt == 2 and not s.layers[0].live[[1, 3]].any() and s.layers[0].live[[0, 2, 4, 5]].all()
+        s.positions(0, np.array([1, 3]))
+        assert s.corrupt == 2
         assert s.positions(0, np.array([], np.int64)).shape == (0, H, P)
         s.close()
 

@@ -744,7 +744,8 @@ class PageStore:
 
     def positions(self, layer: int, slots: np.ndarray) -> np.ndarray:
         """[n, H, P] token positions of the given pages, read from the records' headers only (the
-        payload stays on disk); a torn record's positions come back as -1."""
+        payload stays on disk); a torn record's positions come back as -1, and a live one is
+        tombstoned, logged and counted (`corrupt`), as read() does."""
         head, n = self.header_dtype, len(slots)
         out = np.full((n, self.g.n_kv_heads, self.g.page_size), -1, np.int64)
         if not n:
@@ -763,6 +764,9 @@ class PageStore:
         crc = np.fromiter((zlib.crc32(view[i * size + lo: (i + 1) * size]) for i in range(n)), np.uint32, n)
         ok = full & (recs["magic"] == MAGIC) & (crc == recs["crc_meta"])
         out[ok] = self.map_positions(recs["positions"][ok], recs["seq"][ok][:, None, None])
+        if not ok.all():   # a live page whose header fails its check is corrupt, as read() finds it
+            live = self.layers[layer].live
+            self._condemn(layer, [int(x) for x in np.asarray(slots)[~ok] if live[int(x)]])
         return out
 
     def tail(self, layer: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -786,18 +790,23 @@ class PageStore:
                 rec[:] = 0
                 if self.layers[layer].live[int(slot)]:
                     bad.append(int(slot))
-        if bad:
-            with self._appending:
-                for slot in bad:
-                    self.corrupt += 1
-                    try:
-                        self._tombstone(layer, slot)
-                    except OSError:   # the disk refuses the tombstone: forgotten in RAM at least
-                        self.layers[layer].live[slot] = False
-            log.warning("page store %s: layer %d: %d records failed their check; tombstoned", self.root, layer, len(bad))
-            if strict:
-                raise PageCorrupt(len(bad))
+        self._condemn(layer, bad)
+        if bad and strict:
+            raise PageCorrupt(len(bad))
         return out
+
+    def _condemn(self, layer: int, bad: list[int]) -> None:
+        """Live pages whose records failed their check: tombstoned, counted (`corrupt`), logged."""
+        if not bad:
+            return
+        with self._appending:
+            for slot in bad:
+                self.corrupt += 1
+                try:
+                    self._tombstone(layer, slot)
+                except OSError:   # the disk refuses the tombstone: forgotten in RAM at least
+                    self.layers[layer].live[slot] = False
+        log.warning("page store %s: layer %d: %d records failed their check; tombstoned", self.root, layer, len(bad))
 
     def load(self, layer: int, page_slots: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """page_slots [H, k] (per KV head) -> positions [H, k*P], keys, values [H, k*P, D] float32,
