@@ -78,6 +78,24 @@ def test_a_removed_directory_is_started_over(tmp_path):
     np.testing.assert_array_equal(pos[0], np.arange(50, 50 + P))
 
 
+def test_a_removed_layer_file_is_started_over(tmp_path):
+    """A layer's file unlinked under the running store: its writes went to the removed file (every
+    turn "saved", the pages gone at the next start). It is found, counted and started over, as a
+    removed directory is."""
+    rng = np.random.default_rng(1)
+    s = store(tmp_path)
+    s.append(0, *evicted(rng, 3 * P))
+    s.checkpoint()
+    (s.root / "layer000.pages").unlink()
+    assert s.append(0, *evicted(rng, P, 50)) == 1
+    assert s.lost == 3 and s.pages == 1 and s.stats()["pages_lost"] == 3
+    s.checkpoint()
+    again = PageStore(s.root, s.g, summary="minmax")
+    assert again.pages == 1
+    pos, _, _ = again.load(0, np.array([[0], [0]]))
+    np.testing.assert_array_equal(pos[0], np.arange(50, 50 + P))
+
+
 def test_a_store_the_disk_refuses_at_creation_waits_for_it(tmp_path):
     blocker = tmp_path / "blocked"
     blocker.write_text("a file where the store's directory would go")

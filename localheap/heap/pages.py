@@ -348,12 +348,12 @@ class PageStore:
             raise
 
     def _ready(self) -> None:
-        """The files are there to write into (raises OSError if not): a directory removed under
-        the store loses its pages, and the store starts over in a new one."""
-        if self._fds and self.root.is_dir():
+        """The files are there to write into (raises OSError if not): a directory, or a layer's
+        file, removed under the store loses its pages, and the store starts over in a new one."""
+        if self._fds and self.root.is_dir() and all(os.fstat(fd).st_nlink for fd in self._fds):
             return
         assert not self._closed, "write into a closed page store"
-        if self._fds:
+        if self._fds:   # (a layer's file removed under it: what it writes would go to no file; started over)
             self._forget()
         else:   # never opened: whatever a state there names was never loaded into this store
             _remove_states(self.root)
@@ -363,7 +363,7 @@ class PageStore:
         """The directory is gone: its records with it. Every slot is free again (the tails, in RAM, stay)."""
         _close_all(self._fds)
         self.lost += self.pages
-        self.fault = f"page store directory {self.root} was removed; {self.pages} pages lost"
+        self.fault = f"page store directory {self.root} (or a file in it) was removed; {self.pages} pages lost"
         for L in self.layers:
             L.live[:] = False
             L.free = list(range(len(L.live) - 1, -1, -1))
