@@ -175,6 +175,17 @@ def test_json_format_holds(server, client):
     r = client.generate(model=model(server), prompt="JSON please", format="json", options={"num_predict": 40})
     assert r.response.lstrip().startswith("{")   # any object (a random model's may run past num_predict)
     assert r.done_reason == "length" or isinstance(json.loads(r.response), dict)
+    # the empty schema is any JSON too (Ollama turns every object into a grammar); it was no format at all
+    for path, body in (("/api/generate", {"prompt": "JSON please"}),
+                       ("/api/chat", {"messages": [{"role": "user", "content": "JSON please"}]})):
+        r = httpx.post(server.url + path, json={"model": model(server), "stream": False, "format": {},
+                                                "options": {"num_predict": 40, "seed": 2}, **body}, timeout=60).json()
+        text = r["response"] if path == "/api/generate" else r["message"]["content"]
+        assert text.lstrip().startswith("{"), (path, json.dumps(r))
+    r = httpx.post(server.url + "/v1/chat/completions", json={
+        "model": model(server), "format": {}, "max_tokens": 40, "seed": 2,
+        "messages": [{"role": "user", "content": "JSON please"}]}, timeout=60).json()
+    assert r["choices"][0]["message"]["content"].lstrip().startswith("{"), r
 
 
 def test_a_body_posted_as_curl_posts_it(server):

@@ -159,10 +159,11 @@ class OllamaRequest(Strict):
             raise BadRequest(f"options: {e}", f"options.{name}" if name else "options") from e
 
     def schema(self) -> Optional[dict]:
-        """The JSON the reply must be: {} for "json" (any object), a schema, or None."""
+        """The JSON the reply must be: {} for "json" or the empty schema {} (any object; Ollama turns
+        any object into a grammar), a schema, or None ("" or null: no format)."""
         if self.format == "json":
             return {}
-        return self.format or None
+        return self.format if isinstance(self.format, dict) else None
 
     def template_kwargs(self) -> Optional[dict]:
         if self.think is None:

@@ -253,7 +253,7 @@ def _ollama_style(data: dict, known: set) -> dict:
             if isinstance(think, str) and not data.get("reasoning_effort"):   # Ollama's think levels (gpt-oss)
                 data["reasoning_effort"] = think
         fmt = data.pop("format", None) if "format" not in known else None
-        if fmt and data.get("response_format") is None:
+        if fmt not in (None, "") and data.get("response_format") is None:   # ({}: any JSON, as Ollama's)
             if fmt == "json":
                 data["response_format"] = {"type": "json_object"}
             elif isinstance(fmt, dict):
