@@ -470,3 +470,32 @@ def test_a_schema_that_cannot_be_enforced_is_a_400_naming_where_it_was_given(bac
             err = r.json()
             got = err["localheap"]["param"] if path.startswith("/api/") else err["error"]["param"]
             assert r.status_code == 400 and got == param and "cannot be enforced" in r.text, (path, r.text)
+
+
+def test_a_tool_whose_parameters_are_not_an_object_is_a_400(backend, tmp_path):
+    """A call's arguments are an object: a tool whose parameters are a string's schema was taken, and
+    its forced calls (which the grammar wrote) came back flagged as "not valid JSON". OpenAI and
+    Anthropic refuse such a tool; so does every route here, naming it."""
+    string = {"type": "string", "maxLength": 4}
+    user = [{"role": "user", "content": "hi"}]
+    cases = (("/v1/chat/completions", {"messages": user, "max_tokens": 4, "tool_choice": "required",
+                                       "tools": [{"type": "function", "function": {"name": "f", "parameters": string}}]},
+              "tools.0.function.parameters"),
+             ("/v1/responses", {"input": "hi", "tools": [{"type": "function", "name": "f", "parameters": string}]},
+              "tools.0.parameters"),
+             ("/v1/messages", {"max_tokens": 4, "messages": user, "tools": [{"name": "f", "input_schema": string}]},
+              "tools.0.input_schema"),
+             ("/api/chat", {"messages": user, "stream": False,
+                            "tools": [{"type": "function", "function": {"name": "f", "parameters": string}}]},
+              "tools.0.function.parameters"))
+    app = create_app(backend, settings(tmp_path))
+    with ServerThread(app) as srv, httpx.Client(base_url=srv.url, timeout=60) as http:
+        for path, body, param in cases:
+            r = http.post(path, json={"model": MODEL, **body})
+            err = r.json()
+            got = err["localheap"]["param"] if path.startswith("/api/") else err["error"]["param"]
+            assert r.status_code == 400 and "type 'object'" in r.text, (path, r.text)
+            assert got == param, (path, got)
+        ok = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
+        assert http.post("/v1/chat/completions", json={"model": MODEL, "messages": user, "max_tokens": 2,
+                                                       "tools": [ok]}).status_code == 200

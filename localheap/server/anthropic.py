@@ -9,12 +9,12 @@ import json
 import secrets
 from typing import Any, Literal, Optional, Union
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from ..engine import Finished
 from .chat import ChatPlan
 from .errors import BadRequest
-from .schemas import ChatMessage, Strict
+from .schemas import ChatMessage, Strict, object_schema
 from .toolcalls import Text
 from .toolformats import ToolCall
 
@@ -138,6 +138,8 @@ class ToolDef(Strict):
     description: Optional[str] = None
     input_schema: dict[str, Any]
     type: Optional[Literal["custom"]] = None
+
+    _object = field_validator("input_schema")(object_schema)
     cache_control: CacheControl = None
     # Claude Code's: accepted, unused (every tool is in the prompt; its arguments are parsed, not constrained)
     defer_loading: Optional[bool] = None

@@ -21,7 +21,7 @@ from .chat import ChatPlan
 from .errors import BadRequest
 from .logonce import warn_once
 from .prompts import with_effort
-from .schemas import MAX_EMBED_INPUTS, ChatMessage, Strict
+from .schemas import MAX_EMBED_INPUTS, ChatMessage, Strict, object_schema
 from .toolformats import ToolCall
 
 
@@ -215,6 +215,11 @@ class ChatRequest(OllamaRequest):
         return out
 
     def plan(self) -> ChatPlan:
+        for i, t in enumerate(self.tools or []):
+            try:
+                object_schema(t.function.get("parameters"))
+            except ValueError as e:
+                raise BadRequest(str(e), f"tools.{i}.function.parameters") from None
         tools = [{"type": "function", "function": t.function} for t in self.tools or []] or None
         return ChatPlan(tools, "auto", True, self.schema(), self.template_kwargs(), schema_param="format")
 

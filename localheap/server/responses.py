@@ -18,7 +18,7 @@ from functools import cached_property, lru_cache
 from pathlib import Path
 from typing import Annotated, Any, Callable, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, TypeAdapter, ValidationError
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, TypeAdapter, ValidationError, field_validator
 
 from ..engine import Finished
 from ..generation import TOP_LOGPROBS_MAX
@@ -32,7 +32,7 @@ from .jsonlines import FileBacked, JsonLines
 from .logonce import warn_once
 from .logprobs import chat_content
 from .prompts import with_effort
-from .schemas import EFFORT_VALUES, ChatMessage, Strict
+from .schemas import EFFORT_VALUES, ChatMessage, Strict, object_schema
 from .toolcalls import CallArgs, CallStart, Piece, Text
 from .toolformats import ToolCall
 
@@ -144,6 +144,8 @@ class FunctionTool(Strict):
     description: Optional[str] = None
     parameters: Optional[dict[str, Any]] = None
     strict: Optional[bool] = None
+
+    _object = field_validator("parameters")(object_schema)
 
 
 class CustomTool(Strict):

@@ -146,11 +146,22 @@ class ChatMessage(Strict):
             if isinstance(p, (TextPart, RefusalPart)))
 
 
+def object_schema(schema: Optional[dict]) -> Optional[dict]:
+    """A tool's parameters (input_schema): a JSON Schema of an object, as OpenAI and Anthropic require;
+    one of another type is refused (its calls' arguments, an object, could never match it)."""
+    kind = (schema or {}).get("type", "object")
+    if kind != "object" and not (isinstance(kind, list) and "object" in kind):
+        raise ValueError(f"a tool's parameters must be a JSON Schema of type 'object', not {kind!r}")
+    return schema
+
+
 class FunctionDef(Strict):
     name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
     description: Optional[str] = None
     parameters: Optional[dict[str, Any]] = None
     strict: Optional[bool] = None
+
+    _object = field_validator("parameters")(object_schema)
 
 
 class CustomToolDef(Strict):
