@@ -449,6 +449,15 @@ def test_llamacpp_and_ollama_options_take_null_as_their_default_and_refuse_what_
         assert r.status_code == 400 and r.json()["error"]["param"] == "seed", r.text
 
 
+def refused_alike(http, cases, says: str) -> None:
+    """Each (path, body, param): a 400 saying `says` whose param (Ollama's routes: in `localheap`) is param."""
+    for path, body, param in cases:
+        r = http.post(path, json={"model": MODEL, **body})
+        err = r.json()
+        got = err["localheap"]["param"] if path.startswith("/api/") else err["error"]["param"]
+        assert r.status_code == 400 and got == param and says in r.text, (path, r.text)
+
+
 def test_a_schema_that_cannot_be_enforced_is_a_400_naming_where_it_was_given(backend, tmp_path):
     """The JSON schema's compile error was a ValueError past the route: a 400 with param null on chat,
     Responses, Messages and Ollama alike."""
@@ -465,11 +474,7 @@ def test_a_schema_that_cannot_be_enforced_is_a_400_naming_where_it_was_given(bac
              ("/api/generate", {"prompt": "hi", "stream": False, "format": bad}, "format"))
     app = create_app(backend, settings(tmp_path))
     with ServerThread(app) as srv, httpx.Client(base_url=srv.url, timeout=60) as http:
-        for path, body, param in cases:
-            r = http.post(path, json={"model": MODEL, **body})
-            err = r.json()
-            got = err["localheap"]["param"] if path.startswith("/api/") else err["error"]["param"]
-            assert r.status_code == 400 and got == param and "cannot be enforced" in r.text, (path, r.text)
+        refused_alike(http, cases, "cannot be enforced")
 
 
 def test_a_tool_whose_parameters_are_not_an_object_is_a_400(backend, tmp_path):
@@ -490,12 +495,7 @@ def test_a_tool_whose_parameters_are_not_an_object_is_a_400(backend, tmp_path):
               "tools.0.function.parameters"))
     app = create_app(backend, settings(tmp_path))
     with ServerThread(app) as srv, httpx.Client(base_url=srv.url, timeout=60) as http:
-        for path, body, param in cases:
-            r = http.post(path, json={"model": MODEL, **body})
-            err = r.json()
-            got = err["localheap"]["param"] if path.startswith("/api/") else err["error"]["param"]
-            assert r.status_code == 400 and "type 'object'" in r.text, (path, r.text)
-            assert got == param, (path, got)
+        refused_alike(http, cases, "type 'object'")
         ok = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
         assert http.post("/v1/chat/completions", json={"model": MODEL, "messages": user, "max_tokens": 2,
                                                        "tools": [ok]}).status_code == 200
