@@ -152,6 +152,43 @@ def test_a_bug_in_the_loop_fails_everything_and_reports(tmp_path):
     assert not eng.stop(timeout=1)
 
 
+@pytest.mark.parametrize("stuck_in", ["save", "restore"])
+def test_abandon_fails_a_request_whose_inline_save_or_restore_is_stuck(tmp_path, stuck_in):
+    """A save run inline at a turn's end (--distributed saves there), or the restore of a spilled
+    session as its request is placed, stuck in the backend: that request was out of the lists
+    `abandon` fails (out of the active runs, not yet saved; out of the queue, not yet running), so
+    it was never answered. It now fails with the error, as the others do."""
+    import threading
+
+    from localheap.engine import RankLost
+
+    backend = FakeBackend()
+    eng, _ = engine_on(tmp_path, backend, durable=True, max_resident=1)
+    release, inside = threading.Event(), threading.Event()
+    try:
+        a = finished(drain(run(eng, Generate, "first session", max_tokens=3)[1])).session_id
+        if stuck_in == "restore":
+            finished(drain(run(eng, Generate, "second session", max_tokens=3)[1]))   # a is spilled for it
+        name = "save_cache" if stuck_in == "save" else "load_cache"
+        real = getattr(backend, name)
+
+        def stuck(*args, **kwargs):
+            inside.set()
+            release.wait()
+            return real(*args, **kwargs)
+
+        setattr(backend, name, stuck)
+        _, events = run(eng, Generate, "more", session_id=a, max_tokens=3)
+        assert inside.wait(5)
+        eng.abandon(RankLost("rank lost: the ranks did not answer"))
+        last = drain(events, timeout=5)[-1]
+        assert isinstance(last, Failed) and isinstance(last.error, RankLost), last
+        assert eng.in_flight == 0
+    finally:
+        release.set()
+        eng.stop(timeout=1)
+
+
 def test_abandon_fails_what_waits_on_a_stuck_backend_call(tmp_path):
     """A backend call that never returns (--distributed: a collective with a rank that is gone):
     `abandon` from another thread fails the running and the queued request with its error, refuses

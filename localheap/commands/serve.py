@@ -437,6 +437,9 @@ def serve_ranks(backend, settings, args) -> int:
         ranks.keep_pinging(app.state.services.engine, leader)
         print(f"localheap: --distributed {backend.mode} on {backend.ranks.size} ranks: this is rank 0 (HTTP); "
               f"the heap of every rank counts as the tightest rank's", file=sys.stderr)
+        if getattr(args, "rewind", "on") == "on":   # README (Past one machine): exact rollbacks only
+            print("localheap: --rewind does nothing with --distributed: a prompt that shares an evicted session's "
+                  "prefix is read again (as --rewind off)", file=sys.stderr)
         code = serve_built(app, leader, settings, args)
     finally:
         leader.stop()   # also when the app never started (at most once: it says stop once)

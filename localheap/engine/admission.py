@@ -39,6 +39,7 @@ class AdmissionQueue:
         self.backend, self.store, self.governor = backend, store, governor
         self.timeout = timeout
         self.waiting: deque[Job] = deque()
+        self.placing: Optional[Job] = None   # the job being placed and started (out of `waiting`)
         self._room_check_at = 0.0          # before this (monotonic), don't ask the governor again
         self._refusal: Optional[OverBudget] = None
         self.vocab_size: Optional[int] = getattr(backend, "vocab_size", None)
@@ -68,6 +69,7 @@ class AdmissionQueue:
             except InvalidSlot as e:   # no such slot (the routes check first)
                 fail(job, e)
                 continue
+            self.placing = job
             try:
                 start(job, *self.place(job.request, blocked))
             except (WaitForRoom, OverBudget) as e:
@@ -79,6 +81,8 @@ class AdmissionQueue:
                     fail(job, self._refusal or OverBudget("over the RAM budget"))
             except Exception as e:
                 fail(job, e)
+            finally:
+                self.placing = None
         skipped.extend(self.waiting)
         self.waiting = skipped
 

@@ -104,6 +104,7 @@ class Engine:
         self.saves_off_thread = bool(getattr(backend, "saves_off_thread", False))
         self._saver: Optional[ThreadPoolExecutor] = None
         self._saving: list[tuple[Future, Run]] = []
+        self._finishing: list[Run] = []   # runs out of _active whose turn is being closed and saved here
         self._thermal = "unknown"
         self.failure: Optional[BaseException] = None      # set when the thread died on an internal error
         self.abandoned: Optional[Exception] = None   # set when the thread is stuck for good (abandon)
@@ -264,6 +265,9 @@ class Engine:
 
     def _fail_all(self, make_error: Callable[[], Exception]) -> None:
         jobs = [r.job for r in self._active] + [r.job for _, r in self._saving] + list(self.admission.waiting)
+        # (and the jobs held between those lists: a turn being saved inline, a job being placed, whose
+        # save or restore is what is stuck)
+        jobs += [r.job for r in self._finishing] + [j for j in (self.admission.placing,) if j is not None]
         for job in jobs + self._fail_queued(make_error):
             self._end(job, Failed(make_error()), "failed")
 
@@ -582,6 +586,13 @@ class Engine:
         self.slots.leave(run)
 
     def _finish(self, run: Run) -> None:
+        self._finishing.append(run)
+        try:
+            self._finish_run(run)
+        finally:
+            self._finishing.remove(run)
+
+    def _finish_run(self, run: Run) -> None:
         self._leave(run)
         try:
             run.close()

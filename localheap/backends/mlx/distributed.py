@@ -227,6 +227,9 @@ class DistributedMLXBackend(MLXBackend):
             error = e
         if not self.ranks.all(error is None):
             raise error or DistributedError(f"another rank could not save its shard of {path}")
+        # once more before the layout marks the save whole: a peer that died inside the agreement can
+        # leave MLX's ring handing back a buffer, not an error; a collective after it raises
+        self.ranks.all(True)
         if self.rank == 0:
             write_layout(path, {"mode": self.mode, "ranks": self.ranks.size})
 

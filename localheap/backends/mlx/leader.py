@@ -117,13 +117,21 @@ class Leader:
         self._guard(lambda: broadcast(self.ranks, json.dumps({"op": op, "drop": drop, **args}).encode()))
 
     def _guard(self, work):
-        """`work()`; a peer's loss there becomes RankLost, here and for every later call."""
+        """`work()`; a peer's loss there becomes RankLost, here and for every later call. A call the
+        ranks were found lost during is not trusted whatever it returned: MLX's ring can hand back a
+        buffer, not an error, from a collective a peer died in (a save's agreement read "every rank
+        saved" from a dead rank)."""
         with self._lock:
             self._inside += 1
             if self._inside == 1:
                 self._since = time.monotonic()
         try:
-            return work()
+            result = work()
+            if self.lost is not None:
+                raise RankLost(self.lost)
+            return result
+        except RankLost:
+            raise
         except Exception as e:
             if not (lost(e) or lost(e.__cause__)):   # distributed.lost_rank_errors says it too
                 raise
