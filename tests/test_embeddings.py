@@ -392,6 +392,13 @@ def test_a_backend_without_pooling_refuses_embeddings():
         r = httpx.post(srv.url + "/api/embed", json={"model": FakeBackend.model_name, "input": "hello"})
         assert r.status_code == 400 and "not supported" in r.json()["error"], r.text
 
+    class Rank0(FakeBackend):   # a Leader: rank 0 of --distributed (a single MLX process does embed)
+        backend = type("Shard", (), {"mode": "tensor"})()
+
+    with ServerThread(create_app(Rank0(), ServerSettings(web_dir=None))) as srv:
+        r = httpx.post(srv.url + "/v1/embeddings", json={"model": FakeBackend.model_name, "input": "hello"})
+        assert r.status_code == 400 and "not supported by --distributed tensor" in r.json()["error"]["message"], r.text
+
 
 def test_calls_in_turn_take_one_engine_step_each(demo):
     """Engine.call_in_turn (a batch of short embeddings): however many wait, one runs per engine

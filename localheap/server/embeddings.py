@@ -45,9 +45,16 @@ def input_limit(svc: Services) -> int:
     return limit
 
 
+def backend_label(backend) -> str:
+    """What serves: "the mlx backend", or "--distributed tensor (mlx)" across ranks (a single MLX
+    process may do what the ranks do not)."""
+    mode = getattr(getattr(backend, "backend", None), "mode", None)   # (a Leader: rank 0 of --distributed)
+    return f"--distributed {mode} ({backend.name})" if mode else f"the {backend.name} backend"
+
+
 def check_backend(svc: Services) -> None:
     if getattr(svc.backend, "prefill_pooled", None) is None:
-        raise Unsupported(f"embeddings are not supported by the {svc.backend.name} backend", "input")
+        raise Unsupported(f"embeddings are not supported by {backend_label(svc.backend)}", "input")
 
 
 def embedding_prompt(tokenizer, item: Union[str, list[int]], index: int, limit: int, truncate: bool = False,

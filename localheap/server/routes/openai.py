@@ -20,6 +20,7 @@ from ...sessions.disk import valid_id
 from ..bridge import JobEvents, collect, follow, merged
 from ..chat import ChatPlan, check_slot, start
 from ..errors import BadRequest, Unsupported, to_response
+from ..embeddings import backend_label
 from ..fim import fim_format, fim_prompt
 from ..logonce import warn_once
 from ..llamacpp import cut_fields, dry_fields, penalties_on, prompt_progress, switched
@@ -86,8 +87,8 @@ async def completions(body: CompletionRequest, request: Request, svc: Services =
     _check(body, svc)
     scored = body.echo and body.logprobs is not None   # the prompt's logprobs: read by prefill_scored
     if scored and getattr(svc.backend, "prefill_scored", None) is None:
-        raise Unsupported(f"echo with logprobs (the prompt's logprobs) is not supported by the {svc.backend.name} "
-                          f"backend", "echo")
+        raise Unsupported(f"echo with logprobs (the prompt's logprobs) is not supported by "
+                          f"{backend_label(svc.backend)}", "echo")
     if scored and x_session_id is not None:
         raise BadRequest("echo with logprobs scores the whole prompt in a session of its own: it cannot continue "
                          f"session {x_session_id!r} (drop X-Session-Id)", "echo")
