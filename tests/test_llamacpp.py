@@ -293,8 +293,15 @@ def test_infill_reads_special_tokens_text_in_the_files_as_text(server):
     got = _post(server, "/infill", {"input_prefix": code, "input_suffix": code, "input_extra": extra,
                                     "prompt": "a", "n_predict": 6, "temperature": 0, "return_tokens": True})
 
+    from tokenizers import Tokenizer
+
+    from localheap.grammar import _rust_tokenizer
+
+    as_text = Tokenizer.from_str(_rust_tokenizer(server.services.tokenizer).to_str())   # (a copy: see below)
+    as_text.encode_special_tokens = True
+
     def text(s):
-        return list(server.services.tokenizer.encode(s, add_special_tokens=False, split_special_tokens=True))
+        return as_text.encode(s, add_special_tokens=False).ids
 
     sep = _special(server, "<|file_sep|>")
     assert _special(server, "<|fim_middle|>") not in text(code)
@@ -304,6 +311,11 @@ def test_infill_reads_special_tokens_text_in_the_files_as_text(server):
            + _plain(server, "a"))
     assert got["tokens_evaluated"] == len(ids)
     assert got["tokens"] == _stock(server, ids, 6, ends=(_special(server, "<|fim_pad|>"), sep))
+    # read so on a copy of its own: transformers' split_special_tokens set a flag on the one Rust tokenizer
+    # every thread encodes with, and left it set, so a chat prompt read meanwhile lost its special tokens
+    assert not _rust_tokenizer(server.services.tokenizer).encode_special_tokens
+    r = _post(server, "/tokenize", {"content": code, "parse_special": False})
+    assert r["tokens"] == text(code) and not _rust_tokenizer(server.services.tokenizer).encode_special_tokens
     # Ollama's /api/show lists "insert" for a model that takes a suffix (editors turn FIM on by it)
     assert "insert" in _post(server, "/api/show", {"model": server.services.model_id})["capabilities"]
 

@@ -86,6 +86,7 @@ def test_a_removed_layer_file_is_started_over(tmp_path):
     s = store(tmp_path)
     s.append(0, *evicted(rng, 3 * P))
     s.checkpoint()
+    s.snapshot(tmp_path / "checkpoint.pages", s.version)   # (its hard link keeps the removed file alive)
     (s.root / "layer000.pages").unlink()
     assert s.append(0, *evicted(rng, P, 50)) == 1
     assert s.lost == 3 and s.pages == 1 and s.stats()["pages_lost"] == 3

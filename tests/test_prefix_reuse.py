@@ -160,3 +160,20 @@ def test_checkpoints_a_start_cannot_list_are_left_as_they_are_and_the_start_goes
     assert Checkpoints(tmp_path, FakeBackend()).load_persisted(sessions) == 0
     monkeypatch.undo()
     assert Checkpoints(tmp_path, FakeBackend()).load_persisted(sessions) == 2
+
+
+def test_a_forks_copy_refused_is_told_from_a_checkpoint_that_cannot_be_read(tmp_path):
+    """branching._refused_write: the disk refusing the fork's own copy (full, read-only, its folder
+    gone) keeps the checkpoint; a read error is the checkpoint's, though a copy names both paths."""
+    import errno
+
+    from localheap.engine.branching import _refused_write
+
+    fork, ckpt = tmp_path / "sess_b.pages", tmp_path / "checkpoints" / "sess_a" / "9.pages"
+    src, dst = str(ckpt / "layer000.pages"), str(fork / "layer000.pages")
+    assert _refused_write(OSError(errno.ENOSPC, "No space left on device", src, None, dst), fork)
+    assert _refused_write(OSError(errno.EROFS, "Read-only file system", dst), fork)
+    assert _refused_write(OSError(errno.ENOENT, "No such file or directory", dst), fork)
+    assert not _refused_write(OSError(errno.EIO, "Input/output error", src, None, dst), fork)   # a bad sector
+    assert not _refused_write(OSError(errno.ENOENT, "No such file or directory", src, None, dst), fork)
+    assert not _refused_write(ValueError("not a heap file"), fork)

@@ -297,6 +297,25 @@ def test_a_checkpoint_or_fork_the_disk_refuses_is_a_507_and_the_checkpoint_stays
             assert r.status_code == 507 and r.json()["error"]["code"] == "sessions_dir_unwritable", r.text
         assert http.get(f"/v1/sessions/{sid}").json()["checkpoints"] == [n] and files(folder) == kept
         assert len(http.get("/v1/sessions").json()["data"]) == 1   # (the fork's session is gone)
+        # a request that reuses the checkpoint (an editor's completion after its warm-up) is not refused
+        # for it: the disk full, its tokens are read again, and the checkpoint stays
+        from localheap.engine import branching
+
+        store = srv.services.store
+        c = store.checkpoints.nearest(sid, n)
+
+        def reuse():
+            s = branching.new_branch(store, sid)
+            try:
+                branching.fork_into(store, s, c, strict=False)
+                return list(s.fed) == list(c.tokens) and s.cache is not None
+            finally:
+                store.delete(s.id)
+
+        with monkeypatch.context() as m:
+            m.setattr(paging, "copy_tree", full)
+            assert srv.services.engine.call(reuse).result(timeout=60)
+        assert http.get(f"/v1/sessions/{sid}").json()["checkpoints"] == [n] and files(folder) == kept
         assert chat(http, "And then?", headers={"X-Session-Id": sid}).status_code == 200   # (a new point)
         root = srv.services.store.checkpoints.root
         root.rename(tmp_path / "aside")
@@ -314,21 +333,19 @@ def test_a_checkpoint_or_fork_the_disk_refuses_is_a_507_and_the_checkpoint_stays
 
 def test_the_documents_own_checkpoint_asks_the_disk_total_for_room_first(backend, tmp_path, monkeypatch):
     """The automatic checkpoint after a document was written without asking --disk-total (the
-    directory passed the bound by its heap file until the next reclaim): it asks for room as an
-    explicit checkpoint does, and where there is none the document is read without it."""
-    from localheap.sessions import DiskTotalExceeded
+    directory passed the bound by its heap file until the next reclaim): it is made only where it
+    fits as the directory is (nothing taken back from other sessions for an optional file), and
+    where it does not the document is read without it."""
     from localheap.sessions.diskbudget import DiskTotal
 
     asked = []
-    room_for = DiskTotal.room_for
+    fits = DiskTotal.fits
 
-    def spy(self, nbytes, *keep):
+    def spy(self, nbytes):
         asked.append(nbytes)
-        if len(asked) > 1:
-            raise DiskTotalExceeded(nbytes, self.total, self.used)
-        return room_for(self, nbytes, *keep)
+        return fits(self, nbytes) if len(asked) == 1 else False
 
-    monkeypatch.setattr(DiskTotal, "room_for", spy)
+    monkeypatch.setattr(DiskTotal, "fits", spy)
     settings = ServerSettings(heap=HEAP, web_dir=None, sessions_dir=tmp_path, persist_sessions=True,
                               disk_total=64 << 20)
     with ServerThread(create_app(backend, settings)) as srv, httpx.Client(base_url=srv.url, timeout=120) as http:
@@ -337,4 +354,5 @@ def test_the_documents_own_checkpoint_asks_the_disk_total_for_room_first(backend
             done = http.post(f"/v1/sessions/{sid}/documents", json={"text": DOC, "stream": False})
             assert done.status_code == 200, done.text
             assert len(http.get(f"/v1/sessions/{sid}").json()["checkpoints"]) == want
+        assert metrics(http)["localheap_disk_reclaimed_bytes_total"] == 0
     assert len(asked) == 2 and asked[0] >= srv.services.store.heap_bytes()

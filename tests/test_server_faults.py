@@ -447,6 +447,9 @@ def test_llamacpp_and_ollama_options_take_null_as_their_default_and_refuse_what_
             assert (err["localheap"]["param"] if path == "/api/generate" else err["error"]["param"]) == param, r.text
         r = completion(seed=2**64)
         assert r.status_code == 400 and r.json()["error"]["param"] == "seed", r.text
+        for prompt in ([True, 2], [[1, False]]):   # a boolean is no token id (true was read as the id 1)
+            r = http.post("/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 2})
+            assert r.status_code == 400, r.text
 
 
 def refused_alike(http, cases, says: str) -> None:
@@ -492,10 +495,13 @@ def test_a_tool_whose_parameters_are_not_an_object_is_a_400(backend, tmp_path):
               "tools.0.input_schema"),
              ("/api/chat", {"messages": user, "stream": False,
                             "tools": [{"type": "function", "function": {"name": "f", "parameters": string}}]},
+              "tools.0.function.parameters"),
+             ("/api/chat", {"messages": user, "stream": False,   # (Ollama's function is any object: a 500)
+                            "tools": [{"type": "function", "function": {"name": "f", "parameters": "x"}}]},
               "tools.0.function.parameters"))
     app = create_app(backend, settings(tmp_path))
     with ServerThread(app) as srv, httpx.Client(base_url=srv.url, timeout=60) as http:
-        refused_alike(http, cases, "type 'object'")
+        refused_alike(http, cases, "must be a JSON Schema")
         ok = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
         assert http.post("/v1/chat/completions", json={"model": MODEL, "messages": user, "max_tokens": 2,
                                                        "tools": [ok]}).status_code == 200

@@ -246,7 +246,7 @@ class AdmissionQueue:
             source = match.checkpoint.session_id if match.checkpoint is not None else None
             self._make_room(s, self.store.get(source) if source in self.store else None)
             if match.checkpoint is not None:
-                branching.fork_into(self.store, s, match.checkpoint)
+                branching.fork_into(self.store, s, match.checkpoint, strict=False)   # (a full disk: read again)
             self.store.make_resident(s)
             # --disk-total: room (its page store gets its share), or 507 before the session is rolled back
             self.store.disk.admit(s, match.cached + len(match.new_tokens))

@@ -11,7 +11,7 @@ import shutil
 from pathlib import Path
 from typing import Any, Optional
 
-from ..sessions import DiskTotalExceeded, RollbackRefused, Session, SessionBusy, SessionStore, SpillFailed
+from ..sessions import RollbackRefused, Session, SessionBusy, SessionStore, SpillFailed
 from ..sessions.checkpoints import Checkpoint
 from ..sessions.diskbudget import dir_bytes
 from ..sessions.session import token_array
@@ -101,39 +101,55 @@ def new_branch(store: SessionStore, source_id: str, scratch: bool = False) -> Se
     return store.create(owner=store.get(source_id).owner if source_id in store else None, scratch=scratch)
 
 
-def fork_into(store: SessionStore, s: Session, c: Checkpoint, inherit: bool = True) -> None:
+def fork_into(store: SessionStore, s: Session, c: Checkpoint, inherit: bool = True, strict: bool = True) -> None:
     """Fill the new, empty session `s` with checkpoint `c` (its heap, tokens and, with `inherit`,
-    the earlier checkpoints of c's session; without, c is already one of s's own)."""
+    the earlier checkpoints of c's session; without, c is already one of s's own). Where the disk
+    refuses the fork's own copy, `strict` (a fork asked for) raises SpillFailed; otherwise (a
+    request that reuses the checkpoint) its tokens are read again, as where the disk has room the
+    checkpoint would have given them, and the checkpoint is kept."""
     assert not s.fed and s.cache is None
     pages_dir = store.pages_dir(s)
     try:
         cache = store.checkpoints.load(c, s.cfg, pages_dir=pages_dir)
     except Exception as e:   # an unreadable checkpoint: its tokens are the truth, read them again
-        if _refused_write(e, pages_dir):   # the fork's own copy could not be written: the checkpoint is fine
+        refused = _refused_write(e, pages_dir)   # (the fork's own copy could not be written: c is fine)
+        if refused:
             shutil.rmtree(pages_dir, ignore_errors=True)
-            raise SpillFailed(store.spill_dir, e) from e
-        log.warning("checkpoint %s unreadable (%s: %s); removed, and its %d tokens read again", c.path,
-                    type(e).__name__, e, c.n)
-        store.checkpoints.discard(c)
+            if strict:
+                raise SpillFailed(store.spill_dir, e) from e
+            log.warning("checkpoint %s: the disk refused a fork its copy (%s); its %d tokens read again", c.path,
+                        e, c.n)
+        else:
+            log.warning("checkpoint %s unreadable (%s: %s); removed, and its %d tokens read again", c.path,
+                        type(e).__name__, e, c.n)
+            store.checkpoints.discard(c)
         cache = store.backend.new_cache(s.cfg, **({"pages_dir": store.pages_dir(s)} if s.cfg.recall else {}))
         store.backend.prefill(cache, list(c.tokens))
         store.rebuilt += 1
     s.cache, s.fed, s.dirty = cache, token_array(c.tokens), True
     s.cfg = getattr(cache, "cfg", s.cfg)
     if inherit:
-        store.checkpoints.inherit(c, s)
+        try:
+            store.checkpoints.inherit(c, s)
+        except SpillFailed as e:
+            if strict:
+                raise
+            log.warning("session %s: the checkpoints it forked from not linked (%s)", s.id, e)
     settle(store.backend, s)
     s.refresh(store.backend.stats(cache))
 
 
 def _refused_write(e: BaseException, written: Path) -> bool:
-    """Whether `e` is a write refused (full, read-only), or any failure at a path under `written`
-    (the fork's page store, which a checkpoint's load copies into), not the checkpoint's own files."""
+    """Whether `e` is a write refused (full, read-only), or a folder or permission failure at the
+    path it names first when that is under `written` (the fork's page store, which a checkpoint's
+    load copies into): not a failure to read the checkpoint's own files (a copy names both paths
+    on any error, a read error too: decided by the error, not by the second path)."""
     if not isinstance(e, OSError):
         return False
     if isinstance(e, SpillFailed) or e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS):
         return True
-    return any(f is not None and Path(os.fsdecode(f)).is_relative_to(written) for f in (e.filename, e.filename2))
+    return e.errno in (errno.EACCES, errno.EPERM, errno.ENOENT, errno.ENOTDIR) and e.filename is not None \
+        and Path(os.fsdecode(e.filename)).is_relative_to(written)
 
 
 def checkpoint(store: SessionStore, session_id: str) -> Checkpoint:
@@ -152,14 +168,12 @@ def checkpoint(store: SessionStore, session_id: str) -> Checkpoint:
 
 def checkpoint_quietly(store: SessionStore, s: Session) -> None:
     """The automatic checkpoint after a document: a failure is logged, the request still succeeds.
-    Under --disk-total it is made only where there is room (taken back from idle sessions, as for an
-    explicit checkpoint); where there is none it is left out."""
+    Under --disk-total it is made only where it fits as the directory is (nothing is taken back
+    from other sessions for it); where it does not, it is left out."""
     try:
-        store.disk.room_for(store.heap_bytes() + 4 * len(s.fed), s)
-    except DiskTotalExceeded as e:
-        log.info("session %s: the document's checkpoint left out: %s", s.id, e)
-        return
-    try:
+        if not store.disk.fits(store.heap_bytes() + 4 * len(s.fed)):   # (its pages are hard links)
+            log.info("session %s: the document's checkpoint left out: it does not fit under --disk-total", s.id)
+            return
         store.checkpoints.save(s)
         s.refresh()
     except Exception:

@@ -347,10 +347,11 @@ class PageStore:
             _close_all(self._fds)
             raise
 
-    def _ready(self) -> None:
+    def _ready(self, layer: Optional[int] = None) -> None:
         """The files are there to write into (raises OSError if not): a directory, or a layer's
-        file, removed under the store loses its pages, and the store starts over in a new one."""
-        if self._fds and self.root.is_dir() and all(os.fstat(fd).st_nlink for fd in self._fds):
+        file (`layer`'s; None: every one's), removed or replaced under the store loses its pages,
+        and the store starts over in a new one."""
+        if self._fds and self.root.is_dir() and self._open_files_there(layer):
             return
         assert not self._closed, "write into a closed page store"
         if self._fds:   # (a layer's file removed under it: what it writes would go to no file; started over)
@@ -358,6 +359,19 @@ class PageStore:
         else:   # never opened: whatever a state there names was never loaded into this store
             _remove_states(self.root)
         self._open(os.O_RDWR | os.O_CREAT | os.O_TRUNC, parents=False)   # a removed sessions dir stays removed
+
+    def _open_files_there(self, layer: Optional[int]) -> bool:
+        """Whether the layer's file (None: every layer's) is still the file open here: not where it
+        was removed (a checkpoint's hard link may keep it alive) or replaced under the store."""
+        for i in range(len(self._fds)) if layer is None else (layer,):
+            try:
+                there = os.stat(self._file(i))
+            except FileNotFoundError:
+                return False
+            here = os.fstat(self._fds[i])
+            if (there.st_dev, there.st_ino) != (here.st_dev, here.st_ino):
+                return False
+        return True
 
     def _forget(self) -> None:
         """The directory is gone: its records with it. Every slot is free again (the tails, in RAM, stay)."""
@@ -470,7 +484,7 @@ class PageStore:
         A run the disk refuses is written again page by page (_write), so that each page it
         refuses is counted and left out as when every page had its own write."""
         try:
-            self._ready()
+            self._ready(layer)
         except OSError:
             return sum(self._write(layer, recs[j: j + 1], spans[j: j + 1]) for j in range(len(recs)))
         L = self.layers[layer]
@@ -496,7 +510,7 @@ class PageStore:
         """Write one page (rec, span: one-record arrays from _records); a page the disk refuses is
         counted and left out (see `fault`)."""
         try:
-            self._ready()
+            self._ready(layer)
         except OSError as e:
             self.failed += 1
             self._refused(e)

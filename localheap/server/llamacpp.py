@@ -66,7 +66,8 @@ class ExtraChunk(BaseModel):
 
 class LlamaRequest(NullIsAbsent):
     """POST /completion and /infill (infill: input_prefix, input_suffix, input_extra; its `prompt`
-    is text after the middle token, the reply's start). A null is the field's default."""
+    is text after the middle token, the reply's start). A null for a field that takes none is the
+    field's default."""
     model_config = ConfigDict(extra="allow")
 
     prompt: Any = ""

@@ -149,6 +149,8 @@ class ChatMessage(Strict):
 def object_schema(schema: Optional[dict]) -> Optional[dict]:
     """A tool's parameters (input_schema): a JSON Schema of an object, as OpenAI and Anthropic require;
     one of another type is refused (its calls' arguments, an object, could never match it)."""
+    if schema is not None and not isinstance(schema, dict):
+        raise ValueError(f"a tool's parameters must be a JSON Schema (an object), not {type(schema).__name__}")
     kind = (schema or {}).get("type", "object")
     if kind != "object" and not (isinstance(kind, list) and "object" in kind):
         raise ValueError(f"a tool's parameters must be a JSON Schema of type 'object', not {kind!r}")
@@ -264,7 +266,7 @@ def _ollama_style(data: dict, known: set) -> dict:
             if isinstance(think, str) and not data.get("reasoning_effort"):   # Ollama's think levels (gpt-oss)
                 data["reasoning_effort"] = think
         fmt = data.pop("format", None) if "format" not in known else None
-        if fmt not in (None, "") and data.get("response_format") is None:   # ({}: any JSON, as Ollama's)
+        if (fmt or fmt == {}) and data.get("response_format") is None:   # ({}: any JSON, as Ollama's)
             if fmt == "json":
                 data["response_format"] = {"type": "json_object"}
             elif isinstance(fmt, dict):
@@ -454,7 +456,7 @@ class ChatCompletionRequest(SamplingFields):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: Union[str, list[str], list[int], list[list[int]]]
+    prompt: Union[str, list[str], list[StrictInt], list[list[StrictInt]]]   # (ids: never true/false)
     max_tokens: int = Field(16, ge=0)   # 0: with echo, the prompt's logprobs alone
     echo: bool = False
     logprobs: Optional[int] = Field(None, ge=0, le=COMPLETION_LOGPROBS_MAX)

@@ -100,11 +100,39 @@ def encode_plain(tokenizer: Any, text: str, param: Optional[str] = None, special
     `specials` False as text (llama-server's parse_special false)."""
     try:
         if not specials:
+            text_only = _text_only(tokenizer)
+            if text_only is not None:
+                return list(text_only.encode(text, add_special_tokens=False).ids)
             return list(tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True))
         return list(tokenizer.encode(text, add_special_tokens=False))
     except (TypeError, UnicodeEncodeError):   # (what the tokenizers library raises on a lone surrogate)
         check_unicode(text, param)
         raise
+
+
+def _text_only(tokenizer: Any) -> Any:
+    """A copy of the tokenizer's Rust tokenizer (the `tokenizers` library's) that reads a special
+    token's text as text; cached on the tokenizer; None where it has none. Its own copy: asked for
+    split_special_tokens, transformers sets that on the one Rust tokenizer every thread encodes
+    with, and leaves it until another call sets it back, so a chat prompt tokenized meanwhile on
+    another thread lost its template's special tokens (and the other way round)."""
+    cached = getattr(tokenizer, "_localheap_text_only", False)
+    if cached is not False:
+        return cached
+    from tokenizers import Tokenizer
+
+    rust, copy = tokenizer, None
+    for _ in range(3):   # transformers' fast tokenizer, or mlx-lm's wrapper of one
+        if isinstance(rust, Tokenizer):
+            copy = Tokenizer.from_str(rust.to_str())
+            copy.encode_special_tokens = True
+            break
+        rust = getattr(rust, "backend_tokenizer", None) or getattr(rust, "_tokenizer", None)
+    try:
+        tokenizer._localheap_text_only = copy
+    except AttributeError:
+        pass
+    return copy
 
 
 def special_head(tokenizer: Any) -> Optional[list[int]]:

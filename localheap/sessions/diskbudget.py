@@ -156,6 +156,15 @@ class DiskTotal:
             if self.usage() + need > self.total:
                 raise DiskTotalExceeded(nbytes, self.total, self.used)
 
+    def fits(self, nbytes: int) -> bool:
+        """Whether a write of about `nbytes` fits under the bound as the directory is, beside what
+        the running sessions may still add, with nothing taken back (an optional write: the
+        document's own checkpoint)."""
+        if not self.total:
+            return True
+        need = nbytes + sum(self.reserve(s) for s in self.store.sessions() if s.busy)
+        return self.usage() + need <= self.total
+
     # --- the bound ---
 
     def usage(self) -> int:

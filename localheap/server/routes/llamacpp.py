@@ -32,7 +32,7 @@ from ..llamacpp import (Cut, LlamaRequest, infill_context, infill_prompt, mixed_
 from ..prompts import chat_prompt, tokenize, with_specials
 from ..schemas import TOKENIZE_MAX_CHARS, ChatMessage
 from ..services import Services, owner, services
-from ..tokens import PIECE_CHARS, encode_bounded
+from ..tokens import PIECE_CHARS, encode_bounded, encode_plain
 from ..toolformats import template_source
 from . import api_router
 from .ollama import read_json
@@ -105,8 +105,9 @@ async def tokenize_route(body: TokenizeBody, svc: Services = Depends(services)) 
         raise BadRequest(f"with parse_special false the content may have at most {PIECE_CHARS:,} characters",
                          "content")
     else:
-        got = await asyncio.to_thread(lambda: list(tok.encode(body.content, add_special_tokens=body.add_special,
-                                                              split_special_tokens=True)))
+        got = await asyncio.to_thread(lambda: encode_plain(tok, body.content, "content", specials=False))
+        if body.add_special:
+            got = list(with_specials(tok, body.content, got))
     if body.with_pieces:
         return {"tokens": [{"id": t, "piece": piece_of(svc.token_text, t)} for t in got]}
     return {"tokens": got}
