@@ -171,7 +171,8 @@ def checkpoint_quietly(store: SessionStore, s: Session) -> None:
     Under --disk-total it is made only where it fits as the directory is (nothing is taken back
     from other sessions for it); where it does not, it is left out."""
     try:
-        if not store.disk.fits(store.heap_bytes() + 4 * len(s.fed)):   # (its pages are hard links)
+        # its heap and tokens (its pages are hard links), and the turn's own save that follows it
+        if not store.disk.fits(2 * (store.heap_bytes() + 4 * len(s.fed))):
             log.info("session %s: the document's checkpoint left out: it does not fit under --disk-total", s.id)
             return
         store.checkpoints.save(s)
