@@ -116,6 +116,7 @@ class LogprobRecorder:
 
 
 SEED_SPACE = 1 << 64   # seeds are taken modulo this (a request's seed + its choice's index stays in range)
+SEED_MIN = -(1 << 63)  # a request's seed: a 64-bit number, signed or not (SEED_MIN <= seed < SEED_SPACE)
 
 
 @dataclass

@@ -21,7 +21,7 @@ class GrammarError(ValueError):
     """A schema the grammar library cannot compile (the request's fault: a 400)."""
 
 
-def _rust_tokenizer(tokenizer: Any) -> Any:
+def rust_tokenizer(tokenizer: Any) -> Any:
     """The `tokenizers` library's tokenizer inside transformers' (or inside mlx-lm's wrapper of it)."""
     from tokenizers import Tokenizer
 
@@ -41,7 +41,7 @@ def _ll_tokenizer(tokenizer: Any, eos_ids: Sequence[int]) -> Any:
     with _LOCK:
         ll = _TOKENIZERS.get(tokenizer)
         if ll is None:
-            rust = copy.copy(_rust_tokenizer(tokenizer))
+            rust = copy.copy(rust_tokenizer(tokenizer))
             rust.no_padding()
             rust.no_truncation()
             ll = _TOKENIZERS[tokenizer] = llguidance.LLTokenizer(rust.to_str(), eos_token=sorted(eos_ids) or None)

@@ -295,9 +295,9 @@ def test_infill_reads_special_tokens_text_in_the_files_as_text(server):
 
     from tokenizers import Tokenizer
 
-    from localheap.grammar import _rust_tokenizer
+    from localheap.grammar import rust_tokenizer
 
-    as_text = Tokenizer.from_str(_rust_tokenizer(server.services.tokenizer).to_str())   # (a copy: see below)
+    as_text = Tokenizer.from_str(rust_tokenizer(server.services.tokenizer).to_str())   # (a copy: see below)
     as_text.encode_special_tokens = True
 
     def text(s):
@@ -313,9 +313,9 @@ def test_infill_reads_special_tokens_text_in_the_files_as_text(server):
     assert got["tokens"] == _stock(server, ids, 6, ends=(_special(server, "<|fim_pad|>"), sep))
     # read so on a copy of its own: transformers' split_special_tokens set a flag on the one Rust tokenizer
     # every thread encodes with, and left it set, so a chat prompt read meanwhile lost its special tokens
-    assert not _rust_tokenizer(server.services.tokenizer).encode_special_tokens
+    assert not rust_tokenizer(server.services.tokenizer).encode_special_tokens
     r = _post(server, "/tokenize", {"content": code, "parse_special": False})
-    assert r["tokens"] == text(code) and not _rust_tokenizer(server.services.tokenizer).encode_special_tokens
+    assert r["tokens"] == text(code) and not rust_tokenizer(server.services.tokenizer).encode_special_tokens
     # Ollama's /api/show lists "insert" for a model that takes a suffix (editors turn FIM on by it)
     assert "insert" in _post(server, "/api/show", {"model": server.services.model_id})["capabilities"]
 

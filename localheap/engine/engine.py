@@ -267,7 +267,9 @@ class Engine:
         jobs = [r.job for r in self._active] + [r.job for _, r in self._saving] + list(self.admission.waiting)
         # (and the jobs held between those lists: a turn being saved inline, a job being placed, whose
         # save or restore is what is stuck)
-        jobs += [r.job for r in self._finishing] + [j for j in (self.admission.placing,) if j is not None]
+        jobs += [r.job for r in self._finishing]
+        if self.admission.placing is not None:
+            jobs.append(self.admission.placing)
         for job in jobs + self._fail_queued(make_error):
             self._end(job, Failed(make_error()), "failed")
 

@@ -138,14 +138,14 @@ class ToolDef(Strict):
     description: Optional[str] = None
     input_schema: dict[str, Any]
     type: Optional[Literal["custom"]] = None
-
-    _object = field_validator("input_schema")(object_schema)
     cache_control: CacheControl = None
     # Claude Code's: accepted, unused (every tool is in the prompt; its arguments are parsed, not constrained)
     defer_loading: Optional[bool] = None
     input_examples: Optional[list[Any]] = None
     strict: Optional[bool] = None
     eager_input_streaming: Optional[bool] = None
+
+    _object = field_validator("input_schema")(object_schema)
 
     @model_validator(mode="before")
     @classmethod

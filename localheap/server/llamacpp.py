@@ -21,7 +21,7 @@ from typing import Any, Optional, Sequence, Union
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
 from ..dry import DEFAULT_BREAKERS, breaker_ids
-from ..generation import LOGIT_BIAS_RANGE, LogprobRecorder, SamplingParams
+from ..generation import LOGIT_BIAS_RANGE, SEED_MIN, SEED_SPACE, LogprobRecorder, SamplingParams
 from ..sessions import Prompt
 from ..sessions.session import token_array
 from .errors import BadRequest, PromptTooLong, Unsupported
@@ -80,7 +80,7 @@ class LlamaRequest(NullIsAbsent):
     min_p: float = 0.05
     n_predict: int = -1
     max_tokens: Optional[int] = None            # (llama-server's other name for n_predict)
-    seed: Optional[int] = Field(-1, ge=-(1 << 63), lt=1 << 64)   # a 64-bit number, signed or not (-1: random)
+    seed: Optional[int] = Field(-1, ge=SEED_MIN, lt=SEED_SPACE)   # a 64-bit number, signed or not (-1: random)
     stop: Union[str, list[str], None] = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0

@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal, Optional, Union
 from pydantic import Field
 
 from ..engine import Finished
-from ..generation import TOP_LOGPROBS_MAX, LogprobRecorder, SamplingParams
+from ..generation import SEED_MIN, SEED_SPACE, TOP_LOGPROBS_MAX, LogprobRecorder, SamplingParams
 from .chat import ChatPlan
 from .errors import BadRequest
 from .logonce import warn_once
@@ -138,7 +138,7 @@ class OllamaRequest(Strict):
             raise BadRequest(f"options.stop must be a string or a list of strings (it was {stop!r:.80})",
                              "options.stop")
         seed = None if o.get("seed") in (None, -1) else _number(o, "seed", None, int)   # -1: Ollama's default, random
-        if seed is not None and not -(1 << 63) <= seed < 1 << 64:
+        if seed is not None and not SEED_MIN <= seed < SEED_SPACE:
             raise BadRequest(f"options.seed must be a 64-bit number (it was {seed})", "options.seed")
         try:
             return SamplingParams(max_tokens=default_max if limit in (None, -1, -2) else _number(o, "num_predict", 0, int),

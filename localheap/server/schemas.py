@@ -11,7 +11,8 @@ from typing import Annotated, Any, Literal, Optional, Union, get_args, get_origi
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
 
 from ..generation import (DRY_BASE_MAX, DRY_MULTIPLIER_MAX, DYNATEMP_MAX, LOGIT_BIAS_RANGE, MIN_P_RANGE,
-                          MIROSTAT_TAU_MAX, PENALTY_RANGE, REPEAT_PENALTY_MAX, TOP_LOGPROBS_MAX, TOP_N_SIGMA_MAX)
+                          MIROSTAT_TAU_MAX, PENALTY_RANGE, REPEAT_PENALTY_MAX, SEED_MIN, SEED_SPACE, TOP_LOGPROBS_MAX,
+                          TOP_N_SIGMA_MAX)
 from .errors import BadRequest
 
 
@@ -287,7 +288,7 @@ class SamplingFields(Strict):
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=0)                  # extension (OpenAI has none)
     min_p: float = Field(0.0, ge=MIN_P_RANGE[0], le=MIN_P_RANGE[1])   # extension (vLLM's, llama.cpp's): 0 = off
-    seed: Optional[int] = Field(None, ge=-(1 << 63), lt=1 << 64)   # a 64-bit number, signed or not
+    seed: Optional[int] = Field(None, ge=SEED_MIN, lt=SEED_SPACE)   # a 64-bit number, signed or not
     stop: Optional[Union[str, list[str]]] = None
     n: int = Field(1, ge=1, le=MAX_CHOICES)      # choices: they decode together in the batch
     presence_penalty: Optional[float] = Field(None, ge=PENALTY_RANGE[0], le=PENALTY_RANGE[1])

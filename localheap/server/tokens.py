@@ -121,13 +121,13 @@ def _text_only(tokenizer: Any) -> Any:
         return cached
     from tokenizers import Tokenizer
 
-    rust, copy = tokenizer, None
-    for _ in range(3):   # transformers' fast tokenizer, or mlx-lm's wrapper of one
-        if isinstance(rust, Tokenizer):
-            copy = Tokenizer.from_str(rust.to_str())
-            copy.encode_special_tokens = True
-            break
-        rust = getattr(rust, "backend_tokenizer", None) or getattr(rust, "_tokenizer", None)
+    from ..grammar import GrammarError, rust_tokenizer
+
+    try:
+        copy = Tokenizer.from_str(rust_tokenizer(tokenizer).to_str())
+        copy.encode_special_tokens = True
+    except GrammarError:   # (no fast tokenizer)
+        copy = None
     try:
         tokenizer._localheap_text_only = copy
     except AttributeError:

@@ -146,7 +146,7 @@ class DiskTotal:
         if not self.total:
             return
         ids = {s.id for s in self.store.sessions() if s.busy} | {s.id for s in keep}
-        need = nbytes + sum(self.reserve(s) for s in self.store.sessions() if s.busy)
+        need = self._beside_running(nbytes)
         over = self.usage() + need - self.total
         if over > 0:
             held = self.used - sum(b for sid, b in self.by_session.items() if sid not in ids and sid in self.store)
@@ -160,10 +160,11 @@ class DiskTotal:
         """Whether a write of about `nbytes` fits under the bound as the directory is, beside what
         the running sessions may still add, with nothing taken back (an optional write: the
         document's own checkpoint)."""
-        if not self.total:
-            return True
-        need = nbytes + sum(self.reserve(s) for s in self.store.sessions() if s.busy)
-        return self.usage() + need <= self.total
+        return not self.total or self.usage() + self._beside_running(nbytes) <= self.total
+
+    def _beside_running(self, nbytes: int) -> int:
+        """`nbytes` and what the running sessions may still add (their reserves)."""
+        return nbytes + sum(self.reserve(s) for s in self.store.sessions() if s.busy)
 
     # --- the bound ---
 

@@ -23,11 +23,11 @@ from .checkpoints import Checkpoints
 from .disk import SessionDir, file_crc, new_id, valid_id
 from .diskbudget import DiskTotal
 from .errors import SessionBusy, SessionLost, SessionNotFound, SpillFailed
+from .recover import recover_sessions
+from .session import ORIGINS, Session
 
 FULL = {errno.ENOSPC, errno.EDQUOT}   # a write refused for room (the directory is writable)
 DIR_FULL = "sessions-dir:full"        # the degraded key of a directory found full at start
-from .recover import recover_sessions
-from .session import ORIGINS, Session
 
 ANY_OWNER = object()   # info() without an ownership check (the server's own lookups)
 log = logging.getLogger("localheap.sessions")
