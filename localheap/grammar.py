@@ -349,6 +349,61 @@ class LazyGrammar:
             self.broken = error
 
 
+_BLANKS: dict[int, np.ndarray] = {}   # id(LLTokenizer) -> bool [vocab]: the ids whose text is only whitespace
+
+
+def _blank_ids(ll: Any) -> np.ndarray:
+    with _LOCK:
+        if id(ll) not in _BLANKS:
+            _BLANKS[id(ll)] = np.array([(lambda b: bool(b) and not b.strip())(ll.decode_bytes([i]))
+                                        for i in range(ll.vocab_size)], dtype=bool)
+        return _BLANKS[id(ll)]
+
+
+class AfterReasoning:
+    """A Constraint for a reply that begins inside its reasoning (the prompt ends inside <think>)
+    and must then be `grammar` (a forced call, structured output): nothing is masked until
+    </think>; then up to BLANKS whitespace-only tokens (the blank line models write after it) or
+    the grammar's first token; from there the grammar holds the rest, and once it is complete only
+    end-of-sequence. The grammar is compiled at once (GrammarError: it cannot be enforced)."""
+
+    END_THINK = b"</think>"
+    BLANKS = 2
+
+    def __init__(self, tokenizer: Any, eos_ids: Sequence[int], grammar: str):
+        self.grammar = Grammar(tokenizer, eos_ids, grammar)
+        self.ll = self.grammar.ll
+        self.out = bytearray()        # the reasoning so far
+        self.reasoning = True
+        self.blanks = 0               # whitespace-only tokens after </think>
+        self.held = False             # the grammar has taken a token
+
+    def allowed(self) -> Optional[np.ndarray]:
+        if self.reasoning:
+            return None
+        mask = self.grammar.allowed()
+        if mask is not None and not self.held and self.blanks < self.BLANKS:
+            mask = mask | _blank_ids(self.ll)[:len(mask)]
+        return mask
+
+    def advance(self, token: int) -> None:
+        if self.reasoning:
+            self.out += self.ll.decode_bytes([token])
+            at = self.out.find(self.END_THINK)
+            if at >= 0:
+                self.reasoning = False
+                tail = bytes(self.out[at + len(self.END_THINK):]).lstrip()
+                if tail:   # the token that closed the reasoning went on: the grammar takes the rest
+                    self.held = True
+                    self.grammar.matcher.consume_tokens(self.ll.tokenize_bytes(tail))
+            return
+        if not self.held and self.blanks < self.BLANKS and _blank_ids(self.ll)[token]:
+            self.blanks += 1
+            return
+        self.held = True
+        self.grammar.advance(token)
+
+
 class ForcedTokens:
     """Test-only Constraint: the sampler can pick nothing but `ids`, in order, then end-of-sequence.
     Lets a test make a random model 'say' a tool call while template, parser, stream and

@@ -37,7 +37,8 @@ QWEN = (
     "{%- else %}\n<|{{ m.role }}|>\n{{ m.content }}<|end|>{%- endif %}"
     "{%- endfor %}"
     "{%- if add_generation_prompt %}\n<|assistant|>\n"
-    "{%- if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n{% endif %}{% endif %}"
+    "{%- if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n"
+    "{% elif open_think %}<think>\n{% endif %}{% endif %}"   # (open_think: as Qwen3-Thinking-2507's)
 )
 
 MISTRAL = (

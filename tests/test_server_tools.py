@@ -285,6 +285,30 @@ def test_a_reply_that_opens_no_call_samples_as_without_the_grammar(server, clien
             assert all("<tool_call>" in m.reasoning_content for m in replies[True])
 
 
+def test_a_prompt_that_ends_inside_think_reasons_then_the_grammar_holds_what_follows(client, lead):
+    """A template that opens <think> in its generation prompt (open_think here, as Qwen3-Thinking's):
+    a forced call or structured output is held from </think> on, the reasoning before it is free and
+    comes back as reasoning (the grammar held from the first token made the reply's call its reasoning)."""
+    think = {"chat_template_kwargs": {"open_think": True}}
+    lead("the user asked\n</think>\n\n")   # a random model would not close its reasoning by itself
+    for seed in range(3):
+        r = ask(client, [{"role": "user", "content": "any city"}], tools=TIGHT, tool_choice="required",
+                temperature=1.0, seed=seed, max_tokens=60, parallel_tool_calls=False, extra_body=think)
+        msg = r.choices[0].message
+        assert msg.reasoning_content == "the user asked\n", r
+        (call,) = msg.tool_calls
+        assert call.function.name in ("get_weather", "get_time") and isinstance(json.loads(call.function.arguments), dict)
+        assert r.choices[0].finish_reason == "tool_calls" and not msg.content
+    schema = {"type": "object", "properties": {"on": {"type": "boolean"}}, "required": ["on"], "additionalProperties": False}
+    fmt = {"type": "json_schema", "json_schema": {"name": "o", "schema": schema}}
+    for seed in range(3):
+        r = ask(client, [{"role": "user", "content": "on or off"}], tools=None, response_format=fmt, temperature=1.0,
+                seed=seed, max_tokens=60, extra_body=think)
+        msg = r.choices[0].message
+        assert msg.reasoning_content == "the user asked\n" and r.choices[0].finish_reason == "stop", r
+        jsonschema.validate(json.loads(msg.content), schema)
+
+
 def test_allowed_tools_keep_every_tool_in_the_prompt_and_hold_calls_to_the_allowed(client, lead):
     """tool_choice allowed_tools: the prompt is the same as with all tools (the session's prefix does not
     change), and the grammar lets the model call only the allowed ones: mode required forces a call of

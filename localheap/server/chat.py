@@ -12,7 +12,7 @@ from fastapi import Request
 from ..engine import Generate, Job, Started
 from ..engine.slots import InvalidSlot
 from ..generation import SamplingParams
-from ..grammar import (Grammar, GrammarError, LazyGrammar, LeadingTokens, Trigger, grammar_error, has_local_refs,
+from ..grammar import (AfterReasoning, Grammar, GrammarError, LazyGrammar, LeadingTokens, Trigger, grammar_error, has_local_refs,
                        json_grammar, json_rule, rebased)
 from ..larkformat import LarkInput, lark_rules
 from ..sessions import Prompt
@@ -88,10 +88,13 @@ class ChatPlan:
             return _leading(svc, self.lazy(svc, opts, prompt))
         else:
             return _leading(svc, None)
+        param = self.schema_param if self.json_schema is not None else "tool_choice"
         try:
+            if _in_think(prompt) and not isinstance(opts.fmt, Harmony):   # (a template that opens <think>)
+                return _leading(svc, AfterReasoning(svc.tokenizer, svc.backend.eos_token_ids, grammar))
             return _leading(svc, Grammar(svc.tokenizer, svc.backend.eos_token_ids, grammar))
         except GrammarError as e:
-            raise BadRequest(str(e), self.schema_param if self.json_schema is not None else "tool_choice") from e
+            raise BadRequest(str(e), param) from e
 
     def lazy(self, svc: Services, opts: ChatOptions, prompt: Prompt) -> Optional[LazyGrammar]:
         """The calls a free reply opens, held to the tools' schemas; None where llguidance cannot
