@@ -100,6 +100,18 @@ def test_stop_sequences_say_which_one(client, server, force):
     r = client.messages.create(model=model(server), max_tokens=40, stop_sequences=["END", "STOP"],
                                messages=[{"role": "user", "content": "count"}])
     assert r.stop_reason == "stop_sequence" and r.stop_sequence == "STOP" and r.content[0].text == "one two "
+    # only the reply's text is searched: not its thinking, nor a tool call's markup or JSON
+    force("<think>\nsay STOP\n</think>\n\nok" + CALL)
+    r = client.messages.create(model=model(server), max_tokens=80, stop_sequences=["STOP", "name", "\n"], tools=TOOLS,
+                               messages=[{"role": "user", "content": "count"}])
+    assert [b.type for b in r.content] == ["thinking", "text", "tool_use"] and r.content[2].input == {"city": "Paris"}
+    assert r.content[0].thinking == "\nsay STOP\n" and r.stop_reason == "tool_use" and r.stop_sequence is None
+    force("<think>\nhm\n</think>\n\nthe answer STOP more")
+    with client.messages.stream(model=model(server), max_tokens=40, stop_sequences=["STOP"],
+                                messages=[{"role": "user", "content": "count"}]) as stream:
+        final = stream.get_final_message()
+    assert [b.type for b in final.content] == ["thinking", "text"] and final.content[1].text == "the answer "
+    assert final.stop_reason == "stop_sequence" and final.stop_sequence == "STOP"
     force("a b c d e f g h")
     r = client.messages.create(model=model(server), max_tokens=3, messages=[{"role": "user", "content": "count"}])
     assert r.stop_reason == "max_tokens" and r.usage.output_tokens == 3
@@ -222,6 +234,23 @@ def test_text_documents_and_search_results_are_read_as_text(client, server):
              "content": [{"type": "text", "text": "The code is 4417."}]}
     assert count([found, ask]) == count("A page\nhttps://example.com/a\nThe code is 4417.\n\nWhat is the code?")
     assert count([doc, ask]) != count([ask])
+    # inside a tool's result too (where search results are mostly sent), as there; an image by name
+
+    def result(content):
+        return [{"role": "user", "content": "?"},
+                {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "get_weather",
+                                                   "input": {"city": "Paris"}}]},
+                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": content}]}]
+
+    def counted(messages):
+        return client.messages.count_tokens(model=model(server), tools=TOOLS, messages=messages).input_tokens
+
+    assert counted(result([found, ask])) == counted(result("A page\nhttps://example.com/a\nThe code is 4417.\n\n"
+                                                             "What is the code?"))
+    assert counted(result([doc])) == counted(result("Notes\nfrom the desk\nThe code is 4417."))
+    with pytest.raises(anthropic.BadRequestError) as e:
+        counted(result([{"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AAAA"}}]))
+    assert "image content blocks are not supported" in e.value.message and "messages.2.content.0.content" in e.value.message
     with pytest.raises(anthropic.BadRequestError) as e:
         count([{"type": "document", "source": {"type": "base64", "media_type": "application/pdf", "data": "AAAA"}}])
     assert "'base64' source" in e.value.message

@@ -51,19 +51,6 @@ class ToolUseBlock(Strict):
     toolset_name: Optional[str] = None           # accepted, unused
 
 
-class ToolResultBlock(Strict):
-    type: Literal["tool_result"]
-    tool_use_id: str
-    content: Union[str, list[TextBlock], None] = None
-    is_error: Optional[bool] = None
-    cache_control: CacheControl = None
-    toolset_name: Optional[str] = None           # accepted, unused
-
-    def text(self) -> str:
-        text = self.content if isinstance(self.content, str) else "".join(b.text for b in self.content or [])
-        return f"Error: {text}" if self.is_error else text
-
-
 class MediaBlock(Strict):
     """Images, documents and search results. A plain-text document (a `text` source, or a `content`
     source of text blocks) and a search result (text blocks) are read as text: their title, context
@@ -105,9 +92,6 @@ class MediaBlock(Strict):
         return f"{self.type} content blocks are not supported: this server serves text models"
 
 
-Block = Union[TextBlock, ThinkingBlock, RedactedThinkingBlock, ToolUseBlock, ToolResultBlock, MediaBlock]
-
-
 def _text(blocks: list, where: str) -> str:
     """The text of a message's text blocks and readable media blocks, in order (a media block set off
     from its neighbours by a blank line); BadRequest for a media block this server cannot read."""
@@ -123,6 +107,24 @@ def _text(blocks: list, where: str) -> str:
             out += ("\n\n" if after_media and out else "") + b.text
             after_media = False
     return out
+
+
+class ToolResultBlock(Strict):
+    """A tool's result: text, or blocks (text, and the media blocks a message may hold: a search
+    result or a plain-text document is read as text, an image is refused by name)."""
+    type: Literal["tool_result"]
+    tool_use_id: str
+    content: Union[str, list[Union[TextBlock, MediaBlock]], None] = None
+    is_error: Optional[bool] = None
+    cache_control: CacheControl = None
+    toolset_name: Optional[str] = None           # accepted, unused
+
+    def text(self, where: str) -> str:
+        text = self.content if isinstance(self.content, str) else _text(self.content or [], where)
+        return f"Error: {text}" if self.is_error else text
+
+
+Block = Union[TextBlock, ThinkingBlock, RedactedThinkingBlock, ToolUseBlock, ToolResultBlock, MediaBlock]
 
 
 class Message(Strict):
@@ -210,9 +212,10 @@ class CountTokensRequest(Strict):
                 out.append(ChatMessage(role="system", content=text))
                 continue
             if m.role == "user":
-                for b in blocks:
+                for j, b in enumerate(blocks):
                     if isinstance(b, ToolResultBlock):
-                        out.append(ChatMessage(role="tool", tool_call_id=b.tool_use_id, content=b.text()))
+                        out.append(ChatMessage(role="tool", tool_call_id=b.tool_use_id,
+                                               content=b.text(f"messages.{i}.content.{j}.content")))
                 if text or not any(isinstance(b, ToolResultBlock) for b in blocks):
                     out.append(ChatMessage(role="user", content=text))
                 continue

@@ -63,38 +63,46 @@ async def messages(body: MessagesRequest, request: Request, svc: Services = Depe
 
 
 class Reader:
-    """A job's text as pieces (text, thinking, tool calls), cut at the first stop sequence."""
+    """A job's text as pieces (text, thinking, tool calls), cut at the first stop sequence in its
+    text: the reply's content, not its thinking nor its tool calls' markup (a forced call that a
+    stop sequence found in its JSON cut was lost)."""
 
     def __init__(self, job: Job, parser: OutputParser, stops: list[str]):
         self.job, self.parser = job, parser
-        self.stops, self.matcher = stops, StopMatcher(stops)
-        self.raw, self.sent = "", 0          # text generated / passed on before a stop
+        self.matcher = StopMatcher(stops)
         self.stop_sequence: Optional[str] = None
-        self.calls = 0
 
     async def pieces(self, events: JobEvents) -> AsyncIterator[Union[Piece, Finished]]:
         async for event in follow(self.job, events):
             if isinstance(event, Delta):
                 if self.stop_sequence is None:
-                    for p in self._feed(event.text):
+                    for p in self._cut(self.parser.feed(event.text)):
                         yield p
             elif isinstance(event, Finished):
                 if self.stop_sequence is None:
-                    for p in self.parser.feed(self.matcher.flush()):
+                    for p in self._cut(self.parser.finish() + [None]):
                         yield p
-                for p in self.parser.finish():
-                    yield p
                 yield event
 
-    def _feed(self, text: str) -> list[Piece]:
-        self.raw += text
-        out, stopped = self.matcher.feed(text)
-        self.sent += len(out)
-        if stopped:
-            rest = self.raw[self.sent:]
-            self.stop_sequence = next(s for s in self.stops if s and rest.startswith(s))
-            self.job.cancel()   # the engine ends the run at its next step; the session keeps what it fed
-        return self.parser.feed(out)
+    def _cut(self, pieces: list[Optional[Piece]]) -> list[Piece]:
+        """`pieces` up to a stop sequence in their content (None: the end, what is held back goes)."""
+        out: list[Piece] = []
+        for p in pieces:
+            if isinstance(p, Text) and p.kind == "content":
+                kept, stopped = self.matcher.feed(p.text)
+                if kept:
+                    out.append(Text("content", kept))
+                if stopped:
+                    self.stop_sequence = self.matcher.matched
+                    self.job.cancel()   # the engine ends the run at its next step; the session keeps what it fed
+                    return out
+                continue
+            held = self.matcher.flush()   # text held back as a stop's possible start: before what follows it
+            if held:
+                out.append(Text("content", held))
+            if p is not None:
+                out.append(p)
+        return out
 
 
 async def _whole(request: Request, reader: Reader, events: JobEvents, head: dict) -> tuple[dict, Finished]:
