@@ -313,6 +313,29 @@ def test_conversations_switch_and_delete(open_page, server):
     assert page.inner_text("#chat-title") == "New conversation" and current_session(page) is None
 
 
+def test_two_tabs_keep_each_others_conversations(open_page, server):
+    """Two tabs of one browser: each saves its own conversation without writing the other's back
+    as it was (a tab's whole stale copy of the history used to replace the other's)."""
+    first = open_page()
+    second = first.context.new_page()
+    second.goto(server.url)
+    second.wait_for_selector("#live[data-state=live]")
+    ids = {}
+    for text, page in {"tab one": first.page, "tab two": second}.items():
+        send(page, text, 4)
+        page.wait_for_selector(".msg-assistant.done")
+        ids[text] = current_session(page)   # (the key the tabs share: read before the other tab writes it)
+    third = first.context.new_page()
+    third.goto(server.url)
+    third.wait_for_selector("#live[data-state=live]")
+    for text, sid in ids.items():
+        third.click(f".conv[data-id='{sid}'] .conv-open")
+        assert third.inner_text(".msg-user") == text
+        assert third.locator(".msg-assistant").count() == 1
+    for page in (second, third):
+        page.close()
+
+
 def llama8b_heap(seen: int, layers=32, sinks=4, budget=4096, recent=256, slack=256) -> dict:
     """Heap stats shaped like Llama 3 8B's (128 KiB of KV a token) after `seen` tokens."""
     per_token, capacity = 2 * layers * 8 * 128 * 2, sinks + budget + slack

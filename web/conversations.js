@@ -16,6 +16,13 @@ export class Conversations {
     this.onDelete = onDelete;
     this.onGone = onGone;       // sessions the server no longer has (deleted elsewhere, restarted)
     this.local = load();
+    this.dropped = new Set();  // ids this page forgot: gone from the store at its next save
+    // another tab of this browser saved: take its newer conversations (each tab saves only its own changes)
+    window.addEventListener("storage", (e) => {
+      if (e.key !== STORE) return;
+      this.merge(load());
+      this.render();
+    });
     this.server = new Map();   // id -> session info
     this.current = null;
     this.busy = new Set();     // ids with a reply or a document in flight
@@ -54,16 +61,37 @@ export class Conversations {
     this.save();
   }
 
+  /** Write this page's conversations into the store, over what other tabs wrote there: per
+   *  conversation the one updated last wins (a whole copy written back lost another tab's). */
   save() {
     try {
-      localStorage.setItem(STORE, JSON.stringify(this.local));
+      const stored = load();
+      for (const id of this.dropped) delete stored[id];
+      this.dropped.clear();
+      for (const [id, conv] of Object.entries(this.local)) {
+        if ((stored[id]?.updated || 0) <= conv.updated) stored[id] = conv;
+      }
+      this.merge(stored);
+      localStorage.setItem(STORE, JSON.stringify(stored));
     } catch { /* storage full or disabled: history lives for this page only */ }
+  }
+
+  /** Take the stored conversations that are newer than this page's copies, or that it lacks. */
+  merge(stored) {
+    for (const [id, conv] of Object.entries(stored)) {
+      if (!this.dropped.has(id) && (this.local[id]?.updated || 0) < (conv?.updated || 0)) this.local[id] = conv;
+    }
+  }
+
+  forget(id) {
+    delete this.local[id];
+    this.dropped.add(id);
   }
 
   /** The server's session list; forget local history of sessions the server no longer has. */
   setSessions(infos) {
     this.server = new Map(infos.map((s) => [s.id, s]));
-    for (const id of Object.keys(this.local)) if (!this.server.has(id)) delete this.local[id];
+    for (const id of Object.keys(this.local)) if (!this.server.has(id)) this.forget(id);
     this.save();
     this.render();
   }
@@ -79,7 +107,7 @@ export class Conversations {
       const gone = [...this.server.keys()].filter((id) => !live.has(id) && !fresh(id));
       for (const id of gone) {
         this.server.delete(id);
-        delete this.local[id];
+        this.forget(id);
       }
       if (gone.length) this.save();
       this.render();
@@ -97,7 +125,7 @@ export class Conversations {
 
   remove(id) {
     this.server.delete(id);
-    delete this.local[id];
+    this.forget(id);
     this.save();
     this.render();
   }
