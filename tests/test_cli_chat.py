@@ -88,3 +88,25 @@ def test_chat_reads_a_document_and_answers(tmp_path):
     finally:
         child.close()
     assert child.exitstatus == 0
+
+
+def test_the_system_prompt_opens_the_conversation_when_a_document_comes_first(torch_one_thread):
+    """`chat --system S`: S is the session's first message whether the conversation opens with a
+    question or with /doc (a document read first left S out for good)."""
+    from localheap.commands.chat_engine import ChatEngine
+    from localheap.generation import SamplingParams
+    from localheap.heap import HeapConfig
+    from localheap.models import demo_model_dir, load_backend
+
+    backend = load_backend(str(demo_model_dir()), "torch")
+    system = "You answer in exactly one word."
+    for first in ("read", "ask"):
+        chat = ChatEngine(backend, HeapConfig(budget=512, recent=16, slack=32), system=system)
+        try:
+            if first == "read":
+                chat.read("Room 7 keeps the code word blue.", lambda done, total: None)
+            chat.ask("Which word is in room 7?", SamplingParams(max_tokens=2, temperature=0.0), lambda _: None)
+            text = backend.tokenizer.decode(list(chat.session.fed))
+            assert text.count(system) == 1 and text.index(system) < text.index("Which word"), (first, text)
+        finally:
+            chat.close()

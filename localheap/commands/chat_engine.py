@@ -13,7 +13,7 @@ from typing import Callable, Optional
 from ..engine import Delta, Engine, Failed, Feed, Finished, Generate, Progress
 from ..generation import SamplingParams
 from ..heap import HeapConfig
-from ..server.prompts import chat_prompt, document_prompt
+from ..server.prompts import chat_prompt
 from ..server.schemas import ChatMessage
 from ..sessions import SessionStore
 
@@ -42,10 +42,7 @@ class ChatEngine:
         self.system = system
 
     def ask(self, text: str, params: SamplingParams, on_text: Callable[[str], None]) -> Reply:
-        messages = [ChatMessage(role="user", content=text)]
-        if self.system and self.session.turns == 0 and not self.session.fed:
-            messages.insert(0, ChatMessage(role="system", content=self.system))
-        prompt = chat_prompt(self.backend.tokenizer, messages)
+        prompt = chat_prompt(self.backend.tokenizer, self._opening() + [ChatMessage(role="user", content=text)])
         parts: list[str] = []
         first: Optional[float] = None
 
@@ -61,13 +58,20 @@ class ChatEngine:
 
     def read(self, text: str, on_progress: Callable[[int, int], None]) -> Finished:
         """Read a document into the session (as a user message), reporting (done, total) tokens."""
-        prompt = document_prompt(self.backend.tokenizer, text, "user", raw=False)
+        prompt = chat_prompt(self.backend.tokenizer, self._opening() + [ChatMessage(role="user", content=text)],
+                             add_generation_prompt=False)
 
         def on_event(event) -> None:
             if isinstance(event, Progress):
                 on_progress(event.done, event.total)
 
         return self._run(lambda emit: Feed(prompt, emit, self.session_id), on_event)
+
+    def _opening(self) -> list[ChatMessage]:
+        """The system message, where the session has read nothing yet (a first message or document)."""
+        if self.system and self.session.turns == 0 and not self.session.fed:
+            return [ChatMessage(role="system", content=self.system)]
+        return []
 
     def ensure_session(self) -> bool:
         """After a failed request the engine may have dropped the session: start a new one.
