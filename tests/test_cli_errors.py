@@ -87,6 +87,15 @@ def test_chat_with_standard_input_closed_says_so_before_loading():
     assert "loading the model" not in r.stderr
 
 
+@pytest.mark.parametrize("flag, said", [(["--max-tokens", "0"], "--max-tokens must be at least 1"),
+                                         (["--temperature", "-1"], "temperature must be >= 0"),
+                                         (["--top-p", "2"], "top_p must be in (0, 1]")])
+def test_chat_refuses_bad_sampling_flags_before_loading(capsys, flag, said):
+    assert main(["chat", "--random-model", "llama:tiny", *flag]) == 2
+    err = capsys.readouterr().err
+    assert said in err and "loading the model" not in err and "Traceback" not in err
+
+
 def test_a_heap_larger_than_the_ram_is_refused_with_what_fits(capsys):
     from localheap.commands.common import check_heap_fits
     from localheap.heap import HeapConfig

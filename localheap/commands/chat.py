@@ -86,6 +86,9 @@ def run(args) -> int:
     except ImportError:
         pass
     cfg = heap_config(args)   # bad flags fail before the model loads
+    if args.max_tokens < 1:
+        raise ValueError(f"--max-tokens must be at least 1 (got {args.max_tokens})")
+    SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed)
     if sys.stdin is None or sys.stdin.closed:   # (`<&-`: Python starts without one)
         raise ValueError("chat reads its messages from standard input, which is closed; give it a terminal or "
                          "a file (localheap chat < messages.txt)")
