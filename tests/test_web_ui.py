@@ -348,34 +348,42 @@ def llama8b_heap(seen: int, layers=32, sinks=4, budget=4096, recent=256, slack=2
             "kv_bytes": capacity * per_token, "evictions": rows[0]["evictions"], "layers": rows}
 
 
-def test_a_million_tokens_through_a_32_layer_heap(open_page):
-    """The picture at scale, from synthetic server payloads: the counter says 1,000,000 while
-    the heap stays 4,356 slots; 32 layer bars fit a laptop screen, 4 sinks still show."""
-    session = {"id": "sess_book", "object": "session", "state": "resident", "busy": False, "turns": 2,
-               "created": 0, "last_used": 0, "origin": "web", "title": None}
-    card = {"id": "llama3-8b-q4", "object": "model", "created": 0, "owned_by": "localheap",
-            "localheap": {"backend": "mlx", "weights_bytes": 4_600_000_000, "heap_bytes_per_session": 4356 << 17,
-                          "heap": {"budget": 4096, "sinks": 4, "recent": 256, "slack": 256, "policy": "h2o",
-                                   "positions": "compact", "profile": "uniform"}}}
+BOOK = {"id": "sess_book", "object": "session", "state": "resident", "busy": False, "turns": 2,
+        "created": 0, "last_used": 0, "origin": "web", "title": None}
+CARD = {"id": "llama3-8b-q4", "object": "model", "created": 0, "owned_by": "localheap",
+        "localheap": {"backend": "mlx", "weights_bytes": 4_600_000_000, "heap_bytes_per_session": 4356 << 17,
+                      "heap": {"budget": 4096, "sinks": 4, "recent": 256, "slack": 256, "policy": "h2o",
+                               "positions": "compact", "profile": "uniform"}}}
 
-    def snapshot(seen):
-        return {"time": 0, "model": card["id"], "sessions": [{**session, "tokens": seen, "heap": llama8b_heap(seen)}],
+
+def book_page(open_page, heaps: list):
+    """A page fed synthetic server payloads: one session (BOOK) whose heap events carry `heaps` in
+    turn, opened on it once the last one is shown."""
+    def snapshot(heap):
+        return {"time": 0, "model": CARD["id"], "sessions": [{**BOOK, "tokens": heap["tokens_seen"], "heap": heap}],
                 "memory": {"rss_bytes": 6_300_000_000, "ram_budget_bytes": 12 << 30, "weights_bytes": 4_600_000_000,
                            "kv_bytes": 4356 << 17, "max_resident_heaps": 12},
                 "thermal": "fair", "throughput": {"decode_tokens_per_s": 31.4, "prefill_tokens_per_s": 1840.0},
                 "engine": {"active": 0, "waiting": 0, "in_flight": 0}}
 
-    steps = [0, 2_000, 4_356, 20_000, 100_000, 250_000, 500_000, 750_000, 1_000_000]
-    streams = iter(["".join(f"event: heap\ndata: {json.dumps(snapshot(n))}\n\n" for n in steps)])
-    last = f"event: heap\ndata: {json.dumps(snapshot(steps[-1]))}\n\n"   # each reconnect: no news
+    streams = iter(["".join(f"event: heap\ndata: {json.dumps(snapshot(h))}\n\n" for h in heaps)])
+    last = f"event: heap\ndata: {json.dumps(snapshot(heaps[-1]))}\n\n"   # each reconnect: no news
     routes = {
-        "**/v1/models": lambda r: r.fulfill(json={"object": "list", "data": [card]}),
-        "**/v1/sessions": lambda r: r.fulfill(json={"object": "list", "data": [{**session, "tokens": 0, "heap": None}]}),
+        "**/v1/models": lambda r: r.fulfill(json={"object": "list", "data": [CARD]}),
+        "**/v1/sessions": lambda r: r.fulfill(json={"object": "list", "data": [{**BOOK, "tokens": 0, "heap": None}]}),
         "**/v1/heap/events": lambda r: r.fulfill(body=next(streams, last), content_type="text/event-stream"),
     }
     page = open_page(routes=routes, ready="#model-name:text('llama3-8b-q4')").page
     page.click(".conv[data-id='sess_book'] .conv-open")
-    page.wait_for_function("document.getElementById('seen').dataset.value === '1000000'")
+    page.wait_for_function(f"document.getElementById('seen').dataset.value === '{heaps[-1]['tokens_seen']}'")
+    return page
+
+
+def test_a_million_tokens_through_a_32_layer_heap(open_page):
+    """The picture at scale, from synthetic server payloads: the counter says 1,000,000 while
+    the heap stays 4,356 slots; 32 layer bars fit a laptop screen, 4 sinks still show."""
+    steps = [0, 2_000, 4_356, 20_000, 100_000, 250_000, 500_000, 750_000, 1_000_000]
+    page = book_page(open_page, [llama8b_heap(n) for n in steps])
     assert "1,000,000 tokens" in page.inner_text("#empty-elsewhere") and page.is_hidden("#empty-new")
     assert page.inner_text("#seen") == "1,000,000" and page.inner_text("#capacity") == "4,356 slots"
     assert "230× the heap's size" in page.inner_text("#hero-note")
@@ -390,6 +398,20 @@ def test_a_million_tokens_through_a_32_layer_heap(open_page):
     points = page.get_attribute("#spark-resident", "points").split()
     assert len(points) == len(steps)   # the whole story, seen rising and resident flat
     shot(page, "1M-tokens-32-layers-light-1280x800")
+
+
+def test_a_heap_repacked_before_it_is_full_says_so_and_its_disk_line_fits(open_page):
+    """Decode repacks every `slack` tokens, before the heap's capacity is reached: the note tells
+    of the repack, not of room before the first one; the recall tier's line stays in its card."""
+    heap = llama8b_heap(4_200)
+    heap.update(resident=4_150, evicted=50, evictions=1)
+    heap["pages"] = {"tokens_on_disk": 87_968, "disk_bytes": 26_529_000,
+                     "last_recall": {"tokens": 32, "ms": 74.6123}}
+    page = book_page(open_page, [heap])
+    assert page.inner_text("#hero-note") == "Repacked 1× so far: 50 tokens evicted by score; it never grew."
+    assert page.inner_text("#stat-disk") == "87,968 tokens · 25.3 MiB · last recall 32 in 75 ms"
+    line, card = (page.locator(sel).bounding_box() for sel in ("#stat-disk", "#stat-disk-row"))
+    assert line["x"] + line["width"] <= card["x"] + card["width"] and line["y"] + line["height"] <= card["y"] + card["height"]
 
 
 def test_markdown_is_rendered_and_safe(open_page):

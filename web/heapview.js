@@ -124,6 +124,7 @@ export class HeapView {
     const x = times(seen, capacity);
     $("hero-note").textContent = !capacity ? "" : x
       ? `${x}× the heap's size went through it; it never grew.`
+      : heap?.evictions ? `Repacked ${int(heap.evictions)}× so far: ${int(heap.evicted)} tokens evicted by score; it never grew.`
       : seen ? `Room for ${int(capacity - heap.resident)} more tokens before the first repack.`
       : "Nothing read yet: send a message or add a document.";
     const perToken = kv && heap?.layers?.length ? kv / sumCapacity(heap.layers) * heap.layers.length : null;
@@ -140,7 +141,7 @@ export class HeapView {
     $("stat-disk-row").hidden = !pages;
     $("stat-disk").textContent = pages
       ? `${int(pages.tokens_on_disk)} tokens · ${bytes(pages.disk_bytes)}` +
-        (pages.last_recall ? ` · last recall ${int(pages.last_recall.tokens)} in ${pages.last_recall.ms} ms` : "")
+        (pages.last_recall ? ` · last recall ${int(pages.last_recall.tokens)} in ${millis(pages.last_recall.ms)} ms` : "")
       : "–";
   }
 
@@ -259,4 +260,10 @@ function sumCapacity(layers) {
 
 function thin(points) {
   return points.filter((_, i) => i % 2 === 0);
+}
+
+
+/** A duration in ms as people read it: one decimal under 10 ms, whole ms above. */
+function millis(ms) {
+  return ms < 10 ? ms.toFixed(1) : int(Math.round(ms));
 }
