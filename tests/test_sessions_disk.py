@@ -194,6 +194,29 @@ def test_a_session_is_in_the_index_while_its_first_turn_runs(tmp_path):
     assert busy.id in again and len(again.get(busy.id).fed) == 0
 
 
+def test_the_index_counts_the_turns_of_the_saved_copy(tmp_path):
+    """A turn counts once it is saved: an index another session's save (or a title) rewrites while a
+    turn is being saved, or after one the disk refused, names the turns of the copy it names (a kill
+    then brought the session back with turn 1's tokens listed as 2 turns)."""
+    store = durable(tmp_path)
+    a = saved_session(store, [1, 2, 3])
+    a.turns = 1
+    store.save(a)
+    feed(store, a, [4, 5])   # turn 2: counted, its save not committed yet
+    a.turns = 2
+    saved_session(store, [7, 8])
+    index = {e["id"]: e for e in json.loads((tmp_path / "index.json").read_text())["sessions"]}
+    assert (index[a.id]["tokens"], index[a.id]["turns"]) == (3, 1)
+    again = durable(tmp_path)
+    again.load_persisted()
+    assert (len(again.get(a.id).fed), again.get(a.id).turns) == (3, 1)
+    assert store.rollback(a, 3) and (len(a.fed), a.turns) == (3, 1)   # a failed step: back to the saved copy
+    feed(store, a, [6])
+    a.turns = 2
+    store.save(a)
+    assert {e["id"]: e for e in json.loads((tmp_path / "index.json").read_text())["sessions"]}[a.id]["turns"] == 2
+
+
 def test_startup_removes_half_written_checkpoints_and_lists_the_rest(tmp_path):
     from localheap.sessions.checkpoints import Checkpoints
 

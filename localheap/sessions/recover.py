@@ -121,6 +121,7 @@ def _session(d: SessionDir, sid: str, cfg: HeapConfig, entry: dict, gen: Optiona
     owner = entry.get("owner") if isinstance(entry.get("owner"), str) else None   # an API key's digest
     s = Session(id=sid, cfg=cfg, created=number("created", now), last_used=number("last_used", now),
                 turns=int(number("turns", 0)), origin=origin, title=title, owner=owner)
+    s.saved_turns = s.turns
     if gen is not None:
         s.fed, s.spill_path, s.saved_gen, s.saved_tokens = tokens, d.heap_path(sid, gen), gen, len(tokens)
         s.saved_crc = zlib.crc32(tokens.tobytes())

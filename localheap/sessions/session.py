@@ -55,6 +55,7 @@ class Session:
     created: float = field(default_factory=time.time)
     last_used: float = field(default_factory=time.time)
     turns: int = 0
+    saved_turns: int = 0                               # turns when it was saved (the index's: a kill keeps those)
     stats: Optional[HeapStats] = None
     snapshot: dict = field(default_factory=dict)
     origin: str = "api"

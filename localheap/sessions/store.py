@@ -264,17 +264,20 @@ class SessionStore:
         """save's second half, after write_heap: the tokens, the index (the commit), then the
         previous generation's files removed."""
         gen, crc = written
-        old = (s.spill_path, s.saved_gen, s.saved_tokens, s.dirty, s.heap_crc, s.saved_crc, s.saved_points)
+        old = (s.spill_path, s.saved_gen, s.saved_tokens, s.dirty, s.heap_crc, s.saved_crc, s.saved_points,
+               s.saved_turns)
         try:
             self.dir.write_tokens(s.id, gen, s.fed)
             faults.step("save.tokens")
             s.spill_path, s.saved_gen, s.saved_tokens, s.dirty = self.dir.heap_path(s.id, gen), gen, len(s.fed), False
             s.heap_crc, s.saved_crc = crc, zlib.crc32(s.fed.tobytes())
             s.saved_points = (s.rollback_floor, s.reply_start, s.cuttable)   # the heap's (the session is idle)
+            s.saved_turns = s.turns
             self._commit()
             faults.step("save.index")
         except BaseException as e:
-            s.spill_path, s.saved_gen, s.saved_tokens, s.dirty, s.heap_crc, s.saved_crc, s.saved_points = old
+            (s.spill_path, s.saved_gen, s.saved_tokens, s.dirty, s.heap_crc, s.saved_crc, s.saved_points,
+             s.saved_turns) = old
             self._remove_gen(s.id, gen)
             if isinstance(e, OSError):
                 raise SpillFailed(self.spill_dir, e) from e
@@ -358,7 +361,8 @@ class SessionStore:
             keep = 0 if fed_before == 0 else s.saved_tokens
             if keep == 0 and s.spill_path is not None:
                 self._remove_files(s)
-                s.spill_path, s.saved_gen, s.saved_tokens = None, None, 0
+                s.spill_path, s.saved_gen, s.saved_tokens, s.saved_turns = None, None, 0, 0
+            s.turns = s.saved_turns if keep else 0   # the turns of the copy it fell back to
             s.cache, s.dirty = None, False
             s.rollback_mark = None
             del s.fed[keep:]
@@ -456,7 +460,7 @@ class SessionStore:
         return [{"id": s.id, "gen": s.saved_gen, "tokens": s.saved_tokens,
                  "crc": s.saved_crc if s.saved_crc is not None else zlib.crc32(s.fed[:s.saved_tokens].tobytes()),
                  "heap_crc": s.heap_crc, **points_entry(s.saved_points),
-                 "created": s.created, "last_used": s.last_used, "turns": s.turns,
+                 "created": s.created, "last_used": s.last_used, "turns": s.saved_turns,   # (its saved turn's)
                  "origin": s.origin, "title": s.title, "owner": s.owner}   # owner: the API key's digest
                 for s in self.sessions() if not (s.ephemeral or s.scratch)]
 
