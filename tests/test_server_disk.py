@@ -207,6 +207,26 @@ def test_page_out_faults_degrade_one_session(backend, tmp_path, monkeypatch):
         assert http.get("/health").json()["status"] == "ok"   # a turn without loss
 
 
+def test_a_session_a_request_waits_for_or_with_nothing_on_disk_is_not_deleted(backend, tmp_path):
+    """Taking space back deletes idle sessions whole as a last step: never one that a request waiting
+    to start names (its client got 410 for a session it was about to use), nor one with nothing on
+    disk (just created: deleting it gives no room)."""
+    settings = ServerSettings(heap=HEAP, web_dir=None, sessions_dir=tmp_path, persist_sessions=True,
+                              disk_total=64 << 20)
+    with ServerThread(create_app(backend, settings)) as srv, httpx.Client(base_url=srv.url, timeout=120) as http:
+        svc = srv.services
+        assert svc.store.disk.waiting == svc.engine.admission.named   # the engine tells which are waited for
+        ids = [chat(http, f"Document {i}. {SHORT_DOC}").headers["X-Session-Id"] for i in range(3)]
+        empty = http.post("/v1/sessions").json()["id"]
+        svc.store.disk.waiting = lambda: {ids[1]}   # as if a request for it were queued
+        svc.engine.call(lambda: svc.store.disk.reclaim(1 << 40, set())).result()
+        left = {s["id"] for s in http.get("/v1/sessions").json()["data"]}
+        assert left == {ids[1], empty}, (ids, empty, left)
+        svc.store.disk.waiting = svc.engine.admission.named
+        for sid in (ids[1], empty):
+            assert chat(http, "And the sinks?", headers={"X-Session-Id": sid}).status_code == 200
+
+
 def test_checkpoints_go_after_pages_and_before_sessions(backend, tmp_path):
     """Sessions that read a document hold a checkpoint (a heap file, its tokens and hard links of
     the pages). Under the bound, the least recently used give theirs back (the pages the

@@ -43,6 +43,13 @@ class AdmissionQueue:
         self._room_check_at = 0.0          # before this (monotonic), don't ask the governor again
         self._refusal: Optional[OverBudget] = None
         self.vocab_size: Optional[int] = getattr(backend, "vocab_size", None)
+        if getattr(store, "disk", None) is not None:   # --disk-total keeps the sessions jobs wait for
+            store.disk.waiting = self.named
+
+    def named(self) -> set[str]:
+        """The sessions the waiting jobs (and the one being placed) name."""
+        jobs = [*list(self.waiting), *([self.placing] if self.placing is not None else [])]
+        return {sid for j in jobs if (sid := getattr(j.request, "session_id", None)) is not None}
 
     def admit(self, slot_free: Callable[[], bool], start: Callable[[Job, Any, bool], None],
               fail: Callable[[Job, Exception], None], drop: Callable[[Job], None],

@@ -22,7 +22,7 @@ import os
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from ..backends.paging import release_pages
 from ..heap import format_bytes
@@ -113,6 +113,7 @@ class DiskTotal:
         self.by_session: dict[str, int] = {}
         self._looked_at = 0.0
         self._look_s = 0.0                 # how long the last look took
+        self.waiting: Callable[[], set[str]] = set   # ids that jobs waiting to start name (the engine's): kept
 
     # --- the engine's hooks ---
 
@@ -274,6 +275,7 @@ class DiskTotal:
         """Free at least `need` bytes if idle sessions hold them: least recently used first, their
         pages, then their checkpoints (and the pages those shared), then whole sessions. Returns bytes freed."""
         freed = 0
+        exclude = exclude | self.waiting()   # a request waiting for its turn on it: not idle
         for step in (self._drop_pages, self._drop_checkpoints, self._drop_pages, self._drop_session):
             idle = sorted((s for s in self.store.sessions() if s.id not in exclude and not s.busy),
                           key=lambda s: s.last_used)
@@ -330,6 +332,8 @@ class DiskTotal:
         paths = [*root.glob(f"{s.id}.*"), *self.store.pages_dir(s).rglob("*"),
                  *(self.store.checkpoints.root / s.id).rglob("*")]
         freed = _unshared_bytes(p for p in paths if p.is_file())
+        if not freed:   # nothing of it on disk (just created, never saved): deleting it gives no room
+            return Reclaims()
         self.store.delete(s.id)
         self.store.forget(s.id, "deleted to stay inside --disk-total")
         log.warning("--disk-total: idle session %s deleted (%s freed)", s.id, format_bytes(freed))
