@@ -1106,6 +1106,13 @@ def compact_store(root: Path, drop_bytes: int, state: Union[int, str, None] = LA
         i, j = cands[c]
         valid[i][j] = False
         dropped += 1
+    if dropped:   # counted before any file loses them: a compaction cut short by a kill still counts them
+        meta["dropped"] += dropped
+        meta["reclaimed"] = meta.get("reclaimed", 0) + dropped
+        if state == META:
+            _atomic(root / META, lambda out: out.write(json.dumps(meta).encode()))
+        else:
+            _write_state(root / state_name(state), meta, tails)
     freed = 0
     for f, r, ok, linked in zip(files, recs, valid, shared):
         if linked or ok.all():
@@ -1114,13 +1121,6 @@ def compact_store(root: Path, drop_bytes: int, state: Union[int, str, None] = LA
         _compact_file(f, r, ok)
         freed += before - f.stat().st_size
     del recs
-    if dropped:
-        meta["dropped"] += dropped
-        meta["reclaimed"] = meta.get("reclaimed", 0) + dropped
-        if state == META:
-            _atomic(root / META, lambda out: out.write(json.dumps(meta).encode()))
-        else:
-            _write_state(root / state_name(state), meta, tails)
     return dropped, freed
 
 
