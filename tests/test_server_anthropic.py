@@ -117,6 +117,24 @@ def test_stop_sequences_say_which_one(client, server, force):
     assert r.stop_reason == "max_tokens" and r.usage.output_tokens == 3
 
 
+def test_a_prefill_is_continued(client, server, force):
+    """A conversation that ends with the assistant's text: the reply goes on from it (no end of
+    turn, no new assistant turn between), and returns only what it added; trailing whitespace is a
+    400, as on Anthropic's API."""
+    force(" one two")
+    history = [{"role": "user", "content": "Count"}, {"role": "assistant", "content": "Sure:"}]
+    r = httpx.post(server.url + "/v1/messages", headers={"x-api-key": KEY},
+                   json={"model": model(server), "max_tokens": 20, "messages": history}).json()
+    assert r["content"] == [{"type": "text", "text": " one two"}] and r["stop_reason"] == "end_turn", r
+    fed = server.services.tokenizer.decode(list(server.services.store.get(r["localheap"]["session_id"]).fed))
+    assert fed.endswith("Sure: one two") and fed.count("<|assistant|>") == 1, fed
+    counted = client.messages.count_tokens(model=model(server), messages=history).input_tokens
+    assert counted == r["usage"]["input_tokens"] + r["usage"]["cache_read_input_tokens"]
+    with pytest.raises(anthropic.BadRequestError) as e:
+        client.messages.create(model=model(server), max_tokens=5, messages=[history[0], {**history[1], "content": "Sure: "}])
+    assert "trailing whitespace" in e.value.message
+
+
 def test_count_tokens_matches_the_prompt(client, server, force):
     msgs = [{"role": "user", "content": "How many tokens is this?"}]
     n = client.messages.count_tokens(model=model(server), messages=msgs, tools=TOOLS).input_tokens

@@ -198,6 +198,22 @@ class CountTokensRequest(Strict):
     # what the model attends to instead (by score, not by clearing old tool results)
     context_management: Optional[dict[str, Any]] = None
 
+    @property
+    def prefilled(self) -> bool:
+        """Whether the conversation ends with the assistant's own text (a prefill: no tool use), which
+        the reply goes on from rather than a new turn, as Anthropic's API does; like it, a 400 when
+        that text ends in whitespace."""
+        last, at = self.messages[-1], f"messages.{len(self.messages) - 1}.content"
+        if last.role != "assistant":
+            return False
+        blocks = [TextBlock(type="text", text=last.content)] if isinstance(last.content, str) else last.content
+        text = _text(blocks, at)
+        if not text or any(isinstance(b, ToolUseBlock) for b in blocks):
+            return False
+        if text != text.rstrip():
+            raise BadRequest("final assistant content cannot end with trailing whitespace", at)
+        return True
+
     def chat_messages(self) -> list[ChatMessage]:
         """The conversation as OpenAI-shaped chat messages: tool_result blocks become tool messages,
         tool_use blocks tool calls, thinking blocks reasoning_content."""

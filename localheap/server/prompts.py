@@ -178,13 +178,18 @@ def _bounded(fn: Callable[..., Prompt], args: tuple, kwargs: dict) -> Prompt:
 
 
 def chat_prompt(tokenizer: Any, messages: list[ChatMessage], add_generation_prompt: bool = True,
-                limit: Optional[int] = None, opts: Optional[ChatOptions] = None) -> Prompt:
+                limit: Optional[int] = None, opts: Optional[ChatOptions] = None,
+                continue_final: bool = False) -> Prompt:
     """The full conversation, plus its continuation for an explicit session that holds
     earlier turns (only the new messages are sent). Tokenized once: the continuation's ids
-    are the tail of the conversation's when the template renders it as the text's tail."""
+    are the tail of the conversation's when the template renders it as the text's tail.
+    `continue_final`: the last message (the assistant's, a prefill) is left open for the reply
+    to go on from (transformers' continue_final_message), no generation prompt after it."""
     check_chars(tokenizer, sum(len(m.text()) for m in messages), limit, "messages")
     msgs = _messages(messages, opts)
     args = opts.template_args() if opts is not None else {}
+    if continue_final:
+        args, add_generation_prompt = {**args, "continue_final_message": True}, False
     text = render(tokenizer, msgs, add_generation_prompt, **args)
     tokens = encode_bounded(tokenizer, text, limit)
     cont = render_continuation(tokenizer, msgs, add_generation_prompt, **args)

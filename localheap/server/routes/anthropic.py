@@ -35,7 +35,7 @@ async def count_tokens(body: CountTokensRequest, svc: Services = Depends(service
     svc.check_model(body.model)
     plan = body.plan()
     prompt = await tokenize(chat_prompt, svc.tokenizer, body.chat_messages(), limit=svc.settings.max_prompt_tokens,
-                            opts=plan.options(svc))
+                            opts=plan.options(svc), continue_final=body.prefilled)
     return {"input_tokens": len(prompt.tokens)}
 
 
@@ -46,7 +46,8 @@ async def messages(body: MessagesRequest, request: Request, svc: Services = Depe
     plan = body.plan()
     opts = plan.options(svc)
     msgs = body.chat_messages()
-    prompt = await tokenize(chat_prompt, svc.tokenizer, msgs, limit=svc.settings.max_prompt_tokens, opts=opts)
+    prompt = await tokenize(chat_prompt, svc.tokenizer, msgs, limit=svc.settings.max_prompt_tokens, opts=opts,
+                            continue_final=body.prefilled)
     # stop sequences are matched here, not in the engine: the reply must say which one stopped it
     params = SamplingParams(max_tokens=body.max_tokens, temperature=body.temperature, top_p=body.top_p,
                             top_k=body.top_k, constraint=plan.constraint(svc, opts, prompt))
