@@ -160,6 +160,16 @@ def test_errors_in_anthropic_shape_and_keys(client, server):
     # the same key works as a bearer key on the OpenAI routes
     oa = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)
     assert oa.models.list().data[0].id == model(server)
+    # a right x-api-key beside another Authorization header (a client's own proxy's) is taken; two wrong ones are not
+    body = {"model": model(server), "max_tokens": 1, "messages": [{"role": "user", "content": "x"}]}
+    for headers, status in (({"x-api-key": KEY, "authorization": "Bearer other"}, 200),
+                            ({"x-api-key": "wrong", "authorization": f"Bearer {KEY}"}, 200),
+                            ({"x-api-key": "wrong", "authorization": "Bearer other"}, 401)):
+        assert httpx.post(server.url + "/v1/messages", json=body, headers=headers).status_code == status, headers
+    with pytest.raises(anthropic.BadRequestError) as e:   # two tools of one name: which would a call be?
+        client.messages.create(model=model(server), max_tokens=5, messages=[{"role": "user", "content": "x"}],
+                               tools=TOOLS + TOOLS)
+    assert "two tools are named 'get_weather'" in e.value.message
 
 
 def test_claude_codes_request_shape_is_taken(server, force):

@@ -138,6 +138,8 @@ def test_a_response_on_a_conversation_reads_it_and_adds_to_it(server, client, fo
     assert [i.type for i in items] == ["message", "message", "message", "function_call", "function_call_output",
                                        "message"]
     assert items[3].call_id == call.call_id and items[5].content[0].text == "Sunny."
+    asked = client.responses.input_items.list(first.id).data   # a text input: one item, one id in both lists
+    assert [i.id for i in asked] == [items[2].id]
     whole = [{"role": "user", "content": "Hello"}, {"role": "assistant", "content": "Hi."},
              {"role": "user", "content": "Weather in Paris?"}, call.model_dump(mode="json", by_alias=True),
              {"type": "function_call_output", "call_id": call.call_id, "output": "sun"},

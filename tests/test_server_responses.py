@@ -544,6 +544,9 @@ def test_a_restarted_server_continues_a_kept_response(model_dirs, tmp_path_facto
     ({"max_output_tokens": 0}, "max_output_tokens"),
     ({"max_tool_calls": -1}, "max_tool_calls"),
     ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format"),
+    ({"metadata": {f"k{i}": "v" for i in range(17)}}, "metadata"),   # (16 keys at most, as OpenAI's)
+    ({"tools": [{"type": "web_search"}], "tool_choice": {"type": "web_search"}}, "tool_choice"),   # hosted: none run
+    ({"tools": [{"type": "web_search"}], "tool_choice": "required"}, "tool_choice"),
 ])
 def test_what_it_cannot_do_is_a_400(server, fields, param):
     import httpx

@@ -246,6 +246,9 @@ class CountTokensRequest(Strict):
         tools = [{"type": "function", "function": {"name": t.name, "parameters": t.input_schema,
                                                    **({"description": t.description} if t.description else {})}}
                  for t in self.tools or []] or None
+        names = [t.name for t in self.tools or []]
+        if len(set(names)) < len(names):
+            raise BadRequest(f"two tools are named {next(n for n in names if names.count(n) > 1)!r}", "tools")
         choice, parallel = "auto", True
         if self.tool_choice is not None:
             tc = self.tool_choice

@@ -20,11 +20,10 @@ from pydantic import ValidationError
 
 from .errors import ApiError, BadRequest
 from .jsonlines import FileBacked, JsonLines
-from .responses import _ITEM, ID_PREFIX, ItemReference, MessageItem, OtherItem, new_id
+from .responses import _ITEM, ID_PREFIX, MAX_METADATA, ItemReference, MessageItem, OtherItem, new_id
 
 log = logging.getLogger("localheap.server")
 
-MAX_METADATA = 16   # keys, as OpenAI's
 
 
 class ConversationNotFound(ApiError):

@@ -52,12 +52,15 @@ class RequireApiKey:
         if scope["type"] == "http" and scope["method"] != "OPTIONS" and scope["path"].startswith(PROTECTED_PREFIXES):
             headers = dict(scope["headers"])
             given = headers.get(b"authorization", b"")
-            if not given and headers.get(b"x-api-key"):   # Anthropic's clients send the key this way
-                given = b"Bearer " + headers[b"x-api-key"]
+            # Anthropic's clients send the key as x-api-key (some send an Authorization header beside it,
+            # for their own proxies): either one that matches will do, the Authorization header's first
+            tried = [g for g in (given, b"Bearer " + headers[b"x-api-key"] if headers.get(b"x-api-key") else b"") if g]
+            given = given or (tried[0] if tried else b"")
             owner = None
-            for expected, who in self.expected:   # every key compared: the time says nothing about which
-                if hmac.compare_digest(given, expected):
-                    owner = who
+            for key in reversed(tried):
+                for expected, who in self.expected:   # every key compared: the time says nothing about which
+                    if hmac.compare_digest(key, expected):
+                        owner = who
             if owner is None:
                 message = ("missing API key: send 'Authorization: Bearer KEY' (or 'x-api-key: KEY')"
                            if not given else "incorrect API key")

@@ -18,7 +18,8 @@ from functools import cached_property, lru_cache
 from pathlib import Path
 from typing import Annotated, Any, Callable, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, TypeAdapter, ValidationError, field_validator
+from pydantic import (BaseModel, ConfigDict, Discriminator, Field, PrivateAttr, Tag, TypeAdapter, ValidationError,
+                      field_validator)
 
 from ..engine import Finished
 from ..generation import TOP_LOGPROBS_MAX
@@ -35,6 +36,8 @@ from .prompts import with_effort
 from .schemas import EFFORT_VALUES, ChatMessage, Strict, object_schema
 from .toolcalls import CallArgs, CallStart, Piece, Text
 from .toolformats import ToolCall
+
+MAX_METADATA = 16   # metadata keys, as OpenAI's (a response's, a conversation's)
 
 log = logging.getLogger("localheap.server")
 
@@ -275,6 +278,20 @@ class NamedFunction(Strict):
     namespace: Optional[str] = None
 
 
+class HostedChoice(Strict):
+    """tool_choice forcing a hosted tool ({"type": "web_search"}, "file_search", "mcp", ...): read,
+    to be refused by name (this server runs none of them)."""
+    model_config = ConfigDict(extra="allow")
+    type: str
+
+    @field_validator("type")
+    @classmethod
+    def _hosted(cls, v: str) -> str:
+        if v in ("function", "custom", "allowed_tools"):
+            raise ValueError(f"not a hosted tool's type: {v!r}")
+        return v
+
+
 class AllowedToolsChoice(Strict):
     """tool_choice {"type": "allowed_tools", "mode", "tools"}: every tool stays in the prompt, the
     model may call only these (held by the grammar). Hosted tools named here are not offered."""
@@ -323,9 +340,11 @@ class ConversationRef(Strict):
 class ResponsesRequest(Strict):
     model: str
     input: Union[str, list[Item]]
+    _message: Optional[MessageItem] = PrivateAttr(None)   # a text input's item (input_items)
     instructions: Optional[str] = None
     tools: Optional[list[Tool]] = None
-    tool_choice: Union[Literal["auto", "none", "required"], NamedFunction, AllowedToolsChoice, None] = None
+    tool_choice: Union[Literal["auto", "none", "required"], NamedFunction, AllowedToolsChoice, HostedChoice,
+                       None] = None
     parallel_tool_calls: Optional[bool] = None
     max_output_tokens: Optional[int] = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
@@ -361,6 +380,8 @@ class ResponsesRequest(Strict):
         if self.background and self.store is False:
             return "store", ("a background response is kept to be polled (GET /v1/responses/ID): it cannot "
                              "have store: false")
+        if self.metadata is not None and len(self.metadata) > MAX_METADATA:
+            return "metadata", f"metadata is at most {MAX_METADATA} keys (this request has {len(self.metadata)})"
         names = [o.name for o in self.offered]
         if len(set(names)) < len(names):
             dup = next(n for n in names if names.count(n) > 1)
@@ -394,7 +415,13 @@ class ResponsesRequest(Strict):
             if not self.tool_choice.names() and self.tool_choice.mode == "required":
                 return "tool_choice", "tool_choice requires a call of the tools it allows, and none of them " \
                     "is a function or custom tool this server can offer"
+        if isinstance(self.tool_choice, HostedChoice):
+            return "tool_choice", (f"tool_choice forces the hosted tool {self.tool_choice.type!r}; this server runs "
+                                   "no hosted tools (they are left out of the prompt)")
         if self.tool_choice in ("required",) and not self.offered:
+            if self.tools:
+                return "tool_choice", ("tool_choice requires a call, and none of the tools is a function or custom "
+                                       "tool this server can offer (hosted tools are not run here)")
             return "tool_choice", "tool_choice needs tools"
         return None
 
@@ -430,7 +457,11 @@ class ResponsesRequest(Strict):
 
     @property
     def input_items(self) -> list:
-        return [MessageItem(role="user", content=self.input)] if isinstance(self.input, str) else list(self.input)
+        if isinstance(self.input, str):   # one message item, made once: the response and its conversation
+            if self._message is None:     # list it by the one id
+                self._message = MessageItem(role="user", content=self.input)
+            return [self._message]
+        return list(self.input)
 
     def chat_messages(self, before: list = ()) -> list[ChatMessage]:
         """The conversation (the items `before` this request's: a previous response's chain) as chat
