@@ -81,3 +81,21 @@ def test_generate_takes_the_penalties_and_checks_their_range(capsys):
             main(args + bad)
         assert e.value.code == 2
         assert says in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("backend", ["torch", "mlx"])
+def test_chat_wraps_the_prompt_in_the_template_as_the_server_does(model_path, capsys, backend):
+    """`generate --chat` reads the chat the server would render for one user message (on torch
+    transformers 5's apply_chat_template returned a BatchEncoding, which failed)."""
+    if backend == "mlx":
+        pytest.importorskip("mlx_lm")
+    from localheap.models import load_backend
+    from localheap.server.prompts import chat_prompt
+    from localheap.server.schemas import ChatMessage
+
+    tok = load_backend(model_path, backend).tokenizer
+    want = len(chat_prompt(tok, [ChatMessage(role="user", content="hi there")]).tokens)
+    assert main(["generate", "--model", model_path, "--backend", backend, "--prompt", "hi there", "--chat",
+                 "--max-tokens", "3", "--temperature", "0"]) == 0
+    err = capsys.readouterr().err
+    assert f"prompt {want} tokens" in err, err

@@ -57,7 +57,11 @@ def run(args) -> int:
     check_heap_fits(backend, cfg)
     tok = backend.tokenizer
     if args.chat:
-        tokens = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+        from ..server.prompts import chat_prompt
+        from ..server.schemas import ChatMessage
+
+        # as the server renders a chat (transformers 5's apply_chat_template returns a BatchEncoding)
+        tokens = list(chat_prompt(tok, [ChatMessage(role="user", content=text)]).tokens)
     else:
         tokens = tok.encode(text)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
