@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import signal
 import sys
 
 COMMANDS = ("serve", "chat", "generate", "bench", "models")
@@ -68,6 +69,8 @@ def main(argv=None) -> int:
     # the program itself (the console script, python -m localheap.cli), not a caller's main([...]):
     # what it does to its interpreter (models.leave_torch_out) touches nothing else
     args.own_process = argv is None
+    if args.own_process and args.command != "serve":   # (serve stops its requests on SIGTERM itself)
+        signal.signal(signal.SIGTERM, _terminated)
     try:
         return int(args.func(args) or 0)
     except UserError as e:
@@ -76,6 +79,19 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except Terminated:
+        print("terminated", file=sys.stderr)
+        return 128 + signal.SIGTERM
+
+
+class Terminated(BaseException):
+    """SIGTERM, raised where the program is, so that it unwinds as for Ctrl-C (temporary files and
+    the servers a bench started go; their cleanup runs) and exits 143, not killed outright."""
+
+
+def _terminated(signum, frame) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)   # a second SIGTERM kills at once
+    raise Terminated()
 
 
 if __name__ == "__main__":

@@ -131,7 +131,7 @@ def detect_backend(preferred: str = "auto") -> str:
         logging.getLogger("localheap").warning(
             "the torch backend is unavailable (%s), so MLX runs here on its CPU backend, which ran prefill "
             "about 16x and decode about 1.4x slower than torch on an x86 CPU (README, Backends): "
-            "pip install 'localheap[torch]' for it, or pass --backend mlx to keep MLX and silence this", e)
+            "pip install -e '.[torch]' in localheap's checkout for it, or pass --backend mlx to keep MLX and silence this", e)
         return "mlx"
     return "torch"
 
@@ -161,7 +161,7 @@ def load_backend(spec: Optional[str], backend: str = "auto"):
             from .backends import torch as _  # noqa: F401
         except ImportError as e:
             raise ModelNotFound(f"{spec} is built in memory by the torch backend, which is unavailable ({e}); "
-                                f"pip install 'localheap[torch]'") from e
+                                f"pip install -e '.[torch]' in localheap's checkout") from e
         return randbig.load_torch_backend(spec[len("random:"):])
     path, name = resolve_model(spec)
     kind = detect_backend(backend)
@@ -171,5 +171,5 @@ def load_backend(spec: Optional[str], backend: str = "auto"):
     try:
         from .backends.torch import TorchBackend
     except ImportError as e:
-        raise ModelNotFound(f"the torch backend is unavailable ({e}); pip install 'localheap[torch]' or use --backend mlx") from e
+        raise ModelNotFound(f"the torch backend is unavailable ({e}); pip install -e '.[torch]' in localheap's checkout or use --backend mlx") from e
     return TorchBackend.load(path, model_name=name)

@@ -329,7 +329,7 @@ def _builder():
         return build_random_model_mlx
     except ImportError as e:
         raise RandomModelUnavailable(
-            f"--random-model needs torch or mlx-lm ({e}); pip install 'localheap[torch]' or pip install mlx-lm") from e
+            f"--random-model needs torch or mlx-lm ({e}); pip install -e '.[torch]' in localheap's checkout or pip install mlx-lm") from e
 
 
 class RandomModelUnavailable(ImportError):

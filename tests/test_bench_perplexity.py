@@ -35,14 +35,14 @@ def test_rows_are_what_their_logprobs_give(demo):
     tokens = text_tokens(demo.tokenizer, "corpus", 512)
     reference = scored(demo, BASE.with_(budget=512), tokens)
     assert full["ppl_all"] == perplexity(reference)
-    start = 128 + BASE.sinks - 1
+    start = 128 + BASE.sinks + BASE.append_room - 1   # past the heap's capacity: each token read after an eviction
     for r in rows:
         got = scored(demo, BASE.with_(policy=r["policy"], budget=128, recent=32), tokens)
         assert r["ppl_evicted"] == perplexity(got[start:]) and r["full_evicted"] == perplexity(reference[start:])
         assert r["ratio"] == pytest.approx(r["ppl_evicted"] / r["full_evicted"])
         assert 1 < r["ppl_evicted"] < demo.vocab_size and math.isfinite(r["ppl_all"])
         assert not np.array_equal(got, reference)   # it evicted: other predictions past the budget
-        assert np.array_equal(got[:start - BASE.chunk], reference[:start - BASE.chunk])   # not before it
+        assert np.array_equal(got[:start - 2 * BASE.chunk], reference[:start - 2 * BASE.chunk])   # not before it
 
 
 def test_a_heap_that_never_evicts_costs_nothing(demo):
@@ -55,8 +55,9 @@ def test_a_file_and_the_refusals(demo, tmp_path):
     path.write_text("The pass key of honey is 44444. Remember it. " * 60)
     result = run_perplexity(demo, BASE, context=256, budgets=[64], policies=["h2o"], sources=[str(path)])
     assert result["rows"][1]["source"] == str(path) and result["rows"][1]["ratio"] > 0
-    with pytest.raises(ValueError, match="holds the whole"):
-        run_perplexity(demo, BASE, context=256, budgets=[300], policies=["h2o"], sources=["corpus"])
+    for budget in (300, 200):   # 200: sinks + budget + a chunk hold the 256 tokens, nothing is read after an eviction
+        with pytest.raises(ValueError, match="the whole 256-token text"):
+            run_perplexity(demo, BASE, context=256, budgets=[budget], policies=["h2o"], sources=["corpus"])
     with pytest.raises(ValueError, match="fewer than"):
         text_tokens(demo.tokenizer, str(path), 10 ** 6)
 
@@ -67,7 +68,7 @@ def test_the_command(capsys):
     assert main(["bench", "perplexity", "--backend", "torch", "--context", "400", "--budgets", "96",
                  "--policies", "snapkv", "--texts", "corpus", "--prefill-chunk", "64"]) == 0
     out = capsys.readouterr().out
-    assert "ppl past budget" in out
+    assert "ppl past heap" in out
     line = json.loads(out.strip().splitlines()[-1])
     assert line["bench"] == "perplexity" and [r["policy"] for r in line["rows"]] == ["full", "snapkv"]
     with pytest.raises(SystemExit, match="recall"):

@@ -72,4 +72,4 @@ def test_auto_without_torch_off_apple_silicon_takes_mlx_and_says_it_is_slower(mo
         monkeypatch.setitem(sys.modules, "torch", None)   # what leave_torch_out does then (serve asks again after it)
         assert detect_backend("auto") == "mlx"
     said = [r.getMessage() for r in caplog.records if r.name == "localheap"]
-    assert len(said) == 1 and "localheap[torch]" in said[0] and "--backend mlx" in said[0]
+    assert len(said) == 1 and "-e '.[torch]'" in said[0] and "--backend mlx" in said[0]

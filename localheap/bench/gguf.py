@@ -5,7 +5,7 @@ llama architecture and byte-level BPE tokenizers, nothing else. Q and K projecti
 permuted from Hugging Face's half-split RoPE layout to llama.cpp's interleaved one.
 Tokenizer: GGUF's "gpt2" model with the "qwen2" pre-tokenizer, the one llama.cpp knows whose
 split regex is these tokenizers' own (single digits, case-insensitive contractions).
-Needs the `gguf` package (`pip install 'localheap[peer]'`).
+Needs the `gguf` package (`pip install -e '.[peer]' in localheap's checkout`).
 """
 
 from __future__ import annotations

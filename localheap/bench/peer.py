@@ -1,6 +1,6 @@
 """`localheap bench peer`: localheap's heap against llama.cpp on the same weights, same prompts.
 
-llama.cpp runs through llama-cpp-python (a benchmark extra: `pip install 'localheap[peer]'`) on
+llama.cpp runs through llama-cpp-python (a benchmark extra: `pip install -e '.[peer]' in localheap's checkout`) on
 a GGUF this module writes from the model directory localheap loads (bench/gguf.py). Every cell
 (engine, KV setting, threads, context) runs in a fresh child process, so its peak RSS is its
 own; cells run one after the other, their order reversed on every other repeat. Prompts are

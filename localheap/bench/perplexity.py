@@ -66,8 +66,10 @@ def perplexity(logprobs: np.ndarray) -> float:
 def run_perplexity(backend, base, context: int = 4096, budgets: Sequence[int] = (512, 1024),
                    policies: Optional[Sequence[str]] = None, sources: Sequence[str] = ("corpus", "licenses"),
                    log: Optional[Callable[[str], None]] = None) -> dict:
-    """Rows (source, policy, budget): perplexity of the tokens past sinks + budget, its ratio to
-    the full cache's on the same tokens, and the whole text's; tokens/s of the scored read."""
+    """Rows (source, policy, budget): perplexity of the tokens read past the heap's capacity (sinks +
+    budget + room for a prefill chunk: each is read after an eviction; before it, some tokens of
+    the first chunks past the budget still see the whole text), its ratio to the full cache's on the
+    same tokens, and the whole text's; tokens/s of the scored read."""
     from ..heap import POLICIES
 
     policies = list(policies or POLICIES)
@@ -79,9 +81,12 @@ def run_perplexity(backend, base, context: int = 4096, budgets: Sequence[int] = 
         rows.append({"source": source, "policy": "full", "budget": context, "ppl_evicted": None, "ratio": None,
                      "ppl_all": perplexity(full), "tok_s": context / (time.perf_counter() - began)})
         for budget in budgets:
-            if budget + base.sinks >= context:
-                raise ValueError(f"budget {budget} holds the whole {context}-token text: nothing is evicted")
-            start = budget + base.sinks - 1   # logprobs[i] is token i + 1's: the first one read past the budget
+            capacity = budget + base.sinks + base.append_room
+            if capacity >= context:
+                raise ValueError(f"budget {budget}: the heap holds {capacity:,} tokens (sinks + budget + a prefill chunk "
+                                 f"of {base.append_room:,}), the whole {context:,}-token text: nothing is read after "
+                                 f"an eviction (a longer --context, or a smaller --prefill-chunk)")
+            start = capacity - 1   # logprobs[i] is token i + 1's: the first one read past the capacity
             reference = perplexity(full[start:])
             for policy in policies:
                 cfg = base.with_(policy=policy, budget=budget, recent=min(base.recent, budget // 2))
@@ -103,7 +108,7 @@ def tables(result: dict) -> str:
     from .report import table
 
     cols = [("source", "text", ""), ("policy", "policy", ""), ("budget", "budget", ","),
-            ("ppl_evicted", "ppl past budget", ".3f"), ("full_evicted", "full cache", ".3f"),
+            ("ppl_evicted", "ppl past heap", ".3f"), ("full_evicted", "full cache", ".3f"),
             ("ratio", "ratio", ".3f"), ("ppl_all", "ppl (all)", ".3f"), ("tok_s", "tok/s", ",.0f")]
     s = result["settings"]
     return (f"perplexity of a {s['context']:,}-token text read through each heap (prefill chunk "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import platform
 import sys
 from typing import Sequence
@@ -23,8 +24,20 @@ def table(rows: Sequence[dict], columns: Sequence[tuple[str, str, str]]) -> str:
     return "\n".join(lines)
 
 
+def _finite(value):
+    """`value` with NaN and infinities as None: the JSON line is JSON (JSON.parse refuses NaN)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
+
+
 def emit(name: str, text: str, payload: dict, out=None) -> None:
     out = out or sys.stdout   # looked up per call: a stream bound at import time may be closed since
     print(text, file=out)
-    print(json.dumps({"bench": name, **payload, "env": environment()}, sort_keys=True), file=out)
+    print(json.dumps(_finite({"bench": name, **payload, "env": environment()}), sort_keys=True, allow_nan=False),
+          file=out)
     out.flush()

@@ -51,15 +51,21 @@ class Server:
         self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self.peak_rss = 0
         self._stop = threading.Event()
-        self._wait_healthy(300.0)
-        self.model = request(self.url, "GET", "/v1/models")[1]["data"][0]["id"]
+        try:   # (interrupted while it starts: stopped here, the caller does not hold it yet)
+            self._wait_healthy(300.0)
+            self.model = request(self.url, "GET", "/v1/models")[1]["data"][0]["id"]
+        except BaseException:
+            self.stop()
+            raise
         threading.Thread(target=self._sample_rss, daemon=True).start()
 
     def _wait_healthy(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server {self.name} exited:\n" + self.proc.stdout.read())
+            if self.proc.poll() is not None:   # (a bad model or flag: its own error, said as the command's)
+                said = [line for line in self.proc.stdout.read().splitlines() if line.strip()]
+                raise ValueError(f"server {self.name} exited with status {self.proc.returncode}: "
+                                 + "\n".join(said[-12:]))
             try:
                 if request(self.url, "GET", "/health")[0] == 200:
                     return
@@ -70,16 +76,20 @@ class Server:
         raise RuntimeError(f"server {self.name} did not start in {timeout_s:.0f} s")
 
     def _sample_rss(self) -> None:
+        while not self._stop.is_set():
+            self.sample_rss()
+            time.sleep(0.05)
+
+    def sample_rss(self) -> None:
         try:
-            p = psutil.Process(self.proc.pid)
-            while not self._stop.is_set():
-                self.peak_rss = max(self.peak_rss, p.memory_info().rss)
-                time.sleep(0.05)
+            self.peak_rss = max(self.peak_rss, psutil.Process(self.proc.pid).memory_info().rss)
         except psutil.Error:
             pass
 
     def reset_peak(self) -> None:
+        """From now on (sampled at once: a round shorter than the sampling interval still has one)."""
         self.peak_rss = 0
+        self.sample_rss()
 
     def stop(self) -> None:
         self._stop.set()
@@ -241,7 +251,7 @@ def clients_round(server: Server, sessions: list[str], n: int, max_tokens: int, 
             "ttft_ms": 1e3 * float(np.median([r.ttft for r in replies])),
             "itl_p50_ms": 1e3 * float(np.percentile(gaps, 50)) if gaps else None,
             "itl_p99_ms": 1e3 * float(np.percentile(gaps, 99)) if gaps else None,
-            "peak_rss": server.peak_rss}
+            "peak_rss": (server.sample_rss(), server.peak_rss)[1]}
 
 
 def chat_beside_document(server: Server, doc_tokens: int, max_tokens: int, prompt: str,
@@ -255,7 +265,7 @@ def chat_beside_document(server: Server, doc_tokens: int, max_tokens: int, promp
     progress: list = []
     feed(url, new_session(url), text, progress)
     alone_doc = _ingest_rate(progress, progress[0][0], progress[-1][0])
-    log(f"[{server.name}] alone: chat {alone_chat:.1f} tok/s, document {alone_doc:,.0f} tok/s")
+    log(f"[{server.name}] alone: chat {alone_chat or 0:.1f} tok/s, document {alone_doc or 0:,.0f} tok/s")
     progress = []
     reader = threading.Thread(target=feed, args=(url, new_session(url), text, progress))
     reader.start()
@@ -266,13 +276,14 @@ def chat_beside_document(server: Server, doc_tokens: int, max_tokens: int, promp
     side_chat = _decode_rate(reply)
     side_doc = _ingest_rate(progress, reply.arrivals[0], reply.arrivals[-1])
     return {"engine": server.name, "doc_tokens": doc_tokens, "chat_alone": alone_chat, "chat_beside": side_chat,
-            "chat_ratio": side_chat / alone_chat, "doc_alone": alone_doc, "doc_beside": side_doc,
-            "doc_ratio": side_doc / alone_doc if side_doc else None}
+            "chat_ratio": side_chat / alone_chat if side_chat and alone_chat else None, "doc_alone": alone_doc,
+            "doc_beside": side_doc, "doc_ratio": side_doc / alone_doc if side_doc and alone_doc else None}
 
 
-def _decode_rate(reply: Reply) -> float:
-    span = reply.arrivals[-1] - reply.arrivals[0]
-    return (len(reply.arrivals) - 1) / span if span > 0 else float("nan")
+def _decode_rate(reply: Reply) -> Optional[float]:
+    """Tokens/s after the first; None where there is no second token to time (shown "-", JSON null)."""
+    span = reply.arrivals[-1] - reply.arrivals[0] if reply.arrivals else 0.0
+    return (len(reply.arrivals) - 1) / span if span > 0 else None
 
 
 def _ingest_rate(progress: list, start: float, end: float) -> Optional[float]:
@@ -289,7 +300,7 @@ ENGINE_ENV = {"passive": {"OMP_WAIT_POLICY": "PASSIVE"}}   # batched, OpenMP wor
 CLIENT_COLUMNS = [("clients", "clients", "d"), ("engine", "engine", ""), ("decode_tok_s", "decode tok/s", ",.1f"),
                   ("vs_one", "x 1 client", ".2f"), ("vs_round_robin", "x round-robin", ".2f"),
                   ("ttft_ms", "TTFT ms (p50)", ",.0f"), ("itl_p50_ms", "ITL p50 ms", ".1f"),
-                  ("itl_p99_ms", "ITL p99 ms", ".1f"), ("peak_rss", "peak RSS MB", ",.0f")]
+                  ("itl_p99_ms", "ITL p99 ms", ".1f"), ("peak_rss", "peak RSS MiB", ",.0f")]
 SIDE_COLUMNS = [("engine", "engine", ""), ("doc_tokens", "document", ","), ("chat_alone", "chat alone tok/s", ".1f"),
                 ("chat_beside", "chat beside tok/s", ".1f"), ("chat_ratio", "chat kept", ".2f"),
                 ("doc_alone", "doc alone tok/s", ",.0f"), ("doc_beside", "doc beside tok/s", ",.0f"),

@@ -39,8 +39,8 @@ def _count(part: str, least: int = 1) -> int:
 
 def _ints(text: str, least: int = 1) -> list[int]:
     """A comma-separated list of counts, each >= `least`: 2048,8k,1m."""
-    parts = [p for p in text.split(",") if p.strip()]
-    if not parts:
+    parts = text.split(",")
+    if not text.strip() or any(not p.strip() for p in parts):   # "4096,," is a typo, not a list of one
         raise argparse.ArgumentTypeError(f"{text!r}: give one or more numbers, comma-separated (e.g. 4096,8k)")
     return [_count(p, least) for p in parts]
 
@@ -81,13 +81,21 @@ def _policies(text: str) -> list[str]:
 
 
 def _texts(text: str) -> list[str]:
-    return [t.strip() for t in text.split(",") if t.strip()]
+    parts = [t.strip() for t in text.split(",")]
+    if not all(parts):
+        raise argparse.ArgumentTypeError(f"{text!r}: give one or more names, comma-separated")
+    return parts
 
 
 def _fractions(text: str) -> list[float]:
-    out = [float(x.strip().rstrip("%")) / (100 if x.strip().endswith("%") else 1) for x in text.split(",") if x.strip()]
-    if any(not 0.0 <= x < 1.0 for x in out):
-        raise argparse.ArgumentTypeError(f"pruning levels must be fractions in [0, 1) or percentages: {text!r}")
+    try:
+        parts = [x.strip() for x in text.split(",")]
+        out = [float(x.rstrip("%")) / (100 if x.endswith("%") else 1) for x in parts]
+    except ValueError:
+        out = []
+    if not out or any(not 0.0 <= x < 1.0 for x in out):
+        raise argparse.ArgumentTypeError(f"pruning levels are fractions in [0, 1) or percentages, comma-separated "
+                                         f"(e.g. 0,0.5,90%): {text!r}")
     return out
 
 
@@ -428,6 +436,13 @@ def run_needle_bench(args) -> int:
     from ..bench.needle import plot, report, run_needle
     from ..models import load_backend
 
+    try:   # a plots path that cannot be a directory: said before the run, not after it
+        import matplotlib  # noqa: F401
+        Path(args.plots).mkdir(parents=True, exist_ok=True)
+    except ImportError:
+        pass
+    except OSError as e:
+        raise ValueError(f"--plots {args.plots}: cannot make that directory ({e.strerror or e})") from None
     backend = load_backend(model_spec(args), args.backend)
     set_threads(backend, args)
     result = run_needle(backend, heap_config(args, backend), context=args.context, prune=args.prune, trials=args.trials,
@@ -437,7 +452,7 @@ def run_needle_bench(args) -> int:
                         log=lambda m: print(m, file=sys.stderr))
     paths = plot(result, args.plots)
     if not paths:
-        print("plots skipped: matplotlib is not installed (pip install 'localheap[bench]')", file=sys.stderr)
+        print("plots skipped: matplotlib is not installed (pip install -e '.[bench]' in localheap's checkout)", file=sys.stderr)
     report(result, backend, paths)
     return 0
 
@@ -596,7 +611,7 @@ def run_peer_bench(args) -> int:
     try:
         import llama_cpp  # noqa: F401
     except ImportError:
-        raise SystemExit("bench peer needs llama-cpp-python and gguf: pip install 'localheap[peer]'")
+        raise SystemExit("bench peer needs llama-cpp-python and gguf: pip install -e '.[peer]' in localheap's checkout")
     spec = model_spec(args)
     model_dir, name = resolve_model(spec)
     cfg = heap_config(args).with_(recall=False)
