@@ -288,3 +288,22 @@ def test_sessions_that_are_never_kept_make_no_kept_session_go(tmp_path):
     c = store.create()
     store.enforce_limits(keep=c)
     assert a.id not in store and {b.id, c.id} <= {s.id for s in store.sessions()}   # a kept one past the limit goes
+
+
+def test_a_documents_checkpoint_a_full_disk_refuses_is_a_warning_without_a_traceback(tmp_path, monkeypatch, caplog):
+    """The document's automatic checkpoint on a full disk: expected there (the turn's save says
+    saved: false), logged in a line; any other failure keeps its traceback."""
+    import logging
+
+    from localheap.engine.branching import checkpoint_quietly
+
+    store = durable(tmp_path)
+    s = saved_session(store, [1, 2, 3])
+    for error, level, traced in ((OSError(errno.ENOSPC, "No space left on device"), logging.WARNING, False),
+                                 (RuntimeError("a bug"), logging.ERROR, True)):
+        monkeypatch.setattr(store.checkpoints, "save", lambda s, error=error: (_ for _ in ()).throw(error))
+        caplog.clear()
+        with caplog.at_level(logging.INFO):
+            checkpoint_quietly(store, s)
+        (record,) = [r for r in caplog.records if r.levelno >= logging.WARNING]
+        assert record.levelno == level and (record.exc_info is not None) == traced, record
