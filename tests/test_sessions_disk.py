@@ -13,6 +13,7 @@ import pytest
 from test_engine import CFG, FakeBackend
 
 from localheap.sessions import SessionLost, SessionStore, SpillFailed
+from localheap.sessions.disk import SessionDir
 
 
 def durable(path, backend=None, **kw):
@@ -307,3 +308,40 @@ def test_a_documents_checkpoint_a_full_disk_refuses_is_a_warning_without_a_trace
             checkpoint_quietly(store, s)
         (record,) = [r for r in caplog.records if r.levelno >= logging.WARNING]
         assert record.levelno == level and (record.exc_info is not None) == traced, record
+
+
+def test_a_sessions_directory_made_anew_is_written_only_once_the_servers_lock_is_taken_in_it(tmp_path):
+    """The sessions directory removed while a server runs, and made again: by hand, it is taken (the
+    server's lock taken in it first); by another server started on it, never: not while that one holds
+    its lock, nor once it is gone (its index names its sessions: this one's index dropped them)."""
+    import shutil
+    from types import SimpleNamespace
+
+    from localheap.commands.serve import lock_sessions_dir
+
+    root = tmp_path / "sessions"
+
+    def lock(port):
+        return lock_sessions_dir(root, "serve.lock", SimpleNamespace(host="127.0.0.1", port=port))
+
+    mine = lock(8001)
+    d = SessionDir(root)
+    d.check()
+    d.relock = lambda: lock(8001)
+    d.write_bytes(root / "a", b"1")
+    shutil.rmtree(root)
+    root.mkdir()   # by hand
+    d.write_bytes(root / "b", b"2")
+    assert (root / "b").read_bytes() == b"2" and len(d.locks) == 1 and "8001" in (root / "serve.lock").read_text()
+    shutil.rmtree(root)
+    theirs = lock(8002)   # another server started on it
+    with pytest.raises(SpillFailed, match="in use by another localheap serve"):
+        d.write_bytes(root / "c", b"3")
+    (root / "index.json").write_text('{"sessions": [{"id": "sess_theirs"}]}')   # it saved a session
+    theirs.close()   # and stopped
+    with pytest.raises(SpillFailed, match="made again by another server"):
+        d.write_bytes(root / "c", b"3")
+    assert not (root / "c").exists() and len(d.locks) == 1
+    lock(8003).close()   # (the refused one let go of the lock it took)
+    for f in [mine, *d.locks]:
+        f.close()

@@ -381,6 +381,10 @@ def run(args) -> int:
         backend.check_heap(settings.heap)   # a heap the model cannot have fails here, not at each request
         ranks.check_layout(settings.sessions_dir if settings.persist_sessions else None, None)
         app = create_app(backend, settings)   # BudgetTooSmall here says what would fit
+        if lock is not None:   # a directory made anew while it runs: its lock taken there before a write
+            # (ValueError: another server holds it, and nothing is written)
+            app.state.services.store.dir.relock = lambda: lock_sessions_dir(Path(settings.sessions_dir),
+                                                                            _lock_name(None), settings)
         return serve_built(app, backend, settings, args)
     finally:
         if lock is not None:

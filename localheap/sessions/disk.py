@@ -20,7 +20,7 @@ import uuid
 import zlib
 from array import array
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 from ..heap.private import DIR_MODE, FILE_MODE, open_private, private_dir
 from .errors import SpillFailed
@@ -89,6 +89,29 @@ class SessionDir:
 
     def __init__(self, root: Path):
         self.root = Path(root)
+        self.identity: Optional[tuple[int, int]] = None   # (device, inode) of the directory written to
+        # the server's lock taken again in a directory made anew where this one was (serve sets it):
+        # returns the open lock file (held while it lives), raises where another server holds it
+        self.relock: Optional[Callable[[], Any]] = None
+        self.locks: list = []
+
+    def _same(self) -> None:
+        """Before a write: the directory is the one this store writes to. One made anew where it was
+        (removed, then made again) is taken only once the server's lock is taken in it, and only
+        while it holds no index: one made by hand is taken; one another server started on it made
+        meanwhile (its sessions in its index) is never written, while that server runs or after."""
+        st = os.stat(self.root)
+        found = (st.st_dev, st.st_ino)
+        if self.identity is not None and found != self.identity and self.relock is not None:
+            lock = self.relock()
+            if (self.root / INDEX).exists():
+                if lock is not None:
+                    lock.close()
+                raise FileExistsError(f"{self.root} was made again by another server while this one ran (it holds "
+                                      f"that one's sessions): restart this server to read them")
+            if lock is not None:
+                self.locks.append(lock)
+        self.identity = found
 
     def check(self) -> None:
         """Create the directory if needed and prove it writable (raises SpillFailed)."""
@@ -96,6 +119,7 @@ class SessionDir:
             if self.root.exists() and not self.root.is_dir():
                 raise NotADirectoryError(f"{self.root} is not a directory")
             private_dir(self.root)
+            self._same()
             if self.root.stat().st_mode & 0o077:
                 os.chmod(self.root, DIR_MODE)   # saved sessions decode to conversation text
             self.write_bytes(self.root / ".write-check", b"ok")
@@ -122,6 +146,7 @@ class SessionDir:
         try:
             if not self.root.is_dir():   # vanished, or a file in its place: say so, not "File exists"
                 raise NotADirectoryError(f"{self.root} is missing or not a directory")
+            self._same()
             write(tmp)
             os.chmod(tmp, FILE_MODE)
             _fsync(tmp)
@@ -139,6 +164,7 @@ class SessionDir:
         try:
             if not self.root.is_dir():
                 raise NotADirectoryError(f"{self.root} is missing or not a directory")
+            self._same()
             write(path)
             os.chmod(path, 0o600)
             _fsync(path.parent)
