@@ -289,6 +289,38 @@ def test_the_session_about_to_run_gives_back_its_own_checkpoint_then_pages(backe
         assert files(tmp_path) == before
 
 
+def test_a_request_refused_after_the_idle_ones_gave_less_than_counted_keeps_its_own(backend, tmp_path, monkeypatch):
+    """Idle sessions that give back less than counted on (a compaction that failed; pages other runs
+    wrote meanwhile): the session about to run gives back its own checkpoint and pages only where that
+    then fits. Where it would not, the 507 leaves them as they were (they were dropped, then the 507)."""
+    from localheap.sessions.diskbudget import dir_bytes
+
+    settings = ServerSettings(heap=HEAP, web_dir=None, sessions_dir=tmp_path, persist_sessions=True,
+                              disk_total=64 << 20)
+    with ServerThread(create_app(backend, settings)) as srv, httpx.Client(base_url=srv.url, timeout=120) as http:
+        store = srv.services.store
+        idle = http.post("/v1/sessions").json()["id"]
+        assert http.post(f"/v1/sessions/{idle}/documents", json={"text": DOC, "stream": False}).status_code == 200
+        sid = http.post("/v1/sessions").json()["id"]
+        assert http.post(f"/v1/sessions/{sid}/documents", json={"text": DOC, "stream": False}).status_code == 200
+        s, disk = store.get(sid), store.disk
+        while s.busy or dir_bytes(tmp_path) != (time.sleep(0.2) or dir_bytes(tmp_path)):   # its writes settled
+            pass
+        disk.usage()
+        used, least = disk.used, disk.reserve(s, pages=False) + disk._index_rewrite()
+        own = disk._own_freeable(s) + s.cache.pages.shared_bytes
+        held_by_idle = disk.by_session[idle]
+        assert s.checkpoints and own > 0 and held_by_idle > 0
+        disk.total = used - held_by_idle - own + least + held_by_idle // 2   # fits only if the idle one gives all
+        monkeypatch.setattr(disk, "reclaim", lambda need, exclude: 0)   # it gives nothing
+        before = {f: (tmp_path / f).stat().st_size for f in files(tmp_path)}
+        r = chat(http, "What does the heap keep?", headers={"X-Session-Id": sid})
+        assert r.status_code == 507 and r.json()["error"]["code"] == "disk_total_exceeded", r.text
+        assert "kept for the running sessions' next saves" in r.json()["error"]["message"]
+        assert {f: (tmp_path / f).stat().st_size for f in files(tmp_path)} == before   # its own untouched
+        assert http.get(f"/v1/sessions/{sid}").json()["reclaimed"] is None
+
+
 def test_a_checkpoint_or_fork_the_disk_refuses_is_a_507_and_the_checkpoint_stays(backend, tmp_path, monkeypatch):
     """A fork whose own copy of the checkpoint's pages the disk refused (ENOSPC) took the checkpoint
     for unreadable and deleted it; a checkpoints folder replaced by a file, or a checkpoint's files

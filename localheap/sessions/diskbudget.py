@@ -150,7 +150,7 @@ class DiskTotal:
         need = self._beside_running(nbytes)
         over = self.usage() + need - self.total
         if over > 0:
-            held = self.used - sum(b for sid, b in self.by_session.items() if sid not in ids and sid in self.store)
+            held = self._held(ids)
             if held + need > self.total:
                 raise DiskTotalExceeded(nbytes, self.total, held)
             self.reclaim(over, exclude=ids)
@@ -214,18 +214,24 @@ class DiskTotal:
         def least() -> int:   # the least they can run with: their saves, without pages (they page out
             return sum(self.reserve(s, pages=False) for s in running) + self._index_rewrite()   # what room is left)
 
+        def own() -> int:   # what its own checkpoints and pages give back, and the copy of the pages they
+            pinned = getattr(self._pages(keep), "shared_bytes", 0)   # pin that its reserve then no longer needs
+            return self._own_freeable(keep) + pinned
+
         if over > 0 and strict:   # refused before anything is taken back when even all of it would not do,
-            held = self.used - sum(b for sid, b in self.by_session.items() if sid not in ids and sid in self.store)
-            own, pinned = self._own_bytes(keep), getattr(self._pages(keep), "shared_bytes", 0)
-            if held - own + least() - pinned > self.total:   # its own pages and checkpoints gone too
-                raise DiskTotalExceeded(self.reserve(keep, pages=False), self.total, held)
+            held = self._held(ids)
+            if held - own() + least() > self.total:   # its own pages and checkpoints gone too
+                raise DiskTotalExceeded(self.reserve(keep, pages=False), self.total, held, least())
         if over > 0:
             self.reclaim(over, exclude=ids)
             self.usage()   # (measured again only where something may have been taken back)
         if strict and self.used + least() > self.total:
+            # measured again, the idle ones' space taken: where all its own would not do either, it keeps it
+            if self.used - own() + least() > self.total:
+                raise DiskTotalExceeded(self.reserve(keep, pages=False), self.total, self.used, least())
             self._own_room(keep, lambda: self.usage() + least() - self.total)
         if strict and self.used + least() > self.total:
-            raise DiskTotalExceeded(self.reserve(keep, pages=False), self.total, self.used)
+            raise DiskTotalExceeded(self.reserve(keep, pages=False), self.total, self.used, least())
         self._share(running, max(0, self.total - self.used - least()))
 
     def _own_room(self, s: Session, over) -> None:
@@ -246,19 +252,29 @@ class DiskTotal:
                 log.warning("--disk-total: session %s, about to run, gave back its own %s (the idle ones could "
                             "not give the room)", s.id, "checkpoints" if step == self._drop_checkpoints else "pages")
 
-    def _own_bytes(self, s: Session) -> int:
-        """Bytes of the session's pages and checkpoints (a file linked from both once)."""
-        seen, total = set(), 0
-        for root in (self.store.pages_dir(s), self.store.checkpoints.root / s.id):
+    def _held(self, ids: set[str]) -> int:
+        """Bytes under the directory that taking space back from idle sessions leaves: all but what the
+        idle ones (not `ids`, nor waited for by a queued request) hold."""
+        keep = ids | self.waiting()
+        return self.used - sum(b for sid, b in self.by_session.items() if sid not in keep and sid in self.store)
+
+    def _own_freeable(self, s: Session) -> int:
+        """What the session's own checkpoints and page files can give back: their files that no
+        other folder links (a fork's pages, another's checkpoint: pinned), each once; not its page
+        store's state files, which a compaction keeps."""
+        found: dict[tuple[int, int], list] = {}   # (device, inode) -> [links seen here, st_nlink, size]
+        pages = self.store.pages_dir(s)
+        for root in (pages, self.store.checkpoints.root / s.id):
             for p in root.rglob("*") if root.is_dir() else ():
                 try:
-                    st = p.stat()
+                    st = p.lstat()
                 except OSError:
                     continue
-                if p.is_file() and (st.st_dev, st.st_ino) not in seen:
-                    seen.add((st.st_dev, st.st_ino))
-                    total += st.st_size
-        return total
+                if not p.is_file() or (root == pages and not p.name.endswith(".pages")):
+                    continue
+                entry = found.setdefault((st.st_dev, st.st_ino), [0, st.st_nlink, st.st_size])
+                entry[0] += 1
+        return sum(size for seen, links, size in found.values() if seen >= links)
 
     def _share(self, running: list[Session], room: int) -> None:
         """Each running page store may grow its files by an equal part of `room`: its disk budget

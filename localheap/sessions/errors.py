@@ -38,12 +38,13 @@ class SessionLost(LookupError):
 class DiskTotalExceeded(OSError):
     """A request's session cannot fit under --disk-total even with every idle session's space taken back."""
 
-    def __init__(self, need: int, total: int, held: int):
+    def __init__(self, need: int, total: int, held: int, reserved: int = 0):
         from ..heap import format_bytes
 
+        saves = f", and {format_bytes(reserved)} kept for the running sessions' next saves" if reserved else ""
         super().__init__(f"this request needs about {format_bytes(need)} in the sessions directory, and the "
                          f"sessions directory's budget (--disk-total {format_bytes(total)}) is taken by sessions "
-                         f"in use ({format_bytes(held)}) after everything else was reclaimed; retry when they "
+                         f"in use ({format_bytes(held)}{saves}) after everything else was reclaimed; retry when they "
                          f"finish, or raise --disk-total")
         self.need, self.total, self.held = need, total, held
 
