@@ -459,6 +459,11 @@ def test_an_api_key_is_asked_for_once_and_sent(browser, tmp_path):
         page = context.new_page()
         page.goto(srv.url)
         page.wait_for_selector("#key-banner:not([hidden])")
+        assert page.inner_text("#model-name") == "API key needed" and page.is_hidden("#key-refused")
+        page.fill("#key-input", "open sesame")   # a wrong key: asked again, and told so
+        page.press("#key-input", "Enter")
+        page.wait_for_selector("#key-refused:not([hidden])")
+        assert page.is_visible("#key-banner")
         page.fill("#key-input", "sesame")
         page.press("#key-input", "Enter")
         page.wait_for_selector("#model-name:text('fake-model')")

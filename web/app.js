@@ -1,7 +1,7 @@
 // The page: wires the conversation list, the chat, the document dialog and the live
 // heap view to the server. Talks only HTTP/SSE to the origin that served it.
 
-import { ApiError, events, getJSON, postJSON, request, setApiKey } from "./api.js";
+import { ApiError, apiKey, events, getJSON, postJSON, request, setApiKey } from "./api.js";
 import { Chat } from "./chat.js";
 import { Conversations, tokens } from "./conversations.js";
 import { el, int } from "./format.js";
@@ -19,7 +19,7 @@ const state = { model: null };
 const heapView = new HeapView();
 const convs = new Conversations($("conversations"), $("api-sessions"), { onSelect: select, onDelete: remove, onGone: gone });
 const chat = new Chat({
-  box: $("messages"), convs, heapView, ensureSession, onBusy: updateComposer,
+  box: $("messages"), convs, heapView, ensureSession, onBusy: updateComposer, onUnauthorized: () => askForKey(),
   settings: () => ({ model: state.model, max_tokens: numberInput("max-tokens", 512), temperature: numberInput("temperature", 0.7) }),
 });
 
@@ -167,6 +167,7 @@ $("notice-close").addEventListener("click", () => {
 
 function askForKey() {
   $("key-banner").hidden = false;
+  $("key-refused").hidden = !apiKey();   // a key was sent, and refused (a typo, or changed on the server)
   $("key-input").focus();
 }
 
@@ -218,6 +219,7 @@ function setLive(mode) {
 
 // One event stream per visible tab: browsers allow ~6 connections per host, so hidden tabs let theirs go.
 let heapStream = null;
+let heapLimitSaid = false;
 
 async function followHeap() {
   if (heapStream || document.hidden) return;
@@ -240,6 +242,10 @@ async function followHeap() {
         heapStream = null;
         setLive("offline");
         return askForKey();
+      }
+      if (e instanceof ApiError && e.status === 503 && !heapLimitSaid) {   // --max-observers: said once, retried
+        heapLimitSaid = true;
+        notify(new Error(`Live heap view unavailable: ${e.message} It reconnects when another tab closes.`));
       }
     }
     if (stream.signal.aborted) return;
@@ -266,7 +272,7 @@ async function boot() {
     select(saved && convs.server.has(saved) ? saved : null);
     followHeap();
   } catch (e) {
-    $("model-name").textContent = "server unavailable";
+    $("model-name").textContent = e instanceof ApiError && e.status === 401 ? "API key needed" : "server unavailable";
     notify(e);
     if (!(e instanceof ApiError && e.status === 401)) setTimeout(boot, 3000);
   }

@@ -7,13 +7,14 @@ import { el, int, rate } from "./format.js";
 import { renderMarkdown } from "./markdown.js";
 
 export class Chat {
-  constructor({ box, convs, heapView, ensureSession, settings, onBusy }) {
+  constructor({ box, convs, heapView, ensureSession, settings, onBusy, onUnauthorized }) {
     this.box = box;
     this.convs = convs;
     this.heapView = heapView;
     this.ensureSession = ensureSession;   // () => Promise<session id>
     this.settings = settings;             // () => {model, max_tokens, temperature}
     this.onBusy = onBusy;                 // in-flight work changed
+    this.onUnauthorized = onUnauthorized; // the server refused the key (401): ask for another
     this.inflight = new Map();            // session id -> {controller, kind}
     this.nodes = new WeakMap();           // message -> its element (current conversation only)
     this.pending = new Set();
@@ -113,7 +114,10 @@ export class Chat {
         message.status = "stopped";
       } else {
         message.status = "error";
-        message.error = e.message || String(e);
+        // (fetch's own TypeError, "Failed to fetch": the server did not answer at all)
+        message.error = e instanceof TypeError ? "The server could not be reached: is it still running?"
+          : e.message || String(e);
+        if (e instanceof ApiError && e.status === 401) this.onUnauthorized?.();
       }
     } finally {
       this.inflight.delete(id);
