@@ -57,6 +57,11 @@ def test_chat_reads_a_document_and_answers(tmp_path):
         child.sendline("/help")
         child.expect_exact("/doc FILE")
         child.expect_exact(">>> ")
+        binary = tmp_path / "image.png"
+        binary.write_bytes(bytes(range(256)) * 4)
+        child.sendline(f"/doc {binary}")   # refused, as the web page's dialog refuses it
+        child.expect_exact("does not look like plain text")
+        child.expect_exact(">>> ")
         child.sendline(f"/doc {doc}")
         child.expect(r"reading rooms\.txt.*100%")
         child.expect(r"\[read ([\d,]+) tokens from rooms\.txt \| heap: tokens seen ([\d,]+) .*evicted ([\d,]+)")

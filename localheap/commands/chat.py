@@ -197,6 +197,9 @@ def _read_document(chat, name: str) -> None:
     if not text.strip():
         print(f"{path} is empty")
         return
+    if "\0" in text:   # (as the web page's document dialog: an image, a PDF, an archive)
+        print(f"{path} does not look like plain text (it holds NUL bytes); /doc reads text files")
+        return
     bar = ProgressBar(f"reading {path.name}", stream=sys.stdout)
     try:
         done = chat.read(text, bar.update)
