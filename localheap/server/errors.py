@@ -70,7 +70,7 @@ class PromptTooLong(ApiError):
     def __init__(self, limit: int, at_least: int, param: str = "messages"):
         super().__init__(f"the prompt has at least {at_least:,} tokens; this server takes at most {limit:,} "
                          f"per request (from its RAM budget; see --max-prompt-tokens). Send a long "
-                         f"document in parts: POST /v1/sessions/ID/documents appends to a session.", param)
+                         f"document in parts: POST /v1/sessions/ID/documents appends to a session (the web page's 'Add document' does so).", param)
 
 
 class NoSlotFree(ApiError):
