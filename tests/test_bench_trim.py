@@ -53,3 +53,15 @@ def test_keys_in_the_middle_turns_message_must_stay_in_the_window(model_dirs, ca
     assert result["cuts"] >= 1
     assert main(args + ["--window", "120"]) != 0
     assert "no longer holds" in capsys.readouterr().err
+
+
+def test_a_run_that_trimmed_no_turn_says_so_rather_than_a_ratio_over_nothing():
+    from localheap.bench.report import table
+    from localheap.bench.trim import report
+    from localheap.heap import HeapConfig
+
+    arm = {"read": 10, "seconds": 1.0, "trimmed_s": 0.0, "sessions": 1}
+    result = {"rows": [], "total": {"reuse": arm, "again": arm}, "cuts": 0, "trimmed_turns": 0, "facts": None,
+              "read_ratio": 1.0, "seconds_ratio": 1.0, "trimmed_seconds_ratio": None}
+    text = report(result, HeapConfig(budget=64, recent=8, slack=16), 10, 8, table)
+    assert "no turn was trimmed" in text and "0 trimmed turns" not in text

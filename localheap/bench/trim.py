@@ -109,7 +109,8 @@ def run(backend, cfg, turns: int, window: int, question: int, answer: int, min_c
             "facts": {"planted": planted, **probes} if probes else None,
             "read_ratio": total["again"]["read"] / max(1, total["reuse"]["read"]),
             "seconds_ratio": total["again"]["seconds"] / max(1e-9, total["reuse"]["seconds"]),
-            "trimmed_seconds_ratio": total["again"]["trimmed_s"] / max(1e-9, total["reuse"]["trimmed_s"])}
+            "trimmed_seconds_ratio": (total["again"]["trimmed_s"] / max(1e-9, total["reuse"]["trimmed_s"])
+                                      if trimmed else None)}   # (no turn trimmed: no ratio to give)
 
 
 def report(result: dict, cfg, window: int, min_chunk: int, table) -> str:
@@ -124,7 +125,9 @@ def report(result: dict, cfg, window: int, min_chunk: int, table) -> str:
         f"in all: reuse read {t['reuse']['read']} tokens in {t['reuse']['seconds']:.1f} s ({t['reuse']['sessions']} "
         f"session(s), {result['cuts']} cuts); reading again {t['again']['read']} tokens in {t['again']['seconds']:.1f} s "
         f"({t['again']['sessions']} sessions): {result['read_ratio']:.1f}x the tokens, {result['seconds_ratio']:.2f}x "
-        f"the time; over the {result['trimmed_turns']} trimmed turns {result['trimmed_seconds_ratio']:.2f}x the time"]
+        f"the time; " + (f"over the {result['trimmed_turns']} trimmed turns {result['trimmed_seconds_ratio']:.2f}x the time"
+                         if result["trimmed_turns"] else "no turn was trimmed (the window held every turn: more "
+                         "--turns, or a smaller --window)")]
     found = result.get("facts")
     if found:
         k = len(found["planted"])
