@@ -59,6 +59,17 @@ def test_a_bad_count_or_flag_is_refused_by_the_parser(argv, says, capsys):
     assert says in err and "Traceback" not in err, err
 
 
+@pytest.mark.parametrize("flags, said", [(["--keys", "1", "--turns", "2"], "need named facts"),
+                                          (["--keys", "4", "--long-contexts", "", "--long-full", "8192"],
+                                           "--long-contexts is empty")])
+def test_needle_refuses_options_it_would_ignore_before_its_first_table(flags, said, capsys, monkeypatch):
+    import localheap.bench.needle as needle
+
+    monkeypatch.setattr(needle, "cell", lambda *a, **k: pytest.fail("a cell ran before the options were checked"))
+    assert main(["bench", "needle", "--random-model", "llama:tiny", "--context", "512", "--trials", "1", *flags]) == 2
+    assert said in capsys.readouterr().err
+
+
 def test_a_bench_json_line_is_json_where_a_figure_is_not_a_number():
     """NaN and infinities are null in the JSON line (JSON.parse refuses NaN), "-" in the table."""
     import io

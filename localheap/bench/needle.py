@@ -275,6 +275,11 @@ def run_needle(backend, base=None, context: int = 4096, prune: Sequence[float] =
     from .facts import ANSWER_OF, FACT, QUESTION_OF, bench_episodes
 
     fillers = [filler] if isinstance(filler, str) else list(filler)
+    # said before the short context's table runs (it can take hours), not after it
+    if keys == 1 and (list(placements) != ["uniform"] or turns != 1):
+        raise ValueError("--placement and --turns need named facts (--keys 2 or more)")
+    if not long_contexts and (list(placements) != ["uniform"] or turns != 1 or list(long_full)):
+        raise ValueError("--placement, --turns and --long-full apply to the long contexts, and --long-contexts is empty")
     base = base or HeapConfig()
     policies = list(policies or POLICIES)
     recall_settings = None
