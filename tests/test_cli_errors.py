@@ -49,6 +49,9 @@ def parse_error(argv, capsys) -> str:
     (["bench", "peer", "--threads", "0"], "must be >= 1"),
     (["generate", "--prompt", "hi", "--model", "demo", "--random-model", "llama:tiny"], "not allowed with"),
     (["bench", "speed", "--contexts", "4096,,"], "give one or more numbers"),   # a typo, not a list of one
+    (["chat", "--max-tokens", "0"], "--max-tokens: 0 is less than 1"),   # (every reply was empty)
+    (["generate", "--prompt", "hi", "--max-tokens", "-1"], "--max-tokens: -1 is less than 0"),   # (not a field's name)
+    (["generate", "--prompt", "hi", "--prefill-chunk", "-1"], "--prefill-chunk: -1 is less than 0"),
     (["bench", "batch-step", "--rows", "1,,2"], "give one or more numbers"),
     (["bench", "needle", "--prune", ","], "pruning levels are fractions"),   # (it was no pruning level at all)
     (["bench", "needle", "--prune", "x"], "pruning levels are fractions"),
@@ -68,6 +71,12 @@ def test_needle_refuses_options_it_would_ignore_before_its_first_table(flags, sa
     monkeypatch.setattr(needle, "cell", lambda *a, **k: pytest.fail("a cell ran before the options were checked"))
     assert main(["bench", "needle", "--random-model", "llama:tiny", "--context", "512", "--trials", "1", *flags]) == 2
     assert said in capsys.readouterr().err
+
+
+def test_recall_on_with_no_room_for_a_page_says_which_flags_leave_none(capsys):
+    assert main(["generate", "--random-model", "llama:tiny", "--prompt", "hi", "--recall", "on", "--budget", "64"]) == 2
+    err = capsys.readouterr().err
+    assert "--budget 64 with --recent 64 leaves no room" in err and "(2048)" not in err, err
 
 
 def test_a_bench_json_line_is_json_where_a_figure_is_not_a_number():
@@ -144,8 +153,7 @@ def test_chat_with_standard_input_closed_says_so_before_loading():
     assert "loading the model" not in r.stderr
 
 
-@pytest.mark.parametrize("flag, said", [(["--max-tokens", "0"], "--max-tokens must be at least 1"),
-                                         (["--temperature", "-1"], "temperature must be >= 0"),
+@pytest.mark.parametrize("flag, said", [(["--temperature", "-1"], "temperature must be >= 0"),
                                          (["--top-p", "2"], "top_p must be in (0, 1]")])
 def test_chat_refuses_bad_sampling_flags_before_loading(capsys, flag, said):
     assert main(["chat", "--random-model", "llama:tiny", *flag]) == 2

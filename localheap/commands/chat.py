@@ -11,7 +11,7 @@ from pathlib import Path
 
 from ..engine.errors import RankLost
 from ..generation import SamplingParams
-from .common import (add_compile_arg, add_decode_arg, add_distributed_arg, add_graphs_arg, add_heap_args, add_model_args,
+from .common import (add_compile_arg, at_least, add_decode_arg, add_distributed_arg, add_graphs_arg, add_heap_args, add_model_args,
                      add_penalty_args, apply_decode_attention, check_heap_fits, freeze_startup_objects, heap_config,
                      load_model_backend, penalty_params, with_backend_chunk)
 from .progress import ProgressBar
@@ -37,7 +37,7 @@ def add_parser(sub) -> None:
     add_compile_arg(p)
     add_graphs_arg(p)
     p.add_argument("--system", default=None, help="system prompt of the conversation (default: none)")
-    p.add_argument("--max-tokens", type=int, default=512, help="longest reply in tokens")
+    p.add_argument("--max-tokens", type=at_least(1), default=512, help="longest reply in tokens")
     p.add_argument("--temperature", type=float, default=0.7, help="0 samples greedily")
     p.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling mass")
     add_penalty_args(p)
@@ -86,8 +86,6 @@ def run(args) -> int:
     except ImportError:
         pass
     cfg = heap_config(args)   # bad flags fail before the model loads
-    if args.max_tokens < 1:
-        raise ValueError(f"--max-tokens must be at least 1 (got {args.max_tokens})")
     SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed)
     if sys.stdin is None or sys.stdin.closed:   # (`<&-`: Python starts without one)
         raise ValueError("chat reads its messages from standard input, which is closed; give it a terminal or "

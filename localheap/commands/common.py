@@ -61,6 +61,19 @@ def _ranged(lo: float, hi: float, kind=float):
     return parse
 
 
+def at_least(lo: int):
+    """An argparse type: a whole number >= `lo` (the flag's own name in its error, not a field's)."""
+    def parse(text: str) -> int:
+        try:
+            n = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+        if n < lo:
+            raise argparse.ArgumentTypeError(f"{n} is less than {lo}")
+        return n
+    return parse
+
+
 def _last_n(text: str) -> int:
     n = int(text)
     if n < -1:
@@ -239,7 +252,7 @@ def add_heap_args(p: argparse.ArgumentParser, recall: bool = False) -> None:
     p.add_argument("--sinks", type=int, default=d.sinks, help="first tokens always kept (attention sinks)")
     p.add_argument("--recent", type=int, default=d.recent, help="most recent tokens always kept")
     p.add_argument("--slack", type=int, default=d.slack, help="decode append room = decode eviction interval")
-    p.add_argument("--prefill-chunk", type=int, default=None, metavar="N",
+    p.add_argument("--prefill-chunk", type=at_least(0), default=None, metavar="N",
                    help="tokens per prefill forward, evicting before each (default: the backend's for its "
                         "device, e.g. 2048 on CUDA; 0: the slack); the heap holds sinks + budget + max(slack, chunk)")
     p.add_argument("--evict-stagger", default="off", choices=("off", "on"),
@@ -288,6 +301,11 @@ def heap_config(args, backend=None, **overrides) -> HeapConfig:
     region = args.recall_budget
     if region is None:
         region = default_recall_budget(args.budget, recent, args.page_size)
+        if region == 0 and args.recall == "on":   # (not the default region's size: the budget leaves none)
+            raise ValueError(f"--recall on: --budget {args.budget} with --recent {recent} leaves no room for a page "
+                             f"of recalled tokens (--page-size {args.page_size}; the region is at most half the "
+                             f"budget, and what --recent leaves); a larger --budget, a smaller --recent, or "
+                             f"--recall-budget")
     recall = args.recall == "on" if args.recall is not None else getattr(args, "recall_default", False) and region > 0
     disk = disk_budget(args.disk_budget, getattr(args, "sessions_dir", None))   # checked even with recall off
     fields = dict(budget=args.budget, sinks=args.sinks, recent=recent, slack=args.slack,

@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 from ..generation import SamplingParams, StopMatcher
-from .common import (add_compile_arg, add_decode_arg, add_distributed_arg, add_heap_args, add_model_args,
+from .common import (add_compile_arg, at_least, add_decode_arg, add_distributed_arg, add_heap_args, add_model_args,
                      add_penalty_args, apply_decode_attention, check_heap_fits, heap_config, load_model_backend,
                      penalty_params)
 from .progress import ProgressBar
@@ -25,7 +25,7 @@ def add_parser(sub) -> None:
     src.add_argument("--prompt-file", type=Path, help="read the prompt from this file")
     src.add_argument("--prompt", help="the prompt text")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    p.add_argument("--max-tokens", type=int, default=256, help="most tokens generated")
+    p.add_argument("--max-tokens", type=at_least(0), default=256, help="most tokens generated")
     p.add_argument("--temperature", type=float, default=0.0, help="0 samples greedily")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
     p.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest, 0: all")
