@@ -227,6 +227,41 @@ def test_a_session_a_request_waits_for_or_with_nothing_on_disk_is_not_deleted(ba
             assert chat(http, "And the sinks?", headers={"X-Session-Id": sid}).status_code == 200
 
 
+def test_the_sessions_jobs_passed_over_name_are_kept_while_a_later_one_is_placed():
+    """admit() passes over a job that cannot start yet (waiting for RAM, its session busy) and places
+    the next: that one's --disk-total room must not come from the session the first one names."""
+    from types import SimpleNamespace as NS
+
+    from localheap.engine.admission import AdmissionQueue
+    from localheap.engine.errors import OverBudget
+
+    class Store:
+        disk = NS(waiting=set)
+        sessions = {"Y": NS(busy=False), "Z": NS(busy=False)}
+
+        def __contains__(self, sid):
+            return sid in self.sessions
+
+        def get(self, sid):
+            return self.sessions[sid]
+
+    store = Store()
+    q = AdmissionQueue(NS(tokenizer=None), store, governor=None, timeout=60)
+    first, second = (NS(cancelled=False, submitted=time.monotonic(), request=NS(session_id=sid)) for sid in "YZ")
+    q.waiting.extend([first, second])
+    kept = []
+
+    def place(req, blocked=False):
+        if req.session_id == "Y":
+            raise OverBudget("no RAM for its heap yet")   # it waits
+        kept.append(store.disk.waiting())   # what DiskTotal.reclaim leaves alone while Z is placed
+        return None, False
+
+    q.place = place
+    q.admit(lambda: True, lambda job, match, created: None, lambda job, e: None, lambda job: None)
+    assert kept == [{"Y", "Z"}] and list(q.waiting) == [first] and q.named() == {"Y"}
+
+
 def test_checkpoints_go_after_pages_and_before_sessions(backend, tmp_path):
     """Sessions that read a document hold a checkpoint (a heap file, its tokens and hard links of
     the pages). Under the bound, the least recently used give theirs back (the pages the

@@ -40,6 +40,7 @@ class AdmissionQueue:
         self.timeout = timeout
         self.waiting: deque[Job] = deque()
         self.placing: Optional[Job] = None   # the job being placed and started (out of `waiting`)
+        self._skipped: deque[Job] = deque()  # (admit) jobs passed over this round: still waiting
         self._room_check_at = 0.0          # before this (monotonic), don't ask the governor again
         self._refusal: Optional[OverBudget] = None
         self.vocab_size: Optional[int] = getattr(backend, "vocab_size", None)
@@ -48,7 +49,7 @@ class AdmissionQueue:
 
     def named(self) -> set[str]:
         """The sessions the waiting jobs (and the one being placed) name."""
-        jobs = [*list(self.waiting), *([self.placing] if self.placing is not None else [])]
+        jobs = [*list(self.waiting), *list(self._skipped), *([self.placing] if self.placing is not None else [])]
         return {sid for j in jobs if (sid := getattr(j.request, "session_id", None)) is not None}
 
     def admit(self, slot_free: Callable[[], bool], start: Callable[[Job, Any, bool], None],
@@ -57,7 +58,7 @@ class AdmissionQueue:
         """Start waiting jobs in arrival order while `slot_free()`: `start(job, match, created)`
         runs a placed job, `fail(job, error)` refuses one, `drop(job)` ends a cancelled one. A job
         that names a slot (id_slot) waits, behind none of the others, until `slot_open(slot)`."""
-        skipped: deque[Job] = deque()
+        skipped = self._skipped = deque()
         blocked = time.monotonic() < self._room_check_at
         while self.waiting and slot_free():
             job = self.waiting.popleft()
@@ -91,7 +92,7 @@ class AdmissionQueue:
             finally:
                 self.placing = None
         skipped.extend(self.waiting)
-        self.waiting = skipped
+        self.waiting, self._skipped = skipped, deque()
 
     def room_freed(self) -> None:
         """A heap may have become spillable or free: jobs waiting for RAM ask again now."""
