@@ -133,6 +133,15 @@ def test_a_prefill_is_continued(client, server, force):
     with pytest.raises(anthropic.BadRequestError) as e:
         client.messages.create(model=model(server), max_tokens=5, messages=[history[0], {**history[1], "content": "Sure: "}])
     assert "trailing whitespace" in e.value.message
+    # a named session sent only the new messages: they follow its last reply's end once
+    sid = r["localheap"]["session_id"]
+    force(" three")
+    more = httpx.post(server.url + "/v1/messages", headers={"x-api-key": KEY, "X-Session-Id": sid},
+                      json={"model": model(server), "max_tokens": 20, "messages": [
+                          {"role": "user", "content": "Again"}, {"role": "assistant", "content": "Then:"}]}).json()
+    assert more["content"] == [{"type": "text", "text": " three"}], more
+    fed = server.services.tokenizer.decode(list(server.services.store.get(sid).fed))
+    assert fed.endswith("Then: three") and "<|end|><|end|>" not in fed and fed.count("Again") == 1, fed
 
 
 def test_count_tokens_matches_the_prompt(client, server, force):

@@ -309,6 +309,26 @@ def test_a_prompt_that_ends_inside_think_reasons_then_the_grammar_holds_what_fol
         jsonschema.validate(json.loads(msg.content), schema)
 
 
+def test_a_named_session_sent_new_messages_only_holds_what_the_whole_history_renders(client, server, force):
+    """The web UI and `localheap chat` send only the new message to their session: it follows the last
+    reply's end of turn (the model sampled that token and never read it: the turn was left open,
+    `reply<|user|>`), so the session holds what the whole conversation renders, token for token."""
+    from localheap.server.prompts import chat_prompt
+    from localheap.server.schemas import ChatMessage
+
+    svc = server.services
+    force("First reply.")
+    first = ask(client, [{"role": "user", "content": "one"}], tools=None)
+    sid = first.localheap["session_id"]
+    force("Second reply.")
+    ask(client, [{"role": "user", "content": "two"}], tools=None, extra_headers={"X-Session-Id": sid})
+    whole = chat_prompt(svc.tokenizer, [ChatMessage(role="user", content="one"),
+                                        ChatMessage(role="assistant", content="First reply."),
+                                        ChatMessage(role="user", content="two")]).tokens
+    fed = list(svc.store.get(sid).fed)
+    assert fed[:len(whole)] == list(whole), svc.tokenizer.decode(fed)
+
+
 def test_allowed_tools_keep_every_tool_in_the_prompt_and_hold_calls_to_the_allowed(client, lead):
     """tool_choice allowed_tools: the prompt is the same as with all tools (the session's prefix does not
     change), and the grammar lets the model call only the allowed ones: mode required forces a call of

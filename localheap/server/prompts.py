@@ -139,11 +139,15 @@ def _has_template(tokenizer: Any) -> bool:
     return getattr(inner, "chat_template", None) is not None
 
 
-def render_continuation(tokenizer: Any, messages: list[dict], add_generation_prompt: bool,
+def render_continuation(tokenizer: Any, messages: list[dict], add_generation_prompt: bool, after_reply: bool = False,
                         **template_args) -> Optional[str]:
-    """What the template adds for `messages` after an earlier exchange, or None."""
+    """What the template adds for `messages` after an earlier exchange, or None. `after_reply`: after
+    that exchange's reply's text, its end of turn first (what follows a reply a session holds as it
+    was generated: the model sampled its end-of-turn token and never read it)."""
     try:
-        base = tokenizer.apply_chat_template(_PLACEHOLDER, tokenize=False, **template_args)
+        closed = {k: v for k, v in template_args.items() if k != "continue_final_message"}   # (a prefill's)
+        base = tokenizer.apply_chat_template(_PLACEHOLDER, tokenize=False, continue_final_message=after_reply,
+                                             **closed)
         full = tokenizer.apply_chat_template(_PLACEHOLDER + messages, tokenize=False,
                                              add_generation_prompt=add_generation_prompt, **template_args)
     except Exception:
@@ -193,7 +197,13 @@ def chat_prompt(tokenizer: Any, messages: list[ChatMessage], add_generation_prom
     text = render(tokenizer, msgs, add_generation_prompt, **args)
     tokens = encode_bounded(tokenizer, text, limit)
     cont = render_continuation(tokenizer, msgs, add_generation_prompt, **args)
-    return Prompt(tokens, text, _tail_ids(tokenizer, text, tokens, cont) if cont is not None else None)
+    after = render_continuation(tokenizer, msgs, add_generation_prompt, after_reply=True, **args)
+    cont_ids = _tail_ids(tokenizer, text, tokens, cont) if cont is not None else None
+    if after is not None and cont_ids is not None and after.endswith(cont):   # the end of turn, then the same ids
+        after_ids = token_array(encode_plain(tokenizer, after[:len(after) - len(cont)])) + token_array(cont_ids)
+    else:
+        after_ids = encode_plain(tokenizer, after) if after is not None else None
+    return Prompt(tokens, text, cont_ids, after_ids)
 
 
 def _tail_ids(tokenizer: Any, text: str, tokens: Sequence[int], tail: str) -> Sequence[int]:

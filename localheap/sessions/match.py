@@ -44,10 +44,13 @@ MIN_SHARED = 0.5
 class Prompt:
     """tokens: the full prompt. text: its text (enables text matching). continuation: what
     to feed when it is sent to an explicit session it does not extend (e.g. new turns only).
-    Ids are a list or an int32 array (a long prompt's: 4 bytes a token)."""
+    after_reply: the same after a reply the session holds as the model wrote it (its end of turn,
+    which the model sampled and never read, first). Ids are a list or an int32 array (a long
+    prompt's: 4 bytes a token)."""
     tokens: Sequence[int]
     text: Optional[str] = None
     continuation: Optional[Sequence[int]] = None
+    after_reply: Optional[Sequence[int]] = None
 
 
 @dataclass
@@ -250,4 +253,7 @@ def continue_session(s: Session, prompt: Prompt, encode: Encode, decode: Decode)
     rest = _text_prefix(s, prompt, decode)
     if rest is not None and (new := encode(rest)):
         return Match(s, new, len(s.fed))
-    return Match(s, (prompt.continuation if prompt.continuation is not None else prompt.tokens)[:], len(s.fed))
+    cont = prompt.continuation
+    if prompt.after_reply is not None and s.reply_start is not None and s.reply_start < len(s.fed):
+        cont = prompt.after_reply   # it ends in a reply: that turn closed first (the web UI's, chat's next turn)
+    return Match(s, (cont if cont is not None else prompt.tokens)[:], len(s.fed))
