@@ -6,12 +6,15 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import threading
 import weakref
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 import numpy as np
+
+log = logging.getLogger("localheap.grammar")
 
 _TOKENIZERS: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
 _LOCK = threading.Lock()
@@ -349,15 +352,17 @@ class LazyGrammar:
             self.broken = error
 
 
-_BLANKS: dict[int, np.ndarray] = {}   # id(LLTokenizer) -> bool [vocab]: the ids whose text is only whitespace
+# id(LLTokenizer) -> (it, bool [vocab]: the ids whose text is only whitespace); it is held so that its id
+# names no other (it takes no weak reference)
+_BLANKS: dict[int, tuple[Any, np.ndarray]] = {}
 
 
 def _blank_ids(ll: Any) -> np.ndarray:
     with _LOCK:
         if id(ll) not in _BLANKS:
-            _BLANKS[id(ll)] = np.array([(lambda b: bool(b) and not b.strip())(ll.decode_bytes([i]))
-                                        for i in range(ll.vocab_size)], dtype=bool)
-        return _BLANKS[id(ll)]
+            _BLANKS[id(ll)] = (ll, np.array([(lambda b: bool(b) and not b.strip())(ll.decode_bytes([i]))
+                                             for i in range(ll.vocab_size)], dtype=bool))
+        return _BLANKS[id(ll)][1]
 
 
 class AfterReasoning:
@@ -374,6 +379,7 @@ class AfterReasoning:
         self.grammar = Grammar(tokenizer, eos_ids, grammar)
         self.ll = self.grammar.ll
         self.out = bytearray()        # the reasoning so far
+        self.scanned = 0              # bytes of it searched for </think>
         self.reasoning = True
         self.blanks = 0               # whitespace-only tokens after </think>
         self.held = False             # the grammar has taken a token
@@ -389,13 +395,17 @@ class AfterReasoning:
     def advance(self, token: int) -> None:
         if self.reasoning:
             self.out += self.ll.decode_bytes([token])
-            at = self.out.find(self.END_THINK)
+            at = self.out.find(self.END_THINK, max(0, self.scanned - len(self.END_THINK) + 1))
+            self.scanned = len(self.out)
             if at >= 0:
                 self.reasoning = False
                 tail = bytes(self.out[at + len(self.END_THINK):]).lstrip()
                 if tail:   # the token that closed the reasoning went on: the grammar takes the rest
                     self.held = True
-                    self.grammar.matcher.consume_tokens(self.ll.tokenize_bytes(tail))
+                    m = self.grammar.matcher
+                    if not m.consume_tokens(self.ll.tokenize_bytes(tail)) or m.is_error():
+                        log.warning("a held reply goes free: the grammar refused what followed </think> (%r)",
+                                    tail[:40])
             return
         if not self.held and self.blanks < self.BLANKS and _blank_ids(self.ll)[token]:
             self.blanks += 1

@@ -99,3 +99,19 @@ def test_chat_wraps_the_prompt_in_the_template_as_the_server_does(model_path, ca
                  "--max-tokens", "3", "--temperature", "0"]) == 0
     err = capsys.readouterr().err
     assert f"prompt {want} tokens" in err, err
+
+
+def test_chat_on_a_model_without_a_template_says_so_in_the_commands_words(model_path, tmp_path, capsys):
+    import json
+    import shutil
+
+    bare = tmp_path / "bare"
+    shutil.copytree(model_path, bare)
+    cfg = json.loads((bare / "tokenizer_config.json").read_text())
+    cfg.pop("chat_template", None)
+    (bare / "tokenizer_config.json").write_text(json.dumps(cfg))
+    for extra in bare.glob("chat_template.*"):
+        extra.unlink()
+    assert main(["generate", "--model", str(bare), "--backend", "torch", "--prompt", "hi", "--chat"]) == 2
+    err = capsys.readouterr().err
+    assert "--chat: this model has no chat template" in err and "leave --chat out" in err and "Traceback" not in err

@@ -1057,9 +1057,12 @@ def test_a_background_response_the_server_stopped_in_goes_on_after_its_restart(m
     back, seen = _stopped_midway(model_dir, "one two three " * 400, settings, instructions="Be brief.",
                                  include=["message.output_text.logprobs"], top_logprobs=2)
     assert _resume_kept(tmp_path, back.id) == {"runs": 1, "stalled": 0}   # (run 1 kept tokens: not counted)
+    lines = (tmp_path / "responses.jsonl").read_text().splitlines()
+    asked = [r for r in map(json.loads, lines) if r.get("add") == back.id][-1]["items"][0]["id"]   # its input's id
     with _forced_server(model_dir, "four five six " * 100, **settings) as srv:
         client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
         got = _ended(client, back.id)
+        assert [i.id for i in client.responses.input_items.list(back.id).data] == [asked]   # the same id
         assert got.status == "completed" and got.background is True
         assert got.created_at == back.created_at and got.instructions == "Be brief."
         events = list(client.responses.retrieve(back.id, stream=True))

@@ -332,6 +332,15 @@ def test_two_tabs_keep_each_others_conversations(open_page, server):
         third.click(f".conv[data-id='{sid}'] .conv-open")
         assert third.inner_text(".msg-user") == text
         assert third.locator(".msg-assistant").count() == 1
+    # deleted in one tab: gone from the others, and not written back by their next save
+    delete = first.page.locator(f".conv[data-id='{ids['tab one']}'] .conv-delete")
+    delete.click()
+    delete.click()
+    first.page.wait_for_selector(f".conv[data-id='{ids['tab one']}']", state="detached")
+    send(second, "tab two again", 4)
+    second.wait_for_function("document.querySelectorAll('.msg-assistant.done').length === 2")
+    stored = json.loads(third.evaluate("localStorage.getItem('localheap.conversations.v1')"))
+    assert ids["tab one"] not in stored and len(stored[ids["tab two"]]["messages"]) == 4
     for page in (second, third):
         page.close()
 

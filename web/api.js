@@ -46,13 +46,19 @@ async function failure(response) {
 
 /** fetch with the API key and session header; throws ApiError unless 2xx. */
 export async function request(method, path, { body, sessionId, signal } = {}) {
-  const response = await fetch(path, {
-    method,
-    headers: headers(sessionId, body !== undefined),
-    body: body === undefined ? undefined : JSON.stringify(body),
-    signal,
-    cache: "no-store",
-  });
+  let response;
+  try {
+    response = await fetch(path, {
+      method,
+      headers: headers(sessionId, body !== undefined),
+      body: body === undefined ? undefined : JSON.stringify(body),
+      signal,
+      cache: "no-store",
+    });
+  } catch (e) {   // fetch's own TypeError ("Failed to fetch"): no answer at all
+    if (e instanceof TypeError) throw new ApiError(0, "The server could not be reached: is it still running?", "unreachable");
+    throw e;
+  }
   if (!response.ok) throw await failure(response);
   return response;
 }

@@ -114,9 +114,7 @@ export class Chat {
         message.status = "stopped";
       } else {
         message.status = "error";
-        // (fetch's own TypeError, "Failed to fetch": the server did not answer at all)
-        message.error = e instanceof TypeError ? "The server could not be reached: is it still running?"
-          : e.message || String(e);
+        message.error = e.message || String(e);
         if (e instanceof ApiError && e.status === 401) this.onUnauthorized?.();
       }
     } finally {

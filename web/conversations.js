@@ -6,6 +6,8 @@
 import { el, int, shortId } from "./format.js";
 
 const STORE = "localheap.conversations.v1";
+const GONE = "localheap.conversations.gone.v1";   // id -> when a tab forgot it: other tabs forget it too
+const GONE_KEEP_MS = 7 * 24 * 3600 * 1000;
 const TITLE_CHARS = 48;
 
 export class Conversations {
@@ -19,8 +21,8 @@ export class Conversations {
     this.dropped = new Set();  // ids this page forgot: gone from the store at its next save
     // another tab of this browser saved: take its newer conversations (each tab saves only its own changes)
     window.addEventListener("storage", (e) => {
-      if (e.key !== STORE) return;
-      this.merge(load());
+      if (e.key !== STORE && e.key !== GONE) return;
+      this.merge(load(), load(GONE));
       this.render();
     });
     this.server = new Map();   // id -> session info
@@ -66,20 +68,29 @@ export class Conversations {
   save() {
     try {
       const stored = load();
-      for (const id of this.dropped) delete stored[id];
+      const gone = load(GONE);
+      const now = Date.now();
+      for (const id of this.dropped) gone[id] = now;
       this.dropped.clear();
+      for (const [id, when] of Object.entries(gone)) if (now - when > GONE_KEEP_MS) delete gone[id];
       for (const [id, conv] of Object.entries(this.local)) {
         if ((stored[id]?.updated || 0) <= conv.updated) stored[id] = conv;
       }
-      this.merge(stored);
+      this.merge(stored, gone);
+      for (const id of Object.keys(stored)) if (!this.local[id]) delete stored[id];   // forgotten here or elsewhere
+      localStorage.setItem(GONE, JSON.stringify(gone));
       localStorage.setItem(STORE, JSON.stringify(stored));
     } catch { /* storage full or disabled: history lives for this page only */ }
   }
 
-  /** Take the stored conversations that are newer than this page's copies, or that it lacks. */
-  merge(stored) {
+  /** Take the stored conversations that are newer than this page's copies, or that it lacks; let
+   *  go of those some tab forgot (deleted) after they were last updated. */
+  merge(stored, gone = {}) {
     for (const [id, conv] of Object.entries(stored)) {
       if (!this.dropped.has(id) && (this.local[id]?.updated || 0) < (conv?.updated || 0)) this.local[id] = conv;
+    }
+    for (const [id, when] of Object.entries(gone)) {
+      if (this.local[id] && (this.local[id].updated || 0) <= when) delete this.local[id];
     }
   }
 
@@ -198,9 +209,9 @@ export function tokens(info) {
   return Math.max(info?.tokens || 0, info?.heap?.tokens_seen || 0);
 }
 
-function load() {
+function load(key = STORE) {
   try {
-    return JSON.parse(localStorage.getItem(STORE)) || {};
+    return JSON.parse(localStorage.getItem(key)) || {};
   } catch {
     return {};
   }

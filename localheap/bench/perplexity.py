@@ -73,6 +73,12 @@ def run_perplexity(backend, base, context: int = 4096, budgets: Sequence[int] = 
     from ..heap import POLICIES
 
     policies = list(policies or POLICIES)
+    for budget in budgets:   # (before any text is read: not after the first budgets' rows)
+        capacity = budget + base.sinks + base.append_room
+        if capacity >= context:
+            raise ValueError(f"budget {budget}: the heap holds {capacity:,} tokens (sinks + budget + a prefill chunk "
+                             f"of {base.append_room:,}), the whole {context:,}-token text: nothing is read after "
+                             f"an eviction (a longer --context, or a smaller --prefill-chunk)")
     rows = []
     for source in sources:
         tokens = text_tokens(backend.tokenizer, source, context)
@@ -82,10 +88,6 @@ def run_perplexity(backend, base, context: int = 4096, budgets: Sequence[int] = 
                      "ppl_all": perplexity(full), "tok_s": context / (time.perf_counter() - began)})
         for budget in budgets:
             capacity = budget + base.sinks + base.append_room
-            if capacity >= context:
-                raise ValueError(f"budget {budget}: the heap holds {capacity:,} tokens (sinks + budget + a prefill chunk "
-                                 f"of {base.append_room:,}), the whole {context:,}-token text: nothing is read after "
-                                 f"an eviction (a longer --context, or a smaller --prefill-chunk)")
             start = capacity - 1   # logprobs[i] is token i + 1's: the first one read past the capacity
             reference = perplexity(full[start:])
             for policy in policies:

@@ -60,8 +60,14 @@ def run(args) -> int:
         from ..server.prompts import chat_prompt
         from ..server.schemas import ChatMessage
 
+        from ..server.errors import ApiError
+
         # as the server renders a chat (transformers 5's apply_chat_template returns a BatchEncoding)
-        tokens = list(chat_prompt(tok, [ChatMessage(role="user", content=text)]).tokens)
+        try:
+            tokens = list(chat_prompt(tok, [ChatMessage(role="user", content=text)]).tokens)
+        except ApiError as e:   # (its own words are the server's: "use /v1/completions")
+            raise ValueError(f"--chat: {str(e).split(';')[0]}; leave --chat out to read the prompt as it is") \
+                from None
     else:
         tokens = tok.encode(text)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,

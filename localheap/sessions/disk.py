@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import re
+import threading
 import time
 import uuid
 import zlib
@@ -94,12 +95,17 @@ class SessionDir:
         # returns the open lock file (held while it lives), raises where another server holds it
         self.relock: Optional[Callable[[], Any]] = None
         self.locks: list = []
+        self._identity_lock = threading.Lock()   # (the saver thread and the engine thread both write)
 
     def _same(self) -> None:
         """Before a write: the directory is the one this store writes to. One made anew where it was
         (removed, then made again) is taken only once the server's lock is taken in it, and only
         while it holds no index: one made by hand is taken; one another server started on it made
         meanwhile (its sessions in its index) is never written, while that server runs or after."""
+        with self._identity_lock:
+            self._same_locked()
+
+    def _same_locked(self) -> None:
         st = os.stat(self.root)
         found = (st.st_dev, st.st_ino)
         if self.identity is not None and found != self.identity and self.relock is not None:

@@ -28,7 +28,8 @@ from ..formats import extension, saved_headers
 from ..prompts import chat_prompt, tokenize
 from ..logonce import warn_once
 from ..conversations import cursor_page, item_finders, item_json
-from ..responses import (SESSION_DELETED, STOPPED, STOPPING, Built, InputTokensRequest, ResponsesRequest, output_item, resolve_references,
+from ..responses import (SESSION_DELETED, STOPPED, STOPPING, Built, InputTokensRequest, MessageItem, ResponsesRequest,
+                         output_item, resolve_references,
                          stalled_runs)
 from ..services import Services, owner, services
 from ..toolcalls import OutputParser
@@ -156,6 +157,9 @@ async def resume_backgrounds(svc: Services, resumable: list) -> None:
 
         try:
             body = ResponsesRequest.model_validate(resume["request"])
+            first = kept.input_items[0] if kept.input_items else None
+            if isinstance(body.input, str) and isinstance(first, MessageItem):   # its input keeps the id it was
+                body._message = first                                            # listed by before the restart
             if records and "end" in records[-1]:
                 _ended_before(svc, rid, kept, body, records)
                 continue
@@ -241,8 +245,9 @@ def _replay(p: _Planned, who: Optional[str], records: list[dict]) -> Optional[Ru
     finally:
         SOURCE.reset(source)
     if reply:
-        cont = p.prompt.continuation
-        p.prompt = Prompt(_then(p.prompt.tokens, reply), None, None if cont is None else _then(cont, reply))
+        cont, after = p.prompt.continuation, p.prompt.after_reply
+        p.prompt = Prompt(_then(p.prompt.tokens, reply), None, None if cont is None else _then(cont, reply),
+                          None if after is None else _then(after, reply))
         p.params.max_tokens = max(0, p.params.max_tokens - len(reply))
         p.begun = len(reply)
     return run
