@@ -327,6 +327,22 @@ def test_a_named_session_sent_new_messages_only_holds_what_the_whole_history_ren
                                         ChatMessage(role="user", content="two")]).tokens
     fed = list(svc.store.get(sid).fed)
     assert fed[:len(whole)] == list(whole), svc.tokenizer.decode(fed)
+    # a reply max_tokens cut: its last token (sampled, sent, never read) is read before the next turn
+    force("Third reply, a long one.")
+    cut = ask(client, [{"role": "user", "content": "three"}], tools=None, max_tokens=3,
+              extra_headers={"X-Session-Id": sid})
+    assert cut.choices[0].finish_reason == "length"
+    force("Fourth.")
+    ask(client, [{"role": "user", "content": "four"}], tools=None, extra_headers={"X-Session-Id": sid})
+    whole = chat_prompt(svc.tokenizer, [ChatMessage(role="user", content="one"),
+                                        ChatMessage(role="assistant", content="First reply."),
+                                        ChatMessage(role="user", content="two"),
+                                        ChatMessage(role="assistant", content="Second reply."),
+                                        ChatMessage(role="user", content="three"),
+                                        ChatMessage(role="assistant", content=cut.choices[0].message.content),
+                                        ChatMessage(role="user", content="four")]).tokens
+    fed = list(svc.store.get(sid).fed)
+    assert fed[:len(whole)] == list(whole), svc.tokenizer.decode(fed)
 
 
 def test_allowed_tools_keep_every_tool_in_the_prompt_and_hold_calls_to_the_allowed(client, lead):

@@ -222,6 +222,10 @@ class Run:
         candidates = self.last + self.completion
         assert 0 <= fed_here <= len(candidates), (in_cache, len(self.session.fed), len(candidates))
         self.session.extend(candidates[:fed_here])
+        if self.finish_reason == "length" and fed_here >= len(self.last):
+            # the reply's last tokens, sent but never read (max_tokens cut it after sampling them): what
+            # a named session sent only new messages reads first (sessions/match.continue_session)
+            self.session.unfed_reply = tuple(candidates[fed_here:])
 
     def finished_event(self) -> Finished:
         prompt = self.prompt_tokens - self.begun   # a reply begun before counts as the reply's

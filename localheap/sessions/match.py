@@ -255,5 +255,7 @@ def continue_session(s: Session, prompt: Prompt, encode: Encode, decode: Decode)
         return Match(s, new, len(s.fed))
     cont = prompt.continuation
     if prompt.after_reply is not None and s.reply_start is not None and s.reply_start < len(s.fed):
-        cont = prompt.after_reply   # it ends in a reply: that turn closed first (the web UI's, chat's next turn)
+        # it ends in a reply: that turn closed first (the web UI's, chat's next turn), after the reply's last
+        # tokens where max_tokens cut it once they were sampled (the client has them, the cache not)
+        cont = [*s.unfed_reply, *prompt.after_reply]
     return Match(s, (cont if cont is not None else prompt.tokens)[:], len(s.fed))

@@ -55,6 +55,7 @@ class Session:
     created: float = field(default_factory=time.time)
     last_used: float = field(default_factory=time.time)
     turns: int = 0
+    unfed_reply: tuple = ()                            # a reply's last tokens, sent, never read (max_tokens)
     saved_turns: int = 0                               # turns when it was saved (the index's: a kill keeps those)
     stats: Optional[HeapStats] = None
     snapshot: dict = field(default_factory=dict)
@@ -90,10 +91,12 @@ class Session:
 
     def extend(self, tokens: Sequence[int]) -> None:
         self.fed.extend(tokens)
+        self.unfed_reply = ()
 
     def truncate(self, tokens: int) -> None:
         """Forget the history after the first `tokens` (the cache was rolled back with it)."""
         del self.fed[tokens:]
+        self.unfed_reply = ()
         self._text_tokens = -1
 
     def cut(self, spans: Sequence[tuple[int, int]]) -> None:
@@ -103,6 +106,7 @@ class Session:
             kept.extend(self.fed[a:b])
         self.fed[:] = kept   # in place, as truncate
         self._text_tokens = -1
+        self.unfed_reply = ()
         self.dirty = True   # as long as the saved copy, perhaps, but not the same tokens
 
     def text(self, decode: Callable[[list[int]], str]) -> str:

@@ -364,7 +364,7 @@ class SessionStore:
                 s.spill_path, s.saved_gen, s.saved_tokens, s.saved_turns = None, None, 0, 0
             s.turns = s.saved_turns if keep else 0   # the turns of the copy it fell back to
             s.cache, s.dirty = None, False
-            s.rollback_mark = None
+            s.rollback_mark, s.unfed_reply = None, ()
             del s.fed[keep:]
             s.refresh()
             return True
