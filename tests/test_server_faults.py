@@ -381,6 +381,9 @@ def test_errors_name_the_field_as_the_request_wrote_it(backend, tmp_path):
             ("/completion", {"prompt": "x", "n_predict": 10**6}, "n_predict"),
             ("/completions", {"prompt": "x", "n_predict": 10**6}, "n_predict"),   # (llama-server's other name)
             ("/v1/chat/completions", {"model": MODEL, "messages": [user], "max_tokens": 10**6}, "max_tokens"),
+            ("/v1/chat/completions", {"model": MODEL, "messages": [user], "max_completion_tokens": 10**6},
+             "max_completion_tokens"),   # (the field it was given in, not max_tokens)
+            ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 10**6}, "max_tokens"),
         ):
             r = http.post(path, json=body)
             assert r.status_code == 400, (path, r.text)

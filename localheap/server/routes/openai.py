@@ -205,6 +205,14 @@ class Choice:
     began: float = field(default_factory=time.monotonic)
 
 
+def _limit_param(body: SamplingFields) -> str:
+    """The field the request gave its reply limit in (its error names it): the first that limit() reads."""
+    for name in ("max_completion_tokens", "max_tokens", "n_predict"):
+        if getattr(body, name, None) is not None and (name != "n_predict" or body.n_predict >= 0):
+            return name
+    return "max_tokens"
+
+
 async def _respond(reply: Reply, body: SamplingFields, prompts: Union[Prompt, list[Prompt]], request: Request,
                    svc: Services, session_id: Optional[str], title: Optional[str],
                    make_params: Callable[[int], SamplingParams],
@@ -228,7 +236,7 @@ async def _respond(reply: Reply, body: SamplingFields, prompts: Union[Prompt, li
                 job, events, started = await start(svc, request, prompt, params, session_id if i == 0 else None,
                                                    title if i == 0 else None, ephemeral or i > 0,
                                                    scratch and not (ephemeral or i > 0), body.n_cache_reuse,
-                                                   slot=slot if i == 0 else None)
+                                                   slot=slot if i == 0 else None, limit_param=_limit_param(body))
                 choices.append(Choice(i, job, events, make_parser(), echo=make_echo(params, k), started=started))
                 starts.append(started)
     except BaseException:
