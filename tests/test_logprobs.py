@@ -290,6 +290,24 @@ def test_completions_return_the_legacy_logprobs(server):
     tokens = [t for lp in legacy for t in lp.get("tokens") or []]
     offsets = [o for lp in legacy for o in lp.get("text_offset") or []]
     assert tokens == lp["tokens"] and offsets == lp["text_offset"]
+    # a stop string that holds text back (never matching): the streamed offsets still point at the tokens
+    held = next(t for t in lp["tokens"][2:] if len(t) >= 2)[-2:] + "\x01"
+    chunks = _stream(server, "/v1/completions", prompt="The pass key", max_tokens=8, temperature=0, logprobs=2,
+                     stop=[held])
+    offsets = [o for c in chunks if c["choices"] for o in (c["choices"][0]["logprobs"] or {}).get("text_offset") or []]
+    assert offsets == lp["text_offset"]
+
+
+def test_legacy_logprobs_name_a_token_that_is_part_of_a_character_by_its_bytes():
+    """Two tokens that are each part of a character both read as U+FFFD: keyed by text, one's logprob
+    stood for the other's in top_logprobs; as OpenAI's, such a token is "bytes:\\xNN"."""
+    from localheap.server.logprobs import completion_logprobs
+
+    texts = {1: ("\ufffd", [0xe2, 0x80]), 2: ("\ufffd", [0x89]), 3: ("a", [97])}
+    entry = TokenLogprob(1, -2.0, [(2, -1.0), (1, -2.0), (3, -3.0)])
+    lp = completion_logprobs(texts.get, [entry])
+    assert lp["tokens"] == ["bytes:\\xe2\\x80"] and lp["token_logprobs"] == [-2.0]
+    assert lp["top_logprobs"] == [{"bytes:\\x89": -1.0, "bytes:\\xe2\\x80": -2.0, "a": -3.0}]
 
 
 def test_logit_bias_through_the_api(server):

@@ -79,6 +79,13 @@ def assert_error(response: httpx.Response, status: int, param=None, code=None):
     ({"top_logprobs": 2}, "top_logprobs"),
     ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ({"logit_bias": {"a": 1}}, "logit_bias"),
+    ({"logit_bias": {"\u00b2": 1}}, "logit_bias"),          # a digit to str.isdigit, not an id (a 500's message)
+    ({"logit_bias": {"\u0661\u0662": 1}}, "logit_bias"),   # Arabic-Indic "12": was read as token 12
+    ({"max_tokens": True}, "max_tokens"),   # (read as 1) and the rest: the type OpenAI takes, or a 400
+    ({"n": True}, "n"),
+    ({"stream": "yes"}, "stream"),
+    ({"temperature": "0.5"}, "temperature"),
+    ({"logprobs": "true"}, "logprobs"),
     ({"response_format": {"type": "xml"}}, "response_format.type"),
     ({"response_format": {"type": "json_schema"}}, "response_format"),
     ({"presence_penalty": 2.5}, "presence_penalty"),

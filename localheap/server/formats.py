@@ -26,7 +26,11 @@ class Reply:
     id: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
     token_text: Optional[TokenText] = None
-    sent_chars: dict = field(default_factory=dict)   # choice -> a text stream's characters so far (text_offset)
+    sent_chars: dict = field(default_factory=dict)   # choice -> a text stream's characters so far
+    # choice -> where its next logprobs entry's token begins in its text (text_offset): the characters sent
+    # before its first entry (an echo's prompt), then its entries' tokens' (text held back by a stop
+    # string's match is not sent yet, though its tokens' entries are)
+    token_chars: dict = field(default_factory=dict)
     post: bool = False        # post_sampling_probs: chat entries as llama-server writes them (prob, top_probs)
     custom: frozenset = frozenset()   # the names of the request's custom tools (their calls: {"custom": ...})
     forced: bool = False      # held to tool calls (tool_choice required or a name): content is null, never ""
@@ -58,7 +62,9 @@ class Reply:
             return None
         if self.kind == "chat":
             return chat_logprobs(self.token_text, entries or [], self.post)
-        return completion_logprobs(self.token_text, entries or [], self.sent_chars.get(index, 0))
+        at = self.token_chars.setdefault(index, self.sent_chars.get(index, 0))
+        self.token_chars[index] = at + sum(len(self.token_text(e.token)[0]) for e in entries or [])
+        return completion_logprobs(self.token_text, entries or [], at)
 
     def chunk(self, text: Optional[str], finish: Optional[str] = None, first: bool = False,
               extension: Optional[dict] = None, with_usage_field: bool = False, delta: Optional[dict] = None,
@@ -107,7 +113,7 @@ class Reply:
             calls = [p for p in out.pieces or [] if isinstance(p, ToolCall)]
             choice = self._choice(out.text, finish_reason(out.done, bool(calls)), stream=False, index=i)
             choice["stop_reason"] = stop_reason(out.done)
-            choice["logprobs"] = self.logprobs(out.logprobs)
+            choice["logprobs"] = self.logprobs(out.logprobs, i)
             if out.echo is not None:   # (completions) the prompt first
                 choice["text"] = out.echo.text + out.text
                 if self.token_text is not None:

@@ -99,15 +99,28 @@ def completion_logprobs(text_of: TokenText, entries: Optional[list[TokenLogprob]
         return None
     tokens, values, tops, offsets = [], [], [], []
     for e in entries:
-        token, _ = text_of(e.token)
-        tokens.append(token)
+        text, _ = text_of(e.token)
+        tokens.append(legacy_key(text_of, e.token))
         values.append(finite(e.logprob))
-        top = {text_of(i)[0]: finite(lp) for i, lp in e.top}
-        top.setdefault(token, finite(e.logprob))
+        top = {legacy_key(text_of, i): finite(lp) for i, lp in e.top}
+        top[tokens[-1]] = finite(e.logprob)
         tops.append(top)
         offsets.append(offset)
-        offset += len(token)
+        offset += len(text)
     return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
+
+
+def legacy_key(text_of: TokenText, token: int) -> str:
+    """A token as the legacy logprobs name it: its text, or where its bytes are not whole UTF-8 (part
+    of a character: its text is U+FFFD, which several such tokens share) "bytes:\\xNN...", as
+    OpenAI's, so that each id has a key of its own in top_logprobs."""
+    text, data = text_of(token)
+    if "\ufffd" in text:
+        try:
+            bytes(data).decode("utf-8")
+        except UnicodeDecodeError:
+            return "bytes:" + "".join(f"\\x{b:02x}" for b in data)
+    return text
 
 
 def echo_logprobs(text_of: TokenText, tokens: list[int], entries: list[TokenLogprob], hidden: int = 0) -> dict:

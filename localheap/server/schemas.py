@@ -8,7 +8,7 @@ import json
 import types
 from typing import Annotated, Any, Literal, Optional, Union, get_args, get_origin
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, field_validator, model_validator
 
 from ..generation import (DRY_BASE_MAX, DRY_MULTIPLIER_MAX, DYNATEMP_MAX, LOGIT_BIAS_RANGE, MIN_P_RANGE,
                           MIROSTAT_TAU_MAX, PENALTY_RANGE, REPEAT_PENALTY_MAX, SEED_MIN, SEED_SPACE, TOP_LOGPROBS_MAX,
@@ -282,15 +282,16 @@ class SamplingFields(Strict):
     routes (llama.vscode): `samplers` and `cache_prompt`, and the options of samplers this server
     lacks, at the value that turns them off (llamacpp.check_options)."""
     model: Optional[str] = None                  # absent: the served model (as llama-server and LM Studio)
-    stream: bool = False
+    # (strict: "yes", "0.5" and true are 400s, as OpenAI's, not read as true, 0.5 and 1)
+    stream: StrictBool = False
     stream_options: Optional[StreamOptions] = None
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=0)                  # extension (OpenAI has none)
+    temperature: StrictFloat = Field(1.0, ge=0.0, le=2.0)
+    top_p: StrictFloat = Field(1.0, gt=0.0, le=1.0)
+    top_k: StrictInt = Field(0, ge=0)            # extension (OpenAI has none)
     min_p: float = Field(0.0, ge=MIN_P_RANGE[0], le=MIN_P_RANGE[1])   # extension (vLLM's, llama.cpp's): 0 = off
     seed: Optional[int] = Field(None, ge=SEED_MIN, lt=SEED_SPACE)   # a 64-bit number, signed or not
     stop: Optional[Union[str, list[str]]] = None
-    n: int = Field(1, ge=1, le=MAX_CHOICES)      # choices: they decode together in the batch
+    n: StrictInt = Field(1, ge=1, le=MAX_CHOICES)   # choices: they decode together in the batch
     presence_penalty: Optional[float] = Field(None, ge=PENALTY_RANGE[0], le=PENALTY_RANGE[1])
     frequency_penalty: Optional[float] = Field(None, ge=PENALTY_RANGE[0], le=PENALTY_RANGE[1])
     # extensions: the repetition penalty (generation.SamplingParams.repeating); vLLM's looks back over
@@ -378,7 +379,7 @@ class SamplingFields(Strict):
     def _bias(cls, v):
         lo, hi = LOGIT_BIAS_RANGE
         for key, bias in (v or {}).items():
-            if not key.strip().isdigit():
+            if not (key.strip().isascii() and key.strip().isdigit()):   # ("²" and "١٢" are digits to str.isdigit)
                 raise ValueError(f"logit_bias keys are token ids (as text), not {key!r}")
             if not lo <= bias <= hi:
                 raise ValueError(f"logit_bias values must be in [{lo:g}, {hi:g}] (token {key}: {bias:g})")
@@ -400,12 +401,12 @@ class SamplingFields(Strict):
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: Optional[int] = Field(None, ge=1)
+    max_tokens: Optional[StrictInt] = Field(None, ge=1)
     n_predict: Optional[int] = Field(None, ge=-1)    # extension (llama-server's name for max_tokens): -1 the server's
     # default, 0 the prompt read into its session and no reply (llama.vim's warm-up before an instruction)
-    max_completion_tokens: Optional[int] = Field(None, ge=1)
-    logprobs: Optional[bool] = None
-    top_logprobs: Optional[int] = Field(None, ge=0, le=TOP_LOGPROBS_MAX)
+    max_completion_tokens: Optional[StrictInt] = Field(None, ge=1)
+    logprobs: Optional[StrictBool] = None
+    top_logprobs: Optional[StrictInt] = Field(None, ge=0, le=TOP_LOGPROBS_MAX)
     response_format: Optional[ResponseFormat] = None
     tools: Optional[list[Tool]] = None
     tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, AllowedTools, None] = None
@@ -458,9 +459,9 @@ class ChatCompletionRequest(SamplingFields):
 
 class CompletionRequest(SamplingFields):
     prompt: Union[str, list[str], list[StrictInt], list[list[StrictInt]]]   # (ids: never true/false)
-    max_tokens: int = Field(16, ge=0)   # 0: with echo, the prompt's logprobs alone
-    echo: bool = False
-    logprobs: Optional[int] = Field(None, ge=0, le=COMPLETION_LOGPROBS_MAX)
+    max_tokens: StrictInt = Field(16, ge=0)   # 0: with echo, the prompt's logprobs alone
+    echo: StrictBool = False
+    logprobs: Optional[StrictInt] = Field(None, ge=0, le=COMPLETION_LOGPROBS_MAX)
     suffix: Optional[str] = None   # fill in the middle (a model with FIM tokens: fim.py): the text after the reply
     best_of: Optional[int] = None
 
