@@ -408,8 +408,10 @@ def test_recall_is_on_by_default_where_the_commands_serve_and_the_region_fits():
     assert cfg(["--budget", "1024"], True).recall_budget == 512       # half the budget, whole pages
     assert cfg(["--budget", "1024", "--recall-budget", "256"], True).recall_budget == 256
     assert cfg(["--budget", "300", "--recent", "280", "--page-size", "32"], True).recall is False   # no room
-    with pytest.raises(HeapConfigError, match="recall budget"):
+    with pytest.raises(ValueError, match="--budget 300 with --recent 280 leaves no room"):
         cfg(["--budget", "300", "--recent", "280", "--recall", "on"], True)
+    with pytest.raises(HeapConfigError, match="recall budget"):   # a region given that does not fit
+        cfg(["--budget", "300", "--recent", "280", "--recall-budget", "64", "--recall", "on"], True)
     parser = build_parser()
     for command in (["serve"], ["chat"], ["generate", "--prompt", "hi"]):
         assert heap_config(parser.parse_args(command)).recall, command

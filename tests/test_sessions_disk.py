@@ -212,6 +212,12 @@ def test_the_index_counts_the_turns_of_the_saved_copy(tmp_path):
     again.load_persisted()
     assert (len(again.get(a.id).fed), again.get(a.id).turns) == (3, 1)
     assert store.rollback(a, 3) and (len(a.fed), a.turns) == (3, 1)   # a failed step: back to the saved copy
+    store.make_resident(a)
+    a.unfed_reply = (9,)   # a reply max_tokens cut: its last token sent, never read; saved with its turn
+    store.save(a)
+    again = durable(tmp_path)
+    again.load_persisted()
+    assert again.get(a.id).unfed_reply == (9,)   # (a named session's next turn reads it first, after a restart too)
     feed(store, a, [6])
     a.turns = 2
     store.save(a)

@@ -124,6 +124,10 @@ def _session(d: SessionDir, sid: str, cfg: HeapConfig, entry: dict, gen: Optiona
     s.saved_turns = s.turns
     if gen is not None:
         s.fed, s.spill_path, s.saved_gen, s.saved_tokens = tokens, d.heap_path(sid, gen), gen, len(tokens)
+        unfed = entry.get("unfed")   # (the reply max_tokens cut: its last tokens, sent and never read)
+        if isinstance(unfed, list) and len(unfed) <= 16 and all(isinstance(t, int) and not isinstance(t, bool)
+                                                                 and t >= 0 for t in unfed):
+            s.unfed_reply = s.saved_unfed = tuple(unfed)
         s.saved_crc = zlib.crc32(tokens.tobytes())
         floor, start = entry.get("rollback_floor"), entry.get("reply_start")
         ok = lambda v: isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= len(tokens)   # noqa: E731

@@ -57,6 +57,7 @@ class Session:
     turns: int = 0
     unfed_reply: tuple = ()                            # a reply's last tokens, sent, never read (max_tokens)
     saved_turns: int = 0                               # turns when it was saved (the index's: a kill keeps those)
+    saved_unfed: tuple = ()                            # unfed_reply when it was saved (the index's)
     stats: Optional[HeapStats] = None
     snapshot: dict = field(default_factory=dict)
     origin: str = "api"

@@ -265,19 +265,19 @@ class SessionStore:
         previous generation's files removed."""
         gen, crc = written
         old = (s.spill_path, s.saved_gen, s.saved_tokens, s.dirty, s.heap_crc, s.saved_crc, s.saved_points,
-               s.saved_turns)
+               s.saved_turns, s.saved_unfed)
         try:
             self.dir.write_tokens(s.id, gen, s.fed)
             faults.step("save.tokens")
             s.spill_path, s.saved_gen, s.saved_tokens, s.dirty = self.dir.heap_path(s.id, gen), gen, len(s.fed), False
             s.heap_crc, s.saved_crc = crc, zlib.crc32(s.fed.tobytes())
             s.saved_points = (s.rollback_floor, s.reply_start, s.cuttable)   # the heap's (the session is idle)
-            s.saved_turns = s.turns
+            s.saved_turns, s.saved_unfed = s.turns, s.unfed_reply
             self._commit()
             faults.step("save.index")
         except BaseException as e:
             (s.spill_path, s.saved_gen, s.saved_tokens, s.dirty, s.heap_crc, s.saved_crc, s.saved_points,
-             s.saved_turns) = old
+             s.saved_turns, s.saved_unfed) = old
             self._remove_gen(s.id, gen)
             if isinstance(e, OSError):
                 raise SpillFailed(self.spill_dir, e) from e
@@ -364,8 +364,9 @@ class SessionStore:
                 s.spill_path, s.saved_gen, s.saved_tokens, s.saved_turns = None, None, 0, 0
             s.turns = s.saved_turns if keep else 0   # the turns of the copy it fell back to
             s.cache, s.dirty = None, False
-            s.rollback_mark, s.unfed_reply = None, ()
+            s.rollback_mark = None
             del s.fed[keep:]
+            s.unfed_reply = s.saved_unfed if keep else ()   # (the copy it fell back to: its reply's)
             s.refresh()
             return True
         return False
@@ -461,6 +462,7 @@ class SessionStore:
                  "crc": s.saved_crc if s.saved_crc is not None else zlib.crc32(s.fed[:s.saved_tokens].tobytes()),
                  "heap_crc": s.heap_crc, **points_entry(s.saved_points),
                  "created": s.created, "last_used": s.last_used, "turns": s.saved_turns,   # (its saved turn's)
+                 **({"unfed": list(s.saved_unfed)} if s.saved_unfed else {}),   # its reply's last tokens, never read
                  "origin": s.origin, "title": s.title, "owner": s.owner}   # owner: the API key's digest
                 for s in self.sessions() if not (s.ephemeral or s.scratch)]
 
