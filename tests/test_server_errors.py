@@ -106,6 +106,20 @@ def test_400_for_bad_or_unsupported_fields(http, fields, param):
     assert err["type"] == "invalid_request_error"
 
 
+@pytest.mark.parametrize("choice,said", [
+    ({"type": "function"}, "a function tool carries its `function` object"),
+    ({"type": "function", "function": {}}, "function.name: Field required"),
+    ({"type": "allowed_tools", "allowed_tools": {"mode": "auto", "tools": []}}, "allowed_tools.tools"),
+    ({"type": "web_search"}, "type is 'function', 'custom' or 'allowed_tools'"),
+])
+def test_a_malformed_tool_choice_object_says_what_is_wrong_with_it(http, choice, said):
+    """(each was "Input should be 'none', 'auto' or 'required'": the union's first branch's error)"""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "tool_choice": choice,
+            "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]}
+    err = assert_error(http.post("/v1/chat/completions", json=body), 400, param="tool_choice")
+    assert said in err["message"] and "'none', 'auto' or 'required'" not in err["message"], err
+
+
 @pytest.mark.parametrize("part,what", [
     ({"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}, "an image"),
     ({"type": "input_audio", "input_audio": {"data": "UklGRg==", "format": "wav"}}, "audio"),

@@ -8,7 +8,8 @@ import json
 import types
 from typing import Annotated, Any, Literal, Optional, Union, get_args, get_origin
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, ValidationError, field_validator,
+                      model_validator)
 
 from ..generation import (DRY_BASE_MAX, DRY_MULTIPLIER_MAX, DYNATEMP_MAX, LOGIT_BIAS_RANGE, MIN_P_RANGE,
                           MIROSTAT_TAU_MAX, PENALTY_RANGE, REPEAT_PENALTY_MAX, SEED_MIN, SEED_SPACE, TOP_LOGPROBS_MAX,
@@ -411,6 +412,23 @@ class ChatCompletionRequest(SamplingFields):
     tools: Optional[list[Tool]] = None
     tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, AllowedTools, None] = None
     parallel_tool_calls: Optional[bool] = None
+
+    @field_validator("tool_choice", mode="before")
+    @classmethod
+    def _tool_choice(cls, v):
+        """An object is read by its `type`, so that its error says what is wrong with it (the union's
+        first branch's "should be 'none', 'auto' or 'required'" did, for a choice missing its function)."""
+        if not isinstance(v, dict):
+            return v
+        model = {"function": NamedToolChoice, "custom": NamedToolChoice, "allowed_tools": AllowedTools}.get(v.get("type"))
+        if model is None:
+            raise ValueError(f"a tool_choice object's type is 'function', 'custom' or 'allowed_tools', not {v.get('type')!r}")
+        try:
+            return model.model_validate(v)
+        except ValidationError as e:
+            first = e.errors()[0]
+            where = ".".join(str(p) for p in first["loc"])
+            raise ValueError(f"{where + ': ' if where else ''}{first['msg'].removeprefix('Value error, ')}") from None
     functions: Optional[list[Any]] = None
     function_call: Optional[Any] = None
     chat_template_kwargs: Optional[dict[str, Any]] = None   # extension (vLLM's): e.g. {"enable_thinking": false}
