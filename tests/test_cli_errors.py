@@ -50,6 +50,8 @@ def parse_error(argv, capsys) -> str:
     (["generate", "--prompt", "hi", "--model", "demo", "--random-model", "llama:tiny"], "not allowed with"),
     (["bench", "speed", "--contexts", "4096,,"], "give one or more numbers"),   # a typo, not a list of one
     (["chat", "--max-tokens", "0"], "--max-tokens: 0 is less than 1"),   # (every reply was empty)
+    (["bench", "memory", "--tokens", "64k,1m"], "takes one number, not a list"),   # (the rest were dropped)
+    (["bench", "serve", "--doc-tokens", "1k,2k"], "takes one number, not a list"),
     (["generate", "--prompt", "hi", "--max-tokens", "-1"], "--max-tokens: -1 is less than 0"),   # (not a field's name)
     (["generate", "--prompt", "hi", "--prefill-chunk", "-1"], "--prefill-chunk: -1 is less than 0"),
     (["bench", "batch-step", "--rows", "1,,2"], "give one or more numbers"),

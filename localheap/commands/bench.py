@@ -50,6 +50,16 @@ def _ints0(text: str) -> list[int]:
     return _ints(text, least=0)
 
 
+def _one_int(least: int = 1):
+    """A single count (8k, 1m accepted) as a list of one: for flags whose value the command reads
+    once (a list's later values were dropped without a word)."""
+    def parse(text: str) -> list[int]:
+        if "," in text:
+            raise argparse.ArgumentTypeError(f"{text!r}: this flag takes one number, not a list")
+        return [_count(text, least)]
+    return parse
+
+
 def _some_ints(text: str) -> list[int]:
     """As _ints, where an empty list ("") means: none."""
     return _ints(text) if text.strip() else []
@@ -119,10 +129,10 @@ def add_parser(sub) -> None:
     mem = bsub.add_parser("memory", help="stream many tokens through one session; KV, allocator, RSS")
     add_model_args(mem)
     add_heap_args(mem)
-    mem.add_argument("--tokens", type=_ints, default=[1_000_000], help="tokens streamed through the session")
+    mem.add_argument("--tokens", type=_one_int(), default=[1_000_000], help="tokens streamed through the session")
     mem.add_argument("--checkpoints", type=_ints, default=[4096, 8192, 65536, 262144, 1_000_000],
                      help="token counts at which memory is measured")
-    mem.add_argument("--stock-tokens", type=_ints, default=[65536],
+    mem.add_argument("--stock-tokens", type=_one_int(), default=[65536],
                      help="stream the stock full cache this far (it grows without bound)")
     add_threads_arg(mem)
     mem.add_argument("--ram-budget", default=None, metavar="SIZE",
@@ -242,14 +252,14 @@ def add_parser(sub) -> None:
     serve = bsub.add_parser("serve", help="N concurrent clients against servers: batched engine vs round-robin")
     add_model_args(serve)
     serve.add_argument("--clients", type=_ints, default=[1, 2, 4, 8, 16], help="concurrent clients per round")
-    serve.add_argument("--context", type=_ints, default=[4096],
+    serve.add_argument("--context", type=_one_int(), default=[4096],
                        help="tokens of document each client's session holds before it asks (one value)")
     serve.add_argument("--stagger", type=_natural, default=256,
                        help="session i of N holds context + i x STAGGER / N tokens, so their decode eviction events "
                             "(every --slack tokens) fall on different steps as real sessions' do; 0: all aligned "
                             "(default: 256, serve's default slack)")
     serve.add_argument("--decode-tokens", type=_positive, default=64, help="tokens each client asks for")
-    serve.add_argument("--doc-tokens", type=_ints0, default=[65536],
+    serve.add_argument("--doc-tokens", type=_one_int(0), default=[65536],
                        help="the document read beside a decoding chat (0: skip that table)")
     serve.add_argument("--engines", default="batched,round-robin",
                        help="engines compared, interleaved per round: batched (serve's default), mixed (batched, --prefill-lane off), passive (batched, OMP_WAIT_POLICY=PASSIVE), round-robin (default: batched,round-robin)")
