@@ -54,6 +54,7 @@ def parse_error(argv, capsys) -> str:
     (["bench", "serve", "--doc-tokens", "1k,2k"], "takes one number, not a list"),
     (["generate", "--prompt", "hi", "--max-tokens", "-1"], "--max-tokens: -1 is less than 0"),   # (not a field's name)
     (["generate", "--prompt", "hi", "--prefill-chunk", "-1"], "--prefill-chunk: -1 is less than 0"),
+    (["generate", "--prompt", "hi", "--max-tokens", "\u0663"], "is not a whole number"),   # (int() reads it as 3)
     (["bench", "batch-step", "--rows", "1,,2"], "give one or more numbers"),
     (["bench", "needle", "--prune", ","], "pruning levels are fractions"),   # (it was no pruning level at all)
     (["bench", "needle", "--prune", "x"], "pruning levels are fractions"),

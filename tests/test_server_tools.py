@@ -345,6 +345,34 @@ def test_a_named_session_sent_new_messages_only_holds_what_the_whole_history_ren
     assert fed[:len(whole)] == list(whole), svc.tokenizer.decode(fed)
 
 
+@pytest.mark.parametrize("case", ["one_token", "empty", "fork"])
+def test_a_named_sessions_next_turn_closes_a_reply_of_one_token_or_none_and_a_forks_too(client, server, force, case):
+    """The edges of the test above (the review's): a reply max_tokens cut at its first token (none of
+    it read), a reply that is its end alone, and a fork taken right after a reply: the next turn, sent
+    alone, still follows that reply's text and end of turn."""
+    import httpx
+
+    from localheap.server.prompts import chat_prompt
+    from localheap.server.schemas import ChatMessage
+
+    svc = server.services
+    force("First reply.")
+    sid = ask(client, [{"role": "user", "content": "one"}], tools=None).localheap["session_id"]
+    history = [("user", "one"), ("assistant", "First reply.")]
+    if case == "fork":
+        sid = httpx.post(server.url + f"/v1/sessions/{sid}/fork", timeout=60).json()["id"]
+    else:
+        force("" if case == "empty" else "Second reply, long.")
+        r = ask(client, [{"role": "user", "content": "two"}], tools=None, extra_headers={"X-Session-Id": sid},
+                **({"max_tokens": 1} if case == "one_token" else {}))
+        history += [("user", "two"), ("assistant", r.choices[0].message.content or "")]
+    force("Third.")
+    ask(client, [{"role": "user", "content": "three"}], tools=None, extra_headers={"X-Session-Id": sid})
+    whole = list(chat_prompt(svc.tokenizer, [ChatMessage(role=r, content=c) for r, c in history + [("user", "three")]]).tokens)
+    fed = list(svc.store.get(sid).fed)
+    assert fed[:len(whole)] == whole, svc.tokenizer.decode(fed)
+
+
 def test_allowed_tools_keep_every_tool_in_the_prompt_and_hold_calls_to_the_allowed(client, lead):
     """tool_choice allowed_tools: the prompt is the same as with all tools (the session's prefix does not
     change), and the grammar lets the model call only the allowed ones: mode required forces a call of

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -64,10 +65,9 @@ def _ranged(lo: float, hi: float, kind=float):
 def at_least(lo: int):
     """An argparse type: a whole number >= `lo` (the flag's own name in its error, not a field's)."""
     def parse(text: str) -> int:
-        try:
-            n = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+        if not re.fullmatch(r"\s*[-+]?[0-9]+\s*", text):   # (int() also reads "1_000" and other scripts' digits)
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number")
+        n = int(text)
         if n < lo:
             raise argparse.ArgumentTypeError(f"{n} is less than {lo}")
         return n

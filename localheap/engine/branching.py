@@ -206,5 +206,7 @@ def fork(store: SessionStore, session_id: str, tokens: Optional[int], admit_heap
     except Exception:
         store.delete(s.id)
         raise
+    if c.n == len(source.fed) and c.tokens == source.fed:   # its current state: it ends as the source
+        s.ends_in_reply, s.unfed_reply = source.ends_in_reply, source.unfed_reply   # does (a reply's end never read)
     store.touch(s)
     return s

@@ -607,6 +607,10 @@ class Engine:
         s.turns += 1
         fed_document = isinstance(run.request, Feed) and run.finish_reason == "fed"
         branching.settle(self.backend, s, None if fed_document else run.prompt_tokens)
+        if isinstance(run.request, Feed):
+            s.ends_in_reply = False
+        elif run.completion or len(s.fed) > run.cached:   # a reply (or its turn opened): its end never read
+            s.ends_in_reply = True
         if fed_document and not s.ephemeral:
             branching.checkpoint_quietly(self.store, s)
         self.store.touch(s)

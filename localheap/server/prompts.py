@@ -139,20 +139,23 @@ def _has_template(tokenizer: Any) -> bool:
     return getattr(inner, "chat_template", None) is not None
 
 
-def render_continuation(tokenizer: Any, messages: list[dict], add_generation_prompt: bool, after_reply: bool = False,
-                        **template_args) -> Optional[str]:
-    """What the template adds for `messages` after an earlier exchange, or None. `after_reply`: after
+def render_continuation(tokenizer: Any, messages: list[dict], add_generation_prompt: bool,
+                        **template_args) -> tuple[Optional[str], Optional[str]]:
+    """What the template adds for `messages` after an earlier exchange, or None; and the same after
     that exchange's reply's text, its end of turn first (what follows a reply a session holds as it
-    was generated: the model sampled its end-of-turn token and never read it)."""
+    was generated: the model sampled its end-of-turn token and never read it), or None. One render of
+    the whole: the second is what follows the placeholder reply's text in it (Qwen3's and Phi-4-mini's
+    templates render the placeholder alone otherwise than before new turns)."""
     try:
         closed = {k: v for k, v in template_args.items() if k != "continue_final_message"}   # (a prefill's)
-        base = tokenizer.apply_chat_template(_PLACEHOLDER, tokenize=False, continue_final_message=after_reply,
-                                             **closed)
+        base = tokenizer.apply_chat_template(_PLACEHOLDER, tokenize=False, **closed)
         full = tokenizer.apply_chat_template(_PLACEHOLDER + messages, tokenize=False,
                                              add_generation_prompt=add_generation_prompt, **template_args)
     except Exception:
-        return None
-    return full[len(base):] if full.startswith(base) else None
+        return None, None
+    reply = full.find(_PLACEHOLDER[1]["content"])
+    return (full[len(base):] if full.startswith(base) else None,
+            full[reply + len(_PLACEHOLDER[1]["content"]):] if reply >= 0 else None)
 
 
 async def tokenize(fn: Callable[..., Prompt], *args, **kwargs) -> Prompt:
@@ -196,13 +199,12 @@ def chat_prompt(tokenizer: Any, messages: list[ChatMessage], add_generation_prom
         args, add_generation_prompt = {**args, "continue_final_message": True}, False
     text = render(tokenizer, msgs, add_generation_prompt, **args)
     tokens = encode_bounded(tokenizer, text, limit)
-    cont = render_continuation(tokenizer, msgs, add_generation_prompt, **args)
-    after = render_continuation(tokenizer, msgs, add_generation_prompt, after_reply=True, **args)
+    cont, after = render_continuation(tokenizer, msgs, add_generation_prompt, **args)
     cont_ids = _tail_ids(tokenizer, text, tokens, cont) if cont is not None else None
     if after is not None and cont_ids is not None and after.endswith(cont):   # the end of turn, then the same ids
         after_ids = token_array(encode_plain(tokenizer, after[:len(after) - len(cont)])) + token_array(cont_ids)
-    else:
-        after_ids = encode_plain(tokenizer, after) if after is not None else None
+    else:   # (read in pieces, bounded, as the prompt is: a long message is long here too)
+        after_ids = token_array(encode_bounded(tokenizer, after, limit)) if after is not None else None
     return Prompt(tokens, text, cont_ids, after_ids)
 
 

@@ -26,7 +26,7 @@ from typing import Callable, Iterable, Iterator, Optional, Sequence
 
 import numpy as np
 
-from .session import Session
+from .session import Session, token_array
 
 Encode = Callable[[str], list[int]]   # text -> ids, no special tokens added
 Decode = Callable[[list[int]], str]
@@ -254,8 +254,8 @@ def continue_session(s: Session, prompt: Prompt, encode: Encode, decode: Decode)
     if rest is not None and (new := encode(rest)):
         return Match(s, new, len(s.fed))
     cont = prompt.continuation
-    if prompt.after_reply is not None and s.reply_start is not None and s.reply_start < len(s.fed):
+    if prompt.after_reply is not None and s.ends_in_reply:
         # it ends in a reply: that turn closed first (the web UI's, chat's next turn), after the reply's last
         # tokens where max_tokens cut it once they were sampled (the client has them, the cache not)
-        cont = [*s.unfed_reply, *prompt.after_reply]
+        cont = token_array(s.unfed_reply) + token_array(prompt.after_reply)
     return Match(s, (cont if cont is not None else prompt.tokens)[:], len(s.fed))

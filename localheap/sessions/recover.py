@@ -128,6 +128,7 @@ def _session(d: SessionDir, sid: str, cfg: HeapConfig, entry: dict, gen: Optiona
         if isinstance(unfed, list) and len(unfed) <= 16 and all(isinstance(t, int) and not isinstance(t, bool)
                                                                  and t >= 0 for t in unfed):
             s.unfed_reply = s.saved_unfed = tuple(unfed)
+        s.ends_in_reply = s.saved_ends_in_reply = entry.get("ends_in_reply") is True
         s.saved_crc = zlib.crc32(tokens.tobytes())
         floor, start = entry.get("rollback_floor"), entry.get("reply_start")
         ok = lambda v: isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= len(tokens)   # noqa: E731

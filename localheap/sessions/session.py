@@ -56,8 +56,10 @@ class Session:
     last_used: float = field(default_factory=time.time)
     turns: int = 0
     unfed_reply: tuple = ()                            # a reply's last tokens, sent, never read (max_tokens)
+    ends_in_reply: bool = False                        # its last run a reply (its end of turn never read)
     saved_turns: int = 0                               # turns when it was saved (the index's: a kill keeps those)
     saved_unfed: tuple = ()                            # unfed_reply when it was saved (the index's)
+    saved_ends_in_reply: bool = False                  # ends_in_reply when it was saved (the index's)
     stats: Optional[HeapStats] = None
     snapshot: dict = field(default_factory=dict)
     origin: str = "api"
@@ -97,7 +99,7 @@ class Session:
     def truncate(self, tokens: int) -> None:
         """Forget the history after the first `tokens` (the cache was rolled back with it)."""
         del self.fed[tokens:]
-        self.unfed_reply = ()
+        self.unfed_reply, self.ends_in_reply = (), False
         self._text_tokens = -1
 
     def cut(self, spans: Sequence[tuple[int, int]]) -> None:
@@ -107,7 +109,7 @@ class Session:
             kept.extend(self.fed[a:b])
         self.fed[:] = kept   # in place, as truncate
         self._text_tokens = -1
-        self.unfed_reply = ()
+        self.unfed_reply, self.ends_in_reply = (), False
         self.dirty = True   # as long as the saved copy, perhaps, but not the same tokens
 
     def text(self, decode: Callable[[list[int]], str]) -> str:

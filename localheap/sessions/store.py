@@ -265,19 +265,19 @@ class SessionStore:
         previous generation's files removed."""
         gen, crc = written
         old = (s.spill_path, s.saved_gen, s.saved_tokens, s.dirty, s.heap_crc, s.saved_crc, s.saved_points,
-               s.saved_turns, s.saved_unfed)
+               s.saved_turns, s.saved_unfed, s.saved_ends_in_reply)
         try:
             self.dir.write_tokens(s.id, gen, s.fed)
             faults.step("save.tokens")
             s.spill_path, s.saved_gen, s.saved_tokens, s.dirty = self.dir.heap_path(s.id, gen), gen, len(s.fed), False
             s.heap_crc, s.saved_crc = crc, zlib.crc32(s.fed.tobytes())
             s.saved_points = (s.rollback_floor, s.reply_start, s.cuttable)   # the heap's (the session is idle)
-            s.saved_turns, s.saved_unfed = s.turns, s.unfed_reply
+            s.saved_turns, s.saved_unfed, s.saved_ends_in_reply = s.turns, s.unfed_reply, s.ends_in_reply
             self._commit()
             faults.step("save.index")
         except BaseException as e:
             (s.spill_path, s.saved_gen, s.saved_tokens, s.dirty, s.heap_crc, s.saved_crc, s.saved_points,
-             s.saved_turns, s.saved_unfed) = old
+             s.saved_turns, s.saved_unfed, s.saved_ends_in_reply) = old
             self._remove_gen(s.id, gen)
             if isinstance(e, OSError):
                 raise SpillFailed(self.spill_dir, e) from e
@@ -367,6 +367,7 @@ class SessionStore:
             s.rollback_mark = None
             del s.fed[keep:]
             s.unfed_reply = s.saved_unfed if keep else ()   # (the copy it fell back to: its reply's)
+            s.ends_in_reply = s.saved_ends_in_reply if keep else False
             s.refresh()
             return True
         return False
@@ -463,6 +464,7 @@ class SessionStore:
                  "heap_crc": s.heap_crc, **points_entry(s.saved_points),
                  "created": s.created, "last_used": s.last_used, "turns": s.saved_turns,   # (its saved turn's)
                  **({"unfed": list(s.saved_unfed)} if s.saved_unfed else {}),   # its reply's last tokens, never read
+                 **({"ends_in_reply": True} if s.saved_ends_in_reply else {}),
                  "origin": s.origin, "title": s.title, "owner": s.owner}   # owner: the API key's digest
                 for s in self.sessions() if not (s.ephemeral or s.scratch)]
 
