@@ -146,10 +146,15 @@ def _refused_write(e: BaseException, written: Path) -> bool:
     on any error, a read error too: decided by the error, not by the second path)."""
     if not isinstance(e, OSError):
         return False
-    if isinstance(e, SpillFailed) or e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS):
+    if _disk_refused(e):
         return True
     return e.errno in (errno.EACCES, errno.EPERM, errno.ENOENT, errno.ENOTDIR) and e.filename is not None \
         and Path(os.fsdecode(e.filename)).is_relative_to(written)
+
+
+def _disk_refused(e: BaseException) -> bool:
+    """Whether `e` is the disk refusing a write: full, over quota, read-only (or the store saying so)."""
+    return isinstance(e, SpillFailed) or isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS)
 
 
 def checkpoint(store: SessionStore, session_id: str) -> Checkpoint:
@@ -178,8 +183,7 @@ def checkpoint_quietly(store: SessionStore, s: Session) -> None:
         store.checkpoints.save(s)
         s.refresh()
     except Exception as e:
-        if isinstance(e, OSError) and (isinstance(e, SpillFailed) or e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS)):
-            # a full or read-only disk: expected there (the turn's own save says saved: false), no traceback
+        if _disk_refused(e):   # expected there (the turn's own save says saved: false): no traceback
             log.warning("session %s: the document's checkpoint left out: %s", s.id, e)
         else:
             log.exception("checkpointing session %s failed", s.id)

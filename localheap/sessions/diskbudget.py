@@ -88,16 +88,16 @@ def _size(path: str) -> int:
 
 
 def _unshared_bytes(paths) -> int:
-    """Bytes that removing these files gives back (a file other links share frees nothing)."""
-    total = 0
+    """Bytes that removing these (distinct) files gives back: each file once, where every link to it
+    is among them (a file that links elsewhere share frees nothing)."""
+    found: dict[tuple[int, int], list] = {}   # (device, inode) -> [links among the paths, st_nlink, size]
     for p in paths:
         try:
             st = p.stat()
         except OSError:
             continue
-        if st.st_nlink == 1:
-            total += st.st_size
-    return total
+        found.setdefault((st.st_dev, st.st_ino), [0, st.st_nlink, st.st_size])[0] += 1
+    return sum(size for seen, links, size in found.values() if seen >= links)
 
 
 class DiskTotal:
@@ -262,19 +262,9 @@ class DiskTotal:
         """What the session's own checkpoints and page files can give back: their files that no
         other folder links (a fork's pages, another's checkpoint: pinned), each once; not its page
         store's state files, which a compaction keeps."""
-        found: dict[tuple[int, int], list] = {}   # (device, inode) -> [links seen here, st_nlink, size]
-        pages = self.store.pages_dir(s)
-        for root in (pages, self.store.checkpoints.root / s.id):
-            for p in root.rglob("*") if root.is_dir() else ():
-                try:
-                    st = p.lstat()
-                except OSError:
-                    continue
-                if not p.is_file() or (root == pages and not p.name.endswith(".pages")):
-                    continue
-                entry = found.setdefault((st.st_dev, st.st_ino), [0, st.st_nlink, st.st_size])
-                entry[0] += 1
-        return sum(size for seen, links, size in found.values() if seen >= links)
+        pages, checkpoints = self.store.pages_dir(s), self.store.checkpoints.root / s.id
+        files = [*pages.glob("layer*.pages"), *(p for p in checkpoints.rglob("*") if p.is_file())]
+        return _unshared_bytes(files)
 
     def _share(self, running: list[Session], room: int) -> None:
         """Each running page store may grow its files by an equal part of `room`: its disk budget
