@@ -351,3 +351,23 @@ def test_a_sessions_directory_made_anew_is_written_only_once_the_servers_lock_is
     lock(8003).close()   # (the refused one let go of the lock it took)
     for f in [mine, *d.locks]:
         f.close()
+
+
+def test_a_rollback_to_the_saved_copy_takes_back_its_rollback_points(tmp_path):
+    """A failed step falls back to the saved copy: where that copy rolls back to and where its reply
+    began come back with it, not the failed run's (past the copy's end: the next request's prefix
+    match read them)."""
+    store = durable(tmp_path)
+    a = store.create()
+    feed(store, a, [1, 2, 3, 4])
+    a.rollback_floor, a.reply_start, a.cuttable = 1, 2, True
+    store.save(a)
+    feed(store, a, [5, 6, 7])   # a run that failed
+    a.rollback_floor, a.reply_start, a.cuttable = 6, 6, False
+    assert store.rollback(a, fed_before=4) and a.fed.tolist() == [1, 2, 3, 4]
+    assert (a.rollback_floor, a.reply_start, a.cuttable) == (1, 2, True)
+    b = store.create()
+    feed(store, b, [8, 9])   # no saved copy: back to empty, nothing to roll back to
+    b.rollback_floor, b.reply_start, b.cuttable = 1, 1, True
+    assert store.rollback(b, fed_before=0) and len(b.fed) == 0
+    assert (b.rollback_floor, b.reply_start, b.cuttable) == (None, None, False)

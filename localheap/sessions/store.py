@@ -368,6 +368,9 @@ class SessionStore:
             del s.fed[keep:]
             s.unfed_reply = s.saved_unfed if keep else ()   # (the copy it fell back to: its reply's)
             s.ends_in_reply = s.saved_ends_in_reply if keep else False
+            # where the copy it fell back to rolls back to and its reply began (the failed run's are past its end)
+            s.rollback_floor, s.reply_start, s.cuttable = (s.saved_points if keep and s.saved_points
+                                                           else (None, None, False))
             s.refresh()
             return True
         return False
