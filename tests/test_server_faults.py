@@ -262,6 +262,8 @@ def test_a_route_that_takes_no_body_refuses_one_that_says_something(backend, tmp
             assert r.status_code == 201, r.text
         assert http.post(f"/v1/sessions/{sid}/spill", content="not json").status_code == 400
         assert http.post(f"/v1/sessions/{sid}/spill", json={}).status_code == 200
+        assert http.post(f"/v1/sessions/{sid}/stop", json={"now": True}).status_code == 400
+        assert http.post(f"/v1/sessions/{sid}/stop", json={}).json()["stopped"] == 0   # (nothing runs on it)
         r = http.request("DELETE", "/v1/responses/resp_x", json={"force": True})
         assert r.status_code == 400 and "takes no body" in r.json()["error"]["message"], r.text
         assert http.delete("/v1/responses/resp_x").status_code == 404   # without one: read as it was

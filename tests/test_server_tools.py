@@ -345,6 +345,42 @@ def test_a_named_session_sent_new_messages_only_holds_what_the_whole_history_ren
     assert fed[:len(whole)] == list(whole), svc.tokenizer.decode(fed)
 
 
+def test_a_reply_stopped_through_its_session_streams_every_token_the_session_keeps(client, server, force):
+    """POST /v1/sessions/{id}/stop (the web UI's Stop): the reply ends at its next token, its stream is
+    read to its end ("interrupted": "stopped"), and the next turn sent alone follows exactly the text the
+    client got (a client that just leaves misses the tokens decoded before the server notices)."""
+    import httpx
+
+    from localheap.server.prompts import chat_prompt
+    from localheap.server.schemas import ChatMessage
+
+    svc = server.services
+    force("First reply.")
+    sid = ask(client, [{"role": "user", "content": "one"}], tools=None).localheap["session_id"]
+    force("word " * 3000)
+    stream = ask(client, [{"role": "user", "content": "two"}], tools=None, max_tokens=5000, stream=True,
+                 extra_headers={"X-Session-Id": sid})
+    parts, last = [], None
+    for i, chunk in enumerate(stream):
+        if chunk.choices and chunk.choices[0].delta.content:
+            parts.append(chunk.choices[0].delta.content)
+        if i == 3:
+            stopped = httpx.post(f"{server.url}/v1/sessions/{sid}/stop", timeout=60).json()
+            assert stopped["stopped"] == 1 and stopped["id"] == sid
+        last = chunk
+    assert last.localheap["interrupted"] == "stopped" and last.choices[0].finish_reason == "stop"
+    reply = "".join(parts)
+    assert 0 < len(reply) < len("word " * 1000)
+    assert httpx.post(f"{server.url}/v1/sessions/{sid}/stop", timeout=60).json()["stopped"] == 0   # none runs
+    force("Third.")
+    ask(client, [{"role": "user", "content": "three"}], tools=None, extra_headers={"X-Session-Id": sid})
+    history = [("user", "one"), ("assistant", "First reply."), ("user", "two"), ("assistant", reply), ("user", "three")]
+    whole = list(chat_prompt(svc.tokenizer, [ChatMessage(role=r, content=c) for r, c in history]).tokens)
+    fed = list(svc.store.get(sid).fed)
+    assert fed[:len(whole)] == whole, svc.tokenizer.decode(fed)
+    assert httpx.post(f"{server.url}/v1/sessions/nope/stop", timeout=60).status_code == 404
+
+
 @pytest.mark.parametrize("case", ["one_token", "empty", "fork"])
 def test_a_named_sessions_next_turn_closes_a_reply_of_one_token_or_none_and_a_forks_too(client, server, force, case):
     """The edges of the test above (the review's): a reply max_tokens cut at its first token (none of

@@ -220,6 +220,14 @@ def test_stop_aborts_the_reply_and_the_server_cancels_it(open_page, server):
     page.wait_for_selector(".msg-assistant.stopped")
     assert "stopped" in page.inner_text(".msg-assistant .msg-foot")
     assert page.is_visible("#send") and not page.is_visible("#stop")
+    # stopped through its session and read to its end: the reply kept is every token the session has of it
+    sid = current_session(page)
+    kept = page.evaluate(f"JSON.parse(localStorage.getItem('localheap.conversations.v1'))[{json.dumps(sid)}]"
+                         ".messages.at(-1)")
+    assert kept["status"] == "stopped" and kept["interrupted"] == "stopped" and kept["content"]
+    svc = server.services
+    s = svc.store.get(sid)
+    assert svc.tokenizer.decode(list(s.fed) + list(s.unfed_reply)).endswith(kept["content"])
     deadline = time.monotonic() + 10
     while httpx.get(f"{server.url}/health").json()["in_flight"] and time.monotonic() < deadline:
         time.sleep(0.1)

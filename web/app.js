@@ -49,7 +49,7 @@ async function ensureSession() {
 
 async function remove(id) {
   try {
-    chat.stop(id);
+    chat.stop(id, { leave: true });
     await request("DELETE", `/v1/sessions/${encodeURIComponent(id)}`);
   } catch (e) {
     if (!(e instanceof ApiError && e.status === 404)) return notify(e);

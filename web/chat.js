@@ -2,9 +2,11 @@
 // X-Session-Id, so only the new message is sent) and documents read into the session
 // (POST /v1/sessions/{id}/documents, SSE progress). At most one of each per conversation.
 
-import { ApiError, events, request } from "./api.js";
+import { ApiError, events, postJSON, request } from "./api.js";
 import { el, int, rate } from "./format.js";
 import { renderMarkdown } from "./markdown.js";
+
+const STOP_WAIT_MS = 10000;   // a reply its session's stop has not ended by then: its request is left
 
 export class Chat {
   constructor({ box, convs, heapView, ensureSession, settings, onBusy, onUnauthorized }) {
@@ -25,8 +27,21 @@ export class Chat {
     return id ? this.inflight.get(id)?.kind ?? null : null;
   }
 
-  stop(id) {
-    this.inflight.get(id)?.controller.abort();
+  /** Stop a conversation's work. A reply is stopped through its session: the server ends it at its
+   *  next token and its stream is read to the end, so the reply shown is what the session keeps (a
+   *  request just left would miss the tokens decoded before the server noticed). A document, a reply
+   *  still queued (nothing runs on the session yet), a stop that fails or takes too long, or `leave`
+   *  (the conversation is being deleted): the request is left. */
+  stop(id, { leave = false } = {}) {
+    const work = this.inflight.get(id);
+    if (!work) return;
+    const abort = () => work.controller.abort();
+    if (leave || work.kind !== "chat" || work.stopping) return abort();
+    work.stopping = true;
+    work.timer = setTimeout(abort, STOP_WAIT_MS);
+    postJSON(`/v1/sessions/${encodeURIComponent(id)}/stop`, {})
+      .then((r) => { if (!r.stopped) abort(); })
+      .catch(abort);
   }
 
   /** Show a conversation's messages (id null: a new, empty one). */
@@ -103,12 +118,13 @@ export class Chat {
   // Run one request for a conversation: track it, mark the message stopped or failed when it ends early.
   async run(id, kind, message, work) {
     const controller = new AbortController();
-    this.inflight.set(id, { controller, kind });
+    const entry = { controller, kind };
+    this.inflight.set(id, entry);
     this.convs.busy.add(id);
     this.onBusy();
     try {
       await work(controller.signal);
-      message.status = "done";
+      message.status = message.interrupted === "stopped" ? "stopped" : "done";   // (stop: the server's word)
     } catch (e) {
       if (e.name === "AbortError") {
         message.status = "stopped";
@@ -118,6 +134,7 @@ export class Chat {
         if (e instanceof ApiError && e.status === 401) this.onUnauthorized?.();
       }
     } finally {
+      clearTimeout(entry.timer);
       this.inflight.delete(id);
       this.convs.busy.delete(id);
       this.convs.touch(id);
@@ -195,7 +212,7 @@ function replyNode(m) {
   const speed = m.rate ?? (m.seconds && m.tokens > 1 ? (m.tokens - 1) / m.seconds : null);
   if (speed) foot.push(`this reply: ${rate(speed)} tok/s`);
   if (m.status === "stopped") foot.push("stopped");
-  else if (m.interrupted) foot.push("stopped by the server shutting down");
+  else if (m.interrupted === "shutdown") foot.push("stopped by the server shutting down");
   else if (m.finish === "length") foot.push("hit the max-tokens limit");
   // a reasoning model's thinking (reasoning_content): shown folded, open while it is all there is
   const reasoning = m.reasoning ? el("details", { class: "msg-reasoning", open: m.status === "streaming" && !m.content ? "" : null },

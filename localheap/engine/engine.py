@@ -779,6 +779,16 @@ class Engine:
         self._settle_saves(block=True)   # (tokens None: the source is checkpointed now)
         return branching.fork(self.store, session_id, tokens, self.admission.admit_heap)
 
+    def stop_session(self, session_id: str) -> int:
+        """End the replies running on the session at their next step ("interrupted": "stopped"); their
+        clients read them to their end, the session keeps them. Requests still queued are left as they
+        are (their clients stop them by leaving). Returns how many were stopped."""
+        s = self.store.get(session_id)
+        runs = [r for r in self._active if r.session is s and not r.job.cancelled]
+        for run in runs:
+            run.job.cancel("stopped")
+        return len(runs)
+
     def delete_session(self, session_id: str) -> None:
         """Cancel whatever runs on the session, then forget it."""
         s = self.store.get(session_id)

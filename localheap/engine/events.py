@@ -52,8 +52,10 @@ class Usage:
 
 
 # Finished.interrupted: "shutdown" (SIGTERM: the session keeps what the run read and wrote, saved);
-# "deleted" (DELETE of its session: the reply ends, nothing is kept)
-INTERRUPTIONS = ("shutdown", "deleted")
+# "deleted" (DELETE of its session: the reply ends, nothing is kept); "stopped" (POST
+# /v1/sessions/{id}/stop: the reply ends at its next step, its client still reading, the session keeps it)
+INTERRUPTIONS = ("shutdown", "deleted", "stopped")
+LISTENING = ("shutdown", "stopped")   # cancels whose client still reads the reply to its end
 
 
 @dataclass
@@ -131,7 +133,8 @@ class Job:
     ended: bool = False   # the engine ended it (Engine._end, once)
 
     def cancel(self, reason: str = "client") -> None:
-        """reason: "client" (gone, or a stop sequence) or "shutdown" (the server is stopping)."""
+        """reason: "client" (gone, or a stop sequence), "shutdown" (the server is stopping), "deleted"
+        (its session is) or "stopped" (a stop asked for its session: Engine.stop_session)."""
         if self.cancel_reason is None:
             self.cancel_reason = reason
         self._cancelled.set()

@@ -14,7 +14,7 @@ from typing import Any, Iterator, Optional
 
 from ..sessions import Session
 from .detok import TextStream
-from .events import INTERRUPTIONS, Delta, Feed, Finished, Generate, Job, Progress, Usage
+from .events import INTERRUPTIONS, LISTENING, Delta, Feed, Finished, Generate, Job, Progress, Usage
 
 STATS_INTERVAL_S = 0.1   # how often a busy session republishes its heap stats
 
@@ -213,6 +213,9 @@ class Run:
                 sync()         # let the step in flight land before the thread moves on
             self.gen = None
             self._reconcile()
+        if self.finish_reason is None and self.stream is not None and self.job.cancel_reason in LISTENING:
+            self._finish_text(None)   # its client still reads: the text held back (a character's first bytes)
+            self.finish_reason = None
         self._publish_stats(force=True)
 
     def _reconcile(self) -> None:
@@ -222,9 +225,9 @@ class Run:
         candidates = self.last + self.completion
         assert 0 <= fed_here <= len(candidates), (in_cache, len(self.session.fed), len(candidates))
         self.session.extend(candidates[:fed_here])
-        if self.finish_reason == "length" and fed_here >= len(self.last):
-            # the reply's last tokens, sent but never read (max_tokens cut it after sampling them): what
-            # a named session sent only new messages reads first (sessions/match.continue_session)
+        if self.finish_reason in ("length", None) and fed_here >= len(self.last):
+            # the reply's last tokens, sent but never read (max_tokens, or a stop, cut it after sampling
+            # them): what a named session sent only new messages reads first (sessions/match.continue_session)
             self.session.unfed_reply = tuple(candidates[fed_here:])
 
     def finished_event(self) -> Finished:

@@ -453,7 +453,7 @@ async def _background(svc: Services, who: Optional[str], run: Run, p: _Planned, 
                 events_ = built.read(parser, None, None, token_text)
                 decode_s = time.monotonic() - first_token_at if first_token_at is not None else None
                 ext = extension(event, decode_s)
-                if event.finish_reason == "cancelled" and run.cancel_asked:
+                if event.finish_reason == "cancelled" and (run.cancel_asked or event.interrupted == "stopped"):
                     whole, ending = built.stop("cancelled", done=event, extension=ext)
                 elif event.finish_reason == "cancelled" and event.interrupted == "deleted":
                     whole, ending = built.stop("failed", SESSION_DELETED, event, ext)

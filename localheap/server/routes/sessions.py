@@ -67,6 +67,17 @@ async def delete_session(session_id: str, who: Optional[str] = Depends(owner),
     return {"id": session_id, "object": "session.deleted", "deleted": True}
 
 
+@router.post("/{session_id}/stop")
+async def stop_session(session_id: str, who: Optional[str] = Depends(owner),
+                       svc: Services = Depends(services)) -> dict:
+    """End the reply running on the session at its next token, its stream still read to its end
+    ("interrupted": "stopped"), so the client has every token the session keeps (a client that just
+    leaves misses those decoded before the server notices). "stopped": 0 where none was running."""
+    svc.store.info(session_id, who)
+    stopped = await asyncio.wrap_future(svc.engine.call(lambda: svc.engine.stop_session(session_id)))
+    return {**svc.store.info(session_id, who), "stopped": stopped}
+
+
 @router.post("/{session_id}/spill")
 async def spill_session(session_id: str, who: Optional[str] = Depends(owner),
                         svc: Services = Depends(services)) -> dict:
