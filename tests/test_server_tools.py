@@ -381,6 +381,27 @@ def test_a_reply_stopped_through_its_session_streams_every_token_the_session_kee
     assert httpx.post(f"{server.url}/v1/sessions/nope/stop", timeout=60).status_code == 404
 
 
+def test_a_completion_max_tokens_cut_on_a_named_session_goes_on_after_its_last_token(client, server):
+    """Legacy completions on a named session, sent only the text that follows: the reply max_tokens cut
+    had its last token sampled and sent, never read; it is read before that text (it was dropped)."""
+    svc = server.services
+    prompt = svc.tokenizer.encode("Once upon", add_special_tokens=False)
+    for seed in range(8):   # (a random model's reply may end at once)
+        first = client.completions.create(model=model(client), prompt="Once upon", max_tokens=3, temperature=1.0,
+                                          seed=seed)
+        if first.choices[0].finish_reason == "length":
+            break
+    sid = first.localheap["session_id"]
+    fed_then = list(svc.store.get(sid).fed)
+    assert fed_then[-len(prompt) - 2:-2] == prompt   # the prompt, two tokens of the reply read, its third not
+    client.completions.create(model=model(client), prompt=" and then", max_tokens=2, extra_headers={"X-Session-Id": sid})
+    then = svc.tokenizer.encode(" and then", add_special_tokens=False)
+    fed = list(svc.store.get(sid).fed)
+    n = len(fed_then)
+    assert fed[:n] == fed_then and fed[n + 1:n + 1 + len(then)] == then, svc.tokenizer.decode(fed)
+    assert svc.tokenizer.decode(fed[n - 2:n + 1]) == first.choices[0].text   # the reply whole, then the new text
+
+
 @pytest.mark.parametrize("case", ["one_token", "empty", "fork"])
 def test_a_named_sessions_next_turn_closes_a_reply_of_one_token_or_none_and_a_forks_too(client, server, force, case):
     """The edges of the test above (the review's): a reply max_tokens cut at its first token (none of
