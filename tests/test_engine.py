@@ -166,9 +166,10 @@ def test_prefix_reuse_and_explicit_session():
         first = drain(run(eng, Generate, "hello", max_tokens=5)[1])[-1]
         second = drain(run(eng, Generate, "helloabcd and more", max_tokens=3)[1])
         assert second[0].session_id == first.session_id and second[0].cached_tokens == 9
-        # explicit id: new text is appended (continuation) when the prompt does not extend it
+        # explicit id: new text is appended (continuation) when the prompt does not extend it, after the
+        # last token of the reply max_tokens cut (sampled, sent, never read)
         third = drain(run(eng, Generate, "XY", session_id=first.session_id, max_tokens=2)[1])
-        assert third[0].cached_tokens == 20 and third[-1].usage.prompt_tokens == 22
+        assert third[0].cached_tokens == 20 and third[-1].usage.prompt_tokens == 20 + 1 + 2
         # an unrelated prompt gets a new session
         other = drain(run(eng, Generate, "zzz", max_tokens=2)[1])
         assert other[0].session_id != first.session_id

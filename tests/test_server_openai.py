@@ -194,3 +194,23 @@ def test_non_streamed_request_is_cancelled_when_the_client_leaves(server):
     while svc.engine.in_flight and time.monotonic() < deadline:
         time.sleep(0.05)
     assert svc.engine.in_flight == 0 and svc.engine.counters.cancelled == cancelled + 1
+
+
+def test_a_named_session_whose_reply_ended_alone_holds_one_end_of_turn(client, server, force):
+    """MLX: a reply decoding alone runs a step ahead, so its ending EOS was read before the run saw it
+    end; the next turn, sent alone on the session, does not write that end of turn again (the session
+    held `reply<|end|><|end|><|user|>`): it holds what the whole history renders, as beside another row."""
+    from localheap.server.prompts import chat_prompt
+    from localheap.server.schemas import ChatMessage
+
+    svc = server.services
+    sid = httpx.post(server.url + "/v1/sessions", json={}, timeout=60).json()["id"]
+    force("First reply.")
+    ask(client, "one", extra_headers={"X-Session-Id": sid})
+    force("Second.")
+    ask(client, "two", extra_headers={"X-Session-Id": sid})
+    whole = list(chat_prompt(svc.tokenizer, [ChatMessage(role="user", content="one"),
+                                             ChatMessage(role="assistant", content="First reply."),
+                                             ChatMessage(role="user", content="two")]).tokens)
+    fed = list(svc.store.get(sid).fed)
+    assert fed[:len(whole)] == whole, svc.tokenizer.decode(fed)

@@ -804,6 +804,16 @@ def test_a_background_response_whose_session_is_stopped_ends_cancelled(server, c
     stopped = _ended(client, rid)
     assert stopped.status == "cancelled" and stopped.output_text and stopped.localheap["session_id"] == sid
     assert 0 < stopped.usage.output_tokens < 1200
+    # in the foreground, its stream read to the end: incomplete, for that reason (not completed)
+    last, asked = None, False
+    with client.responses.create(model=model(server), input="Run a while", stream=True, max_output_tokens=3000,
+                                 extra_headers={"X-Session-Id": sid}) as stream:
+        for last in stream:
+            if last.type == "response.output_text.delta" and not asked:
+                asked = True
+                assert httpx.post(f"{server.url}/v1/sessions/{sid}/stop", timeout=60).json()["stopped"] == 1
+    assert last.type == "response.incomplete" and last.response.incomplete_details.reason == "stopped"
+    assert last.response.localheap["interrupted"] == "stopped" and last.response.output_text
 
 
 def test_a_background_response_is_cancelled_queued_or_running(server, client, force):
@@ -1435,3 +1445,31 @@ def test_input_items_lists_what_a_response_was_asked_with(server, client, force)
     assert [i.id for i in client.responses.input_items.list(two.id, order="asc")] == [i.id for i in every]
     with pytest.raises(openai.NotFoundError):
         client.responses.input_items.list("resp_nope")
+
+
+def test_a_background_response_the_server_stopped_inside_a_character_goes_on_without_a_replacement_char(
+        model_dirs, tmp_path_factory, tmp_path, torch_one_thread):
+    """The server stops (SIGTERM) between the tokens of one character: what was held back of it is not
+    sent as U+FFFD (the restart's next token finishes the character, sent whole: both were sent once)."""
+    text = "\U0001F642" * 600   # each four byte-level tokens in the tiny qwen tokenizer
+    model_dir = qwen_model(model_dirs, tmp_path_factory)
+    settings = dict(sessions_dir=tmp_path, persist_sessions=True)
+    with _forced_server(model_dir, text, **settings) as srv:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
+        engine = srv.services.engine
+        back = client.responses.create(model=model(srv), input="Go on", max_output_tokens=3000, background=True)
+
+        def inside_a_character():   # on the engine thread, between two steps
+            for r in engine._active:
+                if len(r.completion) > 40 and len(r.completion) % 4 == 2:
+                    engine.interrupt("shutdown")
+                    return True
+            return False
+
+        deadline = time.monotonic() + 60
+        while not engine.call(inside_a_character).result(10):
+            assert time.monotonic() < deadline
+        _ended(client, back.id)
+    with _forced_server(model_dir, text, **settings) as srv:
+        got = _ended(openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0), back.id)
+        assert got.output_text and set(got.output_text) == {"\U0001F642"}, repr(got.output_text[:60])

@@ -807,3 +807,40 @@ def test_a_reasoning_reply_that_evicted_is_rewound_not_read_again(server, client
     assert second.localheap["session_id"] == first.localheap["session_id"]
     assert second.usage.prompt_tokens_details.cached_tokens == first.usage.prompt_tokens
     assert rewinds() == before + 1
+
+
+def test_a_stop_then_a_delete_before_the_next_step_ends_the_reply_deleted_and_saves_nothing(
+        model_dirs, tmp_path_factory, tmp_path, torch_one_thread):
+    """The web UI's Stop, then the conversation deleted, both between two engine steps: the delete wins (its
+    reply says "deleted" and no heap is written for a session that is gone), as a delete alone."""
+    import threading
+    import time
+
+    import httpx
+
+    with serve(qwen_model(model_dirs, tmp_path_factory), sessions_dir=tmp_path, persist_sessions=True) as srv:
+        svc, engine = srv.services, srv.services.engine
+        ids = svc.tokenizer.encode("word " * 3000, add_special_tokens=False)
+        svc.force_tokens = lambda: ForcedTokens(ids, svc.backend.eos_token_ids)
+        sid = httpx.post(srv.url + "/v1/sessions", json={}, timeout=60).json()["id"]
+        lines = []
+
+        def chat():
+            body = {"model": svc.model_id, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4000,
+                    "stream": True}
+            with httpx.stream("POST", srv.url + "/v1/chat/completions", json=body, headers={"X-Session-Id": sid},
+                              timeout=120) as r:
+                lines.extend(line for line in r.iter_lines() if line.startswith("data: {"))
+
+        t = threading.Thread(target=chat)
+        t.start()
+        writes = []
+        real_write = svc.store.write_heap
+        svc.store.write_heap = lambda s: (writes.append(s.id), real_write(s))[1]
+        deadline = time.monotonic() + 60
+        while not engine.call(lambda: any(len(r.completion) > 10 for r in engine._active)).result(10):
+            assert time.monotonic() < deadline
+        engine.call(lambda: (engine.stop_session(sid), engine.delete_session(sid))).result(30)
+        t.join(60)
+        last = json.loads(lines[-1][6:])["localheap"]
+        assert sid not in svc.store and last.get("interrupted") == "deleted" and "saved" not in last and not writes

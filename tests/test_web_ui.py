@@ -487,3 +487,48 @@ def test_an_api_key_is_asked_for_once_and_sent(browser, tmp_path):
         page.wait_for_selector("#live[data-state=live]")
         assert page.is_hidden("#key-banner")
         context.close()
+
+
+def test_stop_after_the_last_token_while_the_turn_is_saved_reads_the_reply_to_its_end(
+        browser, model_dirs, tmp_path_factory, tmp_path, torch_one_thread):
+    """Stop pressed once the reply's last token is out, its turn still being saved (the saver thread, held
+    here): nothing runs to stop ("stopped": 0), but the session is busy, so the reply is read to its end,
+    marked done with its finish and "saved", not "stopped" with its last chunk left unread."""
+    from tool_server import HEAP as TOOL_HEAP, qwen_model
+
+    from localheap.grammar import ForcedTokens
+    from localheap.models import load_backend
+
+    reply = "Hello there, this is the whole reply."
+    app = create_app(load_backend(str(qwen_model(model_dirs, tmp_path_factory)), "torch"),
+                     ServerSettings(heap=TOOL_HEAP, web_dir=package_web_dir(), sessions_dir=tmp_path,
+                                    persist_sessions=True))
+    svc = app.state.services
+    ids = svc.tokenizer.encode(reply, add_special_tokens=False)
+    svc.force_tokens = lambda: ForcedTokens(ids, svc.backend.eos_token_ids)
+    real_write = svc.store.write_heap
+
+    def slow_write(s):   # a big heap's file being written
+        time.sleep(3)
+        return real_write(s)
+
+    svc.store.write_heap = slow_write
+    with ServerThread(app) as srv:
+        g = Guarded(browser, srv.url)
+        page = g.page
+        answered = []
+        page.on("response", lambda r: r.url.endswith("/stop") and answered.append(r.json()))
+        page.fill("#prompt", "hi")
+        page.press("#prompt", "Enter")
+        page.wait_for_function("""(want) => {
+            const r = document.querySelector('.msg-assistant');
+            return r && r.classList.contains('streaming') && r.querySelector('.msg-body').textContent.includes(want);
+        }""", arg="whole reply.")
+        page.click("#stop")
+        page.wait_for_selector(".msg-assistant:not(.streaming)")
+        sid = current_session(page)
+        kept = page.evaluate(f"JSON.parse(localStorage.getItem('localheap.conversations.v1'))[{json.dumps(sid)}]"
+                             ".messages.at(-1)")
+        g.close()
+    assert [a["stopped"] for a in answered] == [0]
+    assert kept["content"] == reply and kept["status"] == "done" and kept["finish"] == "stop" and kept["saved"] is True

@@ -29,9 +29,10 @@ export class Chat {
 
   /** Stop a conversation's work. A reply is stopped through its session: the server ends it at its
    *  next token and its stream is read to the end, so the reply shown is what the session keeps (a
-   *  request just left would miss the tokens decoded before the server noticed). A document, a reply
-   *  still queued (nothing runs on the session yet), a stop that fails or takes too long, or `leave`
-   *  (the conversation is being deleted): the request is left. */
+   *  request just left would miss the tokens decoded before the server noticed); one that has ended
+   *  and is being saved is read to its end too. A document, a reply still queued (nothing runs on the
+   *  session yet), a stop that fails or is not answered in time, or `leave` (the conversation is being
+   *  deleted): the request is left. */
   stop(id, { leave = false } = {}) {
     const work = this.inflight.get(id);
     if (!work) return;
@@ -40,7 +41,11 @@ export class Chat {
     work.stopping = true;
     work.timer = setTimeout(abort, STOP_WAIT_MS);
     postJSON(`/v1/sessions/${encodeURIComponent(id)}/stop`, {})
-      .then((r) => { if (!r.stopped) abort(); })
+      .then((r) => {
+        if (r.stopped) clearTimeout(work.timer);   // it ends at its next token: read it to the end, however long its save
+        else if (!r.busy) abort();                 // nothing runs on the session: the request is still queued
+        // (busy, nothing stopped: its reply is ending, its turn being saved; or another runs first: the timer)
+      })
       .catch(abort);
   }
 

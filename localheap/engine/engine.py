@@ -780,9 +780,10 @@ class Engine:
         return branching.fork(self.store, session_id, tokens, self.admission.admit_heap)
 
     def stop_session(self, session_id: str) -> int:
-        """End the replies running on the session at their next step ("interrupted": "stopped"); their
-        clients read them to their end, the session keeps them. Requests still queued are left as they
-        are (their clients stop them by leaving). Returns how many were stopped."""
+        """End the replies (or document reads) running on the session at their next step ("interrupted":
+        "stopped"); their clients read them to their end, the session keeps what they read and wrote.
+        Requests still queued are left as they are (their clients stop them by leaving). Returns how
+        many were stopped."""
         s = self.store.get(session_id)
         runs = [r for r in self._active if r.session is s and not r.job.cancelled]
         for run in runs:

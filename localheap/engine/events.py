@@ -55,7 +55,8 @@ class Usage:
 # "deleted" (DELETE of its session: the reply ends, nothing is kept); "stopped" (POST
 # /v1/sessions/{id}/stop: the reply ends at its next step, its client still reading, the session keeps it)
 INTERRUPTIONS = ("shutdown", "deleted", "stopped")
-LISTENING = ("shutdown", "stopped")   # cancels whose client still reads the reply to its end
+LISTENING = ("stopped",)   # cancels whose client reads the reply to its end, held-back text too (a shutdown's
+                          # reply goes on at the restart: a character cut there is finished then)
 
 
 @dataclass
@@ -135,7 +136,7 @@ class Job:
     def cancel(self, reason: str = "client") -> None:
         """reason: "client" (gone, or a stop sequence), "shutdown" (the server is stopping), "deleted"
         (its session is) or "stopped" (a stop asked for its session: Engine.stop_session)."""
-        if self.cancel_reason is None:
+        if self.cancel_reason is None or reason == "deleted":   # (a delete after a stop: nothing is kept)
             self.cancel_reason = reason
         self._cancelled.set()
 

@@ -225,9 +225,11 @@ class Run:
         candidates = self.last + self.completion
         assert 0 <= fed_here <= len(candidates), (in_cache, len(self.session.fed), len(candidates))
         self.session.extend(candidates[:fed_here])
-        if self.finish_reason in ("length", None) and fed_here >= len(self.last):
-            # the reply's last tokens, sent but never read (max_tokens, or a stop, cut it after sampling
-            # them): what a named session sent only new messages reads first (sessions/match.continue_session)
+        cut = self.finish_reason in ("length", None) or (self.finish_reason == "stop" and self.stop_token is None)
+        if cut and fed_here >= len(self.last):
+            # the reply's last tokens, sampled and never read (max_tokens, a stop string or a stop cut it after
+            # them; one decoding alone may have read them on a step run ahead): what a named session sent only
+            # new messages reads first (sessions/match.continue_session), so its tokens are the same either way
             self.session.unfed_reply = tuple(candidates[fed_here:])
 
     def finished_event(self) -> Finished:

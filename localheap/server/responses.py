@@ -837,6 +837,8 @@ class Built:
                              "total_tokens": u.total_tokens}
             if done.finish_reason == "length":
                 body["incomplete_details"] = {"reason": "max_output_tokens"}
+            elif done.interrupted == "stopped":   # POST /v1/sessions/{id}/stop (localheap's own reason)
+                body["incomplete_details"] = {"reason": "stopped"}
         if extension is not None:
             body["localheap"] = {**extension, **({"tool_call_errors": self.call_errors} if self.call_errors else {})}
             if r.hosted_tools:   # left out of the prompt: the model was not told of them
@@ -987,7 +989,7 @@ class Built:
     def finish(self, done: Finished, extension: dict) -> tuple[dict, list[dict]]:
         """(the whole response, the events that end its stream): the open item closed (incomplete
         where max_output_tokens cut it), then response.completed or response.incomplete."""
-        cut = done.finish_reason == "length"
+        cut = done.finish_reason == "length" or done.interrupted == "stopped"   # (its session's stop)
         events = self.close("incomplete" if cut else "completed")
         status = "incomplete" if cut else "completed"
         body = self.response(status, done, extension)

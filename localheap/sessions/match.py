@@ -255,8 +255,11 @@ def continue_session(s: Session, prompt: Prompt, encode: Encode, decode: Decode)
         return Match(s, new, len(s.fed))
     cont = prompt.continuation
     if prompt.after_reply is not None and s.ends_in_reply:
-        # it ends in a reply: that turn closed first (the web UI's, chat's next turn)
+        # it ends in a reply: that turn closed first (the web UI's, chat's next turn); where the reply's end of
+        # turn is in the session already (sampled on a step run ahead, a reply decoding alone), not again
         cont = prompt.after_reply
+        if not s.unfed_reply and len(s.fed) and len(cont) and s.fed[-1] == cont[0]:
+            cont = cont[1:]
     # after the reply's last tokens where max_tokens or a stop cut it once they were sampled (the client
     # has them, the cache not): a chat's end of turn, or a completion's text sent on from where it ended
     return Match(s, token_array(s.unfed_reply) + token_array(cont if cont is not None else prompt.tokens), len(s.fed))
