@@ -27,8 +27,10 @@ def test_a_reopen_at_the_committed_state_drops_what_a_later_uncommitted_turn_wro
     s.checkpoint(4)
     assert states(s) == ["state.3.npz", "state.4.npz"]
     s.close()
+    big = s._file(0).stat().st_size
     r = store(tmp_path, state=3)              # what a crash before the index's rename reopens
     assert r.pages == 2 and r.layers[0].tail_pos.shape == (H, 1) and states(r) == ["state.3.npz"]
+    assert r._file(0).stat().st_size == 2 * r.record_bytes < big   # the lost turn's records cut off the file
     assert set(r.load(0, np.array([r.summaries(0)[0]] * H))[0][0]) == set(range(2 * P))
     r.append(0, *evicted(rng, P, 200))        # the slots the lost turn used are reused
     r.checkpoint(4)

@@ -984,9 +984,17 @@ class PageStore:
                 L.live[slots], L.value[slots], L.seq[slots] = True, recs["value"][slots], recs["seq"][slots]
                 L.span[slots] = page_span(pos)
             L.free = sorted((int(s) for s in np.flatnonzero(~L.live[: len(L.live)])), reverse=True)
+            # the file's tail past its last live record (what a turn a crash cut short wrote: a long document's
+            # reading may leave gigabytes no count sees) is cut off: records the loop below would tombstone in
+            # the file (a checkpoint that links it included), none live at any state this one follows
+            live = np.flatnonzero(L.live[:n])
+            end = int(live[-1]) + 1 if len(live) else 0
+            if os.fstat(self._fds[i]).st_size > end * self.record_bytes:
+                os.ftruncate(self._fds[i], end * self.record_bytes)
+                n = end
             # records written after the state (a turn that never committed, or a parent's appends a
             # fork copied): tombstoned, or a later state's larger sequence number would take them for valid
-            for slot in np.flatnonzero((recs["magic"] == MAGIC) & ~L.live[:n]):
+            for slot in np.flatnonzero((recs["magic"][:n] == MAGIC) & ~L.live[:n]):
                 os.pwrite(self._fds[i], np.zeros(4, np.uint8).tobytes(), int(slot) * self.record_bytes)
         if self.corrupt:
             log.warning("page store %s: %d records failed their check on open; tombstoned", self.root, self.corrupt)
