@@ -307,8 +307,10 @@ def test_disk_budget_drops_the_lowest_value_pages_and_reuses_their_slots(tmp_pat
         pos, k, v = evicted(rng, P, i * P)
         s.append(i % 2, pos, k, v, np.full((H, P), value))
     assert s.pages == 3 and s.dropped == 1 and s.stats()["pages_dropped"] == 1
-    assert not s.layers[1].live[0] and s.layers[1].live[1]     # the value-1 page went
+    # the value-1 page went, its slot taken by the value-2 page: the files do not grow past the bound
+    assert s.layers[1].live[0] and s.layers[1].value[0] == 2.0 and not s.layers[1].live[1]
     assert s.disk_bytes <= budget
+    assert sum(os.path.getsize(f) for f in (tmp_path / "pages").glob("layer*.pages")) <= budget
     s.append(1, *evicted(rng, P, 99), np.full((H, P), 7.0))
     assert s.dropped == 2 and s.pages == 3      # the freed slot took the new page; the value-2 page went
     assert s.layers[1].live[0] and not s.layers[1].live[1]

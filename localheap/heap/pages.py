@@ -489,6 +489,7 @@ class PageStore:
             return sum(self._write(layer, recs[j: j + 1], spans[j: j + 1]) for j in range(len(recs)))
         L = self.layers[layer]
         m = len(recs)
+        self._keep_files_in_budget(layer, m)
         if len(L.free) < m:
             L.grow(len(L.live) + m - len(L.free))
         slots = np.array([L.free.pop() for _ in range(m)], np.int64)
@@ -505,6 +506,29 @@ class PageStore:
             self._landed(L, slots[a:b], recs[a:b], spans[a:b])
             written += b - a
         return written
+
+    def _keep_files_in_budget(self, layer: int, m: int) -> None:
+        """Before `m` pages go into `layer`'s lowest free slots: where they would grow its file (past its
+        holes) beyond what the disk budget leaves the files, that layer's own lowest-value pages go first,
+        their slots taken instead. (enforce_budget bounds the live pages, any layer's going first; the
+        slots it frees in one layer cannot take another's pages, and a file never shrinks while open:
+        one layer's file grew to its own high-water mark, the files 1.4x the bound.)"""
+        if not self.disk_budget:
+            return
+        L = self.layers[layer]
+        sizes = [os.fstat(fd).st_size // self.record_bytes for fd in self._fds]
+        holes = sum(1 for s in L.free if s < sizes[layer])
+        grow = m - holes
+        over = sum(sizes) + grow - self.disk_budget // self.record_bytes
+        if grow <= 0 or over <= 0:
+            return
+        live = np.flatnonzero(L.live)
+        for slot in live[np.argsort(L.value[live], kind="stable")][:min(over, grow)]:
+            try:
+                self._drop(layer, int(slot))
+            except OSError as e:
+                self._refused(e)
+                return
 
     def _write(self, layer: int, rec: np.ndarray, span: np.ndarray) -> bool:
         """Write one page (rec, span: one-record arrays from _records); a page the disk refuses is
