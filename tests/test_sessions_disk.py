@@ -371,3 +371,29 @@ def test_a_rollback_to_the_saved_copy_takes_back_its_rollback_points(tmp_path):
     b.rollback_floor, b.reply_start, b.cuttable = 1, 1, True
     assert store.rollback(b, fed_before=0) and len(b.fed) == 0
     assert (b.rollback_floor, b.reply_start, b.cuttable) == (None, None, False)
+
+
+def test_a_restart_lists_a_saved_sessions_heap_totals(tmp_path):
+    """The index keeps the saved copy's heap totals (no layers): a restarted server lists them, and /metrics
+    counts its pages on disk, before the session is used again (they read null and 0 pages)."""
+    from localheap.heap import HeapStats
+    from localheap.sessions.recover import PAGE_COUNTS
+
+    store = durable(tmp_path)
+    a = store.create()
+    feed(store, a, [1, 2, 3])
+    pages = {**{k: 2 for k in PAGE_COUNTS}, "last_recall": None}
+    a.stats = HeapStats(tokens_seen=3, resident=3, evicted=0, capacity=8, kv_bytes=64, evictions=0, pages=pages)
+    store.save(a)
+    a.stats = HeapStats(tokens_seen=9, resident=8, evicted=1, capacity=8, kv_bytes=64, evictions=1)   # not saved
+    store._commit()
+    again = durable(tmp_path)
+    again.load_persisted()
+    heap = again.info(a.id)["heap"]
+    assert heap["tokens_seen"] == 3 and heap["pages"]["disk_bytes"] == 2 and again.get(a.id).state == "spilled"
+    index = json.loads((tmp_path / "index.json").read_text())
+    index["sessions"][0]["stats"] = {"tokens_seen": 99}   # malformed: listed without
+    (tmp_path / "index.json").write_text(json.dumps(index))
+    third = durable(tmp_path)
+    third.load_persisted()
+    assert third.info(a.id)["heap"] is None and len(third.get(a.id).fed) == 3

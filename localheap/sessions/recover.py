@@ -19,7 +19,7 @@ from typing import Optional
 
 import shutil
 
-from ..heap import HeapConfig
+from ..heap import HeapConfig, HeapStats
 from ..heap.pages import prune_store
 from .disk import INDEX, SessionDir, valid_id
 from .session import ORIGINS, Session
@@ -138,5 +138,28 @@ def _session(d: SessionDir, sid: str, cfg: HeapConfig, entry: dict, gen: Optiona
         s.saved_points = (s.rollback_floor, s.reply_start, s.cuttable)
         crc = entry.get("heap_crc")
         s.heap_crc = crc if isinstance(crc, int) and not isinstance(crc, bool) else None
+        s.stats = stats_entry(entry.get("stats"), len(tokens))
+        s.saved_stats = entry.get("stats") if s.stats is not None else None
     s.refresh()
     return s
+
+
+PAGE_COUNTS = ("pages", "pages_dropped", "disk_bytes", "summary_bytes", "recalls", "recalled_tokens", "tokens_on_disk")
+
+
+def stats_entry(d, tokens: int) -> Optional[HeapStats]:
+    """The saved copy's heap totals from its index entry (listed, and counted by /metrics, before the
+    session is used again), or None where they are missing or malformed."""
+    if not isinstance(d, dict):
+        return None
+    try:
+        counts = {k: d[k] for k in ("tokens_seen", "resident", "evicted", "capacity", "kv_bytes", "evictions")}
+        recalled, pages = d.get("recalled", 0), d.get("pages")
+        count = lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0   # noqa: E731
+        if not all(map(count, [*counts.values(), recalled])) or counts["tokens_seen"] > tokens:
+            return None
+        if pages is not None and not (isinstance(pages, dict) and all(count(pages.get(k)) for k in PAGE_COUNTS)):
+            pages = None   # (what /metrics sums must be there)
+        return HeapStats(**counts, recalled=recalled, pages=pages)
+    except KeyError:
+        return None

@@ -60,6 +60,7 @@ class Session:
     saved_turns: int = 0                               # turns when it was saved (the index's: a kill keeps those)
     saved_unfed: tuple = ()                            # unfed_reply when it was saved (the index's)
     saved_ends_in_reply: bool = False                  # ends_in_reply when it was saved (the index's)
+    saved_stats: Optional[dict] = None                 # its heap's totals when it was saved (the index's, no layers)
     stats: Optional[HeapStats] = None
     snapshot: dict = field(default_factory=dict)
     origin: str = "api"

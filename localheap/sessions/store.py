@@ -265,7 +265,7 @@ class SessionStore:
         previous generation's files removed."""
         gen, crc = written
         old = (s.spill_path, s.saved_gen, s.saved_tokens, s.dirty, s.heap_crc, s.saved_crc, s.saved_points,
-               s.saved_turns, s.saved_unfed, s.saved_ends_in_reply)
+               s.saved_turns, s.saved_unfed, s.saved_ends_in_reply, s.saved_stats)
         try:
             self.dir.write_tokens(s.id, gen, s.fed)
             faults.step("save.tokens")
@@ -273,11 +273,12 @@ class SessionStore:
             s.heap_crc, s.saved_crc = crc, zlib.crc32(s.fed.tobytes())
             s.saved_points = (s.rollback_floor, s.reply_start, s.cuttable)   # the heap's (the session is idle)
             s.saved_turns, s.saved_unfed, s.saved_ends_in_reply = s.turns, s.unfed_reply, s.ends_in_reply
+            s.saved_stats = s.stats.to_dict(per_layer=False) if s.stats is not None else None
             self._commit()
             faults.step("save.index")
         except BaseException as e:
             (s.spill_path, s.saved_gen, s.saved_tokens, s.dirty, s.heap_crc, s.saved_crc, s.saved_points,
-             s.saved_turns, s.saved_unfed, s.saved_ends_in_reply) = old
+             s.saved_turns, s.saved_unfed, s.saved_ends_in_reply, s.saved_stats) = old
             self._remove_gen(s.id, gen)
             if isinstance(e, OSError):
                 raise SpillFailed(self.spill_dir, e) from e
@@ -468,6 +469,7 @@ class SessionStore:
                  "created": s.created, "last_used": s.last_used, "turns": s.saved_turns,   # (its saved turn's)
                  **({"unfed": list(s.saved_unfed)} if s.saved_unfed else {}),   # its reply's last tokens, never read
                  **({"ends_in_reply": True} if s.saved_ends_in_reply else {}),
+                 **({"stats": s.saved_stats} if s.saved_stats else {}),   # its heap's totals (a restart lists them)
                  "origin": s.origin, "title": s.title, "owner": s.owner}   # owner: the API key's digest
                 for s in self.sessions() if not (s.ephemeral or s.scratch)]
 
