@@ -163,13 +163,67 @@ def load_backend(spec: Optional[str], backend: str = "auto"):
             raise ModelNotFound(f"{spec} is built in memory by the torch backend, which is unavailable ({e}); "
                                 f"pip install -e '.[torch]' in localheap's checkout") from e
         return randbig.load_torch_backend(spec[len("random:"):])
-    path, name = resolve_model(spec)
     kind = detect_backend(backend)
-    if kind == "mlx":
-        from .backends.mlx import MLXBackend
-        return MLXBackend.load(path, model_name=name)
+    preset = presets().get(spec) if spec is not None else None
+    if preset is not None and kind == "torch":   # (before gigabytes are downloaded for nothing)
+        raise ModelNotFound(f"{spec} is an MLX-quantized checkpoint ({preset.repo}): it runs on the MLX backend "
+                            f"(Apple Silicon, or --backend mlx); on torch pass an unquantized Hugging Face repo id "
+                            f"or a local model directory")
+    path, name = resolve_model(spec)
+    if kind == "torch" and mlx_quantized(path):
+        raise ModelNotFound(f"{path} is an MLX-quantized checkpoint (config.json's \"quantization\"): it runs on "
+                            f"the MLX backend (--backend mlx); on torch pass an unquantized checkpoint")
     try:
-        from .backends.torch import TorchBackend
-    except ImportError as e:
-        raise ModelNotFound(f"the torch backend is unavailable ({e}); pip install -e '.[torch]' in localheap's checkout or use --backend mlx") from e
-    return TorchBackend.load(path, model_name=name)
+        if kind == "mlx":
+            from .backends.mlx import MLXBackend
+            backend_ = MLXBackend.load(path, model_name=name)
+        else:
+            try:
+                from .backends.torch import TorchBackend
+            except ImportError as e:
+                raise ModelNotFound(f"the torch backend is unavailable ({e}); pip install -e '.[torch]' in localheap's "
+                                    f"checkout or use --backend mlx") from e
+            backend_ = TorchBackend.load(path, model_name=name)
+    except ModelNotFound:
+        raise
+    except Exception as e:   # a broken directory: one line that names it, never a traceback
+        detail = (str(e).strip().splitlines() or [""])[0][:300]
+        raise ModelNotFound(f"cannot load the model in {path}: {type(e).__name__}: {detail}") from e
+    backend_.model_key = model_fingerprint(path)
+    return backend_
+
+
+def mlx_quantized(path: Path) -> bool:
+    """Whether config.json says its weights are quantized MLX's way (mlx-community's q4 and q8)."""
+    import json
+
+    try:
+        config = json.loads((Path(path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    if not isinstance(config, dict) or not isinstance(config.get("quantization"), dict):
+        return False
+    hf = config.get("quantization_config")   # (mlx-lm copies its own there too, with no quant_method)
+    return not (isinstance(hf, dict) and "quant_method" in hf)
+
+
+FINGERPRINT_SAMPLE = 1 << 16   # bytes read from the middle of each weights file
+
+
+def model_fingerprint(path: Path) -> Optional[str]:
+    """A checkpoint's identity for its saved sessions (sessions/recover.py): its config.json, and each
+    weights file's name, size and 64 KiB from its middle (two fine-tuned checkpoints of one shape differ
+    there; the same files installed elsewhere do not). None where it has no files to tell by."""
+    import zlib
+
+    path = Path(path)
+    try:
+        crc = zlib.crc32((path / "config.json").read_bytes())
+        for f in sorted(path.glob("*.safetensors")) + sorted(path.glob("*.bin")):
+            size = f.stat().st_size
+            with open(f, "rb") as fh:
+                fh.seek(max(0, size // 2 - FINGERPRINT_SAMPLE // 2))
+                crc = zlib.crc32(f"{f.name}:{size}".encode() + fh.read(FINGERPRINT_SAMPLE), crc)
+    except OSError:
+        return None
+    return f"{crc:08x}"

@@ -73,3 +73,69 @@ def test_auto_without_torch_off_apple_silicon_takes_mlx_and_says_it_is_slower(mo
         assert detect_backend("auto") == "mlx"
     said = [r.getMessage() for r in caplog.records if r.name == "localheap"]
     assert len(said) == 1 and "-e '.[torch]'" in said[0] and "--backend mlx" in said[0]
+
+
+def _copy_of(tmp_path, name="model"):
+    import shutil
+
+    src, _ = resolve_model("random:llama:tiny")
+    dst = tmp_path / name
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_an_mlx_quantized_checkpoint_on_torch_is_refused_by_name(model_dirs, tmp_path, monkeypatch):
+    """The aliases are mlx-community's q4 checkpoints: on torch (auto's pick off Apple Silicon) they are
+    refused before any download, and a local MLX-quantized directory before transformers' own message."""
+    import json
+
+    from localheap.models import load_backend
+
+    monkeypatch.setattr("localheap.models.download", lambda *a, **k: pytest.fail("downloaded"))
+    with pytest.raises(ModelNotFound, match="MLX-quantized checkpoint .*mlx-community/.*--backend mlx"):
+        load_backend("qwen3-8b-q4", "torch")
+    d = _copy_of(tmp_path)
+    config = json.loads((d / "config.json").read_text())
+    quant = {"group_size": 64, "bits": 4}
+    (d / "config.json").write_text(json.dumps({**config, "quantization": quant, "quantization_config": quant}))
+    with pytest.raises(ModelNotFound, match="MLX-quantized checkpoint"):
+        load_backend(str(d), "torch")
+
+
+@pytest.mark.parametrize("damage", ["truncated_weights", "missing_layers", "bad_config"])
+def test_a_broken_model_directory_is_one_line_that_names_it(model_dirs, tmp_path, damage):
+    """A checkpoint cut short, one whose config.json asks for layers its weights lack (transformers filled
+    them with random numbers and served), or a config.json that is not JSON: ModelNotFound naming the
+    directory (the CLI's one line), never a traceback nor a model half random."""
+    import json
+
+    pytest.importorskip("torch")
+    from localheap.models import load_backend
+
+    d = _copy_of(tmp_path)
+    weights = d / "model.safetensors"
+    if damage == "truncated_weights":
+        weights.write_bytes(weights.read_bytes()[:1000])
+    elif damage == "missing_layers":
+        config = json.loads((d / "config.json").read_text())
+        (d / "config.json").write_text(json.dumps({**config, "num_hidden_layers": config["num_hidden_layers"] + 2}))
+    else:
+        (d / "config.json").write_text('{"model_type": "llama",')
+    with pytest.raises(ModelNotFound, match=f"cannot load the model in {d}") as e:
+        load_backend(str(d), "torch")
+    assert "\n" not in str(e.value)
+    if damage == "missing_layers":
+        assert "lacks" in str(e.value)
+
+
+def test_a_checkpoints_fingerprint_follows_its_weights_not_its_place(model_dirs, tmp_path):
+    from safetensors.numpy import load_file, save_file
+
+    from localheap.models import model_fingerprint
+
+    a, b = _copy_of(tmp_path, "a"), _copy_of(tmp_path, "b")
+    assert model_fingerprint(a) == model_fingerprint(b) is not None
+    tensors = load_file(b / "model.safetensors")
+    tensors = {k: v + 1 if v.dtype.kind == "f" else v for k, v in tensors.items()}   # fine-tuned: same shapes
+    save_file(tensors, b / "model.safetensors", metadata={"format": "pt"})
+    assert model_fingerprint(a) != model_fingerprint(b)

@@ -397,3 +397,22 @@ def test_a_restart_lists_a_saved_sessions_heap_totals(tmp_path):
     third = durable(tmp_path)
     third.load_persisted()
     assert third.info(a.id)["heap"] is None and len(third.get(a.id).fed) == 3
+
+
+def test_sessions_another_checkpoint_of_the_same_name_saved_are_set_aside(tmp_path):
+    """Two checkpoints in folders of one name (output/model, other/model) share a default sessions
+    directory: the second's start sets the first's sessions aside instead of continuing their heaps with
+    its own weights (it reused 39 of 52 prompt tokens of the other model's session)."""
+    first = FakeBackend()
+    first.model_key = "aaaa0001"
+    store = durable(tmp_path, first)
+    saved_session(store, [1, 2, 3])
+    same = FakeBackend()
+    same.model_key = "aaaa0001"
+    assert durable(tmp_path, same).load_persisted() == 1
+    other = FakeBackend()
+    other.model_key = "bbbb0002"
+    assert durable(tmp_path, other).load_persisted() == 0
+    assert any(p.name.startswith("index.json.") for p in (tmp_path / "aside").iterdir())
+    index = json.loads((tmp_path / "index.json").read_text())
+    assert index["model_key"] == "bbbb0002" and index["sessions"] == []

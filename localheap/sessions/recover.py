@@ -29,9 +29,11 @@ BOTH = {"safetensors", "tokens"}
 
 
 def recover_sessions(d: SessionDir, model_id: str, cfg: HeapConfig, skip: set[str],
-                     lost: Optional[dict[str, str]] = None) -> list[Session]:
+                     lost: Optional[dict[str, str]] = None, model_key: Optional[str] = None) -> list[Session]:
     """The sessions saved in d (heaps not loaded), minus the ids in skip; `lost` gets the ids
-    of sessions whose files could not be read, with why (their clients are told: 410)."""
+    of sessions whose files could not be read, with why (their clients are told: 410). Sessions
+    another model saved (its name, or, where both are known, its checkpoint's fingerprint) are
+    moved aside: two checkpoints in folders of one name share a default directory."""
     lost = {} if lost is None else lost
     try:
         index = d.read_index()
@@ -41,9 +43,12 @@ def recover_sessions(d: SessionDir, model_id: str, cfg: HeapConfig, skip: set[st
         return []
     entries: dict[str, dict] = {}
     if index is not None:
-        if index.get("model") != model_id:
+        key = index.get("model_key")
+        if index.get("model") != model_id or (key and model_key and key != model_key):
             foreign = [d.root / INDEX] + [p for sid in files for p in d.root.glob(f"{sid}.*")]
-            d.move_aside(foreign, f"sessions in {d.root} belong to model {index.get('model')!r}, not {model_id!r}")
+            other = "another checkpoint named" if index.get("model") == model_id else "model"
+            d.move_aside(foreign, f"sessions in {d.root} belong to {other} {index.get('model')!r}, not this "
+                                  f"{model_id!r} (pass --sessions-dir to keep each model's apart)")
             return []
         for e in index.get("sessions", []):
             if isinstance(e, dict) and valid_id(e.get("id")):

@@ -56,6 +56,7 @@ class SessionStore:
         self.backend = backend
         self.cfg = cfg
         self.model_id = getattr(backend, "model_name", "model")
+        self.model_key = getattr(backend, "model_key", None)   # its checkpoint's fingerprint (models.model_fingerprint)
         self._own_dir = spill_dir is None
         self.spill_dir = Path(spill_dir or tempfile.mkdtemp(prefix="localheap-sessions-"))
         self.dir = SessionDir(self.spill_dir)
@@ -453,7 +454,8 @@ class SessionStore:
         """Register the sessions found in the directory (heaps load lazily, on demand). Never
         raises on the directory's content: what cannot be read is moved aside and logged."""
         self.model_id = model_id or self.model_id
-        found = recover_sessions(self.dir, self.model_id, self.cfg, skip=set(self._sessions), lost=self._lost)
+        found = recover_sessions(self.dir, self.model_id, self.cfg, skip=set(self._sessions), lost=self._lost,
+                                 model_key=self.model_key)
         with self._lock:
             for s in found:
                 self._sessions[s.id] = s
@@ -476,7 +478,8 @@ class SessionStore:
     def _commit(self, force: bool = False) -> None:
         """Rewrite the index (durable stores, or forced): the generations it names are in force."""
         if self.durable or force:
-            self.dir.write_index({"model": self.model_id, "sessions": self._entries()})
+            self.dir.write_index({"model": self.model_id, **({"model_key": self.model_key} if self.model_key else {}),
+                                  "sessions": self._entries()})
 
     def _try_commit(self, force: bool = False) -> None:
         try:

@@ -104,9 +104,20 @@ class TorchBackend(HeapCacheCalls):
 
         dev = torch.device(device) if device else default_device()
         attention.install(None)
-        model = AutoModelForCausalLM.from_pretrained(
+        model, info = AutoModelForCausalLM.from_pretrained(
             str(path), dtype=dtype or default_dtype(dev), attn_implementation=attention.load_implementation(path),
-        ).to(dev)
+            output_loading_info=True,
+        )
+        missing = sorted(info.get("missing_keys") or ())
+        if missing:   # (transformers fills them with random numbers and carries on)
+            raise ValueError(f"the checkpoint lacks {len(missing)} of the model's weights (e.g. {missing[0]}): "
+                             "is a shard missing, or config.json not this checkpoint's?")
+        model = model.to(dev)
+        try:
+            decoder_layers(model)
+        except AttributeError as e:
+            raise ValueError(f"a {type(model).__name__} is not a decoder-only language model localheap can run "
+                             f"(model_type {model.config.model_type!r})") from e
         tokenizer = AutoTokenizer.from_pretrained(str(path))
         return cls(model, tokenizer, model_name or Path(str(path)).name, fused_decode=fused_decode)
 
