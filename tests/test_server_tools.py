@@ -844,3 +844,30 @@ def test_a_stop_then_a_delete_before_the_next_step_ends_the_reply_deleted_and_sa
         t.join(60)
         last = json.loads(lines[-1][6:])["localheap"]
         assert sid not in svc.store and last.get("interrupted") == "deleted" and "saved" not in last and not writes
+
+
+@pytest.mark.parametrize("family", ["llama", "phi4_mini"])
+def test_a_named_sessions_new_messages_with_tools_add_no_second_tool_list(model_dirs, tmp_path_factory, family):
+    """A template that cannot render tools has them written into the system message (the first turn's);
+    the continuation a named session's new messages get, sent with `tools` again, opens no second system
+    message with the list mid-conversation: the session holds what the whole history renders."""
+    from transformers import AutoTokenizer
+
+    from localheap.models import resolve_model
+    from localheap.server.prompts import ChatOptions, chat_prompt
+    from localheap.server.schemas import ChatMessage
+    from localheap.server.toolformats import tool_format
+
+    if family == "llama":
+        tok = AutoTokenizer.from_pretrained(str(resolve_model("random:llama:tiny")[0]))
+    else:
+        tok = AutoTokenizer.from_pretrained(str(phi4_mini_model(model_dirs, tmp_path_factory.mktemp("phi4") / "m")))
+    opts = ChatOptions(TOOLS, tool_format(tok))
+    assert opts.prompted
+    one, reply, two = (ChatMessage(role="user", content="Hi"), ChatMessage(role="assistant", content="Hello."),
+                       ChatMessage(role="user", content="Weather in Paris?"))
+    first = chat_prompt(tok, [one], opts=opts)
+    nxt = chat_prompt(tok, [two], opts=opts)
+    whole = chat_prompt(tok, [one, reply, two], opts=opts)
+    held = tok.decode(list(first.tokens)) + "Hello." + tok.decode(list(nxt.after_reply))
+    assert held == tok.decode(list(whole.tokens)), held

@@ -69,9 +69,10 @@ def with_effort(kwargs: Optional[dict], effort: Optional[str]) -> Optional[dict]
     return {**(kwargs or {}), "reasoning_effort": EFFORTS[effort]}
 
 
-def _messages(messages: list[ChatMessage], opts: Optional[ChatOptions] = None) -> list[dict]:
+def _messages(messages: list[ChatMessage], opts: Optional[ChatOptions] = None, tools: bool = True) -> list[dict]:
     """Messages as chat templates take them (Hugging Face's conventions: tool call arguments as
-    objects). Where the template cannot render tools, calls and results are written as text."""
+    objects). Where the template cannot render tools, calls and results are written as text, and
+    (`tools`) the tools into the system message (_with_tools)."""
     opts = opts or ChatOptions()
     out: list[dict] = []
     for m in messages:
@@ -111,9 +112,14 @@ def _messages(messages: list[ChatMessage], opts: Optional[ChatOptions] = None) -
         out.append(d)
     for d in out:
         d.pop("tool_results", None)
-    if opts.prompted and opts.tools:
-        out = opts.fmt.with_tools(out, opts.tools)
-    return out
+    return _with_tools(out, opts) if tools else out
+
+
+def _with_tools(messages: list[dict], opts: Optional[ChatOptions]) -> list[dict]:
+    """The tools written into the messages' system message where the template cannot render them."""
+    if opts is not None and opts.prompted and opts.tools:
+        return opts.fmt.with_tools(messages, opts.tools)
+    return messages
 
 
 def _arguments(text: str) -> Any:
@@ -140,16 +146,19 @@ def _has_template(tokenizer: Any) -> bool:
 
 
 def render_continuation(tokenizer: Any, messages: list[dict], add_generation_prompt: bool,
+                        wrap: Callable[[list[dict]], list[dict]] = lambda ms: ms,
                         **template_args) -> tuple[Optional[str], Optional[str]]:
     """What the template adds for `messages` after an earlier exchange, or None; and the same after
     that exchange's reply's text, its end of turn first (what follows a reply a session holds as it
     was generated: the model sampled its end-of-turn token and never read it), or None. One render of
     the whole: the second is what follows the placeholder reply's text in it (Qwen3's and Phi-4-mini's
-    templates render the placeholder alone otherwise than before new turns)."""
+    templates render the placeholder alone otherwise than before new turns). `wrap`: what goes around the
+    whole conversation (tools written into its system message: the session has them, before the
+    placeholder, not again before the new messages)."""
     try:
         closed = {k: v for k, v in template_args.items() if k != "continue_final_message"}   # (a prefill's)
-        base = tokenizer.apply_chat_template(_PLACEHOLDER, tokenize=False, **closed)
-        full = tokenizer.apply_chat_template(_PLACEHOLDER + messages, tokenize=False,
+        base = tokenizer.apply_chat_template(wrap(list(_PLACEHOLDER)), tokenize=False, **closed)
+        full = tokenizer.apply_chat_template(wrap(_PLACEHOLDER + messages), tokenize=False,
                                              add_generation_prompt=add_generation_prompt, **template_args)
     except Exception:
         return None, None
@@ -199,7 +208,8 @@ def chat_prompt(tokenizer: Any, messages: list[ChatMessage], add_generation_prom
         args, add_generation_prompt = {**args, "continue_final_message": True}, False
     text = render(tokenizer, msgs, add_generation_prompt, **args)
     tokens = encode_bounded(tokenizer, text, limit)
-    cont, after = render_continuation(tokenizer, msgs, add_generation_prompt, **args)
+    plain = _messages(messages, opts, tools=False)
+    cont, after = render_continuation(tokenizer, plain, add_generation_prompt, lambda ms: _with_tools(ms, opts), **args)
     cont_ids = _tail_ids(tokenizer, text, tokens, cont) if cont is not None else None
     if after is not None and cont_ids is not None and after.endswith(cont):   # the end of turn, then the same ids
         after_ids = token_array(encode_plain(tokenizer, after[:len(after) - len(cont)])) + token_array(cont_ids)
