@@ -90,3 +90,26 @@ def test_events_from_several_threads_all_arrive_in_each_threads_order():
         assert mailbox(loop) is job._mailbox     # one mailbox per loop
     finally:
         _stop(loop, thread)
+
+
+def test_a_client_that_reads_nothing_has_its_job_stopped_past_the_backlog():
+    """Events a client has not taken are held for it; past max_backlog it is not reading (a stream whose
+    socket stays full held a whole 64,000-token reply, 214 MB) and its job is cancelled as a client
+    gone; one that reads as they come is never stopped."""
+    from localheap.engine import Job
+
+    loop, thread = _loop_thread()
+    try:
+        slow, reader = _on_loop(loop, lambda: [JobEvents(asyncio.get_running_loop(), max_backlog=5) for _ in range(2)])
+        slow.job, reader.job = Job(request=None), Job(request=None)
+        for i in range(5):
+            slow.emit(i)
+        assert not slow.job.cancelled
+        slow.emit(5)
+        assert slow.job.cancelled and slow.job.cancel_reason == "client"
+        for i in range(20):
+            reader.emit(i)
+            assert asyncio.run_coroutine_threadsafe(reader.get(), loop).result(5) == i
+        assert not reader.job.cancelled
+    finally:
+        _stop(loop, thread)

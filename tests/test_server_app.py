@@ -272,3 +272,40 @@ def test_a_second_server_on_a_sessions_directory_in_use_is_refused_until_the_fir
     finally:
         lock.close()
     serve.lock_sessions_dir(tmp_path, "serve.lock", SimpleNamespace(host="127.0.0.1", port=8125)).close()
+
+
+def test_a_page_of_another_site_cannot_hold_the_heap_stream_nor_send_compressed_bodies():
+    """A GET needs no preflight: a page elsewhere opening /v1/heap/events (its browser's no-cors GET sends
+    Sec-Fetch-Site, no Origin) held one of the few observer slots until the web UI's own was refused; it
+    is a 403 now, as one with a foreign Origin. A gzip body is a 415 that says so (it was "not UTF-8").
+    With an API key, FastAPI's /docs and /openapi.json want the key as the API does."""
+    import asyncio
+
+    from localheap.server.middleware import CheckOrigin
+
+    def opened(headers: dict) -> int:   # (the middleware alone: the stream itself never ends)
+        sent = []
+
+        async def stream(scope, receive, send):
+            sent.append(200)
+
+        async def send(message):
+            if message["type"] == "http.response.start":
+                sent.append(message["status"])
+
+        scope = {"type": "http", "method": "GET", "path": "/v1/heap/events",
+                 "headers": [(k.lower().encode(), v.encode()) for k, v in {"Host": "127.0.0.1:8000", **headers}.items()]}
+        asyncio.run(CheckOrigin(stream, [])(scope, None, send))
+        return sent[0]
+
+    assert opened({"Sec-Fetch-Site": "cross-site", "Sec-Fetch-Mode": "no-cors"}) == 403
+    assert opened({"Origin": "http://evil.example"}) == 403
+    assert opened({"Sec-Fetch-Site": "same-origin", "Origin": "http://127.0.0.1:8000"}) == 200 == opened({})
+    settings = ServerSettings(port=8000, web_dir=None)
+    with TestClient(create_app(FakeBackend(), settings), base_url=LOCAL) as client:
+        r = client.post("/v1/chat/completions", content=b"\x1f\x8b\x08\x00", headers={"Content-Encoding": "gzip"})
+        assert r.status_code == 415 and "Content-Encoding 'gzip'" in r.json()["error"]["message"], r.text
+    settings = ServerSettings(port=8000, web_dir=None, api_keys=["k"])
+    with TestClient(create_app(FakeBackend(), settings), base_url=LOCAL) as client:
+        assert client.get("/openapi.json").status_code == 401 and client.get("/docs").status_code == 401
+        assert client.get("/openapi.json", headers={"Authorization": "Bearer k"}).status_code == 200

@@ -255,3 +255,26 @@ def test_503_when_over_the_ram_budget(http):
         GOVERNOR.refuse = False
     assert http.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "y"}],
                                                    "max_tokens": 2}).status_code == 200
+
+
+def test_a_request_nested_too_deeply_or_an_id_past_int32_is_a_400_not_a_500(http, caplog):
+    """A body nested past what the JSON reader takes (with a surrogate escape, which is read before the
+    route), a tool schema nested past the grammar's walk, and llama-server's prompt ids past an int32:
+    each a 400 saying what, nothing logged as an exception (they were 500s with two tracebacks)."""
+    import logging
+
+    deep = "[" * 1500 + '"\\ud800"' + "]" * 1500   # (this server's bodies are 4 KiB at most)
+    with caplog.at_level(logging.ERROR):
+        r = http.post("/v1/chat/completions", content=deep, headers={"Content-Type": "application/json"})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "nested_too_deeply", r.text
+        schema = {"type": "string"}
+        for _ in range(300):
+            schema = {"anyOf": [schema]}
+        tools = [{"type": "function", "function": {"name": "f", "parameters": schema}}]
+        r = http.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                                                    "tools": tools, "tool_choice": "required", "max_tokens": 2})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "nested_too_deeply", r.text
+        for path, prompt in (("/completion", [2**40]), ("/completions", ["hi", 2**31])):
+            r = http.post(path, json={"prompt": prompt, "n_predict": 1})
+            assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_token_id", r.text
+    assert not [rec for rec in caplog.records if rec.exc_info], [rec.getMessage() for rec in caplog.records]

@@ -4,6 +4,7 @@ them when the client goes away. Nothing here blocks the event loop."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import weakref
 from typing import Any, AsyncIterator, Callable, Optional, Sequence
@@ -12,7 +13,9 @@ from fastapi import Request
 
 from ..engine import Delta, Emit, Engine, Event, Failed, Finished, Job, Started
 
+log = logging.getLogger("localheap.server")
 DISCONNECT_POLL_S = 0.2
+MAX_BACKLOG = 1024   # events a job's client has not taken yet: past that it is not reading, and its request stops
 
 
 class Mailbox:
@@ -65,22 +68,37 @@ def mailbox(loop: asyncio.AbstractEventLoop) -> Mailbox:
 class JobEvents:
     """One job's events, handed from the engine thread to the event loop."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop):
+    def __init__(self, loop: asyncio.AbstractEventLoop, max_backlog: int = MAX_BACKLOG):
         self.queue: asyncio.Queue[Event] = asyncio.Queue()
         self._mailbox = mailbox(loop)
+        self.job: Optional[Job] = None   # (set once submitted)
+        self.max_backlog = max_backlog
+        self._backlog = 0   # posted, not taken
+        self._lock = threading.Lock()
 
     def emit(self, event: Event) -> None:   # engine thread
+        with self._lock:
+            self._backlog += 1
+            behind = self._backlog
         self._mailbox.post(self.queue, event)
+        if behind > self.max_backlog and self.job is not None and not self.job.cancelled:
+            # a client that reads nothing (its socket full) would have the whole reply held here: it is
+            # stopped as a client gone is, its session keeping what was generated
+            log.warning("a client has not read its last %d events: its request is stopped", behind)
+            self.job.cancel()
 
     async def get(self) -> Event:
-        return await self.queue.get()
+        event = await self.queue.get()
+        with self._lock:
+            self._backlog -= 1
+        return event
 
 
 async def submit(engine: Engine, make: Callable[[Emit], object]) -> tuple[Job, JobEvents, Started]:
     """Submit a request and wait until the engine admits it: returns its Started event, or
     raises the error that stopped it (so the HTTP status can still say what went wrong)."""
     events = JobEvents(asyncio.get_running_loop())
-    job = engine.submit(make(events.emit))
+    job = events.job = engine.submit(make(events.emit))
     try:
         first = await events.get()
     except BaseException:   # client gone while queued
@@ -111,16 +129,16 @@ async def merged(sources: Sequence[AsyncIterator]) -> AsyncIterator[tuple[int, A
     """(i, item) from each of `sources` as they come, until all of them end; a source's error is
     raised here. Closing it cancels the sources still running (a client gone: each follow() in
     them cancels its job): use it under contextlib.aclosing."""
-    arrived: asyncio.Queue = asyncio.Queue()
-    ended = object()
+    arrived: asyncio.Queue = asyncio.Queue(maxsize=len(sources) * 64)   # (a reader that stops: the pumps wait,
+    ended = object()                                                    # so its jobs' own backlogs stop them)
 
     async def pump(i: int, source: AsyncIterator) -> None:
         try:
             async for item in source:
-                arrived.put_nowait((i, item))
-            arrived.put_nowait((i, ended))
+                await arrived.put((i, item))
+            await arrived.put((i, ended))
         except Exception as e:   # noqa: BLE001 - raised to the reader
-            arrived.put_nowait((i, e))
+            await arrived.put((i, e))
 
     pumps = [asyncio.create_task(pump(i, s)) for i, s in enumerate(sources)]
     try:

@@ -141,6 +141,9 @@ def to_response(exc: Exception) -> JSONResponse:
         return error_response(503, str(exc), "server_error", None, "shutting_down", headers={"Retry-After": "5"})
     if isinstance(exc, RequestValidationError):
         return _validation(exc)
+    if isinstance(exc, RecursionError):   # a body, or a schema in it, nested past what is read (no 500)
+        return error_response(400, "the request is nested too deeply to read (its JSON, or a schema in it)",
+                              "invalid_request_error", None, "nested_too_deeply")
     if isinstance(exc, StarletteHTTPException):
         type_ = "invalid_request_error" if exc.status_code < 500 else "server_error"
         code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(exc.status_code)
@@ -194,6 +197,8 @@ def _validation(exc: RequestValidationError) -> JSONResponse:
     if first.get("type") == "json_invalid":
         detail = str((first.get("ctx") or {}).get("error") or first.get("msg") or "").removeprefix("Invalid JSON: ")
         message, param = f"the request body is not valid JSON{f' ({detail})' if detail else ''}", None
+        if "recursion limit" in detail:   # (pydantic's reader stops at about 255 levels)
+            message = f"the request body is nested too deeply to read ({detail})"
     elif first.get("type") == "extra_forbidden":
         message = f"unsupported parameter {param!r}: this server does not accept it"
     elif first.get("type") == "missing" and param is None:   # no body at all
@@ -241,5 +246,5 @@ def install(app: FastAPI) -> None:
     for cls in (ApiError, SessionNotFound, SessionBusy, SessionLost, SpillFailed, RollbackRefused, DiskTotalExceeded,
                 OSError, EngineFailed, InvalidTokens, RankFailed, RankLost,
                 Overloaded, OverBudget, EngineStopped,
-                RequestValidationError, StarletteHTTPException, HeapConfigError, ValueError, Exception):
+                RequestValidationError, StarletteHTTPException, HeapConfigError, ValueError, RecursionError, Exception):
         app.add_exception_handler(cls, handle)

@@ -21,6 +21,7 @@ from typing import Any, Optional, Sequence, Union
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
 from ..dry import DEFAULT_BREAKERS, breaker_ids
+from ..engine import InvalidTokens
 from ..generation import LOGIT_BIAS_RANGE, SEED_MIN, SEED_SPACE, LogprobRecorder, SamplingParams
 from ..sessions import Prompt
 from ..sessions.session import token_array
@@ -391,6 +392,8 @@ def mixed_prompt(tokenizer: Any, p: PromptForm, limit: Optional[int]) -> Prompt:
         if isinstance(part, str):
             ids.extend(encode_bounded(tokenizer, part, limit, "prompt"))
         else:
+            if not 0 <= int(part) < 2**31:   # (past an int32: no token's id; the vocabulary check says the rest)
+                raise InvalidTokens(int(part), len(tokenizer))
             ids.append(int(part))
         if limit is not None and len(ids) > limit:
             raise PromptTooLong(limit, len(ids), "prompt")

@@ -22,7 +22,12 @@ RELEASE_AFTER_BYTES = 4 << 20
 # every API route (tests/test_server_errors.py checks each one the app has); /health and the web
 # page's files stay open
 PROTECTED_PREFIXES = ("/v1/", "/api/", "/metrics", "/completion", "/infill", "/tokenize", "/detokenize",
-                      "/apply-template", "/props", "/slots")
+                      "/apply-template", "/props", "/slots", "/docs", "/openapi.json")
+class UnsupportedEncoding(ApiError):
+    status, code = 415, "unsupported_content_encoding"
+
+
+HELD_GETS = ("/v1/heap/events",)   # GETs that hold something while they last (a stream's observer slot)
 
 
 OWNER = "localheap.owner"   # scope key: the id of the API key that authenticated the request
@@ -134,7 +139,18 @@ class CheckOrigin:
         return scheme not in WEB_SCHEMES or netloc in {h.strip().lower() for h in hosts if h.strip()}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["method"] not in SAFE_METHODS:
+        held = scope["type"] == "http" and scope["method"] == "GET" and scope["path"] in HELD_GETS
+        if held:
+            headers = dict(scope["headers"])
+            # a page of another site opening the stream (no CORS needed to start a GET: it cannot read it,
+            # but it held one of the few observer slots, the web UI's refused): its Origin, where sent,
+            # is checked as below; a browser's no-cors GET sends none, only Sec-Fetch-Site
+            if headers.get(b"origin") is None and headers.get(b"sec-fetch-site", b"").lower() == b"cross-site":
+                error = Forbidden("the heap event stream is refused to web pages of other sites (start the server "
+                                  "with --cors-origin ORIGIN to allow one)", code="cross_origin_refused")
+                await for_path(scope["path"], to_response(error))(scope, receive, send)
+                return
+        if scope["type"] == "http" and (scope["method"] not in SAFE_METHODS or held):
             headers = dict(scope["headers"])
             origin = headers.get(b"origin")
             if origin is not None:
@@ -167,6 +183,12 @@ class BodiesAreJson:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["method"] not in SAFE_METHODS and \
                 scope["path"].startswith(PROTECTED_PREFIXES):
+            coding = dict(scope["headers"]).get(b"content-encoding", b"identity").strip().lower()
+            if coding not in (b"", b"identity"):
+                error = UnsupportedEncoding(f"request bodies are read as sent: Content-Encoding "
+                                            f"{coding.decode('latin-1')!r} is not accepted (send the JSON uncompressed)")
+                await for_path(scope["path"], to_response(error))(scope, receive, send)
+                return
             kind = dict(scope["headers"]).get(b"content-type", b"").split(b";")[0].strip().lower()
             if kind in self.RELABELLED:
                 headers = [(k, v) for k, v in scope["headers"] if k != b"content-type"]
