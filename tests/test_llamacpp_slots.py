@@ -237,6 +237,10 @@ def test_a_slot_answers_for_its_callers_sessions_only(backend, tmp_path):
         a, b = ({"Authorization": f"Bearer {k}"} for k in ("key-a", "key-b"))
         _complete(srv, _ids(backend, 30, seed=5), n=2, headers=a)
         sid = srv.services.engine.slots.slots[0].last["session_id"]
+        # /slots shows b whether a's slot runs, nothing of a's request (its settings, stops, seed, counts)
+        seen = {k: httpx.get(srv.url + "/slots", headers=h, timeout=60).json()[0] for k, h in (("a", a), ("b", b))}
+        assert "params" in seen["a"] and seen["a"]["localheap"]["session_id"] == sid
+        assert set(seen["b"]) == {"id", "is_processing", "n_ctx", "speculative"}, seen["b"]
         assert _slot(srv, 0, "save", headers=b, filename="b.bin")["n_saved"] == 0
         assert _slot(srv, 0, "erase", headers=b)["n_erased"] == 0 and sid in srv.services.store
         assert _slot(srv, 0, "save", headers=a, filename="a.bin")["n_saved"] > 0   # b's erase left a's hold as it was

@@ -153,7 +153,9 @@ async def props(svc: Services = Depends(services)) -> dict:
 async def slots(request: Request, fail_on_no_slot: Optional[str] = None, svc: Services = Depends(services)) -> list:
     """llama-server's slots: the engine's max_active runs at once, each slot with the run on it (or
     the last one it held): is_processing, prompt and reply counts, sampling settings; a session id
-    only to its owner. `fail_on_no_slot` (any value): a 503 while every slot runs (a balancer's probe)."""
+    only to its owner, and another API key's request (its settings, stops, seed, counts) not at all: that
+    slot shows only whether it runs. `fail_on_no_slot` (any value): a 503 while every slot runs (a
+    balancer's probe)."""
     view = await asyncio.wrap_future(svc.engine.call(svc.engine.slots.view))
     if fail_on_no_slot and not any(not s["is_processing"] for s in view):
         raise NoSlotFree("no slot available")
@@ -162,6 +164,8 @@ async def slots(request: Request, fail_on_no_slot: Optional[str] = None, svc: Se
     for s in view:
         mine = s.pop("owner", None) == who
         session_id = s.pop("session_id", None)
+        if not mine:   # (without keys every request is the one user's: mine)
+            s = {"id": s["id"], "is_processing": s["is_processing"]}
         out.append({**s, "n_ctx": svc.settings.max_prompt_tokens, "speculative": False,
                     **({"localheap": {"session_id": session_id}} if mine and session_id else {})})
     return out
