@@ -139,3 +139,24 @@ def test_a_checkpoints_fingerprint_follows_its_weights_not_its_place(model_dirs,
     tensors = {k: v + 1 if v.dtype.kind == "f" else v for k, v in tensors.items()}   # fine-tuned: same shapes
     save_file(tensors, b / "model.safetensors", metadata={"format": "pt"})
     assert model_fingerprint(a) != model_fingerprint(b)
+
+
+def test_a_chat_renders_the_same_on_mlx_as_on_torch(model_dirs, tmp_path):
+    """MLX's tokenizer wrapper adds enable_thinking (its vocabulary has <think>) to every render: the server
+    renders with the Hugging Face tokenizer inside it, so a template that reads the flag gives one prompt on
+    both backends (the random families' opened <think></think> on MLX only)."""
+    pytest.importorskip("mlx.core")
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+    from transformers import AutoTokenizer
+
+    from localheap.server.prompts import ChatOptions, chat_prompt
+    from localheap.server.schemas import ChatMessage
+
+    from family_templates import QWEN, with_template
+
+    path = with_template(resolve_model("random:qwen3:tiny")[0], tmp_path / "m", QWEN)   # (it reads enable_thinking)
+    wrapped, hf = load_tokenizer(path), AutoTokenizer.from_pretrained(str(path))
+    msgs = [ChatMessage(role="user", content="Hi")]
+    for kwargs in ({}, {"enable_thinking": False}):
+        opts = ChatOptions(template_kwargs=kwargs)
+        assert chat_prompt(wrapped, msgs, opts=opts).text == chat_prompt(hf, msgs, opts=opts).text

@@ -134,10 +134,21 @@ def render(tokenizer: Any, messages: list[dict], add_generation_prompt: bool, **
     if getattr(tokenizer, "chat_template", None) is None and not _has_template(tokenizer):
         raise BadRequest("this model has no chat template; use /v1/completions", "messages", "no_chat_template")
     try:
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                             **template_args)
+        return _templating(tokenizer).apply_chat_template(messages, tokenize=False,
+                                                          add_generation_prompt=add_generation_prompt, **template_args)
     except Exception as e:  # jinja raises its own error types from inside the template
         raise BadRequest(f"the model's chat template refused these messages: {e}", "messages") from e
+
+
+def _templating(tokenizer: Any) -> Any:
+    """The tokenizer whose template renders: MLX's wrapper's Hugging Face tokenizer (the wrapper adds
+    enable_thinking=<its vocabulary has <think>> to every render, so one model directory rendered
+    otherwise on MLX than on torch), unless mlx-lm gave the wrapper a template function of its own."""
+    inner = getattr(tokenizer, "_tokenizer", None)
+    if inner is not None and getattr(tokenizer, "_chat_template", None) is None \
+            and hasattr(inner, "apply_chat_template") and getattr(inner, "chat_template", None) is not None:
+        return inner
+    return tokenizer
 
 
 def _has_template(tokenizer: Any) -> bool:
@@ -157,8 +168,8 @@ def render_continuation(tokenizer: Any, messages: list[dict], add_generation_pro
     placeholder, not again before the new messages)."""
     try:
         closed = {k: v for k, v in template_args.items() if k != "continue_final_message"}   # (a prefill's)
-        base = tokenizer.apply_chat_template(wrap(list(_PLACEHOLDER)), tokenize=False, **closed)
-        full = tokenizer.apply_chat_template(wrap(_PLACEHOLDER + messages), tokenize=False,
+        base = _templating(tokenizer).apply_chat_template(wrap(list(_PLACEHOLDER)), tokenize=False, **closed)
+        full = _templating(tokenizer).apply_chat_template(wrap(_PLACEHOLDER + messages), tokenize=False,
                                              add_generation_prompt=add_generation_prompt, **template_args)
     except Exception:
         return None, None
