@@ -532,3 +532,19 @@ def test_stop_after_the_last_token_while_the_turn_is_saved_reads_the_reply_to_it
         g.close()
     assert [a["stopped"] for a in answered] == [0]
     assert kept["content"] == reply and kept["status"] == "done" and kept["finish"] == "stop" and kept["saved"] is True
+
+
+def test_a_document_whose_file_name_is_longer_than_a_title_is_read(open_page, server):
+    """A file name of 244 characters (legal on Linux and macOS) made the whole upload a 400: the page sends
+    it cut to the server's 200 (by characters: an emoji's halves are never split), and it titles the
+    conversation as a shorter one does (trimmed further there)."""
+    page = open_page().page
+    name = "n" * 198 + "\U0001F642" * 3 + "x" * 40 + ".txt"
+    page.click("#add-document")
+    page.set_input_files("#document-file", files=[{"name": name, "mimeType": "text/plain", "buffer": b"A short note."}])
+    page.wait_for_function("document.getElementById('document-text').value.length === 13")
+    page.click("#document-submit")
+    page.wait_for_selector(".msg-document.done", timeout=60_000)
+    title = httpx.get(f"{server.url}/v1/sessions/{current_session(page)}").json()["title"]
+    assert title.startswith("n" * 60) and "\ufffd" not in title, title
+    assert page.locator(".msg-document .doc-name").inner_text().startswith("n" * 60)

@@ -6,7 +6,14 @@ import { ApiError, events, postJSON, request } from "./api.js";
 import { el, int, rate } from "./format.js";
 import { renderMarkdown } from "./markdown.js";
 
-const STOP_WAIT_MS = 10000;   // a reply its session's stop has not ended by then: its request is left
+const STOP_WAIT_MS = 10000;
+const NAME_CHARS = 200;       // the server's longest title (a file's name titles its conversation)
+
+// A name cut to the server's title length, by characters (a cut pair of UTF-16 halves is refused).
+function titled(name) {
+  const chars = Array.from(name);
+  return chars.length > NAME_CHARS ? chars.slice(0, NAME_CHARS - 1).join("") + "…" : name;
+}   // a reply its session's stop has not ended by then: its request is left
 
 export class Chat {
   constructor({ box, convs, heapView, ensureSession, settings, onBusy, onUnauthorized }) {
@@ -99,7 +106,7 @@ export class Chat {
     const doc = this.append(id, { role: "document", name, chars: text.length, status: "reading", done: 0, total: 0 });
     await this.run(id, "document", doc, async (signal) => {
       const response = await request("POST", `/v1/sessions/${encodeURIComponent(id)}/documents`,
-        { signal, body: { text, name } });
+        { signal, body: { text, name: titled(name) } });
       for await (const { event, data } of events(response)) {
         const body = JSON.parse(data);
         if (event === "progress") {
