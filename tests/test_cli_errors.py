@@ -273,3 +273,13 @@ def test_serve_on_port_0_prints_and_records_the_port_it_serves(host, tmp_path):
     finally:
         proc.terminate()
         proc.communicate(timeout=60)
+
+
+@pytest.mark.parametrize("recall", [[], ["--recall", "on"]])
+def test_a_recall_region_of_no_page_is_refused_saying_how_to_turn_recall_off(recall, capsys):
+    """--recall-budget 0 turned recall off by default, gave a region of 2,048 with --recall on, and, with a small
+    budget, an error naming that 2,048 nobody gave: a region under one page is refused, by name."""
+    argv = ["generate", "--random-model", "llama:tiny", "--prompt", "hi", "--recall-budget", "0", *recall]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "--recall-budget 0" in err and "--recall off" in err and "2048" not in err, err

@@ -299,6 +299,9 @@ def heap_config(args, backend=None, **overrides) -> HeapConfig:
     if chunk is None and backend is not None:
         chunk = backend.default_prefill_chunk()
     region = args.recall_budget
+    if region is not None and region < args.page_size:   # (0 meant off here, on there, and a 2,048 nobody gave)
+        raise ValueError(f"--recall-budget {region}: the recall region holds whole pages, at least one "
+                         f"(--page-size {args.page_size}); to turn recall off pass --recall off")
     if region is None:
         region = default_recall_budget(args.budget, recent, args.page_size)
         if region == 0 and args.recall == "on":   # (not the default region's size: the budget leaves none)
