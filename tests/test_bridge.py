@@ -102,6 +102,12 @@ def test_a_client_that_reads_nothing_has_its_job_stopped_past_the_backlog():
     try:
         slow, reader = _on_loop(loop, lambda: [JobEvents(asyncio.get_running_loop(), max_backlog=5) for _ in range(2)])
         slow.job, reader.job = Job(request=None), Job(request=None)
+        for i in range(8):   # not followed yet (a request's other choices still wait their turn): held, never stopped
+            slow.emit(i)
+        assert not slow.job.cancelled
+        for i in range(8):
+            asyncio.run_coroutine_threadsafe(slow.get(), loop).result(5)
+        slow.following = reader.following = True   # (follow() sets it)
         for i in range(5):
             slow.emit(i)
         assert not slow.job.cancelled

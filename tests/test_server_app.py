@@ -309,3 +309,12 @@ def test_a_page_of_another_site_cannot_hold_the_heap_stream_nor_send_compressed_
     with TestClient(create_app(FakeBackend(), settings), base_url=LOCAL) as client:
         assert client.get("/openapi.json").status_code == 401 and client.get("/docs").status_code == 401
         assert client.get("/openapi.json", headers={"Authorization": "Bearer k"}).status_code == 200
+
+
+def test_choices_that_wait_for_a_slot_do_not_stop_the_first_as_a_client_not_reading():
+    """n: 2 on one slot: choice 1 waits for choice 0's slot, and choice 0's events wait unread until then;
+    they are not a client that stopped reading (choice 0 came back cut, "stop", at 1,024 characters)."""
+    settings = ServerSettings(web_dir=None, max_active=1)
+    with TestClient(create_app(FakeBackend(), settings), base_url=LOCAL) as client:
+        r = client.post("/v1/completions", json={"model": "fake-model", "prompt": "hi", "n": 2, "max_tokens": 1500})
+        assert [(c["finish_reason"], len(c["text"])) for c in r.json()["choices"]] == [("length", 1500)] * 2, r.text

@@ -862,12 +862,27 @@ def test_a_named_sessions_new_messages_with_tools_add_no_second_tool_list(model_
         tok = AutoTokenizer.from_pretrained(str(resolve_model("random:llama:tiny")[0]))
     else:
         tok = AutoTokenizer.from_pretrained(str(phi4_mini_model(model_dirs, tmp_path_factory.mktemp("phi4") / "m")))
+    from localheap.heap import HeapConfig
+    from localheap.sessions import Session
+    from localheap.sessions.match import continue_session
+    from localheap.sessions.session import token_array
+
     opts = ChatOptions(TOOLS, tool_format(tok))
     assert opts.prompted
     one, reply, two = (ChatMessage(role="user", content="Hi"), ChatMessage(role="assistant", content="Hello."),
                        ChatMessage(role="user", content="Weather in Paris?"))
-    first = chat_prompt(tok, [one], opts=opts)
-    nxt = chat_prompt(tok, [two], opts=opts)
-    whole = chat_prompt(tok, [one, reply, two], opts=opts)
-    held = tok.decode(list(first.tokens)) + "Hello." + tok.decode(list(nxt.after_reply))
-    assert held == tok.decode(list(whole.tokens)), held
+    encode = lambda text: tok.encode(text, add_special_tokens=False)   # noqa: E731
+
+    def next_turn(first_opts):
+        """The session after turn one (its reply's end of turn never read), then turn two sent alone."""
+        s = Session(id="sess_x", cfg=HeapConfig())
+        s.fed = token_array(list(chat_prompt(tok, [one], opts=first_opts).tokens) + encode("Hello."))
+        s.ends_in_reply = True
+        m = continue_session(s, chat_prompt(tok, [two], opts=opts), encode, tok.decode)
+        return tok.decode(list(s.fed) + list(m.new_tokens))
+
+    whole = tok.decode(list(chat_prompt(tok, [one, reply, two], opts=opts).tokens))
+    assert next_turn(opts) == whole   # tools from the first turn on: held, not written again
+    later = next_turn(None)            # tools sent first now: written into the new turn, as before
+    assert later.count(opts.fmt.listing(TOOLS)) == 1 and later.startswith(tok.decode(list(
+        chat_prompt(tok, [one]).tokens)) + "Hello."), later

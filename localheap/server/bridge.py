@@ -72,6 +72,8 @@ class JobEvents:
         self.queue: asyncio.Queue[Event] = asyncio.Queue()
         self._mailbox = mailbox(loop)
         self.job: Optional[Job] = None   # (set once submitted)
+        self.following = False           # its consumer reads it (follow): before that, a request's other choices
+                                         # may still wait their turn, and its events wait for them, unread
         self.max_backlog = max_backlog
         self._backlog = 0   # posted, not taken
         self._lock = threading.Lock()
@@ -81,7 +83,7 @@ class JobEvents:
             self._backlog += 1
             behind = self._backlog
         self._mailbox.post(self.queue, event)
-        if behind > self.max_backlog and self.job is not None and not self.job.cancelled:
+        if behind > self.max_backlog and self.following and self.job is not None and not self.job.cancelled:
             # a client that reads nothing (its socket full) would have the whole reply held here: it is
             # stopped as a client gone is, its session keeping what was generated
             log.warning("a client has not read its last %d events: its request is stopped", behind)
@@ -113,6 +115,7 @@ async def submit(engine: Engine, make: Callable[[Emit], object]) -> tuple[Job, J
 async def follow(job: Job, events: JobEvents) -> AsyncIterator[Event]:
     """The job's events up to Finished; the job is cancelled if the consumer stops early
     (sse-starlette cancels the stream's generator when the client disconnects)."""
+    events.following = True
     try:
         while True:
             event = await events.get()

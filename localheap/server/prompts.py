@@ -219,14 +219,28 @@ def chat_prompt(tokenizer: Any, messages: list[ChatMessage], add_generation_prom
         args, add_generation_prompt = {**args, "continue_final_message": True}, False
     text = render(tokenizer, msgs, add_generation_prompt, **args)
     tokens = encode_bounded(tokenizer, text, limit)
-    plain = _messages(messages, opts, tools=False)
-    cont, after = render_continuation(tokenizer, plain, add_generation_prompt, lambda ms: _with_tools(ms, opts), **args)
+    if opts is not None and opts.prompted and opts.tools:   # (a session that holds the tools' text, and one that does not)
+        plain = _messages(messages, opts, tools=False)
+        held = _continuations(tokenizer, text, tokens, limit, render_continuation(
+            tokenizer, plain, add_generation_prompt, lambda ms: _with_tools(ms, opts), **args))
+        anew = _continuations(tokenizer, text, tokens, limit,
+                              render_continuation(tokenizer, msgs, add_generation_prompt, **args))
+        return Prompt(tokens, text, *held, tools_text=opts.fmt.listing(opts.tools), tools_anew=anew)
+    return Prompt(tokens, text, *_continuations(tokenizer, text, tokens, limit,
+                                                render_continuation(tokenizer, msgs, add_generation_prompt, **args)))
+
+
+def _continuations(tokenizer: Any, text: str, tokens: Sequence[int], limit: Optional[int],
+                   rendered: tuple[Optional[str], Optional[str]]) -> tuple:
+    """render_continuation's two texts as ids (continuation, after_reply): the continuation's a slice of the
+    prompt's where the template renders it as the prompt's tail."""
+    cont, after = rendered
     cont_ids = _tail_ids(tokenizer, text, tokens, cont) if cont is not None else None
     if after is not None and cont_ids is not None and after.endswith(cont):   # the end of turn, then the same ids
         after_ids = token_array(encode_plain(tokenizer, after[:len(after) - len(cont)])) + token_array(cont_ids)
     else:   # (read in pieces, bounded, as the prompt is: a long message is long here too)
         after_ids = token_array(encode_bounded(tokenizer, after, limit)) if after is not None else None
-    return Prompt(tokens, text, cont_ids, after_ids)
+    return cont_ids, after_ids
 
 
 def _tail_ids(tokenizer: Any, text: str, tokens: Sequence[int], tail: str) -> Sequence[int]:

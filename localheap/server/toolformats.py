@@ -146,6 +146,10 @@ class ToolFormat:
         """(not in_template) The messages with the tools (OpenAI's shape) where this family reads them."""
         raise NotImplementedError
 
+    def listing(self, tools: list[dict]) -> str:
+        """(not in_template) The text with_tools writes the tools as (a session that holds it has them)."""
+        raise NotImplementedError
+
     def parse_block(self, body: str, closed: bool) -> Optional[list[ToolCall]]:
         """`parse` of a block that ended with `end` (`closed`), or with the reply (cut short)."""
         return self.parse(body)
@@ -175,8 +179,11 @@ class Prompted(Hermes):
     def written_calls(self, content: str, calls: list[tuple[str, str]]) -> str:
         return "\n".join([content] * bool(content) + [prompted_call(n, a) for n, a in calls])
 
+    def listing(self, tools: list[dict]) -> str:
+        return prompted_tools(tools)
+
     def with_tools(self, messages: list[dict], tools: list[dict]) -> list[dict]:
-        text = prompted_tools(tools)
+        text = self.listing(tools)
         if messages and messages[0]["role"] == "system":
             return [{**messages[0], "content": text + "\n\n" + messages[0]["content"]}] + messages[1:]
         return [{"role": "system", "content": text}] + messages
@@ -202,8 +209,11 @@ class Phi4Mini(ToolFormat):
         body = ", ".join(f'{{"name": {json.dumps(n, ensure_ascii=False)}, "arguments": {a or "{}"}}}' for n, a in calls)
         return f"{content}{self.starts[0]}[{body}]{self.end}"
 
+    def listing(self, tools: list[dict]) -> str:
+        return json.dumps([t["function"] for t in tools], ensure_ascii=False)
+
     def with_tools(self, messages: list[dict], tools: list[dict]) -> list[dict]:
-        listed = json.dumps([t["function"] for t in tools], ensure_ascii=False)
+        listed = self.listing(tools)
         if messages and messages[0]["role"] == "system":
             return [{**messages[0], "tools": listed}] + messages[1:]
         return [{"role": "system", "content": self.SYSTEM, "tools": listed}] + messages

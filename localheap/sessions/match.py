@@ -51,6 +51,11 @@ class Prompt:
     text: Optional[str] = None
     continuation: Optional[Sequence[int]] = None
     after_reply: Optional[Sequence[int]] = None
+    # tools a template cannot render, written as text into the system message: the two continuations
+    # above take a session that holds `tools_text` (its first turn's); `tools_anew` (continuation,
+    # after_reply) writes them into the new messages, for one that does not (tools sent first now, or changed)
+    tools_text: Optional[str] = None
+    tools_anew: Optional[tuple] = None
 
 
 @dataclass
@@ -253,11 +258,13 @@ def continue_session(s: Session, prompt: Prompt, encode: Encode, decode: Decode)
     rest = _text_prefix(s, prompt, decode)
     if rest is not None and (new := encode(rest)):
         return Match(s, new, len(s.fed))
-    cont = prompt.continuation
-    if prompt.after_reply is not None and s.ends_in_reply:
+    cont, after = prompt.continuation, prompt.after_reply
+    if prompt.tools_text is not None and prompt.tools_text not in s.text(decode):
+        cont, after = prompt.tools_anew
+    if after is not None and s.ends_in_reply:
         # it ends in a reply: that turn closed first (the web UI's, chat's next turn); where the reply's end of
         # turn is in the session already (sampled on a step run ahead, a reply decoding alone), not again
-        cont = prompt.after_reply
+        cont = after
         if not s.unfed_reply and len(s.fed) and len(cont) and s.fed[-1] == cont[0]:
             cont = cont[1:]
     # after the reply's last tokens where max_tokens or a stop cut it once they were sampled (the client

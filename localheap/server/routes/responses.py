@@ -245,9 +245,12 @@ def _replay(p: _Planned, who: Optional[str], records: list[dict]) -> Optional[Ru
     finally:
         SOURCE.reset(source)
     if reply:
-        cont, after = p.prompt.continuation, p.prompt.after_reply
-        p.prompt = Prompt(_then(p.prompt.tokens, reply), None, None if cont is None else _then(cont, reply),
-                          None if after is None else _then(after, reply))
+        def then(pair):
+            return tuple(None if ids is None else _then(ids, reply) for ids in pair)
+
+        anew = p.prompt.tools_anew
+        p.prompt = Prompt(_then(p.prompt.tokens, reply), None, *then((p.prompt.continuation, p.prompt.after_reply)),
+                          tools_text=p.prompt.tools_text, tools_anew=None if anew is None else then(anew))
         p.params.max_tokens = max(0, p.params.max_tokens - len(reply))
         p.begun = len(reply)
     return run
