@@ -896,3 +896,23 @@ def test_page_span_of_a_batch_is_each_pages_span():
     for k in range(6):
         assert np.array_equal(batch[k], page_span(pos[k]))
     assert batch[2, 1].tolist() == [-1, -1]
+
+
+def test_a_disk_total_share_bounds_the_files_growth_not_their_holes_twice(tmp_path):
+    """--disk-total gives a running store a share of the room left: its live pages may grow by it (their holes
+    taken off) and its files by it (holes and all). The files' bound counted the holes twice, dropping pages
+    that fitted (2 of 4)."""
+    from types import SimpleNamespace
+
+    from localheap.sessions.diskbudget import DiskTotal
+
+    rng = np.random.default_rng(9)
+    s = store(tmp_path, layers=2)
+    s.append(0, *evicted(rng, 10 * P), np.full((H, 10 * P), 1.0))
+    s.append(1, *evicted(rng, 10 * P), np.full((H, 10 * P), 5.0))
+    s.drop_lowest(6)   # layer 0: 6 holes; layer 1: none
+    session = SimpleNamespace(cache=SimpleNamespace(pages=s), cfg=SimpleNamespace(disk_budget=0))
+    DiskTotal(SimpleNamespace(), 10**12)._share([session], 8 * s.record_bytes)
+    files, dropped = s.file_bytes, s.dropped
+    s.append(1, *evicted(rng, 4 * P, 1000), np.full((H, 4 * P), 9.0))   # 4 pages into layer 1's file
+    assert (s.file_bytes - files) // s.record_bytes == 4 and s.dropped == dropped

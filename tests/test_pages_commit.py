@@ -219,3 +219,25 @@ def test_store_opened_at_latest_takes_the_newest_state(tmp_path):
     s.checkpoint()
     s.close()
     assert PageStore(s.root, s.g, summary="minmax").pages == 3
+
+
+def test_a_reopen_leaves_a_checkpoint_taken_after_its_state_whole(tmp_path):
+    """A document's checkpoint is taken (hard links) just before its turn's save; a crash or a refused save
+    leaves the session at its older state. Reopening there must not tombstone nor cut the records the
+    checkpoint holds live in the shared file (its fork had 2 pages of 8): the store takes its own copy."""
+    from localheap.heap.pages import copy_tree
+
+    rng = np.random.default_rng(3)
+    s = store(tmp_path)
+    s.append(0, *evicted(rng, 2 * P))
+    s.checkpoint(0)
+    s.committed(0)
+    s.append(0, *evicted(rng, 6 * P, 100))   # the document's turn
+    s.snapshot(tmp_path / "ckpt" / "800.pages", 800)
+    assert s.pages == 8
+    s.close()                                  # killed before the turn's save commits
+    r = PageStore(s.root, s.g, state=0)
+    assert r.pages == 2 and r._file(0).stat().st_size == 2 * r.record_bytes   # its own file, cut
+    r.close()
+    copy_tree(tmp_path / "ckpt" / "800.pages", tmp_path / "fork.pages", 800)
+    assert PageStore(tmp_path / "fork.pages", s.g, state=800).pages == 8

@@ -296,6 +296,8 @@ class PageStore:
         self.root = Path(root)
         self.g = geometry
         self.disk_budget = disk_budget          # bytes; 0 = unbounded
+        self.file_budget: Optional[int] = None  # bytes the layer files may hold; None: disk_budget (--disk-total
+                                                # sets its own: live pages and files are bounded apart there)
         self.max_pages = max_pages              # pages, all layers; 0 = unbounded
         self.dtype = record_dtype(geometry)
         self.record_bytes = self.dtype.itemsize
@@ -513,13 +515,14 @@ class PageStore:
         their slots taken instead. (enforce_budget bounds the live pages, any layer's going first; the
         slots it frees in one layer cannot take another's pages, and a file never shrinks while open:
         one layer's file grew to its own high-water mark, the files 1.4x the bound.)"""
-        if not self.disk_budget:
+        bound = self.disk_budget if self.file_budget is None else self.file_budget
+        if not bound:
             return
         L = self.layers[layer]
         sizes = [os.fstat(fd).st_size // self.record_bytes for fd in self._fds]
         holes = sum(1 for s in L.free if s < sizes[layer])
         grow = m - holes
-        over = sum(sizes) + grow - self.disk_budget // self.record_bytes
+        over = sum(sizes) + grow - bound // self.record_bytes
         if grow <= 0 or over <= 0:
             return
         live = np.flatnonzero(L.live)
@@ -1008,17 +1011,21 @@ class PageStore:
                 L.live[slots], L.value[slots], L.seq[slots] = True, recs["value"][slots], recs["seq"][slots]
                 L.span[slots] = page_span(pos)
             L.free = sorted((int(s) for s in np.flatnonzero(~L.live[: len(L.live)])), reverse=True)
-            # the file's tail past its last live record (what a turn a crash cut short wrote: a long document's
-            # reading may leave gigabytes no count sees) is cut off: records the loop below would tombstone in
-            # the file (a checkpoint that links it included), none live at any state this one follows
+            # records written after the state (a turn that never committed, or a parent's appends a fork copied)
+            # are tombstoned, or a later state's larger sequence number would take them for valid; and the file's
+            # tail past its last live record (what a turn a crash cut short wrote: a long document's reading may
+            # leave gigabytes no count sees) is cut off. A checkpoint taken after this state (a document's, just
+            # before its turn's save, which a crash or a full disk kept from committing) links the file and
+            # holds those records live: the store takes its own copy first, the checkpoint keeps the file.
+            dead = np.flatnonzero((recs["magic"][:n] == MAGIC) & ~L.live[:n])
             live = np.flatnonzero(L.live[:n])
             end = int(live[-1]) + 1 if len(live) else 0
-            if os.fstat(self._fds[i]).st_size > end * self.record_bytes:
+            st = os.fstat(self._fds[i])
+            if (len(dead) or st.st_size > end * self.record_bytes) and st.st_nlink > 1:
+                self._own(i)
+            if st.st_size > end * self.record_bytes:
                 os.ftruncate(self._fds[i], end * self.record_bytes)
-                n = end
-            # records written after the state (a turn that never committed, or a parent's appends a
-            # fork copied): tombstoned, or a later state's larger sequence number would take them for valid
-            for slot in np.flatnonzero((recs["magic"][:n] == MAGIC) & ~L.live[:n]):
+            for slot in dead[dead < end]:
                 os.pwrite(self._fds[i], np.zeros(4, np.uint8).tobytes(), int(slot) * self.record_bytes)
         if self.corrupt:
             log.warning("page store %s: %d records failed their check on open; tombstoned", self.root, self.corrupt)

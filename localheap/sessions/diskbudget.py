@@ -274,6 +274,8 @@ class DiskTotal:
             files = p.file_bytes
             live = max(1, files + room // len(stores) - (files - p.disk_bytes))   # 1: under a record, no pages
             p.disk_budget = min(s.cfg.disk_budget, live) if s.cfg.disk_budget else live
+            grown = max(1, files + room // len(stores))   # its files, holes and all, by the same part
+            p.file_budget = min(s.cfg.disk_budget, grown) if s.cfg.disk_budget else grown
 
     # --- taking space back ---
 
