@@ -94,6 +94,8 @@ def test_an_mlx_quantized_checkpoint_on_torch_is_refused_by_name(model_dirs, tmp
     monkeypatch.setattr("localheap.models.download", lambda *a, **k: pytest.fail("downloaded"))
     with pytest.raises(ModelNotFound, match="MLX-quantized checkpoint .*mlx-community/.*--backend mlx"):
         load_backend("qwen3-8b-q4", "torch")
+    monkeypatch.chdir(tmp_path)   # a local directory named as an alias is that directory
+    assert load_backend(str(_copy_of(tmp_path, "qwen3-8b-q4").name), "torch").model_name == "qwen3-8b-q4"
     d = _copy_of(tmp_path)
     config = json.loads((d / "config.json").read_text())
     quant = {"group_size": 64, "bits": 4}
