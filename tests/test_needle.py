@@ -154,3 +154,21 @@ def test_long_table_counts_what_the_ceiling_answered_and_a_cell_missed():
     text = needle.tables({"settings": settings, "rows": rows})
     lost = {ln.split()[5]: ln.split()[-1] for ln in text.splitlines() if ln.lstrip().startswith("man / end / 1")}
     assert "lost" in text and lost == {"full": "-", "snapkv": "2", "snapkv+recall": "1"}
+
+
+def test_a_recall_cell_where_no_question_recalled_says_so(backend):
+    """At a context whose document and question fit the heap in one prompt nothing is paged out before the
+    question: the +recall cell's accuracy is the heap's alone (its region reserved, empty), and its row and
+    the recall-costs table say no question recalled (it printed a lower accuracy as recall's, silently)."""
+    from localheap.heap import HeapConfig
+
+    base = HeapConfig(budget=508, recent=64, page_size=32, recall_budget=224)
+    eps = needle.episodes(backend.tokenizer, 1024, trials=1, seed=0)
+    row = needle.cell(backend, base, eps, 1024, 508, "snapkv+recall", "compact", 0.5)
+    assert row["policy"] == "snapkv+recall" and isinstance(row["recalls"], int)
+    settings = {"context": 1024, "policies": ["snapkv+recall"], "positions": ["compact"], "prune": [0.5],
+                "trials": 1, "long_contexts": [], "heap": {"sinks": 4}}
+    full = {**row, "policy": "full", "budget": 1024, "recalls": None, "recall_ms": None}
+    said = {n: "no question recalled" in needle.tables({"settings": settings, "rows": [full, {**row, "recalls": n}]})
+            for n in (0, 1)}
+    assert said == {0: True, 1: False}

@@ -249,10 +249,14 @@ def cell(backend, base, eps: list[Episode], context: int, budget: int, policy: s
            "trials": len(hits), "accuracy": round(float(np.mean(hits)), 4), "by_depth": by_bin,
            "hits": "".join("1" if h else "0" for h in hits), "seconds": round(time.perf_counter() - t0, 1)}
     if recall:
-        row = {**row, "policy": policy + "+recall", "recall_budget": cfg.recall_budget, **recall_costs(pages)}
+        row = {**row, "policy": policy + "+recall", "recall_budget": cfg.recall_budget, **recall_costs(pages),
+               "recalls": sum(p.get("recalls", 0) for p in pages)}
     if log:
-        log(f"ctx {context:>6} budget {budget:>5} {policy:>9} {positions:>8}: {row['accuracy']:.0%} "
-            f"({row['seconds']:.0f}s)")
+        unused = recall and not row["recalls"]   # (its accuracy is the heap's alone, its region left empty)
+        log(f"ctx {context:>6} budget {budget:>5} {row['policy']:>9} {positions:>8}: {row['accuracy']:.0%} "
+            f"({row['seconds']:.0f}s)" + (" - no question recalled: the document and its question were read in one "
+                                          "prompt that fitted the heap; a larger --context tries the recall tier"
+                                          if unused else ""))
     return row
 
 
@@ -414,9 +418,12 @@ def tables(result: dict) -> str:
         text += "\n\nrecall costs (per question; disk and summaries at the end of an episode)\n" + table(costs, [
             ("context", "context", ","), ("filler", "filler", ""), ("placement", "placement", ""),
             ("turns", "questions", "d"), ("budget", "budget", ","), ("positions", "positions", ""),
-            ("recall_budget", "recall slots", ","), ("accuracy", "accuracy", ".0%"),
+            ("recall_budget", "recall slots", ","), ("accuracy", "accuracy", ".0%"), ("recalls", "recalls", ","),
             ("recall_ms", "recall ms", ".1f"), ("recall_ms_per_1k", "ms / 1K recalled", ".1f"),
             ("summary_bytes", "summary RAM B", ","), ("disk_bytes_per_token", "disk B / token", ".0f")])
+        if any(r.get("recalls") == 0 for r in costs):
+            text += ("\nrecalls 0: no question recalled (the document and its question were read in one prompt "
+                     "that fitted the heap): that row's accuracy is the heap's alone; a larger --context tries recall")
     return text
 
 
