@@ -318,3 +318,22 @@ def test_choices_that_wait_for_a_slot_do_not_stop_the_first_as_a_client_not_read
     with TestClient(create_app(FakeBackend(), settings), base_url=LOCAL) as client:
         r = client.post("/v1/completions", json={"model": "fake-model", "prompt": "hi", "n": 2, "max_tokens": 1500})
         assert [(c["finish_reason"], len(c["text"])) for c in r.json()["choices"]] == [("length", 1500)] * 2, r.text
+
+
+def test_a_chat_template_that_does_not_compile_is_refused_at_start(model_dirs, caplog):
+    """Every chat was a 400 blaming the client ("the model's chat template refused these messages"), nothing
+    said at start: a template that does not compile stops the start, naming it; one that fails on a plain
+    user message is warned of."""
+    import logging
+
+    from transformers import AutoTokenizer
+
+    backend = FakeBackend()
+    backend.tokenizer = AutoTokenizer.from_pretrained(str(model_dirs("llama")))
+    backend.tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }{% endfor %}"
+    with pytest.raises(ValueError, match="chat template does not compile"):
+        create_app(backend, ServerSettings(web_dir=None))
+    backend.tokenizer.chat_template = "{{ raise_exception('only system messages') }}"
+    with caplog.at_level(logging.WARNING, "localheap.server"):
+        create_app(backend, ServerSettings(web_dir=None))
+    assert "fails on a plain user message" in caplog.text

@@ -16,6 +16,7 @@ from ..governor import MemoryPlan, default_budget, governor_for, plan_for
 from ..governor.budget import request_room
 from ..sessions import SessionStore, slotfiles
 from . import errors
+from .prompts import check_template
 from .middleware import BodiesAreJson, CheckHost, CheckOrigin, LimitBody, RequireApiKey, checks_host
 from .routes import (anthropic, branches, conversations, embeddings, observe, llamacpp, ollama, openai, responses,
                      sessions, tokenize)
@@ -36,6 +37,7 @@ def create_app(backend: Any, settings: Optional[ServerSettings] = None, governor
     (--distributed: the other ranks prune what no saved session holds); `on_close` runs last
     (the other ranks stop following)."""
     settings = settings or ServerSettings()
+    check_template(backend.tokenizer)
     if settings.slot_save_path is not None:
         settings.slot_save_path = slotfiles.prepare_dir(settings.slot_save_path)
     if governor is None:

@@ -4,6 +4,7 @@ document takes a while to tokenize). Knows the tokenizer, never a tensor."""
 from __future__ import annotations
 
 import json
+import logging
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence, Union
@@ -17,6 +18,8 @@ from .schemas import ChatMessage, CompletionRequest
 from .toolformats import Harmony, ToolFormat
 from .tokens import (PIECE_CHARS, check_chars, encode_bounded, encode_plain,
                      leading_specials, release_freed_memory, special_head)
+
+log = logging.getLogger("localheap.server")
 
 _LONG_TEXTS = threading.Lock()
 
@@ -138,6 +141,22 @@ def render(tokenizer: Any, messages: list[dict], add_generation_prompt: bool, **
                                                           add_generation_prompt=add_generation_prompt, **template_args)
     except Exception as e:  # jinja raises its own error types from inside the template
         raise BadRequest(f"the model's chat template refused these messages: {e}", "messages") from e
+
+
+def check_template(tokenizer: Any) -> None:
+    """At start: a chat template that does not compile is refused (ValueError: every chat would fail, each
+    blamed on its client); one that fails on a plain user message is warned of."""
+    if getattr(tokenizer, "chat_template", None) is None and not _has_template(tokenizer):
+        return
+    try:
+        _templating(tokenizer).apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False,
+                                                   add_generation_prompt=True)
+    except Exception as e:   # noqa: BLE001 - jinja's own error types
+        if type(e).__name__ == "TemplateSyntaxError":
+            raise ValueError(f"the model's chat template does not compile: {e} (fix tokenizer_config.json's "
+                             f"chat_template, or serve it for /v1/completions alone by removing it)") from e
+        log.warning("the model's chat template fails on a plain user message (%s: %s): chat requests will be "
+                    "refused with its error; /v1/completions works", type(e).__name__, e)
 
 
 def _templating(tokenizer: Any) -> Any:
