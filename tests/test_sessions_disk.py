@@ -416,3 +416,9 @@ def test_sessions_another_checkpoint_of_the_same_name_saved_are_set_aside(tmp_pa
     assert any(p.name.startswith("index.json.") for p in (tmp_path / "aside").iterdir())
     index = json.loads((tmp_path / "index.json").read_text())
     assert index["model_key"] == "bbbb0002" and index["sessions"] == []
+
+
+def test_a_title_leaves_control_characters_out():
+    from localheap.sessions.session import short_title
+
+    assert short_title("a\x00b\x07c\u200bd\nnext") == "a b c d next"

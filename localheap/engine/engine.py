@@ -635,7 +635,8 @@ class Engine:
         """The rest of _finish, once the turn is saved (True), not saved (why) or not to be (None)."""
         s = run.session
         self.store.disk.ended(s)   # page-out faults reported; --disk-total kept
-        s.refresh()
+        # its heap's figures now its page-outs have landed (a stopped document's were read before: stale)
+        s.refresh(self.backend.stats(s.cache) if s.cache is not None and s.id in self.store else None)
         self.counters.completion_tokens += len(run.completion)
         event = run.finished_event()
         if saved is not None:   # the reply says whether its turn is on disk (README: saved)

@@ -155,8 +155,8 @@ class Session:
 
 
 def short_title(text: str) -> Optional[str]:
-    """A title from a message: whitespace collapsed, at most TITLE_CHARS characters."""
-    text = " ".join(text.split())
+    """A title from a message: control characters left out, whitespace collapsed, at most TITLE_CHARS characters."""
+    text = " ".join("".join(c if c.isprintable() or c.isspace() else " " for c in text).split())
     if not text:
         return None
     return text if len(text) <= TITLE_CHARS else text[:TITLE_CHARS - 1].rstrip() + "\u2026"
