@@ -49,7 +49,8 @@ def test_failed_spill_fails_only_the_request_that_needed_room(tmp_path):
         assert isinstance(b[-1], Finished)
         assert finished(drain(long_q)).usage.completion_tokens == 200
         assert eng.healthy and eng.store.get(a).state == "resident"
-        assert len(eng.store.get(a).fed) == len("first session") + 2 + len("more") + 199
+        # (the first reply's third token, max_tokens cut, sampled and never read: read before "more")
+        assert len(eng.store.get(a).fed) == len("first session") + 3 + len("more") + 199
     finally:
         eng.stop()
 

@@ -785,6 +785,18 @@ def test_a_background_stream_outlives_its_client_and_is_read_again(server, clien
     assert left.status == "completed" and left.output_text == "One two three four."
 
 
+def _running_in_background(client, **kw) -> str:
+    """A background response's id, once its stream has sent text (the stream then left)."""
+    stream = client.responses.create(input="Run a while", background=True, stream=True, **kw)
+    rid = None
+    for event in stream:
+        rid = rid or event.response.id
+        if event.type == "response.output_text.delta":
+            break
+    stream.close()
+    return rid
+
+
 def test_a_background_response_whose_session_is_stopped_ends_cancelled(server, client, force):
     """POST /v1/sessions/{id}/stop on the session a background response runs on ends it "cancelled", with the
     text it had (as its own cancel does), not "failed" as a server stopping would, run again at the restart."""
@@ -792,14 +804,7 @@ def test_a_background_response_whose_session_is_stopped_ends_cancelled(server, c
 
     sid = httpx.post(server.url + "/v1/sessions", json={}, timeout=60).json()["id"]
     force("one two three " * 400)
-    stream = client.responses.create(model=model(server), input="Run a while", background=True, stream=True,
-                                      max_output_tokens=3000, extra_headers={"X-Session-Id": sid})
-    rid = None
-    for event in stream:
-        rid = rid or event.response.id
-        if event.type == "response.output_text.delta":
-            break
-    stream.close()
+    rid = _running_in_background(client, model=model(server), max_output_tokens=3000, extra_headers={"X-Session-Id": sid})
     assert httpx.post(f"{server.url}/v1/sessions/{sid}/stop", timeout=60).json()["stopped"] == 1
     stopped = _ended(client, rid)
     assert stopped.status == "cancelled" and stopped.output_text and stopped.localheap["session_id"] == sid
@@ -843,13 +848,7 @@ def test_a_background_response_is_cancelled_queued_or_running(server, client, fo
     assert client.responses.cancel(queued.id).status == "cancelled"   # again: as it is
 
     force("one two three " * 400)   # (a random model's own reply may end at once)
-    stream = client.responses.create(input="Run a while", background=True, stream=True, **kw)
-    rid = None
-    for event in stream:
-        rid = rid or event.response.id
-        if event.type == "response.output_text.delta":
-            break
-    stream.close()
+    rid = _running_in_background(client, **kw)
     stall = _Stalled(server)
     try:
         running = client.responses.retrieve(rid)

@@ -269,4 +269,5 @@ def continue_session(s: Session, prompt: Prompt, encode: Encode, decode: Decode)
             cont = cont[1:]
     # after the reply's last tokens where max_tokens or a stop cut it once they were sampled (the client
     # has them, the cache not): a chat's end of turn, or a completion's text sent on from where it ended
-    return Match(s, token_array(s.unfed_reply) + token_array(cont if cont is not None else prompt.tokens), len(s.fed))
+    new = (cont if cont is not None else prompt.tokens)[:]
+    return Match(s, token_array(s.unfed_reply) + token_array(new) if s.unfed_reply else new, len(s.fed))
