@@ -165,7 +165,8 @@ def load_backend(spec: Optional[str], backend: str = "auto"):
         return randbig.load_torch_backend(spec[len("random:"):])
     kind = detect_backend(backend)
     preset = presets().get(spec) if spec is not None and not Path(spec).expanduser().exists() else None
-    if preset is not None and kind == "torch":   # (a local directory of that name is itself)   # (before gigabytes are downloaded for nothing)
+    if preset is not None and kind == "torch":   # before gigabytes are downloaded for nothing (a local directory
+                                                 # of an alias's name is that directory)
         raise ModelNotFound(f"{spec} is an MLX-quantized checkpoint ({preset.repo}): it runs on the MLX backend "
                             f"(Apple Silicon, or --backend mlx); on torch pass an unquantized Hugging Face repo id "
                             f"or a local model directory")

@@ -214,8 +214,7 @@ class Run:
             self.gen = None
             self._reconcile()
         if self.finish_reason is None and self.stream is not None and self.job.cancel_reason in LISTENING:
-            self._finish_text(None)   # its client still reads: the text held back (a character's first bytes)
-            self.finish_reason = None
+            self._delta(self.stream.flush()[0], last=True)   # its client still reads: the text held back
         self._publish_stats(force=True)
 
     def _reconcile(self) -> None:

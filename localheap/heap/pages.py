@@ -30,6 +30,7 @@ valid record, it takes its own copy of a layer file that has other links. A fork
 
 from __future__ import annotations
 
+import bisect
 import errno
 import fcntl
 import json
@@ -519,11 +520,13 @@ class PageStore:
         if not bound:
             return
         L = self.layers[layer]
-        sizes = [os.fstat(fd).st_size // self.record_bytes for fd in self._fds]
-        holes = sum(1 for s in L.free if s < sizes[layer])
+        size = os.fstat(self._fds[layer]).st_size // self.record_bytes
+        holes = len(L.free) - bisect.bisect_right(L.free, -size, key=lambda s: -s)   # (free: highest first)
         grow = m - holes
-        over = sum(sizes) + grow - bound // self.record_bytes
-        if grow <= 0 or over <= 0:
+        if grow <= 0:   # its holes take them (the other files' sizes are not read)
+            return
+        over = self.file_bytes // self.record_bytes + grow - bound // self.record_bytes
+        if over <= 0:
             return
         live = np.flatnonzero(L.live)
         for slot in live[np.argsort(L.value[live], kind="stable")][:min(over, grow)]:

@@ -75,13 +75,12 @@ class JobEvents:
         self.following = False           # its consumer reads it (follow): before that, a request's other choices
                                          # may still wait their turn, and its events wait for them, unread
         self.max_backlog = max_backlog
-        self._backlog = 0   # posted, not taken
-        self._lock = threading.Lock()
+        self._posted = 0   # events posted (the engine thread's count) and taken (the loop's): each thread writes
+        self._taken = 0    # its own, so their difference, the backlog, needs no lock
 
     def emit(self, event: Event) -> None:   # engine thread
-        with self._lock:
-            self._backlog += 1
-            behind = self._backlog
+        self._posted += 1
+        behind = self._posted - self._taken
         self._mailbox.post(self.queue, event)
         if behind > self.max_backlog and self.following and self.job is not None and not self.job.cancelled:
             # a client that reads nothing (its socket full) would have the whole reply held here: it is
@@ -91,8 +90,7 @@ class JobEvents:
 
     async def get(self) -> Event:
         event = await self.queue.get()
-        with self._lock:
-            self._backlog -= 1
+        self._taken += 1
         return event
 
 

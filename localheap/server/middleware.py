@@ -140,8 +140,8 @@ class CheckOrigin:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         held = scope["type"] == "http" and scope["method"] == "GET" and scope["path"] in HELD_GETS
+        headers = dict(scope.get("headers") or ())
         if held:
-            headers = dict(scope["headers"])
             # a page of another site opening the stream (no CORS needed to start a GET: it cannot read it,
             # but it held one of the few observer slots, the web UI's refused): its Origin, where sent,
             # is checked as below; a browser's no-cors GET sends none, only Sec-Fetch-Site
@@ -151,7 +151,6 @@ class CheckOrigin:
                 await for_path(scope["path"], to_response(error))(scope, receive, send)
                 return
         if scope["type"] == "http" and (scope["method"] not in SAFE_METHODS or held):
-            headers = dict(scope["headers"])
             origin = headers.get(b"origin")
             if origin is not None:
                 origin_s = origin.decode("latin-1")

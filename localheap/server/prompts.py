@@ -244,7 +244,8 @@ def chat_prompt(tokenizer: Any, messages: list[ChatMessage], add_generation_prom
             tokenizer, plain, add_generation_prompt, lambda ms: _with_tools(ms, opts), **args))
         anew = _continuations(tokenizer, text, tokens, limit,
                               render_continuation(tokenizer, msgs, add_generation_prompt, **args))
-        return Prompt(tokens, text, *held, tools_text=opts.fmt.listing(opts.tools), tools_anew=anew)
+        listing = encode_plain(tokenizer, opts.fmt.listing(opts.tools))
+        return Prompt(tokens, text, *held, tools_ids=listing[2:-2] or listing, tools_anew=anew)
     return Prompt(tokens, text, *_continuations(tokenizer, text, tokens, limit,
                                                 render_continuation(tokenizer, msgs, add_generation_prompt, **args)))
 

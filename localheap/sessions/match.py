@@ -52,9 +52,11 @@ class Prompt:
     continuation: Optional[Sequence[int]] = None
     after_reply: Optional[Sequence[int]] = None
     # tools a template cannot render, written as text into the system message: the two continuations
-    # above take a session that holds `tools_text` (its first turn's); `tools_anew` (continuation,
-    # after_reply) writes them into the new messages, for one that does not (tools sent first now, or changed)
-    tools_text: Optional[str] = None
+    # above take a session that holds `tools_ids` (its first turn's listing, as ids: a run of them, its
+    # edges left out, which the listing's place in a message cannot tokenize otherwise); `tools_anew`
+    # (continuation, after_reply) writes them into the new messages, for one that does not (tools sent
+    # first now, or changed)
+    tools_ids: Optional[Sequence[int]] = None
     tools_anew: Optional[tuple] = None
 
 
@@ -82,6 +84,19 @@ def _ids(seq) -> np.ndarray:
     if hasattr(seq, "typecode"):   # array.array: read in place (a 1M-token history is not copied)
         return np.frombuffer(seq, dtype=np.dtype(seq.typecode)) if len(seq) else np.zeros(0, np.int32)
     return np.asarray(seq, dtype=np.int64)
+
+
+def holds(fed: np.ndarray, run: Sequence[int]) -> bool:
+    """Whether `run` occurs in `fed`, searched in ids (a long session's text is not decoded on the engine
+    thread): the places its first id is at, narrowed an id at a time."""
+    if not len(run) or len(run) > len(fed):
+        return not len(run)
+    at = np.flatnonzero(fed[:len(fed) - len(run) + 1] == run[0])
+    for k in range(1, len(run)):
+        if not at.size:
+            return False
+        at = at[fed[at + k] == run[k]]
+    return bool(at.size)
 
 
 def _text_prefix(s: Session, prompt: Prompt, decode: Decode) -> Optional[str]:
@@ -259,7 +274,7 @@ def continue_session(s: Session, prompt: Prompt, encode: Encode, decode: Decode)
     if rest is not None and (new := encode(rest)):
         return Match(s, new, len(s.fed))
     cont, after = prompt.continuation, prompt.after_reply
-    if prompt.tools_text is not None and prompt.tools_text not in s.text(decode):
+    if prompt.tools_ids is not None and not holds(_ids(s.fed), prompt.tools_ids):
         cont, after = prompt.tools_anew
     if after is not None and s.ends_in_reply:
         # it ends in a reply: that turn closed first (the web UI's, chat's next turn); where the reply's end of

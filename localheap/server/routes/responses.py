@@ -250,7 +250,7 @@ def _replay(p: _Planned, who: Optional[str], records: list[dict]) -> Optional[Ru
 
         anew = p.prompt.tools_anew
         p.prompt = Prompt(_then(p.prompt.tokens, reply), None, *then((p.prompt.continuation, p.prompt.after_reply)),
-                          tools_text=p.prompt.tools_text, tools_anew=None if anew is None else then(anew))
+                          tools_ids=p.prompt.tools_ids, tools_anew=None if anew is None else then(anew))
         p.params.max_tokens = max(0, p.params.max_tokens - len(reply))
         p.begun = len(reply)
     return run
