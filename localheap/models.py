@@ -189,9 +189,27 @@ def load_backend(spec: Optional[str], backend: str = "auto"):
         raise
     except Exception as e:   # a broken directory: one line that names it, never a traceback
         detail = (str(e).strip().splitlines() or [""])[0][:300]
-        raise ModelNotFound(f"cannot load the model in {path}: {type(e).__name__}: {detail}") from e
+        raise ModelNotFound(f"cannot load the model in {path}{_what_is_broken(path)}: {type(e).__name__}: "
+                            f"{detail}") from e
     backend_.model_key = model_fingerprint(path)
     return backend_
+
+
+def _what_is_broken(path: Path) -> str:
+    """The files of a directory that failed to load which are plainly broken (JSON that does not parse, no
+    tokenizer), named for the error line ("" where none is)."""
+    import json
+
+    path = Path(path)
+    bad = []
+    for f in sorted(path.glob("*.json")):
+        try:
+            json.loads(f.read_text())
+        except (OSError, ValueError):
+            bad.append(f"{f.name} is not valid JSON")
+    if not any((path / name).exists() for name in ("tokenizer.json", "tokenizer.model", "vocab.json", "tiktoken.model")):
+        bad.append("it has no tokenizer file (tokenizer.json)")
+    return f" ({'; '.join(bad)})" if bad else ""
 
 
 def mlx_quantized(path: Path) -> bool:

@@ -128,6 +128,8 @@ def test_a_broken_model_directory_is_one_line_that_names_it(model_dirs, tmp_path
     assert "\n" not in str(e.value)
     if damage == "missing_layers":
         assert "lacks" in str(e.value)
+    if damage == "bad_config":   # (the file named: the parser's own words say only where in some file)
+        assert "config.json is not valid JSON" in str(e.value)
 
 
 def test_a_checkpoints_fingerprint_follows_its_weights_not_its_place(model_dirs, tmp_path):
